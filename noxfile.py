@@ -1,0 +1,96 @@
+"""Merak's task runner: tests, the per-package matrix, lint, types, the demo, benchmarks.
+
+``nox`` with no arguments runs what CI runs (lint, typecheck, tests, and each
+library package tested alone). Every session installs torch through
+``constraints.txt`` (``torch==2.13.0``, a CPU build on these machines: an
+unpinned ``torch`` pulls a multi-GB CUDA build). Environments are reused
+between runs; ``nox --reuse-venv=no`` rebuilds them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))
+TEST_DEPS = ("pytest>=8", "hypothesis>=6.100")
+LIBRARIES = ("pipe", "graph", "tp")
+ALL_PACKAGES = ("packages/merak-pipe", "packages/merak-graph", "packages/merak-tp", "packages/merak-core")
+# One thread per process: many ranks share 2 cores (see DEVELOPERS / README).
+ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
+
+nox.options.reuse_venv = "yes"
+nox.options.sessions = ["lint", "typecheck", "tests", "package"]
+nox.options.error_on_missing_interpreters = True
+
+
+def _install_all(session: nox.Session, *extra: str) -> None:
+    editable = [arg for pkg in ALL_PACKAGES for arg in ("-e", pkg)]
+    session.install(*CONSTRAINTS, *editable, *extra)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The full test suite over all four packages (what CI runs)."""
+    _install_all(session, *TEST_DEPS)
+    session.run("pytest", "tests", *session.posargs, env=ENV)
+
+
+@nox.session
+@nox.parametrize("library", LIBRARIES)
+def package(session: nox.Session, library: str) -> None:
+    """One library installed alone, with only its declared dependencies; its own tests."""
+    session.install(*CONSTRAINTS, f"packages/merak-{library}", *TEST_DEPS)
+    # A reused environment must test the current source, whatever its version says.
+    session.install(*CONSTRAINTS, "--force-reinstall", "--no-deps", f"packages/merak-{library}")
+    others = [f"merak_{name}" for name in (*LIBRARIES, "core") if name != library]
+    session.run(
+        "python", "-c",
+        "import importlib.util, sys; present = [m for m in sys.argv[1:] if importlib.util.find_spec(m)]; "
+        "sys.exit(f'other Merak packages are installed: {present}' if present else 0)",
+        *others,
+    )
+    # Import the installed copy, not the source tree, and only this package's tests.
+    session.run("pytest", f"tests/{library}", "tests/support_tests", "tests/test_boundaries.py",
+                "-p", "no:cacheprovider", *session.posargs, env=ENV)
+
+
+@nox.session
+def transformers(session: nox.Session) -> None:
+    """Tests against tiny, randomly initialised transformers models (no downloads)."""
+    _install_all(session, *TEST_DEPS, "transformers>=5", "safetensors")
+    session.run("pytest", "tests", "-m", "transformers", *session.posargs,
+                env={**ENV, "HF_HUB_OFFLINE": "1"})
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff over packages, tests, benchmarks and examples."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", "packages", "tests", "benchmarks", "examples", "noxfile.py")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy over the package sources."""
+    _install_all(session, "mypy>=1.10", "types-PyYAML")
+    session.run("mypy", *(f"{pkg}/src" for pkg in ALL_PACKAGES))
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job: a real 3D-parallel training run on CPU (8 gloo ranks, dp=2 tp=2 pp=2)."""
+    _install_all(session)
+    session.run("python", "examples/main_job.py", *session.posargs, env=ENV)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Benchmarks under benchmarks/ (ratios measured in one run; results printed)."""
+    _install_all(session, "numpy")
+    names = session.posargs or sorted(p.name for p in (ROOT / "benchmarks").glob("bench_*.py"))
+    for name in names:
+        session.run("python", os.path.join("benchmarks", name), env=ENV)
