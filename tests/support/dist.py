@@ -142,6 +142,7 @@ class WorkerPool:
                 try:
                     replies[rank] = conn.recv()  # type: ignore[union-attr]
                 except EOFError:
+                    self._procs[rank].join(timeout=2.0)  # let the exit code settle
                     code = self._procs[rank].exitcode
                     replies[rank] = ("err", f"rank {rank} died (exit code {code})")
                 if replies[rank][0] == "err":
