@@ -1,0 +1,39 @@
+"""The one place where merak-core touches torch APIs that moved between versions.
+
+Everything here is a thin shim with a public-API fallback; no other module of
+merak-core imports private torch names or branches on the torch version.
+"""
+
+from __future__ import annotations
+
+import inspect
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+_BROADCAST_HAS_GROUP_SRC = "group_src" in inspect.signature(dist.broadcast).parameters
+
+
+def group_to_global_rank(group: ProcessGroup, group_rank: int) -> int:
+    """The default-group rank of rank ``group_rank`` of ``group``."""
+    return dist.get_global_rank(group, group_rank)
+
+
+def broadcast_from_group_rank(
+    tensor: torch.Tensor, group_src: int, group: ProcessGroup, *, async_op: bool
+) -> dist.Work | None:
+    """``dist.broadcast`` with the source given as a rank of ``group`` (any torch >= 2.4)."""
+    if _BROADCAST_HAS_GROUP_SRC:
+        return dist.broadcast(tensor, group=group, group_src=group_src, async_op=async_op)
+    return dist.broadcast(tensor, src=group_to_global_rank(group, group_src), group=group, async_op=async_op)
+
+
+def new_group(ranks: list[int], timeout: timedelta, backend: str | None) -> ProcessGroup:
+    """``dist.new_group`` over ``ranks`` with an explicit timeout (collective over every rank)."""
+    group = dist.new_group(ranks=ranks, timeout=timeout, backend=backend)
+    if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
+        # Ranks outside ``ranks`` get a sentinel back; callers only keep their own groups.
+        return dist.GroupMember.NON_GROUP_MEMBER  # type: ignore[return-value]
+    return group

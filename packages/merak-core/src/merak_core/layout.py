@@ -1,0 +1,333 @@
+"""The parallel layout: dp/tp/pp degrees, this rank's coordinates, the device mesh and groups.
+
+One :class:`ParallelLayout` is built once per job (by :func:`init` from torchrun's
+environment, or by :meth:`ParallelLayout.build` when the default process group
+already exists) and then passed explicitly to everything that communicates; there
+is no module-level parallel state.
+
+[Note: rank order] Global ranks are laid out on a 3-D mesh of shape
+``(pp, dp, tp)`` in C order: TP is the fastest-varying axis (ranks ``r`` and
+``r + 1`` are TP peers, so a TP group sits on one node / NVLink island), PP the
+outermost::
+
+    rank = (pp_rank * dp + dp_rank) * tp + tp_rank
+
+The process groups are created with ``dist.new_group`` (every rank creates every
+group, in the same order, each with an explicit timeout) and wrapped into a
+``torch.distributed.device_mesh.DeviceMesh`` with axes named ``"pp"``, ``"dp"``,
+``"tp"``, so DTensor-based code can use ``layout.mesh["tp"]``.
+
+Not done here: placing models, building pipelines, or choosing degrees (the
+planner does that); the layout only validates and describes them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+
+from merak_core import _compat
+
+logger = logging.getLogger(__name__)
+
+MESH_AXES: tuple[str, str, str] = ("pp", "dp", "tp")
+"""Names of the device-mesh axes, outermost first."""
+
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+
+def resolve_degrees(world_size: int, dp: int | None = None, tp: int = 1, pp: int = 1) -> tuple[int, int, int]:
+    """Validate ``dp*tp*pp == world_size`` (inferring ``dp`` when it is None); return ``(dp, tp, pp)``.
+
+    A pure function: no process group is touched, so a bad layout fails before any collective.
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"WORLD_SIZE must be a positive integer, got {world_size!r}")
+    for name, value in (("tp", tp), ("pp", pp)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}; pass e.g. {name}=1")
+    if dp is None:
+        if world_size % (tp * pp):
+            raise ValueError(
+                f"tp*pp={tp}*{pp}={tp * pp} does not divide WORLD_SIZE={world_size}, so dp cannot be "
+                f"inferred: choose tp and pp whose product divides {world_size}"
+            )
+        dp = world_size // (tp * pp)
+    elif isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+        raise ValueError(f"dp must be a positive integer or None (inferred), got {dp!r}")
+    if dp * tp * pp != world_size:
+        raise ValueError(
+            f"dp*tp*pp must equal WORLD_SIZE={world_size} (got {dp}*{tp}*{pp}={dp * tp * pp}): "
+            f"change the degrees, pass dp=None to infer it, or launch {dp * tp * pp} processes"
+        )
+    return dp, tp, pp
+
+
+def rank_of(pp_rank: int, dp_rank: int, tp_rank: int, *, dp: int, tp: int) -> int:
+    """Global rank at mesh coordinates ``(pp_rank, dp_rank, tp_rank)`` (see [Note: rank order])."""
+    return (pp_rank * dp + dp_rank) * tp + tp_rank
+
+
+def coords_of(rank: int, *, dp: int, tp: int) -> tuple[int, int, int]:
+    """Mesh coordinates ``(pp_rank, dp_rank, tp_rank)`` of global ``rank`` (see [Note: rank order])."""
+    tp_rank = rank % tp
+    dp_rank = (rank // tp) % dp
+    pp_rank = rank // (tp * dp)
+    return pp_rank, dp_rank, tp_rank
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class ParallelLayout:
+    """Degrees, this rank's coordinates, the device mesh and the DP/TP/PP process groups."""
+
+    dp: int
+    """Data-parallel degree (replicas)."""
+    tp: int
+    """Tensor-parallel degree (ranks that shard one layer)."""
+    pp: int
+    """Pipeline-parallel degree (stages)."""
+    rank: int
+    """This process's rank in the default process group."""
+    world_size: int
+    """Number of processes; always ``dp * tp * pp``."""
+    device: torch.device
+    """The device this rank computes on (``cuda:LOCAL_RANK`` or ``cpu``)."""
+    mesh: DeviceMesh = field(repr=False)
+    """3-D device mesh with axes ``("pp", "dp", "tp")``."""
+    dp_group: ProcessGroup = field(repr=False)
+    """This rank's data-parallel group (same pp and tp coordinates)."""
+    tp_group: ProcessGroup = field(repr=False)
+    """This rank's tensor-parallel group (same pp and dp coordinates)."""
+    pp_group: ProcessGroup = field(repr=False)
+    """This rank's pipeline group (same dp and tp coordinates), ordered by stage."""
+    timeout: timedelta = DEFAULT_TIMEOUT
+    """Timeout of every group this layout created."""
+
+    # ------------------------------------------------------------------ coordinates
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's pipeline stage index."""
+        return coords_of(self.rank, dp=self.dp, tp=self.tp)[0]
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index in its DP group."""
+        return coords_of(self.rank, dp=self.dp, tp=self.tp)[1]
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's index in its TP group."""
+        return coords_of(self.rank, dp=self.dp, tp=self.tp)[2]
+
+    @property
+    def is_first_stage(self) -> bool:
+        """True on pipeline stage 0 (the ranks that read inputs)."""
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        """True on the last pipeline stage (the ranks that read labels and compute the loss)."""
+        return self.pp_rank == self.pp - 1
+
+    def rank_of(self, *, pp: int, dp: int, tp: int) -> int:
+        """Global rank at mesh coordinates (pp, dp, tp)."""
+        for name, value, size in (("pp", pp, self.pp), ("dp", dp, self.dp), ("tp", tp, self.tp)):
+            if not 0 <= value < size:
+                raise ValueError(f"{name} coordinate {value} is outside [0, {size}) for layout {self}")
+        return rank_of(pp, dp, tp, dp=self.dp, tp=self.tp)
+
+    def coords_of(self, rank: int) -> tuple[int, int, int]:
+        """Mesh coordinates ``(pp, dp, tp)`` of global ``rank``."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside [0, {self.world_size})")
+        return coords_of(rank, dp=self.dp, tp=self.tp)
+
+    def stage_rank(self, stage: int) -> int:
+        """Global rank of pipeline stage ``stage`` in this rank's pipeline (same dp, tp)."""
+        return self.rank_of(pp=stage, dp=self.dp_rank, tp=self.tp_rank)
+
+    @property
+    def dp_ranks(self) -> list[int]:
+        """Global ranks of this rank's DP group, in group-rank order."""
+        return [self.rank_of(pp=self.pp_rank, dp=d, tp=self.tp_rank) for d in range(self.dp)]
+
+    @property
+    def tp_ranks(self) -> list[int]:
+        """Global ranks of this rank's TP group, in group-rank order."""
+        return [self.rank_of(pp=self.pp_rank, dp=self.dp_rank, tp=t) for t in range(self.tp)]
+
+    @property
+    def pp_ranks(self) -> list[int]:
+        """Global ranks of this rank's pipeline, stage 0 first."""
+        return [self.stage_rank(s) for s in range(self.pp)]
+
+    def describe(self) -> str:
+        """One line for logs: degrees and this rank's coordinates."""
+        return (
+            f"rank {self.rank}/{self.world_size} dp={self.dp} tp={self.tp} pp={self.pp} "
+            f"(pp_rank={self.pp_rank}, dp_rank={self.dp_rank}, tp_rank={self.tp_rank}) on {self.device}"
+        )
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def build(
+        cls,
+        dp: int | None = None,
+        tp: int = 1,
+        pp: int = 1,
+        *,
+        device: torch.device | str | None = None,
+        timeout: timedelta = DEFAULT_TIMEOUT,
+    ) -> ParallelLayout:
+        """Build the layout over an already initialised default process group.
+
+        Collective: every rank must call it with the same degrees. Degrees are
+        validated against the world size before any group is created.
+        """
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "ParallelLayout.build needs an initialised default process group: call "
+                "merak_core.init(...) instead, or torch.distributed.init_process_group first"
+            )
+        world_size = dist.get_world_size()
+        dp, tp, pp = resolve_degrees(world_size, dp, tp, pp)
+        rank = dist.get_rank()
+        dev = _resolve_device(device)
+        backend = dist.get_backend()
+        grid = torch.arange(world_size, dtype=torch.int).reshape(pp, dp, tp)
+        mine = coords_of(rank, dp=dp, tp=tp)
+        # Every rank creates every group in the same order (new_group is collective).
+        groups: dict[str, ProcessGroup] = {}
+        for axis_index, axis in enumerate(MESH_AXES):
+            moved = grid.movedim(axis_index, -1).reshape(-1, grid.shape[axis_index])
+            for ranks_t in moved:
+                ranks = [int(r) for r in ranks_t]
+                group = _compat.new_group(ranks, timeout, backend)
+                if rank in ranks:
+                    groups[axis] = group
+        mesh = DeviceMesh.from_group(
+            [groups["pp"], groups["dp"], groups["tp"]], dev.type, mesh=grid, mesh_dim_names=MESH_AXES
+        )
+        layout = cls(
+            dp=dp, tp=tp, pp=pp, rank=rank, world_size=world_size, device=dev, mesh=mesh,
+            dp_group=groups["dp"], tp_group=groups["tp"], pp_group=groups["pp"], timeout=timeout,
+        )
+        assert (layout.pp_rank, layout.dp_rank, layout.tp_rank) == mine
+        logger.info("parallel layout: %s", layout.describe())
+        return layout
+
+    @classmethod
+    def from_groups(
+        cls,
+        *,
+        dp_group: ProcessGroup,
+        tp_group: ProcessGroup,
+        pp_group: ProcessGroup,
+        device: torch.device | str | None = None,
+        timeout: timedelta = DEFAULT_TIMEOUT,
+    ) -> ParallelLayout:
+        """Wrap groups someone else created; checks they follow [Note: rank order]."""
+        dp, tp, pp = (dist.get_world_size(g) for g in (dp_group, tp_group, pp_group))
+        world_size = dist.get_world_size()
+        resolve_degrees(world_size, dp, tp, pp)
+        rank = dist.get_rank()
+        pp_rank, dp_rank, tp_rank = coords_of(rank, dp=dp, tp=tp)
+        expected = {
+            "dp": [rank_of(pp_rank, d, tp_rank, dp=dp, tp=tp) for d in range(dp)],
+            "tp": [rank_of(pp_rank, dp_rank, t, dp=dp, tp=tp) for t in range(tp)],
+            "pp": [rank_of(s, dp_rank, tp_rank, dp=dp, tp=tp) for s in range(pp)],
+        }
+        for axis, group in (("dp", dp_group), ("tp", tp_group), ("pp", pp_group)):
+            got = dist.get_process_group_ranks(group)
+            if got != expected[axis]:
+                raise ValueError(
+                    f"{axis}_group of rank {rank} holds ranks {got}, but the (pp, dp, tp) layout with "
+                    f"dp={dp} tp={tp} pp={pp} expects {expected[axis]}: build the groups with "
+                    "ParallelLayout.build or follow rank = (pp_rank*dp + dp_rank)*tp + tp_rank"
+                )
+        dev = _resolve_device(device)
+        grid = torch.arange(world_size, dtype=torch.int).reshape(pp, dp, tp)
+        mesh = DeviceMesh.from_group([pp_group, dp_group, tp_group], dev.type, mesh=grid, mesh_dim_names=MESH_AXES)
+        return cls(
+            dp=dp, tp=tp, pp=pp, rank=rank, world_size=world_size, device=dev, mesh=mesh,
+            dp_group=dp_group, tp_group=tp_group, pp_group=pp_group, timeout=timeout,
+        )
+
+
+def _resolve_device(device: torch.device | str | None) -> torch.device:
+    if device is None:
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def _env_int(name: str, default: int | None) -> int | None:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not an integer; launch with torchrun") from None
+
+
+def init(
+    dp: int | None = None,
+    tp: int = 1,
+    pp: int = 1,
+    *,
+    backend: str | None = None,
+    device: torch.device | str | None = None,
+    timeout: timedelta = DEFAULT_TIMEOUT,
+) -> ParallelLayout:
+    """Initialise distributed training and return the :class:`ParallelLayout`.
+
+    Reads torchrun's ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` (a plain
+    ``python script.py`` is one rank), validates ``dp*tp*pp == WORLD_SIZE``
+    (``dp=None`` infers it) before any collective, initialises the default
+    process group if nobody did (``nccl`` for a CUDA device, ``gloo`` otherwise;
+    ``device=None`` means CUDA when available), then builds every group with
+    ``timeout``.
+    """
+    if dist.is_initialized():
+        resolve_degrees(dist.get_world_size(), dp, tp, pp)
+        return ParallelLayout.build(dp, tp, pp, device=device, timeout=timeout)
+    world_size = _env_int("WORLD_SIZE", 1)
+    rank = _env_int("RANK", 0)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    assert world_size is not None and rank is not None and local_rank is not None
+    resolve_degrees(world_size, dp, tp, pp)
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device!r} was requested but CUDA is not available: pass device='cpu'")
+        dev = torch.device("cuda", local_rank if dev.index is None else dev.index)
+        torch.cuda.set_device(dev)
+    if backend is None:
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+    if world_size == 1 and "MASTER_ADDR" not in os.environ:
+        # A plain single-process run: no launcher, no rendezvous needed.
+        store = dist.HashStore()
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+    else:
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+    logger.info("initialised %s process group: rank %d of %d", backend, rank, world_size)
+    return ParallelLayout.build(dp, tp, pp, device=dev, timeout=timeout)
+
+
+__all__ = ["MESH_AXES", "ParallelLayout", "coords_of", "init", "rank_of", "resolve_degrees"]
