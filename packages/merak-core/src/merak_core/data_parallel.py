@@ -1,0 +1,323 @@
+"""Data-parallel gradient synchronisation: bucketed all-reduce overlapped with backward.
+
+:class:`DataParallelGradSync` averages the gradients of a set of parameters over
+a DP process group. Parameters are packed, in reverse registration order (the
+usual order in which backward produces their gradients), into buckets of about
+``bucket_size_bytes``. During the backward of the *last* microbatch (the caller
+arms it with :meth:`~DataParallelGradSync.prepare_last_microbatch` or the
+:meth:`~DataParallelGradSync.sync_on_this_backward` context), a
+post-accumulate-grad hook copies each final gradient into its bucket; when a
+bucket is full it launches an asynchronous all-reduce, so communication runs
+while autograd computes the remaining gradients. :meth:`~DataParallelGradSync.finish`
+launches what is left, waits, divides by the DP size (gloo has no
+``PREMUL_SUM``/``AVG``, so we divide ourselves) and writes the averages back
+into ``param.grad``.
+
+[Note: bucket launch order] Collectives on one group must be issued in the same
+order on every rank. Gradients may become ready in a different order on different
+ranks (data-dependent control flow, unused parameters), so a ready bucket is only
+launched once every bucket with a smaller index has been launched (as torch DDP
+does); buckets whose parameters never receive a gradient in this backward are
+launched by ``finish``. The order is therefore the bucket index order on every rank.
+
+[Note: missing gradients] A parameter with no gradient on some rank contributes
+zeros; after ``finish`` every synchronised parameter has a gradient (zero when no
+rank produced one), so every DP replica applies the same optimizer update.
+
+Not done here: the sync of parameters shared across pipeline stages (tied
+embeddings; that is a PP-group all-reduce the trainer composes), and sharding of
+gradients (ZeRO-2).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BUCKET_SIZE_BYTES = 25 * 1024 * 1024
+
+
+@dataclass(eq=False)
+class _Bucket:
+    index: int
+    params: list[nn.Parameter]
+    offsets: list[int]
+    numel: int
+    dtype: torch.dtype
+    device: torch.device
+    buffer: torch.Tensor | None = None
+    pending: int = 0
+    launched: bool = False
+    work: dist.Work | None = None
+    ready: list[bool] = field(default_factory=list)
+
+
+class DataParallelGradSync:
+    """Average gradients over a DP group in buckets, overlapped with the last backward.
+
+    Args:
+        params: the parameters to synchronise, or a module (its parameters that
+            require grad, deduplicated; names are used in error messages).
+        group: the DP process group (``layout.dp_group``); ``None`` means the default group.
+        bucket_size_bytes: target bytes per bucket (in the reduction dtype). A parameter
+            larger than this gets a bucket of its own.
+        reduce_dtype: dtype of the communication buffers (e.g. ``torch.float32`` for
+            bf16 gradients); default: each parameter's dtype.
+        average: divide the sum by the DP size (the default); ``False`` keeps the sum.
+
+    Usage with gradient accumulation (``num_microbatches`` backwards per step)::
+
+        sync = DataParallelGradSync(model, layout.dp_group)
+        for i, batch in enumerate(microbatches):
+            loss = loss_fn(model(batch.inputs), batch.labels) / num_microbatches
+            if i < num_microbatches - 1:
+                loss.backward()              # no communication
+            else:
+                with sync.sync_on_this_backward():
+                    loss.backward()          # buckets all-reduced while backward runs
+        optimizer.step()
+
+    ``sync.sync()`` is the blocking, non-overlapped variant (after every backward).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[nn.Parameter] | nn.Module,
+        group: ProcessGroup | None = None,
+        *,
+        bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES,
+        reduce_dtype: torch.dtype | None = None,
+        average: bool = True,
+    ) -> None:
+        if isinstance(bucket_size_bytes, bool) or not isinstance(bucket_size_bytes, int) or bucket_size_bytes < 1:
+            raise ValueError(
+                f"bucket_size_bytes must be a positive integer, got {bucket_size_bytes!r}; "
+                f"the default is {DEFAULT_BUCKET_SIZE_BYTES} (25 MiB)"
+            )
+        if reduce_dtype is not None and not reduce_dtype.is_floating_point:
+            raise ValueError(f"reduce_dtype must be a floating dtype, got {reduce_dtype}")
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.bucket_size_bytes = bucket_size_bytes
+        self.reduce_dtype = reduce_dtype
+        self.average = average
+        named = _named_params(params)
+        if not named:
+            raise ValueError("DataParallelGradSync got no parameters that require grad")
+        self._names = {id(p): name for name, p in named}
+        self._params = [p for _, p in named]
+        self.buckets = self._build_buckets()
+        self._where: dict[int, tuple[int, int]] = {}
+        for bucket in self.buckets:
+            for slot, p in enumerate(bucket.params):
+                self._where[id(p)] = (bucket.index, slot)
+        self._armed = False
+        self._next_bucket = 0
+        self.buckets_launched_in_backward = 0
+        """How many buckets the last armed backward launched from its hooks (before ``finish``)."""
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params]
+        logger.debug(
+            "DP grad sync over %d ranks: %d params in %d buckets of <= %d bytes",
+            self.world_size, len(self._params), len(self.buckets), bucket_size_bytes,
+        )
+
+    # ------------------------------------------------------------------ set-up
+
+    def _build_buckets(self) -> list[_Bucket]:
+        buckets: list[_Bucket] = []
+        open_by_key: dict[tuple[torch.dtype, torch.device], _Bucket] = {}
+        for p in reversed(self._params):  # backward produces late layers' grads first
+            dtype = self.reduce_dtype or p.dtype
+            key = (dtype, p.device)
+            nbytes = p.numel() * torch.empty((), dtype=dtype).element_size()
+            bucket = open_by_key.get(key)
+            elem = torch.empty((), dtype=dtype).element_size()
+            if bucket is not None and bucket.numel * elem + nbytes > self.bucket_size_bytes:
+                bucket = None
+            if bucket is None:
+                bucket = _Bucket(index=len(buckets), params=[], offsets=[], numel=0, dtype=dtype, device=p.device)
+                buckets.append(bucket)
+                open_by_key[key] = bucket
+            bucket.params.append(p)
+            bucket.offsets.append(bucket.numel)
+            bucket.numel += p.numel()
+        for bucket in buckets:
+            bucket.ready = [False] * len(bucket.params)
+        return buckets
+
+    def bucket_names(self) -> list[list[str]]:
+        """Parameter names per bucket, in launch order (for logs and tests)."""
+        return [[self._names[id(p)] for p in b.params] for b in self.buckets]
+
+    def remove_hooks(self) -> None:
+        """Detach the gradient hooks (the object is unusable afterwards)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    # ------------------------------------------------------------------ arming
+
+    @property
+    def armed(self) -> bool:
+        """True between :meth:`prepare_last_microbatch` and :meth:`finish`."""
+        return self._armed
+
+    def prepare_last_microbatch(self) -> None:
+        """Arm the hooks: the next backward's final gradients are all-reduced as they appear."""
+        if self._armed:
+            raise RuntimeError("prepare_last_microbatch() called twice without finish() in between")
+        if not self._handles:
+            raise RuntimeError("this DataParallelGradSync's hooks were removed")
+        self._armed = True
+        self._next_bucket = 0
+        self.buckets_launched_in_backward = 0
+        for bucket in self.buckets:
+            bucket.pending = len(bucket.params)
+            bucket.launched = False
+            bucket.work = None
+            bucket.ready = [False] * len(bucket.params)
+
+    @contextlib.contextmanager
+    def sync_on_this_backward(self) -> Iterator[None]:
+        """Context for the last microbatch's backward: arm before, :meth:`finish` after."""
+        self.prepare_last_microbatch()
+        try:
+            yield
+        except BaseException:
+            self._abort()
+            raise
+        self.finish()
+
+    def sync(self) -> None:
+        """Blocking, non-overlapped: all-reduce every bucket now (after the last backward)."""
+        self.prepare_last_microbatch()
+        self.finish()
+
+    # ------------------------------------------------------------------ hooks and comm
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        if not self._armed:
+            return
+        bucket_index, slot = self._where[id(param)]
+        bucket = self.buckets[bucket_index]
+        if bucket.ready[slot]:
+            raise RuntimeError(
+                f"parameter {self._names[id(param)]!r} received a second gradient during the synchronised "
+                "backward (its bucket may already be in flight): run exactly one backward between "
+                "prepare_last_microbatch() and finish(), or use sync() after all backwards"
+            )
+        self._fill(bucket, slot)
+        before = self._next_bucket
+        self._launch_ready_in_order()
+        self.buckets_launched_in_backward += self._next_bucket - before
+
+    def _fill(self, bucket: _Bucket, slot: int) -> None:
+        bucket.ready[slot] = True
+        bucket.pending -= 1
+        if self.world_size == 1:
+            return
+        if bucket.buffer is None:
+            bucket.buffer = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)
+        p = bucket.params[slot]
+        view = bucket.buffer.narrow(0, bucket.offsets[slot], p.numel())
+        if p.grad is None:
+            view.zero_()  # [Note: missing gradients]
+        else:
+            view.copy_(p.grad.reshape(-1))
+
+    def _launch_ready_in_order(self) -> None:
+        # [Note: bucket launch order]
+        while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].pending == 0:
+            self._launch(self.buckets[self._next_bucket])
+            self._next_bucket += 1
+
+    def _launch(self, bucket: _Bucket) -> None:
+        bucket.launched = True
+        if self.world_size == 1:
+            return
+        assert bucket.buffer is not None
+        bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+
+    def finish(self) -> None:
+        """Launch the buckets still waiting, wait for all, and write averaged grads back.
+
+        Parameters whose hook did not fire in the armed backward contribute the
+        gradient they hold (from earlier microbatches) or zeros.
+        """
+        if not self._armed:
+            raise RuntimeError("finish() without prepare_last_microbatch(): nothing is being synchronised")
+        try:
+            for bucket in self.buckets:
+                for slot in range(len(bucket.params)):
+                    if not bucket.ready[slot]:
+                        self._fill(bucket, slot)
+            self._launch_ready_in_order()
+            assert self._next_bucket == len(self.buckets)
+            for bucket in self.buckets:
+                self._write_back(bucket)
+        finally:
+            self._armed = False
+
+    def _write_back(self, bucket: _Bucket) -> None:
+        if self.world_size == 1:
+            for p in bucket.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            return
+        assert bucket.work is not None and bucket.buffer is not None
+        bucket.work.wait()
+        bucket.work = None
+        if self.average:
+            bucket.buffer.div_(self.world_size)
+        for p, offset in zip(bucket.params, bucket.offsets, strict=True):
+            view = bucket.buffer.narrow(0, offset, p.numel()).view_as(p)
+            if p.grad is None:
+                p.grad = view.to(p.dtype, copy=True)
+            else:
+                p.grad.copy_(view)
+
+    def _abort(self) -> None:
+        """After a failed backward: wait for launched work so no collective is left dangling."""
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                with contextlib.suppress(Exception):
+                    bucket.work.wait()
+                bucket.work = None
+        self._armed = False
+
+
+def _named_params(params: Iterable[nn.Parameter] | nn.Module) -> list[tuple[str, nn.Parameter]]:
+    if isinstance(params, nn.Module):
+        candidates = list(params.named_parameters())  # deduplicates tied parameters
+    else:
+        candidates = [(f"params[{i}]", p) for i, p in enumerate(params)]
+    seen: set[int] = set()
+    out = []
+    for name, p in candidates:
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        out.append((name, p))
+    return out
+
+
+def allreduce_gradients_per_parameter(params: Iterable[nn.Parameter], group: ProcessGroup | None = None) -> None:
+    """The naive baseline: one blocking all-reduce per parameter, then divide (for benchmarks)."""
+    world = dist.get_world_size(group)
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad, group=group)
+        p.grad.div_(world)
+
+
+__all__ = ["DEFAULT_BUCKET_SIZE_BYTES", "DataParallelGradSync", "allreduce_gradients_per_parameter"]

@@ -1,0 +1,194 @@
+"""DataParallelGradSync against single-process references (float64, every gradient by name).
+
+- GPT / Llama with gradient accumulation: the DP-averaged gradient after the
+  overlapped bucketed all-reduce equals the gradient of the same model on the
+  concatenated global batch in one process;
+- data-dependent control flow: ranks use different parameters in different
+  orders, some parameters are unused everywhere; the result equals the average of
+  each rank's single-process gradient (zeros for the unused ones);
+- overlap really happens: buckets are launched from the hooks during backward.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from merak_core.data_parallel import DataParallelGradSync, allreduce_gradients_per_parameter
+from tests.support.compare import assert_grads_match, assert_tensors_close
+from tests.support.dist import run_on_ranks
+from tests.support.models import REFERENCE_MODELS, build_reference
+
+PER_RANK_BATCH = 2
+SEQ = 8
+NUM_MICROBATCHES = 2
+
+
+def _global_batch(name: str, world: int, seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    ref = REFERENCE_MODELS[name]
+    batch = world * PER_RANK_BATCH * NUM_MICROBATCHES
+    return ref.make_inputs(batch, SEQ, seed)[0], ref.make_labels(batch, SEQ, seed)
+
+
+def _reference_grads(name: str, world: int) -> tuple[float, dict[str, torch.Tensor]]:
+    ref = REFERENCE_MODELS[name]
+    model = build_reference(name, seed=11)
+    ids, labels = _global_batch(name, world)
+    loss = ref.loss(model(ids), labels)
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _dp_grads(name: str, mode: str, bucket_size_bytes: int) -> tuple[float, dict[str, torch.Tensor], int, int]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref = REFERENCE_MODELS[name]
+    model = build_reference(name, seed=11)
+    ids, labels = _global_batch(name, world)
+    # Rank r's shard of the global batch: rows [r*b*m, (r+1)*b*m), then cut into microbatches.
+    rows = PER_RANK_BATCH * NUM_MICROBATCHES
+    my_ids, my_labels = ids[rank * rows:(rank + 1) * rows], labels[rank * rows:(rank + 1) * rows]
+    sync = DataParallelGradSync(model, None, bucket_size_bytes=bucket_size_bytes)
+    total = torch.zeros((), dtype=torch.float64)
+    for mb in range(NUM_MICROBATCHES):
+        sl = slice(mb * PER_RANK_BATCH, (mb + 1) * PER_RANK_BATCH)
+        loss = ref.loss(model(my_ids[sl]), my_labels[sl]) / NUM_MICROBATCHES
+        total += loss.detach()
+        if mb < NUM_MICROBATCHES - 1 or mode == "blocking":
+            loss.backward()
+        else:
+            with sync.sync_on_this_backward():
+                loss.backward()
+    if mode == "blocking":
+        sync.sync()
+    dist.all_reduce(total)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    sync.remove_hooks()
+    return total.item() / world, grads, len(sync.buckets), sync.buckets_launched_in_backward
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_overlapped_bucketed_allreduce_matches_global_batch(world: int, name: str) -> None:
+    ref_loss, ref_grads = _reference_grads(name, world)
+    results = run_on_ranks(world, _dp_grads, name, "overlap", 4096)
+    for rank, (loss, grads, num_buckets, early) in enumerate(results):
+        assert_tensors_close(torch.tensor(loss), torch.tensor(ref_loss), name=f"loss rank {rank}")
+        assert_grads_match(grads, ref_grads)
+        assert num_buckets > 4, "small buckets should give many buckets"
+        # Overlap: all but the buckets that wait for the very first layers were launched by hooks.
+        assert early >= num_buckets - 1, (early, num_buckets)
+
+
+@pytest.mark.parametrize("bucket_size_bytes", [1, 1 << 30])
+def test_blocking_sync_and_bucket_extremes(bucket_size_bytes: int) -> None:
+    ref_loss, ref_grads = _reference_grads("gpt", 2)
+    results = run_on_ranks(2, _dp_grads, "gpt", "blocking", bucket_size_bytes)
+    num_params = len(ref_grads)
+    for loss, grads, num_buckets, early in results:
+        assert_tensors_close(torch.tensor(loss), torch.tensor(ref_loss), name="loss")
+        assert_grads_match(grads, ref_grads)
+        assert num_buckets == (num_params if bucket_size_bytes == 1 else 1)
+        assert early == 0  # sync() launches everything after backward
+
+
+# ---------------------------------------------------------------------------- control flow
+
+
+class _Branchy(nn.Module):
+    """Six linears; which ones run, and in which order, depends on ``route``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.layers = nn.ModuleList(nn.Linear(6, 6).double() for _ in range(6))
+
+    def forward(self, x: torch.Tensor, route: list[int]) -> torch.Tensor:
+        for i in route:
+            x = torch.tanh(self.layers[i](x))
+        return x.pow(2).sum()
+
+
+def _route(rank: int) -> list[int]:
+    # Different ranks touch different parameters in different orders; layer 5 is never used.
+    return [[0, 3, 1], [2, 0, 4], [4, 1], [3, 2, 0, 1]][rank % 4]
+
+
+def _branchy_input(rank: int) -> torch.Tensor:
+    return torch.randn(3, 6, generator=torch.Generator().manual_seed(100 + rank), dtype=torch.float64)
+
+
+def _branchy_dp(bucket_size_bytes: int) -> dict[str, torch.Tensor]:
+    rank = dist.get_rank()
+    model = _Branchy()
+    sync = DataParallelGradSync(model, None, bucket_size_bytes=bucket_size_bytes)
+    with sync.sync_on_this_backward():
+        model(_branchy_input(rank), _route(rank)).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    # A second armed step reuses the buckets: grads are accumulated (not zeroed) and re-averaged.
+    with sync.sync_on_this_backward():
+        model(_branchy_input(rank), _route(rank)).backward()
+    again = {n: p.grad.clone() for n, p in model.named_parameters()}
+    sync.remove_hooks()
+    return {**grads, **{f"again.{n}": g for n, g in again.items()}}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("bucket_size_bytes", [100, 400])
+def test_any_grad_order_and_unused_params(world: int, bucket_size_bytes: int) -> None:
+    expected: dict[str, torch.Tensor] = {}
+    per_rank = []
+    for rank in range(world):
+        model = _Branchy()
+        model(_branchy_input(rank), _route(rank)).backward()
+        per_rank.append({n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()})
+    for n in per_rank[0]:
+        expected[n] = sum(g[n] for g in per_rank) / world
+        # Second step: every rank holds avg + own grad, the average of which is 2 * avg.
+        expected[f"again.{n}"] = 2 * expected[n]
+    assert torch.count_nonzero(expected["layers.5.weight"]) == 0
+    for grads in run_on_ranks(world, _branchy_dp, bucket_size_bytes):
+        assert_grads_match(grads, expected)
+
+
+def _second_backward_raises() -> str:
+    model = _Branchy()
+    sync = DataParallelGradSync(model, None, bucket_size_bytes=1 << 20)
+    x = _branchy_input(0)
+    sync.prepare_last_microbatch()
+    model(x, [0, 1]).backward()
+    try:
+        model(x, [0, 1]).backward()
+    except RuntimeError as err:
+        message = str(err)
+    else:
+        message = ""
+    sync._abort()
+    sync.remove_hooks()
+    return message
+
+
+def test_second_backward_while_armed_is_an_error() -> None:
+    for message in run_on_ranks(2, _second_backward_raises):
+        assert "received a second gradient" in message and "layers.1." in message
+
+
+def _naive_baseline() -> dict[str, torch.Tensor]:
+    rank = dist.get_rank()
+    model = _Branchy()
+    model(_branchy_input(rank), _route(rank)).backward()
+    allreduce_gradients_per_parameter(model.parameters())
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_per_parameter_baseline_matches_bucketed() -> None:
+    bucketed = run_on_ranks(2, _branchy_dp, 64)
+    naive = run_on_ranks(2, _naive_baseline)
+    for b, n in zip(bucketed, naive, strict=True):
+        assert_grads_match(n, {k: v for k, v in b.items() if not k.startswith("again.")})
+
+
+def test_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="bucket_size_bytes must be a positive integer, got 0"):
+        DataParallelGradSync(nn.Linear(2, 2), None, bucket_size_bytes=0)
