@@ -17,7 +17,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["RecomputePlan"]
+__all__ = ["RecomputePlan", "as_plan"]
 
 
 @dataclass(frozen=True)
@@ -76,3 +76,30 @@ def _check_stages(num_stages: int) -> int:
     if num_stages < 1:
         raise ValueError(f"num_stages={num_stages}; expected >= 1")
     return num_stages
+
+
+def as_plan(recompute: RecomputePlan | str | float | None, num_stages: int) -> RecomputePlan | None:
+    """Normalise the ``recompute=`` argument of :func:`merak_pipe.build_schedule`.
+
+    Accepts None, a :class:`RecomputePlan`, ``"none"``, ``"full"``, or a float (uniform fraction).
+    """
+    if recompute is None or isinstance(recompute, RecomputePlan):
+        if recompute is not None and recompute.num_stages != num_stages:
+            raise ValueError(
+                f"recompute plan covers {recompute.num_stages} stages but num_stages={num_stages}; "
+                "build the plan for this pipeline"
+            )
+        return recompute
+    if isinstance(recompute, str):
+        if recompute == "none":
+            return RecomputePlan.none(num_stages)
+        if recompute == "full":
+            return RecomputePlan.full(num_stages)
+        raise ValueError(
+            f"recompute={recompute!r}; expected 'none', 'full', a float in [0, 1] or a RecomputePlan"
+        )
+    if isinstance(recompute, (int, float)) and not isinstance(recompute, bool):
+        return RecomputePlan.uniform(num_stages, float(recompute))
+    raise ValueError(
+        f"recompute={recompute!r}; expected None, 'none', 'full', a float in [0, 1] or a RecomputePlan"
+    )
