@@ -22,12 +22,13 @@ def group_to_global_rank(group: ProcessGroup, group_rank: int) -> int:
 
 
 def broadcast_from_group_rank(
-    tensor: torch.Tensor, group_src: int, group: ProcessGroup, *, async_op: bool
+    tensor: torch.Tensor, group_src: int, group: ProcessGroup | None, *, async_op: bool
 ) -> dist.Work | None:
     """``dist.broadcast`` with the source given as a rank of ``group`` (any torch >= 2.4)."""
     if _BROADCAST_HAS_GROUP_SRC:
         return dist.broadcast(tensor, group=group, group_src=group_src, async_op=async_op)
-    return dist.broadcast(tensor, src=group_to_global_rank(group, group_src), group=group, async_op=async_op)
+    src = group_src if group is None else group_to_global_rank(group, group_src)
+    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
 
 
 def new_group(ranks: list[int], timeout: timedelta, backend: str | None) -> ProcessGroup:
