@@ -1,0 +1,556 @@
+"""Run a (lowered) schedule on this rank's pipeline stages over torch.distributed p2p.
+
+:class:`PipelineRunner` walks this rank's action list of a :class:`~merak_pipe.ir.Schedule`:
+compute actions go to the :class:`~merak_pipe.stage.PipelineStage` they name, ``SEND_*`` /
+``RECV_*`` actions to the tagged, non-blocking transport (``merak_pipe.comm``). Consecutive
+send/recv actions are issued as one ``batch_isend_irecv``; receives are posted when their
+action is reached or earlier (a look-ahead window of the next compute actions), and only the
+compute that consumes a value waits for it, with a timeout. Two consecutive stages on one
+rank (interleaved and V schedules) hand values over locally, without communication.
+
+One ``step``: the batch is split into ``schedule.num_microbatches`` equal microbatches along
+dim 0, every action runs, parameter gradients accumulate into ``param.grad`` scaled so they
+equal the gradient of the full-batch mean loss (or sum), the gradients of shared parameters
+are all-reduced over their groups, and the full-batch loss comes back on the rank holding the
+last stage. The runner never zeroes gradients and never calls an optimizer.
+
+Bad input (a batch not divisible into microbatches, missing inputs/labels, a schedule whose
+stage count or rank count does not match the stages and the group) raises before any
+communication. A failed or timed-out wait raises
+:class:`~merak_pipe.comm.PipelineCommError` naming rank, stage, action and microbatch; after
+such an error the process group may hold unmatched messages and should be recreated.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from merak_pipe.comm import (
+    P2PTransport,
+    PipelineCommError,
+    TensorMeta,
+    _Pending,
+    flatten_boundary,
+    spec_metas,
+    unflatten_boundary,
+)
+from merak_pipe.ir import Action, ActionKind, Schedule
+from merak_pipe.stage import PipelineStage
+from merak_pipe.timing import ActionTiming
+
+__all__ = ["PipelineRunner"]
+
+logger = logging.getLogger(__name__)
+
+_LOOKAHEAD_COMPUTE = 2  # receives are posted up to this many compute actions ahead
+
+
+def _as_call(value: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Boundary value -> (args, kwargs) of the stage call (see merak_pipe.stage)."""
+    if isinstance(value, tuple):
+        return value, {}
+    if isinstance(value, dict):
+        return (), dict(value)
+    return (value,), {}
+
+
+def _split_batch(value: Any, num_microbatches: int, what: str) -> list[Any]:
+    """Split every tensor of ``value`` into ``num_microbatches`` equal chunks along dim 0."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0:
+            raise ValueError(f"{what} holds a 0-d tensor; every tensor must have a batch dim 0 to split")
+        size = value.size(0)
+        if size < num_microbatches:
+            raise ValueError(
+                f"{what} has batch size {size}, fewer than the schedule's {num_microbatches} microbatches; "
+                "pass a larger batch or build the schedule with fewer microbatches"
+            )
+        if size % num_microbatches:
+            raise ValueError(
+                f"{what} has batch size {size}, not divisible into {num_microbatches} microbatches; "
+                f"pass a batch size that is a multiple of {num_microbatches}"
+            )
+        return list(value.split(size // num_microbatches))
+    if isinstance(value, (tuple, list)):
+        parts = [_split_batch(v, num_microbatches, f"{what}[{i}]") for i, v in enumerate(value)]
+        return [type(value)(p[m] for p in parts) for m in range(num_microbatches)] if parts else \
+            [type(value)() for _ in range(num_microbatches)]
+    if isinstance(value, dict):
+        split = {k: _split_batch(v, num_microbatches, f"{what}[{k!r}]") for k, v in value.items()}
+        return [{k: s[m] for k, s in split.items()} for m in range(num_microbatches)]
+    return [value] * num_microbatches
+
+
+def _concat(values: list[Any]) -> Any:
+    first = values[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(values, dim=0)
+    if isinstance(first, (tuple, list)):
+        return type(first)(_concat([v[i] for v in values]) for i in range(len(first)))
+    if isinstance(first, dict):
+        return {k: _concat([v[k] for v in values]) for k in first}
+    return first
+
+
+class PipelineRunner:
+    """Execute ``schedule`` for this rank's ``stages``.
+
+    Args:
+        stages: the :class:`PipelineStage` objects held by this rank (any order).
+        schedule: a compute-only or lowered schedule; compute-only ones are lowered here.
+        loss_fn: ``loss_fn(output, labels) -> scalar tensor``, the mean (or sum) over a microbatch.
+        group: the pipeline process group (``None``: the default group); may be a subgroup.
+        loss_reduction: ``"mean"``: gradients and returned loss are those of the full-batch mean
+            of the per-microbatch losses; ``"sum"``: of their sum.
+        shared_parameters: ``[(param, group), ...]``: after each step, ``param.grad`` is summed
+            over ``group`` (copies of one logical parameter on several ranks, e.g. tied
+            embeddings; see :func:`merak_pipe.shared.shared_parameter_groups`).
+        timeout: the longest any single wait may take.
+        record_timing: record per-action timings of each step in :attr:`timings`.
+    """
+
+    def __init__(
+        self,
+        stages: Sequence[PipelineStage],
+        schedule: Schedule,
+        *,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        group: dist.ProcessGroup | None = None,
+        loss_reduction: str = "mean",
+        shared_parameters: Sequence[tuple[nn.Parameter, dist.ProcessGroup | None]] | None = None,
+        timeout: timedelta = timedelta(minutes=5),
+        record_timing: bool = False,
+    ) -> None:
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction={loss_reduction!r}; expected 'mean' or 'sum'")
+        if not stages:
+            raise ValueError("PipelineRunner needs at least one PipelineStage on this rank")
+        if not isinstance(timeout, timedelta):
+            raise TypeError(f"timeout must be a datetime.timedelta, got {type(timeout).__name__}")
+        world = dist.group.WORLD
+        if group is None and world is None:
+            raise RuntimeError("torch.distributed is not initialised: call init_process_group before PipelineRunner")
+        self.group: dist.ProcessGroup = group if group is not None else world  # type: ignore[assignment]
+        self.rank = dist.get_rank(self.group)
+        group_size = dist.get_world_size(self.group)
+        if self.rank < 0:
+            raise ValueError("this process is not a member of the pipeline group passed to PipelineRunner")
+        if schedule.num_ranks != group_size:
+            raise ValueError(
+                f"schedule {schedule.name!r} runs on {schedule.num_ranks} pipeline ranks but the pipeline "
+                f"group has {group_size}; build the schedule with num_ranks={group_size} or pass the right group"
+            )
+        for stage in stages:
+            if stage.num_stages != schedule.num_stages:
+                raise ValueError(
+                    f"stage {stage.stage_index} was built with num_stages={stage.num_stages} but schedule "
+                    f"{schedule.name!r} has {schedule.num_stages} stages; use the same stage count"
+                )
+        mine = tuple(sorted(s.stage_index for s in stages))
+        expected = schedule.stages_of(self.rank)
+        if mine != expected:
+            raise ValueError(
+                f"pipeline rank {self.rank} holds stages {list(mine)} but schedule {schedule.name!r} "
+                f"(stage_to_rank={list(schedule.stage_to_rank)}) puts stages {list(expected)} on it; "
+                "build one PipelineStage per stage of this rank"
+            )
+        if not schedule.lowered:
+            from merak_pipe.lowering import lower
+
+            schedule = lower(schedule)
+        self.schedule = schedule
+        self.stages: dict[int, PipelineStage] = {s.stage_index: s for s in stages}
+        self.loss_fn = loss_fn
+        self.loss_reduction = loss_reduction
+        self.shared_parameters = list(shared_parameters or [])
+        self.timeout = timeout
+        self.record_timing = record_timing
+        self.timings: list[ActionTiming] = []
+        self.num_microbatches = schedule.num_microbatches
+        self.actions: list[Action] = list(schedule.actions[self.rank])
+        self._recompute = schedule.recompute
+        device = next(iter(self.stages.values())).device
+        self.transport = P2PTransport(
+            group=self.group, num_stages=schedule.num_stages, num_microbatches=self.num_microbatches,
+            timeout=timeout, device=device,
+        )
+        # Specs that persist across rounds (for the "shapes changed" test).
+        self._last_sent_spec: dict[int, Any] = {}
+        self._last_recv_spec: dict[int, Any] = {}
+        self._reset_round(training=True)
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def holds_first_stage(self) -> bool:
+        """True when this rank holds stage 0 (it needs the inputs)."""
+        return 0 in self.stages
+
+    @property
+    def holds_last_stage(self) -> bool:
+        """True when this rank holds the last stage (it needs the labels and returns the loss)."""
+        return self.schedule.num_stages - 1 in self.stages
+
+    def step(self, inputs: Any = None, labels: Any = None) -> torch.Tensor | None:
+        """One training step: forward and backward of every microbatch; returns the loss on the last stage."""
+        self._run_round(inputs, labels, training=True)
+        self._sync_shared_parameters()
+        return self._round_loss()
+
+    def evaluate(self, inputs: Any = None, labels: Any = None, *, return_outputs: bool = False) -> Any:
+        """Forward only, without autograd. On the last stage returns the loss (None without labels),
+        or ``(loss, outputs)`` with ``return_outputs`` (outputs concatenated over microbatches)."""
+        self._run_round(inputs, labels, training=False)
+        loss = self._round_loss()
+        if not self.holds_last_stage:
+            return None
+        if return_outputs:
+            outputs = [self._outputs[m] for m in range(self.num_microbatches)]
+            return loss, _concat(outputs)
+        return loss
+
+    # ------------------------------------------------------------------ round driver
+
+    def _reset_round(self, *, training: bool) -> None:
+        self._training = training
+        self._mb_inputs: list[Any] = []
+        self._mb_labels: list[Any] = []
+        self._losses: dict[int, torch.Tensor] = {}
+        self._outputs: dict[int, Any] = {}
+        self._fwd_local: dict[tuple[int, int], Any] = {}
+        self._bwd_local: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._fwd_out: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._bwd_out: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._fwd_recv: dict[tuple[int, int], _Pending | None] = {}
+        self._bwd_recv: dict[tuple[int, int], _Pending] = {}
+        self._out_spec: dict[int, Any] = {}
+        self._in_spec: dict[int, Any] = {}
+        self._headers: dict[int, _Pending] = {}
+        self._header_sent: set[int] = set()
+        self._posted: set[int] = set()
+        self._recv_buffers: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._round_start = time.perf_counter()
+
+    def _check_inputs(self, inputs: Any, labels: Any) -> None:
+        m = self.num_microbatches
+        if self.holds_first_stage:
+            if inputs is None:
+                raise ValueError(f"pipeline rank {self.rank} holds stage 0: pass the batch as inputs=")
+            self._mb_inputs = _split_batch(inputs, m, "inputs")
+        if self.holds_last_stage and labels is not None:
+            self._mb_labels = _split_batch(labels, m, "labels")
+
+    def _run_round(self, inputs: Any, labels: Any, *, training: bool) -> None:
+        self._reset_round(training=training)
+        self._check_inputs(inputs, labels)
+        if training and self.holds_last_stage and labels is None:
+            raise ValueError(
+                f"pipeline rank {self.rank} holds the last stage ({self.schedule.num_stages - 1}): "
+                "pass labels= to step()"
+            )
+        if self.record_timing:
+            self.timings = []
+        try:
+            actions = self.actions if training else [
+                a for a in self.actions if a.kind in (ActionKind.FORWARD, ActionKind.SEND_F, ActionKind.RECV_F)
+            ]
+            self._walk(actions)
+            self.transport.wait_sends()
+            self._check_round_complete()
+        except BaseException:
+            for stage in self.stages.values():
+                stage.clear()
+            self.transport.clear_pool()
+            raise
+        finally:
+            if training:
+                for buffers in self._recv_buffers.values():
+                    self.transport.release(buffers)
+            self._recv_buffers = {}
+
+    def _walk(self, actions: list[Action]) -> None:
+        batch_open = False
+        compute_positions = [i for i, a in enumerate(actions) if a.kind.is_compute]
+        next_compute_rank = 0
+        for index, action in enumerate(actions):
+            if action.kind.is_comm:
+                if not batch_open:
+                    self.transport.begin_batch()
+                    batch_open = True
+                if index not in self._posted:
+                    self._run_comm(index, action)
+                continue
+            if batch_open:
+                self.transport.end_batch()
+                batch_open = False
+            # Post the receives of the next few compute actions before computing.
+            while next_compute_rank < len(compute_positions) and compute_positions[next_compute_rank] <= index:
+                next_compute_rank += 1
+            horizon_rank = min(next_compute_rank + _LOOKAHEAD_COMPUTE - 1, len(compute_positions) - 1)
+            horizon = compute_positions[horizon_rank] if horizon_rank >= next_compute_rank else index
+            self._post_ahead(actions, index + 1, horizon)
+            self._run_compute(action)
+        if batch_open:
+            self.transport.end_batch()
+
+    def _post_ahead(self, actions: list[Action], start: int, stop: int) -> None:
+        for j in range(start, min(stop, len(actions))):
+            action = actions[j]
+            if j in self._posted:
+                continue
+            if action.kind is ActionKind.RECV_B and action.stage in self._out_spec:
+                self._run_comm(j, action)
+            elif action.kind is ActionKind.RECV_F and action.stage in self._in_spec:
+                self._run_comm(j, action)
+
+    def _check_round_complete(self) -> None:
+        leftovers = []
+        if self._fwd_out:
+            leftovers.append(f"outputs never sent: {sorted(self._fwd_out)}")
+        if self._bwd_out:
+            leftovers.append(f"input gradients never sent: {sorted(self._bwd_out)}")
+        if self._training:
+            for index, stage in self.stages.items():
+                if stage.pending_microbatches():
+                    leftovers.append(f"stage {index} microbatches without a backward: {stage.pending_microbatches()}")
+        if leftovers:
+            raise RuntimeError(
+                f"schedule {self.schedule.name!r} left work undone on pipeline rank {self.rank}: "
+                + "; ".join(leftovers)
+            )
+
+    def _round_loss(self) -> torch.Tensor | None:
+        if not self.holds_last_stage or not self._losses:
+            return None
+        total = torch.stack([self._losses[m] for m in sorted(self._losses)]).sum()
+        return total / self.num_microbatches if self.loss_reduction == "mean" else total
+
+    # ------------------------------------------------------------------ communication actions
+
+    def _run_comm(self, index: int, action: Action) -> None:
+        self._posted.add(index)
+        s, m, kind = action.stage, action.microbatch, action.kind
+        start = time.perf_counter()
+        if kind is ActionKind.SEND_F:
+            tensors = self._fwd_out.pop((s, m), None)
+            if tensors is None:
+                raise RuntimeError(f"pipeline rank {self.rank}: action {action} sends outputs that F has not produced")
+            peer = self.schedule.rank_of(s + 1)
+            if s not in self._header_sent:
+                spec = self._out_spec[s]
+                changed = self._last_sent_spec.get(s) != spec
+                self.transport.send_header(stage=s, microbatch=m, peer=peer, spec=spec, changed=changed)
+                self._last_sent_spec[s] = spec
+                self._header_sent.add(s)
+            self.transport.send_tensors(backward=False, stage=s, microbatch=m, peer=peer, tensors=tensors,
+                                        action="SEND_F")
+        elif kind is ActionKind.SEND_B:
+            grads = self._bwd_out.pop((s, m), None)
+            if grads is None:
+                raise RuntimeError(f"pipeline rank {self.rank}: action {action} sends gradients that B/I has not produced")
+            self.transport.send_tensors(backward=True, stage=s, microbatch=m, peer=self.schedule.rank_of(s - 1),
+                                        tensors=grads, action="SEND_B")
+        elif kind is ActionKind.RECV_F:
+            self._post_recv_f(s, m)
+        elif kind is ActionKind.RECV_B:
+            self._post_recv_b(s, m)
+        else:  # pragma: no cover - is_comm covers the four kinds
+            raise AssertionError(action)
+        self._record(action, start, start, time.perf_counter())
+
+    def _post_recv_f(self, s: int, m: int) -> None:
+        if (s, m) in self._fwd_recv:
+            return
+        peer = self.schedule.rank_of(s - 1)
+        if s not in self._in_spec:
+            if s not in self._headers:
+                self._headers[s] = self.transport.recv_header(stage=s, microbatch=m, peer=peer, action="RECV_F")
+            self._fwd_recv[(s, m)] = None  # posted once the header says which shapes to expect
+            return
+        self._fwd_recv[(s, m)] = self.transport.recv_tensors(
+            backward=False, stage=s, microbatch=m, peer=peer, metas=spec_metas(self._in_spec[s]), action="RECV_F")
+
+    def _post_recv_b(self, s: int, m: int) -> None:
+        if (s, m) in self._bwd_recv:
+            return
+        if s not in self._out_spec:
+            raise RuntimeError(f"pipeline rank {self.rank}: {s}RECV_B{m} comes before any forward of stage {s}")
+        metas = [meta for meta in spec_metas(self._out_spec[s]) if meta.requires_grad]
+        self._bwd_recv[(s, m)] = self.transport.recv_tensors(
+            backward=True, stage=s, microbatch=m, peer=self.schedule.rank_of(s + 1), metas=metas, action="RECV_B")
+
+    def _ensure_in_spec(self, s: int, m: int) -> Any:
+        if s not in self._in_spec:
+            peer = self.schedule.rank_of(s - 1)
+            if s not in self._headers:
+                self._headers[s] = self.transport.recv_header(stage=s, microbatch=m, peer=peer, action="F")
+            spec, changed = self.transport.finish_header(
+                self._headers.pop(s), stage=s, peer=peer, last_spec=self._last_recv_spec.get(s))
+            if changed:
+                logger.debug("stage %d: new input spec this round", s)
+            self._in_spec[s] = spec
+            self._last_recv_spec[s] = spec
+        return self._in_spec[s]
+
+    # ------------------------------------------------------------------ compute actions
+
+    def _stage(self, action: Action) -> PipelineStage:
+        stage = self.stages.get(action.stage)
+        if stage is None:
+            raise RuntimeError(f"pipeline rank {self.rank}: action {action} names stage {action.stage}, "
+                               f"which this rank does not hold (it holds {sorted(self.stages)})")
+        return stage
+
+    def _fraction(self, s: int) -> float:
+        return 0.0 if self._recompute is None else float(self._recompute[s])
+
+    def _forward_input(self, s: int, m: int) -> Any:
+        if s == 0:
+            return self._mb_inputs[m]
+        if self.schedule.rank_of(s - 1) == self.rank:
+            value = self._fwd_local.pop((s, m), None)
+            if value is None:
+                raise RuntimeError(f"pipeline rank {self.rank}: {s}F{m} runs before {s - 1}F{m} on the same rank")
+            return value
+        spec = self._ensure_in_spec(s, m)
+        pending = self._fwd_recv.get((s, m))
+        if pending is None:
+            self._fwd_recv.pop((s, m), None)
+            pending = self.transport.recv_tensors(
+                backward=False, stage=s, microbatch=m, peer=self.schedule.rank_of(s - 1),
+                metas=spec_metas(spec), action="RECV_F")
+        else:
+            del self._fwd_recv[(s, m)]
+        tensors = self.transport.finish(pending)
+        leaves = []
+        for t, meta in zip(tensors, spec_metas(spec), strict=True):
+            leaves.append(t.requires_grad_(meta.requires_grad and self._training))
+        if self._training:
+            self._recv_buffers.setdefault((s, m), []).extend(tensors)
+        return unflatten_boundary(spec, leaves)
+
+    def _output_grads(self, s: int, m: int) -> list[torch.Tensor] | None:
+        if s == self.schedule.num_stages - 1:
+            return None
+        if self.schedule.rank_of(s + 1) == self.rank:
+            grads = self._bwd_local.pop((s, m), None)
+            if grads is None:
+                raise RuntimeError(f"pipeline rank {self.rank}: backward of {s} mb {m} runs before that of {s + 1}")
+            return grads
+        pending = self._bwd_recv.pop((s, m), None)
+        if pending is None:
+            self._post_recv_b(s, m)
+            pending = self._bwd_recv.pop((s, m))
+        grads = self.transport.finish(pending)
+        self._recv_buffers.setdefault((s, m), []).extend(grads)
+        return grads
+
+    def _run_compute(self, action: Action) -> None:
+        stage = self._stage(action)
+        s, m, kind = action.stage, action.microbatch, action.kind
+        recompute_before = stage.recompute_seconds
+        start = time.perf_counter()
+        try:
+            if kind is ActionKind.FORWARD:
+                value = self._forward_input(s, m)
+                ready = time.perf_counter()
+                self._forward(stage, s, m, value)
+            elif kind in (ActionKind.FULL_BACKWARD, ActionKind.BACKWARD_INPUT):
+                grads = self._output_grads(s, m)
+                ready = time.perf_counter()
+                if kind is ActionKind.FULL_BACKWARD:
+                    input_grads = stage.backward(m, grads)
+                else:
+                    input_grads = stage.backward_input(m, grads)
+                self._hand_back(s, m, input_grads)
+            elif kind is ActionKind.BACKWARD_WEIGHT:
+                ready = start
+                stage.backward_weight(m)
+            elif kind is ActionKind.RECOMPUTE:
+                ready = start
+                stage.recompute(m)
+            else:  # pragma: no cover
+                raise AssertionError(action)
+        except PipelineCommError:
+            raise
+        except (RuntimeError, ValueError, TypeError) as exc:
+            if type(exc) not in (RuntimeError, ValueError, TypeError):
+                raise
+            raise type(exc)(f"pipeline rank {self.rank}, stage {s}, action {action} (microbatch {m}): {exc}") from exc
+        implicit = stage.recompute_seconds - recompute_before if kind is not ActionKind.RECOMPUTE else 0.0
+        self._record(action, start, ready, time.perf_counter(), implicit)
+
+    def _forward(self, stage: PipelineStage, s: int, m: int, value: Any) -> None:
+        args, kwargs = _as_call(value)
+        is_last = s == self.schedule.num_stages - 1
+        labels = self._mb_labels[m] if (is_last and self._mb_labels) else None
+        scale = 1.0 / self.num_microbatches if self.loss_reduction == "mean" else 1.0
+        out, loss = stage.forward(
+            m, args, kwargs, recompute_fraction=self._fraction(s),
+            loss_fn=self.loss_fn if labels is not None else None, labels=labels,
+            loss_scale=scale, training=self._training,
+        )
+        if is_last:
+            if loss is not None:
+                self._losses[m] = loss
+            if not self._training:
+                self._outputs[m] = out
+            return
+        spec, tensors = flatten_boundary(out)
+        if self.schedule.rank_of(s + 1) == self.rank:
+            handed = [t.detach().requires_grad_(t.requires_grad and self._training) for t in tensors]
+            self._fwd_local[(s + 1, m)] = unflatten_boundary(spec, handed)
+            if self._training:
+                self._out_spec.setdefault(s, spec)
+            return
+        known = self._out_spec.setdefault(s, spec)
+        if known != spec:
+            raise ValueError(
+                f"pipeline rank {self.rank}, stage {s}: microbatch {m} produced outputs {_describe(spec)} but "
+                f"earlier microbatches of this step produced {_describe(known)}; all microbatches of a step "
+                "must have the same boundary shapes"
+            )
+        self._fwd_out[(s, m)] = tensors
+
+    def _hand_back(self, s: int, m: int, input_grads: list[torch.Tensor]) -> None:
+        if s == 0:
+            return
+        if self.schedule.rank_of(s - 1) == self.rank:
+            self._bwd_local[(s - 1, m)] = input_grads
+        else:
+            self._bwd_out[(s, m)] = input_grads
+
+    # ------------------------------------------------------------------ shared parameters, timing
+
+    def _sync_shared_parameters(self) -> None:
+        for param, group in self.shared_parameters:
+            if group is None:
+                continue
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            work = dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=group, async_op=True)
+            what = (f"pipeline rank {self.rank} (global rank {dist.get_rank()}): all-reduce of a shared "
+                    f"parameter's gradient {tuple(param.shape)} over global ranks "
+                    f"{dist.get_process_group_ranks(group)}")
+            self.transport._wait([work], what)  # noqa: SLF001 - same error wording as p2p waits
+
+    def _record(self, action: Action, start: float, ready: float, end: float, recompute: float = 0.0) -> None:
+        if not self.record_timing:
+            return
+        self.timings.append(ActionTiming(
+            rank=self.rank, stage=action.stage, kind=action.kind.value, microbatch=action.microbatch,
+            start_s=start, ready_s=ready, end_s=end, recompute_s=recompute,
+        ))
+
+
+def _describe(spec: Any) -> str:
+    metas: list[TensorMeta] = spec_metas(spec)
+    return "[" + ", ".join(f"{tuple(m.shape)} {str(m.dtype).replace('torch.', '')}" for m in metas) + "]"
