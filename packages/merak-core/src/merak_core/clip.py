@@ -1,0 +1,160 @@
+"""Global gradient-norm clipping that is correct across DP, TP and PP.
+
+The global norm is the norm of the gradient of the *logical* (unsharded,
+single-process) model, so every logical parameter must be counted exactly once:
+
+- **TP**: a parameter tagged with ``_merak_tp_dim`` (an int: the dim it is sharded
+  along over the TP group, set by merak-tp) contributes its local shard on every TP
+  rank, and the shards' partial sums are added over the TP group. A parameter
+  without the tag (or with ``None``) is replicated over TP, so it is counted on
+  TP rank 0 only (counting once exactly, instead of dividing by ``tp``, keeps the
+  float result identical to the single-process one).
+- **PP**: each stage holds different parameters, so partial sums are added over
+  the PP group; a parameter shared by several stages (a tied embedding) is named
+  by the caller in ``shared_params`` with the one stage that counts it.
+- **DP**: gradients are already averaged over DP (identical on every DP rank), so
+  nothing is reduced over DP.
+
+Then every local gradient is scaled by ``min(1, max_norm / (norm + 1e-6))``,
+exactly as ``torch.nn.utils.clip_grad_norm_`` does.
+
+Not done here: synchronising shared parameters' gradients (the trainer does it
+before clipping) or clipping per parameter group.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from merak_core.layout import ParallelLayout
+
+logger = logging.getLogger(__name__)
+
+TP_DIM_ATTR = "_merak_tp_dim"
+"""Attribute merak-tp sets on sharded parameters: the tensor dim sharded over the TP group."""
+
+_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s epsilon
+
+
+def is_tp_sharded(param: torch.Tensor) -> bool:
+    """True when ``param`` is a TP shard (tagged with an int ``_merak_tp_dim``)."""
+    return getattr(param, TP_DIM_ATTR, None) is not None
+
+
+def global_grad_norm(
+    parameters: Iterable[torch.Tensor],
+    *,
+    norm_type: float = 2.0,
+    tp_group: ProcessGroup | None = None,
+    pp_group: ProcessGroup | None = None,
+    layout: ParallelLayout | None = None,
+    shared_params: Mapping[torch.Tensor, int] | None = None,
+) -> torch.Tensor:
+    """The norm of the logical model's gradient (see the module docstring for the counting rules).
+
+    Collective over ``tp_group`` and ``pp_group`` (or ``layout``'s groups); a group of
+    ``None`` without a layout means that axis has size 1. ``shared_params`` maps a
+    parameter held by several pipeline stages to the stage index (rank in
+    ``pp_group``) whose copy is counted.
+    """
+    if layout is not None:
+        if tp_group is not None or pp_group is not None:
+            raise ValueError("pass either layout or tp_group/pp_group, not both")
+        tp_group, pp_group = layout.tp_group, layout.pp_group
+    norm_type = float(norm_type)
+    if not (norm_type > 0 or math.isinf(norm_type)):
+        raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
+    tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
+    pp_rank = dist.get_rank(pp_group) if pp_group is not None else 0
+    shared = {id(p): stage for p, stage in (shared_params or {}).items()}
+    params = _unique(parameters)
+    grads = []
+    for p in params:
+        if p.grad is None:
+            continue
+        if not is_tp_sharded(p) and tp_rank != 0:
+            continue  # replicated over TP: counted on TP rank 0
+        owner = shared.get(id(p))
+        if owner is not None and owner != pp_rank:
+            continue  # shared across stages: counted on its owner stage
+        grads.append(p.grad.detach())
+    device = _device_of(params, layout)
+    # Per-tensor norms in the gradient's precision (at least float32), accumulated and
+    # reduced in float64 so every rank reduces the same dtype whatever its stage holds.
+    local = torch.zeros((), dtype=torch.float64, device=device)
+    for g in grads:
+        part = torch.linalg.vector_norm(g, norm_type, dtype=torch.promote_types(g.dtype, torch.float32))
+        if math.isinf(norm_type):
+            local = torch.maximum(local, part.to(torch.float64))
+        else:
+            local += part.to(torch.float64) ** norm_type
+    op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+    for group in (tp_group, pp_group):
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(local, op=op, group=group)
+    return local if math.isinf(norm_type) else local ** (1.0 / norm_type)
+
+
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor],
+    max_norm: float,
+    *,
+    norm_type: float = 2.0,
+    tp_group: ProcessGroup | None = None,
+    pp_group: ProcessGroup | None = None,
+    layout: ParallelLayout | None = None,
+    shared_params: Mapping[torch.Tensor, int] | None = None,
+    error_if_nonfinite: bool = False,
+) -> torch.Tensor:
+    """Scale this rank's gradients so the logical model's gradient norm is at most ``max_norm``.
+
+    Returns the global norm before clipping (float64, the same value on every rank).
+    ``torch.nn.utils.clip_grad_norm_`` semantics: coefficient
+    ``min(1, max_norm / (norm + 1e-6))``; see :func:`global_grad_norm` for the arguments.
+    """
+    if not max_norm > 0:
+        raise ValueError(f"max_norm must be > 0, got {max_norm}; to disable clipping do not call clip_grad_norm_")
+    params = _unique(parameters)
+    total = global_grad_norm(
+        params, norm_type=norm_type, tp_group=tp_group, pp_group=pp_group, layout=layout,
+        shared_params=shared_params,
+    )
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}), so it cannot "
+            "be clipped; pass error_if_nonfinite=False to scale by the non-finite coefficient anyway"
+        )
+    coef = torch.clamp(max_norm / (total + _EPS), max=1.0)
+    for p in params:
+        if p.grad is not None:
+            p.grad.detach().mul_(coef.to(p.grad.dtype))
+    return total
+
+
+def _unique(parameters: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    seen: set[int] = set()
+    out = []
+    for p in parameters:
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+def _device_of(params: list[torch.Tensor], layout: ParallelLayout | None) -> torch.device:
+    if layout is not None:
+        return layout.device
+    for p in params:
+        return p.device
+    return torch.device("cpu")
+
+
+__all__ = ["TP_DIM_ATTR", "clip_grad_norm_", "global_grad_norm", "is_tp_sharded"]
