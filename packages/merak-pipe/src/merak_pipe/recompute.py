@@ -16,8 +16,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-__all__ = ["RecomputePlan", "as_plan"]
+if TYPE_CHECKING:
+    from merak_pipe.ir import Schedule
+
+__all__ = ["RecomputePlan", "as_plan", "closed_form_plan", "in_flight_counts", "stage_aware_plan"]
 
 
 @dataclass(frozen=True)
@@ -103,3 +107,117 @@ def as_plan(recompute: RecomputePlan | str | float | None, num_stages: int) -> R
     raise ValueError(
         f"recompute={recompute!r}; expected None, 'none', 'full', a float in [0, 1] or a RecomputePlan"
     )
+
+
+def closed_form_plan(num_stages: int, first_stage_fraction: float) -> RecomputePlan:
+    """Merak's closed form: ``(1 - r_i) * (S - 1 - i)`` is the same for every stage, the last stage 0.
+
+    ``r_i = 1 - (1 - r_0) * (S - 1) / (S - 1 - i)``, clipped at 0. It is what
+    :func:`stage_aware_plan` gives for uniform layers, no static memory, an in-flight count of
+    ``S - 1 - i`` and a budget of ``(1 - r_0) * (S - 1)`` microbatches of activations.
+    """
+    _check_stages(num_stages)
+    if not 0.0 <= first_stage_fraction <= 1.0:
+        raise ValueError(f"first_stage_fraction={first_stage_fraction}; expected a value in [0, 1]")
+    S = num_stages
+    fractions = []
+    for i in range(S):
+        if i == S - 1:
+            fractions.append(0.0)
+        else:
+            fractions.append(max(0.0, 1.0 - (1.0 - first_stage_fraction) * (S - 1) / (S - 1 - i)))
+    return RecomputePlan(tuple(fractions))
+
+
+def in_flight_counts(schedule: Schedule) -> list[int]:
+    """Per stage: the most microbatches whose forward ran and whose last backward (B or W) has not.
+
+    This is the number of microbatches of activations a stage holds at once under ``schedule``.
+    """
+    from merak_pipe.ir import ActionKind
+
+    live = [0] * schedule.num_stages
+    peak = [0] * schedule.num_stages
+    split = {(a.stage, a.microbatch) for _, a in schedule if a.kind is ActionKind.BACKWARD_WEIGHT}
+    for rank in range(schedule.num_ranks):
+        for a in schedule.actions[rank]:
+            if a.kind is ActionKind.FORWARD:
+                live[a.stage] += 1
+                peak[a.stage] = max(peak[a.stage], live[a.stage])
+            elif a.kind is ActionKind.BACKWARD_WEIGHT or (
+                a.kind is ActionKind.FULL_BACKWARD and (a.stage, a.microbatch) not in split
+            ):
+                live[a.stage] -= 1
+    return peak
+
+
+def _per_stage_values(name: str, value: float | Sequence[float], num_stages: int) -> list[float]:
+    if isinstance(value, (int, float)):
+        return [float(value)] * num_stages
+    values = [float(v) for v in value]
+    if len(values) != num_stages:
+        raise ValueError(f"{name} has {len(values)} values but there are {num_stages} stages; give one per stage")
+    return values
+
+
+def stage_aware_plan(
+    *,
+    layer_activation_bytes: Sequence[Sequence[float]],
+    memory_budget: float | Sequence[float],
+    static_bytes: float | Sequence[float] = 0.0,
+    in_flight: Sequence[int] | None = None,
+    schedule: Schedule | None = None,
+    input_bytes: float | Sequence[float] = 0.0,
+    count_recompute_buffer: bool = True,
+) -> RecomputePlan:
+    """For each stage, the smallest recompute fraction whose memory fits the budget.
+
+    ``layer_activation_bytes[s][j]`` is the activation memory of layer j of stage s for one
+    microbatch; ``static_bytes`` is a stage's parameters + gradients + optimizer state;
+    ``memory_budget`` is the memory of the device holding the stage; ``in_flight[s]`` is how many
+    microbatches stage s holds at once (or pass ``schedule`` to count it, see
+    :func:`in_flight_counts`). Checkpointing the first k of L layers (fraction k / L) keeps, per
+    microbatch, the activations of layers k.. plus the stage input (``input_bytes``) when k > 0;
+    with ``count_recompute_buffer`` one microbatch's recomputed layers are counted on top.
+
+    Raises ValueError naming the stage when even full recomputation does not fit.
+    """
+    num_stages = len(layer_activation_bytes)
+    _check_stages(num_stages)
+    if in_flight is None:
+        if schedule is None:
+            raise ValueError("stage_aware_plan needs in_flight (one count per stage) or a schedule to count them")
+        in_flight = in_flight_counts(schedule)
+    if len(in_flight) != num_stages:
+        raise ValueError(f"in_flight has {len(in_flight)} counts but layer_activation_bytes has {num_stages} stages")
+    budget = _per_stage_values("memory_budget", memory_budget, num_stages)
+    static = _per_stage_values("static_bytes", static_bytes, num_stages)
+    inputs = _per_stage_values("input_bytes", input_bytes, num_stages)
+    fractions = []
+    for s, layers in enumerate(layer_activation_bytes):
+        acts = [float(a) for a in layers]
+        if not acts or any(a < 0 for a in acts):
+            raise ValueError(f"layer_activation_bytes[{s}]={list(layers)!r}: expected one or more sizes >= 0")
+        n = int(in_flight[s])
+        suffix = [0.0] * (len(acts) + 1)
+        for j in range(len(acts) - 1, -1, -1):
+            suffix[j] = suffix[j + 1] + acts[j]
+        chosen = None
+        best_need = math.inf
+        for k in range(len(acts) + 1):
+            kept = suffix[k] + (inputs[s] if k > 0 else 0.0)
+            buffer = (suffix[0] - suffix[k]) if count_recompute_buffer else 0.0
+            need = static[s] + n * kept + buffer
+            best_need = min(best_need, need)
+            if need <= budget[s] * (1 + 1e-12):
+                chosen = k
+                break
+        if chosen is None:
+            raise ValueError(
+                f"stage {s} does not fit its memory budget even with full recomputation: it needs at least "
+                f"{best_need:.6g} bytes ({static[s]:.6g} static + {n} in-flight microbatches) but the budget is "
+                f"{budget[s]:.6g}; use more pipeline stages, smaller microbatches, fewer in-flight microbatches "
+                "or a larger budget"
+            )
+        fractions.append(chosen / len(acts))
+    return RecomputePlan(tuple(fractions))

@@ -94,17 +94,17 @@ def _check_structure(schedule: Schedule) -> None:
                     schedule, f"{a} appears twice (first at rank {first[0]}, step {first[1]})", rank, step
                 )
             where[k] = (rank, step)
-    F, B, I, W = (ActionKind.FORWARD, ActionKind.FULL_BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT)
+    F, B, BI, W = (ActionKind.FORWARD, ActionKind.FULL_BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT)
     for s in range(S):
         for m in range(M):
             if counts[(s, F, m)] != 1:
                 raise _fail(schedule, f"stage {s} microbatch {m} has no forward {Action(s, F, m)}")
-            b, i, w = counts[(s, B, m)], counts[(s, I, m)], counts[(s, W, m)]
+            b, i, w = counts[(s, B, m)], counts[(s, BI, m)], counts[(s, W, m)]
             if b and (i or w):
-                r, st = where[(s, I, m)] if i else where[(s, W, m)]
+                r, st = where[(s, BI, m)] if i else where[(s, W, m)]
                 raise _fail(schedule, f"stage {s} microbatch {m} has both a full backward B and a split I/W", r, st)
             if not b and not (i and w):
-                missing = Action(s, I, m) if w else Action(s, W, m) if i else Action(s, B, m)
+                missing = Action(s, BI, m) if w else Action(s, W, m) if i else Action(s, B, m)
                 raise _fail(schedule, f"stage {s} microbatch {m} has no {missing} (needs one B, or one I and one W)")
     if schedule.lowered:
         _check_comms(schedule, counts, where)

@@ -1,0 +1,314 @@
+"""A discrete-event simulator for schedules: time, bubbles, critical path and activation memory.
+
+Each rank runs its actions in order; an action starts when its rank is free and every action it
+depends on has finished (plus a point-to-point delay when the dependency crosses ranks). The
+rules are those of the validator (``_engine.py``), so a schedule that validates simulates.
+
+Costs (:class:`CostModel`, any consistent time unit) are per stage: F, B (without recompute),
+I and W (default: half of B each), and the time to recompute the whole stage's forward, scaled by
+the plan's fraction. A stage that recomputes without ``R`` actions recomputes inside its B/I.
+
+Memory model ([Note: activation memory]): per stage and microbatch, ``activation_bytes`` is the
+activation memory of the whole stage when nothing is recomputed. With recompute fraction f:
+  after F:        keeps (1 - f) * A, plus ``input_bytes`` (the stage input) when f > 0;
+  R, or B/I without R: allocates f * A at its start (the recomputed activations);
+  after B:        frees everything of that microbatch;
+  after I:        frees all but ``weight_grad_fraction`` * A (what W needs), freed after W.
+Memory is counted at action starts and ends; transients inside one action (e.g. a checkpointed
+segment's own forward) are not.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from merak_pipe._engine import _GRAD, _SENT_B, execute
+from merak_pipe.ir import Action, ActionKind, Schedule, ScheduleError
+from merak_pipe.validate import validate
+
+__all__ = ["CostModel", "SimResult", "TimedAction", "simulate"]
+
+PerStage = float | Sequence[float]
+
+
+def _per_stage(name: str, value: PerStage, num_stages: int) -> list[float]:
+    if isinstance(value, (int, float)):
+        values = [float(value)] * num_stages
+    else:
+        values = [float(v) for v in value]
+        if len(values) != num_stages:
+            raise ValueError(f"CostModel.{name} has {len(values)} values but the schedule has {num_stages} stages")
+    for v in values:
+        if v < 0 or math.isnan(v):
+            raise ValueError(f"CostModel.{name}={value!r}: expected values >= 0")
+    return values
+
+
+@dataclass(kw_only=True)
+class CostModel:
+    """Per-stage durations, a point-to-point model and activation sizes for :func:`simulate`."""
+
+    forward: PerStage = 1.0
+    """Time of one forward (F) per microbatch, one value or one per stage."""
+    backward: PerStage = 2.0
+    """Time of one full backward (B) per microbatch, without recomputation."""
+    backward_input: PerStage | None = None
+    """Time of the input-gradient backward (I); default: half of ``backward``."""
+    backward_weight: PerStage | None = None
+    """Time of the weight-gradient backward (W); default: ``backward`` minus ``backward_input``."""
+    recompute: PerStage | None = None
+    """Time to recompute the whole stage's forward (scaled by the recompute fraction); default: ``forward``."""
+    p2p_latency: float = 0.0
+    """Latency of one point-to-point message between ranks."""
+    p2p_bandwidth: float = math.inf
+    """Bytes per time unit of a point-to-point link."""
+    boundary_bytes: PerStage = 0.0
+    """Bytes of stage s's output for one microbatch (the message from s to s+1, and its gradient back)."""
+    activation_bytes: PerStage = 1.0
+    """Activation bytes of one microbatch on a stage when nothing is recomputed."""
+    input_bytes: PerStage = 0.0
+    """Bytes of a stage's input kept per microbatch when the stage recomputes (checkpoint input)."""
+    weight_grad_fraction: float = 0.5
+    """Fraction of a microbatch's activations kept between its I and its W."""
+
+    def __post_init__(self) -> None:
+        if self.p2p_latency < 0 or self.p2p_bandwidth <= 0:
+            raise ValueError(
+                f"p2p_latency={self.p2p_latency}, p2p_bandwidth={self.p2p_bandwidth}: expected latency >= 0 "
+                "and bandwidth > 0 (use math.inf for free transfers)"
+            )
+        if not 0.0 <= self.weight_grad_fraction <= 1.0:
+            raise ValueError(f"weight_grad_fraction={self.weight_grad_fraction}; expected a value in [0, 1]")
+
+
+@dataclass(slots=True)
+class TimedAction:
+    """An action with its rank and simulated start and end."""
+
+    rank: int
+    action: Action
+    start: float
+    end: float
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass
+class SimResult:
+    """What :func:`simulate` returns."""
+
+    schedule: Schedule
+    makespan: float
+    timeline: list[TimedAction]
+    """Every action, in an order that respects dependencies."""
+    busy: list[float]
+    """Compute time per rank."""
+    bubble_fraction: list[float]
+    """Per rank: 1 - busy / makespan."""
+    critical_path: list[TimedAction]
+    """A chain of actions from time 0 to the makespan, each starting when its predecessor ends."""
+    memory: dict[int, list[tuple[float, float]]]
+    """Per stage: (time, activation bytes) after each change, in time order."""
+    peak_memory: list[float]
+    """Per stage: highest activation bytes."""
+    peak_memory_per_rank: list[float]
+    """Per rank: highest sum over its stages (equals the stage peak for one stage per rank)."""
+    costs: CostModel = field(repr=False, default_factory=CostModel)
+
+    @property
+    def bubble_fraction_mean(self) -> float:
+        return sum(self.bubble_fraction) / len(self.bubble_fraction)
+
+    def summary(self) -> str:
+        """A short table: makespan, bubble per rank, peak memory per stage."""
+        lines = [f"{self.schedule.name}: makespan {self.makespan:.4g}, mean bubble {100 * self.bubble_fraction_mean:.1f}%"]
+        lines.append("rank | bubble % | peak activation memory (stages)")
+        for rank in range(self.schedule.num_ranks):
+            stages = self.schedule.stages_of(rank)
+            peaks = ", ".join(f"s{s}={self.peak_memory[s]:.4g}" for s in stages)
+            lines.append(f"{rank:4d} | {100 * self.bubble_fraction[rank]:8.1f} | {peaks}")
+        return "\n".join(lines)
+
+    def to_chrome_trace(self, path: str | None = None, *, us_per_unit: float = 1000.0) -> dict[str, object]:
+        """The timeline as Chrome trace / Perfetto JSON (see :mod:`merak_pipe.trace`)."""
+        from merak_pipe.trace import chrome_trace
+
+        return chrome_trace(self, path, us_per_unit=us_per_unit)
+
+    def plot(self, path: str) -> None:
+        """Save a PNG timeline (needs matplotlib: ``pip install merak-pipe[plot]``)."""
+        from merak_pipe.trace import plot_timeline
+
+        plot_timeline(self, path)
+
+
+def simulate(schedule: Schedule, costs: CostModel | None = None, *, check: bool = True) -> SimResult:
+    """Simulate ``schedule`` (compute-only or lowered) under ``costs``."""
+    costs = costs or CostModel()
+    if check:
+        validate(schedule)
+    S = schedule.num_stages
+    fwd = _per_stage("forward", costs.forward, S)
+    bwd = _per_stage("backward", costs.backward, S)
+    b_in = _per_stage("backward_input", costs.backward_input, S) if costs.backward_input is not None else [b / 2 for b in bwd]
+    b_w = (
+        _per_stage("backward_weight", costs.backward_weight, S)
+        if costs.backward_weight is not None
+        else [b - i for b, i in zip(bwd, b_in, strict=True)]
+    )
+    rec_full = _per_stage("recompute", costs.recompute, S) if costs.recompute is not None else list(fwd)
+    boundary = _per_stage("boundary_bytes", costs.boundary_bytes, S)
+    act_bytes = _per_stage("activation_bytes", costs.activation_bytes, S)
+    in_bytes = _per_stage("input_bytes", costs.input_bytes, S)
+    frac = list(schedule.recompute.fractions) if schedule.recompute is not None else [0.0] * S
+    rec = [rec_full[s] * frac[s] for s in range(S)]
+    msg_time = [costs.p2p_latency + boundary[s] / costs.p2p_bandwidth for s in range(S)]
+
+    order, blocked, keys, deps, produces = execute(schedule)
+    if blocked:
+        validate(schedule)  # raises with the table
+        raise ScheduleError(f"schedule {schedule.name!r} deadlocks")  # pragma: no cover
+    r_done = {(a.stage, a.microbatch) for _, a in schedule if a.kind is ActionKind.RECOMPUTE}
+    num_ranks = schedule.num_ranks
+    rank_free = [0.0] * num_ranks
+    busy = [0.0] * num_ranks
+    finish: dict[int, float] = {}
+    producer: dict[int, tuple[int, int]] = {}
+    starts: list[list[float]] = [[0.0] * len(schedule.actions[r]) for r in range(num_ranks)]
+    ends: list[list[float]] = [[0.0] * len(schedule.actions[r]) for r in range(num_ranks)]
+    # Predecessor on the critical path: (rank, step) or None.
+    binding: list[list[tuple[int, int] | None]] = [[None] * len(schedule.actions[r]) for r in range(num_ranks)]
+    M = schedule.num_microbatches
+    F, B, BI, W, R = (
+        ActionKind.FORWARD,
+        ActionKind.FULL_BACKWARD,
+        ActionKind.BACKWARD_INPUT,
+        ActionKind.BACKWARD_WEIGHT,
+        ActionKind.RECOMPUTE,
+    )
+    for rank, step in order:
+        a = schedule.actions[rank][step]
+        s, kind = a.stage, a.kind
+        start = rank_free[rank]
+        bind: tuple[int, int] | None = (rank, step - 1) if step > 0 else None
+        for k in deps[rank][step]:
+            src_rank, src_step = producer[k]
+            t = finish[k]
+            if src_rank != rank:
+                code, ks = divmod(k // M, S)
+                # F-type messages carry stage ks's output; gradients carry the output of stage ks - 1.
+                t += msg_time[ks - 1] if code in (_GRAD, _SENT_B) else msg_time[ks]
+            if t > start:
+                start = t
+                bind = (src_rank, src_step)
+        if kind is F:
+            dur = fwd[s]
+        elif kind is B:
+            dur = bwd[s] + (rec[s] if (s, a.microbatch) not in r_done else 0.0)
+        elif kind is BI:
+            dur = b_in[s] + (rec[s] if (s, a.microbatch) not in r_done else 0.0)
+        elif kind is W:
+            dur = b_w[s]
+        elif kind is R:
+            dur = rec[s]
+        else:
+            dur = 0.0
+        end = start + dur
+        rank_free[rank] = end
+        busy[rank] += dur
+        starts[rank][step] = start
+        ends[rank][step] = end
+        binding[rank][step] = bind
+        key = produces[rank][step]
+        finish[key] = end
+        producer[key] = (rank, step)
+
+    timeline = [TimedAction(r, schedule.actions[r][st], starts[r][st], ends[r][st]) for r, st in order]
+    makespan = max((t.end for t in timeline), default=0.0)
+    bubble = [1.0 - b / makespan if makespan > 0 else 0.0 for b in busy]
+
+    # Critical path: walk back from the last action to finish.
+    path: list[TimedAction] = []
+    if timeline:
+        last = max(range(len(timeline)), key=lambda i: timeline[i].end)
+        cur: tuple[int, int] | None = (timeline[last].rank, order[last][1])
+        while cur is not None:
+            r, st = cur
+            path.append(TimedAction(r, schedule.actions[r][st], starts[r][st], ends[r][st]))
+            cur = binding[r][st]
+        path.reverse()
+
+    memory, peak, peak_rank = _memory(schedule, starts, ends, frac, act_bytes, in_bytes, costs.weight_grad_fraction, r_done)
+    return SimResult(
+        schedule=schedule,
+        makespan=makespan,
+        timeline=timeline,
+        busy=busy,
+        bubble_fraction=bubble,
+        critical_path=path,
+        memory=memory,
+        peak_memory=peak,
+        peak_memory_per_rank=peak_rank,
+        costs=costs,
+    )
+
+
+def _memory(
+    schedule: Schedule,
+    starts: list[list[float]],
+    ends: list[list[float]],
+    frac: list[float],
+    act_bytes: list[float],
+    in_bytes: list[float],
+    wgrad_fraction: float,
+    r_done: set[tuple[int, int]],
+) -> tuple[dict[int, list[tuple[float, float]]], list[float], list[float]]:
+    """Activation memory per stage; see [Note: activation memory] in the module docstring."""
+    S = schedule.num_stages
+    memory: dict[int, list[tuple[float, float]]] = {s: [(0.0, 0.0)] for s in range(S)}
+    peak = [0.0] * S
+    peak_rank = [0.0] * schedule.num_ranks
+    current = [0.0] * S
+    held: dict[tuple[int, int], float] = {}  # bytes held by (stage, microbatch)
+    for rank in range(schedule.num_ranks):
+        rank_total = 0.0
+        for step, a in enumerate(schedule.actions[rank]):
+            kind = a.kind
+            if not kind.is_compute:
+                continue
+            s, m = a.stage, a.microbatch
+            f, A = frac[s], act_bytes[s]
+            before = current[s]
+            # Start of the action.
+            alloc_start = 0.0
+            if kind is ActionKind.RECOMPUTE or (kind.is_backward and f > 0 and (s, m) not in r_done):
+                alloc_start = f * A
+            if alloc_start:
+                current[s] += alloc_start
+                held[(s, m)] = held.get((s, m), 0.0) + alloc_start
+                memory[s].append((starts[rank][step], current[s]))
+            # End of the action.
+            if kind is ActionKind.FORWARD:
+                kept = (1.0 - f) * A + (in_bytes[s] if f > 0 else 0.0)
+                held[(s, m)] = held.get((s, m), 0.0) + kept
+                current[s] += kept
+            elif kind is ActionKind.FULL_BACKWARD or kind is ActionKind.BACKWARD_WEIGHT:
+                current[s] -= held.pop((s, m), 0.0)
+            elif kind is ActionKind.BACKWARD_INPUT:
+                keep = wgrad_fraction * A
+                current[s] -= held.get((s, m), 0.0) - keep
+                held[(s, m)] = keep
+            if current[s] < 1e-12 * max(1.0, A):
+                current[s] = max(current[s], 0.0)
+            if current[s] != before or alloc_start:
+                memory[s].append((ends[rank][step], current[s]))
+            peak[s] = max(peak[s], before + alloc_start, current[s])
+            rank_total += current[s] - before
+            peak_rank[rank] = max(peak_rank[rank], rank_total - current[s] + before + alloc_start, rank_total)
+    for s in range(S):
+        memory[s].sort(key=lambda p: p[0])
+    return memory, peak, peak_rank
