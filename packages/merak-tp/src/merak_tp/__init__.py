@@ -1,5 +1,63 @@
-"""merak_tp — see the package README for what it holds."""
+"""merak_tp: tensor-parallel layers with sub-pipelined (overlapped) communication.
+
+Layers take their TP process group as a constructor argument; ``parallelize``
+converts an existing model following a plan. No module-level parallel state.
+See the package README for the API, the shard-metadata convention and limits.
+"""
+
+from merak_tp._events import record_overlap_events
+from merak_tp.collectives import (
+    copy_to_tp_region,
+    gather_from_sequence_region,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+    reduce_scatter_to_sequence_region,
+    scatter_to_sequence_region,
+    scatter_to_tp_region,
+)
+from merak_tp.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from merak_tp.loss import vocab_parallel_cross_entropy
+from merak_tp.overlap import SequenceScatter, TPRegion, make_region, make_sequence_scatter, remove_region
+from merak_tp.parallelize import gather_tensor, is_replicated, parallelize
+from merak_tp.plans import STYLES, TPPlan, get_plan, plan_for_model, register_plan
+from merak_tp.rng import RNGTracker, sharded_dropout, tp_seed
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+TP_LEAF_MODULES: tuple[type, ...] = (
+    ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, TPRegion, SequenceScatter,
+)
+"""Classes an fx tracer must keep as opaque leaves (``isinstance`` covers the region subclasses)."""
+
+__all__ = [
+    "STYLES",
+    "TP_LEAF_MODULES",
+    "ColumnParallelLinear",
+    "RNGTracker",
+    "RowParallelLinear",
+    "SequenceScatter",
+    "TPPlan",
+    "TPRegion",
+    "VocabParallelEmbedding",
+    "__version__",
+    "copy_to_tp_region",
+    "gather_from_sequence_region",
+    "gather_from_tp_region",
+    "gather_tensor",
+    "get_plan",
+    "is_replicated",
+    "make_region",
+    "make_sequence_scatter",
+    "parallelize",
+    "plan_for_model",
+    "record_overlap_events",
+    "reduce_from_tp_region",
+    "reduce_scatter_to_sequence_region",
+    "register_plan",
+    "remove_region",
+    "scatter_to_sequence_region",
+    "scatter_to_tp_region",
+    "sharded_dropout",
+    "tp_seed",
+    "vocab_parallel_cross_entropy",
+]

@@ -1,0 +1,146 @@
+"""The chunked autograd functions behind the column and row parallel linears.
+
+[Note: layer-level overlap] With ``chunks = k > 1`` the batch (dim 0) is cut
+into k sub-microbatches:
+
+- row forward: chunk j's partial product is computed, its all-reduce (or
+  reduce-scatter) is launched asynchronously, and chunk j+1 is computed while
+  it is in flight; all handles are waited at the end;
+- column backward: chunk j's input gradient is computed and its all-reduce
+  launched, chunk j+1's input gradient is computed while it is in flight, and
+  the weight gradient (one matmul over all chunks) runs while the last ones
+  are in flight.
+
+k = 1 is the plain Megatron math. The numbers equal k = 1 up to the summation
+order of a matmul split by rows (bit-identical on most BLAS builds).
+
+Shape legend: ``*`` leading dims (batch first), i in-features, o out-features.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from merak_tp import _compat
+from merak_tp._events import _record, _RegionState
+from merak_tp.collectives import _all_gather
+
+
+def _chunks(x: torch.Tensor, k: int) -> list[torch.Tensor]:
+    if k <= 1 or x.dim() < 2 or x.size(0) < 2:
+        return [x]
+    return list(x.chunk(k, dim=0))
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.size(-1))
+
+
+class _ColumnLinearFn(torch.autograd.Function):
+    """y = x W^T + b, all-reducing the input gradient over the group (chunked) in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Any,
+                chunks: int, reduce_input_grad: bool, name: str, region_chunk: int) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        ctx.group, ctx.chunks, ctx.reduce, ctx.name, ctx.region_chunk = (
+            group, chunks, reduce_input_grad, name, region_chunk)
+        y = F.linear(x, weight, bias)
+        _record("compute", "fwd", name, region_chunk)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad_y: torch.Tensor) -> Any:
+        x, weight = ctx.saved_tensors
+        grad_x = grad_w = grad_b = None
+        handles: list[tuple[Any, int]] = []
+        if ctx.needs_input_grad[0]:
+            parts = []
+            for j, g in enumerate(_chunks(grad_y, ctx.chunks)):
+                gx = g.matmul(weight)
+                chunk = ctx.region_chunk + j
+                _record("compute", "bwd", ctx.name, chunk)
+                if ctx.reduce:
+                    handles.append((dist.all_reduce(gx, group=ctx.group, async_op=True), chunk))
+                    _record("launch", "bwd", ctx.name, chunk)
+                parts.append(gx)
+            if handles:
+                # Weight gradients overlap with the last input-gradient all-reduces.
+                grad_w, grad_b = _weight_grads(ctx, grad_y, x)
+                for h, chunk in handles:
+                    h.wait()
+                    _record("wait", "bwd", ctx.name, chunk)
+            grad_x = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        if not handles:
+            grad_w, grad_b = _weight_grads(ctx, grad_y, x)
+        return grad_x, grad_w, grad_b, None, None, None, None, None
+
+
+def _weight_grads(ctx: Any, grad_y: torch.Tensor, x: torch.Tensor) -> tuple[Any, Any]:
+    grad_w = _flat(grad_y).t().matmul(_flat(x)) if ctx.needs_input_grad[1] else None
+    grad_b = _flat(grad_y).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    return grad_w, grad_b
+
+
+class _RowLinearFn(torch.autograd.Function):
+    """y = reduce(x W^T) + b over the group; ``mode`` is "all_reduce" or "reduce_scatter".
+
+    With ``defer`` (a region in block mode), the last wait is left to the region:
+    the handles go to ``defer.pending_fwd`` and the output is returned while its
+    reduction may still be in flight (the region waits before anything reads it).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Any,
+                chunks: int, mode: str, seq_dim: int, name: str, region_chunk: int,
+                defer: _RegionState | None) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        ctx.group, ctx.mode, ctx.seq_dim = group, mode, seq_dim
+        world = dist.get_world_size(group)
+        rank = dist.get_rank(group)
+        outs: list[torch.Tensor] = []
+        handles: list[tuple[Any, int]] = []
+        for j, xj in enumerate(_chunks(x, chunks)):
+            chunk = region_chunk + j
+            # The bias is added once, on rank 0, before the sum: the sum then holds it once.
+            yj = F.linear(xj, weight, bias if rank == 0 else None)
+            _record("compute", "fwd", name, chunk)
+            if mode == "all_reduce":
+                handles.append((dist.all_reduce(yj, group=group, async_op=True), chunk))
+                outs.append(yj)
+            else:
+                d = seq_dim % yj.dim()
+                if yj.size(d) % world:
+                    raise ValueError(
+                        f"sequence length {yj.size(d)} (dim {d}) is not divisible by the tensor-parallel "
+                        f"size {world}: sequence parallelism needs a multiple of {world}"
+                    )
+                y0 = yj.movedim(d, 0).contiguous()
+                out0 = torch.empty((y0.size(0) // world, *y0.shape[1:]), dtype=y0.dtype, device=y0.device)
+                handles.append((_compat.reduce_scatter_dim0(out0, y0, group, async_op=True), chunk))
+                outs.append(out0.movedim(0, d))
+            _record("launch", "fwd", name, chunk)
+        if defer is not None:
+            defer.pending_fwd.extend((h, name, c) for h, c in handles)
+        else:
+            for h, chunk in handles:
+                h.wait()
+                _record("wait", "fwd", name, chunk)
+        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+        return y if defer is not None or mode == "all_reduce" else y.contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, grad_y: torch.Tensor) -> Any:
+        x, weight = ctx.saved_tensors
+        if ctx.mode == "reduce_scatter":
+            grad_y = _all_gather(grad_y, ctx.seq_dim, ctx.group)
+        grad_x = grad_y.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_w = _flat(grad_y).t().matmul(_flat(x)) if ctx.needs_input_grad[1] else None
+        grad_b = _flat(grad_y).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None

@@ -1,0 +1,202 @@
+"""Differentiable collectives for tensor parallelism, with mirrored forward/backward.
+
+Each is a small named ``torch.autograd.Function`` taking the TP process group:
+
+=============================  ===================  ======================
+function                       forward              backward
+=============================  ===================  ======================
+``copy_to_tp_region``          identity             all-reduce
+``reduce_from_tp_region``      all-reduce           identity
+``scatter_to_tp_region``       split (keep shard)   all-gather
+``gather_from_tp_region``      all-gather           split (keep shard)
+``scatter_to_sequence_region`` split along seq      all-gather along seq
+``gather_from_sequence_region``all-gather along seq reduce-scatter along seq
+``reduce_scatter_to_sequence`` reduce-scatter seq   all-gather along seq
+=============================  ===================  ======================
+
+Splits are contiguous equal blocks in rank order; a size that the group size
+does not divide raises ``ValueError``. Not here: the chunked (overlapped)
+linear functions, which live in ``layers.py`` / ``overlap.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from merak_tp import _compat
+
+__all__ = [
+    "copy_to_tp_region",
+    "gather_from_sequence_region",
+    "gather_from_tp_region",
+    "reduce_from_tp_region",
+    "reduce_scatter_to_sequence_region",
+    "scatter_to_sequence_region",
+    "scatter_to_tp_region",
+    "tp_rank",
+    "tp_size",
+]
+
+
+def tp_size(group: Any) -> int:
+    """Number of ranks in the TP group (1 when torch.distributed is not initialised)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+def tp_rank(group: Any) -> int:
+    """This process's rank inside the TP group (0 when not initialised)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return 0
+    return dist.get_rank(group)
+
+
+def _check_divisible(size: int, world: int, what: str) -> None:
+    if size % world:
+        raise ValueError(
+            f"{what}={size} is not divisible by the tensor-parallel size {world}: "
+            f"choose a TP degree that divides {size}"
+        )
+
+
+def _split(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    world = tp_size(group)
+    if world == 1:
+        return x
+    _check_divisible(x.size(dim), world, f"size of dim {dim}")
+    return x.chunk(world, dim=dim)[tp_rank(group)].contiguous()
+
+
+def _all_gather(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    world = tp_size(group)
+    if world == 1:
+        return x
+    d = dim % x.dim()
+    x0 = x.movedim(d, 0).contiguous()
+    out = torch.empty((world * x0.size(0), *x0.shape[1:]), dtype=x.dtype, device=x.device)
+    _compat.all_gather_dim0(out, x0, group)
+    return out.movedim(0, d).contiguous() if d else out
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    world = tp_size(group)
+    if world == 1:
+        return x
+    d = dim % x.dim()
+    _check_divisible(x.size(d), world, f"size of dim {d}")
+    x0 = x.movedim(d, 0).contiguous()
+    out = torch.empty((x0.size(0) // world, *x0.shape[1:]), dtype=x.dtype, device=x.device)
+    _compat.reduce_scatter_dim0(out, x0, group)
+    return out.movedim(0, d).contiguous() if d else out
+
+
+def _all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
+    if tp_size(group) == 1:
+        return x
+    x = x.contiguous().clone()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        return grad, None
+
+
+class _ScatterToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return _split(x, dim, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        return _all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+class _GatherFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return _all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        return _split(grad, ctx.dim, ctx.group), None, None
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return _all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return _reduce_scatter(x, dim, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        return _all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+def copy_to_tp_region(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Identity forward, all-reduce of the gradient backward (entry of a column layer)."""
+    return _CopyToRegion.apply(x, group)
+
+
+def reduce_from_tp_region(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """All-reduce forward, identity backward (exit of a row layer)."""
+    return _ReduceFromRegion.apply(x, group)
+
+
+def scatter_to_tp_region(x: torch.Tensor, group: Any, dim: int = -1) -> torch.Tensor:
+    """Keep this rank's block of ``dim`` forward; all-gather the gradient backward."""
+    return _ScatterToRegion.apply(x, dim, group)
+
+
+def gather_from_tp_region(x: torch.Tensor, group: Any, dim: int = -1) -> torch.Tensor:
+    """All-gather along ``dim`` forward; keep this rank's block of the gradient backward."""
+    return _GatherFromRegion.apply(x, dim, group)
+
+
+def scatter_to_sequence_region(x: torch.Tensor, group: Any, dim: int = 1) -> torch.Tensor:
+    """Enter sequence parallelism: keep this rank's sequence block; all-gather backward."""
+    return _ScatterToRegion.apply(x, dim, group)
+
+
+def gather_from_sequence_region(x: torch.Tensor, group: Any, dim: int = 1) -> torch.Tensor:
+    """All-gather the sequence forward; reduce-scatter the (partial) gradient backward."""
+    return _GatherFromSequence.apply(x, dim, group)
+
+
+def reduce_scatter_to_sequence_region(x: torch.Tensor, group: Any, dim: int = 1) -> torch.Tensor:
+    """Sum partial results and keep this rank's sequence block; all-gather backward."""
+    return _ReduceScatterToSequence.apply(x, dim, group)

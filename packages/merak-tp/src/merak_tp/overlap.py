@@ -1,0 +1,243 @@
+"""TP regions: sub-pipelined (overlapped) blocks and sequence-parallel entry points.
+
+A *region* is a module whose forward is "column layers -> local compute -> one
+row layer" (an attention or MLP block of any model family). ``make_region``
+turns a module into one in place: its class is swapped for a subclass that
+adds the region behaviour (so module names and attributes are unchanged, and
+``isinstance(module, TPRegion)`` makes it an opaque leaf for an fx tracer).
+
+[Note: block-level overlap] With ``chunks = k > 1`` the region runs its forward
+once per sub-microbatch (split along dim 0 of the first input and of every
+other tensor input with 3+ dims and the same leading size). The row layer of
+chunk j launches its all-reduce and returns without waiting; chunk j+1's
+column layers and local compute run while it is in flight; the region waits
+for all of them before concatenating the outputs. Backward mirrors it: each
+chunk's entry all-reduces the (summed) input gradient of all its column layers
+asynchronously, while the autograd engine computes the previous chunk; the
+region's split waits for all before the gradient leaves the region.
+
+Returning a tensor whose reduction is still in flight is only safe when nothing
+inside the region reads it, i.e. when the row layer's output *is* the region's
+output (or the first item of a tuple output). The first call checks this
+("probe" mode: layers run on their own, with their layer-level overlap); a
+region whose output is something else (say, dropout after the row layer) is
+logged and keeps running whole, with layer-level overlap only.
+
+Sequence parallel regions (``sequence_parallel=True``) instead all-gather the
+first input along the sequence on entry (reduce-scatter of its gradient);
+their row layers reduce-scatter. ``make_sequence_scatter`` marks the module
+where the residual stream enters sequence parallelism.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from merak_tp._events import _record, _RegionState
+from merak_tp.collectives import gather_from_sequence_region, scatter_to_sequence_region
+from merak_tp.layers import ColumnParallelLinear, RowParallelLinear
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SequenceScatter", "TPRegion", "make_region", "make_sequence_scatter", "remove_region"]
+
+
+class _RegionEntry(torch.autograd.Function):
+    """Identity forward; backward all-reduces the gradient asynchronously (block mode)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, state: _RegionState, chunk: int) -> torch.Tensor:
+        ctx.state, ctx.chunk = state, chunk
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        st: _RegionState = ctx.state
+        grad = grad.contiguous().clone()
+        handle = torch.distributed.all_reduce(grad, group=st.group, async_op=True)
+        st.pending_bwd.append((handle, st.name, ctx.chunk))
+        _record("launch", "bwd", st.name, ctx.chunk)
+        return grad, None, None
+
+
+class _RegionSplit(torch.autograd.Function):
+    """Split dim 0 into chunks forward; backward waits the region's pending reductions, then cats."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, state: _RegionState, chunks: int) -> Any:
+        ctx.state = state
+        return tuple(c.view_as(c) for c in x.chunk(chunks, dim=0))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        st: _RegionState = ctx.state
+        for handle, name, chunk in st.pending_bwd:
+            handle.wait()
+            _record("wait", "bwd", name, chunk)
+        st.pending_bwd.clear()
+        return torch.cat(grads, dim=0), None, None
+
+
+class TPRegion(nn.Module):
+    """Marker base of region classes made by ``make_region`` (an fx leaf for tracers)."""
+
+    _merak_region_state: _RegionState
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        st = self._merak_region_state
+        base_forward = super().forward  # the original class's forward (next in the MRO)
+        if st.sequence_parallel:
+            if args:
+                args = (gather_from_sequence_region(args[0], st.group, st.sequence_dim), *args[1:])
+            st.mode = "sp"
+            try:
+                return base_forward(*args, **kwargs)
+            finally:
+                st.mode = None
+        if st.chunks == 1 or not args or not isinstance(args[0], torch.Tensor) or args[0].dim() < 2 \
+                or args[0].size(0) < st.chunks or st.deferrable is False:
+            return base_forward(*args, **kwargs)
+        if st.deferrable is None:
+            return self._probe(base_forward, args, kwargs)
+        return self._sub_pipelined(base_forward, args, kwargs)
+
+    def _probe(self, base_forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        st = self._merak_region_state
+        st.mode, st.calls = "probe", []
+        try:
+            out = base_forward(*args, **kwargs)
+        finally:
+            st.mode = None
+        kinds = [k for k, _ in st.calls]
+        first = out[0] if isinstance(out, (tuple, list)) and out else out
+        ok = (kinds.count("row") == 1 and kinds[-1] == "row" and first is st.calls[-1][1]
+              and all(not getattr(m, "gather_output", False) and not getattr(m, "sequence_parallel", False)
+                      for k, m in st.calls if k == "column"))
+        st.deferrable = ok
+        st.calls = []
+        if not ok:
+            logger.info("TP region %s is not 'columns -> local -> one row layer -> output' (%s): it runs "
+                        "whole, with layer-level overlap only", st.name, kinds)
+        return out
+
+    def _sub_pipelined(self, base_forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        st = self._merak_region_state
+        k = st.chunks
+        batch = args[0].size(0)
+        pieces = _RegionSplit.apply(args[0], st, k)
+        k = len(pieces)
+        rest = [_split_like(a, batch, k) for a in args[1:]]
+        kw = {n: _split_like(v, batch, k) for n, v in kwargs.items()}
+        outs = []
+        st.pending_fwd = []
+        try:
+            for j in range(k):
+                st.mode, st.chunk, st.calls = "block", j, []
+                x_j = _RegionEntry.apply(pieces[j], st, j)
+                out = base_forward(x_j, *(r[j] for r in rest), **{n: v[j] for n, v in kw.items()})
+                first = out[0] if isinstance(out, (tuple, list)) and out else out
+                if not st.calls or st.calls[-1][0] != "row" or first is not st.calls[-1][1]:
+                    raise RuntimeError(f"TP region {st.name} changed shape after its first call; "
+                                       "the row layer's output is no longer the region's output")
+                outs.append(out)
+        finally:
+            st.mode, st.chunk, st.calls = None, 0, []
+            for handle, name, chunk in st.pending_fwd:
+                handle.wait()
+                _record("wait", "fwd", name, chunk)
+            st.pending_fwd = []
+        return _cat_outputs(outs)
+
+
+def _split_like(value: Any, batch: int, k: int) -> list[Any]:
+    """Split a batch-major tensor (3+ dims, leading size ``batch``) into k; repeat anything else."""
+    if isinstance(value, torch.Tensor) and value.dim() >= 3 and value.size(0) == batch:
+        return list(value.chunk(k, dim=0))
+    if isinstance(value, tuple) and value and all(isinstance(v, torch.Tensor) for v in value):
+        parts = [_split_like(v, batch, k) for v in value]
+        return [tuple(p[j] for p in parts) for j in range(k)]
+    return [value] * k
+
+
+def _cat_outputs(outs: list[Any]) -> Any:
+    first = outs[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(outs, dim=0)
+    if isinstance(first, (tuple, list)):
+        items = [_cat_outputs([o[i] for o in outs]) for i in range(len(first))]
+        return type(first)(items)
+    if first is None:
+        return None
+    raise TypeError(f"cannot concatenate region outputs of type {type(first).__name__}")
+
+
+class SequenceScatter(nn.Module):
+    """Marker base: the module's first input is split along the sequence on entry."""
+
+    _merak_scatter_group: Any
+    _merak_scatter_dim: int
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if args:
+            args = (scatter_to_sequence_region(args[0], self._merak_scatter_group, self._merak_scatter_dim),
+                    *args[1:])
+        return super().forward(*args, **kwargs)
+
+
+_CLASS_CACHE: dict[tuple[type, type], type] = {}
+
+
+def _swap_class(module: nn.Module, mixin: type) -> None:
+    base = type(module)
+    if issubclass(base, mixin):
+        return
+    key = (mixin, base)
+    cls = _CLASS_CACHE.get(key)
+    if cls is None:
+        cls = type(f"{mixin.__name__}[{base.__name__}]", (mixin, base), {"_merak_base_class": base})
+        _CLASS_CACHE[key] = cls
+    module.__class__ = cls
+
+
+def make_region(
+    module: nn.Module, *, group: Any, chunks: int = 1, sequence_parallel: bool = False, sequence_dim: int = 1,
+    name: str = "region",
+) -> nn.Module:
+    """Make ``module`` (columns -> local compute -> row layer) a TP region, in place.
+
+    ``chunks > 1`` sub-pipelines it (see [Note: block-level overlap]);
+    ``sequence_parallel`` all-gathers its first input along ``sequence_dim``.
+    """
+    if chunks < 1:
+        raise ValueError(f"chunks must be >= 1, got {chunks}")
+    state = _RegionState(group=group, chunks=chunks, name=name, sequence_parallel=sequence_parallel,
+                         sequence_dim=sequence_dim)
+    for sub in module.modules():
+        if isinstance(sub, (ColumnParallelLinear, RowParallelLinear)):
+            sub._merak_region = state
+    _swap_class(module, TPRegion)
+    module._merak_region_state = state  # type: ignore[assignment]
+    return module
+
+
+def make_sequence_scatter(module: nn.Module, *, group: Any, sequence_dim: int = 1) -> nn.Module:
+    """Split ``module``'s first input along ``sequence_dim`` on entry (start of sequence parallelism)."""
+    _swap_class(module, SequenceScatter)
+    module._merak_scatter_group = group  # type: ignore[assignment]
+    module._merak_scatter_dim = sequence_dim  # type: ignore[assignment]
+    return module
+
+
+def remove_region(module: nn.Module) -> nn.Module:
+    """Undo ``make_region`` / ``make_sequence_scatter`` (restore the original class)."""
+    base = getattr(type(module), "_merak_base_class", None)
+    if base is not None:
+        module.__class__ = base
+        for sub in module.modules():
+            if isinstance(sub, (ColumnParallelLinear, RowParallelLinear)):
+                sub._merak_region = None
+    return module

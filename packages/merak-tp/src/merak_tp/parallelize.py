@@ -1,0 +1,219 @@
+"""``parallelize``: convert an existing model to tensor parallelism in place, following a plan.
+
+Steps, in an order that leaves the model untouched if anything is invalid:
+
+1. resolve the plan (``plan=None`` picks a built-in plan by model type);
+2. check and compute every per-rank attribute (head counts...) and build every
+   parallel layer by slicing the existing weights (real or meta tensors), so a
+   size that the TP degree does not divide raises before anything changes;
+3. swap the layers in under the same names, keep tied parameters tied (a
+   parameter shared by two sharded modules is sliced once and shared; any other
+   module attribute holding it gets the shard too), set the attributes;
+4. with ``overlap_chunks > 1`` or ``sequence_parallel``, turn the plan's regions
+   into sub-pipelined / sequence-parallel regions (see ``overlap.py``).
+
+After it, every parameter has ``_merak_tp_dim`` (see [Note: shard metadata] in
+``layers.py``); ``gather_tensor`` rebuilds a full tensor from the shards.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from merak_tp._compat import all_gather_dim0
+from merak_tp.collectives import tp_size
+from merak_tp.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from merak_tp.overlap import make_region, make_sequence_scatter
+from merak_tp.plans import TPPlan, get_plan, plan_for_model
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["gather_tensor", "is_replicated", "parallelize"]
+
+
+def _match(name: str, patterns: Any) -> str | None:
+    for pattern in patterns:
+        if fnmatch.fnmatchcase(name, pattern):
+            return pattern
+    return None
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+
+
+def _build(module: nn.Module, name: str, style: str, *, group: Any, chunks: int, sp: bool, in_region: bool,
+           vocab_loss: bool) -> nn.Module:
+    transposed = _is_conv1d(module)
+    if style == "vocab":
+        if not isinstance(module, nn.Embedding):
+            raise ValueError(f"{name}: style 'vocab' needs an nn.Embedding, got {type(module).__name__}")
+        return VocabParallelEmbedding.from_embedding(module, group=group)
+    if not (isinstance(module, nn.Linear) or transposed):
+        raise ValueError(f"{name}: style {style!r} needs an nn.Linear (or transformers Conv1D), "
+                         f"got {type(module).__name__}")
+    if style in ("column", "column_qkv", "lm_head"):
+        return ColumnParallelLinear.from_linear(
+            module, group=group, gather_output=style == "lm_head" and not vocab_loss,
+            sequence_parallel=sp and not in_region, overlap_chunks=chunks,
+            sections=3 if style == "column_qkv" else 1, transposed=transposed)
+    if style == "row":
+        return RowParallelLinear.from_linear(module, group=group, sequence_parallel=sp, overlap_chunks=chunks,
+                                             transposed=transposed)
+    raise AssertionError(style)
+
+
+def parallelize(
+    model: nn.Module, plan: TPPlan | str | None = None, *, group: Any, overlap_chunks: int = 1,
+    sequence_parallel: bool = False, vocab_parallel_loss: bool | None = None,
+) -> nn.Module:
+    """Tensor-parallelize ``model`` in place over ``group`` and return it.
+
+    ``plan``: a ``TPPlan``, a registered plan name, or ``None`` for the built-in
+    plan of the model's type. ``overlap_chunks``: sub-microbatches for the
+    overlapped (sub-pipelined) collectives, 1 = plain TP. ``sequence_parallel``:
+    Megatron-style sequence parallelism between the regions (the sequence
+    length must be divisible by the TP size). ``vocab_parallel_loss`` overrides
+    the plan's choice: True leaves the LM head's logits sharded along the
+    vocabulary for ``vocab_parallel_cross_entropy``; the default keeps the
+    model's output equal to the unsharded model's.
+    """
+    if overlap_chunks < 1:
+        raise ValueError(f"overlap_chunks={overlap_chunks}: expected an integer >= 1 (1 = no overlap)")
+    if plan is None:
+        plan = plan_for_model(model)
+    elif isinstance(plan, str):
+        plan = get_plan(plan)
+    vocab_loss = plan.vocab_parallel_loss if vocab_parallel_loss is None else vocab_parallel_loss
+    tp = tp_size(group)
+    named = dict(model.named_modules())
+    region_names = [n for n in named if n and _match(n, plan.regions)]
+
+    # 1. attributes: check everything before changing anything.
+    new_attrs: list[tuple[nn.Module, str, int]] = []
+    for name, module in named.items():
+        pattern = _match(name, plan.attributes)
+        if pattern is None:
+            continue
+        for attr in plan.attributes[pattern]:
+            value = getattr(module, attr, None)
+            if not isinstance(value, int):
+                continue
+            if value % tp:
+                raise ValueError(f"{name}.{attr}={value} is not divisible by the tensor-parallel size {tp}; "
+                                 f"choose a TP degree that divides {value}")
+            new_attrs.append((module, attr, value // tp))
+
+    # 2. build the parallel layers (nothing in the model changes yet).
+    replaced: list[tuple[str, nn.Module, nn.Module]] = []
+    for name, module in named.items():
+        pattern = _match(name, plan.layers) if name else None
+        if pattern is None or plan.layers[pattern] == "replicate":
+            continue
+        in_region = any(name.startswith(r + ".") for r in region_names)
+        new = _build(module, name, plan.layers[pattern], group=group, chunks=overlap_chunks,
+                     sp=sequence_parallel, in_region=in_region, vocab_loss=vocab_loss)
+        new._merak_name = name  # type: ignore[assignment]
+        replaced.append((name, module, new))
+    if not replaced:
+        raise ValueError(f"TP plan {plan.name!r} matched no module of {type(model).__name__}: check its "
+                         f"patterns {sorted(plan.layers)} against model.named_modules()")
+
+    # 3. swap in, keeping ties: a parameter shared by several modules is sliced once.
+    shard_of: dict[int, nn.Parameter] = {}
+    for name, old, new in replaced:
+        for pname, new_p in list(new.named_parameters(recurse=False)):
+            old_p = getattr(old, pname, None)
+            if old_p is None:
+                continue
+            if id(old_p) in shard_of:
+                shared = shard_of[id(old_p)]
+                if shared.shape != new_p.shape or getattr(shared, "_merak_tp_dim", None) != new_p._merak_tp_dim:
+                    raise ValueError(f"{name}.{pname} is tied to a parameter sharded differently "
+                                     f"({tuple(shared.shape)} vs {tuple(new_p.shape)}); shard both the same way")
+                setattr(new, pname, shared)
+            else:
+                shard_of[id(old_p)] = new_p
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+    for module in model.modules():
+        for pname, p in list(module._parameters.items()):
+            if p is not None and id(p) in shard_of and module._parameters[pname] is not shard_of[id(p)]:
+                module._parameters[pname] = shard_of[id(p)]
+    for module, attr, value in new_attrs:
+        setattr(module, attr, value)
+    if plan.fixup is not None:
+        for name, module in model.named_modules():
+            plan.fixup(module, name, tp)
+    for p in model.parameters():
+        if not hasattr(p, "_merak_tp_dim"):
+            p._merak_tp_dim = None  # type: ignore[attr-defined]
+            p._merak_tp_sections = 1  # type: ignore[attr-defined]
+
+    # 4. regions: overlap and sequence parallelism.
+    named = dict(model.named_modules())
+    if overlap_chunks > 1 or sequence_parallel:
+        for name in region_names:
+            make_region(named[name], group=group, chunks=overlap_chunks, sequence_parallel=sequence_parallel,
+                        name=name)
+    if sequence_parallel and tp > 1:
+        scatter = [n for n in named if n and _match(n, plan.sequence_scatter)]
+        if not scatter:
+            raise ValueError(f"sequence_parallel=True but plan {plan.name!r} names no sequence_scatter module "
+                             f"matching the model (patterns {plan.sequence_scatter})")
+        for name in scatter:
+            make_sequence_scatter(named[name], group=group)
+        full = {id(p) for n, m in named.items() if n and _match(n, plan.sequence_full)
+                for p in m.parameters()}
+        for p in model.parameters():
+            if p._merak_tp_dim is None and id(p) not in full and p.requires_grad:  # type: ignore[attr-defined]
+                p._merak_tp_sequence_partial = True  # type: ignore[attr-defined]
+                p.register_hook(_make_sum_hook(group))
+    model._merak_tp_plan = plan.name  # type: ignore[assignment]
+    logger.info("parallelized %s with plan %s over %d ranks (%d layers sharded, overlap_chunks=%d, "
+                "sequence_parallel=%s)", type(model).__name__, plan.name, tp, len(replaced), overlap_chunks,
+                sequence_parallel)
+    return model
+
+
+def _make_sum_hook(group: Any) -> Any:
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        # Under sequence parallelism a replicated parameter sees only this rank's tokens.
+        out = grad.contiguous().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    return hook
+
+
+def is_replicated(param: torch.Tensor) -> bool:
+    """True when ``param`` is identical on every TP rank (``_merak_tp_dim is None``)."""
+    return getattr(param, "_merak_tp_dim", None) is None
+
+
+def gather_tensor(tensor: torch.Tensor, *, like: torch.Tensor | None = None, group: Any) -> torch.Tensor:
+    """The full tensor from every rank's shard of ``tensor`` (shard layout read from ``like`` or itself).
+
+    Works for a parameter, its ``.grad`` (pass the parameter as ``like``) or an
+    optimizer state of the same shape. Replicated tensors are returned as is.
+    """
+    meta = tensor if like is None else like
+    dim = getattr(meta, "_merak_tp_dim", None)
+    world = tp_size(group)
+    if dim is None or world == 1:
+        return tensor.detach()
+    sections = getattr(meta, "_merak_tp_sections", 1)
+    x0 = tensor.detach().movedim(dim, 0).contiguous()
+    out = torch.empty((world * x0.size(0), *x0.shape[1:]), dtype=x0.dtype, device=x0.device)
+    all_gather_dim0(out, x0, group)
+    blocks = out.chunk(world, dim=0)  # one block per rank
+    if sections > 1:
+        per_rank = [b.chunk(sections, dim=0) for b in blocks]
+        out = torch.cat([per_rank[r][s] for s in range(sections) for r in range(world)], dim=0)
+    return out.movedim(0, dim)
