@@ -1,0 +1,162 @@
+"""Test bodies run on every rank of the worker pool (module level, picklable), plus references.
+
+A *case* is a dict: model ("gpt", "llama", "llama-dict"), schedule name, num_stages,
+num_microbatches, recompute (None, "full" or a float), seqs (one sequence length per step),
+batch. :func:`train_body` builds the stages of this rank from a full float64 reference model,
+runs one ``PipelineRunner.step`` per sequence length, and returns per step the loss (on the
+last-stage rank) and the gradient of every parameter this rank holds, by the full model's
+names. :func:`reference` computes the same in one process.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from merak_pipe.ir import ActionKind, Schedule
+from merak_pipe.runner import PipelineRunner
+from merak_pipe.schedules import build_schedule
+from merak_pipe.shared import shared_parameter_groups, shared_parameters_list
+from merak_pipe.stage import PipelineStage
+from tests.pipe._runtime_models import build_model, layers_for, model_units, split_units
+from tests.support.models import REFERENCE_MODELS, lm_loss
+
+TIMEOUT = timedelta(seconds=30)
+
+
+def make_schedule(case: dict[str, Any], world: int) -> Schedule:
+    options = dict(case.get("options", {}))
+    return build_schedule(
+        case["schedule"], num_stages=case["num_stages"], num_microbatches=case["num_microbatches"],
+        num_ranks=world, recompute=case.get("recompute"), **options,
+    )
+
+
+def batch_for(case: dict[str, Any], step: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ref = REFERENCE_MODELS["gpt"]  # token models share the input/label makers
+    (ids,) = ref.make_inputs(case["batch"], seq, 100 + step)
+    labels = ref.make_labels(case["batch"], seq, 100 + step)
+    return ids, labels
+
+
+def build_runner(case: dict[str, Any], schedule: Schedule, group: dist.ProcessGroup | None = None,
+                 **runner_kwargs: Any) -> tuple[torch.nn.Module, PipelineRunner]:
+    rank = dist.get_rank(group)
+    num_stages = case["num_stages"]
+    model = build_model(case["model"], num_layers=layers_for(num_stages), dropout=case.get("dropout", 0.0))
+    modules = split_units(model_units(case["model"], model), num_stages)
+    stages = [PipelineStage(modules[s], stage_index=s, num_stages=num_stages, group=group)
+              for s in schedule.stages_of(rank)]
+    shared: list[Any] = []
+    if case["model"] == "gpt":
+        groups = shared_parameter_groups(
+            {"wte.weight": [schedule.rank_of(0), schedule.rank_of(num_stages - 1)]}, group=group)
+        shared = shared_parameters_list({"wte.weight": model.wte.weight}, groups)
+    runner_kwargs.setdefault("timeout", TIMEOUT)
+    runner = PipelineRunner(stages, schedule, loss_fn=lm_loss, group=group, shared_parameters=shared,
+                            **runner_kwargs)
+    return model, runner
+
+
+def train_body(case: dict[str, Any], schedule: Schedule | None = None) -> list[dict[str, Any]]:
+    """One runner, one step per sequence length; per step: loss and this rank's grads by name."""
+    world = dist.get_world_size()
+    schedule = schedule if schedule is not None else make_schedule(case, world)
+    if "seed" in case:
+        torch.manual_seed(case["seed"])
+    model, runner = build_runner(case, schedule)
+    if "seed" in case:
+        torch.manual_seed(case["seed"] + dist.get_rank())
+    results = []
+    for step, seq in enumerate(case["seqs"]):
+        model.zero_grad(set_to_none=True)
+        ids, labels = batch_for(case, step, seq)
+        loss = runner.step(ids if runner.holds_first_stage else None,
+                           labels if runner.holds_last_stage else None)
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results.append({"loss": loss, "grads": grads})
+    return results
+
+
+def reference(case: dict[str, Any]) -> list[dict[str, Any]]:
+    """The same steps in one process, full batch at once."""
+    model = build_model(case["model"], num_layers=layers_for(case["num_stages"]))
+    results = []
+    for step, seq in enumerate(case["seqs"]):
+        model.zero_grad(set_to_none=True)
+        ids, labels = batch_for(case, step, seq)
+        loss = lm_loss(model(ids), labels)
+        loss.backward()
+        results.append({"loss": loss.detach(),
+                        "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()}})
+    return results
+
+
+def strip_recompute_actions(schedule: Schedule) -> Schedule:
+    """The same order of compute actions without R and without a recompute plan."""
+    actions = {r: [a for a in acts if a.kind is not ActionKind.RECOMPUTE] for r, acts in schedule.actions.items()}
+    return Schedule(name=schedule.name + "-norecompute", num_stages=schedule.num_stages,
+                    num_microbatches=schedule.num_microbatches, stage_to_rank=schedule.stage_to_rank,
+                    actions=actions, lowered=schedule.lowered, recompute=None)
+
+
+def dropout_body(case: dict[str, Any], strip: bool) -> list[dict[str, Any]]:
+    """Train with dropout, with the schedule's recompute plan or (strip=True) without recompute."""
+    schedule = make_schedule(case, dist.get_world_size())
+    if strip:
+        schedule = strip_recompute_actions(schedule)
+    return train_body(case, schedule)
+
+
+def evaluate_body(case: dict[str, Any]) -> Any:
+    schedule = make_schedule(case, dist.get_world_size())
+    model, runner = build_runner(case, schedule)
+    ids, labels = batch_for(case, 0, case["seqs"][0])
+    return runner.evaluate(ids if runner.holds_first_stage else None,
+                           labels if runner.holds_last_stage else None, return_outputs=True)
+
+
+def subgroup_body(case: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """World of 4 = two pipelines of 2 ranks side by side ({0, 2} and {1, 3}): p2p by group rank."""
+    rank = dist.get_rank()
+    pipelines = [[0, 2], [1, 3]]
+    groups = [dist.new_group(p) for p in pipelines]
+    group = groups[rank % 2]
+    schedule = make_schedule(case, 2)
+    model, runner = build_runner(case, schedule, group=group)
+    results = []
+    for step, seq in enumerate(case["seqs"]):
+        model.zero_grad(set_to_none=True)
+        ids, labels = batch_for(case, step, seq)
+        loss = runner.step(ids if runner.holds_first_stage else None, labels if runner.holds_last_stage else None)
+        results.append({"loss": loss, "grads": {n: p.grad.clone() for n, p in model.named_parameters()
+                                                if p.grad is not None}})
+    return results
+
+
+def failure_body(case: dict[str, Any], mode: str, victim: int, timeout_s: float) -> str | None:
+    """Rank ``victim`` stalls (never runs its step) or dies (``os._exit``); the others report their error."""
+    world = dist.get_world_size()
+    group = dist.new_group(list(range(world)))  # a fresh group: unmatched receives die with it
+    schedule = make_schedule(case, world)
+    model, runner = build_runner(case, schedule, group=group, timeout=timedelta(seconds=timeout_s))
+    if dist.get_rank() == victim:
+        if mode == "die":
+            time.sleep(0.2)
+            os._exit(17)
+        time.sleep(timeout_s + 1.0)  # stall past everyone's timeout, then leave without a step
+        return None
+    ids, labels = batch_for(case, 0, case["seqs"][0])
+    start = time.monotonic()
+    try:
+        runner.step(ids if runner.holds_first_stage else None, labels if runner.holds_last_stage else None)
+    except Exception as exc:
+        if mode == "die":
+            raise  # the pool reports every rank's traceback when one rank died
+        return f"{type(exc).__name__} after {time.monotonic() - start:.1f}s: {exc}"
+    return "no error"
