@@ -1,5 +1,48 @@
-"""merak_graph — see the package README for what it holds."""
+"""merak_graph: trace, shard and partition PyTorch models into pipeline stages.
+
+The model is never materialised whole: build it under ``empty_init()``, then
+``partition(model, num_stages, example_inputs=...)`` traces it (torch.export or
+torch.fx), annotates costs on meta tensors, cuts the graph into a chain of
+shards at small boundaries and assigns contiguous shards to stages;
+``Partition.build_stage(i, device=...)`` materialises one stage. See README.md.
+"""
+
+from .costs import CostModel, NodeCost, ValueSpec, annotate_costs, graph_cost_summary
+from .empty import empty_init, is_meta_module, materialize
+from .errors import InputMismatchError, PartitionError, TraceError
+from .partitioning import Partition, SharedParameter, StageInfo, partition, partition_sharded
+from .sharding import BoundaryValue, Shard, ShardedGraph, natural_shard_count, shard
+from .solver import optimal_contiguous_partition, uniform_partition
+from .stage import StageModule
+from .tracing import trace
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = [
+    "BoundaryValue",
+    "CostModel",
+    "InputMismatchError",
+    "NodeCost",
+    "Partition",
+    "PartitionError",
+    "Shard",
+    "ShardedGraph",
+    "SharedParameter",
+    "StageInfo",
+    "StageModule",
+    "TraceError",
+    "ValueSpec",
+    "__version__",
+    "annotate_costs",
+    "empty_init",
+    "graph_cost_summary",
+    "is_meta_module",
+    "materialize",
+    "natural_shard_count",
+    "optimal_contiguous_partition",
+    "partition",
+    "partition_sharded",
+    "shard",
+    "trace",
+    "uniform_partition",
+]
