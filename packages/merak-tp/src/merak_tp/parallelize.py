@@ -171,6 +171,10 @@ def parallelize(
             make_sequence_scatter(named[name], group=group)
         full = {id(p) for n, m in named.items() if n and _match(n, plan.sequence_full)
                 for p in m.parameters()}
+        # A row layer's bias gradient is computed from the gathered output gradient: already full.
+        full |= {id(p) for m in named.values() if isinstance(m, (ColumnParallelLinear, RowParallelLinear,
+                                                                 VocabParallelEmbedding))
+                 for p in m.parameters()}
         for p in model.parameters():
             if p._merak_tp_dim is None and id(p) not in full and p.requires_grad:  # type: ignore[attr-defined]
                 p._merak_tp_sequence_partial = True  # type: ignore[attr-defined]

@@ -1,0 +1,266 @@
+"""Rank bodies for the merak-tp multi-process tests (module level: the worker pool pickles them).
+
+Every body builds the unsharded float64 reference in the same process, runs it,
+then runs the tensor-parallel version and compares outputs, loss and every
+gradient by name (shards gathered back with ``merak_tp.gather_tensor``).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import merak_tp
+from tests.support.compare import assert_grads_match, assert_tensors_close, named_grads
+from tests.support.models import REFERENCE_MODELS, Bert, DecoderConfig, GPT, Llama
+
+SMALL = DecoderConfig(num_layers=2, num_kv_heads=4)
+BUILDERS = {
+    "gpt": lambda: GPT(SMALL),
+    "llama": lambda: Llama(DecoderConfig(num_layers=2, num_heads=8, num_kv_heads=4)),
+    "bert": lambda: Bert(SMALL),
+}
+
+
+def tp_group(tp: int) -> Any:
+    """The world when tp == world size; else consecutive subgroups of ``tp`` ranks (all ranks create all)."""
+    world = dist.get_world_size()
+    if tp == world:
+        return dist.group.WORLD
+    mine = None
+    for start in range(0, world, tp):
+        g = dist.new_group(list(range(start, start + tp)))
+        if dist.get_rank() in range(start, start + tp):
+            mine = g
+    return mine
+
+
+def gathered_grads(model: nn.Module, group: Any) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in model.named_parameters():
+        assert p.grad is not None, f"{name} has no gradient"
+        out[name] = merak_tp.gather_tensor(p.grad, like=p, group=group)
+    return out
+
+
+def gathered_params(model: nn.Module, group: Any) -> dict[str, torch.Tensor]:
+    return {n: merak_tp.gather_tensor(p, group=group) for n, p in model.named_parameters()}
+
+
+# --------------------------------------------------------------------------- layers
+
+
+def column_body(tp: int, chunks: int, gather_output: bool, bias: bool) -> bool:
+    group = tp_group(tp)
+    torch.manual_seed(0)
+    ref = nn.Linear(12, 32, bias=bias).double()
+    x = torch.randn(4, 3, 12, dtype=torch.float64)
+    xr = x.clone().requires_grad_(True)
+    y_ref = ref(xr)
+    w_out = torch.randn_like(y_ref)
+    (y_ref * w_out).sum().backward()
+    layer = merak_tp.ColumnParallelLinear.from_linear(ref, group=group, gather_output=gather_output,
+                                                      overlap_chunks=chunks)
+    xp = x.clone().requires_grad_(True)
+    y = layer(xp)
+    if gather_output:
+        assert_tensors_close(y, y_ref.detach(), name="column output")
+        (y * w_out).sum().backward()
+    else:
+        w_local = w_out.chunk(layer.tp_size, -1)[layer.tp_rank]
+        assert_tensors_close(merak_tp.gather_from_tp_region(y.detach(), group), y_ref.detach(), name="out")
+        (y * w_local).sum().backward()
+    assert xp.grad is not None and xr.grad is not None
+    assert_tensors_close(xp.grad, xr.grad, name="input grad")
+    assert_grads_match(gathered_grads(layer, group), named_grads(ref))
+    return True
+
+
+def row_body(tp: int, chunks: int, input_is_parallel: bool, bias: bool) -> bool:
+    group = tp_group(tp)
+    torch.manual_seed(1)
+    ref = nn.Linear(16, 6, bias=bias).double()
+    x = torch.randn(4, 3, 16, dtype=torch.float64)
+    xr = x.clone().requires_grad_(True)
+    y_ref = ref(xr)
+    w_out = torch.randn_like(y_ref)
+    (y_ref * w_out).sum().backward()
+    layer = merak_tp.RowParallelLinear.from_linear(ref, group=group, input_is_parallel=input_is_parallel,
+                                                   overlap_chunks=chunks)
+    rank = dist.get_rank(group)
+    xin = x if not input_is_parallel else x.chunk(tp, -1)[rank]
+    xp = xin.clone().requires_grad_(True)
+    y = layer(xp)
+    assert_tensors_close(y, y_ref.detach(), name="row output")
+    (y * w_out).sum().backward()
+    assert xp.grad is not None and xr.grad is not None
+    expect = xr.grad if not input_is_parallel else xr.grad.chunk(tp, -1)[rank]
+    assert_tensors_close(xp.grad, expect, name="input grad")
+    assert_grads_match(gathered_grads(layer, group), named_grads(ref))
+    return True
+
+
+def mlp_sp_body(tp: int, chunks: int) -> bool:
+    """column(SP: gather seq) -> gelu -> row(SP: reduce-scatter seq), vs the unsharded MLP."""
+    group = tp_group(tp)
+    rank = dist.get_rank(group)
+    torch.manual_seed(2)
+    fc1, fc2 = nn.Linear(8, 16).double(), nn.Linear(16, 8).double()
+    x = torch.randn(4, 8, 8, dtype=torch.float64)
+    xr = x.clone().requires_grad_(True)
+    y_ref = fc2(F.gelu(fc1(xr)))
+    w_out = torch.randn_like(y_ref)
+    (y_ref * w_out).sum().backward()
+    c = merak_tp.ColumnParallelLinear.from_linear(fc1, group=group, sequence_parallel=True, overlap_chunks=chunks)
+    r = merak_tp.RowParallelLinear.from_linear(fc2, group=group, sequence_parallel=True, overlap_chunks=chunks)
+    x_local = x.chunk(tp, 1)[rank].clone().requires_grad_(True)
+    y_local = r(F.gelu(c(x_local)))
+    assert_tensors_close(y_local, y_ref.detach().chunk(tp, 1)[rank], name="SP output block")
+    (y_local * w_out.chunk(tp, 1)[rank]).sum().backward()
+    assert x_local.grad is not None and xr.grad is not None
+    assert_tensors_close(x_local.grad, xr.grad.chunk(tp, 1)[rank], name="SP input grad block")
+    grads = {"0." + n: merak_tp.gather_tensor(p.grad, like=p, group=group) for n, p in c.named_parameters()}
+    grads.update({"2." + n: merak_tp.gather_tensor(p.grad, like=p, group=group) for n, p in r.named_parameters()})
+    ref_grads = {"0." + n: p.grad for n, p in fc1.named_parameters()}
+    ref_grads.update({"2." + n: p.grad for n, p in fc2.named_parameters()})
+    assert_grads_match(grads, ref_grads)  # type: ignore[arg-type]
+    return True
+
+
+def embedding_body(tp: int, padding_idx: int | None) -> bool:
+    group = tp_group(tp)
+    torch.manual_seed(3)
+    ref = nn.Embedding(16, 6, padding_idx=padding_idx).double()
+    ids = torch.randint(0, 16, (3, 5))
+    ids[0, 0] = 0
+    y_ref = ref(ids)
+    w_out = torch.randn_like(y_ref)
+    (y_ref * w_out).sum().backward()
+    layer = merak_tp.VocabParallelEmbedding.from_embedding(ref, group=group)
+    y = layer(ids)
+    assert_tensors_close(y, y_ref.detach(), name="embedding output")
+    (y * w_out).sum().backward()
+    assert_grads_match(gathered_grads(layer, group), named_grads(ref))
+    return True
+
+
+def loss_body(tp: int, smoothing: float, reduction: str) -> bool:
+    group = tp_group(tp)
+    rank = dist.get_rank(group)
+    torch.manual_seed(4)
+    logits = torch.randn(3, 5, 8 * tp, dtype=torch.float64) * 3
+    labels = torch.randint(0, 8 * tp, (3, 5))
+    labels[0, :2] = -100
+    lr = logits.clone().requires_grad_(True)
+    ref = F.cross_entropy(lr.reshape(-1, 8 * tp), labels.reshape(-1), ignore_index=-100,
+                          label_smoothing=smoothing, reduction=reduction)
+    local = logits.chunk(tp, -1)[rank].clone().requires_grad_(True)
+    loss = merak_tp.vocab_parallel_cross_entropy(local, labels, group=group, label_smoothing=smoothing,
+                                                 reduction=reduction)
+    if reduction == "none":
+        ref = ref.reshape(3, 5)
+    assert_tensors_close(loss, ref.detach(), name="loss")
+    w = torch.randn_like(ref) if reduction == "none" else torch.tensor(1.7, dtype=torch.float64)
+    (ref * w).sum().backward()
+    (loss * w).sum().backward()
+    assert local.grad is not None and lr.grad is not None
+    assert_tensors_close(local.grad, lr.grad.chunk(tp, -1)[rank], name="logit grad")
+    return True
+
+
+# --------------------------------------------------------------------------- parallelize
+
+
+def parallelize_body(name: str, tp: int, chunks: int, sp: bool, vocab_loss: bool, train: bool = True) -> str:
+    group = tp_group(tp)
+    torch.manual_seed(0)
+    ref = BUILDERS[name]().double()
+    model = copy.deepcopy(ref)
+    spec = REFERENCE_MODELS[name]
+    inputs = spec.make_inputs(4, 8, 11)
+    labels = spec.make_labels(4, 8, 11)
+    labels[0, :3] = -100
+    ref.train(train)
+    model.train(train)
+    ref.zero_grad()
+    out_ref = ref(*inputs)
+    loss_ref = spec.loss(out_ref, labels)
+    loss_ref.backward()
+
+    merak_tp.parallelize(model, group=group, overlap_chunks=chunks, sequence_parallel=sp,
+                         vocab_parallel_loss=vocab_loss)
+    if name == "gpt":
+        assert model.lm_head.weight is model.wte.weight, "tied weights came apart"
+    # A first step lets sub-pipelined regions check their shape ("probe"); the second runs chunked.
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        out = model(*inputs)
+        if _ == 0:
+            (out.float().sum() * 0).backward()
+    if vocab_loss:
+        loss = merak_tp.vocab_parallel_cross_entropy(out, labels, group=group)
+        out_full = merak_tp.gather_from_tp_region(out.detach(), group)
+    else:
+        loss = spec.loss(out, labels)
+        out_full = out
+    assert_tensors_close(out_full, out_ref.detach(), name="model output")
+    assert_tensors_close(loss, loss_ref.detach(), name="loss")
+    loss.backward()
+    assert_grads_match(gathered_grads(model, group), named_grads(ref))
+    # Replicated parameters have identical gradients on every TP rank.
+    for pname, p in model.named_parameters():
+        if merak_tp.is_replicated(p):
+            g = p.grad.clone()  # type: ignore[union-attr]
+            dist.all_reduce(g, op=dist.ReduceOp.MAX, group=group)
+            assert_tensors_close(p.grad, g, name=f"replicated grad {pname} across ranks")  # type: ignore[arg-type]
+    return {n: m._merak_region_state.deferrable for n, m in model.named_modules()
+            if isinstance(m, merak_tp.TPRegion)}
+
+
+def meta_body(tp: int) -> bool:
+    """parallelize on a meta model keeps shapes/names/ties; loading real shards then matches."""
+    group = tp_group(tp)
+    with torch.device("meta"):
+        model = GPT(SMALL)
+    merak_tp.parallelize(model, group=group)
+    assert model.lm_head.weight is model.wte.weight
+    assert model.blocks[0].attn.q_proj.weight.is_meta
+    assert model.blocks[0].attn.q_proj.weight.shape == (32 // tp, 32)
+    assert model.blocks[0].attn.num_heads == 4 // tp
+    torch.manual_seed(0)
+    real = GPT(SMALL).double()
+    real_tp = merak_tp.parallelize(copy.deepcopy(real), group=group)
+    shard_names = {n for n, _ in model.named_parameters()}
+    assert shard_names == {n for n, _ in real_tp.named_parameters()}
+    for (n, p), (_, q) in zip(model.named_parameters(), real_tp.named_parameters(), strict=True):
+        assert p.shape == q.shape, n
+        assert getattr(p, "_merak_tp_dim", "x") == getattr(q, "_merak_tp_dim", "y"), n
+    return True
+
+
+def init_body(tp: int) -> bool:
+    """Layers built from scratch with the same seed equal nn.Linear/nn.Embedding built with it."""
+    group = tp_group(tp)
+    torch.manual_seed(5)
+    ref = nn.Linear(6, 8)
+    torch.manual_seed(5)
+    col = merak_tp.ColumnParallelLinear(6, 8, group=group)
+    assert_tensors_close(merak_tp.gather_tensor(col.weight, group=group), ref.weight, name="col weight")
+    assert_tensors_close(merak_tp.gather_tensor(col.bias, group=group), ref.bias, name="col bias")
+    torch.manual_seed(6)
+    ref2 = nn.Linear(8, 6)
+    torch.manual_seed(6)
+    row2 = merak_tp.RowParallelLinear(8, 6, group=group)
+    assert_tensors_close(merak_tp.gather_tensor(row2.weight, group=group), ref2.weight, name="row weight")
+    assert_tensors_close(row2.bias, ref2.bias, name="row bias")
+    torch.manual_seed(7)
+    ref3 = nn.Embedding(8, 3)
+    torch.manual_seed(7)
+    emb = merak_tp.VocabParallelEmbedding(8, 3, group=group)
+    assert_tensors_close(merak_tp.gather_tensor(emb.weight, group=group), ref3.weight, name="embedding")
+    return True

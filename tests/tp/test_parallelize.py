@@ -1,0 +1,42 @@
+"""``parallelize`` on every reference model: outputs, loss and all gradients equal the unsharded model."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.dist import run_on_ranks
+from tests.tp import _bodies as B
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama", "bert"])
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("chunks", [1, 2, 4])
+def test_parallelize_reference_models(name: str, tp: int, chunks: int) -> None:
+    regions = run_on_ranks(tp, B.parallelize_body, name, tp, chunks, False, False)[0]
+    if chunks == 1:
+        assert regions == {}
+    else:
+        # Every attention / MLP block of the reference models really ran sub-pipelined.
+        assert regions and all(regions.values()), regions
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama", "bert"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_parallelize_vocab_parallel_loss(name: str, tp: int) -> None:
+    run_on_ranks(tp, B.parallelize_body, name, tp, 2, False, True)
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama", "bert"])
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_parallelize_sequence_parallel(name: str, tp: int, chunks: int) -> None:
+    run_on_ranks(tp, B.parallelize_body, name, tp, chunks, True, chunks == 2)
+
+
+def test_parallelize_on_a_subgroup() -> None:
+    run_on_ranks(4, B.parallelize_body, "llama", 2, 2, False, False)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_parallelize_meta_model(tp: int) -> None:
+    assert all(run_on_ranks(tp, B.meta_body, tp))
