@@ -1,0 +1,487 @@
+"""``TrainingArguments``: the training configuration, Hugging Face style, plus the parallel fields.
+
+A Hugging Face ``Trainer`` user recognises the names and defaults
+(``per_device_train_batch_size``, ``gradient_accumulation_steps``,
+``learning_rate``, ``lr_scheduler_type``, ``warmup_steps``, ...). Merak adds the
+3D-parallel fields (``dp``, ``tp``, ``pp``, ``schedule``, ``recompute``,
+``memory_budget``, ``overlap_chunks``, ``zero_stage``, ``tp_plan``).
+
+[Note: batch sizes] ``per_device_train_batch_size`` is the *microbatch* size of
+one data-parallel replica (a DP rank; all TP ranks and pipeline stages of a
+replica share it). ``gradient_accumulation_steps`` is the number of microbatches
+per optimizer step, which Merak's pipeline calls ``num_microbatches`` (the
+property and the YAML key ``num_microbatches`` are aliases). So one optimizer
+step consumes ``per_device_train_batch_size * gradient_accumulation_steps``
+samples per DP replica and ``global_batch_size(dp)`` samples in total, exactly
+as with Hugging Face gradient accumulation on ``dp`` GPUs.
+
+Configs load from YAML (a flat mapping of field names) with ``key=value``
+overrides from the command line, type-checked against the field types; an
+unknown key is an error that lists the valid keys and suggests the closest one.
+:func:`build_lr_scheduler` turns the schedule fields into a
+``torch.optim.lr_scheduler.LambdaLR`` with Hugging Face's formulas.
+
+Not done here: the per-component configs of the libraries (the trainer derives
+them from these fields) and any check against the world size (``init`` does that).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import logging
+import math
+import re
+import textwrap
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+LR_SCHEDULER_TYPES = ("constant", "linear", "cosine")
+SCHEDULES = ("auto", "gpipe", "1f1b", "interleaved_1f1b", "shifted_critical_path")
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KEY_ALIASES = {"num_microbatches": "gradient_accumulation_steps", "micro_batch_size": "per_device_train_batch_size"}
+"""Merak names accepted in YAML and overrides for the Hugging Face field they map to."""
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_recompute(spec: str) -> tuple[str, float | None]:
+    """``"none" | "full" | "uniform:<f>" | "stage_aware"`` -> ``(kind, fraction)``.
+
+    ``fraction`` is the share of layers recomputed per stage for ``uniform`` (0 < f <= 1),
+    1.0 for ``full``, 0.0 for ``none`` and None for ``stage_aware`` (chosen per stage).
+    """
+    if not isinstance(spec, str):
+        raise ValueError(f"recompute must be a string, got {spec!r}: use 'none', 'full', 'uniform:0.5' or 'stage_aware'")
+    text = spec.strip().lower()
+    if text == "none":
+        return "none", 0.0
+    if text == "full":
+        return "full", 1.0
+    if text == "stage_aware":
+        return "stage_aware", None
+    if text.startswith("uniform:"):
+        try:
+            fraction = float(text.split(":", 1)[1])
+        except ValueError:
+            fraction = math.nan
+        if not 0.0 < fraction <= 1.0:
+            raise ValueError(
+                f"recompute={spec!r}: the uniform fraction must be a number in (0, 1], e.g. 'uniform:0.5'"
+            )
+        return "uniform", fraction
+    raise ValueError(f"recompute={spec!r} is not one of 'none', 'full', 'uniform:<fraction>', 'stage_aware'")
+
+
+def parse_bytes(value: int | str) -> int:
+    """``12884901888``, ``"12GiB"``, ``"500 MB"`` -> bytes (binary units KiB..TiB, decimal KB..TB)."""
+    if isinstance(value, bool):
+        raise ValueError(f"memory size must be bytes or a string like '12GiB', got {value!r}")
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError(f"memory size must be positive, got {value}")
+        return value
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read memory size {value!r}: write bytes or e.g. '12GiB', '500MB'")
+    size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if size <= 0:
+        raise ValueError(f"memory size must be positive, got {value!r}")
+    return size
+
+
+@dataclass(kw_only=True)
+class TrainingArguments:
+    """Everything a training run needs, Hugging Face ``TrainingArguments`` names plus 3D-parallel fields."""
+
+    # ------------------------------------------------------------ Hugging Face fields
+    output_dir: str = "merak_output"
+    """Directory for metrics, the loss plot and checkpoints."""
+    per_device_train_batch_size: int = 8
+    """Microbatch size per DP replica (see [Note: batch sizes]); alias ``micro_batch_size``."""
+    per_device_eval_batch_size: int = 8
+    """Evaluation batch size per DP replica."""
+    gradient_accumulation_steps: int = 1
+    """Microbatches per optimizer step; Merak's ``num_microbatches`` (alias key)."""
+    learning_rate: float = 5e-5
+    """Peak learning rate of AdamW (reached after ``warmup_steps``)."""
+    lr_scheduler_type: str = "linear"
+    """Decay after warm-up: ``constant``, ``linear`` (to 0 at the last step) or ``cosine`` (to 0)."""
+    warmup_steps: int = 0
+    """Steps of linear warm-up from 0 to ``learning_rate`` (applies to every scheduler type)."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay (biases and norm weights are usually excluded by the trainer)."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.999
+    """AdamW beta2."""
+    adam_epsilon: float = 1e-8
+    """AdamW epsilon."""
+    max_grad_norm: float = 1.0
+    """Global gradient-norm clip (over DP, TP and PP); 0 disables clipping."""
+    max_steps: int = -1
+    """Optimizer steps to run; -1 means ``num_train_epochs`` epochs."""
+    num_train_epochs: float = 3.0
+    """Epochs to run when ``max_steps`` is -1 (fractions allowed)."""
+    logging_steps: int = 10
+    """Log loss, tokens/s and step time every this many steps."""
+    eval_steps: int | None = None
+    """Evaluate every this many steps; None: only at the end (when an eval dataset is given)."""
+    save_steps: int | None = None
+    """Checkpoint every this many steps; None: no periodic checkpoints."""
+    save_total_limit: int | None = None
+    """Keep at most this many checkpoints (oldest deleted first); None: keep all."""
+    seed: int = 42
+    """Seed of parameter initialisation, data order and dropout."""
+    bf16: bool = False
+    """bfloat16 mixed precision: autocast compute over float32 parameters (needs dtype float32)."""
+    dtype: str = "float32"
+    """Parameter dtype: ``float32``, ``float64``, ``bfloat16`` or ``float16``."""
+    dataloader_num_workers: int = 0
+    """Worker processes of the data loader on the ranks that read data."""
+
+    # ------------------------------------------------------------ Merak's parallel fields
+    dp: int | None = None
+    """Data-parallel degree; None: WORLD_SIZE // (tp * pp)."""
+    tp: int = 1
+    """Tensor-parallel degree."""
+    pp: int = 1
+    """Pipeline-parallel degree (stages)."""
+    schedule: str = "auto"
+    """Pipeline schedule: ``auto`` (shifted critical path with a memory budget, else 1F1B), ``gpipe``,
+    ``1f1b``, ``interleaved_1f1b`` or ``shifted_critical_path``."""
+    recompute: str = "none"
+    """Activation recomputation: ``none``, ``full``, ``uniform:<fraction>`` or ``stage_aware``."""
+    memory_budget: int | str | None = None
+    """Activation memory budget per rank, bytes or e.g. ``"12GiB"``; stored as bytes. None: no limit."""
+    overlap_chunks: int = 1
+    """Sub-microbatches for sub-pipelined TP (communication overlapped with compute); 1: off."""
+    zero_stage: int = 0
+    """0: replicated optimizer states; 1: ZeRO-1, optimizer states sharded over DP."""
+    tp_plan: str | dict[str, str] | None = None
+    """TP plan: None/``auto`` for known model types, a plan name, or a mapping module pattern -> style."""
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.output_dir, str) and self.output_dir != "", "output_dir", self.output_dir,
+               "a non-empty directory path")
+        for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+                     "logging_steps", "tp", "pp", "overlap_chunks"):
+            _check_int(self, name, minimum=1)
+        for name in ("warmup_steps", "seed", "dataloader_num_workers"):
+            _check_int(self, name, minimum=0)
+        for name in ("eval_steps", "save_steps", "save_total_limit", "dp"):
+            if getattr(self, name) is not None:
+                _check_int(self, name, minimum=1, hint="or null")
+        _check_int(self, "max_steps", minimum=-1)
+        _check(self.max_steps != 0, "max_steps", 0, "-1 (train num_train_epochs) or a positive step count")
+        for name in ("learning_rate", "weight_decay", "max_grad_norm"):
+            _check_float(self, name, minimum=0.0)
+        _check_float(self, "adam_epsilon", minimum=0.0)
+        _check(self.adam_epsilon > 0, "adam_epsilon", self.adam_epsilon, "a positive number such as 1e-8")
+        for name in ("adam_beta1", "adam_beta2"):
+            _check_float(self, name, minimum=0.0)
+            _check(getattr(self, name) < 1.0, name, getattr(self, name), "a number in [0, 1)")
+        _check_float(self, "num_train_epochs", minimum=0.0)
+        _check(self.max_steps > 0 or self.num_train_epochs > 0, "num_train_epochs", self.num_train_epochs,
+               "a positive number of epochs when max_steps is -1")
+        _check(self.lr_scheduler_type in LR_SCHEDULER_TYPES, "lr_scheduler_type", self.lr_scheduler_type,
+               f"one of {LR_SCHEDULER_TYPES}")
+        _check(isinstance(self.bf16, bool), "bf16", self.bf16, "true or false")
+        _check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {tuple(DTYPES)}")
+        if self.bf16 and self.dtype != "float32":
+            raise ValueError(
+                f"bf16=True with dtype={self.dtype!r}: mixed precision keeps float32 parameters, so set "
+                "dtype='float32' (or bf16=False to train in a low-precision dtype directly)"
+            )
+        _check(self.schedule in SCHEDULES, "schedule", self.schedule, f"one of {SCHEDULES}")
+        parse_recompute(self.recompute)
+        if self.memory_budget is not None:
+            self.memory_budget = parse_bytes(self.memory_budget)
+        _check(self.zero_stage in (0, 1) and not isinstance(self.zero_stage, bool), "zero_stage",
+               self.zero_stage, "0 (off) or 1 (optimizer states sharded over DP)")
+        if isinstance(self.tp_plan, Mapping):
+            _check(all(isinstance(k, str) and isinstance(v, str) for k, v in self.tp_plan.items()), "tp_plan",
+                   self.tp_plan, "a mapping of module-name pattern to a style name (both strings)")
+        else:
+            _check(self.tp_plan is None or isinstance(self.tp_plan, str), "tp_plan", self.tp_plan,
+                   "null, 'auto', a plan name or a mapping")
+
+    # ------------------------------------------------------------ derived values
+
+    @property
+    def num_microbatches(self) -> int:
+        """Microbatches per optimizer step (= ``gradient_accumulation_steps``)."""
+        return self.gradient_accumulation_steps
+
+    @property
+    def micro_batch_size(self) -> int:
+        """Samples per microbatch per DP replica (= ``per_device_train_batch_size``)."""
+        return self.per_device_train_batch_size
+
+    def global_batch_size(self, dp: int | None = None) -> int:
+        """Samples per optimizer step over all DP replicas (``dp`` defaults to the field)."""
+        degree = self.dp if dp is None else dp
+        if degree is None:
+            raise ValueError("dp is None (inferred at init): pass the actual dp, e.g. layout.dp")
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps * degree
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """``dtype`` as a ``torch.dtype``."""
+        return DTYPES[self.dtype]
+
+    @property
+    def recompute_mode(self) -> tuple[str, float | None]:
+        """``recompute`` parsed by :func:`parse_recompute`."""
+        return parse_recompute(self.recompute)
+
+    # ------------------------------------------------------------ (de)serialisation
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        """Every configurable key."""
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def field_help(cls) -> dict[str, str]:
+        """Field docstrings by name (for ``--help`` texts and error messages)."""
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+        except (OSError, TypeError):
+            return {}
+        body = tree.body[0].body  # type: ignore[attr-defined]
+        out = {}
+        for node, after in zip(body, body[1:], strict=False):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                    and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                    and isinstance(after.value.value, str)):
+                out[node.target.id] = " ".join(after.value.value.split())
+        return out
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], *, source: str = "config") -> TrainingArguments:
+        """Build from a mapping of field names (aliases allowed); values are type-checked."""
+        hints = typing.get_type_hints(cls)
+        kwargs: dict[str, Any] = {}
+        for key, value in values.items():
+            name = _canonical_key(str(key), source)
+            if name in kwargs:
+                raise ValueError(f"{source}: {name!r} is given twice (directly and through an alias)")
+            kwargs[name] = _coerce(name, value, hints[name], source=source)
+        return cls(**kwargs)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, overrides: Iterable[str] = ()) -> TrainingArguments:
+        """Load a YAML mapping of field names, then apply ``key=value`` overrides (later wins)."""
+        yaml = _yaml()
+        text = Path(path).read_text()
+        loaded = yaml.safe_load(text)
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, Mapping):
+            raise ValueError(f"{path}: expected a mapping of TrainingArguments fields, got {type(loaded).__name__}")
+        values: dict[str, Any] = {}
+        for key, value in loaded.items():
+            values[_canonical_key(str(key), str(path))] = value
+        values.update(parse_overrides(overrides))
+        return cls.from_dict(values, source=str(path))
+
+    def with_overrides(self, overrides: Iterable[str]) -> TrainingArguments:
+        """A copy with ``key=value`` overrides applied (validated like a fresh config)."""
+        return type(self).from_dict({**self.to_dict(), **parse_overrides(overrides)}, source="overrides")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (YAML/JSON-serialisable)."""
+        return dataclasses.asdict(self)
+
+    def to_yaml(self, path: str | Path | None = None) -> str:
+        """The config as YAML (written to ``path`` when given); ``from_yaml`` reads it back."""
+        text = str(_yaml().safe_dump(self.to_dict(), sort_keys=False))
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _check(ok: bool, name: str, value: Any, expected: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}={value!r} is invalid: expected {expected}; set {name} accordingly")
+
+
+def _check_int(args: TrainingArguments, name: str, *, minimum: int, hint: str = "") -> None:
+    value = getattr(args, name)
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+    _check(ok, name, value, f"an integer >= {minimum}{' ' + hint if hint else ''}")
+
+
+def _check_float(args: TrainingArguments, name: str, *, minimum: float) -> None:
+    value = getattr(args, name)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= minimum
+    _check(ok, name, value, f"a number >= {minimum}")
+    setattr(args, name, float(value))
+
+
+def _yaml() -> Any:
+    try:
+        import yaml
+    except ImportError as err:  # pragma: no cover - pyyaml is a dependency of merak-core
+        raise ImportError("reading/writing YAML configs needs PyYAML: pip install pyyaml") from err
+    return yaml
+
+
+def _canonical_key(key: str, source: str) -> str:
+    name = KEY_ALIASES.get(key, key)
+    valid = TrainingArguments.field_names()
+    if name not in valid:
+        close = difflib.get_close_matches(key, valid + list(KEY_ALIASES), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(
+            f"{source}: unknown TrainingArguments key {key!r}{hint}. Valid keys: {', '.join(valid)}; "
+            f"aliases: {', '.join(f'{a} -> {b}' for a, b in KEY_ALIASES.items())}"
+        )
+    return name
+
+
+def parse_overrides(overrides: Iterable[str]) -> dict[str, Any]:
+    """``["lr_scheduler_type=cosine", "--tp=2"]`` -> ``{"lr_scheduler_type": "cosine", "tp": 2}`` (YAML scalars)."""
+    if isinstance(overrides, str):
+        overrides = [overrides]
+    out: dict[str, Any] = {}
+    for item in overrides:
+        text = item[2:] if item.startswith("--") else item
+        if "=" not in text:
+            raise ValueError(f"override {item!r} is not of the form key=value (e.g. learning_rate=3e-4)")
+        key, raw = text.split("=", 1)
+        name = _canonical_key(key.strip(), "override")
+        parsed = _yaml().safe_load(raw) if raw.strip() else ""
+        members = _members(typing.get_type_hints(TrainingArguments)[name])
+        if isinstance(parsed, str) or (str in members and isinstance(parsed, (int, float, bool))
+                                       and not any(_convert(parsed, m) is not _NO for m in members if m is not str)):
+            parsed = raw.strip()  # e.g. output_dir=2024 stays the text the user typed
+        out[name] = parsed
+    return out
+
+
+def _members(annotation: Any) -> tuple[Any, ...]:
+    origin = typing.get_origin(annotation)
+    return typing.get_args(annotation) if origin in (typing.Union, types.UnionType) else (annotation,)
+
+
+def _coerce(name: str, value: Any, annotation: Any, *, source: str) -> Any:
+    """Check ``value`` against the field type; convert where the text form is unambiguous."""
+    members = _members(annotation)
+    optional = type(None) in members
+    if value is None and optional:
+        return None
+    if (optional and str not in members and isinstance(value, str)
+            and value.strip().lower() in ("none", "null")):
+        return None
+    for member in members:
+        converted = _convert(value, member)
+        if converted is not _NO:
+            return converted
+    expected = " or ".join(_type_name(m) for m in members)
+    got = "null" if value is None else type(value).__name__
+    raise ValueError(f"{source}: {name}={value!r} has the wrong type: expected {expected}, got {got}")
+
+
+_NO = object()
+
+
+def _convert(value: Any, member: Any) -> Any:
+    if member is type(None):
+        return _NO
+    if member is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+            return value.strip().lower() == "true"
+        return _NO
+    if member is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str) and re.fullmatch(r"[+-]?\d+", value.strip()):
+            return int(value)
+        return _NO
+    if member is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                return _NO
+        return _NO
+    if member is str:
+        return value if isinstance(value, str) else _NO
+    if typing.get_origin(member) is dict:
+        return dict(value) if isinstance(value, Mapping) else _NO
+    return value if isinstance(value, member) else _NO
+
+
+def _type_name(member: Any) -> str:
+    if member is type(None):
+        return "null"
+    if typing.get_origin(member) is dict:
+        return "a mapping"
+    return getattr(member, "__name__", str(member))
+
+
+# ---------------------------------------------------------------------------- LR schedules
+
+
+def lr_lambda(args: TrainingArguments, num_training_steps: int | None = None) -> typing.Callable[[int], float]:
+    """The multiplier of ``learning_rate`` at each step (Hugging Face's formulas, warm-up for all types)."""
+    warmup = args.warmup_steps
+    kind = args.lr_scheduler_type
+    total = num_training_steps if num_training_steps is not None else (args.max_steps if args.max_steps > 0 else None)
+    if kind != "constant" and total is None:
+        raise ValueError(
+            f"lr_scheduler_type={kind!r} decays to 0 at the last step, but max_steps=-1: pass num_training_steps "
+            "(the trainer computes it from num_train_epochs) or set max_steps"
+        )
+    if total is not None and total < 1:
+        raise ValueError(f"num_training_steps must be >= 1, got {total}")
+
+    def multiplier(step: int) -> float:
+        if step < warmup:
+            return step / max(1, warmup)
+        if kind == "constant":
+            return 1.0
+        assert total is not None
+        progress = (step - warmup) / max(1, total - warmup)
+        if kind == "linear":
+            return max(0.0, 1.0 - progress)
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+    return multiplier
+
+
+def build_lr_scheduler(
+    optimizer: torch.optim.Optimizer, args: TrainingArguments, num_training_steps: int | None = None
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """``LambdaLR`` for ``args.lr_scheduler_type`` with ``args.warmup_steps`` linear warm-up.
+
+    ``num_training_steps`` defaults to ``args.max_steps``; it is required for the decaying
+    types when ``max_steps`` is -1. Works with :class:`merak_core.zero.ZeroOptimizer`.
+    """
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args, num_training_steps))
+
+
+__all__ = [
+    "DTYPES", "KEY_ALIASES", "LR_SCHEDULER_TYPES", "SCHEDULES", "TrainingArguments", "build_lr_scheduler",
+    "lr_lambda", "parse_bytes", "parse_overrides", "parse_recompute",
+]
