@@ -160,3 +160,64 @@ def failure_body(case: dict[str, Any], mode: str, victim: int, timeout_s: float)
             raise  # the pool reports every rank's traceback when one rank died
         return f"{type(exc).__name__} after {time.monotonic() - start:.1f}s: {exc}"
     return "no error"
+
+
+def bad_input_body(case: dict[str, Any]) -> dict[str, str]:
+    """Each bad call must raise ValueError before communicating; a good step afterwards still works."""
+    world = dist.get_world_size()
+    schedule = make_schedule(case, world)
+    model, runner = build_runner(case, schedule)
+    errors: dict[str, str] = {}
+    ids, labels = batch_for(case, 0, case["seqs"][0])
+    first, last = runner.holds_first_stage, runner.holds_last_stage
+    trials = {
+        "not_divisible": (ids[:6] if first else None, labels[:6] if last else None),
+        "too_few_samples": (ids[:2] if first else None, labels[:2] if last else None),
+        "missing_inputs": (None, labels if last else None),
+        "missing_labels": (ids if first else None, None),
+    }
+    for name, (x, y) in trials.items():
+        if name == "missing_inputs" and not first or name == "missing_labels" and not last:
+            continue
+        if name in ("not_divisible", "too_few_samples") and not (first or last):
+            continue
+        try:
+            runner.step(x, y)
+        except ValueError as exc:
+            errors[name] = str(exc)
+    try:
+        PipelineStage(torch.nn.Linear(2, 2), stage_index=0, num_stages=world + 1)
+        PipelineRunner([PipelineStage(torch.nn.Linear(2, 2), stage_index=0, num_stages=world + 1)], schedule,
+                       loss_fn=lm_loss)
+    except ValueError as exc:
+        errors["stage_count"] = str(exc)
+    wrong_ranks = build_schedule("1f1b", num_stages=2 * world, num_microbatches=4, num_ranks=2 * world)
+    try:
+        PipelineRunner(list(runner.stages.values()), wrong_ranks, loss_fn=lm_loss)
+    except ValueError as exc:
+        errors["group_size"] = str(exc)
+    # Nothing was sent: a correct step on the same runner still matches the reference (checked by the test).
+    model.zero_grad(set_to_none=True)
+    loss = runner.step(ids if first else None, labels if last else None)
+    errors["good_loss"] = repr(None if loss is None else float(loss))
+    return errors
+
+
+def timing_body(case: dict[str, Any], steps: int) -> dict[str, Any]:
+    from merak_pipe.timing import chrome_trace, gather_timings, measured_costs, measured_step_time
+
+    schedule = make_schedule(case, dist.get_world_size())
+    model, runner = build_runner(case, schedule, record_timing=True)
+    collected = []
+    for step in range(steps):
+        model.zero_grad(set_to_none=True)
+        ids, labels = batch_for(case, step, case["seqs"][0])
+        runner.step(ids if runner.holds_first_stage else None, labels if runner.holds_last_stage else None)
+        collected.extend(gather_timings(runner.timings))
+    own = [str(a) for a in runner.schedule.actions[dist.get_rank()]]
+    mine = [t.action for t in runner.timings]
+    trace = chrome_trace(gather_timings(runner.timings))
+    return {"own": own, "recorded": mine, "costs": measured_costs(collected, runner.schedule),
+            "step_s": measured_step_time(gather_timings(runner.timings)), "events": len(trace["traceEvents"]),
+            "ordered": all(t.start_s <= t.ready_s <= t.end_s for t in runner.timings),
+            "recompute_s": sum(t.recompute_s + (t.compute_s if t.kind == "R" else 0.0) for t in runner.timings)}
