@@ -264,3 +264,157 @@ def init_body(tp: int) -> bool:
     emb = merak_tp.VocabParallelEmbedding(8, 3, group=group)
     assert_tensors_close(merak_tp.gather_tensor(emb.weight, group=group), ref3.weight, name="embedding")
     return True
+
+
+# --------------------------------------------------------------------------- overlap order
+
+
+class MLPBlock(nn.Module):
+    """column -> gelu -> row: the shape of block every region must handle."""
+
+    def __init__(self, hidden: int = 8, inner: int = 16, scale_output: bool = False) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(hidden, inner)
+        self.fc2 = nn.Linear(inner, hidden)
+        self.scale_output = scale_output
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc2(F.gelu(self.fc1(x)))
+        return y * 2.0 if self.scale_output else y
+
+
+MLP_PLAN = merak_tp.TPPlan(name="test_mlp", layers={"fc1": "column", "fc2": "row"}, regions=("",))
+
+
+def _in_flight(events: list[tuple[str, ...]], phase: str, launch_what: str, chunk: int, next_chunk: int,
+               compute_what: str) -> bool:
+    """Chunk ``chunk``'s collective is launched before, and waited after, ``next_chunk``'s compute."""
+    idx = {e: i for i, e in reversed(list(enumerate(events)))}
+    launch = idx[("launch", phase, launch_what, str(chunk))]
+    wait = max(i for i, e in enumerate(events) if e[:3] == ("wait", phase, launch_what) and e[3] == str(chunk))
+    compute = idx[("compute", phase, compute_what, str(next_chunk))]
+    return launch < compute < wait
+
+
+def order_layer_body(tp: int, chunks: int) -> list[tuple[str, ...]]:
+    group = tp_group(tp)
+    torch.manual_seed(0)
+    col = merak_tp.ColumnParallelLinear(8, 16, group=group, overlap_chunks=chunks).double()
+    row = merak_tp.RowParallelLinear(16, 8, group=group, overlap_chunks=chunks).double()
+    col._merak_name, row._merak_name = "col", "row"
+    x = torch.randn(chunks * 2, 3, 8, dtype=torch.float64, requires_grad=True)
+    with merak_tp.record_overlap_events() as events:
+        y = row(F.gelu(col(x)))
+        y.sum().backward()
+    for j in range(chunks - 1):
+        assert _in_flight(events, "fwd", "row", j, j + 1, "row"), events
+        assert _in_flight(events, "bwd", "col", j, j + 1, "col"), events
+    return events
+
+
+def order_block_body(tp: int, chunks: int) -> list[tuple[str, ...]]:
+    group = tp_group(tp)
+    torch.manual_seed(0)
+    block = MLPBlock().double()
+    ref = copy.deepcopy(block)
+    merak_tp.parallelize(block, MLP_PLAN, group=group, overlap_chunks=chunks)
+    x = torch.randn(chunks * 2, 3, 8, dtype=torch.float64)
+    block(x).sum().backward()  # the probe call
+    assert block._merak_region_state.deferrable is True
+    block.zero_grad(set_to_none=True)
+    xp = x.clone().requires_grad_(True)
+    with merak_tp.record_overlap_events() as events:
+        y = block(xp)
+        w = torch.arange(y.numel(), dtype=y.dtype).reshape(y.shape).sin()
+        (y * w).sum().backward()
+    # Forward: chunk j's all-reduce (row layer) is in flight while chunk j+1's column layer computes.
+    for j in range(chunks - 1):
+        assert _in_flight(events, "fwd", "fc2", j, j + 1, "fc1"), events
+    # Backward runs the chunks last to first: chunk j's input-gradient all-reduce (region entry) is
+    # in flight while chunk j-1's row and column backward compute.
+    for j in range(chunks - 1, 0, -1):
+        assert _in_flight(events, "bwd", "", j, j - 1, "fc2"), events
+        assert _in_flight(events, "bwd", "", j, j - 1, "fc1"), events
+    # ... and the numbers are the unsharded block's.
+    xr = x.clone().requires_grad_(True)
+    (ref(xr) * w).sum().backward()
+    assert_tensors_close(y, ref(x).detach(), name="block output")
+    assert xp.grad is not None and xr.grad is not None
+    assert_tensors_close(xp.grad, xr.grad, name="block input grad")
+    assert_grads_match(gathered_grads(block, group), named_grads(ref))
+    return events
+
+
+def fallback_block_body(tp: int) -> bool:
+    """A block whose output is not the row layer's output runs whole, and stays exact."""
+    group = tp_group(tp)
+    torch.manual_seed(0)
+    block = MLPBlock(scale_output=True).double()
+    ref = copy.deepcopy(block)
+    merak_tp.parallelize(block, MLP_PLAN, group=group, overlap_chunks=2)
+    x = torch.randn(4, 3, 8, dtype=torch.float64)
+    for _ in range(2):
+        block.zero_grad(set_to_none=True)
+        y = block(x)
+        y.sum().backward()
+    assert block._merak_region_state.deferrable is False
+    ref(x).sum().backward()
+    assert_tensors_close(y, ref(x).detach(), name="output")
+    assert_grads_match(gathered_grads(block, group), named_grads(ref))
+    return True
+
+
+# --------------------------------------------------------------------------- fx, rng
+
+
+class _LeafTracer(torch.fx.Tracer):
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return isinstance(m, merak_tp.TP_LEAF_MODULES) or super().is_leaf_module(m, qualname)
+
+
+def fx_body(tp: int, chunks: int, sp: bool) -> list[str]:
+    """A parallelized model traces with TP layers/regions as leaves; the graph computes the same."""
+    group = tp_group(tp)
+    torch.manual_seed(0)
+    ref = BUILDERS["gpt"]().double()
+    model = merak_tp.parallelize(copy.deepcopy(ref), group=group, overlap_chunks=chunks, sequence_parallel=sp)
+    graph = _LeafTracer().trace(model)
+    gm = torch.fx.GraphModule(model, graph)
+    (ids,) = REFERENCE_MODELS["gpt"].make_inputs(4, 8, 3)
+    for _ in range(2):
+        out = gm(ids)
+    assert_tensors_close(out, ref(ids).detach(), name="traced output")
+    return [n.target for n in graph.nodes if n.op == "call_module"]  # type: ignore[misc]
+
+
+def rng_body(tp: int) -> bool:
+    group = tp_group(tp)
+    rank = dist.get_rank(group)
+    torch.manual_seed(123)
+    tracker = merak_tp.RNGTracker()
+    tracker.add("tp", merak_tp.tp_seed(7, group))
+    outer_expected = torch.rand(3)
+    torch.manual_seed(123)
+    with tracker.fork("tp"):
+        a = torch.rand(4)
+    outer = torch.rand(3)
+    assert torch.equal(outer, outer_expected), "fork disturbed the default generator"
+    with tracker.fork("tp"):
+        b = torch.rand(4)
+    assert not torch.equal(a, b), "the tracked state did not advance"
+    fresh = merak_tp.RNGTracker()
+    fresh.add("tp", merak_tp.tp_seed(7, group))
+    with fresh.fork("tp"):
+        assert torch.equal(torch.rand(4), a), "not reproducible from the seed"
+    streams = [torch.empty_like(a) for _ in range(tp)]
+    dist.all_gather(streams, a, group=group)
+    assert len({tuple(s.tolist()) for s in streams}) == tp, "TP ranks share a random stream"
+    # sharded dropout == the unsharded dropout's block, for the same generator seed
+    x = torch.randn(2, 3, 4 * tp, dtype=torch.float64)
+    g_full = torch.Generator().manual_seed(99)
+    keep = torch.empty(x.shape).bernoulli_(0.7, generator=g_full)
+    full = x * keep / 0.7
+    g = torch.Generator().manual_seed(99)
+    local = merak_tp.sharded_dropout(x.chunk(tp, -1)[rank], 0.3, group=group, dim=-1, generator=g)
+    assert_tensors_close(local, full.chunk(tp, -1)[rank], name="sharded dropout")
+    return True

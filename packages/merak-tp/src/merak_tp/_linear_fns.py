@@ -101,7 +101,7 @@ class _RowLinearFn(torch.autograd.Function):
                 defer: _RegionState | None) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        ctx.group, ctx.mode, ctx.seq_dim = group, mode, seq_dim
+        ctx.group, ctx.mode, ctx.seq_dim, ctx.name, ctx.region_chunk = group, mode, seq_dim, name, region_chunk
         world = dist.get_world_size(group)
         rank = dist.get_rank(group)
         outs: list[torch.Tensor] = []
@@ -143,4 +143,5 @@ class _RowLinearFn(torch.autograd.Function):
         grad_x = grad_y.matmul(weight) if ctx.needs_input_grad[0] else None
         grad_w = _flat(grad_y).t().matmul(_flat(x)) if ctx.needs_input_grad[1] else None
         grad_b = _flat(grad_y).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        _record("compute", "bwd", ctx.name, ctx.region_chunk)
         return grad_x, grad_w, grad_b, None, None, None, None, None, None, None

@@ -93,7 +93,7 @@ def parallelize(
     vocab_loss = plan.vocab_parallel_loss if vocab_parallel_loss is None else vocab_parallel_loss
     tp = tp_size(group)
     named = dict(model.named_modules())
-    region_names = [n for n in named if n and _match(n, plan.regions)]
+    region_names = [n for n in named if _match(n, plan.regions) is not None]  # "" = the model itself
 
     # 1. attributes: check everything before changing anything.
     new_attrs: list[tuple[nn.Module, str, int]] = []
@@ -116,7 +116,7 @@ def parallelize(
         pattern = _match(name, plan.layers) if name else None
         if pattern is None or plan.layers[pattern] == "replicate":
             continue
-        in_region = any(name.startswith(r + ".") for r in region_names)
+        in_region = any(r == "" or name.startswith(r + ".") for r in region_names)
         new = _build(module, name, plan.layers[pattern], group=group, chunks=overlap_chunks,
                      sp=sequence_parallel, in_region=in_region, vocab_loss=vocab_loss)
         new._merak_name = name  # type: ignore[assignment]
@@ -163,13 +163,13 @@ def parallelize(
             make_region(named[name], group=group, chunks=overlap_chunks, sequence_parallel=sequence_parallel,
                         name=name)
     if sequence_parallel and tp > 1:
-        scatter = [n for n in named if n and _match(n, plan.sequence_scatter)]
+        scatter = [n for n in named if _match(n, plan.sequence_scatter) is not None]
         if not scatter:
             raise ValueError(f"sequence_parallel=True but plan {plan.name!r} names no sequence_scatter module "
                              f"matching the model (patterns {plan.sequence_scatter})")
         for name in scatter:
             make_sequence_scatter(named[name], group=group)
-        full = {id(p) for n, m in named.items() if n and _match(n, plan.sequence_full)
+        full = {id(p) for n, m in named.items() if _match(n, plan.sequence_full) is not None
                 for p in m.parameters()}
         # A row layer's bias gradient is computed from the gathered output gradient: already full.
         full |= {id(p) for m in named.values() if isinstance(m, (ColumnParallelLinear, RowParallelLinear,
