@@ -114,19 +114,29 @@ def test_lowered_schedule_missing_a_receive() -> None:
         validate(dataclasses.replace(good, actions=actions))
 
 
-def test_lowered_deadlock_from_receives_in_the_wrong_order() -> None:
-    good = lower(build_schedule("gpipe", num_stages=2, num_microbatches=2))
+def test_lowered_deadlock_from_a_send_after_the_backward_that_needs_it() -> None:
+    good = lower(build_schedule("gpipe", num_stages=2, num_microbatches=1))
+    assert [str(a) for a in good.actions[0]] == ["0F0", "0SEND_F0", "0RECV_B0", "0B0"]
     actions = {r: list(a) for r, a in good.actions.items()}
-    # Rank 1 waits for microbatch 1 before microbatch 0, but consumes 0 first: still fine with
-    # asynchronous sends.  Put rank 0's backward receive before its sends instead: rank 0 waits
-    # for a gradient that needs rank 1's forward, which needs rank 0's send -> deadlock.
-    recv = Action(0, ActionKind.RECV_B, 0)
-    actions[0].remove(recv)
-    actions[0].insert(0, recv)
+    # Rank 0 sends its activation only after its backward, whose gradient needs that activation.
+    send = actions[0].pop(1)
+    actions[0].append(send)
     with pytest.raises(ScheduleError, match="deadlocks") as err:
         validate(dataclasses.replace(good, actions=actions))
-    assert ">>0RECV_B0<<" in _marked(err)
-    assert "rank 1 step 0 (1RECV_F0) waits for 0SEND_F0" in str(err.value)
+    assert ">>1F0<<" in _marked(err)  # the earliest blocked step is marked
+    assert "rank 1 step 1 (1F0) waits for 0SEND_F0, which rank 0 runs at step 3" in str(err.value)
+    assert "rank 0 step 2 (0B0) waits for 1SEND_B0" in str(err.value)
+
+
+def test_lowered_receive_posted_after_its_consumer() -> None:
+    good = lower(build_schedule("1f1b", num_stages=2, num_microbatches=2))
+    actions = {r: list(a) for r, a in good.actions.items()}
+    recv = Action(1, ActionKind.RECV_F, 0)
+    actions[1].remove(recv)
+    actions[1].insert(2, recv)
+    with pytest.raises(ScheduleError, match="waits for 1RECV_F0, which this rank only runs later") as err:
+        validate(dataclasses.replace(good, actions=actions))
+    assert ">>1F0<<" in _marked(err)
 
 
 def test_long_schedules_print_an_excerpt_around_the_mark() -> None:

@@ -1,23 +1,25 @@
 """Dependency rules of the IR and the in-order executor shared by the validator and the simulator.
 
 Each rank runs its list in order; an action starts once every action it depends on has finished
-(on any rank). Sends never block, receives block until the matching send has run
-([Note: p2p semantics]). Executing a schedule under these rules either finishes every action,
-giving a topological order, or stops with some ranks blocked: a deadlock.
+(on any rank). Sends and receives are posted without blocking; a compute action waits for the
+data of its receive ([Note: p2p semantics]). Executing a schedule under these rules either
+finishes every action, giving a topological order, or stops with some ranks blocked: a deadlock.
 
 [Note: p2p semantics]
-A lowered schedule is deadlock-free under "sends are asynchronous (isend), receives wait" — the
-model of torch.distributed.pipelining's runtime. A runtime that blocks in send until the peer
-posts its receive can deadlock on schedules that validate here.
+As in torch.distributed.pipelining's runtime, SEND_* and RECV_* post an ``isend`` / ``irecv``
+and return; the compute action that consumes a received value waits until the matching send has
+been posted (and, in the simulator, until the message has arrived). A receive must be posted on
+its rank before the action that consumes it. A lowered schedule is therefore deadlock-free when
+its compute dependencies are acyclic along each rank's order. A runtime whose sends block until
+the peer's receive is posted (plain ``dist.send``) can deadlock on schedules that validate here.
 
 Dependencies of a compute action ``(s, kind, m)`` (``grad`` = B or I, whichever the schedule uses):
-  F(s, m)      <- F(s-1, m)                                  (via RECV_F(s, m) when lowered and cross-rank)
+  F(s, m)      <- F(s-1, m)           (lowered, cross-rank: RECV_F(s, m) posted and SEND_F(s-1, m) posted)
   R(s, m)      <- F(s, m)
   B/I(s, m)    <- F(s, m), grad(s+1, m), R(s, m) if the schedule has it
-                                                               (grad via RECV_B(s, m) when lowered and cross-rank)
+                             (lowered, cross-rank: RECV_B(s, m) posted and SEND_B(s+1, m) posted)
   W(s, m)      <- I(s, m)
-  SEND_F(s, m) <- F(s, m);   RECV_F(s, m) <- SEND_F(s-1, m)
-  SEND_B(s, m) <- grad(s, m); RECV_B(s, m) <- SEND_B(s+1, m)
+  SEND_F(s, m) <- F(s, m);    SEND_B(s, m) <- grad(s, m);    RECV_F / RECV_B <- nothing
 """
 
 from __future__ import annotations
@@ -103,7 +105,7 @@ def dependency_table(schedule: Schedule) -> tuple[Keys, list[list[tuple[int, ...
                 if s == 0:
                     d = ()
                 elif lowered and rank_of[s - 1] != rank_of[s]:
-                    d = (key(_RECVD_F, s, m),)
+                    d = (key(_RECVD_F, s, m), key(_SENT_F, s - 1, m))
                 else:
                     d = (key(_F, s - 1, m),)
             elif kind is ActionKind.FULL_BACKWARD or kind is ActionKind.BACKWARD_INPUT:
@@ -113,6 +115,7 @@ def dependency_table(schedule: Schedule) -> tuple[Keys, list[list[tuple[int, ...
                 if s < S - 1:
                     if lowered and rank_of[s + 1] != rank_of[s]:
                         dl.append(key(_RECVD_B, s, m))
+                        dl.append(key(_SENT_B, s + 1, m))
                     else:
                         dl.append(key(_GRAD, s + 1, m))
                 d = tuple(dl)
@@ -122,12 +125,10 @@ def dependency_table(schedule: Schedule) -> tuple[Keys, list[list[tuple[int, ...
                 d = (key(_F, s, m),)
             elif kind is ActionKind.SEND_F:
                 d = (key(_F, s, m),)
-            elif kind is ActionKind.RECV_F:
-                d = (key(_SENT_F, s - 1, m),) if s > 0 else ()
             elif kind is ActionKind.SEND_B:
                 d = (key(_GRAD, s, m),)
-            else:  # RECV_B
-                d = (key(_SENT_B, s + 1, m),) if s < S - 1 else ()
+            else:  # RECV_F, RECV_B: posted without waiting
+                d = ()
             rank_deps.append(d)
             rank_prod.append(key(_PRODUCES[kind], s, m))
         deps.append(rank_deps)

@@ -4,7 +4,7 @@ Each cross-rank edge gets a send right after the producing action and a receive 
 the consuming one, in torch.distributed.pipelining's labelling (``SEND_F`` by the producing
 stage, ``RECV_F`` by the consuming stage; ``SEND_B`` by the stage whose input gradient it is,
 ``RECV_B`` by the stage before it). Edges between stages on the same rank need nothing. The
-result is deadlock-free whenever the compute-only schedule is, under asynchronous sends
+result is deadlock-free whenever the compute-only schedule is
 ([Note: p2p semantics] in ``_engine.py``). It does not reorder compute actions.
 """
 

@@ -8,8 +8,8 @@ and the bad step marked:
 3. every (stage, microbatch) has exactly one F and either one B, or one I and one W; at most
    one R, and only on a stage whose recompute fraction is > 0;
 4. a lowered schedule has exactly one SEND and one RECV for each cross-rank edge and none else;
-5. executed in order (sends asynchronous, receives blocking: [Note: p2p semantics] in
-   ``_engine.py``), every action runs: dependencies hold (F before R before B/I before W, a
+5. executed in order (sends and receives posted asynchronously, a compute action waiting for
+   its received data: [Note: p2p semantics] in ``_engine.py``), every action runs: dependencies hold (F before R before B/I before W, a
    stage's F after the previous stage's F, a B/I after the next stage's B/I) and nothing deadlocks.
 
 It does not check costs or memory; that is the simulator's job.
