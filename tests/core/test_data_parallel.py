@@ -51,17 +51,21 @@ def _dp_grads(name: str, mode: str, bucket_size_bytes: int) -> tuple[float, dict
     my_ids, my_labels = ids[rank * rows:(rank + 1) * rows], labels[rank * rows:(rank + 1) * rows]
     sync = DataParallelGradSync(model, None, bucket_size_bytes=bucket_size_bytes)
     total = torch.zeros((), dtype=torch.float64)
+    if mode == "step":  # a pipeline-style driver: arm once for all microbatches of the step
+        sync.prepare_step(NUM_MICROBATCHES)
     for mb in range(NUM_MICROBATCHES):
         sl = slice(mb * PER_RANK_BATCH, (mb + 1) * PER_RANK_BATCH)
         loss = ref.loss(model(my_ids[sl]), my_labels[sl]) / NUM_MICROBATCHES
         total += loss.detach()
-        if mb < NUM_MICROBATCHES - 1 or mode == "blocking":
+        if mb < NUM_MICROBATCHES - 1 or mode in ("blocking", "step"):
             loss.backward()
         else:
             with sync.sync_on_this_backward():
                 loss.backward()
     if mode == "blocking":
         sync.sync()
+    elif mode == "step":
+        sync.finish()
     dist.all_reduce(total)
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     sync.remove_hooks()
@@ -69,10 +73,10 @@ def _dp_grads(name: str, mode: str, bucket_size_bytes: int) -> tuple[float, dict
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("name", ["gpt", "llama"])
-def test_overlapped_bucketed_allreduce_matches_global_batch(world: int, name: str) -> None:
+@pytest.mark.parametrize("name,mode", [("gpt", "overlap"), ("llama", "overlap"), ("gpt", "step")])
+def test_overlapped_bucketed_allreduce_matches_global_batch(world: int, name: str, mode: str) -> None:
     ref_loss, ref_grads = _reference_grads(name, world)
-    results = run_on_ranks(world, _dp_grads, name, "overlap", 4096)
+    results = run_on_ranks(world, _dp_grads, name, mode, 4096)
     for rank, (loss, grads, num_buckets, early) in enumerate(results):
         assert_tensors_close(torch.tensor(loss), torch.tensor(ref_loss), name=f"loss rank {rank}")
         assert_grads_match(grads, ref_grads)
@@ -171,7 +175,7 @@ def _second_backward_raises() -> str:
 
 def test_second_backward_while_armed_is_an_error() -> None:
     for message in run_on_ranks(2, _second_backward_raises):
-        assert "received a second gradient" in message and "layers.1." in message
+        assert "received more gradients than the 1 backward(s)" in message and "layers.1." in message
 
 
 def _naive_baseline() -> dict[str, torch.Tensor]:
@@ -192,3 +196,29 @@ def test_per_parameter_baseline_matches_bucketed() -> None:
 def test_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="bucket_size_bytes must be a positive integer, got 0"):
         DataParallelGradSync(nn.Linear(2, 2), None, bucket_size_bytes=0)
+
+
+def _bf16_sync() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[torch.dtype]]:
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4).to(torch.bfloat16)
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(10 + rank)).to(torch.bfloat16)
+    model(x).float().pow(2).sum().backward()
+    local = {n: p.grad.clone() for n, p in model.named_parameters()}
+    sync = DataParallelGradSync(model, None, reduce_dtype=torch.float32)
+    sync.sync()
+    synced = {n: p.grad.clone() for n, p in model.named_parameters()}
+    dtypes = [b.dtype for b in sync.buckets]
+    sync.remove_hooks()
+    return local, synced, dtypes
+
+
+def test_bf16_grads_reduced_in_float32() -> None:
+    results = run_on_ranks(2, _bf16_sync)
+    for _, synced, dtypes in results:
+        assert dtypes == [torch.float32]
+        for name, grad in synced.items():
+            assert grad.dtype == torch.bfloat16
+            # Two summands: the float32 sum is exact up to rounding once, then halved and cast.
+            expected = ((results[0][0][name].float() + results[1][0][name].float()) / 2).to(torch.bfloat16)
+            assert torch.equal(grad, expected), name

@@ -158,3 +158,40 @@ def _check_2x2x2() -> tuple[tuple[int, int, int], tuple[int, ...]]:
     dist.all_reduce(x, group=lay.tp_group)
     assert x.item() == sum(lay.tp_ranks)
     return (lay.pp_rank, lay.dp_rank, lay.tp_rank), tuple(lay.tp_ranks)
+
+
+_TORCHRUN_SCRIPT = """
+import sys
+import torch
+import torch.distributed as dist
+from merak_core.layout import init
+
+dp, tp = (None if sys.argv[1] == "none" else int(sys.argv[1])), int(sys.argv[2])
+lay = init(dp, tp, 1, device="cpu")
+x = torch.tensor([float(lay.rank + 1)])
+dist.all_reduce(x, group=lay.tp_group)
+print(f"RESULT rank={lay.rank} dp={lay.dp} tp={lay.tp} tp_rank={lay.tp_rank} sum={x.item()} "
+      f"backend={dist.get_backend()} timeout={lay.timeout.total_seconds():.0f}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def _torchrun(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "job.py"
+    script.write_text(_TORCHRUN_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "packages/merak-core/src"), env.get("PYTHONPATH", "")])
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(script), *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+
+
+def test_init_under_torchrun(tmp_path: Path) -> None:
+    out = _torchrun(tmp_path, "none", "2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = sorted(line for line in out.stdout.splitlines() if line.startswith("RESULT"))
+    assert lines == [
+        "RESULT rank=0 dp=1 tp=2 tp_rank=0 sum=3.0 backend=gloo timeout=600",
+        "RESULT rank=1 dp=1 tp=2 tp_rank=1 sum=3.0 backend=gloo timeout=600",
+    ]

@@ -5,7 +5,9 @@ a DP process group. Parameters are packed, in reverse registration order (the
 usual order in which backward produces their gradients), into buckets of about
 ``bucket_size_bytes``. During the backward of the *last* microbatch (the caller
 arms it with :meth:`~DataParallelGradSync.prepare_last_microbatch` or the
-:meth:`~DataParallelGradSync.sync_on_this_backward` context), a
+:meth:`~DataParallelGradSync.sync_on_this_backward` context; a pipeline schedule
+that drives the backwards itself arms a whole step with
+:meth:`~DataParallelGradSync.prepare_step`), a
 post-accumulate-grad hook copies each final gradient into its bucket; when a
 bucket is full it launches an asynchronous all-reduce, so communication runs
 while autograd computes the remaining gradients. :meth:`~DataParallelGradSync.finish`
@@ -59,6 +61,7 @@ class _Bucket:
     launched: bool = False
     work: dist.Work | None = None
     ready: list[bool] = field(default_factory=list)
+    fires: list[int] = field(default_factory=list)
 
 
 class DataParallelGradSync:
@@ -121,6 +124,7 @@ class DataParallelGradSync:
             for slot, p in enumerate(bucket.params):
                 self._where[id(p)] = (bucket.index, slot)
         self._armed = False
+        self._fires_needed = 1
         self._next_bucket = 0
         self.buckets_launched_in_backward = 0
         """How many buckets the last armed backward launched from its hooks (before ``finish``)."""
@@ -173,11 +177,26 @@ class DataParallelGradSync:
 
     def prepare_last_microbatch(self) -> None:
         """Arm the hooks: the next backward's final gradients are all-reduced as they appear."""
+        self.prepare_step(1)
+
+    def prepare_step(self, num_backwards: int) -> None:
+        """Arm the hooks for ``num_backwards`` more backwards (e.g. a whole pipeline step).
+
+        A parameter's gradient counts as final after its ``num_backwards``-th accumulation
+        from now; its bucket is then filled and, in bucket order, launched. Use it when the
+        backwards of one step are driven by someone else (a pipeline schedule runs one
+        backward per microbatch per stage): ``prepare_step(num_microbatches)`` before the
+        step, :meth:`finish` after it. Parameters that receive fewer gradients are handled
+        by ``finish`` (correct, just not overlapped).
+        """
+        if isinstance(num_backwards, bool) or not isinstance(num_backwards, int) or num_backwards < 1:
+            raise ValueError(f"num_backwards must be a positive integer, got {num_backwards!r}")
         if self._armed:
-            raise RuntimeError("prepare_last_microbatch() called twice without finish() in between")
+            raise RuntimeError("the gradient sync is already armed: call finish() before arming it again")
         if not self._handles:
             raise RuntimeError("this DataParallelGradSync's hooks were removed")
         self._armed = True
+        self._fires_needed = num_backwards
         self._next_bucket = 0
         self.buckets_launched_in_backward = 0
         for bucket in self.buckets:
@@ -185,6 +204,7 @@ class DataParallelGradSync:
             bucket.launched = False
             bucket.work = None
             bucket.ready = [False] * len(bucket.params)
+            bucket.fires = [0] * len(bucket.params)
 
     @contextlib.contextmanager
     def sync_on_this_backward(self) -> Iterator[None]:
@@ -211,10 +231,14 @@ class DataParallelGradSync:
         bucket = self.buckets[bucket_index]
         if bucket.ready[slot]:
             raise RuntimeError(
-                f"parameter {self._names[id(param)]!r} received a second gradient during the synchronised "
-                "backward (its bucket may already be in flight): run exactly one backward between "
-                "prepare_last_microbatch() and finish(), or use sync() after all backwards"
+                f"parameter {self._names[id(param)]!r} received more gradients than the {self._fires_needed} "
+                "backward(s) the sync was armed for (its bucket may already be in flight): arm with "
+                "prepare_step(<number of backwards>) or prepare_last_microbatch() right before the last one, "
+                "or use sync() after all backwards"
             )
+        bucket.fires[slot] += 1
+        if bucket.fires[slot] < self._fires_needed:
+            return
         self._fill(bucket, slot)
         before = self._next_bucket
         self._launch_ready_in_order()
@@ -254,7 +278,7 @@ class DataParallelGradSync:
         gradient they hold (from earlier microbatches) or zeros.
         """
         if not self._armed:
-            raise RuntimeError("finish() without prepare_last_microbatch(): nothing is being synchronised")
+            raise RuntimeError("finish() without prepare_last_microbatch()/prepare_step(): nothing is being synchronised")
         try:
             for bucket in self.buckets:
                 for slot in range(len(bucket.params)):
