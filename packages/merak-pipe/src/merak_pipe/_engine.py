@@ -82,58 +82,69 @@ def describe_event(keys: Keys, key: int, schedule: Schedule) -> Action:
 
 
 def dependency_table(schedule: Schedule) -> tuple[Keys, list[list[tuple[int, ...]]], list[list[int]]]:
-    """Per rank and step: the event keys the action waits for, and the key it produces."""
+    """Per rank and step: the event keys the action waits for, and the key it produces.
+
+    A key is ``code * S * M + stage * M + microbatch`` (see :class:`Keys`); written out inline
+    because this loop runs once per action of schedules with 10^5 actions.
+    """
     keys = Keys(schedule)
     S, M = keys.S, keys.M
-    key = keys.key
+    SM = S * M
     rank_of = schedule.stage_to_rank
     lowered = schedule.lowered
-    has_r = set()
+    FWD, FULL, BIN, BW, REC = (
+        ActionKind.FORWARD,
+        ActionKind.FULL_BACKWARD,
+        ActionKind.BACKWARD_INPUT,
+        ActionKind.BACKWARD_WEIGHT,
+        ActionKind.RECOMPUTE,
+    )
+    SENDF, SENDB = ActionKind.SEND_F, ActionKind.SEND_B
+    has_r = bytearray(SM)
     for acts in schedule.actions.values():
         for a in acts:
-            if a.kind is ActionKind.RECOMPUTE:
-                has_r.add((a.stage, a.microbatch))
+            if a.kind is REC:
+                has_r[a.stage * M + a.microbatch] = 1
+    produce_offset = {kind: code * SM for kind, code in _PRODUCES.items()}
+    k_grad, k_r, k_sent_f, k_recvd_f, k_sent_b, k_recvd_b = (c * SM for c in (_GRAD, _R, _SENT_F, _RECVD_F, _SENT_B, _RECVD_B))
     deps: list[list[tuple[int, ...]]] = []
     produces: list[list[int]] = []
     for rank in range(schedule.num_ranks):
         rank_deps: list[tuple[int, ...]] = []
         rank_prod: list[int] = []
+        dep_append = rank_deps.append
+        prod_append = rank_prod.append
         for a in schedule.actions[rank]:
             s, kind, m = a.stage, a.kind, a.microbatch
+            base = s * M + m
             d: tuple[int, ...]
-            if kind is ActionKind.FORWARD:
+            if kind is FWD:
                 if s == 0:
                     d = ()
                 elif lowered and rank_of[s - 1] != rank_of[s]:
-                    d = (key(_RECVD_F, s, m), key(_SENT_F, s - 1, m))
+                    d = (k_recvd_f + base, k_sent_f + base - M)
                 else:
-                    d = (key(_F, s - 1, m),)
-            elif kind is ActionKind.FULL_BACKWARD or kind is ActionKind.BACKWARD_INPUT:
-                dl = [key(_F, s, m)]
-                if (s, m) in has_r:
-                    dl.append(key(_R, s, m))
+                    d = (base - M,)
+            elif kind is FULL or kind is BIN:
                 if s < S - 1:
                     if lowered and rank_of[s + 1] != rank_of[s]:
-                        dl.append(key(_RECVD_B, s, m))
-                        dl.append(key(_SENT_B, s + 1, m))
+                        d = (base, k_recvd_b + base, k_sent_b + base + M)
                     else:
-                        dl.append(key(_GRAD, s + 1, m))
-                d = tuple(dl)
-            elif kind is ActionKind.BACKWARD_WEIGHT:
-                d = (key(_GRAD, s, m),)
-            elif kind is ActionKind.RECOMPUTE:
-                d = (key(_F, s, m),)
-            elif kind is ActionKind.SEND_F:
-                d = (key(_F, s, m),)
-            elif kind is ActionKind.SEND_B:
-                d = (key(_GRAD, s, m),)
+                        d = (base, k_grad + base + M)
+                else:
+                    d = (base,)
+                if has_r[base]:
+                    d = (*d, k_r + base)
+            elif kind is BW or kind is SENDB:
+                d = (k_grad + base,)
+            elif kind is REC or kind is SENDF:
+                d = (base,)
             else:  # RECV_F, RECV_B: posted without waiting
                 d = ()
-            rank_deps.append(d)
-            rank_prod.append(key(_PRODUCES[kind], s, m))
+            dep_append(d)
+            prod_append(produce_offset[kind] + base)
         deps.append(rank_deps)
         produces.append(rank_prod)
-    del M
     return keys, deps, produces
 
 
@@ -149,7 +160,7 @@ def execute(
     num_ranks = schedule.num_ranks
     lengths = [len(schedule.actions[r]) for r in range(num_ranks)]
     pos = [0] * num_ranks
-    done: set[int] = set()
+    done = bytearray(8 * keys.S * keys.M)
     waiting: dict[int, list[int]] = {}
     ready = deque(range(num_ranks))
     order: list[tuple[int, int]] = []
@@ -163,14 +174,14 @@ def execute(
         while step < n:
             missing = -1
             for k in rank_deps[step]:
-                if k not in done:
+                if not done[k]:
                     missing = k
                     break
             if missing >= 0:
                 waiting.setdefault(missing, []).append(rank)
                 break
             produced = rank_prod[step]
-            done.add(produced)
+            done[produced] = 1
             append((rank, step))
             step += 1
             woken = waiting.pop(produced, None)
@@ -180,6 +191,6 @@ def execute(
     blocked: list[Blocked] = []
     for rank in range(num_ranks):
         if pos[rank] < lengths[rank]:
-            missing = next(k for k in deps[rank][pos[rank]] if k not in done)
+            missing = next(k for k in deps[rank][pos[rank]] if not done[k])
             blocked.append(Blocked(rank, pos[rank], missing))
     return order, blocked, keys, deps, produces

@@ -103,8 +103,6 @@ class SimResult:
 
     schedule: Schedule
     makespan: float
-    timeline: list[TimedAction]
-    """Every action, in an order that respects dependencies."""
     busy: list[float]
     """Compute time per rank."""
     bubble_fraction: list[float]
@@ -118,6 +116,22 @@ class SimResult:
     peak_memory_per_rank: list[float]
     """Per rank: highest sum over its stages (equals the stage peak for one stage per rank)."""
     costs: CostModel = field(repr=False, default_factory=CostModel)
+    _order: list[tuple[int, int]] = field(repr=False, default_factory=list)
+    _starts: list[list[float]] = field(repr=False, default_factory=list)
+    _ends: list[list[float]] = field(repr=False, default_factory=list)
+    _timeline: list[TimedAction] | None = field(repr=False, default=None)
+
+    @property
+    def timeline(self) -> list[TimedAction]:
+        """Every action with its start and end, in an order that respects dependencies (built on first use)."""
+        if self._timeline is None:
+            acts, starts, ends = self.schedule.actions, self._starts, self._ends
+            self._timeline = [TimedAction(r, acts[r][st], starts[r][st], ends[r][st]) for r, st in self._order]
+        return self._timeline
+
+    def start_end(self, rank: int, step: int) -> tuple[float, float]:
+        """Simulated start and end of ``schedule.actions[rank][step]``."""
+        return self._starts[rank][step], self._ends[rank][step]
 
     @property
     def bubble_fraction_mean(self) -> float:
@@ -172,17 +186,15 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, *, check: bool 
     if blocked:
         validate(schedule)  # raises with the table
         raise ScheduleError(f"schedule {schedule.name!r} deadlocks")  # pragma: no cover
-    r_done = {(a.stage, a.microbatch) for _, a in schedule if a.kind is ActionKind.RECOMPUTE}
-    num_ranks = schedule.num_ranks
-    rank_free = [0.0] * num_ranks
-    busy = [0.0] * num_ranks
-    finish: dict[int, float] = {}
-    producer: dict[int, tuple[int, int]] = {}
-    starts: list[list[float]] = [[0.0] * len(schedule.actions[r]) for r in range(num_ranks)]
-    ends: list[list[float]] = [[0.0] * len(schedule.actions[r]) for r in range(num_ranks)]
-    # Predecessor on the critical path: (rank, step) or None.
-    binding: list[list[tuple[int, int] | None]] = [[None] * len(schedule.actions[r]) for r in range(num_ranks)]
     M = schedule.num_microbatches
+    SM = S * M
+    num_ranks = schedule.num_ranks
+    r_done = bytearray(SM)
+    for acts in schedule.actions.values():
+        for a in acts:
+            if a.kind is ActionKind.RECOMPUTE:
+                r_done[a.stage * M + a.microbatch] = 1
+    # Duration of each action, per rank and step.
     F, B, BI, W, R = (
         ActionKind.FORWARD,
         ActionKind.FULL_BACKWARD,
@@ -190,63 +202,80 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, *, check: bool 
         ActionKind.BACKWARD_WEIGHT,
         ActionKind.RECOMPUTE,
     )
+    durations: list[list[float]] = []
+    for rank in range(num_ranks):
+        rank_durations = []
+        for a in schedule.actions[rank]:
+            st, kind = a.stage, a.kind
+            if kind is F:
+                dur = fwd[st]
+            elif kind is B:
+                dur = bwd[st] + (0.0 if r_done[st * M + a.microbatch] else rec[st])
+            elif kind is BI:
+                dur = b_in[st] + (0.0 if r_done[st * M + a.microbatch] else rec[st])
+            elif kind is W:
+                dur = b_w[st]
+            elif kind is R:
+                dur = rec[st]
+            else:
+                dur = 0.0
+            rank_durations.append(dur)
+        durations.append(rank_durations)
+
+    has_comm_delay = any(t > 0 for t in msg_time)
+    size = 8 * SM
+    finish = [0.0] * size
+    src_rank = [0] * size
+    src_step = [0] * size
+    rank_free = [0.0] * num_ranks
+    starts: list[list[float]] = [[0.0] * len(schedule.actions[r]) for r in range(num_ranks)]
+    ends: list[list[float]] = [[0.0] * len(schedule.actions[r]) for r in range(num_ranks)]
+    # Predecessor on the critical path, encoded as rank * stride + step (-1: none).
+    stride = max((len(a) for a in schedule.actions.values()), default=0) + 1
+    binding: list[list[int]] = [[-1] * len(schedule.actions[r]) for r in range(num_ranks)]
+    grad_codes = (_GRAD, _SENT_B)
     for rank, step in order:
-        a = schedule.actions[rank][step]
-        s, kind = a.stage, a.kind
         start = rank_free[rank]
-        bind: tuple[int, int] | None = (rank, step - 1) if step > 0 else None
+        bind = rank * stride + step - 1 if step > 0 else -1
         for k in deps[rank][step]:
-            src_rank, src_step = producer[k]
             t = finish[k]
-            if src_rank != rank:
+            sr = src_rank[k]
+            if has_comm_delay and sr != rank:
                 code, ks = divmod(k // M, S)
                 # F-type messages carry stage ks's output; gradients carry the output of stage ks - 1.
-                t += msg_time[ks - 1] if code in (_GRAD, _SENT_B) else msg_time[ks]
+                t += msg_time[ks - 1] if code in grad_codes else msg_time[ks]
             if t > start:
                 start = t
-                bind = (src_rank, src_step)
-        if kind is F:
-            dur = fwd[s]
-        elif kind is B:
-            dur = bwd[s] + (rec[s] if (s, a.microbatch) not in r_done else 0.0)
-        elif kind is BI:
-            dur = b_in[s] + (rec[s] if (s, a.microbatch) not in r_done else 0.0)
-        elif kind is W:
-            dur = b_w[s]
-        elif kind is R:
-            dur = rec[s]
-        else:
-            dur = 0.0
-        end = start + dur
+                bind = sr * stride + src_step[k]
+        end = start + durations[rank][step]
         rank_free[rank] = end
-        busy[rank] += dur
         starts[rank][step] = start
         ends[rank][step] = end
         binding[rank][step] = bind
         key = produces[rank][step]
         finish[key] = end
-        producer[key] = (rank, step)
+        src_rank[key] = rank
+        src_step[key] = step
 
-    timeline = [TimedAction(r, schedule.actions[r][st], starts[r][st], ends[r][st]) for r, st in order]
-    makespan = max((t.end for t in timeline), default=0.0)
+    busy = [sum(d) for d in durations]
+    makespan = max(rank_free, default=0.0)
     bubble = [1.0 - b / makespan if makespan > 0 else 0.0 for b in busy]
 
-    # Critical path: walk back from the last action to finish.
+    # Critical path: walk back from the action that finishes last.
     path: list[TimedAction] = []
-    if timeline:
-        last = max(range(len(timeline)), key=lambda i: timeline[i].end)
-        cur: tuple[int, int] | None = (timeline[last].rank, order[last][1])
-        while cur is not None:
-            r, st = cur
+    last_rank = max(range(num_ranks), key=lambda r: rank_free[r])
+    if schedule.actions[last_rank]:
+        cur = last_rank * stride + len(schedule.actions[last_rank]) - 1
+        while cur >= 0:
+            r, st = divmod(cur, stride)
             path.append(TimedAction(r, schedule.actions[r][st], starts[r][st], ends[r][st]))
             cur = binding[r][st]
         path.reverse()
 
-    memory, peak, peak_rank = _memory(schedule, starts, ends, frac, act_bytes, in_bytes, costs.weight_grad_fraction, r_done)
+    memory, peak, peak_rank = _memory(schedule, starts, ends, frac, act_bytes, in_bytes, costs.weight_grad_fraction)
     return SimResult(
         schedule=schedule,
         makespan=makespan,
-        timeline=timeline,
         busy=busy,
         bubble_fraction=bubble,
         critical_path=path,
@@ -254,6 +283,9 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, *, check: bool 
         peak_memory=peak,
         peak_memory_per_rank=peak_rank,
         costs=costs,
+        _order=order,
+        _starts=starts,
+        _ends=ends,
     )
 
 
@@ -265,50 +297,79 @@ def _memory(
     act_bytes: list[float],
     in_bytes: list[float],
     wgrad_fraction: float,
-    r_done: set[tuple[int, int]],
 ) -> tuple[dict[int, list[tuple[float, float]]], list[float], list[float]]:
-    """Activation memory per stage; see [Note: activation memory] in the module docstring."""
+    """Activation memory per stage; see [Note: activation memory] in the module docstring.
+
+    A validated schedule runs F, then R if any, then B (or I then W) for each (stage, microbatch),
+    so what a backward frees is known without bookkeeping per microbatch: the F's kept bytes plus
+    the recomputed ``f * A``.
+    """
     S = schedule.num_stages
+    kept_after_f = [(1.0 - frac[s]) * act_bytes[s] + (in_bytes[s] if frac[s] > 0 else 0.0) for s in range(S)]
+    recomputed = [frac[s] * act_bytes[s] for s in range(S)]
+    keep_for_w = [wgrad_fraction * act_bytes[s] for s in range(S)]
+    r_stages = {(a.stage, a.microbatch) for acts in schedule.actions.values() for a in acts if a.kind is ActionKind.RECOMPUTE}
     memory: dict[int, list[tuple[float, float]]] = {s: [(0.0, 0.0)] for s in range(S)}
     peak = [0.0] * S
     peak_rank = [0.0] * schedule.num_ranks
     current = [0.0] * S
-    held: dict[tuple[int, int], float] = {}  # bytes held by (stage, microbatch)
+    F, B, BI, W, R = (
+        ActionKind.FORWARD,
+        ActionKind.FULL_BACKWARD,
+        ActionKind.BACKWARD_INPUT,
+        ActionKind.BACKWARD_WEIGHT,
+        ActionKind.RECOMPUTE,
+    )
     for rank in range(schedule.num_ranks):
         rank_total = 0.0
+        rank_peak = 0.0
+        rank_starts, rank_ends = starts[rank], ends[rank]
         for step, a in enumerate(schedule.actions[rank]):
             kind = a.kind
-            if not kind.is_compute:
+            s = a.stage
+            if kind is F:
+                delta_start, delta_end = 0.0, kept_after_f[s]
+            elif kind is B or kind is BI:
+                alloc = recomputed[s] if (recomputed[s] and (s, a.microbatch) not in r_stages) else 0.0
+                total = kept_after_f[s] + recomputed[s]
+                delta_start = alloc
+                delta_end = -total if kind is B else keep_for_w[s] - total
+            elif kind is W:
+                delta_start, delta_end = 0.0, -keep_for_w[s]
+            elif kind is R:
+                delta_start, delta_end = recomputed[s], 0.0
+            else:
                 continue
-            s, m = a.stage, a.microbatch
-            f, A = frac[s], act_bytes[s]
-            before = current[s]
-            # Start of the action.
-            alloc_start = 0.0
-            if kind is ActionKind.RECOMPUTE or (kind.is_backward and f > 0 and (s, m) not in r_done):
-                alloc_start = f * A
-            if alloc_start:
-                current[s] += alloc_start
-                held[(s, m)] = held.get((s, m), 0.0) + alloc_start
-                memory[s].append((starts[rank][step], current[s]))
-            # End of the action.
-            if kind is ActionKind.FORWARD:
-                kept = (1.0 - f) * A + (in_bytes[s] if f > 0 else 0.0)
-                held[(s, m)] = held.get((s, m), 0.0) + kept
-                current[s] += kept
-            elif kind is ActionKind.FULL_BACKWARD or kind is ActionKind.BACKWARD_WEIGHT:
-                current[s] -= held.pop((s, m), 0.0)
-            elif kind is ActionKind.BACKWARD_INPUT:
-                keep = wgrad_fraction * A
-                current[s] -= held.get((s, m), 0.0) - keep
-                held[(s, m)] = keep
-            if current[s] < 1e-12 * max(1.0, A):
-                current[s] = max(current[s], 0.0)
-            if current[s] != before or alloc_start:
-                memory[s].append((ends[rank][step], current[s]))
-            peak[s] = max(peak[s], before + alloc_start, current[s])
-            rank_total += current[s] - before
-            peak_rank[rank] = max(peak_rank[rank], rank_total - current[s] + before + alloc_start, rank_total)
+            cur = current[s]
+            points = memory[s]
+            if delta_start:
+                cur += delta_start
+                rank_total += delta_start
+                points.append((rank_starts[step], cur))
+                if cur > peak[s]:
+                    peak[s] = cur
+                if rank_total > rank_peak:
+                    rank_peak = rank_total
+            if delta_end:
+                cur += delta_end
+                rank_total += delta_end
+                if cur < 0.0:
+                    cur = 0.0  # rounding
+                points.append((rank_ends[step], cur))
+                if cur > peak[s]:
+                    peak[s] = cur
+                if rank_total > rank_peak:
+                    rank_peak = rank_total
+            current[s] = cur
+        peak_rank[rank] = rank_peak
     for s in range(S):
-        memory[s].sort(key=lambda p: p[0])
+        curve = sorted(memory[s], key=lambda p: p[0])
+        # Several changes at one instant: keep the last value (peaks are tracked above).
+        deduped: list[tuple[float, float]] = []
+        for point in curve:
+            if deduped and deduped[-1][0] == point[0]:
+                deduped[-1] = point
+            else:
+                deduped.append(point)
+        memory[s] = deduped
     return memory, peak, peak_rank
