@@ -10,8 +10,9 @@ DP gradient average. Modes:
 - ``overlapped``: merak ``DataParallelGradSync`` armed on the last microbatch (overlapped);
 - ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` (``no_sync`` for all but the last microbatch).
 
-Reported: median step time (rank 0, after a barrier per step) and the ratio to DDP
-measured in the same run; also the largest gradient difference between merak's
+Reported: median step time (rank 0, after a barrier per step; the modes take turns step by
+step, so load changes on a shared machine hit them alike) and the ratio to DDP measured in the
+same run; also the largest gradient difference between merak's
 overlapped sync and DDP (a sanity check, not a test).
 
 Run::
@@ -57,18 +58,22 @@ def _worker(rank: int, world: int, store_path: str, cfg: dict[str, Any], queue: 
     micro = cfg["num_microbatches"]
     g = torch.Generator().manual_seed(100 + rank)
     data = [torch.randn(cfg["batch"], cfg["width"], generator=g) for _ in range(micro)]
-    results: dict[str, Any] = {}
-    final_grads: dict[str, list[torch.Tensor]] = {}
+    # One model (+ sync) per mode, stepped round-robin so that load changes on a shared
+    # machine hit every mode alike.
+    models: dict[str, nn.Module] = {}
+    runners: dict[str, nn.Module] = {}
+    syncs: dict[str, DataParallelGradSync] = {}
     for mode in MODES:
-        model = _model(cfg["width"], cfg["depth"])
-        runner: nn.Module = model
-        sync = None
+        models[mode] = _model(cfg["width"], cfg["depth"])
+        runners[mode] = models[mode]
         if mode == "ddp":
-            runner = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cfg["bucket_mb"])
+            runners[mode] = nn.parallel.DistributedDataParallel(models[mode], bucket_cap_mb=cfg["bucket_mb"])
         elif mode in ("bucketed", "overlapped"):
-            sync = DataParallelGradSync(model, None, bucket_size_bytes=bucket_bytes)
-        times = []
-        for step in range(cfg["warmup"] + cfg["steps"]):
+            syncs[mode] = DataParallelGradSync(models[mode], None, bucket_size_bytes=bucket_bytes)
+    times: dict[str, list[float]] = {mode: [] for mode in MODES}
+    for step in range(cfg["warmup"] + cfg["steps"]):
+        for mode in MODES:
+            model, runner, sync = models[mode], runners[mode], syncs.get(mode)
             model.zero_grad(set_to_none=True)
             dist.barrier()
             start = time.perf_counter()
@@ -91,11 +96,11 @@ def _worker(rank: int, world: int, store_path: str, cfg: dict[str, Any], queue: 
                 sync.sync()
             elapsed = time.perf_counter() - start
             if step >= cfg["warmup"]:
-                times.append(elapsed)
-        results[mode] = statistics.median(times)
-        final_grads[mode] = [p.grad.detach().clone() for p in model.parameters()]
-        if sync is not None:
-            sync.remove_hooks()
+                times[mode].append(elapsed)
+    results = {mode: statistics.median(t) for mode, t in times.items()}
+    final_grads = {mode: [p.grad.detach().clone() for p in models[mode].parameters()] for mode in MODES}
+    for sync in syncs.values():
+        sync.remove_hooks()
     diff = max((a - b).abs().max().item() for a, b in zip(final_grads["overlapped"], final_grads["ddp"], strict=True))
     if rank == 0:
         numel = sum(p.numel() for p in _model(cfg["width"], cfg["depth"]).parameters())
