@@ -166,7 +166,6 @@ def materialize(
                         )
                     with torch.no_grad():
                         new_data.copy_(value)
-                    loaded.add(id(new_data))
                 else:
                     needs_init[id(mod)] = mod
                     if kind == "_parameters":
@@ -177,6 +176,8 @@ def materialize(
                     new.__dict__.update(old.__dict__)
                 else:
                     new = new_data
+                if value is not None:
+                    loaded.add(id(new))
                 replaced[id(old)] = new
                 table[name] = new
     if strict and missing:

@@ -30,7 +30,7 @@ from .empty import _copy_stash, is_meta_module, materialize
 from .errors import InputMismatchError, PartitionError
 from .sharding import BoundaryValue, Shard, ShardedGraph, shard
 from .solver import optimal_contiguous_partition, stage_bounds_cost, uniform_partition
-from .stage import StageModule
+from .stage import StageModule, retarget_devices
 from .tracing import LeafSpec, normalize_inputs, trace
 
 __all__ = ["Partition", "SharedParameter", "StageInfo", "partition", "partition_sharded"]
@@ -150,6 +150,7 @@ class Partition:
         names = {**self._buffer_names[stage_index], **self._names[stage_index]}
         # Every local name (ties included) -> original name.
         full_map = _all_local_names(stage, self.stages[stage_index], names)
+        retarget_devices(stage, device)
         if not is_meta_module(stage):
             stage.to(device)
             if state_dict is not None or safetensors_path is not None:

@@ -163,7 +163,7 @@ class _Analysis:
         return out
 
 
-_NEIGHBOURHOOD = 12  # nodes on each side within which a natural cut has the smallest boundary
+_NEIGHBOURHOOD = 16  # nodes on each side within which a natural cut has the smallest boundary
 
 
 def _natural_positions(an: _Analysis) -> list[int]:
@@ -184,11 +184,18 @@ def _natural_positions(an: _Analysis) -> list[int]:
 
 
 def _choose_cuts(an: _Analysis, num_shards: int) -> list[int]:
-    """Cuts near equal-cost targets, preferring natural positions, then the smallest boundary."""
+    """Cuts nearest to equal-cost targets, smallest boundary first within a target's window.
+
+    Only natural positions are used while they suffice for ``num_shards``; otherwise any valid one.
+    """
+    natural = _natural_positions(an)
     valid = [p for p in range(len(an.valid)) if an.valid[p]]
-    if not valid or num_shards <= 1:
+    # Natural cuts only, unless more shards are asked than there are natural cuts.
+    candidates = natural if len(natural) + 1 >= num_shards else valid
+    if not candidates or num_shards <= 1:
         return []
-    natural = set(_natural_positions(an))
+    if num_shards > len(candidates):
+        return candidates
     total = an.prefix[-1]
     if total <= 0:  # no cost information: cut by node count
         prefix = [float(i) for i in range(len(an.prefix))]
@@ -200,20 +207,37 @@ def _choose_cuts(an: _Analysis, num_shards: int) -> list[int]:
     last = 0
     for j in range(1, num_shards):
         goal = j * target
-        later = [p for p in valid if p > last and prefix[p] > prefix[last]]
+        later = [p for p in candidates if p > last and prefix[p] > prefix[last]]
         if not later:
             break
         window = [p for p in later if abs(prefix[p] - goal) <= target / 2]
-        pool = [p for p in window if p in natural] or window
-        if pool:
-            best = min(pool, key=lambda p: (an.boundary_bytes[p], abs(prefix[p] - goal)))
+        if window:
+            best = min(window, key=lambda p: (an.boundary_bytes[p], abs(prefix[p] - goal)))
         else:
             best = min(later, key=lambda p: (abs(prefix[p] - goal), an.boundary_bytes[p]))
         if prefix[best] >= total:
             break
         cuts.append(best)
         last = best
-    return cuts
+    # Greedy windows can leave fewer cuts than asked: split the most expensive shards further.
+    unused = sorted(set(candidates) - set(cuts))
+    while len(cuts) < num_shards - 1 and unused:
+        bounds = [0, *sorted(cuts), len(an.body)]
+        spans = sorted(range(len(bounds) - 1), key=lambda k: prefix[bounds[k]] - prefix[bounds[k + 1]])
+        added = False
+        for k in spans:
+            lo, hi = bounds[k], bounds[k + 1]
+            inside = [p for p in unused if lo < p < hi]
+            if inside:
+                mid = (prefix[lo] + prefix[hi]) / 2
+                best = min(inside, key=lambda p: (abs(prefix[p] - mid), an.boundary_bytes[p]))
+                cuts.append(best)
+                unused.remove(best)
+                added = True
+                break
+        if not added:
+            break
+    return sorted(cuts)
 
 
 def natural_shard_count(gm: fx.GraphModule) -> int:
@@ -367,8 +391,7 @@ def shard(
     if split_points:
         cuts = _split_point_cuts(an, split_points)
     else:
-        natural = len(_natural_positions(an)) + 1
-        cuts = _choose_cuts(an, min(num_shards or natural, natural))
+        cuts = _choose_cuts(an, num_shards or len(an.body))
     bounds = [0, *cuts, len(an.body)]
     canonical: dict[int, str] = {}
     if model is not None:

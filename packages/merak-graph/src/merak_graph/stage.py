@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+import torch.fx as fx
 from torch import nn
 
 from .errors import InputMismatchError
 
-__all__ = ["StageModule"]
+__all__ = ["StageModule", "retarget_devices"]
 
 
 class StageModule(nn.Sequential):
@@ -35,3 +37,26 @@ class StageModule(nn.Sequential):
         for shard in self:
             values = shard(*values)
         return values
+
+
+def retarget_devices(module: nn.Module, device: torch.device | str) -> int:
+    """Rewrite constant ``device=`` arguments baked into graphs (e.g. by export on meta) to ``device``.
+
+    Returns how many nodes were changed. Tracing records the device of tensor factories such
+    as ``arange`` as a constant; a stage built for another device must create them there.
+    """
+    target = torch.device(device)
+    changed = 0
+    for sub in module.modules():
+        if not isinstance(sub, fx.GraphModule):
+            continue
+        dirty = False
+        for node in sub.graph.nodes:
+            dev = node.kwargs.get("device")
+            if isinstance(dev, (torch.device, str)) and torch.device(dev) != target:
+                node.update_kwarg("device", target)
+                dirty = True
+                changed += 1
+        if dirty:
+            sub.recompile()
+    return changed
