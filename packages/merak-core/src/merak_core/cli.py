@@ -1,37 +1,116 @@
 """The ``merak`` command line.
 
-Only this module configures logging; the libraries never touch the root logger.
+``merak train CONFIG.yaml [section.key=value ...]`` starts the job through
+torchrun (``torch.distributed.run``): one process per rank, single node by
+default, the usual multi-node flags passed through. Merak has no launcher of
+its own; each rank then runs :mod:`merak_core.launch`.
+
+Only this module (and the per-rank entry point) configures logging; the
+libraries never touch the root logger.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import shlex
+import subprocess
 import sys
 
 from merak_core import __version__
 
 
-def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="merak", description="Automated 3D-parallel training for PyTorch."
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train",
+        help="train a model described by a YAML job file",
+        description="Launch a training job with torchrun. Overrides are 'section.key=value' "
+        "(e.g. training.max_steps=50 training.dp=2).",
     )
+    p.add_argument("config", help="YAML job file (see examples/addition/config.yaml)")
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides of the job file")
+    p.add_argument("--nproc-per-node", type=int, default=None,
+                   help="processes on this node (default: dp*tp*pp / nnodes)")
+    p.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
+    p.add_argument("--node-rank", type=int, default=None, help="this node's rank (static rendezvous)")
+    p.add_argument("--rdzv-endpoint", default=None, help="host:port of the c10d rendezvous (multi-node)")
+    p.add_argument("--rdzv-id", default="merak", help="rendezvous job id (default 'merak')")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="torchrun restarts after a failure; the job resumes from its last checkpoint")
+    p.add_argument("--resume", default=None, metavar="PATH|latest",
+                   help="resume from a checkpoint directory, or the latest one in output_dir")
+    p.add_argument("--dry-run", action="store_true", help="print the torchrun command and exit")
+
+
+def torchrun_command(args: argparse.Namespace, world_size: int) -> list[str]:
+    """The ``python -m torch.distributed.run ...`` command line for ``merak train``."""
+    if args.nnodes < 1:
+        raise SystemExit(f"merak train: --nnodes must be >= 1, got {args.nnodes}")
+    nproc = args.nproc_per_node
+    if nproc is None:
+        if world_size % args.nnodes:
+            raise SystemExit(
+                f"merak train: dp*tp*pp={world_size} ranks do not split evenly over --nnodes={args.nnodes}; "
+                f"pass --nproc-per-node or change the degrees"
+            )
+        nproc = world_size // args.nnodes
+    if nproc * args.nnodes != world_size:
+        raise SystemExit(
+            f"merak train: --nproc-per-node={nproc} x --nnodes={args.nnodes} = {nproc * args.nnodes} "
+            f"processes, but the job's dp*tp*pp = {world_size}: make them equal"
+        )
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+           f"--max-restarts={args.max_restarts}"]
+    if args.nnodes == 1 and args.rdzv_endpoint is None:
+        cmd.append("--standalone")
+    else:
+        if args.rdzv_endpoint is None:
+            raise SystemExit("merak train: --nnodes > 1 needs --rdzv-endpoint HOST:PORT")
+        cmd += [f"--nnodes={args.nnodes}", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={args.rdzv_endpoint}", f"--rdzv-id={args.rdzv_id}"]
+        if args.node_rank is not None:
+            cmd.append(f"--node-rank={args.node_rank}")
+    cmd += ["-m", "merak_core.launch", args.config, *args.overrides]
+    if args.resume:
+        cmd += ["--resume", args.resume]
+    return cmd
+
+
+def _train(args: argparse.Namespace) -> int:
+    from merak_core.job import JobConfig
+
+    job = JobConfig.from_yaml(args.config, args.overrides)  # validates before any process starts
+    cmd = torchrun_command(args, job.training.dp * job.training.tp * job.training.pp)
+    if args.dry_run:
+        print(shlex.join(cmd))
+        return 0
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    logging.getLogger("merak").info("launching: %s", shlex.join(cmd))
+    return subprocess.call(cmd, env=env)
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="merak", description="Automated 3D-parallel training for PyTorch.")
     parser.add_argument("--version", action="version", version=f"merak {__version__}")
     parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
-    parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_train(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = _build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
-    )
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.command is None:
         parser.print_help()
         return 0
-    return 0
+    if args.command == "train":
+        return _train(args)
+    parser.error(f"unknown command {args.command!r}")
+    return 2
 
 
 if __name__ == "__main__":

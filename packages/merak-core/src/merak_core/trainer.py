@@ -1,0 +1,416 @@
+"""The Trainer: 3D-parallel training of an ordinary model, Hugging Face style.
+
+::
+
+    trainer = Trainer(model, TrainingArguments(dp=2, tp=2, pp=2, ...), train_dataset, eval_dataset)
+    trainer.train()
+    metrics = trainer.evaluate()
+
+One optimizer step: the data loader hands this rank its part of the global batch
+(inputs on the first stage, labels on the last, nothing in between); the
+pipeline runner splits it into ``num_microbatches`` and runs the schedule
+(gradients accumulate, scaled to the full-batch mean; gradients of parameters
+shared across stages are summed over their copies); gradients are averaged over
+the DP group in buckets; the global gradient norm (over DP, TP and PP, each
+logical parameter counted once) is clipped; the optimizer (optionally ZeRO-1)
+steps; the learning-rate schedule advances.
+
+[Note: loss scaling] The loss of a step is the mean over microbatches and DP
+ranks of each microbatch's ``loss_fn`` value (for token losses: the mean over
+that microbatch's counted tokens). A single-process reference that splits the
+global batch into ``dp * num_microbatches`` equal chunks and averages their
+losses computes exactly the same gradient (see ``tests/e2e``).
+
+Not done here: tracing and sharding (``compose.py``), the layout (``layout.py``),
+data sharding (``data.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from merak_core.clip import clip_grad_norm_
+from merak_core.compose import ParallelModel, build_parallel_model, gather_full_state_dict
+from merak_core.config import TrainingArguments, build_lr_scheduler
+from merak_core.data import StageAwareDataLoader
+from merak_core.data_parallel import DataParallelGradSync
+from merak_core.layout import ParallelLayout, init
+from merak_core.metrics import MetricsWriter
+from merak_core.zero import ZeroOptimizer
+
+logger = logging.getLogger(__name__)
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+MetricsFn = Callable[[torch.Tensor, torch.Tensor], Mapping[str, torch.Tensor]]
+
+
+def default_loss(output: Any, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy for classifiers (``[b, c]`` vs ``[b]``) and LMs (``[b, t, v]`` vs ``[b, t]``, -100 ignored)."""
+    logits = getattr(output, "logits", output)
+    if isinstance(logits, (tuple, list)):
+        logits = logits[0]
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1), ignore_index=-100)
+
+
+def schedule_name(args: TrainingArguments) -> str:
+    """The merak-pipe schedule for ``args.schedule`` (``auto``: shifted critical path with a budget, else 1F1B)."""
+    name = args.schedule
+    if name == "auto":
+        name = "shifted_critical_path" if args.memory_budget is not None else "1f1b"
+    return name.replace("_", "-")
+
+
+def _decay_groups(named: Sequence[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW groups: matrices decay, biases and norm weights (1-D) do not."""
+    seen: set[int] = set()
+    decay, no_decay = [], []
+    for _, p in named:
+        if id(p) in seen or not p.requires_grad:
+            continue
+        seen.add(id(p))
+        (decay if p.ndim >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+class Trainer:
+    """Train ``model`` with the 3D layout in ``args`` (see the module docstring).
+
+    Args:
+        model: an ordinary ``nn.Module``, identical on every rank (same seed), or built
+            under ``merak_graph.empty_init()`` (then only this rank's stage is allocated).
+        args: the run's :class:`TrainingArguments`.
+        train_dataset, eval_dataset: map-style or iterable datasets whose collated batches
+            split into ``(inputs, labels)`` (a dict with ``"labels"``, or a pair).
+        loss_fn: ``loss_fn(output, labels) -> scalar``; default :func:`default_loss`.
+        data_collator: the collate function (default: torch's ``default_collate``).
+        compute_metrics: ``fn(output, labels) -> {name: per-example values}``, averaged by ``evaluate``.
+        layout: an existing :class:`ParallelLayout` (default: :func:`merak_core.init` from ``args``).
+        example_inputs: one microbatch of inputs for tracing (default: read from ``train_dataset``).
+        init_fn: initialiser for a model built under ``empty_init()``.
+        optimizer_factory: ``fn(param_groups) -> Optimizer`` (default: AdamW from ``args``).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        args: TrainingArguments,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        loss_fn: LossFn | None = None,
+        data_collator: Callable[[list[Any]], Any] | None = None,
+        *,
+        compute_metrics: MetricsFn | None = None,
+        layout: ParallelLayout | None = None,
+        example_inputs: Mapping[str, Any] | Sequence[Any] | None = None,
+        init_fn: Callable[[nn.Module], Any] | None = None,
+        optimizer_factory: Callable[[list[dict[str, Any]]], torch.optim.Optimizer] | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        self.args = args
+        self.layout = layout if layout is not None else init(dp=args.dp, tp=args.tp, pp=args.pp)
+        _check_layout(args, self.layout)
+        self.device = torch.device(device) if device is not None else _default_device()
+        self.loss_fn = loss_fn or default_loss
+        self.compute_metrics = compute_metrics
+        self.data_collator = data_collator
+        self.train_dataset = train_dataset
+        self.eval_dataset = eval_dataset
+        num_micro = args.num_microbatches
+        per_rank_batch = args.micro_batch_size * num_micro
+        self.schedule_name = schedule_name(args)
+        if self.schedule_name.startswith("interleaved"):
+            raise ValueError(
+                f"schedule={args.schedule!r} places several stages on one rank, which the Trainer does not "
+                "do yet: use 1f1b, gpipe, zb_h1 or shifted_critical_path (merak_pipe runs interleaved schedules "
+                "over hand-split stages)"
+            )
+        if self.layout.pp > 1 and num_micro < self.layout.pp:
+            raise ValueError(
+                f"gradient_accumulation_steps={num_micro} microbatches is fewer than pp={self.layout.pp} stages: "
+                f"the pipeline would idle; use at least {self.layout.pp} microbatches"
+            )
+        self.train_loader = (
+            StageAwareDataLoader(train_dataset, batch_size=per_rank_batch, layout=self.layout,
+                                 collate_fn=data_collator, seed=args.seed, shuffle=True,
+                                 num_workers=args.dataloader_num_workers)
+            if train_dataset is not None else None
+        )
+        if example_inputs is None:
+            example_inputs = self._example_inputs(train_dataset if train_dataset is not None else eval_dataset)
+        if not _is_meta(model):
+            model.to(dtype=args.torch_dtype)
+        torch.manual_seed(args.seed + 1 + self.layout.tp_rank)  # dropout differs across TP, equal across DP
+        self.model: ParallelModel = build_parallel_model(
+            model, self.layout, example_inputs=example_inputs, tp_plan=args.tp_plan,
+            overlap_chunks=args.overlap_chunks, device=self.device, init_fn=init_fn,
+        )
+        self.runner = self._build_runner()
+        named = self.model.named_parameters()
+        params = [p for _, p in named]
+        self.dp_sync = (DataParallelGradSync(self.model.module, self.layout.dp_group)
+                        if self.layout.dp > 1 else None)
+        groups = _decay_groups(named, args.weight_decay)
+        factory = optimizer_factory or self._adamw
+        self.optimizer: torch.optim.Optimizer = (
+            ZeroOptimizer(groups, factory, group=self.layout.dp_group) if args.zero_stage == 1 and self.layout.dp > 1
+            else factory(groups)
+        )
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, args, self.num_training_steps())
+        self.params = params
+        self.global_step = 0
+        self.history: list[dict[str, float]] = []
+        self.metrics = MetricsWriter(args.output_dir, enabled=dist.get_rank() == 0)
+
+    # ------------------------------------------------------------------ set-up
+
+    def _adamw(self, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        a = self.args
+        return torch.optim.AdamW(groups, lr=a.learning_rate, betas=(a.adam_beta1, a.adam_beta2),
+                                 eps=a.adam_epsilon, weight_decay=a.weight_decay, foreach=False)
+
+    def _example_inputs(self, dataset: Any) -> Any:
+        if dataset is None:
+            raise ValueError("Trainer needs a train_dataset, an eval_dataset or example_inputs to trace the model")
+        from merak_core.data import split_inputs_labels
+
+        collate = self.data_collator or torch.utils.data.default_collate
+        it = iter(dataset) if not hasattr(dataset, "__getitem__") else (dataset[i] for i in range(len(dataset)))
+        samples = [next(it) for _ in range(self.args.micro_batch_size)]
+        inputs, _ = split_inputs_labels(collate(samples))
+        return inputs
+
+    def _build_runner(self) -> Any:
+        from merak_pipe import PipelineRunner, PipelineStage, build_schedule
+
+        layout, args = self.layout, self.args
+        recompute = self._recompute_plan()
+        schedule = build_schedule(self.schedule_name, num_stages=layout.pp,
+                                  num_microbatches=args.num_microbatches, recompute=recompute)
+        stage = PipelineStage(self.model.module, stage_index=layout.pp_rank, num_stages=layout.pp,
+                              group=layout.pp_group, device=self.device)
+        return PipelineRunner([stage], schedule, loss_fn=self.loss_fn, group=layout.pp_group,
+                              shared_parameters=self.model.shared_parameters, timeout=layout.timeout)
+
+    def _recompute_plan(self) -> Any:
+        from merak_pipe import RecomputePlan
+
+        mode, fraction = self.args.recompute_mode
+        pp = self.layout.pp
+        if mode == "none":
+            return None
+        if mode == "full":
+            return RecomputePlan.full(pp)
+        if mode == "uniform":
+            return RecomputePlan.uniform(pp, float(fraction or 0.0))
+        return self._stage_aware_plan()
+
+    def _stage_aware_plan(self) -> Any:
+        from merak_pipe import build_schedule, stage_aware_plan
+
+        part = self.model.partition
+        if part is None or self.args.memory_budget is None:
+            raise ValueError(
+                "recompute='stage_aware' needs pp > 1 and memory_budget (bytes per rank, e.g. '2GiB'): "
+                f"got pp={self.layout.pp}, memory_budget={self.args.memory_budget}"
+            )
+        layer_bytes = []
+        for info in part.stage_info:
+            lo, hi = info.shard_range
+            n = max(1, hi - lo)
+            layer_bytes.append([info.activation_bytes / n] * n)
+        probe = build_schedule(self.schedule_name, num_stages=self.layout.pp,
+                               num_microbatches=self.args.num_microbatches)
+        static = [info.param_bytes * 4.0 for info in part.stage_info]
+        return stage_aware_plan(layer_activation_bytes=layer_bytes, memory_budget=float(self.args.memory_budget),
+                                static_bytes=static, schedule=probe)
+
+    # ------------------------------------------------------------------ sizes
+
+    def num_training_steps(self) -> int:
+        if self.args.max_steps > 0:
+            return self.args.max_steps
+        if self.train_loader is None:
+            return 0
+        try:
+            per_epoch = len(self.train_loader)
+        except TypeError:
+            raise ValueError("an iterable train_dataset has no length: set max_steps") from None
+        return max(1, math.ceil(per_epoch * self.args.num_train_epochs))
+
+    # ------------------------------------------------------------------ training
+
+    def _stage_inputs(self, inputs: Any) -> Any:
+        if inputs is None:
+            return None
+        if isinstance(inputs, Mapping):
+            keys = self.model.input_keys
+            if keys is None or set(keys) != set(inputs):
+                raise ValueError(f"batch inputs have keys {sorted(inputs)} but the model was traced with "
+                                 f"{keys}: every batch must carry the same input keys")
+            return tuple(inputs[k].to(self.device) for k in keys)
+        if isinstance(inputs, torch.Tensor):
+            return inputs.to(self.device)
+        return tuple(x.to(self.device) for x in inputs)
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.args.bf16:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def training_step(self, inputs: Any, labels: Any) -> float:
+        """One optimizer step on this rank's part of a global batch; the global mean loss on every rank."""
+        for p in self.params:
+            p.grad = None
+        labels = labels.to(self.device) if isinstance(labels, torch.Tensor) else labels
+        with self._autocast():
+            loss = self.runner.step(self._stage_inputs(inputs), labels)
+        if self.dp_sync is not None:
+            self.dp_sync.sync()
+        self._fill_missing_grads()
+        if self.args.max_grad_norm > 0:
+            self.last_grad_norm = float(clip_grad_norm_(self.params, self.args.max_grad_norm, layout=self.layout,
+                                                        shared_params=self.model.shared_owner))
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        self.global_step += 1
+        return self._global_mean(loss)
+
+    def _fill_missing_grads(self) -> None:
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+
+    def _global_mean(self, loss: torch.Tensor | None) -> float:
+        """The step's loss averaged over DP, known on every rank (the last stage holds it)."""
+        value = torch.zeros(1, dtype=torch.float64, device=self.device)
+        if loss is not None and self.layout.tp_rank == 0:
+            value += float(loss)
+        dist.all_reduce(value)
+        return float(value) / self.layout.dp
+
+    def train(self) -> list[dict[str, float]]:
+        """Run ``max_steps`` (or ``num_train_epochs``) optimizer steps; returns the logged history."""
+        if self.train_loader is None:
+            raise ValueError("Trainer.train() needs a train_dataset")
+        total = self.num_training_steps()
+        args = self.args
+        iterator = iter(self.train_loader)
+        window_start, window_tokens = time.perf_counter(), 0
+        self.metrics.start(total)
+        while self.global_step < total:
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                iterator = iter(self.train_loader)
+                continue
+            step_start = time.perf_counter()
+            loss = self.training_step(batch.inputs, batch.labels)
+            step_time = time.perf_counter() - step_start
+            window_tokens += _count_tokens(batch.inputs) * self.layout.dp
+            record = {"step": self.global_step, "loss": loss, "lr": self.lr_scheduler.get_last_lr()[0],
+                      "step_time_s": step_time}
+            self.history.append(record)
+            if self.global_step % args.logging_steps == 0 or self.global_step == total:
+                elapsed = time.perf_counter() - window_start
+                record["tokens_per_s"] = window_tokens / elapsed if elapsed > 0 else 0.0
+                self.metrics.log(record)
+                window_start, window_tokens = time.perf_counter(), 0
+            if args.eval_steps and self.eval_dataset is not None and self.global_step % args.eval_steps == 0:
+                self.metrics.log({"step": self.global_step, **self.evaluate()})
+        if self.eval_dataset is not None:
+            self.metrics.log({"step": self.global_step, **self.evaluate()})
+        self.metrics.finish()
+        return self.history
+
+    # ------------------------------------------------------------------ evaluation
+
+    @torch.no_grad()
+    def evaluate(self, eval_dataset: Any = None) -> dict[str, float]:
+        """Loss (and ``compute_metrics``) over ``eval_dataset``, averaged over every example; all ranks."""
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("Trainer.evaluate() needs an eval_dataset")
+        num_micro = self.args.num_microbatches
+        loader = StageAwareDataLoader(dataset, batch_size=self.args.per_device_eval_batch_size * num_micro,
+                                      layout=self.layout, collate_fn=self.data_collator, shuffle=False,
+                                      seed=self.args.seed)
+        sums: dict[str, float] = {}
+        count = 0.0
+        batches = 0
+        for batch in loader:
+            with self._autocast():
+                result = self.runner.evaluate(self._stage_inputs(batch.inputs),
+                                              batch.labels.to(self.device) if batch.labels is not None else None,
+                                              return_outputs=self.compute_metrics is not None)
+            batches += 1
+            if result is None or self.layout.tp_rank != 0:
+                continue
+            loss, outputs = result if self.compute_metrics is not None else (result, None)
+            sums["eval_loss"] = sums.get("eval_loss", 0.0) + float(loss)
+            if self.compute_metrics is not None:
+                values = self.compute_metrics(getattr(outputs, "logits", outputs), batch.labels.to(self.device))
+                for name, v in values.items():
+                    sums[f"eval_{name}"] = sums.get(f"eval_{name}", 0.0) + float(v.float().sum())
+                count += len(batch.labels)
+        names = ["eval_loss"] + ([] if self.compute_metrics is None else sorted(
+            k for k in sums if k != "eval_loss"))
+        names = _agree_names(names)
+        vec = torch.tensor([sums.get(n, 0.0) for n in names] + [count], dtype=torch.float64)
+        dist.all_reduce(vec)
+        out = {"eval_loss": float(vec[0]) / max(1, batches * self.layout.dp)}
+        for i, n in enumerate(names[1:], start=1):
+            out[n] = float(vec[i]) / max(1.0, float(vec[-1]))
+        return out
+
+    # ------------------------------------------------------------------ export
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The unsharded parameters by logical name on global rank 0 (None elsewhere); collective."""
+        return gather_full_state_dict(self.model)
+
+
+def _agree_names(names: list[str]) -> list[str]:
+    """Metric names are only known on last-stage ranks: share them so every rank reduces the same vector."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, names)
+    return max(gathered, key=len)
+
+
+def _count_tokens(inputs: Any) -> int:
+    if inputs is None:
+        return 0
+    if isinstance(inputs, Mapping):
+        inputs = next(iter(inputs.values()))
+    if isinstance(inputs, (tuple, list)):
+        inputs = inputs[0]
+    return int(inputs.numel()) if isinstance(inputs, torch.Tensor) and not inputs.is_floating_point() \
+        else int(inputs.shape[0])
+
+
+def _is_meta(model: nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _check_layout(args: TrainingArguments, layout: ParallelLayout) -> None:
+    for name in ("tp", "pp"):
+        if getattr(args, name) != getattr(layout, name):
+            raise ValueError(f"TrainingArguments.{name}={getattr(args, name)} but the layout has "
+                             f"{name}={getattr(layout, name)}: build both from the same degrees")
+    if args.dp is not None and args.dp != layout.dp:
+        raise ValueError(f"TrainingArguments.dp={args.dp} but the layout has dp={layout.dp}")

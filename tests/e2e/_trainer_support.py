@@ -1,0 +1,101 @@
+"""Shared pieces of the end-to-end trainer tests: data, the run on ranks, the single-process reference."""
+
+from __future__ import annotations
+
+import tempfile
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+from tests.support.models import REFERENCE_MODELS, DecoderConfig, Llama, build_reference
+
+SEQ = 8
+
+
+class TokenDataset(Dataset):
+    """Deterministic random token sequences with next-token labels (a few labels ignored)."""
+
+    def __init__(self, size: int, vocab: int, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, vocab, (size, SEQ + 1), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        labels = self.ids[i, 1:].clone()
+        labels[0] = -100
+        return {"input_ids": self.ids[i, :-1], "labels": labels}
+
+
+def build_model(name: str) -> torch.nn.Module:
+    """The reference model; Llama with 8 query / 4 key-value heads so that tp=4 divides both."""
+    if name == "llama":
+        torch.manual_seed(0)
+        return Llama(DecoderConfig(num_heads=8, num_kv_heads=4)).double()
+    return build_reference(name)
+
+
+def make_args(**overrides: Any):
+    from merak_core.config import TrainingArguments
+
+    values: dict[str, Any] = dict(
+        output_dir=tempfile.mkdtemp(prefix="merak-e2e-"), per_device_train_batch_size=2,
+        gradient_accumulation_steps=2, learning_rate=1e-2, max_steps=3, dtype="float64", max_grad_norm=0.5,
+        logging_steps=1, warmup_steps=1, lr_scheduler_type="linear", weight_decay=0.1, seed=7,
+    )
+    values.update(overrides)
+    return TrainingArguments(**values)
+
+
+def train_on_ranks(name: str, args_kwargs: dict[str, Any], dataset_size: int = 64) -> tuple[list[float], Any]:
+    """Run on every rank: Trainer for ``max_steps``; (losses, full state dict on rank 0)."""
+    import torch.distributed as dist
+
+    from merak_core import Trainer
+
+    args = make_args(**args_kwargs)
+    model = build_model(name)
+    ref = REFERENCE_MODELS[name]
+    data = TokenDataset(dataset_size, model.config.vocab_size)
+    trainer = Trainer(model, args, data, loss_fn=ref.loss)
+    history = trainer.train()
+    state = trainer.full_state_dict()
+    return [h["loss"] for h in history], state if dist.get_rank() == 0 else None
+
+
+def reference_training(name: str, args_kwargs: dict[str, Any], dp: int,
+                       dataset_size: int = 64) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The same run in one process: the global batch split into dp * num_microbatches equal chunks."""
+    from merak_core.config import build_lr_scheduler
+
+    args = make_args(**args_kwargs)
+    model = build_model(name)
+    ref = REFERENCE_MODELS[name]
+    data = TokenDataset(dataset_size, model.config.vocab_size)
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=args.learning_rate,
+                            betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon, foreach=False)
+    sched = build_lr_scheduler(opt, args, args.max_steps)
+    mbs, num_micro = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    global_batch = mbs * num_micro * dp
+    perm = torch.randperm(len(data), generator=torch.Generator().manual_seed(args.seed)).tolist()
+    losses = []
+    for step in range(args.max_steps):
+        idx = perm[step * global_batch:(step + 1) * global_batch]
+        chunks = [idx[i:i + mbs] for i in range(0, global_batch, mbs)]
+        model.zero_grad(set_to_none=True)
+        total = 0.0
+        for chunk in chunks:
+            batch = torch.utils.data.default_collate([data[i] for i in chunk])
+            loss = ref.loss(model(batch["input_ids"]), batch["labels"]) / len(chunks)
+            loss.backward()
+            total += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        opt.step()
+        sched.step()
+        losses.append(total)
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
