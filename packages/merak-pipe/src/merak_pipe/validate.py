@@ -17,8 +17,6 @@ It does not check costs or memory; that is the simulator's job.
 
 from __future__ import annotations
 
-from collections import Counter
-
 from merak_pipe._engine import describe_event, execute
 from merak_pipe.ir import Action, ActionKind, Schedule, ScheduleError, format_table
 
@@ -52,86 +50,119 @@ def _table_excerpt(schedule: Schedule, mark: tuple[int, int] | None) -> str:
     return "\n".join(head + excerpt)
 
 
-def _check_structure(schedule: Schedule) -> None:
-    S, M = schedule.num_stages, schedule.num_microbatches
-    counts: Counter[tuple[int, ActionKind, int]] = Counter()
-    where: dict[tuple[int, ActionKind, int], tuple[int, int]] = {}
-    plan = schedule.recompute
+_KINDS = list(ActionKind)
+_KIND_INDEX = {kind: i for i, kind in enumerate(_KINDS)}
+
+
+def _locate(schedule: Schedule, action: Action, nth: int = 0) -> tuple[int, int]:
+    """Rank and step of the ``nth`` occurrence of ``action`` (error path only)."""
+    seen = 0
     for rank in range(schedule.num_ranks):
         for step, a in enumerate(schedule.actions[rank]):
-            if not isinstance(a, Action):
-                raise _fail(schedule, f"{a!r} is not an Action", rank, step)
-            if a.stage >= S:
-                raise _fail(schedule, f"{a} names stage {a.stage} but the schedule has {S} stages (0..{S - 1})", rank, step)
-            if a.microbatch >= M:
+            if a == action:
+                if seen == nth:
+                    return rank, step
+                seen += 1
+    raise AssertionError(f"{action} not found")  # pragma: no cover
+
+
+def _check_structure(schedule: Schedule) -> None:
+    S, M = schedule.num_stages, schedule.num_microbatches
+    SM = S * M
+    # counts[kind_index * S * M + stage * M + microbatch], saturating at 2 (only 0, 1, "more" matter).
+    counts = bytearray(len(_KINDS) * SM)
+    plan = schedule.recompute
+    stage_to_rank = schedule.stage_to_rank
+    lowered = schedule.lowered
+    kind_offset = {kind: i * SM for kind, i in _KIND_INDEX.items()}
+    comm_kinds = {k for k in ActionKind if k.is_comm}
+    recompute_kind = ActionKind.RECOMPUTE
+    for rank in range(schedule.num_ranks):
+        for step, a in enumerate(schedule.actions[rank]):
+            try:
+                stage, kind, mb = a.stage, a.kind, a.microbatch
+            except AttributeError:
+                raise _fail(schedule, f"{a!r} is not an Action", rank, step) from None
+            if stage >= S:
+                raise _fail(schedule, f"{a} names stage {stage} but the schedule has {S} stages (0..{S - 1})", rank, step)
+            if mb >= M:
+                raise _fail(schedule, f"{a} names microbatch {mb} but the schedule has {M} (0..{M - 1})", rank, step)
+            if stage_to_rank[stage] != rank:
                 raise _fail(
-                    schedule, f"{a} names microbatch {a.microbatch} but the schedule has {M} (0..{M - 1})", rank, step
+                    schedule, f"{a} runs on rank {rank} but stage {stage} is held by rank {stage_to_rank[stage]}", rank, step
                 )
-            if schedule.stage_to_rank[a.stage] != rank:
-                raise _fail(
-                    schedule,
-                    f"{a} runs on rank {rank} but stage {a.stage} is held by rank {schedule.stage_to_rank[a.stage]}",
-                    rank,
-                    step,
-                )
-            if a.kind.is_comm and not schedule.lowered:
+            if kind in comm_kinds and not lowered:
                 raise _fail(
                     schedule, f"{a} is a send/recv in a schedule with lowered=False; use merak_pipe.lower()", rank, step
                 )
-            if a.kind is ActionKind.RECOMPUTE and (plan is None or plan[a.stage] == 0.0):
+            if kind is recompute_kind and (plan is None or plan[stage] == 0.0):
                 raise _fail(
                     schedule,
-                    f"{a} recomputes stage {a.stage}, whose recompute fraction is 0 (plan: "
+                    f"{a} recomputes stage {stage}, whose recompute fraction is 0 (plan: "
                     f"{None if plan is None else plan.fractions}); drop the R action or give the stage a fraction > 0",
                     rank,
                     step,
                 )
-            k = (a.stage, a.kind, a.microbatch)
-            counts[k] += 1
-            if counts[k] > 1:
-                first = where[k]
-                raise _fail(
-                    schedule, f"{a} appears twice (first at rank {first[0]}, step {first[1]})", rank, step
-                )
-            where[k] = (rank, step)
+            index = kind_offset[kind] + stage * M + mb
+            if counts[index]:
+                first = _locate(schedule, a)
+                raise _fail(schedule, f"{a} appears twice (first at rank {first[0]}, step {first[1]})", rank, step)
+            counts[index] = 1
+
+    def block(kind: ActionKind) -> bytes:
+        offset = kind_offset[kind]
+        return bytes(counts[offset : offset + SM])
+
+    ones, zeros = b"\x01" * SM, bytes(SM)
     F, B, BI, W = (ActionKind.FORWARD, ActionKind.FULL_BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT)
-    for s in range(S):
-        for m in range(M):
-            if counts[(s, F, m)] != 1:
-                raise _fail(schedule, f"stage {s} microbatch {m} has no forward {Action(s, F, m)}")
-            b, i, w = counts[(s, B, m)], counts[(s, BI, m)], counts[(s, W, m)]
-            if b and (i or w):
-                r, st = where[(s, BI, m)] if i else where[(s, W, m)]
+    f, b, i, w = block(F), block(B), block(BI), block(W)
+    if f != ones:
+        missing = f.index(0)
+        s, m = divmod(missing, M)
+        raise _fail(schedule, f"stage {s} microbatch {m} has no forward {Action(s, F, m)}")
+    if not ((b == ones and i == zeros and w == zeros) or (b == zeros and i == ones and w == ones)):
+        for index in range(SM):
+            s, m = divmod(index, M)
+            if b[index] and (i[index] or w[index]):
+                r, st = _locate(schedule, Action(s, BI if i[index] else W, m))
                 raise _fail(schedule, f"stage {s} microbatch {m} has both a full backward B and a split I/W", r, st)
-            if not b and not (i and w):
-                missing = Action(s, BI, m) if w else Action(s, W, m) if i else Action(s, B, m)
-                raise _fail(schedule, f"stage {s} microbatch {m} has no {missing} (needs one B, or one I and one W)")
-    if schedule.lowered:
-        _check_comms(schedule, counts, where)
+            if not b[index] and not (i[index] and w[index]):
+                missing_action = Action(s, BI, m) if w[index] else Action(s, W, m) if i[index] else Action(s, B, m)
+                raise _fail(
+                    schedule, f"stage {s} microbatch {m} has no {missing_action} (needs one B, or one I and one W)"
+                )
+    if lowered:
+        _check_comms(schedule, counts, kind_offset)
 
 
-def _check_comms(
-    schedule: Schedule,
-    counts: Counter[tuple[int, ActionKind, int]],
-    where: dict[tuple[int, ActionKind, int], tuple[int, int]],
-) -> None:
+def _check_comms(schedule: Schedule, counts: bytearray, kind_offset: dict[ActionKind, int]) -> None:
     S, M = schedule.num_stages, schedule.num_microbatches
-    expected: set[tuple[int, ActionKind, int]] = set()
+    expected: dict[ActionKind, set[int]] = {k: set() for k in ActionKind if k.is_comm}
     for s in range(S - 1):
         if schedule.stage_to_rank[s] != schedule.stage_to_rank[s + 1]:
-            for m in range(M):
-                expected.add((s, ActionKind.SEND_F, m))
-                expected.add((s + 1, ActionKind.RECV_F, m))
-                expected.add((s + 1, ActionKind.SEND_B, m))
-                expected.add((s, ActionKind.RECV_B, m))
-    present = {k for k, c in counts.items() if c and k[1].is_comm}
-    for k in sorted(present - expected, key=lambda k: where[k]):
-        rank, step = where[k]
-        raise _fail(
-            schedule, f"{Action(*k)} has no cross-rank edge to serve (its peer stage is on the same rank or absent)", rank, step
-        )
-    for k in sorted(expected - present, key=lambda k: (k[0], k[2], k[1].value)):
-        raise _fail(schedule, f"lowered schedule lacks {Action(*k)} (stages on different ranks need a send and a recv)")
+            expected[ActionKind.SEND_F].add(s)
+            expected[ActionKind.RECV_F].add(s + 1)
+            expected[ActionKind.SEND_B].add(s + 1)
+            expected[ActionKind.RECV_B].add(s)
+    ones, zeros = b"\x01" * M, bytes(M)
+    for kind, stages in expected.items():
+        for s in range(S):
+            offset = kind_offset[kind] + s * M
+            row = bytes(counts[offset : offset + M])
+            if s in stages and row != ones:
+                m = row.index(0)
+                raise _fail(
+                    schedule, f"lowered schedule lacks {Action(s, kind, m)} (stages on different ranks need a send and a recv)"
+                )
+            if s not in stages and row != zeros:
+                m = next(j for j, c in enumerate(row) if c)
+                rank, step = _locate(schedule, Action(s, kind, m))
+                raise _fail(
+                    schedule,
+                    f"{Action(s, kind, m)} has no cross-rank edge to serve (its peer stage is on the same rank or absent)",
+                    rank,
+                    step,
+                )
 
 
 def validate(schedule: Schedule) -> Schedule:
