@@ -237,7 +237,7 @@ class PipelineRunner:
         self._header_sent: set[int] = set()
         self._posted: set[int] = set()
         self._recv_buffers: dict[tuple[int, int], list[torch.Tensor]] = {}
-        self._round_start = time.perf_counter()
+        self._round_index = getattr(self, "_round_index", -1) + 1
 
     def _check_inputs(self, inputs: Any, labels: Any) -> None:
         m = self.num_microbatches
@@ -547,7 +547,7 @@ class PipelineRunner:
             return
         self.timings.append(ActionTiming(
             rank=self.rank, stage=action.stage, kind=action.kind.value, microbatch=action.microbatch,
-            start_s=start, ready_s=ready, end_s=end, recompute_s=recompute,
+            start_s=start, ready_s=ready, end_s=end, recompute_s=recompute, step=self._round_index,
         ))
 
 

@@ -47,6 +47,8 @@ class ActionTiming:
     end_s: float
     recompute_s: float = 0.0
     """Seconds of a B/I spent recomputing the checkpointed units (no explicit R action)."""
+    step: int = 0
+    """Index of the runner's step (or evaluate) call this action belongs to."""
 
     @property
     def action(self) -> str:
@@ -79,58 +81,70 @@ def measured_step_time(timings: Sequence[ActionTiming]) -> float:
     return max(t.end_s for t in timings) - min(t.start_s for t in timings)
 
 
-def _median(values: list[float]) -> float:
-    return statistics.median(values) if values else 0.0
+def _mean(values: list[float]) -> float:
+    return statistics.fmean(values) if values else 0.0
 
 
 def measured_costs(timings: Iterable[ActionTiming], schedule: Schedule) -> Any:
     """A :class:`~merak_pipe.sim.CostModel` from measured timings (all ranks, one or more steps).
 
-    Per stage: ``forward`` = median F, ``backward`` = median B minus its recompute part,
-    ``backward_input``/``backward_weight`` = median I (minus recompute) / W, ``recompute`` = the
-    whole-stage recompute time (median R, or the recompute part of B/I, divided by the plan's
-    fraction). The host time of posting sends/receives is added to the compute action it
-    belongs to (SEND_F/RECV_F to F, SEND_B/RECV_B to the backward), since the simulator treats
-    communication actions as free for the rank. Kinds a stage never ran fall back to the
-    simulator's defaults (B = 2 F, I = W = B / 2, recompute = F).
+    [Note: measured costs]
+    The simulator knows only compute actions and a per-message delay, so each compute action is
+    charged with everything its rank did since its previous compute action ended, except waiting:
+    posting sends/receives, the runner's own bookkeeping, and the compute itself
+    (``end - previous end - wait``). Per stage, ``forward``/``backward``/``backward_input``/
+    ``backward_weight`` are means of those charges (the recompute part of a B/I is taken out);
+    ``recompute`` is the whole-stage recompute time (mean R, or recompute part of B/I, divided by
+    the plan's fraction). ``p2p_latency`` is the median delay from a send being posted to the
+    waiting receiver resuming, over the transfers where the receiver was already waiting.
+    Kinds a stage never ran fall back to the simulator's defaults.
     """
     from merak_pipe.sim import CostModel
 
     num_stages = schedule.num_stages
     per: dict[tuple[int, str], list[float]] = {}
     rec: dict[int, list[float]] = {}
-    comm: dict[tuple[int, str], list[float]] = {}
+    by_rank_step: dict[tuple[int, int], list[ActionTiming]] = {}
     for t in timings:
-        if t.kind in _COMPUTE:
-            per.setdefault((t.stage, t.kind), []).append(t.compute_s - t.recompute_s)
+        by_rank_step.setdefault((t.rank, t.step), []).append(t)
+    sends: dict[tuple[int, str, int, int], float] = {}
+    for (_, step), records in by_rank_step.items():
+        for t in records:
+            if t.kind in ("SEND_F", "SEND_B"):
+                sends[(step, t.kind, t.stage, t.microbatch)] = t.end_s
+    latencies: list[float] = []
+    for (_, step), records in by_rank_step.items():
+        previous_end = records[0].start_s if records else 0.0
+        for t in records:
+            if t.kind not in _COMPUTE:
+                continue
+            charge = (t.start_s - previous_end) + (t.end_s - t.ready_s)  # see [Note: measured costs]
+            previous_end = t.end_s
+            per.setdefault((t.stage, t.kind), []).append(charge - t.recompute_s)
             if t.kind == "R":
-                rec.setdefault(t.stage, []).append(t.compute_s)
+                rec.setdefault(t.stage, []).append(charge)
             elif t.recompute_s > 0:
                 rec.setdefault(t.stage, []).append(t.recompute_s)
-        else:
-            side = "F" if t.kind in ("SEND_F", "RECV_F") else "B"
-            comm.setdefault((t.stage, side), []).append(t.end_s - t.start_s)
-    microbatches = schedule.num_microbatches
-    steps = max(1, len(per.get((0, "F"), [])) // microbatches)
-
-    def comm_per_mb(stage: int, side: str) -> float:
-        return sum(comm.get((stage, side), [])) / (microbatches * steps)
-
+            if t.wait_s > 0:
+                key = (step, "SEND_F", t.stage - 1, t.microbatch) if t.kind == "F" else \
+                    (step, "SEND_B", t.stage + 1, t.microbatch)
+                sent = sends.get(key)
+                if sent is not None and t.start_s < sent < t.ready_s:
+                    latencies.append(t.ready_s - sent)
     fractions = schedule.recompute.fractions if schedule.recompute is not None else (0.0,) * num_stages
     forward, backward, b_in, b_w, recompute = [], [], [], [], []
     split = False
     for s in range(num_stages):
-        f = _median(per.get((s, "F"), [])) + comm_per_mb(s, "F")
-        b_comm = comm_per_mb(s, "B")
+        f = _mean(per.get((s, "F"), []))
         if per.get((s, "B")):
-            b = _median(per[(s, "B")]) + b_comm
+            b = _mean(per[(s, "B")])
             i, w = b / 2, b / 2
         else:
-            i = _median(per.get((s, "I"), [])) + b_comm
-            w = _median(per.get((s, "W"), []))
+            i = _mean(per.get((s, "I"), []))
+            w = _mean(per.get((s, "W"), []))
             b = i + w
             split = split or bool(per.get((s, "I")))
-        r_meas = _median(rec.get(s, []))
+        r_meas = _mean(rec.get(s, []))
         recompute.append(r_meas / fractions[s] if fractions[s] > 0 and r_meas > 0 else f)
         forward.append(f)
         backward.append(b if b > 0 else 2 * f)
@@ -139,6 +153,7 @@ def measured_costs(timings: Iterable[ActionTiming], schedule: Schedule) -> Any:
     return CostModel(
         forward=forward, backward=backward, recompute=recompute,
         backward_input=b_in if split else None, backward_weight=b_w if split else None,
+        p2p_latency=statistics.median(latencies) if latencies else 0.0,
     )
 
 
