@@ -9,7 +9,15 @@ from torch import nn
 from merak_graph import empty_init, is_meta_module, materialize, partition
 from tests.graph.helpers import run_stages
 from tests.support.compare import assert_grads_match, assert_tensors_close, reference_step
-from tests.support.models import CNNConfig, REFERENCE_MODELS, GPT, Llama, ResNet, build_reference, init_like_gpt2
+from tests.support.models import (
+    GPT,
+    REFERENCE_MODELS,
+    CNNConfig,
+    Llama,
+    ResNet,
+    build_reference,
+    init_like_gpt2,
+)
 
 
 class _Custom(nn.Module):

@@ -391,7 +391,7 @@ def shard(
     if split_points:
         cuts = _split_point_cuts(an, split_points)
     else:
-        cuts = _choose_cuts(an, num_shards or len(an.body))
+        cuts = _choose_cuts(an, num_shards or len(_natural_positions(an)) + 1)
     bounds = [0, *cuts, len(an.body)]
     canonical: dict[int, str] = {}
     if model is not None:
