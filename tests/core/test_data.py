@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
+from merak_core.config import TrainingArguments
 from merak_core.data import StageAwareDataLoader, StageBatch, split_inputs_labels
 from merak_core.layout import ParallelLayout
 from tests.support.dist import run_on_ranks
@@ -191,7 +192,13 @@ def test_split_hook_and_errors() -> None:
 def _layout_batches(dp: int, tp: int, pp: int) -> tuple[tuple[int, int, int], list[tuple[Any, Any]], int]:
     layout = ParallelLayout.build(dp, tp, pp, device="cpu")
     ds = _Samples(16)
-    loader = StageAwareDataLoader(ds, layout=layout, batch_size=2, seed=11)
+    # One optimizer step = 2 microbatches of 1 sample per DP rank.
+    args = TrainingArguments(per_device_train_batch_size=1, gradient_accumulation_steps=2, seed=11, dp=dp, tp=tp, pp=pp)
+    loader = StageAwareDataLoader.from_training_args(ds, args, layout)
+    assert loader.batch_size == 2 and loader.shuffle and loader.drop_last
+    evaluation = StageAwareDataLoader.from_training_args(_Samples(5), args.with_overrides(["per_device_eval_batch_size=3"]),
+                                                         layout, evaluation=True)
+    assert (evaluation.batch_size, evaluation.shuffle, len(evaluation)) == (3, False, -(-5 // (3 * dp)))
     out = []
     for b in loader:
         out.append((None if b.inputs is None else b.inputs["input_ids"][:, 0].tolist(),

@@ -30,6 +30,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed import ProcessGroup
 
 from merak_core.layout import ParallelLayout
@@ -38,6 +39,9 @@ logger = logging.getLogger(__name__)
 
 TP_DIM_ATTR = "_merak_tp_dim"
 """Attribute merak-tp sets on sharded parameters: the tensor dim sharded over the TP group."""
+
+SharedParams = Mapping[torch.Tensor, int] | Mapping[nn.Parameter, int]
+"""Parameter held by several pipeline stages -> the stage (rank in the PP group) that counts it."""
 
 _EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s epsilon
 
@@ -54,7 +58,7 @@ def global_grad_norm(
     tp_group: ProcessGroup | None = None,
     pp_group: ProcessGroup | None = None,
     layout: ParallelLayout | None = None,
-    shared_params: Mapping[torch.Tensor, int] | None = None,
+    shared_params: SharedParams | None = None,
 ) -> torch.Tensor:
     """The norm of the logical model's gradient (see the module docstring for the counting rules).
 
@@ -109,7 +113,7 @@ def clip_grad_norm_(
     tp_group: ProcessGroup | None = None,
     pp_group: ProcessGroup | None = None,
     layout: ParallelLayout | None = None,
-    shared_params: Mapping[torch.Tensor, int] | None = None,
+    shared_params: SharedParams | None = None,
     error_if_nonfinite: bool = False,
 ) -> torch.Tensor:
     """Scale this rank's gradients so the logical model's gradient norm is at most ``max_norm``.
@@ -157,4 +161,4 @@ def _device_of(params: list[torch.Tensor], layout: ParallelLayout | None) -> tor
     return torch.device("cpu")
 
 
-__all__ = ["TP_DIM_ATTR", "clip_grad_norm_", "global_grad_norm", "is_tp_sharded"]
+__all__ = ["TP_DIM_ATTR", "SharedParams", "clip_grad_norm_", "global_grad_norm", "is_tp_sharded"]

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate
 
+from merak_core.config import TrainingArguments
 from merak_core.layout import ParallelLayout
 
 logger = logging.getLogger(__name__)
@@ -169,6 +170,35 @@ class StageAwareDataLoader:
                     f"(dp_size={dp_size} x batch_size={batch_size}) with drop_last=True: use a smaller batch "
                     "or drop_last=False"
                 )
+
+    @classmethod
+    def from_training_args(
+        cls,
+        dataset: Any,
+        args: TrainingArguments,
+        layout: ParallelLayout,
+        *,
+        evaluation: bool = False,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        split_inputs_labels: SplitFn | None = None,
+    ) -> StageAwareDataLoader:
+        """The loader a trainer uses: one batch per optimizer step (all its microbatches).
+
+        Training: ``batch_size = per_device_train_batch_size * gradient_accumulation_steps``
+        per DP rank (the pipeline splits it into ``num_microbatches``), shuffled with
+        ``args.seed``, incomplete last batch dropped. Evaluation: ``per_device_eval_batch_size``,
+        dataset order, last batch padded by wrap-around.
+        """
+        if evaluation:
+            batch_size, shuffle, drop_last = args.per_device_eval_batch_size, False, False
+        else:
+            batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
+            shuffle, drop_last = True, True
+        return cls(
+            dataset, batch_size=batch_size, layout=layout, collate_fn=collate_fn, shuffle=shuffle,
+            seed=args.seed, drop_last=drop_last, split_inputs_labels=split_inputs_labels,
+            num_workers=args.dataloader_num_workers,
+        )
 
     # ------------------------------------------------------------------ sizes
 
