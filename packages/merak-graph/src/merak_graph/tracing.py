@@ -272,6 +272,7 @@ def trace(
     if method not in ("auto", "export", "fx"):
         raise ValueError(f"method={method!r} is not one of 'auto', 'export', 'fx'")
     names, values, by_keyword = normalize_inputs(model, example_inputs, input_names)
+    _leaf_predicate(model, leaf_modules)  # validates the leaf specs before any tracer runs
     static = dict(static_kwargs or {})
     if method == "auto":
         order = ["fx", "export"] if leaf_modules or values is None else ["export", "fx"]
