@@ -17,7 +17,7 @@ from torch import nn
 
 import merak_tp
 from tests.support.compare import assert_grads_match, assert_tensors_close, named_grads
-from tests.support.models import REFERENCE_MODELS, Bert, DecoderConfig, GPT, Llama
+from tests.support.models import GPT, REFERENCE_MODELS, Bert, DecoderConfig, Llama
 
 SMALL = DecoderConfig(num_layers=2, num_kv_heads=4)
 BUILDERS = {

@@ -17,7 +17,15 @@ from merak_tp.collectives import (
 )
 from merak_tp.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from merak_tp.loss import vocab_parallel_cross_entropy
-from merak_tp.overlap import SequenceScatter, TPRegion, make_region, make_sequence_scatter, remove_region
+from merak_tp.overlap import (
+    SequenceGather,
+    SequenceScatter,
+    TPRegion,
+    make_region,
+    make_sequence_gather,
+    make_sequence_scatter,
+    remove_region,
+)
 from merak_tp.parallelize import gather_tensor, is_replicated, parallelize
 from merak_tp.plans import STYLES, TPPlan, get_plan, plan_for_model, register_plan
 from merak_tp.rng import RNGTracker, sharded_dropout, tp_seed
@@ -25,7 +33,7 @@ from merak_tp.rng import RNGTracker, sharded_dropout, tp_seed
 __version__ = "0.1.0"
 
 TP_LEAF_MODULES: tuple[type, ...] = (
-    ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, TPRegion, SequenceScatter,
+    ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, TPRegion, SequenceScatter, SequenceGather,
 )
 """Classes an fx tracer must keep as opaque leaves (``isinstance`` covers the region subclasses)."""
 
@@ -35,6 +43,7 @@ __all__ = [
     "ColumnParallelLinear",
     "RNGTracker",
     "RowParallelLinear",
+    "SequenceGather",
     "SequenceScatter",
     "TPPlan",
     "TPRegion",
@@ -47,6 +56,7 @@ __all__ = [
     "get_plan",
     "is_replicated",
     "make_region",
+    "make_sequence_gather",
     "make_sequence_scatter",
     "parallelize",
     "plan_for_model",

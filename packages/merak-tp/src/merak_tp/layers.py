@@ -9,7 +9,10 @@ contiguous equal blocks in rank order, or ``None`` when the parameter is
 replicated (identical on every TP rank, with an identical gradient).
 ``param._merak_tp_sections`` (default 1) says the sharded dim is made of that
 many equal sections, each split separately (a fused q/k/v projection);
-``merak_tp.gather_tensor`` uses both to rebuild the full tensor.
+``merak_tp.gather_tensor`` uses both to rebuild the full tensor. A weight sliced
+from a transformers ``Conv1D`` (stored (in, out)) is kept in ``nn.Linear``'s
+(out, in) layout and has ``param._merak_tp_transposed = True``: transpose the
+gathered tensor to get the original layout back.
 
 Shape legend: ``*`` leading dims (batch first, then sequence), i in-features,
 o out-features, v vocabulary, h hidden.
@@ -152,6 +155,7 @@ class ColumnParallelLinear(nn.Module):
                     _skip_init=True)
         w = _shard(weight.detach(), 0, layer.tp_size, layer.tp_rank, sections)
         layer.weight = _mark(nn.Parameter(w, requires_grad=linear.weight.requires_grad), 0, sections)
+        layer.weight._merak_tp_transposed = transposed  # type: ignore[attr-defined]
         if bias is not None:
             b = _shard(bias.detach(), 0, layer.tp_size, layer.tp_rank, sections)
             layer.bias = _mark(nn.Parameter(b, requires_grad=bias.requires_grad), 0, sections)
@@ -246,6 +250,7 @@ class RowParallelLinear(nn.Module):
                     overlap_chunks=overlap_chunks, device="meta", dtype=weight.dtype, _skip_init=True)
         w = _shard(weight.detach(), 1, layer.tp_size, layer.tp_rank)
         layer.weight = _mark(nn.Parameter(w, requires_grad=linear.weight.requires_grad), 1)
+        layer.weight._merak_tp_transposed = transposed  # type: ignore[attr-defined]
         if bias is not None:
             layer.bias = _mark(bias if isinstance(bias, nn.Parameter) else nn.Parameter(bias.detach()), None)
         return layer

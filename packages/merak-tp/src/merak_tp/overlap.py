@@ -38,12 +38,19 @@ import torch
 from torch import nn
 
 from merak_tp._events import _record, _RegionState
-from merak_tp.collectives import gather_from_sequence_region, scatter_to_sequence_region
+from merak_tp.collectives import (
+    gather_from_sequence_region,
+    gather_from_tp_region,
+    scatter_to_sequence_region,
+)
 from merak_tp.layers import ColumnParallelLinear, RowParallelLinear
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SequenceScatter", "TPRegion", "make_region", "make_sequence_scatter", "remove_region"]
+__all__ = [
+    "SequenceGather", "SequenceScatter", "TPRegion", "make_region", "make_sequence_gather", "make_sequence_scatter",
+    "remove_region",
+]
 
 
 class _RegionEntry(torch.autograd.Function):
@@ -89,17 +96,25 @@ class TPRegion(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         st = self._merak_region_state
-        base_forward = super().forward  # the original class's forward (next in the MRO)
+        original_forward = super().forward  # the original class's forward (next in the MRO)
+        # The first input may come by keyword (transformers: ``hidden_states=...``).
+        key = None
+        if not args and kwargs:
+            key = next(iter(kwargs))
+            args = (kwargs.pop(key),)
+
+        def base_forward(x: Any, *rest: Any, **kw: Any) -> Any:
+            return original_forward(**{key: x}, **kw) if key is not None else original_forward(x, *rest, **kw)
+
         if st.sequence_parallel:
-            if args:
+            if args and isinstance(args[0], torch.Tensor):
                 args = (gather_from_sequence_region(args[0], st.group, st.sequence_dim), *args[1:])
             st.mode = "sp"
             try:
                 return base_forward(*args, **kwargs)
             finally:
                 st.mode = None
-        if st.chunks == 1 or not args or not isinstance(args[0], torch.Tensor) or args[0].dim() < 2 \
-                or args[0].size(0) < st.chunks or st.deferrable is False:
+        if st.chunks == 1 or st.deferrable is False or not _chunkable(args, kwargs, st.chunks):
             return base_forward(*args, **kwargs)
         if st.deferrable is None:
             return self._probe(base_forward, args, kwargs)
@@ -153,6 +168,21 @@ class TPRegion(nn.Module):
         return _cat_outputs(outs)
 
 
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _chunkable(args: tuple[Any, ...], kwargs: dict[str, Any], chunks: int) -> bool:
+    """A batch-major first input and only stateless other inputs (a KV cache object is not)."""
+    if not args or not isinstance(args[0], torch.Tensor) or args[0].dim() < 2 or args[0].size(0) < chunks:
+        return False
+    for value in (*args[1:], *kwargs.values()):
+        if isinstance(value, tuple) and all(isinstance(v, torch.Tensor) for v in value):
+            continue
+        if not isinstance(value, (torch.Tensor, *_PLAIN)):
+            return False
+    return True
+
+
 def _split_like(value: Any, batch: int, k: int) -> list[Any]:
     """Split a batch-major tensor (3+ dims, leading size ``batch``) into k; repeat anything else."""
     if isinstance(value, torch.Tensor) and value.dim() >= 3 and value.size(0) == batch:
@@ -185,6 +215,22 @@ class SequenceScatter(nn.Module):
         if args:
             args = (scatter_to_sequence_region(args[0], self._merak_scatter_group, self._merak_scatter_dim),
                     *args[1:])
+        return super().forward(*args, **kwargs)
+
+
+class SequenceGather(nn.Module):
+    """Marker base: the module's first input leaves sequence parallelism (all-gathered on entry).
+
+    Everything from this module on runs on the full sequence, replicated; its gradient
+    arrives identical on every rank, so the backward keeps this rank's block (no sum).
+    """
+
+    _merak_scatter_group: Any
+    _merak_scatter_dim: int
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if args:
+            args = (gather_from_tp_region(args[0], self._merak_scatter_group, self._merak_scatter_dim), *args[1:])
         return super().forward(*args, **kwargs)
 
 
@@ -227,6 +273,14 @@ def make_region(
 def make_sequence_scatter(module: nn.Module, *, group: Any, sequence_dim: int = 1) -> nn.Module:
     """Split ``module``'s first input along ``sequence_dim`` on entry (start of sequence parallelism)."""
     _swap_class(module, SequenceScatter)
+    module._merak_scatter_group = group  # type: ignore[assignment]
+    module._merak_scatter_dim = sequence_dim  # type: ignore[assignment]
+    return module
+
+
+def make_sequence_gather(module: nn.Module, *, group: Any, sequence_dim: int = 1) -> nn.Module:
+    """All-gather ``module``'s first input along ``sequence_dim`` on entry (end of sequence parallelism)."""
+    _swap_class(module, SequenceGather)
     module._merak_scatter_group = group  # type: ignore[assignment]
     module._merak_scatter_dim = sequence_dim  # type: ignore[assignment]
     return module

@@ -29,7 +29,7 @@ from torch import nn
 from merak_tp._compat import all_gather_dim0
 from merak_tp.collectives import tp_size
 from merak_tp.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from merak_tp.overlap import make_region, make_sequence_scatter
+from merak_tp.overlap import make_region, make_sequence_gather, make_sequence_scatter
 from merak_tp.plans import TPPlan, get_plan, plan_for_model
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ def _is_conv1d(module: nn.Module) -> bool:
 
 
 def _build(module: nn.Module, name: str, style: str, *, group: Any, chunks: int, sp: bool, in_region: bool,
-           vocab_loss: bool) -> nn.Module:
+           vocab_loss: bool, head_sp: bool) -> nn.Module:
     transposed = _is_conv1d(module)
     if style == "vocab":
         if not isinstance(module, nn.Embedding):
@@ -61,7 +61,7 @@ def _build(module: nn.Module, name: str, style: str, *, group: Any, chunks: int,
     if style in ("column", "column_qkv", "lm_head"):
         return ColumnParallelLinear.from_linear(
             module, group=group, gather_output=style == "lm_head" and not vocab_loss,
-            sequence_parallel=sp and not in_region, overlap_chunks=chunks,
+            sequence_parallel=sp and not in_region and (style != "lm_head" or head_sp), overlap_chunks=chunks,
             sections=3 if style == "column_qkv" else 1, transposed=transposed)
     if style == "row":
         return RowParallelLinear.from_linear(module, group=group, sequence_parallel=sp, overlap_chunks=chunks,
@@ -118,7 +118,8 @@ def parallelize(
             continue
         in_region = any(r == "" or name.startswith(r + ".") for r in region_names)
         new = _build(module, name, plan.layers[pattern], group=group, chunks=overlap_chunks,
-                     sp=sequence_parallel, in_region=in_region, vocab_loss=vocab_loss)
+                     sp=sequence_parallel, in_region=in_region, vocab_loss=vocab_loss,
+                     head_sp=not plan.sequence_gather)
         new._merak_name = name  # type: ignore[assignment]
         replaced.append((name, module, new))
     if not replaced:
@@ -169,6 +170,8 @@ def parallelize(
                              f"matching the model (patterns {plan.sequence_scatter})")
         for name in scatter:
             make_sequence_scatter(named[name], group=group)
+        for name in [n for n in named if _match(n, plan.sequence_gather) is not None]:
+            make_sequence_gather(named[name], group=group)
         full = {id(p) for n, m in named.items() if _match(n, plan.sequence_full) is not None
                 for p in m.parameters()}
         # A row layer's bias gradient is computed from the gathered output gradient: already full.

@@ -48,8 +48,12 @@ class TPPlan:
     """Patterns of modules that are 'column layers -> local compute -> one row layer' blocks."""
     sequence_scatter: tuple[str, ...] = ()
     """Patterns of modules whose first input enters sequence parallelism (split along the sequence)."""
+    sequence_gather: tuple[str, ...] = ()
+    """Patterns of modules whose first input leaves sequence parallelism (all-gathered). Empty: the
+    LM head (a column layer) gathers the sequence itself."""
     sequence_full: tuple[str, ...] = ()
-    """Patterns of modules that run before ``sequence_scatter`` (their replicated grads are full)."""
+    """Patterns of modules that run on the full sequence: before ``sequence_scatter`` or from
+    ``sequence_gather`` on (their replicated parameters' gradients are already complete)."""
     vocab_parallel_loss: bool = False
     """Leave the LM head's logits vocab-sharded (use ``vocab_parallel_cross_entropy``)."""
     fixup: Callable[[nn.Module, str, int], None] | None = None
@@ -176,7 +180,9 @@ register_plan(TPPlan(
     attributes={"*h.*.attn": ("num_heads", "split_size", "embed_dim")},
     regions=("*h.*.attn", "*h.*.mlp"),
     sequence_scatter=("*h.0",),
-    sequence_full=("*wte", "*wpe"),
+    # GPT2Model reshapes after ln_f with the input's sequence length: leave SP before ln_f.
+    sequence_gather=("*ln_f",),
+    sequence_full=("*wte", "*wpe", "*ln_f"),
 ), model_types=("gpt2",))
 
 _HF_LLAMA_LAYERS = {
@@ -205,6 +211,9 @@ register_plan(TPPlan(
         "cls.predictions.decoder": "lm_head",
     },
     attributes={"*attention.self": ("num_attention_heads", "all_head_size")},
+    # Not a full column -> row block (the row layer is in BertSelfOutput): a region so that sequence
+    # parallelism gathers the sequence once for q/k/v; overlap stays at the layer level.
+    regions=("*attention.self",),
     sequence_scatter=("*encoder.layer.0",),
     sequence_full=("*embeddings.*",),
 ), model_types=("bert",))
