@@ -222,3 +222,35 @@ def test_bf16_grads_reduced_in_float32() -> None:
             # Two summands: the float32 sum is exact up to rounding once, then halved and cast.
             expected = ((results[0][0][name].float() + results[1][0][name].float()) / 2).to(torch.bfloat16)
             assert torch.equal(grad, expected), name
+
+
+def _deferred(defer: bool) -> tuple[dict[str, torch.Tensor], list[list[str]]]:
+    rank = dist.get_rank()
+    model = _Branchy()
+    tied = model.layers[0].weight
+    sync = DataParallelGradSync(model, None, bucket_size_bytes=1 << 20, deferred_params=[tied] if defer else ())
+    sync.prepare_step(1)
+    model(_branchy_input(rank), [0, 1, 2]).backward()
+    # What a pipeline runner does to a tied parameter after its backwards: add the other
+    # stage's copy (here: a rank-dependent tensor) before the DP sync finishes.
+    tied.grad.add_(torch.full_like(tied, float(rank + 1)))
+    sync.finish()
+    names = sync.bucket_names()
+    sync.remove_hooks()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}, names
+
+
+def test_deferred_params_are_reduced_from_their_final_gradient() -> None:
+    per_rank = []
+    for rank in range(2):
+        model = _Branchy()
+        model(_branchy_input(rank), [0, 1, 2]).backward()
+        model.layers[0].weight.grad.add_(torch.full_like(model.layers[0].weight, float(rank + 1)))
+        per_rank.append({n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()})
+    expected = {n: (per_rank[0][n] + per_rank[1][n]) / 2 for n in per_rank[0]}
+    for grads, names in run_on_ranks(2, _deferred, True):
+        assert names[-1] == ["layers.0.weight"]  # its own bucket, launched last
+        assert_grads_match(grads, expected)
+    # Without deferral the late change is lost: the test above can fail.
+    grads, _ = run_on_ranks(2, _deferred, False)[0]
+    assert not torch.allclose(grads["layers.0.weight"], expected["layers.0.weight"])

@@ -26,6 +26,14 @@ launched by ``finish``. The order is therefore the bucket index order on every r
 zeros; after ``finish`` every synchronised parameter has a gradient (zero when no
 rank produced one), so every DP replica applies the same optimizer update.
 
+[Note: deferred parameters] A gradient captured by the hook is the one written back
+(averaged) by ``finish``, so a gradient changed between its last backward and ``finish``
+would lose that change. Parameters shared by several pipeline stages are such a case
+when the pipeline runner sums their gradients over the stages at the end of its step:
+pass them as ``deferred_params``. They sit in their own buckets, last, and are reduced
+by ``finish`` from their final gradient (both reductions are sums, so the order
+DP-then-PP or PP-then-DP gives the same average).
+
 Not done here: the sync of parameters shared across pipeline stages (tied
 embeddings; that is a PP-group all-reduce the trainer composes), and sharding of
 gradients (ZeRO-2).
@@ -76,6 +84,8 @@ class DataParallelGradSync:
         reduce_dtype: dtype of the communication buffers (e.g. ``torch.float32`` for
             bf16 gradients); default: each parameter's dtype.
         average: divide the sum by the DP size (the default); ``False`` keeps the sum.
+        deferred_params: parameters whose gradients change after their last backward and
+            before :meth:`finish` (see [Note: deferred parameters]); reduced by ``finish``.
 
     Usage with gradient accumulation (``num_microbatches`` backwards per step)::
 
@@ -100,6 +110,7 @@ class DataParallelGradSync:
         bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES,
         reduce_dtype: torch.dtype | None = None,
         average: bool = True,
+        deferred_params: Iterable[nn.Parameter] = (),
     ) -> None:
         if isinstance(bucket_size_bytes, bool) or not isinstance(bucket_size_bytes, int) or bucket_size_bytes < 1:
             raise ValueError(
@@ -118,6 +129,14 @@ class DataParallelGradSync:
             raise ValueError("DataParallelGradSync got no parameters that require grad")
         self._names = {id(p): name for name, p in named}
         self._params = [p for _, p in named]
+        known = {id(p) for p in self._params}
+        self._deferred = {id(p) for p in deferred_params}
+        unknown = self._deferred - known
+        if unknown:
+            raise ValueError(
+                f"{len(unknown)} deferred_params are not among the synchronised parameters (or do not require "
+                "grad): pass parameters of the same module"
+            )
         self.buckets = self._build_buckets()
         self._where: dict[int, tuple[int, int]] = {}
         for bucket in self.buckets:
@@ -139,7 +158,13 @@ class DataParallelGradSync:
     def _build_buckets(self) -> list[_Bucket]:
         buckets: list[_Bucket] = []
         open_by_key: dict[tuple[torch.dtype, torch.device], _Bucket] = {}
-        for p in reversed(self._params):  # backward produces late layers' grads first
+        # Backward produces late layers' grads first; deferred parameters go last, in their own
+        # buckets, so they never hold back the others (see [Note: deferred parameters]).
+        immediate = [p for p in reversed(self._params) if id(p) not in self._deferred]
+        deferred = [p for p in reversed(self._params) if id(p) in self._deferred]
+        for p in immediate + deferred:
+            if deferred and p is deferred[0]:
+                open_by_key = {}
             dtype = self.reduce_dtype or p.dtype
             key = (dtype, p.device)
             nbytes = p.numel() * torch.empty((), dtype=dtype).element_size()
@@ -225,7 +250,7 @@ class DataParallelGradSync:
     # ------------------------------------------------------------------ hooks and comm
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
-        if not self._armed:
+        if not self._armed or id(param) in self._deferred:
             return
         bucket_index, slot = self._where[id(param)]
         bucket = self.buckets[bucket_index]
