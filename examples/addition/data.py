@@ -61,9 +61,12 @@ def build_datasets(train_size: int = 20000, eval_size: int = 512, num_digits: in
     )
 
 
-def exact_match(logits_btv: torch.Tensor, labels_bt: torch.Tensor) -> torch.Tensor:
-    """Per-example 1.0 when every answer digit is predicted correctly."""
+def exact_match(logits_btv: torch.Tensor, labels_bt: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-example accuracy: 1.0 when every answer digit is predicted correctly (and digit accuracy)."""
     pred = logits_btv.argmax(-1)
     counted = labels_bt != -100
-    correct = (pred == labels_bt) | ~counted
-    return correct.all(dim=1).float()
+    hits = (pred == labels_bt) & counted
+    return {
+        "accuracy": (hits | ~counted).all(dim=1).float(),
+        "digit_accuracy": hits.sum(1).float() / counted.sum(1).clamp(min=1).float(),
+    }

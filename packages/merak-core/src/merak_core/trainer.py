@@ -169,6 +169,7 @@ class Trainer:
         self.params = params
         self.global_step = 0
         self.history: list[dict[str, float]] = []
+        self.last_eval: dict[str, float] = {}
         self.metrics = MetricsWriter(args.output_dir, enabled=dist.get_rank() == 0)
 
     # ------------------------------------------------------------------ set-up
@@ -326,9 +327,11 @@ class Trainer:
                 self.metrics.log(record)
                 window_start, window_tokens = time.perf_counter(), 0
             if args.eval_steps and self.eval_dataset is not None and self.global_step % args.eval_steps == 0:
-                self.metrics.log({"step": self.global_step, **self.evaluate()})
-        if self.eval_dataset is not None:
-            self.metrics.log({"step": self.global_step, **self.evaluate()})
+                self.last_eval = self.evaluate()
+                self.metrics.log({"step": self.global_step, **self.last_eval})
+        if self.eval_dataset is not None and (not args.eval_steps or self.global_step % args.eval_steps):
+            self.last_eval = self.evaluate()
+            self.metrics.log({"step": self.global_step, **self.last_eval})
         self.metrics.finish()
         return self.history
 
@@ -359,6 +362,8 @@ class Trainer:
             sums["eval_loss"] = sums.get("eval_loss", 0.0) + float(loss)
             if self.compute_metrics is not None:
                 values = self.compute_metrics(getattr(outputs, "logits", outputs), batch.labels.to(self.device))
+                if isinstance(values, torch.Tensor):
+                    values = {"metric": values}
                 for name, v in values.items():
                     sums[f"eval_{name}"] = sums.get(f"eval_{name}", 0.0) + float(v.float().sum())
                 count += len(batch.labels)

@@ -1,0 +1,182 @@
+"""A training job described in one YAML file: model, data, loss, metrics and TrainingArguments.
+
+::
+
+    model:
+      factory: model.py:build_model      # FILE.py:function (relative to this YAML) or package.module:function
+      kwargs: {depth: 4, width: 64}
+    data:
+      factory: data.py:build_datasets    # returns (train_dataset, eval_dataset) or train_dataset
+      kwargs: {num_digits: 2}
+    loss: null                           # FILE.py:function(output, labels) -> scalar; null: cross-entropy
+    metrics: data.py:exact_match         # optional: fn(output, labels) -> per-example values
+    collate: null                        # optional collate function
+    training:                            # merak_core.TrainingArguments fields
+      dp: 2
+      tp: 2
+      pp: 2
+
+Overrides on the command line are ``section.key=value`` with a YAML value
+(``training.max_steps=50``, ``model.kwargs.depth=2``). Everything is checked
+when the file is read, before any process starts.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from merak_core.config import TrainingArguments
+
+SECTIONS = ("model", "data", "loss", "metrics", "collate", "training")
+FACTORY_KEYS = ("factory", "kwargs")
+
+
+def load_callable(spec: str, *, base_dir: str | Path = ".", what: str = "callable") -> Callable[..., Any]:
+    """Import ``FILE.py:name`` (relative to ``base_dir``) or ``package.module:name``."""
+    if not isinstance(spec, str) or spec.count(":") != 1:
+        raise ValueError(f"{what}: {spec!r} is not of the form 'file.py:function' or 'package.module:function'")
+    target, name = spec.split(":")
+    if target.endswith(".py"):
+        path = (Path(base_dir) / target).resolve()
+        if not path.is_file():
+            raise ValueError(f"{what}: file {str(path)!r} (from {spec!r}) does not exist")
+        module_name = f"_merak_job_{path.stem}_{abs(hash(str(path)))}"
+        module = sys.modules.get(module_name)
+        if module is None:
+            loader_spec = importlib.util.spec_from_file_location(module_name, path)
+            assert loader_spec is not None and loader_spec.loader is not None
+            module = importlib.util.module_from_spec(loader_spec)
+            sys.modules[module_name] = module
+            sys.path.insert(0, str(path.parent))
+            loader_spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ImportError as exc:
+            raise ValueError(f"{what}: cannot import module {target!r} (from {spec!r}): {exc}") from exc
+    try:
+        fn = getattr(module, name)
+    except AttributeError:
+        raise ValueError(f"{what}: {target!r} has no attribute {name!r}") from None
+    if not callable(fn):
+        raise ValueError(f"{what}: {spec!r} is not callable")
+    return fn
+
+
+@dataclass(frozen=True)
+class Factory:
+    """A callable by import spec plus its keyword arguments."""
+
+    spec: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def load(self, base_dir: str | Path, what: str) -> Callable[..., Any]:
+        return load_callable(self.spec, base_dir=base_dir, what=what)
+
+
+@dataclass
+class JobConfig:
+    """The parsed job file (see the module docstring)."""
+
+    model: Factory
+    data: Factory
+    training: TrainingArguments
+    loss: str | None = None
+    metrics: str | None = None
+    collate: str | None = None
+    base_dir: str = "."
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, overrides: Iterable[str] = ()) -> JobConfig:
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"job file {str(path)!r} does not exist")
+        raw = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(raw, dict):
+            raise ValueError(f"job file {str(path)!r} must hold a mapping with sections {SECTIONS}")
+        for item in overrides:
+            _apply_override(raw, item)
+        return cls.from_dict(raw, base_dir=str(path.parent), source=str(path))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], *, base_dir: str = ".", source: str = "job") -> JobConfig:
+        for key in raw:
+            if key not in SECTIONS:
+                raise ValueError(f"{source}: unknown section {key!r}{_suggest(key, SECTIONS)}; valid: {SECTIONS}")
+        for required in ("model", "data"):
+            if required not in raw:
+                raise ValueError(f"{source}: the '{required}' section is missing (it needs a 'factory')")
+        factories = {name: _factory(raw[name], name, source) for name in ("model", "data")}
+        training = TrainingArguments.from_dict(raw.get("training") or {}, source=f"{source}: training")
+        job = cls(model=factories["model"], data=factories["data"], training=training,
+                  loss=raw.get("loss"), metrics=raw.get("metrics"), collate=raw.get("collate"), base_dir=base_dir)
+        job.model.load(base_dir, "model.factory")  # fail now on a bad spec, not on 8 ranks later
+        job.data.load(base_dir, "data.factory")
+        for name in ("loss", "metrics", "collate"):
+            if getattr(job, name) is not None:
+                load_callable(getattr(job, name), base_dir=base_dir, what=name)
+        return job
+
+    def build_model(self) -> Any:
+        return self.model.load(self.base_dir, "model.factory")(**self.model.kwargs)
+
+    def build_datasets(self) -> tuple[Any, Any]:
+        out = self.data.load(self.base_dir, "data.factory")(**self.data.kwargs)
+        if isinstance(out, tuple):
+            if len(out) != 2:
+                raise ValueError(f"data.factory returned {len(out)} values: return train or (train, eval)")
+            return out[0], out[1]
+        return out, None
+
+    def optional(self, name: str) -> Callable[..., Any] | None:
+        spec = getattr(self, name)
+        return None if spec is None else load_callable(spec, base_dir=self.base_dir, what=name)
+
+
+def _factory(section: Any, name: str, source: str) -> Factory:
+    if isinstance(section, str):
+        return Factory(section)
+    if not isinstance(section, dict) or "factory" not in section:
+        raise ValueError(f"{source}: section '{name}' needs 'factory: file.py:function' (and optional 'kwargs')")
+    for key in section:
+        if key not in FACTORY_KEYS:
+            raise ValueError(f"{source}: unknown key {name}.{key}{_suggest(key, FACTORY_KEYS)}; valid: {FACTORY_KEYS}")
+    kwargs = section.get("kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"{source}: {name}.kwargs must be a mapping, got {kwargs!r}")
+    return Factory(section["factory"], dict(kwargs))
+
+
+def _apply_override(raw: dict[str, Any], item: str) -> None:
+    if "=" not in item:
+        raise ValueError(f"override {item!r} is not 'section.key=value' (e.g. training.max_steps=50)")
+    key, _, text = item.partition("=")
+    parts = key.strip().split(".")
+    if parts[0] not in SECTIONS:
+        raise ValueError(f"override {item!r}: unknown section {parts[0]!r}{_suggest(parts[0], SECTIONS)}; "
+                         f"valid: {SECTIONS}")
+    value = yaml.safe_load(text) if text.strip() else None
+    node = raw
+    for part in parts[:-1]:
+        nxt = node.get(part)
+        if nxt is None:
+            nxt = node[part] = {}
+        if not isinstance(nxt, dict):
+            raise ValueError(f"override {item!r}: {part!r} is not a section")
+        node = nxt
+    node[parts[-1]] = value
+
+
+def _suggest(word: str, options: Iterable[str]) -> str:
+    close = difflib.get_close_matches(word, list(options), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+

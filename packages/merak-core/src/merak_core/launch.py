@@ -1,0 +1,61 @@
+"""Per-rank entry point of ``merak train`` (run by torchrun: ``python -m merak_core.launch JOB.yaml ...``).
+
+Reads the job file, initialises the layout from torchrun's environment, builds
+the model and data on every rank (the same seed everywhere), trains, evaluates
+and writes ``summary.json`` next to the metrics. Logging is configured here,
+INFO on global rank 0 and WARNING elsewhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="merak_core.launch")
+    parser.add_argument("config")
+    parser.add_argument("overrides", nargs="*")
+    parser.add_argument("--resume", default=None)
+    args = parser.parse_args(argv)
+
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format=f"[rank {rank}] %(asctime)s %(name)s %(levelname)s %(message)s")
+    if "OMP_NUM_THREADS" in os.environ:
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+    from merak_core import Trainer, init
+    from merak_core.job import JobConfig
+
+    job = JobConfig.from_yaml(args.config, args.overrides)
+    targs = job.training
+    layout = init(dp=targs.dp, tp=targs.tp, pp=targs.pp)
+    torch.manual_seed(targs.seed)
+    model = job.build_model()
+    train_data, eval_data = job.build_datasets()
+    trainer = Trainer(model, targs, train_data, eval_data, loss_fn=job.optional("loss"),
+                      data_collator=job.optional("collate"), compute_metrics=job.optional("metrics"),
+                      layout=layout)
+    history = trainer.train()
+    final = trainer.last_eval
+    if dist.get_rank() == 0:
+        summary = {"layout": layout.describe(), "steps": trainer.global_step,
+                   "first_loss": history[0]["loss"] if history else None,
+                   "final_loss": history[-1]["loss"] if history else None, **final}
+        with open(os.path.join(targs.output_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        print("final: " + "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
+                                    for k, v in summary.items()), flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
