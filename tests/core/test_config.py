@@ -97,6 +97,7 @@ def test_yaml_round_trip_and_overrides(tmp_path: Path) -> None:
     assert args.learning_rate == 1e-3 and isinstance(args.learning_rate, float)
     assert (args.tp, args.pp, args.dp, args.bf16, args.zero_stage) == (1, 2, None, True, 1)
     assert args.output_dir == "2024" and args.schedule == "1f1b"
+    assert TrainingArguments(schedule="shifted-critical-path").schedule == "shifted_critical_path"
     assert args.memory_budget == 2**30 and args.recompute_mode == ("uniform", 0.5)
     assert args.tp_plan == {"q_proj": "colwise", "o_proj": "rowwise"}
     out = tmp_path / "saved.yaml"

@@ -47,7 +47,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 LR_SCHEDULER_TYPES = ("constant", "linear", "cosine")
-SCHEDULES = ("auto", "gpipe", "1f1b", "interleaved_1f1b", "shifted_critical_path")
+SCHEDULES = ("auto", "gpipe", "1f1b", "interleaved_1f1b", "shifted_critical_path", "zb_h1")
+"""Pipeline schedules (merak-pipe spells them with hyphens; both spellings are accepted, stored with underscores)."""
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KEY_ALIASES = {"num_microbatches": "gradient_accumulation_steps", "micro_batch_size": "per_device_train_batch_size"}
 """Merak names accepted in YAML and overrides for the Hugging Face field they map to."""
@@ -160,7 +161,7 @@ class TrainingArguments:
     """Pipeline-parallel degree (stages)."""
     schedule: str = "auto"
     """Pipeline schedule: ``auto`` (shifted critical path with a memory budget, else 1F1B), ``gpipe``,
-    ``1f1b``, ``interleaved_1f1b`` or ``shifted_critical_path``."""
+    ``1f1b``, ``interleaved_1f1b``, ``shifted_critical_path`` or ``zb_h1`` (hyphens accepted)."""
     recompute: str = "none"
     """Activation recomputation: ``none``, ``full``, ``uniform:<fraction>`` or ``stage_aware``."""
     memory_budget: int | str | None = None
@@ -204,6 +205,8 @@ class TrainingArguments:
                 f"bf16=True with dtype={self.dtype!r}: mixed precision keeps float32 parameters, so set "
                 "dtype='float32' (or bf16=False to train in a low-precision dtype directly)"
             )
+        if isinstance(self.schedule, str):
+            self.schedule = self.schedule.strip().lower().replace("-", "_")
         _check(self.schedule in SCHEDULES, "schedule", self.schedule, f"one of {SCHEDULES}")
         parse_recompute(self.recompute)
         if self.memory_budget is not None:
