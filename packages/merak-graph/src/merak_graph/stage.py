@@ -51,10 +51,23 @@ def retarget_devices(module: nn.Module, device: torch.device | str) -> int:
         if not isinstance(sub, fx.GraphModule):
             continue
         dirty = False
+
+        def swap(value: Any) -> Any:
+            if isinstance(value, torch.device) and value != target:
+                return target
+            return value
+
         for node in sub.graph.nodes:
+            if node.op != "call_function" and node.op != "call_method":
+                continue
             dev = node.kwargs.get("device")
-            if isinstance(dev, (torch.device, str)) and torch.device(dev) != target:
-                node.update_kwarg("device", target)
+            if isinstance(dev, str):
+                node.update_kwarg("device", torch.device(dev))
+            new_args = fx.node.map_aggregate(node.args, swap)
+            new_kwargs = fx.node.map_aggregate(node.kwargs, swap)
+            if new_args != node.args or new_kwargs != node.kwargs:
+                node.args = new_args
+                node.kwargs = new_kwargs
                 dirty = True
                 changed += 1
         if dirty:
