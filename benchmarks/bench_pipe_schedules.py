@@ -94,9 +94,33 @@ def part2(repeats: int) -> None:
           f"(closed form {100 * 63 / (1024 + 63):.2f}%); target total < 2 s: {'met' if best[3] < 2.0 else 'NOT met'}")
 
 
+def sweep() -> None:
+    """Validate (compute-only and lowered) every built-in schedule over the issue's full ranges."""
+    t0 = time.perf_counter()
+    checked = refused = 0
+    for name in ("gpipe", "1f1b", "zb-h1", "shifted-critical-path"):
+        for S in range(1, 17):
+            for M in range(1, 65):
+                validate(lower(build_schedule(name, num_stages=S, num_microbatches=M)))
+                checked += 1
+    for v in range(1, 5):
+        for P in range(1, 17):
+            for M in range(1, 65):
+                try:
+                    schedule = build_schedule("interleaved-1f1b", num_stages=P * v, num_microbatches=M, num_ranks=P)
+                except ValueError:
+                    refused += 1  # M not a multiple of the number of rounds: a clear error
+                    continue
+                validate(lower(schedule))
+                checked += 1
+    print(f"\nsweep: {checked} schedules valid (compute-only and lowered), {refused} interleaved sizes refused "
+          f"with a ValueError, {time.perf_counter() - t0:.0f} s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="S=4, M=8 and S=8, M=16 only; one timing run")
+    parser.add_argument("--sweep", action="store_true", help="also validate every schedule for S=1..16, M=1..64, v=1..4")
     args = parser.parse_args()
     sizes = [(4, 8), (8, 16)] if args.quick else [(S, M) for S in (4, 8) for M in (8, 16, 32)]
     notes = part1(sizes)
@@ -104,6 +128,8 @@ def main() -> None:
     for note in notes:
         print(note)
     part2(1 if args.quick else 3)
+    if args.sweep:
+        sweep()
 
 
 if __name__ == "__main__":
