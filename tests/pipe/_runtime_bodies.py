@@ -221,3 +221,41 @@ def timing_body(case: dict[str, Any], steps: int) -> dict[str, Any]:
             "step_s": measured_step_time(gather_timings(runner.timings)), "events": len(trace["traceEvents"]),
             "ordered": all(t.start_s <= t.ready_s <= t.end_s for t in runner.timings),
             "recompute_s": sum(t.recompute_s + (t.compute_s if t.kind == "R" else 0.0) for t in runner.timings)}
+
+
+def v_schedule(*, num_stages: int, num_microbatches: int, num_ranks: int | None = None,
+               recompute: Any = None) -> Schedule:
+    """A user-defined GPipe-order "V" schedule: stage s on rank min(s, S - 1 - s) (2 stages per rank).
+
+    Stages 1 and 2 share rank 1 and stages 0 and 3 share rank 0 (for S = 4), so the runtime hands
+    values between stages of one rank without communication; the tied GPT embedding (stages 0 and
+    S - 1) is one Parameter object on rank 0.
+    """
+    from merak_pipe.ir import Action
+
+    ranks = num_stages // 2
+    stage_to_rank = tuple(min(s, num_stages - 1 - s) for s in range(num_stages))
+    actions: dict[int, list[Action]] = {r: [] for r in range(ranks)}
+    for s in range(num_stages):
+        actions[stage_to_rank[s]] += [Action(s, ActionKind.FORWARD, m) for m in range(num_microbatches)]
+    for s in reversed(range(num_stages)):
+        actions[stage_to_rank[s]] += [Action(s, ActionKind.FULL_BACKWARD, m) for m in range(num_microbatches)]
+    return Schedule(name="v-gpipe", num_stages=num_stages, num_microbatches=num_microbatches,
+                    stage_to_rank=stage_to_rank, actions=actions, recompute=recompute)
+
+
+def registered_v_body(case: dict[str, Any]) -> list[dict[str, Any]]:
+    from merak_pipe.schedules import register_schedule
+
+    register_schedule("test-v-gpipe", v_schedule, overwrite=True)
+    return train_body(case)
+
+
+def csv_body(case: dict[str, Any], lowered: bool) -> list[dict[str, Any]]:
+    """Run a schedule written to CSV (compute-only or with send/recv) and read back."""
+    from merak_pipe.csv_io import from_csv, to_csv
+    from merak_pipe.lowering import lower
+
+    built = make_schedule(case, dist.get_world_size())
+    text = to_csv(lower(built) if lowered else built, drop_recompute=True)
+    return train_body(case, from_csv(text, recompute=built.recompute))

@@ -122,3 +122,19 @@ def test_pipelines_on_subgroups() -> None:
     ref = bodies.reference(case)
     assert_matches([results[0], results[2]], ref)
     assert_matches([results[1], results[3]], ref)
+
+
+@pytest.mark.parametrize("model,recompute", [("gpt", None), ("llama-dict", "full"), ("llama", 0.5)])
+def test_user_registered_v_schedule_hands_over_locally(model: str, recompute: Any) -> None:
+    """Two stages per rank in a V (0 and 3 on rank 0, 1 and 2 on rank 1): local hand-over between stages."""
+    case = dict(model=model, schedule="test-v-gpipe", num_stages=4, num_microbatches=4, recompute=recompute,
+                seqs=[8, 6], batch=8)
+    results = run_on_ranks(2, bodies.registered_v_body, case)
+    assert_matches(results, bodies.reference(case))
+
+
+@pytest.mark.parametrize("lowered", [False, True], ids=["compute-only", "with-comms"])
+def test_schedule_from_csv(lowered: bool) -> None:
+    case = make_case("interleaved-1f1b", 2, "llama", "full", seqs=(8,))
+    results = run_on_ranks(2, bodies.csv_body, case, lowered)
+    assert_matches(results, bodies.reference(case))
