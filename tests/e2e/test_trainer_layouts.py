@@ -26,7 +26,7 @@ def _check(name: str, dp: int, tp: int, pp: int, **extra) -> None:
 
 
 @pytest.mark.parametrize("zero", [0, 1], ids=["zero0", "zero1"])
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda t: "dp%d_tp%d_pp%d" % t)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda t: f"dp{t[0]}_tp{t[1]}_pp{t[2]}")
 @pytest.mark.parametrize("name", ["gpt", "llama"])
 def test_layout_matches_single_process(name: str, layout: tuple[int, int, int], zero: int) -> None:
     dp, tp, pp = layout
