@@ -204,7 +204,7 @@ def bad_input_body(case: dict[str, Any]) -> dict[str, str]:
 
 
 def timing_body(case: dict[str, Any], steps: int) -> dict[str, Any]:
-    from merak_pipe.timing import chrome_trace, gather_timings, measured_costs, measured_step_time
+    from merak_pipe.timing import gather_timings, measured_chrome_trace, measured_costs, measured_step_time
 
     schedule = make_schedule(case, dist.get_world_size())
     model, runner = build_runner(case, schedule, record_timing=True)
@@ -216,7 +216,7 @@ def timing_body(case: dict[str, Any], steps: int) -> dict[str, Any]:
         collected.extend(gather_timings(runner.timings))
     own = [str(a) for a in runner.schedule.actions[dist.get_rank()]]
     mine = [t.action for t in runner.timings]
-    trace = chrome_trace(gather_timings(runner.timings))
+    trace = measured_chrome_trace(gather_timings(runner.timings))
     return {"own": own, "recorded": mine, "costs": measured_costs(collected, runner.schedule),
             "step_s": measured_step_time(gather_timings(runner.timings)), "events": len(trace["traceEvents"]),
             "ordered": all(t.start_s <= t.ready_s <= t.end_s for t in runner.timings),

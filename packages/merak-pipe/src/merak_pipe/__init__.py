@@ -48,15 +48,29 @@ __all__ = [
 
 # --- runtime block -------------------------------------------------------------------------
 # Owned by the "runtime" engineer: they may edit this block freely (add names to the list).
-# Guarded so that the package imports before the runtime modules exist.
-_RUNTIME_MODULES = {f"merak_pipe.{m}" for m in ("stage", "runner", "comm", "timing", "shared", "runtime")}
-try:
-    from merak_pipe.runner import PipelineRunner
-    from merak_pipe.stage import PipelineStage
-except ImportError as _runtime_import_error:  # pragma: no cover - only while the runtime is incomplete
-    _missing = getattr(_runtime_import_error, "name", None) or ""
-    if _missing.split(".runtime.")[0] not in _RUNTIME_MODULES:
-        raise
-else:
-    __all__ += ["PipelineRunner", "PipelineStage"]
+from merak_pipe.comm import PipelineCommError, PipelineTimeoutError  # noqa: E402
+from merak_pipe.runner import PipelineRunner  # noqa: E402
+from merak_pipe.shared import shared_parameter_groups, shared_parameters_list  # noqa: E402
+from merak_pipe.stage import PipelineStage  # noqa: E402
+from merak_pipe.timing import (  # noqa: E402
+    ActionTiming,
+    gather_timings,
+    measured_chrome_trace,
+    measured_costs,
+    measured_step_time,
+)
+
+__all__ += [
+    "ActionTiming",
+    "PipelineCommError",
+    "PipelineRunner",
+    "PipelineStage",
+    "PipelineTimeoutError",
+    "gather_timings",
+    "measured_chrome_trace",
+    "measured_costs",
+    "measured_step_time",
+    "shared_parameter_groups",
+    "shared_parameters_list",
+]
 # --- end of runtime block ------------------------------------------------------------------

@@ -11,7 +11,7 @@ clock is shared by every process, so timings from several ranks line up on one t
 - :func:`measured_costs` turns them into the :class:`~merak_pipe.sim.CostModel` that
   :func:`~merak_pipe.sim.simulate` consumes (per-stage medians of F, B, I, W and the
   whole-stage recompute time), so a measured step can be compared with its prediction;
-- :func:`chrome_trace` writes the measured timeline as Chrome trace / Perfetto JSON.
+- :func:`measured_chrome_trace` writes the measured timeline as Chrome trace / Perfetto JSON.
 
 This module measures nothing itself and never synchronises devices: on CUDA, time only what
 the host sees (call ``torch.cuda.synchronize`` in the stage if device time matters).
@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from merak_pipe.ir import Schedule
 
-__all__ = ["ActionTiming", "chrome_trace", "gather_timings", "measured_costs", "measured_step_time"]
+__all__ = ["ActionTiming", "measured_chrome_trace", "gather_timings", "measured_costs", "measured_step_time"]
 
 _COMPUTE = ("F", "B", "I", "W", "R")
 
@@ -157,7 +157,7 @@ def measured_costs(timings: Iterable[ActionTiming], schedule: Schedule) -> Any:
     )
 
 
-def chrome_trace(timings: Sequence[ActionTiming], path: str | None = None) -> dict[str, Any]:
+def measured_chrome_trace(timings: Sequence[ActionTiming], path: str | None = None) -> dict[str, Any]:
     """The measured timeline as Chrome trace JSON (one process per rank, one thread per stage).
 
     Waiting for inputs is drawn as a separate ``wait`` slice before the action. Returns the
