@@ -43,11 +43,19 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dry-run", action="store_true", help="print the torchrun command and exit")
 
 
-def torchrun_command(args: argparse.Namespace, world_size: int) -> list[str]:
-    """The ``python -m torch.distributed.run ...`` command line for ``merak train``."""
+def torchrun_command(args: argparse.Namespace, world_size: int | None) -> list[str]:
+    """The ``python -m torch.distributed.run ...`` command line for ``merak train``.
+
+    ``world_size`` is dp*tp*pp from the job, or None when dp is inferred (then
+    ``--nproc-per-node`` decides).
+    """
     if args.nnodes < 1:
         raise SystemExit(f"merak train: --nnodes must be >= 1, got {args.nnodes}")
     nproc = args.nproc_per_node
+    if world_size is None:
+        if nproc is None:
+            raise SystemExit("merak train: training.dp is not set (inferred), so pass --nproc-per-node")
+        world_size = nproc * args.nnodes
     if nproc is None:
         if world_size % args.nnodes:
             raise SystemExit(
@@ -81,7 +89,8 @@ def _train(args: argparse.Namespace) -> int:
     from merak_core.job import JobConfig
 
     job = JobConfig.from_yaml(args.config, args.overrides)  # validates before any process starts
-    cmd = torchrun_command(args, job.training.dp * job.training.tp * job.training.pp)
+    t = job.training
+    cmd = torchrun_command(args, None if t.dp is None else t.dp * t.tp * t.pp)
     if args.dry_run:
         print(shlex.join(cmd))
         return 0
@@ -108,7 +117,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     if args.command == "train":
-        return _train(args)
+        try:
+            return _train(args)
+        except ValueError as exc:  # a bad job file or override: one clear line, no traceback
+            print(f"merak train: error: {exc}", file=sys.stderr)
+            return 2
     parser.error(f"unknown command {args.command!r}")
     return 2
 
