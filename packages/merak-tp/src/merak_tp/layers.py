@@ -146,15 +146,16 @@ class ColumnParallelLinear(nn.Module):
 
         ``transposed=True`` reads a weight stored as (in, out) (transformers' ``Conv1D``).
         """
-        weight = linear.weight.t() if transposed else linear.weight
-        bias = getattr(linear, "bias", None)
+        src_weight: torch.Tensor = linear.weight  # type: ignore[assignment]
+        weight = src_weight.t() if transposed else src_weight
+        bias: torch.Tensor | None = getattr(linear, "bias", None)
         out_f, in_f = weight.shape
         layer = cls(in_f, out_f, group=group, bias=bias is not None, gather_output=gather_output,
                     sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
                     overlap_chunks=overlap_chunks, sections=sections, device="meta", dtype=weight.dtype,
                     _skip_init=True)
         w = _shard(weight.detach(), 0, layer.tp_size, layer.tp_rank, sections)
-        layer.weight = _mark(nn.Parameter(w, requires_grad=linear.weight.requires_grad), 0, sections)
+        layer.weight = _mark(nn.Parameter(w, requires_grad=src_weight.requires_grad), 0, sections)
         layer.weight._merak_tp_transposed = transposed  # type: ignore[attr-defined]
         if bias is not None:
             b = _shard(bias.detach(), 0, layer.tp_size, layer.tp_rank, sections)
@@ -242,14 +243,15 @@ class RowParallelLinear(nn.Module):
         sequence_dim: int = 1, overlap_chunks: int = 1, transposed: bool = False,
     ) -> RowParallelLinear:
         """Slice an existing ``nn.Linear`` (real or meta weights) into this rank's row shard."""
-        weight = linear.weight.t() if transposed else linear.weight
-        bias = getattr(linear, "bias", None)
+        src_weight: torch.Tensor = linear.weight  # type: ignore[assignment]
+        weight = src_weight.t() if transposed else src_weight
+        bias: torch.Tensor | None = getattr(linear, "bias", None)
         out_f, in_f = weight.shape
         layer = cls(in_f, out_f, group=group, bias=bias is not None, input_is_parallel=input_is_parallel,
                     sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
                     overlap_chunks=overlap_chunks, device="meta", dtype=weight.dtype, _skip_init=True)
         w = _shard(weight.detach(), 1, layer.tp_size, layer.tp_rank)
-        layer.weight = _mark(nn.Parameter(w, requires_grad=linear.weight.requires_grad), 1)
+        layer.weight = _mark(nn.Parameter(w, requires_grad=src_weight.requires_grad), 1)
         layer.weight._merak_tp_transposed = transposed  # type: ignore[attr-defined]
         if bias is not None:
             layer.bias = _mark(bias if isinstance(bias, nn.Parameter) else nn.Parameter(bias.detach()), None)

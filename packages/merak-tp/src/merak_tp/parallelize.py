@@ -135,7 +135,7 @@ def parallelize(
                 continue
             if id(old_p) in shard_of:
                 shared = shard_of[id(old_p)]
-                if shared.shape != new_p.shape or getattr(shared, "_merak_tp_dim", None) != new_p._merak_tp_dim:
+                if shared.shape != new_p.shape or getattr(shared, "_merak_tp_dim", None) != getattr(new_p, "_merak_tp_dim", None):
                     raise ValueError(f"{name}.{pname} is tied to a parameter sharded differently "
                                      f"({tuple(shared.shape)} vs {tuple(new_p.shape)}); shard both the same way")
                 setattr(new, pname, shared)
