@@ -162,5 +162,7 @@ def test_cost_model_checks_its_values() -> None:
         CostModel(weight_grad_fraction=2.0)
     with pytest.raises(ValueError, match="has 2 values but the schedule has 3 stages"):
         simulate(build_schedule("1f1b", num_stages=3, num_microbatches=2), CostModel(forward=[1.0, 2.0]))
+    with pytest.raises(ValueError, match="give backward_weight explicitly"):
+        simulate(build_schedule("zb-h1", num_stages=2, num_microbatches=2), CostModel(backward=1.0, backward_input=2.0))
     assert in_flight_counts(build_schedule("1f1b", num_stages=3, num_microbatches=2)) == [2, 2, 1]
     assert math.isinf(CostModel().p2p_bandwidth)

@@ -174,6 +174,11 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, *, check: bool 
         if costs.backward_weight is not None
         else [b - i for b, i in zip(bwd, b_in, strict=True)]
     )
+    if any(w < 0 for w in b_w):
+        raise ValueError(
+            f"CostModel.backward_input={costs.backward_input!r} exceeds backward={costs.backward!r}, so the default "
+            "backward_weight (backward - backward_input) is negative; give backward_weight explicitly"
+        )
     rec_full = _per_stage("recompute", costs.recompute, S) if costs.recompute is not None else list(fwd)
     boundary = _per_stage("boundary_bytes", costs.boundary_bytes, S)
     act_bytes = _per_stage("activation_bytes", costs.activation_bytes, S)
