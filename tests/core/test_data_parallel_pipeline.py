@@ -107,7 +107,7 @@ def _pipeline_step(schedule_name: str) -> tuple[int, dict[str, torch.Tensor], in
     stage = PipelineStage(module, stage_index=layout.pp_rank, num_stages=PP, group=layout.pp_group)
     schedule = build_schedule(schedule_name, num_stages=PP, num_microbatches=MICRO)
     runner = PipelineRunner([stage], schedule, loss_fn=_loss, group=layout.pp_group, shared_parameters=shared)
-    sync = DataParallelGradSync(module, layout.dp_group, bucket_size_bytes=64, deferred_params=[tied])
+    sync = DataParallelGradSync(module, layout.dp_group, bucket_size_bytes=8, deferred_params=[tied])
 
     ids, labels = _batch()
     rows = slice(layout.dp_rank * PER_RANK, (layout.dp_rank + 1) * PER_RANK)

@@ -79,8 +79,8 @@ class DataParallelGradSync:
         params: the parameters to synchronise, or a module (its parameters that
             require grad, deduplicated; names are used in error messages).
         group: the DP process group (``layout.dp_group``); ``None`` means the default group.
-        bucket_size_bytes: target bytes per bucket (in the reduction dtype). A parameter
-            larger than this gets a bucket of its own.
+        bucket_size_bytes: a bucket is closed once it holds at least this many bytes (in the
+            reduction dtype), as in DDP; so buckets are this size or a little larger.
         reduce_dtype: dtype of the communication buffers (e.g. ``torch.float32`` for
             bf16 gradients); default: each parameter's dtype.
         average: divide the sum by the DP size (the default); ``False`` keeps the sum.
@@ -167,11 +167,7 @@ class DataParallelGradSync:
                 open_by_key = {}
             dtype = self.reduce_dtype or p.dtype
             key = (dtype, p.device)
-            nbytes = p.numel() * torch.empty((), dtype=dtype).element_size()
             bucket = open_by_key.get(key)
-            elem = torch.empty((), dtype=dtype).element_size()
-            if bucket is not None and bucket.numel * elem + nbytes > self.bucket_size_bytes:
-                bucket = None
             if bucket is None:
                 bucket = _Bucket(index=len(buckets), params=[], offsets=[], numel=0, dtype=dtype, device=p.device)
                 buckets.append(bucket)
@@ -179,6 +175,9 @@ class DataParallelGradSync:
             bucket.params.append(p)
             bucket.offsets.append(bucket.numel)
             bucket.numel += p.numel()
+            # Like DDP: a bucket closes once it holds at least bucket_size_bytes.
+            if bucket.numel * torch.empty((), dtype=dtype).element_size() >= self.bucket_size_bytes:
+                del open_by_key[key]
         for bucket in buckets:
             bucket.ready = [False] * len(bucket.params)
         return buckets
