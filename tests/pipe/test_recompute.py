@@ -98,3 +98,38 @@ def test_closed_form_edges() -> None:
     assert closed_form_plan(4, 0.0).fractions == (0.0, 0.0, 0.0, 0.0)
     with pytest.raises(ValueError, match="first_stage_fraction"):
         closed_form_plan(4, 1.5)
+
+
+def test_stage_aware_shares_a_device_budget_between_interleaved_stages() -> None:
+    from merak_pipe import CostModel, simulate
+
+    P, v, M, L = 2, 2, 8, 8
+    S = P * v
+    schedule = build_schedule("interleaved-1f1b", num_stages=S, num_microbatches=M, num_ranks=P)
+    costs = CostModel(activation_bytes=1.0, input_bytes=1.0 / L)
+    base = simulate(schedule, costs)
+    budget = base.peak_memory_per_rank[0] / 2
+    plan = stage_aware_plan(layer_activation_bytes=[[1.0 / L] * L] * S, memory_budget=budget, schedule=schedule,
+                            input_bytes=1.0 / L)
+    assert 0 < plan.total < S
+    with_plan = simulate(build_schedule("interleaved-1f1b", num_stages=S, num_microbatches=M, num_ranks=P,
+                                        recompute=plan), costs)
+    assert max(with_plan.peak_memory_per_rank) <= budget + 1e-9
+    # Checkpointing one layer fewer on any stage would break the (conservative) device bound.
+    counts = in_flight_counts(schedule)
+    for s in range(S):
+        k = round(plan[s] * L)
+        if k == 0:
+            continue
+        device = [t for t in range(S) if schedule.stage_to_rank[t] == schedule.stage_to_rank[s]]
+
+        def need(ks: dict[int, int]) -> float:
+            kept = sum(counts[t] * ((L - k) / L + (1.0 / L if k else 0.0)) for t, k in ks.items())
+            return kept + max(k / L for k in ks.values())
+
+        ks = {t: round(plan[t] * L) for t in device}
+        assert need(ks) <= budget + 1e-9
+        ks[s] -= 1
+        assert need(ks) > budget - 1e-9
+    with pytest.raises(ValueError, match="device 0 \\(stages \\[0, 2\\]\\) does not fit"):
+        stage_aware_plan(layer_activation_bytes=[[1.0 / L] * L] * S, memory_budget=0.1, schedule=schedule)

@@ -169,18 +169,26 @@ def stage_aware_plan(
     schedule: Schedule | None = None,
     input_bytes: float | Sequence[float] = 0.0,
     count_recompute_buffer: bool = True,
+    stage_to_rank: Sequence[int] | None = None,
 ) -> RecomputePlan:
-    """For each stage, the smallest recompute fraction whose memory fits the budget.
+    """For each stage, the smallest recompute fraction whose memory fits its device's budget.
 
     ``layer_activation_bytes[s][j]`` is the activation memory of layer j of stage s for one
     microbatch; ``static_bytes`` is a stage's parameters + gradients + optimizer state;
-    ``memory_budget`` is the memory of the device holding the stage; ``in_flight[s]`` is how many
-    microbatches stage s holds at once (or pass ``schedule`` to count it, see
-    :func:`in_flight_counts`). Checkpointing the first k of L layers (fraction k / L) keeps, per
-    microbatch, the activations of layers k.. plus the stage input (``input_bytes``) when k > 0;
-    with ``count_recompute_buffer`` one microbatch's recomputed layers are counted on top.
+    ``memory_budget`` is the memory of one device (a number, or one per device);
+    ``in_flight[s]`` is how many microbatches stage s holds at once (or pass ``schedule`` to count
+    it, see :func:`in_flight_counts`). Checkpointing the first k of L layers (fraction k / L) keeps,
+    per microbatch, the activations of layers k.. plus the stage input (``input_bytes``) when
+    k > 0; with ``count_recompute_buffer`` one microbatch's recomputed layers are counted on top.
 
-    Raises ValueError naming the stage when even full recomputation does not fit.
+    Stages share a device according to ``stage_to_rank`` (default: the schedule's, else one stage
+    per device). A device with one stage gets the smallest fraction that fits. A device with
+    several stages (interleaved schedules) must fit the sum of its stages' peaks (a conservative
+    bound: their peaks need not coincide) plus one recompute buffer; layers are checkpointed
+    on the stage where they save the most memory per layer until the sum fits, then any layer
+    whose recomputation is no longer needed is given back.
+
+    Raises ValueError naming the stage (or device) when even full recomputation does not fit.
     """
     num_stages = len(layer_activation_bytes)
     _check_stages(num_stages)
@@ -190,34 +198,102 @@ def stage_aware_plan(
         in_flight = in_flight_counts(schedule)
     if len(in_flight) != num_stages:
         raise ValueError(f"in_flight has {len(in_flight)} counts but layer_activation_bytes has {num_stages} stages")
-    budget = _per_stage_values("memory_budget", memory_budget, num_stages)
+    if stage_to_rank is None:
+        stage_to_rank = schedule.stage_to_rank if schedule is not None else tuple(range(num_stages))
+    if len(stage_to_rank) != num_stages or set(stage_to_rank) != set(range(len(set(stage_to_rank)))):
+        raise ValueError(
+            f"stage_to_rank={tuple(stage_to_rank)} must give a rank 0..R-1 to each of the {num_stages} stages"
+        )
+    num_devices = len(set(stage_to_rank))
+    budget = _per_stage_values("memory_budget", memory_budget, num_devices)
     static = _per_stage_values("static_bytes", static_bytes, num_stages)
     inputs = _per_stage_values("input_bytes", input_bytes, num_stages)
-    fractions = []
+    tables: list[_StageMemory] = []
     for s, layers in enumerate(layer_activation_bytes):
         acts = [float(a) for a in layers]
         if not acts or any(a < 0 for a in acts):
             raise ValueError(f"layer_activation_bytes[{s}]={list(layers)!r}: expected one or more sizes >= 0")
-        n = int(in_flight[s])
-        suffix = [0.0] * (len(acts) + 1)
-        for j in range(len(acts) - 1, -1, -1):
-            suffix[j] = suffix[j + 1] + acts[j]
-        chosen = None
-        best_need = math.inf
-        for k in range(len(acts) + 1):
-            kept = suffix[k] + (inputs[s] if k > 0 else 0.0)
-            buffer = (suffix[0] - suffix[k]) if count_recompute_buffer else 0.0
-            need = static[s] + n * kept + buffer
-            best_need = min(best_need, need)
-            if need <= budget[s] * (1 + 1e-12):
-                chosen = k
-                break
-        if chosen is None:
-            raise ValueError(
-                f"stage {s} does not fit its memory budget even with full recomputation: it needs at least "
-                f"{best_need:.6g} bytes ({static[s]:.6g} static + {n} in-flight microbatches) but the budget is "
-                f"{budget[s]:.6g}; use more pipeline stages, smaller microbatches, fewer in-flight microbatches "
-                "or a larger budget"
+        tables.append(_StageMemory(acts, static[s], int(in_flight[s]), inputs[s], count_recompute_buffer))
+    chosen = [0] * num_stages
+    for device in range(num_devices):
+        stages = [s for s in range(num_stages) if stage_to_rank[s] == device]
+        limit = budget[device] * (1 + 1e-12)
+        if len(stages) == 1:
+            s = stages[0]
+            table = tables[s]
+            fits = [k for k in range(table.num_layers + 1) if table.need(k) <= limit]
+            if not fits:
+                raise ValueError(
+                    f"stage {s} does not fit its memory budget even with full recomputation: it needs at least "
+                    f"{table.least():.6g} bytes ({table.static:.6g} static + {table.in_flight} in-flight microbatches) "
+                    f"but the budget is {budget[device]:.6g}; use more pipeline stages, smaller microbatches, fewer "
+                    "in-flight microbatches or a larger budget"
+                )
+            chosen[s] = fits[0]
+            continue
+        ks = {s: 0 for s in stages}
+
+        def device_need(ks: dict[int, int]) -> float:
+            return sum(tables[s].need(k, with_buffer=False) for s, k in ks.items()) + max(
+                tables[s].buffer(k) for s, k in ks.items()
             )
-        fractions.append(chosen / len(acts))
-    return RecomputePlan(tuple(fractions))
+
+        need = device_need(ks)
+        while need > limit:
+            # Best memory saved per fraction of a stage recomputed, looking past steps that save
+            # nothing (the first checkpointed layer adds the kept stage input).
+            best: tuple[float, int, int] | None = None
+            for s in stages:
+                for k in range(ks[s] + 1, tables[s].num_layers + 1):
+                    trial = dict(ks)
+                    trial[s] = k
+                    gain = (need - device_need(trial)) * tables[s].num_layers / (k - ks[s])
+                    if best is None or gain > best[0]:
+                        best = (gain, s, k)
+            if best is None or best[0] <= 0:
+                raise ValueError(
+                    f"device {device} (stages {stages}) does not fit its memory budget {budget[device]:.6g}: "
+                    f"it still needs {need:.6g} bytes with fractions "
+                    f"{[round(ks[s] / tables[s].num_layers, 4) for s in stages]}; use more devices, smaller "
+                    "microbatches or a larger budget"
+                )
+            ks[best[1]] = best[2]
+            need = device_need(ks)
+        # Give back any layer that is no longer needed (a jump may overshoot).
+        trimmed = True
+        while trimmed:
+            trimmed = False
+            for s in sorted(stages, key=lambda t: -ks[t] / tables[t].num_layers):
+                if ks[s] > 0:
+                    trial = dict(ks)
+                    trial[s] -= 1
+                    if device_need(trial) <= limit:
+                        ks = trial
+                        trimmed = True
+        for s in stages:
+            chosen[s] = ks[s]
+    return RecomputePlan(tuple(chosen[s] / tables[s].num_layers for s in range(num_stages)))
+
+
+class _StageMemory:
+    """Memory of one stage when its first k layers are checkpointed (see stage_aware_plan)."""
+
+    def __init__(self, acts: list[float], static: float, in_flight: int, input_bytes: float, with_buffer: bool):
+        self.num_layers = len(acts)
+        self.static = static
+        self.in_flight = in_flight
+        self.input_bytes = input_bytes
+        self.with_buffer = with_buffer
+        self.suffix = [0.0] * (len(acts) + 1)
+        for j in range(len(acts) - 1, -1, -1):
+            self.suffix[j] = self.suffix[j + 1] + acts[j]
+
+    def buffer(self, k: int) -> float:
+        return (self.suffix[0] - self.suffix[k]) if self.with_buffer else 0.0
+
+    def need(self, k: int, *, with_buffer: bool = True) -> float:
+        kept = self.suffix[k] + (self.input_bytes if k > 0 else 0.0)
+        return self.static + self.in_flight * kept + (self.buffer(k) if with_buffer else 0.0)
+
+    def least(self) -> float:
+        return min(self.need(k) for k in range(self.num_layers + 1))
