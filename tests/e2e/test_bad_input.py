@@ -1,0 +1,216 @@
+"""Bad input never gets far: one table of user mistakes, each raising one clear error early.
+
+Every row names a mistake a user makes with Merak's public API (``init``, ``TrainingArguments``,
+job files and the ``merak`` CLI, ``merak_tp.parallelize``, ``merak_graph.trace/partition``,
+``merak_pipe.build_schedule`` / ``PipelineStage`` / ``PipelineRunner``, the ``Trainer``), the
+exception type it must raise and a regular expression that the message must match: the
+regex names the bad value *and* the fix. The faulty call runs under a guard that turns any
+collective or p2p call into a failure (see [Note: before any collective] in
+``_bad_input_support.py``), so a row passes only if the error comes before any process-group
+work. Rows marked ``ranks`` run on a pool of gloo ranks (every rank must raise the same
+error; ``timeout_s`` turns a hang into a failure); the others run in this process, where no
+process group exists at all.
+
+A row marked ``xfail(strict=True)`` does not raise a clear error today; the reason names a
+patch in ``/tmp/badinput_patches/`` that fixes it (apply it with ``git apply`` and drop the mark).
+
+Pending (not in the table yet): a corrupt or partial checkpoint directory and a checkpoint
+of another model, waiting for ``merak_core/checkpoint.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch.distributed as dist
+
+from merak_graph import InputMismatchError, PartitionError, TraceError
+from tests.e2e import _bad_input_cases as cases
+from tests.e2e._bad_input_support import CaseContext, CliExit, reraise_agreed, run_case_on_rank
+from tests.support.dist import run_on_ranks
+
+RANK_TIMEOUT_S = 60.0
+PATCHES = "/tmp/badinput_patches"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One mistake: the case function, where it runs, the expected error."""
+
+    fn: Callable[[CaseContext], None]
+    exc: type[BaseException]
+    match: str
+    ranks: int = 0
+    """0: in this process (no process group); otherwise the number of gloo ranks."""
+
+
+def _row(fn: Callable[[CaseContext], None], exc: type[BaseException], match: str, *, ranks: int = 0,
+         patch: str | None = None) -> object:
+    marks = ()
+    if patch is not None:
+        marks = (pytest.mark.xfail(strict=True, reason=f"needs {PATCHES}/{patch}"),)
+    return pytest.param(Row(fn, exc, match, ranks), id=fn.__name__, marks=marks)
+
+
+def _all(*words: str) -> str:
+    """A regex that matches when every (escaped) word occurs, in any order."""
+    return "".join(f"(?=[\\s\\S]*{re.escape(w)})" for w in words)
+
+
+ROWS = [
+    # ------------------------------------------------------------------ degrees and layout
+    _row(cases.init_degrees_vs_env_world, ValueError,
+         _all("WORLD_SIZE=4", "3*1*2=6", "pass dp=None to infer it")),
+    _row(cases.init_degrees_vs_process_group, ValueError,
+         _all("WORLD_SIZE=2", "2*2*1=4", "change the degrees"), ranks=2),
+    _row(cases.init_tp_zero, ValueError, _all("tp must be a positive integer, got 0", "pass e.g. tp=1")),
+    _row(cases.init_pp_negative, ValueError, _all("pp must be a positive integer, got -2", "pass e.g. pp=1")),
+    _row(cases.init_dp_zero, ValueError, _all("dp must be a positive integer or None (inferred)", "got 0")),
+    _row(cases.init_tp_not_dividing_world, ValueError,
+         _all("tp*pp=3*1=3 does not divide WORLD_SIZE=8", "choose tp and pp whose product divides 8")),
+    _row(cases.args_pp_zero, ValueError, _all("pp=0", "an integer >= 1", "set pp")),
+    _row(cases.args_dp_zero, ValueError, _all("dp=0", "an integer >= 1 or null", "set dp")),
+    _row(cases.trainer_degrees_vs_world, ValueError,
+         _all("WORLD_SIZE=2", "2*1*2=4", "change the degrees"), ranks=2),
+    _row(cases.trainer_args_vs_layout_dp, ValueError,
+         _all("TrainingArguments.dp=1", "layout has dp=2", "same degrees"), ranks=2,
+         patch="01_trainer_dp_mismatch_fix.diff"),
+    _row(cases.trainer_args_vs_layout_pp, ValueError,
+         _all("TrainingArguments.pp=2", "layout has pp=1", "build both from the same degrees"), ranks=2),
+    _row(cases.cli_dry_run_world, CliExit,
+         _all("--nproc-per-node=4", "= 4 processes", "dp*tp*pp = 8", "make them equal")),
+    _row(cases.cli_dry_run_dp_inferred_not_dividing, CliExit,
+         _all("tp*pp=2*3=6 does not divide WORLD_SIZE=4", "choose tp and pp"),
+         patch="05_cli_inferred_dp_degrees.diff"),
+    _row(cases.cli_dry_run_dp_inferred_without_nproc, CliExit,
+         _all("training.dp is not set", "pass --nproc-per-node")),
+    _row(cases.cli_missing_job_file, CliExit, _all("exit 2", "jbo.yaml", "does not exist")),
+    _row(cases.cli_override_unknown_key, CliExit,
+         _all("exit 2", "'learning_rat'", "did you mean 'learning_rate'")),
+    # ------------------------------------------------------------------ tensor parallelism
+    _row(cases.tp_heads_not_divisible, ValueError,
+         _all("blocks.0.attn.num_heads=3", "tensor-parallel size 2", "TP degree that divides 3"), ranks=2),
+    _row(cases.tp_kv_heads_not_divisible, ValueError,
+         _all("layers.0.self_attn.num_kv_heads=1", "tensor-parallel size 2", "TP degree that divides 1"), ranks=2),
+    _row(cases.tp_vocab_not_divisible, ValueError,
+         _all("num_embeddings=95", "tensor-parallel size 2", "TP degree that divides 95"), ranks=2),
+    _row(cases.tp_unknown_plan_name, ValueError, _all("unknown TP plan 'gtp'", "registered plans", "'gpt'"),
+         ranks=2),
+    _row(cases.tp_unknown_style, ValueError, _all("'colum'", "expected one of", "'column'")),
+    _row(cases.tp_plan_matches_nothing, ValueError,
+         _all("matched no module of GPT", "layers.*.fc1", "model.named_modules()"), ranks=2),
+    _row(cases.tp_style_on_wrong_module, ValueError,
+         _all("ln_f", "style 'column' needs an nn.Linear", "got LayerNorm"), ranks=2),
+    _row(cases.trainer_unknown_tp_plan, ValueError, _all("unknown TP plan 'gtp'", "registered plans"), ranks=2),
+    _row(cases.args_unknown_tp_plan_name, ValueError, _all("tp_plan='gtp'", "'gpt'"),
+         patch="02_config_cross_checks.diff"),
+    _row(cases.args_unknown_tp_style, ValueError, _all("'colum'", "'column'"),
+         patch="02_config_cross_checks.diff"),
+    _row(cases.args_overlap_chunks_zero, ValueError, _all("overlap_chunks=0", "an integer >= 1", "set overlap_chunks")),
+    _row(cases.tp_overlap_chunks_zero, ValueError, _all("overlap_chunks=0", "an integer >= 1", "1 = no overlap"),
+         ranks=2),
+    # ------------------------------------------------------------------ schedules, recomputation, memory
+    _row(cases.schedule_unknown_name, ValueError, _all("unknown schedule '1F1B'", "'1f1b'", "register_schedule")),
+    _row(cases.args_unknown_schedule, ValueError, _all("schedule='pipedream'", "'1f1b'", "set schedule")),
+    _row(cases.schedule_zero_microbatches, ValueError, _all("num_microbatches=0", "int >= 1")),
+    _row(cases.args_unknown_recompute, ValueError, _all("recompute='selective'", "'stage_aware'", "'full'")),
+    _row(cases.args_recompute_fraction_out_of_range, ValueError,
+         _all("recompute='uniform:1.5'", "(0, 1]", "'uniform:0.5'")),
+    _row(cases.schedule_unknown_recompute, ValueError, _all("recompute='stage_aware'", "RecomputePlan")),
+    _row(cases.args_stage_aware_without_budget, ValueError, _all("recompute='stage_aware'", "memory_budget"),
+         patch="02_config_cross_checks.diff"),
+    _row(cases.args_bad_memory_budget, ValueError, _all("'12 gigs'", "'12GiB'")),
+    _row(cases.stage_aware_budget_too_small, ValueError,
+         _all("stage 0 does not fit its memory budget", "1390 bytes", "budget is 1000", "larger budget")),
+    _row(cases.trainer_memory_budget_nothing_fits, ValueError,
+         _all("does not fit its memory budget", "budget is 1024", "larger budget"), ranks=2),
+    _row(cases.partition_memory_limit_too_small, PartitionError,
+         _all("memory_limit=100", "raise memory_limit", "add stages")),
+    # ------------------------------------------------------------------ tracing and partitioning
+    _row(cases.trace_untraceable_model, TraceError,
+         _all("could not trace _Wrapper", "in module 'gate' (_Branchy)", "_bad_input_cases.py:",
+              "if h.sum() > 0", "leaf_modules=(_Branchy,)")),
+    _row(cases.partition_fewer_shards_than_stages, PartitionError,
+         _all("only 2 shards", "num_stages=8", "use at most 2 stages")),
+    _row(cases.partition_inputs_wrong_keys, InputMismatchError,
+         _all("keys ['input_ids']", "GPT.forward does not accept", "'input_ids_bt'")),
+    _row(cases.partition_too_many_inputs, InputMismatchError,
+         _all("2 example inputs", "GPT.forward takes 1 positional inputs", "'input_ids_bt'")),
+    _row(cases.partitioned_run_wrong_inputs, InputMismatchError, _all("takes 1 inputs", "got 2")),
+    # ------------------------------------------------------------------ pipeline runtime
+    _row(cases.runner_batch_not_divisible, ValueError,
+         _all("batch size 6", "not divisible into 4 microbatches", "multiple of 4"), ranks=2),
+    _row(cases.runner_batch_smaller_than_microbatches, ValueError,
+         _all("batch size 2", "fewer than the schedule's 4 microbatches", "fewer microbatches"), ranks=2),
+    _row(cases.runner_stage_count_vs_schedule, ValueError,
+         _all("num_stages=3", "has 2 stages", "use the same stage count"), ranks=2),
+    _row(cases.runner_schedule_ranks_vs_group, ValueError,
+         _all("runs on 4 pipeline ranks", "group has 2", "num_ranks=2"), ranks=2),
+    _row(cases.stage_index_out_of_range, ValueError, _all("stage_index=2", "0..1", "0-based index")),
+    # ------------------------------------------------------------------ configuration files
+    _row(cases.args_from_dict_unknown_key, ValueError,
+         _all("unknown TrainingArguments key 'learning_rat'", "did you mean 'learning_rate'")),
+    _row(cases.args_from_yaml_unknown_key, ValueError,
+         _all("train.yaml", "'gradient_accumulation'", "did you mean 'gradient_accumulation_steps'")),
+    _row(cases.args_override_without_equals, ValueError, _all("override 'max_steps'", "key=value")),
+    _row(cases.args_override_bad_type, ValueError, _all("tp='two'", "wrong type", "expected int")),
+    _row(cases.job_unknown_section, ValueError, _all("unknown section 'trainig'", "did you mean 'training'")),
+    _row(cases.job_override_without_equals, ValueError,
+         _all("override 'training.max_steps'", "section.key=value")),
+    _row(cases.job_override_bad_type, ValueError, _all("max_steps='many'", "wrong type", "expected int")),
+    _row(cases.job_factory_missing_file, ValueError, _all("model.factory", "modle.py", "does not exist")),
+    _row(cases.job_factory_missing_function, ValueError,
+         _all("model.factory", "'buld_model'", "did you mean 'build_model'"),
+         patch="04_job_missing_function_suggestion.diff"),
+    _row(cases.job_factory_not_a_spec, ValueError,
+         _all("'model.build_model'", "'file.py:function' or 'package.module:function'")),
+    # ------------------------------------------------------------------ training fields
+    _row(cases.args_negative_learning_rate, ValueError, _all("learning_rate=-0.0003", ">= 0.0", "set learning_rate")),
+    _row(cases.args_bf16_with_float64, ValueError, _all("bf16=True with dtype='float64'", "set dtype='float32'")),
+    _row(cases.args_zero_stage_2, ValueError, _all("zero_stage=2", "0 (off) or 1")),
+    _row(cases.args_unknown_dtype, ValueError, _all("dtype='fp16'", "'float16'", "set dtype")),
+    _row(cases.lr_decay_without_total_steps, ValueError,
+         _all("lr_scheduler_type='cosine'", "max_steps=-1", "pass num_training_steps")),
+    # ------------------------------------------------------------------ the Trainer
+    _row(cases.trainer_interleaved_schedule, ValueError,
+         _all("schedule='interleaved_1f1b'", "use 1f1b, gpipe"), ranks=2),
+    _row(cases.trainer_fewer_microbatches_than_stages, ValueError,
+         _all("gradient_accumulation_steps=1", "fewer than pp=2 stages", "at least 2 microbatches"), ranks=2),
+    _row(cases.trainer_dataset_smaller_than_global_batch, ValueError,
+         _all("5 samples", "global batch of 8", "smaller batch"), ranks=2),
+    _row(cases.trainer_batch_without_labels, ValueError,
+         _all("keys ['input_ids']", "no 'labels'", "add labels in the collate function"), ranks=2),
+]
+
+
+@pytest.mark.parametrize("row", ROWS)
+def test_bad_input_raises_one_clear_error_early(row: Row) -> None:
+    if row.ranks:
+        outcomes = run_on_ranks(row.ranks, run_case_on_rank, cases.__name__, row.fn.__name__,
+                                timeout_s=RANK_TIMEOUT_S)
+        with pytest.raises(row.exc, match=row.match):
+            reraise_agreed(outcomes)
+    else:
+        if dist.is_available() and dist.is_initialized():
+            pytest.skip("this test process holds a default process group; the row needs none")
+        env = {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR")}
+        try:
+            with pytest.raises(row.exc, match=row.match):
+                row.fn(CaseContext())
+        finally:
+            for key, value in env.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+        assert not (dist.is_available() and dist.is_initialized()), "the row left a process group behind"
+
+
+def test_table_is_broad() -> None:
+    """At least 30 distinct mistakes, each case function used once."""
+    names = [p.values[0].fn.__name__ for p in ROWS]  # type: ignore[attr-defined]
+    assert len(names) == len(set(names)) >= 30
