@@ -429,6 +429,7 @@ def partitioned_run_wrong_inputs(ctx: CaseContext) -> None:
 
 def _two_stage_runner(num_stages_of_stage: int = 2, num_stages_of_schedule: int = 2) -> Any:
     import torch.distributed as dist
+
     from merak_pipe import PipelineRunner, PipelineStage, build_schedule
 
     rank = dist.get_rank()
@@ -460,6 +461,7 @@ def runner_stage_count_vs_schedule(ctx: CaseContext) -> None:
 
 def runner_schedule_ranks_vs_group(ctx: CaseContext) -> None:
     import torch.distributed as dist
+
     from merak_pipe import PipelineRunner, PipelineStage, build_schedule
 
     stage = PipelineStage(nn.Linear(4, 4), stage_index=dist.get_rank(), num_stages=4)
