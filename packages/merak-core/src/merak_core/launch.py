@@ -1,8 +1,10 @@
 """Per-rank entry point of ``merak train`` (run by torchrun: ``python -m merak_core.launch JOB.yaml ...``).
 
 Reads the job file, initialises the layout from torchrun's environment, builds
-the model and data on every rank (the same seed everywhere), trains, evaluates
-and writes ``summary.json`` next to the metrics. Logging is configured here,
+the model and data on every rank (the same seed everywhere), resumes from a
+checkpoint when asked (``--resume PATH|latest|auto``) or when torchrun restarted
+the job (see :func:`resume_target`), trains, evaluates and writes ``summary.json``
+next to the metrics. Logging is configured here,
 INFO on global rank 0 and WARNING elsewhere.
 """
 
@@ -18,11 +20,26 @@ import torch
 import torch.distributed as dist
 
 
+def resume_target(requested: str | None) -> str | None:
+    """What to resume from: ``--resume`` as given; after a torchrun restart, ``auto`` when nothing was given.
+
+    torchrun (``--max-restarts N``) sets ``TORCHELASTIC_RESTART_COUNT`` in the restarted
+    workers: a restarted job continues from its last complete checkpoint by itself
+    (``auto``: ``latest`` when one exists, else from scratch).
+    """
+    if requested is not None:
+        return requested
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+        return "auto"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="merak_core.launch")
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*")
-    parser.add_argument("--resume", default=None)
+    parser.add_argument("--resume", default=None, metavar="PATH|latest|auto",
+                        help="resume from a checkpoint directory, 'latest', or 'auto' (latest if one exists)")
     args = parser.parse_args(argv)
 
     rank = int(os.environ.get("RANK", "0"))
@@ -43,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     trainer = Trainer(model, targs, train_data, eval_data, loss_fn=job.optional("loss"),
                       data_collator=job.optional("collate"), compute_metrics=job.optional("metrics"),
                       layout=layout)
+    resume = resume_target(args.resume)
+    if resume is not None:
+        trainer.resume(resume)
     history = trainer.train()
     final = trainer.last_eval
     if dist.get_rank() == 0:

@@ -31,6 +31,7 @@ import contextlib
 import logging
 import math
 import time
+import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -73,7 +74,8 @@ def schedule_name(args: TrainingArguments) -> str:
 def _decay_groups(named: Sequence[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict[str, Any]]:
     """AdamW groups: matrices decay, biases and norm weights (1-D) do not."""
     seen: set[int] = set()
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for _, p in named:
         if id(p) in seen or not p.requires_grad:
             continue
@@ -171,6 +173,9 @@ class Trainer:
         self.history: list[dict[str, float]] = []
         self.last_eval: dict[str, float] = {}
         self.metrics = MetricsWriter(args.output_dir, enabled=dist.get_rank() == 0)
+        from merak_core.checkpoint import CheckpointManager
+
+        self.checkpoints = CheckpointManager(self)
 
     # ------------------------------------------------------------------ set-up
 
@@ -305,7 +310,7 @@ class Trainer:
             raise ValueError("Trainer.train() needs a train_dataset")
         total = self.num_training_steps()
         args = self.args
-        iterator = iter(self.train_loader)
+        iterator = iter(self.train_loader)  # resumes at the loader's restored position
         window_start, window_tokens = time.perf_counter(), 0
         self.metrics.start(total)
         while self.global_step < total:
@@ -318,22 +323,31 @@ class Trainer:
             loss = self.training_step(batch.inputs, batch.labels)
             step_time = time.perf_counter() - step_start
             window_tokens += _count_tokens(batch.inputs) * self.layout.dp
-            record = {"step": self.global_step, "loss": loss, "lr": self.lr_scheduler.get_last_lr()[0],
-                      "step_time_s": step_time}
+            record: dict[str, float] = {"step": self.global_step, "loss": loss,
+                                        "lr": float(self.lr_scheduler.get_last_lr()[0]), "step_time_s": step_time}
             self.history.append(record)
             if self.global_step % args.logging_steps == 0 or self.global_step == total:
                 elapsed = time.perf_counter() - window_start
                 record["tokens_per_s"] = window_tokens / elapsed if elapsed > 0 else 0.0
                 self.metrics.log(record)
                 window_start, window_tokens = time.perf_counter(), 0
+            if args.save_steps and self.global_step % args.save_steps == 0:
+                self.checkpoints.save()
             if args.eval_steps and self.eval_dataset is not None and self.global_step % args.eval_steps == 0:
                 self.last_eval = self.evaluate()
                 self.metrics.log({"step": self.global_step, **self.last_eval})
         if self.eval_dataset is not None and (not args.eval_steps or self.global_step % args.eval_steps):
             self.last_eval = self.evaluate()
             self.metrics.log({"step": self.global_step, **self.last_eval})
+        if args.save_steps and self.global_step % args.save_steps:
+            self.checkpoints.save()  # the final state, unless the last step just saved it
         self.metrics.finish()
         return self.history
+
+    def resume(self, path: str = "latest") -> int:
+        """Continue from a checkpoint (a directory, or ``latest`` in ``output_dir``); returns its step."""
+        self.global_step = self.checkpoints.load(path)
+        return self.global_step
 
     # ------------------------------------------------------------------ evaluation
 
@@ -361,7 +375,9 @@ class Trainer:
             loss, outputs = result if self.compute_metrics is not None else (result, None)
             sums["eval_loss"] = sums.get("eval_loss", 0.0) + float(loss)
             if self.compute_metrics is not None:
-                values = self.compute_metrics(getattr(outputs, "logits", outputs), batch.labels.to(self.device))
+                labels = typing.cast(torch.Tensor, batch.labels)
+                logits = typing.cast(torch.Tensor, getattr(outputs, "logits", outputs))
+                values = self.compute_metrics(logits, labels.to(self.device))
                 if isinstance(values, torch.Tensor):
                     values = {"metric": values}
                 for name, v in values.items():
