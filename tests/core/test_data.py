@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.utils.data import Dataset, IterableDataset
 
 from merak_core.config import TrainingArguments
@@ -221,3 +223,31 @@ def test_layout_driven_loading(dp: int, tp: int, pp: int) -> None:
             assert inputs == (expected if first else None)
             assert labels == (expected if last else None)
         assert reads == (steps * 2 if first or last else 0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 60), dp=st.integers(1, 4), bs=st.integers(1, 5), seed=st.integers(0, 99),
+       epoch=st.integers(0, 3), drop_last=st.booleans())
+def test_sharding_properties(n: int, dp: int, bs: int, seed: int, epoch: int, drop_last: bool) -> None:
+    if drop_last and n < dp * bs:
+        return
+    ds = list(range(n))
+    loaders = [StageAwareDataLoader(ds, batch_size=bs, dp_rank=r, dp_size=dp, seed=seed, drop_last=drop_last)
+               for r in range(dp)]
+    for loader in loaders:
+        loader.set_epoch(epoch)
+    per_rank = [[b.inputs for b in _plain(loader)] for loader in loaders]
+    steps = len(loaders[0])
+    assert all(len(p) == steps for p in per_rank)
+    perm = loaders[0].epoch_permutation(epoch).tolist()
+    flat = [i for s in range(steps) for r in range(dp) for i in per_rank[r][s]]
+    if drop_last:
+        assert flat == perm[:steps * dp * bs]  # concatenation = permutation prefix, hence disjoint
+    else:
+        assert flat == [perm[i % n] for i in range(steps * dp * bs)] and set(flat) == set(range(n))
+
+
+def _plain(loader: StageAwareDataLoader) -> Iterator[StageBatch]:
+    # Samples are bare ints: treat each collated batch as inputs only.
+    loader.split = lambda batch: (batch.tolist(), None)
+    return iter(loader)

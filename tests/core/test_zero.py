@@ -15,6 +15,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from merak_core.data_parallel import DataParallelGradSync
@@ -200,3 +202,14 @@ def test_full_state_dict_loads_into_plain_optimizer() -> None:
     opt = _adamw(_groups(model))
     opt.load_state_dict(state)
     _assert_state_equal(opt.state_dict(), ref_state, exact=True)
+
+
+@settings(max_examples=60, deadline=None)
+@given(numels=st.lists(st.integers(1, 10_000), min_size=1, max_size=40), shards=st.integers(1, 8))
+def test_partition_properties(numels: list[int], shards: int) -> None:
+    owners = partition_parameters(numels, shards)
+    assert len(owners) == len(numels) and all(0 <= o < shards for o in owners)
+    loads = [sum(n for n, o in zip(numels, owners, strict=True) if o == s) for s in range(shards)]
+    # Largest-first greedy: the spread between shards never exceeds the largest parameter.
+    assert max(loads) - min(loads) <= max(numels)
+    assert owners == partition_parameters(list(numels), shards)
