@@ -43,8 +43,11 @@ class CliExit(Exception):
 
 
 @contextlib.contextmanager
-def no_collectives() -> Iterator[None]:
-    """Make every function in :data:`GUARDED` raise :class:`CollectiveCalled` (see [Note: before any collective])."""
+def no_collectives(allow: tuple[str, ...] = ()) -> Iterator[None]:
+    """Make every function in :data:`GUARDED` but ``allow`` raise :class:`CollectiveCalled`.
+
+    See [Note: before any collective]; ``allow`` is for the few errors that need agreed metadata first.
+    """
     saved: dict[str, Any] = {}
 
     def stub_for(name: str) -> Callable[..., Any]:
@@ -54,7 +57,7 @@ def no_collectives() -> Iterator[None]:
         return stub
 
     for name in GUARDED:
-        if hasattr(dist, name):
+        if hasattr(dist, name) and name not in allow:
             saved[name] = getattr(dist, name)
             setattr(dist, name, stub_for(name))
     try:
@@ -71,8 +74,8 @@ class CaseContext:
     tmp: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="merak-bad-input-")))
 
     @staticmethod
-    def guard() -> contextlib.AbstractContextManager[None]:
-        return no_collectives()
+    def guard(allow: tuple[str, ...] = ()) -> contextlib.AbstractContextManager[None]:
+        return no_collectives(allow)
 
 
 Outcome = tuple[str, str, str] | None

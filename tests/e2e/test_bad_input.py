@@ -14,8 +14,8 @@ process group exists at all.
 A row marked ``xfail(strict=True)`` does not raise a clear error today; the reason names a
 patch in ``/tmp/badinput_patches/`` that fixes it (apply it with ``git apply`` and drop the mark).
 
-Pending (not in the table yet): a corrupt or partial checkpoint directory and a checkpoint
-of another model, waiting for ``merak_core/checkpoint.py``.
+Checkpoint rows also check that no file under ``checkpoints/`` changed (bytes and modification
+times) and that a failed resume left the trainer's parameters as they were.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import pytest
 import torch.distributed as dist
 
+from merak_core.checkpoint import CheckpointError
 from merak_graph import InputMismatchError, PartitionError, TraceError
 from tests.e2e import _bad_input_cases as cases
 from tests.e2e._bad_input_support import CaseContext, CliExit, reraise_agreed, run_case_on_rank
@@ -184,6 +185,24 @@ ROWS = [
          _all("5 samples", "global batch of 8", "smaller batch"), ranks=2),
     _row(cases.trainer_batch_without_labels, ValueError,
          _all("keys ['input_ids']", "no 'labels'", "add labels in the collate function"), ranks=2),
+    # ------------------------------------------------------------------ checkpoints (see [Note: checkpoint rows])
+    _row(cases.ckpt_resume_partial_tmp_dir, CheckpointError,
+         _all("step_2.tmp", "is partial", "load the previous step_<N> directory or 'latest'"), ranks=2),
+    _row(cases.ckpt_resume_missing_dcp_metadata, CheckpointError,
+         _all("step_7", "is partial", ".metadata file is missing"), ranks=2),
+    _row(cases.ckpt_resume_corrupt_meta_file, CheckpointError,
+         _all("step_8", "is corrupt", "cannot read merak_checkpoint.json"), ranks=2),
+    _row(cases.ckpt_resume_latest_without_checkpoint, CheckpointError,
+         _all("no checkpoint to resume from", "checkpoints", "set save_steps"), ranks=2),
+    _row(cases.ckpt_resume_other_model, CheckpointError,
+         _all("step_1", "written for another model", "0.weight: checkpoint [8, 4] vs model [6, 4]",
+              "Load a checkpoint of this model"), ranks=2),
+    _row(cases.ckpt_resume_other_batch_size, CheckpointError,
+         _all("saved with global_batch_size=4", "this loader has global_batch_size=8", "resume with the same"),
+         ranks=2, patch="03_checkpoint_validate_before_restore.diff"),
+    _row(cases.ckpt_new_run_into_old_output_dir, CheckpointError,
+         _all("already holds checkpoints", "step_1", "trainer.resume('latest')", "new output_dir"),
+         ranks=2, patch="06_trainer_no_silent_checkpoint_overwrite.diff"),
 ]
 
 
