@@ -418,3 +418,24 @@ def rng_body(tp: int) -> bool:
     local = merak_tp.sharded_dropout(x.chunk(tp, -1)[rank], 0.3, group=group, dim=-1, generator=g)
     assert_tensors_close(local, full.chunk(tp, -1)[rank], name="sharded dropout")
     return True
+
+
+def deepcopy_body(tp: int) -> bool:
+    """A parallelized model (with regions) deep-copies: same outputs, ties and metadata kept."""
+    group = tp_group(tp)
+    torch.manual_seed(0)
+    model = merak_tp.parallelize(BUILDERS["gpt"]().double(), group=group, overlap_chunks=2)
+    (ids,) = REFERENCE_MODELS["gpt"].make_inputs(4, 8, 3)
+    out = model(ids)
+    twin = copy.deepcopy(model)
+    assert twin.lm_head.weight is twin.wte.weight
+    assert isinstance(twin.blocks[0].attn, merak_tp.TPRegion)
+    assert twin.blocks[0].attn.q_proj.group is group
+    for (n, p), (_, q) in zip(model.named_parameters(), twin.named_parameters(), strict=True):
+        # Sharded parameters keep their tags; a replicated one may lose its None tag (same meaning).
+        assert getattr(p, "_merak_tp_dim", None) == getattr(q, "_merak_tp_dim", None), n
+    for _ in range(2):
+        twin_out = twin(ids)
+    assert_tensors_close(twin_out, out.detach(), name="deep copy output")
+    assert twin.blocks[0].attn._merak_region_state is not model.blocks[0].attn._merak_region_state
+    return True

@@ -80,3 +80,7 @@ def test_fx_traces_parallelized_model_with_tp_leaves(chunks: int, sp: bool) -> N
 def test_rng_tracker_and_sharded_dropout() -> None:
     assert all(run_on_ranks(2, B.rng_body, 2))
     assert all(run_on_ranks(4, B.rng_body, 4))
+
+
+def test_parallelized_model_deep_copies() -> None:
+    assert all(run_on_ranks(2, B.deepcopy_body, 2))

@@ -48,11 +48,26 @@ def _record(kind: str, phase: str, what: str, chunk: int) -> None:
         events.append((kind, phase, what, str(chunk)))
 
 
+class _GroupRef:
+    """Holds a process group; ``copy.deepcopy`` of a module shares it (a ProcessGroup cannot be copied)."""
+
+    __slots__ = ("group",)
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _GroupRef:
+        return self
+
+    def __copy__(self) -> _GroupRef:
+        return self
+
+
 @dataclass
 class _RegionState:
     """Mode and pending work of one sub-pipelined / sequence-parallel region."""
 
-    group: Any
+    group_ref: _GroupRef
     chunks: int
     name: str = "region"
     sequence_parallel: bool = False
@@ -66,3 +81,7 @@ class _RegionState:
     pending_fwd: list[Any] = field(default_factory=list)
     pending_bwd: list[Any] = field(default_factory=list)
     calls: list[tuple[str, Any]] = field(default_factory=list)
+
+    @property
+    def group(self) -> Any:
+        return self.group_ref.group

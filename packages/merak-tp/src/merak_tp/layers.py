@@ -20,6 +20,7 @@ o out-features, v vocabulary, h hidden.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from typing import Any
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from merak_tp._events import _RegionState
+from merak_tp._events import _GroupRef, _RegionState
 from merak_tp._linear_fns import _ColumnLinearFn, _RowLinearFn
 from merak_tp.collectives import (
     gather_from_sequence_region,
@@ -47,6 +48,33 @@ def _mark(param: nn.Parameter, dim: int | None, sections: int = 1) -> nn.Paramet
     param._merak_tp_dim = dim  # type: ignore[attr-defined]
     param._merak_tp_sections = sections  # type: ignore[attr-defined]
     return param
+
+
+_TAGS = ("_merak_tp_dim", "_merak_tp_sections", "_merak_tp_transposed")
+
+
+class _KeepsShardTags:
+    """``copy.deepcopy`` keeps the shard tags of the layer's parameters.
+
+    ``nn.Parameter.__deepcopy__`` builds a new parameter without the old one's Python
+    attributes; the tags are copied back here (ties are kept by deepcopy's memo).
+    """
+
+    _parameters: dict[str, nn.Parameter | None]
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        cls = type(self)
+        result = cls.__new__(cls)
+        memo[id(self)] = result
+        for key, value in self.__dict__.items():
+            object.__setattr__(result, key, copy.deepcopy(value, memo))
+        for name, param in self._parameters.items():
+            new = result._parameters.get(name)
+            if param is not None and new is not None:
+                for tag in _TAGS:
+                    if hasattr(param, tag):
+                        setattr(new, tag, getattr(param, tag))
+        return result
 
 
 def _divide(size: int, world: int, what: str, layer: str) -> int:
@@ -74,7 +102,7 @@ def _linear_init(weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         nn.init.uniform_(bias, -bound, bound)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(_KeepsShardTags, nn.Module):
     """``y = x W^T + b`` with W split along its output features (dim 0) over ``group``.
 
     The input is replicated on every TP rank; the output holds this rank's block of
@@ -89,6 +117,11 @@ class ColumnParallelLinear(nn.Module):
     equals an ``nn.Linear`` built with that seed.
     """
 
+    @property
+    def group(self) -> Any:
+        """The TP process group."""
+        return self._group_ref.group
+
     def __init__(
         self, in_features: int, out_features: int, *, group: Any, bias: bool = True,
         gather_output: bool = False, sequence_parallel: bool = False, sequence_dim: int = 1,
@@ -102,7 +135,7 @@ class ColumnParallelLinear(nn.Module):
             raise ValueError(f"sections={sections} must be >= 1 and divide out_features={out_features}")
         if gather_output and sections > 1:
             raise ValueError("gather_output=True is not supported for a fused (sections > 1) projection")
-        self.group = group
+        self._group_ref = _GroupRef(group)
         self.tp_size = tp_size(group)
         self.tp_rank = tp_rank(group)
         self.in_features = in_features
@@ -188,7 +221,7 @@ class ColumnParallelLinear(nn.Module):
                 f"overlap_chunks={self.overlap_chunks}")
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_KeepsShardTags, nn.Module):
     """``y = sum_ranks(x_r W_r^T) + b`` with W split along its input features (dim 1).
 
     The input holds this rank's block of features (``input_is_parallel=False``
@@ -198,6 +231,11 @@ class RowParallelLinear(nn.Module):
     is computed. The bias is replicated (``_merak_tp_dim = None``).
     """
 
+    @property
+    def group(self) -> Any:
+        """The TP process group."""
+        return self._group_ref.group
+
     def __init__(
         self, in_features: int, out_features: int, *, group: Any, bias: bool = True,
         input_is_parallel: bool = True, sequence_parallel: bool = False, sequence_dim: int = 1,
@@ -206,7 +244,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         if overlap_chunks < 1:
             raise ValueError(f"overlap_chunks must be >= 1, got {overlap_chunks}")
-        self.group = group
+        self._group_ref = _GroupRef(group)
         self.tp_size = tp_size(group)
         self.tp_rank = tp_rank(group)
         self.in_features = in_features
@@ -283,7 +321,7 @@ class RowParallelLinear(nn.Module):
                 f"sequence_parallel={self.sequence_parallel}, overlap_chunks={self.overlap_chunks}")
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(_KeepsShardTags, nn.Module):
     """An embedding table split along the vocabulary (dim 0) over ``group``.
 
     Each rank looks up the ids in its block of the vocabulary (others give zero)
@@ -292,12 +330,17 @@ class VocabParallelEmbedding(nn.Module):
     share the very same local shard.
     """
 
+    @property
+    def group(self) -> Any:
+        """The TP process group."""
+        return self._group_ref.group
+
     def __init__(
         self, num_embeddings: int, embedding_dim: int, *, group: Any, padding_idx: int | None = None,
         device: Any = None, dtype: torch.dtype | None = None, _skip_init: bool = False,
     ) -> None:
         super().__init__()
-        self.group = group
+        self._group_ref = _GroupRef(group)
         self.tp_size = tp_size(group)
         self.tp_rank = tp_rank(group)
         self.num_embeddings = num_embeddings

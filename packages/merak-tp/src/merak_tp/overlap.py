@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from merak_tp._events import _record, _RegionState
+from merak_tp._events import _GroupRef, _record, _RegionState
 from merak_tp.collectives import (
     gather_from_sequence_region,
     gather_from_tp_region,
@@ -77,7 +77,9 @@ class _RegionSplit(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, state: _RegionState, chunks: int) -> Any:
         ctx.state = state
-        return tuple(c.view_as(c) for c in x.chunk(chunks, dim=0))
+        pieces = tuple(c.view_as(c) for c in x.chunk(chunks, dim=0))
+        ctx.shapes, ctx.dtype, ctx.device = [p.shape for p in pieces], x.dtype, x.device
+        return pieces
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
@@ -86,7 +88,9 @@ class _RegionSplit(torch.autograd.Function):
             handle.wait()
             _record("wait", "bwd", name, chunk)
         st.pending_bwd.clear()
-        return torch.cat(grads, dim=0), None, None
+        parts = [g if g is not None else torch.zeros(shape, dtype=ctx.dtype, device=ctx.device)
+                 for g, shape in zip(grads, ctx.shapes, strict=True)]
+        return torch.cat(parts, dim=0), None, None
 
 
 class TPRegion(nn.Module):
@@ -208,12 +212,12 @@ def _cat_outputs(outs: list[Any]) -> Any:
 class SequenceScatter(nn.Module):
     """Marker base: the module's first input is split along the sequence on entry."""
 
-    _merak_scatter_group: Any
+    _merak_scatter_group: _GroupRef
     _merak_scatter_dim: int
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if args:
-            args = (scatter_to_sequence_region(args[0], self._merak_scatter_group, self._merak_scatter_dim),
+            args = (scatter_to_sequence_region(args[0], self._merak_scatter_group.group, self._merak_scatter_dim),
                     *args[1:])
         return super().forward(*args, **kwargs)
 
@@ -225,12 +229,12 @@ class SequenceGather(nn.Module):
     arrives identical on every rank, so the backward keeps this rank's block (no sum).
     """
 
-    _merak_scatter_group: Any
+    _merak_scatter_group: _GroupRef
     _merak_scatter_dim: int
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if args:
-            args = (gather_from_tp_region(args[0], self._merak_scatter_group, self._merak_scatter_dim), *args[1:])
+            args = (gather_from_tp_region(args[0], self._merak_scatter_group.group, self._merak_scatter_dim), *args[1:])
         return super().forward(*args, **kwargs)
 
 
@@ -260,7 +264,7 @@ def make_region(
     """
     if chunks < 1:
         raise ValueError(f"chunks must be >= 1, got {chunks}")
-    state = _RegionState(group=group, chunks=chunks, name=name, sequence_parallel=sequence_parallel,
+    state = _RegionState(group_ref=_GroupRef(group), chunks=chunks, name=name, sequence_parallel=sequence_parallel,
                          sequence_dim=sequence_dim)
     for sub in module.modules():
         if isinstance(sub, (ColumnParallelLinear, RowParallelLinear)):
@@ -273,7 +277,7 @@ def make_region(
 def make_sequence_scatter(module: nn.Module, *, group: Any, sequence_dim: int = 1) -> nn.Module:
     """Split ``module``'s first input along ``sequence_dim`` on entry (start of sequence parallelism)."""
     _swap_class(module, SequenceScatter)
-    module._merak_scatter_group = group  # type: ignore[assignment]
+    module._merak_scatter_group = _GroupRef(group)  # type: ignore[assignment]
     module._merak_scatter_dim = sequence_dim  # type: ignore[assignment]
     return module
 
@@ -281,7 +285,7 @@ def make_sequence_scatter(module: nn.Module, *, group: Any, sequence_dim: int = 
 def make_sequence_gather(module: nn.Module, *, group: Any, sequence_dim: int = 1) -> nn.Module:
     """All-gather ``module``'s first input along ``sequence_dim`` on entry (end of sequence parallelism)."""
     _swap_class(module, SequenceGather)
-    module._merak_scatter_group = group  # type: ignore[assignment]
+    module._merak_scatter_group = _GroupRef(group)  # type: ignore[assignment]
     module._merak_scatter_dim = sequence_dim  # type: ignore[assignment]
     return module
 

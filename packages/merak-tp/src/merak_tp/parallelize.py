@@ -159,7 +159,7 @@ def parallelize(
 
     # 4. regions: overlap and sequence parallelism.
     named = dict(model.named_modules())
-    if overlap_chunks > 1 or sequence_parallel:
+    if (overlap_chunks > 1 or sequence_parallel) and tp > 1:
         for name in region_names:
             make_region(named[name], group=group, chunks=overlap_chunks, sequence_parallel=sequence_parallel,
                         name=name)
