@@ -95,3 +95,30 @@ def test_uniform_partition_counts() -> None:
     assert uniform_partition(10, 4) == [0, 3, 6, 8, 10]
     with pytest.raises(PartitionError, match="at most 3 stages"):
         uniform_partition(3, 4)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    data=st.lists(st.tuples(st.integers(1, 20), st.integers(1, 30)), min_size=2, max_size=8),
+    num_stages=st.integers(min_value=2, max_value=4),
+    slack=st.sampled_from([0.0, 0.1, 0.5]),
+)
+def test_smallest_boundary_among_optimal_matches_brute_force(data, num_stages, slack) -> None:  # type: ignore[no-untyped-def]
+    from merak_graph.solver import smallest_boundary_partition
+
+    costs = [float(c) for c, _ in data]
+    cut = [float(b) for _, b in data]
+    if len(costs) < num_stages:
+        return
+    opt = _brute_force(costs, num_stages)
+    limit = opt * (1 + slack)
+    best = None
+    for cuts in itertools.combinations(range(1, len(costs)), num_stages - 1):
+        bounds = [0, *cuts, len(costs)]
+        if _slowest(costs, bounds) <= limit:
+            key = (max(cut[c - 1] for c in cuts), sum(cut[c - 1] for c in cuts))
+            best = key if best is None or key < best else best
+    bounds = smallest_boundary_partition(costs, num_stages, cut, limit)
+    assert bounds is not None and _slowest(costs, bounds) <= limit
+    inner = bounds[1:-1]
+    assert (max(cut[c - 1] for c in inner), sum(cut[c - 1] for c in inner)) == best

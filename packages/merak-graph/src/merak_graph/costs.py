@@ -99,6 +99,24 @@ class NodeCost:
     """Estimated forward+backward time."""
 
 
+# Ops that return a view or metadata: no data moves, so they cost no time.
+_FREE_OPS = {
+    "view", "_unsafe_view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "expand", "narrow", "t",
+    "getitem", "getattr", "size", "dim", "select", "slice", "as_strided", "alias", "detach", "split", "chunk",
+    "unbind", "flatten", "unflatten", "view_as", "expand_as", "split_with_sizes", "sym_size", "numel",
+}
+
+
+def _op_name(n: fx.Node) -> str:
+    target = n.target
+    if isinstance(target, str):
+        return target
+    packet = getattr(target, "overloadpacket", None)
+    if packet is not None:
+        return str(getattr(packet, "__name__", ""))
+    return str(getattr(target, "__name__", ""))
+
+
 def _spec(value: Any) -> ValueSpec:
     if isinstance(value, torch.Tensor):
         return ValueSpec(True, tuple(int(d) for d in value.shape), value.dtype)
@@ -141,9 +159,10 @@ class _CostInterpreter(fx.Interpreter):
             if isinstance(spec, ValueSpec):
                 in_bytes += spec.nbytes
         flops = mode.flops
-        time_s = 0.0 if n.op in ("placeholder", "get_attr", "output") else self.cost_model.time(
-            flops, in_bytes + out_bytes + param_bytes
+        free = n.op in ("placeholder", "get_attr", "output") or (
+            n.op in ("call_function", "call_method") and flops == 0 and _op_name(n) in _FREE_OPS
         )
+        time_s = 0.0 if free else self.cost_model.time(flops, in_bytes + out_bytes + param_bytes)
         n.meta["merak_value"] = _spec(out) if not isinstance(out, (tuple, list)) else ValueSpec(
             False, python_type=type(out).__name__
         )

@@ -28,8 +28,13 @@ from torch import nn
 from .costs import CostModel, annotate_costs
 from .empty import _copy_stash, is_meta_module, materialize
 from .errors import InputMismatchError, PartitionError
-from .sharding import BoundaryValue, Shard, ShardedGraph, shard
-from .solver import optimal_contiguous_partition, stage_bounds_cost, uniform_partition
+from .sharding import BoundaryValue, Shard, ShardedGraph, natural_shard_count, shard
+from .solver import (
+    optimal_contiguous_partition,
+    smallest_boundary_partition,
+    stage_bounds_cost,
+    uniform_partition,
+)
 from .stage import StageModule, retarget_devices
 from .tracing import LeafSpec, normalize_inputs, trace
 
@@ -312,12 +317,15 @@ def partition_sharded(
     param_memory_factor: float = 4.0,
     in_flight: str | Sequence[float] | None = None,
     model: nn.Module | None = None,
+    balance_tolerance: float = 0.0,
 ) -> Partition:
     """Assign the shards of ``sharded`` to ``num_stages`` contiguous stages (see ``partition``)."""
     if method not in METHODS:
         raise ValueError(f"method={method!r} is not one of {METHODS}")
     if num_stages < 1:
         raise ValueError(f"num_stages={num_stages} must be >= 1")
+    if balance_tolerance < 0:
+        raise ValueError(f"balance_tolerance={balance_tolerance} must be >= 0 (0 keeps the exact optimum)")
     shards = sharded.shards
     if len(shards) < num_stages:
         raise PartitionError(
@@ -335,6 +343,15 @@ def partition_sharded(
         bounds = optimal_contiguous_partition(
             costs, num_stages, param_memory=pm, activation_memory=am, in_flight=flight, memory_limit=memory_limit,
         )
+        # Among (near-)optimal assignments, prefer the smallest stage-to-stage boundaries (p2p volume).
+        slowest = max(stage_bounds_cost(costs, bounds))
+        cut_bytes = [float(sum(b.nbytes for b in s.outputs)) for s in shards]
+        better = smallest_boundary_partition(
+            costs, num_stages, cut_bytes, slowest * (1.0 + balance_tolerance) + 1e-12 * abs(slowest),
+            param_memory=pm, activation_memory=am, in_flight=flight, memory_limit=memory_limit,
+        )
+        if better is not None:
+            bounds = better
     if memory_limit is not None:
         for i in range(num_stages):
             mem = sum(pm[bounds[i]:bounds[i + 1]]) + flight[i] * sum(am[bounds[i]:bounds[i + 1]])
@@ -406,6 +423,7 @@ def partition(
     cost_model: CostModel | None = None,
     param_memory_factor: float = 4.0,
     in_flight: str | Sequence[float] | None = None,
+    balance_tolerance: float = 0.0,
 ) -> Partition:
     """Trace, cost-annotate, shard and partition ``model`` into ``num_stages`` pipeline stages.
 
@@ -414,8 +432,11 @@ def partition(
     ``method``: ``"cost"`` (minimise the slowest stage's estimated time), ``"parameters"`` or
     ``"uniform"``. ``memory_limit`` (bytes per stage) bounds ``param_bytes * param_memory_factor
     + activation_bytes * in_flight[i]``; ``in_flight="1f1b"`` counts ``S - i`` microbatches of
-    activations on stage ``i``. ``num_shards`` defaults to 8 per stage (at most one per valid cut);
-    ``split_points`` (module names) override the automatic cuts.
+    activations on stage ``i``. ``num_shards`` defaults to one shard per natural cut (a position whose
+    boundary is the smallest around it, e.g. every residual-stream point), at least 2 per stage;
+    ``split_points`` (module names) override the automatic cuts. Among assignments whose slowest
+    stage is within ``balance_tolerance`` (relative) of the optimum, the one with the smallest
+    stage-to-stage boundary is returned (0: only exact optima).
     """
     if method not in METHODS:
         raise ValueError(f"method={method!r} is not one of {METHODS}")
@@ -428,6 +449,9 @@ def partition(
     gm = trace(model, example_inputs=example_inputs, input_names=input_names, leaf_modules=leaf_modules,
                method=trace_method, static_kwargs=static_kwargs)
     annotate_costs(gm, values, cost_model=cost_model)
-    sharded = shard(gm, num_shards or 8 * num_stages, split_points=split_points, model=model)
+    if num_shards is None and not split_points:
+        num_shards = max(natural_shard_count(gm), 2 * num_stages)
+    sharded = shard(gm, num_shards, split_points=split_points, model=model)
     return partition_sharded(sharded, num_stages, method=method, memory_limit=memory_limit,
-                             param_memory_factor=param_memory_factor, in_flight=in_flight, model=model)
+                             param_memory_factor=param_memory_factor, in_flight=in_flight, model=model,
+                             balance_tolerance=balance_tolerance)

@@ -124,3 +124,70 @@ def optimal_contiguous_partition(
 def _min_single_stage_memory(pre_p: list[float], pre_a: list[float], flight: list[float]) -> float:
     n = len(pre_p) - 1
     return min((pre_p[i + 1] - pre_p[i]) + flight[0] * (pre_a[i + 1] - pre_a[i]) for i in range(n))
+
+
+def smallest_boundary_partition(
+    costs: Sequence[float],
+    num_stages: int,
+    boundary_bytes: Sequence[float],
+    max_stage_cost: float,
+    *,
+    param_memory: Sequence[float] | None = None,
+    activation_memory: Sequence[float] | None = None,
+    in_flight: Sequence[float] | None = None,
+    memory_limit: float | None = None,
+) -> list[int] | None:
+    """Among partitions whose every stage costs <= ``max_stage_cost`` (and fits memory), the one whose
+    largest stage-to-stage boundary is smallest (then the smallest total boundary); None if none exists.
+
+    ``boundary_bytes[k]`` is the size of the values crossing the cut after shard ``k``.
+    """
+    n = len(costs)
+    if n < num_stages:
+        return None
+    pm = list(param_memory or [0.0] * n)
+    am = list(activation_memory or [0.0] * n)
+    flight = list(in_flight or [1.0] * num_stages)
+    pre_c, pre_p, pre_a = [0.0], [0.0], [0.0]
+    for i in range(n):
+        pre_c.append(pre_c[-1] + float(costs[i]))
+        pre_p.append(pre_p[-1] + float(pm[i]))
+        pre_a.append(pre_a[-1] + float(am[i]))
+    inf = (float("inf"), float("inf"))
+
+    def ok(stage: int, i: int, j: int) -> bool:
+        if pre_c[j] - pre_c[i] > max_stage_cost:
+            return False
+        if memory_limit is None:
+            return True
+        return (pre_p[j] - pre_p[i]) + flight[stage] * (pre_a[j] - pre_a[i]) <= memory_limit
+
+    best: list[list[tuple[float, float]]] = [[inf] * (n + 1) for _ in range(num_stages)]
+    arg = [[-1] * (n + 1) for _ in range(num_stages)]
+    for j in range(1, n + 1):
+        if ok(0, 0, j):
+            best[0][j] = (0.0, 0.0)
+            arg[0][j] = 0
+    for s in range(1, num_stages):
+        for j in range(s + 1, n - (num_stages - 1 - s) + 1):
+            b, a = inf, -1
+            for i in range(j - 1, s - 1, -1):
+                if pre_c[j] - pre_c[i] > max_stage_cost:
+                    break
+                prev = best[s - 1][i]
+                if prev == inf or not ok(s, i, j):
+                    continue
+                cut = float(boundary_bytes[i - 1])
+                value = (max(prev[0], cut), prev[1] + cut)
+                if value < b:
+                    b, a = value, i
+            best[s][j], arg[s][j] = b, a
+    if best[num_stages - 1][n] == inf:
+        return None
+    bounds = [n]
+    j = n
+    for s in range(num_stages - 1, -1, -1):
+        j = arg[s][j]
+        bounds.append(j)
+    bounds.reverse()
+    return bounds
