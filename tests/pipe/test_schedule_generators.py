@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -45,18 +47,33 @@ def test_one_stage_per_rank_schedules_validate_at_the_corners(name: str, S: int,
     _check(build_schedule(name, num_stages=S, num_microbatches=M))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(P=st.integers(1, 16), v=st.integers(1, 4), M=st.integers(1, 64))
-def test_interleaved_validates_or_refuses_clearly(P: int, v: int, M: int) -> None:
-    rounds = max(1, M // P)
-    if M % rounds != 0:
-        with pytest.raises(ValueError, match="multiple of the number of rounds"):
-            build_schedule("interleaved-1f1b", num_stages=P * v, num_microbatches=M, num_ranks=P)
-        return
+def test_interleaved_validates_for_every_size(P: int, v: int, M: int) -> None:
     schedule = build_schedule("interleaved-1f1b", num_stages=P * v, num_microbatches=M, num_ranks=P)
     assert schedule.num_ranks == P
     assert all(schedule.stages_of(r) == tuple(r + k * P for k in range(v)) for r in range(P))
     _check(schedule)
+
+
+@pytest.mark.parametrize("P,v,M", [(3, 2, 7), (4, 3, 13), (16, 4, 62), (5, 2, 64), (7, 4, 15)])
+def test_interleaved_uneven_rounds(P: int, v: int, M: int) -> None:
+    assert M % max(1, M // P) != 0  # sizes torch's flexible interleaved schedule refuses
+    _check(build_schedule("interleaved-1f1b", num_stages=P * v, num_microbatches=M, num_ranks=P))
+
+
+@settings(max_examples=40, deadline=None)
+@given(P=st.integers(1, 8), v=st.integers(1, 4), M=st.integers(1, 32))
+def test_interleaved_matches_torch_where_torch_defines_it(P: int, v: int, M: int) -> None:
+    torch_schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    rounds = max(1, M // P)
+    if M % rounds != 0:
+        return
+    fake = SimpleNamespace(n_local_stages=v, pp_group_size=P, microbatches_per_round=M // rounds, _n_microbatches=M)
+    ours = build_schedule("interleaved-1f1b", num_stages=P * v, num_microbatches=M, num_ranks=P)
+    for rank in range(P):
+        theirs = torch_schedules.ScheduleInterleaved1F1B._calculate_single_rank_operations(fake, rank)
+        assert [str(a) for a in ours.actions[rank]] == [str(a) for a in theirs if a is not None]
 
 
 def test_interleaved_layout_arguments() -> None:

@@ -1,10 +1,12 @@
 """Interleaved 1F1B (Megatron-LM's virtual pipeline): v stages per rank, stage s on rank s % P.
 
-Microbatches go in rounds of ``g = M // max(1, M // P)`` (torch.distributed.pipelining's
-"flexible" rounds, so M need not be a multiple of P but must be a multiple of the number of
-rounds). A rank runs ``(v - 1) * g + 2 * (P - 1 - rank)`` warm-up forwards (capped at v * M), then
-alternates one forward and one backward, cycling over its local stages every g operations
-(forwards in ascending stage order, backwards in descending order).
+Microbatches go in ``max(1, M // P)`` rounds. When M is a multiple of the number of rounds they
+are equal, as in torch.distributed.pipelining's "flexible" interleaved schedule (and the order is
+the same as torch's); otherwise the first ``M % rounds`` rounds take one microbatch more, so any
+M works. Within a round a rank runs every microbatch of the round through one local stage before
+the next (forwards in ascending stage order, backwards in descending order). A rank runs
+``(v - 1) * g + 2 * (P - 1 - rank)`` warm-up forwards (g: the first round's size, capped at v * M),
+then alternates one forward and one backward, then drains the backwards.
 """
 
 from __future__ import annotations
@@ -55,38 +57,28 @@ def interleaved_1f1b(
     P, v = _layout(num_stages, num_ranks, virtual_stages)
     M = num_microbatches
     rounds = max(1, M // P)
-    if M % rounds != 0:
-        candidates = [m for m in range(max(1, M - P), M + P + 1) if m % max(1, m // P) == 0]
-        raise ValueError(
-            f"interleaved-1f1b: num_microbatches={M} is not a multiple of the number of rounds "
-            f"max(1, M // P)={rounds} (P={P} ranks); use for example one of {candidates}"
-        )
-    group = M // rounds
+    q, rem = divmod(M, rounds)
+    sizes = [q + 1] * rem + [q] * (rounds - rem)
+    forward_order: list[tuple[int, int]] = []  # (local stage, microbatch) in a rank's forward order
+    backward_order: list[tuple[int, int]] = []
+    first = 0
+    for size in sizes:
+        for local in range(v):
+            forward_order += [(local, m) for m in range(first, first + size)]
+        for local in reversed(range(v)):
+            backward_order += [(local, m) for m in range(first, first + size)]
+        first += size
     total = v * M
     actions: dict[int, list[Action]] = {}
     for rank in range(P):
-        warmup = min((v - 1) * group + 2 * (P - 1 - rank), total)
-        fwd_mb = [0] * v
-        bwd_mb = [0] * v
-        ops: list[Action] = []
-
-        def forward(k: int, rank: int = rank, fwd_mb: list[int] = fwd_mb, ops: list[Action] = ops) -> None:
-            local = (k // group) % v
-            ops.append(Action(local * P + rank, F, fwd_mb[local]))
-            fwd_mb[local] += 1
-
-        def backward(k: int, rank: int = rank, bwd_mb: list[int] = bwd_mb, ops: list[Action] = ops) -> None:
-            local = v - 1 - (k // group) % v
-            ops.append(Action(local * P + rank, B, bwd_mb[local]))
-            bwd_mb[local] += 1
-
-        for k in range(warmup):
-            forward(k)
+        warmup = min((v - 1) * sizes[0] + 2 * (P - 1 - rank), total)
+        ops = [Action(local * P + rank, F, m) for local, m in forward_order[:warmup]]
         for k in range(total - warmup):
-            forward(warmup + k)
-            backward(k)
-        for k in range(total - warmup, total):
-            backward(k)
+            local, m = forward_order[warmup + k]
+            ops.append(Action(local * P + rank, F, m))
+            local, m = backward_order[k]
+            ops.append(Action(local * P + rank, B, m))
+        ops += [Action(local * P + rank, B, m) for local, m in backward_order[total - warmup :]]
         actions[rank] = ops
     stage_to_rank = tuple(s % P for s in range(num_stages))
     return Schedule(
