@@ -202,7 +202,6 @@ class ParallelLayout:
         dp, tp, pp = resolve_degrees(world_size, dp, tp, pp)
         rank = dist.get_rank()
         dev = _resolve_device(device)
-        backend = dist.get_backend()
         grid = torch.arange(world_size, dtype=torch.int).reshape(pp, dp, tp)
         mine = coords_of(rank, dp=dp, tp=tp)
         # Every rank creates every group in the same order (new_group is collective).
@@ -211,7 +210,8 @@ class ParallelLayout:
             moved = grid.movedim(axis_index, -1).reshape(-1, grid.shape[axis_index])
             for ranks_t in moved:
                 ranks = [int(r) for r in ranks_t]
-                group = _compat.new_group(ranks, timeout, backend)
+                # backend=None: the default group's backend configuration (e.g. cpu:gloo,cuda:nccl).
+                group = _compat.new_group(ranks, timeout, None)
                 if rank in ranks:
                     groups[axis] = group
         mesh = DeviceMesh.from_group(
