@@ -149,7 +149,7 @@ class DataParallelGradSync:
         """How many buckets the last armed backward launched from its hooks (before ``finish``)."""
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params]
         logger.debug(
-            "DP grad sync over %d ranks: %d params in %d buckets of <= %d bytes",
+            "DP grad sync over %d ranks: %d params in %d buckets (closed at >= %d bytes)",
             self.world_size, len(self._params), len(self.buckets), bucket_size_bytes,
         )
 
