@@ -176,14 +176,15 @@ def loss_body(tp: int, smoothing: float, reduction: str) -> bool:
 # --------------------------------------------------------------------------- parallelize
 
 
-def parallelize_body(name: str, tp: int, chunks: int, sp: bool, vocab_loss: bool, train: bool = True) -> str:
+def parallelize_body(name: str, tp: int, chunks: int, sp: bool, vocab_loss: bool, train: bool = True,
+                     batch: int = 4) -> dict[str, bool | None]:
     group = tp_group(tp)
     torch.manual_seed(0)
     ref = BUILDERS[name]().double()
     model = copy.deepcopy(ref)
     spec = REFERENCE_MODELS[name]
-    inputs = spec.make_inputs(4, 8, 11)
-    labels = spec.make_labels(4, 8, 11)
+    inputs = spec.make_inputs(batch, 8, 11)
+    labels = spec.make_labels(batch, 8, 11)
     labels[0, :3] = -100
     ref.train(train)
     model.train(train)

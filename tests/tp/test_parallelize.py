@@ -33,6 +33,13 @@ def test_parallelize_sequence_parallel(name: str, tp: int, chunks: int) -> None:
     run_on_ranks(tp, B.parallelize_body, name, tp, chunks, True, chunks == 2)
 
 
+@pytest.mark.parametrize("name", ["llama", "bert"])
+def test_parallelize_uneven_chunks(name: str) -> None:
+    """A batch of 5 in 4 chunks (sizes 2, 2, 1): the attention mask is split like the input."""
+    regions = run_on_ranks(2, B.parallelize_body, name, 2, 4, False, False, True, 5)[0]
+    assert regions and all(regions.values()), regions
+
+
 def test_parallelize_on_a_subgroup() -> None:
     run_on_ranks(4, B.parallelize_body, "llama", 2, 2, False, False)
 

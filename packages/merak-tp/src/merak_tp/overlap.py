@@ -149,8 +149,9 @@ class TPRegion(nn.Module):
         batch = args[0].size(0)
         pieces = _RegionSplit.apply(args[0], st, k)
         k = len(pieces)
-        rest = [_split_like(a, batch, k) for a in args[1:]]
-        kw = {n: _split_like(v, batch, k) for n, v in kwargs.items()}
+        sizes = [p.size(0) for p in pieces]
+        rest = [_split_like(a, batch, sizes) for a in args[1:]]
+        kw = {n: _split_like(v, batch, sizes) for n, v in kwargs.items()}
         outs = []
         st.pending_fwd = []
         try:
@@ -187,14 +188,14 @@ def _chunkable(args: tuple[Any, ...], kwargs: dict[str, Any], chunks: int) -> bo
     return True
 
 
-def _split_like(value: Any, batch: int, k: int) -> list[Any]:
-    """Split a batch-major tensor (3+ dims, leading size ``batch``) into k; repeat anything else."""
+def _split_like(value: Any, batch: int, sizes: list[int]) -> list[Any]:
+    """Split a batch-major tensor (3+ dims, leading size ``batch``) like the first input; repeat the rest."""
     if isinstance(value, torch.Tensor) and value.dim() >= 3 and value.size(0) == batch:
-        return list(value.chunk(k, dim=0))
+        return list(value.split(sizes, dim=0))
     if isinstance(value, tuple) and value and all(isinstance(v, torch.Tensor) for v in value):
-        parts = [_split_like(v, batch, k) for v in value]
-        return [tuple(p[j] for p in parts) for j in range(k)]
-    return [value] * k
+        parts = [_split_like(v, batch, sizes) for v in value]
+        return [tuple(p[j] for p in parts) for j in range(len(sizes))]
+    return [value] * len(sizes)
 
 
 def _cat_outputs(outs: list[Any]) -> Any:
