@@ -162,3 +162,51 @@ def test_lower_and_strip_are_inverse() -> None:
     n_cross = sum(1 for st in range(5) if s.stage_to_rank[st] != s.stage_to_rank[st + 1])
     n_comm = sum(1 for _, a in lowered if a.kind.is_comm)
     assert n_comm == 4 * n_cross * s.num_microbatches
+
+
+def test_channel_order_is_checked_on_request() -> None:
+    good = lower(build_schedule("1f1b", num_stages=2, num_microbatches=3))
+    validate(good, channel_order=True)
+    actions = {r: list(a) for r, a in good.actions.items()}
+    # Post the receive of microbatch 1 before that of microbatch 0: fine with tags, wrong for NCCL.
+    r0, r1 = actions[1].index(Action(1, ActionKind.RECV_F, 0)), actions[1].index(Action(1, ActionKind.RECV_F, 1))
+    actions[1][r0], actions[1][r1] = actions[1][r1], actions[1][r0]
+    actions[1].remove(Action(1, ActionKind.RECV_F, 0))
+    actions[1].insert(0, Action(1, ActionKind.RECV_F, 0))
+    actions[1].remove(Action(1, ActionKind.RECV_F, 1))
+    actions[1].insert(0, Action(1, ActionKind.RECV_F, 1))
+    swapped = dataclasses.replace(good, actions=actions)
+    validate(swapped)
+    with pytest.raises(ScheduleError, match="receive #0 on channel rank 0 -> rank 1, but send #0 on that channel is 0SEND_F0") as err:
+        validate(swapped, channel_order=True)
+    assert ">>1RECV_F1<<" in _marked(err)
+
+
+def _naive_lower(schedule: Schedule) -> Schedule:
+    """Each receive right before its consumer (no channel ordering)."""
+    lowered = lower(schedule)
+    actions: dict[int, list[Action]] = {}
+    for rank, acts in lowered.actions.items():
+        compute_and_sends = [a for a in acts if a.kind not in (ActionKind.RECV_F, ActionKind.RECV_B)]
+        out: list[Action] = []
+        for a in compute_and_sends:
+            if a.kind is ActionKind.FORWARD and a.stage > 0 and schedule.rank_of(a.stage - 1) != rank:
+                out.append(Action(a.stage, ActionKind.RECV_F, a.microbatch))
+            if a.kind is ActionKind.FULL_BACKWARD and a.stage < schedule.num_stages - 1 \
+                    and schedule.rank_of(a.stage + 1) != rank:
+                out.append(Action(a.stage, ActionKind.RECV_B, a.microbatch))
+            out.append(a)
+        actions[rank] = out
+    return dataclasses.replace(lowered, actions=actions)
+
+
+def test_lowering_posts_receives_in_channel_order_for_interleaved_schedules() -> None:
+    """Uneven rounds consume messages out of send order; lowering posts the earlier ones first."""
+    s = build_schedule("interleaved-1f1b", num_stages=4, num_microbatches=5, num_ranks=2)
+    naive = _naive_lower(s)
+    validate(naive)  # fine with tagged messages
+    with pytest.raises(ScheduleError, match="receives must follow the senders' order"):
+        validate(naive, channel_order=True)
+    lowered = lower(s)
+    validate(lowered, channel_order=True)
+    assert strip_comms(lowered).actions == s.actions

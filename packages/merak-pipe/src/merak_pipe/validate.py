@@ -7,7 +7,8 @@ and the bad step marked:
 2. send/recv actions appear only in lowered schedules;
 3. every (stage, microbatch) has exactly one F and either one B, or one I and one W; at most
    one R, and only on a stage whose recompute fraction is > 0;
-4. a lowered schedule has exactly one SEND and one RECV for each cross-rank edge and none else;
+4. a lowered schedule has exactly one SEND and one RECV for each cross-rank edge and none else
+   (and, with ``channel_order=True``, posts receives in the senders' order on each channel);
 5. executed in order (sends and receives posted asynchronously, a compute action waiting for
    its received data: [Note: p2p semantics] in ``_engine.py``), every action runs: dependencies hold (F before R before B/I before W, a
    stage's F after the previous stage's F, a B/I after the next stage's B/I) and nothing deadlocks.
@@ -165,9 +166,54 @@ def _check_comms(schedule: Schedule, counts: bytearray, kind_offset: dict[Action
                 )
 
 
-def validate(schedule: Schedule) -> Schedule:
-    """Check ``schedule`` (compute-only or lowered); return it unchanged or raise ScheduleError."""
+def _check_channel_order(schedule: Schedule) -> None:
+    """Receives on each channel are posted in the order the sends are issued ([Note: channel order])."""
+    rank_of = schedule.stage_to_rank
+    sends: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
+    sent_by: dict[tuple[str, int, int], Action] = {}
+    for rank in range(schedule.num_ranks):
+        for a in schedule.actions[rank]:
+            if a.kind is ActionKind.SEND_F:
+                msg = ("F", a.stage, a.microbatch)
+                sends.setdefault((rank, rank_of[a.stage + 1]), []).append(msg)
+                sent_by[msg] = a
+            elif a.kind is ActionKind.SEND_B:
+                msg = ("B", a.stage, a.microbatch)
+                sends.setdefault((rank, rank_of[a.stage - 1]), []).append(msg)
+                sent_by[msg] = a
+    for rank in range(schedule.num_ranks):
+        index: dict[tuple[int, int], int] = {}
+        for step, a in enumerate(schedule.actions[rank]):
+            if a.kind is ActionKind.RECV_F:
+                msg, src = ("F", a.stage - 1, a.microbatch), rank_of[a.stage - 1]
+            elif a.kind is ActionKind.RECV_B:
+                msg, src = ("B", a.stage + 1, a.microbatch), rank_of[a.stage + 1]
+            else:
+                continue
+            key = (src, rank)
+            i = index.get(key, 0)
+            expected = sends.get(key, [])[i] if i < len(sends.get(key, [])) else None
+            if msg != expected:
+                raise _fail(
+                    schedule,
+                    f"{a} is receive #{i} on channel rank {src} -> rank {rank}, but send #{i} on that channel is "
+                    f"{sent_by[expected] if expected else 'missing'}; receives must follow the senders' order on "
+                    "backends that match in issue order (NCCL); merak_pipe.lower() orders them so",
+                    rank,
+                    step,
+                )
+            index[key] = i + 1
+
+
+def validate(schedule: Schedule, *, channel_order: bool = False) -> Schedule:
+    """Check ``schedule`` (compute-only or lowered); return it unchanged or raise ScheduleError.
+
+    With ``channel_order=True`` a lowered schedule must also post its receives on each channel
+    (ordered pair of ranks) in the order the peer sends them, as NCCL requires.
+    """
     _check_structure(schedule)
+    if channel_order and schedule.lowered:
+        _check_channel_order(schedule)
     _order, blocked, keys, _deps, _prod = execute(schedule)
     if blocked:
         locations: dict[Action, tuple[int, int]] = {}
