@@ -101,7 +101,7 @@ def sweep() -> None:
     for name in ("gpipe", "1f1b", "zb-h1", "shifted-critical-path"):
         for S in range(1, 17):
             for M in range(1, 65):
-                validate(lower(build_schedule(name, num_stages=S, num_microbatches=M)))
+                validate(lower(build_schedule(name, num_stages=S, num_microbatches=M)), channel_order=True)
                 checked += 1
     for v in range(1, 5):
         for P in range(1, 17):
@@ -111,7 +111,7 @@ def sweep() -> None:
                 except ValueError:
                     refused += 1  # M not a multiple of the number of rounds: a clear error
                     continue
-                validate(lower(schedule))
+                validate(lower(schedule), channel_order=True)
                 checked += 1
     print(f"\nsweep: {checked} schedules valid (compute-only and lowered), {refused} interleaved sizes refused "
           f"with a ValueError, {time.perf_counter() - t0:.0f} s")
