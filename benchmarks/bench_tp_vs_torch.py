@@ -121,23 +121,20 @@ def megatron(kind: str, ref: nn.Module, rank: int, world: int) -> nn.Module:
             self.inner = m
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return _Reduce.apply(_row_free(self.inner, kind, _Copy.apply(x)))
+            # Entry: all-reduce of the input gradient; exit: all-reduce of the row layer's partial output.
+            return _Reduce.apply(self.inner(_Copy.apply(x)))
 
     return Wrapped()
-
-
-def _row_free(m: nn.Module, kind: str, x: torch.Tensor) -> torch.Tensor:
-    # The block's forward with the row layer's all-reduce taken out (it is applied by the caller).
-    return m(x)
 
 
 # --------------------------------------------------------------------------- builders
 
 
 def build_modes(kind: str, hidden: int, chunks: int = 1) -> dict[str, nn.Module]:
-    import merak_tp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    import merak_tp
 
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
