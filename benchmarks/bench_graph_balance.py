@@ -5,7 +5,9 @@ Llama-2-7B shapes (32 layers, hidden 4096, vocab 32000, sequence 4096), at 4 and
 8 stages, prints the slowest-stage / mean-stage ratio of estimated
 forward+backward time for:
 
-- ``cost``: merak_graph.partition(method="cost"), the exact optimum of its shard chain;
+- ``cost``: merak_graph's method="cost", the exact optimum of its shard chain, with the
+  natural shards only (one per smallest-boundary position) and with partition()'s default
+  (natural shards, refined to 24 per stage when their optimum is > 5% above the bound);
 - ``bound``: the lower bound max(1, largest indivisible shard / mean);
 - ``even layers``: the same number of layers per stage (embedding on the first, head on the last);
 - ``size split``: torch.distributed.pipelining / PiPPy's ``split_into_equal_size`` policy (cut
@@ -30,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from merak_graph import annotate_costs, empty_init, partition_sharded, shard, trace  # noqa: E402
+from merak_graph import annotate_costs, empty_init, partition_sharded, partition_traced, shard, trace  # noqa: E402
 from tests.support.models import GPT, DecoderConfig, Llama  # noqa: E402
 
 MODELS = {
@@ -71,16 +73,26 @@ def _even_layers(gm: torch.fx.GraphModule, num_layers: int, num_stages: int) -> 
 
 
 def _size_split(gm: torch.fx.GraphModule, num_stages: int) -> list[float]:
-    """PiPPy's split_into_equal_size: cut after the node where accumulated parameter bytes reach total/S."""
+    """PiPPy's split_into_equal_size: cut after the node where accumulated parameter bytes reach total/S.
+
+    A parameter read through a get_attr node (export graphs) counts at its first compute user, as it
+    would for the call_module node of an fx graph.
+    """
     nodes = [n for n in gm.graph.nodes if "merak_cost" in n.meta and n.op not in ("placeholder", "output")]
-    total = sum(n.meta["merak_cost"].param_bytes for n in nodes)
-    threshold = total / num_stages
+    body = [n for n in nodes if n.op != "get_attr"]
+    order = {n: i for i, n in enumerate(body)}
+    size = {n: float(n.meta["merak_cost"].param_bytes) for n in body}
+    for n in nodes:
+        if n.op == "get_attr" and n.users:
+            first = min((u for u in n.users if u in order), key=order.__getitem__, default=None)
+            if first is not None:
+                size[first] += n.meta["merak_cost"].param_bytes
+    threshold = sum(size.values()) / num_stages
     costs = [0.0] * num_stages
     stage, acc = 0, 0.0
-    for n in nodes:
-        c = n.meta["merak_cost"]
-        costs[stage] += c.time_s
-        acc += c.param_bytes
+    for n in body:
+        costs[stage] += n.meta["merak_cost"].time_s
+        acc += size[n]
         if acc >= threshold and stage < num_stages - 1:
             stage, acc = stage + 1, 0.0
     return costs
@@ -89,6 +101,7 @@ def _size_split(gm: torch.fx.GraphModule, num_stages: int) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="GPT-2 shapes only")
+    parser.add_argument("--tracer", default="export", choices=["export", "fx"], help="tracer (default export)")
     args = parser.parse_args()
     names = ["gpt2-small-24L"] if args.quick else list(MODELS)
     rows = []
@@ -98,22 +111,28 @@ def main() -> None:
         with empty_init():
             model = cls(cfg)
         inputs = (torch.zeros(1, seq, dtype=torch.long, device="meta"),)
-        gm = trace(model, example_inputs=inputs, method="fx")
+        gm = trace(model, example_inputs=inputs, method=args.tracer)
         annotate_costs(gm, inputs)
         prep = time.perf_counter() - t0
-        for num_stages, per_stage in ((4, 8), (4, 16), (8, 8), (8, 16)):
+        for num_stages, per_stage in ((4, 0), (4, None), (8, 0), (8, None)):
             t1 = time.perf_counter()
-            sharded = shard(gm, per_stage * num_stages, model=model)
-            part = partition_sharded(sharded, num_stages, method="cost", model=model)
+            if per_stage == 0:  # natural cuts only
+                part = partition_sharded(shard(gm, model=model), num_stages, model=model)
+            elif per_stage is None:  # the default of merak_graph.partition (natural cuts, refined if coarse)
+                part = partition_traced(gm, num_stages, model=model, method="cost")
+            else:
+                part = partition_sharded(shard(gm, per_stage * num_stages, model=model), num_stages, model=model)
+            sharded = part.sharded
             elapsed = time.perf_counter() - t1
             costs = part.stage_costs
             mean = sum(costs) / len(costs)
             bound = max(1.0, max(s.time_s for s in sharded.shards) / mean)
-            boundary = max(sum(b.nbytes for b in s.outputs) for s in sharded.shards[:-1]) / 2**20
-            rows.append((name, num_stages, len(sharded.shards), boundary, _ratio(costs), bound,
+            boundary = max(sum(b.nbytes for b in cut) for cut in part.boundaries) / 2**20
+            label = {0: "natural", None: "default"}.get(per_stage, str(per_stage))
+            rows.append((f"{name} ({label})", num_stages, len(sharded.shards), boundary, _ratio(costs), bound,
                          _ratio(_even_layers(gm, cfg.num_layers, num_stages)),
                          _ratio(_size_split(gm, num_stages)), prep + elapsed))
-    print("| model | stages | shards | max boundary MiB | cost (ours) | lower bound | cost/bound | even layers | "
+    print("| model | stages | shards | max stage boundary MiB | cost (ours) | lower bound | cost/bound | even layers | "
           "size split (PiPPy) | seconds |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name, s, k, mib, ours, bound, even, size, secs in rows:

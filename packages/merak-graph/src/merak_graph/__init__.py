@@ -10,7 +10,14 @@ shards at small boundaries and assigns contiguous shards to stages;
 from .costs import CostModel, NodeCost, ValueSpec, annotate_costs, graph_cost_summary
 from .empty import empty_init, is_meta_module, materialize
 from .errors import InputMismatchError, PartitionError, TraceError
-from .partitioning import Partition, SharedParameter, StageInfo, partition, partition_sharded
+from .partitioning import (
+    Partition,
+    SharedParameter,
+    StageInfo,
+    partition,
+    partition_sharded,
+    partition_traced,
+)
 from .sharding import BoundaryValue, Shard, ShardedGraph, natural_shard_count, shard
 from .solver import optimal_contiguous_partition, uniform_partition
 from .stage import StageModule
@@ -42,6 +49,7 @@ __all__ = [
     "optimal_contiguous_partition",
     "partition",
     "partition_sharded",
+    "partition_traced",
     "shard",
     "trace",
     "uniform_partition",

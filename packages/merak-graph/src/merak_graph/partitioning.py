@@ -38,7 +38,7 @@ from .solver import (
 from .stage import StageModule, retarget_devices
 from .tracing import LeafSpec, normalize_inputs, trace
 
-__all__ = ["Partition", "SharedParameter", "StageInfo", "partition", "partition_sharded"]
+__all__ = ["Partition", "SharedParameter", "StageInfo", "partition", "partition_sharded", "partition_traced"]
 
 logger = logging.getLogger(__name__)
 
@@ -433,7 +433,9 @@ def partition(
     ``"uniform"``. ``memory_limit`` (bytes per stage) bounds ``param_bytes * param_memory_factor
     + activation_bytes * in_flight[i]``; ``in_flight="1f1b"`` counts ``S - i`` microbatches of
     activations on stage ``i``. ``num_shards`` defaults to one shard per natural cut (a position whose
-    boundary is the smallest around it, e.g. every residual-stream point), at least 2 per stage;
+    boundary is the smallest around it, e.g. every residual-stream point), at least 2 per stage; with
+    ``method="cost"``, when that chain's optimum is more than 5% above its lower bound, finer shards
+    (24 per stage) are tried and kept if they lower the slowest stage;
     ``split_points`` (module names) override the automatic cuts. Among assignments whose slowest
     stage is within ``balance_tolerance`` (relative) of the optimum, the one with the smallest
     stage-to-stage boundary is returned (0: only exact optima).
@@ -449,9 +451,50 @@ def partition(
     gm = trace(model, example_inputs=example_inputs, input_names=input_names, leaf_modules=leaf_modules,
                method=trace_method, static_kwargs=static_kwargs)
     annotate_costs(gm, values, cost_model=cost_model)
-    if num_shards is None and not split_points:
+    return partition_traced(gm, num_stages, model=model, num_shards=num_shards, split_points=split_points,
+                            method=method, memory_limit=memory_limit, param_memory_factor=param_memory_factor,
+                            in_flight=in_flight, balance_tolerance=balance_tolerance)
+
+
+def partition_traced(
+    gm: fx.GraphModule,
+    num_stages: int,
+    *,
+    model: nn.Module | None = None,
+    num_shards: int | None = None,
+    split_points: Sequence[str] | None = None,
+    method: str = "cost",
+    memory_limit: float | None = None,
+    param_memory_factor: float = 4.0,
+    in_flight: str | Sequence[float] | None = None,
+    balance_tolerance: float = 0.0,
+) -> Partition:
+    """Shard and partition a traced, cost-annotated graph (``partition`` without the tracing step)."""
+    auto = num_shards is None and not split_points
+    if auto:
         num_shards = max(natural_shard_count(gm), 2 * num_stages)
+    kwargs: dict[str, Any] = dict(method=method, memory_limit=memory_limit, param_memory_factor=param_memory_factor,
+                                  in_flight=in_flight, model=model, balance_tolerance=balance_tolerance)
     sharded = shard(gm, num_shards, split_points=split_points, model=model)
-    return partition_sharded(sharded, num_stages, method=method, memory_limit=memory_limit,
-                             param_memory_factor=param_memory_factor, in_flight=in_flight, model=model,
-                             balance_tolerance=balance_tolerance)
+    result = partition_sharded(sharded, num_stages, **kwargs)
+    if auto and method == "cost" and _imbalance(result) > _REFINE_ABOVE:
+        # Natural cuts are too coarse for this stage count: retry with finer shards, keep the better.
+        finer = partition_sharded(shard(gm, _FINE_SHARDS_PER_STAGE * num_stages, model=model), num_stages, **kwargs)
+        if max(finer.stage_costs) < max(result.stage_costs) * (1 - 1e-3):
+            logger.info("finer shards improve the slowest stage from %.4g to %.4g s",
+                        max(result.stage_costs), max(finer.stage_costs))
+            result = finer
+    return result
+
+
+_REFINE_ABOVE = 1.05  # slowest/mean above which the automatic shard count is refined
+_FINE_SHARDS_PER_STAGE = 24
+
+
+def _imbalance(part: Partition) -> float:
+    costs = part.stage_costs
+    mean = sum(costs) / len(costs)
+    if mean <= 0:
+        return 1.0
+    bound = max(1.0, max(s.time_s for s in part.shards) / mean)
+    return max(costs) / mean / bound
