@@ -166,3 +166,17 @@ def test_cost_model_checks_its_values() -> None:
         simulate(build_schedule("zb-h1", num_stages=2, num_microbatches=2), CostModel(backward=1.0, backward_input=2.0))
     assert in_flight_counts(build_schedule("1f1b", num_stages=3, num_microbatches=2)) == [2, 2, 1]
     assert math.isinf(CostModel().p2p_bandwidth)
+
+
+def test_simulate_refuses_invalid_schedules() -> None:
+    from merak_pipe import ScheduleError
+
+    s = build_schedule("gpipe", num_stages=2, num_microbatches=2)
+    for acts in s.actions.values():
+        acts.reverse()
+    with pytest.raises(ScheduleError, match="deadlocks or breaks a dependency"):
+        simulate(s)
+    s = build_schedule("1f1b", num_stages=2, num_microbatches=2)
+    s.actions[1].pop()
+    with pytest.raises(ScheduleError, match="has no 1B1"):
+        simulate(s)

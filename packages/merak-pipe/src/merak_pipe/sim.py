@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from merak_pipe._engine import _GRAD, _SENT_B, execute
 from merak_pipe.ir import Action, ActionKind, Schedule, ScheduleError
-from merak_pipe.validate import validate
+from merak_pipe.validate import _check_structure, validate
 
 __all__ = ["CostModel", "SimResult", "TimedAction", "simulate"]
 
@@ -164,7 +164,7 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, *, check: bool 
     """Simulate ``schedule`` (compute-only or lowered) under ``costs``."""
     costs = costs or CostModel()
     if check:
-        validate(schedule)
+        _check_structure(schedule)  # the deadlock check is the execution below
     S = schedule.num_stages
     fwd = _per_stage("forward", costs.forward, S)
     bwd = _per_stage("backward", costs.backward, S)
@@ -189,7 +189,7 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, *, check: bool 
 
     order, blocked, keys, deps, produces = execute(schedule)
     if blocked:
-        validate(schedule)  # raises with the table
+        validate(schedule)  # raises with the table and the blocked steps
         raise ScheduleError(f"schedule {schedule.name!r} deadlocks")  # pragma: no cover
     M = schedule.num_microbatches
     SM = S * M
