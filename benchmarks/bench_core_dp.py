@@ -11,7 +11,7 @@ DP gradient average. Modes:
 - ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` (``no_sync`` for all but the last microbatch).
 
 Reported: median step time (rank 0, after a barrier per step; the modes take turns step by
-step, so load changes on a shared machine hit them alike) and the ratio to DDP measured in the
+step in a rotating order, so load changes on a shared machine hit them alike) and the ratio to DDP measured in the
 same run; also the largest gradient difference between merak's
 overlapped sync and DDP (a sanity check, not a test).
 
@@ -72,7 +72,7 @@ def _worker(rank: int, world: int, store_path: str, cfg: dict[str, Any], queue: 
             syncs[mode] = DataParallelGradSync(models[mode], None, bucket_size_bytes=bucket_bytes)
     times: dict[str, list[float]] = {mode: [] for mode in MODES}
     for step in range(cfg["warmup"] + cfg["steps"]):
-        for mode in MODES:
+        for mode in MODES[step % len(MODES):] + MODES[:step % len(MODES)]:  # rotate: no position bias
             model, runner, sync = models[mode], runners[mode], syncs.get(mode)
             model.zero_grad(set_to_none=True)
             dist.barrier()
@@ -129,12 +129,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small model, few steps, 2 ranks only")
     parser.add_argument("--worlds", default=None, help="comma-separated world sizes (default 2,4; quick: 2)")
+    parser.add_argument("--steps", type=int, default=None, help="measured steps per mode (default 30; quick: 5)")
     args = parser.parse_args(argv)
     cfg = (
         dict(width=256, depth=4, batch=16, num_microbatches=2, bucket_mb=0.25, warmup=2, steps=5)
         if args.quick else
-        dict(width=512, depth=8, batch=32, num_microbatches=2, bucket_mb=1.0, warmup=3, steps=15)
+        dict(width=512, depth=8, batch=32, num_microbatches=2, bucket_mb=1.0, warmup=3, steps=30)
     )
+    if args.steps is not None:
+        cfg["steps"] = args.steps
     worlds = [int(w) for w in (args.worlds or ("2" if args.quick else "2,4")).split(",")]
     print(f"torch {torch.__version__}, gloo, {os.cpu_count()} CPUs, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}")
     print(f"model: {cfg['depth']} x (Linear {cfg['width']} + GELU + LayerNorm), batch {cfg['batch']} per microbatch, "
