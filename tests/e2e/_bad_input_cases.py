@@ -656,7 +656,7 @@ def trainer_memory_budget_nothing_fits(ctx: CaseContext) -> None:
 # ----------------------------------------------------------------------------- checkpoints (on ranks)
 #
 # [Note: checkpoint rows] Each row first trains a tiny classifier for one step with dp=2 and
-# save_steps=1 (output_dir shared by the ranks), so ``checkpoints/step_1`` is a real committed
+# save_steps=1 (``ctx.tmp`` is the same directory on every rank), so ``checkpoints/step_1`` is a real committed
 # checkpoint; then it makes the mistake and checks, whatever happens, that no byte and no
 # modification time under ``checkpoints/`` changed (nothing overwritten) and, for resumes, that
 # the trainer's parameters are untouched.
@@ -686,14 +686,6 @@ def _ckpt_trainer(output_dir: str, *, hidden: int = 8, batch: int = 2, layout: A
     return Trainer(model, args, _Pairs(), layout=layout)
 
 
-def _shared_dir(ctx: CaseContext) -> Path:
-    import torch.distributed as dist
-
-    box = [str(ctx.tmp)]
-    dist.broadcast_object_list(box, src=0)
-    return Path(box[0])
-
-
 def _snapshot(root: Path) -> dict[str, tuple[int, bytes]]:
     import hashlib
 
@@ -705,7 +697,7 @@ def _saved_run(ctx: CaseContext) -> tuple[Path, Any]:
     """(output_dir shared by the ranks, the trainer) after one step and one committed checkpoint."""
     import torch.distributed as dist
 
-    out = _shared_dir(ctx)
+    out = ctx.tmp
     trainer = _ckpt_trainer(str(out))
     trainer.train()
     assert (out / "checkpoints" / "step_1").is_dir()
@@ -778,7 +770,7 @@ def ckpt_resume_corrupt_meta_file(ctx: CaseContext) -> None:
 
 
 def ckpt_resume_latest_without_checkpoint(ctx: CaseContext) -> None:
-    trainer = _ckpt_trainer(str(_shared_dir(ctx)))
+    trainer = _ckpt_trainer(str(ctx.tmp))
     with ctx.guard():
         trainer.resume("latest")
 

@@ -69,7 +69,7 @@ def no_collectives(allow: tuple[str, ...] = ()) -> Iterator[None]:
 
 @dataclass
 class CaseContext:
-    """What a case function gets: a scratch directory and the guard."""
+    """What a case function gets: a scratch directory (the same one on every rank) and the guard."""
 
     tmp: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="merak-bad-input-")))
 
@@ -82,11 +82,11 @@ Outcome = tuple[str, str, str] | None
 """``(exception module, qualname, message)`` or None when nothing was raised."""
 
 
-def run_case_on_rank(module_name: str, fn_name: str) -> Outcome:
-    """Worker body: run one case function; return its exception as plain data."""
+def run_case_on_rank(module_name: str, fn_name: str, tmp: str) -> Outcome:
+    """Worker body: run one case function with scratch directory ``tmp``; return its exception as plain data."""
     fn = getattr(importlib.import_module(module_name), fn_name)
     try:
-        fn(CaseContext())
+        fn(CaseContext(Path(tmp)))
     except BaseException as exc:  # noqa: BLE001 - every outcome is reported to the test process
         return type(exc).__module__, type(exc).__qualname__, str(exc)
     return None

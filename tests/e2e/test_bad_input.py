@@ -24,6 +24,7 @@ import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -109,8 +110,8 @@ ROWS = [
     _row(cases.trainer_unknown_tp_plan, ValueError, _all("unknown TP plan 'gtp'", "registered plans"), ranks=2),
     _row(cases.args_unknown_tp_plan_name, ValueError, _all("tp_plan='gtp'", "'gpt'"),
          patch="02_config_cross_checks.diff"),
-    _row(cases.args_unknown_tp_style, ValueError, _all("'colum'", "'column'"),
-         patch="02_config_cross_checks.diff"),
+    _row(cases.args_unknown_tp_style, ValueError, _all("tp_plan=", "'colum'", "styles from", "'column'"),
+         patch="07_config_tp_plan_styles.diff"),
     _row(cases.args_overlap_chunks_zero, ValueError, _all("overlap_chunks=0", "an integer >= 1", "set overlap_chunks")),
     _row(cases.tp_overlap_chunks_zero, ValueError, _all("overlap_chunks=0", "an integer >= 1", "1 = no overlap"),
          ranks=2),
@@ -207,9 +208,9 @@ ROWS = [
 
 
 @pytest.mark.parametrize("row", ROWS)
-def test_bad_input_raises_one_clear_error_early(row: Row) -> None:
+def test_bad_input_raises_one_clear_error_early(row: Row, tmp_path: Path) -> None:
     if row.ranks:
-        outcomes = run_on_ranks(row.ranks, run_case_on_rank, cases.__name__, row.fn.__name__,
+        outcomes = run_on_ranks(row.ranks, run_case_on_rank, cases.__name__, row.fn.__name__, str(tmp_path),
                                 timeout_s=RANK_TIMEOUT_S)
         with pytest.raises(row.exc, match=row.match):
             reraise_agreed(outcomes)
@@ -219,7 +220,7 @@ def test_bad_input_raises_one_clear_error_early(row: Row) -> None:
         env = {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR")}
         try:
             with pytest.raises(row.exc, match=row.match):
-                row.fn(CaseContext())
+                row.fn(CaseContext(tmp_path))
         finally:
             for key, value in env.items():
                 if value is None:
