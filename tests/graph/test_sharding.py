@@ -98,3 +98,33 @@ def test_shard_costs_add_up() -> None:
     assert sum(s.param_bytes for s in sg.shards) == sum(p.numel() * 8 for p in model.parameters()) + sum(
         b.numel() * b.element_size() for b in model.buffers()
     )
+
+
+def test_profiled_costs_replace_estimates_and_drive_partition() -> None:
+    from merak_graph import empty_init, partition_sharded, profile_shards
+    from tests.support.models import GPT
+
+    with empty_init():
+        meta = GPT()
+    x = REFERENCE_MODELS["gpt"].make_inputs(2, 8, 0)
+    gm = trace(meta, example_inputs=tuple(t.to("meta") for t in x), method="export")
+    annotate_costs(gm, tuple(t.to("meta") for t in x))
+    sg = shard(gm, model=meta)
+    estimated = [s.time_s for s in sg.shards]
+    measured = profile_shards(sg, x, device="cpu", repeats=2)
+    assert len(measured) == len(sg.shards) and all(t > 0 for t in measured)
+    assert [s.time_s for s in sg.shards] == measured != estimated
+    part = partition_sharded(sg, 3, model=meta)
+    assert abs(sum(part.stage_costs) - sum(measured)) < 1e-12
+    assert all(p.is_meta for p in meta.parameters()), "profiling never materialises the model"
+
+
+def test_partition_with_profiling_device() -> None:
+    from merak_graph import partition
+
+    model = build_reference("llama")
+    spec = REFERENCE_MODELS["llama"]
+    x = spec.make_inputs(2, 8, 0)
+    part = partition(model, 2, example_inputs=x, input_names=spec.input_names, profile_device="cpu")
+    assert all(s.time_s > 0 for s in part.shards)
+    assert_tensors_close(part.run(*x), model(*x), name="output")

@@ -18,6 +18,7 @@ from .partitioning import (
     partition_sharded,
     partition_traced,
 )
+from .profiling import profile_shards
 from .sharding import BoundaryValue, Shard, ShardedGraph, natural_shard_count, shard
 from .solver import optimal_contiguous_partition, uniform_partition
 from .stage import StageModule
@@ -50,6 +51,7 @@ __all__ = [
     "partition",
     "partition_sharded",
     "partition_traced",
+    "profile_shards",
     "shard",
     "trace",
     "uniform_partition",

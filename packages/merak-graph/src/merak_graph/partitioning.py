@@ -28,6 +28,7 @@ from torch import nn
 from .costs import CostModel, annotate_costs
 from .empty import _copy_stash, is_meta_module, materialize
 from .errors import InputMismatchError, PartitionError
+from .profiling import profile_shards
 from .sharding import BoundaryValue, Shard, ShardedGraph, natural_shard_count, shard
 from .solver import (
     optimal_contiguous_partition,
@@ -424,6 +425,7 @@ def partition(
     param_memory_factor: float = 4.0,
     in_flight: str | Sequence[float] | None = None,
     balance_tolerance: float = 0.0,
+    profile_device: torch.device | str | None = None,
 ) -> Partition:
     """Trace, cost-annotate, shard and partition ``model`` into ``num_stages`` pipeline stages.
 
@@ -438,7 +440,8 @@ def partition(
     (24 per stage) are tried and kept if they lower the slowest stage;
     ``split_points`` (module names) override the automatic cuts. Among assignments whose slowest
     stage is within ``balance_tolerance`` (relative) of the optimum, the one with the smallest
-    stage-to-stage boundary is returned (0: only exact optima).
+    stage-to-stage boundary is returned (0: only exact optima). With ``profile_device``, shard
+    costs are measured on that device (one shard materialised at a time) instead of estimated.
     """
     if method not in METHODS:
         raise ValueError(f"method={method!r} is not one of {METHODS}")
@@ -453,7 +456,20 @@ def partition(
     annotate_costs(gm, values, cost_model=cost_model)
     return partition_traced(gm, num_stages, model=model, num_shards=num_shards, split_points=split_points,
                             method=method, memory_limit=memory_limit, param_memory_factor=param_memory_factor,
-                            in_flight=in_flight, balance_tolerance=balance_tolerance)
+                            in_flight=in_flight, balance_tolerance=balance_tolerance,
+                            profile_device=profile_device, profile_inputs=_real_inputs(values, profile_device))
+
+
+def _real_inputs(values: Sequence[Any], device: torch.device | str | None) -> list[Any] | None:
+    """Example inputs usable for profiling: meta tensors become zeros (ints) or normal noise (floats)."""
+    if device is None:
+        return None
+    out: list[Any] = []
+    for v in values:
+        if isinstance(v, torch.Tensor) and v.is_meta:
+            v = torch.randn(v.shape, dtype=v.dtype) if v.is_floating_point() else torch.zeros(v.shape, dtype=v.dtype)
+        out.append(v)
+    return out
 
 
 def partition_traced(
@@ -468,18 +484,32 @@ def partition_traced(
     param_memory_factor: float = 4.0,
     in_flight: str | Sequence[float] | None = None,
     balance_tolerance: float = 0.0,
+    profile_device: torch.device | str | None = None,
+    profile_inputs: Sequence[Any] | None = None,
 ) -> Partition:
-    """Shard and partition a traced, cost-annotated graph (``partition`` without the tracing step)."""
+    """Shard and partition a traced, cost-annotated graph (``partition`` without the tracing step).
+
+    With ``profile_device``, shard costs are measured there (``profile_shards``) on
+    ``profile_inputs`` instead of estimated.
+    """
     auto = num_shards is None and not split_points
+
+    def make_shards(count: int | None) -> ShardedGraph:
+        sharded = shard(gm, count, split_points=split_points, model=model)
+        if profile_device is not None:
+            if profile_inputs is None:
+                raise ValueError("profile_device needs profile_inputs (real tensors)")
+            profile_shards(sharded, profile_inputs, device=profile_device)
+        return sharded
+
     if auto:
         num_shards = max(natural_shard_count(gm), 2 * num_stages)
     kwargs: dict[str, Any] = dict(method=method, memory_limit=memory_limit, param_memory_factor=param_memory_factor,
                                   in_flight=in_flight, model=model, balance_tolerance=balance_tolerance)
-    sharded = shard(gm, num_shards, split_points=split_points, model=model)
-    result = partition_sharded(sharded, num_stages, **kwargs)
+    result = partition_sharded(make_shards(num_shards), num_stages, **kwargs)
     if auto and method == "cost" and _imbalance(result) > _REFINE_ABOVE:
         # Natural cuts are too coarse for this stage count: retry with finer shards, keep the better.
-        finer = partition_sharded(shard(gm, _FINE_SHARDS_PER_STAGE * num_stages, model=model), num_stages, **kwargs)
+        finer = partition_sharded(make_shards(_FINE_SHARDS_PER_STAGE * num_stages), num_stages, **kwargs)
         if max(finer.stage_costs) < max(result.stage_costs) * (1 - 1e-3):
             logger.info("finer shards improve the slowest stage from %.4g to %.4g s",
                         max(result.stage_costs), max(finer.stage_costs))
