@@ -70,6 +70,21 @@ def part1(sizes: list[tuple[int, int]]) -> list[str]:
     return notes
 
 
+def ablation(sizes: list[tuple[int, int]]) -> None:
+    """What each of the three shifted-critical-path ideas buys, one added at a time."""
+    costs = CostModel(forward=1.0, backward=2.0, recompute=1.0, activation_bytes=1.0, input_bytes=1.0 / LAYERS)
+    print("\nShifted-critical-path ablation (makespan; F=1, B=2, R=1)")
+    print("| S | M | 1F1B full recompute | (a) last stage keeps activations | (a)+(b) R while waiting | (a)+(b)+(c) deeper warm-up |")
+    print("|---|---|---------------------|----------------------------------|-------------------------|----------------------------|")
+    for S, M in sizes:
+        full = simulate(build_schedule("1f1b", num_stages=S, num_microbatches=M, recompute="full"), costs).makespan
+        last_free = RecomputePlan((1.0,) * (S - 1) + (0.0,))
+        a = simulate(build_schedule("1f1b", num_stages=S, num_microbatches=M, recompute=last_free), costs).makespan
+        ab = simulate(build_schedule("shifted-critical-path", num_stages=S, num_microbatches=M, extra_warmup=0), costs).makespan
+        abc = simulate(build_schedule("shifted-critical-path", num_stages=S, num_microbatches=M), costs).makespan
+        print(f"| {S} | {M} | {full:g} | {a:g} | {ab:g} | {abc:g} |")
+
+
 def part2(repeats: int) -> None:
     print(f"\nSimulator speed: 1F1B, 64 stages x 1024 microbatches (best of {repeats})")
     best = [float("inf")] * 5
@@ -127,6 +142,7 @@ def main() -> None:
     print()
     for note in notes:
         print(note)
+    ablation(sizes)
     part2(1 if args.quick else 3)
     if args.sweep:
         sweep()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from merak_pipe._engine import paused_gc
 from merak_pipe.ir import Action, ActionKind, Schedule
 
 __all__ = ["lower", "strip_comms"]
@@ -47,6 +48,11 @@ def _consumed(a: Action, rank: int, rank_of: tuple[int, ...], last: int) -> _Mes
 
 def lower(schedule: Schedule) -> Schedule:
     """Return a copy of ``schedule`` with SEND/RECV actions and ``lowered=True``."""
+    with paused_gc():
+        return _lower(schedule)
+
+
+def _lower(schedule: Schedule) -> Schedule:
     if schedule.lowered:
         raise ValueError(f"schedule {schedule.name!r} is already lowered; lower() takes a compute-only schedule")
     rank_of = schedule.stage_to_rank

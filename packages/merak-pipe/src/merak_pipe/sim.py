@@ -24,7 +24,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from merak_pipe._engine import _GRAD, _SENT_B, execute
+from merak_pipe._engine import _GRAD, _SENT_B, execute, paused_gc
 from merak_pipe.ir import Action, ActionKind, Schedule, ScheduleError
 from merak_pipe.validate import _check_structure, validate
 
@@ -161,7 +161,16 @@ class SimResult:
 
 
 def simulate(schedule: Schedule, costs: CostModel | None = None, *, check: bool = True) -> SimResult:
-    """Simulate ``schedule`` (compute-only or lowered) under ``costs``."""
+    """Simulate ``schedule`` (compute-only or lowered) under ``costs``.
+
+    With ``check=True`` the schedule's structure is validated first and a deadlock raises
+    :class:`ScheduleError`; ``check=False`` skips the structural checks.
+    """
+    with paused_gc():
+        return _simulate(schedule, costs, check)
+
+
+def _simulate(schedule: Schedule, costs: CostModel | None, check: bool) -> SimResult:
     costs = costs or CostModel()
     if check:
         _check_structure(schedule)  # the deadlock check is the execution below

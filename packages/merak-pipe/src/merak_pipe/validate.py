@@ -18,7 +18,7 @@ It does not check costs or memory; that is the simulator's job.
 
 from __future__ import annotations
 
-from merak_pipe._engine import describe_event, execute
+from merak_pipe._engine import describe_event, execute, paused_gc
 from merak_pipe.ir import Action, ActionKind, Schedule, ScheduleError, format_table
 
 __all__ = ["validate"]
@@ -211,10 +211,11 @@ def validate(schedule: Schedule, *, channel_order: bool = False) -> Schedule:
     With ``channel_order=True`` a lowered schedule must also post its receives on each channel
     (ordered pair of ranks) in the order the peer sends them, as NCCL requires.
     """
-    _check_structure(schedule)
-    if channel_order and schedule.lowered:
-        _check_channel_order(schedule)
-    _order, blocked, keys, _deps, _prod = execute(schedule)
+    with paused_gc():
+        _check_structure(schedule)
+        if channel_order and schedule.lowered:
+            _check_channel_order(schedule)
+        _order, blocked, keys, _deps, _prod = execute(schedule)
     if blocked:
         locations: dict[Action, tuple[int, int]] = {}
         for rank in range(schedule.num_ranks):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from merak_pipe._engine import paused_gc
 from merak_pipe.ir import Schedule
 from merak_pipe.recompute import RecomputePlan, as_plan
 from merak_pipe.schedules.gpipe import gpipe
@@ -91,13 +92,14 @@ def build_schedule(
     if num_ranks is not None and (not isinstance(num_ranks, int) or num_ranks < 1):
         raise ValueError(f"num_ranks={num_ranks!r}; expected an int >= 1 or None")
     plan = as_plan(recompute, num_stages)
-    schedule = fn(
-        num_stages=num_stages,
-        num_microbatches=num_microbatches,
-        num_ranks=num_ranks,
-        recompute=plan,
-        **options,
-    )
+    with paused_gc():
+        schedule = fn(
+            num_stages=num_stages,
+            num_microbatches=num_microbatches,
+            num_ranks=num_ranks,
+            recompute=plan,
+            **options,
+        )
     if not isinstance(schedule, Schedule):
         raise TypeError(f"schedule generator {name!r} returned {type(schedule).__name__}, expected Schedule")
     if check:
