@@ -254,3 +254,34 @@ def test_deferred_params_are_reduced_from_their_final_gradient() -> None:
     # Without deferral the late change is lost: the test above can fail.
     grads, _ = run_on_ranks(2, _deferred, False)[0]
     assert not torch.allclose(grads["layers.0.weight"], expected["layers.0.weight"])
+
+
+def _manual_accumulation() -> tuple[dict[str, torch.Tensor], int]:
+    rank = dist.get_rank()
+    model = _Branchy()
+    sync = DataParallelGradSync(model, None, bucket_size_bytes=8)
+    sync.prepare_step(1)
+    params = list(model.parameters())
+    grads = torch.autograd.grad(model(_branchy_input(rank), [5, 4, 3, 2, 1, 0]), params, allow_unused=True)
+    used = []
+    for p, g in zip(params, grads, strict=True):
+        if g is not None:
+            p.grad = g if p.grad is None else p.grad + g
+            used.append(p)
+    sync.notify_grad_ready(used)  # no autograd hook fired: tell the sync by hand
+    early = sync.buckets_launched_in_backward
+    sync.finish()
+    sync.remove_hooks()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}, early
+
+
+def test_notify_grad_ready_for_hand_accumulated_grads() -> None:
+    per_rank = []
+    for rank in range(2):
+        model = _Branchy()
+        model(_branchy_input(rank), [5, 4, 3, 2, 1, 0]).backward()
+        per_rank.append({n: p.grad for n, p in model.named_parameters()})
+    expected = {n: (per_rank[0][n] + per_rank[1][n]) / 2 for n in per_rank[0]}
+    for grads, early in run_on_ranks(2, _manual_accumulation):
+        assert_grads_match(grads, expected)
+        assert early >= 1

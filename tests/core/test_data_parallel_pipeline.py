@@ -5,8 +5,9 @@ The recipe the trainer uses: ``sync.prepare_step(num_microbatches)`` before
 first and the last stage, summed over the stages by the runner at the end of its
 step) passed as ``deferred_params``. Every stage's gradients, by logical name, must
 equal the single-process gradient of the global batch, for schedules with a full
-backward (1F1B, GPipe) and with a split input/weight backward (ZB-H1); the hooks must
-have launched buckets during the step (overlap happened).
+backward (1F1B, GPipe; there the hooks must have launched buckets during the step) and
+with a split input/weight backward (ZB-H1, whose weight gradients may be accumulated by
+hand, so they may only be reduced by ``finish``).
 """
 
 from __future__ import annotations
@@ -128,7 +129,10 @@ def test_overlapped_dp_sync_inside_a_pipeline_step(schedule_name: str) -> None:
         for pp_rank, grads, early, num_buckets in results:
             if pp_rank == stage:
                 assert num_buckets >= 3
-                assert early >= 1, "no bucket was launched during the pipeline step"
+                if schedule_name != "zb-h1":
+                    # Full backwards run AccumulateGrad, so the hooks launch buckets during the step.
+                    # (A split weight backward may accumulate by hand: then finish() reduces them.)
+                    assert early >= 1, "no bucket was launched during the pipeline step"
                 got = grads
         assert_grads_match(got, {n: g for n, g in ref.items() if n in got})
     dist_names = {n for _, grads, _, _ in results for n in grads}

@@ -248,6 +248,19 @@ class DataParallelGradSync:
 
     # ------------------------------------------------------------------ hooks and comm
 
+    def notify_grad_ready(self, params: Iterable[torch.Tensor]) -> None:
+        """Count one accumulation for each of ``params``, as the post-accumulate-grad hook does.
+
+        For code that accumulates parameter gradients itself (``torch.autograd.grad`` then
+        ``param.grad += g``, e.g. a split weight-gradient backward): autograd's hooks do not
+        fire then, so without this call such gradients are reduced by :meth:`finish` only
+        (correct, not overlapped).
+        """
+        for p in params:
+            if id(p) not in self._where:
+                raise ValueError("notify_grad_ready got a parameter this DataParallelGradSync does not synchronise")
+            self._on_grad_ready(p)
+
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         if not self._armed or id(param) in self._deferred:
             return
