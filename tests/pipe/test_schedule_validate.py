@@ -210,3 +210,24 @@ def test_lowering_posts_receives_in_channel_order_for_interleaved_schedules() ->
     lowered = lower(s)
     validate(lowered, channel_order=True)
     assert strip_comms(lowered).actions == s.actions
+
+
+def test_gc_state_is_restored() -> None:
+    import gc
+
+    from merak_pipe import simulate
+
+    s = build_schedule("1f1b", num_stages=3, num_microbatches=4)
+    assert gc.isenabled()
+    simulate(lower(s))
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        validate(s)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    bad = dataclasses.replace(s, actions={r: list(reversed(a)) for r, a in s.actions.items()})
+    with pytest.raises(ScheduleError):
+        validate(bad)
+    assert gc.isenabled()
