@@ -56,23 +56,25 @@ def _net() -> Net:
     return Net().double()
 
 
-def test_untraceable_module_error_names_module_and_line() -> None:
+@pytest.mark.parametrize("method", ["fx", "auto"])
+def test_untraceable_module_error_names_module_and_line(method: str) -> None:
     model = _net()
     x = torch.randn(4, 8, dtype=torch.float64)
     with pytest.raises(TraceError) as info:
-        trace(model, example_inputs=(x,), method="fx")
+        trace(model, example_inputs=(x,), method=method)
     msg = str(info.value)
     assert "blocks.0" in msg and "DataDependentLinear" in msg
     assert "if y.sum() > 0" in msg
     assert "leaf_modules=(DataDependentLinear,)" in msg
 
 
+@pytest.mark.parametrize("method", ["fx", "export"])
 @pytest.mark.parametrize("leaf", [DataDependentLinear, "names"])
-def test_leaf_modules_stay_opaque_and_partition_matches(leaf: object) -> None:
+def test_leaf_modules_stay_opaque_and_partition_matches(leaf: object, method: str) -> None:
     model = _net()
     leaves = (DataDependentLinear,) if leaf is DataDependentLinear else tuple(f"blocks.{i}" for i in range(4))
     x = torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    gm = trace(model, example_inputs=(x,), leaf_modules=leaves)
+    gm = trace(model, example_inputs=(x,), leaf_modules=leaves, method=method)
     calls = [n.target for n in gm.graph.nodes if n.op == "call_module"]
     assert [c for c in calls if str(c).startswith("blocks")] == [f"blocks.{i}" for i in range(4)]
     assert_tensors_close(gm(x), model(x), name="traced output")
@@ -82,7 +84,7 @@ def test_leaf_modules_stay_opaque_and_partition_matches(leaf: object) -> None:
     def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return ((out - y) ** 2).mean()
 
-    part = partition(model, 3, example_inputs=(x,), leaf_modules=leaves)
+    part = partition(model, 3, example_inputs=(x,), leaf_modules=leaves, trace_method=method)
     stages = [part.build_stage(i, device="cpu", state_dict=model.state_dict()) for i in range(3)]
     ref_out, ref_loss, ref_grads = reference_step(model, (x,), labels, loss_fn)
     out, loss, grads = run_stages(part, stages, (x,), labels, loss_fn)

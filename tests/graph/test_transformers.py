@@ -97,3 +97,28 @@ def test_meta_built_llama_is_partitioned_and_one_stage_built() -> None:
     fresh = part.build_stage(1, device="cpu", init_fn=meta._init_weights)
     assert not is_meta_module(fresh)
     assert all(torch.isfinite(p).all() for p in fresh.parameters())
+
+
+def test_llama_with_opaque_leaf_modules_via_export() -> None:
+    """The trainer's case: modules kept whole (as tensor-parallel layers would be) in a transformers model."""
+    t = pytest.importorskip("transformers")
+    make_config, cls, _ = _configs()["llama"]
+    torch.manual_seed(0)
+    model = cls(make_config()).double()
+    inputs = _inputs()
+    labels = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    model.zero_grad(set_to_none=True)
+    ref_logits = model(**inputs, use_cache=False).logits
+    ref_loss = _loss(ref_logits, labels)
+    ref_loss.backward()
+    ref_grads = named_grads(model)
+
+    leaf = t.models.llama.modeling_llama.LlamaMLP
+    part = partition(model, 2, example_inputs=inputs, static_kwargs={"use_cache": False}, leaf_modules=(leaf,))
+    assert part.graph_module.meta["merak_trace_method"] == "export"
+    calls = [n.target for n in part.graph_module.graph.nodes if n.op == "call_module"]
+    assert calls == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    stages = [part.build_stage(i, device="cpu", state_dict=model.state_dict()) for i in range(2)]
+    out, loss, grads = run_stages(part, stages, tuple(inputs.values()), labels, _loss)
+    assert_tensors_close(out, ref_logits.detach(), name="logits")
+    assert_grads_match(grads, ref_grads)

@@ -7,11 +7,14 @@ Two tracers:
   5.x models with ``use_cache=False``). Needs example inputs (meta tensors are
   fine). The graph is flattened: parameters appear as ``get_attr`` nodes named
   by their original fully-qualified names.
-- ``torch.fx`` symbolic tracing keeps module calls as ``call_module`` nodes and
-  supports ``leaf_modules``: instances of the given classes (or the given
-  qualified names) stay opaque nodes, so modules whose forward cannot be traced
-  (data-dependent control flow, custom autograd Functions with collectives,
-  e.g. tensor-parallel layers) are kept whole.
+- ``torch.fx`` symbolic tracing keeps module calls as ``call_module`` nodes.
+
+Both honour ``leaf_modules``: instances of the given classes (or the given
+qualified names) stay opaque ``call_module`` nodes, so modules whose forward
+cannot be traced (data-dependent control flow, custom autograd Functions with
+collectives, e.g. tensor-parallel layers) are kept whole (for export see
+[Note: leaf placeholders] in ``_leaf_export``: the leaves run once eagerly on
+the example inputs to learn their output shapes).
 
 ``method="auto"`` uses fx when leaf modules are given and export otherwise,
 falling back to the other tracer when the first fails. On failure the error
@@ -168,7 +171,7 @@ def _trace_fx(model: nn.Module, names: list[str], by_keyword: bool, leaf_modules
 
 
 def _trace_export(model: nn.Module, names: list[str], values: list[Any] | None, by_keyword: bool,
-                  static_kwargs: Mapping[str, Any]) -> fx.GraphModule:
+                  static_kwargs: Mapping[str, Any], leaf_modules: Sequence[LeafSpec] = ()) -> fx.GraphModule:
     if values is None:
         raise InputMismatchError("method='export' needs example_inputs (meta tensors are fine for a meta model)")
     device = _model_device(model)
@@ -179,8 +182,12 @@ def _trace_export(model: nn.Module, names: list[str], values: list[Any] | None, 
         kwargs = {**dict(zip(names, values, strict=True)), **dict(static_kwargs)}
     else:
         args, kwargs = tuple(values), dict(static_kwargs)
-    ep = torch.export.export(model, args, kwargs=kwargs, strict=False)
-    gm = ep.module()
+    if leaf_modules:
+        from ._leaf_export import export_with_leaves
+
+        gm = export_with_leaves(model, args, kwargs, _leaf_predicate(model, leaf_modules))
+    else:
+        gm = torch.export.export(model, args, kwargs=kwargs, strict=False).module()
     assert isinstance(gm, fx.GraphModule)
     for node in list(gm.graph.nodes):
         if is_export_guard_node(node):
@@ -278,17 +285,13 @@ def trace(
         order = ["fx", "export"] if leaf_modules or values is None else ["export", "fx"]
     else:
         order = [method]
-    if leaf_modules and order[0] == "export":
-        logger.warning("leaf_modules are only honoured by fx tracing; method='export' inlines them")
     errors: list[tuple[str, BaseException]] = []
     for how in order:
         try:
             if how == "fx":
                 gm = _trace_fx(model, names, by_keyword, leaf_modules, static)
             else:
-                if leaf_modules and method == "auto":
-                    continue
-                gm = _trace_export(model, names, values, by_keyword, static)
+                gm = _trace_export(model, names, values, by_keyword, static, leaf_modules)
             gm.meta["merak_trace_method"] = how
             logger.debug("traced %s with %s: %d nodes", type(model).__name__, how, len(gm.graph.nodes))
             return gm
