@@ -117,8 +117,13 @@ def evaluate_body(case: dict[str, Any]) -> Any:
     schedule = make_schedule(case, dist.get_world_size())
     model, runner = build_runner(case, schedule)
     ids, labels = batch_for(case, 0, case["seqs"][0])
-    return runner.evaluate(ids if runner.holds_first_stage else None,
-                           labels if runner.holds_last_stage else None, return_outputs=True)
+    x, y = (ids if runner.holds_first_stage else None), (labels if runner.holds_last_stage else None)
+    first = runner.evaluate(x, y, return_outputs=True)
+    # Evaluate and step share the channels: a step in between (other grad flags, so a new header)
+    # and a second evaluate must still line up; the model is unchanged (no optimizer).
+    step_loss = runner.step(x, y)
+    again = runner.evaluate(x, y, return_outputs=True)
+    return {"evaluate": first, "step_loss": step_loss, "again": again}
 
 
 def subgroup_body(case: dict[str, Any]) -> list[dict[str, Any]] | None:

@@ -105,8 +105,11 @@ def test_recompute_restores_rng_for_dropout(schedule: str) -> None:
 def test_evaluate_matches_forward(model: str) -> None:
     case = make_case("1f1b", 2, model, "full", seqs=(7,))
     results = run_on_ranks(2, bodies.evaluate_body, case)
-    assert results[0] is None
-    loss, outputs = results[1]
+    assert results[0]["evaluate"] is None and results[0]["step_loss"] is None
+    loss, outputs = results[1]["evaluate"]
+    again_loss, again_outputs = results[1]["again"]
+    assert_tensors_close(again_outputs, outputs, name="second evaluate outputs", rtol=0.0, atol=0.0)
+    assert_tensors_close(results[1]["step_loss"], loss, name="step loss vs evaluate loss")
     ref_model = bodies.build_model(model, num_layers=bodies.layers_for(2))
     ids, labels = bodies.batch_for(case, 0, 7)
     with torch.no_grad():

@@ -135,6 +135,14 @@ class PipelineRunner:
             raise ValueError("PipelineRunner needs at least one PipelineStage on this rank")
         if not isinstance(timeout, timedelta):
             raise TypeError(f"timeout must be a datetime.timedelta, got {type(timeout).__name__}")
+        stage_groups = {id(s.group): s.group for s in stages if s.group is not None}
+        if len(stage_groups) > 1 or (group is not None and stage_groups and id(group) not in stage_groups):
+            raise ValueError(
+                "the PipelineStages and the PipelineRunner were given different process groups; pass the "
+                "same pipeline group to every PipelineStage and to the runner"
+            )
+        if group is None and stage_groups:
+            group = next(iter(stage_groups.values()))
         world = dist.group.WORLD
         if group is None and world is None:
             raise RuntimeError("torch.distributed is not initialised: call init_process_group before PipelineRunner")

@@ -13,9 +13,10 @@ one unit.
 
 [Note: recompute segments]
 With a recompute fraction ``f`` the first ``k = round(f * num_units)`` units form the
-*checkpointed segment*: the forward runs them under ``no_grad`` and keeps only the stage
-input and the RNG state; their outputs become fresh leaves (the *mid leaves*) that feed the
-remaining units, run normally (the *kept segment*). Before the backward needs them, the
+*checkpointed segment*: the forward runs them keeping only the stage input and the RNG state
+(grad mode stays on so outputs know whether they require grad, but a saved-tensor hook drops
+everything the graph would save); their outputs become fresh leaves (the *mid leaves*) that
+feed the remaining units, run normally (the *kept segment*). Before the backward needs them, the
 checkpointed units are run again with grad enabled and the saved RNG state (an explicit
 ``R`` action, or implicitly at the start of ``B``/``I``), so dropout draws the same masks.
 The backward then runs in two parts: kept segment (outputs -> mid leaves, parameters), then
@@ -24,11 +25,14 @@ is not advanced by a recompute, so a run with recompute draws exactly what a run
 
 [Note: split backward]
 ``I`` computes only the gradients of the stage inputs (``torch.autograd.grad``, graph
-retained); ``W`` then accumulates the parameter gradients with
-``torch.autograd.backward(..., inputs=parameters)`` and frees the graph. This is exact, but
-``W`` walks the graph again, so ``I`` + ``W`` costs more than one ``B``. The runtime does not
-capture intermediate gradients the way torch.distributed.pipelining's ``stage_backward_weight``
-does.
+retained): autograd then skips the weight-gradient formulas. On the way it keeps the gradient
+entering every *boundary* node, a node on the input path with a branch that leads only to
+parameters (for ``y = x @ W.T + b``: the addmm node). ``W`` runs ``torch.autograd.grad`` from
+those kept gradients to the branch's parameters only, so together ``I`` and ``W`` cost about
+one ``B`` (the idea of torch.distributed.pipelining's ``stage_backward_weight``, written with
+public autograd APIs). Graphs where that split would count a path twice (a parameter reachable
+from both sides of a boundary, e.g. one weight used in two layers) fall back to
+``backward(inputs=parameters)`` in ``W``: exact, but it walks the graph again.
 """
 
 from __future__ import annotations
@@ -51,8 +55,12 @@ __all__ = ["PipelineStage"]
 logger = logging.getLogger(__name__)
 
 
-def _is_grad_dtype(t: torch.Tensor) -> bool:
-    return t.is_floating_point() or t.is_complex()
+def _drop_saved(_tensor: torch.Tensor) -> None:
+    return None
+
+
+def _no_unpack(_packed: None) -> torch.Tensor:
+    raise RuntimeError("internal error: the checkpointed forward's graph was used for a backward")
 
 
 def _call_unit(unit: nn.Module, value: Any) -> Any:
@@ -122,6 +130,7 @@ class _MicrobatchState:
     checkpoint: _Checkpoint | None = None
     output_grads: list[torch.Tensor] | None = None
     input_done: bool = False
+    weight_plans: list[_WeightPlan] = field(default_factory=list)
 
 
 class PipelineStage:
@@ -238,10 +247,12 @@ class PipelineStage:
         with torch.enable_grad():
             if k > 0:
                 rng = _save_rng(self.device)
-                with torch.no_grad():
+                # Grad mode on, so the outputs know whether they require grad, but every tensor the
+                # graph would save is dropped at once: the graph is detached right below.
+                with torch.autograd.graph.saved_tensors_hooks(_drop_saved, _no_unpack):
                     mid = _run_units(self.units[:k], args, kwargs)
                 mid_spec, mid_tensors = flatten_boundary(mid)
-                mid_leaves = [t.detach().requires_grad_(_is_grad_dtype(t)) for t in mid_tensors]
+                mid_leaves = [t.detach().requires_grad_(t.requires_grad) for t in mid_tensors]
                 state.checkpoint = _Checkpoint(rng=rng, num_units=k, mid_spec=mid_spec, mid_leaves=mid_leaves)
                 out = _run_units_on(self.units[k:], unflatten_boundary(mid_spec, mid_leaves))
             else:
@@ -329,18 +340,27 @@ class PipelineStage:
         return input_grads
 
     def backward_input(self, microbatch: int, output_grads: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
-        """Input-gradient backward (``I``): gradients of the stage inputs only; graph kept for ``W``."""
+        """Input-gradient backward (``I``): gradients of the stage inputs only; graph kept for ``W``.
+
+        See [Note: split backward]: the gradients entering the nodes where parameter-only branches
+        leave the input path are captured on the way, so ``W`` only runs those branches.
+        """
         state = self._state(microbatch, "I")
+        params = self.parameters()
         roots, grads = self._kept_roots(state, output_grads)
-        state.output_grads = grads
         ckpt = state.checkpoint
         if ckpt is not None:
             mid_needed = [leaf for leaf in ckpt.mid_leaves if leaf.requires_grad]
-            mid_grads_req = _grad(roots, grads, mid_needed)
+            plan = _WeightPlan(roots, grads, mid_needed, params)
+            mid_grads_req = plan.run_input(lambda: _grad(roots, grads, mid_needed))
+            state.weight_plans.append(plan)
             it = iter(mid_grads_req)
             ckpt.mid_grads = [next(it) if leaf.requires_grad else None for leaf in ckpt.mid_leaves]
             roots, grads = self._ckpt_roots(microbatch, ckpt, ckpt.mid_grads)
-        input_grads = _grad(roots, grads, state.input_leaves) if state.input_leaves else []
+        plan = _WeightPlan(roots, grads, state.input_leaves, params)
+        leaves = state.input_leaves
+        input_grads = plan.run_input(lambda: _grad(roots, grads, leaves)) if leaves else []
+        state.weight_plans.append(plan)
         state.input_done = True
         return [g if g is not None else torch.zeros_like(leaf)
                 for g, leaf in zip(input_grads, state.input_leaves, strict=True)]
@@ -353,15 +373,123 @@ class PipelineStage:
                 f"stage {self.stage_index}: action {self.stage_index}W{microbatch} runs before "
                 f"{self.stage_index}I{microbatch}; the schedule must run I before W"
             )
-        params = self.parameters()
-        roots, grads = self._kept_roots(state, state.output_grads)
-        ckpt = state.checkpoint
-        if ckpt is not None:
-            _backward(roots, grads, inputs=params)
-            assert ckpt.mid_grads is not None
-            roots, grads = self._ckpt_roots(microbatch, ckpt, ckpt.mid_grads)
-        _backward(roots, grads, inputs=params)
+        for plan in state.weight_plans:
+            plan.run_weight()
         del self._states[microbatch]
+
+
+class _WeightPlan:
+    """How ``W`` finds the parameter gradients of one autograd graph after ``I`` ([Note: split backward]).
+
+    The graph from ``roots`` is walked once. A node on the input path (it reaches one of the
+    ``targets`` of ``I``) whose other children lead only to parameters is a *boundary*: ``I``
+    runs it (for the input path) and a pre-hook keeps the gradient entering it; ``W`` then runs
+    ``torch.autograd.grad`` from that gradient to exactly those parameters, so only the
+    parameter branches run again. Roots that do not reach the input path are differentiated
+    whole in ``W``. When a parameter is reachable both from a boundary's parameter branch and
+    from its input path (e.g. one weight used by two layers), running the branches separately
+    would count a path twice, so the plan falls back to one ``backward(inputs=parameters)``.
+    """
+
+    def __init__(self, roots: list[torch.Tensor], grads: list[torch.Tensor] | None,
+                 targets: list[torch.Tensor], params: list[nn.Parameter]) -> None:
+        self.roots, self.grads, self.params = roots, grads, params
+        self.fallback = not targets or not params
+        self.boundaries: list[tuple[Any, list[nn.Parameter]]] = []
+        self.captured: dict[int, tuple[torch.Tensor | None, ...]] = {}
+        self.pure_roots: list[tuple[torch.Tensor, torch.Tensor | None, list[nn.Parameter]]] = []
+        if not self.fallback and roots:
+            self._analyse(targets)
+
+    def _analyse(self, targets: list[torch.Tensor]) -> None:
+        get_edge = torch.autograd.graph.get_gradient_edge
+        target_nodes = {get_edge(t).node for t in targets}
+        param_of = {get_edge(p).node: i for i, p in enumerate(self.params)}
+        root_nodes = [r.grad_fn if r.grad_fn is not None else get_edge(r).node for r in self.roots]
+        # Iterative post-order walk: reaches_target and the parameters below every node.
+        reaches: dict[Any, bool] = {}
+        below: dict[Any, frozenset[int]] = {}
+        children: dict[Any, list[Any]] = {}
+        stack: list[tuple[Any, bool]] = [(n, False) for n in root_nodes]
+        while stack:
+            node, done = stack.pop()
+            if node in reaches:
+                continue
+            if not done:
+                kids = [c for c, _ in node.next_functions if c is not None]
+                children[node] = kids
+                stack.append((node, True))
+                stack.extend((c, False) for c in kids if c not in reaches)
+                continue
+            kids = children[node]
+            reaches[node] = node in target_nodes or any(reaches[c] for c in kids)
+            own = frozenset([param_of[node]]) if node in param_of else frozenset()
+            below[node] = own.union(*(below[c] for c in kids))
+        for node, kids in children.items():
+            if not reaches[node]:
+                continue
+            branch = frozenset().union(*(below[c] for c in kids if not reaches[c]))
+            if not branch:
+                continue
+            input_side = frozenset().union(*(below[c] for c in kids if reaches[c]))
+            if branch & input_side:
+                self.fallback = True
+                return
+            self.boundaries.append((node, [self.params[i] for i in sorted(branch)]))
+        for k, (root, node) in enumerate(zip(self.roots, root_nodes, strict=True)):
+            if not reaches[node] and below[node]:
+                grad = None if self.grads is None else self.grads[k]
+                self.pure_roots.append((root, grad, [self.params[i] for i in sorted(below[node])]))
+
+    def run_input(self, compute: Callable[[], list[torch.Tensor | None]]) -> list[torch.Tensor | None]:
+        """Run ``I`` (``compute``) with the pre-hooks that keep the boundary gradients."""
+        if self.fallback:
+            return compute()
+        handles = []
+        for node, _ in self.boundaries:
+            def keep(grad_outputs: tuple[torch.Tensor | None, ...], key: int = id(node)) -> None:
+                self.captured[key] = tuple(grad_outputs)
+            handles.append(node.register_prehook(keep))
+        try:
+            return compute()
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def run_weight(self) -> None:
+        """Run ``W``: accumulate the parameter gradients of this graph."""
+        if self.fallback:
+            _backward(self.roots, self.grads, inputs=list(self.params))
+            return
+        edge = torch.autograd.graph.GradientEdge
+        get_edge = torch.autograd.graph.get_gradient_edge
+        for node, params in self.boundaries:
+            captured = self.captured.get(id(node))
+            if captured is None:
+                continue  # the node did not run in I (no gradient reached it): nothing to add
+            outs = [edge(node, k) for k, g in enumerate(captured) if g is not None]
+            seeds = [g for g in captured if g is not None]
+            if outs:
+                _accumulate(params, torch.autograd.grad(
+                    outs, [get_edge(p) for p in params], seeds, retain_graph=True, allow_unused=True))
+        for root, grad, params in self.pure_roots:
+            _accumulate(params, torch.autograd.grad(
+                [root], [get_edge(p) for p in params], None if grad is None else [grad],
+                retain_graph=True, allow_unused=True))
+        self.captured.clear()
+        self.boundaries.clear()
+        self.pure_roots.clear()
+
+
+def _accumulate(params: list[nn.Parameter], grads: Sequence[torch.Tensor | None]) -> None:
+    with torch.no_grad():
+        for param, grad in zip(params, grads, strict=True):
+            if grad is None:
+                continue
+            if param.grad is None:
+                param.grad = grad
+            else:
+                param.grad += grad
 
 
 def _tensors_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
