@@ -797,3 +797,120 @@ def ckpt_new_run_into_old_output_dir(ctx: CaseContext) -> None:
     again = _ckpt_trainer(str(out), layout=trainer.layout)  # a fresh run, no resume: step_1 exists already
     with _nothing_changes(out / "checkpoints"), ctx.guard():
         again.train()
+
+
+# ----------------------------------------------------------------------------- more rows
+
+
+def schedule_option_of_other_schedule(ctx: CaseContext) -> None:
+    from merak_pipe import build_schedule
+
+    with ctx.guard():
+        build_schedule("1f1b", num_stages=2, num_microbatches=4, virtual_stages=2)
+
+
+def args_from_yaml_missing_file(ctx: CaseContext) -> None:
+    from merak_core import TrainingArguments
+
+    with ctx.guard():
+        TrainingArguments.from_yaml(ctx.tmp / "trian.yaml")
+
+
+def init_cuda_unavailable(ctx: CaseContext) -> None:
+    from merak_core import init
+
+    with ctx.guard():
+        init(device="cuda")
+
+
+def cli_multi_node_without_endpoint(ctx: CaseContext) -> None:
+    job = _write_job(ctx, "dp: 2\n  tp: 1\n  pp: 1")
+    _merak(ctx, ["train", str(job), "--nnodes=2", "--nproc-per-node=1", "--dry-run"])
+
+
+class _Features(Dataset):
+    """``{"input": x, "labels": y}`` samples for ``nn.Sequential`` classifiers (``forward(input)``)."""
+
+    def __init__(self, size: int = 16, *, label_dtype: torch.dtype = torch.long, label_width: int = 0) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.x = torch.randn(size, 4, generator=g, dtype=torch.float64)
+        shape = (size, label_width) if label_width else (size,)
+        self.y = torch.randint(0, 3, shape, generator=g).to(label_dtype)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input": self.x[i], "labels": self.y[i]}
+
+
+def _classifier() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def trainer_tp_without_plan(ctx: CaseContext) -> None:
+    from merak_core import Trainer, init
+
+    layout = init(tp=2, device="cpu")
+    args = _args(ctx, tp=2)
+    with ctx.guard():
+        Trainer(_classifier(), args, _Features(), layout=layout)
+
+
+def trainer_pp_model_too_small(ctx: CaseContext) -> None:
+    from merak_core import Trainer, init
+
+    layout = init(pp=2, device="cpu")
+    args = _args(ctx, pp=2)
+    torch.manual_seed(0)
+    with ctx.guard():
+        Trainer(nn.Sequential(nn.Linear(4, 3)), args, _Features(), layout=layout)
+
+
+def trainer_pp_float_labels_for_cross_entropy(ctx: CaseContext) -> None:
+    from merak_core import Trainer, init
+
+    layout = init(pp=2, device="cpu")
+    args = _args(ctx, pp=2)
+    # Unchecked, the last stage fails alone in the first step and stage 0 waits for gradients until the timeout.
+    with ctx.guard():
+        Trainer(_classifier(), args, _Features(label_dtype=torch.float64), layout=layout).train()
+
+
+def trainer_pp_labels_of_another_shape(ctx: CaseContext) -> None:
+    from merak_core import Trainer, init
+
+    layout = init(pp=2, device="cpu")
+    args = _args(ctx, pp=2)
+    with ctx.guard():
+        Trainer(_classifier(), args, _Features(label_width=2), layout=layout).train()
+
+
+# ----------------------------------------------------------------------------- not a mistake (see the test)
+
+
+def tuple_dataset_pp_first_loss(tmp: str) -> float | None:
+    """Train one step with pp=2 on an ``(inputs, labels)`` tuple dataset; the logged loss (rank 0)."""
+    import torch.distributed as dist
+
+    from merak_core import Trainer, init
+
+    layout = init(pp=2, device="cpu")
+    args = _args(CaseContext(Path(tmp)), pp=2, max_steps=1, logging_steps=1)
+    history = Trainer(_classifier(), args, _Pairs(), layout=layout).train()
+    return history[0]["loss"] if dist.get_rank() == 0 else None
+
+
+def tuple_dataset_reference_loss() -> float:
+    """The same step in one process: mean of the default loss over the two microbatches of the first batch."""
+    from merak_core import TrainingArguments
+    from merak_core.data import StageAwareDataLoader
+    from merak_core.trainer import default_loss
+
+    args = TrainingArguments(per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=1)
+    loader = StageAwareDataLoader(_Pairs(), batch_size=4, seed=args.seed, shuffle=True)
+    batch = next(iter(loader))
+    model = _classifier().double()
+    losses = [default_loss(model(x), y) for x, y in zip(batch.inputs.chunk(2), batch.labels.chunk(2), strict=True)]
+    return float(sum(losses) / 2)
