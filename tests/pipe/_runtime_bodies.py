@@ -79,7 +79,10 @@ def train_body(case: dict[str, Any], schedule: Schedule | None = None) -> list[d
         loss = runner.step(ids if runner.holds_first_stage else None,
                            labels if runner.holds_last_stage else None)
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        results.append({"loss": loss, "grads": grads})
+        results.append({"loss": loss, "grads": grads,
+                        "pending": [st.pending_microbatches() for st in runner.stages.values()],
+                        "allocated": runner.transport.buffers_allocated,
+                        "reused": runner.transport.buffers_reused})
     return results
 
 

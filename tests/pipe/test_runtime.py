@@ -73,6 +73,13 @@ def test_buffers_reused_across_steps_and_shapes() -> None:
     case = make_case("1f1b", 2, "llama-dict", 0.5, seqs=(8, 6, 6, 8), num_microbatches=2, batch=4)
     results = run_on_ranks(2, bodies.train_body, case)
     assert_matches(results, bodies.reference(case))
+    for rank_results in results:
+        assert all(p == [] for step in rank_results for p in step["pending"])  # no autograd state kept
+        # Steps 0 and 1 allocate (new shapes); steps 2 and 3 repeat earlier shapes and reuse.
+        allocated = [step["allocated"] for step in rank_results]
+        assert allocated[0] > 0 and allocated[1] > allocated[0], allocated
+        assert allocated[3] == allocated[1], allocated
+        assert rank_results[3]["reused"] > 0
 
 
 def test_more_microbatches_than_stages_and_sum_reduction() -> None:

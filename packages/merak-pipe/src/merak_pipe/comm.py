@@ -182,6 +182,10 @@ class P2PTransport:
         self._batch: list[dist.P2POp] | None = None
         self._batch_owners: list[tuple[str, list[Any]]] = []
         self._pool: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
+        self.buffers_allocated = 0
+        """Receive buffers allocated so far (statistics)."""
+        self.buffers_reused = 0
+        """Receive buffers taken from the pool instead (statistics)."""
 
     # ------------------------------------------------------------------ tags and peers
 
@@ -256,7 +260,9 @@ class P2PTransport:
     def _empty(self, meta: TensorMeta) -> torch.Tensor:
         free = self._pool.get((meta.shape, meta.dtype))
         if free:
+            self.buffers_reused += 1
             return free.pop()
+        self.buffers_allocated += 1
         return torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
 
     def release(self, tensors: Sequence[torch.Tensor]) -> None:
