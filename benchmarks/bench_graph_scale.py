@@ -34,7 +34,7 @@ def _one(name: str, method: str) -> dict[str, float]:
     sys.path.insert(0, str(ROOT))
     import torch
 
-    from merak_graph import annotate_costs, empty_init, is_meta_module, partition_sharded, shard, trace
+    from merak_graph import annotate_costs, empty_init, is_meta_module, partition_traced, trace
     from tests.support.models import DecoderConfig, Llama
 
     cfg_kwargs, num_stages = CONFIGS[name]
@@ -51,11 +51,9 @@ def _one(name: str, method: str) -> dict[str, float]:
     annotate_costs(gm, inputs)
     times["annotate"] = time.perf_counter() - t
     t = time.perf_counter()
-    sharded = shard(gm, 8 * num_stages, model=model)
-    times["shard"] = time.perf_counter() - t
-    t = time.perf_counter()
-    part = partition_sharded(sharded, num_stages, method="cost", model=model)
-    times["partition"] = time.perf_counter() - t
+    part = partition_traced(gm, num_stages, model=model, method="cost")  # partition()'s default sharding
+    times["shard+partition"] = time.perf_counter() - t
+    sharded = part.sharded
     assert is_meta_module(model)
     costs = part.stage_costs
     params = sum(p.numel() for p in model.parameters())
@@ -76,9 +74,9 @@ def main() -> None:
         return
     runs = [("llama-70b", "fx")] if args.quick else [
         ("llama-70b", "fx"), ("llama-70b", "export"), ("llama-405b", "fx"), ("llama-405b", "export")]
-    print("| model | params | stages | tracer | build s | trace s | annotate s | shard s | partition s | total s "
+    print("| model | params | stages | tracer | build s | trace s | annotate s | shard+partition s | total s "
           "| peak RSS GiB | shards | slowest/mean |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, method in runs:
         out = subprocess.run([sys.executable, __file__, "--one", name, method], capture_output=True, text=True,
                              env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
@@ -87,7 +85,7 @@ def main() -> None:
             continue
         r = json.loads(out.stdout.strip().splitlines()[-1])
         print(f"| {name} | {r['params_b']:.1f}B | {r['stages']} | {method} | {r['build']:.1f} | {r['trace']:.1f} | "
-              f"{r['annotate']:.1f} | {r['shard']:.1f} | {r['partition']:.1f} | {r['total']:.1f} | "
+              f"{r['annotate']:.1f} | {r['shard+partition']:.1f} | {r['total']:.1f} | "
               f"{r['peak_rss_gib']:.2f} | {r['shards']} | {r['ratio']:.3f} |")
 
 
