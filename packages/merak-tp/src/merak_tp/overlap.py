@@ -31,6 +31,7 @@ where the residual stream enters sequence parallelism.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any
 
@@ -104,7 +105,9 @@ class TPRegion(nn.Module):
         # The first input may come by keyword (transformers: ``hidden_states=...``).
         key = None
         if not args and kwargs:
-            key = next(iter(kwargs))
+            key = _first_parameter(type(self))
+            if key not in kwargs:
+                raise TypeError(f"TP region {st.name}: its first input {key!r} was not passed")
             args = (kwargs.pop(key),)
 
         def base_forward(x: Any, *rest: Any, **kw: Any) -> Any:
@@ -174,6 +177,19 @@ class TPRegion(nn.Module):
 
 
 _PLAIN = (bool, int, float, str, type(None))
+
+
+def _first_parameter(cls: type) -> str:
+    """Name of the first parameter of the original class's ``forward`` (after ``self``), cached on ``cls``."""
+    cached = cls.__dict__.get("_merak_first_input")
+    if cached is not None:
+        return str(cached)
+    base = getattr(cls, "_merak_base_class", cls)
+    params = list(inspect.signature(base.forward).parameters.values())[1:]
+    if not params or params[0].kind not in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY):
+        raise TypeError(f"{base.__name__}.forward has no named first input; pass it positionally")
+    cls._merak_first_input = params[0].name  # type: ignore[attr-defined]
+    return params[0].name
 
 
 def _chunkable(args: tuple[Any, ...], kwargs: dict[str, Any], chunks: int) -> bool:
