@@ -184,7 +184,7 @@ def _first_parameter(cls: type) -> str:
     cached = cls.__dict__.get("_merak_first_input")
     if cached is not None:
         return str(cached)
-    base = getattr(cls, "_merak_base_class", cls)
+    base: Any = getattr(cls, "_merak_base_class", cls)
     params = list(inspect.signature(base.forward).parameters.values())[1:]
     if not params or params[0].kind not in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY):
         raise TypeError(f"{base.__name__}.forward has no named first input; pass it positionally")
