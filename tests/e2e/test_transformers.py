@@ -1,0 +1,236 @@
+"""Tiny transformers 5.x models (GPT-2, Llama, Qwen2) train under the 3D Trainer like one process.
+
+A user's ``transformers`` model, built from a small config and randomly
+initialised (no download), is handed to ``merak_core.Trainer`` unchanged; the
+Trainer picks the built-in TP plan for its type, traces it, cuts it into
+pipeline stages and trains. Three optimizer steps (AdamW, warm-up + linear
+decay, weight decay, global-norm clipping, 2-4 microbatches) must give the same
+losses and the same parameters, by name, as the same training in one process on
+the same data, in float64 (tolerances as in ``test_trainer_layouts``). The data
+carry an ``attention_mask`` with padding, so the mask travels through the
+pipeline as a second input.
+
+Run with ``nox -s transformers`` or ``pytest -m transformers`` (transformers is
+an optional extra; without it these tests are skipped, not failed).
+
+What cannot run yet is marked ``xfail(strict=True)`` with the exact reason
+(``FX_BLOCKED``: TP together with PP; ``POSITIONAL_BLOCKED``: GPT-2 with an
+attention mask). Those tests still run, so they turn into failures, and the
+marker must be dropped, as soon as the cause is fixed in merak-core/merak-graph.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+from tests.support.compare import assert_tensors_close
+from tests.support.dist import WorkerError, run_on_ranks
+
+pytestmark = pytest.mark.transformers
+
+VOCAB = 96
+SEQ = 8
+MODELS = ("gpt2", "llama", "qwen2")
+LAYOUTS = [(2, 1, 2), (2, 2, 1), (1, 1, 4)]
+"""Layouts that work for every model: DP x PP (torch.export-traced stages), DP x TP, four stages."""
+
+FX_BLOCKED = (
+    "tp > 1 with pp > 1 traces with torch.fx (TP layers as leaves) and fx cannot trace a transformers 5.x "
+    "model: merak_graph.trace(method='fx') -> 'ValueError: code: co_varnames is too small' "
+    "(merak_core.compose.build_parallel_model passes trace_method='fx' when tp > 1)"
+)
+CONV1D_BLOCKED = (
+    "merak_tp.parallelize stores GPT-2's Conv1D weights transposed ([out, in], Linear layout, tagged "
+    "_merak_tp_transposed) and merak_core.compose.gather_full_state_dict (hence Trainer.full_state_dict) "
+    "returns them that way, so the exported state dict does not load into GPT2LMHeadModel"
+)
+POSITIONAL_BLOCKED = (
+    "merak_core passes dict batch inputs positionally in forward-signature order (compose.input_order, "
+    "Trainer._stage_inputs); GPT2LMHeadModel.forward(input_ids, cache, attention_mask, ...) then gets the "
+    "attention mask as its cache -> AttributeError 'get_seq_length' (export and pp == 1 alike)"
+)
+
+
+def build_hf_model(name: str) -> torch.nn.Module:
+    """A tiny, randomly initialised causal LM in float64 (same seed, same weights on every rank)."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    if name == "gpt2":
+        cfg = tf.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
+                            embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+        model = tf.GPT2LMHeadModel(cfg)
+    elif name in ("llama", "qwen2"):
+        cfg_cls, model_cls = ((tf.LlamaConfig, tf.LlamaForCausalLM) if name == "llama"
+                              else (tf.Qwen2Config, tf.Qwen2ForCausalLM))
+        cfg = cfg_cls(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
+        model = model_cls(cfg)
+    else:
+        raise ValueError(f"unknown model {name!r}; expected one of {MODELS}")
+    return model.double()
+
+
+class PaddedTokens(Dataset):
+    """Random token sequences with next-token labels; every third sample is right-padded (mask 0, label -100).
+
+    With ``with_mask=False`` the samples carry no ``attention_mask`` (the padding is then attended to,
+    which is fine for a loss comparison: both runs see the same tokens).
+    """
+
+    def __init__(self, size: int, seed: int = 0, *, with_mask: bool = True) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, VOCAB, (size, SEQ + 1), generator=g)
+        self.with_mask = with_mask
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = self.ids[i, :-1].clone()
+        labels = self.ids[i, 1:].clone()
+        mask = torch.ones(SEQ, dtype=torch.long)
+        if i % 3 == 0:
+            mask[SEQ - 2:] = 0
+            labels[SEQ - 3:] = -100  # the last real token predicts nothing; padding predicts nothing
+            ids[SEQ - 2:] = 0
+        if not self.with_mask:
+            return {"input_ids": ids, "labels": labels}
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def lm_loss(output: Any, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over counted tokens, in the logits' own dtype (float64 here)."""
+    logits = getattr(output, "logits", output)
+    if isinstance(logits, (tuple, list)):
+        logits = logits[0]
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1),
+                                             ignore_index=-100)
+
+
+def make_args(**overrides: Any) -> Any:
+    from merak_core.config import TrainingArguments
+
+    values: dict[str, Any] = dict(
+        output_dir=tempfile.mkdtemp(prefix="merak-hf-"), per_device_train_batch_size=2,
+        gradient_accumulation_steps=2, learning_rate=1e-2, max_steps=3, dtype="float64", max_grad_norm=0.5,
+        logging_steps=1, warmup_steps=1, lr_scheduler_type="linear", weight_decay=0.1, seed=7,
+    )
+    values.update(overrides)
+    return TrainingArguments(**values)
+
+
+def train_hf_on_ranks(name: str, args_kwargs: dict[str, Any], with_mask: bool) -> tuple[list[float], Any, set[str]]:
+    """Rank body: the Trainer on the HF model; (losses, the full state dict on rank 0, transposed names).
+
+    The last item names the parameters merak-tp stored transposed (a transformers ``Conv1D`` turned
+    into ``Linear`` layout, GPT-2 under TP), see ``CONV1D_BLOCKED``.
+    """
+    import torch.distributed as dist
+
+    from merak_core import Trainer
+
+    data = PaddedTokens(48, with_mask=with_mask)
+    trainer = Trainer(build_hf_model(name), make_args(**args_kwargs), data, loss_fn=lm_loss)
+    history = trainer.train()
+    state = trainer.full_state_dict()
+    transposed = {name for name, p in trainer.model.named_parameters() if getattr(p, "_merak_tp_transposed", False)}
+    return [h["loss"] for h in history], state if dist.get_rank() == 0 else None, transposed
+
+
+def reference_training(name: str, args_kwargs: dict[str, Any], dp: int,
+                       with_mask: bool) -> tuple[list[float], dict[str, Any]]:
+    """The same run in one process: each global batch split into dp * num_microbatches equal chunks."""
+    from merak_core.config import build_lr_scheduler
+
+    args = make_args(**args_kwargs)
+    model = build_hf_model(name)
+    data = PaddedTokens(48, with_mask=with_mask)
+    params = dict(model.named_parameters())  # tied parameters once
+    decay = [p for p in params.values() if p.ndim >= 2]
+    no_decay = [p for p in params.values() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=args.learning_rate,
+                            betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon, foreach=False)
+    sched = build_lr_scheduler(opt, args, args.max_steps)
+    mbs, num_micro = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    global_batch = mbs * num_micro * dp
+    perm = torch.randperm(len(data), generator=torch.Generator().manual_seed(args.seed)).tolist()
+    losses = []
+    for step in range(args.max_steps):
+        idx = perm[step * global_batch:(step + 1) * global_batch]
+        model.zero_grad(set_to_none=True)
+        total = 0.0
+        for lo in range(0, global_batch, mbs):
+            batch = torch.utils.data.default_collate([data[i] for i in idx[lo:lo + mbs]])
+            labels = batch.pop("labels")
+            loss = lm_loss(model(**batch), labels) / (global_batch // mbs)
+            loss.backward()
+            total += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(params.values(), args.max_grad_norm)
+        opt.step()
+        sched.step()
+        losses.append(total)
+    return losses, {n: p.detach().clone() for n, p in params.items()}
+
+
+def _check(name: str, layout: tuple[int, int, int], with_mask: bool, *, conv1d_layout: bool = False) -> None:
+    """Losses and every parameter by name equal single-process training.
+
+    ``conv1d_layout``: also require the full state dict to keep transformers' ``Conv1D`` weights in
+    their own ``[in, out]`` layout (see ``CONV1D_BLOCKED``); otherwise such weights are compared
+    after transposing them back.
+    """
+    dp, tp, pp = layout
+    kwargs = dict(dp=dp, tp=tp, pp=pp, gradient_accumulation_steps=max(2, pp))
+    results = run_on_ranks(dp * tp * pp, train_hf_on_ranks, name, kwargs, with_mask)
+    ref_losses, ref_state = reference_training(name, kwargs, dp, with_mask)
+    losses, state, _ = results[0]
+    transposed = set().union(*(t for _, _, t in results))
+    for rank, (other, _, _) in enumerate(results):
+        assert other == pytest.approx(losses, rel=1e-12), f"rank {rank} reports other losses"
+    assert losses == pytest.approx(ref_losses, rel=1e-9, abs=1e-12)
+    assert sorted(state) == sorted(ref_state)
+    for key, ref in ref_state.items():
+        value = state[key]
+        if key in transposed:
+            assert not conv1d_layout, f"{key}: full_state_dict holds the transposed Conv1D weight {tuple(value.shape)}"
+            value = value.t()
+        assert_tensors_close(value, ref, name=f"{name} {dp}x{tp}x{pp} param {key}", rtol=1e-8, atol=1e-10)
+
+
+def _ids(t: tuple[int, int, int]) -> str:
+    return "dp{}_tp{}_pp{}".format(*t)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=_ids)
+@pytest.mark.parametrize("name", MODELS)
+def test_hf_model_trains_like_one_process(name: str, layout: tuple[int, int, int]) -> None:
+    """Llama and Qwen2 with an attention mask; GPT-2 without one (see ``POSITIONAL_BLOCKED``)."""
+    pytest.importorskip("transformers")
+    _check(name, layout, with_mask=name != "gpt2")
+
+
+@pytest.mark.xfail(reason=FX_BLOCKED, raises=WorkerError, strict=True)
+@pytest.mark.parametrize("name", MODELS)
+def test_hf_model_tp_and_pp(name: str) -> None:
+    pytest.importorskip("transformers")
+    _check(name, (1, 2, 2), with_mask=name != "gpt2")
+
+
+@pytest.mark.xfail(reason=POSITIONAL_BLOCKED, raises=WorkerError, strict=True)
+@pytest.mark.parametrize("layout", [(2, 1, 2), (2, 2, 1)], ids=_ids)
+def test_gpt2_with_attention_mask(layout: tuple[int, int, int]) -> None:
+    pytest.importorskip("transformers")
+    _check("gpt2", layout, with_mask=True)
+
+
+@pytest.mark.xfail(reason=CONV1D_BLOCKED, raises=AssertionError, strict=True)
+def test_gpt2_full_state_dict_keeps_conv1d_layout() -> None:
+    pytest.importorskip("transformers")
+    _check("gpt2", (1, 2, 1), with_mask=False, conv1d_layout=True)
