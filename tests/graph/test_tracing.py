@@ -110,6 +110,14 @@ def test_input_mismatches_are_reported() -> None:
         part.run(x, x)
     with pytest.raises(InputMismatchError, match="stage takes"):
         part.stages[0](x, x)
+    with pytest.raises(InputMismatchError, match="dtype"):
+        part.stages[0](x.float())
+    exported = partition(model, 2, example_inputs=(x,), leaf_modules=(DataDependentLinear,), trace_method="export")
+    with pytest.raises(InputMismatchError, match="shapes specialised"):
+        exported.run(torch.randn(5, 8, dtype=torch.float64))
+    fx_part = partition(model, 2, example_inputs=(x,), leaf_modules=(DataDependentLinear,), trace_method="fx")
+    other = torch.randn(5, 8, dtype=torch.float64)
+    assert_tensors_close(fx_part.run(other), model(other), name="fx graphs keep shapes symbolic")
 
 
 def test_too_few_shards_and_impossible_memory_limit() -> None:

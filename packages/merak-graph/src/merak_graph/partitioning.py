@@ -372,7 +372,10 @@ def partition_sharded(
     for i in range(num_stages):
         lo, hi = bounds[i], bounds[i + 1]
         group = shards[lo:hi]
-        stage = StageModule(*[s.module for s in group], input_names=[b.name for b in group[0].inputs])
+        stage = StageModule(
+            *[s.module for s in group], input_names=[b.name for b in group[0].inputs], input_specs=group[0].inputs,
+            strict_shapes=sharded.graph_module.meta.get("merak_trace_method") == "export",
+        )
         stages.append(stage)
         pnames: dict[str, str] = {}
         for local, t in stage.named_parameters():

@@ -21,11 +21,21 @@ __all__ = ["StageModule", "retarget_devices"]
 
 
 class StageModule(nn.Sequential):
-    """Shards of one pipeline stage; ``forward(*boundary_values)``."""
+    """Shards of one pipeline stage; ``forward(*boundary_values)``.
 
-    def __init__(self, *shards: nn.Module, input_names: list[str] | None = None) -> None:
+    ``input_specs`` (name, shape, dtype per input) are checked on every call: the count and
+    dtypes always, the shapes when ``strict_shapes`` (graphs from torch.export are specialised
+    to the traced shapes).
+    """
+
+    def __init__(
+        self, *shards: nn.Module, input_names: list[str] | None = None, input_specs: list[Any] | None = None,
+        strict_shapes: bool = False,
+    ) -> None:
         super().__init__(*shards)
         self.input_names = list(input_names or [])
+        self.input_specs = list(input_specs or [])
+        self.strict_shapes = strict_shapes
 
     def forward(self, *args: Any) -> Any:
         if self.input_names and len(args) != len(self.input_names):
@@ -33,6 +43,20 @@ class StageModule(nn.Sequential):
                 f"this stage takes {len(self.input_names)} inputs {self.input_names} but got {len(args)}: "
                 "pass the previous stage's outputs (or, for stage 0, the model inputs in input_names order)"
             )
+        for spec, value in zip(self.input_specs, args, strict=False):
+            if not isinstance(value, torch.Tensor):
+                continue
+            if spec.dtype is not None and value.dtype != spec.dtype:
+                raise InputMismatchError(
+                    f"input {spec.name!r} has dtype {value.dtype} but was traced with {spec.dtype}: "
+                    "pass inputs of the traced dtype, or trace again with such example inputs"
+                )
+            if self.strict_shapes and tuple(value.shape) != tuple(spec.shape):
+                raise InputMismatchError(
+                    f"input {spec.name!r} has shape {tuple(value.shape)} but the graph was traced (torch.export, "
+                    f"shapes specialised) with {tuple(spec.shape)}: trace with example inputs of the microbatch "
+                    "shape you run, or use trace_method='fx'"
+                )
         values: Any = args
         for shard in self:
             values = shard(*values)
