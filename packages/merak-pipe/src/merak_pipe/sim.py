@@ -217,7 +217,18 @@ def _simulate(schedule: Schedule, costs: CostModel | None, check: bool) -> SimRe
         ActionKind.RECOMPUTE,
     )
     durations: list[list[float]] = []
-    for rank in range(num_ranks):
+    if not any(r_done):
+        # No R actions: a duration depends on (kind, stage) only.
+        table = {
+            F: fwd,
+            B: [bwd[st] + rec[st] for st in range(S)],
+            BI: [b_in[st] + rec[st] for st in range(S)],
+            W: b_w,
+        }
+        zeros = [0.0] * S
+        for rank in range(num_ranks):
+            durations.append([table.get(a.kind, zeros)[a.stage] for a in schedule.actions[rank]])
+    for rank in range(num_ranks if not durations else 0):
         rank_durations = []
         for a in schedule.actions[rank]:
             st, kind = a.stage, a.kind
@@ -377,7 +388,8 @@ def _memory(
             current[s] = cur
         peak_rank[rank] = rank_peak
     for s in range(S):
-        curve = sorted(memory[s], key=lambda p: p[0])
+        # A stage's points were appended in its rank's order, which is chronological.
+        curve = memory[s]
         # Several changes at one instant: keep the last value (peaks are tracked above).
         deduped: list[tuple[float, float]] = []
         for point in curve:
