@@ -122,10 +122,11 @@ def error_body(out_dir: str, other_ckpt: str) -> dict[str, str]:
     return errors
 
 
-def load_error_body(out_dir: str, path: str) -> str:
+def load_error_body(out_dir: str, path: str, name: str = "gpt") -> str:
+    """The CheckpointError message of resuming ``path`` (or "no error")."""
     from merak_core.checkpoint import CheckpointError
 
-    trainer = make_trainer("gpt", dict(output_dir=out_dir, max_steps=4, save_steps=2))
+    trainer = make_trainer(name, dict(output_dir=out_dir, max_steps=4, save_steps=2))
     try:
         trainer.resume(path)
     except CheckpointError as exc:

@@ -175,6 +175,18 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
 # ---------------------------------------------------------------------------- helpers
 
 
+def _describe_failure(exc: BaseException) -> str:
+    """A short text for an exception of a DCP call (``CheckpointException`` lists every failing rank)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(exc, dcp.CheckpointException) and isinstance(failures, dict):
+        parts = []
+        for rank, pair in sorted(failures.items()):
+            err = pair[0] if isinstance(pair, tuple) else pair
+            parts.append(f"rank {rank}: {type(err).__name__}: {err}")
+        return "; ".join(parts)
+    return f"{type(exc).__name__}: {exc}"
+
+
 def _inner_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The optimizer that holds state (ZeRO-1 wraps one over the owned shard)."""
     return getattr(optimizer, "inner", optimizer)
@@ -374,8 +386,9 @@ class CheckpointManager:
         state = self._state_dict_to_save()
         try:
             dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)))
-        except Exception as exc:
-            raise RuntimeError(f"rank {rank}: writing checkpoint {str(tmp)!r} failed: {exc}") from exc
+        except (Exception, dcp.CheckpointException) as exc:
+            raise RuntimeError(f"rank {rank}: writing checkpoint {str(tmp)!r} failed (the previous checkpoint "
+                               f"is untouched): {_describe_failure(exc)}") from exc
         _barrier("checkpoint written")
         if rank == 0:
             layout = trainer.layout
@@ -530,9 +543,10 @@ class CheckpointManager:
             request[rng_key] = b""
         try:
             dcp.load(request, storage_reader=dcp.FileSystemReader(str(directory)))
-        except Exception as exc:
+        except (Exception, dcp.CheckpointException) as exc:
             raise CheckpointError(
-                f"rank {dist.get_rank()}: checkpoint {str(directory)!r} is corrupt or unreadable: {exc}"
+                f"rank {dist.get_rank()}: checkpoint {str(directory)!r} is corrupt or unreadable: "
+                f"{_describe_failure(exc)}"
             ) from exc
         with torch.no_grad():
             for name, (p, _) in specs.items():
@@ -699,8 +713,10 @@ def read_checkpoint_model(path: str | os.PathLike[str]) -> dict[str, torch.Tenso
             raise CheckpointError(f"checkpoint {str(directory)!r}: {key} is not a tensor")
     try:
         dcp.load(request, storage_reader=dcp.FileSystemReader(str(directory)), no_dist=True)
-    except Exception as exc:
-        raise CheckpointError(f"checkpoint {str(directory)!r} is corrupt or unreadable: {exc}") from exc
+    except (Exception, dcp.CheckpointException) as exc:
+        raise CheckpointError(
+            f"checkpoint {str(directory)!r} is corrupt or unreadable: {_describe_failure(exc)}"
+        ) from exc
     return {key[len("model/"):]: value for key, value in sorted(request.items())}
 
 

@@ -34,6 +34,33 @@ def resume_target(requested: str | None) -> str | None:
     return None
 
 
+def init_restarted_process_group() -> None:
+    """After a torchrun restart, join the default process group under a key prefix of this attempt.
+
+    [Note: restart rendezvous] torchrun restarts the workers against the same store
+    (``MASTER_ADDR:MASTER_PORT``), where the previous attempt's gloo addresses are still
+    published under the default group's keys: a restarted rank that reads a dead peer's
+    old address first waits in ``connectFullMesh`` until the timeout. Prefixing every
+    key with the attempt number (``TORCHELASTIC_RESTART_COUNT``) keeps attempts apart.
+    The first attempt uses torch's usual ``env://`` initialisation.
+    """
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if attempt == 0 or dist.is_initialized() or "MASTER_ADDR" not in os.environ:
+        return
+    from merak_core.layout import DEFAULT_TIMEOUT
+
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=not agent_hosts_store and rank == 0, timeout=DEFAULT_TIMEOUT,
+                          multi_tenant=not agent_hosts_store)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, store=dist.PrefixStore(f"merak/attempt_{attempt}", store), rank=rank,
+                            world_size=world_size, timeout=DEFAULT_TIMEOUT)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="merak_core.launch")
     parser.add_argument("config")
@@ -53,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
 
     job = JobConfig.from_yaml(args.config, args.overrides)
     targs = job.training
+    init_restarted_process_group()
     layout = init(dp=targs.dp, tp=targs.tp, pp=targs.pp)
     torch.manual_seed(targs.seed)
     model = job.build_model()

@@ -21,6 +21,13 @@ that microbatch's counted tokens). A single-process reference that splits the
 global batch into ``dp * num_microbatches`` equal chunks and averages their
 losses computes exactly the same gradient (see ``tests/e2e``).
 
+[Note: failures] Every group has the layout's timeout. When a peer dies or stalls,
+a step fails on every other rank within that timeout with an error that names the
+rank, its (pp, dp, tp) coordinates, the step and what it waited on: the pipeline
+runner's ``PipelineCommError`` (stage, action, microbatch, peer) gains the global
+ranks of the pipeline; other collectives raise :class:`TrainingStepError` naming
+the group's global ranks.
+
 Not done here: tracing and sharding (``compose.py``), the layout (``layout.py``),
 data sharding (``data.py``).
 """
@@ -32,7 +39,7 @@ import logging
 import math
 import time
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -53,6 +60,10 @@ logger = logging.getLogger(__name__)
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 MetricsFn = Callable[[torch.Tensor, torch.Tensor], Mapping[str, torch.Tensor]]
+
+
+class TrainingStepError(RuntimeError):
+    """A collective of a training step failed or timed out; the message names the rank, step and group."""
 
 
 def default_loss(output: Any, labels: torch.Tensor) -> torch.Tensor:
@@ -278,18 +289,44 @@ class Trainer:
         for p in self.params:
             p.grad = None
         labels = labels.to(self.device) if isinstance(labels, torch.Tensor) else labels
-        with self._autocast():
-            loss = self.runner.step(self._stage_inputs(inputs), labels)
+        layout = self.layout
+        with self._phase(f"pipeline step over global ranks {layout.pp_ranks} (pipeline rank i = the i-th)"):
+            with self._autocast():
+                loss = self.runner.step(self._stage_inputs(inputs), labels)
         if self.dp_sync is not None:
-            self.dp_sync.sync()
+            with self._phase(f"DP gradient all-reduce over global ranks {layout.dp_ranks}"):
+                self.dp_sync.sync()
         self._fill_missing_grads()
         if self.args.max_grad_norm > 0:
-            self.last_grad_norm = float(clip_grad_norm_(self.params, self.args.max_grad_norm, layout=self.layout,
-                                                        shared_params=self.model.shared_owner))
-        self.optimizer.step()
+            with self._phase("gradient-norm all-reduce over all ranks"):
+                self.last_grad_norm = float(clip_grad_norm_(self.params, self.args.max_grad_norm,
+                                                            layout=layout, shared_params=self.model.shared_owner))
+        with self._phase(f"optimizer step (ZeRO-1 broadcasts over global ranks {layout.dp_ranks})"):
+            self.optimizer.step()
         self.lr_scheduler.step()
         self.global_step += 1
-        return self._global_mean(loss)
+        with self._phase("loss all-reduce over all ranks"):
+            return self._global_mean(loss)
+
+    @contextlib.contextmanager
+    def _phase(self, what: str) -> Iterator[None]:
+        """Re-raise a communication failure with this rank, its coordinates, the step and what it waited on.
+
+        See [Note: failures]: a pipeline error keeps its class (``PipelineCommError``); any
+        other ``RuntimeError`` (gloo/NCCL errors and timeouts) becomes :class:`TrainingStepError`.
+        ``ValueError`` (bad input) passes through unchanged.
+        """
+        try:
+            yield
+        except RuntimeError as exc:
+            layout = self.layout
+            where = (f"rank {layout.rank} (pp_rank {layout.pp_rank}, dp_rank {layout.dp_rank}, "
+                     f"tp_rank {layout.tp_rank}), step {self.global_step + 1}: {what} failed "
+                     f"(timeout {layout.timeout.total_seconds():g} s; a peer died or stalled?)")
+            if type(exc).__name__ in ("PipelineCommError", "PipelineTimeoutError"):
+                raise type(exc)(f"{where}: {exc}") from exc
+            raise TrainingStepError(f"{where}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                                    ) from exc
 
     def _fill_missing_grads(self) -> None:
         for p in self.params:
