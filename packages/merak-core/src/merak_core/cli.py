@@ -91,6 +91,10 @@ def _train(args: argparse.Namespace) -> int:
     job = JobConfig.from_yaml(args.config, args.overrides)  # validates before any process starts
     t = job.training
     cmd = torchrun_command(args, None if t.dp is None else t.dp * t.tp * t.pp)
+    if t.dp is None:  # inferred from --nproc-per-node: tp*pp must divide the process count now, not on every rank
+        from merak_core.layout import resolve_degrees
+
+        resolve_degrees(args.nproc_per_node * args.nnodes, None, t.tp, t.pp)
     if args.dry_run:
         print(shlex.join(cmd))
         return 0

@@ -116,6 +116,8 @@ def build_parallel_model(
     keys = input_order(model, example_inputs)
     if isinstance(example_inputs, Mapping):
         example_inputs = tuple(example_inputs[k] for k in keys or ())
+    elif isinstance(example_inputs, torch.Tensor):  # one input (e.g. an (inputs, labels) dataset), not a sequence
+        example_inputs = (example_inputs,)
     model = apply_tensor_parallel(model, layout, plan=tp_plan, overlap_chunks=overlap_chunks)
     if layout.pp == 1:
         from merak_graph import is_meta_module, materialize

@@ -66,7 +66,9 @@ def load_callable(spec: str, *, base_dir: str | Path = ".", what: str = "callabl
     try:
         fn = getattr(module, name)
     except AttributeError:
-        raise ValueError(f"{what}: {target!r} has no attribute {name!r}") from None
+        defined = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+        raise ValueError(f"{what}: {target!r} has no attribute {name!r}{_suggest(name, defined)}; "
+                         f"it defines {defined}") from None
     if not callable(fn):
         raise ValueError(f"{what}: {spec!r} is not callable")
     return fn
