@@ -144,6 +144,8 @@ class SimResult:
         for rank in range(self.schedule.num_ranks):
             stages = self.schedule.stages_of(rank)
             peaks = ", ".join(f"s{s}={self.peak_memory[s]:.4g}" for s in stages)
+            if len(stages) > 1:
+                peaks += f" (rank: {self.peak_memory_per_rank[rank]:.4g})"
             lines.append(f"{rank:4d} | {100 * self.bubble_fraction[rank]:8.1f} | {peaks}")
         return "\n".join(lines)
 
