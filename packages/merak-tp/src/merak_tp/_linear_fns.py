@@ -102,6 +102,7 @@ class _RowLinearFn(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         ctx.group, ctx.mode, ctx.seq_dim, ctx.name, ctx.region_chunk = group, mode, seq_dim, name, region_chunk
+        ctx.seq_first = defer is not None and mode == "reduce_scatter"
         world = dist.get_world_size(group)
         rank = dist.get_rank(group)
         outs: list[torch.Tensor] = []
@@ -124,7 +125,9 @@ class _RowLinearFn(torch.autograd.Function):
                 y0 = yj.movedim(d, 0).contiguous()
                 out0 = torch.empty((y0.size(0) // world, *y0.shape[1:]), dtype=y0.dtype, device=y0.device)
                 handles.append((_compat.reduce_scatter_dim0(out0, y0, group, async_op=True), chunk))
-                outs.append(out0.movedim(0, d))
+                # Deferred: return the buffer itself (a view of a buffer written in flight is refused
+                # by autograd); the caller moves the sequence dim back (see RowParallelLinear.forward).
+                outs.append(out0 if defer is not None else out0.movedim(0, d))
             _record("launch", "fwd", name, chunk)
         if defer is not None:
             defer.pending_fwd.extend((h, name, c) for h, c in handles)
@@ -138,7 +141,9 @@ class _RowLinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_y: torch.Tensor) -> Any:
         x, weight = ctx.saved_tensors
-        if ctx.mode == "reduce_scatter":
+        if ctx.seq_first:
+            grad_y = _all_gather(grad_y, 0, ctx.group).movedim(0, ctx.seq_dim % x.dim())
+        elif ctx.mode == "reduce_scatter":
             grad_y = _all_gather(grad_y, ctx.seq_dim, ctx.group)
         grad_x = grad_y.matmul(weight) if ctx.needs_input_grad[0] else None
         grad_w = _flat(grad_y).t().matmul(_flat(x)) if ctx.needs_input_grad[1] else None

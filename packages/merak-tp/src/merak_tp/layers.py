@@ -208,7 +208,7 @@ class ColumnParallelLinear(_KeepsShardTags, nn.Module):
         chunk = region.chunk if region is not None and mode == "block" else 0
         name = getattr(self, "_merak_name", "column")
         y = _ColumnLinearFn.apply(x, self.weight, self.bias, self.group, chunks, reduce_input_grad, name, chunk)
-        if mode == "probe" and region is not None:
+        if mode in ("probe", "sp") and region is not None:
             region.calls.append(("column", self))
         if self.gather_output and self.tp_size > 1:
             y = gather_from_tp_region(y, self.group, -1)
@@ -302,7 +302,7 @@ class RowParallelLinear(_KeepsShardTags, nn.Module):
             x = scatter_to_tp_region(x, self.group, -1)
         region = self._merak_region
         mode = region.mode if region is not None else None
-        block = mode == "block" and not self.sequence_parallel
+        block = mode == "block"
         chunks = 1 if block else self.overlap_chunks
         chunk = region.chunk if region is not None and block else 0
         name = getattr(self, "_merak_name", "row")
@@ -311,7 +311,9 @@ class RowParallelLinear(_KeepsShardTags, nn.Module):
             "reduce_scatter" if self.sequence_parallel else "all_reduce", self.sequence_dim, name, chunk,
             region if block else None,
         )
-        if region is not None and mode in ("probe", "block"):
+        if block and self.sequence_parallel:
+            y = y.movedim(0, self.sequence_dim % x.dim())  # [Note: block-level overlap] in overlap.py
+        if region is not None and mode in ("probe", "block", "sp"):
             region.calls.append(("row", y))
         return y
 

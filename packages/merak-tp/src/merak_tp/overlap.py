@@ -23,9 +23,11 @@ output (or the first item of a tuple output). The first call checks this
 region whose output is something else (say, dropout after the row layer) is
 logged and keeps running whole, with layer-level overlap only.
 
-Sequence parallel regions (``sequence_parallel=True``) instead all-gather the
-first input along the sequence on entry (reduce-scatter of its gradient);
-their row layers reduce-scatter. ``make_sequence_scatter`` marks the module
+Sequence parallel regions (``sequence_parallel=True``) all-gather the first
+input along the sequence on entry (reduce-scatter of its gradient); their row
+layers reduce-scatter. Sub-pipelined, each chunk is gathered on entry, its
+row reduce-scatter is left in flight, and its entry's gradient reduce-scatter
+runs asynchronously in backward. ``make_sequence_scatter`` marks the module
 where the residual stream enters sequence parallelism.
 """
 
@@ -36,10 +38,13 @@ import logging
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from merak_tp import _compat
 from merak_tp._events import _GroupRef, _record, _RegionState
 from merak_tp.collectives import (
+    _all_gather,
     gather_from_sequence_region,
     gather_from_tp_region,
     scatter_to_sequence_region,
@@ -72,6 +77,28 @@ class _RegionEntry(torch.autograd.Function):
         return grad, None, None
 
 
+class _SequenceRegionEntry(torch.autograd.Function):
+    """All-gather along the sequence forward; backward reduce-scatters asynchronously (block mode + SP)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, state: _RegionState, chunk: int) -> torch.Tensor:
+        ctx.state, ctx.chunk = state, chunk
+        return _all_gather(x, state.sequence_dim, state.group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        st: _RegionState = ctx.state
+        world = dist.get_world_size(st.group)
+        d = st.sequence_dim % grad.dim()
+        g0 = grad.movedim(d, 0).contiguous()
+        out0 = torch.empty((g0.size(0) // world, *g0.shape[1:]), dtype=g0.dtype, device=g0.device)
+        handle = _compat.reduce_scatter_dim0(out0, g0, st.group, async_op=True)
+        st.pending_bwd.append((handle, st.name, ctx.chunk))
+        _record("launch", "bwd", st.name, ctx.chunk)
+        # In flight: only the region's split reads it, after waiting (see [Note: block-level overlap]).
+        return out0.movedim(0, d), None, None
+
+
 class _RegionSplit(torch.autograd.Function):
     """Split dim 0 into chunks forward; backward waits the region's pending reductions, then cats."""
 
@@ -85,9 +112,10 @@ class _RegionSplit(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         st: _RegionState = ctx.state
-        for handle, name, chunk in st.pending_bwd:
-            handle.wait()
-            _record("wait", "bwd", name, chunk)
+        with torch.no_grad():
+            for handle, name, chunk in st.pending_bwd:
+                handle.wait()
+                _record("wait", "bwd", name, chunk)
         st.pending_bwd.clear()
         parts = [g if g is not None else torch.zeros(shape, dtype=ctx.dtype, device=ctx.device)
                  for g, shape in zip(grads, ctx.shapes, strict=True)]
@@ -113,15 +141,19 @@ class TPRegion(nn.Module):
         def base_forward(x: Any, *rest: Any, **kw: Any) -> Any:
             return original_forward(**{key: x}, **kw) if key is not None else original_forward(x, *rest, **kw)
 
-        if st.sequence_parallel:
+        chunked = st.chunks > 1 and st.deferrable is not False and _chunkable(args, kwargs, st.chunks)
+        if st.sequence_parallel and not (chunked and st.deferrable):
             if args and isinstance(args[0], torch.Tensor):
                 args = (gather_from_sequence_region(args[0], st.group, st.sequence_dim), *args[1:])
-            st.mode = "sp"
+            st.mode, st.calls = "sp", []
             try:
-                return base_forward(*args, **kwargs)
+                out = base_forward(*args, **kwargs)
             finally:
                 st.mode = None
-        if st.chunks == 1 or st.deferrable is False or not _chunkable(args, kwargs, st.chunks):
+            if chunked and st.deferrable is None:
+                self._check_shape(out)
+            return out
+        if not chunked:
             return base_forward(*args, **kwargs)
         if st.deferrable is None:
             return self._probe(base_forward, args, kwargs)
@@ -134,6 +166,12 @@ class TPRegion(nn.Module):
             out = base_forward(*args, **kwargs)
         finally:
             st.mode = None
+        self._check_shape(out)
+        return out
+
+    def _check_shape(self, out: Any) -> None:
+        """Decide once whether the region is 'columns -> local -> one row layer -> output'."""
+        st = self._merak_region_state
         kinds = [k for k, _ in st.calls]
         first = out[0] if isinstance(out, (tuple, list)) and out else out
         ok = (kinds.count("row") == 1 and kinds[-1] == "row" and first is st.calls[-1][1]
@@ -144,7 +182,6 @@ class TPRegion(nn.Module):
         if not ok:
             logger.info("TP region %s is not 'columns -> local -> one row layer -> output' (%s): it runs "
                         "whole, with layer-level overlap only", st.name, kinds)
-        return out
 
     def _sub_pipelined(self, base_forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         st = self._merak_region_state
@@ -160,7 +197,8 @@ class TPRegion(nn.Module):
         try:
             for j in range(k):
                 st.mode, st.chunk, st.calls = "block", j, []
-                x_j = _RegionEntry.apply(pieces[j], st, j)
+                entry = _SequenceRegionEntry if st.sequence_parallel else _RegionEntry
+                x_j = entry.apply(pieces[j], st, j)
                 out = base_forward(x_j, *(r[j] for r in rest), **{n: v[j] for n, v in kw.items()})
                 first = out[0] if isinstance(out, (tuple, list)) and out else out
                 if not st.calls or st.calls[-1][0] != "row" or first is not st.calls[-1][1]:
@@ -169,9 +207,12 @@ class TPRegion(nn.Module):
                 outs.append(out)
         finally:
             st.mode, st.chunk, st.calls = None, 0, []
-            for handle, name, chunk in st.pending_fwd:
-                handle.wait()
-                _record("wait", "fwd", name, chunk)
+            # no_grad: waiting may count as an in-place write of the output, which autograd
+            # would otherwise record (and then see no gradient flowing into the buffer).
+            with torch.no_grad():
+                for handle, name, chunk in st.pending_fwd:
+                    handle.wait()
+                    _record("wait", "fwd", name, chunk)
             st.pending_fwd = []
         return _cat_outputs(outs)
 
