@@ -86,9 +86,11 @@ def ablation(sizes: list[tuple[int, int]]) -> None:
 
 
 def part2(repeats: int) -> None:
-    print(f"\nSimulator speed: 1F1B, 64 stages x 1024 microbatches (best of {repeats})")
-    best = [float("inf")] * 5
+    print(f"\nSimulator speed: 1F1B, 64 stages x 1024 microbatches (best of {repeats}; wall seconds, and the "
+          "process CPU seconds of build + validate + simulate, which other load on the machine does not inflate)")
+    best = [float("inf")] * 6
     for _ in range(repeats):
+        c0 = time.process_time()
         t0 = time.perf_counter()
         schedule = build_schedule("1f1b", num_stages=64, num_microbatches=1024, check=False)
         t1 = time.perf_counter()
@@ -96,17 +98,20 @@ def part2(repeats: int) -> None:
         t2 = time.perf_counter()
         result = simulate(schedule, check=False)
         t3 = time.perf_counter()
+        c1 = time.process_time()
         lowered = lower(schedule)
         validate(lowered)
         t4 = time.perf_counter()
-        for i, v in enumerate((t1 - t0, t2 - t1, t3 - t2, t3 - t0, t4 - t3)):
+        for i, v in enumerate((t1 - t0, t2 - t1, t3 - t2, t3 - t0, c1 - c0, t4 - t3)):
             best[i] = min(best[i], v)
-    print("| build (s) | validate (s) | simulate (s) | total (s) | lower+validate lowered (s) | actions |")
-    print("|-----------|--------------|--------------|-----------|----------------------------|---------|")
+    print("| build (s) | validate (s) | simulate (s) | total (s) | total CPU (s) | lower+validate lowered (s) | actions |")
+    print("|-----------|--------------|--------------|-----------|---------------|----------------------------|---------|")
     n = sum(len(a) for a in schedule.actions.values())
-    print(f"| {best[0]:9.3f} | {best[1]:12.3f} | {best[2]:12.3f} | {best[3]:9.3f} | {best[4]:26.3f} | {n:7d} |")
+    print(f"| {best[0]:9.3f} | {best[1]:12.3f} | {best[2]:12.3f} | {best[3]:9.3f} | {best[4]:13.3f} | {best[5]:26.3f} "
+          f"| {n:7d} |")
     print(f"makespan {result.makespan:g}, bubble {100 * result.bubble_fraction[0]:.2f}% "
-          f"(closed form {100 * 63 / (1024 + 63):.2f}%); target total < 2 s: {'met' if best[3] < 2.0 else 'NOT met'}")
+          f"(closed form {100 * 63 / (1024 + 63):.2f}%); target total < 2 s: {'met' if best[3] < 2.0 else 'NOT met'}"
+          f" (wall), {'met' if best[4] < 2.0 else 'NOT met'} (CPU)")
 
 
 def sweep() -> None:
