@@ -6,8 +6,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten  # private torch API (pytree helpers)
 
-__all__ = ["flop_formula", "is_export_guard_node"]
+__all__ = ["flop_formula", "is_export_guard_node", "tree_flatten", "tree_unflatten"]
 
 
 def _flop_registry() -> dict[Any, Callable[..., int]]:

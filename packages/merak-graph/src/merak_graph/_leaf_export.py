@@ -23,7 +23,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ._compat import tree_flatten, tree_unflatten
 
 _LIB: torch.library.Library | None = None
 _COUNTER = itertools.count()

@@ -24,9 +24,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_flatten
 
-from ._compat import FlopCountingMode
+from ._compat import FlopCountingMode, tree_flatten
 
 __all__ = ["CostModel", "NodeCost", "ValueSpec", "annotate_costs", "graph_cost_summary"]
 

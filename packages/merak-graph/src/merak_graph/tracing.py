@@ -221,7 +221,7 @@ def _finish(gm: fx.GraphModule, placeholders: list[fx.Node], names: list[str]) -
     out = next(n for n in reversed(graph.nodes) if n.op == "output")
     leaves, output_names = _flatten_output(out.args[0])
     out.args = (leaves[0] if len(leaves) == 1 else tuple(leaves),)
-    graph._codegen = fx.graph.CodeGen()
+    graph.set_codegen(fx.graph.CodeGen())
     graph.eliminate_dead_code()
     graph.lint()
     gm.recompile()
