@@ -285,3 +285,28 @@ def test_notify_grad_ready_for_hand_accumulated_grads() -> None:
     for grads, early in run_on_ranks(2, _manual_accumulation):
         assert_grads_match(grads, expected)
         assert early >= 1
+
+
+def _peer_skips_step() -> str:
+    from datetime import timedelta
+
+    from merak_core.layout import ParallelLayout
+
+    layout = ParallelLayout.build(2, 1, 1, device="cpu", timeout=timedelta(seconds=2))
+    model = _Branchy()
+    sync = DataParallelGradSync(model, layout.dp_group, bucket_size_bytes=1 << 20)
+    message = ""
+    if layout.rank == 0:  # rank 1 never runs its step: rank 0 must fail with a clear error, not hang
+        try:
+            with sync.sync_on_this_backward():
+                model(_branchy_input(0), [0, 1, 2, 3, 4, 5]).backward()
+        except RuntimeError as err:
+            message = str(err)
+    sync.remove_hooks()
+    dist.barrier()  # on the default group: both ranks leave together
+    return message
+
+
+def test_missing_peer_is_an_error_not_a_hang() -> None:
+    message = run_on_ranks(2, _peer_skips_step)[0]
+    assert "rank 0: DP gradient all-reduce of bucket 0 of 1" in message and "peer" in message

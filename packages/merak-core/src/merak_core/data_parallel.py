@@ -335,7 +335,16 @@ class DataParallelGradSync:
                     p.grad = torch.zeros_like(p)
             return
         assert bucket.work is not None and bucket.buffer is not None
-        bucket.work.wait()
+        try:
+            bucket.work.wait()
+        except Exception as err:
+            names = [self._names[id(p)] for p in bucket.params]
+            raise RuntimeError(
+                f"rank {dist.get_rank()}: DP gradient all-reduce of bucket {bucket.index} of {len(self.buckets)} "
+                f"({len(names)} parameters: {names[:3]}{' ...' if len(names) > 3 else ''}) over "
+                f"{self.world_size} ranks failed: {err}. A peer probably died or runs a different number of "
+                "backwards/steps"
+            ) from err
         bucket.work = None
         if self.average:
             bucket.buffer.div_(self.world_size)

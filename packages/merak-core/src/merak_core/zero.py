@@ -151,7 +151,13 @@ class ZeroOptimizer(Optimizer):
             pending.append((owner, params, flat, work))
         for owner, params, flat, work in pending:
             assert work is not None
-            work.wait()
+            try:
+                work.wait()
+            except Exception as err:
+                raise RuntimeError(
+                    f"rank {dist.get_rank()}: ZeRO-1 broadcast of the parameters owned by DP rank {owner} "
+                    f"({len(params)} tensors) failed: {err}. A peer probably died or skipped optimizer.step()"
+                ) from err
             if owner == self.dp_rank:
                 continue
             offset = 0
