@@ -5,14 +5,13 @@ from __future__ import annotations
 import os
 import time
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from tests.e2e._checkpoint_support import layout_kwargs
 from tests.e2e._trainer_support import TokenDataset, build_model, make_args
-from tests.support.models import REFERENCE_MODELS, lm_loss
+from tests.support.models import lm_loss
 
 
 def die_mid_step_body(layout: tuple[int, int, int], victim: int, die_at_call: int, timeout_s: float) -> None:
@@ -65,11 +64,3 @@ def job_loss(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
             os._exit(13)
     return lm_loss(output, labels)
 
-
-def reference_body(kwargs: dict[str, Any]) -> list[float]:
-    """The uninterrupted run of the job, in the worker pool."""
-    from merak_core import Trainer
-
-    model = build_model("gpt")
-    trainer = Trainer(model, make_args(**kwargs), job_data(), loss_fn=REFERENCE_MODELS["gpt"].loss)
-    return [h["loss"] for h in trainer.train()]

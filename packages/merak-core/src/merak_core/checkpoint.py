@@ -548,6 +548,8 @@ class CheckpointManager:
                 f"rank {dist.get_rank()}: checkpoint {str(directory)!r} is corrupt or unreadable: "
                 f"{_describe_failure(exc)}"
             ) from exc
+        train_state = pickle.loads(request["train_state"])  # noqa: S301 - our own checkpoint
+        self._restore_train_state(directory, train_state)  # checks first: fails before any tensor is copied
         with torch.no_grad():
             for name, (p, _) in specs.items():
                 buf, spec = receivers[f"model/{name}"]
@@ -562,8 +564,6 @@ class CheckpointManager:
                         state[state_key] = value.to(p.device) if value.ndim else value
                 if state:
                     inner.state[p] = state
-        train_state = pickle.loads(request["train_state"])  # noqa: S301 - our own checkpoint
-        self._restore_train_state(directory, train_state)
         if rng_key in request:
             _set_rng_state(request[rng_key])
         else:
@@ -576,6 +576,7 @@ class CheckpointManager:
         return step
 
     def _restore_train_state(self, directory: Path, state: Mapping[str, Any]) -> None:
+        """Data position, optimizer hyper-parameters and LR schedule; raises before changing anything."""
         trainer = self.trainer
         groups = state["param_groups"]
         if len(groups) != len(trainer.optimizer.param_groups):
@@ -583,6 +584,11 @@ class CheckpointManager:
                 f"checkpoint {str(directory)!r} has {len(groups)} optimizer parameter groups, this trainer "
                 f"{len(trainer.optimizer.param_groups)}: resume with the same optimizer set-up"
             )
+        if state.get("data") is not None and trainer.train_loader is not None:
+            try:
+                trainer.train_loader.load_state_dict(state["data"])  # checks everything before assigning
+            except ValueError as exc:
+                raise CheckpointError(f"checkpoint {str(directory)!r}: {exc}") from exc
         for group, saved in zip(trainer.optimizer.param_groups, groups, strict=True):
             group.update(saved)
         inner = _inner_optimizer(trainer.optimizer)
@@ -590,11 +596,6 @@ class CheckpointManager:
             for group, saved in zip(inner.param_groups, groups, strict=True):
                 group.update(saved)
         trainer.lr_scheduler.load_state_dict(state["scheduler"])
-        if state.get("data") is not None and trainer.train_loader is not None:
-            try:
-                trainer.train_loader.load_state_dict(state["data"])
-            except ValueError as exc:
-                raise CheckpointError(f"checkpoint {str(directory)!r}: {exc}") from exc
 
 
 # ---------------------------------------------------------------------------- import / export
