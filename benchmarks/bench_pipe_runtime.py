@@ -124,14 +124,24 @@ def _timed(step: Callable[[], None]) -> float:
 
 
 def _alternate(variants: dict[str, Callable[[], None]], warmup: int, rounds: int) -> dict[str, float]:
+    """Median step time of each variant, and the median of per-round paired ratios to the first.
+
+    Variants run back to back within a round (in alternating order), so both see the same load
+    of the shared machine; the paired ratio is the robust number, the medians are context.
+    """
     for _ in range(warmup):
         for step in variants.values():
             step()
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(rounds):
-        for name, step in variants.items():
-            times[name].append(_timed(step))
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    names = list(variants)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            times[name].append(_timed(variants[name]))
+    out = {name: statistics.median(ts) for name, ts in times.items()}
+    base = names[0]
+    for name in names[1:]:
+        out[f"{name}/{base}"] = statistics.median(t / b for t, b in zip(times[name], times[base], strict=True))
+    return out
 
 
 # --------------------------------------------------------------------------- sections
@@ -178,9 +188,10 @@ def torch_section(world: int, microbatches: int, batch_size: int, seq: int, warm
             else:
                 theirs.step(return_outputs=False)
 
-        medians = _alternate({"ours": run_ours, "torch": run_torch}, warmup, rounds)
+        medians = _alternate({"torch": run_torch, "ours": run_ours}, warmup, rounds)
         out[f"{name}/ours"] = medians["ours"]
         out[f"{name}/torch"] = medians["torch"]
+        out[f"{name}/ratio"] = medians["ours/torch"]
     return out
 
 
@@ -217,20 +228,23 @@ def sim_section(world: int, microbatches: int, batch_size: int, seq: int, warmup
               for s in schedule.stages_of(rank)]
     runner = PipelineRunner(stages, schedule, loss_fn=lm_loss, record_timing=True)
     ids, labels = batch(batch_size, seq)
-    measured, timings = [], []
+    measured, predicted = [], []
     for i in range(warmup + rounds):
         for stage in stages:
             stage.module.zero_grad(set_to_none=True)
         dist.barrier()
         runner.step(ids if runner.holds_first_stage else None, labels if runner.holds_last_stage else None)
         everyone = gather_timings(runner.timings)
-        if i >= warmup:
+        if i >= warmup and rank == 0:
+            # Each step is predicted from its own measured costs, so a slow moment of the shared
+            # machine weighs on the measurement and the prediction alike.
             measured.append(measured_step_time(everyone))
-            timings.extend(everyone)
+            predicted.append(simulate(schedule, measured_costs(everyone, schedule)).makespan)
     if rank != 0:
         return None
-    predicted = simulate(schedule, measured_costs(timings, schedule)).makespan
-    return {"measured": statistics.median(measured), "predicted": predicted}
+    errors = [p / m - 1 for p, m in zip(predicted, measured, strict=True)]
+    return {"measured": statistics.median(measured), "predicted": statistics.median(predicted),
+            "error": statistics.median(errors), "worst": max(errors, key=abs)}
 
 
 # --------------------------------------------------------------------------- main
@@ -241,45 +255,48 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run)")
     parser.add_argument("--section", choices=["torch", "shifted", "sim", "all"], default="all")
     parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=None, help="measured steps per variant (default 20, 5 quick)")
+    parser.add_argument("--stages", type=int, nargs="+", default=[2, 4], help="stage counts (torch, shifted)")
     args = parser.parse_args()
     warmup, rounds = (2, 5) if args.quick else (3, 20)
+    rounds = args.rounds or rounds
     seq = args.seq
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, "
           f"GPT {LAYERS} layers width {WIDTH}, seq {seq}, float32, gloo; medians of {rounds} steps after {warmup} warm-up")
 
     if args.section in ("torch", "all"):
         print("\n## merak_pipe vs torch.distributed.pipelining (step time, s)")
-        print("| stages | microbatches | schedule | merak_pipe | torch | ratio (ours/torch) |")
+        print("| stages | microbatches | schedule | merak_pipe (median) | torch (median) | ours/torch (median of paired steps) |")
         print("|---|---|---|---|---|---|")
-        for world in (2, 4):
+        for world in args.stages:
             m, b = 8, 16
             res = run_world(world, torch_section, world, m, b, seq, warmup, rounds)[0]
             for name in ("1f1b", "gpipe"):
                 ours, theirs = res[f"{name}/ours"], res[f"{name}/torch"]
-                print(f"| {world} | {m} | {name} | {ours:.4f} | {theirs:.4f} | {ours / theirs:.3f} |", flush=True)
+                print(f"| {world} | {m} | {name} | {ours:.4f} | {theirs:.4f} | {res[f'{name}/ratio']:.3f} |", flush=True)
 
     if args.section in ("shifted", "all"):
         print("\n## shifted-critical-path vs 1F1B, full recompute (step time, s)")
-        print("| stages | microbatches | 1f1b | shifted-critical-path | speed-up |")
+        print("| stages | microbatches | 1f1b (median) | shifted-critical-path (median) | speed-up (median of paired steps) |")
         print("|---|---|---|---|---|")
-        for world in (2, 4):
+        for world in args.stages:
             m, b = 8, 16
             res = run_world(world, shifted_section, world, m, b, seq, warmup, rounds)[0]
             base, ours = res["1f1b"], res["shifted-critical-path"]
-            print(f"| {world} | {m} | {base:.4f} | {ours:.4f} | {100 * (base / ours - 1):+.1f}% |", flush=True)
+            speedup = 1 / res["shifted-critical-path/1f1b"] - 1
+            print(f"| {world} | {m} | {base:.4f} | {ours:.4f} | {100 * speedup:+.1f}% |", flush=True)
 
     if args.section in ("sim", "all"):
         print("\n## measured step time vs simulator prediction from measured per-action costs (s)")
-        print("| schedule | ranks | stages | recompute | measured | predicted | error |")
-        print("|---|---|---|---|---|---|---|")
+        print("| schedule | ranks | stages | recompute | measured | predicted | median error | worst step |")
+        print("|---|---|---|---|---|---|---|---|")
         world, m, b = 2, 8, 16
         for name, recompute in (("gpipe", None), ("1f1b", None), ("1f1b", "full"), ("interleaved-1f1b", None),
                                 ("shifted-critical-path", "full"), ("zb-h1", None)):
             res = run_world(world, sim_section, world, m, b, seq, warmup, rounds, name, recompute)[0]
             stages = 2 * world if name == "interleaved-1f1b" else world
-            err = (res["predicted"] - res["measured"]) / res["measured"]
             print(f"| {name} | {world} | {stages} | {recompute or 'none'} | {res['measured']:.4f} | "
-                  f"{res['predicted']:.4f} | {100 * err:+.1f}% |", flush=True)
+                  f"{res['predicted']:.4f} | {100 * res['error']:+.1f}% | {100 * res['worst']:+.1f}% |", flush=True)
 
 
 if __name__ == "__main__":
