@@ -113,6 +113,7 @@ def test_build_stage_initialises_from_modules_when_no_checkpoint() -> None:
     assert not is_meta_module(first)
 
 
+@pytest.mark.transformers  # runs in the nox session that installs the optional extras (safetensors)
 def test_safetensors_reads_only_the_stage_tensors(tmp_path) -> None:  # type: ignore[no-untyped-def]
     safetensors_torch = pytest.importorskip("safetensors.torch")
     ref = build_reference("gpt")

@@ -122,3 +122,24 @@ def test_smallest_boundary_among_optimal_matches_brute_force(data, num_stages, s
     assert bounds is not None and _slowest(costs, bounds) <= limit
     inner = bounds[1:-1]
     assert (max(cut[c - 1] for c in inner), sum(cut[c - 1] for c in inner)) == best
+
+
+def test_partition_level_in_flight_and_tolerance() -> None:
+    """1F1B in-flight counts raise early stages' memory; a tolerance trades balance for boundary size."""
+    from merak_graph import partition
+    from tests.support.models import REFERENCE_MODELS, build_reference
+
+    model = build_reference("gpt")
+    spec = REFERENCE_MODELS["gpt"]
+    x = spec.make_inputs(2, 8, 0)
+    plain = partition(model, 4, example_inputs=x, input_names=spec.input_names)
+    flight = partition(model, 4, example_inputs=x, input_names=spec.input_names, in_flight="1f1b")
+    for p_info, f_info, in_flight in zip(plain.stage_info, flight.stage_info, [4, 3, 2, 1], strict=True):
+        assert f_info.memory_bytes == f_info.param_bytes * 4.0 + in_flight * f_info.activation_bytes
+        assert p_info.memory_bytes == p_info.param_bytes * 4.0 + p_info.activation_bytes
+    loose = partition(model, 4, example_inputs=x, input_names=spec.input_names, balance_tolerance=0.5)
+    assert max(loose.stage_costs) <= 1.5 * max(plain.stage_costs) * (1 + 1e-9)
+    cut = [sum(b.nbytes for b in c) for c in loose.boundaries]
+    assert max(cut) <= max(sum(b.nbytes for b in c) for c in plain.boundaries)
+    with pytest.raises(ValueError, match="in_flight"):
+        partition(model, 4, example_inputs=x, input_names=spec.input_names, in_flight="gpipe")

@@ -513,7 +513,7 @@ def partition_traced(
     if auto and method == "cost" and _imbalance(result) > _REFINE_ABOVE:
         # Natural cuts are too coarse for this stage count: retry with finer shards, keep the better.
         finer = partition_sharded(make_shards(_FINE_SHARDS_PER_STAGE * num_stages), num_stages, **kwargs)
-        if max(finer.stage_costs) < max(result.stage_costs) * (1 - 1e-3):
+        if max(finer.stage_costs) < max(result.stage_costs) * (1 - _REFINE_MIN_GAIN):
             logger.info("finer shards improve the slowest stage from %.4g to %.4g s",
                         max(result.stage_costs), max(finer.stage_costs))
             result = finer
@@ -522,6 +522,7 @@ def partition_traced(
 
 _REFINE_ABOVE = 1.05  # slowest/mean above which the automatic shard count is refined
 _FINE_SHARDS_PER_STAGE = 24
+_REFINE_MIN_GAIN = 0.02  # finer shards (larger boundaries) must lower the slowest stage by 2%
 
 
 def _imbalance(part: Partition) -> float:
