@@ -89,7 +89,7 @@ def test_yaml_round_trip_and_overrides(tmp_path: Path) -> None:
         "dp: 2\ntp: 2\npp: 2\n"
         "recompute: uniform:0.5\n"
         "memory_budget: 1GiB\n"
-        "tp_plan: {q_proj: colwise, o_proj: rowwise}\n"
+        "tp_plan: {q_proj: column, o_proj: row}\n"
     )
     args = TrainingArguments.from_yaml(path, ["learning_rate=1e-3", "--tp=1", "dp=null", "bf16=true",
                                               "output_dir=2024", "schedule=1f1b", "zero_stage=1"])
@@ -99,7 +99,7 @@ def test_yaml_round_trip_and_overrides(tmp_path: Path) -> None:
     assert args.output_dir == "2024" and args.schedule == "1f1b"
     assert TrainingArguments(schedule="shifted-critical-path").schedule == "shifted_critical_path"
     assert args.memory_budget == 2**30 and args.recompute_mode == ("uniform", 0.5)
-    assert args.tp_plan == {"q_proj": "colwise", "o_proj": "rowwise"}
+    assert args.tp_plan == {"q_proj": "column", "o_proj": "row"}
     out = tmp_path / "saved.yaml"
     args.to_yaml(out)
     assert TrainingArguments.from_yaml(out) == args

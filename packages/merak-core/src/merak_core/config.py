@@ -211,14 +211,32 @@ class TrainingArguments:
         parse_recompute(self.recompute)
         if self.memory_budget is not None:
             self.memory_budget = parse_bytes(self.memory_budget)
+        if self.recompute.strip().lower() == "stage_aware" and (self.memory_budget is None or self.pp < 2):
+            raise ValueError(
+                f"recompute='stage_aware' chooses per-stage fractions from a memory budget, but pp={self.pp} and "
+                f"memory_budget={self.memory_budget}: set pp >= 2 and memory_budget (e.g. '12GiB'), or use "
+                "recompute='full' / 'uniform:<fraction>'"
+            )
         _check(self.zero_stage in (0, 1) and not isinstance(self.zero_stage, bool), "zero_stage",
                self.zero_stage, "0 (off) or 1 (optimizer states sharded over DP)")
         if isinstance(self.tp_plan, Mapping):
             _check(all(isinstance(k, str) and isinstance(v, str) for k, v in self.tp_plan.items()), "tp_plan",
                    self.tp_plan, "a mapping of module-name pattern to a style name (both strings)")
+            import merak_tp
+
+            bad = {k: v for k, v in self.tp_plan.items() if v not in merak_tp.STYLES}
+            _check(not bad, "tp_plan", self.tp_plan, f"styles from {merak_tp.STYLES} (unknown: {bad})")
         else:
             _check(self.tp_plan is None or isinstance(self.tp_plan, str), "tp_plan", self.tp_plan,
                    "null, 'auto', a plan name or a mapping")
+            if self.tp_plan not in (None, "auto"):  # checked now, not only when tp > 1 first shards a model
+                import merak_tp
+
+                try:
+                    merak_tp.get_plan(str(self.tp_plan))
+                except ValueError as exc:
+                    raise ValueError(f"tp_plan={self.tp_plan!r}: {exc}; or use 'auto' or a mapping of module "
+                                     "pattern -> style") from None
 
     # ------------------------------------------------------------ derived values
 

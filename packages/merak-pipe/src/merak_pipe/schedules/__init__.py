@@ -92,6 +92,18 @@ def build_schedule(
     if num_ranks is not None and (not isinstance(num_ranks, int) or num_ranks < 1):
         raise ValueError(f"num_ranks={num_ranks!r}; expected an int >= 1 or None")
     plan = as_plan(recompute, num_stages)
+    if options:
+        import inspect
+
+        params = inspect.signature(fn).parameters
+        unknown = sorted(set(options) - set(params))
+        if unknown and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            own = [p for p in params if p not in ("num_stages", "num_microbatches", "num_ranks", "recompute")]
+            takers = [n for n, g in sorted(_REGISTRY.items()) if set(unknown) <= set(inspect.signature(g).parameters)]
+            raise TypeError(
+                f"schedule {name!r} takes no option {', '.join(map(repr, unknown))} (its options: {own}): "
+                + (f"use a schedule that does, {takers}, or drop it" if takers else "drop it")
+            )
     with paused_gc():
         schedule = fn(
             num_stages=num_stages,
