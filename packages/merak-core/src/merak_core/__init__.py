@@ -4,25 +4,39 @@
 trains an ordinary model with it. See the package README.
 """
 
+from merak_core.clip import clip_grad_norm_, global_grad_norm
 from merak_core.compose import ParallelModel, build_parallel_model, gather_full_state_dict
-from merak_core.config import TrainingArguments, build_lr_scheduler
-from merak_core.data import StageAwareDataLoader, StageBatch
-from merak_core.layout import ParallelLayout, init
+from merak_core.config import TrainingArguments, build_lr_scheduler, parse_bytes, parse_recompute
+from merak_core.data import StageAwareDataLoader, StageBatch, split_inputs_labels
+from merak_core.data_parallel import DataParallelGradSync
+from merak_core.job import JobConfig
+from merak_core.layout import ParallelLayout, init, resolve_degrees
 from merak_core.trainer import Trainer, default_loss
+from merak_core.zero import ZeroOptimizer, partition_parameters
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DataParallelGradSync",
+    "JobConfig",
     "ParallelLayout",
     "ParallelModel",
     "StageAwareDataLoader",
     "StageBatch",
     "Trainer",
     "TrainingArguments",
+    "ZeroOptimizer",
     "__version__",
     "build_lr_scheduler",
     "build_parallel_model",
+    "clip_grad_norm_",
     "default_loss",
     "gather_full_state_dict",
+    "global_grad_norm",
     "init",
+    "parse_bytes",
+    "parse_recompute",
+    "partition_parameters",
+    "resolve_degrees",
+    "split_inputs_labels",
 ]
