@@ -29,12 +29,22 @@ def layout_kwargs(dp: int, tp: int, pp: int, **extra: Any) -> dict[str, Any]:
 
 
 def make_trainer(name: str, kwargs: dict[str, Any], dataset_size: int = 64) -> Any:
+    """A Trainer of reference model ``name`` (or ``hf_gpt2``: a tiny transformers GPT-2, fused c_attn)."""
     from merak_core import Trainer
 
     args = make_args(**kwargs)
-    model = build_model(name)
+    if name == "hf_gpt2":
+        from tests.tp._hf_bodies import build
+
+        torch.manual_seed(0)
+        model = build("gpt2")
+        model.config.use_cache = False  # outputs without a KV-cache object
+        loss = None  # default_loss reads output.logits
+    else:
+        model = build_model(name)
+        loss = REFERENCE_MODELS[name].loss
     data = TokenDataset(dataset_size, model.config.vocab_size)
-    return Trainer(model, args, data, loss_fn=REFERENCE_MODELS[name].loss)
+    return Trainer(model, args, data, loss_fn=loss)
 
 
 def train_body(name: str, kwargs: dict[str, Any], resume: str | None = None,

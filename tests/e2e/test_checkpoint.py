@@ -69,6 +69,26 @@ def test_reshard_across_layouts(tmp_path: Path, case: tuple[tuple[int, int, int]
         assert_tensors_close(head["final_state"][key], ref, name=f"{src}->{dst} final {key}", rtol=1e-8, atol=1e-10)
 
 
+@pytest.mark.transformers
+def test_reshard_transformers_gpt2_fused_and_transposed(tmp_path: Path) -> None:
+    """GPT-2's c_attn is a fused (3 sections) Conv1D: gathered over TP, saved in (in, out) orientation."""
+    pytest.importorskip("transformers")
+    from tests.tp._hf_bodies import build
+
+    common = dict(output_dir=str(tmp_path), max_steps=4, save_steps=2)
+    full = run_on_ranks(2, support.train_body, "hf_gpt2", support.layout_kwargs(1, 2, 1, **common))
+    saved = support.saved_state_body(str(tmp_path / "checkpoints" / "step_2"))
+    model = build("gpt2")
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    assert {name: tuple(t.shape) for name, t in saved.items()} == shapes  # the unsharded model's layout
+    common["output_dir"] = str(tmp_path / "tp1")
+    resumed = run_on_ranks(1, support.train_body, "hf_gpt2", support.layout_kwargs(1, 1, 1, **common),
+                           str(tmp_path / "checkpoints" / "step_2"))[0]
+    _assert_states_equal(resumed["loaded_state"], saved, "tp=1 parameters after loading the tp=2 checkpoint")
+    for step in (3, 4):
+        assert resumed["losses"][step] == pytest.approx(full[0]["losses"][step], rel=1e-11), step
+
+
 def test_full_state_of_checkpoint_equals_trainer(tmp_path: Path) -> None:
     kwargs = support.layout_kwargs(1, 2, 2, output_dir=str(tmp_path), max_steps=2, save_steps=2)
     full = run_on_ranks(4, support.train_body, "llama", kwargs)

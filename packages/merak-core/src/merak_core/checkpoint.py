@@ -57,6 +57,7 @@ import random
 import re
 import shutil
 import time
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -713,7 +714,9 @@ def read_checkpoint_model(path: str | os.PathLike[str]) -> dict[str, torch.Tenso
         elif key.startswith("model/") and isinstance(md, BytesStorageMetadata):  # pragma: no cover
             raise CheckpointError(f"checkpoint {str(directory)!r}: {key} is not a tensor")
     try:
-        dcp.load(request, storage_reader=dcp.FileSystemReader(str(directory)), no_dist=True)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(request, storage_reader=dcp.FileSystemReader(str(directory)), no_dist=True)
     except (Exception, dcp.CheckpointException) as exc:
         raise CheckpointError(
             f"checkpoint {str(directory)!r} is corrupt or unreadable: {_describe_failure(exc)}"
