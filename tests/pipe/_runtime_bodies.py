@@ -58,6 +58,7 @@ def build_runner(case: dict[str, Any], schedule: Schedule, group: dist.ProcessGr
             {"wte.weight": [schedule.rank_of(0), schedule.rank_of(num_stages - 1)]}, group=group)
         shared = shared_parameters_list({"wte.weight": model.wte.weight}, groups)
     runner_kwargs.setdefault("timeout", TIMEOUT)
+    runner_kwargs.setdefault("loss_reduction", case.get("loss_reduction", "mean"))
     runner = PipelineRunner(stages, schedule, loss_fn=lm_loss, group=group, shared_parameters=shared,
                             **runner_kwargs)
     return model, runner
@@ -94,6 +95,9 @@ def reference(case: dict[str, Any]) -> list[dict[str, Any]]:
         model.zero_grad(set_to_none=True)
         ids, labels = batch_for(case, step, seq)
         loss = lm_loss(model(ids), labels)
+        if case.get("loss_reduction") == "sum":
+            # The sum of the microbatches' mean losses: equal microbatches, so M x the full mean.
+            loss = loss * case["num_microbatches"]
         loss.backward()
         results.append({"loss": loss.detach(),
                         "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()}})

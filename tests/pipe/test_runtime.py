@@ -83,7 +83,7 @@ def test_buffers_reused_across_steps_and_shapes() -> None:
 
 
 def test_more_microbatches_than_stages_and_sum_reduction() -> None:
-    case = make_case("1f1b", 2, "gpt", "full", seqs=(8,), num_microbatches=8, batch=8)
+    case = make_case("1f1b", 2, "gpt", "full", seqs=(8,), num_microbatches=8, batch=8, loss_reduction="sum")
     results = run_on_ranks(2, bodies.train_body, case)
     assert_matches(results, bodies.reference(case))
 
