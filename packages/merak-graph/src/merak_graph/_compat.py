@@ -65,3 +65,60 @@ class FlopCountingMode(TorchDispatchMode):
 
 
 __all__ += ["FlopCountingMode"]
+
+
+# --------------------------------------------------------------------------- collectives on meta tensors
+
+import contextlib  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+
+_COLLECTIVES = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+    "broadcast", "reduce", "all_to_all", "all_to_all_single", "barrier",
+)
+
+
+class _DoneWork:
+    """Stands in for the Work handle of an async collective that did nothing."""
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def _all_meta(values: Any) -> bool:
+    flat, _ = tree_flatten(values)
+    tensors = [v for v in flat if isinstance(v, torch.Tensor)]
+    return bool(tensors) and all(t.is_meta for t in tensors)
+
+
+@contextlib.contextmanager
+def meta_collectives() -> Iterator[None]:
+    """torch.distributed collectives whose tensors are all on meta do nothing (shapes are preserved:
+    their outputs are preallocated by the caller). Lets tensor-parallel leaf modules run on meta
+    tensors for shape and cost propagation without a process group."""
+    import torch.distributed as dist
+
+    originals = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
+
+    def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def collective(*args: Any, **kwargs: Any) -> Any:
+            if _all_meta((args, kwargs)):
+                return _DoneWork() if kwargs.get("async_op") else None
+            return fn(*args, **kwargs)
+
+        collective.__name__ = name
+        return collective
+
+    for name, fn in originals.items():
+        setattr(dist, name, wrap(name, fn))
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+__all__ += ["meta_collectives"]

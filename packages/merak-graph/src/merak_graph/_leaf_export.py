@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ._compat import tree_flatten, tree_unflatten
+from ._compat import meta_collectives, tree_flatten, tree_unflatten
 
 _LIB: torch.library.Library | None = None
 _COUNTER = itertools.count()
@@ -76,7 +76,7 @@ def export_with_leaves(
             records[name].append(([(tuple(t.shape), t.dtype) for t in flat], spec))
         hooks.append(mod.register_forward_hook(hook))
     try:
-        with torch.no_grad():
+        with torch.no_grad(), meta_collectives():
             model(*args, **kwargs)
     finally:
         for h in hooks:

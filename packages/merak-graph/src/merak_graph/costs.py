@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ._compat import FlopCountingMode, tree_flatten
+from ._compat import FlopCountingMode, meta_collectives, tree_flatten
 
 __all__ = ["CostModel", "NodeCost", "ValueSpec", "annotate_costs", "graph_cost_summary"]
 
@@ -193,7 +193,7 @@ def annotate_costs(
     values = [
         x.to("meta") if to_meta and isinstance(x, torch.Tensor) else x for x in example_inputs
     ]
-    with torch.no_grad():
+    with torch.no_grad(), meta_collectives():
         _CostInterpreter(gm, cost_model, to_meta).run(*values)
     gm.meta["merak_cost_model"] = dataclasses.asdict(cost_model)
     return gm
