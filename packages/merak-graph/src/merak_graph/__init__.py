@@ -21,7 +21,7 @@ from .partitioning import (
 from .profiling import profile_shards
 from .sharding import BoundaryValue, Shard, ShardedGraph, natural_shard_count, shard
 from .solver import optimal_contiguous_partition, uniform_partition
-from .stage import StageModule
+from .stage import StageModule, retarget_devices
 from .tracing import trace
 
 __version__ = "0.1.0"
@@ -52,6 +52,7 @@ __all__ = [
     "partition_sharded",
     "partition_traced",
     "profile_shards",
+    "retarget_devices",
     "shard",
     "trace",
     "uniform_partition",
