@@ -140,6 +140,11 @@ def test_retention_and_latest_pointer(tmp_path: Path) -> None:
     assert meta["step"] == 5 and meta["layout"] == {"dp": 1, "tp": 1, "pp": 2, "world_size": 2}
     assert meta["training_arguments"]["save_total_limit"] == 2
     assert "wte.weight" in meta["fingerprint"]
+    # Resuming the finished run trains nothing and re-saves step 5 in place (swap through step_5.old).
+    again = run_on_ranks(2, support.train_body, "gpt", kwargs, "latest")[0]
+    assert again["resumed_step"] == 5 and again["losses"] == {}
+    assert sorted(os.listdir(root)) == ["latest", "step_4", "step_5"]
+    _assert_states_equal(support.saved_state_body(str(root / "step_5")), full[0]["final_state"], "re-saved step 5")
 
 
 def test_save_killed_midway_leaves_previous_checkpoint(tmp_path: Path) -> None:
