@@ -142,3 +142,28 @@ def load_error_body(out_dir: str, path: str, name: str = "gpt") -> str:
     except CheckpointError as exc:
         return str(exc)
     return "no error"
+
+
+def sgd_body(out_dir: str, resume: bool) -> dict[str, Any]:
+    """SGD with momentum (another optimizer's states) plus a non-tensor state entry, saved and resumed."""
+    from merak_core import Trainer
+
+    args = make_args(**layout_kwargs(1, 1, 1, output_dir=out_dir, max_steps=4, save_steps=2))
+    model = build_model("gpt")
+
+    def sgd(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        opt = torch.optim.SGD(groups, lr=0.05, momentum=0.9)
+        return opt
+
+    trainer = Trainer(model, args, TokenDataset(64, model.config.vocab_size), loss_fn=REFERENCE_MODELS["gpt"].loss,
+                      optimizer_factory=sgd)
+    first = trainer.params[0]
+    if resume:
+        trainer.resume("step_2")
+        note = trainer.optimizer.state[first].get("note")
+    else:
+        trainer.optimizer.state[first]["note"] = ("a non-tensor state", 1)
+        note = None
+    history = trainer.train()
+    return {"losses": {int(h["step"]): h["loss"] for h in history}, "note": note,
+            "momentum": trainer.optimizer.state[first]["momentum_buffer"].clone()}

@@ -89,6 +89,14 @@ def test_reshard_transformers_gpt2_fused_and_transposed(tmp_path: Path) -> None:
         assert resumed["losses"][step] == pytest.approx(full[0]["losses"][step], rel=1e-11), step
 
 
+def test_resume_other_optimizer_and_non_tensor_state(tmp_path: Path) -> None:
+    full = run_on_ranks(1, support.sgd_body, str(tmp_path), False)[0]
+    resumed = run_on_ranks(1, support.sgd_body, str(tmp_path), True)[0]
+    assert resumed["note"] == ("a non-tensor state", 1)
+    assert resumed["losses"] == {s: full["losses"][s] for s in (3, 4)}
+    assert torch.equal(resumed["momentum"], full["momentum"])
+
+
 def test_full_state_of_checkpoint_equals_trainer(tmp_path: Path) -> None:
     kwargs = support.layout_kwargs(1, 2, 2, output_dir=str(tmp_path), max_steps=2, save_steps=2)
     full = run_on_ranks(4, support.train_body, "llama", kwargs)

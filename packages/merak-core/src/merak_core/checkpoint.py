@@ -21,7 +21,7 @@ on the layout that wrote it, so any layout can read it:
   gathered over TP and saved whole.
 - ``optim/<logical name>/<state key>``: optimizer state (AdamW ``exp_avg``,
   ``exp_avg_sq``, ``step``). States shaped like the parameter are sharded like it;
-  others (the step count) are plain. Under ZeRO-1 only the owning DP rank writes.
+  other tensors (the step count) are plain, non-tensors are pickled. Under ZeRO-1 only the owning DP rank writes.
 - ``train_state`` (pickled, written by rank 0): step, LR scheduler, optimizer
   hyper-parameters per group, data-loader position.
 - ``rng/rank_<r>`` (pickled, per rank): torch CPU/CUDA, Python and NumPy RNG states.
@@ -446,9 +446,9 @@ class CheckpointManager:
                 name = owner_name
                 spec = specs[name][1]
                 for key, value in sorted(inner.state.get(p, {}).items()):
-                    if not isinstance(value, torch.Tensor):
-                        raise ValueError(f"optimizer state {key!r} of {name!r} is a {type(value).__name__}: "
-                                         "checkpoints support tensor optimizer states only")
+                    if not isinstance(value, torch.Tensor):  # e.g. SGD's momentum_buffer=None: pickled
+                        state[f"optim/{name}/{key}"] = pickle.dumps(value)
+                        continue
                     if value.shape == p.shape and value.ndim > 0:
                         out = _to_checkpoint(trainer, value, spec, p)
                     else:
@@ -528,6 +528,7 @@ class CheckpointManager:
                     key = f"optim/{name}/{state_key}"
                     md = available[key]
                     if not isinstance(md, TensorStorageMetadata):
+                        request[key] = b""  # a pickled non-tensor state
                         continue
                     dtype = md.properties.dtype
                     if tuple(md.size) == spec.full_shape and len(md.size) > 0:
@@ -563,6 +564,8 @@ class CheckpointManager:
                         buf, spec = receivers[key]
                         value = _from_loaded(spec, buf)
                         state[state_key] = value.to(p.device) if value.ndim else value
+                    elif key in request:
+                        state[state_key] = pickle.loads(request[key])  # noqa: S301 - our own checkpoint
                 if state:
                     inner.state[p] = state
         if rng_key in request:
