@@ -21,6 +21,7 @@ marker must be dropped, as soon as the cause is fixed in merak-core/merak-graph.
 
 from __future__ import annotations
 
+import re
 import tempfile
 from typing import Any
 
@@ -51,6 +52,12 @@ EXPORT_BATCH_BLOCKED = (
     "in the first stage's forward (RuntimeError 'The expanded size of the tensor (..) must match the existing "
     "size (..)' in Llama's GQA repeat_kv). merak_graph.trace(method='export') should mark the batch dim "
     "dynamic (torch.export.Dim) or the Trainer should evaluate in training-sized microbatches"
+)
+MODEL_OUTPUT_BLOCKED = (
+    "with pp == 1 the whole transformers model is the stage and returns a ModelOutput (a dict subclass); "
+    "merak_pipe.runner._concat rebuilds dicts as plain dicts, so Trainer.evaluate's "
+    "getattr(outputs, 'logits', outputs) hands compute_metrics a dict -> AttributeError 'dict' object has no "
+    "attribute 'argmax' (fix: _concat keeps the mapping's type, or evaluate reads outputs['logits'])"
 )
 CONV1D_BLOCKED = (
     "merak_tp.parallelize stores GPT-2's Conv1D weights transposed ([out, in], Linear layout, tagged "
@@ -121,6 +128,13 @@ def lm_loss(output: Any, labels: torch.Tensor) -> torch.Tensor:
                                              ignore_index=-100)
 
 
+def token_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-example share of counted tokens predicted right (a ``compute_metrics`` function)."""
+    counted = labels != -100
+    hits = (logits.argmax(-1) == labels) & counted
+    return {"accuracy": hits.sum(1).double() / counted.sum(1).clamp(min=1)}
+
+
 def make_args(**overrides: Any) -> Any:
     from merak_core.config import TrainingArguments
 
@@ -133,8 +147,8 @@ def make_args(**overrides: Any) -> Any:
     return TrainingArguments(**values)
 
 
-def train_hf_on_ranks(name: str, args_kwargs: dict[str, Any],
-                      with_mask: bool) -> tuple[list[float], Any, set[str], float]:
+def train_hf_on_ranks(name: str, args_kwargs: dict[str, Any], with_mask: bool,
+                      metrics: bool = False) -> tuple[list[float], Any, set[str], float]:
     """Rank body: the Trainer on the HF model; (losses, full state dict on rank 0, transposed names, eval loss).
 
     The last item names the parameters merak-tp stored transposed (a transformers ``Conv1D`` turned
@@ -146,7 +160,8 @@ def train_hf_on_ranks(name: str, args_kwargs: dict[str, Any],
 
     data = PaddedTokens(48, with_mask=with_mask)
     eval_data = PaddedTokens(EVAL_SIZE, seed=1, with_mask=with_mask)
-    trainer = Trainer(build_hf_model(name), make_args(**args_kwargs), data, eval_data, loss_fn=lm_loss)
+    trainer = Trainer(build_hf_model(name), make_args(**args_kwargs), data, eval_data, loss_fn=lm_loss,
+                      compute_metrics=token_accuracy if metrics else None)
     history = trainer.train()  # evaluates once at the end
     state = trainer.full_state_dict()
     transposed = {name for name, p in trainer.model.named_parameters() if getattr(p, "_merak_tp_transposed", False)}
@@ -203,6 +218,10 @@ def reference_training(name: str, args_kwargs: dict[str, Any], dp: int,
     return losses, {n: p.detach().clone() for n, p in params.items()}, sum(chunk_losses) / len(chunk_losses)
 
 
+class Conv1DLayoutError(AssertionError):
+    """The full state dict holds a transformers Conv1D weight transposed (see ``CONV1D_BLOCKED``)."""
+
+
 def _check(name: str, layout: tuple[int, int, int], with_mask: bool, *, conv1d_layout: bool = False,
            **overrides: Any) -> None:
     """Losses, every parameter by name and the final eval loss equal single-process training.
@@ -226,9 +245,25 @@ def _check(name: str, layout: tuple[int, int, int], with_mask: bool, *, conv1d_l
     for key, ref in ref_state.items():
         value = state[key]
         if key in transposed:
-            assert not conv1d_layout, f"{key}: full_state_dict holds the transposed Conv1D weight {tuple(value.shape)}"
+            if conv1d_layout:
+                raise Conv1DLayoutError(f"{key}: full_state_dict holds the transposed Conv1D weight "
+                                        f"{tuple(value.shape)}, the model has {tuple(ref.shape)}")
             value = value.t()
         assert_tensors_close(value, ref, name=f"{name} {dp}x{tp}x{pp} param {key}", rtol=1e-8, atol=1e-10)
+
+
+def _known_failure(pattern: str, fn: Any, *args: Any, **kwargs: Any) -> None:
+    """Run ``fn``; a WorkerError passes through only if it shows ``pattern`` (the known cause).
+
+    Used under ``xfail(raises=WorkerError, strict=True)``: a failure for any other reason turns into
+    an AssertionError, which the marker does not excuse, so a new bug cannot hide behind an old one.
+    """
+    try:
+        fn(*args, **kwargs)
+    except WorkerError as exc:
+        if re.search(pattern, str(exc)):
+            raise
+        raise AssertionError(f"failed, but not with the known cause {pattern!r}:\n{exc}") from None
 
 
 def _ids(t: tuple[int, int, int]) -> str:
@@ -247,17 +282,17 @@ def test_hf_model_trains_like_one_process(name: str, layout: tuple[int, int, int
 @pytest.mark.parametrize("name", MODELS)
 def test_hf_model_tp_and_pp(name: str) -> None:
     pytest.importorskip("transformers")
-    _check(name, (1, 2, 2), with_mask=name != "gpt2")
+    _known_failure("co_varnames is too small", _check, name, (1, 2, 2), with_mask=name != "gpt2")
 
 
 @pytest.mark.xfail(reason=POSITIONAL_BLOCKED, raises=WorkerError, strict=True)
 @pytest.mark.parametrize("layout", [(2, 1, 2), (2, 2, 1)], ids=_ids)
 def test_gpt2_with_attention_mask(layout: tuple[int, int, int]) -> None:
     pytest.importorskip("transformers")
-    _check("gpt2", layout, with_mask=True)
+    _known_failure("get_seq_length", _check, "gpt2", layout, with_mask=True)
 
 
-@pytest.mark.xfail(reason=CONV1D_BLOCKED, raises=AssertionError, strict=True)
+@pytest.mark.xfail(reason=CONV1D_BLOCKED, raises=Conv1DLayoutError, strict=True)
 def test_gpt2_full_state_dict_keeps_conv1d_layout() -> None:
     pytest.importorskip("transformers")
     _check("gpt2", (1, 2, 1), with_mask=False, conv1d_layout=True)
@@ -266,4 +301,12 @@ def test_gpt2_full_state_dict_keeps_conv1d_layout() -> None:
 @pytest.mark.xfail(reason=EXPORT_BATCH_BLOCKED, raises=WorkerError, strict=True)
 def test_hf_evaluate_with_another_batch_size_after_export() -> None:
     pytest.importorskip("transformers")
-    _check("llama", (2, 1, 2), with_mask=True, per_device_eval_batch_size=4)
+    _known_failure("expanded size of the tensor", _check, "llama", (2, 1, 2), with_mask=True,
+                   per_device_eval_batch_size=4)
+
+
+@pytest.mark.xfail(reason=MODEL_OUTPUT_BLOCKED, raises=WorkerError, strict=True)
+def test_hf_evaluate_with_metrics_at_pp1() -> None:
+    pytest.importorskip("transformers")
+    kwargs = dict(dp=2, tp=2, pp=1, gradient_accumulation_steps=2, max_steps=1)
+    _known_failure("no attribute 'argmax'", run_on_ranks, 4, train_hf_on_ranks, "llama", kwargs, True, True)
