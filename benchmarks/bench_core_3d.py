@@ -30,7 +30,6 @@ packages/merak-core/src python benchmarks/bench_core_3d.py [--quick] [--layout 2
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import statistics
 import sys
