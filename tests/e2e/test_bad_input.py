@@ -79,8 +79,7 @@ ROWS = [
     _row(cases.trainer_degrees_vs_world, ValueError,
          _all("WORLD_SIZE=2", "2*1*2=4", "change the degrees"), ranks=2),
     _row(cases.trainer_args_vs_layout_dp, ValueError,
-         _all("TrainingArguments.dp=1", "layout has dp=2", "same degrees"), ranks=2,
-         patch="01_trainer_dp_mismatch_fix.diff"),
+         _all("TrainingArguments.dp=1", "layout has dp=2", "same degrees"), ranks=2),
     _row(cases.trainer_args_vs_layout_pp, ValueError,
          _all("TrainingArguments.pp=2", "layout has pp=1", "build both from the same degrees"), ranks=2),
     _row(cases.cli_dry_run_world, CliExit,
@@ -192,11 +191,9 @@ ROWS = [
     _row(cases.trainer_pp_model_too_small, PartitionError, _all("only 1 shards", "num_stages=2", "at most 1 stages"),
          ranks=2),
     _row(cases.trainer_pp_float_labels_for_cross_entropy, ValueError,
-         _all("loss_fn cannot take the model's output", "torch.float64", "integer class ids"), ranks=2,
-         patch="08_trainer_check_labels_against_loss.diff"),
+         _all("loss_fn cannot take the model's output", "torch.float64", "integer class ids"), ranks=2),
     _row(cases.trainer_pp_labels_of_another_shape, ValueError,
-         _all("loss_fn cannot take the model's output", "shape [2, 2]", "Fix the labels"), ranks=2,
-         patch="08_trainer_check_labels_against_loss.diff"),
+         _all("loss_fn cannot take the model's output", "shape [2, 2]", "Fix the labels"), ranks=2),
     # ------------------------------------------------------------------ checkpoints (see [Note: checkpoint rows])
     _row(cases.ckpt_resume_partial_tmp_dir, CheckpointError,
          _all("step_2.tmp", "is partial", "load the previous step_<N> directory or 'latest'"), ranks=2),
@@ -213,8 +210,7 @@ ROWS = [
          _all("saved with global_batch_size=4", "this loader has global_batch_size=8", "resume with the same"),
          ranks=2),
     _row(cases.ckpt_new_run_into_old_output_dir, CheckpointError,
-         _all("already holds checkpoints", "step_1", "trainer.resume('latest')", "new output_dir"),
-         ranks=2, patch="06_trainer_no_silent_checkpoint_overwrite.diff"),
+         _all("already holds checkpoints", "step_1", "trainer.resume('latest')", "new output_dir"), ranks=2),
 ]
 
 

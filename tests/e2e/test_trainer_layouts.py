@@ -13,7 +13,7 @@ LAYOUTS = [(1, 1, 2), (1, 2, 1), (2, 1, 1), (2, 2, 1), (2, 1, 2), (1, 2, 2), (2,
 
 
 def _check(name: str, dp: int, tp: int, pp: int, **extra) -> None:
-    kwargs = dict(dp=dp, tp=tp, pp=pp, gradient_accumulation_steps=max(2, pp), **extra)
+    kwargs = {"dp": dp, "tp": tp, "pp": pp, "gradient_accumulation_steps": max(2, pp), **extra}
     results = run_on_ranks(dp * tp * pp, train_on_ranks, name, kwargs)
     ref_losses, ref_state = reference_training(name, kwargs, dp)
     losses, state = results[0]
@@ -33,3 +33,17 @@ def test_layout_matches_single_process(name: str, layout: tuple[int, int, int], 
     if zero and dp == 1:
         pytest.skip("ZeRO-1 shards over DP: needs dp > 1")
     _check(name, dp, tp, pp, zero_stage=zero)
+
+
+@pytest.mark.parametrize(("schedule", "recompute"), [
+    ("gpipe", "full"), ("1f1b", "none"), ("1f1b", "uniform:0.5"), ("zb_h1", "full"),
+    ("shifted_critical_path", "full"), ("shifted_critical_path", "none"),
+])
+def test_schedules_and_recompute_match_single_process(schedule: str, recompute: str) -> None:
+    """The Trainer's schedule and recomputation choices change speed and memory, never the math."""
+    _check("gpt", 2, 1, 2, schedule=schedule, recompute=recompute, gradient_accumulation_steps=4)
+
+
+def test_stage_aware_recompute_under_a_memory_budget_matches_single_process() -> None:
+    _check("llama", 1, 2, 2, schedule="shifted_critical_path", recompute="stage_aware", memory_budget="64MiB",
+           gradient_accumulation_steps=4)

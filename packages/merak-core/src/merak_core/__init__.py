@@ -4,6 +4,7 @@
 trains an ordinary model with it. See the package README.
 """
 
+from merak_core.checkpoint import CheckpointError, CheckpointManager, export_full_state_dict, load_full_state_dict
 from merak_core.clip import clip_grad_norm_, global_grad_norm
 from merak_core.compose import ParallelModel, build_parallel_model, gather_full_state_dict
 from merak_core.config import TrainingArguments, build_lr_scheduler, parse_bytes, parse_recompute
@@ -17,6 +18,8 @@ from merak_core.zero import ZeroOptimizer, partition_parameters
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointError",
+    "CheckpointManager",
     "DataParallelGradSync",
     "JobConfig",
     "ParallelLayout",
@@ -31,9 +34,11 @@ __all__ = [
     "build_parallel_model",
     "clip_grad_norm_",
     "default_loss",
+    "export_full_state_dict",
     "gather_full_state_dict",
     "global_grad_norm",
     "init",
+    "load_full_state_dict",
     "parse_bytes",
     "parse_recompute",
     "partition_parameters",

@@ -38,8 +38,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rdzv-id", default="merak", help="rendezvous job id (default 'merak')")
     p.add_argument("--max-restarts", type=int, default=0,
                    help="torchrun restarts after a failure; the job resumes from its last checkpoint")
-    p.add_argument("--resume", default=None, metavar="PATH|latest",
-                   help="resume from a checkpoint directory, or the latest one in output_dir")
+    p.add_argument("--resume", default=None, metavar="PATH|latest|auto",
+                   help="resume from a checkpoint directory, the latest one in output_dir, or 'auto' (latest if "
+                        "there is one, else start fresh); torchrun restarts resume with 'auto' by themselves")
     p.add_argument("--dry-run", action="store_true", help="print the torchrun command and exit")
 
 

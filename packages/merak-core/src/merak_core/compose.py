@@ -148,7 +148,7 @@ def build_parallel_model(
         stage = part.stages[stage_index].to(device)
     logical = part.stage_parameter_names(stage_index)
     # Drop the other stages: their tensors must not stay alive on this rank.
-    part.stages = [stage if i == stage_index else nn.Sequential() for i in range(len(part.stages))]
+    part.stages = [stage if i == stage_index else merak_graph.StageModule() for i in range(len(part.stages))]
     part.model = None
     local_params = dict(stage.named_parameters(remove_duplicate=False))
     copies = {sp.name: [s for s, _ in sp.stages] for sp in part.shared_parameters}

@@ -167,10 +167,13 @@ class Trainer:
             model, self.layout, example_inputs=example_inputs, tp_plan=args.tp_plan,
             overlap_chunks=args.overlap_chunks, device=self.device, init_fn=init_fn,
         )
+        self._check_loss_fn()
         self.runner = self._build_runner()
         named = self.model.named_parameters()
         params = [p for _, p in named]
-        self.dp_sync = (DataParallelGradSync(self.model.module, self.layout.dp_group)
+        # Shared (tied) parameters get their cross-stage sum after the backward: reduce them last.
+        self.dp_sync = (DataParallelGradSync(self.model.module, self.layout.dp_group,
+                                             deferred_params=[p for p, _ in self.model.shared_parameters])
                         if self.layout.dp > 1 else None)
         groups = _decay_groups(named, args.weight_decay)
         factory = optimizer_factory or self._adamw
@@ -203,8 +206,35 @@ class Trainer:
         collate = self.data_collator or torch.utils.data.default_collate
         it = iter(dataset) if not hasattr(dataset, "__getitem__") else (dataset[i] for i in range(len(dataset)))
         samples = [next(it) for _ in range(self.args.micro_batch_size)]
-        inputs, _ = split_inputs_labels(collate(samples))
+        inputs, self._example_labels = split_inputs_labels(collate(samples))
         return inputs
+
+    def _check_loss_fn(self) -> None:
+        """With pp > 1, try ``loss_fn`` on meta tensors shaped like the model's output and one microbatch of labels.
+
+        Every rank does it, so labels the loss cannot take fail here, on all ranks, instead of in the
+        last stage alone while the other stages wait for its gradients until the timeout. Only a model
+        whose output is one tensor is checked; errors caused by the meta device itself are ignored.
+        """
+        part, labels = self.model.partition, getattr(self, "_example_labels", None)
+        if part is None or not isinstance(labels, torch.Tensor) or len(part.stage_info[-1].outputs) != 1:
+            return
+        out = part.stage_info[-1].outputs[0]
+        if out.dtype is None:
+            return
+        output = torch.empty(out.shape, dtype=out.dtype, device="meta")
+        try:
+            self.loss_fn(output, labels.to("meta"))
+        except (AttributeError, KeyError, TypeError, NotImplementedError):
+            return  # the output is not a plain tensor for this loss, or the loss needs real values
+        except Exception as exc:  # noqa: BLE001 - any other failure is the labels' or the loss's
+            if "meta" in str(exc):
+                return
+            raise ValueError(
+                f"loss_fn cannot take the model's output (shape {list(out.shape)}, {out.dtype}) with labels of "
+                f"shape {list(labels.shape)} and dtype {labels.dtype}: {type(exc).__name__}: {exc}. Fix the labels "
+                "the dataset or collate function returns (e.g. integer class ids for cross-entropy) or the loss_fn"
+            ) from exc
 
     def _build_runner(self) -> Any:
         from merak_pipe import PipelineRunner, PipelineStage, build_schedule
@@ -290,12 +320,16 @@ class Trainer:
             p.grad = None
         labels = labels.to(self.device) if isinstance(labels, torch.Tensor) else labels
         layout = self.layout
+        if self.dp_sync is not None:
+            # Buckets are all-reduced during the backward of the last microbatch, as their gradients
+            # become final (each parameter's gradient accumulates once per microbatch).
+            self.dp_sync.prepare_step(self.args.num_microbatches)
         with self._phase(f"pipeline step over global ranks {layout.pp_ranks} (pipeline rank i = the i-th)"):
             with self._autocast():
                 loss = self.runner.step(self._stage_inputs(inputs), labels)
         if self.dp_sync is not None:
             with self._phase(f"DP gradient all-reduce over global ranks {layout.dp_ranks}"):
-                self.dp_sync.sync()
+                self.dp_sync.finish()
         self._fill_missing_grads()
         if self.args.max_grad_norm > 0:
             with self._phase("gradient-norm all-reduce over all ranks"):
@@ -347,6 +381,16 @@ class Trainer:
             raise ValueError("Trainer.train() needs a train_dataset")
         total = self.num_training_steps()
         args = self.args
+        if args.save_steps and self.global_step == 0:
+            earlier = self.checkpoints.checkpoints()
+            if earlier:
+                from merak_core.checkpoint import CheckpointError
+
+                raise CheckpointError(
+                    f"output_dir {args.output_dir!r} already holds checkpoints {[p.name for p in earlier]} of an "
+                    f"earlier run, which this run (not resumed, save_steps={args.save_steps}) would overwrite: "
+                    "resume it with trainer.resume('latest') (merak train --resume latest), or choose a new output_dir"
+                )
         iterator = iter(self.train_loader)  # resumes at the loader's restored position
         window_start, window_tokens = time.perf_counter(), 0
         self.metrics.start(total)
@@ -471,4 +515,5 @@ def _check_layout(args: TrainingArguments, layout: ParallelLayout) -> None:
             raise ValueError(f"TrainingArguments.{name}={getattr(args, name)} but the layout has "
                              f"{name}={getattr(layout, name)}: build both from the same degrees")
     if args.dp is not None and args.dp != layout.dp:
-        raise ValueError(f"TrainingArguments.dp={args.dp} but the layout has dp={layout.dp}")
+        raise ValueError(f"TrainingArguments.dp={args.dp} but the layout has dp={layout.dp}: build both from "
+                         "the same degrees, or set dp=None to take the layout's")
