@@ -42,7 +42,9 @@ def test_stalled_peer_raises_naming_error_within_timeout(victim: int) -> None:
     message = messages[survivor]
     assert message is not None and message.startswith("PipelineTimeoutError"), message
     elapsed = float(message.split(" after ")[1].split("s:")[0])
-    assert elapsed < timeout_s + 1.0, message  # the first failing wait ends the step
+    # Not a speed assertion: the step ends at the first failed wait instead of hanging (the pool
+    # would wait 180 s); the bound is loose because the machine may be loaded.
+    assert timeout_s <= elapsed < timeout_s + 10.0, message
     match = ERROR_RE.search(message)
     assert match, message
     rank, stage, _, kind, _, microbatch = match.groups()
