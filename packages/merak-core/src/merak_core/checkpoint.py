@@ -220,7 +220,7 @@ def _rng_state() -> bytes:
 
 
 def _set_rng_state(blob: bytes) -> None:
-    state = pickle.loads(blob)  # noqa: S301 - our own checkpoint (see CHECKPOINT.md: trust)
+    state = pickle.loads(blob)  # noqa: S301 - our own checkpoint (see the merak-core README, "Limits": trust)
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
