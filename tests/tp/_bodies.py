@@ -440,3 +440,54 @@ def deepcopy_body(tp: int) -> bool:
     assert_tensors_close(twin_out, out.detach(), name="deep copy output")
     assert twin.blocks[0].attn._merak_region_state is not model.blocks[0].attn._merak_region_state
     return True
+
+
+def dropout_body(tp: int, chunks: int) -> bool:
+    """Dropout in a TP GPT: residual dropout equals the single-device model's; attention dropout
+    (local heads, from the tracker's per-rank stream) is reproducible and keeps ranks consistent."""
+    group = tp_group(tp)
+    cfg = DecoderConfig(num_layers=2, num_kv_heads=4, dropout=0.2)
+    torch.manual_seed(0)
+    ref = GPT(cfg).double()
+    (ids,) = REFERENCE_MODELS["gpt"].make_inputs(4, 8, 3)
+    labels = REFERENCE_MODELS["gpt"].make_labels(4, 8, 3)
+
+    def run(model: nn.Module, tracker: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(100)  # the same on every TP rank: replicated dropout agrees across ranks
+        loss = REFERENCE_MODELS["gpt"].loss(model(ids), labels)
+        loss.backward()
+        return loss.detach(), gathered_grads(model, group) if tracker is not None else named_grads(model)
+
+    def tp_model(attn_p: float) -> tuple[nn.Module, Any]:
+        tracker = merak_tp.RNGTracker()
+        tracker.add("tp", merak_tp.tp_seed(7, group))
+        model = copy.deepcopy(ref)
+        for block in model.blocks:
+            block.attn.dropout = attn_p
+        merak_tp.parallelize(model, group=group, overlap_chunks=chunks, rng_tracker=tracker)
+        return model, tracker
+
+    # A: no attention dropout: the residual dropout masks are the single-device model's.
+    for block in ref.blocks:
+        block.attn.dropout = 0.0
+    loss_ref, grads_ref = run(ref, None)
+    model, tracker = tp_model(0.0)
+    for _ in range(2):
+        loss, grads = run(model, tracker)
+    assert_tensors_close(loss, loss_ref, name="loss with residual dropout")
+    assert_grads_match(grads, grads_ref)
+    # B: attention dropout from the tracker: reproducible, consistent across ranks, own stream.
+    losses = []
+    for _ in range(2):
+        model, tracker = tp_model(0.2)
+        before = tracker.get_states()["tp"].clone()
+        losses.append(run(model, tracker))
+        assert not torch.equal(before, tracker.get_states()["tp"]), "attention dropout did not use the tracker"
+    assert torch.equal(losses[0][0], losses[1][0]), "not reproducible"
+    assert_grads_match(losses[0][1], losses[1][1], rtol=0, atol=0)
+    assert not torch.allclose(losses[0][0], loss_ref), "attention dropout had no effect"
+    everyone = [torch.empty_like(losses[0][0]) for _ in range(tp)]
+    dist.all_gather(everyone, losses[0][0], group=group)
+    assert all(torch.equal(e, losses[0][0]) for e in everyone), "TP ranks disagree on the loss"
+    return True

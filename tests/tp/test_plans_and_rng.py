@@ -84,3 +84,8 @@ def test_rng_tracker_and_sharded_dropout() -> None:
 
 def test_parallelized_model_deep_copies() -> None:
     assert all(run_on_ranks(2, B.deepcopy_body, 2))
+
+
+@pytest.mark.parametrize(("tp", "chunks"), [(2, 1), (2, 2), (4, 1)])
+def test_dropout_with_rng_tracker(tp: int, chunks: int) -> None:
+    assert all(run_on_ranks(tp, B.dropout_body, tp, chunks))

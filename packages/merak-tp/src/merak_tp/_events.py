@@ -72,6 +72,8 @@ class _RegionState:
     name: str = "region"
     sequence_parallel: bool = False
     sequence_dim: int = 1
+    # An RNGTracker-like object with fork(name): the region's forward runs inside fork("tp").
+    rng_tracker: Any = None
     # None until the first call has checked the region's shape (see overlap.py).
     deferrable: bool | None = None
     # "block": layers leave communication to the region; "probe": layers run on

@@ -129,6 +129,15 @@ class TPRegion(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         st = self._merak_region_state
+        if st.rng_tracker is not None:
+            # [Note: region randomness] dropout inside the region acts on sharded activations:
+            # each TP rank draws from its own tracked generator (see merak_tp.rng).
+            with st.rng_tracker.fork("tp"):
+                return self._region_forward(*args, **kwargs)
+        return self._region_forward(*args, **kwargs)
+
+    def _region_forward(self, *args: Any, **kwargs: Any) -> Any:
+        st = self._merak_region_state
         original_forward = super().forward  # the original class's forward (next in the MRO)
         # The first input may come by keyword (transformers: ``hidden_states=...``).
         key = None
@@ -313,17 +322,19 @@ def _swap_class(module: nn.Module, mixin: type) -> None:
 
 def make_region(
     module: nn.Module, *, group: Any, chunks: int = 1, sequence_parallel: bool = False, sequence_dim: int = 1,
-    name: str = "region",
+    name: str = "region", rng_tracker: Any = None,
 ) -> nn.Module:
     """Make ``module`` (columns -> local compute -> row layer) a TP region, in place.
 
     ``chunks > 1`` sub-pipelines it (see [Note: block-level overlap]);
-    ``sequence_parallel`` all-gathers its first input along ``sequence_dim``.
+    ``sequence_parallel`` all-gathers its first input along ``sequence_dim``;
+    ``rng_tracker`` (an ``RNGTracker`` with a "tp" state) runs its forward inside
+    ``rng_tracker.fork("tp")``, for dropout on sharded activations.
     """
     if chunks < 1:
         raise ValueError(f"chunks must be >= 1, got {chunks}")
     state = _RegionState(group_ref=_GroupRef(group), chunks=chunks, name=name, sequence_parallel=sequence_parallel,
-                         sequence_dim=sequence_dim)
+                         sequence_dim=sequence_dim, rng_tracker=rng_tracker)
     for sub in module.modules():
         if isinstance(sub, (ColumnParallelLinear, RowParallelLinear)):
             sub._merak_region = state

@@ -71,7 +71,7 @@ def _build(module: nn.Module, name: str, style: str, *, group: Any, chunks: int,
 
 def parallelize(
     model: nn.Module, plan: TPPlan | str | None = None, *, group: Any, overlap_chunks: int = 1,
-    sequence_parallel: bool = False, vocab_parallel_loss: bool | None = None,
+    sequence_parallel: bool = False, vocab_parallel_loss: bool | None = None, rng_tracker: Any = None,
 ) -> nn.Module:
     """Tensor-parallelize ``model`` in place over ``group`` and return it.
 
@@ -82,10 +82,16 @@ def parallelize(
     length must be divisible by the TP size). ``vocab_parallel_loss`` overrides
     the plan's choice: True leaves the LM head's logits sharded along the
     vocabulary for ``vocab_parallel_cross_entropy``; the default keeps the
-    model's output equal to the unsharded model's.
+    model's output equal to the unsharded model's. ``rng_tracker``: an
+    ``RNGTracker`` holding a "tp" state (``tracker.add("tp", tp_seed(seed, group))``);
+    the plan's ``rng_regions`` then draw their dropout from it (a different stream on
+    each TP rank), everything else from the default generator (same seed on every TP rank).
     """
     if overlap_chunks < 1:
         raise ValueError(f"overlap_chunks={overlap_chunks}: expected an integer >= 1 (1 = no overlap)")
+    if rng_tracker is not None and "tp" not in rng_tracker.get_states():
+        raise ValueError('rng_tracker has no "tp" state: call tracker.add("tp", merak_tp.tp_seed(seed, group)) '
+                         "before parallelize")
     if plan is None:
         plan = plan_for_model(model)
     elif isinstance(plan, str):
@@ -159,10 +165,11 @@ def parallelize(
 
     # 4. regions: overlap and sequence parallelism.
     named = dict(model.named_modules())
-    if (overlap_chunks > 1 or sequence_parallel) and tp > 1:
+    if (overlap_chunks > 1 or sequence_parallel or rng_tracker is not None) and tp > 1:
         for name in region_names:
+            fork = rng_tracker if _match(name, plan.rng_regions) is not None else None
             make_region(named[name], group=group, chunks=overlap_chunks, sequence_parallel=sequence_parallel,
-                        name=name)
+                        name=name, rng_tracker=fork)
     if sequence_parallel and tp > 1:
         scatter = [n for n in named if _match(n, plan.sequence_scatter) is not None]
         if not scatter:

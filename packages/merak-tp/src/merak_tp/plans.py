@@ -54,6 +54,10 @@ class TPPlan:
     sequence_full: tuple[str, ...] = ()
     """Patterns of modules that run on the full sequence: before ``sequence_scatter`` or from
     ``sequence_gather`` on (their replicated parameters' gradients are already complete)."""
+    rng_regions: tuple[str, ...] = ()
+    """Patterns of regions whose dropout acts only on sharded activations (e.g. attention probabilities
+    of the local heads): with ``parallelize(..., rng_tracker=...)`` they run inside ``fork("tp")``. A
+    region that drops a replicated tensor (dropout after its row layer) must not be listed."""
     vocab_parallel_loss: bool = False
     """Leave the LM head's logits vocab-sharded (use ``vocab_parallel_cross_entropy``)."""
     fixup: Callable[[nn.Module, str, int], None] | None = None
@@ -120,6 +124,7 @@ register_plan(TPPlan(
     },
     attributes={"blocks.*.attn": ("num_heads", "num_kv_heads")},
     regions=("blocks.*.attn", "blocks.*.mlp"),
+    rng_regions=("blocks.*.attn",),
     sequence_scatter=("blocks.0",),
     sequence_full=("wte", "wpe"),
 ), model_types=("GPT",))
@@ -134,6 +139,7 @@ register_plan(TPPlan(
     },
     attributes={"layers.*.self_attn": ("num_heads", "num_kv_heads")},
     regions=("layers.*.self_attn", "layers.*.mlp"),
+    rng_regions=("layers.*.self_attn",),
     sequence_scatter=("layers.0",),
     sequence_full=("embed_tokens",),
 ), model_types=("Llama",))
@@ -149,6 +155,7 @@ register_plan(TPPlan(
     },
     attributes={"layers.*.attention": ("num_heads", "num_kv_heads")},
     regions=("layers.*.attention",),
+    rng_regions=("layers.*.attention",),
     sequence_scatter=("layers.0",),
     sequence_full=("word_embeddings", "position_embeddings", "token_type_embeddings", "embeddings_norm"),
 ), model_types=("Bert",))
@@ -196,6 +203,7 @@ for _name in ("llama", "qwen2"):
         name=f"hf_{_name}",
         layers=_HF_LLAMA_LAYERS,
         regions=("*layers.*.self_attn", "*layers.*.mlp"),
+        rng_regions=("*layers.*.self_attn",),
         sequence_scatter=("*layers.0",),
         sequence_full=("*embed_tokens",),
         fixup=_hf_heads,
@@ -214,6 +222,7 @@ register_plan(TPPlan(
     # Not a full column -> row block (the row layer is in BertSelfOutput): a region so that sequence
     # parallelism gathers the sequence once for q/k/v; overlap stays at the layer level.
     regions=("*attention.self",),
+    rng_regions=("*attention.self",),
     sequence_scatter=("*encoder.layer.0",),
     sequence_full=("*embeddings.*",),
 ), model_types=("bert",))
