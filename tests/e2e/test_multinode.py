@@ -102,10 +102,17 @@ def _wait(procs: dict[str, subprocess.Popen[bytes]], logs: dict[str, Path]) -> N
             code = None
         if code != 0:
             failed.append((name, code))
-    for proc in procs.values():  # leftovers of a failed run: this test's own process groups only
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    # Leftovers of a failed run, this test's own process groups only: SIGTERM first, so that each
+    # torchrun agent stops its workers (they run in sessions of their own), then SIGKILL.
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        alive = [proc for proc in procs.values() if proc.poll() is None]
+        for proc in alive:
+            os.killpg(proc.pid, sig)
+        for proc in alive:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                pass
     if failed:
         tails = "".join(f"\n--- {name} (exit {code}) ---\n" + logs[name].read_text()[-4000:] for name, code in failed)
         raise AssertionError(f"merak train failed or timed out after {TIMEOUT_S} s:{tails}")
