@@ -85,8 +85,18 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _python_path() -> str:
+    """Where this process finds Merak, as absolute paths: the commands run in another directory."""
+    import importlib
+
+    roots = [str(Path(importlib.import_module(name).__file__).resolve().parents[1])  # type: ignore[arg-type]
+             for name in ("merak_core", "merak_pipe", "merak_graph", "merak_tp")]
+    inherited = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return os.pathsep.join(dict.fromkeys(roots + inherited))
+
+
 def _merak(job: Path, output_dir: Path, *flags: str, log: Path) -> subprocess.Popen[bytes]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=_python_path())
     cmd = [sys.executable, "-m", "merak_core.cli", "train", str(job), f"training.output_dir={output_dir}", *flags]
     with open(log, "wb") as out:
         return subprocess.Popen(cmd, cwd=job.parent, env=env, stdout=out, stderr=subprocess.STDOUT,
