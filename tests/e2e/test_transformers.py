@@ -14,8 +14,8 @@ Run with ``nox -s transformers`` or ``pytest -m transformers`` (transformers is
 an optional extra; without it these tests are skipped, not failed).
 
 What cannot run yet is marked ``xfail(strict=True)`` with the exact reason
-(``FX_BLOCKED``: TP together with PP; ``POSITIONAL_BLOCKED``: GPT-2 with an
-attention mask). Those tests still run, so they turn into failures, and the
+(``POSITIONAL_BLOCKED``: GPT-2 with an attention mask; ``EXPORT_BATCH_BLOCKED``:
+another eval batch size after torch.export). Those tests still run, so they turn into failures, and the
 marker must be dropped, as soon as the cause is fixed in merak-core/merak-graph.
 """
 
@@ -41,28 +41,12 @@ MODELS = ("gpt2", "llama", "qwen2")
 LAYOUTS = [(2, 1, 2), (2, 2, 1), (1, 1, 4)]
 """Layouts that work for every model: DP x PP (torch.export-traced stages), DP x TP, four stages."""
 
-FX_BLOCKED = (
-    "tp > 1 with pp > 1 traces with torch.fx (TP layers as leaves) and fx cannot trace a transformers 5.x "
-    "model: merak_graph.trace(method='fx') -> 'ValueError: code: co_varnames is too small' "
-    "(merak_core.compose.build_parallel_model passes trace_method='fx' when tp > 1)"
-)
 EXPORT_BATCH_BLOCKED = (
     "with tp == 1 and pp > 1 the stages are traced by torch.export with static shapes, so the microbatch "
     "size is baked in: Trainer.evaluate with per_device_eval_batch_size != per_device_train_batch_size fails "
     "in the first stage's forward (RuntimeError 'The expanded size of the tensor (..) must match the existing "
     "size (..)' in Llama's GQA repeat_kv). merak_graph.trace(method='export') should mark the batch dim "
     "dynamic (torch.export.Dim) or the Trainer should evaluate in training-sized microbatches"
-)
-MODEL_OUTPUT_BLOCKED = (
-    "with pp == 1 the whole transformers model is the stage and returns a ModelOutput (a dict subclass); "
-    "merak_pipe.runner._concat rebuilds dicts as plain dicts, so Trainer.evaluate's "
-    "getattr(outputs, 'logits', outputs) hands compute_metrics a dict -> AttributeError 'dict' object has no "
-    "attribute 'argmax' (fix: _concat keeps the mapping's type, or evaluate reads outputs['logits'])"
-)
-CONV1D_BLOCKED = (
-    "merak_tp.parallelize stores GPT-2's Conv1D weights transposed ([out, in], Linear layout, tagged "
-    "_merak_tp_transposed) and merak_core.compose.gather_full_state_dict (hence Trainer.full_state_dict) "
-    "returns them that way, so the exported state dict does not load into GPT2LMHeadModel"
 )
 POSITIONAL_BLOCKED = (
     "merak_core passes dict batch inputs positionally in forward-signature order (compose.input_order, "
@@ -152,7 +136,7 @@ def train_hf_on_ranks(name: str, args_kwargs: dict[str, Any], with_mask: bool,
     """Rank body: the Trainer on the HF model; (losses, full state dict on rank 0, transposed names, eval loss).
 
     The last item names the parameters merak-tp stored transposed (a transformers ``Conv1D`` turned
-    into ``Linear`` layout, GPT-2 under TP), see ``CONV1D_BLOCKED``.
+    into ``Linear`` layout, GPT-2 under TP) are given back in their own layout.
     """
     import torch.distributed as dist
 
@@ -219,16 +203,13 @@ def reference_training(name: str, args_kwargs: dict[str, Any], dp: int,
 
 
 class Conv1DLayoutError(AssertionError):
-    """The full state dict holds a transformers Conv1D weight transposed (see ``CONV1D_BLOCKED``)."""
+    """The full state dict holds a transformers Conv1D weight transposed."""
 
 
-def _check(name: str, layout: tuple[int, int, int], with_mask: bool, *, conv1d_layout: bool = False,
-           **overrides: Any) -> None:
+def _check(name: str, layout: tuple[int, int, int], with_mask: bool, **overrides: Any) -> None:
     """Losses, every parameter by name and the final eval loss equal single-process training.
 
-    ``conv1d_layout``: also require the full state dict to keep transformers' ``Conv1D`` weights in
-    their own ``[in, out]`` layout (see ``CONV1D_BLOCKED``); otherwise such weights are compared
-    after transposing them back.
+    transformers ``Conv1D`` weights must come back in their own ``[in, out]`` layout.
     """
     dp, tp, pp = layout
     kwargs = dict(dp=dp, tp=tp, pp=pp, gradient_accumulation_steps=max(2, pp), **overrides)
@@ -244,11 +225,9 @@ def _check(name: str, layout: tuple[int, int, int], with_mask: bool, *, conv1d_l
     assert sorted(state) == sorted(ref_state)
     for key, ref in ref_state.items():
         value = state[key]
-        if key in transposed:
-            if conv1d_layout:
-                raise Conv1DLayoutError(f"{key}: full_state_dict holds the transposed Conv1D weight "
-                                        f"{tuple(value.shape)}, the model has {tuple(ref.shape)}")
-            value = value.t()
+        if key in transposed and tuple(value.shape) != tuple(ref.shape):
+            raise Conv1DLayoutError(f"{key}: full_state_dict holds the transposed Conv1D weight "
+                                    f"{tuple(value.shape)}, the model has {tuple(ref.shape)}")
         assert_tensors_close(value, ref, name=f"{name} {dp}x{tp}x{pp} param {key}", rtol=1e-8, atol=1e-10)
 
 
@@ -278,11 +257,11 @@ def test_hf_model_trains_like_one_process(name: str, layout: tuple[int, int, int
     _check(name, layout, with_mask=name != "gpt2")
 
 
-@pytest.mark.xfail(reason=FX_BLOCKED, raises=WorkerError, strict=True)
 @pytest.mark.parametrize("name", MODELS)
 def test_hf_model_tp_and_pp(name: str) -> None:
+    """TP and PP together: the TP layers stay opaque leaves under torch.export."""
     pytest.importorskip("transformers")
-    _known_failure("co_varnames is too small", _check, name, (1, 2, 2), with_mask=name != "gpt2")
+    _check(name, (1, 2, 2), with_mask=name != "gpt2")
 
 
 @pytest.mark.xfail(reason=POSITIONAL_BLOCKED, raises=WorkerError, strict=True)
@@ -292,10 +271,9 @@ def test_gpt2_with_attention_mask(layout: tuple[int, int, int]) -> None:
     _known_failure("get_seq_length", _check, "gpt2", layout, with_mask=True)
 
 
-@pytest.mark.xfail(reason=CONV1D_BLOCKED, raises=Conv1DLayoutError, strict=True)
 def test_gpt2_full_state_dict_keeps_conv1d_layout() -> None:
     pytest.importorskip("transformers")
-    _check("gpt2", (1, 2, 1), with_mask=False, conv1d_layout=True)
+    _check("gpt2", (1, 2, 1), with_mask=False)
 
 
 @pytest.mark.xfail(reason=EXPORT_BATCH_BLOCKED, raises=WorkerError, strict=True)
@@ -305,8 +283,9 @@ def test_hf_evaluate_with_another_batch_size_after_export() -> None:
                    per_device_eval_batch_size=4)
 
 
-@pytest.mark.xfail(reason=MODEL_OUTPUT_BLOCKED, raises=WorkerError, strict=True)
 def test_hf_evaluate_with_metrics_at_pp1() -> None:
+    """compute_metrics gets the logits even when the runner hands back a ModelOutput as a dict."""
     pytest.importorskip("transformers")
     kwargs = dict(dp=2, tp=2, pp=1, gradient_accumulation_steps=2, max_steps=1)
-    _known_failure("no attribute 'argmax'", run_on_ranks, 4, train_hf_on_ranks, "llama", kwargs, True, True)
+    results = run_on_ranks(4, train_hf_on_ranks, "llama", kwargs, True, True)
+    assert all(r[3] == pytest.approx(results[0][3], rel=1e-12) for r in results)

@@ -4,7 +4,12 @@
 trains an ordinary model with it. See the package README.
 """
 
-from merak_core.checkpoint import CheckpointError, CheckpointManager, export_full_state_dict, load_full_state_dict
+from merak_core.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    export_full_state_dict,
+    load_full_state_dict,
+)
 from merak_core.clip import clip_grad_norm_, global_grad_norm
 from merak_core.compose import ParallelModel, build_parallel_model, gather_full_state_dict
 from merak_core.config import TrainingArguments, build_lr_scheduler, parse_bytes, parse_recompute

@@ -139,7 +139,7 @@ def build_parallel_model(
         leaves = merak_tp.TP_LEAF_MODULES
     part = merak_graph.partition(
         model, layout.pp, example_inputs=tuple(example_inputs), method=partition_method,
-        leaf_modules=leaves, split_points=split_points, trace_method="fx" if layout.tp > 1 else "auto",
+        leaf_modules=leaves, split_points=split_points, trace_method="auto",
     )
     stage_index = layout.pp_rank
     if is_meta_module(model):
@@ -196,6 +196,8 @@ def gather_full_state_dict(pm: ParallelModel, *, dst: int = 0) -> dict[str, torc
             import merak_tp
 
             tensor = merak_tp.gather_tensor(p.detach(), like=p, group=layout.tp_group)
+        if getattr(p, "_merak_tp_transposed", False):
+            tensor = tensor.t()  # stored in Linear layout (e.g. transformers Conv1D): give the original back
         local[name] = tensor.cpu()
     contribute = layout.dp_rank == 0 and layout.tp_rank == 0
     gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == dst else None

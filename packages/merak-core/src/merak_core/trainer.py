@@ -71,7 +71,10 @@ def default_loss(output: Any, labels: torch.Tensor) -> torch.Tensor:
     logits = getattr(output, "logits", output)
     if isinstance(logits, (tuple, list)):
         logits = logits[0]
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1), ignore_index=-100)
+    flat = logits.reshape(-1, logits.size(-1))
+    if flat.dtype in (torch.float16, torch.bfloat16):
+        flat = flat.float()  # low-precision logits: the softmax in float32; float64 stays float64
+    return F.cross_entropy(flat, labels.reshape(-1), ignore_index=-100)
 
 
 def schedule_name(args: TrainingArguments) -> str:
@@ -457,6 +460,8 @@ class Trainer:
             sums["eval_loss"] = sums.get("eval_loss", 0.0) + float(loss)
             if self.compute_metrics is not None:
                 labels = typing.cast(torch.Tensor, batch.labels)
+                if isinstance(outputs, Mapping) and "logits" in outputs:  # a ModelOutput rebuilt as a dict
+                    outputs = outputs["logits"]
                 logits = typing.cast(torch.Tensor, getattr(outputs, "logits", outputs))
                 values = self.compute_metrics(logits, labels.to(self.device))
                 if isinstance(values, torch.Tensor):
