@@ -14,8 +14,8 @@ Run with ``nox -s transformers`` or ``pytest -m transformers`` (transformers is
 an optional extra; without it these tests are skipped, not failed).
 
 What cannot run yet is marked ``xfail(strict=True)`` with the exact reason
-(``POSITIONAL_BLOCKED``: GPT-2 with an attention mask; ``EXPORT_BATCH_BLOCKED``:
-another eval batch size after torch.export). Those tests still run, so they turn into failures, and the
+(``EXPORT_BATCH_BLOCKED``: another eval batch size after torch.export). Those tests still run, so they
+turn into failures, and the
 marker must be dropped, as soon as the cause is fixed in merak-core/merak-graph.
 """
 
@@ -47,11 +47,6 @@ EXPORT_BATCH_BLOCKED = (
     "in the first stage's forward (RuntimeError 'The expanded size of the tensor (..) must match the existing "
     "size (..)' in Llama's GQA repeat_kv). merak_graph.trace(method='export') should mark the batch dim "
     "dynamic (torch.export.Dim) or the Trainer should evaluate in training-sized microbatches"
-)
-POSITIONAL_BLOCKED = (
-    "merak_core passes dict batch inputs positionally in forward-signature order (compose.input_order, "
-    "Trainer._stage_inputs); GPT2LMHeadModel.forward(input_ids, cache, attention_mask, ...) then gets the "
-    "attention mask as its cache -> AttributeError 'get_seq_length' (export and pp == 1 alike)"
 )
 
 
@@ -252,7 +247,7 @@ def _ids(t: tuple[int, int, int]) -> str:
 @pytest.mark.parametrize("layout", LAYOUTS, ids=_ids)
 @pytest.mark.parametrize("name", MODELS)
 def test_hf_model_trains_like_one_process(name: str, layout: tuple[int, int, int]) -> None:
-    """Llama and Qwen2 with an attention mask; GPT-2 without one (see ``POSITIONAL_BLOCKED``)."""
+    """Llama and Qwen2 with an attention mask; GPT-2 without one (with one: below)."""
     pytest.importorskip("transformers")
     _check(name, layout, with_mask=name != "gpt2")
 
@@ -264,11 +259,11 @@ def test_hf_model_tp_and_pp(name: str) -> None:
     _check(name, (1, 2, 2), with_mask=name != "gpt2")
 
 
-@pytest.mark.xfail(reason=POSITIONAL_BLOCKED, raises=WorkerError, strict=True)
 @pytest.mark.parametrize("layout", [(2, 1, 2), (2, 2, 1)], ids=_ids)
 def test_gpt2_with_attention_mask(layout: tuple[int, int, int]) -> None:
+    """Dict inputs go in by keyword: GPT-2's forward(input_ids, past_key_values, attention_mask, ...)."""
     pytest.importorskip("transformers")
-    _known_failure("get_seq_length", _check, "gpt2", layout, with_mask=True)
+    _check("gpt2", layout, with_mask=True)
 
 
 def test_gpt2_full_state_dict_keeps_conv1d_layout() -> None:

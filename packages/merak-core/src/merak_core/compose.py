@@ -48,6 +48,9 @@ class ParallelModel:
     """Local parameter name -> logical name (see [Note: logical names])."""
     input_keys: list[str] | None
     """For dict batches: the keys in the order the model (stage 0) takes them positionally."""
+    by_keyword: bool = False
+    """Dict batches whose keys are all ``forward`` parameters go in by keyword when ``pp == 1``
+    (so ``forward(input_ids, past, attention_mask)`` gets its mask right)."""
     shared_parameters: list[tuple[nn.Parameter, dist.ProcessGroup]] = field(default_factory=list)
     """Local copies of parameters held by several stages, with the group of ranks holding a copy."""
     shared_owner: dict[nn.Parameter, int] = field(default_factory=dict)
@@ -77,6 +80,13 @@ def input_order(model: nn.Module, example_inputs: Mapping[str, Any] | Sequence[A
     if all(k in params for k in keys):
         return sorted(keys, key=params.index)
     return keys
+
+
+def _all_forward_params(model: nn.Module, keys: list[str]) -> bool:
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    return bool(keys) and all(k in params for k in keys)
 
 
 def apply_tensor_parallel(model: nn.Module, layout: ParallelLayout, *, plan: Any = None,
@@ -114,6 +124,8 @@ def build_parallel_model(
     """
     canonical = _canonical_names(model)
     keys = input_order(model, example_inputs)
+    by_keyword = isinstance(example_inputs, Mapping) and _all_forward_params(model, list(example_inputs))
+    named_inputs = dict(example_inputs) if isinstance(example_inputs, Mapping) else None
     if isinstance(example_inputs, Mapping):
         example_inputs = tuple(example_inputs[k] for k in keys or ())
     elif isinstance(example_inputs, torch.Tensor):  # one input (e.g. an (inputs, labels) dataset), not a sequence
@@ -126,7 +138,8 @@ def build_parallel_model(
             materialize(model, device=device, init_fn=init_fn)
         model.to(device)
         logical = {name: canonical.get(id(p), name) for name, p in model.named_parameters()}
-        return ParallelModel(module=model, layout=layout, logical_names=logical, input_keys=keys)
+        return ParallelModel(module=model, layout=layout, logical_names=logical, input_keys=keys,
+                             by_keyword=by_keyword)
 
     import merak_graph
     from merak_graph import is_meta_module
@@ -137,8 +150,11 @@ def build_parallel_model(
         import merak_tp
 
         leaves = merak_tp.TP_LEAF_MODULES
+    # Inputs named like forward's parameters are traced by keyword (stage 0 then takes them
+    # positionally in ``part.input_names`` order); others by position.
     part = merak_graph.partition(
-        model, layout.pp, example_inputs=tuple(example_inputs), method=partition_method,
+        model, layout.pp, example_inputs=named_inputs if by_keyword else tuple(example_inputs),
+        method=partition_method,
         leaf_modules=leaves, split_points=split_points, trace_method="auto",
     )
     stage_index = layout.pp_rank
@@ -166,6 +182,8 @@ def build_parallel_model(
                 owner[param] = min(st for st, _ in sp.stages)
     logger.info("stage %d/%d: %d parameters, %d shared across stages", stage_index, layout.pp,
                 len(logical), len(shared))
+    if by_keyword:
+        keys = list(part.input_names)
     return ParallelModel(module=stage, layout=layout, logical_names=logical, input_keys=keys,
                          shared_parameters=shared, shared_owner=owner, partition=part)
 

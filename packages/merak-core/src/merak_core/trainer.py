@@ -307,6 +307,8 @@ class Trainer:
             if keys is None or set(keys) != set(inputs):
                 raise ValueError(f"batch inputs have keys {sorted(inputs)} but the model was traced with "
                                  f"{keys}: every batch must carry the same input keys")
+            if self.model.by_keyword and self.layout.pp == 1:
+                return {k: inputs[k].to(self.device) for k in keys}
             return tuple(inputs[k].to(self.device) for k in keys)
         if isinstance(inputs, torch.Tensor):
             return inputs.to(self.device)
