@@ -68,6 +68,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
+from merak_core.compose import gather_full_state_dict
+
 if TYPE_CHECKING:
     from merak_core.trainer import Trainer
 
@@ -680,31 +682,6 @@ def load_full_state_dict(trainer: Trainer, source: Mapping[str, torch.Tensor] | 
     return missing
 
 
-def _gather_trainer(trainer: Trainer) -> dict[str, torch.Tensor] | None:
-    """Full logical tensors on global rank 0 (None elsewhere); collective."""
-    layout = trainer.layout
-    local: dict[str, torch.Tensor] = {}
-    for name, (p, spec) in _specs(trainer).items():
-        tensor = p.detach()
-        if spec.dim is not None:
-            import merak_tp
-
-            tensor = spec.oriented(merak_tp.gather_tensor(tensor, like=p, group=layout.tp_group))
-        else:
-            tensor = spec.oriented(tensor)
-        local[name] = tensor.cpu().contiguous()
-    contribute = layout.dp_rank == 0 and layout.tp_rank == 0
-    gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(local if contribute else {}, gathered, dst=0)
-    if gathered is None:
-        return None
-    full: dict[str, torch.Tensor] = {}
-    for part in gathered:
-        for name, tensor in part.items():
-            full.setdefault(name, tensor)
-    return dict(sorted(full.items()))
-
-
 def read_checkpoint_model(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     """The full logical parameters of a checkpoint directory, in this process only (no collectives)."""
     directory = Path(path)
@@ -739,7 +716,7 @@ def export_full_state_dict(source: Trainer | str | os.PathLike[str], out_path: s
     if isinstance(source, (str, os.PathLike)):
         state: dict[str, torch.Tensor] | None = read_checkpoint_model(source)
     else:
-        state = _gather_trainer(source)
+        state = gather_full_state_dict(source.model)
     if state is None:
         return None
     out = Path(out_path)

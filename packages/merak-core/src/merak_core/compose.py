@@ -216,7 +216,7 @@ def gather_full_state_dict(pm: ParallelModel, *, dst: int = 0) -> dict[str, torc
             tensor = merak_tp.gather_tensor(p.detach(), like=p, group=layout.tp_group)
         if getattr(p, "_merak_tp_transposed", False):
             tensor = tensor.t()  # stored in Linear layout (e.g. transformers Conv1D): give the original back
-        local[name] = tensor.cpu()
+        local[name] = tensor.cpu().contiguous()
     contribute = layout.dp_rank == 0 and layout.tp_rank == 0
     gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == dst else None
     dist.gather_object(local if contribute else {}, gathered, dst=dst)
@@ -226,4 +226,4 @@ def gather_full_state_dict(pm: ParallelModel, *, dst: int = 0) -> dict[str, torc
     for part in gathered:
         for name, tensor in part.items():
             full.setdefault(name, tensor)
-    return full
+    return dict(sorted(full.items()))
