@@ -242,3 +242,25 @@ def test_profile_model_measures_and_caches(tmp_path: Path):
     assert len(files) == 1 and prof.fingerprint in files[0].name
     assert profile_model(model, sample, cache_dir=tmp_path) == prof  # read from the cache
     assert ModelProfile.from_json(prof.to_json()) == prof
+
+
+def test_merak_plan_command_prints_a_table_and_writes_a_valid_job(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    from merak_core.cli import main
+    from merak_core.job import JobConfig
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "planned.yaml"
+    rc = main(["plan", str(root / "examples/addition/config.yaml"), "data.kwargs.train_size=64", "--world-size", "4",
+               "--memory-per-device", "1GiB", "--top", "3", "--write-config", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0
+    lines = text.splitlines()
+    assert "feasible configurations for 4 ranks" in lines[0] and lines[-2].startswith("why: ")
+    assert len([ln for ln in lines[1:] if ln[:3].strip().isdigit()]) == 3
+    job = JobConfig.from_yaml(out)
+    t = job.training
+    assert t.dp * t.tp * t.pp == 4
+    assert t.per_device_train_batch_size * t.gradient_accumulation_steps * t.dp == 16 * 2 * 2
+    assert f"dp{t.dp}-tp{t.tp}-pp{t.pp}" in lines[2]  # the first ranked row is what was written
+    rc = main(["plan", str(root / "examples/addition/config.yaml"), "--world-size", "4", "--memory-per-device", "1KiB"])
+    assert rc == 2 and "smallest configuration needs" in capsys.readouterr().err

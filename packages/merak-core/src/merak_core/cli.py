@@ -1,5 +1,9 @@
 """The ``merak`` command line.
 
+``merak plan CONFIG.yaml --world-size N --memory-per-device 8GiB`` profiles the
+job's model on this machine and prints the planner's ranked configurations
+(:mod:`merak_core.planner`); ``--write-config`` writes the job with the best one.
+
 ``merak train CONFIG.yaml [section.key=value ...]`` starts the job through
 torchrun (``torch.distributed.run``): one process per rank, single node by
 default, the usual multi-node flags passed through. Merak has no launcher of
@@ -105,12 +109,100 @@ def _train(args: argparse.Namespace) -> int:
     return subprocess.call(cmd, env=env)
 
 
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="rank (dp, tp, pp) layouts, schedules, microbatches and recomputation for a job",
+        description="Profile the job's model on this machine (one forward and backward on a batch of the training "
+        "set), then print the planner's ranked configurations and why the first wins.",
+    )
+    p.add_argument("config", help="YAML job file")
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides of the job file")
+    p.add_argument("--world-size", type=int, required=True, help="number of ranks (devices)")
+    p.add_argument("--memory-per-device", required=True, help="memory of one device, bytes or e.g. 8GiB")
+    p.add_argument("--global-batch-size", type=int, default=None,
+                   help="samples per optimizer step (default: the job's micro batch x accumulation x dp, "
+                        "dp = world size / (tp*pp) when not set)")
+    p.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
+    p.add_argument("--profile-batch", type=int, default=None, help="samples in the profiling batch (default: micro batch)")
+    p.add_argument("--profile-cache", default=None, help="directory of cached profiles (JSON by model and device)")
+    p.add_argument("--write-config", default=None, metavar="OUT.yaml", help="write the job with the best configuration")
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import dataclasses
+    import fnmatch
+    import inspect
+    from pathlib import Path
+
+    import torch
+    import yaml
+    from torch.utils.data import default_collate
+
+    from merak_core.config import parse_bytes
+    from merak_core.job import JobConfig
+    from merak_core.planner import format_plan, plan, profile_model
+
+    job = JobConfig.from_yaml(args.config, args.overrides)
+    t = job.training
+    memory = parse_bytes(args.memory_per_device)
+    if args.world_size < 1:
+        raise ValueError(f"--world-size={args.world_size}: expected >= 1")
+    gbs = args.global_batch_size
+    if gbs is None:
+        dp = t.dp if t.dp is not None else max(args.world_size // (t.tp * t.pp), 1)
+        gbs = t.per_device_train_batch_size * t.gradient_accumulation_steps * dp
+    torch.manual_seed(t.seed)
+    model = job.build_model()
+    train, _ = job.build_datasets()
+    n = args.profile_batch or t.per_device_train_batch_size
+    collate = job.optional("collate") or default_collate
+    batch = collate([train[i] for i in range(n)])
+    if isinstance(batch, dict):
+        params = inspect.signature(model.forward).parameters
+        batch = {k: v for k, v in batch.items() if k in params}
+    elif isinstance(batch, (list, tuple)):
+        batch = batch[0]
+    profile = profile_model(model, batch, cache_dir=args.profile_cache)
+    if isinstance(t.tp_plan, dict) and profile.vocab_size is not None:
+        # a user plan that shards no embedding puts no constraint on the vocabulary
+        embeddings = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Embedding)]
+        if not any(fnmatch.fnmatch(name, pattern) for name in embeddings for pattern in t.tp_plan):
+            profile = dataclasses.replace(profile, vocab_size=None)
+    cands = plan(profile, world_size=args.world_size, memory_per_device=memory, global_batch_size=gbs,
+                 zero_stage=t.zero_stage)
+    print(f"{len(cands)} feasible configurations for {args.world_size} ranks, {memory} bytes per device, "
+          f"global batch {gbs} (profile: {profile.num_layers} layers on {profile.device})")
+    print(format_plan(cands, top=args.top))
+    if args.write_config:
+        raw = yaml.safe_load(open(args.config).read()) or {}
+        training = raw.setdefault("training", {})
+        for alias in ("num_microbatches", "micro_batch_size"):
+            training.pop(alias, None)
+        training.update(cands[0].training_fields())
+        src_dir, out_dir = Path(args.config).resolve().parent, Path(args.write_config).resolve().parent
+        if src_dir != out_dir:  # FILE.py:function specs are relative to the job file: make them absolute
+            for section in ("model", "data"):
+                spec = (raw.get(section) or {}).get("factory")
+                if isinstance(spec, str) and spec.split(":")[0].endswith(".py"):
+                    raw[section]["factory"] = str(src_dir / spec)
+            for name in ("loss", "metrics", "collate"):
+                spec = raw.get(name)
+                if isinstance(spec, str) and spec.split(":")[0].endswith(".py"):
+                    raw[name] = str(src_dir / spec)
+        with open(args.write_config, "w") as f:
+            yaml.safe_dump(raw, f, sort_keys=False)
+        print(f"wrote {args.write_config}")
+    return 0
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="merak", description="Automated 3D-parallel training for PyTorch.")
     parser.add_argument("--version", action="version", version=f"merak {__version__}")
     parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_train(sub)
+    _add_plan(sub)
     return parser
 
 
@@ -126,6 +218,12 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args)
         except ValueError as exc:  # a bad job file or override: one clear line, no traceback
             print(f"merak train: error: {exc}", file=sys.stderr)
+            return 2
+    if args.command == "plan":
+        try:
+            return _plan(args)
+        except ValueError as exc:
+            print(f"merak plan: error: {exc}", file=sys.stderr)
             return 2
     parser.error(f"unknown command {args.command!r}")
     return 2

@@ -27,7 +27,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -375,7 +375,7 @@ def format_plan(cands: Sequence[Candidate], top: int = 10) -> str:
 # ------------------------------------------------------------------------------ profiling
 
 
-def model_fingerprint(model: nn.Module, sample_shape: Sequence[int]) -> str:
+def model_fingerprint(model: nn.Module, sample_shape: Sequence[Any]) -> str:
     """A hash of the module tree (class names, parameter names, shapes, dtypes) and the sample shape."""
     h = hashlib.sha256()
     for name, mod in model.named_modules():
@@ -409,7 +409,7 @@ def _find_attr(model: nn.Module, names: Sequence[str]) -> int | None:
 
 def profile_model(
     model: nn.Module,
-    sample: torch.Tensor,
+    sample: torch.Tensor | Mapping[str, torch.Tensor],
     *,
     layers: nn.ModuleList | None = None,
     repeats: int = 3,
@@ -417,15 +417,18 @@ def profile_model(
 ) -> ModelProfile:
     """Measure a per-sample :class:`ModelProfile` by running ``model(sample)`` forward and backward.
 
-    ``sample`` is a batch (its first dimension is the batch size); per-layer forward time comes
+    ``sample`` is a batch (its first dimension is the batch size), or a mapping passed by keyword; per-layer forward time comes
     from hooks on ``layers`` (default: the model's longest ``nn.ModuleList``), kept bytes from
     saved-tensor hooks (parameters excluded); time and memory outside the layers go to the first layer. Backward time
     is measured for the whole model and spread over layers in proportion to forward time.
     With ``cache_dir`` the profile is read from / written to ``<fingerprint>-<device>.json``.
     """
-    batch = int(sample.shape[0])
-    device = str(sample.device)
-    key = model_fingerprint(model, tuple(sample.shape))
+    first = sample if isinstance(sample, torch.Tensor) else next(iter(sample.values()))
+    batch = int(first.shape[0])
+    device = str(first.device)
+    shapes = tuple(sample.shape) if isinstance(sample, torch.Tensor) else tuple(
+        (k, tuple(v.shape)) for k, v in sorted(sample.items()))
+    key = model_fingerprint(model, shapes)
     path = Path(cache_dir) / f"{key}-{device.replace(':', '_')}.json" if cache_dir is not None else None
     if path is not None and path.is_file():
         logger.info("planner: profile cache hit %s", path)
@@ -477,9 +480,11 @@ def profile_model(
             model.zero_grad(set_to_none=True)
             t0 = time.perf_counter()
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                y = model(sample)
+                y = model(sample) if isinstance(sample, torch.Tensor) else model(**sample)
             t1 = time.perf_counter()
-            loss = y.float().sum() if isinstance(y, torch.Tensor) else sum(v.float().sum() for v in y.values())
+            if not isinstance(y, torch.Tensor):  # a dict / ModelOutput: its first tensor (logits or loss)
+                y = next(v for v in y.values() if isinstance(v, torch.Tensor))
+            loss = y.float().sum()
             loss.backward()
             t2 = time.perf_counter()
             if rep > 0:
