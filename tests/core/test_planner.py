@@ -264,3 +264,27 @@ def test_merak_plan_command_prints_a_table_and_writes_a_valid_job(tmp_path: Path
     assert f"dp{t.dp}-tp{t.tp}-pp{t.pp}" in lines[2]  # the first ranked row is what was written
     rc = main(["plan", str(root / "examples/addition/config.yaml"), "--world-size", "4", "--memory-per-device", "1KiB"])
     assert rc == 2 and "smallest configuration needs" in capsys.readouterr().err
+
+
+def _measure_body():
+    from merak_core.planner import measure_comm
+
+    return measure_comm(repeats=2, large_bytes=1 << 18)
+
+
+def test_measure_comm_with_gloo_gives_one_positive_model_on_every_rank():
+    from tests.support.dist import run_on_ranks
+
+    models = run_on_ranks(2, _measure_body)
+    assert models[0] == models[1]
+    m = models[0]
+    assert m.p2p_latency_s >= 0 and m.allreduce_latency_s >= 0
+    assert m.p2p_bandwidth > 0 and m.allreduce_bandwidth > 0
+    # the fitted model reproduces a positive time that grows with the bytes
+    assert 0 < m.allreduce_s(1 << 10, 2) <= m.allreduce_s(1 << 18, 2)
+
+
+def test_allreduce_ring_formula():
+    m = CommModel(allreduce_latency_s=1e-3, allreduce_bandwidth=1e6)
+    assert m.allreduce_s(1e6, 1) == 0.0
+    assert m.allreduce_s(1e6, 4) == pytest.approx(6 * 1e-3 + 1.5)
