@@ -138,6 +138,12 @@ def test_ties_are_broken_by_fewer_tp_ranks_then_layout_and_are_deterministic():
         assert ta < tb or (ta == tb and (a.tp, a.layout) <= (b.tp, b.layout))
 
 
+def test_at_least_one_microbatch_per_stage():
+    cands = plan(_profile(), world_size=4, memory_per_device=1e12, global_batch_size=8)
+    assert all(c.num_microbatches >= c.pp for c in cands)
+    assert any(c.pp == 4 for c in cands) and any(c.num_microbatches == 1 for c in cands)
+
+
 def test_one_head_forces_tp_one():
     cands = plan(_profile(heads=1), world_size=4, memory_per_device=1e12, global_batch_size=8)
     assert cands and all(c.tp == 1 for c in cands)

@@ -281,7 +281,7 @@ def plan(
             dp_ar = max(comm.allreduce_s(p, dp) for p in params)
             per_dp = global_batch_size // dp
             for m in _divisors(per_dp):
-                if m > max_microbatches:
+                if m > max_microbatches or m < pp:  # the Trainer needs a microbatch per stage at least
                     continue
                 b = per_dp // m
                 tp_comm_f = [2 * len(r) * comm.allreduce_s(b * profile.boundary_bytes, tp) for r in stage]

@@ -1,0 +1,132 @@
+"""Benchmark: the planner's predicted step time against measured step time, demo model, 4 CPU ranks.
+
+The demo model (examples/addition) is profiled in this process (:func:`merak_core.planner.profile_model`),
+the communication model is measured on the ranks (:func:`merak_core.planner.measure_comm`), and the
+planner ranks every layout (dp, tp, pp) with dp*tp*pp = 4 for the job's global batch. For each layout,
+the planner's best configuration of that layout is then trained for a few steps with the real
+Trainer on 4 gloo ranks, and the median step time (after warm-up) is compared with the prediction.
+Reported: per layout predicted / measured / error, the median absolute error, Spearman's rank
+correlation, and how far the planner's top choice is from the best measured layout.
+
+Run::
+
+    OMP_NUM_THREADS=1 PYTHONPATH=packages/merak-pipe/src:packages/merak-graph/src:packages/merak-tp/src:\\
+packages/merak-core/src:. python benchmarks/bench_core_planner.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+CONFIG = ROOT / "examples/addition/config.yaml"
+
+
+def _comm_body() -> Any:
+    from merak_core.planner import measure_comm
+
+    return measure_comm(repeats=5)
+
+
+def _train_body(fields: dict[str, Any], steps: int, out_dir: str) -> list[float]:
+    import torch.distributed as dist
+
+    from merak_core import Trainer, init
+    from merak_core.job import JobConfig
+
+    overrides = [f"training.{k}={v}" for k, v in fields.items()] + [
+        f"training.max_steps={steps}", "training.eval_steps=null", "training.logging_steps=1000",
+        f"training.output_dir={out_dir}", "data.kwargs.train_size=4096"]
+    job = JobConfig.from_yaml(CONFIG, overrides)
+    t = job.training
+    layout = init(dp=t.dp, tp=t.tp, pp=t.pp)
+    torch.manual_seed(t.seed)
+    model = job.build_model()
+    train_data, _ = job.build_datasets()
+    trainer = Trainer(model, t, train_data, None, loss_fn=job.optional("loss"), data_collator=job.optional("collate"),
+                      layout=layout)
+    history = trainer.train()
+    times = torch.tensor([h["step_time_s"] for h in history], dtype=torch.float64)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank ends
+    return times.tolist()
+
+
+def _spearman(a: list[float], b: list[float]) -> float:
+    def ranks(x: list[float]) -> list[float]:
+        order = sorted(range(len(x)), key=lambda i: x[i])
+        r = [0.0] * len(x)
+        for pos, i in enumerate(order):
+            r[i] = float(pos)
+        return r
+
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = statistics.mean(ra), statistics.mean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb, strict=True))
+    va = sum((x - ma) ** 2 for x in ra) ** 0.5
+    vb = sum((y - mb) ** 2 for y in rb) ** 0.5
+    return cov / (va * vb) if va > 0 and vb > 0 else float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="fewer steps")
+    parser.add_argument("--world-size", type=int, default=4)
+    args = parser.parse_args()
+    steps, warm = (6, 2) if args.quick else (14, 4)
+
+    from torch.utils.data import default_collate
+
+    from merak_core.job import JobConfig
+    from merak_core.planner import plan, profile_model
+    from tests.support.dist import run_on_ranks
+
+    job = JobConfig.from_yaml(CONFIG)
+    t = job.training
+    torch.manual_seed(0)
+    model = job.build_model()
+    train, _ = job.build_datasets()
+    batch = default_collate([train[i] for i in range(t.per_device_train_batch_size)])
+    profile = profile_model(model, {"input_ids": batch["input_ids"]}, repeats=5)
+    profile = profile.__class__(**{**profile.__dict__, "vocab_size": None})  # the demo's TP plan shards no embedding
+    comm = run_on_ranks(args.world_size, _comm_body)[0]
+    gbs = t.per_device_train_batch_size * t.gradient_accumulation_steps * 2
+    cands = plan(profile, world_size=args.world_size, memory_per_device=2**30, global_batch_size=gbs, comm=comm,
+                 schedules=("1f1b", "gpipe"), recompute_modes=("none",))
+    best_per_layout: dict[str, Any] = {}
+    for c in cands:
+        best_per_layout.setdefault(c.layout, c)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (layout, c) in enumerate(best_per_layout.items()):
+            fields = {k: v for k, v in c.training_fields().items()}
+            times = run_on_ranks(args.world_size, _train_body, fields, steps, f"{tmp}/{i}")[0]
+            measured = statistics.median(times[warm:])
+            rows.append((layout, c, measured))
+    print(f"comm: p2p {comm.p2p_latency_s * 1e6:.1f} us + {comm.p2p_bandwidth / 1e6:.0f} MB/s; all-reduce step "
+          f"{comm.allreduce_latency_s * 1e6:.1f} us, link {comm.allreduce_bandwidth / 1e6:.0f} MB/s")
+    print(f"{'planner rank':>12} {'layout':<12} {'schedule':<8} {'m':>3} {'predicted ms':>13} {'measured ms':>12} "
+          f"{'error %':>8}")
+    errors = []
+    for rank, (layout, c, measured) in enumerate(rows, 1):
+        err = 100 * (c.step_time_s - measured) / measured
+        errors.append(abs(err))
+        print(f"{rank:>12} {layout:<12} {c.schedule:<8} {c.num_microbatches:>3} {c.step_time_s * 1e3:>13.2f} "
+              f"{measured * 1e3:>12.2f} {err:>8.1f}")
+    pred = [c.step_time_s for _, c, _ in rows]
+    meas = [m for _, _, m in rows]
+    best = min(meas)
+    print(f"median |error| {statistics.median(errors):.1f}%  spearman {_spearman(pred, meas):.2f}  "
+          f"top choice {rows[0][0]} is {100 * (meas[0] / best - 1):.1f}% slower than the best measured "
+          f"({rows[meas.index(best)][0]})")
+
+
+if __name__ == "__main__":
+    main()
