@@ -54,15 +54,16 @@ def test_every_candidate_fits_and_tighter_memory_keeps_a_subset():
 def test_single_stage_memory_and_time_equal_the_sums():
     prof = ModelProfile(layer_forward_s=[1e-3, 2e-3, 3e-3], layer_backward_s=[2e-3, 5e-3, 1e-3],
                         layer_activation_bytes=[10.0, 20.0, 30.0], layer_param_bytes=[100.0, 0.0, 50.0],
-                        boundary_bytes=7.0)
+                        boundary_bytes=7.0, microbatch_overhead_s=4e-4)
     cands = plan(prof, world_size=1, memory_per_device=1e6, global_batch_size=6, comm=FREE)
     assert {(c.dp, c.tp, c.pp) for c in cands} == {(1, 1, 1)}
     assert sorted(c.num_microbatches for c in cands if c.recompute == "none") == [1, 2, 3, 6]
     for c in cands:
         b = c.micro_batch_size
         assert c.micro_batch_size * c.num_microbatches == 6
-        extra = 6e-3 * 6 if c.recompute == "full" else 0.0
-        assert c.step_time_s == pytest.approx(6 * (6e-3 + 8e-3) + extra, rel=1e-12)
+        m = c.num_microbatches
+        extra = m * (2e-4 + b * 6e-3) if c.recompute == "full" else 0.0  # recompute = the forward, overhead too
+        assert c.step_time_s == pytest.approx(6 * (6e-3 + 8e-3) + m * 4e-4 + extra, rel=1e-12)
         static = 150.0 * (2 + 2)
         act = b * 60.0 + (b * 7.0 if c.recompute == "full" else 0.0)
         assert c.peak_memory_bytes == pytest.approx((static + act,), rel=1e-12)

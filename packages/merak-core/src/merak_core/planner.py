@@ -23,6 +23,7 @@ pipeline. Backward time is measured as a whole and spread over layers in proport
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -57,6 +58,8 @@ class ModelProfile:
     """Bytes each layer keeps for backward, for one sample."""
     layer_param_bytes: list[float]
     """Parameter bytes of each layer (embeddings and head counted in the first / last layer)."""
+    microbatch_overhead_s: float = 0.0
+    """Fixed seconds per microbatch and stage (forward + backward) that do not grow with the batch."""
     boundary_bytes: float = 0.0
     """Bytes of a layer's output for one sample (the pipeline message and the TP all-reduce size)."""
     num_heads: int | None = None
@@ -83,6 +86,8 @@ class ModelProfile:
             for v in getattr(self, name):
                 if not v >= 0 or math.isinf(v):
                     raise ValueError(f"ModelProfile.{name} holds {v!r}: expected finite values >= 0")
+        if not self.microbatch_overhead_s >= 0:
+            raise ValueError(f"ModelProfile.microbatch_overhead_s={self.microbatch_overhead_s}: expected seconds >= 0")
         if self.boundary_bytes < 0:
             raise ValueError(f"ModelProfile.boundary_bytes={self.boundary_bytes}: expected >= 0")
         for name in ("num_heads", "num_kv_heads", "vocab_size"):
@@ -285,8 +290,9 @@ def plan(
                     continue
                 b = per_dp // m
                 tp_comm_f = [2 * len(r) * comm.allreduce_s(b * profile.boundary_bytes, tp) for r in stage]
-                fwd = [b * f + c for f, c in zip(fwd1, tp_comm_f, strict=True)]
-                bwd = [b * x + c for x, c in zip(bwd1, tp_comm_f, strict=True)]
+                half = profile.microbatch_overhead_s / 2
+                fwd = [half + b * f + c for f, c in zip(fwd1, tp_comm_f, strict=True)]
+                bwd = [half + b * x + c for x, c in zip(bwd1, tp_comm_f, strict=True)]
                 costs = CostModel(
                     forward=fwd, backward=bwd, recompute=fwd,
                     p2p_latency=comm.p2p_latency_s if pp > 1 else 0.0,
@@ -467,6 +473,17 @@ def _find_attr(model: nn.Module, names: Sequence[str]) -> int | None:
     return None
 
 
+def _step_seconds(model: nn.Module, sample: torch.Tensor | Mapping[str, torch.Tensor], repeats: int) -> float:
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        y = model(sample) if isinstance(sample, torch.Tensor) else model(**sample)
+        if not isinstance(y, torch.Tensor):
+            y = next(v for v in y.values() if isinstance(v, torch.Tensor))
+        y.float().sum().backward()
+
+    return _timed(step, repeats)
+
+
 def profile_model(
     model: nn.Module,
     sample: torch.Tensor | Mapping[str, torch.Tensor],
@@ -479,7 +496,8 @@ def profile_model(
 
     ``sample`` is a batch (its first dimension is the batch size), or a mapping passed by keyword; per-layer forward time comes
     from hooks on ``layers`` (default: the model's longest ``nn.ModuleList``), kept bytes from
-    saved-tensor hooks (parameters excluded); time and memory outside the layers go to the first layer. Backward time
+    saved-tensor hooks (parameters excluded). A one-sample run splits the step time into a fixed
+    per-microbatch overhead and a per-sample part (the layer times are scaled to the latter); time and memory outside the layers go to the first layer. Backward time
     is measured for the whole model and spread over layers in proportion to forward time.
     With ``cache_dir`` the profile is read from / written to ``<fingerprint>-<device>.json``.
     """
@@ -573,6 +591,17 @@ def profile_model(
         layer_activation_bytes=[a / batch for a in act], layer_param_bytes=params,
         boundary_bytes=out_bytes[0] / batch, num_heads=heads, num_kv_heads=kv, vocab_size=vocab,
         fingerprint=key, device=device)
+    if batch > 1:  # time(b) = overhead + b * per_sample: a one-sample run gives the overhead
+        one = sample[:1] if isinstance(sample, torch.Tensor) else {k: v[:1] for k, v in sample.items()}
+        t_one = _step_seconds(model, one, repeats)
+        per_sample = (total_f + total_b - t_one) / (batch - 1)
+        overhead = max(t_one - per_sample, 0.0)
+        if per_sample > 0:
+            scale = per_sample / ((total_f + total_b) / batch)
+            prof = dataclasses.replace(
+                prof, microbatch_overhead_s=overhead,
+                layer_forward_s=[f * scale for f in prof.layer_forward_s],
+                layer_backward_s=[b * scale for b in prof.layer_backward_s])
     if path is not None:
         prof.save(path)
         logger.info("planner: profile written to %s", path)
