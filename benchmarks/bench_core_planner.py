@@ -1,6 +1,6 @@
 """Benchmark: the planner's predicted step time against measured step time, demo model, 4 CPU ranks.
 
-The demo model (examples/addition) is profiled in this process (:func:`merak_core.planner.profile_model`),
+The demo model (examples/addition) is profiled on rank 0 alone (``--contended``: on every rank at once) (:func:`merak_core.planner.profile_model`),
 the communication model is measured on the ranks (:func:`merak_core.planner.measure_comm`), and the
 planner ranks every layout (dp, tp, pp) with dp*tp*pp = 4 for the job's global batch. For each layout,
 the planner's best configuration of that layout is then trained for a few steps with the real
@@ -30,10 +30,25 @@ sys.path.insert(0, str(ROOT))
 CONFIG = ROOT / "examples/addition/config.yaml"
 
 
-def _comm_body() -> Any:
-    from merak_core.planner import measure_comm
+def _profile_body(contended: bool) -> Any:
+    """Profile the demo model (on every rank at once when ``contended``: the cores are shared as in training)."""
+    import torch.distributed as dist
+    from torch.utils.data import default_collate
 
-    return measure_comm(repeats=5)
+    from merak_core.job import JobConfig
+    from merak_core.planner import measure_comm, profile_model
+
+    job = JobConfig.from_yaml(CONFIG)
+    torch.manual_seed(0)
+    model = job.build_model()
+    train, _ = job.build_datasets()
+    batch = default_collate([train[i] for i in range(job.training.per_device_train_batch_size)])
+    profile = None
+    dist.barrier()
+    if contended or dist.get_rank() == 0:
+        profile = profile_model(model, {"input_ids": batch["input_ids"]}, repeats=5)
+    dist.barrier()
+    return profile, measure_comm(repeats=5)
 
 
 def _train_body(fields: dict[str, Any], steps: int, out_dir: str) -> list[float]:
@@ -79,24 +94,19 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer steps")
     parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--contended", action="store_true",
+                        help="profile on every rank at once (cores shared as in training) instead of rank 0 alone")
     args = parser.parse_args()
     steps, warm = (6, 2) if args.quick else (14, 4)
 
-    from torch.utils.data import default_collate
-
     from merak_core.job import JobConfig
-    from merak_core.planner import plan, profile_model
+    from merak_core.planner import plan
     from tests.support.dist import run_on_ranks
 
     job = JobConfig.from_yaml(CONFIG)
     t = job.training
-    torch.manual_seed(0)
-    model = job.build_model()
-    train, _ = job.build_datasets()
-    batch = default_collate([train[i] for i in range(t.per_device_train_batch_size)])
-    profile = profile_model(model, {"input_ids": batch["input_ids"]}, repeats=5)
+    profile, comm = run_on_ranks(args.world_size, _profile_body, args.contended)[0]
     profile = profile.__class__(**{**profile.__dict__, "vocab_size": None})  # the demo's TP plan shards no embedding
-    comm = run_on_ranks(args.world_size, _comm_body)[0]
     gbs = t.per_device_train_batch_size * t.gradient_accumulation_steps * 2
     cands = plan(profile, world_size=args.world_size, memory_per_device=2**30, global_batch_size=gbs, comm=comm,
                  schedules=("1f1b", "gpipe"), recompute_modes=("none",))
@@ -110,6 +120,8 @@ def main() -> None:
             times = run_on_ranks(args.world_size, _train_body, fields, steps, f"{tmp}/{i}")[0]
             measured = statistics.median(times[warm:])
             rows.append((layout, c, measured))
+    print(f"profile: {'every rank at once' if args.contended else 'rank 0 alone'}, per-microbatch overhead "
+          f"{profile.microbatch_overhead_s * 1e3:.2f} ms")
     print(f"comm: p2p {comm.p2p_latency_s * 1e6:.1f} us + {comm.p2p_bandwidth / 1e6:.0f} MB/s; all-reduce step "
           f"{comm.allreduce_latency_s * 1e6:.1f} us, link {comm.allreduce_bandwidth / 1e6:.0f} MB/s")
     print(f"{'planner rank':>12} {'layout':<12} {'schedule':<8} {'m':>3} {'predicted ms':>13} {'measured ms':>12} "
