@@ -1,7 +1,7 @@
 """Merak's task runner: tests, the per-package matrix, lint, types, the demo, benchmarks.
 
-``nox`` with no arguments runs what CI runs (lint, typecheck, tests, and each
-library package tested alone). Every session installs torch through
+``nox`` with no arguments runs what CI runs (lint, typecheck, tests, each
+library package tested alone, and the transformers tests). Every session installs torch through
 ``constraints.txt`` (``torch==2.13.0``, a CPU build on these machines: an
 unpinned ``torch`` pulls a multi-GB CUDA build). Environments are reused
 between runs; ``nox --reuse-venv=no`` rebuilds them.
@@ -23,7 +23,7 @@ ALL_PACKAGES = ("packages/merak-pipe", "packages/merak-graph", "packages/merak-t
 ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
 
 nox.options.reuse_venv = "yes"
-nox.options.sessions = ["lint", "typecheck", "tests", "package"]
+nox.options.sessions = ["lint", "typecheck", "tests", "package", "transformers"]
 nox.options.error_on_missing_interpreters = True
 
 

@@ -17,12 +17,16 @@ from merak_core.data import StageAwareDataLoader, StageBatch, split_inputs_label
 from merak_core.data_parallel import DataParallelGradSync
 from merak_core.job import JobConfig
 from merak_core.layout import ParallelLayout, init, resolve_degrees
+from merak_core.planner import Candidate, CommModel, ModelProfile, plan, profile_model
 from merak_core.trainer import Trainer, default_loss
 from merak_core.zero import ZeroOptimizer, partition_parameters
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Candidate",
+    "CommModel",
+    "ModelProfile",
     "CheckpointError",
     "CheckpointManager",
     "DataParallelGradSync",
@@ -47,6 +51,8 @@ __all__ = [
     "parse_bytes",
     "parse_recompute",
     "partition_parameters",
+    "plan",
+    "profile_model",
     "resolve_degrees",
     "split_inputs_labels",
 ]
