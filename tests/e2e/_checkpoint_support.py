@@ -64,7 +64,7 @@ def train_body(name: str, kwargs: dict[str, Any], resume: str | None = None,
 
 def saved_state_body(path: str) -> dict[str, torch.Tensor]:
     """The model part of a checkpoint, read by one process (no collectives)."""
-    from merak_core.checkpoint import read_checkpoint_model
+    from merak_core.weights import read_checkpoint_model
 
     return read_checkpoint_model(path)
 
@@ -90,7 +90,7 @@ def die_during_save_body(name: str, kwargs: dict[str, Any], victim: int, die_at_
 def import_export_body(name: str, save_kwargs: dict[str, Any], load_kwargs: dict[str, Any],
                        out_dir: str) -> dict[str, Any]:
     """Export a trained model (.pt and .safetensors), import both into a fresh trainer of another layout."""
-    from merak_core.checkpoint import export_full_state_dict, load_full_state_dict
+    from merak_core.weights import export_full_state_dict, load_full_state_dict
 
     trainer = make_trainer(name, save_kwargs)
     trainer.train()

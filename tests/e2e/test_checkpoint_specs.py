@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from merak_core.checkpoint import _read_shard, _Spec
+from merak_core.checkpoint import _Spec
+from merak_core.weights import _read_shard
 from merak_tp.layers import _shard
 
 

@@ -4,12 +4,7 @@
 trains an ordinary model with it. See the package README.
 """
 
-from merak_core.checkpoint import (
-    CheckpointError,
-    CheckpointManager,
-    export_full_state_dict,
-    load_full_state_dict,
-)
+from merak_core.checkpoint import CheckpointError, CheckpointManager
 from merak_core.clip import clip_grad_norm_, global_grad_norm
 from merak_core.compose import ParallelModel, build_parallel_model, gather_full_state_dict
 from merak_core.config import TrainingArguments, build_lr_scheduler, parse_bytes, parse_recompute
@@ -19,6 +14,7 @@ from merak_core.job import JobConfig
 from merak_core.layout import ParallelLayout, init, resolve_degrees
 from merak_core.planner import Candidate, CommModel, ModelProfile, plan, profile_model
 from merak_core.trainer import Trainer, default_loss
+from merak_core.weights import export_full_state_dict, load_full_state_dict
 from merak_core.zero import ZeroOptimizer, partition_parameters
 
 __version__ = "0.1.0"
