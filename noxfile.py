@@ -34,8 +34,8 @@ def _install_all(session: nox.Session, *extra: str) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """The full test suite over all four packages (what CI runs)."""
-    _install_all(session, *TEST_DEPS)
+    """The full test suite over all four packages (what CI runs); safetensors for the weight-file tests."""
+    _install_all(session, *TEST_DEPS, "safetensors")
     session.run("pytest", "tests", *session.posargs, env=ENV)
 
 
