@@ -9,6 +9,7 @@ compared with the pure coordinate map.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from datetime import timedelta
@@ -195,7 +196,9 @@ def _torchrun(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
 def test_init_under_torchrun(tmp_path: Path) -> None:
     out = _torchrun(tmp_path, "none", "2")
     assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-4000:])
-    lines = sorted(line for line in out.stdout.splitlines() if line.startswith("RESULT"))
+    # Two ranks share one stdout pipe: a line of one may land in the middle of the other's.
+    lines = sorted(re.findall(r"RESULT rank=\d+ dp=\d+ tp=\d+ tp_rank=\d+ sum=[\d.]+ backend=\w+ timeout=\d+",
+                              out.stdout))
     assert lines == [
         "RESULT rank=0 dp=1 tp=2 tp_rank=0 sum=3.0 backend=gloo timeout=600",
         "RESULT rank=1 dp=1 tp=2 tp_rank=1 sum=3.0 backend=gloo timeout=600",
