@@ -103,6 +103,19 @@ def _write_job(ctx: CaseContext, training: str = "dp: 1\n  tp: 1\n  pp: 1", *, m
     return job
 
 
+class _Pairs(Dataset):
+    def __init__(self, size: int = 16) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.x = torch.randn(size, 4, generator=g, dtype=torch.float64)
+        self.y = torch.randint(0, 3, (size,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i], self.y[i]
+
+
 # ----------------------------------------------------------------------------- layout / degrees
 
 
@@ -477,123 +490,6 @@ def stage_index_out_of_range(ctx: CaseContext) -> None:
         PipelineStage(nn.Linear(4, 4), stage_index=2, num_stages=2)
 
 
-# ----------------------------------------------------------------------------- configuration files
-
-
-def args_from_dict_unknown_key(ctx: CaseContext) -> None:
-    from merak_core import TrainingArguments
-
-    with ctx.guard():
-        TrainingArguments.from_dict({"learning_rat": 1e-3})
-
-
-def args_from_yaml_unknown_key(ctx: CaseContext) -> None:
-    from merak_core import TrainingArguments
-
-    path = ctx.tmp / "train.yaml"
-    path.write_text("max_steps: 10\ngradient_accumulation: 4\n")
-    with ctx.guard():
-        TrainingArguments.from_yaml(path)
-
-
-def args_override_without_equals(ctx: CaseContext) -> None:
-    from merak_core import TrainingArguments
-
-    path = ctx.tmp / "train.yaml"
-    path.write_text("max_steps: 10\n")
-    with ctx.guard():
-        TrainingArguments.from_yaml(path, ["max_steps", "20"])
-
-
-def args_override_bad_type(ctx: CaseContext) -> None:
-    from merak_core import TrainingArguments
-
-    path = ctx.tmp / "train.yaml"
-    path.write_text("max_steps: 10\n")
-    with ctx.guard():
-        TrainingArguments.from_yaml(path, ["tp=two"])
-
-
-def job_unknown_section(ctx: CaseContext) -> None:
-    from merak_core.job import JobConfig
-
-    job = _write_job(ctx, extra="trainig:\n  max_steps: 3\n")
-    with ctx.guard():
-        JobConfig.from_yaml(job)
-
-
-def job_override_without_equals(ctx: CaseContext) -> None:
-    from merak_core.job import JobConfig
-
-    job = _write_job(ctx)
-    with ctx.guard():
-        JobConfig.from_yaml(job, ["training.max_steps"])
-
-
-def job_override_bad_type(ctx: CaseContext) -> None:
-    from merak_core.job import JobConfig
-
-    job = _write_job(ctx)
-    with ctx.guard():
-        JobConfig.from_yaml(job, ["training.max_steps=many"])
-
-
-def job_factory_missing_file(ctx: CaseContext) -> None:
-    from merak_core.job import JobConfig
-
-    job = _write_job(ctx, model="modle.py:build_model")
-    with ctx.guard():
-        JobConfig.from_yaml(job)
-
-
-def job_factory_missing_function(ctx: CaseContext) -> None:
-    from merak_core.job import JobConfig
-
-    job = _write_job(ctx, model="model.py:buld_model")
-    with ctx.guard():
-        JobConfig.from_yaml(job)
-
-
-def job_factory_not_a_spec(ctx: CaseContext) -> None:
-    from merak_core.job import JobConfig
-
-    job = _write_job(ctx, model="model.build_model")
-    with ctx.guard():
-        JobConfig.from_yaml(job)
-
-
-# ----------------------------------------------------------------------------- training fields
-
-
-def args_negative_learning_rate(ctx: CaseContext) -> None:
-    with ctx.guard():
-        _args(ctx, learning_rate=-3e-4)
-
-
-def args_bf16_with_float64(ctx: CaseContext) -> None:
-    with ctx.guard():
-        _args(ctx, bf16=True, dtype="float64")
-
-
-def args_zero_stage_2(ctx: CaseContext) -> None:
-    with ctx.guard():
-        _args(ctx, zero_stage=2)
-
-
-def args_unknown_dtype(ctx: CaseContext) -> None:
-    with ctx.guard():
-        _args(ctx, dtype="fp16")
-
-
-def lr_decay_without_total_steps(ctx: CaseContext) -> None:
-    from merak_core import build_lr_scheduler
-
-    args = _args(ctx, max_steps=-1, lr_scheduler_type="cosine")
-    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
-    with ctx.guard():
-        build_lr_scheduler(optimizer, args)
-
-
 # ----------------------------------------------------------------------------- the Trainer (on ranks)
 
 
@@ -651,152 +547,6 @@ def trainer_memory_budget_nothing_fits(ctx: CaseContext) -> None:
     model = Llama(DecoderConfig(num_layers=2)).double()  # untied: no shared-parameter groups to create
     with ctx.guard():
         Trainer(model, args, _Tokens(16), layout=layout)
-
-
-# ----------------------------------------------------------------------------- checkpoints (on ranks)
-#
-# [Note: checkpoint rows] Each row first trains a tiny classifier for one step with dp=2 and
-# save_steps=1 (``ctx.tmp`` is the same directory on every rank), so ``checkpoints/step_1`` is a real committed
-# checkpoint; then it makes the mistake and checks, whatever happens, that no byte and no
-# modification time under ``checkpoints/`` changed (nothing overwritten) and, for resumes, that
-# the trainer's parameters are untouched.
-
-
-class _Pairs(Dataset):
-    def __init__(self, size: int = 16) -> None:
-        g = torch.Generator().manual_seed(1)
-        self.x = torch.randn(size, 4, generator=g, dtype=torch.float64)
-        self.y = torch.randint(0, 3, (size,), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.x[i], self.y[i]
-
-
-def _ckpt_trainer(output_dir: str, *, hidden: int = 8, batch: int = 2, layout: Any = None) -> Any:
-    from merak_core import Trainer, TrainingArguments, init
-
-    layout = layout if layout is not None else init(dp=2, device="cpu")
-    args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=batch, max_steps=1, save_steps=1,
-                             dtype="float64", logging_steps=1, learning_rate=0.1)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, hidden), nn.Tanh(), nn.Linear(hidden, 3))
-    return Trainer(model, args, _Pairs(), layout=layout)
-
-
-def _snapshot(root: Path) -> dict[str, tuple[int, bytes]]:
-    import hashlib
-
-    return {str(p.relative_to(root)): (p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).digest())
-            for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-def _saved_run(ctx: CaseContext) -> tuple[Path, Any]:
-    """(output_dir shared by the ranks, the trainer) after one step and one committed checkpoint."""
-    import torch.distributed as dist
-
-    out = ctx.tmp
-    trainer = _ckpt_trainer(str(out))
-    trainer.train()
-    assert (out / "checkpoints" / "step_1").is_dir()
-    dist.barrier()
-    return out, trainer
-
-
-@contextlib.contextmanager
-def _nothing_changes(root: Path, trainer: Any = None) -> Any:
-    """Whatever the body raises: no file under ``root`` and no parameter of ``trainer`` may change."""
-    files = _snapshot(root)
-    params = {n: p.detach().clone() for n, p in trainer.model.module.named_parameters()} if trainer else {}
-    try:
-        yield
-    finally:
-        after = _snapshot(root)
-        changed = sorted(k for k in set(files) | set(after) if files.get(k) != after.get(k))
-        assert not changed, f"checkpoint files changed by a failed call: {changed}"
-        if trainer is not None:
-            moved = [n for n, p in trainer.model.module.named_parameters() if not torch.equal(p, params[n])]
-            assert not moved, f"parameters changed by a failed resume: {moved}"
-
-
-def _copy_checkpoint(out: Path, name: str) -> Path:
-    import shutil
-
-    import torch.distributed as dist
-
-    src, dst = out / "checkpoints" / "step_1", out / "checkpoints" / name
-    if dist.get_rank() == 0:
-        shutil.copytree(src, dst)
-    dist.barrier()
-    return dst
-
-
-def ckpt_resume_partial_tmp_dir(ctx: CaseContext) -> None:
-    import torch.distributed as dist
-
-    out, trainer = _saved_run(ctx)
-    partial = _copy_checkpoint(out, "step_2.tmp")
-    if dist.get_rank() == 0:
-        (partial / "merak_checkpoint.json").unlink()
-    dist.barrier()
-    with _nothing_changes(out / "checkpoints", trainer), ctx.guard():
-        trainer.resume(str(partial))
-
-
-def ckpt_resume_missing_dcp_metadata(ctx: CaseContext) -> None:
-    import torch.distributed as dist
-
-    out, trainer = _saved_run(ctx)
-    broken = _copy_checkpoint(out, "step_7")
-    if dist.get_rank() == 0:
-        (broken / ".metadata").unlink()
-    dist.barrier()
-    with _nothing_changes(out / "checkpoints", trainer), ctx.guard():
-        trainer.resume(str(broken))
-
-
-def ckpt_resume_corrupt_meta_file(ctx: CaseContext) -> None:
-    import torch.distributed as dist
-
-    out, trainer = _saved_run(ctx)
-    broken = _copy_checkpoint(out, "step_8")
-    if dist.get_rank() == 0:
-        (broken / "merak_checkpoint.json").write_text('{"format": "merak-dcp-1", "step": ')
-    dist.barrier()
-    with _nothing_changes(out / "checkpoints", trainer), ctx.guard():
-        trainer.resume(str(broken))
-
-
-def ckpt_resume_latest_without_checkpoint(ctx: CaseContext) -> None:
-    trainer = _ckpt_trainer(str(ctx.tmp))
-    with ctx.guard():
-        trainer.resume("latest")
-
-
-def ckpt_resume_other_model(ctx: CaseContext) -> None:
-    out, trainer = _saved_run(ctx)
-    other = _ckpt_trainer(str(out), hidden=6, layout=trainer.layout)
-    # The model fingerprint is gathered over the pipeline stages once (all_gather_object): every rank
-    # then rejects the checkpoint at the same point, before any tensor is read.
-    with _nothing_changes(out / "checkpoints", other), ctx.guard(allow=("all_gather_object",)):
-        other.resume("latest")
-
-
-def ckpt_resume_other_batch_size(ctx: CaseContext) -> None:
-    out, trainer = _saved_run(ctx)
-    other = _ckpt_trainer(str(out), batch=4, layout=trainer.layout)
-    # Runs through DCP's own collectives (metadata, then the read); the error must leave the trainer as it was.
-    with _nothing_changes(out / "checkpoints", other):
-        other.resume("latest")
-
-
-def ckpt_new_run_into_old_output_dir(ctx: CaseContext) -> None:
-    out, trainer = _saved_run(ctx)
-    again = _ckpt_trainer(str(out), layout=trainer.layout)  # a fresh run, no resume: step_1 exists already
-    with _nothing_changes(out / "checkpoints"), ctx.guard():
-        again.train()
 
 
 # ----------------------------------------------------------------------------- more rows
