@@ -65,28 +65,41 @@ def train_on_ranks(name: str, args_kwargs: dict[str, Any], dataset_size: int = 6
     return [h["loss"] for h in history], state if dist.get_rank() == 0 else None
 
 
+def reference_optimizer(model: torch.nn.Module, args: Any) -> tuple[torch.optim.Optimizer, Any]:
+    """AdamW and the LR schedule as the Trainer builds them: matrices decay, 1-D parameters do not."""
+    from merak_core.config import build_lr_scheduler
+
+    params = dict(model.named_parameters()).values()  # tied parameters once
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=args.learning_rate,
+                            betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon, foreach=False)
+    return opt, build_lr_scheduler(opt, args, args.max_steps)
+
+
+def reference_microbatches(dataset_size: int, args: Any, dp: int) -> list[list[list[int]]]:
+    """Per step, the sample indices of each of the dp * num_microbatches chunks, in the loader's order."""
+    mbs, num_micro = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    global_batch = mbs * num_micro * dp
+    perm = torch.randperm(dataset_size, generator=torch.Generator().manual_seed(args.seed)).tolist()
+    steps = []
+    for step in range(args.max_steps):
+        idx = perm[step * global_batch:(step + 1) * global_batch]
+        steps.append([idx[i:i + mbs] for i in range(0, global_batch, mbs)])
+    return steps
+
+
 def reference_training(name: str, args_kwargs: dict[str, Any], dp: int,
                        dataset_size: int = 64) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The same run in one process: the global batch split into dp * num_microbatches equal chunks."""
-    from merak_core.config import build_lr_scheduler
-
     args = make_args(**args_kwargs)
     model = build_model(name)
     ref = REFERENCE_MODELS[name]
     data = TokenDataset(dataset_size, model.config.vocab_size)
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=args.learning_rate,
-                            betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon, foreach=False)
-    sched = build_lr_scheduler(opt, args, args.max_steps)
-    mbs, num_micro = args.per_device_train_batch_size, args.gradient_accumulation_steps
-    global_batch = mbs * num_micro * dp
-    perm = torch.randperm(len(data), generator=torch.Generator().manual_seed(args.seed)).tolist()
+    opt, sched = reference_optimizer(model, args)
     losses = []
-    for step in range(args.max_steps):
-        idx = perm[step * global_batch:(step + 1) * global_batch]
-        chunks = [idx[i:i + mbs] for i in range(0, global_batch, mbs)]
+    for chunks in reference_microbatches(len(data), args, dp):
         model.zero_grad(set_to_none=True)
         total = 0.0
         for chunk in chunks:

@@ -29,6 +29,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
+from tests.e2e._trainer_support import reference_microbatches, reference_optimizer
 from tests.support.compare import assert_tensors_close
 from tests.support.dist import WorkerError, run_on_ranks
 
@@ -155,30 +156,19 @@ def reference_training(name: str, args_kwargs: dict[str, Any], dp: int,
     The evaluation after training averages the loss of every ``per_device_eval_batch_size`` chunk of the
     eval set in order (whole global eval batches only, as the Trainer reads them).
     """
-    from merak_core.config import build_lr_scheduler
-
     args = make_args(**args_kwargs)
     model = build_hf_model(name)
     data = PaddedTokens(48, with_mask=with_mask)
     params = dict(model.named_parameters())  # tied parameters once
-    decay = [p for p in params.values() if p.ndim >= 2]
-    no_decay = [p for p in params.values() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=args.learning_rate,
-                            betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon, foreach=False)
-    sched = build_lr_scheduler(opt, args, args.max_steps)
-    mbs, num_micro = args.per_device_train_batch_size, args.gradient_accumulation_steps
-    global_batch = mbs * num_micro * dp
-    perm = torch.randperm(len(data), generator=torch.Generator().manual_seed(args.seed)).tolist()
+    opt, sched = reference_optimizer(model, args)
     losses = []
-    for step in range(args.max_steps):
-        idx = perm[step * global_batch:(step + 1) * global_batch]
+    for chunks in reference_microbatches(len(data), args, dp):
         model.zero_grad(set_to_none=True)
         total = 0.0
-        for lo in range(0, global_batch, mbs):
-            batch = torch.utils.data.default_collate([data[i] for i in idx[lo:lo + mbs]])
+        for chunk in chunks:
+            batch = torch.utils.data.default_collate([data[i] for i in chunk])
             labels = batch.pop("labels")
-            loss = lm_loss(model(**batch), labels) / (global_batch // mbs)
+            loss = lm_loss(model(**batch), labels) / len(chunks)
             loss.backward()
             total += float(loss.detach())
         torch.nn.utils.clip_grad_norm_(params.values(), args.max_grad_norm)
@@ -186,7 +176,7 @@ def reference_training(name: str, args_kwargs: dict[str, Any], dp: int,
         sched.step()
         losses.append(total)
     eval_data = PaddedTokens(EVAL_SIZE, seed=1, with_mask=with_mask)
-    ebs = args.per_device_eval_batch_size
+    ebs, num_micro = args.per_device_eval_batch_size, args.gradient_accumulation_steps
     usable = len(eval_data) // (ebs * num_micro * dp) * (ebs * num_micro * dp)
     with torch.no_grad():
         chunk_losses = []
