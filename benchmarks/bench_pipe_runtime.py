@@ -5,6 +5,9 @@ Sections (``--section``; default all):
 - ``torch``: step time of ``merak_pipe.PipelineRunner`` against torch.distributed.pipelining
   (``PipelineStage`` + ``Schedule1F1B`` / ``ScheduleGPipe``) on identical stage modules and
   microbatches: an 8-layer GPT-style model of width 128, 2 and 4 stages (target: ours <= 0.9x).
+  The *floor* column is the schedule's makespan with free communication, simulated from each
+  stage's forward/backward timed alone in the same run: no runtime of that schedule can go below
+  it, so ``floor/torch`` bounds the ratio any runtime could reach here.
 - ``shifted``: Merak's shifted-critical-path schedule against 1F1B, both with full
   recomputation, 8 microbatches, 2 and 4 stages (target: >= 5% faster at 2 stages).
 - ``sim``: measured step time against the simulator's prediction from the per-action costs
@@ -192,7 +195,45 @@ def torch_section(world: int, microbatches: int, batch_size: int, seq: int, warm
         out[f"{name}/ours"] = medians["ours"]
         out[f"{name}/torch"] = medians["torch"]
         out[f"{name}/ratio"] = medians["ours/torch"]
+        out[f"{name}/floor"] = _floor(name, module, world, microbatches, ids, labels, seq, rounds)
     return out
+
+
+def _floor(schedule_name: str, module: nn.Module, world: int, microbatches: int, ids: torch.Tensor,
+           labels: torch.Tensor, seq: int, rounds: int) -> float:
+    """The schedule's makespan with free communication: the best any runtime could do here.
+
+    Every rank times its own stage's forward and backward on the step's microbatches with no
+    communication (all ranks at once, so the cores are shared as in the real step); the medians
+    go into the simulator with zero point-to-point latency.
+    """
+    from merak_pipe.schedules import build_schedule
+    from merak_pipe.sim import CostModel, simulate
+
+    rank = dist.get_rank()
+    mb = ids.size(0) // microbatches
+    fwd, bwd = [], []
+    dist.barrier()
+    for r in range(rounds):
+        for m in range(microbatches):
+            if rank == 0:
+                x: torch.Tensor = ids[m * mb:(m + 1) * mb]
+            else:
+                x = torch.randn(mb, seq, WIDTH, generator=torch.Generator().manual_seed(r * 64 + m)).requires_grad_()
+            start = time.perf_counter()
+            out = module(x)
+            if rank == world - 1:
+                out = lm_loss(out, labels[m * mb:(m + 1) * mb]) / microbatches
+            mid = time.perf_counter()
+            out.backward(None if out.dim() == 0 else torch.ones_like(out))
+            fwd.append(mid - start)
+            bwd.append(time.perf_counter() - mid)
+    module.zero_grad(set_to_none=True)
+    costs: list[Any] = [None] * world
+    dist.all_gather_object(costs, (statistics.median(fwd), statistics.median(bwd)))
+    schedule = build_schedule(schedule_name, num_stages=world, num_microbatches=microbatches, num_ranks=world)
+    model = CostModel(forward=[c[0] for c in costs], backward=[c[1] for c in costs], p2p_latency=0.0)
+    return simulate(schedule, model).makespan
 
 
 def shifted_section(world: int, microbatches: int, batch_size: int, seq: int, warmup: int, rounds: int) -> dict[str, float]:
@@ -266,14 +307,17 @@ def main() -> None:
 
     if args.section in ("torch", "all"):
         print("\n## merak_pipe vs torch.distributed.pipelining (step time, s)")
-        print("| stages | microbatches | schedule | merak_pipe (median) | torch (median) | ours/torch (median of paired steps) |")
-        print("|---|---|---|---|---|---|")
+        print("| stages | microbatches | schedule | merak_pipe (median) | torch (median) | ours/torch (median of paired steps) "
+              "| floor: free communication | floor/torch |")
+        print("|---|---|---|---|---|---|---|---|")
         for world in args.stages:
             m, b = 8, 16
             res = run_world(world, torch_section, world, m, b, seq, warmup, rounds)[0]
             for name in ("1f1b", "gpipe"):
                 ours, theirs = res[f"{name}/ours"], res[f"{name}/torch"]
-                print(f"| {world} | {m} | {name} | {ours:.4f} | {theirs:.4f} | {res[f'{name}/ratio']:.3f} |", flush=True)
+                floor = res[f"{name}/floor"]
+                print(f"| {world} | {m} | {name} | {ours:.4f} | {theirs:.4f} | {res[f'{name}/ratio']:.3f} "
+                      f"| {floor:.4f} | {floor / theirs:.3f} |", flush=True)
 
     if args.section in ("shifted", "all"):
         print("\n## shifted-critical-path vs 1F1B, full recompute (step time, s)")
