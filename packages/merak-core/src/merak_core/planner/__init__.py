@@ -1,0 +1,49 @@
+"""The planner: choose the (dp, tp, pp) layout, schedule, microbatches and recomputation from a cost model.
+
+A :class:`ModelProfile` holds per-layer costs for one sample (forward and backward seconds,
+activation bytes, parameter bytes) plus what constrains tensor parallelism (heads, kv heads,
+vocabulary). :func:`profile_model` measures one on the local device by running the model once
+(forward times and saved-activation bytes per layer through hooks); profiles are cached as JSON
+keyed by a model fingerprint and the device. A :class:`CommModel` prices point-to-point messages
+and all-reduces (ring formula); its defaults are assumptions, :func:`measure_comm` measures one
+with the real collectives of a process group.
+
+:func:`plan` enumerates every layout with dp * tp * pp = world_size, every microbatch count that
+divides the per-replica batch, every schedule the Trainer runs and recompute none / full /
+stage_aware; it predicts the step time with :func:`merak_pipe.simulate` (stage costs scaled by
+1 / tp plus TP all-reduces, then the DP gradient all-reduce of the slowest stage) and the
+per-stage peak memory (weights + gradients + optimizer states, divided by dp under ZeRO-1, plus
+the simulated activation peak), drops what does not fit and ranks the rest.
+
+[Note: planner model limits] Layers are split contiguously to balance forward time; TP divides
+every layer's compute, activations and parameters by tp and adds two all-reduces of the layer's
+output per layer in forward and two in backward; the DP all-reduce is not overlapped with the
+pipeline. Backward time is measured as a whole and spread over layers in proportion to forward.
+"""
+
+from merak_core.planner.comm import CommModel, measure_comm
+from merak_core.planner.profile import ModelProfile, model_fingerprint, profile_model
+from merak_core.planner.search import (
+    PLANNER_SCHEDULES,
+    RECOMPUTE_MODES,
+    Candidate,
+    format_plan,
+    plan,
+    split_layers,
+    why_best,
+)
+
+__all__ = [
+    "PLANNER_SCHEDULES",
+    "RECOMPUTE_MODES",
+    "Candidate",
+    "CommModel",
+    "ModelProfile",
+    "format_plan",
+    "measure_comm",
+    "model_fingerprint",
+    "plan",
+    "profile_model",
+    "split_layers",
+    "why_best",
+]

@@ -1,0 +1,277 @@
+"""Measured costs of a model: :class:`ModelProfile` and :func:`profile_model`.
+
+A profile holds per-layer costs for one sample (forward and backward seconds, activation bytes,
+parameter bytes), a fixed per-microbatch overhead, the optimizer's cost per parameter byte, and
+what constrains tensor parallelism (heads, kv heads, vocabulary). :func:`profile_model` measures
+one on the local device by running the model (forward times and saved-activation bytes per layer
+through hooks); profiles are cached as JSON keyed by a model fingerprint and the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ModelProfile", "model_fingerprint", "profile_model"]
+
+
+@dataclass(kw_only=True)
+class ModelProfile:
+    """Per-layer costs of one sample, the sizes that constrain TP, and where they came from."""
+
+    layer_forward_s: list[float]
+    """Forward seconds of each layer for one sample."""
+    layer_backward_s: list[float]
+    """Backward seconds of each layer for one sample (without recomputation)."""
+    layer_activation_bytes: list[float]
+    """Bytes each layer keeps for backward, for one sample."""
+    layer_param_bytes: list[float]
+    """Parameter bytes of each layer (embeddings and head counted in the first / last layer)."""
+    microbatch_overhead_s: float = 0.0
+    """Fixed seconds per microbatch and stage (forward + backward) that do not grow with the batch."""
+    boundary_bytes: float = 0.0
+    """Bytes of a layer's output for one sample (the pipeline message and the TP all-reduce size)."""
+    num_heads: int | None = None
+    """Attention heads (tp must divide it); None: no constraint."""
+    num_kv_heads: int | None = None
+    """Key/value heads (tp must divide it); None: same as ``num_heads``."""
+    vocab_size: int | None = None
+    """Vocabulary size (tp must divide it); None: no constraint."""
+    fingerprint: str = ""
+    """Model fingerprint (see :func:`model_fingerprint`)."""
+    device: str = "cpu"
+    """Device the costs were measured on, or ``estimate``."""
+
+    def __post_init__(self) -> None:
+        n = len(self.layer_forward_s)
+        if n < 1:
+            raise ValueError("ModelProfile.layer_forward_s is empty: expected one value per layer (at least one)")
+        for name in ("layer_backward_s", "layer_activation_bytes", "layer_param_bytes"):
+            values = getattr(self, name)
+            if len(values) != n:
+                raise ValueError(f"ModelProfile.{name} has {len(values)} values but layer_forward_s has {n}: "
+                                 "give one value per layer")
+        for name in ("layer_forward_s", "layer_backward_s", "layer_activation_bytes", "layer_param_bytes"):
+            for v in getattr(self, name):
+                if not v >= 0 or math.isinf(v):
+                    raise ValueError(f"ModelProfile.{name} holds {v!r}: expected finite values >= 0")
+        if not self.microbatch_overhead_s >= 0:
+            raise ValueError(f"ModelProfile.microbatch_overhead_s={self.microbatch_overhead_s}: expected seconds >= 0")
+        if self.boundary_bytes < 0:
+            raise ValueError(f"ModelProfile.boundary_bytes={self.boundary_bytes}: expected >= 0")
+        for name in ("num_heads", "num_kv_heads", "vocab_size"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"ModelProfile.{name}={v!r}: expected a positive int or None (no constraint)")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_forward_s)
+
+    def tp_allowed(self, tp: int) -> bool:
+        """Whether ``tp`` divides heads, kv heads and vocabulary."""
+        kv = self.num_kv_heads if self.num_kv_heads is not None else self.num_heads
+        return all(v is None or v % tp == 0 for v in (self.num_heads, kv, self.vocab_size))
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> ModelProfile:
+        return cls(**json.loads(text))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path) -> ModelProfile:
+        return cls.from_json(Path(path).read_text())
+
+
+def _timed(fn: Any, repeats: int) -> float:
+    fn()  # warm-up
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - t0) / repeats
+
+
+def model_fingerprint(model: nn.Module, sample_shape: Sequence[Any]) -> str:
+    """A hash of the module tree (class names, parameter names, shapes, dtypes) and the sample shape."""
+    h = hashlib.sha256()
+    for name, mod in model.named_modules():
+        h.update(f"{name}:{type(mod).__name__};".encode())
+    for name, p in model.named_parameters():
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
+    h.update(repr(tuple(sample_shape)).encode())
+    return h.hexdigest()[:16]
+
+
+def _find_layers(model: nn.Module) -> nn.ModuleList:
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    if not lists:
+        raise ValueError("profile_model: the model has no nn.ModuleList of layers; pass layers= explicitly")
+    return max(lists, key=len)
+
+
+def _find_attr(model: nn.Module, names: Sequence[str]) -> int | None:
+    for obj in [model, getattr(model, "config", None), getattr(model, "cfg", None)]:
+        for n in names:
+            v = getattr(obj, n, None) if obj is not None else None
+            if isinstance(v, int) and not isinstance(v, bool):
+                return v
+    for m in model.modules():
+        for n in names:
+            v = getattr(m, n, None)
+            if isinstance(v, int) and not isinstance(v, bool):
+                return v
+    return None
+
+
+def _step_seconds(model: nn.Module, sample: torch.Tensor | Mapping[str, torch.Tensor], repeats: int) -> float:
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        y = model(sample) if isinstance(sample, torch.Tensor) else model(**sample)
+        if not isinstance(y, torch.Tensor):
+            y = next(v for v in y.values() if isinstance(v, torch.Tensor))
+        y.float().sum().backward()
+
+    return _timed(step, repeats)
+
+
+def profile_model(
+    model: nn.Module,
+    sample: torch.Tensor | Mapping[str, torch.Tensor],
+    *,
+    layers: nn.ModuleList | None = None,
+    repeats: int = 3,
+    cache_dir: str | Path | None = None,
+) -> ModelProfile:
+    """Measure a per-sample :class:`ModelProfile` by running ``model(sample)`` forward and backward.
+
+    ``sample`` is a batch (its first dimension is the batch size), or a mapping passed by keyword; per-layer forward time comes
+    from hooks on ``layers`` (default: the model's longest ``nn.ModuleList``), kept bytes from
+    saved-tensor hooks (parameters excluded). A one-sample run splits the step time into a fixed
+    per-microbatch overhead and a per-sample part (the layer times are scaled to the latter); time and memory outside the layers go to the first layer. Backward time
+    is measured for the whole model and spread over layers in proportion to forward time.
+    With ``cache_dir`` the profile is read from / written to ``<fingerprint>-<device>.json``.
+    """
+    first = sample if isinstance(sample, torch.Tensor) else next(iter(sample.values()))
+    batch = int(first.shape[0])
+    device = str(first.device)
+    shapes = tuple(sample.shape) if isinstance(sample, torch.Tensor) else tuple(
+        (k, tuple(v.shape)) for k, v in sorted(sample.items()))
+    key = model_fingerprint(model, shapes)
+    path = Path(cache_dir) / f"{key}-{device.replace(':', '_')}.json" if cache_dir is not None else None
+    if path is not None and path.is_file():
+        logger.info("planner: profile cache hit %s", path)
+        return ModelProfile.load(path)
+    layers = layers if layers is not None else _find_layers(model)
+    n = len(layers)
+    fwd = [0.0] * n
+    act = [0.0] * n
+    out_bytes = [0.0]
+    current = [-1]  # -1: outside the layers
+    starts: dict[int, float] = {}
+    outside_act = [0.0]
+
+    param_ptrs = {p.data_ptr() for p in model.parameters()}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.data_ptr() in param_ptrs:  # a saved weight is a parameter, counted in layer_param_bytes
+            return t
+        nbytes = float(t.numel() * t.element_size())
+        if current[0] >= 0:
+            act[current[0]] += nbytes
+        else:
+            outside_act[0] += nbytes
+        return t
+
+    handles = []
+    for i, layer in enumerate(layers):
+        def pre(_m: nn.Module, _a: Any, i: int = i) -> None:
+            current[0] = i
+            starts[i] = time.perf_counter()
+
+        def post(_m: nn.Module, _a: Any, out: Any, i: int = i) -> None:
+            fwd[i] += time.perf_counter() - starts[i]
+            current[0] = -1
+            if isinstance(out, torch.Tensor):
+                out_bytes[0] = float(out.numel() * out.element_size())
+
+        handles.append(layer.register_forward_pre_hook(pre))
+        handles.append(layer.register_forward_hook(post))
+    total_f = total_b = 0.0
+    fwd_sum = [0.0] * n
+    if repeats < 1:
+        raise ValueError(f"profile_model: repeats={repeats}; expected >= 1")
+    try:
+        for rep in range(repeats + 1):  # the first run warms up
+            fwd[:] = [0.0] * n
+            act[:] = [0.0] * n
+            outside_act[0] = 0.0
+            model.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                y = model(sample) if isinstance(sample, torch.Tensor) else model(**sample)
+            t1 = time.perf_counter()
+            if not isinstance(y, torch.Tensor):  # a dict / ModelOutput: its first tensor (logits or loss)
+                y = next(v for v in y.values() if isinstance(v, torch.Tensor))
+            loss = y.float().sum()
+            loss.backward()
+            t2 = time.perf_counter()
+            if rep > 0:
+                total_f += (t1 - t0) / repeats
+                total_b += (t2 - t1) / repeats
+                fwd_sum = [a + f / repeats for a, f in zip(fwd_sum, fwd, strict=True)]
+    finally:
+        for h in handles:
+            h.remove()
+    per_layer_f = list(fwd_sum)
+    per_layer_f[0] += max(total_f - sum(per_layer_f), 0.0)  # embedding, head and loss: first layer
+    per_layer_b = [total_b * f / max(sum(per_layer_f), 1e-12) for f in per_layer_f]
+    act[0] += outside_act[0]
+    params = [float(sum(p.numel() * p.element_size() for p in layer.parameters())) for layer in layers]
+    in_layers = {id(p) for layer in layers for p in layer.parameters()}
+    params[0] += float(sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in in_layers))
+    vocab = None
+    for m in model.modules():
+        if isinstance(m, nn.Embedding):
+            vocab = m.num_embeddings
+            break
+    heads = _find_attr(model, ("num_heads", "heads", "n_head", "num_attention_heads"))
+    kv = _find_attr(model, ("num_key_value_heads", "num_kv_heads", "n_kv_heads"))
+    prof = ModelProfile(
+        layer_forward_s=[f / batch for f in per_layer_f], layer_backward_s=[b / batch for b in per_layer_b],
+        layer_activation_bytes=[a / batch for a in act], layer_param_bytes=params,
+        boundary_bytes=out_bytes[0] / batch, num_heads=heads, num_kv_heads=kv, vocab_size=vocab,
+        fingerprint=key, device=device)
+    if batch > 1:  # time(b) = overhead + b * per_sample: a one-sample run gives the overhead
+        one = sample[:1] if isinstance(sample, torch.Tensor) else {k: v[:1] for k, v in sample.items()}
+        t_one = _step_seconds(model, one, repeats)
+        per_sample = (total_f + total_b - t_one) / (batch - 1)
+        overhead = max(t_one - per_sample, 0.0)
+        if per_sample > 0:
+            scale = per_sample / ((total_f + total_b) / batch)
+            prof = dataclasses.replace(
+                prof, microbatch_overhead_s=overhead,
+                layer_forward_s=[f * scale for f in prof.layer_forward_s],
+                layer_backward_s=[b * scale for b in prof.layer_backward_s])
+    if path is not None:
+        prof.save(path)
+        logger.info("planner: profile written to %s", path)
+    return prof
