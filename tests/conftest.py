@@ -1,8 +1,19 @@
-"""Session-wide test set-up: one thread per process, worker pools shut down at exit."""
+"""Session-wide test set-up: one thread per process, one scratch folder, worker pools shut down at exit.
+
+Every temporary file of the session (``tempfile`` in this process, in the forked worker ranks,
+and in subprocesses such as torchrun through ``TMPDIR``) goes under one folder that is removed
+when the session ends, so test runs leave nothing behind in the system temp folder.
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+
+_SCRATCH = tempfile.mkdtemp(prefix="merak-tests-")
+os.environ["TMPDIR"] = _SCRATCH
+tempfile.tempdir = _SCRATCH
 
 # Must happen before torch starts its thread pools (workers are forked from us).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -32,3 +43,4 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     from tests.support.dist import shutdown_pools
 
     shutdown_pools()
+    shutil.rmtree(_SCRATCH, ignore_errors=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 from datetime import timedelta
 
@@ -30,7 +31,7 @@ def die_mid_step_body(layout: tuple[int, int, int], victim: int, die_at_call: in
             os._exit(19)
         return lm_loss(output, labels)
 
-    args = make_args(**layout_kwargs(dp, tp, pp, max_steps=3, output_dir=f"/tmp/merak-fault-{os.getpid()}"))
+    args = make_args(**layout_kwargs(dp, tp, pp, max_steps=3, output_dir=os.path.join(tempfile.gettempdir(), f"merak-fault-{os.getpid()}")))
     model = build_model("gpt")
     trainer = Trainer(model, args, TokenDataset(64, model.config.vocab_size), loss_fn=loss_fn, layout=group_layout)
     start = time.monotonic()
