@@ -29,6 +29,7 @@ from merak_core.planner.search import (
     Candidate,
     format_plan,
     plan,
+    predict,
     split_layers,
     why_best,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "measure_comm",
     "model_fingerprint",
     "plan",
+    "predict",
     "profile_model",
     "split_layers",
     "why_best",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,8 +28,20 @@ class CommModel:
     """Latency of one ring step of an all-reduce, seconds."""
     allreduce_bandwidth: float = 2e9
     """Bytes per second of one ring link."""
+    allreduce_by_group: dict[int, tuple[float, float]] = field(default_factory=dict)
+    """Measured all-reduce costs per group size: ``{n: (fixed seconds, seconds per byte)}``, timed
+    with every group of that size reducing at once (as the DP or TP groups of a layout do). Sizes
+    not listed use the ring formula."""
 
     def __post_init__(self) -> None:
+        table = {}
+        for n, pair in dict(self.allreduce_by_group).items():  # JSON gives string keys and lists
+            fixed, per_byte = (float(v) for v in pair)
+            if int(n) < 2 or not fixed >= 0 or not per_byte >= 0:
+                raise ValueError(f"CommModel.allreduce_by_group[{n!r}]={pair!r}: expected a group size >= 2 and "
+                                 "(fixed seconds >= 0, seconds per byte >= 0)")
+            table[int(n)] = (fixed, per_byte)
+        self.allreduce_by_group = table
         for name in ("p2p_latency_s", "allreduce_latency_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"CommModel.{name}={getattr(self, name)!r}: expected seconds >= 0")
@@ -38,10 +50,17 @@ class CommModel:
                 raise ValueError(f"CommModel.{name}={getattr(self, name)!r}: expected bytes/s > 0 (math.inf: free)")
 
     def allreduce_s(self, nbytes: float, group_size: int) -> float:
-        """Ring all-reduce time: 2 (n - 1) latencies plus 2 (n - 1) / n of the bytes over one link; 0 for n = 1."""
+        """All-reduce time of ``nbytes`` over ``group_size`` ranks; 0 for one rank.
+
+        A measured group size (``allreduce_by_group``) uses its fixed cost plus its per-byte cost;
+        otherwise the ring formula: 2 (n - 1) latencies plus 2 (n - 1) / n of the bytes over one link.
+        """
         if group_size <= 1 or nbytes <= 0:
             return 0.0
         n = group_size
+        if n in self.allreduce_by_group:
+            fixed, per_byte = self.allreduce_by_group[n]
+            return fixed + per_byte * nbytes
         return 2 * (n - 1) * self.allreduce_latency_s + 2 * (n - 1) / n * nbytes / self.allreduce_bandwidth
 
 
@@ -93,4 +112,38 @@ def measure_comm(group: Any = None, *, small_bytes: int = 1024, large_bytes: int
     p_lat, p_bw, r_lat, r_bw = (float(v) for v in values)
     logger.info("planner: measured p2p %.3g s + bytes / %.3g B/s; all-reduce step %.3g s, link %.3g B/s over %d ranks",
                 p_lat, p_bw, r_lat, r_bw, n)
-    return CommModel(p2p_latency_s=p_lat, p2p_bandwidth=p_bw, allreduce_latency_s=r_lat, allreduce_bandwidth=r_bw)
+    table = _allreduce_table(small_bytes, large_bytes, repeats) if group is None else {}
+    return CommModel(p2p_latency_s=p_lat, p2p_bandwidth=p_bw, allreduce_latency_s=r_lat, allreduce_bandwidth=r_bw,
+                     allreduce_by_group=table)
+
+
+def _allreduce_table(small_bytes: int, large_bytes: int, repeats: int) -> dict[int, tuple[float, float]]:
+    """Fixed and per-byte all-reduce cost for every group size n dividing the world (n >= 2).
+
+    The world is cut into blocks of n consecutive ranks that all reduce at once, as a layout's DP
+    or TP groups do; a size's time is the slowest rank's.
+    """
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    rank = dist.get_rank()
+    table: dict[int, tuple[float, float]] = {}
+    for n in range(2, world + 1):
+        if world % n:
+            continue
+        groups = [dist.new_group(list(range(b, b + n))) if n < world else None for b in range(0, world, n)]
+        mine = groups[rank // n]
+        times = []
+        for nbytes in (small_bytes, large_bytes):
+            buf = torch.zeros(max(nbytes // 4, 1))
+            dist.barrier()
+            seconds = torch.tensor([_timed(lambda buf=buf, g=mine: dist.all_reduce(buf, group=g), repeats)],
+                                   dtype=torch.float64)
+            dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+            times.append(float(seconds))
+        per_byte = max((times[1] - times[0]) / (large_bytes - small_bytes), 0.0)
+        table[n] = (max(times[0] - per_byte * small_bytes, 0.0), per_byte)
+        for g in groups:
+            if g is not None:
+                dist.destroy_process_group(g)
+    return table

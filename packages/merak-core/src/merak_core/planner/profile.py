@@ -44,6 +44,8 @@ class ModelProfile:
     """Fixed seconds per microbatch and stage (forward + backward) that do not grow with the batch."""
     boundary_bytes: float = 0.0
     """Bytes of a layer's output for one sample (the pipeline message and the TP all-reduce size)."""
+    optimizer_s_per_byte: float = 0.0
+    """Seconds of one optimizer step (AdamW) per parameter byte."""
     num_heads: int | None = None
     """Attention heads (tp must divide it); None: no constraint."""
     num_kv_heads: int | None = None
@@ -68,6 +70,8 @@ class ModelProfile:
             for v in getattr(self, name):
                 if not v >= 0 or math.isinf(v):
                     raise ValueError(f"ModelProfile.{name} holds {v!r}: expected finite values >= 0")
+        if not self.optimizer_s_per_byte >= 0 or math.isinf(self.optimizer_s_per_byte):
+            raise ValueError(f"ModelProfile.optimizer_s_per_byte={self.optimizer_s_per_byte}: expected finite seconds >= 0")
         if not self.microbatch_overhead_s >= 0:
             raise ValueError(f"ModelProfile.microbatch_overhead_s={self.microbatch_overhead_s}: expected seconds >= 0")
         if self.boundary_bytes < 0:
@@ -180,7 +184,41 @@ def profile_model(
     if path is not None and path.is_file():
         logger.info("planner: profile cache hit %s", path)
         return ModelProfile.load(path)
-    layers = layers if layers is not None else _find_layers(model)
+    if repeats < 1:
+        raise ValueError(f"profile_model: repeats={repeats}; expected >= 1")
+    # The caller's random stream and gradients are left as they were: profiling must not make
+    # the rank that profiles diverge from the others.
+    with torch.random.fork_rng(devices=[first.device] if first.device.type == "cuda" else []):
+        try:
+            prof = _measure(model, sample, layers if layers is not None else _find_layers(model), repeats,
+                            batch, key, device)
+            prof = dataclasses.replace(prof, optimizer_s_per_byte=_optimizer_s_per_byte(model, repeats))
+        finally:
+            model.zero_grad(set_to_none=True)
+    if path is not None:
+        prof.save(path)
+        logger.info("planner: profile written to %s", path)
+    return prof
+
+
+def _optimizer_s_per_byte(model: nn.Module, repeats: int) -> float:
+    """Seconds per parameter byte of an AdamW step, timed on copies of the parameters and gradients."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        return 0.0
+    copies = []
+    for p in params:
+        c = p.detach().clone().requires_grad_()
+        c.grad = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+        copies.append(c)
+    opt = torch.optim.AdamW(copies, lr=1e-3)
+    seconds = _timed(opt.step, repeats)
+    nbytes = sum(p.numel() * p.element_size() for p in params)
+    return seconds / max(nbytes, 1)
+
+
+def _measure(model: nn.Module, sample: torch.Tensor | Mapping[str, torch.Tensor], layers: nn.ModuleList,
+             repeats: int, batch: int, key: str, device: str) -> ModelProfile:
     n = len(layers)
     fwd = [0.0] * n
     act = [0.0] * n
@@ -217,8 +255,6 @@ def profile_model(
         handles.append(layer.register_forward_hook(post))
     total_f = total_b = 0.0
     fwd_sum = [0.0] * n
-    if repeats < 1:
-        raise ValueError(f"profile_model: repeats={repeats}; expected >= 1")
     try:
         for rep in range(repeats + 1):  # the first run warms up
             fwd[:] = [0.0] * n
@@ -271,7 +307,4 @@ def profile_model(
                 prof, microbatch_overhead_s=overhead,
                 layer_forward_s=[f * scale for f in prof.layer_forward_s],
                 layer_backward_s=[b * scale for b in prof.layer_backward_s])
-    if path is not None:
-        prof.save(path)
-        logger.info("planner: profile written to %s", path)
     return prof

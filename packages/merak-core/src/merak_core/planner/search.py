@@ -13,7 +13,9 @@ from typing import Any
 from merak_core.planner.comm import CommModel
 from merak_core.planner.profile import ModelProfile
 
-__all__ = ["PLANNER_SCHEDULES", "RECOMPUTE_MODES", "Candidate", "format_plan", "plan", "split_layers", "why_best"]
+__all__ = [
+    "PLANNER_SCHEDULES", "RECOMPUTE_MODES", "Candidate", "format_plan", "plan", "predict", "split_layers", "why_best",
+]
 
 PLANNER_SCHEDULES = ("gpipe", "1f1b", "zb_h1", "shifted_critical_path")
 """Schedules the Trainer runs with one stage per rank (config spelling)."""
@@ -40,6 +42,12 @@ class Candidate:
     peak_memory_bytes: tuple[float, ...]
     """Per stage: static (weights, gradients, optimizer) + simulated activation peak."""
     memory_per_device: float = field(default=0.0, repr=False)
+    stage_forward_s: tuple[float, ...] = ()
+    """Predicted forward seconds of one microbatch, per stage (uncontended)."""
+    stage_backward_s: tuple[float, ...] = ()
+    """Predicted backward seconds of one microbatch, per stage (uncontended, without recomputation)."""
+    overhead_s: float = 0.0
+    """Predicted seconds per step outside the pipeline and the DP all-reduce (optimizer, clipping, loss)."""
 
     @property
     def layout(self) -> str:
@@ -93,6 +101,162 @@ def split_layers(costs: Sequence[float], num_stages: int) -> list[int]:
     return sizes[::-1]
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """What one (dp, tp, pp) fixes, whatever the schedule and microbatches."""
+
+    dp: int
+    tp: int
+    pp: int
+    sizes: list[int]
+    fwd1: list[float]  # per stage, one sample, divided by tp
+    bwd1: list[float]
+    act1: list[list[float]]  # per stage, per layer, one sample, divided by tp
+    layers: list[int]  # layers per stage (len of each stage range)
+    static: list[float]  # weights + grads + optimizer states per stage
+    params: list[float]  # parameter bytes per stage (per rank)
+    dp_allreduce_s: float
+    overhead_s: float  # optimizer step + gradient clipping + loss all-reduce (uncontended)
+
+
+def _layout(profile: ModelProfile, comm: CommModel, dp: int, tp: int, pp: int, zero_stage: int,
+            optimizer_state_factor: float) -> _Layout:
+    sizes = split_layers(profile.layer_forward_s, pp)
+    bounds = [sum(sizes[:s]) for s in range(pp + 1)]
+    stage = [range(bounds[s], bounds[s + 1]) for s in range(pp)]
+    params = [sum(profile.layer_param_bytes[i] for i in r) / tp for r in stage]
+    opt_div = dp if zero_stage == 1 else 1
+    static = [p * 2 + p * optimizer_state_factor / opt_div for p in params]
+    world = dp * tp * pp
+    # Per step outside the pipeline: the optimizer over this rank's parameters (its share under
+    # ZeRO-1), the gradient-norm all-reduce and the loss all-reduce over every rank.
+    optimizer = max(params) / opt_div * profile.optimizer_s_per_byte
+    overhead = optimizer + 2 * comm.allreduce_s(8.0, world)
+    return _Layout(
+        dp=dp, tp=tp, pp=pp, sizes=sizes,
+        fwd1=[sum(profile.layer_forward_s[i] for i in r) / tp for r in stage],
+        bwd1=[sum(profile.layer_backward_s[i] for i in r) / tp for r in stage],
+        act1=[[profile.layer_activation_bytes[i] / tp for i in r] for r in stage],
+        layers=[len(r) for r in stage], static=static, params=params,
+        dp_allreduce_s=max(comm.allreduce_s(p, dp) for p in params), overhead_s=overhead)
+
+
+def _contended(seconds: float, busy_ranks: int, compute_slots: int | None) -> float:
+    """Time of work that ``busy_ranks`` ranks do at once on ``compute_slots`` cores (None: a device each)."""
+    if compute_slots is None or busy_ranks <= compute_slots:
+        return seconds
+    return seconds * busy_ranks / compute_slots
+
+
+def _evaluate(profile: ModelProfile, comm: CommModel, lay: _Layout, *, schedule: str, num_microbatches: int,
+              micro_batch_size: int, recompute: str, memory_per_device: float,
+              compute_slots: int | None) -> Candidate | None:
+    """Predict one configuration; None when stage-aware recomputation cannot fit the memory."""
+    from merak_pipe import CostModel, build_schedule, simulate, stage_aware_plan
+    from merak_pipe.recompute import RecomputePlan
+
+    pp, m, b = lay.pp, num_microbatches, micro_batch_size
+    tp_comm = [2 * n * comm.allreduce_s(b * profile.boundary_bytes, lay.tp) for n in lay.layers]
+    half = profile.microbatch_overhead_s / 2
+    fwd = [half + b * f + c for f, c in zip(lay.fwd1, tp_comm, strict=True)]
+    bwd = [half + b * x + c for x, c in zip(lay.bwd1, tp_comm, strict=True)]
+    costs = CostModel(
+        forward=fwd, backward=bwd, recompute=fwd,
+        p2p_latency=comm.p2p_latency_s if pp > 1 else 0.0, p2p_bandwidth=comm.p2p_bandwidth,
+        boundary_bytes=b * profile.boundary_bytes, activation_bytes=[b * sum(a) for a in lay.act1],
+        input_bytes=b * profile.boundary_bytes,
+    )
+    name = schedule.replace("_", "-")
+    if recompute == "stage_aware":
+        if pp < 2:
+            return None
+        base = build_schedule(name, num_stages=pp, num_microbatches=m)
+        try:
+            rplan = stage_aware_plan(
+                layer_activation_bytes=[[b * a for a in layer] for layer in lay.act1],
+                memory_budget=float(memory_per_device), static_bytes=lay.static, schedule=base,
+                input_bytes=b * profile.boundary_bytes)
+        except ValueError:
+            return None
+    elif recompute == "full":
+        rplan = RecomputePlan.full(pp)
+    else:
+        rplan = RecomputePlan.none(pp)
+    fractions = tuple(float(rplan[s]) for s in range(pp))
+    result = simulate(build_schedule(name, num_stages=pp, num_microbatches=m, recompute=rplan), costs)
+    peak = tuple(st + a for st, a in zip(lay.static, result.peak_memory, strict=True))
+    world = lay.dp * lay.tp * pp
+    # [Note: compute slots] Ranks that share cores (CPU processes) slow each other down: the step
+    # cannot be shorter than all ranks' compute spread over the cores, nor than the critical path.
+    work = lay.dp * lay.tp * sum(m * (f + x + fr * f) for f, x, fr in zip(fwd, bwd, fractions, strict=True))
+    pipeline = result.makespan
+    if compute_slots is not None and world > compute_slots:
+        pipeline = max(pipeline, work / compute_slots)
+    overhead = _contended(lay.overhead_s, world, compute_slots)
+    return Candidate(
+        dp=lay.dp, tp=lay.tp, pp=pp, schedule=schedule, num_microbatches=m, micro_batch_size=b,
+        recompute=recompute, recompute_fractions=fractions, stage_layers=tuple(lay.sizes),
+        step_time_s=pipeline + lay.dp_allreduce_s + overhead, pipeline_s=pipeline,
+        dp_allreduce_s=lay.dp_allreduce_s, peak_memory_bytes=peak, memory_per_device=float(memory_per_device),
+        stage_forward_s=tuple(fwd), stage_backward_s=tuple(bwd), overhead_s=overhead)
+
+
+def _check_common(memory_per_device: float, zero_stage: int, compute_slots: int | None) -> None:
+    if not memory_per_device > 0:
+        raise ValueError(f"memory_per_device={memory_per_device!r}; expected bytes > 0")
+    if zero_stage not in (0, 1):
+        raise ValueError(f"zero_stage={zero_stage!r}; expected 0 or 1")
+    if compute_slots is not None and (not isinstance(compute_slots, int) or isinstance(compute_slots, bool)
+                                      or compute_slots < 1):
+        raise ValueError(f"compute_slots={compute_slots!r}; expected an int >= 1 (ranks that can compute at once "
+                         "on one host, e.g. its CPU cores), or None when every rank has its own device")
+
+
+def predict(
+    profile: ModelProfile,
+    *,
+    dp: int,
+    tp: int,
+    pp: int,
+    schedule: str,
+    num_microbatches: int,
+    micro_batch_size: int,
+    recompute: str = "none",
+    comm: CommModel | None = None,
+    memory_per_device: float = math.inf,
+    zero_stage: int = 0,
+    optimizer_state_factor: float = 2.0,
+    compute_slots: int | None = None,
+) -> Candidate:
+    """The planner's prediction for one given configuration (whether or not it fits the memory).
+
+    Same cost model as :func:`plan`; ``compute_slots`` is how many ranks can compute at once on
+    the host (CPU cores per host when ranks are CPU processes; None: one device per rank).
+    """
+    comm = comm or CommModel()
+    _check_common(memory_per_device, zero_stage, compute_slots)
+    for name, v in (("dp", dp), ("tp", tp), ("pp", pp), ("num_microbatches", num_microbatches),
+                    ("micro_batch_size", micro_batch_size)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"predict: {name}={v!r}; expected an int >= 1")
+    if schedule not in PLANNER_SCHEDULES:
+        raise ValueError(f"predict: schedule {schedule!r} is not one of {PLANNER_SCHEDULES}")
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"predict: recompute {recompute!r} is not one of {RECOMPUTE_MODES}")
+    if pp > profile.num_layers:
+        raise ValueError(f"predict: pp={pp} but the profile has {profile.num_layers} layers; use pp <= layers")
+    lay = _layout(profile, comm, dp, tp, pp, zero_stage, optimizer_state_factor)
+    if recompute == "stage_aware" and pp < 2:
+        recompute = "none"
+    cand = _evaluate(profile, comm, lay, schedule=schedule if pp > 1 else "1f1b", num_microbatches=num_microbatches,
+                     micro_batch_size=micro_batch_size, recompute=recompute, memory_per_device=memory_per_device,
+                     compute_slots=compute_slots)
+    if cand is None:
+        raise ValueError(f"predict: stage-aware recomputation cannot fit memory_per_device={memory_per_device:.6g} "
+                         "bytes for this configuration; raise the memory or use recompute='full'")
+    return cand
+
+
 def plan(
     profile: ModelProfile,
     *,
@@ -105,26 +269,26 @@ def plan(
     schedules: Sequence[str] = PLANNER_SCHEDULES,
     recompute_modes: Sequence[str] = RECOMPUTE_MODES,
     max_microbatches: int = 64,
+    compute_slots: int | None = None,
 ) -> list[Candidate]:
     """Every feasible configuration, best predicted step time first.
 
     ``memory_per_device`` is bytes; ``optimizer_state_factor`` is optimizer-state bytes per
-    parameter byte (2 for Adam in the parameters' dtype). Ties in step time are broken by fewer
-    TP ranks, then the layout string, schedule, microbatches and recompute mode.
+    parameter byte (2 for Adam in the parameters' dtype); ``compute_slots`` is how many ranks can
+    compute at once on one host (CPU cores when the ranks are CPU processes; None: a device per
+    rank). Ties in step time are broken by fewer TP ranks, then the layout string, schedule,
+    microbatches and recompute mode.
     Raises ValueError on invalid inputs, or when nothing fits (naming the least memory needed).
     """
-    from merak_pipe import CostModel, build_schedule, simulate, stage_aware_plan
-    from merak_pipe.recompute import RecomputePlan
-
     comm = comm or CommModel()
     for name, v in (("world_size", world_size), ("global_batch_size", global_batch_size),
                     ("max_microbatches", max_microbatches)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"plan: {name}={v!r}; expected an int >= 1")
-    if not memory_per_device > 0:
-        raise ValueError(f"plan: memory_per_device={memory_per_device!r}; expected bytes > 0")
-    if zero_stage not in (0, 1):
-        raise ValueError(f"plan: zero_stage={zero_stage!r}; expected 0 or 1")
+    try:
+        _check_common(memory_per_device, zero_stage, compute_slots)
+    except ValueError as exc:
+        raise ValueError(f"plan: {exc}") from None
     for s in schedules:
         if s not in PLANNER_SCHEDULES:
             raise ValueError(f"plan: schedule {s!r} is not one of {PLANNER_SCHEDULES}")
@@ -145,67 +309,24 @@ def plan(
             if global_batch_size % dp:
                 continue
             layouts_tried += 1
-            sizes = split_layers(profile.layer_forward_s, pp)
-            bounds = [sum(sizes[:s]) for s in range(pp + 1)]
-            stage = [range(bounds[s], bounds[s + 1]) for s in range(pp)]
-            fwd1 = [sum(profile.layer_forward_s[i] for i in r) / tp for r in stage]
-            bwd1 = [sum(profile.layer_backward_s[i] for i in r) / tp for r in stage]
-            act1 = [[profile.layer_activation_bytes[i] / tp for i in r] for r in stage]
-            params = [sum(profile.layer_param_bytes[i] for i in r) / tp for r in stage]
-            opt_div = dp if zero_stage == 1 else 1
-            static = [p * 2 + p * optimizer_state_factor / opt_div for p in params]
-            dp_ar = max(comm.allreduce_s(p, dp) for p in params)
+            lay = _layout(profile, comm, dp, tp, pp, zero_stage, optimizer_state_factor)
             per_dp = global_batch_size // dp
             for m in _divisors(per_dp):
                 if m > max_microbatches or m < pp:  # the Trainer needs a microbatch per stage at least
                     continue
-                b = per_dp // m
-                tp_comm_f = [2 * len(r) * comm.allreduce_s(b * profile.boundary_bytes, tp) for r in stage]
-                half = profile.microbatch_overhead_s / 2
-                fwd = [half + b * f + c for f, c in zip(fwd1, tp_comm_f, strict=True)]
-                bwd = [half + b * x + c for x, c in zip(bwd1, tp_comm_f, strict=True)]
-                costs = CostModel(
-                    forward=fwd, backward=bwd, recompute=fwd,
-                    p2p_latency=comm.p2p_latency_s if pp > 1 else 0.0,
-                    p2p_bandwidth=comm.p2p_bandwidth,
-                    boundary_bytes=b * profile.boundary_bytes,
-                    activation_bytes=[b * sum(a) for a in act1],
-                    input_bytes=b * profile.boundary_bytes,
-                )
                 for sched in (schedules if pp > 1 else ("1f1b",)):
                     seen: set[tuple[float, ...]] = set()
                     for mode in recompute_modes:
-                        if mode == "stage_aware":
-                            if pp < 2:
-                                continue
-                            base = build_schedule(sched.replace("_", "-"), num_stages=pp, num_microbatches=m)
-                            try:
-                                rplan = stage_aware_plan(
-                                    layer_activation_bytes=[[b * a for a in layer] for layer in act1],
-                                    memory_budget=float(memory_per_device), static_bytes=static, schedule=base,
-                                    input_bytes=b * profile.boundary_bytes)
-                            except ValueError:
-                                continue
-                        elif mode == "full":
-                            rplan = RecomputePlan.full(pp)
-                        else:
-                            rplan = RecomputePlan.none(pp)
-                        fractions = tuple(float(rplan[s]) for s in range(pp))
-                        if fractions in seen:
+                        cand = _evaluate(profile, comm, lay, schedule=sched, num_microbatches=m,
+                                         micro_batch_size=per_dp // m, recompute=mode,
+                                         memory_per_device=memory_per_device, compute_slots=compute_slots)
+                        if cand is None or cand.recompute_fractions in seen:
                             continue
-                        seen.add(fractions)
-                        schedule = build_schedule(sched.replace("_", "-"), num_stages=pp, num_microbatches=m,
-                                                  recompute=rplan)
-                        result = simulate(schedule, costs)
-                        peak = tuple(st + a for st, a in zip(static, result.peak_memory, strict=True))
-                        least_needed = min(least_needed, max(peak))
-                        if max(peak) > memory_per_device:
+                        seen.add(cand.recompute_fractions)
+                        least_needed = min(least_needed, max(cand.peak_memory_bytes))
+                        if max(cand.peak_memory_bytes) > memory_per_device:
                             continue
-                        out.append(Candidate(
-                            dp=dp, tp=tp, pp=pp, schedule=sched, num_microbatches=m, micro_batch_size=b,
-                            recompute=mode, recompute_fractions=fractions, stage_layers=tuple(sizes),
-                            step_time_s=result.makespan + dp_ar, pipeline_s=result.makespan, dp_allreduce_s=dp_ar,
-                            peak_memory_bytes=peak, memory_per_device=float(memory_per_device)))
+                        out.append(cand)
     if layouts_tried == 0:
         raise ValueError(
             f"plan: no (dp, tp, pp) with dp*tp*pp={world_size} suits this model: tp must divide heads="
@@ -227,7 +348,7 @@ def why_best(cands: Sequence[Candidate]) -> str:
     top = cands[0]
     text = (f"{top.layout} {top.schedule} m={top.num_microbatches} recompute={top.recompute}: predicted "
             f"{top.step_time_s * 1e3:.3f} ms (pipeline {top.pipeline_s * 1e3:.3f} ms + DP all-reduce "
-            f"{top.dp_allreduce_s * 1e3:.3f} ms), peak {max(top.peak_memory_bytes) / 2**20:.1f} MiB")
+            f"{top.dp_allreduce_s * 1e3:.3f} ms + optimizer/clip/loss {top.overhead_s * 1e3:.3f} ms), peak {max(top.peak_memory_bytes) / 2**20:.1f} MiB")
     other = next((c for c in cands[1:] if c.layout != top.layout), None)
     if other is not None:
         gain = 100 * (other.step_time_s / top.step_time_s - 1) if top.step_time_s > 0 else 0.0
