@@ -21,6 +21,7 @@ import os
 import shlex
 import subprocess
 import sys
+from typing import Any
 
 from merak_core import __version__
 
@@ -95,18 +96,48 @@ def _train(args: argparse.Namespace) -> int:
 
     job = JobConfig.from_yaml(args.config, args.overrides)  # validates before any process starts
     t = job.training
+    if t.layout == "auto" and args.nproc_per_node is None:
+        raise ValueError("training.layout is 'auto', so the job does not say how many ranks to start: pass "
+                         "--nproc-per-node (and --nnodes for several nodes)")
     cmd = torchrun_command(args, None if t.dp is None else t.dp * t.tp * t.pp)
-    if t.dp is None:  # inferred from --nproc-per-node: tp*pp must divide the process count now, not on every rank
+    if t.dp is None and t.layout != "auto":  # inferred: tp*pp must divide the process count now, not on every rank
         from merak_core.layout import resolve_degrees
 
         resolve_degrees(args.nproc_per_node * args.nnodes, None, t.tp, t.pp)
     if args.dry_run:
+        if t.layout == "auto":
+            print(_auto_dry_run(args, t))
         print(shlex.join(cmd))
         return 0
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     logging.getLogger("merak").info("launching: %s", shlex.join(cmd))
     return subprocess.call(cmd, env=env)
+
+
+def _auto_dry_run(args: argparse.Namespace, t: Any) -> str:
+    """What ``layout: auto`` will do when the job starts (``merak train --dry-run``)."""
+    world = args.nproc_per_node * args.nnodes
+    gbs = t.per_device_train_batch_size * t.gradient_accumulation_steps * world
+    memory = (f"{t.memory_per_device} bytes" if t.memory_per_device is not None
+              else "the device's memory (CUDA: total memory; CPU: RAM / ranks on the node)")
+    checks = t.plan_check_steps if t.plan_check_steps is not None else 5
+    memory_flag = f" --memory-per-device {t.memory_per_device}" if t.memory_per_device is not None else \
+        " --memory-per-device <bytes>"
+    return "\n".join([
+        f"layout: auto -- when the job starts, on {world} ranks:",
+        "  1. rank 0 profiles the model on one microbatch of the training set; every rank measures p2p and "
+        "all-reduce costs;",
+        f"  2. rank 0 plans dp*tp*pp={world}, schedule, microbatches and recompute for a global batch of {gbs} "
+        f"(per_device_train_batch_size {t.per_device_train_batch_size} x gradient_accumulation_steps "
+        f"{t.gradient_accumulation_steps} x {world} ranks), {memory}, CPU ranks sharing cores counted;",
+        "  3. every rank trains with the first choice (the ranked table is logged);",
+        f"  4. after {checks} steps (plan_check_steps; 0: off) predicted and measured step time, per-stage F/B and "
+        f"peak memory are compared; above {100 * t.plan_error_threshold:g}% error it re-plans from the measured "
+        "costs and, when another configuration is predicted faster, writes output_dir/replanned.yaml.",
+        f"  To see the ranking now: merak plan {shlex.join([args.config, *args.overrides])} --world-size {world}"
+        f"{memory_flag}",
+    ])
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:
@@ -119,7 +150,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("config", help="YAML job file")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides of the job file")
     p.add_argument("--world-size", type=int, required=True, help="number of ranks (devices)")
-    p.add_argument("--memory-per-device", required=True, help="memory of one device, bytes or e.g. 8GiB")
+    p.add_argument("--memory-per-device", default=None,
+                   help="memory of one device, bytes or e.g. 8GiB (default: the job's training.memory_per_device)")
     p.add_argument("--global-batch-size", type=int, default=None,
                    help="samples per optimizer step (default: the job's micro batch x accumulation x dp, "
                         "dp = world size / (tp*pp) when not set)")
@@ -130,22 +162,19 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    import dataclasses
-    import fnmatch
-    import inspect
-    from pathlib import Path
-
     import torch
-    import yaml
-    from torch.utils.data import default_collate
 
+    from merak_core.autoplan import _relax_vocab, profile_inputs
     from merak_core.config import parse_bytes
-    from merak_core.job import JobConfig
+    from merak_core.job import JobConfig, write_job
     from merak_core.planner import format_plan, plan, profile_model
 
     job = JobConfig.from_yaml(args.config, args.overrides)
     t = job.training
-    memory = parse_bytes(args.memory_per_device)
+    if args.memory_per_device is None and t.memory_per_device is None:
+        raise ValueError("--memory-per-device is not given and the job sets no training.memory_per_device: "
+                         "pass e.g. --memory-per-device 8GiB")
+    memory = parse_bytes(args.memory_per_device if args.memory_per_device is not None else int(t.memory_per_device or 0))
     if args.world_size < 1:
         raise ValueError(f"--world-size={args.world_size}: expected >= 1")
     gbs = args.global_batch_size
@@ -155,43 +184,15 @@ def _plan(args: argparse.Namespace) -> int:
     torch.manual_seed(t.seed)
     model = job.build_model()
     train, _ = job.build_datasets()
-    n = args.profile_batch or t.per_device_train_batch_size
-    collate = job.optional("collate") or default_collate
-    batch = collate([train[i] for i in range(n)])
-    if isinstance(batch, dict):
-        params = inspect.signature(model.forward).parameters
-        batch = {k: v for k, v in batch.items() if k in params}
-    elif isinstance(batch, (list, tuple)):
-        batch = batch[0]
-    profile = profile_model(model, batch, cache_dir=args.profile_cache)
-    if isinstance(t.tp_plan, dict) and profile.vocab_size is not None:
-        # a user plan that shards no embedding puts no constraint on the vocabulary
-        embeddings = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Embedding)]
-        if not any(fnmatch.fnmatch(name, pattern) for name in embeddings for pattern in t.tp_plan):
-            profile = dataclasses.replace(profile, vocab_size=None)
+    batch = profile_inputs(model, train, args.profile_batch or t.per_device_train_batch_size, job.optional("collate"))
+    profile = _relax_vocab(profile_model(model, batch, cache_dir=args.profile_cache), model, t.tp_plan)
     cands = plan(profile, world_size=args.world_size, memory_per_device=memory, global_batch_size=gbs,
                  zero_stage=t.zero_stage)
     print(f"{len(cands)} feasible configurations for {args.world_size} ranks, {memory} bytes per device, "
           f"global batch {gbs} (profile: {profile.num_layers} layers on {profile.device})")
     print(format_plan(cands, top=args.top))
     if args.write_config:
-        raw = yaml.safe_load(open(args.config).read()) or {}
-        training = raw.setdefault("training", {})
-        for alias in ("num_microbatches", "micro_batch_size"):
-            training.pop(alias, None)
-        training.update(cands[0].training_fields())
-        src_dir, out_dir = Path(args.config).resolve().parent, Path(args.write_config).resolve().parent
-        if src_dir != out_dir:  # FILE.py:function specs are relative to the job file: make them absolute
-            for section in ("model", "data"):
-                spec = (raw.get(section) or {}).get("factory")
-                if isinstance(spec, str) and spec.split(":")[0].endswith(".py"):
-                    raw[section]["factory"] = str(src_dir / spec)
-            for name in ("loss", "metrics", "collate"):
-                spec = raw.get(name)
-                if isinstance(spec, str) and spec.split(":")[0].endswith(".py"):
-                    raw[name] = str(src_dir / spec)
-        with open(args.write_config, "w") as f:
-            yaml.safe_dump(raw, f, sort_keys=False)
+        write_job(args.config, args.write_config, cands[0].training_fields(), overrides=args.overrides)
         print(f"wrote {args.write_config}")
     return 0
 

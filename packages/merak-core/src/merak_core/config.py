@@ -15,6 +15,14 @@ step consumes ``per_device_train_batch_size * gradient_accumulation_steps``
 samples per DP replica and ``global_batch_size(dp)`` samples in total, exactly
 as with Hugging Face gradient accumulation on ``dp`` GPUs.
 
+[Note: layout auto] With ``layout: auto`` the planner chooses ``dp``, ``tp``, ``pp``,
+``schedule``, ``per_device_train_batch_size``, ``gradient_accumulation_steps``, ``recompute``
+(and ``memory_budget`` for stage-aware recomputation) when the job starts
+(:mod:`merak_core.autoplan`). It keeps the job's *global* batch, read as if the job were plain
+data parallelism over every rank: ``per_device_train_batch_size * gradient_accumulation_steps *
+WORLD_SIZE``. ``dp``, ``tp`` and ``pp`` must then be left out (a ValueError says so before any
+collective); the other parallel fields of the job are replaced by the plan.
+
 Configs load from YAML (a flat mapping of field names) with ``key=value``
 overrides from the command line, type-checked against the field types; an
 unknown key is an error that lists the valid keys and suggests the closest one.
@@ -37,7 +45,7 @@ import re
 import textwrap
 import types
 import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,6 +58,8 @@ LR_SCHEDULER_TYPES = ("constant", "linear", "cosine")
 SCHEDULES = ("auto", "gpipe", "1f1b", "interleaved_1f1b", "shifted_critical_path", "zb_h1")
 """Pipeline schedules (merak-pipe spells them with hyphens; both spellings are accepted, stored with underscores)."""
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LAYOUTS = ("manual", "auto")
+"""``training.layout``: the job's degrees, or the planner's choice at start-up."""
 KEY_ALIASES = {"num_microbatches": "gradient_accumulation_steps", "micro_batch_size": "per_device_train_batch_size"}
 """Merak names accepted in YAML and overrides for the Hugging Face field they map to."""
 
@@ -173,6 +183,20 @@ class TrainingArguments:
     tp_plan: str | dict[str, str] | None = None
     """TP plan: None/``auto`` for known model types, a plan name, or a mapping module pattern -> style."""
 
+    # ------------------------------------------------------------ the planner (see [Note: layout auto])
+    layout: str = "manual"
+    """``manual``: the job's dp/tp/pp and the other parallel fields; ``auto``: the planner chooses dp, tp,
+    pp, schedule, microbatches and recomputation at start-up (dp/tp/pp must then be left out)."""
+    memory_per_device: int | str | None = None
+    """Memory one rank may use, bytes or e.g. ``"2GiB"``, for ``layout: auto`` and the plan check; None: the
+    device's memory (CUDA: its total memory; CPU: the machine's RAM divided by the ranks on this node)."""
+    plan_check_steps: int | None = None
+    """Compare the planner's prediction with the measured step time, per-stage F/B times and peak memory
+    after this many steps (the first 1-2 are warm-up) and re-plan when the error is large; 0: off;
+    None: 5 with ``layout: auto``, else 0. Needs a profile (``Trainer(plan_context=...)`` or auto)."""
+    plan_error_threshold: float = 0.25
+    """Relative step-time error above which the plan check re-plans from the measured costs."""
+
     def __post_init__(self) -> None:
         _check(isinstance(self.output_dir, str) and self.output_dir != "", "output_dir", self.output_dir,
                "a non-empty directory path")
@@ -217,6 +241,7 @@ class TrainingArguments:
                 f"memory_budget={self.memory_budget}: set pp >= 2 and memory_budget (e.g. '12GiB'), or use "
                 "recompute='full' / 'uniform:<fraction>'"
             )
+        self._check_planner_fields()
         _check(self.zero_stage in (0, 1) and not isinstance(self.zero_stage, bool), "zero_stage",
                self.zero_stage, "0 (off) or 1 (optimizer states sharded over DP)")
         if isinstance(self.tp_plan, Mapping):
@@ -237,6 +262,21 @@ class TrainingArguments:
                 except ValueError as exc:
                     raise ValueError(f"tp_plan={self.tp_plan!r}: {exc}; or use 'auto' or a mapping of module "
                                      "pattern -> style") from None
+
+    def _check_planner_fields(self) -> None:
+        _check(self.layout in LAYOUTS, "layout", self.layout, f"one of {LAYOUTS}")
+        if self.memory_per_device is not None:
+            self.memory_per_device = parse_bytes(self.memory_per_device)
+        if self.plan_check_steps is not None:
+            _check_int(self, "plan_check_steps", minimum=0, hint="(0: off) or null")
+            _check(self.plan_check_steps != 1, "plan_check_steps", 1,
+                   "0 (off) or >= 2 (a warm-up step, then at least one measured step)")
+        _check_float(self, "plan_error_threshold", minimum=0.0)
+        if self.layout == "auto":
+            explicit = {n: v for n, v in (("dp", self.dp), ("tp", self.tp), ("pp", self.pp))
+                        if v != (None if n == "dp" else 1)}
+            if explicit:
+                raise ValueError(auto_conflict_message(sorted(explicit), explicit))
 
     # ------------------------------------------------------------ derived values
 
@@ -300,7 +340,12 @@ class TrainingArguments:
             if name in kwargs:
                 raise ValueError(f"{source}: {name!r} is given twice (directly and through an alias)")
             kwargs[name] = _coerce(name, value, hints[name], source=source)
-        return cls(**kwargs)
+        try:
+            return cls(**kwargs)
+        except ValueError as exc:
+            if kwargs.get("layout") == "auto" and str(exc).startswith("layout='auto'"):
+                raise ValueError(f"{source}: {exc}") from None
+            raise
 
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: Iterable[str] = ()) -> TrainingArguments:
@@ -323,8 +368,12 @@ class TrainingArguments:
         return type(self).from_dict({**self.to_dict(), **parse_overrides(overrides)}, source="overrides")
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data (YAML/JSON-serialisable)."""
-        return dataclasses.asdict(self)
+        """Plain data (YAML/JSON-serialisable); without dp/tp/pp under ``layout: auto`` (the plan sets them)."""
+        out = dataclasses.asdict(self)
+        if self.layout == "auto":
+            for name in ("dp", "tp", "pp"):
+                out.pop(name)
+        return out
 
     def to_yaml(self, path: str | Path | None = None) -> str:
         """The config as YAML (written to ``path`` when given); ``from_yaml`` reads it back."""
@@ -335,6 +384,15 @@ class TrainingArguments:
 
 
 # ---------------------------------------------------------------------------- helpers
+
+
+def auto_conflict_message(names: Sequence[str], values: Mapping[str, Any]) -> str:
+    """The error for ``layout: auto`` together with explicit degrees (see [Note: layout auto])."""
+    given = ", ".join(f"{n}={values[n]!r}" for n in names)
+    unset = " ".join(f"training.{n}={'null' if n == 'dp' else 1}" for n in names)
+    return (f"layout='auto' lets the planner choose dp, tp and pp, but the job also sets {given}: remove "
+            f"{'/'.join(names)} from the training section (on the command line: {unset}), or set "
+            "layout: manual to keep your degrees")
 
 
 def _check(ok: bool, name: str, value: Any, expected: str) -> None:
@@ -503,6 +561,6 @@ def build_lr_scheduler(
 
 
 __all__ = [
-    "DTYPES", "KEY_ALIASES", "LR_SCHEDULER_TYPES", "SCHEDULES", "TrainingArguments", "build_lr_scheduler",
-    "lr_lambda", "parse_bytes", "parse_overrides", "parse_recompute",
+    "DTYPES", "KEY_ALIASES", "LAYOUTS", "LR_SCHEDULER_TYPES", "SCHEDULES", "TrainingArguments", "build_lr_scheduler",
+    "auto_conflict_message", "lr_lambda", "parse_bytes", "parse_overrides", "parse_recompute",
 ]

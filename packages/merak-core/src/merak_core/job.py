@@ -144,6 +144,49 @@ class JobConfig:
         return None if spec is None else load_callable(spec, base_dir=self.base_dir, what=name)
 
 
+def write_job(source: str | Path | None, out: str | Path, training: dict[str, Any], *,
+              overrides: Iterable[str] = ()) -> None:
+    """Write ``out``: the job file ``source`` (with ``overrides`` applied) whose training section gets ``training``.
+
+    Used by ``merak plan --write-config`` and the plan check's ``replanned.yaml``. Aliases of the
+    written keys are dropped, ``layout`` becomes ``manual`` when dp/tp/pp are written (the degrees
+    are explicit), and ``FILE.py:function`` specs are made absolute when ``out`` lies in another
+    directory. Without ``source`` the file holds the ``training`` section alone.
+    """
+    raw: dict[str, Any] = {}
+    src_dir = Path(".").resolve()
+    if source is not None:
+        raw = yaml.safe_load(Path(source).read_text()) or {}
+        for item in overrides:
+            _apply_override(raw, item)
+        src_dir = Path(source).resolve().parent
+    section = raw.setdefault("training", {}) or {}
+    raw["training"] = section
+    for alias, name in (("num_microbatches", "gradient_accumulation_steps"),
+                        ("micro_batch_size", "per_device_train_batch_size")):
+        if name in training:
+            section.pop(alias, None)
+    if {"dp", "tp", "pp"} & set(training) and section.get("layout") == "auto":
+        section["layout"] = "manual"
+    section.update(training)
+    out_dir = Path(out).resolve().parent
+    if source is not None and src_dir != out_dir:
+        for name in ("model", "data"):
+            spec = (raw.get(name) or {}).get("factory") if isinstance(raw.get(name), dict) else raw.get(name)
+            if isinstance(spec, str) and spec.split(":")[0].endswith(".py"):
+                if isinstance(raw[name], dict):
+                    raw[name]["factory"] = str(src_dir / spec)
+                else:
+                    raw[name] = str(src_dir / spec)
+        for name in ("loss", "metrics", "collate"):
+            spec = raw.get(name)
+            if isinstance(spec, str) and spec.split(":")[0].endswith(".py"):
+                raw[name] = str(src_dir / spec)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w") as f:
+        yaml.safe_dump(raw, f, sort_keys=False)
+
+
 def _factory(section: Any, name: str, source: str) -> Factory:
     if isinstance(section, str):
         return Factory(section)

@@ -1,6 +1,7 @@
 """Per-rank entry point of ``merak train`` (run by torchrun: ``python -m merak_core.launch JOB.yaml ...``).
 
-Reads the job file, initialises the layout from torchrun's environment, builds
+Reads the job file, lets the planner choose the layout when the job says ``layout: auto``
+(:mod:`merak_core.autoplan`), initialises the layout from torchrun's environment, builds
 the model and data on every rank (the same seed everywhere), resumes from a
 checkpoint when asked (``--resume PATH|latest|auto``) or when torchrun restarted
 the job (see :func:`resume_target`), trains, evaluates and writes ``summary.json``
@@ -81,13 +82,20 @@ def main(argv: list[str] | None = None) -> int:
     job = JobConfig.from_yaml(args.config, args.overrides)
     targs = job.training
     init_restarted_process_group()
+    train_data, eval_data = job.build_datasets()
+    plan_context = None
+    if targs.layout == "auto":  # the planner picks the degrees (collective): see merak_core.autoplan
+        from merak_core.autoplan import auto_layout
+
+        auto = auto_layout(targs, job.build_model, train_data, data_collator=job.optional("collate"),
+                           job_file=args.config, job_overrides=args.overrides)
+        targs, plan_context = auto.args, auto.context
     layout = init(dp=targs.dp, tp=targs.tp, pp=targs.pp)
     torch.manual_seed(targs.seed)
     model = job.build_model()
-    train_data, eval_data = job.build_datasets()
     trainer = Trainer(model, targs, train_data, eval_data, loss_fn=job.optional("loss"),
                       data_collator=job.optional("collate"), compute_metrics=job.optional("metrics"),
-                      layout=layout)
+                      layout=layout, plan_context=plan_context)
     resume = resume_target(args.resume)
     if resume is not None:
         trainer.resume(resume)

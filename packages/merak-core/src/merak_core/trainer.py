@@ -54,6 +54,7 @@ from merak_core.data import StageAwareDataLoader
 from merak_core.data_parallel import DataParallelGradSync
 from merak_core.layout import ParallelLayout, init
 from merak_core.metrics import MetricsWriter
+from merak_core.planner import PlanContext
 from merak_core.zero import ZeroOptimizer
 
 logger = logging.getLogger(__name__)
@@ -114,6 +115,8 @@ class Trainer:
         example_inputs: one microbatch of inputs for tracing (default: read from ``train_dataset``).
         init_fn: initialiser for a model built under ``empty_init()``.
         optimizer_factory: ``fn(param_groups) -> Optimizer`` (default: AdamW from ``args``).
+        plan_context: the planner's profile and machine, for the plan check (``plan_check_steps``);
+            ``layout: auto`` builds it (:func:`merak_core.autoplan.auto_layout` runs here first).
     """
 
     def __init__(
@@ -131,7 +134,15 @@ class Trainer:
         init_fn: Callable[[nn.Module], Any] | None = None,
         optimizer_factory: Callable[[list[dict[str, Any]]], torch.optim.Optimizer] | None = None,
         device: torch.device | str | None = None,
+        plan_context: PlanContext | None = None,
     ) -> None:
+        if args.layout == "auto":  # choose the degrees first (collective), see [Note: layout auto] in config
+            if layout is not None:
+                raise ValueError("layout='auto' chooses dp/tp/pp itself: do not pass layout= (or use layout: manual)")
+            from merak_core.autoplan import auto_layout
+
+            auto = auto_layout(args, model, train_dataset, data_collator=data_collator, device=device)
+            args, plan_context = auto.args, auto.context
         self.args = args
         self.layout = layout if layout is not None else init(dp=args.dp, tp=args.tp, pp=args.pp)
         _check_layout(args, self.layout)
@@ -193,6 +204,10 @@ class Trainer:
         from merak_core.checkpoint import CheckpointManager
 
         self.checkpoints = CheckpointManager(self)
+        from merak_core.autoplan import PlanCheck
+
+        self.last_pipeline_s = 0.0
+        self.plan_check = PlanCheck.for_trainer(self, plan_context)
 
     # ------------------------------------------------------------------ set-up
 
@@ -331,7 +346,9 @@ class Trainer:
             self.dp_sync.prepare_step(self.args.num_microbatches)
         with self._phase(f"pipeline step over global ranks {layout.pp_ranks} (pipeline rank i = the i-th)"):
             with self._autocast():
+                start = time.perf_counter()
                 loss = self.runner.step(self._stage_inputs(inputs), labels)
+                self.last_pipeline_s = time.perf_counter() - start
         if self.dp_sync is not None:
             with self._phase(f"DP gradient all-reduce over global ranks {layout.dp_ranks}"):
                 self.dp_sync.finish()
@@ -405,9 +422,13 @@ class Trainer:
             except StopIteration:
                 iterator = iter(self.train_loader)
                 continue
+            if self.plan_check is not None:
+                self.plan_check.before_step(total)
             step_start = time.perf_counter()
             loss = self.training_step(batch.inputs, batch.labels)
             step_time = time.perf_counter() - step_start
+            if self.plan_check is not None:
+                self.plan_check.after_step(step_time)
             window_tokens += _count_tokens(batch.inputs) * self.layout.dp
             record: dict[str, float] = {"step": self.global_step, "loss": loss,
                                         "lr": float(self.lr_scheduler.get_last_lr()[0]), "step_time_s": step_time}

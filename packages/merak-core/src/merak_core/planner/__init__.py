@@ -22,6 +22,17 @@ pipeline. Backward time is measured as a whole and spread over layers in proport
 """
 
 from merak_core.planner.comm import CommModel, measure_comm
+from merak_core.planner.feedback import (
+    MeasuredStep,
+    PlanComparison,
+    PlanContext,
+    Replan,
+    compare,
+    correct_profile,
+    needs_replan,
+    predict_current,
+    replan,
+)
 from merak_core.planner.profile import ModelProfile, model_fingerprint, profile_model
 from merak_core.planner.search import (
     PLANNER_SCHEDULES,
@@ -39,13 +50,22 @@ __all__ = [
     "RECOMPUTE_MODES",
     "Candidate",
     "CommModel",
+    "MeasuredStep",
     "ModelProfile",
+    "PlanComparison",
+    "PlanContext",
+    "Replan",
+    "compare",
+    "correct_profile",
     "format_plan",
     "measure_comm",
     "model_fingerprint",
+    "needs_replan",
     "plan",
     "predict",
+    "predict_current",
     "profile_model",
+    "replan",
     "split_layers",
     "why_best",
 ]

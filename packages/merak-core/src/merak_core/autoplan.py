@@ -1,0 +1,411 @@
+"""``layout: auto`` at start-up, and the plan check of a running job (predicted against measured).
+
+:func:`auto_layout` runs on every rank after the default process group exists and before
+``init(dp, tp, pp)``: rank 0 profiles a copy of the job's model on one microbatch of the training
+set (:func:`~merak_core.planner.profile_model`), every rank takes part in
+:func:`~merak_core.planner.measure_comm` on the world group, rank 0 plans for the world size
+(:func:`~merak_core.planner.plan`, memory per device, the job's global batch, CPU cores shared by
+the ranks) and broadcasts the choice; every rank returns the same :class:`TrainingArguments` with
+dp, tp, pp, schedule, microbatches, recompute (and memory budget) set. See [Note: layout auto] in
+:mod:`merak_core.config` for which fields fix the global batch.
+
+:class:`PlanCheck` is the Trainer's hook (``plan_check_steps``): after warm-up it records the
+pipeline runner's per-action timings and the peak memory for a few steps, gathers them to rank 0,
+and hands them to :mod:`merak_core.planner.feedback` for the table and the re-plan. It gathers
+numbers only; every decision lives in the feedback module.
+
+Not done here: switching layouts in a running process (the re-plan writes a job file to restart
+from the last checkpoint with).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import fnmatch
+import inspect
+import json
+import logging
+import math
+import os
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from merak_core.config import TrainingArguments, auto_conflict_message
+from merak_core.planner import (
+    Candidate,
+    MeasuredStep,
+    ModelProfile,
+    PlanComparison,
+    PlanContext,
+    Replan,
+    compare,
+    format_plan,
+    measure_comm,
+    needs_replan,
+    plan,
+    predict_current,
+    profile_model,
+    replan,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AutoLayout", "PlanCheck", "auto_layout", "compute_slots", "default_memory_per_device",
+           "profile_inputs"]
+
+DEFAULT_PLAN_CHECK_STEPS = 5
+"""``plan_check_steps`` of an auto layout when the job does not set it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoLayout:
+    """What :func:`auto_layout` chose, the same on every rank."""
+
+    args: TrainingArguments
+    """The job's arguments with the chosen fields (``layout`` becomes ``manual``: the degrees are set)."""
+    context: PlanContext
+    """Profile, communication model and machine the plan was made from (for the plan check)."""
+    chosen: Candidate
+    """The planner's first candidate."""
+    table: str
+    """The ranked table (:func:`~merak_core.planner.format_plan`) with why the first wins."""
+
+
+def default_memory_per_device(device: torch.device) -> int:
+    """CUDA: the device's total memory; CPU: the machine's RAM divided by the ranks on this node."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or (dist.get_world_size() if dist.is_initialized() else 1))
+    return int(ram // max(local, 1))
+
+
+def compute_slots(device: torch.device) -> int | None:
+    """Ranks that can compute at once on this node: CPU cores // threads per rank on CPU; None on GPUs."""
+    if device.type == "cuda":
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(cores // max(torch.get_num_threads(), 1), 1)
+
+
+def profile_inputs(model: nn.Module, dataset: Any, num_samples: int,
+                   data_collator: Callable[[list[Any]], Any] | None = None) -> Any:
+    """One batch of ``num_samples`` training samples as ``profile_model`` takes it (a tensor or keyword dict)."""
+    from merak_core.data import split_inputs_labels
+
+    collate = data_collator or torch.utils.data.default_collate
+    if hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
+        samples = [dataset[i] for i in range(min(num_samples, len(dataset)))]
+    else:
+        it = iter(dataset)
+        samples = [s for _, s in zip(range(num_samples), it, strict=False)]
+    if not samples:
+        raise ValueError("layout='auto' profiles the model on training samples, but the training set is empty")
+    inputs, _ = split_inputs_labels(collate(samples))
+    params = list(inspect.signature(model.forward).parameters)
+    if isinstance(inputs, Mapping):
+        return {k: v for k, v in inputs.items() if k in params}
+    if isinstance(inputs, (tuple, list)):
+        if len(inputs) == 1:
+            return inputs[0]
+        return dict(zip(params, inputs, strict=False))
+    return inputs
+
+
+def _relax_vocab(profile: ModelProfile, model: nn.Module, tp_plan: Any) -> ModelProfile:
+    """A user TP plan that shards no ``nn.Embedding`` puts no constraint on the vocabulary."""
+    if isinstance(tp_plan, dict) and profile.vocab_size is not None:
+        embeddings = [name for name, m in model.named_modules() if isinstance(m, nn.Embedding)]
+        if not any(fnmatch.fnmatch(name, pattern) for name in embeddings for pattern in tp_plan):
+            return dataclasses.replace(profile, vocab_size=None)
+    return profile
+
+
+def _profile_job_model(args: TrainingArguments, model: nn.Module | Callable[[], nn.Module], dataset: Any,
+                       data_collator: Any, device: torch.device) -> ModelProfile:
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(args.seed)
+        if isinstance(model, nn.Module):
+            if any(p.is_meta for p in model.parameters()):
+                raise ValueError("layout='auto' profiles the model, but it was built on the meta device "
+                                 "(empty_init): build it normally, or plan with `merak plan` and set dp/tp/pp")
+            copy_ = copy.deepcopy(model)
+        else:
+            copy_ = model()
+        copy_ = copy_.to(device=device, dtype=args.torch_dtype)
+        batch = profile_inputs(copy_, dataset, max(2, args.per_device_train_batch_size), data_collator)
+
+        def cast(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device=device, dtype=args.torch_dtype) if t.is_floating_point() else t.to(device)
+
+        batch = {k: cast(v) for k, v in batch.items()} if isinstance(batch, Mapping) else cast(batch)
+        autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.bf16 else contextlib.nullcontext()
+        with autocast:
+            profile = profile_model(copy_, batch)
+    return _relax_vocab(profile, copy_, args.tp_plan)
+
+
+def _ensure_process_group(device: torch.device | str | None) -> torch.device:
+    """The default process group (as ``init`` would create it) and this rank's device."""
+    if not dist.is_initialized():
+        from datetime import timedelta
+
+        from merak_core.layout import DEFAULT_TIMEOUT
+
+        world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+        dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        if dev.type == "cuda":
+            dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) if dev.index is None else dev.index)
+            torch.cuda.set_device(dev)
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        timeout: timedelta = DEFAULT_TIMEOUT
+        if world == 1 and "MASTER_ADDR" not in os.environ:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        else:
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+        return dev
+    if device is not None:
+        return torch.device(device)
+    if torch.cuda.is_available() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def auto_layout(args: TrainingArguments, model: nn.Module | Callable[[], nn.Module], train_dataset: Any, *,
+                data_collator: Callable[[list[Any]], Any] | None = None, device: torch.device | str | None = None,
+                job_file: str | None = None, job_overrides: Sequence[str] = ()) -> AutoLayout:
+    """Choose the layout for ``layout: auto`` (collective: call on every rank; see the module docstring).
+
+    ``model`` is the job's model (rank 0 profiles a deep copy) or a function that builds one.
+    Raises ValueError before any collective when ``args`` is not an auto layout or sets dp/tp/pp,
+    and on every rank when nothing fits (the planner's message).
+    """
+    if args.layout != "auto":
+        raise ValueError(f"auto_layout: layout={args.layout!r}; expected 'auto' (set training.layout: auto)")
+    explicit = {n: v for n, v in (("dp", args.dp), ("tp", args.tp), ("pp", args.pp)) if v != (None if n == "dp" else 1)}
+    if explicit:
+        raise ValueError(auto_conflict_message(sorted(explicit), explicit))
+    if train_dataset is None:
+        raise ValueError("layout='auto' profiles the model on the training set: pass train_dataset")
+    dev = _ensure_process_group(device)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    gbs = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
+    profile: ModelProfile | None = None
+    error = ""
+    if rank == 0:
+        try:
+            profile = _profile_job_model(args, model, train_dataset, data_collator, dev)
+        except Exception as exc:  # noqa: BLE001 - reported on every rank below, so none waits forever
+            error = f"layout='auto': profiling the model failed: {type(exc).__name__}: {exc}"
+    comm = measure_comm()
+    payload: dict[str, Any] = {"error": error}
+    if rank == 0 and not error:
+        assert profile is not None
+        memory = float(args.memory_per_device or default_memory_per_device(dev))
+        slots = compute_slots(dev)
+        try:
+            cands = plan(profile, world_size=world, memory_per_device=memory, global_batch_size=gbs, comm=comm,
+                         zero_stage=args.zero_stage, compute_slots=slots)
+            payload.update(fields=cands[0].training_fields(), chosen=cands[0], profile=profile, memory=memory,
+                           slots=slots, table=format_plan(cands), count=len(cands))
+        except ValueError as exc:
+            payload["error"] = f"layout='auto' for {world} ranks, global batch {gbs}: {exc}"
+    box = [payload]
+    dist.broadcast_object_list(box, src=0)
+    payload = box[0]
+    if payload["error"]:
+        raise ValueError(payload["error"])
+    checks = args.plan_check_steps if args.plan_check_steps is not None else DEFAULT_PLAN_CHECK_STEPS
+    fields = dict(payload["fields"])
+    new_args = dataclasses.replace(args, layout="manual", plan_check_steps=checks, **fields)
+    if math.isfinite(payload["memory"]) and args.memory_per_device is None:
+        new_args = dataclasses.replace(new_args, memory_per_device=int(payload["memory"]))
+    context = PlanContext(profile=payload["profile"], comm=comm, memory_per_device=payload["memory"],
+                          compute_slots=payload["slots"], zero_stage=args.zero_stage, job_file=job_file,
+                          job_overrides=tuple(job_overrides))
+    if rank == 0:
+        replaced = {k: getattr(args, k) for k in fields if k not in ("dp", "tp", "pp") and getattr(args, k) != fields[k]}
+        logger.info("layout auto: %d feasible configurations for %d ranks, %.4g MiB per device, global batch %d, "
+                    "compute slots %s (profile: %d layers on %s)\n%s", payload["count"], world,
+                    payload["memory"] / 2**20, gbs, payload["slots"], context.profile.num_layers,
+                    context.profile.device, payload["table"])
+        logger.info("layout auto: training with %s%s", " ".join(f"{k}={v}" for k, v in fields.items()),
+                    f" (replacing the job's {replaced})" if replaced else "")
+    return AutoLayout(args=new_args, context=context, chosen=payload["chosen"], table=payload["table"])
+
+
+# ---------------------------------------------------------------------------- the plan check
+
+
+def _read_status(field_name: str) -> float | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field_name + ":"):
+                    return float(line.split()[1]) * 1024.0  # kB
+    except OSError:
+        return None
+    return None
+
+
+class PlanCheck:
+    """The Trainer's plan check (see the module docstring); build it with :meth:`for_trainer`."""
+
+    def __init__(self, trainer: Any, context: PlanContext, steps: int) -> None:
+        self.trainer, self.context, self.steps = trainer, context, steps
+        self.comparison: PlanComparison | None = None
+        """Rank 0, after the check: predicted against measured."""
+        self.replan: Replan | None = None
+        """Rank 0, after the check, when the error was above the threshold."""
+        self._start: int | None = None
+        self._end = self._first_measured = 0
+        self._timings: list[Any] = []
+        self._step_s: list[float] = []
+        self._pipeline_s: list[float] = []
+        self._memory_base: float | None = None
+        self.done = False
+
+    @classmethod
+    def for_trainer(cls, trainer: Any, context: PlanContext | None) -> PlanCheck | None:
+        steps = trainer.args.plan_check_steps or 0
+        if context is None or steps == 0:
+            if steps and dist.get_rank() == 0:
+                logger.info("plan check: plan_check_steps=%d but no profile to predict from: pass "
+                            "Trainer(plan_context=...) or use layout: auto", steps)
+            return None
+        kind, _ = trainer.args.recompute_mode
+        if kind == "uniform":
+            if dist.get_rank() == 0:
+                logger.info("plan check: recompute=%r is not in the planner's model (none, full, stage_aware): off",
+                            trainer.args.recompute)
+            return None
+        return cls(trainer, context, steps)
+
+    def before_step(self, total_steps: int) -> None:
+        t = self.trainer
+        if self.done:
+            return
+        if self._start is None:
+            self._start = t.global_step
+            self._end = t.global_step + min(self.steps, total_steps - t.global_step)
+            warmup = 1 if self._end - self._start < 4 else 2
+            self._first_measured = self._start + warmup + 1
+            if self._end < self._first_measured:
+                logger.info("plan check: %d steps left, fewer than a warm-up step and a measured one: off",
+                            self._end - self._start)
+                self.done = True
+                return
+            self._reset_memory()
+        if t.global_step + 1 >= self._first_measured:
+            t.runner.record_timing = True
+
+    def after_step(self, step_time_s: float) -> None:
+        t = self.trainer
+        if self.done or self._start is None or t.global_step < self._first_measured:
+            return
+        self._timings.extend(t.runner.timings)
+        self._step_s.append(step_time_s)
+        self._pipeline_s.append(t.last_pipeline_s)
+        if t.global_step >= self._end:
+            t.runner.record_timing = False
+            self.done = True
+            self._finish()
+
+    # -------------------------------------------------------------- measuring
+
+    def _reset_memory(self) -> None:
+        dev = self.trainer.device
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+            return
+        try:  # [Note: CPU peak memory] "5" resets the peak RSS (VmHWM) to the current RSS
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self._memory_base = _read_status("VmRSS")
+        except OSError:
+            self._memory_base = None
+
+    def _peak_memory(self) -> float | None:
+        """This rank's peak bytes over the steps since the reset (see [Note: CPU peak memory]).
+
+        [Note: CPU peak memory] On CPU the peak is the growth of the process's peak resident set
+        (VmHWM) over its size before the first step of this run, plus the bytes of this rank's
+        parameters (which existed before): gradients, optimizer states and activations appear as
+        growth. It includes allocator slack and anything else the process allocated meanwhile.
+        """
+        t = self.trainer
+        if t.device.type == "cuda":
+            return float(torch.cuda.max_memory_allocated(t.device))
+        peak = _read_status("VmHWM")
+        if peak is None or self._memory_base is None:
+            return None
+        params = sum(p.numel() * p.element_size() for p in t.params)
+        return max(peak - self._memory_base, 0.0) + float(params)
+
+    def _finish(self) -> None:
+        from merak_pipe.timing import gather_timings, measured_costs
+
+        t = self.trainer
+        layout = t.layout
+        timings = gather_timings(self._timings, group=layout.pp_group)
+        memory = torch.full((layout.pp,), -1.0, dtype=torch.float64, device=t.device)
+        mine = self._peak_memory()
+        memory[layout.pp_rank] = -1.0 if mine is None else mine
+        dist.all_reduce(memory, op=dist.ReduceOp.MAX)
+        if dist.get_rank() != 0:
+            return
+        try:
+            costs = measured_costs(timings, t.runner.schedule)
+            measured = MeasuredStep(
+                step_time_s=statistics.median(self._step_s), pipeline_s=statistics.median(self._pipeline_s),
+                stage_forward_s=tuple(float(x) for x in costs.forward),
+                stage_backward_s=tuple(float(x) for x in costs.backward),
+                stage_peak_memory_bytes=tuple(None if v < 0 else float(v) for v in memory.tolist()),
+                steps=len(self._step_s))
+            self._report(measured)
+        except Exception as exc:  # noqa: BLE001 - the check must never stop training
+            logger.warning("plan check failed: %s: %s", type(exc).__name__, exc)
+
+    # -------------------------------------------------------------- reporting (rank 0)
+
+    def _report(self, measured: MeasuredStep) -> None:
+        t, args, ctx = self.trainer, self.trainer.args, self.context
+        kind, _ = args.recompute_mode
+        predicted = predict_current(
+            ctx, dp=t.layout.dp, tp=t.layout.tp, pp=t.layout.pp, schedule=t.schedule_name,
+            num_microbatches=args.num_microbatches, micro_batch_size=args.micro_batch_size, recompute=kind,
+            memory_budget=args.memory_budget if kind == "stage_aware" else None)
+        self.comparison = compare(predicted, measured)
+        logger.info("%s", self.comparison.table())
+        record: dict[str, Any] = {"step": t.global_step, **self.comparison.to_record()}
+        error = self.comparison.step_time_error
+        if needs_replan(self.comparison, args.plan_error_threshold):
+            self.replan = replan(ctx, predicted, measured,
+                                 global_batch_size=args.global_batch_size(t.layout.dp))
+            text = self.replan.message(output_dir=args.output_dir, has_checkpoints=bool(args.save_steps))
+            logger.warning("plan check: step-time error %+.1f%% is above plan_error_threshold=%g; %s",
+                           100 * error, args.plan_error_threshold, text)
+            record.update(replanned=text, replanned_changed=self.replan.changed)
+            if self.replan.changed:
+                self._write_job(self.replan.best.training_fields())
+        else:
+            logger.info("plan check: step-time error %+.1f%% is within plan_error_threshold=%g",
+                        100 * error, args.plan_error_threshold)
+        if t.metrics.enabled:
+            with open(t.metrics.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def _write_job(self, fields: dict[str, Any]) -> None:
+        """``output_dir/replanned.yaml``: the job file with the suggested fields (the training section alone without one)."""
+        from merak_core.job import write_job
+
+        out = os.path.join(self.trainer.args.output_dir, "replanned.yaml")
+        write_job(self.context.job_file, out, fields, overrides=self.context.job_overrides)
+
