@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,19 +30,21 @@ class CommModel:
     """Latency of one ring step of an all-reduce, seconds."""
     allreduce_bandwidth: float = 2e9
     """Bytes per second of one ring link."""
-    allreduce_by_group: dict[int, tuple[float, float]] = field(default_factory=dict)
-    """Measured all-reduce costs per group size: ``{n: (fixed seconds, seconds per byte)}``, timed
-    with every group of that size reducing at once (as the DP or TP groups of a layout do). Sizes
-    not listed use the ring formula."""
+    allreduce_by_group: dict[int, list[tuple[float, float]]] = field(default_factory=dict)
+    """Measured all-reduce times per group size: ``{n: [(bytes, seconds), ...]}`` at a few message
+    sizes, timed with every group of that size reducing at once (as the DP or TP groups of a layout
+    do). Between two sizes the time is interpolated linearly, below the smallest it is the
+    smallest's, above the largest it grows with the last segment's slope. Group sizes not listed
+    use the ring formula."""
 
     def __post_init__(self) -> None:
-        table = {}
-        for n, pair in dict(self.allreduce_by_group).items():  # JSON gives string keys and lists
-            fixed, per_byte = (float(v) for v in pair)
-            if int(n) < 2 or not fixed >= 0 or not per_byte >= 0:
-                raise ValueError(f"CommModel.allreduce_by_group[{n!r}]={pair!r}: expected a group size >= 2 and "
-                                 "(fixed seconds >= 0, seconds per byte >= 0)")
-            table[int(n)] = (fixed, per_byte)
+        table: dict[int, list[tuple[float, float]]] = {}
+        for n, points in dict(self.allreduce_by_group).items():  # JSON gives string keys and lists
+            pairs = sorted((float(x), float(t)) for x, t in points)
+            if int(n) < 2 or not pairs or any(not (x >= 0 and t >= 0) for x, t in pairs):
+                raise ValueError(f"CommModel.allreduce_by_group[{n!r}]={points!r}: expected a group size >= 2 and "
+                                 "a non-empty list of (bytes >= 0, seconds >= 0)")
+            table[int(n)] = pairs
         self.allreduce_by_group = table
         for name in ("p2p_latency_s", "allreduce_latency_s"):
             if not getattr(self, name) >= 0:
@@ -52,15 +56,14 @@ class CommModel:
     def allreduce_s(self, nbytes: float, group_size: int) -> float:
         """All-reduce time of ``nbytes`` over ``group_size`` ranks; 0 for one rank.
 
-        A measured group size (``allreduce_by_group``) uses its fixed cost plus its per-byte cost;
-        otherwise the ring formula: 2 (n - 1) latencies plus 2 (n - 1) / n of the bytes over one link.
+        A measured group size (``allreduce_by_group``) interpolates its measured times; otherwise the ring formula: 2 (n - 1) latencies plus 2 (n - 1) / n of the bytes over one link.
         """
         if group_size <= 1 or nbytes <= 0:
             return 0.0
         n = group_size
-        if n in self.allreduce_by_group:
-            fixed, per_byte = self.allreduce_by_group[n]
-            return fixed + per_byte * nbytes
+        points = self.allreduce_by_group.get(n)
+        if points:
+            return _interpolate(points, nbytes)
         return 2 * (n - 1) * self.allreduce_latency_s + 2 * (n - 1) / n * nbytes / self.allreduce_bandwidth
 
 
@@ -112,37 +115,66 @@ def measure_comm(group: Any = None, *, small_bytes: int = 1024, large_bytes: int
     p_lat, p_bw, r_lat, r_bw = (float(v) for v in values)
     logger.info("planner: measured p2p %.3g s + bytes / %.3g B/s; all-reduce step %.3g s, link %.3g B/s over %d ranks",
                 p_lat, p_bw, r_lat, r_bw, n)
-    table = _allreduce_table(small_bytes, large_bytes, repeats) if group is None else {}
+    table = _allreduce_table(max(repeats, 7)) if group is None else {}
     return CommModel(p2p_latency_s=p_lat, p2p_bandwidth=p_bw, allreduce_latency_s=r_lat, allreduce_bandwidth=r_bw,
                      allreduce_by_group=table)
 
 
-def _allreduce_table(small_bytes: int, large_bytes: int, repeats: int) -> dict[int, tuple[float, float]]:
-    """Fixed and per-byte all-reduce cost for every group size n dividing the world (n >= 2).
+def _interpolate(points: list[tuple[float, float]], nbytes: float) -> float:
+    if nbytes <= points[0][0]:
+        return points[0][1]
+    for (x0, t0), (x1, t1) in zip(points, points[1:], strict=False):
+        if nbytes <= x1:
+            return t0 + (t1 - t0) * (nbytes - x0) / (x1 - x0) if x1 > x0 else t1
+    if len(points) == 1:
+        return points[0][1]
+    (x0, t0), (x1, t1) = points[-2], points[-1]
+    slope = max((t1 - t0) / (x1 - x0), 0.0) if x1 > x0 else 0.0
+    return t1 + slope * (nbytes - x1)
+
+
+ALLREDUCE_SIZES = (8, 4096, 65536, 1 << 20, 4 << 20)
+"""Message sizes (bytes) at which :func:`measure_comm` times the all-reduce of each group size."""
+
+
+def _median_call(fn: Any, repeats: int) -> float:
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _allreduce_table(repeats: int) -> dict[int, list[tuple[float, float]]]:
+    """All-reduce time at :data:`ALLREDUCE_SIZES` for every group size n dividing the world (n >= 2).
 
     The world is cut into blocks of n consecutive ranks that all reduce at once, as a layout's DP
-    or TP groups do; a size's time is the slowest rank's.
+    or TP groups do. gloo changes algorithm with the message size, so the sizes are measured, not
+    fitted by one line. A size's time is the median call of the slowest rank.
     """
     import torch.distributed as dist
 
     world = dist.get_world_size()
     rank = dist.get_rank()
-    table: dict[int, tuple[float, float]] = {}
+    table: dict[int, list[tuple[float, float]]] = {}
     for n in range(2, world + 1):
         if world % n:
             continue
         groups = [dist.new_group(list(range(b, b + n))) if n < world else None for b in range(0, world, n)]
         mine = groups[rank // n]
-        times = []
-        for nbytes in (small_bytes, large_bytes):
+        points = []
+        for nbytes in ALLREDUCE_SIZES:
             buf = torch.zeros(max(nbytes // 4, 1))
             dist.barrier()
-            seconds = torch.tensor([_timed(lambda buf=buf, g=mine: dist.all_reduce(buf, group=g), repeats)],
+            seconds = torch.tensor([_median_call(lambda buf=buf, g=mine: dist.all_reduce(buf, group=g), repeats)],
                                    dtype=torch.float64)
             dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-            times.append(float(seconds))
-        per_byte = max((times[1] - times[0]) / (large_bytes - small_bytes), 0.0)
-        table[n] = (max(times[0] - per_byte * small_bytes, 0.0), per_byte)
+            # A larger message never costs less (measured dips are noise or an algorithm switch).
+            points.append((float(nbytes), max(float(seconds), points[-1][1] if points else 0.0)))
+        table[n] = points
         for g in groups:
             if g is not None:
                 dist.destroy_process_group(g)
