@@ -110,8 +110,10 @@ def profile_inputs(model: nn.Module, dataset: Any, num_samples: int,
         raise ValueError("layout='auto' profiles the model on training samples, but the training set is empty")
     inputs, _ = split_inputs_labels(collate(samples))
     params = list(inspect.signature(model.forward).parameters)
-    if isinstance(inputs, Mapping):
-        return {k: v for k, v in inputs.items() if k in params}
+    if isinstance(inputs, Mapping):  # by keyword when the keys are forward's parameters, else in order (as traced)
+        if all(k in params for k in inputs):
+            return dict(inputs)
+        inputs = list(inputs.values())
     if isinstance(inputs, (tuple, list)):
         if len(inputs) == 1:
             return inputs[0]
@@ -203,6 +205,7 @@ def auto_layout(args: TrainingArguments, model: nn.Module | Callable[[], nn.Modu
         try:
             profile = _profile_job_model(args, model, train_dataset, data_collator, dev)
         except Exception as exc:  # noqa: BLE001 - reported on every rank below, so none waits forever
+            logger.exception("layout auto: profiling failed")
             error = f"layout='auto': profiling the model failed: {type(exc).__name__}: {exc}"
     comm = measure_comm()
     payload: dict[str, Any] = {"error": error}

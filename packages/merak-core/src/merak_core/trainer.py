@@ -207,6 +207,7 @@ class Trainer:
         from merak_core.autoplan import PlanCheck
 
         self.last_pipeline_s = 0.0
+        self.plan_context = plan_context
         self.plan_check = PlanCheck.for_trainer(self, plan_context)
 
     # ------------------------------------------------------------------ set-up

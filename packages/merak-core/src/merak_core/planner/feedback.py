@@ -346,9 +346,14 @@ class Replan:
         return text
 
 
-def replan(ctx: PlanContext, predicted: Candidate, measured: MeasuredStep, *, global_batch_size: int,
+def replan(ctx: PlanContext, predicted: Candidate, measured: MeasuredStep, *, global_batch_size: int | None = None,
            max_microbatches: int = 64) -> Replan:
-    """Correct the profile from ``measured`` (:func:`correct_profile`) and plan again for the same ranks and batch."""
+    """Correct the profile from ``measured`` (:func:`correct_profile`) and plan again for the same ranks and batch.
+
+    ``global_batch_size`` defaults to the predicted configuration's (dp x microbatches x micro batch size).
+    """
+    if global_batch_size is None:
+        global_batch_size = predicted.dp * predicted.num_microbatches * predicted.micro_batch_size
     corrected = correct_profile(ctx, predicted, measured)
     current = _repredict(ctx, predicted, corrected)
     try:

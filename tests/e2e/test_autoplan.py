@@ -1,0 +1,99 @@
+"""``layout: auto`` end to end on 4 gloo ranks: the planner's choice, equal on every rank, trains like one process.
+
+One run serves three checks (to keep the test time small): every rank gets the same layout; it is
+:func:`~merak_core.planner.plan`'s first candidate for the profile, communication model, memory
+and compute slots the run used (recomputed here, in the test process); and the losses equal the
+single-process reference for that layout's global batch. The same run's plan check (3 steps,
+threshold 0 so that it always re-plans) must produce a predicted/measured table whose errors are
+computed from its numbers, a metrics.jsonl record and a re-plan message.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+import pytest
+
+from tests.e2e._trainer_support import TokenDataset, build_model, make_args, reference_training
+from tests.support.dist import run_on_ranks
+from tests.support.models import REFERENCE_MODELS
+
+WORLD = 4
+KWARGS: dict[str, Any] = dict(max_steps=3, per_device_train_batch_size=2, gradient_accumulation_steps=1,
+                              memory_per_device="1GiB", plan_check_steps=3, plan_error_threshold=0.0)
+
+
+def _auto_body(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from merak_core import Trainer
+
+    args = make_args(layout="auto", **kwargs)
+    model = build_model(name)
+    data = TokenDataset(64, model.config.vocab_size)
+    trainer = Trainer(model, args, data, loss_fn=REFERENCE_MODELS[name].loss)
+    history = trainer.train()
+    t = trainer.args
+    out: dict[str, Any] = {
+        "fields": {k: getattr(t, k) for k in ("dp", "tp", "pp", "schedule", "per_device_train_batch_size",
+                                              "gradient_accumulation_steps", "recompute")},
+        "layout": (trainer.layout.dp, trainer.layout.tp, trainer.layout.pp), "losses": [h["loss"] for h in history],
+    }
+    if dist.get_rank() == 0:
+        ctx = trainer.plan_context
+        check = trainer.plan_check
+        out.update(profile=ctx.profile, comm=ctx.comm, memory=ctx.memory_per_device, slots=ctx.compute_slots,
+                   comparison=check.comparison, replan=check.replan, output_dir=t.output_dir,
+                   metrics=open(os.path.join(t.output_dir, "metrics.jsonl")).read())
+    return out
+
+
+def test_layout_auto_chooses_plans_first_candidate_and_trains_like_one_process():
+    from merak_core.planner import plan
+
+    results = run_on_ranks(WORLD, _auto_body, "gpt", KWARGS)
+    fields = results[0]["fields"]
+    assert all(r["fields"] == fields for r in results)
+    assert all(r["layout"] == (fields["dp"], fields["tp"], fields["pp"]) for r in results)
+    r0 = results[0]
+    gbs = KWARGS["per_device_train_batch_size"] * KWARGS["gradient_accumulation_steps"] * WORLD
+    best = plan(r0["profile"], world_size=WORLD, memory_per_device=r0["memory"], global_batch_size=gbs,
+                comm=r0["comm"], compute_slots=r0["slots"])[0]
+    expected = best.training_fields()
+    expected.pop("memory_budget", None)
+    assert fields == expected
+    assert r0["memory"] == 2**30
+    assert fields["per_device_train_batch_size"] * fields["gradient_accumulation_steps"] * fields["dp"] == gbs
+
+    ref_kwargs = {**KWARGS, "per_device_train_batch_size": fields["per_device_train_batch_size"],
+                  "gradient_accumulation_steps": fields["gradient_accumulation_steps"]}
+    ref_losses, _ = reference_training("gpt", ref_kwargs, fields["dp"])
+    for r in results:
+        assert r["losses"] == pytest.approx(ref_losses, rel=1e-9, abs=1e-12)
+
+    # the plan check: 1 warm-up step, 2 measured; every error is (predicted - measured) / measured
+    comparison = r0["comparison"]
+    assert comparison is not None and comparison.measured.steps == 2
+    rows = {row.name: row for row in comparison.rows}
+    assert {"step time", "pipeline", "outside pipeline"} <= set(rows)
+    for s in range(fields["pp"]):
+        for what in ("F", "B"):
+            row = rows[f"stage {s} {what}"]
+            assert math.isfinite(row.predicted) and row.predicted > 0 and row.measured > 0
+            assert row.error == pytest.approx((row.predicted - row.measured) / row.measured, rel=1e-12)
+        mem = rows[f"stage {s} peak memory"]
+        assert mem.measured is None or mem.measured > 0
+    step = rows["step time"]
+    assert comparison.step_time_error == pytest.approx((step.predicted - step.measured) / step.measured)
+    record = [json.loads(line) for line in r0["metrics"].splitlines() if "plan_check" in line]
+    assert len(record) == 1
+    assert record[0]["error_step_time"] == pytest.approx(comparison.step_time_error)
+    assert record[0]["measured_step_time_s"] == pytest.approx(step.measured)
+    # threshold 0: it re-planned, from a profile that predicts the measured step time of the current layout
+    replanned = r0["replan"]
+    assert replanned is not None and record[0]["replanned"].startswith("re-planned from measured costs")
+    assert replanned.current.step_time_s == pytest.approx(step.measured, rel=1e-3)
+    assert os.path.exists(os.path.join(r0["output_dir"], "replanned.yaml")) == replanned.changed
