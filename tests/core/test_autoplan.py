@@ -1,0 +1,144 @@
+"""``layout: auto`` without processes: the configuration errors (before any collective), the dry run,
+the suggested job file, the machine defaults and the profiling inputs.
+
+The multi-rank run (the plan's choice on every rank, equal losses, the plan check) is in
+``tests/e2e/test_autoplan.py``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from torch import nn
+
+from merak_core.autoplan import auto_layout, compute_slots, default_memory_per_device, profile_inputs
+from merak_core.config import TrainingArguments
+from merak_core.job import JobConfig, write_job
+from tests.e2e._bad_input_support import no_collectives
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = ROOT / "examples/addition/config.yaml"
+
+
+@pytest.mark.parametrize("kw, names", [
+    (dict(dp=2), "dp=2"), (dict(tp=2), "tp=2"), (dict(pp=4), "pp=4"), (dict(dp=1, tp=2, pp=2), "dp=1, pp=2, tp=2"),
+])
+def test_auto_with_explicit_degrees_is_a_clear_error(kw, names):
+    with pytest.raises(ValueError, match=f"layout='auto' lets the planner choose dp, tp and pp, but the job also "
+                                         f"sets {names}: remove") as info:
+        TrainingArguments(layout="auto", **kw)
+    assert "layout: manual" in str(info.value)
+
+
+def test_auto_conflict_in_a_job_file_names_the_file_and_the_override_fix(tmp_path: Path):
+    with pytest.raises(ValueError, match=r"config.yaml: training: layout='auto' .* sets dp=2, pp=2, tp=2") as info:
+        JobConfig.from_yaml(DEMO, ["training.layout=auto"])
+    assert "training.dp=null training.pp=1 training.tp=1" in str(info.value)
+    job = JobConfig.from_yaml(DEMO, ["training.layout=auto", "training.dp=null", "training.tp=1", "training.pp=1"])
+    assert job.training.layout == "auto" and job.training.dp is None
+
+
+def test_auto_arguments_round_trip_through_yaml_and_overrides(tmp_path: Path):
+    args = TrainingArguments(layout="auto", memory_per_device="2GiB", plan_check_steps=4)
+    assert args.memory_per_device == 2 * 2**30
+    assert args.with_overrides(["seed=3"]).seed == 3
+    path = tmp_path / "args.yaml"
+    args.to_yaml(path)
+    back = TrainingArguments.from_yaml(path)
+    assert back == args
+    with pytest.raises(ValueError, match="tp=2"):
+        args.with_overrides(["tp=2"])
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(layout="automatic"), "layout='automatic' is invalid"),
+    (dict(plan_check_steps=1), "plan_check_steps=1 is invalid"),
+    (dict(plan_check_steps=-1), "plan_check_steps=-1 is invalid"),
+    (dict(plan_error_threshold=-0.5), "plan_error_threshold=-0.5 is invalid"),
+    (dict(memory_per_device="lots"), "cannot read memory size 'lots'"),
+])
+def test_planner_field_validation(kw, match):
+    with pytest.raises(ValueError, match=match):
+        TrainingArguments(**kw)
+
+
+def test_auto_layout_rejects_explicit_degrees_before_any_collective():
+    args = TrainingArguments(layout="auto")
+    args.tp = 2  # set after validation, as Python code may do
+    with no_collectives(), pytest.raises(ValueError, match="sets tp=2"):
+        auto_layout(args, nn.Linear(2, 2), [torch.zeros(2)])
+    with no_collectives(), pytest.raises(ValueError, match="layout='manual'; expected 'auto'"):
+        auto_layout(TrainingArguments(), nn.Linear(2, 2), [torch.zeros(2)])
+    with no_collectives(), pytest.raises(ValueError, match="pass train_dataset"):
+        auto_layout(TrainingArguments(layout="auto"), nn.Linear(2, 2), None)
+
+
+def test_trainer_with_auto_refuses_a_given_layout():
+    from merak_core import Trainer
+
+    with no_collectives(), pytest.raises(ValueError, match="do not pass layout="):
+        Trainer(nn.Linear(2, 2), TrainingArguments(layout="auto"), layout=object())  # type: ignore[arg-type]
+
+
+def test_merak_train_dry_run_explains_auto(capsys: pytest.CaptureFixture[str]):
+    from merak_core.cli import main
+
+    over = ["training.layout=auto", "training.dp=null", "training.tp=1", "training.pp=1"]
+    assert main(["train", str(DEMO), *over, "--nproc-per-node", "4", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "layout: auto -- when the job starts, on 4 ranks" in out
+    assert "global batch of 128 (per_device_train_batch_size 16 x gradient_accumulation_steps 2 x 4 ranks)" in out
+    assert f"merak plan {DEMO} {' '.join(over)} --world-size 4" in out
+    assert "--nproc-per-node=4" in out.splitlines()[-1] and "merak_core.launch" in out.splitlines()[-1]
+    assert main(["train", str(DEMO), *over, "--dry-run"]) == 2
+    assert "pass --nproc-per-node" in capsys.readouterr().err
+
+
+def test_write_job_gives_a_loadable_job_with_the_fields(tmp_path: Path):
+    fields = {"dp": 2, "tp": 1, "pp": 2, "schedule": "gpipe", "per_device_train_batch_size": 4,
+              "gradient_accumulation_steps": 8, "recompute": "none"}
+    over = ["training.layout=auto", "training.dp=null", "training.tp=1", "training.pp=1", "training.max_steps=7"]
+    out = tmp_path / "sub" / "replanned.yaml"
+    write_job(DEMO, out, fields, overrides=over)
+    raw = yaml.safe_load(out.read_text())
+    assert raw["training"]["layout"] == "manual"
+    assert Path(raw["model"]["factory"].split(":")[0]).is_absolute()
+    job = JobConfig.from_yaml(out)
+    for k, v in fields.items():
+        assert getattr(job.training, k) == v
+    assert job.training.max_steps == 7
+    # without a job file: the training section alone
+    write_job(None, tmp_path / "t.yaml", fields)
+    assert yaml.safe_load((tmp_path / "t.yaml").read_text()) == {"training": fields}
+
+
+def test_machine_defaults_on_cpu(monkeypatch: pytest.MonkeyPatch):
+    cpu = torch.device("cpu")
+    assert compute_slots(cpu) == max(len(os.sched_getaffinity(0)) // torch.get_num_threads(), 1)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert default_memory_per_device(cpu) == ram // 4
+
+
+class _Keyword(nn.Module):
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return input_ids.float()
+
+
+class _Positional(nn.Module):
+    def forward(self, ids_bt: torch.Tensor) -> torch.Tensor:
+        return ids_bt.float()
+
+
+def test_profile_inputs_follow_the_trainers_keyword_and_positional_rule():
+    data = [{"input_ids": torch.tensor([i, i]), "labels": torch.tensor([1, 1])} for i in range(5)]
+    kw = profile_inputs(_Keyword(), data, 3)
+    assert isinstance(kw, dict) and set(kw) == {"input_ids"} and kw["input_ids"].shape == (3, 2)
+    pos = profile_inputs(_Positional(), data, 3)
+    assert isinstance(pos, torch.Tensor) and pos.tolist() == [[0, 0], [1, 1], [2, 2]]
+    with pytest.raises(ValueError, match="training set is empty"):
+        profile_inputs(_Positional(), [], 3)
