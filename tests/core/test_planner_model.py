@@ -146,3 +146,14 @@ def test_measure_comm_times_every_group_size_with_all_groups_at_once():
         assert [x for x, _ in points] == [float(x) for x in ALLREDUCE_SIZES]
         times = [t for _, t in points]
         assert all(t > 0 for t in times) and times == sorted(times)
+
+
+def test_tp_all_reduce_waits_are_not_cpu_work_on_shared_cores():
+    comm = CommModel(allreduce_by_group={2: [(8.0, 1e-3)]})  # every TP all-reduce: 1 ms
+    prof = _profile()
+    kw = dict(dp=1, tp=2, pp=1, schedule="1f1b", num_microbatches=1, micro_batch_size=2, comm=comm)
+    alone = predict(prof, **kw)
+    # per rank: compute 2 samples x 4 layers x 3 ms / tp 2 = 12 ms, plus 2 all-reduces per layer and direction
+    assert alone.pipeline_s == pytest.approx(0.012 + 2 * 4 * 2 * 1e-3, rel=1e-12)
+    # one core: both ranks' compute (24 ms) runs one after the other, the 16 ms of waits are not doubled
+    assert predict(prof, compute_slots=1, **kw).pipeline_s == pytest.approx(0.024 + 0.016, rel=1e-12)

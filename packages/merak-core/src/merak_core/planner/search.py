@@ -116,7 +116,8 @@ class _Layout:
     static: list[float]  # weights + grads + optimizer states per stage
     params: list[float]  # parameter bytes per stage (per rank)
     dp_allreduce_s: float
-    overhead_s: float  # optimizer step + gradient clipping + loss all-reduce (uncontended)
+    optimizer_s: float  # optimizer step over this rank's parameters (uncontended)
+    step_comm_s: float  # the gradient-norm and loss all-reduces over every rank
 
 
 def _layout(profile: ModelProfile, comm: CommModel, dp: int, tp: int, pp: int, zero_stage: int,
@@ -131,14 +132,14 @@ def _layout(profile: ModelProfile, comm: CommModel, dp: int, tp: int, pp: int, z
     # Per step outside the pipeline: the optimizer over this rank's parameters (its share under
     # ZeRO-1), the gradient-norm all-reduce and the loss all-reduce over every rank.
     optimizer = max(params) / opt_div * profile.optimizer_s_per_byte
-    overhead = optimizer + 2 * comm.allreduce_s(8.0, world)
     return _Layout(
         dp=dp, tp=tp, pp=pp, sizes=sizes,
         fwd1=[sum(profile.layer_forward_s[i] for i in r) / tp for r in stage],
         bwd1=[sum(profile.layer_backward_s[i] for i in r) / tp for r in stage],
         act1=[[profile.layer_activation_bytes[i] / tp for i in r] for r in stage],
         layers=[len(r) for r in stage], static=static, params=params,
-        dp_allreduce_s=max(comm.allreduce_s(p, dp) for p in params), overhead_s=overhead)
+        dp_allreduce_s=max(comm.allreduce_s(p, dp) for p in params), optimizer_s=optimizer,
+        step_comm_s=2 * comm.allreduce_s(8.0, world))
 
 
 def _contended(seconds: float, busy_ranks: int, compute_slots: int | None) -> float:
@@ -187,12 +188,16 @@ def _evaluate(profile: ModelProfile, comm: CommModel, lay: _Layout, *, schedule:
     peak = tuple(st + a for st, a in zip(lay.static, result.peak_memory, strict=True))
     world = lay.dp * lay.tp * pp
     # [Note: compute slots] Ranks that share cores (CPU processes) slow each other down: the step
-    # cannot be shorter than all ranks' compute spread over the cores, nor than the critical path.
-    work = lay.dp * lay.tp * sum(m * (f + x + fr * f) for f, x, fr in zip(fwd, bwd, fractions, strict=True))
+    # cannot be shorter than the critical path, nor than all ranks' compute spread over the cores
+    # plus the TP all-reduces a rank waits in (every rank of a TP group waits at the same time, so
+    # those waits do not give the cores to anyone). Communication is not CPU work.
+    compute = [f - c + x - c + fr * (f - c) for f, x, c, fr in zip(fwd, bwd, tp_comm, fractions, strict=True)]
+    work = lay.dp * lay.tp * m * sum(compute)
     pipeline = result.makespan
     if compute_slots is not None and world > compute_slots:
-        pipeline = max(pipeline, work / compute_slots)
-    overhead = _contended(lay.overhead_s, world, compute_slots)
+        waits = m * max(2 * c + fr * c for c, fr in zip(tp_comm, fractions, strict=True))
+        pipeline = max(pipeline, work / compute_slots + waits)
+    overhead = _contended(lay.optimizer_s, world, compute_slots) + lay.step_comm_s
     return Candidate(
         dp=lay.dp, tp=lay.tp, pp=pp, schedule=schedule, num_microbatches=m, micro_batch_size=b,
         recompute=recompute, recompute_fractions=fractions, stage_layers=tuple(lay.sizes),
