@@ -1,10 +1,12 @@
-"""Benchmark: the planner's predicted step time against measured step time, demo model, 4 CPU ranks.
+"""Benchmark: the planner's predicted step time against measured step time, demo model, 4 and 8 CPU ranks.
 
 The demo model (examples/addition) is profiled on rank 0 alone (``--contended``: on every rank at once) (:func:`merak_core.planner.profile_model`),
 the communication model is measured on the ranks (:func:`merak_core.planner.measure_comm`), and the
-planner ranks every layout (dp, tp, pp) with dp*tp*pp = 4 for the job's global batch. For each layout,
-the planner's best configuration of that layout is then trained for a few steps with the real
-Trainer on 4 gloo ranks, and the median step time (after warm-up) is compared with the prediction.
+planner ranks every layout (dp, tp, pp) with dp*tp*pp = N for the job's global batch, knowing that
+the N ranks share this machine's cores (``compute_slots``). The grid is exhaustive over layouts: for
+each feasible layout, the planner's best configuration of that layout is trained for a few steps
+with the real Trainer on N gloo ranks, and the median step time (after warm-up) is compared with
+the prediction.
 Reported: per layout predicted / measured / error, the median absolute error, Spearman's rank
 correlation, and how far the planner's top choice is from the best measured layout.
 
@@ -51,7 +53,10 @@ def _profile_body(contended: bool) -> Any:
     return profile, measure_comm(repeats=5)
 
 
-def _train_body(fields: dict[str, Any], steps: int, out_dir: str) -> list[float]:
+def _train_body(fields: dict[str, Any], steps: int, out_dir: str) -> tuple[list[float], list[float]]:
+    """Per step, the slowest rank's step time and pipeline (``runner.step``) time."""
+    import time
+
     import torch.distributed as dist
 
     from merak_core import Trainer, init
@@ -68,10 +73,20 @@ def _train_body(fields: dict[str, Any], steps: int, out_dir: str) -> list[float]
     train_data, _ = job.build_datasets()
     trainer = Trainer(model, t, train_data, None, loss_fn=job.optional("loss"), data_collator=job.optional("collate"),
                       layout=layout)
+    pipeline: list[float] = []
+    run_step = trainer.runner.step
+
+    def timed_step(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        out = run_step(*args, **kwargs)
+        pipeline.append(time.perf_counter() - start)
+        return out
+
+    trainer.runner.step = timed_step  # type: ignore[method-assign]
     history = trainer.train()
-    times = torch.tensor([h["step_time_s"] for h in history], dtype=torch.float64)
+    times = torch.tensor([[h["step_time_s"] for h in history], pipeline], dtype=torch.float64)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank ends
-    return times.tolist()
+    return times[0].tolist(), times[1].tolist()
 
 
 def _spearman(a: list[float], b: list[float]) -> float:
@@ -93,11 +108,17 @@ def _spearman(a: list[float], b: list[float]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer steps")
-    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--world-size", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--contended", action="store_true",
                         help="profile on every rank at once (cores shared as in training) instead of rank 0 alone")
     args = parser.parse_args()
     steps, warm = (6, 2) if args.quick else (14, 4)
+    for world in args.world_size:
+        _grid(world, steps, warm, args.contended)
+
+
+def _grid(world: int, steps: int, warm: int, contended: bool) -> None:
+    import os
 
     from merak_core.job import JobConfig
     from merak_core.planner import plan
@@ -105,11 +126,12 @@ def main() -> None:
 
     job = JobConfig.from_yaml(CONFIG)
     t = job.training
-    profile, comm = run_on_ranks(args.world_size, _profile_body, args.contended)[0]
+    slots = len(os.sched_getaffinity(0)) // max(int(os.environ.get("OMP_NUM_THREADS", "1")), 1)
+    profile, comm = run_on_ranks(world, _profile_body, contended)[0]
     profile = profile.__class__(**{**profile.__dict__, "vocab_size": None})  # the demo's TP plan shards no embedding
     gbs = t.per_device_train_batch_size * t.gradient_accumulation_steps * 2
-    cands = plan(profile, world_size=args.world_size, memory_per_device=2**30, global_batch_size=gbs, comm=comm,
-                 schedules=("1f1b", "gpipe"), recompute_modes=("none",))
+    cands = plan(profile, world_size=world, memory_per_device=2**30, global_batch_size=gbs, comm=comm,
+                 schedules=("1f1b", "gpipe"), recompute_modes=("none",), compute_slots=slots)
     best_per_layout: dict[str, Any] = {}
     for c in cands:
         best_per_layout.setdefault(c.layout, c)
@@ -117,28 +139,32 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for i, (layout, c) in enumerate(best_per_layout.items()):
             fields = {k: v for k, v in c.training_fields().items()}
-            times = run_on_ranks(args.world_size, _train_body, fields, steps, f"{tmp}/{i}")[0]
-            measured = statistics.median(times[warm:])
-            rows.append((layout, c, measured))
-    print(f"profile: {'every rank at once' if args.contended else 'rank 0 alone'}, per-microbatch overhead "
-          f"{profile.microbatch_overhead_s * 1e3:.2f} ms")
-    print(f"comm: p2p {comm.p2p_latency_s * 1e6:.1f} us + {comm.p2p_bandwidth / 1e6:.0f} MB/s; all-reduce step "
-          f"{comm.allreduce_latency_s * 1e6:.1f} us, link {comm.allreduce_bandwidth / 1e6:.0f} MB/s")
-    print(f"{'planner rank':>12} {'layout':<12} {'schedule':<8} {'m':>3} {'predicted ms':>13} {'measured ms':>12} "
-          f"{'error %':>8}")
+            times, pipe = run_on_ranks(world, _train_body, fields, steps, f"{tmp}/{i}")[0]
+            rows.append((layout, c, statistics.median(times[warm:]), statistics.median(pipe[warm:])))
+    print(f"\n## {world} ranks on {slots} compute slots, global batch {gbs}")
+    print(f"profile: {'every rank at once' if contended else 'rank 0 alone'}, per-microbatch overhead "
+          f"{profile.microbatch_overhead_s * 1e3:.2f} ms, optimizer {profile.optimizer_s_per_byte * 1e9:.2f} ns/byte")
+    table = "; ".join(f"{n} ranks " + ", ".join(f"{x / 1024:g} KiB {t * 1e3:.2f} ms" for x, t in points)
+                      for n, points in sorted(comm.allreduce_by_group.items()))
+    print(f"comm: p2p {comm.p2p_latency_s * 1e6:.1f} us + {comm.p2p_bandwidth / 1e6:.0f} MB/s; all-reduce by group "
+          f"size {table}")
+    print("| planner rank | layout | schedule | m | predicted ms | measured ms | error % | pipeline ms: predicted "
+          "/ measured | rest ms: predicted / measured |")
+    print("|---|---|---|---|---|---|---|---|---|")
     errors = []
-    for rank, (layout, c, measured) in enumerate(rows, 1):
+    for rank, (layout, c, measured, pipe) in enumerate(rows, 1):
         err = 100 * (c.step_time_s - measured) / measured
         errors.append(abs(err))
-        print(f"{rank:>12} {layout:<12} {c.schedule:<8} {c.num_microbatches:>3} {c.step_time_s * 1e3:>13.2f} "
-              f"{measured * 1e3:>12.2f} {err:>8.1f}")
-    pred = [c.step_time_s for _, c, _ in rows]
-    meas = [m for _, _, m in rows]
+        rest = c.step_time_s - c.pipeline_s
+        print(f"| {rank} | {layout} | {c.schedule} | {c.num_microbatches} | {c.step_time_s * 1e3:.2f} | "
+              f"{measured * 1e3:.2f} | {err:+.1f} | {c.pipeline_s * 1e3:.1f} / {pipe * 1e3:.1f} | "
+              f"{rest * 1e3:.1f} / {(measured - pipe) * 1e3:.1f} |")
+    pred = [c.step_time_s for _, c, _, _ in rows]
+    meas = [m for _, _, m, _ in rows]
     best = min(meas)
     print(f"median |error| {statistics.median(errors):.1f}%  spearman {_spearman(pred, meas):.2f}  "
           f"top choice {rows[0][0]} is {100 * (meas[0] / best - 1):.1f}% slower than the best measured "
-          f"({rows[meas.index(best)][0]})")
-
+          f"({rows[meas.index(best)][0]})", flush=True)
 
 if __name__ == "__main__":
     main()
