@@ -190,11 +190,13 @@ def test_replan_switches_when_the_measurement_says_the_current_layout_is_slow():
     assert result.current.step_time_s == pytest.approx(measured.step_time_s, rel=1e-6)
     assert result.changed and result.best.layout != current.layout
     assert result.best.step_time_s < 0.95 * result.current.step_time_s
-    text = result.message(output_dir="out/run", has_checkpoints=False)
+    text = result.message(job_path="out/run/replanned.yaml", has_checkpoints=False)
     assert text.startswith(f"re-planned from measured costs: best is now {result.best.layout}")
     assert f"vs the current {current.layout}" in text
     assert f"dp={result.best.dp} tp={result.best.tp} pp={result.best.pp}" in text
+    assert "(written to out/run/replanned.yaml)" in text
     assert "merak train out/run/replanned.yaml --resume latest" in text and "set save_steps" in text
+    assert "merak train NEW.yaml --resume latest" in result.message() and "in a job file" in result.message()
 
 
 def test_replan_reports_when_nothing_fits():

@@ -392,12 +392,13 @@ class PlanCheck:
         if needs_replan(self.comparison, args.plan_error_threshold):
             self.replan = replan(ctx, predicted, measured,
                                  global_batch_size=args.global_batch_size(t.layout.dp))
-            text = self.replan.message(output_dir=args.output_dir, has_checkpoints=bool(args.save_steps))
+            path = os.path.join(args.output_dir, "replanned.yaml")
+            if self.replan.changed:
+                self._write_job(path, self.replan.best.training_fields())
+            text = self.replan.message(job_path=path, has_checkpoints=bool(args.save_steps))
             logger.warning("plan check: step-time error %+.1f%% is above plan_error_threshold=%g; %s",
                            100 * error, args.plan_error_threshold, text)
             record.update(replanned=text, replanned_changed=self.replan.changed)
-            if self.replan.changed:
-                self._write_job(self.replan.best.training_fields())
         else:
             logger.info("plan check: step-time error %+.1f%% is within plan_error_threshold=%g",
                         100 * error, args.plan_error_threshold)
@@ -405,10 +406,9 @@ class PlanCheck:
             with open(t.metrics.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
 
-    def _write_job(self, fields: dict[str, Any]) -> None:
-        """``output_dir/replanned.yaml``: the job file with the suggested fields (the training section alone without one)."""
+    def _write_job(self, out: str, fields: dict[str, Any]) -> None:
+        """The job file with the suggested fields (the training section alone when the run has no job file)."""
         from merak_core.job import write_job
 
-        out = os.path.join(self.trainer.args.output_dir, "replanned.yaml")
         write_job(self.context.job_file, out, fields, overrides=self.context.job_overrides)
 

@@ -326,8 +326,12 @@ class Replan:
         return (_config(self.best) != _config(self.current)
                 and self.best.step_time_s < (1 - self.min_gain) * self.current.step_time_s)
 
-    def message(self, *, output_dir: str | None = None, has_checkpoints: bool = True) -> str:
-        """What the run logs: the new best against the current, and how to switch."""
+    def message(self, *, job_path: str | None = None, has_checkpoints: bool = True) -> str:
+        """What the run logs: the new best against the current, and how to switch.
+
+        ``job_path``: where the suggested job file was written (the Trainer writes
+        ``output_dir/replanned.yaml``); None: the message asks for a job file with the fields.
+        """
         b, c = self.best, self.current
         text = (f"re-planned from measured costs: best is now {_describe(b)} (predicted {b.step_time_s * _MS:.3f} ms) "
                 f"vs the current {_describe(c)} (predicted {c.step_time_s * _MS:.3f} ms)")
@@ -337,10 +341,10 @@ class Replan:
             return text + (f"; the current configuration stays the best (nothing predicted {100 * self.min_gain:.0f}% "
                            "faster): nothing to change")
         fields = " ".join(f"{k}={v}" for k, v in b.training_fields().items())
-        where = f"{output_dir}/replanned.yaml" if output_dir else "NEW.yaml"
-        text += (f"; to switch, set training: {fields} (written to {where}) and run "
-                 f"`merak train {where} --resume latest`: it restarts from the last checkpoint in the new layout "
-                 "(checkpoints reshard)")
+        where = job_path or "NEW.yaml"
+        text += (f"; to switch, set training: {fields} ({'written to ' + where if job_path else 'in a job file'}) "
+                 f"and run `merak train {where} --resume latest`: it restarts from the last checkpoint in the new "
+                 "layout (checkpoints reshard)")
         if not has_checkpoints:
             text += "; this run saves no checkpoints (set save_steps), so it would start from scratch"
         return text
