@@ -57,8 +57,8 @@ from merak_core.planner import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AutoLayout", "PlanCheck", "auto_layout", "compute_slots", "default_memory_per_device",
-           "profile_inputs"]
+__all__ = ["AutoLayout", "PlanCheck", "auto_layout", "build_plan_context", "compute_slots",
+           "default_memory_per_device", "plan_for_job", "profile_inputs"]
 
 DEFAULT_PLAN_CHECK_STEPS = 5
 """``plan_check_steps`` of an auto layout when the job does not set it."""
@@ -180,6 +180,62 @@ def _ensure_process_group(device: torch.device | str | None) -> torch.device:
     return torch.device("cpu")
 
 
+def _profile_and_measure(args: TrainingArguments, model: nn.Module | Callable[[], nn.Module], train_dataset: Any,
+                         data_collator: Any, device: torch.device | str | None, what: str,
+                         decide: Callable[[ModelProfile, Any, float, int | None], dict[str, Any]] | None = None,
+                         ) -> tuple[dict[str, Any], Any]:
+    """Rank 0 profiles, every rank measures communication, rank 0 ``decide``s; the payload on every rank.
+
+    Errors on rank 0 (profiling, the planner's ValueError) are broadcast and raised on every rank as
+    ValueError, so no rank waits for one that failed.
+    """
+    if train_dataset is None:
+        raise ValueError(f"{what} profiles the model on the training set: pass train_dataset")
+    dev = _ensure_process_group(device)
+    rank = dist.get_rank()
+    profile: ModelProfile | None = None
+    error = ""
+    if rank == 0:
+        try:
+            profile = _profile_job_model(args, model, train_dataset, data_collator, dev)
+        except Exception as exc:  # noqa: BLE001 - reported on every rank below, so none waits forever
+            logger.exception("%s: profiling failed", what)
+            error = f"{what}: profiling the model failed: {type(exc).__name__}: {exc}"
+    comm = measure_comm()
+    payload: dict[str, Any] = {"error": error}
+    if rank == 0 and not error:
+        assert profile is not None
+        memory = float(args.memory_per_device or default_memory_per_device(dev))
+        slots = compute_slots(dev)
+        payload.update(profile=profile, memory=memory, slots=slots)
+        if decide is not None:
+            try:
+                payload.update(decide(profile, comm, memory, slots))
+            except ValueError as exc:
+                payload["error"] = f"{what}: {exc}"
+    box = [payload]
+    dist.broadcast_object_list(box, src=0)
+    payload = box[0]
+    if payload["error"]:
+        raise ValueError(payload["error"])
+    return payload, comm
+
+
+def build_plan_context(args: TrainingArguments, model: nn.Module | Callable[[], nn.Module], train_dataset: Any, *,
+                       data_collator: Callable[[list[Any]], Any] | None = None,
+                       device: torch.device | str | None = None, job_file: str | None = None,
+                       job_overrides: Sequence[str] = ()) -> PlanContext:
+    """The plan check's :class:`PlanContext` for a manual layout (collective: call on every rank).
+
+    Rank 0 profiles a copy of ``model`` (or what the function builds) on one microbatch of
+    ``train_dataset``; every rank measures communication on the world group.
+    """
+    payload, comm = _profile_and_measure(args, model, train_dataset, data_collator, device, "plan check")
+    return PlanContext(profile=payload["profile"], comm=comm, memory_per_device=payload["memory"],
+                       compute_slots=payload["slots"], zero_stage=args.zero_stage, job_file=job_file,
+                       job_overrides=tuple(job_overrides))
+
+
 def auto_layout(args: TrainingArguments, model: nn.Module | Callable[[], nn.Module], train_dataset: Any, *,
                 data_collator: Callable[[list[Any]], Any] | None = None, device: torch.device | str | None = None,
                 job_file: str | None = None, job_overrides: Sequence[str] = ()) -> AutoLayout:
@@ -196,35 +252,19 @@ def auto_layout(args: TrainingArguments, model: nn.Module | Callable[[], nn.Modu
         raise ValueError(auto_conflict_message(sorted(explicit), explicit))
     if train_dataset is None:
         raise ValueError("layout='auto' profiles the model on the training set: pass train_dataset")
-    dev = _ensure_process_group(device)
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     gbs = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
-    profile: ModelProfile | None = None
-    error = ""
-    if rank == 0:
-        try:
-            profile = _profile_job_model(args, model, train_dataset, data_collator, dev)
-        except Exception as exc:  # noqa: BLE001 - reported on every rank below, so none waits forever
-            logger.exception("layout auto: profiling failed")
-            error = f"layout='auto': profiling the model failed: {type(exc).__name__}: {exc}"
-    comm = measure_comm()
-    payload: dict[str, Any] = {"error": error}
-    if rank == 0 and not error:
-        assert profile is not None
-        memory = float(args.memory_per_device or default_memory_per_device(dev))
-        slots = compute_slots(dev)
+
+    def decide(profile: ModelProfile, comm: Any, memory: float, slots: int | None) -> dict[str, Any]:
         try:
             cands = plan(profile, world_size=world, memory_per_device=memory, global_batch_size=gbs, comm=comm,
                          zero_stage=args.zero_stage, compute_slots=slots)
-            payload.update(fields=cands[0].training_fields(), chosen=cands[0], profile=profile, memory=memory,
-                           slots=slots, table=format_plan(cands), count=len(cands))
         except ValueError as exc:
-            payload["error"] = f"layout='auto' for {world} ranks, global batch {gbs}: {exc}"
-    box = [payload]
-    dist.broadcast_object_list(box, src=0)
-    payload = box[0]
-    if payload["error"]:
-        raise ValueError(payload["error"])
+            raise ValueError(f"for {world} ranks, global batch {gbs}: {exc}") from None
+        return {"fields": cands[0].training_fields(), "chosen": cands[0], "table": format_plan(cands),
+                "count": len(cands)}
+
+    payload, comm = _profile_and_measure(args, model, train_dataset, data_collator, device, "layout='auto'", decide)
     checks = args.plan_check_steps if args.plan_check_steps is not None else DEFAULT_PLAN_CHECK_STEPS
     fields = dict(payload["fields"])
     new_args = dataclasses.replace(args, layout="manual", plan_check_steps=checks, **fields)
@@ -233,7 +273,7 @@ def auto_layout(args: TrainingArguments, model: nn.Module | Callable[[], nn.Modu
     context = PlanContext(profile=payload["profile"], comm=comm, memory_per_device=payload["memory"],
                           compute_slots=payload["slots"], zero_stage=args.zero_stage, job_file=job_file,
                           job_overrides=tuple(job_overrides))
-    if rank == 0:
+    if dist.get_rank() == 0:
         replaced = {k: getattr(args, k) for k in fields if k not in ("dp", "tp", "pp") and getattr(args, k) != fields[k]}
         logger.info("layout auto: %d feasible configurations for %d ranks, %.4g MiB per device, global batch %d, "
                     "compute slots %s (profile: %d layers on %s)\n%s", payload["count"], world,
@@ -242,6 +282,29 @@ def auto_layout(args: TrainingArguments, model: nn.Module | Callable[[], nn.Modu
         logger.info("layout auto: training with %s%s", " ".join(f"{k}={v}" for k, v in fields.items()),
                     f" (replacing the job's {replaced})" if replaced else "")
     return AutoLayout(args=new_args, context=context, chosen=payload["chosen"], table=payload["table"])
+
+
+def plan_for_job(args: TrainingArguments, model: nn.Module | Callable[[], nn.Module], train_dataset: Any, *,
+                 data_collator: Callable[[list[Any]], Any] | None = None, device: torch.device | str | None = None,
+                 job_file: str | None = None, job_overrides: Sequence[str] = ()
+                 ) -> tuple[TrainingArguments, PlanContext | None]:
+    """What the Trainer and ``merak train`` do first (collective): the arguments to train with and the check's context.
+
+    ``layout: auto``: :func:`auto_layout`. A manual layout with ``plan_check_steps``: the same
+    arguments and :func:`build_plan_context` (when that fails, on every rank alike, a warning and
+    no check). Otherwise the arguments unchanged and no context (nothing is communicated).
+    """
+    kw = dict(data_collator=data_collator, device=device, job_file=job_file, job_overrides=job_overrides)
+    if args.layout == "auto":
+        auto = auto_layout(args, model, train_dataset, **kw)  # type: ignore[arg-type]
+        return auto.args, auto.context
+    if not args.plan_check_steps:
+        return args, None
+    try:
+        return args, build_plan_context(args, model, train_dataset, **kw)  # type: ignore[arg-type]
+    except ValueError as exc:
+        logger.warning("plan check off: %s", exc)
+        return args, None
 
 
 # ---------------------------------------------------------------------------- the plan check

@@ -83,13 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     targs = job.training
     init_restarted_process_group()
     train_data, eval_data = job.build_datasets()
-    plan_context = None
-    if targs.layout == "auto":  # the planner picks the degrees (collective): see merak_core.autoplan
-        from merak_core.autoplan import auto_layout
+    from merak_core.autoplan import plan_for_job  # layout: auto / the plan check's profile (collective)
 
-        auto = auto_layout(targs, job.build_model, train_data, data_collator=job.optional("collate"),
-                           job_file=args.config, job_overrides=args.overrides)
-        targs, plan_context = auto.args, auto.context
+    targs, plan_context = plan_for_job(targs, job.build_model, train_data, data_collator=job.optional("collate"),
+                                       job_file=args.config, job_overrides=args.overrides)
     layout = init(dp=targs.dp, tp=targs.tp, pp=targs.pp)
     torch.manual_seed(targs.seed)
     model = job.build_model()

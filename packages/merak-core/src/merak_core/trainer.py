@@ -136,13 +136,12 @@ class Trainer:
         device: torch.device | str | None = None,
         plan_context: PlanContext | None = None,
     ) -> None:
-        if args.layout == "auto":  # choose the degrees first (collective), see [Note: layout auto] in config
-            if layout is not None:
+        if args.layout == "auto" or (args.plan_check_steps and plan_context is None):
+            if args.layout == "auto" and layout is not None:
                 raise ValueError("layout='auto' chooses dp/tp/pp itself: do not pass layout= (or use layout: manual)")
-            from merak_core.autoplan import auto_layout
+            from merak_core.autoplan import plan_for_job  # collective: see [Note: layout auto] in config
 
-            auto = auto_layout(args, model, train_dataset, data_collator=data_collator, device=device)
-            args, plan_context = auto.args, auto.context
+            args, plan_context = plan_for_job(args, model, train_dataset, data_collator=data_collator, device=device)
         self.args = args
         self.layout = layout if layout is not None else init(dp=args.dp, tp=args.tp, pp=args.pp)
         _check_layout(args, self.layout)

@@ -243,8 +243,12 @@ def correct_profile(ctx: PlanContext, predicted: Candidate, measured: MeasuredSt
        (bisection; 1 when the simulator reproduces the measured stage times exactly, below 1 when
        the measured stage times already include the slow-down of ranks sharing CPU cores, which
        the prediction adds again).
-    So ``predict()`` of the measured configuration gives back the measured step time (within the
-    bounds ``_SCALE_RANGE``). When the corrected costs move the planner's cut between layers, the
+    So ``predict()`` of the measured configuration gives back the measured step time, except where
+    a part of the prediction that is not scaled already exceeds the measurement: the fixed part of
+    the pipeline (per-microbatch overhead, TP all-reduces from the communication model) or the
+    DP all-reduce and all-reduces outside it; then the layer costs go to the lower bound of
+    ``_SCALE_RANGE`` (or the optimizer cost to 0) and the prediction stays above the measurement,
+    but closer to it. When the corrected costs move the planner's cut between layers, the
     re-predicted stage times follow the new cut (the planner always balances the split).
     """
     prof = ctx.profile
