@@ -142,3 +142,42 @@ def test_profile_inputs_follow_the_trainers_keyword_and_positional_rule():
     assert isinstance(pos, torch.Tensor) and pos.tolist() == [[0, 0], [1, 1], [2, 2]]
     with pytest.raises(ValueError, match="training set is empty"):
         profile_inputs(_Positional(), [], 3)
+
+
+def test_plan_check_report_writes_the_replanned_job_and_a_metrics_record(tmp_path: Path):
+    # The Trainer side of the check on synthetic measurements (no processes): a fake trainer running pure DP,
+    # measured with an optimizer 1 ns/byte slower than profiled (see test_planner_feedback's re-plan test).
+    import dataclasses
+    import json
+    import math
+    from types import SimpleNamespace
+
+    from merak_core.autoplan import PlanCheck
+    from merak_core.planner import CommModel, MeasuredStep, ModelProfile, PlanContext, predict_current
+
+    free = CommModel(p2p_latency_s=0.0, p2p_bandwidth=math.inf, allreduce_latency_s=0.0, allreduce_bandwidth=math.inf)
+    profile = ModelProfile(layer_forward_s=[1e-3] * 4, layer_backward_s=[2e-3] * 4, layer_activation_bytes=[1e6] * 4,
+                           layer_param_bytes=[4e6] * 4, boundary_bytes=1e4, microbatch_overhead_s=2e-4, num_heads=4,
+                           vocab_size=16)
+    over = ["training.dp=4", "training.tp=1", "training.pp=1", "training.max_steps=7"]
+    ctx = PlanContext(profile=profile, comm=free, memory_per_device=1e9, job_file=str(DEMO), job_overrides=tuple(over))
+    args = TrainingArguments(dp=4, per_device_train_batch_size=2, gradient_accumulation_steps=1, schedule="1f1b",
+                             output_dir=str(tmp_path), save_steps=2)
+    metrics = tmp_path / "metrics.jsonl"
+    trainer = SimpleNamespace(args=args, layout=SimpleNamespace(dp=4, tp=1, pp=1), schedule_name="1f1b",
+                              global_step=5, metrics=SimpleNamespace(enabled=True, path=str(metrics)))
+    true = predict_current(ctx, profile=dataclasses.replace(profile, optimizer_s_per_byte=1e-9), dp=4, tp=1, pp=1,
+                           schedule="1f1b", num_microbatches=1, micro_batch_size=2)
+    measured = MeasuredStep(step_time_s=true.step_time_s, pipeline_s=true.pipeline_s,
+                            stage_forward_s=true.stage_forward_s, stage_backward_s=true.stage_backward_s, steps=3)
+    check = PlanCheck(trainer, ctx, 5)
+    check._report(measured)
+    assert check.comparison is not None and check.replan is not None and check.replan.changed
+    record = json.loads(metrics.read_text())
+    assert record["step"] == 5 and record["replanned_changed"] is True
+    assert record["error_step_time"] == pytest.approx(check.comparison.step_time_error)
+    assert f"written to {tmp_path}/replanned.yaml" in record["replanned"]
+    job = JobConfig.from_yaml(tmp_path / "replanned.yaml")
+    best = check.replan.best
+    assert (job.training.dp, job.training.tp, job.training.pp) == (best.dp, best.tp, best.pp) != (4, 1, 1)
+    assert job.training.max_steps == 7  # the run's overrides are kept

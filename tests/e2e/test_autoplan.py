@@ -101,3 +101,32 @@ def test_layout_auto_chooses_plans_first_candidate_and_trains_like_one_process()
     outside = lambda c: c.step_time_s - c.pipeline_s  # noqa: E731
     assert abs(outside(corr) - meas.outside_pipeline_s) <= abs(outside(pred) - meas.outside_pipeline_s) + 1e-9
     assert os.path.exists(os.path.join(r0["output_dir"], "replanned.yaml")) == replanned.changed
+
+
+def _manual_check_body(kwargs: dict[str, Any]) -> Any:
+    import torch.distributed as dist
+
+    from merak_core import Trainer
+
+    args = make_args(**kwargs)
+    model = build_model("gpt")
+    trainer = Trainer(model, args, TokenDataset(64, model.config.vocab_size), loss_fn=REFERENCE_MODELS["gpt"].loss)
+    trainer.train()
+    if dist.get_rank() != 0:
+        return None
+    return trainer.plan_context is not None, trainer.plan_check.comparison
+
+
+def test_manual_layout_plan_check_profiles_first_and_compares_every_stage():
+    # a manual 1x1x2 layout with stage-aware recomputation: the Trainer builds the profile itself
+    kwargs = dict(dp=1, tp=1, pp=2, max_steps=3, plan_check_steps=3, schedule="1f1b", recompute="stage_aware",
+                  memory_budget="1GiB", gradient_accumulation_steps=2)
+    has_context, comparison = run_on_ranks(2, _manual_check_body, kwargs)[0]
+    assert has_context and comparison is not None
+    c = comparison.candidate
+    assert (c.dp, c.tp, c.pp, c.schedule, c.recompute, c.num_microbatches) == (1, 1, 2, "1f1b", "stage_aware", 2)
+    names = [row.name for row in comparison.rows]
+    assert names == ["step time", "pipeline", "outside pipeline", "stage 0 F", "stage 0 B", "stage 1 F", "stage 1 B",
+                     "stage 0 peak memory", "stage 1 peak memory"]
+    for row in comparison.rows[:7]:
+        assert row.measured > 0 and row.error == pytest.approx((row.predicted - row.measured) / row.measured)
