@@ -9,6 +9,10 @@ the ranks) and broadcasts the choice; every rank returns the same :class:`Traini
 dp, tp, pp, schedule, microbatches, recompute (and memory budget) set. See [Note: layout auto] in
 :mod:`merak_core.config` for which fields fix the global batch.
 
+:func:`plan_for_job` is what the Trainer and ``merak train`` call first: :func:`auto_layout` for
+``layout: auto``, :func:`build_plan_context` (profile + communication, no planning) for a manual
+layout with ``plan_check_steps``, nothing otherwise.
+
 :class:`PlanCheck` is the Trainer's hook (``plan_check_steps``): after warm-up it records the
 pipeline runner's per-action timings and the peak memory for a few steps, gathers them to rank 0,
 and hands them to :mod:`merak_core.planner.feedback` for the table and the re-plan. It gathers

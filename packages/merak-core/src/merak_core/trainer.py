@@ -28,8 +28,14 @@ runner's ``PipelineCommError`` (stage, action, microbatch, peer) gains the globa
 ranks of the pipeline; other collectives raise :class:`TrainingStepError` naming
 the group's global ranks.
 
+[Note: plan check] With ``layout: auto`` the Trainer first lets the planner choose the layout
+(collective, :func:`merak_core.autoplan.plan_for_job`); with ``plan_check_steps`` it records
+the runner's timings and the peak memory for a few steps and hands them to
+:class:`merak_core.autoplan.PlanCheck`, which logs predicted against measured and re-plans.
+The steps themselves are unchanged (only the pipeline part is timed).
+
 Not done here: tracing and sharding (``compose.py``), the layout (``layout.py``),
-data sharding (``data.py``).
+data sharding (``data.py``), the planner (``planner/``, ``autoplan.py``).
 """
 
 from __future__ import annotations
