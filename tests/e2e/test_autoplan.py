@@ -6,21 +6,31 @@ and compute slots the run used (recomputed here, in the test process); and the l
 single-process reference for that layout's global batch. The same run's plan check (3 steps,
 threshold 0 so that it always re-plans) must produce a predicted/measured table whose errors are
 computed from its numbers, a metrics.jsonl record and a re-plan message.
+
+Then a manual layout's check (the Trainer profiles first) on 2 ranks, and ``merak train`` with
+``layout: auto`` through torchrun on 2 processes (the launch path: plan, train, check, job file).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from tests.e2e._trainer_support import TokenDataset, build_model, make_args, reference_training
 from tests.support.dist import run_on_ranks
 from tests.support.models import REFERENCE_MODELS
 
+REPO = Path(__file__).resolve().parents[2]
 WORLD = 4
 KWARGS: dict[str, Any] = dict(max_steps=3, per_device_train_batch_size=2, gradient_accumulation_steps=1,
                               memory_per_device="1GiB", plan_check_steps=3, plan_error_threshold=0.0)
@@ -130,3 +140,70 @@ def test_manual_layout_plan_check_profiles_first_and_compares_every_stage():
                      "stage 0 peak memory", "stage 1 peak memory"]
     for row in comparison.rows[:7]:
         assert row.measured > 0 and row.error == pytest.approx((row.predicted - row.measured) / row.measured)
+
+
+JOB = """\
+model: {factory: factories.py:build_model}
+data: {factory: factories.py:build_datasets}
+training:
+  layout: auto
+  memory_per_device: 1GiB
+  dtype: float64
+  per_device_train_batch_size: 4
+  gradient_accumulation_steps: 2
+  learning_rate: 3.0e-3
+  max_steps: 4
+  save_steps: 2
+  logging_steps: 1
+  plan_check_steps: 3
+  plan_error_threshold: 0.0
+  seed: 0
+"""
+
+FACTORIES = """\
+import sys
+
+sys.path.insert(0, %(repo)r)
+
+from examples.addition.data import build_datasets as _datasets  # noqa: E402
+from examples.addition.model import build_model as _model  # noqa: E402
+
+
+def build_model():
+    return _model(depth=2, width=32, heads=4, vocab_size=13, context=16)
+
+
+def build_datasets():
+    return _datasets(train_size=256, eval_size=16, num_digits=2)[0]
+"""
+
+
+def test_merak_train_with_layout_auto(tmp_path: Path):
+    """``merak train`` (torchrun, 2 processes): launch plans, trains the choice, checks and names the job file."""
+    (tmp_path / "job.yaml").write_text(JOB)
+    (tmp_path / "factories.py").write_text(FACTORIES % {"repo": str(REPO)})
+    roots = [str(Path(importlib.import_module(n).__file__).resolve().parents[1])  # type: ignore[arg-type]
+             for n in ("merak_core", "merak_pipe", "merak_graph", "merak_tp")]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(roots))
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "merak_core.cli", "train", "job.yaml", f"training.output_dir={out}",
+                           "--nproc-per-node", "2"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=240)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    chosen = re.search(r"layout auto: training with dp=(\d+) tp=(\d+) pp=(\d+) schedule=(\S+)", log)
+    assert chosen is not None, log[-4000:]
+    dp, tp, pp, _ = chosen.groups()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 4 and f"/2 dp={dp} tp={tp} pp={pp}" in summary["layout"], summary
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    check = [r for r in records if "plan_check" in r]
+    assert len(check) == 1 and check[0]["plan_check"].startswith(f"dp{dp}-tp{tp}-pp{pp} ")
+    assert check[0]["replanned"].startswith("re-planned from measured costs")
+    assert "plan check over 2 steps" in log and "step time (ms)" in log
+    written = out / "replanned.yaml"
+    assert written.exists() == check[0]["replanned_changed"]
+    if written.exists():  # the job file (factories made absolute) with the suggested fields
+        raw = yaml.safe_load(written.read_text())
+        assert raw["training"]["layout"] == "manual" and Path(raw["model"]["factory"].split(":")[0]).is_absolute()
+        assert f"merak train {written} --resume latest" in check[0]["replanned"]
