@@ -146,8 +146,8 @@ def _grid(world: int, steps: int, warm: int, contended: bool) -> None:
           f"{profile.microbatch_overhead_s * 1e3:.2f} ms, optimizer {profile.optimizer_s_per_byte * 1e9:.2f} ns/byte")
     table = "; ".join(f"{n} ranks " + ", ".join(f"{x / 1024:g} KiB {t * 1e3:.2f} ms" for x, t in points)
                       for n, points in sorted(comm.allreduce_by_group.items()))
-    print(f"comm: p2p {comm.p2p_latency_s * 1e6:.1f} us + {comm.p2p_bandwidth / 1e6:.0f} MB/s; all-reduce by group "
-          f"size {table}")
+    print(f"comm: p2p {comm.p2p_latency_s * 1e6:.1f} us + {comm.p2p_bandwidth / 1e6:.0f} MB/s; wait per "
+          f"synchronisation with all ranks busy {comm.sync_wait_s * 1e3:.2f} ms; all-reduce by group size {table}")
     print("| planner rank | layout | schedule | m | predicted ms | measured ms | error % | pipeline ms: predicted "
           "/ measured | rest ms: predicted / measured |")
     print("|---|---|---|---|---|---|---|---|---|")

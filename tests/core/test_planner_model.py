@@ -157,3 +157,17 @@ def test_tp_all_reduce_waits_are_not_cpu_work_on_shared_cores():
     assert alone.pipeline_s == pytest.approx(0.012 + 2 * 4 * 2 * 1e-3, rel=1e-12)
     # one core: both ranks' compute (24 ms) runs one after the other, the 16 ms of waits are not doubled
     assert predict(prof, compute_slots=1, **kw).pipeline_s == pytest.approx(0.024 + 0.016, rel=1e-12)
+
+
+def test_a_measured_wait_per_synchronisation_is_charged_to_every_synchronising_step():
+    prof = _profile()
+    base = CommModel(allreduce_by_group={2: [(8.0, 1e-3)], 4: [(8.0, 2e-3)]}, p2p_latency_s=1e-4)
+    waiting = CommModel(allreduce_by_group={2: [(8.0, 1e-3)], 4: [(8.0, 2e-3)]}, p2p_latency_s=1e-4, sync_wait_s=5e-4)
+    kw = dict(dp=2, tp=2, pp=1, schedule="1f1b", num_microbatches=1, micro_batch_size=2)
+    a, b = predict(prof, comm=base, **kw), predict(prof, comm=waiting, **kw)
+    # 4 layers x 2 all-reduces x 2 directions in the pipeline, one DP all-reduce, two per-step all-reduces
+    assert b.pipeline_s - a.pipeline_s == pytest.approx(16 * 5e-4, rel=1e-9)
+    assert b.dp_allreduce_s - a.dp_allreduce_s == pytest.approx(5e-4, rel=1e-9)
+    assert b.overhead_s - a.overhead_s == pytest.approx(2 * 5e-4, rel=1e-9)
+    with pytest.raises(ValueError, match="sync_wait_s"):
+        CommModel(sync_wait_s=-1.0)

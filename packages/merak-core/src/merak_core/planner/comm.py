@@ -36,6 +36,10 @@ class CommModel:
     do). Between two sizes the time is interpolated linearly, below the smallest it is the
     smallest's, above the largest it grows with the last segment's slope. Group sizes not listed
     use the ring formula."""
+    sync_wait_s: float = 0.0
+    """Extra seconds every synchronisation (a TP all-reduce, a pipeline message a rank waits for, a
+    per-step collective) costs while all ranks compute at once: on a host with fewer cores than
+    ranks, the peer being waited for must first be scheduled. About 0 with a device per rank."""
 
     def __post_init__(self) -> None:
         table: dict[int, list[tuple[float, float]]] = {}
@@ -46,7 +50,7 @@ class CommModel:
                                  "a non-empty list of (bytes >= 0, seconds >= 0)")
             table[int(n)] = pairs
         self.allreduce_by_group = table
-        for name in ("p2p_latency_s", "allreduce_latency_s"):
+        for name in ("p2p_latency_s", "allreduce_latency_s", "sync_wait_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"CommModel.{name}={getattr(self, name)!r}: expected seconds >= 0")
         for name in ("p2p_bandwidth", "allreduce_bandwidth"):
@@ -116,8 +120,52 @@ def measure_comm(group: Any = None, *, small_bytes: int = 1024, large_bytes: int
     logger.info("planner: measured p2p %.3g s + bytes / %.3g B/s; all-reduce step %.3g s, link %.3g B/s over %d ranks",
                 p_lat, p_bw, r_lat, r_bw, n)
     table = _allreduce_table(max(repeats, 7)) if group is None else {}
+    wait = _sync_wait(repeats) if group is None else 0.0
     return CommModel(p2p_latency_s=p_lat, p2p_bandwidth=p_bw, allreduce_latency_s=r_lat, allreduce_bandwidth=r_bw,
-                     allreduce_by_group=table)
+                     allreduce_by_group=table, sync_wait_s=wait)
+
+
+def _sync_wait(repeats: int, *, iterations: int = 20, width: int = 192) -> float:
+    """Extra seconds per synchronisation while every rank computes (see ``CommModel.sync_wait_s``).
+
+    Ranks are paired (all pairs at once, an odd last rank pairs with itself); every rank runs
+    ``iterations`` small matrix products, once alone and once with an 8-byte all-reduce in its
+    pair after each product, as tensor-parallel layers do. The extra time per iteration, less the
+    all-reduce's own time on an idle machine, is the wait for a peer that is not running. The
+    median over ``repeats`` runs of the slowest rank.
+    """
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world < 2:
+        return 0.0
+    pairs = [dist.new_group([b, b + 1]) if b + 1 < world else None for b in range(0, world, 2)]
+    mine = pairs[rank // 2]
+    a = torch.randn(width, width)
+    flag = torch.zeros(2)
+
+    def run(sync: bool) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(iterations):
+            a @ a
+            if sync and mine is not None:
+                dist.all_reduce(flag, group=mine)
+        seconds = torch.tensor([(time.perf_counter() - start) / iterations], dtype=torch.float64)
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+        return float(seconds)
+
+    run(True)
+    plain = statistics.median(run(False) for _ in range(repeats))
+    synced = statistics.median(run(True) for _ in range(repeats))
+    dist.barrier()
+    idle = torch.tensor([_median_call(lambda: dist.all_reduce(flag, group=mine), repeats) if mine is not None
+                         else 0.0], dtype=torch.float64)
+    dist.all_reduce(idle, op=dist.ReduceOp.MAX)
+    for g in pairs:
+        if g is not None:
+            dist.destroy_process_group(g)
+    return max(synced - plain - float(idle), 0.0)
 
 
 def _interpolate(points: list[tuple[float, float]], nbytes: float) -> float:
@@ -165,7 +213,7 @@ def _allreduce_table(repeats: int) -> dict[int, list[tuple[float, float]]]:
             continue
         groups = [dist.new_group(list(range(b, b + n))) if n < world else None for b in range(0, world, n)]
         mine = groups[rank // n]
-        points = []
+        points: list[tuple[float, float]] = []
         for nbytes in ALLREDUCE_SIZES:
             buf = torch.zeros(max(nbytes // 4, 1))
             dist.barrier()

@@ -138,8 +138,13 @@ def _layout(profile: ModelProfile, comm: CommModel, dp: int, tp: int, pp: int, z
         bwd1=[sum(profile.layer_backward_s[i] for i in r) / tp for r in stage],
         act1=[[profile.layer_activation_bytes[i] / tp for i in r] for r in stage],
         layers=[len(r) for r in stage], static=static, params=params,
-        dp_allreduce_s=max(comm.allreduce_s(p, dp) for p in params), optimizer_s=optimizer,
-        step_comm_s=2 * comm.allreduce_s(8.0, world))
+        dp_allreduce_s=max(comm.allreduce_s(p, dp) for p in params) + _wait(comm, dp), optimizer_s=optimizer,
+        step_comm_s=2 * (comm.allreduce_s(8.0, world) + _wait(comm, world)))
+
+
+def _wait(comm: CommModel, group_size: int) -> float:
+    """The scheduling wait of one synchronising collective over ``group_size`` ranks (none alone)."""
+    return comm.sync_wait_s if group_size > 1 else 0.0
 
 
 def _contended(seconds: float, busy_ranks: int, compute_slots: int | None) -> float:
@@ -157,13 +162,14 @@ def _evaluate(profile: ModelProfile, comm: CommModel, lay: _Layout, *, schedule:
     from merak_pipe.recompute import RecomputePlan
 
     pp, m, b = lay.pp, num_microbatches, micro_batch_size
-    tp_comm = [2 * n * comm.allreduce_s(b * profile.boundary_bytes, lay.tp) for n in lay.layers]
+    tp_comm = [2 * n * (comm.allreduce_s(b * profile.boundary_bytes, lay.tp) + _wait(comm, lay.tp))
+               for n in lay.layers]
     half = profile.microbatch_overhead_s / 2
     fwd = [half + b * f + c for f, c in zip(lay.fwd1, tp_comm, strict=True)]
     bwd = [half + b * x + c for x, c in zip(lay.bwd1, tp_comm, strict=True)]
     costs = CostModel(
         forward=fwd, backward=bwd, recompute=fwd,
-        p2p_latency=comm.p2p_latency_s if pp > 1 else 0.0, p2p_bandwidth=comm.p2p_bandwidth,
+        p2p_latency=comm.p2p_latency_s + comm.sync_wait_s if pp > 1 else 0.0, p2p_bandwidth=comm.p2p_bandwidth,
         boundary_bytes=b * profile.boundary_bytes, activation_bytes=[b * sum(a) for a in lay.act1],
         input_bytes=b * profile.boundary_bytes,
     )
@@ -195,7 +201,9 @@ def _evaluate(profile: ModelProfile, comm: CommModel, lay: _Layout, *, schedule:
     work = lay.dp * lay.tp * m * sum(compute)
     pipeline = result.makespan
     if compute_slots is not None and world > compute_slots:
-        waits = m * max(2 * c + fr * c for c, fr in zip(tp_comm, fractions, strict=True))
+        # a stage waits for one message per microbatch from each neighbour stage
+        receives = m * (min(pp - 1, 2) if pp > 1 else 0) * comm.sync_wait_s
+        waits = m * max(2 * c + fr * c for c, fr in zip(tp_comm, fractions, strict=True)) + receives
         pipeline = max(pipeline, work / compute_slots + waits)
     overhead = _contended(lay.optimizer_s, world, compute_slots) + lay.step_comm_s
     return Candidate(
