@@ -13,15 +13,12 @@ pipeline as a second input.
 Run with ``nox -s transformers`` or ``pytest -m transformers`` (transformers is
 an optional extra; without it these tests are skipped, not failed).
 
-What cannot run yet is marked ``xfail(strict=True)`` with the exact reason
-(``EXPORT_BATCH_BLOCKED``: another eval batch size after torch.export). Those tests still run, so they
-turn into failures, and the
-marker must be dropped, as soon as the cause is fixed in merak-core/merak-graph.
+Stages traced by torch.export are specialised to the training microbatch, so the Trainer evaluates
+them in microbatches of that size (a test below checks it against the single-process reference).
 """
 
 from __future__ import annotations
 
-import re
 import tempfile
 from typing import Any
 
@@ -31,7 +28,7 @@ from torch.utils.data import Dataset
 
 from tests.e2e._trainer_support import reference_microbatches, reference_optimizer
 from tests.support.compare import assert_tensors_close
-from tests.support.dist import WorkerError, run_on_ranks
+from tests.support.dist import run_on_ranks
 
 pytestmark = pytest.mark.transformers
 
@@ -41,15 +38,6 @@ EVAL_SIZE = 16
 MODELS = ("gpt2", "llama", "qwen2")
 LAYOUTS = [(2, 1, 2), (2, 2, 1), (1, 1, 4)]
 """Layouts that work for every model: DP x PP (torch.export-traced stages), DP x TP, four stages."""
-
-EXPORT_BATCH_BLOCKED = (
-    "with tp == 1 and pp > 1 the stages are traced by torch.export with static shapes, so the microbatch "
-    "size is baked in: Trainer.evaluate with per_device_eval_batch_size != per_device_train_batch_size fails "
-    "in the first stage's forward (RuntimeError 'The expanded size of the tensor (..) must match the existing "
-    "size (..)' in Llama's GQA repeat_kv). merak_graph.trace(method='export') should mark the batch dim "
-    "dynamic (torch.export.Dim) or the Trainer should evaluate in training-sized microbatches"
-)
-
 
 def build_hf_model(name: str) -> torch.nn.Module:
     """A tiny, randomly initialised causal LM in float64 (same seed, same weights on every rank)."""
@@ -149,12 +137,13 @@ def train_hf_on_ranks(name: str, args_kwargs: dict[str, Any], with_mask: bool,
             trainer.last_eval["eval_loss"])
 
 
-def reference_training(name: str, args_kwargs: dict[str, Any], dp: int,
-                       with_mask: bool) -> tuple[list[float], dict[str, Any], float]:
+def reference_training(name: str, args_kwargs: dict[str, Any], dp: int, with_mask: bool,
+                       eval_micro_batch_size: int | None = None) -> tuple[list[float], dict[str, Any], float]:
     """The same run in one process: each global batch split into dp * num_microbatches equal chunks.
 
-    The evaluation after training averages the loss of every ``per_device_eval_batch_size`` chunk of the
-    eval set in order (whole global eval batches only, as the Trainer reads them).
+    The evaluation after training averages the loss of every ``eval_micro_batch_size`` (default:
+    ``per_device_eval_batch_size``) chunk of the eval set in order (whole global eval batches only,
+    as the Trainer reads them).
     """
     args = make_args(**args_kwargs)
     model = build_hf_model(name)
@@ -176,7 +165,7 @@ def reference_training(name: str, args_kwargs: dict[str, Any], dp: int,
         sched.step()
         losses.append(total)
     eval_data = PaddedTokens(EVAL_SIZE, seed=1, with_mask=with_mask)
-    ebs, num_micro = args.per_device_eval_batch_size, args.gradient_accumulation_steps
+    ebs, num_micro = eval_micro_batch_size or args.per_device_eval_batch_size, args.gradient_accumulation_steps
     usable = len(eval_data) // (ebs * num_micro * dp) * (ebs * num_micro * dp)
     with torch.no_grad():
         chunk_losses = []
@@ -191,7 +180,8 @@ class Conv1DLayoutError(AssertionError):
     """The full state dict holds a transformers Conv1D weight transposed."""
 
 
-def _check(name: str, layout: tuple[int, int, int], with_mask: bool, **overrides: Any) -> None:
+def _check(name: str, layout: tuple[int, int, int], with_mask: bool, eval_micro_batch_size: int | None = None,
+           **overrides: Any) -> None:
     """Losses, every parameter by name and the final eval loss equal single-process training.
 
     transformers ``Conv1D`` weights must come back in their own ``[in, out]`` layout.
@@ -199,7 +189,7 @@ def _check(name: str, layout: tuple[int, int, int], with_mask: bool, **overrides
     dp, tp, pp = layout
     kwargs = dict(dp=dp, tp=tp, pp=pp, gradient_accumulation_steps=max(2, pp), **overrides)
     results = run_on_ranks(dp * tp * pp, train_hf_on_ranks, name, kwargs, with_mask)
-    ref_losses, ref_state, ref_eval = reference_training(name, kwargs, dp, with_mask)
+    ref_losses, ref_state, ref_eval = reference_training(name, kwargs, dp, with_mask, eval_micro_batch_size)
     losses, state, _, eval_loss = results[0]
     transposed = set().union(*(t for _, _, t, _ in results))
     for rank, (other, _, _, other_eval) in enumerate(results):
@@ -214,20 +204,6 @@ def _check(name: str, layout: tuple[int, int, int], with_mask: bool, **overrides
             raise Conv1DLayoutError(f"{key}: full_state_dict holds the transposed Conv1D weight "
                                     f"{tuple(value.shape)}, the model has {tuple(ref.shape)}")
         assert_tensors_close(value, ref, name=f"{name} {dp}x{tp}x{pp} param {key}", rtol=1e-8, atol=1e-10)
-
-
-def _known_failure(pattern: str, fn: Any, *args: Any, **kwargs: Any) -> None:
-    """Run ``fn``; a WorkerError passes through only if it shows ``pattern`` (the known cause).
-
-    Used under ``xfail(raises=WorkerError, strict=True)``: a failure for any other reason turns into
-    an AssertionError, which the marker does not excuse, so a new bug cannot hide behind an old one.
-    """
-    try:
-        fn(*args, **kwargs)
-    except WorkerError as exc:
-        if re.search(pattern, str(exc)):
-            raise
-        raise AssertionError(f"failed, but not with the known cause {pattern!r}:\n{exc}") from None
 
 
 def _ids(t: tuple[int, int, int]) -> str:
@@ -261,11 +237,11 @@ def test_gpt2_full_state_dict_keeps_conv1d_layout() -> None:
     _check("gpt2", (1, 2, 1), with_mask=False)
 
 
-@pytest.mark.xfail(reason=EXPORT_BATCH_BLOCKED, raises=WorkerError, strict=True)
 def test_hf_evaluate_with_another_batch_size_after_export() -> None:
+    """torch.export specialises the stages to the training microbatch: evaluation then runs in
+    microbatches of that size whatever per_device_eval_batch_size says (the reference does the same)."""
     pytest.importorskip("transformers")
-    _known_failure("expanded size of the tensor", _check, "llama", (2, 1, 2), with_mask=True,
-                   per_device_eval_batch_size=4)
+    _check("llama", (2, 1, 2), with_mask=True, per_device_eval_batch_size=4, eval_micro_batch_size=2)
 
 
 def test_hf_evaluate_with_metrics_at_pp1() -> None:

@@ -213,6 +213,7 @@ class Trainer:
 
         self.last_pipeline_s = 0.0
         self.plan_context = plan_context
+        self._eval_specialised: bool | None = None
         self.plan_check = PlanCheck.for_trainer(self, plan_context)
 
     # ------------------------------------------------------------------ set-up
@@ -471,7 +472,7 @@ class Trainer:
         if dataset is None:
             raise ValueError("Trainer.evaluate() needs an eval_dataset")
         num_micro = self.args.num_microbatches
-        loader = StageAwareDataLoader(dataset, batch_size=self.args.per_device_eval_batch_size * num_micro,
+        loader = StageAwareDataLoader(dataset, batch_size=self._eval_micro_batch_size() * num_micro,
                                       layout=self.layout, collate_fn=self.data_collator, shuffle=False,
                                       seed=self.args.seed)
         sums: dict[str, float] = {}
@@ -507,6 +508,27 @@ class Trainer:
         for i, n in enumerate(names[1:], start=1):
             out[n] = float(vec[i]) / max(1.0, float(vec[-1]))
         return out
+
+    def _eval_micro_batch_size(self) -> int:
+        """``per_device_eval_batch_size``, or the training microbatch when the stages are shape-specialised.
+
+        Stages traced by torch.export are specialised to the traced microbatch shape (merak_graph
+        ``strict_shapes``), so evaluation then runs in microbatches of the training size (whole
+        batches only, as always); logged once. Every rank takes the same decision.
+        """
+        wanted, micro = self.args.per_device_eval_batch_size, self.args.micro_batch_size
+        if wanted == micro:
+            return wanted
+        if self._eval_specialised is None:
+            mine = any(getattr(m, "strict_shapes", False) for m in self.model.module.modules())
+            flag = torch.tensor([1.0 if mine else 0.0], device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            self._eval_specialised = bool(flag.item())
+            if self._eval_specialised and dist.get_rank() == 0:
+                logger.info("evaluate: the stages were traced by torch.export with the training microbatch of %d "
+                            "(shapes specialised), so evaluation runs in microbatches of %d instead of "
+                            "per_device_eval_batch_size=%d", micro, micro, wanted)
+        return micro if self._eval_specialised else wanted
 
     # ------------------------------------------------------------------ export
 
