@@ -38,7 +38,7 @@ def _profile_body(contended: bool) -> Any:
     from torch.utils.data import default_collate
 
     from merak_core.job import JobConfig
-    from merak_core.planner import measure_comm, profile_model
+    from merak_core.planner import measure_comm, measure_contention, profile_model
 
     job = JobConfig.from_yaml(CONFIG)
     torch.manual_seed(0)
@@ -50,11 +50,14 @@ def _profile_body(contended: bool) -> Any:
     if contended or dist.get_rank() == 0:
         profile = profile_model(model, {"input_ids": batch["input_ids"]}, repeats=5)
     dist.barrier()
-    return profile, measure_comm(repeats=5)
+    contention = measure_contention(model, {"input_ids": batch["input_ids"]})
+    return profile, measure_comm(repeats=5), contention
 
 
-def _train_body(fields: dict[str, Any], steps: int, out_dir: str) -> tuple[list[float], list[float]]:
-    """Per step, the slowest rank's step time and pipeline (``runner.step``) time."""
+def _train_body(fields: dict[str, Any], steps: int, out_dir: str,
+                context: Any = None) -> tuple[list[float], list[float], Any]:
+    """Per step, the slowest rank's step time and pipeline (``runner.step``) time; with a plan
+    context, also the plan check's measurement (rank 0)."""
     import time
 
     import torch.distributed as dist
@@ -64,7 +67,8 @@ def _train_body(fields: dict[str, Any], steps: int, out_dir: str) -> tuple[list[
 
     overrides = [f"training.{k}={v}" for k, v in fields.items()] + [
         f"training.max_steps={steps}", "training.eval_steps=null", "training.logging_steps=1000",
-        f"training.output_dir={out_dir}", "data.kwargs.train_size=4096"]
+        f"training.output_dir={out_dir}", "data.kwargs.train_size=4096",
+        f"training.plan_check_steps={steps if context is not None else 0}"]
     job = JobConfig.from_yaml(CONFIG, overrides)
     t = job.training
     layout = init(dp=t.dp, tp=t.tp, pp=t.pp)
@@ -72,7 +76,7 @@ def _train_body(fields: dict[str, Any], steps: int, out_dir: str) -> tuple[list[
     model = job.build_model()
     train_data, _ = job.build_datasets()
     trainer = Trainer(model, t, train_data, None, loss_fn=job.optional("loss"), data_collator=job.optional("collate"),
-                      layout=layout)
+                      layout=layout, plan_context=context)
     pipeline: list[float] = []
     run_step = trainer.runner.step
 
@@ -86,7 +90,9 @@ def _train_body(fields: dict[str, Any], steps: int, out_dir: str) -> tuple[list[
     history = trainer.train()
     times = torch.tensor([[h["step_time_s"] for h in history], pipeline], dtype=torch.float64)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank ends
-    return times[0].tolist(), times[1].tolist()
+    check = trainer.plan_check
+    measured = check.comparison.measured if check is not None and check.comparison is not None else None
+    return times[0].tolist(), times[1].tolist(), measured
 
 
 def _spearman(a: list[float], b: list[float]) -> float:
@@ -121,13 +127,14 @@ def _grid(world: int, steps: int, warm: int, contended: bool) -> None:
     import os
 
     from merak_core.job import JobConfig
-    from merak_core.planner import plan
+    from merak_core.planner import PlanContext, correct_profile, plan, predict
     from tests.support.dist import run_on_ranks
 
     job = JobConfig.from_yaml(CONFIG)
     t = job.training
-    slots = len(os.sched_getaffinity(0)) // max(int(os.environ.get("OMP_NUM_THREADS", "1")), 1)
-    profile, comm = run_on_ranks(world, _profile_body, contended)[0]
+    cores = len(os.sched_getaffinity(0)) // max(int(os.environ.get("OMP_NUM_THREADS", "1")), 1)
+    profile, comm, contention = run_on_ranks(world, _profile_body, contended)[0]
+    slots = world / contention
     profile = profile.__class__(**{**profile.__dict__, "vocab_size": None})  # the demo's TP plan shards no embedding
     gbs = t.per_device_train_batch_size * t.gradient_accumulation_steps * 2
     cands = plan(profile, world_size=world, memory_per_device=2**30, global_batch_size=gbs, comm=comm,
@@ -135,13 +142,21 @@ def _grid(world: int, steps: int, warm: int, contended: bool) -> None:
     best_per_layout: dict[str, Any] = {}
     for c in cands:
         best_per_layout.setdefault(c.layout, c)
+    context = PlanContext(profile=profile, comm=comm, memory_per_device=2**30, compute_slots=slots)
     rows = []
+    calibration = None
     with tempfile.TemporaryDirectory() as tmp:
         for i, (layout, c) in enumerate(best_per_layout.items()):
             fields = {k: v for k, v in c.training_fields().items()}
-            times, pipe = run_on_ranks(world, _train_body, fields, steps, f"{tmp}/{i}")[0]
+            # The top choice also runs the plan check: the closing-the-loop measurement.
+            times, pipe, measured = run_on_ranks(world, _train_body, fields, steps, f"{tmp}/{i}",
+                                                 context if i == 0 else None)[0]
+            if i == 0:
+                calibration = measured
             rows.append((layout, c, statistics.median(times[warm:]), statistics.median(pipe[warm:])))
-    print(f"\n## {world} ranks on {slots} compute slots, global batch {gbs}")
+    corrected = correct_profile(context, rows[0][1], calibration) if calibration is not None else None
+    print(f"\n## {world} ranks on {cores} cores, global batch {gbs}: the model runs {contention:.2f}x slower with all "
+          f"ranks at once, so {slots:.2f} compute slots")
     print(f"profile: {'every rank at once' if contended else 'rank 0 alone'}, per-microbatch overhead "
           f"{profile.microbatch_overhead_s * 1e3:.2f} ms, optimizer {profile.optimizer_s_per_byte * 1e9:.2f} ns/byte")
     table = "; ".join(f"{n} ranks " + ", ".join(f"{x / 1024:g} KiB {t * 1e3:.2f} ms" for x, t in points)
@@ -149,16 +164,26 @@ def _grid(world: int, steps: int, warm: int, contended: bool) -> None:
     print(f"comm: p2p {comm.p2p_latency_s * 1e6:.1f} us + {comm.p2p_bandwidth / 1e6:.0f} MB/s; wait per "
           f"synchronisation with all ranks busy {comm.sync_wait_s * 1e3:.2f} ms; all-reduce by group size {table}")
     print("| planner rank | layout | schedule | m | predicted ms | measured ms | error % | pipeline ms: predicted "
-          "/ measured | rest ms: predicted / measured |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    errors = []
+          "/ measured | rest ms: predicted / measured | after the check on #1: predicted ms | error % |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    errors, after = [], []
     for rank, (layout, c, measured, pipe) in enumerate(rows, 1):
         err = 100 * (c.step_time_s - measured) / measured
         errors.append(abs(err))
         rest = c.step_time_s - c.pipeline_s
+        again = "- | -"
+        if corrected is not None:
+            p = predict(corrected, dp=c.dp, tp=c.tp, pp=c.pp, schedule=c.schedule, num_microbatches=c.num_microbatches,
+                        micro_batch_size=c.micro_batch_size, recompute=c.recompute, comm=comm, compute_slots=slots)
+            e2 = 100 * (p.step_time_s - measured) / measured
+            after.append(abs(e2))
+            again = f"{p.step_time_s * 1e3:.2f} | {e2:+.1f}"
         print(f"| {rank} | {layout} | {c.schedule} | {c.num_microbatches} | {c.step_time_s * 1e3:.2f} | "
               f"{measured * 1e3:.2f} | {err:+.1f} | {c.pipeline_s * 1e3:.1f} / {pipe * 1e3:.1f} | "
-              f"{rest * 1e3:.1f} / {(measured - pipe) * 1e3:.1f} |")
+              f"{rest * 1e3:.1f} / {(measured - pipe) * 1e3:.1f} | {again} |")
+    if after:
+        print(f"after the plan check on the top choice (closing the loop): median |error| over the other layouts "
+              f"{statistics.median(after[1:]):.1f}%")
     pred = [c.step_time_s for _, c, _, _ in rows]
     meas = [m for _, _, m, _ in rows]
     best = min(meas)

@@ -6,6 +6,7 @@ calling the planner's internals.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -35,27 +36,28 @@ def test_predict_equals_the_plans_candidate_for_every_configuration():
             assert again == c
 
 
-def test_ranks_sharing_cores_spread_all_compute_over_the_cores():
+def test_ranks_sharing_cores_slow_every_stage_by_ranks_per_slot():
     prof = _profile()
     kw = dict(dp=4, tp=1, pp=1, schedule="1f1b", num_microbatches=2, micro_batch_size=2, comm=FREE)
     alone = predict(prof, **kw)
     # one rank's step: 2 microbatches x 2 samples x (4 layers x 3 ms) = 48 ms
     assert alone.step_time_s == pytest.approx(0.048, rel=1e-12)
     assert predict(prof, compute_slots=4, **kw) == alone  # as many cores as ranks: no slowdown
-    # 4 ranks on 2 cores: all their compute (4 x 48 ms) over 2 cores
+    assert predict(prof, compute_slots=8, **kw) == alone
+    # 4 ranks on 2 cores: every rank computes at half speed
     assert predict(prof, compute_slots=2, **kw).step_time_s == pytest.approx(0.096, rel=1e-12)
-    assert predict(prof, compute_slots=1, **kw).step_time_s == pytest.approx(0.192, rel=1e-12)
+    assert predict(prof, compute_slots=1.6, **kw).step_time_s == pytest.approx(0.048 * 4 / 1.6, rel=1e-12)
 
 
-def test_a_pipeline_on_shared_cores_is_bounded_by_its_critical_path_and_by_the_cores():
+def test_a_pipeline_on_shared_cores_runs_its_critical_path_slower():
     prof = _profile()
     kw = dict(dp=1, tp=1, pp=4, schedule="gpipe", num_microbatches=4, micro_batch_size=1, comm=FREE)
     alone = predict(prof, **kw)
     # GPipe, 4 equal stages of 1 ms forward / 2 ms backward, 4 microbatches: (4 + 3) x 3 ms
     assert alone.pipeline_s == pytest.approx(0.021, rel=1e-12)
-    work = 4 * 4 * 3e-3  # every stage runs every microbatch's forward and backward
-    assert predict(prof, compute_slots=2, **kw).pipeline_s == pytest.approx(max(0.021, work / 2), rel=1e-12)
-    assert predict(prof, compute_slots=1, **kw).pipeline_s == pytest.approx(work, rel=1e-12)
+    shared = predict(prof, compute_slots=2, **kw)
+    assert shared.pipeline_s == pytest.approx(0.042, rel=1e-12)
+    assert shared.stage_forward_s == pytest.approx((2e-3,) * 4, rel=1e-12)  # what a run would measure
 
 
 def test_per_step_overhead_is_the_optimizer_and_two_small_all_reduces():
@@ -171,3 +173,13 @@ def test_a_measured_wait_per_synchronisation_is_charged_to_every_synchronising_s
     assert b.overhead_s - a.overhead_s == pytest.approx(2 * 5e-4, rel=1e-9)
     with pytest.raises(ValueError, match="sync_wait_s"):
         CommModel(sync_wait_s=-1.0)
+
+
+def test_the_fixed_cost_per_microbatch_is_shared_by_the_stages_by_layer_count():
+    prof = dataclasses.replace(_profile(), microbatch_overhead_s=8e-3)  # forward 4 ms + backward 4 ms, whole model
+    whole = predict(prof, dp=1, tp=1, pp=1, schedule="1f1b", num_microbatches=1, micro_batch_size=1, comm=FREE)
+    assert whole.stage_forward_s == pytest.approx((4e-3 + 4e-3,), rel=1e-12)  # 4 layers x 1 ms + the whole 4 ms
+    split = predict(prof, dp=1, tp=2, pp=2, schedule="1f1b", num_microbatches=2, micro_batch_size=1, comm=FREE)
+    # two layers per stage: half the fixed cost each, and a TP shard pays it whole (it runs every operator)
+    assert split.stage_forward_s == pytest.approx((2e-3 / 2 + 2e-3,) * 2, rel=1e-12)
+    assert split.stage_backward_s == pytest.approx((4e-3 / 2 + 2e-3,) * 2, rel=1e-12)

@@ -33,7 +33,7 @@ from merak_core.planner.feedback import (
     predict_current,
     replan,
 )
-from merak_core.planner.profile import ModelProfile, model_fingerprint, profile_model
+from merak_core.planner.profile import ModelProfile, measure_contention, model_fingerprint, profile_model
 from merak_core.planner.search import (
     PLANNER_SCHEDULES,
     RECOMPUTE_MODES,
@@ -59,6 +59,7 @@ __all__ = [
     "correct_profile",
     "format_plan",
     "measure_comm",
+    "measure_contention",
     "model_fingerprint",
     "needs_replan",
     "plan",

@@ -50,7 +50,7 @@ class PlanContext:
     """Communication costs (:func:`~merak_core.planner.measure_comm` on the job's ranks)."""
     memory_per_device: float = math.inf
     """Bytes one rank may use (the planner drops what does not fit)."""
-    compute_slots: int | None = None
+    compute_slots: float | None = None
     """Ranks that can compute at once on one host (CPU: cores / threads per rank); None: a device each."""
     zero_stage: int = 0
     """The job's ZeRO stage (0 or 1)."""
@@ -66,8 +66,9 @@ class PlanContext:
             raise ValueError(f"PlanContext.memory_per_device={self.memory_per_device!r}: expected bytes > 0 "
                              "(math.inf: no limit)")
         if self.compute_slots is not None and (isinstance(self.compute_slots, bool)
-                                               or not isinstance(self.compute_slots, int) or self.compute_slots < 1):
-            raise ValueError(f"PlanContext.compute_slots={self.compute_slots!r}: expected an int >= 1 or None "
+                                               or not isinstance(self.compute_slots, (int, float))
+                                               or not 1 <= self.compute_slots < math.inf):
+            raise ValueError(f"PlanContext.compute_slots={self.compute_slots!r}: expected a number >= 1 or None "
                              "(every rank has its own device)")
         if self.zero_stage not in (0, 1):
             raise ValueError(f"PlanContext.zero_stage={self.zero_stage!r}: expected 0 or 1")

@@ -25,7 +25,7 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ModelProfile", "model_fingerprint", "profile_model"]
+__all__ = ["ModelProfile", "measure_contention", "model_fingerprint", "profile_model"]
 
 
 @dataclass(kw_only=True)
@@ -155,6 +155,56 @@ def _step_seconds(model: nn.Module, sample: torch.Tensor | Mapping[str, torch.Te
         y.float().sum().backward()
 
     return _timed(step, repeats)
+
+
+def measure_contention(model: nn.Module, sample: torch.Tensor | Mapping[str, torch.Tensor], *,
+                       seconds: float = 0.5) -> float:
+    """How much slower the model's forward and backward run when every rank runs it at once (collective).
+
+    Rank 0 runs ``model(sample)`` forward and backward alone for ``seconds`` (the others wait),
+    then every rank runs it for ``seconds`` at the same time (rank 0 counts only the middle half,
+    when all ranks are surely running); the result is rank 0's time per step together over its
+    time alone: 1 when each rank has a core or a device of its own, about ranks / cores or more
+    when processes share cores. It is the same on every rank. ``world_size / measure_contention(...)``
+    is the planner's ``compute_slots`` for the real model (small operators share cores worse than
+    large ones). Gradients and the random stream are left as they were.
+    """
+    import torch.distributed as dist
+
+    if not seconds > 0:
+        raise ValueError(f"measure_contention: seconds={seconds!r}; expected > 0")
+    first = sample if isinstance(sample, torch.Tensor) else next(iter(sample.values()))
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        y = model(sample) if isinstance(sample, torch.Tensor) else model(**sample)
+        if not isinstance(y, torch.Tensor):
+            y = next(v for v in y.values() if isinstance(v, torch.Tensor))
+        y.float().sum().backward()
+
+    def per_step(duration: float, window: tuple[float, float]) -> float:
+        start = time.perf_counter()
+        begin, end = start + window[0] * duration, start + window[1] * duration
+        count, t0, t1 = 0, 0.0, 0.0
+        while (now := time.perf_counter()) < start + duration:
+            step()
+            after = time.perf_counter()
+            if now >= begin and after <= end:
+                count, t0, t1 = count + 1, (t0 if count else now), after
+        return (t1 - t0) / count if count else (time.perf_counter() - start)
+
+    with torch.random.fork_rng(devices=[first.device] if first.device.type == "cuda" else []):
+        try:
+            step()  # warm-up
+            dist.barrier()
+            alone = per_step(seconds, (0.0, 1.0)) if dist.get_rank() == 0 else 0.0
+            dist.barrier()
+            together = per_step(seconds * 2, (0.25, 0.75))
+        finally:
+            model.zero_grad(set_to_none=True)
+    ratio = torch.tensor([together / alone if alone > 0 else 1.0], dtype=torch.float64)
+    dist.broadcast(ratio, 0)
+    return min(max(float(ratio), 1.0), float(dist.get_world_size()))
 
 
 def profile_model(

@@ -43,9 +43,10 @@ class Candidate:
     """Per stage: static (weights, gradients, optimizer) + simulated activation peak."""
     memory_per_device: float = field(default=0.0, repr=False)
     stage_forward_s: tuple[float, ...] = ()
-    """Predicted forward seconds of one microbatch, per stage (uncontended)."""
+    """Predicted forward seconds of one microbatch, per stage, as a run measures them (ranks sharing
+    cores included, TP all-reduces included)."""
     stage_backward_s: tuple[float, ...] = ()
-    """Predicted backward seconds of one microbatch, per stage (uncontended, without recomputation)."""
+    """Predicted backward seconds of one microbatch, per stage, likewise (without recomputation)."""
     overhead_s: float = 0.0
     """Predicted seconds per step outside the pipeline and the DP all-reduce (optimizer, clipping, loss)."""
 
@@ -147,7 +148,7 @@ def _wait(comm: CommModel, group_size: int) -> float:
     return comm.sync_wait_s if group_size > 1 else 0.0
 
 
-def _contended(seconds: float, busy_ranks: int, compute_slots: int | None) -> float:
+def _contended(seconds: float, busy_ranks: int, compute_slots: float | None) -> float:
     """Time of work that ``busy_ranks`` ranks do at once on ``compute_slots`` cores (None: a device each)."""
     if compute_slots is None or busy_ranks <= compute_slots:
         return seconds
@@ -156,7 +157,7 @@ def _contended(seconds: float, busy_ranks: int, compute_slots: int | None) -> fl
 
 def _evaluate(profile: ModelProfile, comm: CommModel, lay: _Layout, *, schedule: str, num_microbatches: int,
               micro_batch_size: int, recompute: str, memory_per_device: float,
-              compute_slots: int | None) -> Candidate | None:
+              compute_slots: float | None) -> Candidate | None:
     """Predict one configuration; None when stage-aware recomputation cannot fit the memory."""
     from merak_pipe import CostModel, build_schedule, simulate, stage_aware_plan
     from merak_pipe.recompute import RecomputePlan
@@ -164,9 +165,17 @@ def _evaluate(profile: ModelProfile, comm: CommModel, lay: _Layout, *, schedule:
     pp, m, b = lay.pp, num_microbatches, micro_batch_size
     tp_comm = [2 * n * (comm.allreduce_s(b * profile.boundary_bytes, lay.tp) + _wait(comm, lay.tp))
                for n in lay.layers]
-    half = profile.microbatch_overhead_s / 2
-    fwd = [half + b * f + c for f, c in zip(lay.fwd1, tp_comm, strict=True)]
-    bwd = [half + b * x + c for x, c in zip(lay.bwd1, tp_comm, strict=True)]
+    # The fixed per-microbatch cost (operator dispatch) belongs to the layers' operators: each stage
+    # pays its share (by layer count), and a TP shard runs every operator of its layers.
+    half = [profile.microbatch_overhead_s / 2 * n / profile.num_layers for n in lay.layers]
+    world = lay.dp * lay.tp * pp
+    # [Note: compute slots] Ranks that share cores (CPU processes) slow each other's compute down
+    # by world / compute_slots, on the critical path too: the replicas of a stage (DP, TP) run and
+    # wait at the same moments, so one pipeline's idle time is rarely another's compute time.
+    # Waiting for communication is not CPU work and is not slowed down.
+    slow = world / compute_slots if compute_slots is not None and world > compute_slots else 1.0
+    fwd = [(h + b * f) * slow + c for h, f, c in zip(half, lay.fwd1, tp_comm, strict=True)]
+    bwd = [(h + b * x) * slow + c for h, x, c in zip(half, lay.bwd1, tp_comm, strict=True)]
     costs = CostModel(
         forward=fwd, backward=bwd, recompute=fwd,
         p2p_latency=comm.p2p_latency_s + comm.sync_wait_s if pp > 1 else 0.0, p2p_bandwidth=comm.p2p_bandwidth,
@@ -192,19 +201,7 @@ def _evaluate(profile: ModelProfile, comm: CommModel, lay: _Layout, *, schedule:
     fractions = tuple(float(rplan[s]) for s in range(pp))
     result = simulate(build_schedule(name, num_stages=pp, num_microbatches=m, recompute=rplan), costs)
     peak = tuple(st + a for st, a in zip(lay.static, result.peak_memory, strict=True))
-    world = lay.dp * lay.tp * pp
-    # [Note: compute slots] Ranks that share cores (CPU processes) slow each other down: the step
-    # cannot be shorter than the critical path, nor than all ranks' compute spread over the cores
-    # plus the TP all-reduces a rank waits in (every rank of a TP group waits at the same time, so
-    # those waits do not give the cores to anyone). Communication is not CPU work.
-    compute = [f - c + x - c + fr * (f - c) for f, x, c, fr in zip(fwd, bwd, tp_comm, fractions, strict=True)]
-    work = lay.dp * lay.tp * m * sum(compute)
     pipeline = result.makespan
-    if compute_slots is not None and world > compute_slots:
-        # a stage waits for one message per microbatch from each neighbour stage
-        receives = m * (min(pp - 1, 2) if pp > 1 else 0) * comm.sync_wait_s
-        waits = m * max(2 * c + fr * c for c, fr in zip(tp_comm, fractions, strict=True)) + receives
-        pipeline = max(pipeline, work / compute_slots + waits)
     overhead = _contended(lay.optimizer_s, world, compute_slots) + lay.step_comm_s
     return Candidate(
         dp=lay.dp, tp=lay.tp, pp=pp, schedule=schedule, num_microbatches=m, micro_batch_size=b,
@@ -214,15 +211,16 @@ def _evaluate(profile: ModelProfile, comm: CommModel, lay: _Layout, *, schedule:
         stage_forward_s=tuple(fwd), stage_backward_s=tuple(bwd), overhead_s=overhead)
 
 
-def _check_common(memory_per_device: float, zero_stage: int, compute_slots: int | None) -> None:
+def _check_common(memory_per_device: float, zero_stage: int, compute_slots: float | None) -> None:
     if not memory_per_device > 0:
         raise ValueError(f"memory_per_device={memory_per_device!r}; expected bytes > 0")
     if zero_stage not in (0, 1):
         raise ValueError(f"zero_stage={zero_stage!r}; expected 0 or 1")
-    if compute_slots is not None and (not isinstance(compute_slots, int) or isinstance(compute_slots, bool)
-                                      or compute_slots < 1):
-        raise ValueError(f"compute_slots={compute_slots!r}; expected an int >= 1 (ranks that can compute at once "
-                         "on one host, e.g. its CPU cores), or None when every rank has its own device")
+    if compute_slots is not None and (not isinstance(compute_slots, (int, float)) or isinstance(compute_slots, bool)
+                                      or not 1 <= compute_slots < math.inf):
+        raise ValueError(f"compute_slots={compute_slots!r}; expected a number >= 1 (ranks that can compute at once "
+                         "on one host: its cores, or world_size / measure_contention(...)), or None when every rank "
+                         "has its own device")
 
 
 def predict(
@@ -239,7 +237,7 @@ def predict(
     memory_per_device: float = math.inf,
     zero_stage: int = 0,
     optimizer_state_factor: float = 2.0,
-    compute_slots: int | None = None,
+    compute_slots: float | None = None,
 ) -> Candidate:
     """The planner's prediction for one given configuration (whether or not it fits the memory).
 
@@ -282,7 +280,7 @@ def plan(
     schedules: Sequence[str] = PLANNER_SCHEDULES,
     recompute_modes: Sequence[str] = RECOMPUTE_MODES,
     max_microbatches: int = 64,
-    compute_slots: int | None = None,
+    compute_slots: float | None = None,
 ) -> list[Candidate]:
     """Every feasible configuration, best predicted step time first.
 
