@@ -52,6 +52,7 @@ from merak_core.planner import (
     compare,
     format_plan,
     measure_comm,
+    measure_contention,
     needs_replan,
     plan,
     predict_current,
@@ -134,8 +135,9 @@ def _relax_vocab(profile: ModelProfile, model: nn.Module, tp_plan: Any) -> Model
     return profile
 
 
-def _profile_job_model(args: TrainingArguments, model: nn.Module | Callable[[], nn.Module], dataset: Any,
-                       data_collator: Any, device: torch.device) -> ModelProfile:
+def _job_model_and_batch(args: TrainingArguments, model: nn.Module | Callable[[], nn.Module], dataset: Any,
+                         data_collator: Any, device: torch.device) -> tuple[nn.Module, Any]:
+    """A copy of the job's model on ``device`` and one microbatch of real training data for it."""
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(args.seed)
         if isinstance(model, nn.Module):
@@ -148,14 +150,47 @@ def _profile_job_model(args: TrainingArguments, model: nn.Module | Callable[[], 
         copy_ = copy_.to(device=device, dtype=args.torch_dtype)
         batch = profile_inputs(copy_, dataset, max(2, args.per_device_train_batch_size), data_collator)
 
-        def cast(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device=device, dtype=args.torch_dtype) if t.is_floating_point() else t.to(device)
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device=device, dtype=args.torch_dtype) if t.is_floating_point() else t.to(device)
 
-        batch = {k: cast(v) for k, v in batch.items()} if isinstance(batch, Mapping) else cast(batch)
-        autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.bf16 else contextlib.nullcontext()
-        with autocast:
-            profile = profile_model(copy_, batch)
+    return copy_, ({k: cast(v) for k, v in batch.items()} if isinstance(batch, Mapping) else cast(batch))
+
+
+def _autocast(args: TrainingArguments, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    return torch.autocast(device.type, dtype=torch.bfloat16) if args.bf16 else contextlib.nullcontext()
+
+
+def _profile_job_model(args: TrainingArguments, model: nn.Module | Callable[[], nn.Module], dataset: Any,
+                       data_collator: Any, device: torch.device) -> ModelProfile:
+    copy_, batch = _job_model_and_batch(args, model, dataset, data_collator, device)
+    with _autocast(args, device):
+        profile = profile_model(copy_, batch)
     return _relax_vocab(profile, copy_, args.tp_plan)
+
+
+def _cpu_compute_slots(args: TrainingArguments, model: nn.Module | Callable[[], nn.Module], dataset: Any,
+                       data_collator: Any, device: torch.device) -> float | None:
+    """CPU ranks: world size / how much slower the real model runs with every rank at once (collective).
+
+    Falls back to cores // threads per rank when a rank cannot build the model copy (every rank
+    then agrees, so none waits in the measurement). GPUs: None (a device per rank).
+    """
+    slots = compute_slots(device)
+    world = dist.get_world_size()
+    if slots is None or world < 2:
+        return slots
+    try:
+        copy_, batch = _job_model_and_batch(args, model, dataset, data_collator, device)
+        failed = 0.0
+    except Exception:  # noqa: BLE001 - rank 0's profiling reports the reason
+        copy_, batch, failed = None, None, 1.0
+    flag = torch.tensor([failed])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item() > 0 or copy_ is None:
+        return slots
+    with _autocast(args, device):
+        contention = measure_contention(copy_, batch)
+    return max(world / contention, 1.0)
 
 
 def _ensure_process_group(device: torch.device | str | None) -> torch.device:
@@ -186,7 +221,7 @@ def _ensure_process_group(device: torch.device | str | None) -> torch.device:
 
 def _profile_and_measure(args: TrainingArguments, model: nn.Module | Callable[[], nn.Module], train_dataset: Any,
                          data_collator: Any, device: torch.device | str | None, what: str,
-                         decide: Callable[[ModelProfile, Any, float, int | None], dict[str, Any]] | None = None,
+                         decide: Callable[[ModelProfile, Any, float, float | None], dict[str, Any]] | None = None,
                          ) -> tuple[dict[str, Any], Any]:
     """Rank 0 profiles, every rank measures communication, rank 0 ``decide``s; the payload on every rank.
 
@@ -205,12 +240,12 @@ def _profile_and_measure(args: TrainingArguments, model: nn.Module | Callable[[]
         except Exception as exc:  # noqa: BLE001 - reported on every rank below, so none waits forever
             logger.exception("%s: profiling failed", what)
             error = f"{what}: profiling the model failed: {type(exc).__name__}: {exc}"
+    slots = _cpu_compute_slots(args, model, train_dataset, data_collator, dev)
     comm = measure_comm()
     payload: dict[str, Any] = {"error": error}
     if rank == 0 and not error:
         assert profile is not None
         memory = float(args.memory_per_device or default_memory_per_device(dev))
-        slots = compute_slots(dev)
         payload.update(profile=profile, memory=memory, slots=slots)
         if decide is not None:
             try:
@@ -259,7 +294,7 @@ def auto_layout(args: TrainingArguments, model: nn.Module | Callable[[], nn.Modu
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     gbs = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
 
-    def decide(profile: ModelProfile, comm: Any, memory: float, slots: int | None) -> dict[str, Any]:
+    def decide(profile: ModelProfile, comm: Any, memory: float, slots: float | None) -> dict[str, Any]:
         try:
             cands = plan(profile, world_size=world, memory_per_device=memory, global_batch_size=gbs, comm=comm,
                          zero_stage=args.zero_stage, compute_slots=slots)
