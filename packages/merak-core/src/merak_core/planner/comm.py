@@ -119,7 +119,7 @@ def measure_comm(group: Any = None, *, small_bytes: int = 1024, large_bytes: int
     p_lat, p_bw, r_lat, r_bw = (float(v) for v in values)
     logger.info("planner: measured p2p %.3g s + bytes / %.3g B/s; all-reduce step %.3g s, link %.3g B/s over %d ranks",
                 p_lat, p_bw, r_lat, r_bw, n)
-    table = _allreduce_table(max(repeats, 7)) if group is None else {}
+    table = _allreduce_table(max(3 * repeats, 15)) if group is None else {}
     wait = _sync_wait(repeats) if group is None else 0.0
     return CommModel(p2p_latency_s=p_lat, p2p_bandwidth=p_bw, allreduce_latency_s=r_lat, allreduce_bandwidth=r_bw,
                      allreduce_by_group=table, sync_wait_s=wait)
@@ -159,7 +159,7 @@ def _sync_wait(repeats: int, *, iterations: int = 20, width: int = 192) -> float
     plain = statistics.median(run(False) for _ in range(repeats))
     synced = statistics.median(run(True) for _ in range(repeats))
     dist.barrier()
-    idle = torch.tensor([_median_call(lambda: dist.all_reduce(flag, group=mine), repeats) if mine is not None
+    idle = torch.tensor([_mean_call(lambda: dist.all_reduce(flag, group=mine), repeats) if mine is not None
                          else 0.0], dtype=torch.float64)
     dist.all_reduce(idle, op=dist.ReduceOp.MAX)
     for g in pairs:
@@ -185,15 +185,16 @@ ALLREDUCE_SIZES = (8, 4096, 65536, 1 << 20, 4 << 20)
 """Message sizes (bytes) at which :func:`measure_comm` times the all-reduce of each group size."""
 
 
-def _median_call(fn: Any, repeats: int) -> float:
+def _mean_call(fn: Any, repeats: int) -> float:
+    """Mean seconds of one call after two warm-ups. The mean, not the median: on a host whose cores
+    are shared, a collective's time is bimodal (fast, or one scheduler tick later), and a step
+    pays the mean over its many calls."""
     for _ in range(2):
         fn()
-    times = []
+    start = time.perf_counter()
     for _ in range(repeats):
-        start = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return (time.perf_counter() - start) / repeats
 
 
 def _allreduce_table(repeats: int) -> dict[int, list[tuple[float, float]]]:
@@ -201,7 +202,7 @@ def _allreduce_table(repeats: int) -> dict[int, list[tuple[float, float]]]:
 
     The world is cut into blocks of n consecutive ranks that all reduce at once, as a layout's DP
     or TP groups do. gloo changes algorithm with the message size, so the sizes are measured, not
-    fitted by one line. A size's time is the median call of the slowest rank.
+    fitted by one line. A size's time is the mean call of the slowest rank.
     """
     import torch.distributed as dist
 
@@ -217,7 +218,7 @@ def _allreduce_table(repeats: int) -> dict[int, list[tuple[float, float]]]:
         for nbytes in ALLREDUCE_SIZES:
             buf = torch.zeros(max(nbytes // 4, 1))
             dist.barrier()
-            seconds = torch.tensor([_median_call(lambda buf=buf, g=mine: dist.all_reduce(buf, group=g), repeats)],
+            seconds = torch.tensor([_mean_call(lambda buf=buf, g=mine: dist.all_reduce(buf, group=g), repeats)],
                                    dtype=torch.float64)
             dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
             # A larger message never costs less (measured dips are noise or an algorithm switch).
