@@ -45,7 +45,7 @@ class ModelProfile:
     boundary_bytes: float = 0.0
     """Bytes of a layer's output for one sample (the pipeline message and the TP all-reduce size)."""
     optimizer_s_per_byte: float = 0.0
-    """Seconds of one optimizer step (AdamW) per parameter byte."""
+    """Seconds of one optimizer step (gradient clipping and AdamW) per parameter byte."""
     num_heads: int | None = None
     """Attention heads (tp must divide it); None: no constraint."""
     num_kv_heads: int | None = None
@@ -252,7 +252,8 @@ def profile_model(
 
 
 def _optimizer_s_per_byte(model: nn.Module, repeats: int) -> float:
-    """Seconds per parameter byte of an AdamW step, timed on copies of the parameters and gradients."""
+    """Seconds per parameter byte of gradient clipping plus an AdamW step, timed on copies of the
+    parameters and gradients."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         return 0.0
@@ -262,7 +263,12 @@ def _optimizer_s_per_byte(model: nn.Module, repeats: int) -> float:
         c.grad = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
         copies.append(c)
     opt = torch.optim.AdamW(copies, lr=1e-3)
-    seconds = _timed(opt.step, repeats)
+
+    def step() -> None:  # what a Trainer step does per parameter besides the pipeline
+        torch.nn.utils.clip_grad_norm_(copies, 1.0)
+        opt.step()
+
+    seconds = _timed(step, repeats)
     nbytes = sum(p.numel() * p.element_size() for p in params)
     return seconds / max(nbytes, 1)
 
