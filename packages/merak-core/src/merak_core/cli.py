@@ -158,6 +158,9 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
     p.add_argument("--profile-batch", type=int, default=None, help="samples in the profiling batch (default: micro batch)")
     p.add_argument("--profile-cache", default=None, help="directory of cached profiles (JSON by model and device)")
+    p.add_argument("--compute-slots", type=float, default=None,
+                   help="ranks that can compute at once when the ranks share a host's cores (CPU processes: the "
+                        "cores, or fewer for small models; `layout: auto` measures it); default: a device per rank")
     p.add_argument("--write-config", default=None, metavar="OUT.yaml", help="write the job with the best configuration")
 
 
@@ -187,7 +190,7 @@ def _plan(args: argparse.Namespace) -> int:
     batch = profile_inputs(model, train, args.profile_batch or t.per_device_train_batch_size, job.optional("collate"))
     profile = _relax_vocab(profile_model(model, batch, cache_dir=args.profile_cache), model, t.tp_plan)
     cands = plan(profile, world_size=args.world_size, memory_per_device=memory, global_batch_size=gbs,
-                 zero_stage=t.zero_stage)
+                 zero_stage=t.zero_stage, compute_slots=args.compute_slots)
     print(f"{len(cands)} feasible configurations for {args.world_size} ranks, {memory} bytes per device, "
           f"global batch {gbs} (profile: {profile.num_layers} layers on {profile.device})")
     print(format_plan(cands, top=args.top))
