@@ -54,6 +54,19 @@ def _profile_body(contended: bool) -> Any:
     return profile, measure_comm(repeats=5), contention
 
 
+def _probe_body(profile: Any, comm: Any, slots: float) -> dict[int, float]:
+    """merak_core.tp_probe.measure_tp_scale on the demo job (every TP degree the world allows)."""
+    from merak_core.job import JobConfig
+    from merak_core.tp_probe import measure_tp_scale
+
+    job = JobConfig.from_yaml(CONFIG, ["data.kwargs.train_size=4096", "training.dp=null", "training.tp=1",
+                                       "training.pp=1"])
+    torch.manual_seed(0)
+    model = job.build_model()
+    train, _ = job.build_datasets()
+    return measure_tp_scale(job.training, model, train, profile, comm, slots, data_collator=job.optional("collate"))
+
+
 def _train_body(fields: dict[str, Any], steps: int, out_dir: str,
                 context: Any = None) -> tuple[list[float], list[float], Any]:
     """Per step, the slowest rank's step time and pipeline (``runner.step``) time; with a plan
@@ -115,15 +128,18 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer steps")
     parser.add_argument("--world-size", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--probe-tp", action="store_true",
+                        help="measure the TP shards' slowdown with short runs of the pure DP x TP layouts first "
+                             "(merak_core.tp_probe) and plan with it")
     parser.add_argument("--contended", action="store_true",
                         help="profile on every rank at once (cores shared as in training) instead of rank 0 alone")
     args = parser.parse_args()
     steps, warm = (6, 2) if args.quick else (14, 4)
     for world in args.world_size:
-        _grid(world, steps, warm, args.contended)
+        _grid(world, steps, warm, args.contended, args.probe_tp)
 
 
-def _grid(world: int, steps: int, warm: int, contended: bool) -> None:
+def _grid(world: int, steps: int, warm: int, contended: bool, probe_tp: bool = False) -> None:
     import os
 
     from merak_core.job import JobConfig
@@ -135,6 +151,10 @@ def _grid(world: int, steps: int, warm: int, contended: bool) -> None:
     cores = len(os.sched_getaffinity(0)) // max(int(os.environ.get("OMP_NUM_THREADS", "1")), 1)
     profile, comm, contention = run_on_ranks(world, _profile_body, contended)[0]
     slots = world / contention
+    if probe_tp:
+        profile = profile.__class__(**{**profile.__dict__, "vocab_size": None})
+        scale = run_on_ranks(world, _probe_body, profile, comm, slots)[0]
+        profile = profile.__class__(**{**profile.__dict__, "tp_scale": scale})
     profile = profile.__class__(**{**profile.__dict__, "vocab_size": None})  # the demo's TP plan shards no embedding
     gbs = t.per_device_train_batch_size * t.gradient_accumulation_steps * 2
     cands = plan(profile, world_size=world, memory_per_device=2**30, global_batch_size=gbs, comm=comm,
@@ -181,6 +201,11 @@ def _grid(world: int, steps: int, warm: int, contended: bool) -> None:
         print(f"| {rank} | {layout} | {c.schedule} | {c.num_microbatches} | {c.step_time_s * 1e3:.2f} | "
               f"{measured * 1e3:.2f} | {err:+.1f} | {c.pipeline_s * 1e3:.1f} / {pipe * 1e3:.1f} | "
               f"{rest * 1e3:.1f} / {(measured - pipe) * 1e3:.1f} | {again} |")
+    if probe_tp:
+        staged = [e for e, (_, c, _, _) in zip(errors, rows, strict=True) if c.pp > 1 and c.tp > 1]
+        print(f"TP probe factors {', '.join(f'tp{k}: x{v:.2f}' for k, v in sorted(profile.tp_scale.items()))}; "
+              f"median |error| over the TP layouts with pipeline stages (not probed): "
+              f"{statistics.median(staged) if staged else float('nan'):.1f}%")
     if after:
         print(f"after the plan check on the top choice (closing the loop): median |error| over the other layouts "
               f"{statistics.median(after[1:]):.1f}%")

@@ -183,3 +183,21 @@ def test_the_fixed_cost_per_microbatch_is_shared_by_the_stages_by_layer_count():
     # two layers per stage: half the fixed cost each, and a TP shard pays it whole (it runs every operator)
     assert split.stage_forward_s == pytest.approx((2e-3 / 2 + 2e-3,) * 2, rel=1e-12)
     assert split.stage_backward_s == pytest.approx((4e-3 / 2 + 2e-3,) * 2, rel=1e-12)
+
+
+def test_a_measured_tp_scale_multiplies_the_layers_time_at_that_degree_only():
+    comm = CommModel(allreduce_by_group={2: [(8.0, 1e-3)], 4: [(8.0, 2e-3)]})
+    prof = _profile()
+    scaled = dataclasses.replace(prof, tp_scale={"2": 1.5})  # JSON-style key
+    assert scaled.tp_scale == {2: 1.5}
+    kw = dict(dp=2, pp=2, schedule="1f1b", num_microbatches=2, micro_batch_size=1, comm=comm)
+    a, b = predict(prof, tp=1, **kw), predict(scaled, tp=1, **kw)
+    assert a == b  # tp=1 is not scaled
+    kw = dict(dp=1, pp=2, schedule="1f1b", num_microbatches=2, micro_batch_size=1, comm=comm)
+    a, b = predict(prof, tp=2, **kw), predict(scaled, tp=2, **kw)
+    assert b.stage_forward_s == pytest.approx(tuple(1.5 * f for f in a.stage_forward_s), rel=1e-12)
+    assert b.stage_backward_s == pytest.approx(tuple(1.5 * x for x in a.stage_backward_s), rel=1e-12)
+    assert b.overhead_s == a.overhead_s and b.dp_allreduce_s == a.dp_allreduce_s
+    for bad in ({1: 2.0}, {2: 0.0}, {2: math.inf}):
+        with pytest.raises(ValueError, match="tp_scale"):
+            dataclasses.replace(prof, tp_scale=bad)

@@ -14,9 +14,10 @@ import hashlib
 import json
 import logging
 import math
+import statistics
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,10 @@ class ModelProfile:
     """Bytes of a layer's output for one sample (the pipeline message and the TP all-reduce size)."""
     optimizer_s_per_byte: float = 0.0
     """Seconds of one optimizer step (gradient clipping and AdamW) per parameter byte."""
+    tp_scale: dict[int, float] = field(default_factory=dict)
+    """Per TP degree: measured / modelled forward-and-backward time of the layers (compute and TP
+    all-reduces), from a short run of the real TP-sharded model with every rank busy; 1 where absent.
+    Small layers split over ranks do not run tp times faster on a CPU: this is how much slower."""
     num_heads: int | None = None
     """Attention heads (tp must divide it); None: no constraint."""
     num_kv_heads: int | None = None
@@ -70,6 +75,12 @@ class ModelProfile:
             for v in getattr(self, name):
                 if not v >= 0 or math.isinf(v):
                     raise ValueError(f"ModelProfile.{name} holds {v!r}: expected finite values >= 0")
+        scales = {}
+        for k, v in dict(self.tp_scale).items():  # JSON gives string keys
+            if int(k) < 2 or not (float(v) > 0 and math.isfinite(float(v))):
+                raise ValueError(f"ModelProfile.tp_scale[{k!r}]={v!r}: expected a TP degree >= 2 and a finite factor > 0")
+            scales[int(k)] = float(v)
+        self.tp_scale = scales
         if not self.optimizer_s_per_byte >= 0 or math.isinf(self.optimizer_s_per_byte):
             raise ValueError(f"ModelProfile.optimizer_s_per_byte={self.optimizer_s_per_byte}: expected finite seconds >= 0")
         if not self.microbatch_overhead_s >= 0:
@@ -158,21 +169,24 @@ def _step_seconds(model: nn.Module, sample: torch.Tensor | Mapping[str, torch.Te
 
 
 def measure_contention(model: nn.Module, sample: torch.Tensor | Mapping[str, torch.Tensor], *,
-                       seconds: float = 0.5) -> float:
+                       seconds: float = 0.5, rounds: int = 3) -> float:
     """How much slower the model's forward and backward run when every rank runs it at once (collective).
 
     Rank 0 runs ``model(sample)`` forward and backward alone for ``seconds`` (the others wait),
-    then every rank runs it for ``seconds`` at the same time (rank 0 counts only the middle half,
-    when all ranks are surely running); the result is rank 0's time per step together over its
-    time alone: 1 when each rank has a core or a device of its own, about ranks / cores or more
-    when processes share cores. It is the same on every rank. ``world_size / measure_contention(...)``
-    is the planner's ``compute_slots`` for the real model (small operators share cores worse than
-    large ones). Gradients and the random stream are left as they were.
+    then every rank runs it for three times as long at the same time (rank 0 counts only the steps
+    of the middle third, when all ranks are surely running); the result is rank 0's median step
+    together over its median step alone (later steps only), the median over ``rounds`` such pairs
+    (the ratio is noisy on shared cores): 1 when each rank has a core or a device
+    of its own, about ranks / cores or more when processes share cores. It is the same on every
+    rank. ``world_size / measure_contention(...)`` is the planner's ``compute_slots`` for the real
+    model (small operators share cores worse than large ones). Gradients and the random stream are
+    left as they were.
     """
     import torch.distributed as dist
 
-    if not seconds > 0:
-        raise ValueError(f"measure_contention: seconds={seconds!r}; expected > 0")
+    if not seconds > 0 or rounds < 1:
+        raise ValueError(f"measure_contention: seconds={seconds!r}, rounds={rounds!r}; expected seconds > 0 and "
+                         "rounds >= 1")
     first = sample if isinstance(sample, torch.Tensor) else next(iter(sample.values()))
 
     def step() -> None:
@@ -183,26 +197,30 @@ def measure_contention(model: nn.Module, sample: torch.Tensor | Mapping[str, tor
         y.float().sum().backward()
 
     def per_step(duration: float, window: tuple[float, float]) -> float:
+        """Median seconds of the steps that ran entirely inside ``window`` (fractions of ``duration``)."""
         start = time.perf_counter()
         begin, end = start + window[0] * duration, start + window[1] * duration
-        count, t0, t1 = 0, 0.0, 0.0
+        inside: list[float] = []
         while (now := time.perf_counter()) < start + duration:
             step()
             after = time.perf_counter()
             if now >= begin and after <= end:
-                count, t0, t1 = count + 1, (t0 if count else now), after
-        return (t1 - t0) / count if count else (time.perf_counter() - start)
+                inside.append(after - now)
+        return statistics.median(inside) if inside else time.perf_counter() - start
 
     with torch.random.fork_rng(devices=[first.device] if first.device.type == "cuda" else []):
         try:
             step()  # warm-up
-            dist.barrier()
-            alone = per_step(seconds, (0.0, 1.0)) if dist.get_rank() == 0 else 0.0
-            dist.barrier()
-            together = per_step(seconds * 2, (0.25, 0.75))
+            ratios = []
+            for _ in range(rounds):
+                dist.barrier()
+                alone = per_step(seconds, (0.2, 1.0)) if dist.get_rank() == 0 else 0.0
+                dist.barrier()
+                together = per_step(seconds * 3, (0.33, 0.67))
+                ratios.append(together / alone if alone > 0 else 1.0)
         finally:
             model.zero_grad(set_to_none=True)
-    ratio = torch.tensor([together / alone if alone > 0 else 1.0], dtype=torch.float64)
+    ratio = torch.tensor([statistics.median(ratios)], dtype=torch.float64)
     dist.broadcast(ratio, 0)
     return min(max(float(ratio), 1.0), float(dist.get_world_size()))
 

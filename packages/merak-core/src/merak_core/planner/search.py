@@ -174,8 +174,9 @@ def _evaluate(profile: ModelProfile, comm: CommModel, lay: _Layout, *, schedule:
     # wait at the same moments, so one pipeline's idle time is rarely another's compute time.
     # Waiting for communication is not CPU work and is not slowed down.
     slow = world / compute_slots if compute_slots is not None and world > compute_slots else 1.0
-    fwd = [(h + b * f) * slow + c for h, f, c in zip(half, lay.fwd1, tp_comm, strict=True)]
-    bwd = [(h + b * x) * slow + c for h, x, c in zip(half, lay.bwd1, tp_comm, strict=True)]
+    k = profile.tp_scale.get(lay.tp, 1.0)  # measured against modelled at this TP degree (1: not measured)
+    fwd = [((h + b * f) * slow + c) * k for h, f, c in zip(half, lay.fwd1, tp_comm, strict=True)]
+    bwd = [((h + b * x) * slow + c) * k for h, x, c in zip(half, lay.bwd1, tp_comm, strict=True)]
     costs = CostModel(
         forward=fwd, backward=bwd, recompute=fwd,
         p2p_latency=comm.p2p_latency_s + comm.sync_wait_s if pp > 1 else 0.0, p2p_bandwidth=comm.p2p_bandwidth,
