@@ -128,9 +128,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer steps")
     parser.add_argument("--world-size", type=int, nargs="+", default=[4, 8])
-    parser.add_argument("--probe-tp", action="store_true",
-                        help="measure the TP shards' slowdown with short runs of the pure DP x TP layouts first "
-                             "(merak_core.tp_probe) and plan with it")
+    parser.add_argument("--no-probe-tp", dest="probe_tp", action="store_false",
+                        help="plan without the TP probe (by default, as layout: auto does, short runs of the pure "
+                             "DP x TP layouts first measure how much slower TP shards run: merak_core.tp_probe)")
     parser.add_argument("--contended", action="store_true",
                         help="profile on every rank at once (cores shared as in training) instead of rank 0 alone")
     args = parser.parse_args()

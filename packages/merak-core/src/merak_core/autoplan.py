@@ -222,7 +222,7 @@ def _ensure_process_group(device: torch.device | str | None) -> torch.device:
 def _profile_and_measure(args: TrainingArguments, model: nn.Module | Callable[[], nn.Module], train_dataset: Any,
                          data_collator: Any, device: torch.device | str | None, what: str,
                          decide: Callable[[ModelProfile, Any, float, float | None], dict[str, Any]] | None = None,
-                         ) -> tuple[dict[str, Any], Any]:
+                         probe_tp: bool = False) -> tuple[dict[str, Any], Any]:
     """Rank 0 profiles, every rank measures communication, rank 0 ``decide``s; the payload on every rank.
 
     Errors on rank 0 (profiling, the planner's ValueError) are broadcast and raised on every rank as
@@ -242,6 +242,8 @@ def _profile_and_measure(args: TrainingArguments, model: nn.Module | Callable[[]
             error = f"{what}: profiling the model failed: {type(exc).__name__}: {exc}"
     slots = _cpu_compute_slots(args, model, train_dataset, data_collator, dev)
     comm = measure_comm()
+    if probe_tp:
+        profile, error = _with_tp_scale(args, model, train_dataset, data_collator, profile, error, comm, slots)
     payload: dict[str, Any] = {"error": error}
     if rank == 0 and not error:
         assert profile is not None
@@ -258,6 +260,25 @@ def _profile_and_measure(args: TrainingArguments, model: nn.Module | Callable[[]
     if payload["error"]:
         raise ValueError(payload["error"])
     return payload, comm
+
+
+def _with_tp_scale(args: TrainingArguments, model: nn.Module | Callable[[], nn.Module], train_dataset: Any,
+                   data_collator: Any, profile: ModelProfile | None, error: str, comm: Any,
+                   slots: float | None) -> tuple[ModelProfile | None, str]:
+    """Every rank gets rank 0's profile; then the TP probe (collective) adds ``tp_scale`` to it.
+
+    Skipped (on every rank alike) when profiling failed or the world allows no TP degree.
+    """
+    from merak_core.tp_probe import measure_tp_scale
+
+    box = [(profile, error)]
+    dist.broadcast_object_list(box, src=0)
+    profile, error = box[0]
+    world = dist.get_world_size()
+    if error or profile is None or not any(world % k == 0 and profile.tp_allowed(k) for k in range(2, world + 1)):
+        return profile, error
+    scale = measure_tp_scale(args, model, train_dataset, profile, comm, slots, data_collator=data_collator)
+    return dataclasses.replace(profile, tp_scale=scale), error
 
 
 def build_plan_context(args: TrainingArguments, model: nn.Module | Callable[[], nn.Module], train_dataset: Any, *,
@@ -303,7 +324,8 @@ def auto_layout(args: TrainingArguments, model: nn.Module | Callable[[], nn.Modu
         return {"fields": cands[0].training_fields(), "chosen": cands[0], "table": format_plan(cands),
                 "count": len(cands)}
 
-    payload, comm = _profile_and_measure(args, model, train_dataset, data_collator, device, "layout='auto'", decide)
+    payload, comm = _profile_and_measure(args, model, train_dataset, data_collator, device, "layout='auto'", decide,
+                                         probe_tp=args.plan_probe_tp)
     checks = args.plan_check_steps if args.plan_check_steps is not None else DEFAULT_PLAN_CHECK_STEPS
     fields = dict(payload["fields"])
     new_args = dataclasses.replace(args, layout="manual", plan_check_steps=checks, **fields)

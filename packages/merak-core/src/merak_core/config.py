@@ -196,6 +196,10 @@ class TrainingArguments:
     None: 5 with ``layout: auto``, else 0. Needs a profile (``Trainer(plan_context=...)`` or auto)."""
     plan_error_threshold: float = 0.25
     """Relative step-time error above which the plan check re-plans from the measured costs."""
+    plan_probe_tp: bool = True
+    """With ``layout: auto``: before planning, train a few steps of each pure DP x TP layout the world
+    allows to measure how much slower TP shards run than modelled (``merak_core.tp_probe``; a few
+    seconds per TP degree)."""
 
     def __post_init__(self) -> None:
         _check(isinstance(self.output_dir, str) and self.output_dir != "", "output_dir", self.output_dir,

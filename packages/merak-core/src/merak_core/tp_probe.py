@@ -63,6 +63,7 @@ def measure_tp_scale(args: TrainingArguments, model: nn.Module | Callable[[], nn
         for k in ks:
             probe = dataclasses.replace(
                 args, layout="manual", dp=world // k, tp=k, pp=1, gradient_accumulation_steps=1, max_steps=steps,
+                schedule="1f1b", recompute="none", memory_budget=None,
                 save_steps=None, eval_steps=None, plan_check_steps=0, logging_steps=10**9,
                 output_dir=f"{folder[0]}/tp{k}")
             layout = ParallelLayout.build(world // k, k, 1)
