@@ -54,7 +54,7 @@ def _profile_body(contended: bool) -> Any:
     return profile, measure_comm(repeats=5), contention
 
 
-def _probe_body(profile: Any, comm: Any, slots: float) -> dict[int, float]:
+def _probe_body(profile: Any, comm: Any, slots: float) -> Any:
     """merak_core.tp_probe.measure_tp_scale on the demo job (every TP degree the world allows)."""
     from merak_core.job import JobConfig
     from merak_core.tp_probe import measure_tp_scale
@@ -153,8 +153,7 @@ def _grid(world: int, steps: int, warm: int, contended: bool, probe_tp: bool = F
     slots = world / contention
     if probe_tp:
         profile = profile.__class__(**{**profile.__dict__, "vocab_size": None})
-        scale = run_on_ranks(world, _probe_body, profile, comm, slots)[0]
-        profile = profile.__class__(**{**profile.__dict__, "tp_scale": scale})
+        profile = run_on_ranks(world, _probe_body, profile, comm, slots)[0].apply(profile)
     profile = profile.__class__(**{**profile.__dict__, "vocab_size": None})  # the demo's TP plan shards no embedding
     gbs = t.per_device_train_batch_size * t.gradient_accumulation_steps * 2
     cands = plan(profile, world_size=world, memory_per_device=2**30, global_batch_size=gbs, comm=comm,
@@ -202,10 +201,10 @@ def _grid(world: int, steps: int, warm: int, contended: bool, probe_tp: bool = F
               f"{measured * 1e3:.2f} | {err:+.1f} | {c.pipeline_s * 1e3:.1f} / {pipe * 1e3:.1f} | "
               f"{rest * 1e3:.1f} / {(measured - pipe) * 1e3:.1f} | {again} |")
     if probe_tp:
-        staged = [e for e, (_, c, _, _) in zip(errors, rows, strict=True) if c.pp > 1 and c.tp > 1]
-        print(f"TP probe factors {', '.join(f'tp{k}: x{v:.2f}' for k, v in sorted(profile.tp_scale.items()))}; "
-              f"median |error| over the TP layouts with pipeline stages (not probed): "
-              f"{statistics.median(staged) if staged else float('nan'):.1f}%")
+        staged = [e for e, (_, c, _, _) in zip(errors, rows, strict=True) if c.pp > 1]
+        print(f"probe factors {', '.join(f'tp{k}: x{v:.2f}' for k, v in sorted(profile.tp_scale.items()))}, "
+              f"outside the pipeline x{profile.overhead_scale:.2f}; median |error| over the layouts with pipeline "
+              f"stages (not probed): {statistics.median(staged) if staged else float('nan'):.1f}%")
     if after:
         print(f"after the plan check on the top choice (closing the loop): median |error| over the other layouts "
               f"{statistics.median(after[1:]):.1f}%")

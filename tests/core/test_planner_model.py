@@ -198,6 +198,19 @@ def test_a_measured_tp_scale_multiplies_the_layers_time_at_that_degree_only():
     assert b.stage_forward_s == pytest.approx(tuple(1.5 * f for f in a.stage_forward_s), rel=1e-12)
     assert b.stage_backward_s == pytest.approx(tuple(1.5 * x for x in a.stage_backward_s), rel=1e-12)
     assert b.overhead_s == a.overhead_s and b.dp_allreduce_s == a.dp_allreduce_s
-    for bad in ({1: 2.0}, {2: 0.0}, {2: math.inf}):
+    for bad in ({0: 2.0}, {2: 0.0}, {2: math.inf}):
         with pytest.raises(ValueError, match="tp_scale"):
             dataclasses.replace(prof, tp_scale=bad)
+
+
+def test_the_probed_overhead_scale_multiplies_the_time_outside_the_pipeline():
+    comm = CommModel(allreduce_by_group={2: [(8.0, 1e-3)], 4: [(8.0, 2e-3)]})
+    prof = _profile(opt=1e-9)
+    kw = dict(dp=2, tp=1, pp=2, schedule="1f1b", num_microbatches=2, micro_batch_size=1, comm=comm)
+    a = predict(prof, **kw)
+    b = predict(dataclasses.replace(prof, overhead_scale=1.7, tp_scale={1: 1.1}), **kw)
+    assert b.overhead_s == pytest.approx(1.7 * a.overhead_s, rel=1e-12)
+    assert b.dp_allreduce_s == pytest.approx(1.7 * a.dp_allreduce_s, rel=1e-12)
+    assert b.stage_forward_s == pytest.approx(tuple(1.1 * f for f in a.stage_forward_s), rel=1e-12)
+    with pytest.raises(ValueError, match="overhead_scale"):
+        dataclasses.replace(prof, overhead_scale=0.0)

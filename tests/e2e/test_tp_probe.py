@@ -1,5 +1,5 @@
-"""merak_core.tp_probe on 2 gloo ranks: the factor is measured / modelled, the same on every rank, and
-the caller's model, random stream and folders are left as they were."""
+"""merak_core.tp_probe on 2 gloo ranks: one factor per probed layout and one for the time outside the
+pipeline, the same on every rank, and the caller's model, random stream and folders left as they were."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from tests.e2e._trainer_support import TokenDataset, build_model, make_args
 from tests.support.dist import run_on_ranks
 
 
-def _probe_body() -> tuple[dict[int, float], bool, bool, list[str]]:
+def _probe_body() -> tuple[object, bool, bool, list[str]]:
     from merak_core.planner import CommModel, ModelProfile
     from merak_core.tp_probe import measure_tp_scale
 
@@ -38,10 +38,11 @@ def _probe_body() -> tuple[dict[int, float], bool, bool, list[str]]:
 
 def test_tp_probe_measures_one_factor_per_degree_and_leaves_the_caller_alone():
     results = run_on_ranks(2, _probe_body)
-    scale, same_stream, unchanged, left = results[0]
-    assert list(scale) == [2]
-    assert math.isfinite(scale[2]) and scale[2] > 0
-    assert all(r[0] == scale for r in results)  # every rank holds the same factors
+    result, same_stream, unchanged, left = results[0]
+    assert sorted(result.tp_scale) == [1, 2]  # pure DP and DP x TP-2 on 2 ranks
+    assert all(math.isfinite(v) and v > 0 for v in result.tp_scale.values())
+    assert math.isfinite(result.overhead_scale) and result.overhead_scale > 0
+    assert all(r[0] == result for r in results)  # every rank holds the same factors
     assert all(r[1] for r in results), "the probe moved the caller's random stream"
     assert all(r[2] for r in results), "the probe changed the caller's model"
     assert not [name for name in left if name.startswith("merak-tp-probe-")]

@@ -265,9 +265,8 @@ def _profile_and_measure(args: TrainingArguments, model: nn.Module | Callable[[]
 def _with_tp_scale(args: TrainingArguments, model: nn.Module | Callable[[], nn.Module], train_dataset: Any,
                    data_collator: Any, profile: ModelProfile | None, error: str, comm: Any,
                    slots: float | None) -> tuple[ModelProfile | None, str]:
-    """Every rank gets rank 0's profile; then the TP probe (collective) adds ``tp_scale`` to it.
-
-    Skipped (on every rank alike) when profiling failed or the world allows no TP degree.
+    """Every rank gets rank 0's profile; then the probe runs (collective) add ``tp_scale`` and
+    ``overhead_scale`` to it. Skipped (on every rank alike) when profiling failed or for one rank.
     """
     from merak_core.tp_probe import measure_tp_scale
 
@@ -275,10 +274,10 @@ def _with_tp_scale(args: TrainingArguments, model: nn.Module | Callable[[], nn.M
     dist.broadcast_object_list(box, src=0)
     profile, error = box[0]
     world = dist.get_world_size()
-    if error or profile is None or not any(world % k == 0 and profile.tp_allowed(k) for k in range(2, world + 1)):
+    if error or profile is None or world < 2:
         return profile, error
-    scale = measure_tp_scale(args, model, train_dataset, profile, comm, slots, data_collator=data_collator)
-    return dataclasses.replace(profile, tp_scale=scale), error
+    result = measure_tp_scale(args, model, train_dataset, profile, comm, slots, data_collator=data_collator)
+    return result.apply(profile), error
 
 
 def build_plan_context(args: TrainingArguments, model: nn.Module | Callable[[], nn.Module], train_dataset: Any, *,

@@ -1,14 +1,18 @@
-"""Probe the real TP-sharded model: how much slower its layers run than the planner's model says.
+"""Probe the real model in the pure DP x TP layouts: how far the planner's cost model is off.
 
 The planner models a TP shard as the layer's compute divided by tp plus two all-reduces per layer
-and direction. On small layers (and on CPU ranks sharing cores) a shard is slower than that: the
-operators' fixed costs do not shrink with tp, and an all-reduce waits for peers that are not
-running. :func:`measure_tp_scale` (collective) measures the factor for every TP degree the world
-allows: it trains the job's model for a few steps in the pure DP x TP layout ``(world / k, k, 1)``
-with one microbatch of ``per_device_train_batch_size`` samples, takes the median pipeline time of a
-step (the slowest rank's) and divides it by the planner's prediction for that configuration. The
-factors go into :attr:`merak_core.planner.ModelProfile.tp_scale`, which scales the layers' time at
-that degree in every layout the planner considers (with pipeline stages too).
+and direction, and ranks sharing cores as slowed down by ranks / slots. On small layers and CPU
+ranks sharing cores the real shards are slower: the operators' fixed costs do not shrink with tp,
+and an all-reduce waits for peers that are not running. The time outside the pipeline also holds
+what the model leaves out (the ranks' skew, Python work per step).
+
+:func:`measure_tp_scale` (collective) trains the job's model for a few steps in each layout
+``(world / k, k, 1)`` with one microbatch of ``per_device_train_batch_size`` samples, for k = 1 and
+every TP degree the world allows, and divides the median measured pipeline time (the slowest
+rank's) by the planner's prediction for that configuration: the factors go into
+:attr:`merak_core.planner.ModelProfile.tp_scale`, which scales the layers' time at that degree in
+every layout the planner considers (with pipeline stages too). The median over the probes of the
+measured / predicted time outside the pipeline becomes ``ModelProfile.overhead_scale``.
 
 The probe trains a copy of the model (or what the model function builds) and leaves the caller's
 random stream as it was; it writes nothing outside a temporary folder.
@@ -21,6 +25,7 @@ import logging
 import shutil
 import statistics
 import tempfile
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -33,18 +38,32 @@ from merak_core.planner import CommModel, ModelProfile, predict
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["measure_tp_scale"]
+__all__ = ["ProbeResult", "measure_tp_scale"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeResult:
+    """What the probe runs measured against the model (see the module docstring)."""
+
+    tp_scale: dict[int, float]
+    """Per TP degree (1 included): measured / predicted pipeline time."""
+    overhead_scale: float
+    """Median over the probes of measured / predicted time outside the pipeline."""
+
+    def apply(self, profile: ModelProfile) -> ModelProfile:
+        """``profile`` with these factors."""
+        return dataclasses.replace(profile, tp_scale=dict(self.tp_scale), overhead_scale=self.overhead_scale)
 
 
 def measure_tp_scale(args: TrainingArguments, model: nn.Module | Callable[[], nn.Module], train_dataset: Any,
                      profile: ModelProfile, comm: CommModel, compute_slots: float | None, *,
                      data_collator: Callable[[list[Any]], Any] | None = None, steps: int = 5,
-                     degrees: list[int] | None = None) -> dict[int, float]:
-    """Measured / predicted pipeline time of the pure DP x TP layout at each TP degree (collective).
+                     degrees: list[int] | None = None) -> ProbeResult:
+    """Measured / predicted times of the pure DP x TP layouts (collective; every rank gets the same).
 
-    ``degrees`` defaults to every k >= 2 that divides the world size and the model's heads,
-    kv heads and vocabulary (``profile.tp_allowed``). Every rank returns the same factors.
-    Raises ValueError (on every rank, before any collective) for ``steps`` < 3.
+    ``degrees`` defaults to 1 and every k >= 2 that divides the world size and the model's heads,
+    kv heads and vocabulary (``profile.tp_allowed``). Raises ValueError (on every rank, before any
+    collective) for ``steps`` < 3.
     """
     from merak_core.layout import ParallelLayout
     from merak_core.trainer import Trainer
@@ -52,11 +71,12 @@ def measure_tp_scale(args: TrainingArguments, model: nn.Module | Callable[[], nn
     if steps < 3:
         raise ValueError(f"measure_tp_scale: steps={steps}; expected >= 3 (one warm-up step and two measured)")
     world = dist.get_world_size()
-    ks = degrees if degrees is not None else [k for k in range(2, world + 1)
+    ks = degrees if degrees is not None else [k for k in range(1, world + 1)
                                               if world % k == 0 and profile.tp_allowed(k)]
-    base = dataclasses.replace(profile, tp_scale={})
+    base = dataclasses.replace(profile, tp_scale={}, overhead_scale=1.0)
     micro = args.per_device_train_batch_size
-    out: dict[int, float] = {}
+    scale: dict[int, float] = {}
+    rest: list[float] = []
     folder = [tempfile.mkdtemp(prefix="merak-tp-probe-") if dist.get_rank() == 0 else ""]
     dist.broadcast_object_list(folder, src=0)
     try:
@@ -70,20 +90,26 @@ def measure_tp_scale(args: TrainingArguments, model: nn.Module | Callable[[], nn
             with torch.random.fork_rng():
                 copy_ = model() if not isinstance(model, nn.Module) else _copy(model)
                 trainer = Trainer(copy_, probe, train_dataset, None, data_collator=data_collator, layout=layout)
-                pipeline = _pipeline_times(trainer, steps)
-            measured = torch.tensor([statistics.median(pipeline[1:])], dtype=torch.float64)
+                pipeline, step = _times(trainer, steps)
+            measured = torch.tensor([statistics.median(pipeline[1:]), statistics.median(step[1:])],
+                                    dtype=torch.float64)
             dist.all_reduce(measured, op=dist.ReduceOp.MAX)
             predicted = predict(base, dp=world // k, tp=k, pp=1, schedule="1f1b", num_microbatches=1,
                                 micro_batch_size=micro, comm=comm, compute_slots=compute_slots)
-            out[k] = float(measured) / predicted.pipeline_s
+            pipe_s, step_s = (float(x) for x in measured)
+            scale[k] = pipe_s / predicted.pipeline_s
+            outside = predicted.step_time_s - predicted.pipeline_s
+            if outside > 0:
+                rest.append(max(step_s - pipe_s, 0.0) / outside)
             if dist.get_rank() == 0:
-                logger.info("tp probe: dp%d-tp%d, microbatch %d: pipeline %.2f ms measured, %.2f ms modelled: "
-                            "x%.2f", world // k, k, micro, float(measured) * 1e3, predicted.pipeline_s * 1e3, out[k])
+                logger.info("probe dp%d-tp%d, microbatch %d: pipeline %.2f ms measured / %.2f ms modelled (x%.2f); "
+                            "outside the pipeline %.2f / %.2f ms", world // k, k, micro, pipe_s * 1e3,
+                            predicted.pipeline_s * 1e3, scale[k], (step_s - pipe_s) * 1e3, outside * 1e3)
     finally:
         dist.barrier()
         if dist.get_rank() == 0:
             shutil.rmtree(folder[0], ignore_errors=True)
-    return out
+    return ProbeResult(tp_scale=scale, overhead_scale=statistics.median(rest) if rest else 1.0)
 
 
 def _copy(model: nn.Module) -> nn.Module:
@@ -92,16 +118,19 @@ def _copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model)
 
 
-def _pipeline_times(trainer: Any, steps: int) -> list[float]:
-    """Train ``steps`` steps; the pipeline seconds of each (``Trainer.last_pipeline_s``)."""
-    times: list[float] = []
+def _times(trainer: Any, steps: int) -> tuple[list[float], list[float]]:
+    """Train ``steps`` steps; each step's pipeline seconds (``Trainer.last_pipeline_s``) and whole seconds."""
+    pipeline: list[float] = []
+    whole: list[float] = []
     run = trainer.training_step
 
     def step(inputs: Any, labels: Any) -> float:
+        start = time.perf_counter()
         loss = run(inputs, labels)
-        times.append(trainer.last_pipeline_s)
+        whole.append(time.perf_counter() - start)
+        pipeline.append(trainer.last_pipeline_s)
         return loss
 
     trainer.training_step = step
     trainer.train()
-    return times
+    return pipeline, whole

@@ -48,9 +48,13 @@ class ModelProfile:
     optimizer_s_per_byte: float = 0.0
     """Seconds of one optimizer step (gradient clipping and AdamW) per parameter byte."""
     tp_scale: dict[int, float] = field(default_factory=dict)
-    """Per TP degree: measured / modelled forward-and-backward time of the layers (compute and TP
-    all-reduces), from a short run of the real TP-sharded model with every rank busy; 1 where absent.
-    Small layers split over ranks do not run tp times faster on a CPU: this is how much slower."""
+    """Per TP degree (1 included: no TP): measured / modelled forward-and-backward time of the layers
+    (compute and TP all-reduces), from short runs of the real model in the pure DP x TP layouts with
+    every rank busy (``merak_core.tp_probe``); 1 where absent. Small layers split over ranks do not
+    run tp times faster on a CPU: this says how much slower they run."""
+    overhead_scale: float = 1.0
+    """Measured / modelled time outside the pipeline (DP all-reduce, optimizer, clipping, the per-step
+    all-reduces and the ranks' skew), from the same probe runs; 1: not measured."""
     num_heads: int | None = None
     """Attention heads (tp must divide it); None: no constraint."""
     num_kv_heads: int | None = None
@@ -77,10 +81,12 @@ class ModelProfile:
                     raise ValueError(f"ModelProfile.{name} holds {v!r}: expected finite values >= 0")
         scales = {}
         for k, v in dict(self.tp_scale).items():  # JSON gives string keys
-            if int(k) < 2 or not (float(v) > 0 and math.isfinite(float(v))):
-                raise ValueError(f"ModelProfile.tp_scale[{k!r}]={v!r}: expected a TP degree >= 2 and a finite factor > 0")
+            if int(k) < 1 or not (float(v) > 0 and math.isfinite(float(v))):
+                raise ValueError(f"ModelProfile.tp_scale[{k!r}]={v!r}: expected a TP degree >= 1 and a finite factor > 0")
             scales[int(k)] = float(v)
         self.tp_scale = scales
+        if not (self.overhead_scale > 0 and math.isfinite(self.overhead_scale)):
+            raise ValueError(f"ModelProfile.overhead_scale={self.overhead_scale!r}: expected a finite factor > 0")
         if not self.optimizer_s_per_byte >= 0 or math.isinf(self.optimizer_s_per_byte):
             raise ValueError(f"ModelProfile.optimizer_s_per_byte={self.optimizer_s_per_byte}: expected finite seconds >= 0")
         if not self.microbatch_overhead_s >= 0:

@@ -203,12 +203,13 @@ def _evaluate(profile: ModelProfile, comm: CommModel, lay: _Layout, *, schedule:
     result = simulate(build_schedule(name, num_stages=pp, num_microbatches=m, recompute=rplan), costs)
     peak = tuple(st + a for st, a in zip(lay.static, result.peak_memory, strict=True))
     pipeline = result.makespan
-    overhead = _contended(lay.optimizer_s, world, compute_slots) + lay.step_comm_s
+    overhead = (_contended(lay.optimizer_s, world, compute_slots) + lay.step_comm_s) * profile.overhead_scale
+    dp_allreduce = lay.dp_allreduce_s * profile.overhead_scale
     return Candidate(
         dp=lay.dp, tp=lay.tp, pp=pp, schedule=schedule, num_microbatches=m, micro_batch_size=b,
         recompute=recompute, recompute_fractions=fractions, stage_layers=tuple(lay.sizes),
-        step_time_s=pipeline + lay.dp_allreduce_s + overhead, pipeline_s=pipeline,
-        dp_allreduce_s=lay.dp_allreduce_s, peak_memory_bytes=peak, memory_per_device=float(memory_per_device),
+        step_time_s=pipeline + dp_allreduce + overhead, pipeline_s=pipeline,
+        dp_allreduce_s=dp_allreduce, peak_memory_bytes=peak, memory_per_device=float(memory_per_device),
         stage_forward_s=tuple(fwd), stage_backward_s=tuple(bwd), overhead_s=overhead)
 
 
