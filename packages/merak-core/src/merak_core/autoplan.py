@@ -336,7 +336,7 @@ def auto_layout(args: TrainingArguments, model: nn.Module | Callable[[], nn.Modu
     if dist.get_rank() == 0:
         replaced = {k: getattr(args, k) for k in fields if k not in ("dp", "tp", "pp") and getattr(args, k) != fields[k]}
         logger.info("layout auto: %d feasible configurations for %d ranks, %.4g MiB per device, global batch %d, "
-                    "compute slots %s (profile: %d layers on %s)\n%s", payload["count"], world,
+                    "compute slots %.3g (profile: %d layers on %s)\n%s", payload["count"], world,
                     payload["memory"] / 2**20, gbs, payload["slots"], context.profile.num_layers,
                     context.profile.device, payload["table"])
         logger.info("layout auto: training with %s%s", " ".join(f"{k}={v}" for k, v in fields.items()),
