@@ -52,6 +52,7 @@ def test_batch_size_mapping() -> None:
     ({"num_train_epochs": 0.0}, r"num_train_epochs=0.0 is invalid"),
     ({"dtype": "fp8"}, r"dtype='fp8' is invalid"),
     ({"bf16": True, "dtype": "float64"}, r"bf16=True with dtype='float64'.*set dtype='float32'"),
+    ({"plan_probe_tp": "yes"}, r"plan_probe_tp=.yes. is invalid: expected true or false"),
     ({"schedule": "zigzag"}, r"schedule='zigzag' is invalid: expected one of \('auto'"),
     ({"recompute": "uniform:1.5"}, r"recompute='uniform:1.5': the uniform fraction must be a number in \(0, 1\]"),
     ({"recompute": "some"}, r"recompute='some' is not one of"),

@@ -227,6 +227,7 @@ class TrainingArguments:
         _check(self.lr_scheduler_type in LR_SCHEDULER_TYPES, "lr_scheduler_type", self.lr_scheduler_type,
                f"one of {LR_SCHEDULER_TYPES}")
         _check(isinstance(self.bf16, bool), "bf16", self.bf16, "true or false")
+        _check(isinstance(self.plan_probe_tp, bool), "plan_probe_tp", self.plan_probe_tp, "true or false")
         _check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {tuple(DTYPES)}")
         if self.bf16 and self.dtype != "float32":
             raise ValueError(
