@@ -90,6 +90,7 @@ def measure_tp_scale(args: TrainingArguments, model: nn.Module | Callable[[], nn
             with torch.random.fork_rng():
                 copy_ = model() if not isinstance(model, nn.Module) else _copy(model)
                 trainer = Trainer(copy_, probe, train_dataset, None, data_collator=data_collator, layout=layout)
+                trainer.metrics.enabled = False  # no progress line, metrics file or plot for a probe
                 pipeline, step = _times(trainer, steps)
             measured = torch.tensor([statistics.median(pipeline[1:]), statistics.median(step[1:])],
                                     dtype=torch.float64)
