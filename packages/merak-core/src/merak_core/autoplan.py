@@ -160,36 +160,30 @@ def _autocast(args: TrainingArguments, device: torch.device) -> contextlib.Abstr
     return torch.autocast(device.type, dtype=torch.bfloat16) if args.bf16 else contextlib.nullcontext()
 
 
-def _profile_job_model(args: TrainingArguments, model: nn.Module | Callable[[], nn.Module], dataset: Any,
-                       data_collator: Any, device: torch.device) -> ModelProfile:
-    copy_, batch = _job_model_and_batch(args, model, dataset, data_collator, device)
+def _profile_built(args: TrainingArguments, copy_: nn.Module, batch: Any, device: torch.device) -> ModelProfile:
     with _autocast(args, device):
         profile = profile_model(copy_, batch)
     return _relax_vocab(profile, copy_, args.tp_plan)
 
 
-def _cpu_compute_slots(args: TrainingArguments, model: nn.Module | Callable[[], nn.Module], dataset: Any,
-                       data_collator: Any, device: torch.device) -> float | None:
+def _cpu_compute_slots(args: TrainingArguments, built: tuple[nn.Module, Any] | None,
+                       device: torch.device) -> float | None:
     """CPU ranks: world size / how much slower the real model runs with every rank at once (collective).
 
-    Falls back to cores // threads per rank when a rank cannot build the model copy (every rank
-    then agrees, so none waits in the measurement). GPUs: None (a device per rank).
+    ``built`` is this rank's model copy and microbatch (None when building it failed). Falls back to
+    cores // threads per rank when any rank has none (every rank then agrees, so none waits in the
+    measurement). GPUs: None (a device per rank).
     """
     slots = compute_slots(device)
     world = dist.get_world_size()
     if slots is None or world < 2:
         return slots
-    try:
-        copy_, batch = _job_model_and_batch(args, model, dataset, data_collator, device)
-        failed = 0.0
-    except Exception:  # noqa: BLE001 - rank 0's profiling reports the reason
-        copy_, batch, failed = None, None, 1.0
-    flag = torch.tensor([failed])
+    flag = torch.tensor([1.0 if built is None else 0.0])
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if flag.item() > 0 or copy_ is None:
+    if flag.item() > 0 or built is None:
         return slots
     with _autocast(args, device):
-        contention = measure_contention(copy_, batch)
+        contention = measure_contention(*built)
     return max(world / contention, 1.0)
 
 
@@ -234,13 +228,17 @@ def _profile_and_measure(args: TrainingArguments, model: nn.Module | Callable[[]
     rank = dist.get_rank()
     profile: ModelProfile | None = None
     error = ""
-    if rank == 0:
-        try:
-            profile = _profile_job_model(args, model, train_dataset, data_collator, dev)
-        except Exception as exc:  # noqa: BLE001 - reported on every rank below, so none waits forever
+    built: tuple[nn.Module, Any] | None = None
+    try:  # one copy of the model per rank: rank 0 profiles it, every rank times it for the contention
+        built = _job_model_and_batch(args, model, train_dataset, data_collator, dev)
+        if rank == 0:
+            profile = _profile_built(args, *built, dev)
+    except Exception as exc:  # noqa: BLE001 - reported on every rank below, so none waits forever
+        if rank == 0:
             logger.exception("%s: profiling failed", what)
             error = f"{what}: profiling the model failed: {type(exc).__name__}: {exc}"
-    slots = _cpu_compute_slots(args, model, train_dataset, data_collator, dev)
+    slots = _cpu_compute_slots(args, built, dev)
+    built = None  # the copy is not needed any more
     comm = measure_comm()
     if probe_tp:
         profile, error = _with_tp_scale(args, model, train_dataset, data_collator, profile, error, comm, slots)

@@ -20,6 +20,7 @@ random stream as it was; it writes nothing outside a temporary folder.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import shutil
@@ -88,7 +89,7 @@ def measure_tp_scale(args: TrainingArguments, model: nn.Module | Callable[[], nn
                 output_dir=f"{folder[0]}/tp{k}")
             layout = ParallelLayout.build(world // k, k, 1)
             with torch.random.fork_rng():
-                copy_ = model() if not isinstance(model, nn.Module) else _copy(model)
+                copy_ = model() if not isinstance(model, nn.Module) else copy.deepcopy(model)
                 trainer = Trainer(copy_, probe, train_dataset, None, data_collator=data_collator, layout=layout)
                 trainer.metrics.enabled = False  # no progress line, metrics file or plot for a probe
                 pipeline, step = _times(trainer, steps)
@@ -111,12 +112,6 @@ def measure_tp_scale(args: TrainingArguments, model: nn.Module | Callable[[], nn
         if dist.get_rank() == 0:
             shutil.rmtree(folder[0], ignore_errors=True)
     return ProbeResult(tp_scale=scale, overhead_scale=statistics.median(rest) if rest else 1.0)
-
-
-def _copy(model: nn.Module) -> nn.Module:
-    import copy
-
-    return copy.deepcopy(model)
 
 
 def _times(trainer: Any, steps: int) -> tuple[list[float], list[float]]:

@@ -163,15 +163,17 @@ def _find_attr(model: nn.Module, names: Sequence[str]) -> int | None:
     return None
 
 
-def _step_seconds(model: nn.Module, sample: torch.Tensor | Mapping[str, torch.Tensor], repeats: int) -> float:
-    def step() -> None:
-        model.zero_grad(set_to_none=True)
-        y = model(sample) if isinstance(sample, torch.Tensor) else model(**sample)
-        if not isinstance(y, torch.Tensor):
-            y = next(v for v in y.values() if isinstance(v, torch.Tensor))
-        y.float().sum().backward()
+def _forward_backward(model: nn.Module, sample: torch.Tensor | Mapping[str, torch.Tensor]) -> None:
+    """One forward and backward of ``model(sample)`` (the first tensor of a dict / ModelOutput)."""
+    model.zero_grad(set_to_none=True)
+    y = model(sample) if isinstance(sample, torch.Tensor) else model(**sample)
+    if not isinstance(y, torch.Tensor):
+        y = next(v for v in y.values() if isinstance(v, torch.Tensor))
+    y.float().sum().backward()
 
-    return _timed(step, repeats)
+
+def _step_seconds(model: nn.Module, sample: torch.Tensor | Mapping[str, torch.Tensor], repeats: int) -> float:
+    return _timed(lambda: _forward_backward(model, sample), repeats)
 
 
 def measure_contention(model: nn.Module, sample: torch.Tensor | Mapping[str, torch.Tensor], *,
@@ -196,11 +198,7 @@ def measure_contention(model: nn.Module, sample: torch.Tensor | Mapping[str, tor
     first = sample if isinstance(sample, torch.Tensor) else next(iter(sample.values()))
 
     def step() -> None:
-        model.zero_grad(set_to_none=True)
-        y = model(sample) if isinstance(sample, torch.Tensor) else model(**sample)
-        if not isinstance(y, torch.Tensor):
-            y = next(v for v in y.values() if isinstance(v, torch.Tensor))
-        y.float().sum().backward()
+        _forward_backward(model, sample)
 
     def per_step(duration: float, window: tuple[float, float]) -> float:
         """Median seconds of the steps that ran entirely inside ``window`` (fractions of ``duration``)."""

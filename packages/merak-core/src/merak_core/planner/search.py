@@ -115,7 +115,6 @@ class _Layout:
     act1: list[list[float]]  # per stage, per layer, one sample, divided by tp
     layers: list[int]  # layers per stage (len of each stage range)
     static: list[float]  # weights + grads + optimizer states per stage
-    params: list[float]  # parameter bytes per stage (per rank)
     dp_allreduce_s: float
     optimizer_s: float  # optimizer step over this rank's parameters (uncontended)
     step_comm_s: float  # the gradient-norm and loss all-reduces over every rank
@@ -138,7 +137,7 @@ def _layout(profile: ModelProfile, comm: CommModel, dp: int, tp: int, pp: int, z
         fwd1=[sum(profile.layer_forward_s[i] for i in r) / tp for r in stage],
         bwd1=[sum(profile.layer_backward_s[i] for i in r) / tp for r in stage],
         act1=[[profile.layer_activation_bytes[i] / tp for i in r] for r in stage],
-        layers=[len(r) for r in stage], static=static, params=params,
+        layers=[len(r) for r in stage], static=static,
         dp_allreduce_s=max(comm.allreduce_s(p, dp) for p in params) + _wait(comm, dp), optimizer_s=optimizer,
         step_comm_s=2 * (comm.allreduce_s(8.0, world) + _wait(comm, world)))
 
