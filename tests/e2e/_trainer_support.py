@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -97,18 +98,30 @@ def reference_training(name: str, args_kwargs: dict[str, Any], dp: int,
     model = build_model(name)
     ref = REFERENCE_MODELS[name]
     data = TokenDataset(dataset_size, model.config.vocab_size)
+    losses = reference_steps(model, data, args, dp,
+                             lambda batch: ref.loss(model(batch["input_ids"]), batch["labels"]))
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def reference_steps(model: torch.nn.Module, data: Any, args: Any, dp: int,
+                    microbatch_loss: Callable[[dict[str, torch.Tensor]], torch.Tensor]) -> list[float]:
+    """``args.max_steps`` single-process steps over the Trainer's microbatches; the loss of each step.
+
+    Each global batch is split as the Trainer splits it (:func:`reference_microbatches`), the
+    gradients of the microbatch losses are averaged, clipped to ``args.max_grad_norm`` and applied
+    with :func:`reference_optimizer`.
+    """
     opt, sched = reference_optimizer(model, args)
     losses = []
     for chunks in reference_microbatches(len(data), args, dp):
         model.zero_grad(set_to_none=True)
         total = 0.0
         for chunk in chunks:
-            batch = torch.utils.data.default_collate([data[i] for i in chunk])
-            loss = ref.loss(model(batch["input_ids"]), batch["labels"]) / len(chunks)
+            loss = microbatch_loss(torch.utils.data.default_collate([data[i] for i in chunk])) / len(chunks)
             loss.backward()
             total += float(loss.detach())
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         opt.step()
         sched.step()
         losses.append(total)
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return losses

@@ -26,7 +26,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from tests.e2e._trainer_support import reference_microbatches, reference_optimizer
+from tests.e2e._trainer_support import reference_steps
 from tests.support.compare import assert_tensors_close
 from tests.support.dist import run_on_ranks
 
@@ -149,21 +149,12 @@ def reference_training(name: str, args_kwargs: dict[str, Any], dp: int, with_mas
     model = build_hf_model(name)
     data = PaddedTokens(48, with_mask=with_mask)
     params = dict(model.named_parameters())  # tied parameters once
-    opt, sched = reference_optimizer(model, args)
-    losses = []
-    for chunks in reference_microbatches(len(data), args, dp):
-        model.zero_grad(set_to_none=True)
-        total = 0.0
-        for chunk in chunks:
-            batch = torch.utils.data.default_collate([data[i] for i in chunk])
-            labels = batch.pop("labels")
-            loss = lm_loss(model(**batch), labels) / len(chunks)
-            loss.backward()
-            total += float(loss.detach())
-        torch.nn.utils.clip_grad_norm_(params.values(), args.max_grad_norm)
-        opt.step()
-        sched.step()
-        losses.append(total)
+
+    def microbatch_loss(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        labels = batch.pop("labels")
+        return lm_loss(model(**batch), labels)
+
+    losses = reference_steps(model, data, args, dp, microbatch_loss)
     eval_data = PaddedTokens(EVAL_SIZE, seed=1, with_mask=with_mask)
     ebs, num_micro = eval_micro_batch_size or args.per_device_eval_batch_size, args.gradient_accumulation_steps
     usable = len(eval_data) // (ebs * num_micro * dp) * (ebs * num_micro * dp)
