@@ -62,6 +62,10 @@ def test_batch_size_mapping() -> None:
     ({"memory_budget": "lots"}, r"cannot read memory size 'lots'"),
     ({"eval_steps": 0}, r"eval_steps=0 is invalid"),
     ({"tp_plan": {"q_proj": 1}}, r"tp_plan=.* is invalid"),
+    ({"seed": 10**23}, r"seed=100000000000000000000000 is invalid: expected an integer in \[0, 4294967295\]"),
+    ({"seed": -1}, r"seed=-1 is invalid: expected an integer >= 0"),
+    ({"comm_timeout_s": 0}, r"comm_timeout_s=0.0 is invalid: expected a positive number of seconds"),
+    ({"comm_timeout_s": float("inf")}, r"comm_timeout_s=inf is invalid: expected a number >= 0.0"),
 ])
 def test_validation_names_value_and_fix(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -217,3 +221,14 @@ def test_matches_transformers_when_installed() -> None:
             theirs_opt.step()
             ours.step()
             theirs.step()
+
+
+def test_comm_timeout_is_a_job_setting(tmp_path: Path) -> None:
+    """``training.comm_timeout_s`` (600 s by default) is a YAML key and an override, read as a timedelta."""
+    import datetime
+
+    assert TrainingArguments().comm_timeout == datetime.timedelta(seconds=600)
+    path = tmp_path / "train.yaml"
+    path.write_text("comm_timeout_s: 45\n")
+    assert TrainingArguments.from_yaml(path).comm_timeout_s == 45.0
+    assert TrainingArguments.from_yaml(path, ["comm_timeout_s=2.5"]).comm_timeout == datetime.timedelta(seconds=2.5)

@@ -46,6 +46,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", default=None, metavar="PATH|latest|auto",
                    help="resume from a checkpoint directory, the latest one in output_dir, or 'auto' (latest if "
                         "there is one, else start fresh); torchrun restarts resume with 'auto' by themselves")
+    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                   help="seconds a collective or pipeline transfer waits for a peer before the step fails "
+                        "(sets training.comm_timeout_s; default: the job's, 600)")
     p.add_argument("--dry-run", action="store_true", help="print the torchrun command and exit")
 
 
@@ -94,6 +97,8 @@ def torchrun_command(args: argparse.Namespace, world_size: int | None) -> list[s
 def _train(args: argparse.Namespace) -> int:
     from merak_core.job import JobConfig
 
+    if args.timeout is not None:  # one more override, so the ranks read the same value from the job
+        args.overrides = [*args.overrides, f"training.comm_timeout_s={args.timeout!r}"]
     job = JobConfig.from_yaml(args.config, args.overrides)  # validates before any process starts
     t = job.training
     if t.layout == "auto" and args.nproc_per_node is None:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import datetime
 import difflib
 import inspect
 import logging
@@ -55,9 +56,12 @@ import torch
 logger = logging.getLogger(__name__)
 
 LR_SCHEDULER_TYPES = ("constant", "linear", "cosine")
+NONFINITE_POLICIES = ("stop", "skip")
 SCHEDULES = ("auto", "gpipe", "1f1b", "interleaved_1f1b", "shifted_critical_path", "zb_h1")
 """Pipeline schedules (merak-pipe spells them with hyphens; both spellings are accepted, stored with underscores)."""
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MAX_SEED = 2**32 - 1
+"""The largest ``seed``: seeds are offset per epoch and per TP rank and must stay valid for every generator."""
 LAYOUTS = ("manual", "auto")
 """``training.layout``: the job's degrees, or the planner's choice at start-up."""
 KEY_ALIASES = {"num_microbatches": "gradient_accumulation_steps", "micro_batch_size": "per_device_train_batch_size"}
@@ -161,6 +165,13 @@ class TrainingArguments:
     """Parameter dtype: ``float32``, ``float64``, ``bfloat16`` or ``float16``."""
     dataloader_num_workers: int = 0
     """Worker processes of the data loader on the ranks that read data."""
+    nonfinite: str = "stop"
+    """A step whose loss or gradient norm is NaN or infinite: ``stop`` raises an error naming the step, the
+    loss, the gradient norm and the first non-finite gradient; ``skip`` drops the step (no optimizer update,
+    the learning-rate schedule does not advance) and counts it in the metrics (``skipped_steps``)."""
+    comm_timeout_s: float = 600.0
+    """Seconds a collective or pipeline transfer may wait for a peer before the step fails
+    (every process group of the layout); ``merak train --timeout`` sets it too."""
 
     # ------------------------------------------------------------ Merak's parallel fields
     dp: int | None = None
@@ -209,6 +220,10 @@ class TrainingArguments:
             _check_int(self, name, minimum=1)
         for name in ("warmup_steps", "seed", "dataloader_num_workers"):
             _check_int(self, name, minimum=0)
+        _check(self.seed <= MAX_SEED, "seed", self.seed, f"an integer in [0, {MAX_SEED}] (2**32 - 1)")
+        _check_float(self, "comm_timeout_s", minimum=0.0)
+        _check(self.comm_timeout_s > 0, "comm_timeout_s", self.comm_timeout_s,
+               "a positive number of seconds such as 600")
         for name in ("eval_steps", "save_steps", "save_total_limit", "dp"):
             if getattr(self, name) is not None:
                 _check_int(self, name, minimum=1, hint="or null")
@@ -229,6 +244,13 @@ class TrainingArguments:
         _check(isinstance(self.bf16, bool), "bf16", self.bf16, "true or false")
         _check(isinstance(self.plan_probe_tp, bool), "plan_probe_tp", self.plan_probe_tp, "true or false")
         _check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {tuple(DTYPES)}")
+        _check(self.nonfinite in NONFINITE_POLICIES, "nonfinite", self.nonfinite, f"one of {NONFINITE_POLICIES}")
+        if self.dtype == "float16":
+            raise ValueError(
+                "dtype='float16' trains without loss scaling, so small gradients underflow to 0 and large "
+                "activations overflow to inf/NaN: use bf16: true (bfloat16 autocast over float32 parameters) "
+                "or dtype: bfloat16"
+            )
         if self.bf16 and self.dtype != "float32":
             raise ValueError(
                 f"bf16=True with dtype={self.dtype!r}: mixed precision keeps float32 parameters, so set "
@@ -306,6 +328,11 @@ class TrainingArguments:
     def torch_dtype(self) -> torch.dtype:
         """``dtype`` as a ``torch.dtype``."""
         return DTYPES[self.dtype]
+
+    @property
+    def comm_timeout(self) -> datetime.timedelta:
+        """``comm_timeout_s`` as the ``timedelta`` that process groups take."""
+        return datetime.timedelta(seconds=self.comm_timeout_s)
 
     @property
     def recompute_mode(self) -> tuple[str, float | None]:

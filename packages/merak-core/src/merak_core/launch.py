@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import sys
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -35,7 +36,7 @@ def resume_target(requested: str | None) -> str | None:
     return None
 
 
-def init_restarted_process_group() -> None:
+def init_restarted_process_group(timeout: timedelta | None = None) -> None:
     """After a torchrun restart, join the default process group under a key prefix of this attempt.
 
     [Note: restart rendezvous] torchrun restarts the workers against the same store
@@ -50,16 +51,17 @@ def init_restarted_process_group() -> None:
         return
     from merak_core.layout import DEFAULT_TIMEOUT
 
+    timeout = DEFAULT_TIMEOUT if timeout is None else timeout
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                          is_master=not agent_hosts_store and rank == 0, timeout=DEFAULT_TIMEOUT,
+                          is_master=not agent_hosts_store and rank == 0, timeout=timeout,
                           multi_tenant=not agent_hosts_store)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, store=dist.PrefixStore(f"merak/attempt_{attempt}", store), rank=rank,
-                            world_size=world_size, timeout=DEFAULT_TIMEOUT)
+                            world_size=world_size, timeout=timeout)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,13 +83,13 @@ def main(argv: list[str] | None = None) -> int:
 
     job = JobConfig.from_yaml(args.config, args.overrides)
     targs = job.training
-    init_restarted_process_group()
+    init_restarted_process_group(targs.comm_timeout)
     train_data, eval_data = job.build_datasets()
     from merak_core.autoplan import plan_for_job  # layout: auto / the plan check's profile (collective)
 
     targs, plan_context = plan_for_job(targs, job.build_model, train_data, data_collator=job.optional("collate"),
                                        job_file=args.config, job_overrides=args.overrides)
-    layout = init(dp=targs.dp, tp=targs.tp, pp=targs.pp)
+    layout = init(dp=targs.dp, tp=targs.tp, pp=targs.pp, timeout=targs.comm_timeout)
     torch.manual_seed(targs.seed)
     model = job.build_model()
     trainer = Trainer(model, targs, train_data, eval_data, loss_fn=job.optional("loss"),
