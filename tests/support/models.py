@@ -438,3 +438,6 @@ __all__ = [
     "ReferenceModel", "ResNet", "RMSNorm", "build_reference", "class_loss", "init_like_gpt2",
     "lm_loss",
 ]
+
+# The reference models' TP plans, registered for these classes (after they are defined).
+from tests.support import tp_plans as _tp_plans  # noqa: E402,F401

@@ -24,10 +24,15 @@ def test_plan_lookup_and_registry() -> None:
     with pytest.raises(ValueError, match="unknown styles"):
         merak_tp.TPPlan(name="bad", layers={"fc": "diagonal"})
     plan = merak_tp.TPPlan(name="test_registry_plan", layers={"fc1": "column", "fc2": "row"})
-    merak_tp.register_plan(plan, model_types=("MLPBlock",))
+    merak_tp.register_plan(plan, classes=(B.MLPBlock,))
     with pytest.raises(ValueError, match="exists"):
         merak_tp.register_plan(plan)
     assert merak_tp.plan_for_model(B.MLPBlock()).name == "test_registry_plan"
+
+    # A user class that shares a registered class's name gets no plan by accident.
+    namesake = type("GPT", (nn.Module,), {})
+    with pytest.raises(ValueError, match="no built-in TP plan for GPT"):
+        merak_tp.plan_for_model(namesake())
 
 
 def test_single_process_parallelize_is_the_identity() -> None:

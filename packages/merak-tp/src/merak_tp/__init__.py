@@ -17,6 +17,7 @@ from merak_tp.collectives import (
 )
 from merak_tp.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from merak_tp.loss import vocab_parallel_cross_entropy
+from merak_tp.moe_norm import ShardedRMSNorm, TPExperts, shard_experts
 from merak_tp.overlap import (
     SequenceGather,
     SequenceScatter,
@@ -27,17 +28,28 @@ from merak_tp.overlap import (
     remove_region,
 )
 from merak_tp.parallelize import gather_tensor, is_replicated, parallelize
-from merak_tp.plans import STYLES, TPPlan, get_plan, plan_for_model, register_plan
+from merak_tp.plans import (
+    MODULE_KINDS,
+    STYLES,
+    TPPlan,
+    get_plan,
+    list_plans,
+    plan_for_model,
+    plan_from_mapping,
+    register_plan,
+)
 from merak_tp.rng import RNGTracker, sharded_dropout, tp_seed
 
 __version__ = "0.1.0"
 
 TP_LEAF_MODULES: tuple[type, ...] = (
     ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, TPRegion, SequenceScatter, SequenceGather,
+    ShardedRMSNorm, TPExperts,
 )
 """Classes an fx tracer must keep as opaque leaves (``isinstance`` covers the region subclasses)."""
 
 __all__ = [
+    "MODULE_KINDS",
     "STYLES",
     "TP_LEAF_MODULES",
     "ColumnParallelLinear",
@@ -45,6 +57,8 @@ __all__ = [
     "RowParallelLinear",
     "SequenceGather",
     "SequenceScatter",
+    "ShardedRMSNorm",
+    "TPExperts",
     "TPPlan",
     "TPRegion",
     "VocabParallelEmbedding",
@@ -55,11 +69,13 @@ __all__ = [
     "gather_tensor",
     "get_plan",
     "is_replicated",
+    "list_plans",
     "make_region",
     "make_sequence_gather",
     "make_sequence_scatter",
     "parallelize",
     "plan_for_model",
+    "plan_from_mapping",
     "record_overlap_events",
     "reduce_from_tp_region",
     "reduce_scatter_to_sequence_region",
@@ -67,6 +83,7 @@ __all__ = [
     "remove_region",
     "scatter_to_sequence_region",
     "scatter_to_tp_region",
+    "shard_experts",
     "sharded_dropout",
     "tp_seed",
     "vocab_parallel_cross_entropy",

@@ -8,7 +8,9 @@ the world or a subgroup from ``dist.new_group``; TP rank = ``dist.get_rank(group
 contiguous equal blocks in rank order, or ``None`` when the parameter is
 replicated (identical on every TP rank, with an identical gradient).
 ``param._merak_tp_sections`` (default 1) says the sharded dim is made of that
-many equal sections, each split separately (a fused q/k/v projection);
+many sections, each split separately (a fused q/k/v or gate/up projection); unequal
+sections (grouped-query q/k/v) also carry ``param._merak_tp_section_sizes``, the
+full size of each section;
 ``merak_tp.gather_tensor`` uses both to rebuild the full tensor. A weight sliced
 from a transformers ``Conv1D`` (stored (in, out)) is kept in ``nn.Linear``'s
 (out, in) layout and has ``param._merak_tp_transposed = True``: transpose the
@@ -44,13 +46,34 @@ logger = logging.getLogger(__name__)
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"]
 
 
-def _mark(param: nn.Parameter, dim: int | None, sections: int = 1) -> nn.Parameter:
+Sections = int | tuple[int, ...]
+"""Equal sections (a count) or the full sizes of unequal sections along the sharded dim."""
+
+
+def section_sizes(sections: Sections, size: int) -> tuple[int, ...]:
+    """The full size of every section of a dim of ``size`` (``sections`` a count or explicit sizes)."""
+    if isinstance(sections, int):
+        if sections < 1 or size % sections:
+            raise ValueError(f"sections={sections} must be >= 1 and divide the size {size}")
+        return (size // sections,) * sections
+    sizes = tuple(int(s) for s in sections)
+    if not sizes or any(s < 1 for s in sizes) or sum(sizes) != size:
+        raise ValueError(f"section sizes {sizes} must be positive and add up to the size {size}")
+    return sizes
+
+
+def _mark(param: nn.Parameter, dim: int | None, sections: Sections = 1) -> nn.Parameter:
     param._merak_tp_dim = dim  # type: ignore[attr-defined]
-    param._merak_tp_sections = sections  # type: ignore[attr-defined]
+    if isinstance(sections, int):
+        param._merak_tp_sections = sections  # type: ignore[attr-defined]
+    else:
+        param._merak_tp_sections = len(sections)  # type: ignore[attr-defined]
+        if len(set(sections)) > 1:
+            param._merak_tp_section_sizes = tuple(sections)  # type: ignore[attr-defined]
     return param
 
 
-_TAGS = ("_merak_tp_dim", "_merak_tp_sections", "_merak_tp_transposed")
+_TAGS = ("_merak_tp_dim", "_merak_tp_sections", "_merak_tp_section_sizes", "_merak_tp_transposed")
 
 
 class _KeepsShardTags:
@@ -86,9 +109,10 @@ def _divide(size: int, world: int, what: str, layer: str) -> int:
     return size // world
 
 
-def _shard(full: torch.Tensor, dim: int, world: int, rank: int, sections: int = 1) -> torch.Tensor:
-    """This rank's block of ``full`` along ``dim`` (each of ``sections`` parts split separately)."""
-    parts = full.chunk(sections, dim=dim) if sections > 1 else (full,)
+def _shard(full: torch.Tensor, dim: int, world: int, rank: int, sections: Sections = 1) -> torch.Tensor:
+    """This rank's block of ``full`` along ``dim`` (each section split separately, see ``section_sizes``)."""
+    sizes = section_sizes(sections, full.size(dim))
+    parts = full.split(list(sizes), dim=dim) if len(sizes) > 1 else (full,)
     local = [p.chunk(world, dim=dim)[rank] for p in parts]
     out = local[0] if len(local) == 1 else torch.cat(local, dim=dim)
     return out.clone() if out.device.type != "meta" else out.contiguous()
@@ -125,15 +149,14 @@ class ColumnParallelLinear(_KeepsShardTags, nn.Module):
     def __init__(
         self, in_features: int, out_features: int, *, group: Any, bias: bool = True,
         gather_output: bool = False, sequence_parallel: bool = False, sequence_dim: int = 1,
-        overlap_chunks: int = 1, sections: int = 1, device: Any = None, dtype: torch.dtype | None = None,
+        overlap_chunks: int = 1, sections: Sections = 1, device: Any = None, dtype: torch.dtype | None = None,
         _skip_init: bool = False,
     ) -> None:
         super().__init__()
         if overlap_chunks < 1:
             raise ValueError(f"overlap_chunks must be >= 1, got {overlap_chunks}")
-        if sections < 1 or out_features % sections:
-            raise ValueError(f"sections={sections} must be >= 1 and divide out_features={out_features}")
-        if gather_output and sections > 1:
+        sizes = section_sizes(sections, out_features)
+        if gather_output and len(sizes) > 1:
             raise ValueError("gather_output=True is not supported for a fused (sections > 1) projection")
         self._group_ref = _GroupRef(group)
         self.tp_size = tp_size(group)
@@ -141,8 +164,9 @@ class ColumnParallelLinear(_KeepsShardTags, nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         self.sections = sections
-        self.out_features_per_rank = _divide(out_features, self.tp_size * sections, "out_features",
-                                             type(self).__name__) * sections
+        self.out_features_per_rank = sum(_divide(size, self.tp_size, "out_features" if len(sizes) == 1
+                                                 else f"out_features section {i} of {sizes}", type(self).__name__)
+                                         for i, size in enumerate(sizes))
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel
         self.sequence_dim = sequence_dim
@@ -173,7 +197,7 @@ class ColumnParallelLinear(_KeepsShardTags, nn.Module):
     @classmethod
     def from_linear(
         cls, linear: nn.Module, *, group: Any, gather_output: bool = False, sequence_parallel: bool = False,
-        sequence_dim: int = 1, overlap_chunks: int = 1, sections: int = 1, transposed: bool = False,
+        sequence_dim: int = 1, overlap_chunks: int = 1, sections: Sections = 1, transposed: bool = False,
     ) -> ColumnParallelLinear:
         """Slice an existing ``nn.Linear`` (real or meta weights) into this rank's column shard.
 
@@ -329,7 +353,8 @@ class VocabParallelEmbedding(_KeepsShardTags, nn.Module):
     Each rank looks up the ids in its block of the vocabulary (others give zero)
     and the partial results are all-reduced. The weight has the same layout as a
     ``ColumnParallelLinear`` over the vocabulary, so a tied output projection can
-    share the very same local shard.
+    share the very same local shard. ``embed_scale`` multiplies the looked-up rows (an
+    embedding scaled by sqrt(hidden), as Gemma's), kept as a non-persistent buffer.
     """
 
     @property
@@ -339,7 +364,8 @@ class VocabParallelEmbedding(_KeepsShardTags, nn.Module):
 
     def __init__(
         self, num_embeddings: int, embedding_dim: int, *, group: Any, padding_idx: int | None = None,
-        device: Any = None, dtype: torch.dtype | None = None, _skip_init: bool = False,
+        embed_scale: float | torch.Tensor | None = None, device: Any = None, dtype: torch.dtype | None = None,
+        _skip_init: bool = False,
     ) -> None:
         super().__init__()
         self._group_ref = _GroupRef(group)
@@ -354,6 +380,13 @@ class VocabParallelEmbedding(_KeepsShardTags, nn.Module):
         self.padding_idx = padding_idx
         self.weight = _mark(nn.Parameter(torch.empty(self.num_embeddings_per_rank, embedding_dim,
                                                      device=device, dtype=dtype)), 0)
+        self.embed_scale: torch.Tensor | None
+        if embed_scale is None:
+            self.embed_scale = None
+        else:
+            scale = embed_scale.detach().clone() if isinstance(embed_scale, torch.Tensor) \
+                else torch.tensor(float(embed_scale), device=device)
+            self.register_buffer("embed_scale", scale, persistent=False)
         if not _skip_init:
             self.reset_parameters()
 
@@ -370,13 +403,19 @@ class VocabParallelEmbedding(_KeepsShardTags, nn.Module):
             self.weight.copy_(_shard(full, 0, self.tp_size, self.tp_rank))
 
     @classmethod
-    def from_embedding(cls, embedding: nn.Embedding, *, group: Any) -> VocabParallelEmbedding:
-        """Slice an existing ``nn.Embedding`` (real or meta weights) into this rank's vocab shard."""
+    def from_embedding(cls, embedding: nn.Embedding, *, group: Any,
+                       embed_scale: float | torch.Tensor | None = None) -> VocabParallelEmbedding:
+        """Slice an existing ``nn.Embedding`` (real or meta weights) into this rank's vocab shard.
+
+        ``embed_scale``: the factor the source module's forward multiplies its rows by, if any.
+        """
         if getattr(embedding, "max_norm", None) is not None or getattr(embedding, "sparse", False):
             raise ValueError("VocabParallelEmbedding supports neither max_norm nor sparse embeddings")
         num, dim = embedding.weight.shape
-        layer = cls(num, dim, group=group, padding_idx=embedding.padding_idx, device="meta",
-                    dtype=embedding.weight.dtype, _skip_init=True)
+        if embed_scale is not None and not isinstance(embed_scale, torch.Tensor):
+            embed_scale = torch.tensor(float(embed_scale), device=embedding.weight.device)
+        layer = cls(num, dim, group=group, padding_idx=embedding.padding_idx, embed_scale=embed_scale,
+                    device="meta", dtype=embedding.weight.dtype, _skip_init=True)
         w = _shard(embedding.weight.detach(), 0, layer.tp_size, layer.tp_rank)
         layer.weight = _mark(nn.Parameter(w, requires_grad=embedding.weight.requires_grad), 0)
         return layer
@@ -390,13 +429,20 @@ class VocabParallelEmbedding(_KeepsShardTags, nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return nn.functional.embedding(ids, self.weight, self.padding_idx)
-        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
-        local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
-        out = nn.functional.embedding(local_ids, self.weight, self._local_padding_idx())
-        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tp_region(out, self.group)
+            out = nn.functional.embedding(ids, self.weight, self.padding_idx)
+        else:
+            outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+            local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
+            out = nn.functional.embedding(local_ids, self.weight, self._local_padding_idx())
+            out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+            out = reduce_from_tp_region(out, self.group)
+        if self.embed_scale is not None:
+            # One non-zero row per token in the sum: scaling after the reduction is exact.
+            out = out * self.embed_scale.to(self.weight.dtype)
+        return out
 
     def extra_repr(self) -> str:
+        scale = "" if self.embed_scale is None else f", embed_scale={float(self.embed_scale):g}" \
+            if self.embed_scale.device.type != "meta" else ", embed_scale=(meta)"
         return (f"{self.num_embeddings} (per rank {self.num_embeddings_per_rank}), {self.embedding_dim}, "
-                f"tp={self.tp_size}")
+                f"tp={self.tp_size}{scale}")

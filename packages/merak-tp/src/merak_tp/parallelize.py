@@ -14,10 +14,19 @@ Steps, in an order that leaves the model untouched if anything is invalid:
 
 After it, every parameter has ``_merak_tp_dim`` (see [Note: shard metadata] in
 ``layers.py``); ``gather_tensor`` rebuilds a full tensor from the shards.
+
+[Note: stock forwards] A module is replaced by a parallel layer only when the
+result cannot change: its class's forward is ``nn.Linear``'s or
+``nn.Embedding``'s (subclasses that keep it are fine), it is a transformers
+``Conv1D``, or the plan declares its class in ``module_kinds`` (e.g. Gemma's
+scaled embedding as ``scaled_embedding``, whose scale the parallel embedding
+keeps). Any other module under a sharding style is an error naming it, its
+class and the fix; a plan pattern that matches no module is an error too.
 """
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import logging
 from typing import Any
@@ -29,8 +38,9 @@ from torch import nn
 from merak_tp._compat import all_gather_dim0
 from merak_tp.collectives import tp_size
 from merak_tp.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from merak_tp.moe_norm import ShardedRMSNorm, shard_experts
 from merak_tp.overlap import make_region, make_sequence_gather, make_sequence_scatter
-from merak_tp.plans import TPPlan, get_plan, plan_for_model
+from merak_tp.plans import TPPlan, get_plan, plan_for_model, resolve_sections
 
 logger = logging.getLogger(__name__)
 
@@ -45,94 +55,110 @@ def _match(name: str, patterns: Any) -> str | None:
 
 
 def _is_conv1d(module: nn.Module) -> bool:
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+    cls = type(module)
+    return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers") and hasattr(module, "nf")
 
 
-def _build(module: nn.Module, name: str, style: str, *, group: Any, chunks: int, sp: bool, in_region: bool,
-           vocab_loss: bool, head_sp: bool) -> nn.Module:
-    transposed = _is_conv1d(module)
+_NEEDS = {"vocab": "an nn.Embedding", "experts": "a transformers experts module", "sharded_norm": "an RMSNorm"}
+
+
+def _kind(module: nn.Module, name: str, style: str, plan: TPPlan) -> str:
+    """How ``module`` is sharded under ``style``: its stock kind, or the kind the plan declares for its class.
+
+    See [Note: stock forwards].
+    """
+    if style in ("experts", "sharded_norm"):
+        return style
+    cls = type(module)
+    declared = plan.module_kinds.get(cls.__name__)
     if style == "vocab":
-        if not isinstance(module, nn.Embedding):
-            raise ValueError(f"{name}: style 'vocab' needs an nn.Embedding, got {type(module).__name__}")
-        return VocabParallelEmbedding.from_embedding(module, group=group)
-    if not (isinstance(module, nn.Linear) or transposed):
-        raise ValueError(f"{name}: style {style!r} needs an nn.Linear (or transformers Conv1D), "
-                         f"got {type(module).__name__}")
+        if declared in ("embedding", "scaled_embedding") and isinstance(module, nn.Embedding):
+            return declared
+        if isinstance(module, nn.Embedding) and cls.forward is nn.Embedding.forward:
+            return "embedding"
+        base, what = "nn.Embedding", "a plain lookup of its rows"
+        fixes = "'embedding' (a plain lookup) or 'scaled_embedding' (rows times module.embed_scale)"
+    else:
+        if _is_conv1d(module):
+            return "conv1d"
+        if declared == "linear" and isinstance(module, nn.Linear):
+            return "linear"
+        if isinstance(module, nn.Linear) and cls.forward is nn.Linear.forward:
+            return "linear"
+        base, what, fixes = "nn.Linear", "x @ weight.T + bias", "'linear'"
+    if not isinstance(module, nn.Embedding if style == "vocab" else nn.Linear):
+        raise ValueError(f"{name}: style {style!r} needs an {base} (or transformers Conv1D, or a class the plan "
+                         f"declares in module_kinds), got {cls.__name__}; give {name!r} another style or "
+                         "leave it replicated")
+    raise ValueError(
+        f"{name}: {cls.__module__}.{cls.__qualname__} subclasses {base} but overrides forward, so replacing it "
+        f"by a parallel layer could change the result. If its forward computes exactly {what}, declare it in "
+        f"the plan: module_kinds={{{cls.__name__!r}: {fixes}}}; otherwise leave {name!r} replicated "
+        "(style 'replicate' or no pattern)")
+
+
+def _build(module: nn.Module, name: str, style: str, kind: str, sections: Any, *, group: Any, chunks: int,
+           sp: bool, in_region: bool, vocab_loss: bool, head_sp: bool) -> nn.Module:
+    if kind == "experts":
+        return shard_experts(module, name, group=group)
+    if kind == "sharded_norm":
+        return ShardedRMSNorm.from_norm(module, name, group=group)
+    if style == "vocab":
+        if kind == "scaled_embedding":
+            scale = getattr(module, "embed_scale", None)
+            if not isinstance(scale, (torch.Tensor, float, int)):
+                raise ValueError(f"{name}: declared 'scaled_embedding' but {type(module).__name__} has no "
+                                 f"embed_scale (got {scale!r})")
+            return VocabParallelEmbedding.from_embedding(module, group=group, embed_scale=scale)  # type: ignore[arg-type]
+        return VocabParallelEmbedding.from_embedding(module, group=group)  # type: ignore[arg-type]
+    transposed = kind == "conv1d"
     if style in ("column", "column_qkv", "lm_head"):
         return ColumnParallelLinear.from_linear(
             module, group=group, gather_output=style == "lm_head" and not vocab_loss,
             sequence_parallel=sp and not in_region and (style != "lm_head" or head_sp), overlap_chunks=chunks,
-            sections=3 if style == "column_qkv" else 1, transposed=transposed)
+            sections=3 if style == "column_qkv" else sections, transposed=transposed)
     if style == "row":
         return RowParallelLinear.from_linear(module, group=group, sequence_parallel=sp, overlap_chunks=chunks,
                                              transposed=transposed)
     raise AssertionError(style)
 
 
-def parallelize(
-    model: nn.Module, plan: TPPlan | str | None = None, *, group: Any, overlap_chunks: int = 1,
-    sequence_parallel: bool = False, vocab_parallel_loss: bool | None = None, rng_tracker: Any = None,
-) -> nn.Module:
-    """Tensor-parallelize ``model`` in place over ``group`` and return it.
+def _check_patterns(model: nn.Module, plan: TPPlan, names: list[str]) -> None:
+    """Every pattern of the plan matches at least one module (unless listed in ``plan.optional``)."""
+    groups = (("layers", plan.layers), ("attributes", plan.attributes), ("regions", plan.regions))
+    for where, patterns in groups:
+        for pattern in patterns:
+            if pattern in plan.optional or any(fnmatch.fnmatchcase(n, pattern) for n in names if n):
+                continue
+            close = difflib.get_close_matches(pattern, [n for n in names if n], n=3, cutoff=0.5)
+            raise ValueError(
+                f"TP plan {plan.name!r}: {where} pattern {pattern!r} matched no module of {type(model).__name__} "
+                f"(closest module names: {close or 'none'}); fix the pattern against model.named_modules() "
+                "('*' matches any text, dots included), or list it in the plan's optional patterns")
 
-    ``plan``: a ``TPPlan``, a registered plan name, or ``None`` for the built-in
-    plan of the model's type. ``overlap_chunks``: sub-microbatches for the
-    overlapped (sub-pipelined) collectives, 1 = plain TP. ``sequence_parallel``:
-    Megatron-style sequence parallelism between the regions (the sequence
-    length must be divisible by the TP size). ``vocab_parallel_loss`` overrides
-    the plan's choice: True leaves the LM head's logits sharded along the
-    vocabulary for ``vocab_parallel_cross_entropy``; the default keeps the
-    model's output equal to the unsharded model's. ``rng_tracker``: an
-    ``RNGTracker`` holding a "tp" state (``tracker.add("tp", tp_seed(seed, group))``);
-    the plan's ``rng_regions`` then draw their dropout from it (a different stream on
-    each TP rank), everything else from the default generator (same seed on every TP rank).
-    """
-    if overlap_chunks < 1:
-        raise ValueError(f"overlap_chunks={overlap_chunks}: expected an integer >= 1 (1 = no overlap)")
-    if rng_tracker is not None and "tp" not in rng_tracker.get_states():
-        raise ValueError('rng_tracker has no "tp" state: call tracker.add("tp", merak_tp.tp_seed(seed, group)) '
-                         "before parallelize")
-    if plan is None:
-        plan = plan_for_model(model)
-    elif isinstance(plan, str):
-        plan = get_plan(plan)
-    vocab_loss = plan.vocab_parallel_loss if vocab_parallel_loss is None else vocab_parallel_loss
-    tp = tp_size(group)
-    named = dict(model.named_modules())
-    region_names = [n for n in named if _match(n, plan.regions) is not None]  # "" = the model itself
 
-    # 1. attributes: check everything before changing anything.
-    new_attrs: list[tuple[nn.Module, str, int]] = []
+def _attributes(named: dict[str, nn.Module], plan: TPPlan, tp: int) -> list[tuple[str, str, int]]:
+    """(module name, attribute, per-rank value) for every attribute the plan divides; checked first."""
+    out: list[tuple[str, str, int]] = []
     for name, module in named.items():
         pattern = _match(name, plan.attributes)
         if pattern is None:
             continue
         for attr in plan.attributes[pattern]:
             value = getattr(module, attr, None)
-            if not isinstance(value, int):
-                continue
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"TP plan {plan.name!r}: attribute {attr!r} of {name} ({type(module).__name__}) "
+                                 f"is {value!r}, not an integer to divide by the TP size; fix the plan's "
+                                 f"attributes for pattern {pattern!r}")
             if value % tp:
                 raise ValueError(f"{name}.{attr}={value} is not divisible by the tensor-parallel size {tp}; "
                                  f"choose a TP degree that divides {value}")
-            new_attrs.append((module, attr, value // tp))
+            out.append((name, attr, value // tp))
+    return out
 
-    # 2. build the parallel layers (nothing in the model changes yet).
-    replaced: list[tuple[str, nn.Module, nn.Module]] = []
-    for name, module in named.items():
-        pattern = _match(name, plan.layers) if name else None
-        if pattern is None or plan.layers[pattern] == "replicate":
-            continue
-        in_region = any(r == "" or name.startswith(r + ".") for r in region_names)
-        new = _build(module, name, plan.layers[pattern], group=group, chunks=overlap_chunks,
-                     sp=sequence_parallel, in_region=in_region, vocab_loss=vocab_loss,
-                     head_sp=not plan.sequence_gather)
-        new._merak_name = name  # type: ignore[assignment]
-        replaced.append((name, module, new))
-    if not replaced:
-        raise ValueError(f"TP plan {plan.name!r} matched no module of {type(model).__name__}: check its "
-                         f"patterns {sorted(plan.layers)} against model.named_modules()")
 
-    # 3. swap in, keeping ties: a parameter shared by several modules is sliced once.
+def _swap_in(model: nn.Module, replaced: list[tuple[str, nn.Module, nn.Module]]) -> None:
+    """Put the new layers in place, keeping ties: a parameter shared by several modules is sliced once."""
     shard_of: dict[int, nn.Parameter] = {}
     for name, old, new in replaced:
         for pname, new_p in list(new.named_parameters(recurse=False)):
@@ -153,8 +179,75 @@ def parallelize(
         for pname, p in list(module._parameters.items()):
             if p is not None and id(p) in shard_of and module._parameters[pname] is not shard_of[id(p)]:
                 module._parameters[pname] = shard_of[id(p)]
-    for module, attr, value in new_attrs:
-        setattr(module, attr, value)
+
+
+def parallelize(
+    model: nn.Module, plan: TPPlan | str | None = None, *, group: Any, overlap_chunks: int = 1,
+    sequence_parallel: bool = False, vocab_parallel_loss: bool | None = None, rng_tracker: Any = None,
+) -> nn.Module:
+    """Tensor-parallelize ``model`` in place over ``group`` and return it.
+
+    ``plan``: a ``TPPlan``, a registered plan name, or ``None`` for the built-in
+    plan of the model's type. ``overlap_chunks``: sub-microbatches for the
+    overlapped (sub-pipelined) collectives, 1 = plain TP. ``sequence_parallel``:
+    Megatron-style sequence parallelism between the regions (the sequence
+    length must be divisible by the TP size). ``vocab_parallel_loss`` overrides
+    the plan's choice: True leaves the LM head's logits sharded along the
+    vocabulary for ``vocab_parallel_cross_entropy``; the default keeps the
+    model's output equal to the unsharded model's. ``rng_tracker``: an
+    ``RNGTracker`` holding a "tp" state (see ``merak_tp.rng``); the plan's
+    ``rng_regions`` then draw their dropout from it (a different stream on each
+    TP rank), everything else from the default generator (same seed on every TP rank).
+
+    Raises ``ValueError`` before changing anything when a plan pattern matches no
+    module, a matched module's forward is not one the plan knows (see [Note: stock
+    forwards]), or a size is not divisible by the TP degree.
+    """
+    if overlap_chunks < 1:
+        raise ValueError(f"overlap_chunks={overlap_chunks}: expected an integer >= 1 (1 = no overlap)")
+    if rng_tracker is not None and "tp" not in rng_tracker:
+        raise ValueError('rng_tracker has no "tp" state: call tracker.add("tp", merak_tp.tp_seed(seed, group)) '
+                         "before parallelize")
+    if plan is None:
+        plan = plan_for_model(model)
+    elif isinstance(plan, str):
+        plan = get_plan(plan)
+    if sequence_parallel and not plan.sequence_parallel:
+        raise ValueError(f"TP plan {plan.name!r} does not support sequence_parallel=True (e.g. a mixture-of-experts "
+                         "block routes whole sequences); use sequence_parallel=False")
+    vocab_loss = plan.vocab_parallel_loss if vocab_parallel_loss is None else vocab_parallel_loss
+    tp = tp_size(group)
+    named = dict(model.named_modules())
+    names = list(named)
+    _check_patterns(model, plan, names)
+    if plan.check is not None:
+        plan.check(model, tp)
+    region_names = [n for n in named if _match(n, plan.regions) is not None]  # "" = the model itself
+    new_attrs = _attributes(named, plan, tp)
+
+    # Build the parallel layers (nothing in the model changes yet).
+    replaced: list[tuple[str, nn.Module, nn.Module]] = []
+    for name, module in named.items():
+        pattern = _match(name, plan.layers) if name else None
+        if pattern is None or plan.layers[pattern] == "replicate":
+            continue
+        style = plan.layers[pattern]
+        kind = _kind(module, name, style, plan)
+        spec = plan.sections.get(pattern)
+        sections = 1 if spec is None else resolve_sections(spec, model, name)
+        in_region = any(r == "" or name.startswith(r + ".") for r in region_names)
+        new = _build(module, name, style, kind, sections, group=group, chunks=overlap_chunks,
+                     sp=sequence_parallel, in_region=in_region, vocab_loss=vocab_loss,
+                     head_sp=not plan.sequence_gather)
+        new._merak_name = name  # type: ignore[assignment]
+        replaced.append((name, module, new))
+    if not replaced:
+        raise ValueError(f"TP plan {plan.name!r} matched no module of {type(model).__name__}: check its "
+                         f"patterns {sorted(plan.layers)} against model.named_modules()")
+
+    _swap_in(model, replaced)
+    for name, attr, value in new_attrs:
+        setattr(model.get_submodule(name) if name else model, attr, value)
     if plan.fixup is not None:
         for name, module in model.named_modules():
             plan.fixup(module, name, tp)
@@ -162,38 +255,42 @@ def parallelize(
         if not hasattr(p, "_merak_tp_dim"):
             p._merak_tp_dim = None  # type: ignore[attr-defined]
             p._merak_tp_sections = 1  # type: ignore[attr-defined]
-
-    # 4. regions: overlap and sequence parallelism.
-    named = dict(model.named_modules())
-    if (overlap_chunks > 1 or sequence_parallel or rng_tracker is not None) and tp > 1:
-        for name in region_names:
-            fork = rng_tracker if _match(name, plan.rng_regions) is not None else None
-            make_region(named[name], group=group, chunks=overlap_chunks, sequence_parallel=sequence_parallel,
-                        name=name, rng_tracker=fork)
-    if sequence_parallel and tp > 1:
-        scatter = [n for n in named if _match(n, plan.sequence_scatter) is not None]
-        if not scatter:
-            raise ValueError(f"sequence_parallel=True but plan {plan.name!r} names no sequence_scatter module "
-                             f"matching the model (patterns {plan.sequence_scatter})")
-        for name in scatter:
-            make_sequence_scatter(named[name], group=group)
-        for name in [n for n in named if _match(n, plan.sequence_gather) is not None]:
-            make_sequence_gather(named[name], group=group)
-        full = {id(p) for n, m in named.items() if _match(n, plan.sequence_full) is not None
-                for p in m.parameters()}
-        # A row layer's bias gradient is computed from the gathered output gradient: already full.
-        full |= {id(p) for m in named.values() if isinstance(m, (ColumnParallelLinear, RowParallelLinear,
-                                                                 VocabParallelEmbedding))
-                 for p in m.parameters()}
-        for p in model.parameters():
-            if p._merak_tp_dim is None and id(p) not in full and p.requires_grad:  # type: ignore[attr-defined]
-                p._merak_tp_sequence_partial = True  # type: ignore[attr-defined]
-                p.register_hook(_make_sum_hook(group))
+    _apply_regions(model, plan, region_names, group=group, tp=tp, chunks=overlap_chunks, sp=sequence_parallel,
+                   rng_tracker=rng_tracker)
     model._merak_tp_plan = plan.name  # type: ignore[assignment]
     logger.info("parallelized %s with plan %s over %d ranks (%d layers sharded, overlap_chunks=%d, "
                 "sequence_parallel=%s)", type(model).__name__, plan.name, tp, len(replaced), overlap_chunks,
                 sequence_parallel)
     return model
+
+
+def _apply_regions(model: nn.Module, plan: TPPlan, region_names: list[str], *, group: Any, tp: int, chunks: int,
+                   sp: bool, rng_tracker: Any) -> None:
+    """Regions: overlap, sequence parallelism and the TP random stream."""
+    named = dict(model.named_modules())
+    if (chunks > 1 or sp or rng_tracker is not None) and tp > 1:
+        for name in region_names:
+            fork = rng_tracker if _match(name, plan.rng_regions) is not None else None
+            make_region(named[name], group=group, chunks=chunks, sequence_parallel=sp, name=name, rng_tracker=fork)
+    if not (sp and tp > 1):
+        return
+    scatter = [n for n in named if _match(n, plan.sequence_scatter) is not None]
+    if not scatter:
+        raise ValueError(f"sequence_parallel=True but plan {plan.name!r} names no sequence_scatter module "
+                         f"matching the model (patterns {plan.sequence_scatter})")
+    for name in scatter:
+        make_sequence_scatter(named[name], group=group)
+    for name in [n for n in named if _match(n, plan.sequence_gather) is not None]:
+        make_sequence_gather(named[name], group=group)
+    full = {id(p) for n, m in named.items() if _match(n, plan.sequence_full) is not None for p in m.parameters()}
+    # A row layer's bias gradient is computed from the gathered output gradient: already full.
+    full |= {id(p) for m in named.values() if isinstance(m, (ColumnParallelLinear, RowParallelLinear,
+                                                             VocabParallelEmbedding))
+             for p in m.parameters()}
+    for p in model.parameters():
+        if p._merak_tp_dim is None and id(p) not in full and p.requires_grad:  # type: ignore[attr-defined]
+            p._merak_tp_sequence_partial = True  # type: ignore[attr-defined]
+            p.register_hook(_make_sum_hook(group))
 
 
 def _make_sum_hook(group: Any) -> Any:
@@ -228,6 +325,8 @@ def gather_tensor(tensor: torch.Tensor, *, like: torch.Tensor | None = None, gro
     all_gather_dim0(out, x0, group)
     blocks = out.chunk(world, dim=0)  # one block per rank
     if sections > 1:
-        per_rank = [b.chunk(sections, dim=0) for b in blocks]
+        full_sizes = getattr(meta, "_merak_tp_section_sizes", None)
+        local = [size // world for size in full_sizes] if full_sizes else [x0.size(0) // sections] * sections
+        per_rank = [b.split(local, dim=0) for b in blocks]
         out = torch.cat([per_rank[r][s] for s in range(sections) for r in range(world)], dim=0)
     return out.movedim(0, dim)

@@ -1,0 +1,127 @@
+"""Two sharded blocks besides linears and embeddings: fused mixture-of-experts weights and a norm.
+
+``shard_experts``: a transformers experts module (per-expert weights stored as 3D
+tensors ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``) keeps its own
+forward; each expert's gate/up rows are split column-wise (two sections, gate and
+up, split separately) and its down projection row-wise, so the module's output on
+a rank is a partial sum. The module's class is swapped for a subclass whose
+forward enters the TP region (input gradient all-reduced) and all-reduces the
+output, like a column -> row MLP. Parameter names do not change.
+
+``ShardedRMSNorm``: an RMSNorm applied to a column layer's sharded output (OLMo 2
+normalises the whole q and k projections): the weight is split like the
+features, and the mean square is summed over the TP ranks (forward and backward).
+
+Neither imports transformers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from merak_tp._events import _GroupRef
+from merak_tp.collectives import copy_to_tp_region, reduce_from_tp_region, tp_rank, tp_size
+from merak_tp.layers import _KeepsShardTags, _mark, _shard
+
+__all__ = ["ShardedRMSNorm", "TPExperts", "shard_experts"]
+
+
+class TPExperts:
+    """Mixin put in front of an experts class: the block's input and output cross the TP region."""
+
+    _merak_tp_group_ref: _GroupRef
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        group = self._merak_tp_group_ref.group
+        out = super().forward(copy_to_tp_region(hidden_states, group), *args, **kwargs)  # type: ignore[misc]
+        return reduce_from_tp_region(out, group)
+
+
+_SUBCLASSES: dict[type, type] = {}
+
+
+def _tp_class(cls: type) -> type:
+    if issubclass(cls, TPExperts):
+        return cls
+    if cls not in _SUBCLASSES:
+        _SUBCLASSES[cls] = type(f"TP{cls.__name__}", (TPExperts, cls), {"__module__": cls.__module__})
+    return _SUBCLASSES[cls]
+
+
+def shard_experts(module: nn.Module, name: str, *, group: Any) -> nn.Module:
+    """A copy of experts ``module`` holding this rank's shard of every expert (the original is untouched)."""
+    gate_up = getattr(module, "gate_up_proj", None)
+    down = getattr(module, "down_proj", None)
+    if not (isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.ndim == 3
+            and down.ndim == 3 and gate_up.size(1) == 2 * down.size(2)):
+        raise ValueError(f"{name}: style 'experts' needs a transformers experts module with 3D parameters "
+                         f"gate_up_proj [E, 2I, H] and down_proj [E, H, I]; got {type(module).__name__} with "
+                         f"gate_up_proj={getattr(gate_up, 'shape', None)}, down_proj={getattr(down, 'shape', None)}")
+    if getattr(module, "down_proj_bias", None) is not None:
+        raise ValueError(f"{name}: {type(module).__name__} has a down_proj_bias, which a row split would add once "
+                         "per TP rank; leave this block replicated (style 'replicate')")
+    world, rank = tp_size(group), tp_rank(group)
+    inter = down.size(2)
+    if inter % world:
+        raise ValueError(f"{name}: the experts' intermediate size {inter} is not divisible by the tensor-parallel "
+                         f"size {world}; choose a TP degree that divides {inter}")
+    new = _tp_class(type(module)).__new__(_tp_class(type(module)))
+    new.__dict__.update(module.__dict__)
+    for key in ("_parameters", "_buffers", "_modules"):
+        new.__dict__[key] = dict(module.__dict__[key])
+    new._merak_tp_group_ref = _GroupRef(group)  # type: ignore[attr-defined]
+    new.gate_up_proj = _mark(nn.Parameter(_shard(gate_up.detach(), 1, world, rank, 2),
+                                          requires_grad=gate_up.requires_grad), 1, 2)
+    new.down_proj = _mark(nn.Parameter(_shard(down.detach(), 2, world, rank), requires_grad=down.requires_grad), 2)
+    bias = getattr(module, "gate_up_proj_bias", None)
+    if isinstance(bias, nn.Parameter):
+        new.gate_up_proj_bias = _mark(nn.Parameter(_shard(bias.detach(), 1, world, rank, 2),
+                                                   requires_grad=bias.requires_grad), 1, 2)
+    return new
+
+
+class ShardedRMSNorm(_KeepsShardTags, nn.Module):
+    """RMSNorm over features split across the TP ranks (weight split like them), computed in float32.
+
+    ``y = w * x / sqrt(mean(x^2) + eps)`` where the mean runs over the *full* feature dim:
+    every rank sums its squares and the sums are all-reduced (their gradient too).
+    """
+
+    def __init__(self, weight: torch.Tensor, eps: float, *, group: Any) -> None:
+        super().__init__()
+        self._group_ref = _GroupRef(group)
+        self.tp_size, self.tp_rank = tp_size(group), tp_rank(group)
+        self.full_size = weight.size(0)
+        if self.full_size % self.tp_size:
+            raise ValueError(f"ShardedRMSNorm: size {self.full_size} is not divisible by the tensor-parallel "
+                             f"size {self.tp_size}")
+        self.variance_epsilon = eps
+        self.weight = _mark(nn.Parameter(_shard(weight.detach(), 0, self.tp_size, self.tp_rank),
+                                         requires_grad=weight.requires_grad), 0)
+
+    @classmethod
+    def from_norm(cls, norm: nn.Module, name: str, *, group: Any) -> ShardedRMSNorm:
+        """From an RMSNorm module with a 1D ``weight`` and ``variance_epsilon`` (or ``eps``)."""
+        weight = getattr(norm, "weight", None)
+        eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+        if not isinstance(weight, nn.Parameter) or weight.ndim != 1 or not isinstance(eps, float) \
+                or "RMSNorm" not in type(norm).__name__ or getattr(norm, "bias", None) is not None:
+            raise ValueError(f"{name}: style 'sharded_norm' needs an RMSNorm (a 1D weight times x / rms(x), "
+                             f"variance_epsilon or eps), got {type(norm).__name__}")
+        return cls(weight, eps, group=group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        sq = h.pow(2).sum(-1, keepdim=True)
+        if self.tp_size > 1:
+            group = self._group_ref.group
+            sq = copy_to_tp_region(reduce_from_tp_region(sq, group), group)
+        h = h * torch.rsqrt(sq / self.full_size + self.variance_epsilon)
+        return (self.weight * h).to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.full_size} (per rank {self.weight.size(0)}), eps={self.variance_epsilon}, tp={self.tp_size}"
