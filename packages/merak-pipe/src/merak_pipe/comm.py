@@ -11,19 +11,20 @@ flat list of tensors; :func:`unflatten_boundary` rebuilds it.
   per tensor whose meta says ``requires_grad`` (the sender's tensor required grad), in
   flattened order, so both sides agree on the message without extra metadata.
 - Shapes and dtypes are exchanged per *round* (one ``step`` or ``evaluate`` call): the first
-  forward message of a round on each channel (a sending stage) is preceded by a fixed-size
-  header ``int64[2] = (changed, nbytes)``; when the spec differs from the one sent last time,
-  the pickled spec follows as a ``uint8[nbytes]`` message. Microbatches of one round share
-  the spec (they are equal slices of one batch); a microbatch whose spec differs raises.
-  So a new sequence length is picked up on the next step without the user declaring shapes.
-- Every message has its own tag, so receives can be posted in any order (gloo matches by
-  (peer, tag)). NCCL ignores tags and matches in issue order; running over NCCL therefore
-  needs schedules whose send and receive orders agree per pair of ranks (the built-in
-  lowering produces such orders).
+  forward message of a round of each sending stage is preceded by a fixed-size header
+  ``int64[2] = (changed, nbytes)``; when the spec differs from the one sent last time, the
+  pickled spec follows as a ``uint8[nbytes]`` message. Both live on the pipeline's device, so an
+  NCCL group carries them like any tensor. Microbatches of one round share the spec (they are
+  equal slices of one batch); a microbatch whose spec differs raises. So a new sequence length
+  is picked up on the next step without the user declaring shapes.
+- Messages of a pair of ranks are matched by issue order alone, as on NCCL: the runner issues
+  the units of :func:`merak_pipe.p2p_order.issue_orders`, which both sides derive from the same
+  schedule ([Note: issue order]).
 
-Every wait has a timeout, and a failed or timed-out wait raises :class:`PipelineCommError`
-naming this rank, the stage, the action and the microbatch. This module does not decide
-*when* to communicate; the runner does (``merak_pipe.runner``).
+A failed or timed-out wait raises :class:`PipelineCommError` naming this rank, the stage, the
+action and the microbatch (on CUDA, waits do not block the host and the process group's
+timeout guards instead). This module does not decide *when* to communicate; the runner does
+(``merak_pipe.runner``).
 """
 
 from __future__ import annotations
@@ -153,23 +154,75 @@ def spec_metas(spec: Any) -> list[TensorMeta]:
 
 @dataclass
 class _Pending:
-    """An in-flight receive: its works, its buffers, and what it is for (for error messages)."""
+    """An issued transfer: its works, its tensors, and what it is for (for error messages)."""
 
     works: list[Any]
     tensors: list[torch.Tensor]
     what: str
 
 
-class P2PTransport:
-    """Tagged, timed isend/irecv between the stages of one pipeline.
+@dataclass
+class Transfer:
+    """One message of a batch: its tensors go to (``send``) or come from ``peer`` (a pipeline rank)."""
 
-    ``group`` is the pipeline process group (possibly a subgroup of the world); peers are
-    given as pipeline (group) ranks and translated with ``dist.get_global_rank``.
+    send: bool
+    peer: int
+    tensors: list[torch.Tensor]
+    tags: list[int]
+    what: str
+
+
+class _BatchWork:
+    """The single Work an NCCL batch returns, emulated over the works of a backend that gives one per op."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self._works = works
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        for work in self._works:
+            ok = work.wait() if timeout is None else work.wait(timeout)
+            if ok is False:
+                return False
+        return True
+
+
+def distribute_works(works: Sequence[Any], counts: Sequence[int]) -> list[list[Any]]:
+    """Hand each owner of a batch (``counts[i]`` ops) its works.
+
+    A backend returns one Work per op (gloo) or one Work for the whole batch (NCCL): then every
+    owner gets that Work and waits on it before reading its buffers.
+    """
+    total = sum(counts)
+    if len(works) == total:
+        out, cursor = [], 0
+        for n in counts:
+            out.append(list(works[cursor:cursor + n]))
+            cursor += n
+        return out
+    if len(works) == 1:
+        return [[works[0]] if n else [] for n in counts]
+    raise AssertionError(f"batch_isend_irecv returned {len(works)} works for {total} operations")
+
+
+class P2PTransport:
+    """Batched isend/irecv between the stages of one pipeline, matched per pair of ranks in issue order.
+
+    Every operation, a single one included, goes through ``batch_isend_irecv`` on ``group`` (the
+    pipeline process group, possibly a subgroup; peers are pipeline ranks), so all of them use
+    the group's one communicator. The runner issues the units of
+    :func:`merak_pipe.p2p_order.issue_orders` in order, so messages need no tags. With
+    ``nccl_rules`` (always on a CUDA device) every op uses tag 0 and a batch yields one Work, as
+    on NCCL; otherwise (gloo) each message keeps a distinct tag, so a disagreement about the order
+    shows as a named timeout instead of swapped data. Control data (headers, specs) lives on
+    ``device`` like the data. Waits on CUDA are stream waits (``work.wait()``): the host does not
+    block, and the process-group timeout and NCCL's watchdog stand guard; elsewhere every wait has
+    ``timeout`` and a failure raises :class:`PipelineCommError` naming rank, stage, action and
+    microbatch.
     """
 
     def __init__(
         self, *, group: dist.ProcessGroup, num_stages: int, num_microbatches: int,
-        timeout: timedelta, device: torch.device,
+        timeout: timedelta, device: torch.device, nccl_rules: bool | None = None,
     ) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
@@ -177,10 +230,14 @@ class P2PTransport:
         self.num_stages = num_stages
         self.num_microbatches = num_microbatches
         self.timeout = timeout
-        self.device = device
-        self._sends: list[tuple[list[Any], list[torch.Tensor], str]] = []
-        self._batch: list[dist.P2POp] | None = None
-        self._batch_owners: list[tuple[str, list[Any]]] = []
+        self.device = torch.device(device)
+        # Any accelerator backend (NCCL) matches by issue order and returns one Work per batch.
+        self.nccl_rules = self.device.type != "cpu" or bool(nccl_rules)
+        self.host_waits = self.device.type != "cuda"
+        """True where waits block the host with a timeout (CPU); False on CUDA (stream waits)."""
+        self.batch_isend_irecv: Any = dist.batch_isend_irecv
+        """The batch call (replaceable, e.g. by a test's fake)."""
+        self._sends: list[_Pending] = []
         self._pool: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
         self.buffers_allocated = 0
         """Receive buffers allocated so far (statistics)."""
@@ -189,8 +246,16 @@ class P2PTransport:
 
     # ------------------------------------------------------------------ tags and peers
 
-    def _tag(self, kind: int, stage: int, microbatch: int, index: int = 0) -> int:
+    def tag(self, kind: int, stage: int, microbatch: int, index: int = 0) -> int:
+        """The tag of one tensor of a message (0 under NCCL's rules)."""
+        if self.nccl_rules:
+            return 0
         return ((kind * self.num_stages + stage) * self.num_microbatches + microbatch) * _MAX_TENSORS + index
+
+    def data_tags(self, backward: bool, stage: int, microbatch: int, count: int) -> list[int]:
+        """Tags of a data message of the *sending* ``stage``."""
+        kind = _BWD if backward else _FWD
+        return [self.tag(kind, stage, microbatch, i) for i in range(count)]
 
     def _peer(self, pipeline_rank: int) -> int:
         return dist.get_global_rank(self.group, pipeline_rank)
@@ -202,46 +267,34 @@ class P2PTransport:
             f"action {stage}{action}{microbatch} (microbatch {microbatch}), peer pipeline rank {peer}"
         )
 
-    # ------------------------------------------------------------------ batching
+    # ------------------------------------------------------------------ issuing
 
-    def begin_batch(self) -> None:
-        """Collect the following sends/receives into one ``batch_isend_irecv`` call."""
-        self._batch = []
-        self._batch_owners = []
-
-    def end_batch(self) -> None:
-        """Issue the collected operations at once and hand each its works."""
-        ops, owners = self._batch or [], self._batch_owners
-        self._batch = None
-        self._batch_owners = []
-        if not ops:
-            return
-        works = dist.batch_isend_irecv(ops)
-        cursor = 0
-        for _, sink in owners:
-            n = len(sink)
-            sink[:] = works[cursor:cursor + n]
-            cursor += n
-
-    def _issue(self, op: Any, tensors: list[torch.Tensor], peer: int, tags: list[int]) -> list[Any]:
-        """isend/irecv each tensor (or queue them into the open batch); returns the works list."""
-        global_peer = self._peer(peer)
-        if self._batch is not None:
-            sink: list[Any] = [None] * len(tensors)
-            for t, tag in zip(tensors, tags, strict=True):
-                self._batch.append(dist.P2POp(op, t, global_peer, self.group, tag))
-            self._batch_owners.append(("", sink))
-            return sink
-        return [op(t, global_peer, group=self.group, tag=tag) for t, tag in zip(tensors, tags, strict=True)]
+    def issue(self, transfers: Sequence[Transfer]) -> list[_Pending]:
+        """Issue ``transfers`` as one batch; return one pending per transfer (sends are also kept
+        until :meth:`wait_sends`, so their tensors live until they completed)."""
+        ops = []
+        for tr in transfers:
+            op = dist.isend if tr.send else dist.irecv
+            global_peer = self._peer(tr.peer)
+            ops += [dist.P2POp(op, t, global_peer, self.group, tag) for t, tag in zip(tr.tensors, tr.tags, strict=True)]
+        pendings = [_Pending([], tr.tensors, tr.what) for tr in transfers]
+        if ops:
+            works = list(self.batch_isend_irecv(ops))
+            if self.nccl_rules and len(works) > 1:
+                works = [_BatchWork(works)]
+            for pending, own in zip(pendings, distribute_works(works, [len(tr.tensors) for tr in transfers]),
+                                    strict=True):
+                pending.works = own
+        self._sends += [p for p, tr in zip(pendings, transfers, strict=True) if tr.send]
+        return pendings
 
     # ------------------------------------------------------------------ waiting
 
-    def _wait(self, works: list[Any], what: str) -> None:
+    def wait(self, works: list[Any], what: str) -> None:
+        """Wait for ``works`` (see the class docstring for the CUDA and CPU behaviour)."""
         for work in works:
-            if work is None:
-                raise AssertionError(f"{what}: a batched operation was never issued")
             try:
-                ok = work.wait(self.timeout)
+                ok = work.wait(self.timeout) if self.host_waits else work.wait()
             except Exception as exc:  # noqa: BLE001 - re-raised with the pipeline context
                 text = str(exc)
                 cls = PipelineTimeoutError if "imed out" in text or "imeout" in text else PipelineCommError
@@ -255,9 +308,25 @@ class P2PTransport:
                     f"{what}: did not complete within the timeout of {self.timeout.total_seconds():g} s"
                 )
 
+    def finish(self, pending: _Pending) -> list[torch.Tensor]:
+        """Wait for an issued receive and return its buffers."""
+        self.wait(pending.works, pending.what)
+        return pending.tensors
+
+    def wait_sends(self) -> None:
+        """Wait for every outstanding send of this round."""
+        sends, self._sends = self._sends, []
+        for pending in sends:
+            self.wait(pending.works, pending.what)
+
+    def drop_sends(self) -> None:
+        """Forget the outstanding sends (after a failed round)."""
+        self._sends = []
+
     # ------------------------------------------------------------------ buffers
 
-    def _empty(self, meta: TensorMeta) -> torch.Tensor:
+    def empty(self, meta: TensorMeta) -> torch.Tensor:
+        """A receive buffer for ``meta`` (from the pool when one is free)."""
         free = self._pool.get((meta.shape, meta.dtype))
         if free:
             self.buffers_reused += 1
@@ -279,70 +348,33 @@ class P2PTransport:
         """Drop every cached buffer (e.g. after a shape change)."""
         self._pool.clear()
 
-    # ------------------------------------------------------------------ sends
+    # ------------------------------------------------------------------ control messages
 
-    def send_header(self, *, stage: int, microbatch: int, peer: int, spec: Any, changed: bool) -> None:
-        """Send the per-round header (and the pickled spec when it changed) for ``stage``'s outputs."""
-        payload = pickle.dumps(spec) if changed else b""
-        header = torch.tensor([1 if changed else 0, len(payload)], dtype=torch.int64)
-        what = self.describe(stage, "SEND_F", microbatch, peer) + " [shape header]"
-        tensors = [header]
-        tags = [self._tag(_HEADER, stage, 0)]
-        if changed:
-            tensors.append(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-            tags.append(self._tag(_SPEC, stage, 0))
-        works = [dist.isend(t, self._peer(peer), group=self.group, tag=tag) for t, tag in zip(tensors, tags, strict=True)]
-        self._sends.append((works, tensors, what))
+    def header_transfer(self, *, send: bool, stage: int, peer: int, what: str,
+                        changed: bool = False, nbytes: int = 0) -> Transfer:
+        """The round header ``int64[2] = (changed, nbytes)`` of the sending ``stage``, on the device."""
+        if send:
+            header = torch.tensor([1 if changed else 0, nbytes], dtype=torch.int64, device=self.device)
+        else:
+            header = torch.empty(2, dtype=torch.int64, device=self.device)
+        return Transfer(send, peer, [header], [self.tag(_HEADER, stage, 0)], what + " [shape header]")
 
-    def send_tensors(self, *, backward: bool, stage: int, microbatch: int, peer: int,
-                     tensors: list[torch.Tensor], action: str) -> None:
-        """Send a forward boundary (``backward=False``) or the input gradients of ``stage``."""
-        kind = _BWD if backward else _FWD
-        ready = [t.detach().contiguous() for t in tensors]
-        tags = [self._tag(kind, stage, microbatch, i) for i in range(len(ready))]
-        works = self._issue(dist.isend, ready, peer, tags)
-        self._sends.append((works, ready, self.describe(stage, action, microbatch, peer)))
+    def spec_transfer(self, *, send: bool, stage: int, peer: int, what: str,
+                      payload: bytes = b"", nbytes: int = 0) -> Transfer:
+        """The pickled spec of the sending ``stage`` as ``uint8[nbytes]``, on the device."""
+        if send:
+            tensor = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
+        else:
+            tensor = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return Transfer(send, peer, [tensor], [self.tag(_SPEC, stage, 0)], what + " [shape spec]")
 
-    def wait_sends(self) -> None:
-        """Wait for every outstanding send of this round."""
-        sends, self._sends = self._sends, []
-        for works, _tensors, what in sends:
-            self._wait(works, what)
-
-    # ------------------------------------------------------------------ receives
-
-    def recv_header(self, *, stage: int, microbatch: int, peer: int, action: str) -> _Pending:
-        """Post the receive of a round header for the boundary into ``stage`` (from ``stage - 1``)."""
-        header = torch.empty(2, dtype=torch.int64)
-        tag = self._tag(_HEADER, stage - 1, 0)
-        work = dist.irecv(header, self._peer(peer), group=self.group, tag=tag)
-        return _Pending([work], [header], self.describe(stage, action, microbatch, peer) + " [shape header]")
-
-    def finish_header(self, pending: _Pending, *, stage: int, peer: int, last_spec: Any) -> tuple[Any, bool]:
-        """Wait for a header; return (spec, changed), receiving the pickled spec if it changed."""
-        self._wait(pending.works, pending.what)
+    def read_header(self, pending: _Pending) -> tuple[bool, int]:
+        """Wait for a received header; (changed, nbytes). Reading it waits for the device."""
+        self.wait(pending.works, pending.what)
         changed, nbytes = (int(x) for x in pending.tensors[0].tolist())
-        if not changed:
-            if last_spec is None:
-                raise PipelineCommError(f"{pending.what}: the sender reported an unchanged shape spec "
-                                        "but none was received before (mismatched runners?)")
-            return last_spec, False
-        buf = torch.empty(nbytes, dtype=torch.uint8)
-        work = dist.irecv(buf, self._peer(peer), group=self.group, tag=self._tag(_SPEC, stage - 1, 0))
-        self._wait([work], pending.what)
-        return pickle.loads(buf.numpy().tobytes()), True  # noqa: S301 - peer ranks of one job
+        return bool(changed), nbytes
 
-    def recv_tensors(self, *, backward: bool, stage: int, microbatch: int, peer: int,
-                     metas: Sequence[TensorMeta], action: str) -> _Pending:
-        """Post the receives of one boundary message; the tag is keyed by the *sending* stage."""
-        kind = _BWD if backward else _FWD
-        sender = stage + 1 if backward else stage - 1
-        buffers = [self._empty(m) for m in metas]
-        tags = [self._tag(kind, sender, microbatch, i) for i in range(len(buffers))]
-        works = self._issue(dist.irecv, buffers, peer, tags)
-        return _Pending(works, buffers, self.describe(stage, action, microbatch, peer))
-
-    def finish(self, pending: _Pending) -> list[torch.Tensor]:
-        """Wait for a posted receive and return its buffers."""
-        self._wait(pending.works, pending.what)
-        return pending.tensors
+    def read_spec(self, pending: _Pending) -> Any:
+        """Wait for a received spec and unpickle it (peer ranks of one job)."""
+        self.wait(pending.works, pending.what)
+        return pickle.loads(pending.tensors[0].cpu().numpy().tobytes())  # noqa: S301 - peer ranks of one job

@@ -2,11 +2,13 @@
 
 :class:`PipelineRunner` walks this rank's action list of a :class:`~merak_pipe.ir.Schedule`:
 compute actions go to the :class:`~merak_pipe.stage.PipelineStage` they name, ``SEND_*`` /
-``RECV_*`` actions to the tagged, non-blocking transport (``merak_pipe.comm``). Consecutive
-send/recv actions are issued as one ``batch_isend_irecv``; receives are posted when their
-action is reached or earlier (a look-ahead window of the next compute actions), and only the
-compute that consumes a value waits for it, with a timeout. Two consecutive stages on one
-rank (interleaved and V schedules) hand values over locally, without communication.
+``RECV_*`` actions to the non-blocking transport (``merak_pipe.comm``) in the units and the
+order of :func:`merak_pipe.p2p_order.issue_orders` ([Note: issue order]): consecutive
+send/recv actions are one ``batch_isend_irecv``, nothing is posted ahead of its place, and
+both sides of every pair of ranks issue its messages in the same order, so the runner obeys
+NCCL's rules on every backend (checked by :func:`merak_pipe.nccl_check.check_nccl` when the
+runner is built). Only the compute that consumes a value waits for it. Two consecutive stages
+on one rank (interleaved and V schedules) hand values over locally, without communication.
 
 One ``step``: the batch is split into ``schedule.num_microbatches`` equal microbatches along
 dim 0, every action runs, parameter gradients accumulate into ``param.grad`` scaled so they
@@ -24,7 +26,6 @@ such an error the process group may hold unmatched messages and should be recrea
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -37,20 +38,19 @@ from merak_pipe.comm import (
     P2PTransport,
     PipelineCommError,
     TensorMeta,
-    _Pending,
     flatten_boundary,
     spec_metas,
     unflatten_boundary,
 )
+from merak_pipe.exchange import BoundaryExchange
 from merak_pipe.ir import Action, ActionKind, Schedule
+from merak_pipe.p2p_order import Step, issue_orders
 from merak_pipe.stage import PipelineStage
-from merak_pipe.timing import ActionTiming
+from merak_pipe.timing import ActionTiming, RoundClock
 
 __all__ = ["PipelineRunner"]
 
 logger = logging.getLogger(__name__)
-
-_LOOKAHEAD_COMPUTE = 2  # receives are posted up to this many compute actions ahead
 
 
 def _as_call(value: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -113,8 +113,14 @@ class PipelineRunner:
         shared_parameters: ``[(param, group), ...]``: after each step, ``param.grad`` is summed
             over ``group`` (copies of one logical parameter on several ranks, e.g. tied
             embeddings; see :func:`merak_pipe.shared.shared_parameter_groups`).
-        timeout: the longest any single wait may take.
-        record_timing: record per-action timings of each step in :attr:`timings`.
+        timeout: the longest any single wait may take (on CPU; on CUDA waits are stream waits
+            and the process group's timeout guards instead).
+        record_timing: record per-action timings of each step in :attr:`timings` (on CUDA from
+            CUDA events, read after the step's end is synchronised).
+        device: the device of this rank's stages and of every message (default: the stages'
+            device; they must all agree).
+        nccl_rules: run the transport as on NCCL on any backend: every p2p op on tag 0 and one
+            Work per batch (always on for a CUDA device; used by the CPU tests to emulate NCCL).
     """
 
     def __init__(
@@ -128,6 +134,8 @@ class PipelineRunner:
         shared_parameters: Sequence[tuple[nn.Parameter, dist.ProcessGroup | None]] | None = None,
         timeout: timedelta = timedelta(minutes=5),
         record_timing: bool = False,
+        device: torch.device | str | None = None,
+        nccl_rules: bool = False,
     ) -> None:
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction={loss_reduction!r}; expected 'mean' or 'sum'")
@@ -185,14 +193,20 @@ class PipelineRunner:
         self.num_microbatches = schedule.num_microbatches
         self.actions: list[Action] = list(schedule.actions[self.rank])
         self._recompute = schedule.recompute
-        device = next(iter(self.stages.values())).device
+        self.device = _common_device(stages, device)
         self.transport = P2PTransport(
             group=self.group, num_stages=schedule.num_stages, num_microbatches=self.num_microbatches,
-            timeout=timeout, device=device,
+            timeout=timeout, device=self.device, nccl_rules=nccl_rules,
         )
-        # Specs that persist across rounds (for the "shapes changed" test).
-        self._last_sent_spec: dict[int, Any] = {}
-        self._last_recv_spec: dict[int, Any] = {}
+        self.exchange = BoundaryExchange(self.transport)
+        from merak_pipe.nccl_check import check_nccl
+
+        check_nccl(schedule)
+        self._plans: dict[bool, list[Step]] = {
+            training: issue_orders(schedule, forward_only=not training)[self.rank] for training in (True, False)
+        }
+        self._clock = RoundClock(self.device)
+        self._step_marks: tuple[Any, Any] | None = None
         self._reset_round(training=True)
 
     # ------------------------------------------------------------------ public API
@@ -206,6 +220,15 @@ class PipelineRunner:
     def holds_last_stage(self) -> bool:
         """True when this rank holds the last stage (it needs the labels and returns the loss)."""
         return self.schedule.num_stages - 1 in self.stages
+
+    @property
+    def last_step_s(self) -> float:
+        """Seconds of the last ``step``/``evaluate`` call from start to the end of its last action
+        (on CUDA between CUDA events, waiting for the device when read; 0.0 before the first)."""
+        if self._step_marks is None:
+            return 0.0
+        start, end = self._step_marks
+        return self._clock.seconds(end) - self._clock.seconds(start)
 
     def step(self, inputs: Any = None, labels: Any = None) -> torch.Tensor | None:
         """One training step: forward and backward of every microbatch; returns the loss on the last stage."""
@@ -235,15 +258,8 @@ class PipelineRunner:
         self._outputs: dict[int, Any] = {}
         self._fwd_local: dict[tuple[int, int], Any] = {}
         self._bwd_local: dict[tuple[int, int], list[torch.Tensor]] = {}
-        self._fwd_out: dict[tuple[int, int], list[torch.Tensor]] = {}
-        self._bwd_out: dict[tuple[int, int], list[torch.Tensor]] = {}
-        self._fwd_recv: dict[tuple[int, int], _Pending | None] = {}
-        self._bwd_recv: dict[tuple[int, int], _Pending] = {}
-        self._out_spec: dict[int, Any] = {}
-        self._in_spec: dict[int, Any] = {}
-        self._headers: dict[int, _Pending] = {}
-        self._header_sent: set[int] = set()
-        self._posted: set[int] = set()
+        self._marks: list[tuple[Action, Any, Any, Any, float]] = []
+        self.exchange.reset_round()
         self._recv_buffers: dict[tuple[int, int], list[torch.Tensor]] = {}
         self._round_index = getattr(self, "_round_index", -1) + 1
 
@@ -264,18 +280,20 @@ class PipelineRunner:
                 f"pipeline rank {self.rank} holds the last stage ({self.schedule.num_stages - 1}): "
                 "pass labels= to step()"
             )
-        if self.record_timing:
-            self.timings = []
+        self._clock.start_round()
+        start = self._clock.mark()
         try:
-            actions = self.actions if training else [
-                a for a in self.actions if a.kind in (ActionKind.FORWARD, ActionKind.SEND_F, ActionKind.RECV_F)
-            ]
-            self._walk(actions)
+            for step in self._plans[training]:
+                if isinstance(step, Action):
+                    self._run_compute(step)
+                else:
+                    self.exchange.run_unit(step, self._record_comm if self.record_timing else None)
             self.transport.wait_sends()
             self._check_round_complete()
         except BaseException:
             for stage in self.stages.values():
                 stage.clear()
+            self.transport.drop_sends()
             self.transport.clear_pool()
             raise
         finally:
@@ -283,48 +301,12 @@ class PipelineRunner:
                 for buffers in self._recv_buffers.values():
                     self.transport.release(buffers)
             self._recv_buffers = {}
-
-    def _walk(self, actions: list[Action]) -> None:
-        batch_open = False
-        compute_positions = [i for i, a in enumerate(actions) if a.kind.is_compute]
-        next_compute_rank = 0
-        for index, action in enumerate(actions):
-            if action.kind.is_comm:
-                if not batch_open:
-                    self.transport.begin_batch()
-                    batch_open = True
-                if index not in self._posted:
-                    self._run_comm(index, action)
-                continue
-            if batch_open:
-                self.transport.end_batch()
-                batch_open = False
-            # Post the receives of the next few compute actions before computing.
-            while next_compute_rank < len(compute_positions) and compute_positions[next_compute_rank] <= index:
-                next_compute_rank += 1
-            horizon_rank = min(next_compute_rank + _LOOKAHEAD_COMPUTE - 1, len(compute_positions) - 1)
-            horizon = compute_positions[horizon_rank] if horizon_rank >= next_compute_rank else index
-            self._post_ahead(actions, index + 1, horizon)
-            self._run_compute(action)
-        if batch_open:
-            self.transport.end_batch()
-
-    def _post_ahead(self, actions: list[Action], start: int, stop: int) -> None:
-        for j in range(start, min(stop, len(actions))):
-            action = actions[j]
-            if j in self._posted:
-                continue
-            if action.kind is ActionKind.RECV_B and action.stage in self._out_spec:
-                self._run_comm(j, action)
-            elif action.kind is ActionKind.RECV_F and action.stage in self._in_spec:
-                self._run_comm(j, action)
+        self._step_marks = (start, self._clock.mark())
+        if self.record_timing:
+            self.timings = self._resolve_marks()
 
     def _check_round_complete(self) -> None:
-        leftovers = []
-        if self._fwd_out:
-            leftovers.append(f"outputs never sent: {sorted(self._fwd_out)}")
-        if self._bwd_out:
-            leftovers.append(f"input gradients never sent: {sorted(self._bwd_out)}")
+        leftovers = self.exchange.leftovers()
         if self._training:
             for index, stage in self.stages.items():
                 if stage.pending_microbatches():
@@ -340,73 +322,6 @@ class PipelineRunner:
             return None
         total = torch.stack([self._losses[m] for m in sorted(self._losses)]).sum()
         return total / self.num_microbatches if self.loss_reduction == "mean" else total
-
-    # ------------------------------------------------------------------ communication actions
-
-    def _run_comm(self, index: int, action: Action) -> None:
-        self._posted.add(index)
-        s, m, kind = action.stage, action.microbatch, action.kind
-        start = time.perf_counter()
-        if kind is ActionKind.SEND_F:
-            tensors = self._fwd_out.pop((s, m), None)
-            if tensors is None:
-                raise RuntimeError(f"pipeline rank {self.rank}: action {action} sends outputs that F has not produced")
-            peer = self.schedule.rank_of(s + 1)
-            if s not in self._header_sent:
-                spec = self._out_spec[s]
-                changed = self._last_sent_spec.get(s) != spec
-                self.transport.send_header(stage=s, microbatch=m, peer=peer, spec=spec, changed=changed)
-                self._last_sent_spec[s] = spec
-                self._header_sent.add(s)
-            self.transport.send_tensors(backward=False, stage=s, microbatch=m, peer=peer, tensors=tensors,
-                                        action="SEND_F")
-        elif kind is ActionKind.SEND_B:
-            grads = self._bwd_out.pop((s, m), None)
-            if grads is None:
-                raise RuntimeError(f"pipeline rank {self.rank}: action {action} sends gradients that B/I has not produced")
-            self.transport.send_tensors(backward=True, stage=s, microbatch=m, peer=self.schedule.rank_of(s - 1),
-                                        tensors=grads, action="SEND_B")
-        elif kind is ActionKind.RECV_F:
-            self._post_recv_f(s, m)
-        elif kind is ActionKind.RECV_B:
-            self._post_recv_b(s, m)
-        else:  # pragma: no cover - is_comm covers the four kinds
-            raise AssertionError(action)
-        self._record(action, start, start, time.perf_counter())
-
-    def _post_recv_f(self, s: int, m: int) -> None:
-        if (s, m) in self._fwd_recv:
-            return
-        peer = self.schedule.rank_of(s - 1)
-        if s not in self._in_spec:
-            if s not in self._headers:
-                self._headers[s] = self.transport.recv_header(stage=s, microbatch=m, peer=peer, action="RECV_F")
-            self._fwd_recv[(s, m)] = None  # posted once the header says which shapes to expect
-            return
-        self._fwd_recv[(s, m)] = self.transport.recv_tensors(
-            backward=False, stage=s, microbatch=m, peer=peer, metas=spec_metas(self._in_spec[s]), action="RECV_F")
-
-    def _post_recv_b(self, s: int, m: int) -> None:
-        if (s, m) in self._bwd_recv:
-            return
-        if s not in self._out_spec:
-            raise RuntimeError(f"pipeline rank {self.rank}: {s}RECV_B{m} comes before any forward of stage {s}")
-        metas = [meta for meta in spec_metas(self._out_spec[s]) if meta.requires_grad]
-        self._bwd_recv[(s, m)] = self.transport.recv_tensors(
-            backward=True, stage=s, microbatch=m, peer=self.schedule.rank_of(s + 1), metas=metas, action="RECV_B")
-
-    def _ensure_in_spec(self, s: int, m: int) -> Any:
-        if s not in self._in_spec:
-            peer = self.schedule.rank_of(s - 1)
-            if s not in self._headers:
-                self._headers[s] = self.transport.recv_header(stage=s, microbatch=m, peer=peer, action="F")
-            spec, changed = self.transport.finish_header(
-                self._headers.pop(s), stage=s, peer=peer, last_spec=self._last_recv_spec.get(s))
-            if changed:
-                logger.debug("stage %d: new input spec this round", s)
-            self._in_spec[s] = spec
-            self._last_recv_spec[s] = spec
-        return self._in_spec[s]
 
     # ------------------------------------------------------------------ compute actions
 
@@ -428,16 +343,7 @@ class PipelineRunner:
             if value is None:
                 raise RuntimeError(f"pipeline rank {self.rank}: {s}F{m} runs before {s - 1}F{m} on the same rank")
             return value
-        spec = self._ensure_in_spec(s, m)
-        pending = self._fwd_recv.get((s, m))
-        if pending is None:
-            self._fwd_recv.pop((s, m), None)
-            pending = self.transport.recv_tensors(
-                backward=False, stage=s, microbatch=m, peer=self.schedule.rank_of(s - 1),
-                metas=spec_metas(spec), action="RECV_F")
-        else:
-            del self._fwd_recv[(s, m)]
-        tensors = self.transport.finish(pending)
+        spec, tensors = self.exchange.take_forward_input(s, m, Action(s, ActionKind.FORWARD, m))
         leaves = []
         for t, meta in zip(tensors, spec_metas(spec), strict=True):
             leaves.append(t.requires_grad_(meta.requires_grad and self._training))
@@ -445,7 +351,7 @@ class PipelineRunner:
             self._recv_buffers.setdefault((s, m), []).extend(tensors)
         return unflatten_boundary(spec, leaves)
 
-    def _output_grads(self, s: int, m: int) -> list[torch.Tensor] | None:
+    def _output_grads(self, s: int, m: int, action: Action) -> list[torch.Tensor] | None:
         if s == self.schedule.num_stages - 1:
             return None
         if self.schedule.rank_of(s + 1) == self.rank:
@@ -453,11 +359,7 @@ class PipelineRunner:
             if grads is None:
                 raise RuntimeError(f"pipeline rank {self.rank}: backward of {s} mb {m} runs before that of {s + 1}")
             return grads
-        pending = self._bwd_recv.pop((s, m), None)
-        if pending is None:
-            self._post_recv_b(s, m)
-            pending = self._bwd_recv.pop((s, m))
-        grads = self.transport.finish(pending)
+        grads = self.exchange.take_output_grads(s, m, action)
         self._recv_buffers.setdefault((s, m), []).extend(grads)
         return grads
 
@@ -465,25 +367,24 @@ class PipelineRunner:
         stage = self._stage(action)
         s, m, kind = action.stage, action.microbatch, action.kind
         recompute_before = stage.recompute_seconds
-        start = time.perf_counter()
+        clock = self._clock if self.record_timing else None
+        start = ready = clock.mark() if clock else None
         try:
             if kind is ActionKind.FORWARD:
                 value = self._forward_input(s, m)
-                ready = time.perf_counter()
+                ready = clock.mark() if clock else None
                 self._forward(stage, s, m, value)
             elif kind in (ActionKind.FULL_BACKWARD, ActionKind.BACKWARD_INPUT):
-                grads = self._output_grads(s, m)
-                ready = time.perf_counter()
+                grads = self._output_grads(s, m, action)
+                ready = clock.mark() if clock else None
                 if kind is ActionKind.FULL_BACKWARD:
                     input_grads = stage.backward(m, grads)
                 else:
                     input_grads = stage.backward_input(m, grads)
                 self._hand_back(s, m, input_grads)
             elif kind is ActionKind.BACKWARD_WEIGHT:
-                ready = start
                 stage.backward_weight(m)
             elif kind is ActionKind.RECOMPUTE:
-                ready = start
                 stage.recompute(m)
             else:  # pragma: no cover
                 raise AssertionError(action)
@@ -493,8 +394,9 @@ class PipelineRunner:
             if type(exc) not in (RuntimeError, ValueError, TypeError):
                 raise
             raise type(exc)(f"pipeline rank {self.rank}, stage {s}, action {action} (microbatch {m}): {exc}") from exc
-        implicit = stage.recompute_seconds - recompute_before if kind is not ActionKind.RECOMPUTE else 0.0
-        self._record(action, start, ready, time.perf_counter(), implicit)
+        if clock is not None:
+            implicit = stage.recompute_seconds - recompute_before if kind is not ActionKind.RECOMPUTE else 0.0
+            self._marks.append((action, start, ready, clock.mark(), implicit))
 
     def _forward(self, stage: PipelineStage, s: int, m: int, value: Any) -> None:
         args, kwargs = _as_call(value)
@@ -516,17 +418,15 @@ class PipelineRunner:
         if self.schedule.rank_of(s + 1) == self.rank:
             handed = [t.detach().requires_grad_(t.requires_grad and self._training) for t in tensors]
             self._fwd_local[(s + 1, m)] = unflatten_boundary(spec, handed)
-            if self._training:
-                self._out_spec.setdefault(s, spec)
             return
-        known = self._out_spec.setdefault(s, spec)
+        known = self.exchange.out_spec.setdefault(s, spec)
         if known != spec:
             raise ValueError(
                 f"pipeline rank {self.rank}, stage {s}: microbatch {m} produced outputs {_describe(spec)} but "
                 f"earlier microbatches of this step produced {_describe(known)}; all microbatches of a step "
                 "must have the same boundary shapes"
             )
-        self._fwd_out[(s, m)] = tensors
+        self.exchange.put_forward_output(s, m, tensors)
 
     def _hand_back(self, s: int, m: int, input_grads: list[torch.Tensor]) -> None:
         if s == 0:
@@ -534,7 +434,7 @@ class PipelineRunner:
         if self.schedule.rank_of(s - 1) == self.rank:
             self._bwd_local[(s - 1, m)] = input_grads
         else:
-            self._bwd_out[(s, m)] = input_grads
+            self.exchange.put_input_grads(s, m, input_grads)
 
     # ------------------------------------------------------------------ shared parameters, timing
 
@@ -548,15 +448,43 @@ class PipelineRunner:
             what = (f"pipeline rank {self.rank} (global rank {dist.get_rank()}): all-reduce of a shared "
                     f"parameter's gradient {tuple(param.shape)} over global ranks "
                     f"{dist.get_process_group_ranks(group)}")
-            self.transport._wait([work], what)  # noqa: SLF001 - same error wording as p2p waits
+            self.transport.wait([work], what)
 
-    def _record(self, action: Action, start: float, ready: float, end: float, recompute: float = 0.0) -> None:
-        if not self.record_timing:
-            return
-        self.timings.append(ActionTiming(
-            rank=self.rank, stage=action.stage, kind=action.kind.value, microbatch=action.microbatch,
-            start_s=start, ready_s=ready, end_s=end, recompute_s=recompute, step=self._round_index,
-        ))
+    def _record_comm(self, action: Action) -> None:
+        mark = self._clock.mark()
+        self._marks.append((action, mark, mark, mark, 0.0))
+
+    def _resolve_marks(self) -> list[ActionTiming]:
+        seconds = self._clock.seconds
+        return [
+            ActionTiming(rank=self.rank, stage=a.stage, kind=a.kind.value, microbatch=a.microbatch,
+                         start_s=seconds(start), ready_s=seconds(start if ready is None else ready),
+                         end_s=seconds(end), recompute_s=recompute, step=self._round_index)
+            for a, start, ready, end, recompute in self._marks
+        ]
+
+
+def _common_device(stages: Sequence[PipelineStage], device: torch.device | str | None) -> torch.device:
+    """The one device of this rank's stages and messages; refuses a disagreement."""
+    devices = {torch.device(s.device) for s in stages}
+    if device is not None:
+        wanted = torch.device(device)
+        if wanted.type == "cuda" and wanted.index is None:
+            wanted = torch.device("cuda", torch.cuda.current_device())
+        if any(_differs(d, wanted) for d in devices):
+            raise ValueError(
+                f"PipelineRunner(device={wanted}) but the stages are on {sorted(map(str, devices))}; "
+                "build every PipelineStage with the same device as the runner"
+            )
+        return wanted
+    if len(devices) != 1:
+        raise ValueError(f"this rank's PipelineStages are on several devices {sorted(map(str, devices))}; "
+                         "use one device per rank (pass device= to every PipelineStage)")
+    return next(iter(devices))
+
+
+def _differs(a: torch.device, b: torch.device) -> bool:
+    return a.type != b.type or (a.index is not None and b.index is not None and a.index != b.index)
 
 
 def _describe(spec: Any) -> str:

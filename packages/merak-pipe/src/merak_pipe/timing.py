@@ -5,7 +5,11 @@ With ``PipelineRunner(..., record_timing=True)`` every action of a step is recor
 wait for a receive), when it ended, and how much of a ``B``/``I`` was spent recomputing
 (recompute inside the backward). Times are ``time.perf_counter()`` seconds; on one host that
 clock is shared by every process, so timings from several ranks line up on one timeline
-(across hosts they do not: each rank's trace is then only internally consistent).
+(across hosts they do not: each rank's trace is then only internally consistent). On CUDA
+the runner marks each point with a CUDA event on the current stream (:class:`RoundClock`) and
+converts after the round's end is synchronised: device time, anchored at the host clock read
+right after a synchronize at the start of the round. (The recompute part of a B/I is still
+host time; on CUDA it counts launches, not kernels.)
 
 - :func:`gather_timings` collects every rank's records over the pipeline group;
 - :func:`measured_costs` turns them into the :class:`~merak_pipe.sim.CostModel` that
@@ -13,18 +17,19 @@ clock is shared by every process, so timings from several ranks line up on one t
   whole-stage recompute time), so a measured step can be compared with its prediction;
 - :func:`measured_chrome_trace` writes the measured timeline as Chrome trace / Perfetto JSON.
 
-This module measures nothing itself and never synchronises devices: on CUDA, time only what
-the host sees (call ``torch.cuda.synchronize`` in the stage if device time matters).
+Apart from :class:`RoundClock` this module measures nothing itself.
 """
 
 from __future__ import annotations
 
 import json
 import statistics
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from merak_pipe.ir import Schedule
@@ -32,6 +37,44 @@ from merak_pipe.ir import Schedule
 __all__ = ["ActionTiming", "measured_chrome_trace", "gather_timings", "measured_costs", "measured_step_time"]
 
 _COMPUTE = ("F", "B", "I", "W", "R")
+
+
+class RoundClock:
+    """Time points of one round: host seconds on CPU, CUDA events (device time) on CUDA.
+
+    :meth:`mark` returns a token; :meth:`seconds` turns it into ``perf_counter`` seconds. On CUDA
+    a token is an event recorded on the current stream, and reading it waits for that event, so
+    only reading the number synchronises, never marking it.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = torch.device(device).type == "cuda"
+        self.device = torch.device(device)
+        self._host0 = 0.0
+        self._event0: Any = None
+
+    def start_round(self) -> None:
+        """Anchor this round's device clock to the host clock (one synchronize on CUDA)."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            self._host0 = time.perf_counter()
+            self._event0 = torch.cuda.Event(enable_timing=True)
+            self._event0.record()
+
+    def mark(self) -> Any:
+        """A time point now (a float, or a recorded CUDA event)."""
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, token: Any) -> float:
+        """The ``perf_counter`` seconds of a token from :meth:`mark` (waits for a CUDA event)."""
+        if isinstance(token, float):
+            return token
+        token.synchronize()
+        return self._host0 + self._event0.elapsed_time(token) / 1000.0
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ and the bad step marked:
    (and, with ``channel_order=True``, posts receives in the senders' order on each channel);
 5. executed in order (sends and receives posted asynchronously, a compute action waiting for
    its received data: [Note: p2p semantics] in ``_engine.py``), every action runs: dependencies hold (F before R before B/I before W, a
-   stage's F after the previous stage's F, a B/I after the next stage's B/I) and nothing deadlocks.
+   stage's F after the previous stage's F, a B/I after the next stage's B/I) and nothing deadlocks;
+6. with ``nccl=True``, the runtime's issue order runs under NCCL's rules (``merak_pipe.nccl_check``).
 
 It does not check costs or memory; that is the simulator's job.
 """
@@ -205,11 +206,15 @@ def _check_channel_order(schedule: Schedule) -> None:
             index[key] = i + 1
 
 
-def validate(schedule: Schedule, *, channel_order: bool = False) -> Schedule:
+def validate(schedule: Schedule, *, channel_order: bool = False, nccl: bool = False) -> Schedule:
     """Check ``schedule`` (compute-only or lowered); return it unchanged or raise ScheduleError.
 
     With ``channel_order=True`` a lowered schedule must also post its receives on each channel
-    (ordered pair of ranks) in the order the peer sends them, as NCCL requires.
+    (ordered pair of ranks) in the order the peer sends them, as NCCL requires. With
+    ``nccl=True`` the runtime's p2p issue order of the schedule (lowered here if it is
+    compute-only) is also replayed under NCCL's rules (:func:`merak_pipe.nccl_check.check_nccl`:
+    one in-order stream per rank, messages of a pair matched in issue order, a send and its
+    receive completing together), for a training step and an evaluation round.
     """
     with paused_gc():
         _check_structure(schedule)
@@ -240,4 +245,9 @@ def validate(schedule: Schedule, *, channel_order: bool = False) -> Schedule:
             first.rank,
             first.step,
         )
+    if nccl:
+        from merak_pipe.lowering import lower
+        from merak_pipe.nccl_check import check_nccl
+
+        check_nccl(schedule if schedule.lowered else lower(schedule))
     return schedule

@@ -1,0 +1,178 @@
+"""One rank's side of the stage-boundary traffic of a round: what to send, what was received.
+
+:class:`BoundaryExchange` sits between the runner and the transport. The runner hands it the
+outputs of forwards and the input gradients of backwards that go to another rank, asks it to
+run each p2p unit of the issue order ([Note: issue order] in ``p2p_order.py``), and takes the
+received inputs and output gradients when a compute action consumes them. It keeps the
+boundary specs: those of this round, and the last one sent or received per stage for the
+"spec changed" header ([Note: boundary values] in ``comm.py``).
+
+It never posts anything outside the unit it is asked to run: a value that is consumed before
+its receive was issued is an error in the schedule, reported as such.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from merak_pipe.comm import P2PTransport, PipelineCommError, Transfer, _Pending, spec_metas
+from merak_pipe.ir import Action
+from merak_pipe.p2p_order import DATA_B, DATA_F, HEADER, SPEC, P2POp
+
+__all__ = ["BoundaryExchange"]
+
+
+class BoundaryExchange:
+    """Per-round p2p state of one pipeline rank over a :class:`~merak_pipe.comm.P2PTransport`."""
+
+    def __init__(self, transport: P2PTransport) -> None:
+        self.transport = transport
+        self.rank = transport.rank
+        # Specs that persist across rounds (for the "spec changed" header).
+        self._last_sent_spec: dict[int, Any] = {}
+        self._last_recv_spec: dict[int, Any] = {}
+        self.reset_round()
+
+    def reset_round(self) -> None:
+        """Forget this round's messages (called at the start of every round)."""
+        self.out_spec: dict[int, Any] = {}
+        """Sending stage -> spec of its outputs this round."""
+        self.in_spec: dict[int, Any] = {}
+        """Receiving stage -> spec of its inputs this round."""
+        self._fwd_out: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._bwd_out: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._fwd_recv: dict[tuple[int, int], _Pending] = {}
+        self._bwd_recv: dict[tuple[int, int], _Pending] = {}
+        self._header: dict[int, tuple[bool, int]] = {}
+        self._payload: dict[int, bytes | None] = {}
+
+    # ------------------------------------------------------------------ values from compute
+
+    def put_forward_output(self, stage: int, microbatch: int, tensors: list[torch.Tensor]) -> None:
+        """Outputs of ``stage`` for ``microbatch``, to be sent by its SEND_F."""
+        self._fwd_out[(stage, microbatch)] = tensors
+
+    def put_input_grads(self, stage: int, microbatch: int, grads: list[torch.Tensor]) -> None:
+        """Input gradients of ``stage`` for ``microbatch``, to be sent by its SEND_B."""
+        self._bwd_out[(stage, microbatch)] = grads
+
+    def take_forward_input(self, stage: int, microbatch: int, action: Action) -> tuple[Any, list[torch.Tensor]]:
+        """(spec, tensors) received for the forward of ``stage``; waits for them."""
+        pending = self._fwd_recv.pop((stage, microbatch), None)
+        if pending is None:
+            raise RuntimeError(
+                f"pipeline rank {self.rank}: {action} needs the outputs of stage {stage - 1}, but no "
+                f"{stage}RECV_F{microbatch} was issued before it; lower the schedule with merak_pipe.lower()"
+            )
+        return self.in_spec[stage], self.transport.finish(pending)
+
+    def take_output_grads(self, stage: int, microbatch: int, action: Action) -> list[torch.Tensor]:
+        """The gradients received for the outputs of ``stage``; waits for them."""
+        pending = self._bwd_recv.pop((stage, microbatch), None)
+        if pending is None:
+            raise RuntimeError(
+                f"pipeline rank {self.rank}: {action} needs the gradients from stage {stage + 1}, but no "
+                f"{stage}RECV_B{microbatch} was issued before it; lower the schedule with merak_pipe.lower()"
+            )
+        return self.transport.finish(pending)
+
+    def leftovers(self) -> list[str]:
+        """What was produced for another rank but never sent."""
+        out = []
+        if self._fwd_out:
+            out.append(f"outputs never sent: {sorted(self._fwd_out)}")
+        if self._bwd_out:
+            out.append(f"input gradients never sent: {sorted(self._bwd_out)}")
+        return out
+
+    # ------------------------------------------------------------------ one unit
+
+    def run_unit(self, unit: tuple[P2POp, ...], on_issue: Callable[[Action], None] | None = None) -> None:
+        """Issue one unit as one batch; read received control messages at once."""
+        chosen = [(op, tr) for op in unit if (tr := self._transfer(op)) is not None]
+        if not chosen:
+            return
+        pendings = self.transport.issue([tr for _, tr in chosen])
+        for (op, _), pending in zip(chosen, pendings, strict=True):
+            if op.send:
+                continue
+            if op.kind == DATA_F:
+                self._fwd_recv[(op.stage + 1, op.microbatch)] = pending
+            elif op.kind == DATA_B:
+                self._bwd_recv[(op.stage - 1, op.microbatch)] = pending
+            elif op.kind == HEADER:
+                self._read_header(op, pending)
+            else:
+                spec = self.transport.read_spec(pending)
+                self.in_spec[op.stage + 1] = spec
+                self._last_recv_spec[op.stage + 1] = spec
+        if on_issue is not None:
+            for op, _ in chosen:
+                if op.kind in (DATA_F, DATA_B):
+                    on_issue(op.action)
+
+    def _read_header(self, op: P2POp, pending: _Pending) -> None:
+        changed, nbytes = self.transport.read_header(pending)
+        self._header[op.stage] = (changed, nbytes)
+        receiver = op.stage + 1
+        if not changed:
+            last = self._last_recv_spec.get(receiver)
+            if last is None:
+                raise PipelineCommError(f"{pending.what}: the sender reported an unchanged shape spec "
+                                        "but none was received before (mismatched runners?)")
+            self.in_spec[receiver] = last
+
+    def _what(self, op: P2POp) -> str:
+        a = op.action
+        return self.transport.describe(a.stage, a.kind.value, a.microbatch, op.peer)
+
+    def _transfer(self, op: P2POp) -> Transfer | None:
+        t = self.transport
+        if op.kind == HEADER:
+            if not op.send:
+                return t.header_transfer(send=False, stage=op.stage, peer=op.peer, what=self._what(op))
+            spec = self.out_spec[op.stage]
+            changed = self._last_sent_spec.get(op.stage) != spec
+            payload = pickle.dumps(spec) if changed else None
+            self._payload[op.stage] = payload
+            self._last_sent_spec[op.stage] = spec
+            return t.header_transfer(send=True, stage=op.stage, peer=op.peer, what=self._what(op),
+                                     changed=changed, nbytes=len(payload or b""))
+        if op.kind == SPEC:
+            if op.send:
+                payload = self._payload.pop(op.stage)
+                return None if payload is None else t.spec_transfer(
+                    send=True, stage=op.stage, peer=op.peer, what=self._what(op), payload=payload)
+            changed, nbytes = self._header[op.stage]
+            return t.spec_transfer(send=False, stage=op.stage, peer=op.peer, what=self._what(op),
+                                   nbytes=nbytes) if changed else None
+        if op.send:
+            return self._data_send(op)
+        return self._data_recv(op)
+
+    def _data_send(self, op: P2POp) -> Transfer:
+        store = self._fwd_out if op.kind == DATA_F else self._bwd_out
+        tensors = store.pop((op.stage, op.microbatch), None)
+        if tensors is None:
+            made_by = "F" if op.kind == DATA_F else "B/I"
+            raise RuntimeError(f"pipeline rank {self.rank}: action {op.action} sends values that {made_by} "
+                               "has not produced")
+        ready = [x.detach().contiguous() for x in tensors]
+        tags = self.transport.data_tags(op.kind == DATA_B, op.stage, op.microbatch, len(ready))
+        return Transfer(True, op.peer, ready, tags, self._what(op))
+
+    def _data_recv(self, op: P2POp) -> Transfer:
+        if op.kind == DATA_F:
+            metas = spec_metas(self.in_spec[op.stage + 1])
+        else:
+            own = op.stage - 1
+            if own not in self.out_spec:
+                raise RuntimeError(f"pipeline rank {self.rank}: {op.action} comes before any forward of stage {own}")
+            metas = [meta for meta in spec_metas(self.out_spec[own]) if meta.requires_grad]
+        buffers = [self.transport.empty(m) for m in metas]
+        tags = self.transport.data_tags(op.kind == DATA_B, op.stage, op.microbatch, len(buffers))
+        return Transfer(False, op.peer, buffers, tags, self._what(op))

@@ -1,0 +1,165 @@
+"""The point-to-point issue order of one rank: what the runtime issues, in which units, in which order.
+
+:func:`issue_order` turns one rank's lowered action list into *steps*: a compute action, or a
+*unit* of p2p operations issued together (one ``batch_isend_irecv``). The runtime
+(``merak_pipe.runner``) walks exactly these steps, and the NCCL replay checker
+(``merak_pipe.nccl_check``) replays exactly these units, so what is checked is what runs.
+
+[Note: issue order]
+- A run of consecutive SEND/RECV actions of the lowered schedule is one unit, issued when the
+  walk reaches it. Nothing is posted ahead of its place: on NCCL a rank's p2p operations run in
+  issue order on one stream, so a receive moved ahead of a send that its peer waits for
+  deadlocks, whatever the message size.
+- Every message of a pair of ranks is matched by issue order alone. Lowering posts the receives
+  of each channel (ordered pair of ranks) in the order the peer sends them ([Note: channel
+  order] in ``lowering.py``), so both sides issue a pair's messages in the same order.
+- The first forward message of a stage in a round is preceded by its control messages
+  ([Note: boundary values] in ``comm.py``): a header unit, then a spec unit (the pickled
+  boundary spec; issued only when the header says the spec changed, by both sides alike). The
+  sender issues them right before the unit that holds that first ``SEND_F``, the receiver right
+  before the unit that holds the matching first ``RECV_F``; the receiver waits for each before
+  issuing anything else (it needs the header to size the spec, and the spec to size the data).
+- ``forward_only=True`` gives the order of an evaluation round: only F, SEND_F and RECV_F
+  actions, with units formed the same way from what is left.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from merak_pipe._p2p_replay import Replay
+from merak_pipe.ir import Action, ActionKind, Schedule
+
+__all__ = ["P2POp", "Step", "Unit", "issue_order", "issue_orders", "round_actions"]
+
+# Message kinds: forward data, backward data, shape header, pickled spec.
+DATA_F, DATA_B, HEADER, SPEC = "F", "B", "H", "S"
+
+
+@dataclass(frozen=True)
+class P2POp:
+    """One send or receive. ``stage`` is the *sending* stage; ``microbatch`` is -1 for control messages."""
+
+    send: bool
+    peer: int
+    """The other pipeline rank."""
+    kind: str
+    """``"F"`` (activations), ``"B"`` (gradients), ``"H"`` (header) or ``"S"`` (spec)."""
+    stage: int
+    microbatch: int
+    action: Action
+    """The schedule action this operation serves (a control message: the SEND_F / RECV_F it precedes)."""
+
+    @property
+    def message(self) -> tuple[str, int, int]:
+        """What travels: equal on the send and on the receive of one message."""
+        return (self.kind, self.stage, self.microbatch)
+
+    def __str__(self) -> str:
+        if self.kind in (HEADER, SPEC):
+            word = "header" if self.kind == HEADER else "spec"
+            return f"{'send' if self.send else 'recv'} {word} of stage {self.stage} for {self.action}"
+        return str(self.action)
+
+
+Unit = tuple[P2POp, ...]
+Step = Action | Unit
+
+
+def round_actions(actions: Sequence[Action], *, forward_only: bool) -> list[Action]:
+    """The actions a round runs: all of them, or (evaluation) only F, SEND_F and RECV_F."""
+    if not forward_only:
+        return list(actions)
+    keep = (ActionKind.FORWARD, ActionKind.SEND_F, ActionKind.RECV_F)
+    return [a for a in actions if a.kind in keep]
+
+
+def _op(action: Action, rank_of: tuple[int, ...]) -> P2POp:
+    s, m, kind = action.stage, action.microbatch, action.kind
+    if kind is ActionKind.SEND_F:
+        return P2POp(True, rank_of[s + 1], DATA_F, s, m, action)
+    if kind is ActionKind.RECV_F:
+        return P2POp(False, rank_of[s - 1], DATA_F, s - 1, m, action)
+    if kind is ActionKind.SEND_B:
+        return P2POp(True, rank_of[s - 1], DATA_B, s, m, action)
+    if kind is ActionKind.RECV_B:
+        return P2POp(False, rank_of[s + 1], DATA_B, s + 1, m, action)
+    raise AssertionError(f"{action} is not a send/recv")  # pragma: no cover
+
+
+def _flush(batch: list[P2POp], headed: set[int], steps: list[Step]) -> None:
+    """Append the batch with the control messages it needs (see [Note: issue order])."""
+    unit: list[P2POp] = []
+    for op in batch:
+        if op.kind == DATA_F and op.stage not in headed:
+            headed.add(op.stage)
+            header = P2POp(op.send, op.peer, HEADER, op.stage, -1, op.action)
+            spec = P2POp(op.send, op.peer, SPEC, op.stage, -1, op.action)
+            if op.send:
+                unit += [header, spec]
+            else:
+                steps.append(tuple([*unit, header]))
+                steps.append((spec,))
+                unit = []
+        unit.append(op)
+    steps.append(tuple(unit))
+
+
+def _base_order(schedule: Schedule, rank: int, forward_only: bool) -> list[Step]:
+    rank_of = schedule.stage_to_rank
+    steps: list[Step] = []
+    batch: list[P2POp] = []
+    headed: set[int] = set()
+    for action in round_actions(schedule.actions[rank], forward_only=forward_only):
+        if action.kind.is_comm:
+            batch.append(_op(action, rank_of))
+            continue
+        if batch:
+            _flush(batch, headed, steps)
+            batch = []
+        steps.append(action)
+    if batch:
+        _flush(batch, headed, steps)
+    return steps
+
+
+def _defer_sends(units: dict[int, list[list[P2POp]]]) -> dict[int, list[list[P2POp]]]:
+    """Break the deadlocks of the plain order by moving sends into later units ([Note: issue order])."""
+    replay: Replay[P2POp] = Replay(units)
+    while True:
+        replay.run()
+        stuck = replay.stuck()
+        if not stuck:
+            break
+        candidates = [i for rank in sorted(stuck) for i in replay.waiting_sends(rank)]
+        if not any(replay.defer(i) for i in candidates):
+            break  # nothing to move: the checker reports the deadlock
+    return {rank: replay.unit_ops(rank) for rank in units}
+
+
+def issue_orders(schedule: Schedule, *, forward_only: bool = False) -> dict[int, list[Step]]:
+    """The steps every rank runs for one round of the lowered ``schedule`` ([Note: issue order])."""
+    if not schedule.lowered:
+        raise ValueError(f"schedule {schedule.name!r} is not lowered; pass merak_pipe.lower(schedule)")
+    base = {rank: _base_order(schedule, rank, forward_only) for rank in range(schedule.num_ranks)}
+    units = {rank: [list(step) for step in steps if isinstance(step, tuple)] for rank, steps in base.items()}
+    fixed = _defer_sends(units)
+    out: dict[int, list[Step]] = {}
+    for rank, steps in base.items():
+        queue = iter(fixed[rank])
+        rank_steps: list[Step] = []
+        for step in steps:
+            if isinstance(step, tuple):
+                unit = tuple(next(queue))
+                if unit:
+                    rank_steps.append(unit)
+            else:
+                rank_steps.append(step)
+        out[rank] = rank_steps
+    return out
+
+
+def issue_order(schedule: Schedule, rank: int, *, forward_only: bool = False) -> list[Step]:
+    """The steps ``rank`` runs for one round of the lowered ``schedule``."""
+    return issue_orders(schedule, forward_only=forward_only)[rank]
