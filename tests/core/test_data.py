@@ -251,3 +251,32 @@ def _plain(loader: StageAwareDataLoader) -> Iterator[StageBatch]:
     # Samples are bare ints: treat each collated batch as inputs only.
     loader.split = lambda batch: (batch.tolist(), None)
     return iter(loader)
+
+
+@pytest.mark.parametrize("dp,bs,n", [(2, 3, 10), (2, 4, 3), (4, 2, 37), (2, 3, 12)])
+def test_padded_batches_say_how_many_rows_are_real(dp: int, bs: int, n: int) -> None:
+    # Every sample is real exactly once: the real rows of all ranks' batches are the epoch's order.
+    ds = _Samples(n)
+    real_ids = []
+    for step_batches in zip(*[StageAwareDataLoader(ds, batch_size=bs, dp_rank=r, dp_size=dp, seed=3,
+                                                   drop_last=False) for r in range(dp)], strict=True):
+        for b in step_batches:
+            real = bs if b.num_real is None else b.num_real
+            assert b.num_real is None or 0 <= b.num_real < bs
+            real_ids += _ids(b)[:real]
+    perm = StageAwareDataLoader(ds, batch_size=bs, dp_size=dp, seed=3, drop_last=False).epoch_permutation(0)
+    assert real_ids == perm.tolist()
+    # drop_last: every row of every batch is real.
+    if n >= dp * bs:
+        assert all(b.num_real is None for b in StageAwareDataLoader(ds, batch_size=bs, dp_size=dp, seed=3))
+
+
+def test_padded_stream_batches_say_how_many_rows_are_real() -> None:
+    n, dp, bs = 23, 2, 3  # the last global batch holds 18..22 (5 real): rank 0 gets 3, rank 1 gets 2
+    last = [list(StageAwareDataLoader(_Stream(n), batch_size=bs, dp_rank=r, dp_size=dp, drop_last=False))[-1]
+            for r in range(dp)]
+    assert [b.num_real for b in last] == [3, 2]
+    assert _ids(last[1])[:2] == [21, 22]
+    middle = list(StageAwareDataLoader(_Samples(5), batch_size=4, dp_size=1, drop_last=False,
+                                       needs_inputs=False, needs_labels=False))
+    assert len(middle) == 2 and all(b.is_empty for b in middle)  # middle stages read nothing, count the same

@@ -38,3 +38,10 @@ def new_group(ranks: list[int], timeout: timedelta, backend: str | None) -> Proc
         # Ranks outside ``ranks`` get a sentinel back; callers only keep their own groups.
         return dist.GroupMember.NON_GROUP_MEMBER  # type: ignore[return-value]
     return group
+
+
+def default_store() -> dist.Store | None:
+    """The key-value store of the default process group (None when torch does not expose it)."""
+    getter = getattr(dist.distributed_c10d, "_get_default_store", None)
+    if getter is None:
+        return None

@@ -134,11 +134,19 @@ def clip_grad_norm_(
             f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}), so it cannot "
             "be clipped; pass error_if_nonfinite=False to scale by the non-finite coefficient anyway"
         )
-    coef = torch.clamp(max_norm / (total + _EPS), max=1.0)
-    for p in params:
+    scale_gradients_(params, max_norm, total)
+    return total
+
+
+def scale_gradients_(parameters: Iterable[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
+    """The scaling half of :func:`clip_grad_norm_`: multiply every gradient by ``min(1, max_norm / (norm + 1e-6))``.
+
+    For callers that computed ``total_norm`` with :func:`global_grad_norm` and checked it first.
+    """
+    coef = torch.clamp(max_norm / (total_norm + _EPS), max=1.0)
+    for p in _unique(parameters):
         if p.grad is not None:
             p.grad.detach().mul_(coef.to(p.grad.dtype))
-    return total
 
 
 def _unique(parameters: Iterable[torch.Tensor]) -> list[torch.Tensor]:
@@ -161,4 +169,4 @@ def _device_of(params: list[torch.Tensor], layout: ParallelLayout | None) -> tor
     return torch.device("cpu")
 
 
-__all__ = ["TP_DIM_ATTR", "SharedParams", "clip_grad_norm_", "global_grad_norm", "is_tp_sharded"]
+__all__ = ["TP_DIM_ATTR", "SharedParams", "clip_grad_norm_", "global_grad_norm", "is_tp_sharded", "scale_gradients_"]

@@ -15,7 +15,9 @@ rows ``[r*batch_size, (r+1)*batch_size)`` of it. So the concatenation of the DP
 ranks' batches at step ``s`` is the global batch a single process would use, the
 shards are disjoint, and their union over an epoch is the epoch's permutation
 (truncated to whole global batches with ``drop_last=True``, padded by wrapping
-around to the permutation's start otherwise, as ``DistributedSampler`` does).
+around to the permutation's start otherwise, as ``DistributedSampler`` does; then
+each batch says how many of its leading rows are real, ``StageBatch.num_real``, so
+evaluation can mask the padding and count every sample exactly once).
 An iterable dataset is read as a stream and cut the same way (its order is the
 stream's; ``set_epoch`` is forwarded to the dataset when it has one).
 
@@ -53,6 +55,9 @@ class StageBatch:
     """Model inputs (e.g. a dict of tensors without "labels"); None where not needed."""
     labels: Any = None
     """Targets for the loss; None where not needed."""
+    num_real: int | None = None
+    """Rows of this batch that are real samples, the first ``num_real`` (the rest pad the last batch of an
+    epoch by wrapping around, ``drop_last=False``); None: every row is real."""
 
     @property
     def is_empty(self) -> bool:
@@ -273,24 +278,37 @@ class StageAwareDataLoader:
             source = self._iterable_batches(epoch, start)
         else:
             indices = self._rank_indices(epoch)[start:]
+            # A private generator: torch's DataLoader otherwise draws its worker base seed from the
+            # global generator, so a resumed run (a new iterator mid-epoch) would shift the global
+            # stream that dropout reads (see [Note: random streams] in merak_core.checkpoint.state).
             source = DataLoader(
                 self.dataset, batch_sampler=_BatchIndices(indices), collate_fn=self.collate_fn,
                 num_workers=self.num_workers, pin_memory=self.pin_memory,
+                generator=torch.Generator().manual_seed(self.seed + epoch),
             )
-        for batch in source:
+        for offset, item in enumerate(source):
+            batch, real = item if self.iterable and self.reads_data else (item, self._real_rows(start + offset))
             self._consumed += 1
-            yield self._stage_batch(batch)
+            yield self._stage_batch(batch, real)
         if self._epoch == epoch:
             self._epoch += 1
             self._consumed = 0
 
-    def _stage_batch(self, batch: Any) -> StageBatch:
-        if batch is None:
-            return StageBatch()
-        inputs, labels = self.split(batch)
-        return StageBatch(inputs if self.needs_inputs else None, labels if self.needs_labels else None)
+    def _real_rows(self, step: int) -> int | None:
+        """Real samples in this rank's batch ``step`` of a map-style epoch (None: all of them)."""
+        n = self._dataset_len()
+        if self.drop_last or n is None:
+            return None
+        real = min(self.batch_size, max(0, n - step * self.global_batch_size - self.dp_rank * self.batch_size))
+        return None if real == self.batch_size else real
 
-    def _iterable_batches(self, epoch: int, skip: int) -> Iterator[Any]:
+    def _stage_batch(self, batch: Any, real: int | None = None) -> StageBatch:
+        if batch is None:
+            return StageBatch(num_real=real)
+        inputs, labels = self.split(batch)
+        return StageBatch(inputs if self.needs_inputs else None, labels if self.needs_labels else None, real)
+
+    def _iterable_batches(self, epoch: int, skip: int) -> Iterator[tuple[Any, int | None]]:
         set_epoch = getattr(self.dataset, "set_epoch", None)
         if callable(set_epoch):
             set_epoch(epoch)
@@ -302,12 +320,12 @@ class StageAwareDataLoader:
             chunk.append(sample)
             if len(chunk) == g:
                 if step >= skip:
-                    yield self.collate_fn(chunk[lo:lo + b])
+                    yield self.collate_fn(chunk[lo:lo + b]), None
                 step += 1
                 chunk = []
         if chunk and not self.drop_last and step >= skip:
             padded = [chunk[i % len(chunk)] for i in range(g)]
-            yield self.collate_fn(padded[lo:lo + b])
+            yield self.collate_fn(padded[lo:lo + b]), min(b, max(0, len(chunk) - lo))
 
     # ------------------------------------------------------------------ state
 

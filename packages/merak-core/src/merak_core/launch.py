@@ -15,6 +15,7 @@ import argparse
 import json
 import logging
 import os
+import shlex
 import sys
 from datetime import timedelta
 
@@ -98,14 +99,26 @@ def main(argv: list[str] | None = None) -> int:
     resume = resume_target(args.resume)
     if resume is not None:
         trainer.resume(resume)
-    history = trainer.train()
+    from merak_core.exitcodes import PREEMPTED
+    from merak_core.nonfinite import json_safe
+    from merak_core.signals import TrainingPreempted
+
+    try:
+        history = trainer.train()
+    except TrainingPreempted as stopped:  # every rank, after the same step ([Note: preemption])
+        if dist.get_rank() == 0:
+            print(stopped.resume_line(shlex.join(["merak", "train", args.config, *args.overrides]) + " --resume latest"),
+                  flush=True)
+        dist.destroy_process_group()
+        return PREEMPTED
     final = trainer.last_eval
     if dist.get_rank() == 0:
-        summary = {"layout": layout.describe(), "steps": trainer.global_step,
-                   "first_loss": history[0]["loss"] if history else None,
-                   "final_loss": history[-1]["loss"] if history else None, **final}
+        whole = trainer.metrics.summary()  # every segment of a resumed run
+        summary = {"layout": layout.describe(), "steps": trainer.global_step, "first_loss": whole["first_loss"],
+                   "final_loss": history[-1]["loss"] if history else whole["final_loss"],
+                   "skipped_steps": whole["skipped_steps"], **final}
         with open(os.path.join(targs.output_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
+            json.dump(json_safe(summary), f, indent=2, allow_nan=False)
         print("final: " + "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
                                     for k, v in summary.items()), flush=True)
     dist.destroy_process_group()

@@ -26,7 +26,14 @@ a step fails on every other rank within that timeout with an error that names th
 rank, its (pp, dp, tp) coordinates, the step and what it waited on: the pipeline
 runner's ``PipelineCommError`` (stage, action, microbatch, peer) gains the global
 ranks of the pipeline; other collectives raise :class:`TrainingStepError` naming
-the group's global ranks.
+the group's global ranks. Both add which ranks stopped answering the heartbeat
+(:mod:`merak_core.stall`): the stalled or dead peer by global rank and coordinates.
+
+[Note: non-finite steps and signals] The step's last all-reduce carries the loss and
+two flags (a non-finite gradient, a stop signal), see :mod:`merak_core.nonfinite`
+and :mod:`merak_core.signals`: ``nonfinite: stop`` raises an error naming the step,
+the loss, the norm and the first bad gradient; ``skip`` drops the update; a signal
+ends training after the same step on every rank, with a preemption checkpoint.
 
 [Note: plan check] With ``layout: auto`` the Trainer first lets the planner choose the layout
 (collective, :func:`merak_core.autoplan.plan_for_job`); with ``plan_check_steps`` it records
@@ -44,7 +51,6 @@ import contextlib
 import logging
 import math
 import time
-import typing
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -53,14 +59,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from merak_core.clip import clip_grad_norm_
+from merak_core import nonfinite
+from merak_core.clip import global_grad_norm, scale_gradients_
 from merak_core.compose import ParallelModel, build_parallel_model, gather_full_state_dict
 from merak_core.config import TrainingArguments, build_lr_scheduler
 from merak_core.data import StageAwareDataLoader
 from merak_core.data_parallel import DataParallelGradSync
+from merak_core.evaluation import evaluate_loader
 from merak_core.layout import ParallelLayout, init
 from merak_core.metrics import MetricsWriter
 from merak_core.planner import PlanContext
+from merak_core.signals import StopRequest, TrainingPreempted
+from merak_core.stall import Heartbeat
 from merak_core.zero import ZeroOptimizer
 
 logger = logging.getLogger(__name__)
@@ -149,7 +159,8 @@ class Trainer:
 
             args, plan_context = plan_for_job(args, model, train_dataset, data_collator=data_collator, device=device)
         self.args = args
-        self.layout = layout if layout is not None else init(dp=args.dp, tp=args.tp, pp=args.pp)
+        self.layout = layout if layout is not None else init(dp=args.dp, tp=args.tp, pp=args.pp,
+                                                                timeout=args.comm_timeout)
         _check_layout(args, self.layout)
         self.device = torch.device(device) if device is not None else _default_device()
         self.loss_fn = loss_fn or default_loss
@@ -203,8 +214,17 @@ class Trainer:
         self.lr_scheduler = build_lr_scheduler(self.optimizer, args, self.num_training_steps())
         self.params = params
         self.global_step = 0
+        self.skipped_steps = 0
+        self.last_grad_norm: float | None = None
+        self.last_step_skipped = False
+        self.stop_agreed = False
+        self._stop = StopRequest()
+        self._heartbeat: Heartbeat | None = None
         self.history: list[dict[str, float]] = []
         self.last_eval: dict[str, float] = {}
+        # A merak_tp.RNGTracker the model forks for dropout on TP-sharded activations, if any:
+        # checkpoints save and restore its states per rank (see merak_core.checkpoint.state).
+        self.rng_tracker: Any = None
         self.metrics = MetricsWriter(args.output_dir, enabled=dist.get_rank() == 0)
         from merak_core.checkpoint import CheckpointManager
 
@@ -220,8 +240,10 @@ class Trainer:
 
     def _adamw(self, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
         a = self.args
+        # Fused kernels on CUDA; the multi-tensor path on CPU (bit-identical to the per-parameter loop).
+        fused = self.device.type == "cuda"
         return torch.optim.AdamW(groups, lr=a.learning_rate, betas=(a.adam_beta1, a.adam_beta2),
-                                 eps=a.adam_epsilon, weight_decay=a.weight_decay, foreach=False)
+                                 eps=a.adam_epsilon, weight_decay=a.weight_decay, foreach=not fused, fused=fused)
 
     def _example_inputs(self, dataset: Any) -> Any:
         if dataset is None:
@@ -342,7 +364,14 @@ class Trainer:
         return contextlib.nullcontext()
 
     def training_step(self, inputs: Any, labels: Any) -> float:
-        """One optimizer step on this rank's part of a global batch; the global mean loss on every rank."""
+        """One optimizer step on this rank's part of a global batch; the global mean loss on every rank.
+
+        A non-finite loss or gradient norm, and a stop signal on any rank, are known to every rank
+        after the step's last all-reduce (see [Note: step flags] in :mod:`merak_core.nonfinite`):
+        ``nonfinite: stop`` raises :class:`merak_core.nonfinite.NonFiniteError`; ``skip`` drops the
+        update (optimizer and learning-rate schedule unchanged, ``last_step_skipped``); a stop
+        request sets ``stop_agreed`` after the update.
+        """
         for p in self.params:
             p.grad = None
         labels = labels.to(self.device) if isinstance(labels, torch.Tensor) else labels
@@ -360,16 +389,53 @@ class Trainer:
             with self._phase(f"DP gradient all-reduce over global ranks {layout.dp_ranks}"):
                 self.dp_sync.finish()
         self._fill_missing_grads()
+        norm = None
         if self.args.max_grad_norm > 0:
-            with self._phase("gradient-norm all-reduce over all ranks"):
-                self.last_grad_norm = float(clip_grad_norm_(self.params, self.args.max_grad_norm,
-                                                            layout=layout, shared_params=self.model.shared_owner))
-        with self._phase(f"optimizer step (ZeRO-1 broadcasts over global ranks {layout.dp_ranks})"):
+            with self._phase(f"gradient-norm all-reduce over the TP and PP groups (global ranks {layout.tp_ranks} "
+                             f"and {layout.pp_ranks})"):
+                norm = global_grad_norm(self.params, layout=layout, shared_params=self.model.shared_owner)
+            bad = not bool(torch.isfinite(norm))
+        else:
+            bad = nonfinite.local_grads_nonfinite(self.params)
+        with self._phase("loss all-reduce over all ranks"):
+            loss_value, any_bad, self.stop_agreed = self._reduce_step(loss, bad)
+        self.last_grad_norm = float(norm) if norm is not None else None
+        self.last_step_skipped = any_bad or not math.isfinite(loss_value)
+        if self.last_step_skipped:
+            self._nonfinite_step(loss_value)
+            self.global_step += 1
+            return loss_value
+        if norm is not None:
+            scale_gradients_(self.params, self.args.max_grad_norm, norm)
+        zero = isinstance(self.optimizer, ZeroOptimizer)
+        with self._phase(f"optimizer step (ZeRO-1 broadcasts over global ranks {layout.dp_ranks})" if zero
+                         else "optimizer step (local, no communication)"):
             self.optimizer.step()
         self.lr_scheduler.step()
         self.global_step += 1
-        with self._phase("loss all-reduce over all ranks"):
-            return self._global_mean(loss)
+        return loss_value
+
+    def _reduce_step(self, loss: torch.Tensor | None, bad: bool) -> tuple[float, bool, bool]:
+        """The step's loss averaged over DP, and whether any rank saw a non-finite gradient or a stop signal."""
+        value = torch.zeros(nonfinite.STEP_VECTOR_SIZE, dtype=torch.float64, device=self.device)
+        if loss is not None and self.layout.tp_rank == 0:
+            value[nonfinite.LOSS] += float(loss)
+        value[nonfinite.NONFINITE] = float(bad)
+        value[nonfinite.STOP_REQUESTED] = float(self._stop.requested)
+        dist.all_reduce(value)
+        return (float(value[nonfinite.LOSS]) / self.layout.dp, bool(value[nonfinite.NONFINITE] > 0),
+                bool(value[nonfinite.STOP_REQUESTED] > 0))
+
+    def _nonfinite_step(self, loss: float) -> None:
+        """Apply the ``nonfinite`` policy to a step whose loss or gradients are not finite (on every rank)."""
+        step = self.global_step + 1
+        if self.args.nonfinite == nonfinite.STOP:
+            raise nonfinite.nonfinite_error(step=step, loss=loss, grad_norm=self.last_grad_norm,
+                                            named=self.model.named_parameters(), layout=self.layout)
+        self.skipped_steps += 1
+        if dist.get_rank() == 0:
+            logger.warning("step %d skipped (nonfinite: skip): loss %r, gradient norm %r; %d step(s) skipped so far",
+                           step, loss, self.last_grad_norm, self.skipped_steps)
 
     @contextlib.contextmanager
     def _phase(self, what: str) -> Iterator[None]:
@@ -385,27 +451,33 @@ class Trainer:
             layout = self.layout
             where = (f"rank {layout.rank} (pp_rank {layout.pp_rank}, dp_rank {layout.dp_rank}, "
                      f"tp_rank {layout.tp_rank}), step {self.global_step + 1}: {what} failed "
-                     f"(timeout {layout.timeout.total_seconds():g} s; a peer died or stalled?)")
+                     f"(timeout {layout.timeout.total_seconds():g} s; {self._stall_diagnosis()})")
             if type(exc).__name__ in ("PipelineCommError", "PipelineTimeoutError"):
                 raise type(exc)(f"{where}: {exc}") from exc
             raise TrainingStepError(f"{where}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
                                     ) from exc
+
+    def _stall_diagnosis(self) -> str:
+        """Which ranks stopped answering (see [Note: heartbeats] in :mod:`merak_core.stall`)."""
+        if self._heartbeat is None:
+            return "a peer died or stalled?"
+        return self._heartbeat.diagnosis()
+
+    def _describe_rank(self, rank: int) -> str:
+        pp_rank, dp_rank, tp_rank = self.layout.coords_of(rank)
+        return f"rank {rank} (pp_rank {pp_rank}, dp_rank {dp_rank}, tp_rank {tp_rank})"
 
     def _fill_missing_grads(self) -> None:
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
 
-    def _global_mean(self, loss: torch.Tensor | None) -> float:
-        """The step's loss averaged over DP, known on every rank (the last stage holds it)."""
-        value = torch.zeros(1, dtype=torch.float64, device=self.device)
-        if loss is not None and self.layout.tp_rank == 0:
-            value += float(loss)
-        dist.all_reduce(value)
-        return float(value) / self.layout.dp
-
     def train(self) -> list[dict[str, float]]:
-        """Run ``max_steps`` (or ``num_train_epochs``) optimizer steps; returns the logged history."""
+        """Run ``max_steps`` (or ``num_train_epochs``) optimizer steps; returns the logged history.
+
+        SIGTERM or SIGINT on any rank stops every rank after the same step, with a preemption
+        checkpoint: :class:`merak_core.signals.TrainingPreempted` (see [Note: preemption]).
+        """
         if self.train_loader is None:
             raise ValueError("Trainer.train() needs a train_dataset")
         total = self.num_training_steps()
@@ -420,14 +492,32 @@ class Trainer:
                     f"earlier run, which this run (not resumed, save_steps={args.save_steps}) would overwrite: "
                     "resume it with trainer.resume('latest') (merak train --resume latest), or choose a new output_dir"
                 )
-        iterator = iter(self.train_loader)  # resumes at the loader's restored position
+        self.metrics.start(total, resumed_step=self.global_step)
+        self._heartbeat = Heartbeat.for_timeout(dist.get_rank(), dist.get_world_size(),
+                                                self.layout.timeout.total_seconds(), describe=self._describe_rank)
+        try:
+            with self._stop, self._heartbeat:
+                self._train_loop(self.train_loader, total)
+        finally:
+            self._heartbeat = None
+        if self.eval_dataset is not None and (not args.eval_steps or self.global_step % args.eval_steps):
+            self.last_eval = self.evaluate()
+            self.metrics.log({"step": self.global_step, **self.last_eval})
+        if args.save_steps and self.global_step % args.save_steps:
+            self.checkpoints.save()  # the final state, unless the last step just saved it
+        self.metrics.finish()
+        return self.history
+
+    def _train_loop(self, loader: StageAwareDataLoader, total: int) -> None:
+        args = self.args
+        iterator = iter(loader)  # resumes at the loader's restored position
         window_start, window_tokens = time.perf_counter(), 0
-        self.metrics.start(total)
+        first_step = self.global_step + 1
         while self.global_step < total:
             try:
                 batch = next(iterator)
             except StopIteration:
-                iterator = iter(self.train_loader)
+                iterator = iter(loader)
                 continue
             if self.plan_check is not None:
                 self.plan_check.before_step(total)
@@ -437,26 +527,32 @@ class Trainer:
             if self.plan_check is not None:
                 self.plan_check.after_step(step_time)
             window_tokens += _count_tokens(batch.inputs) * self.layout.dp
-            record: dict[str, float] = {"step": self.global_step, "loss": loss,
-                                        "lr": float(self.lr_scheduler.get_last_lr()[0]), "step_time_s": step_time}
+            record: dict[str, Any] = {"step": self.global_step, "loss": loss,
+                                      "lr": float(self.lr_scheduler.get_last_lr()[0]), "step_time_s": step_time}
+            if self.last_step_skipped:
+                record.update(skipped=True, skipped_steps=self.skipped_steps)
             self.history.append(record)
-            if self.global_step % args.logging_steps == 0 or self.global_step == total:
+            step = self.global_step
+            if step % args.logging_steps == 0 or step in (total, first_step) or self.last_step_skipped:
                 elapsed = time.perf_counter() - window_start
                 record["tokens_per_s"] = window_tokens / elapsed if elapsed > 0 else 0.0
                 self.metrics.log(record)
                 window_start, window_tokens = time.perf_counter(), 0
-            if args.save_steps and self.global_step % args.save_steps == 0:
-                self.checkpoints.save()
-            if args.eval_steps and self.eval_dataset is not None and self.global_step % args.eval_steps == 0:
+            saved = None
+            if args.save_steps and step % args.save_steps == 0:
+                saved = self.checkpoints.save()
+            if self.stop_agreed:
+                self._preempt(saved)
+            if args.eval_steps and self.eval_dataset is not None and step % args.eval_steps == 0:
                 self.last_eval = self.evaluate()
-                self.metrics.log({"step": self.global_step, **self.last_eval})
-        if self.eval_dataset is not None and (not args.eval_steps or self.global_step % args.eval_steps):
-            self.last_eval = self.evaluate()
-            self.metrics.log({"step": self.global_step, **self.last_eval})
-        if args.save_steps and self.global_step % args.save_steps:
-            self.checkpoints.save()  # the final state, unless the last step just saved it
+                self.metrics.log({"step": step, **self.last_eval})
+
+    def _preempt(self, saved: Any) -> None:
+        """Every rank: write the preemption checkpoint (unless this step just saved one) and raise."""
+        path = saved if saved is not None else self.checkpoints.save()
         self.metrics.finish()
-        return self.history
+        name = self._stop.signal_name or "a stop signal to another rank"
+        raise TrainingPreempted(self.global_step, str(path) if path is not None else None, name)
 
     def resume(self, path: str = "latest") -> int:
         """Continue from a checkpoint (a directory, or ``latest`` in ``output_dir``); returns its step."""
@@ -472,42 +568,19 @@ class Trainer:
         if dataset is None:
             raise ValueError("Trainer.evaluate() needs an eval_dataset")
         num_micro = self.args.num_microbatches
+        # Every sample counts once: the last partial batch is padded and masked ([Note: eval weighting]).
         loader = StageAwareDataLoader(dataset, batch_size=self._eval_micro_batch_size() * num_micro,
                                       layout=self.layout, collate_fn=self.data_collator, shuffle=False,
-                                      seed=self.args.seed)
-        sums: dict[str, float] = {}
-        count = 0.0
-        batches = 0
-        for batch in loader:
+                                      seed=self.args.seed, drop_last=False)
+
+        def run(batch: Any, return_outputs: bool) -> Any:
+            labels = batch.labels.to(self.device) if batch.labels is not None else None
             with self._autocast():
-                result = self.runner.evaluate(self._stage_inputs(batch.inputs),
-                                              batch.labels.to(self.device) if batch.labels is not None else None,
-                                              return_outputs=self.compute_metrics is not None)
-            batches += 1
-            if result is None or self.layout.tp_rank != 0:
-                continue
-            loss, outputs = result if self.compute_metrics is not None else (result, None)
-            sums["eval_loss"] = sums.get("eval_loss", 0.0) + float(loss)
-            if self.compute_metrics is not None:
-                labels = typing.cast(torch.Tensor, batch.labels)
-                if isinstance(outputs, Mapping) and "logits" in outputs:  # a ModelOutput rebuilt as a dict
-                    outputs = outputs["logits"]
-                logits = typing.cast(torch.Tensor, getattr(outputs, "logits", outputs))
-                values = self.compute_metrics(logits, labels.to(self.device))
-                if isinstance(values, torch.Tensor):
-                    values = {"metric": values}
-                for name, v in values.items():
-                    sums[f"eval_{name}"] = sums.get(f"eval_{name}", 0.0) + float(v.float().sum())
-                count += len(batch.labels)
-        names = ["eval_loss"] + ([] if self.compute_metrics is None else sorted(
-            k for k in sums if k != "eval_loss"))
-        names = _agree_names(names)
-        vec = torch.tensor([sums.get(n, 0.0) for n in names] + [count], dtype=torch.float64)
-        dist.all_reduce(vec)
-        out = {"eval_loss": float(vec[0]) / max(1, batches * self.layout.dp)}
-        for i, n in enumerate(names[1:], start=1):
-            out[n] = float(vec[i]) / max(1.0, float(vec[-1]))
-        return out
+                return self.runner.evaluate(self._stage_inputs(batch.inputs), labels, return_outputs=return_outputs)
+
+        return evaluate_loader(loader, run=run, loss_fn=self.loss_fn, compute_metrics=self.compute_metrics,
+                               num_microbatches=num_micro, tp_rank=self.layout.tp_rank, device=self.device,
+                               autocast=self._autocast, agree_names=_agree_names)
 
     def _eval_micro_batch_size(self) -> int:
         """``per_device_eval_batch_size``, or the training microbatch when the stages are shape-specialised.

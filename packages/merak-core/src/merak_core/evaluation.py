@@ -1,0 +1,139 @@
+"""Evaluation over every sample: the last partial batch padded, the padding masked.
+
+[Note: eval weighting] The eval loader keeps the last partial global batch and pads it by
+wrapping around (so every batch, and every microbatch, keeps the shape the stages were built
+for); each rank's batch says how many of its leading rows are real (``StageBatch.num_real``).
+A full batch of ``B`` rows contributes the pipeline's loss (the mean over its microbatches of
+``loss_fn``) with weight ``B``; in a padded batch each microbatch with ``r > 0`` real rows
+contributes ``loss_fn`` of its real rows alone with weight ``r``. So ``eval_loss`` is the mean over
+microbatches of ``loss_fn``, weighted by real samples, and equals the mean over samples of a
+per-sample loss (a loss that averages over samples, e.g. cross-entropy without ignored
+positions) exactly as a single process over the whole set computes it. ``compute_metrics``
+values are per example: the real rows are summed and divided by the number of real samples.
+
+Not done here: building the loader (``StageAwareDataLoader(..., drop_last=False)``) and choosing
+the eval microbatch size (the trainer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import typing
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from merak_core.data import StageBatch
+
+
+def rows(value: Any, lo: int, hi: int) -> Any:
+    """Rows ``[lo, hi)`` (dim 0) of every tensor in ``value`` (a tensor, tuple/list or mapping of them)."""
+    if isinstance(value, torch.Tensor):
+        return value[lo:hi]
+    if isinstance(value, (tuple, list)):
+        return type(value)(rows(v, lo, hi) for v in value)
+    if isinstance(value, Mapping):
+        return {k: rows(v, lo, hi) for k, v in value.items()}
+    return value
+
+
+def _batch_rows(labels: Any) -> int:
+    first = labels
+    while isinstance(first, (tuple, list)):
+        first = first[0]
+    if isinstance(first, Mapping):
+        first = next(iter(first.values()))
+    return int(first.shape[0])
+
+
+class EvalSums:
+    """Sample-weighted sums of one evaluation on this rank (see [Note: eval weighting])."""
+
+    def __init__(self) -> None:
+        self.loss = 0.0
+        self.loss_count = 0.0
+        self.metrics: dict[str, float] = {}
+        self.metric_count = 0.0
+
+    def add_loss(self, value: float, weight: float) -> None:
+        self.loss += value * weight
+        self.loss_count += weight
+
+    def add_metrics(self, values: Mapping[str, torch.Tensor], real: int) -> None:
+        for name, v in values.items():
+            per_example = v.double().reshape(-1)[:real] if v.dim() > 0 else v.double().reshape(1)
+            self.metrics[f"eval_{name}"] = self.metrics.get(f"eval_{name}", 0.0) + float(per_example.sum())
+        self.metric_count += real
+
+
+def evaluate_loader(
+    loader: Iterable[StageBatch],
+    *,
+    run: Callable[[StageBatch, bool], Any],
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    compute_metrics: Callable[[torch.Tensor, torch.Tensor], Any] | None,
+    num_microbatches: int,
+    tp_rank: int,
+    device: torch.device,
+    autocast: Callable[[], contextlib.AbstractContextManager[Any]],
+    agree_names: Callable[[list[str]], list[str]],
+) -> dict[str, float]:
+    """``eval_loss`` and ``eval_<metric>`` over every real sample of ``loader``; collective over all ranks.
+
+    ``run(batch, return_outputs)`` evaluates one batch with the pipeline and returns what
+    ``PipelineRunner.evaluate`` returns (None off the last stage).
+    """
+    sums = EvalSums()
+    for batch in loader:
+        partial = batch.num_real is not None
+        result = run(batch, compute_metrics is not None or partial)
+        if result is None:
+            continue
+        loss, outputs = result if (compute_metrics is not None or partial) else (result, None)
+        labels = typing.cast(torch.Tensor, batch.labels).to(device)
+        total = _batch_rows(labels)
+        real = total if batch.num_real is None else batch.num_real
+        if partial:
+            _add_partial_loss(sums, outputs, labels, real, total // num_microbatches, loss_fn, autocast)
+        else:
+            sums.add_loss(float(loss), total)
+        if compute_metrics is not None and real > 0:
+            if isinstance(outputs, Mapping) and "logits" in outputs:  # a ModelOutput rebuilt as a dict
+                outputs = outputs["logits"]
+            logits = typing.cast(torch.Tensor, getattr(outputs, "logits", outputs))
+            values = compute_metrics(logits, labels)
+            if isinstance(values, torch.Tensor):
+                values = {"metric": values}
+            sums.add_metrics(values, real)
+    if tp_rank != 0:  # TP ranks of a stage hold the same values: count them once
+        sums = _zeroed(sums)
+    names = agree_names(sorted(sums.metrics))
+    vec = torch.tensor([sums.loss, sums.loss_count, sums.metric_count] + [sums.metrics.get(n, 0.0) for n in names],
+                       dtype=torch.float64, device=device)
+    dist.all_reduce(vec)
+    out = {"eval_loss": float(vec[0]) / float(vec[1]) if float(vec[1]) > 0 else float("nan")}
+    for i, name in enumerate(names):
+        out[name] = float(vec[3 + i]) / max(1.0, float(vec[2]))
+    return out
+
+
+def _zeroed(sums: EvalSums) -> EvalSums:
+    empty = EvalSums()
+    empty.metrics = dict.fromkeys(sums.metrics, 0.0)
+    return empty
+
+
+def _add_partial_loss(sums: EvalSums, outputs: Any, labels: torch.Tensor, real: int, micro: int,
+                      loss_fn: Callable[[Any, Any], torch.Tensor],
+                      autocast: Callable[[], contextlib.AbstractContextManager[Any]]) -> None:
+    """Each microbatch's loss over its real rows, weighted by their number (padding rows dropped)."""
+    for lo in range(0, real, micro):
+        hi = min(lo + micro, real)
+        with autocast():
+            value = loss_fn(rows(outputs, lo, hi), rows(labels, lo, hi))
+        sums.add_loss(float(value), hi - lo)
+
+
+__all__ = ["EvalSums", "evaluate_loader", "rows"]
