@@ -2,7 +2,8 @@
 
 A *case* is a dict: model ("gpt", "llama", "llama-dict"), schedule name, num_stages,
 num_microbatches, recompute (None, "full" or a float), seqs (one sequence length per step),
-batch. :func:`train_body` builds the stages of this rank from a full float64 reference model,
+batch, and optionally nccl_rules (True: the transport runs as on NCCL, every p2p op on tag 0
+and one Work per batch, so gloo matches each pair's messages in issue order alone). :func:`train_body` builds the stages of this rank from a full float64 reference model,
 runs one ``PipelineRunner.step`` per sequence length, and returns per step the loss (on the
 last-stage rank) and the gradient of every parameter this rank holds, by the full model's
 names. :func:`reference` computes the same in one process.
@@ -59,6 +60,7 @@ def build_runner(case: dict[str, Any], schedule: Schedule, group: dist.ProcessGr
         shared = shared_parameters_list({"wte.weight": model.wte.weight}, groups)
     runner_kwargs.setdefault("timeout", TIMEOUT)
     runner_kwargs.setdefault("loss_reduction", case.get("loss_reduction", "mean"))
+    runner_kwargs.setdefault("nccl_rules", case.get("nccl_rules", False))
     runner = PipelineRunner(stages, schedule, loss_fn=lm_loss, group=group, shared_parameters=shared,
                             **runner_kwargs)
     return model, runner

@@ -10,7 +10,7 @@ import pytest
 
 from merak_pipe.sim import CostModel, simulate
 from tests.pipe import _runtime_bodies as bodies
-from tests.pipe.test_runtime import make_case
+from tests.pipe.test_runtime import TRANSPORT, make_case
 from tests.support.dist import WorkerError, run_on_ranks
 
 ERROR_RE = re.compile(r"pipeline rank (\d+) \(global rank \d+\), stage (\d+), action (\d+)(\w+?)(\d+) \(microbatch (\d+)\)")
@@ -33,10 +33,11 @@ def test_bad_input_raises_before_communication() -> None:
     assert abs(float(last["good_loss"]) - ref_loss) < 1e-10
 
 
+@TRANSPORT
 @pytest.mark.parametrize("victim", [0, 1])
-def test_stalled_peer_raises_naming_error_within_timeout(victim: int) -> None:
+def test_stalled_peer_raises_naming_error_within_timeout(victim: int, nccl_rules: bool) -> None:
     timeout_s = 1.5
-    case = make_case("1f1b", 2, "llama", None, seqs=(8,))
+    case = make_case("1f1b", 2, "llama", None, seqs=(8,), nccl_rules=nccl_rules)
     messages = run_on_ranks(2, bodies.failure_body, case, "stall", victim, timeout_s)
     survivor = 1 - victim
     message = messages[survivor]
@@ -55,8 +56,9 @@ def test_stalled_peer_raises_naming_error_within_timeout(victim: int) -> None:
     assert "did not complete within the timeout of 1.5 s" in message
 
 
-def test_dead_peer_raises_naming_error() -> None:
-    case = make_case("1f1b", 2, "llama", None, seqs=(8,))
+@TRANSPORT
+def test_dead_peer_raises_naming_error(nccl_rules: bool) -> None:
+    case = make_case("1f1b", 2, "llama", None, seqs=(8,), nccl_rules=nccl_rules)
     with pytest.raises(WorkerError) as info:
         run_on_ranks(2, bodies.failure_body, case, "die", 1, 3.0)
     text = str(info.value)
@@ -66,9 +68,10 @@ def test_dead_peer_raises_naming_error() -> None:
     assert "pipeline rank 0 (global rank 0), stage 0" in text
 
 
+@TRANSPORT
 @pytest.mark.parametrize("schedule", ["1f1b", "shifted-critical-path", "zb-h1"])
-def test_timing_feeds_simulator_and_trace(schedule: str) -> None:
-    case = make_case(schedule, 2, "gpt", "full", seqs=(8,))
+def test_timing_feeds_simulator_and_trace(schedule: str, nccl_rules: bool) -> None:
+    case = make_case(schedule, 2, "gpt", "full", seqs=(8,), nccl_rules=nccl_rules)
     results = run_on_ranks(2, bodies.timing_body, case, 2)
     for res in results:
         # Every action of the rank once; compute actions in schedule order (receives may be posted early).

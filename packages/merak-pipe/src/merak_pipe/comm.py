@@ -173,16 +173,22 @@ class Transfer:
 
 
 class _BatchWork:
-    """The single Work an NCCL batch returns, emulated over the works of a backend that gives one per op."""
+    """The single Work an NCCL batch returns, emulated over the works of a backend that gives one per op.
+
+    Every owner of the batch waits on it; the works under it are waited once (a gloo Work must
+    not be waited twice: each wait consumes one completion).
+    """
 
     def __init__(self, works: list[Any]) -> None:
         self._works = works
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        for work in self._works:
+        while self._works:
+            work = self._works[0]
             ok = work.wait() if timeout is None else work.wait(timeout)
             if ok is False:
                 return False
+            self._works.pop(0)
         return True
 
 
