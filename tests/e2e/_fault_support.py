@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
 import time
 from datetime import timedelta
@@ -67,3 +68,82 @@ def job_loss(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
             os._exit(13)
     return lm_loss(output, labels)
 
+
+
+# ---------------------------------------------------------------------------- signals and stalls (in the pool)
+
+
+class SignalAtCollate:
+    """A collate function that, once armed, sends ``signum`` to this process at its ``at_call``-th call on ``victim``.
+
+    The collate of step ``k``'s batch runs right before step ``k`` (no loader workers), so the
+    signal arrives during step ``at_call``.
+    """
+
+    def __init__(self, victim: int, signum: int, at_call: int) -> None:
+        self.victim, self.signum, self.at_call = victim, signum, at_call
+        self.armed, self.calls = False, 0
+
+    def __call__(self, samples: list) -> object:
+        if self.armed and dist.get_rank() == self.victim:
+            self.calls += 1
+            if self.calls == self.at_call:
+                os.kill(os.getpid(), self.signum)
+        return torch.utils.data.default_collate(samples)
+
+
+def _signal_trainer(layout: tuple[int, int, int], out: str, max_steps: int, collate: object,
+                    timeout_s: float | None = None) -> object:
+    from merak_core import ParallelLayout, Trainer
+
+    dp, tp, pp = layout
+    kwargs = layout_kwargs(dp, tp, pp, max_steps=max_steps, output_dir=out, logging_steps=1,
+                           lr_scheduler_type="constant", warmup_steps=0)
+    group_layout = None if timeout_s is None else ParallelLayout.build(dp, tp, pp,
+                                                                        timeout=timedelta(seconds=timeout_s))
+    model = build_model("gpt")
+    return Trainer(model, make_args(**kwargs), TokenDataset(64, model.config.vocab_size), loss_fn=lm_loss,
+                   data_collator=collate, layout=group_layout)
+
+
+def preempt_body(layout: tuple[int, int, int], victim: int, signum: int, at_call: int, out: str,
+                 max_steps: int) -> dict:
+    """Train until rank ``victim`` signals itself during step ``at_call``; what every rank saw."""
+    from merak_core.signals import TrainingPreempted
+
+    collate = SignalAtCollate(victim, signum, at_call)
+    trainer = _signal_trainer(layout, out, max_steps, collate)
+    collate.armed = True
+    try:
+        trainer.train()
+    except TrainingPreempted as exc:
+        handler = signal.getsignal(signum)
+        return {"step": exc.step, "checkpoint": exc.checkpoint, "signal": exc.signal_name,
+                "line": exc.resume_line("merak train job.yaml --resume latest"),
+                "losses": [h["loss"] for h in trainer.history], "handler_restored": handler is signal.default_int_handler
+                or handler == signal.SIG_DFL}
+    raise AssertionError(f"rank {dist.get_rank()} finished although rank {victim} was signalled")
+
+
+def resume_body(layout: tuple[int, int, int], out: str, max_steps: int, resume: str | None) -> dict:
+    """Train to ``max_steps`` (after resuming from ``resume``); the losses by step and the final parameters."""
+    trainer = _signal_trainer(layout, out, max_steps, None)
+    if resume is not None:
+        trainer.resume(resume)
+    history = trainer.train()
+    return {"losses": {int(h["step"]): h["loss"] for h in history}, "state": trainer.full_state_dict()}
+
+
+def stall_body(layout: tuple[int, int, int], victim: int, at_call: int, timeout_s: float) -> None:
+    """Rank ``victim`` stops itself (SIGSTOP) during step ``at_call``; the others raise within the timeout."""
+    collate = SignalAtCollate(victim, signal.SIGSTOP, at_call)
+    trainer = _signal_trainer(layout, os.path.join(tempfile.gettempdir(), f"merak-stall-{os.getpid()}"), 6,
+                              collate, timeout_s=timeout_s)
+    collate.armed = True
+    start = time.monotonic()
+    try:
+        trainer.train()
+    except RuntimeError as exc:
+        raise RuntimeError(f"SURVIVOR rank {dist.get_rank()} failed after {time.monotonic() - start:.1f} s with "
+                           f"{type(exc).__name__}: {exc}") from None
+    raise AssertionError(f"rank {dist.get_rank()} finished although rank {victim} stopped")

@@ -45,3 +45,7 @@ def default_store() -> dist.Store | None:
     getter = getattr(dist.distributed_c10d, "_get_default_store", None)
     if getter is None:
         return None
+    try:
+        return getter()
+    except (RuntimeError, ValueError):
+        return None
