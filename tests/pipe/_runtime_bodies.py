@@ -233,6 +233,7 @@ def timing_body(case: dict[str, Any], steps: int) -> dict[str, Any]:
     trace = measured_chrome_trace(gather_timings(runner.timings))
     return {"own": own, "recorded": mine, "costs": measured_costs(collected, runner.schedule),
             "step_s": measured_step_time(gather_timings(runner.timings)), "events": len(trace["traceEvents"]),
+            "last_step_s": runner.last_step_s, "own_span_s": measured_step_time(runner.timings),
             "ordered": all(t.start_s <= t.ready_s <= t.end_s for t in runner.timings),
             "recompute_s": sum(t.recompute_s + (t.compute_s if t.kind == "R" else 0.0) for t in runner.timings)}
 

@@ -79,6 +79,7 @@ def test_timing_feeds_simulator_and_trace(schedule: str, nccl_rules: bool) -> No
         compute = [a for a in res["own"] if "SEND" not in a and "RECV" not in a]
         assert [a for a in res["recorded"] if "SEND" not in a and "RECV" not in a] == compute
         assert res["ordered"]
+        assert res["last_step_s"] >= res["own_span_s"] > 0  # the whole step spans this rank's actions
         assert res["events"] > len(res["own"])
     costs = results[0]["costs"]
     assert isinstance(costs, CostModel)
