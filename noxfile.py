@@ -1,7 +1,8 @@
 """Merak's task runner: tests, the per-package matrix, lint, types, the demo, benchmarks.
 
 ``nox`` with no arguments runs what CI runs (lint, typecheck, tests, each
-library package tested alone, and the transformers tests). Every session installs torch through
+library package tested alone, and the transformers tests); ``nox -s gpu`` is the GPU check
+(not a default session: it needs a CUDA build of torch, see its docstring). Every session installs torch through
 ``constraints.txt`` (``torch==2.13.0``, a CPU build on these machines: an
 unpinned ``torch`` pulls a multi-GB CUDA build). Environments are reused
 between runs; ``nox --reuse-venv=no`` rebuilds them.
@@ -90,6 +91,29 @@ def demo(session: nox.Session) -> None:
     """
     _install_all(session, "matplotlib")
     session.run("merak", "train", "examples/addition/config.yaml", *session.posargs, env=ENV)
+
+
+@nox.session(venv_backend="none")
+def gpu(session: nox.Session) -> None:
+    """The GPU check: tests marked ``gpu`` (tests/gpu/) on CUDA; fails on any failure or without CUDA.
+
+    Not in the default sessions. The CPU-pinned ``constraints.txt`` cannot give a CUDA torch, so
+    this session makes no environment of its own: it uses the ``python`` on PATH (activate the
+    environment of your GPU image, whose torch is a CUDA build) and installs the Merak packages
+    into it, editable, with pip (torch is already there, so pip keeps it). On one GPU it runs the
+    single-rank checks (a few minutes); with more GPUs visible, also the torchrun checks.
+    """
+    editable = [arg for pkg in ALL_PACKAGES for arg in ("-e", pkg)]
+    session.run("python", "-m", "pip", "install", "--quiet", *editable, *TEST_DEPS, "safetensors", external=True)
+    session.run("python", "-c",
+                "import sys, torch; ok = torch.cuda.is_available(); "
+                "print(f'torch {torch.__version__}, CUDA {torch.version.cuda}, devices: {torch.cuda.device_count()}'); "
+                "sys.exit(0 if ok else 'nox -s gpu needs a CUDA build of torch and a visible GPU "
+                "(torch.cuda.is_available() is False)')", external=True)
+    # The CPU float32 references use the host's cores; GPU work needs no OMP limit.
+    env = {**ENV, "OMP_NUM_THREADS": str(min(os.cpu_count() or 1, 16))}
+    session.run("python", "-m", "pytest", "tests/gpu", "-m", "gpu", "-p", "no:cacheprovider", "-rA",
+                *session.posargs, env=env, external=True)
 
 
 @nox.session

@@ -84,9 +84,16 @@ class AutoLayout:
 
 
 def default_memory_per_device(device: torch.device) -> int:
-    """CUDA: the device's total memory; CPU: the machine's RAM divided by the ranks on this node."""
+    """CUDA: the device's free memory now less a margin; CPU: the machine's RAM divided by the ranks on this node.
+
+    On CUDA the free memory (``torch.cuda.mem_get_info``) already leaves out the CUDA context and
+    what other processes hold; the margin (8% of the device, at least 1 GiB) is for NCCL's buffers
+    and the caching allocator's fragmentation.
+    """
     if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).total_memory)
+        free, total = torch.cuda.mem_get_info(device)
+        margin = max(int(0.08 * total), 1 << 30)
+        return max(int(free) - margin, 0)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     local = int(os.environ.get("LOCAL_WORLD_SIZE") or (dist.get_world_size() if dist.is_initialized() else 1))
     return int(ram // max(local, 1))
@@ -178,7 +185,7 @@ def _cpu_compute_slots(args: TrainingArguments, built: tuple[nn.Module, Any] | N
     world = dist.get_world_size()
     if slots is None or world < 2:
         return slots
-    flag = torch.tensor([1.0 if built is None else 0.0])
+    flag = torch.tensor([1.0 if built is None else 0.0], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if flag.item() > 0 or built is None:
         return slots
@@ -189,28 +196,9 @@ def _cpu_compute_slots(args: TrainingArguments, built: tuple[nn.Module, Any] | N
 
 def _ensure_process_group(device: torch.device | str | None) -> torch.device:
     """The default process group (as ``init`` would create it) and this rank's device."""
-    if not dist.is_initialized():
-        from datetime import timedelta
+    from merak_core.layout import ensure_process_group
 
-        from merak_core.layout import DEFAULT_TIMEOUT
-
-        world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-        dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-        if dev.type == "cuda":
-            dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) if dev.index is None else dev.index)
-            torch.cuda.set_device(dev)
-        backend = "nccl" if dev.type == "cuda" else "gloo"
-        timeout: timedelta = DEFAULT_TIMEOUT
-        if world == 1 and "MASTER_ADDR" not in os.environ:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-        else:
-            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
-        return dev
-    if device is not None:
-        return torch.device(device)
-    if torch.cuda.is_available() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return ensure_process_group(device)
 
 
 def _profile_and_measure(args: TrainingArguments, model: nn.Module | Callable[[], nn.Module], train_dataset: Any,

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -161,7 +161,7 @@ def build_parallel_model(
     if is_meta_module(model):
         stage = part.build_stage(stage_index, device=device, init_fn=init_fn)
     else:  # real tensors already: keep this stage's modules as they are (no copy)
-        stage = part.stages[stage_index].to(device)
+        stage = place_stage(part.stages[stage_index], device)
     logical = part.stage_parameter_names(stage_index)
     # Drop the other stages: their tensors must not stay alive on this rank.
     part.stages = [stage if i == stage_index else merak_graph.StageModule() for i in range(len(part.stages))]
@@ -186,6 +186,23 @@ def build_parallel_model(
         keys = list(part.input_names)
     return ParallelModel(module=stage, layout=layout, logical_names=logical, input_keys=keys,
                          shared_parameters=shared, shared_owner=owner, partition=part)
+
+
+_M = TypeVar("_M", bound=nn.Module)
+
+
+def place_stage(stage: _M, device: torch.device | str) -> _M:
+    """Move a traced stage to ``device``, with the ``device=`` constants its graphs recorded.
+
+    Tracing (torch.export in particular) bakes the device of tensor factories such as
+    ``arange`` or ``zeros`` into the graph as a constant; ``.to(device)`` moves parameters and
+    buffers but not those, so the stage would create them on the tracing device. Every path
+    that moves a stage goes through here (``merak_graph.retarget_devices`` then ``.to``).
+    """
+    from merak_graph import retarget_devices
+
+    retarget_devices(stage, device)
+    return stage.to(device)
 
 
 def _canonical_names(model: nn.Module) -> dict[int, str]:

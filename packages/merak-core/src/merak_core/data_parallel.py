@@ -11,9 +11,18 @@ that drives the backwards itself arms a whole step with
 post-accumulate-grad hook copies each final gradient into its bucket; when a
 bucket is full it launches an asynchronous all-reduce, so communication runs
 while autograd computes the remaining gradients. :meth:`~DataParallelGradSync.finish`
-launches what is left, waits, divides by the DP size (gloo has no
-``PREMUL_SUM``/``AVG``, so we divide ourselves) and writes the averages back
-into ``param.grad``.
+launches what is left, waits, and writes the averages back into ``param.grad``.
+
+[Note: reduction precision and memory] The buffers are float32 for bf16/fp16
+parameters (a sum of many bf16 gradients loses the low bits), the parameter's
+dtype otherwise (``reduce_dtype`` overrides). NCCL averages in the collective
+(``ReduceOp.AVG``); gloo has no ``AVG``, so the sum is divided afterwards. The
+buffers live for one step only: after ``finish`` a parameter whose dtype is the
+buffer's gets a view of the averaged buffer as its gradient (autograd's
+gradient is dropped, no copy back), otherwise the average is copied into its
+gradient and the buffer is freed. Between steps the gradients are the only copy
+(a persistent bucket would hold a second copy of every gradient for the whole
+run); the next armed backward allocates fresh buffers.
 
 [Note: bucket launch order] Collectives on one group must be issued in the same
 order on every rank. Gradients may become ready in a different order on different
@@ -81,8 +90,8 @@ class DataParallelGradSync:
         group: the DP process group (``layout.dp_group``); ``None`` means the default group.
         bucket_size_bytes: a bucket is closed once it holds at least this many bytes (in the
             reduction dtype), as in DDP; so buckets are this size or a little larger.
-        reduce_dtype: dtype of the communication buffers (e.g. ``torch.float32`` for
-            bf16 gradients); default: each parameter's dtype.
+        reduce_dtype: dtype of the communication buffers; default: float32 for bf16/fp16
+            parameters, else each parameter's dtype (see [Note: reduction precision and memory]).
         average: divide the sum by the DP size (the default); ``False`` keeps the sum.
         deferred_params: parameters whose gradients change after their last backward and
             before :meth:`finish` (see [Note: deferred parameters]); reduced by ``finish``.
@@ -124,6 +133,7 @@ class DataParallelGradSync:
         self.bucket_size_bytes = bucket_size_bytes
         self.reduce_dtype = reduce_dtype
         self.average = average
+        self._avg_in_collective: bool | None = None  # decided at the first launch (backend and device)
         named = _named_params(params)
         if not named:
             raise ValueError("DataParallelGradSync got no parameters that require grad")
@@ -165,7 +175,7 @@ class DataParallelGradSync:
         for p in immediate + deferred:
             if deferred and p is deferred[0]:
                 open_by_key = {}
-            dtype = self.reduce_dtype or p.dtype
+            dtype = self.reduce_dtype or _default_reduce_dtype(p.dtype)
             key = (dtype, p.device)
             bucket = open_by_key.get(key)
             if bucket is None:
@@ -306,7 +316,14 @@ class DataParallelGradSync:
         if self.world_size == 1:
             return
         assert bucket.buffer is not None
-        bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+        op = dist.ReduceOp.AVG if self.average and self._collective_averages(bucket.device) else dist.ReduceOp.SUM
+        bucket.work = dist.all_reduce(bucket.buffer, op=op, group=self.group, async_op=True)
+
+    def _collective_averages(self, device: torch.device) -> bool:
+        """Whether the group's backend averages in the collective: NCCL on CUDA tensors (gloo has no AVG)."""
+        if self._avg_in_collective is None:
+            self._avg_in_collective = device.type == "cuda" and "nccl" in str(dist.get_backend(self.group)).lower()
+        return self._avg_in_collective
 
     def finish(self) -> None:
         """Launch the buckets still waiting, wait for all, and write averaged grads back.
@@ -346,14 +363,18 @@ class DataParallelGradSync:
                 "backwards/steps"
             ) from err
         bucket.work = None
-        if self.average:
+        if self.average and not self._collective_averages(bucket.device):
             bucket.buffer.div_(self.world_size)
+        # [Note: reduction precision and memory]: the buffer is this step's only; no copy when the dtype matches.
         for p, offset in zip(bucket.params, bucket.offsets, strict=True):
             view = bucket.buffer.narrow(0, offset, p.numel()).view_as(p)
-            if p.grad is None:
-                p.grad = view.to(p.dtype, copy=True)
+            if view.dtype == p.dtype:
+                p.grad = view
+            elif p.grad is None:
+                p.grad = view.to(p.dtype)
             else:
                 p.grad.copy_(view)
+        bucket.buffer = None
 
     def _abort(self) -> None:
         """After a failed backward: wait for launched work so no collective is left dangling."""
@@ -363,6 +384,11 @@ class DataParallelGradSync:
                     bucket.work.wait()
                 bucket.work = None
         self._armed = False
+
+
+def _default_reduce_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for half-precision gradients (see [Note: reduction precision and memory]), else ``dtype``."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 
 def _named_params(params: Iterable[nn.Parameter] | nn.Module) -> list[tuple[str, nn.Parameter]]:

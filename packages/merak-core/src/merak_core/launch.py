@@ -18,6 +18,7 @@ import os
 import shlex
 import sys
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -58,11 +59,15 @@ def init_restarted_process_group(timeout: timedelta | None = None) -> None:
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
                           is_master=not agent_hosts_store and rank == 0, timeout=timeout,
                           multi_tenant=not agent_hosts_store)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, store=dist.PrefixStore(f"merak/attempt_{attempt}", store), rank=rank,
-                            world_size=world_size, timeout=timeout)
+    from merak_core.layout import default_backend, select_device
+
+    dev = select_device()  # [Note: one device] in layout.py
+    eager: dict[str, Any] = {}
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+        eager["device_id"] = dev
+    dist.init_process_group(default_backend(dev), store=dist.PrefixStore(f"merak/attempt_{attempt}", store),
+                            rank=rank, world_size=world_size, timeout=timeout, **eager)
 
 
 def main(argv: list[str] | None = None) -> int:

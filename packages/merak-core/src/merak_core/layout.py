@@ -98,7 +98,7 @@ class ParallelLayout:
     world_size: int
     """Number of processes; always ``dp * tp * pp``."""
     device: torch.device
-    """The device this rank computes on (``cuda:LOCAL_RANK`` or ``cpu``)."""
+    """The device this rank computes on (:func:`select_device`: ``cuda:LOCAL_RANK % visible GPUs`` or ``cpu``)."""
     mesh: DeviceMesh = field(repr=False)
     """3-D device mesh with axes ``("pp", "dp", "tp")``."""
     dp_group: ProcessGroup = field(repr=False)
@@ -201,7 +201,8 @@ class ParallelLayout:
         world_size = dist.get_world_size()
         dp, tp, pp = resolve_degrees(world_size, dp, tp, pp)
         rank = dist.get_rank()
-        dev = _resolve_device(device)
+        dev = select_device(device)
+        _use_device(dev)
         grid = torch.arange(world_size, dtype=torch.int).reshape(pp, dp, tp)
         mine = coords_of(rank, dp=dp, tp=tp)
         # Every rank creates every group in the same order (new_group is collective).
@@ -254,24 +255,14 @@ class ParallelLayout:
                     f"dp={dp} tp={tp} pp={pp} expects {expected[axis]}: build the groups with "
                     "ParallelLayout.build or follow rank = (pp_rank*dp + dp_rank)*tp + tp_rank"
                 )
-        dev = _resolve_device(device)
+        dev = select_device(device)
+        _use_device(dev)
         grid = torch.arange(world_size, dtype=torch.int).reshape(pp, dp, tp)
         mesh = DeviceMesh.from_group([pp_group, dp_group, tp_group], dev.type, mesh=grid, mesh_dim_names=MESH_AXES)
         return cls(
             dp=dp, tp=tp, pp=pp, rank=rank, world_size=world_size, device=dev, mesh=mesh,
             dp_group=dp_group, tp_group=tp_group, pp_group=pp_group, timeout=timeout,
         )
-
-
-def _resolve_device(device: torch.device | str | None) -> torch.device:
-    if device is None:
-        if torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    return dev
 
 
 def _env_int(name: str, default: int | None) -> int | None:
@@ -298,36 +289,141 @@ def init(
     Reads torchrun's ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` (a plain
     ``python script.py`` is one rank), validates ``dp*tp*pp == WORLD_SIZE``
     (``dp=None`` infers it) before any collective, initialises the default
-    process group if nobody did (``nccl`` for a CUDA device, ``gloo`` otherwise;
-    ``device=None`` means CUDA when available), then builds every group with
-    ``timeout``.
+    process group if nobody did (:func:`ensure_process_group`: the device from
+    :func:`select_device`, ``nccl`` for a CUDA device, ``gloo`` otherwise, eager
+    initialisation on CUDA), then builds every group with ``timeout``.
     """
     if dist.is_initialized():
         resolve_degrees(dist.get_world_size(), dp, tp, pp)
         return ParallelLayout.build(dp, tp, pp, device=device, timeout=timeout)
     world_size = _env_int("WORLD_SIZE", 1)
-    rank = _env_int("RANK", 0)
-    local_rank = _env_int("LOCAL_RANK", 0)
-    assert world_size is not None and rank is not None and local_rank is not None
+    assert world_size is not None
     resolve_degrees(world_size, dp, tp, pp)
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device={device!r} was requested but CUDA is not available: pass device='cpu'")
-        dev = torch.device("cuda", local_rank if dev.index is None else dev.index)
-        torch.cuda.set_device(dev)
-    if backend is None:
-        backend = "nccl" if dev.type == "cuda" else "gloo"
-    if world_size == 1 and "MASTER_ADDR" not in os.environ:
-        # A plain single-process run: no launcher, no rendezvous needed.
-        store = dist.HashStore()
-        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
-    else:
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
-    logger.info("initialised %s process group: rank %d of %d", backend, rank, world_size)
+    dev = ensure_process_group(device, backend=backend, timeout=timeout)
     return ParallelLayout.build(dp, tp, pp, device=dev, timeout=timeout)
 
 
-__all__ = ["MESH_AXES", "ParallelLayout", "coords_of", "init", "rank_of", "resolve_degrees"]
+# ---------------------------------------------------------------------------- devices
+#
+# [Note: one device] Every choice of "which device does this rank compute on" goes through
+# select_device: the layout's device, the Trainer's, the planner's and the launcher's. A CUDA
+# rank uses GPU ``LOCAL_RANK % torch.cuda.device_count()``: with every GPU visible to every
+# process that is GPU LOCAL_RANK; with one GPU visible per process (CUDA_VISIBLE_DEVICES set
+# per rank) it is GPU 0 of that process. ``torch.cuda.current_device()`` is never the answer:
+# it is GPU 0 on every rank until someone calls set_device, and NCCL refuses two ranks on one
+# GPU. The default group is initialised eagerly (``device_id=``) on CUDA, so every
+# point-to-point op and collective of a group runs on one communicator.
+
+
+def _wants_cuda(backend: str) -> bool:
+    """Whether a backend string runs CUDA tensors through NCCL (``"nccl"``, ``"cpu:gloo,cuda:nccl"``)."""
+    text = backend.lower()
+    return "nccl" in text
+
+
+def local_rank() -> int:
+    """This process's index on its node: ``LOCAL_RANK``, else the default group's rank, else 0."""
+    value = _env_int("LOCAL_RANK", None)
+    if value is not None:
+        if value < 0:
+            raise ValueError(f"LOCAL_RANK={value} is negative; launch with torchrun")
+        return value
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return 0
+
+
+def select_device(device: torch.device | str | None = None, *, backend: str | None = None) -> torch.device:
+    """The device this rank computes on (see [Note: one device]); the only place that chooses one.
+
+    ``device``: ``"cpu"``, ``"cuda"`` (GPU ``local_rank() % device_count()``), ``"cuda:i"``
+    (that GPU, which must be visible), or None: CUDA when the backend runs NCCL (``backend``,
+    else the default group's, e.g. ``"nccl"`` or ``"cpu:gloo,cuda:nccl"``) and CUDA is
+    available, CPU for a gloo-only backend; with no backend and no group, CUDA when available.
+    Pure: no process group is touched and ``set_device`` is not called.
+    """
+    if device is None:
+        if backend is None and dist.is_available() and dist.is_initialized():
+            backend = str(dist.get_backend())
+        wanted_cuda = _wants_cuda(backend) if backend is not None else True
+        device = "cuda" if wanted_cuda and torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return dev
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise ValueError(f"device={str(device)!r} was requested but CUDA is not available: pass device='cpu'")
+    if dev.index is None:
+        return torch.device("cuda", local_rank() % count)
+    if dev.index >= count:
+        raise ValueError(f"device={str(device)!r}: this process sees {count} CUDA device(s) (indices 0..{count - 1}, "
+                         "after CUDA_VISIBLE_DEVICES): pass device='cuda' to take LOCAL_RANK's device")
+    return dev
+
+
+def default_backend(device: torch.device) -> str:
+    """The process-group backend for ``device``: ``nccl`` on CUDA, ``gloo`` otherwise."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def collective_device(group: ProcessGroup | None = None) -> torch.device:
+    """The device of the tensors ``group``'s collectives take: this rank's GPU for a NCCL backend, else CPU.
+
+    For code that makes its own small tensors to reduce or broadcast (flags, timings, metrics): an
+    NCCL group moves only tensors on the rank's own GPU.
+    """
+    backend = str(dist.get_backend(group))
+    if _wants_cuda(backend) and torch.cuda.is_available():
+        return select_device("cuda")
+    return torch.device("cpu")
+
+
+def _use_device(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+
+
+def ensure_process_group(
+    device: torch.device | str | None = None,
+    *,
+    backend: str | None = None,
+    timeout: timedelta = DEFAULT_TIMEOUT,
+) -> torch.device:
+    """Initialise the default process group as :func:`init` does (if nobody did); this rank's device.
+
+    The device comes from :func:`select_device` (``device``, else from ``backend``, else CUDA when
+    available) and becomes the current CUDA device; ``backend`` defaults to ``nccl`` for a CUDA
+    device and ``gloo`` otherwise; on CUDA the group is initialised eagerly with ``device_id``
+    (one communicator for every op). A plain single process needs no launcher (a local store).
+    With a group already there: the device for its backend, and nothing is initialised.
+    """
+    if dist.is_initialized():
+        dev = select_device(device)
+        _use_device(dev)
+        return dev
+    world_size = _env_int("WORLD_SIZE", 1)
+    rank = _env_int("RANK", 0)
+    assert world_size is not None and rank is not None
+    dev = select_device(device, backend=backend)
+    if backend is None:
+        backend = default_backend(dev)
+    elif dev.type == "cuda" and not _wants_cuda(backend):
+        raise ValueError(f"backend={backend!r} cannot move tensors on {dev}: use backend='nccl' (or "
+                         "'cpu:gloo,cuda:nccl'), or device='cpu'")
+    _use_device(dev)
+    kwargs: dict[str, object] = {"timeout": timeout}
+    if dev.type == "cuda":
+        kwargs["device_id"] = dev
+    if world_size == 1 and "MASTER_ADDR" not in os.environ:
+        # A plain single-process run: no launcher, no rendezvous needed.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)  # type: ignore[arg-type]
+    else:
+        dist.init_process_group(backend, rank=rank, world_size=world_size, **kwargs)  # type: ignore[arg-type]
+    logger.info("initialised %s process group: rank %d of %d on %s", backend, rank, world_size, dev)
+    return dev
+
+
+__all__ = [
+    "MESH_AXES", "ParallelLayout", "collective_device", "coords_of", "default_backend", "ensure_process_group",
+    "init", "local_rank", "rank_of", "resolve_degrees", "select_device",
+]

@@ -94,7 +94,7 @@ def measure_tp_scale(args: TrainingArguments, model: nn.Module | Callable[[], nn
                 trainer.metrics.enabled = False  # no progress line, metrics file or plot for a probe
                 pipeline, step = _times(trainer, steps)
             measured = torch.tensor([statistics.median(pipeline[1:]), statistics.median(step[1:])],
-                                    dtype=torch.float64)
+                                    dtype=torch.float64, device=layout.device)
             dist.all_reduce(measured, op=dist.ReduceOp.MAX)
             predicted = predict(base, dp=world // k, tp=k, pp=1, schedule="1f1b", num_microbatches=1,
                                 micro_batch_size=micro, comm=comm, compute_slots=compute_slots)
@@ -122,7 +122,7 @@ def _times(trainer: Any, steps: int) -> tuple[list[float], list[float]]:
 
     def step(inputs: Any, labels: Any) -> float:
         start = time.perf_counter()
-        loss = run(inputs, labels)
+        loss = run(inputs, labels)  # returns a Python float: the device finished the step
         whole.append(time.perf_counter() - start)
         pipeline.append(trainer.last_pipeline_s)
         return loss

@@ -66,7 +66,7 @@ from merak_core.config import TrainingArguments, build_lr_scheduler
 from merak_core.data import StageAwareDataLoader
 from merak_core.data_parallel import DataParallelGradSync
 from merak_core.evaluation import evaluate_loader
-from merak_core.layout import ParallelLayout, init
+from merak_core.layout import ParallelLayout, init, select_device
 from merak_core.metrics import MetricsWriter
 from merak_core.planner import PlanContext
 from merak_core.signals import StopRequest, TrainingPreempted
@@ -159,10 +159,10 @@ class Trainer:
 
             args, plan_context = plan_for_job(args, model, train_dataset, data_collator=data_collator, device=device)
         self.args = args
-        self.layout = layout if layout is not None else init(dp=args.dp, tp=args.tp, pp=args.pp,
+        self.layout = layout if layout is not None else init(dp=args.dp, tp=args.tp, pp=args.pp, device=device,
                                                                 timeout=args.comm_timeout)
         _check_layout(args, self.layout)
-        self.device = torch.device(device) if device is not None else _default_device()
+        self.device = select_device(device) if device is not None else self.layout.device
         self.loss_fn = loss_fn or default_loss
         self.compute_metrics = compute_metrics
         self.data_collator = data_collator
@@ -384,6 +384,8 @@ class Trainer:
             with self._autocast():
                 start = time.perf_counter()
                 loss = self.runner.step(self._stage_inputs(inputs), labels)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)  # the time of the GPU work, not of queuing it
                 self.last_pipeline_s = time.perf_counter() - start
         if self.dp_sync is not None:
             with self._phase(f"DP gradient all-reduce over global ranks {layout.dp_ranks}"):
@@ -630,12 +632,6 @@ def _count_tokens(inputs: Any) -> int:
 
 def _is_meta(model: nn.Module) -> bool:
     return any(p.is_meta for p in model.parameters())
-
-
-def _default_device() -> torch.device:
-    if torch.cuda.is_available() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _check_layout(args: TrainingArguments, layout: ParallelLayout) -> None:

@@ -202,12 +202,14 @@ class ZeroOptimizer(Optimizer):
     def consolidate_state_dict(self) -> dict[str, Any]:
         """The unsharded state dict, as a plain optimizer over all parameters would save it.
 
-        Collective over the DP group (``all_gather_object``); every rank gets the result.
+        Collective over the DP group (``all_gather_object``); every rank gets the result, with
+        its tensors on the CPU (object collectives pickle through host memory: a CUDA tensor
+        would be unpickled onto the sender's GPU index on every rank).
         """
         local = self.inner.state_dict()
         mine = self._global_indices_of_owned()
         # Inner optimizer indices run over its groups in order: position k <-> mine[k].
-        shard = {mine[k]: state for k, state in local["state"].items()}
+        shard = {mine[k]: _to_cpu(state) for k, state in local["state"].items()}
         gathered: list[dict[int, Any]] = [{} for _ in range(self.dp_size)]
         dist.all_gather_object(gathered, shard, group=self.group)
         state: dict[int, Any] = {}
@@ -245,6 +247,10 @@ class ZeroOptimizer(Optimizer):
         self.inner.load_state_dict({"state": local_state, "param_groups": local_groups})
         for group, saved in zip(self.param_groups, full["param_groups"], strict=True):
             group.update({key: v for key, v in saved.items() if key != "params"})
+
+
+def _to_cpu(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
 
 
 def _normalise_groups(params: Iterable[nn.Parameter] | Iterable[dict[str, Any]]) -> ParamGroups:

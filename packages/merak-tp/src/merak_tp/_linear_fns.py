@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from merak_tp import _compat
 from merak_tp._events import _record, _RegionState
-from merak_tp.collectives import _all_gather
+from merak_tp.collectives import _all_gather, amp_backward, amp_forward
 
 
 def _chunks(x: torch.Tensor, k: int) -> list[torch.Tensor]:
@@ -44,6 +44,7 @@ class _ColumnLinearFn(torch.autograd.Function):
     """y = x W^T + b, all-reducing the input gradient over the group (chunked) in backward."""
 
     @staticmethod
+    @amp_forward
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Any,
                 chunks: int, reduce_input_grad: bool, name: str, region_chunk: int) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
@@ -55,6 +56,7 @@ class _ColumnLinearFn(torch.autograd.Function):
         return y
 
     @staticmethod
+    @amp_backward
     def backward(ctx: Any, grad_y: torch.Tensor) -> Any:
         x, weight = ctx.saved_tensors
         grad_x = grad_w = grad_b = None
@@ -96,6 +98,7 @@ class _RowLinearFn(torch.autograd.Function):
     """
 
     @staticmethod
+    @amp_forward
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Any,
                 chunks: int, mode: str, seq_dim: int, name: str, region_chunk: int,
                 defer: _RegionState | None) -> torch.Tensor:
@@ -139,6 +142,7 @@ class _RowLinearFn(torch.autograd.Function):
         return y if defer is not None or mode == "all_reduce" else y.contiguous()
 
     @staticmethod
+    @amp_backward
     def backward(ctx: Any, grad_y: torch.Tensor) -> Any:
         x, weight = ctx.saved_tensors
         if ctx.seq_first:

@@ -17,11 +17,23 @@ function                       forward              backward
 Splits are contiguous equal blocks in rank order; a size that the group size
 does not divide raises ``ValueError``. Not here: the chunked (overlapped)
 linear functions, which live in ``layers.py`` / ``overlap.py``.
+
+[Note: autocast in backward] Every autograd function of merak-tp wraps its
+``forward`` in :func:`amp_forward` and its ``backward`` in :func:`amp_backward`:
+torch's ``torch.amp.custom_fwd`` / ``custom_bwd`` for every autocast device type
+at once (torch's decorators take one ``device_type``, and the layers run on CPU
+and CUDA alike). The backward then runs under the autocast state of its forward,
+wherever autograd runs it: on CUDA the backward runs on autograd's device thread,
+outside the caller's ``torch.autocast``, and a bf16 gradient would otherwise meet
+a float32 weight in a matmul.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -29,6 +41,8 @@ import torch.distributed as dist
 from merak_tp import _compat
 
 __all__ = [
+    "amp_backward",
+    "amp_forward",
     "copy_to_tp_region",
     "gather_from_sequence_region",
     "gather_from_tp_region",
@@ -39,6 +53,39 @@ __all__ = [
     "tp_rank",
     "tp_size",
 ]
+
+
+_AMP_DEVICE_TYPES = ("cuda", "cpu")
+"""Device types whose autocast state :func:`amp_forward` records (see [Note: autocast in backward])."""
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def amp_forward(forward: _F) -> _F:
+    """``torch.amp.custom_fwd`` for every autocast device type: record the autocast state on ``ctx``."""
+
+    @functools.wraps(forward)
+    def wrapped(ctx: Any, *args: Any, **kwargs: Any) -> Any:
+        ctx._merak_autocast = tuple((device_type, torch.is_autocast_enabled(device_type),
+                                     torch.get_autocast_dtype(device_type)) for device_type in _AMP_DEVICE_TYPES)
+        return forward(ctx, *args, **kwargs)
+
+    wrapped._merak_amp = "forward"  # type: ignore[attr-defined]
+    return wrapped  # type: ignore[return-value]
+
+
+def amp_backward(backward: _F) -> _F:
+    """``torch.amp.custom_bwd`` for every autocast device type: run backward under the forward's autocast state."""
+
+    @functools.wraps(backward)
+    def wrapped(ctx: Any, *grads: Any) -> Any:
+        with contextlib.ExitStack() as stack:
+            for device_type, enabled, dtype in ctx._merak_autocast:
+                stack.enter_context(torch.autocast(device_type, enabled=enabled, dtype=dtype))
+            return backward(ctx, *grads)
+
+    wrapped._merak_amp = "backward"  # type: ignore[attr-defined]
+    return wrapped  # type: ignore[return-value]
 
 
 def tp_size(group: Any) -> int:
@@ -104,65 +151,77 @@ def _all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
 
 class _CopyToRegion(torch.autograd.Function):
     @staticmethod
+    @amp_forward
     def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
         ctx.group = group
         return x
 
     @staticmethod
+    @amp_backward
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         return _all_reduce(grad, ctx.group), None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
+    @amp_forward
     def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
         return _all_reduce(x, group)
 
     @staticmethod
+    @amp_backward
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         return grad, None
 
 
 class _ScatterToRegion(torch.autograd.Function):
     @staticmethod
+    @amp_forward
     def forward(ctx: Any, x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
         ctx.dim, ctx.group = dim, group
         return _split(x, dim, group)
 
     @staticmethod
+    @amp_backward
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         return _all_gather(grad, ctx.dim, ctx.group), None, None
 
 
 class _GatherFromRegion(torch.autograd.Function):
     @staticmethod
+    @amp_forward
     def forward(ctx: Any, x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
         ctx.dim, ctx.group = dim, group
         return _all_gather(x, dim, group)
 
     @staticmethod
+    @amp_backward
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         return _split(grad, ctx.dim, ctx.group), None, None
 
 
 class _GatherFromSequence(torch.autograd.Function):
     @staticmethod
+    @amp_forward
     def forward(ctx: Any, x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
         ctx.dim, ctx.group = dim, group
         return _all_gather(x, dim, group)
 
     @staticmethod
+    @amp_backward
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
 
 
 class _ReduceScatterToSequence(torch.autograd.Function):
     @staticmethod
+    @amp_forward
     def forward(ctx: Any, x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
         ctx.dim, ctx.group = dim, group
         return _reduce_scatter(x, dim, group)
 
     @staticmethod
+    @amp_backward
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         return _all_gather(grad, ctx.dim, ctx.group), None, None
 

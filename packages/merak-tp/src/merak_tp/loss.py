@@ -17,13 +17,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from merak_tp.collectives import tp_rank, tp_size
+from merak_tp.collectives import amp_backward, amp_forward, tp_rank, tp_size
 
 __all__ = ["vocab_parallel_cross_entropy"]
 
 
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
+    @amp_forward
     def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor, group: Any, ignore_index: int,
                 smoothing: float) -> torch.Tensor:
         world, rank = tp_size(group), tp_rank(group)
@@ -55,6 +56,7 @@ class _VocabParallelCE(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @amp_backward
     def backward(ctx: Any, grad_loss: torch.Tensor) -> Any:
         softmax, local_label, outside, ignored = ctx.saved_tensors
         grad = softmax.clone()

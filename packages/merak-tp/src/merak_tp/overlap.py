@@ -45,6 +45,8 @@ from merak_tp import _compat
 from merak_tp._events import _GroupRef, _record, _RegionState
 from merak_tp.collectives import (
     _all_gather,
+    amp_backward,
+    amp_forward,
     gather_from_sequence_region,
     gather_from_tp_region,
     scatter_to_sequence_region,
@@ -63,11 +65,13 @@ class _RegionEntry(torch.autograd.Function):
     """Identity forward; backward all-reduces the gradient asynchronously (block mode)."""
 
     @staticmethod
+    @amp_forward
     def forward(ctx: Any, x: torch.Tensor, state: _RegionState, chunk: int) -> torch.Tensor:
         ctx.state, ctx.chunk = state, chunk
         return x.view_as(x)
 
     @staticmethod
+    @amp_backward
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         st: _RegionState = ctx.state
         grad = grad.contiguous().clone()
@@ -81,11 +85,13 @@ class _SequenceRegionEntry(torch.autograd.Function):
     """All-gather along the sequence forward; backward reduce-scatters asynchronously (block mode + SP)."""
 
     @staticmethod
+    @amp_forward
     def forward(ctx: Any, x: torch.Tensor, state: _RegionState, chunk: int) -> torch.Tensor:
         ctx.state, ctx.chunk = state, chunk
         return _all_gather(x, state.sequence_dim, state.group)
 
     @staticmethod
+    @amp_backward
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         st: _RegionState = ctx.state
         world = dist.get_world_size(st.group)
@@ -103,6 +109,7 @@ class _RegionSplit(torch.autograd.Function):
     """Split dim 0 into chunks forward; backward waits the region's pending reductions, then cats."""
 
     @staticmethod
+    @amp_forward
     def forward(ctx: Any, x: torch.Tensor, state: _RegionState, chunks: int) -> Any:
         ctx.state = state
         pieces = tuple(c.view_as(c) for c in x.chunk(chunks, dim=0))
@@ -110,6 +117,7 @@ class _RegionSplit(torch.autograd.Function):
         return pieces
 
     @staticmethod
+    @amp_backward
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         st: _RegionState = ctx.state
         with torch.no_grad():

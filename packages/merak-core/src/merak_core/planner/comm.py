@@ -5,13 +5,12 @@ from __future__ import annotations
 import logging
 import math
 import statistics
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from merak_core.planner.profile import _timed
+from merak_core.planner.profile import _now, _timed
 
 logger = logging.getLogger(__name__)
 
@@ -72,16 +71,19 @@ class CommModel:
 
 
 def measure_comm(group: Any = None, *, small_bytes: int = 1024, large_bytes: int = 1 << 20,
-                 repeats: int = 5) -> CommModel:
+                 repeats: int = 5, device: torch.device | None = None) -> CommModel:
     """Measure a :class:`CommModel` with the real collectives of ``group`` (default: the world).
 
     Every rank of the group must call it. Point-to-point: ranks 0 and 1 of the group ping-pong a
     small and a large float32 message (one-way time = half the round trip); all-reduce: the whole
     group all-reduces both sizes. Latency and bandwidth are the intercept and slope of the two
     points (ring formula for the all-reduce). Every rank returns rank 0's numbers. A group of one
-    rank returns the defaults.
+    rank returns the defaults. The messages live on ``device`` (default: the group's collective
+    device, this rank's GPU under NCCL) and every time is taken after the device finished.
     """
     import torch.distributed as dist
+
+    from merak_core.layout import collective_device
 
     if not 0 < small_bytes < large_bytes or repeats < 1:
         raise ValueError(f"measure_comm: small_bytes={small_bytes}, large_bytes={large_bytes}, repeats={repeats}; "
@@ -89,11 +91,12 @@ def measure_comm(group: Any = None, *, small_bytes: int = 1024, large_bytes: int
     n = dist.get_world_size(group)
     if n < 2:
         return CommModel()
+    dev = device if device is not None else collective_device(group)
     rank = dist.get_rank(group)
     peer0, peer1 = (dist.get_global_rank(group, r) if group is not None else r for r in (0, 1))
     results = []
     for nbytes in (small_bytes, large_bytes):
-        buf = torch.zeros(max(nbytes // 4, 1))
+        buf = torch.zeros(max(nbytes // 4, 1), device=dev)
 
         def ping(buf: torch.Tensor = buf) -> None:
             if rank == 0:
@@ -103,9 +106,9 @@ def measure_comm(group: Any = None, *, small_bytes: int = 1024, large_bytes: int
                 dist.recv(buf, peer0, group=group)
                 dist.send(buf, peer0, group=group)
 
-        one_way = _timed(ping, repeats) / 2
+        one_way = _timed(ping, repeats, dev) / 2
         dist.barrier(group=group)
-        reduce_s = _timed(lambda buf=buf: dist.all_reduce(buf, group=group), repeats)
+        reduce_s = _timed(lambda buf=buf: dist.all_reduce(buf, group=group), repeats, dev)
         results.append((one_way, reduce_s))
     (p_small, r_small), (p_large, r_large) = results
     delta = float(large_bytes - small_bytes)
@@ -114,18 +117,18 @@ def measure_comm(group: Any = None, *, small_bytes: int = 1024, large_bytes: int
     ring = 2 * (n - 1) / n
     r_bw = ring * delta / (r_large - r_small) if r_large > r_small else math.inf
     r_lat = max(r_small - ring * small_bytes / r_bw, 0.0) / (2 * (n - 1))
-    values = torch.tensor([p_lat, p_bw, r_lat, r_bw], dtype=torch.float64)
+    values = torch.tensor([p_lat, p_bw, r_lat, r_bw], dtype=torch.float64, device=dev)
     dist.broadcast(values, peer0, group=group)
     p_lat, p_bw, r_lat, r_bw = (float(v) for v in values)
     logger.info("planner: measured p2p %.3g s + bytes / %.3g B/s; all-reduce step %.3g s, link %.3g B/s over %d ranks",
                 p_lat, p_bw, r_lat, r_bw, n)
-    table = _allreduce_table(max(3 * repeats, 15)) if group is None else {}
-    wait = _sync_wait(repeats) if group is None else 0.0
+    table = _allreduce_table(max(3 * repeats, 15), dev) if group is None else {}
+    wait = _sync_wait(repeats, dev) if group is None else 0.0
     return CommModel(p2p_latency_s=p_lat, p2p_bandwidth=p_bw, allreduce_latency_s=r_lat, allreduce_bandwidth=r_bw,
                      allreduce_by_group=table, sync_wait_s=wait)
 
 
-def _sync_wait(repeats: int, *, iterations: int = 20, width: int = 192) -> float:
+def _sync_wait(repeats: int, device: torch.device, *, iterations: int = 20, width: int = 192) -> float:
     """Extra seconds per synchronisation while every rank computes (see ``CommModel.sync_wait_s``).
 
     Ranks are paired (all pairs at once, an odd last rank pairs with itself); every rank runs
@@ -141,17 +144,17 @@ def _sync_wait(repeats: int, *, iterations: int = 20, width: int = 192) -> float
         return 0.0
     pairs = [dist.new_group([b, b + 1]) if b + 1 < world else None for b in range(0, world, 2)]
     mine = pairs[rank // 2]
-    a = torch.randn(width, width)
-    flag = torch.zeros(2)
+    a = torch.randn(width, width, device=device)
+    flag = torch.zeros(2, device=device)
 
     def run(sync: bool) -> float:
         dist.barrier()
-        start = time.perf_counter()
+        start = _now(device)
         for _ in range(iterations):
             a @ a
             if sync and mine is not None:
                 dist.all_reduce(flag, group=mine)
-        seconds = torch.tensor([(time.perf_counter() - start) / iterations], dtype=torch.float64)
+        seconds = torch.tensor([(_now(device) - start) / iterations], dtype=torch.float64, device=device)
         dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
         return float(seconds)
 
@@ -159,8 +162,8 @@ def _sync_wait(repeats: int, *, iterations: int = 20, width: int = 192) -> float
     plain = statistics.median(run(False) for _ in range(repeats))
     synced = statistics.median(run(True) for _ in range(repeats))
     dist.barrier()
-    idle = torch.tensor([_mean_call(lambda: dist.all_reduce(flag, group=mine), repeats) if mine is not None
-                         else 0.0], dtype=torch.float64)
+    idle = torch.tensor([_mean_call(lambda: dist.all_reduce(flag, group=mine), repeats, device) if mine is not None
+                         else 0.0], dtype=torch.float64, device=device)
     dist.all_reduce(idle, op=dist.ReduceOp.MAX)
     for g in pairs:
         if g is not None:
@@ -185,19 +188,19 @@ ALLREDUCE_SIZES = (8, 4096, 65536, 1 << 20, 4 << 20)
 """Message sizes (bytes) at which :func:`measure_comm` times the all-reduce of each group size."""
 
 
-def _mean_call(fn: Any, repeats: int) -> float:
+def _mean_call(fn: Any, repeats: int, device: torch.device | None = None) -> float:
     """Mean seconds of one call after two warm-ups. The mean, not the median: on a host whose cores
     are shared, a collective's time is bimodal (fast, or one scheduler tick later), and a step
     pays the mean over its many calls."""
     for _ in range(2):
         fn()
-    start = time.perf_counter()
+    start = _now(device)
     for _ in range(repeats):
         fn()
-    return (time.perf_counter() - start) / repeats
+    return (_now(device) - start) / repeats
 
 
-def _allreduce_table(repeats: int) -> dict[int, list[tuple[float, float]]]:
+def _allreduce_table(repeats: int, device: torch.device) -> dict[int, list[tuple[float, float]]]:
     """All-reduce time at :data:`ALLREDUCE_SIZES` for every group size n dividing the world (n >= 2).
 
     The world is cut into blocks of n consecutive ranks that all reduce at once, as a layout's DP
@@ -216,10 +219,10 @@ def _allreduce_table(repeats: int) -> dict[int, list[tuple[float, float]]]:
         mine = groups[rank // n]
         points: list[tuple[float, float]] = []
         for nbytes in ALLREDUCE_SIZES:
-            buf = torch.zeros(max(nbytes // 4, 1))
+            buf = torch.zeros(max(nbytes // 4, 1), device=device)
             dist.barrier()
-            seconds = torch.tensor([_mean_call(lambda buf=buf, g=mine: dist.all_reduce(buf, group=g), repeats)],
-                                   dtype=torch.float64)
+            seconds = torch.tensor([_mean_call(lambda buf=buf, g=mine: dist.all_reduce(buf, group=g), repeats, device)],
+                                   dtype=torch.float64, device=device)
             dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
             # A larger message never costs less (measured dips are noise or an algorithm switch).
             points.append((float(nbytes), max(float(seconds), points[-1][1] if points else 0.0)))

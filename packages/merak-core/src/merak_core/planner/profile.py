@@ -5,6 +5,10 @@ parameter bytes), a fixed per-microbatch overhead, the optimizer's cost per para
 what constrains tensor parallelism (heads, kv heads, vocabulary). :func:`profile_model` measures
 one on the local device by running the model (forward times and saved-activation bytes per layer
 through hooks); profiles are cached as JSON keyed by a model fingerprint and the device.
+
+[Note: device clocks] On CUDA a kernel launch returns before the kernel runs, so every time
+taken here reads the host clock after ``torch.cuda.synchronize`` (:func:`_now`); per-layer
+hooks synchronise too, which serialises the profiled run but makes each layer's time its own.
 """
 
 from __future__ import annotations
@@ -123,12 +127,25 @@ class ModelProfile:
         return cls.from_json(Path(path).read_text())
 
 
-def _timed(fn: Any, repeats: int) -> float:
+def _now(device: torch.device | None = None) -> float:
+    """Host seconds, after the device's queued work is done on CUDA (a kernel launch returns at once)."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _timed(fn: Any, repeats: int, device: torch.device | None = None) -> float:
+    """Mean seconds of ``fn()`` over ``repeats`` calls after a warm-up (synchronised on CUDA)."""
     fn()  # warm-up
-    t0 = time.perf_counter()
+    t0 = _now(device)
     for _ in range(repeats):
         fn()
-    return (time.perf_counter() - t0) / repeats
+    return (_now(device) - t0) / repeats
+
+
+def _device_of(sample: torch.Tensor | Mapping[str, torch.Tensor]) -> torch.device:
+    first = sample if isinstance(sample, torch.Tensor) else next(iter(sample.values()))
+    return first.device
 
 
 def model_fingerprint(model: nn.Module, sample_shape: Sequence[Any]) -> str:
@@ -173,7 +190,7 @@ def _forward_backward(model: nn.Module, sample: torch.Tensor | Mapping[str, torc
 
 
 def _step_seconds(model: nn.Module, sample: torch.Tensor | Mapping[str, torch.Tensor], repeats: int) -> float:
-    return _timed(lambda: _forward_backward(model, sample), repeats)
+    return _timed(lambda: _forward_backward(model, sample), repeats, _device_of(sample))
 
 
 def measure_contention(model: nn.Module, sample: torch.Tensor | Mapping[str, torch.Tensor], *,
@@ -195,22 +212,25 @@ def measure_contention(model: nn.Module, sample: torch.Tensor | Mapping[str, tor
     if not seconds > 0 or rounds < 1:
         raise ValueError(f"measure_contention: seconds={seconds!r}, rounds={rounds!r}; expected seconds > 0 and "
                          "rounds >= 1")
+    from merak_core.layout import collective_device
+
     first = sample if isinstance(sample, torch.Tensor) else next(iter(sample.values()))
+    dev = first.device
 
     def step() -> None:
         _forward_backward(model, sample)
 
     def per_step(duration: float, window: tuple[float, float]) -> float:
         """Median seconds of the steps that ran entirely inside ``window`` (fractions of ``duration``)."""
-        start = time.perf_counter()
+        start = _now(dev)
         begin, end = start + window[0] * duration, start + window[1] * duration
         inside: list[float] = []
-        while (now := time.perf_counter()) < start + duration:
+        while (now := _now(dev)) < start + duration:
             step()
-            after = time.perf_counter()
+            after = _now(dev)
             if now >= begin and after <= end:
                 inside.append(after - now)
-        return statistics.median(inside) if inside else time.perf_counter() - start
+        return statistics.median(inside) if inside else _now(dev) - start
 
     with torch.random.fork_rng(devices=[first.device] if first.device.type == "cuda" else []):
         try:
@@ -224,7 +244,7 @@ def measure_contention(model: nn.Module, sample: torch.Tensor | Mapping[str, tor
                 ratios.append(together / alone if alone > 0 else 1.0)
         finally:
             model.zero_grad(set_to_none=True)
-    ratio = torch.tensor([statistics.median(ratios)], dtype=torch.float64)
+    ratio = torch.tensor([statistics.median(ratios)], dtype=torch.float64, device=collective_device())
     dist.broadcast(ratio, 0)
     return min(max(float(ratio), 1.0), float(dist.get_world_size()))
 
@@ -290,7 +310,7 @@ def _optimizer_s_per_byte(model: nn.Module, repeats: int) -> float:
         torch.nn.utils.clip_grad_norm_(copies, 1.0)
         opt.step()
 
-    seconds = _timed(step, repeats)
+    seconds = _timed(step, repeats, params[0].device)
     nbytes = sum(p.numel() * p.element_size() for p in params)
     return seconds / max(nbytes, 1)
 
@@ -306,6 +326,7 @@ def _measure(model: nn.Module, sample: torch.Tensor | Mapping[str, torch.Tensor]
     outside_act = [0.0]
 
     param_ptrs = {p.data_ptr() for p in model.parameters()}
+    dev = _device_of(sample)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         if t.data_ptr() in param_ptrs:  # a saved weight is a parameter, counted in layer_param_bytes
@@ -321,10 +342,10 @@ def _measure(model: nn.Module, sample: torch.Tensor | Mapping[str, torch.Tensor]
     for i, layer in enumerate(layers):
         def pre(_m: nn.Module, _a: Any, i: int = i) -> None:
             current[0] = i
-            starts[i] = time.perf_counter()
+            starts[i] = _now(dev)
 
         def post(_m: nn.Module, _a: Any, out: Any, i: int = i) -> None:
-            fwd[i] += time.perf_counter() - starts[i]
+            fwd[i] += _now(dev) - starts[i]
             current[0] = -1
             if isinstance(out, torch.Tensor):
                 out_bytes[0] = float(out.numel() * out.element_size())
@@ -339,15 +360,15 @@ def _measure(model: nn.Module, sample: torch.Tensor | Mapping[str, torch.Tensor]
             act[:] = [0.0] * n
             outside_act[0] = 0.0
             model.zero_grad(set_to_none=True)
-            t0 = time.perf_counter()
+            t0 = _now(dev)
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 y = model(sample) if isinstance(sample, torch.Tensor) else model(**sample)
-            t1 = time.perf_counter()
+            t1 = _now(dev)
             if not isinstance(y, torch.Tensor):  # a dict / ModelOutput: its first tensor (logits or loss)
                 y = next(v for v in y.values() if isinstance(v, torch.Tensor))
             loss = y.float().sum()
             loss.backward()
-            t2 = time.perf_counter()
+            t2 = _now(dev)
             if rep > 0:
                 total_f += (t1 - t0) / repeats
                 total_b += (t2 - t1) / repeats
