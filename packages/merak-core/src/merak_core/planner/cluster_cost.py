@@ -1,0 +1,282 @@
+"""The cluster cost model: a meta-traced model's FLOPs and bytes priced on a :class:`ClusterSpec`.
+
+:func:`trace_for_cluster` traces a model (on the meta device: no weights, no profiling on the
+target), annotates every graph node with merak-graph's FLOPs and bytes, priced by a roofline at
+the cluster device's sustained rates (``max(flops / (peak * efficiency), bytes / (bandwidth *
+efficiency))`` per node, backward twice the forward), and cuts the graph at its natural
+boundaries (about two shards per transformer block). :func:`model_costs` turns that chain into
+per-layer :class:`LayerCost` for one sample; :func:`predict_config` prices one configuration.
+
+[Note: cluster model terms] Per stage and microbatch of b samples:
+- compute: b x the stage's forward (backward: 2x) divided by tp;
+- TP: one all-reduce of the residual stream (b x ``tp_message_bytes``) per shard holding
+  parameters, in forward and in backward, over the TP group's link (a node's NVLink when tp
+  fits a node). Sub-pipelined TP (``tp_overlap``) splits the microbatch in ``tp_chunks``: only
+  ``max(comm / k, comm - compute (k - 1) / k)`` stays exposed;
+- recomputation reruns the forward (compute and its TP all-reduces);
+- pipeline messages carry the stage's output over the link between the two stages' ranks
+  (between nodes when a pipeline neighbour lives on another node), latency + bytes / bandwidth;
+- the schedule and its bubble come from :func:`merak_pipe.simulate`;
+- per step: the ring all-reduce of the largest stage's gradients over the DP group (ZeRO-1: a
+  reduce-scatter and an all-gather, the same bytes on the wire), not overlapped; the all-reduce
+  of parameters tied across stages; the optimizer step at the memory bandwidth.
+Memory per stage: parameters, gradients and optimizer states (:class:`Precision`; optimizer
+states divided by dp under ZeRO-1) plus the simulated activation peak of the schedule, where a
+layer's activations are the bytes of every tensor its nodes produce (an upper bound on what
+autograd keeps), divided by tp.
+
+Deliberately not modelled: kernel efficiency that varies with matrix size, smaller GEMMs of
+sub-microbatches, overlap of the DP all-reduce with the backward, network contention between
+rings that share a NIC, sequence parallelism.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from merak_core.planner.cluster import ClusterSpec
+
+__all__ = ["LayerCost", "ModelCosts", "Precision", "StageCosts", "model_costs", "stage_costs", "trace_for_cluster"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Precision:
+    """Bytes per parameter of the weights, their gradients and the optimizer states."""
+
+    weight_bytes: float = 2.0
+    """bf16 weights."""
+    grad_bytes: float = 4.0
+    """fp32 gradient accumulation (and all-reduce)."""
+    optimizer_bytes: float = 12.0
+    """fp32 master weights and Adam's two moments."""
+
+    @classmethod
+    def for_dtype(cls, dtype: torch.dtype) -> Precision:
+        """Mixed precision for 16-bit models, plain fp32 Adam otherwise."""
+        if dtype in (torch.bfloat16, torch.float16):
+            return cls()
+        return cls(weight_bytes=4.0, grad_bytes=4.0, optimizer_bytes=8.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerCost:
+    """One shard of the chain, for one sample, on one device without TP."""
+
+    forward_s: float
+    """Forward seconds (roofline at the cluster's sustained rates)."""
+    flops: float
+    """Forward FLOPs."""
+    param_names: tuple[str, ...]
+    """Parameters the shard holds (canonical names; a tied parameter appears in every shard using it)."""
+    activation_bytes: float
+    """Bytes of the tensors the shard's nodes produce."""
+    output_bytes: float
+    """Bytes of the shard's outputs (the pipeline message when a stage ends here)."""
+
+    @property
+    def tp_allreduces(self) -> int:
+        """TP all-reduces per pass: one per shard holding parameters (see [Note: cluster model terms])."""
+        return 1 if self.param_names else 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelCosts:
+    """Per-layer costs of one sample plus what constrains TP."""
+
+    layers: tuple[LayerCost, ...]
+    param_numel: dict[str, int]
+    """Elements of every parameter, by canonical name."""
+    precision: Precision
+    tp_message_bytes: float
+    """Bytes of one TP all-reduce for one sample (the residual stream)."""
+    dtype: str = "bf16"
+    """FLOP/s key of the cluster to price compute with."""
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    vocab_size: int | None = None
+    _cache: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def tp_allowed(self, tp: int) -> bool:
+        kv = self.num_kv_heads if self.num_kv_heads is not None else self.num_heads
+        return all(v is None or v % tp == 0 for v in (self.num_heads, kv, self.vocab_size))
+
+    def stage_params(self, lo: int, hi: int) -> int:
+        """Parameters held by the stage of layers [lo, hi) (a tied parameter once per stage)."""
+        key = ("params", lo, hi)
+        if key not in self._cache:
+            names = {n for layer in self.layers[lo:hi] for n in layer.param_names}
+            self._cache[key] = sum(self.param_numel[n] for n in names)
+        return int(self._cache[key])
+
+    def tied_across(self, bounds: Sequence[int]) -> dict[str, list[int]]:
+        """Parameters held by more than one stage: name -> stages holding it."""
+        key = ("tied", tuple(bounds))
+        if key not in self._cache:
+            self._cache[key] = self._tied_across(bounds)
+        return dict(self._cache[key])
+
+    def _tied_across(self, bounds: Sequence[int]) -> dict[str, list[int]]:
+        holders: dict[str, set[int]] = {}
+        for s in range(len(bounds) - 1):
+            for layer in self.layers[bounds[s]:bounds[s + 1]]:
+                for n in layer.param_names:
+                    holders.setdefault(n, set()).add(s)
+        return {n: sorted(st) for n, st in holders.items() if len(st) > 1}
+
+
+def trace_for_cluster(model: nn.Module, example_inputs: Sequence[Any] | Mapping[str, Any], cluster: ClusterSpec, *,
+                      dtype: str = "bf16", num_shards: int | None = None) -> Any:
+    """Trace ``model`` (meta is fine), annotate costs at ``cluster``'s rates and shard it; a ``ShardedGraph``."""
+    import merak_graph as mg
+
+    by_name = isinstance(example_inputs, Mapping)
+    gm = mg.trace(model, example_inputs=example_inputs if by_name else tuple(example_inputs), method="fx")
+    values = ([example_inputs[n] for n in gm.meta.get("merak_input_names", list(example_inputs))]  # type: ignore[call-overload]
+              if by_name else list(example_inputs))
+    rates = mg.CostModel(flops_per_s=cluster.flops(dtype),
+                         bytes_per_s=cluster.memory_bandwidth * cluster.memory_efficiency, backward_factor=2.0)
+    mg.annotate_costs(gm, values, cost_model=rates)
+    count = num_shards if num_shards is not None else mg.natural_shard_count(gm)
+    return mg.shard(gm, count, model=model)
+
+
+def model_costs(sharded: Any, model: nn.Module, *, dtype: str = "bf16", num_heads: int | None = None,
+                num_kv_heads: int | None = None, vocab_size: int | None = None) -> ModelCosts:
+    """:class:`ModelCosts` of a :func:`trace_for_cluster` chain traced with one sample per microbatch."""
+    canonical: dict[int, str] = {}
+    numel: dict[str, int] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        canonical.setdefault(id(p), name)
+        numel[canonical[id(p)]] = p.numel()
+    first = next(iter(model.parameters()), None)
+    param_dtype = first.dtype if first is not None else torch.float32
+    layers = []
+    for s in sharded.shards:
+        names = tuple(sorted({canonical.get(id(p), n) for n, p in s.module.named_parameters(remove_duplicate=False)}))
+        for n, p in s.module.named_parameters(remove_duplicate=False):
+            numel.setdefault(canonical.get(id(p), n), p.numel())
+        layers.append(LayerCost(forward_s=s.time_s / 3.0, flops=float(s.flops), param_names=names,
+                                activation_bytes=float(s.activation_bytes),
+                                output_bytes=float(sum(b.nbytes for b in s.outputs))))
+    inner = [ly.output_bytes for ly in layers[:-1] if ly.output_bytes > 0] or [layers[-1].output_bytes]
+    return ModelCosts(layers=tuple(layers), param_numel=numel, precision=Precision.for_dtype(param_dtype),
+                      tp_message_bytes=float(statistics.median(inner)), dtype=dtype, num_heads=num_heads,
+                      num_kv_heads=num_kv_heads, vocab_size=vocab_size)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageCosts:
+    """Per-stage seconds and bytes of one microbatch, ready for :func:`merak_pipe.simulate`."""
+
+    forward_s: list[float]
+    backward_s: list[float]
+    """Without recomputation."""
+    tp_exposed_s: list[float]
+    """TP all-reduce seconds left on the critical path, forward + backward, per microbatch."""
+    activation_bytes: list[list[float]]
+    """Per stage, per layer, one microbatch, divided by tp."""
+    static_bytes: list[float]
+    """Weights, gradients and optimizer states per stage (per device)."""
+    params_per_device: list[float]
+    boundary_bytes: list[float]
+    """Message from stage s to s+1 for one microbatch."""
+    input_bytes: list[float]
+    p2p_latency_s: float
+    p2p_bandwidth: float
+
+
+def _ring_allreduce_s(nbytes: float, ranks: Sequence[int], cluster: ClusterSpec) -> float:
+    n = len(ranks)
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    bandwidth, latency = cluster.link(list(ranks))
+    return 2 * (n - 1) * latency + 2 * (n - 1) / n * nbytes / bandwidth
+
+
+def tp_ranks(dp: int, tp: int) -> list[int]:
+    """The first TP group under [Note: rank order] (TP fastest)."""
+    del dp
+    return list(range(tp))
+
+
+def dp_ranks(dp: int, tp: int) -> list[int]:
+    """The first DP group (same pp and tp coordinates)."""
+    return [d * tp for d in range(dp)]
+
+
+def p2p_link(dp: int, tp: int, pp: int, cluster: ClusterSpec) -> tuple[float, float]:
+    """(latency, bandwidth) of the slowest link between neighbouring stages of one pipeline."""
+    if pp < 2:
+        return 0.0, math.inf
+    stride = dp * tp
+    worst = max(range(pp - 1), key=lambda s: cluster.node_of(s * stride) != cluster.node_of((s + 1) * stride))
+    bandwidth, latency = cluster.link([worst * stride, (worst + 1) * stride])
+    return latency, bandwidth
+
+
+def _tp_exposed(comm: float, compute: float, overlap: bool, chunks: int) -> float:
+    if not overlap or chunks < 2 or comm <= 0:
+        return comm
+    return max(comm / chunks, comm - compute * (chunks - 1) / chunks)
+
+
+def stage_costs(costs: ModelCosts, cluster: ClusterSpec, *, bounds: Sequence[int], dp: int, tp: int,
+                micro_batch_size: int, zero_stage: int = 0, tp_overlap: bool = False,
+                tp_chunks: int = 2) -> StageCosts:
+    """Seconds and bytes per stage for layers split at ``bounds`` (see [Note: cluster model terms])."""
+    b, pp = micro_batch_size, len(bounds) - 1
+    prec = costs.precision
+    tp_group = tp_ranks(dp, tp)
+    one_ar = _ring_allreduce_s(b * costs.tp_message_bytes, tp_group, cluster)
+    fwd, bwd, exposed, acts, static, params, out_b, in_b = [], [], [], [], [], [], [], []
+    for s in range(pp):
+        layers = costs.layers[bounds[s]:bounds[s + 1]]
+        compute_f = b * sum(ly.forward_s for ly in layers) / tp
+        comm = one_ar * sum(ly.tp_allreduces for ly in layers) if tp > 1 else 0.0
+        ex_f = _tp_exposed(comm, compute_f, tp_overlap, tp_chunks)
+        ex_b = _tp_exposed(comm, 2 * compute_f, tp_overlap, tp_chunks)
+        fwd.append(compute_f + ex_f)
+        bwd.append(2 * compute_f + ex_b)
+        exposed.append(ex_f + ex_b)
+        acts.append([b * ly.activation_bytes / tp for ly in layers])
+        n = costs.stage_params(bounds[s], bounds[s + 1]) / tp
+        params.append(n)
+        opt_div = dp if zero_stage == 1 else 1
+        static.append(n * (prec.weight_bytes + prec.grad_bytes) + n * prec.optimizer_bytes / opt_div)
+        out_b.append(b * layers[-1].output_bytes)
+        in_b.append(b * (costs.layers[bounds[s] - 1].output_bytes if bounds[s] > 0 else 0.0))
+    latency, bandwidth = p2p_link(dp, tp, pp, cluster)
+    return StageCosts(forward_s=fwd, backward_s=bwd, tp_exposed_s=exposed, activation_bytes=acts,
+                      static_bytes=static, params_per_device=params, boundary_bytes=out_b, input_bytes=in_b,
+                      p2p_latency_s=latency, p2p_bandwidth=bandwidth)
+
+
+def step_overhead_s(costs: ModelCosts, cluster: ClusterSpec, stages: StageCosts, *, bounds: Sequence[int],
+                    dp: int, tp: int, zero_stage: int) -> tuple[float, float]:
+    """(DP gradient all-reduce + tied-parameter all-reduce, optimizer step) seconds per step."""
+    prec = costs.precision
+    grads = max(stages.params_per_device) * prec.grad_bytes
+    dp_s = _ring_allreduce_s(grads, dp_ranks(dp, tp), cluster)
+    pp = len(bounds) - 1
+    stride = dp * tp
+    tied = 0.0
+    for name, held in costs.tied_across(bounds).items():
+        ranks = [s * stride for s in held]
+        tied += _ring_allreduce_s(costs.param_numel[name] / tp * prec.grad_bytes, ranks, cluster)
+    del pp
+    opt_div = dp if zero_stage == 1 else 1
+    # Adam reads and writes master weights, moments and gradients, writes the 16-bit weights.
+    touched = max(stages.params_per_device) / opt_div * (2 * prec.optimizer_bytes + prec.grad_bytes + prec.weight_bytes)
+    optimizer = touched / (cluster.memory_bandwidth * cluster.memory_efficiency)
+    return dp_s + tied, optimizer

@@ -1,0 +1,240 @@
+"""The search at cluster scale: every layout, microbatch count, schedule, recomputation, ZeRO stage
+and TP overlap for N devices of a :class:`ClusterSpec`, priced by :mod:`.cluster_cost`.
+
+TP stays inside a node (tp divides the devices per node) and must divide heads, kv heads and
+vocabulary; dp must divide the global batch; pp is at most the number of layers (shards). Layers
+are split contiguously to balance forward time (:func:`merak_core.planner.split_layers`). The
+pipeline is simulated with :func:`merak_pipe.simulate`; stage-aware recomputation uses
+:func:`merak_pipe.stage_aware_plan` against the device's usable memory.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from merak_core.planner.cluster import ClusterSpec
+from merak_core.planner.cluster_cost import ModelCosts, stage_costs, step_overhead_s
+from merak_core.planner.search import split_layers
+
+__all__ = ["CLUSTER_SCHEDULES", "PREDICTABLE_SCHEDULES", "ClusterCandidate", "format_cluster_plan", "plan_cluster", "predict_config"]
+
+CLUSTER_SCHEDULES = ("1f1b", "shifted_critical_path")
+"""Schedules the cluster search tries by default."""
+PREDICTABLE_SCHEDULES = ("gpipe", "1f1b", "shifted_critical_path", "zb_h1")
+"""Schedules :func:`predict_config` prices (one stage per rank)."""
+RECOMPUTE = ("none", "full", "stage_aware")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterCandidate:
+    """One configuration on the cluster with its predicted step time and per-stage memory."""
+
+    dp: int
+    tp: int
+    pp: int
+    schedule: str
+    num_microbatches: int
+    micro_batch_size: int
+    recompute: str
+    recompute_fractions: tuple[float, ...]
+    zero_stage: int
+    tp_overlap: bool
+    stage_layers: tuple[int, ...]
+    step_time_s: float
+    pipeline_s: float
+    dp_allreduce_s: float
+    optimizer_s: float
+    stage_memory_bytes: tuple[float, ...]
+    """Per stage, per device: weights + gradients + optimizer states + simulated activation peak."""
+    stage_static_bytes: tuple[float, ...]
+    memory_limit_bytes: float
+    pipeline_crosses_nodes: bool
+    dp_crosses_nodes: bool
+
+    @property
+    def layout(self) -> str:
+        return f"dp{self.dp}-tp{self.tp}-pp{self.pp}"
+
+    @property
+    def fits(self) -> bool:
+        return max(self.stage_memory_bytes) <= self.memory_limit_bytes
+
+    def training_fields(self) -> dict[str, Any]:
+        """The job file's ``training`` fields for this choice."""
+        out: dict[str, Any] = {"dp": self.dp, "tp": self.tp, "pp": self.pp, "schedule": self.schedule,
+                               "per_device_train_batch_size": self.micro_batch_size,
+                               "gradient_accumulation_steps": self.num_microbatches, "recompute": self.recompute,
+                               "zero_stage": self.zero_stage}
+        if self.recompute == "stage_aware":
+            out["memory_budget"] = int(self.memory_limit_bytes)
+        return out
+
+
+def _bounds(sizes: Sequence[int]) -> list[int]:
+    out = [0]
+    for n in sizes:
+        out.append(out[-1] + n)
+    return out
+
+
+def predict_config(costs: ModelCosts, cluster: ClusterSpec, *, dp: int, tp: int, pp: int, schedule: str,
+                   num_microbatches: int, micro_batch_size: int, recompute: str = "none", zero_stage: int = 0,
+                   tp_overlap: bool = False, tp_chunks: int = 2, stage_layers: Sequence[int] | None = None,
+                   memo: dict[Any, Any] | None = None) -> ClusterCandidate | None:
+    """Predict one configuration (fitting or not); None when stage-aware recomputation cannot fit.
+
+    ``memo`` (a dict kept across calls on the same costs and cluster) reuses built schedules and
+    simulations; with it, schedules are not re-validated.
+    """
+    from merak_pipe import CostModel, RecomputePlan, build_schedule, simulate, stage_aware_plan
+
+    if schedule not in PREDICTABLE_SCHEDULES:
+        raise ValueError(f"schedule {schedule!r} is not one of {PREDICTABLE_SCHEDULES}")
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute {recompute!r} is not one of {RECOMPUTE}")
+    sizes = list(stage_layers) if stage_layers is not None else split_layers([ly.forward_s for ly in costs.layers], pp)
+    bounds = _bounds(sizes)
+    st = stage_costs(costs, cluster, bounds=bounds, dp=dp, tp=tp, micro_batch_size=micro_batch_size,
+                     zero_stage=zero_stage, tp_overlap=tp_overlap, tp_chunks=tp_chunks)
+    limit = cluster.usable_memory_bytes
+    name = schedule.replace("_", "-") if pp > 1 else "1f1b"
+    m = num_microbatches
+    check = memo is None
+    memo = {} if memo is None else memo
+
+    def schedule_of(rplan: Any) -> Any:
+        key = ("schedule", name, pp, m, rplan)
+        if key not in memo:
+            memo[key] = build_schedule(name, num_stages=pp, num_microbatches=m, recompute=rplan, check=check)
+        return memo[key]
+
+    if recompute == "stage_aware" and pp > 1:
+        try:
+            plan = stage_aware_plan(layer_activation_bytes=st.activation_bytes, memory_budget=limit,
+                                    static_bytes=st.static_bytes, schedule=schedule_of(None),
+                                    input_bytes=st.input_bytes)
+        except ValueError:
+            return None
+    elif recompute == "full":
+        plan = RecomputePlan.full(pp)
+    else:
+        plan = RecomputePlan.none(pp)
+    sim_costs = CostModel(forward=st.forward_s, backward=st.backward_s, recompute=st.forward_s,
+                          p2p_latency=st.p2p_latency_s, p2p_bandwidth=st.p2p_bandwidth,
+                          boundary_bytes=st.boundary_bytes, activation_bytes=[sum(a) for a in st.activation_bytes],
+                          input_bytes=st.input_bytes)
+    sim_key = ("sim", name, pp, m, plan, tuple(st.forward_s), tuple(st.backward_s), tuple(st.input_bytes),
+               st.p2p_latency_s, st.p2p_bandwidth, tuple(sum(a) for a in st.activation_bytes))
+    if sim_key not in memo:
+        memo[sim_key] = simulate(schedule_of(plan), sim_costs)
+    result = memo[sim_key]
+    dp_s, opt_s = step_overhead_s(costs, cluster, st, bounds=bounds, dp=dp, tp=tp, zero_stage=zero_stage)
+    memory = tuple(s + a for s, a in zip(st.static_bytes, result.peak_memory, strict=True))
+    stride = dp * tp
+    return ClusterCandidate(
+        dp=dp, tp=tp, pp=pp, schedule=schedule if pp > 1 else "1f1b", num_microbatches=m,
+        micro_batch_size=micro_batch_size, recompute=recompute, recompute_fractions=tuple(plan.fractions),
+        zero_stage=zero_stage, tp_overlap=tp_overlap and tp > 1, stage_layers=tuple(sizes),
+        step_time_s=result.makespan + dp_s + opt_s, pipeline_s=result.makespan, dp_allreduce_s=dp_s,
+        optimizer_s=opt_s, stage_memory_bytes=memory, stage_static_bytes=tuple(st.static_bytes),
+        memory_limit_bytes=limit,
+        pipeline_crosses_nodes=any(cluster.node_of(s * stride) != cluster.node_of((s + 1) * stride)
+                                   for s in range(pp - 1)),
+        dp_crosses_nodes=cluster.node_of(0) != cluster.node_of((dp - 1) * tp),
+    )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _layouts(costs: ModelCosts, cluster: ClusterSpec, world: int, gbs: int) -> list[tuple[int, int, int]]:
+    out = []
+    for tp in _divisors(world):
+        if cluster.devices_per_node % tp or not costs.tp_allowed(tp):
+            continue
+        for pp in _divisors(world // tp):
+            dp = world // (tp * pp)
+            if pp <= costs.num_layers and gbs % dp == 0:
+                out.append((dp, tp, pp))
+    return out
+
+
+def plan_cluster(costs: ModelCosts, cluster: ClusterSpec, *, num_nodes: int, global_batch_size: int,
+                 schedules: Sequence[str] = CLUSTER_SCHEDULES, recompute_modes: Sequence[str] = RECOMPUTE,
+                 zero_stages: Sequence[int] = (0, 1), tp_overlaps: Sequence[bool] = (False, True),
+                 max_microbatches: int = 128, layouts: Sequence[tuple[int, int, int]] | None = None,
+                 ) -> list[ClusterCandidate]:
+    """Every configuration that fits the device memory on ``num_nodes`` nodes, best predicted first.
+
+    ``layouts`` restricts the (dp, tp, pp) tried. Raises ValueError when no layout suits the model
+    or nothing fits (naming the least memory any configuration needs).
+    """
+    for label, v in (("num_nodes", num_nodes), ("global_batch_size", global_batch_size),
+                     ("max_microbatches", max_microbatches)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"plan_cluster: {label}={v!r}; expected an int >= 1")
+    world = num_nodes * cluster.devices_per_node
+    grid = list(layouts) if layouts is not None else _layouts(costs, cluster, world, global_batch_size)
+    if not grid:
+        raise ValueError(f"plan_cluster: no (dp, tp, pp) with dp*tp*pp={world} suits this model: tp must divide "
+                         f"the {cluster.devices_per_node} devices per node, heads={costs.num_heads}, kv heads="
+                         f"{costs.num_kv_heads}, vocab={costs.vocab_size}; pp <= {costs.num_layers} layers; dp "
+                         f"must divide global_batch_size={global_batch_size}")
+    out: list[ClusterCandidate] = []
+    least = math.inf
+    memo: dict[Any, Any] = {}
+    sizes_by_pp: dict[int, list[int]] = {}
+    for dp, tp, pp in grid:
+        if pp not in sizes_by_pp:
+            sizes_by_pp[pp] = split_layers([ly.forward_s for ly in costs.layers], pp)
+        per_dp = global_batch_size // dp
+        for m in _divisors(per_dp):
+            if m < pp or m > max_microbatches:
+                continue
+            for sched in (schedules if pp > 1 else ("1f1b",)):
+                for zero in zero_stages:
+                    for overlap in (tp_overlaps if tp > 1 else (False,)):
+                        seen: set[tuple[float, ...]] = set()
+                        for mode in recompute_modes:
+                            c = predict_config(costs, cluster, dp=dp, tp=tp, pp=pp, schedule=sched,
+                                               num_microbatches=m, micro_batch_size=per_dp // m, recompute=mode,
+                                               zero_stage=zero, tp_overlap=overlap, stage_layers=sizes_by_pp[pp],
+                                               memo=memo)
+                            if c is None or c.recompute_fractions in seen:
+                                continue
+                            seen.add(c.recompute_fractions)
+                            least = min(least, max(c.stage_memory_bytes))
+                            if c.fits:
+                                out.append(c)
+    if not out:
+        raise ValueError(f"plan_cluster: nothing fits the usable {cluster.usable_memory_bytes / 1e9:.1f} GB per "
+                         f"device of {cluster.name}; the smallest configuration needs {least / 1e9:.1f} GB: add "
+                         "nodes, allow ZeRO-1 or recomputation, or shrink the batch")
+    out.sort(key=lambda c: (c.step_time_s, c.tp, c.layout, c.schedule, c.num_microbatches, c.recompute,
+                            c.zero_stage, c.tp_overlap))
+    return out
+
+
+def _bytes(n: float) -> str:
+    return f"{n / 1e9:.1f}G" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def format_cluster_plan(cands: Sequence[ClusterCandidate], top: int = 10) -> str:
+    """A ranked table with per-stage memory per device (G = 1e9 bytes, M = 1e6)."""
+    lines = [f"{'#':>3} {'layout':<14} {'schedule':<22} {'m':>4} {'mbs':>4} {'zero':>4} {'tp-ovl':>6} "
+             f"{'recompute':<24} {'step ms':>10}  memory per stage (usable)"]
+    for i, c in enumerate(cands[:top], 1):
+        rc = c.recompute if c.recompute != "stage_aware" else "sa:" + ",".join(f"{f:.2f}" for f in c.recompute_fractions)
+        if len(rc) > 24:
+            rc = rc[:21] + "..."
+        mem = ",".join(_bytes(b) for b in c.stage_memory_bytes)
+        if len(c.stage_memory_bytes) > 8:
+            mem = f"max {_bytes(max(c.stage_memory_bytes))} over {len(c.stage_memory_bytes)} stages"
+        lines.append(f"{i:>3} {c.layout:<14} {c.schedule:<22} {c.num_microbatches:>4} {c.micro_batch_size:>4} "
+                     f"{c.zero_stage:>4} {'yes' if c.tp_overlap else 'no':>6} {rc:<24} {c.step_time_s * 1e3:>10.3f}  "
+                     f"{mem} ({_bytes(c.memory_limit_bytes)})")
+    return "\n".join(lines)

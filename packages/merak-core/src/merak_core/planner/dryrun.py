@@ -1,0 +1,270 @@
+"""Dry run at any scale: build, in one process, what every one of N ranks would build, and say
+which rank would fail first and why.
+
+:func:`dry_run` checks the layout (dp * tp * pp = N, tp dividing heads and vocabulary), then for
+every rank builds its :class:`~merak_core.layout.ParallelLayout` over torch's fake process group
+(no communication: a group records its ranks, collectives do nothing), so the real group code
+runs at 1024 ranks; it partitions the model on the meta device (merak-graph), gives each rank its
+stage, its schedule (built and validated by merak-pipe), its recomputation plan, the groups of
+parameters tied across stages, and its memory against the cluster's device
+(:mod:`.cluster_cost`). The report lists every problem; :attr:`DryRunReport.first_failure` is
+the lowest rank that would fail.
+
+Deliberately not done: running any computation, building the TP-sharded modules (TP divides
+each stage's costs and memory by tp, see [Note: cluster model terms]), loading weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from merak_core.planner.cluster import ClusterSpec
+from merak_core.planner.cluster_cost import model_costs, trace_for_cluster
+from merak_core.planner.cluster_search import ClusterCandidate, predict_config
+
+__all__ = ["DryRunProblem", "DryRunReport", "RankPlan", "dry_run"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """What one rank would build."""
+
+    rank: int
+    node: int
+    stage: int
+    dp_rank: int
+    tp_rank: int
+    dp_group: tuple[int, ...]
+    tp_group: tuple[int, ...]
+    pp_group: tuple[int, ...]
+    schedule: str
+    """This rank's actions in the schedule's compact form (e.g. ``0F0 0F1 0B0 ...``)."""
+    recompute_fraction: float
+    shared_groups: dict[str, tuple[int, ...]]
+    """Tied parameter -> the ranks its gradient is all-reduced over (this rank included)."""
+    memory_bytes: float
+
+
+@dataclass(frozen=True)
+class DryRunProblem:
+    """Something that would fail (``fatal``) or cost time at run time."""
+
+    rank: int
+    stage: int | None
+    kind: str
+    message: str
+    fatal: bool = True
+
+    def __str__(self) -> str:
+        where = f"rank {self.rank}" + (f" (stage {self.stage})" if self.stage is not None else "")
+        return f"{'error' if self.fatal else 'note'} [{self.kind}] {where}: {self.message}"
+
+
+@dataclass
+class DryRunReport:
+    """The dry run's result: per-rank plans, problems, and how long it took."""
+
+    world_size: int
+    degrees: tuple[int, int, int] | None
+    cluster: str
+    ranks: list[RankPlan] = field(default_factory=list)
+    problems: list[DryRunProblem] = field(default_factory=list)
+    prediction: ClusterCandidate | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
+    groups_backend: str = ""
+
+    @property
+    def first_failure(self) -> DryRunProblem | None:
+        fatal = [p for p in self.problems if p.fatal]
+        return min(fatal, key=lambda p: p.rank) if fatal else None
+
+    @property
+    def ok(self) -> bool:
+        return self.first_failure is None
+
+    def summary(self, show_ranks: int = 4) -> str:
+        lines = [f"dry run: {self.world_size} ranks on {self.cluster}"
+                 + (f", dp={self.degrees[0]} tp={self.degrees[1]} pp={self.degrees[2]}" if self.degrees else "")]
+        if self.ranks:
+            lines.append(f"  built {len(self.ranks)} ranks' groups ({self.groups_backend}), partition, schedules and "
+                         "memory")
+            picks = sorted({*range(min(show_ranks, len(self.ranks))), len(self.ranks) - 1})
+            for r in picks:
+                p = self.ranks[r]
+                sched = p.schedule if len(p.schedule) <= 60 else p.schedule[:57] + "..."
+                lines.append(f"  rank {p.rank:>5} node {p.node:>4} stage {p.stage:>3} dp_rank {p.dp_rank:>4} tp_rank "
+                             f"{p.tp_rank:>2} recompute {p.recompute_fraction:.2f} memory {p.memory_bytes / 1e9:.1f} GB"
+                             f"  [{sched}]")
+        if self.prediction is not None:
+            c = self.prediction
+            lines.append(f"  predicted step {c.step_time_s:.4f} s (pipeline {c.pipeline_s:.4f} s, DP {c.dp_allreduce_s:.4f}"
+                         f" s); memory per stage GB: {','.join(f'{b / 1e9:.1f}' for b in c.stage_memory_bytes)} of "
+                         f"{c.memory_limit_bytes / 1e9:.1f} usable")
+        for p in self.problems:
+            lines.append(f"  {p}")
+        first = self.first_failure
+        lines.append(f"  FIRST FAILURE: {first}" if first is not None else "  every rank would build and fit")
+        lines.append("  seconds: " + ", ".join(f"{k} {v:.2f}" for k, v in self.seconds.items()))
+        return "\n".join(lines)
+
+
+def _check_layout(world_size: int, dp: int | None, tp: int, pp: int, cluster: ClusterSpec,
+                  heads: int | None, kv_heads: int | None, vocab: int | None) -> tuple[tuple[int, int, int] | None,
+                                                                                          list[DryRunProblem]]:
+    from merak_core.layout import resolve_degrees
+
+    try:
+        degrees = resolve_degrees(world_size, dp, tp, pp)
+    except ValueError as exc:
+        return None, [DryRunProblem(0, None, "layout", str(exc))]
+    problems = []
+    for label, v in (("heads", heads), ("kv heads", kv_heads), ("vocabulary", vocab)):
+        if v is not None and v % tp:
+            problems.append(DryRunProblem(0, 0, "layout", f"tp={tp} does not divide the model's {label}={v}: choose "
+                                          f"tp among the divisors of {v}"))
+    if world_size % cluster.devices_per_node:
+        problems.append(DryRunProblem(0, None, "layout", f"{world_size} ranks fill {world_size // cluster.devices_per_node}"
+                                      f" nodes of {cluster.devices_per_node} and part of another", fatal=False))
+    if cluster.devices_per_node % tp:
+        problems.append(DryRunProblem(0, 0, "layout", f"tp={tp} does not divide the {cluster.devices_per_node} devices "
+                                      "per node: TP groups straddle nodes and their all-reduces cross the network",
+                                      fatal=False))
+    return degrees, problems
+
+
+def _build_groups(world_size: int, dp: int, tp: int, pp: int,
+                  ranks: Sequence[int]) -> tuple[dict[int, tuple[tuple[int, ...], ...]], str]:
+    """Each rank's (dp, tp, pp) group ranks, as the real layout code builds them over a fake process group."""
+    import torch.distributed as dist
+
+    from merak_core import _compat
+    from merak_core.layout import ParallelLayout
+
+    fake = _compat.fake_process_group_store()
+    if fake is None or dist.is_initialized():
+        from merak_core.layout import coords_of, rank_of
+
+        out = {}
+        for r in ranks:
+            p, d, t = coords_of(r, dp=dp, tp=tp)
+            out[r] = (tuple(rank_of(p, x, t, dp=dp, tp=tp) for x in range(dp)),
+                      tuple(rank_of(p, d, x, dp=dp, tp=tp) for x in range(tp)),
+                      tuple(rank_of(x, d, t, dp=dp, tp=tp) for x in range(pp)))
+        return out, "computed (no fake process group)"
+    out = {}
+    previous = logging.getLogger("merak_core.layout").level
+    logging.getLogger("merak_core.layout").setLevel(logging.WARNING)
+    try:
+        for r in ranks:
+            dist.init_process_group("fake", rank=r, world_size=world_size, store=fake())
+            try:
+                lay = ParallelLayout.build(dp, tp, pp, device="cpu")
+                out[r] = tuple(tuple(dist.get_process_group_ranks(g)) for g in (lay.dp_group, lay.tp_group,
+                                                                                  lay.pp_group))
+            finally:
+                dist.destroy_process_group()
+    finally:
+        logging.getLogger("merak_core.layout").setLevel(previous)
+    return out, "torch fake process group"
+
+
+def dry_run(model: nn.Module, example_inputs: Sequence[Any] | Mapping[str, Any], cluster: ClusterSpec, *, world_size: int,
+            dp: int | None = None, tp: int = 1, pp: int = 1, schedule: str = "1f1b", num_microbatches: int = 1,
+            micro_batch_size: int = 1, recompute: str = "none", zero_stage: int = 0, tp_overlap: bool = False,
+            tp_chunks: int = 2, num_heads: int | None = None, num_kv_heads: int | None = None, vocab_size: int | None = None,
+            dtype: str = "bf16") -> DryRunReport:
+    """Build what each of ``world_size`` ranks would build for this job; never raises for a bad job.
+
+    ``model`` is best built on the meta device (``merak_graph.empty_init()``); ``example_inputs``
+    hold one sample (meta tensors are fine); costs and memory scale by ``micro_batch_size``.
+    """
+    import merak_graph as mg
+    from merak_pipe import build_schedule
+
+    t0 = time.perf_counter()
+    degrees, problems = _check_layout(world_size, dp, tp, pp, cluster, num_heads, num_kv_heads, vocab_size)
+    report = DryRunReport(world_size=world_size, degrees=degrees, cluster=cluster.name, problems=problems)
+    if degrees is None:
+        return report
+    dp, tp, pp = degrees
+    if num_microbatches < pp:
+        report.problems.append(DryRunProblem(0, None, "schedule", f"num_microbatches={num_microbatches} < pp={pp}: "
+                                             "every stage needs a microbatch; raise gradient_accumulation_steps"))
+        return report
+    sharded = trace_for_cluster(model, example_inputs, cluster, dtype=dtype)
+    report.seconds["trace"] = time.perf_counter() - t0
+    try:
+        part = mg.partition_sharded(sharded, pp, model=model)
+    except mg.PartitionError as exc:
+        report.problems.append(DryRunProblem(0, None, "partition", str(exc)))
+        return report
+    costs = model_costs(sharded, model, dtype=dtype, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                        vocab_size=vocab_size)
+    sizes = [part.bounds[s + 1] - part.bounds[s] for s in range(pp)]
+    t1 = time.perf_counter()
+    cand = predict_config(costs, cluster, dp=dp, tp=tp, pp=pp, schedule=schedule, num_microbatches=num_microbatches,
+                          micro_batch_size=micro_batch_size, recompute=recompute, zero_stage=zero_stage,
+                          tp_overlap=tp_overlap, tp_chunks=tp_chunks, stage_layers=sizes)
+    if cand is None:  # stage-aware recomputation cannot fit: report with full recomputation
+        report.problems.append(DryRunProblem(0, 0, "memory", "stage-aware recomputation cannot fit the device even "
+                                             "recomputing everything (see the memory per stage)"))
+        cand = predict_config(costs, cluster, dp=dp, tp=tp, pp=pp, schedule=schedule,
+                              num_microbatches=num_microbatches, micro_batch_size=micro_batch_size, recompute="full",
+                              zero_stage=zero_stage, tp_overlap=tp_overlap, tp_chunks=tp_chunks, stage_layers=sizes)
+    assert cand is not None
+    report.prediction = cand
+    from merak_pipe import RecomputePlan
+
+    sched = build_schedule(schedule.replace("_", "-") if pp > 1 else "1f1b", num_stages=pp,
+                           num_microbatches=num_microbatches, recompute=RecomputePlan(cand.recompute_fractions))
+    per_stage_actions = [" ".join(str(a) for a in sched.actions[sched.stage_to_rank[s]]) for s in range(pp)]
+    report.seconds["partition+schedule"] = time.perf_counter() - t1
+    t2 = time.perf_counter()
+    groups, report.groups_backend = _build_groups(world_size, dp, tp, pp, range(world_size))
+    report.seconds["groups"] = time.perf_counter() - t2
+    shared = {s.name: sorted({st for st, _ in s.stages}) for s in part.shared_parameters}
+    _rank_plans(report, cluster, groups, cand, per_stage_actions, shared, costs.param_numel, tp)
+    report.seconds["total"] = time.perf_counter() - t0
+    return report
+
+
+def _rank_plans(report: DryRunReport, cluster: ClusterSpec, groups: dict[int, tuple[tuple[int, ...], ...]],
+                cand: ClusterCandidate, actions: list[str], shared: dict[str, list[int]], numel: dict[str, int],
+                tp: int) -> None:
+    from merak_core.layout import coords_of
+
+    dp = cand.dp
+    limit = cluster.usable_memory_bytes
+    reported_tie: set[str] = set()
+    for r in range(report.world_size):
+        stage, dp_rank, tp_rank = coords_of(r, dp=dp, tp=tp)
+        dpg, tpg, ppg = groups[r]
+        ties = {name: tuple(ppg[s] for s in stages) for name, stages in shared.items() if stage in stages}
+        mem = cand.stage_memory_bytes[stage]
+        report.ranks.append(RankPlan(rank=r, node=cluster.node_of(r), stage=stage, dp_rank=dp_rank, tp_rank=tp_rank,
+                                     dp_group=dpg, tp_group=tpg, pp_group=ppg, schedule=actions[stage],
+                                     recompute_fraction=cand.recompute_fractions[stage], shared_groups=ties,
+                                     memory_bytes=mem))
+        if mem > limit:
+            report.problems.append(DryRunProblem(
+                r, stage, "memory", f"stage {stage} needs {mem / 1e9:.2f} GB per device (weights, gradients and "
+                f"optimizer {cand.stage_static_bytes[stage] / 1e9:.2f} GB + activations) but {cluster.device_name or 'the device'} "
+                f"has {limit / 1e9:.2f} GB usable: raise pp or tp, use ZeRO-1, recomputation or fewer microbatches "
+                "in flight"))
+            limit = float("inf")  # one memory problem per job: the lowest rank
+        for name, ranks in ties.items():
+            nodes = sorted({cluster.node_of(x) for x in ranks})
+            if len(nodes) > 1 and name not in reported_tie:
+                reported_tie.add(name)
+                report.problems.append(DryRunProblem(
+                    r, stage, "shared-parameter", f"{name!r} is tied across stages {sorted(shared[name])} on nodes "
+                    f"{nodes} (ranks {list(ranks)}): its gradient ({numel[name] / tp * 4 / 1e6:.1f} MB per rank) is "
+                    "all-reduced over the network every step", fatal=False))
