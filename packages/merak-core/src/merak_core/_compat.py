@@ -49,3 +49,13 @@ def default_store() -> dist.Store | None:
         return getter()
     except (RuntimeError, ValueError):
         return None
+
+
+def fake_process_group_store() -> type | None:
+    """The store class of torch's fake process group backend ("fake": groups record their ranks,
+    collectives do nothing), or None when this torch does not ship it. Used by dry runs."""
+    try:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+    except ImportError:
+        return None
+    return FakeStore
