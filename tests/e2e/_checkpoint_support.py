@@ -29,7 +29,8 @@ def layout_kwargs(dp: int, tp: int, pp: int, **extra: Any) -> dict[str, Any]:
 
 
 def make_trainer(name: str, kwargs: dict[str, Any], dataset_size: int = 64) -> Any:
-    """A Trainer of reference model ``name`` (or ``hf_gpt2``: a tiny transformers GPT-2, fused c_attn)."""
+    """A Trainer of reference model ``name``; also ``hf_gpt2`` (a tiny transformers GPT-2, fused c_attn),
+    ``gpt_dropout`` (the reference GPT with dropout 0.1) and ``gpt_vocab128`` (a larger vocabulary)."""
     from merak_core import Trainer
 
     args = make_args(**kwargs)
@@ -40,6 +41,13 @@ def make_trainer(name: str, kwargs: dict[str, Any], dataset_size: int = 64) -> A
         model = build("gpt2")
         model.config.use_cache = False  # outputs without a KV-cache object
         loss = None  # default_loss reads output.logits
+    elif name in ("gpt_dropout", "gpt_vocab128"):
+        from tests.support.models import GPT, DecoderConfig
+
+        torch.manual_seed(0)
+        cfg = DecoderConfig(dropout=0.1) if name == "gpt_dropout" else DecoderConfig(vocab_size=128)
+        model = GPT(cfg).double()
+        loss = REFERENCE_MODELS["gpt"].loss
     else:
         model = build_model(name)
         loss = REFERENCE_MODELS[name].loss
@@ -167,3 +175,102 @@ def sgd_body(out_dir: str, resume: bool) -> dict[str, Any]:
     history = trainer.train()
     return {"losses": {int(h["step"]): h["loss"] for h in history}, "note": note,
             "momentum": trainer.optimizer.state[first]["momentum_buffer"].clone()}
+
+
+class LogCapture:
+    """Collect the messages of the ``merak_core`` loggers at INFO and above (in a worker rank)."""
+
+    def __init__(self) -> None:
+        import logging
+
+        self.records: list[tuple[str, str]] = []
+        outer = self
+
+        class _Handler(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                outer.records.append((record.levelname, record.getMessage()))
+
+        self._handler = _Handler(level=logging.INFO)
+        self._logger = logging.getLogger("merak_core")
+
+    def __enter__(self) -> LogCapture:
+        import logging
+
+        self._old_level = self._logger.level
+        self._logger.setLevel(logging.INFO)
+        self._logger.addHandler(self._handler)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._logger.removeHandler(self._handler)
+        self._logger.setLevel(self._old_level)
+
+    def messages(self, level: str | None = None) -> list[str]:
+        return [m for lv, m in self.records if level is None or lv == level]
+
+
+def _state_shape_errors(trainer: Any) -> list[str]:
+    """Optimizer states shaped unlike their parameter (what the sharded-state bug produced)."""
+    inner = getattr(trainer.optimizer, "inner", trainer.optimizer)
+    return [f"{key}: {list(v.shape)} vs param {list(p.shape)}" for p, st in inner.state.items()
+            for key, v in st.items() if isinstance(v, torch.Tensor) and v.ndim > 0 and v.shape != p.shape]
+
+
+def resume_pair_body(name: str, kwargs: dict[str, Any], save_at: int,
+                     resume_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """An uninterrupted run (saving every ``save_at`` steps), then a fresh Trainer resumes ``step_<save_at>``.
+
+    ``resume_kwargs`` change TrainingArguments of the resumed run (a changed job file). Returns
+    both runs' losses by step, the final parameters of both (rank 0), optimizer states of the
+    wrong shape after loading, and the resumed run's log messages.
+    """
+    full = make_trainer(name, kwargs)
+    full_losses = {int(h["step"]): h["loss"] for h in full.train()}
+    full_state = full.full_state_dict()
+    dist.barrier()
+    resumed = make_trainer(name, {**kwargs, **(resume_kwargs or {})})
+    with LogCapture() as logs:
+        step = resumed.resume(f"step_{save_at}")
+        bad_shapes = _state_shape_errors(resumed)
+        losses = {int(h["step"]): h["loss"] for h in resumed.train()}
+    out = {"resumed_step": step, "full_losses": full_losses, "losses": losses, "bad_shapes": bad_shapes,
+           "logs": logs.messages()}
+    final_state = resumed.full_state_dict()
+    if dist.get_rank() == 0:
+        out.update(full_state=full_state, final_state=final_state)
+    return out
+
+
+def rng_streams_body(out_dir: str) -> dict[str, Any]:
+    """Every random stream of each rank after a save equals the stream after a resume in a fresh Trainer."""
+    import random
+
+    import numpy as np
+
+    from merak_tp import RNGTracker
+
+    def draws(trainer: Any) -> dict[str, Any]:
+        with trainer.rng_tracker.fork("tp"):
+            tracked = torch.rand(3)
+        return {"torch": torch.rand(3), "python": random.random(), "numpy": float(np.random.rand()),
+                "tracker": tracked}
+
+    rank = dist.get_rank()
+    kwargs = layout_kwargs(2, 1, 2, output_dir=out_dir, max_steps=2, save_steps=2)
+    first = make_trainer("gpt_dropout", kwargs)
+    first.rng_tracker = RNGTracker()
+    first.rng_tracker.add("tp", 1000 + rank)
+    with first.rng_tracker.fork("tp"):
+        torch.rand(5)  # move the tracked state away from its seed
+    random.seed(10 + rank)  # streams that differ per rank: each rank must get its own back
+    np.random.seed(20 + rank)
+    first.train()  # saves step_2 at the end
+    after_save = draws(first)
+    dist.barrier()
+    second = make_trainer("gpt_dropout", kwargs)
+    second.rng_tracker = RNGTracker()
+    second.rng_tracker.add("tp", 0)
+    random.seed(0)
+    np.random.seed(0)
+    second.resume("latest")
+    return {"saved": after_save, "resumed": draws(second)}

@@ -189,7 +189,8 @@ def test_bad_checkpoints_raise_clear_errors(tmp_path: Path) -> None:
     data = sorted(step.glob("*.distcp"))[0]
     data.write_bytes(data.read_bytes()[:100])
     message = run_on_ranks(1, support.load_error_body, str(tmp_path / "y"), str(step), "llama")[0]
-    assert "is corrupt or unreadable" in message and str(step) in message
+    assert "(step 1) is corrupt" in message and str(step) in message
+    assert f"file {data.name!r} has 100 bytes, the manifest says" in message
     (step / ".metadata").unlink()
     message = run_on_ranks(1, support.load_error_body, str(tmp_path / "y"), str(step), "llama")[0]
     assert "is partial: DCP's .metadata file is missing" in message

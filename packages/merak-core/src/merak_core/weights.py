@@ -12,6 +12,7 @@ The checkpoint format itself lives in ``checkpoint.py`` ([Note: checkpoint keys]
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from collections.abc import Mapping
@@ -22,19 +23,24 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from merak_core.checkpoint import (
+from merak_core.checkpoint.files import (
+    CheckpointCorruptError,
     CheckpointError,
     _dcp_metadata,
     _describe_failure,
-    _Spec,
-    _specs,
+    _is_corruption,
+    latest_candidates,
+    pointer_root,
     read_checkpoint_meta,
 )
+from merak_core.checkpoint.integrity import VerifyingReader, check_manifest
+from merak_core.checkpoint.specs import _Spec, _specs
 from merak_core.compose import gather_full_state_dict
 
 if TYPE_CHECKING:
     from merak_core.trainer import Trainer
 
+logger = logging.getLogger(__name__)
 
 
 def _open_source(source: Mapping[str, torch.Tensor] | str | os.PathLike[str]) -> tuple[Any, list[str]]:
@@ -113,9 +119,32 @@ def load_full_state_dict(trainer: Trainer, source: Mapping[str, torch.Tensor] | 
 
 
 def read_checkpoint_model(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
-    """The full logical parameters of a checkpoint directory, in this process only (no collectives)."""
-    directory = Path(path)
-    read_checkpoint_meta(directory)
+    """The full logical parameters of a checkpoint, in this process only (no collectives).
+
+    ``path``: a checkpoint directory, or a ``latest`` pointer (``.../checkpoints/latest``,
+    or the checkpoints directory): then the newest checkpoint whose files verify, each
+    corrupt one skipped with a warning (see [Note: latest] in ``merak_core.checkpoint``).
+    Every file read is checked against the checkpoint's manifest of checksums.
+    """
+    root = pointer_root(path)
+    if root is None:
+        return _read_model(Path(path))
+    candidates = latest_candidates(root)
+    if not candidates:
+        raise CheckpointError(f"no checkpoint under {str(root)!r}: it holds no committed step_<N> directory")
+    skipped = []
+    for directory in candidates:
+        try:
+            return _read_model(directory)
+        except CheckpointCorruptError as exc:
+            skipped.append(f"{directory.name}: {exc}")
+            logger.warning("%s: skipping checkpoint %s, it fails verification: %s", path, directory, exc)
+    raise CheckpointCorruptError(f"no checkpoint under {str(root)!r} verifies; skipped: " + " | ".join(skipped))
+
+
+def _read_model(directory: Path) -> dict[str, torch.Tensor]:
+    meta = read_checkpoint_meta(directory)
+    manifest = check_manifest(directory, meta)
     available = _dcp_metadata(directory)
     request: dict[str, Any] = {}
     for key, md in available.items():
@@ -126,9 +155,11 @@ def read_checkpoint_model(path: str | os.PathLike[str]) -> dict[str, torch.Tenso
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(request, storage_reader=dcp.FileSystemReader(str(directory)), no_dist=True)
+            dcp.load(request, storage_reader=VerifyingReader(str(directory), manifest, meta.get("step")),
+                     no_dist=True)
     except (Exception, dcp.CheckpointException) as exc:
-        raise CheckpointError(
+        kind = CheckpointCorruptError if _is_corruption(exc) else CheckpointError
+        raise kind(
             f"checkpoint {str(directory)!r} is corrupt or unreadable: {_describe_failure(exc)}"
         ) from exc
     return {key[len("model/"):]: value for key, value in sorted(request.items())}
@@ -138,7 +169,8 @@ def export_full_state_dict(source: Trainer | str | os.PathLike[str], out_path: s
                            ) -> dict[str, torch.Tensor] | None:
     """Write one single-device state dict (logical names) to ``out_path``; return it where it was built.
 
-    ``source``: a checkpoint directory (read in this process alone, no collectives) or a
+    ``source``: a checkpoint directory or a ``latest`` pointer such as ``out/checkpoints/latest``
+    (read in this process alone, no collectives, verified; see :func:`read_checkpoint_model`) or a
     :class:`~merak_core.trainer.Trainer` (collective; rank 0 writes and gets the dict,
     other ranks get None). ``out_path`` ending in ``.safetensors`` is written with the
     safetensors package, anything else with ``torch.save``.

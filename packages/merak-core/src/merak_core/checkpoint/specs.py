@@ -1,0 +1,112 @@
+"""How a rank's local tensors map to the full logical tensors a checkpoint stores.
+
+See [Note: checkpoint keys] in ``merak_core.checkpoint``: a TP-sharded parameter is
+written as a ``DTensor`` over the TP mesh (each rank writes its block), a fused
+parameter (several sections) is gathered over TP and written whole, replicated
+parameters are plain tensors. Optimizer states shaped like their parameter follow
+the parameter's spec; other states (AdamW's 0-d ``step``) are plain tensors.
+
+Not done here: reading or writing files (``manager.py``), verification (``integrity.py``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from merak_core.trainer import Trainer
+
+
+class _Spec:
+    """How one local parameter relates to its full logical tensor (see [Note: checkpoint keys])."""
+
+    def __init__(self, param: torch.Tensor, tp: int, tp_rank: int) -> None:
+        dim = getattr(param, "_merak_tp_dim", None) if tp > 1 else None
+        self.transposed = bool(getattr(param, "_merak_tp_transposed", False)) and param.ndim == 2
+        self.sections = int(getattr(param, "_merak_tp_sections", 1) or 1)
+        self.tp, self.tp_rank = tp, tp_rank
+        local_shape = list(param.shape)
+        if dim is not None:
+            local_shape[dim] *= tp
+        if self.transposed:
+            local_shape.reverse()
+            dim = None if dim is None else 1 - dim
+        self.dim: int | None = dim  # the sharded dim in the checkpoint's orientation
+        self.full_shape = tuple(local_shape)
+
+    @classmethod
+    def plain(cls, tensor: torch.Tensor) -> _Spec:
+        """The spec of a tensor stored as it is (no TP sharding, no transpose)."""
+        return cls(tensor.detach().new_empty(tensor.shape, device="meta"), 1, 0)
+
+    @property
+    def whole(self) -> bool:
+        """Saved and loaded as one full tensor (replicated, or fused sections gathered over TP)."""
+        return self.dim is None or self.sections > 1
+
+    def oriented(self, local: torch.Tensor) -> torch.Tensor:
+        return local.t() if self.transposed else local
+
+    def slice_full(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of the full tensor, in the parameter's own orientation (a view where possible)."""
+        if self.dim is not None:
+            parts = full.chunk(self.sections, dim=self.dim) if self.sections > 1 else (full,)
+            blocks = [part.chunk(self.tp, dim=self.dim)[self.tp_rank] for part in parts]
+            full = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=self.dim)
+        return full.t() if self.transposed else full
+
+
+def _specs(trainer: Trainer) -> dict[str, tuple[nn.Parameter, _Spec]]:
+    layout = trainer.layout
+    out: dict[str, tuple[nn.Parameter, _Spec]] = {}
+    for name, p in trainer.model.named_parameters():
+        out.setdefault(name, (p, _Spec(p, layout.tp, layout.tp_rank)))
+    return out
+
+
+def _to_checkpoint(trainer: Trainer, tensor: torch.Tensor, spec: _Spec, like: nn.Parameter) -> torch.Tensor | None:
+    """What this rank writes for ``tensor`` (a parameter or a state shaped like it); collective over TP."""
+    layout = trainer.layout
+    if spec.dim is None:
+        return spec.oriented(tensor.detach())
+    if spec.sections > 1:
+        import merak_tp
+
+        full = merak_tp.gather_tensor(tensor.detach(), like=like, group=layout.tp_group)
+        return spec.oriented(full) if layout.tp_rank == 0 else None
+    from torch.distributed.tensor import DTensor, Shard
+
+    local = spec.oriented(tensor.detach())
+    return DTensor.from_local(local, layout.mesh["tp"], [Shard(spec.dim)], run_check=False,
+                              shape=torch.Size(spec.full_shape), stride=_contiguous_stride(spec.full_shape))
+
+
+def _load_target(trainer: Trainer, spec: _Spec, local: torch.Tensor, dtype: torch.dtype) -> tuple[Any, torch.Tensor]:
+    """(object DCP loads into, tensor that receives the full data) for a local tensor shaped like a param."""
+    if spec.whole:
+        full = torch.empty(spec.full_shape, dtype=dtype, device=local.device)
+        return full, full
+    from torch.distributed.tensor import DTensor, Shard
+
+    buf = torch.empty(spec.oriented(local).shape, dtype=dtype, device=local.device)
+    dt = DTensor.from_local(buf, trainer.layout.mesh["tp"], [Shard(spec.dim or 0)], run_check=False,
+                            shape=torch.Size(spec.full_shape), stride=_contiguous_stride(spec.full_shape))
+    return dt, buf
+
+
+def _from_loaded(spec: _Spec, loaded: torch.Tensor) -> torch.Tensor:
+    """The local shard (parameter orientation) from what ``_load_target`` received."""
+    if spec.whole:
+        return spec.slice_full(loaded)
+    return spec.oriented(loaded)
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= max(1, size)
+    return tuple(reversed(stride))
