@@ -50,6 +50,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    help="seconds a collective or pipeline transfer waits for a peer before the step fails "
                         "(sets training.comm_timeout_s; default: the job's, 600)")
     p.add_argument("--dry-run", action="store_true", help="print the torchrun command and exit")
+    _add_cluster_flags(p, plan=False)
 
 
 def torchrun_command(args: argparse.Namespace, world_size: int | None) -> list[str]:
@@ -100,6 +101,8 @@ def _train(args: argparse.Namespace) -> int:
     if args.timeout is not None:  # one more override, so the ranks read the same value from the job
         args.overrides = [*args.overrides, f"training.comm_timeout_s={args.timeout!r}"]
     job = JobConfig.from_yaml(args.config, args.overrides)  # validates before any process starts
+    if args.dry_run_ranks is not None:
+        return _cluster_command(args, job)
     t = job.training
     if t.layout == "auto" and args.nproc_per_node is None:
         raise ValueError("training.layout is 'auto', so the job does not say how many ranks to start: pass "
@@ -154,7 +157,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("config", help="YAML job file")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides of the job file")
-    p.add_argument("--world-size", type=int, required=True, help="number of ranks (devices)")
+    p.add_argument("--world-size", type=int, default=None, help="number of ranks (devices); required unless --cluster")
     p.add_argument("--memory-per-device", default=None,
                    help="memory of one device, bytes or e.g. 8GiB (default: the job's training.memory_per_device)")
     p.add_argument("--global-batch-size", type=int, default=None,
@@ -167,6 +170,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
                    help="ranks that can compute at once when the ranks share a host's cores (CPU processes: the "
                         "cores, or fewer for small models; `layout: auto` measures it); default: a device per rank")
     p.add_argument("--write-config", default=None, metavar="OUT.yaml", help="write the job with the best configuration")
+    _add_cluster_flags(p, plan=True)
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -178,13 +182,16 @@ def _plan(args: argparse.Namespace) -> int:
     from merak_core.planner import format_plan, plan, profile_model
 
     job = JobConfig.from_yaml(args.config, args.overrides)
+    if args.cluster is not None or args.dry_run_ranks is not None:
+        return _cluster_command(args, job)
     t = job.training
     if args.memory_per_device is None and t.memory_per_device is None:
         raise ValueError("--memory-per-device is not given and the job sets no training.memory_per_device: "
                          "pass e.g. --memory-per-device 8GiB")
     memory = parse_bytes(args.memory_per_device if args.memory_per_device is not None else int(t.memory_per_device or 0))
-    if args.world_size < 1:
-        raise ValueError(f"--world-size={args.world_size}: expected >= 1")
+    if args.world_size is None or args.world_size < 1:
+        raise ValueError(f"--world-size={args.world_size}: expected a number of ranks >= 1 (or plan for a cluster "
+                         "with --cluster FILE --nodes N)")
     gbs = args.global_batch_size
     if gbs is None:
         dp = t.dp if t.dp is not None else max(args.world_size // (t.tp * t.pp), 1)
@@ -201,6 +208,57 @@ def _plan(args: argparse.Namespace) -> int:
     print(format_plan(cands, top=args.top))
     if args.write_config:
         write_job(args.config, args.write_config, cands[0].training_fields(), overrides=args.overrides)
+        print(f"wrote {args.write_config}")
+    return 0
+
+
+def _add_cluster_flags(p: argparse.ArgumentParser, *, plan: bool) -> None:
+    """Planning for a described cluster and dry runs at N ranks (merak_core.planner.cluster_job)."""
+    p.add_argument("--cluster", default=None, metavar="FILE|NAME",
+                   help="a cluster description (YAML) or a shipped one (a100-80gb-8x, h100-sxm-8x, h200-8x): price "
+                        "the meta-traced model on it instead of profiling here" + ("" if plan else " (dry run)"))
+    p.add_argument("--dry-run-ranks", type=int, default=None, metavar="N",
+                   help="build, in this process, what each of N ranks would build (groups, stages, schedule, "
+                        "recomputation, tied-parameter groups, memory against the cluster's device); dp = N/(tp*pp)")
+    if plan:
+        p.add_argument("--nodes", type=int, default=None, help="nodes of the --cluster to plan for")
+        p.add_argument("--dry-run", action="store_true",
+                       help="with --cluster and --nodes: dry-run the job's layout on every rank of those nodes")
+
+
+def _cluster_command(args: argparse.Namespace, job: Any) -> int:
+    """``--cluster FILE --nodes N`` (ranked plan) and ``--dry-run-ranks N`` / ``--dry-run`` (dry run)."""
+    from merak_core.planner.cluster import load_cluster
+    from merak_core.planner.cluster_job import dry_run_job, job_model, plan_job_on_cluster
+
+    cluster = load_cluster(args.cluster if args.cluster is not None else "h100-sxm-8x")
+    nodes = getattr(args, "nodes", None)
+    ranks = args.dry_run_ranks
+    if ranks is None and getattr(args, "dry_run", False):
+        if nodes is None:
+            raise ValueError("merak plan --dry-run needs --cluster FILE --nodes N (or --dry-run-ranks N)")
+        ranks = nodes * cluster.devices_per_node
+    if ranks is None and nodes is None:
+        raise ValueError("--cluster needs --nodes N (how many nodes to plan for) or --dry-run-ranks N")
+    for name, v in (("--nodes", nodes), ("--dry-run-ranks", ranks)):
+        if v is not None and v < 1:
+            raise ValueError(f"{name}={v}: expected >= 1")
+    jm = job_model(job)
+    if args.cluster is None:
+        print(f"cluster: {cluster.name} (the default; pass --cluster FILE for another)")
+    if ranks is not None:
+        report = dry_run_job(jm, cluster, world_size=ranks, training=job.training)
+        print(report.summary())
+        return 0 if report.ok else 1
+    t = job.training
+    gbs = args.global_batch_size or t.per_device_train_batch_size * t.gradient_accumulation_steps * max(
+        nodes * cluster.devices_per_node // (t.tp * t.pp), 1)
+    text, best = plan_job_on_cluster(jm, cluster, num_nodes=nodes, global_batch_size=gbs, top=args.top)
+    print(text)
+    if args.write_config:
+        from merak_core.job import write_job
+
+        write_job(args.config, args.write_config, best.training_fields(), overrides=args.overrides)
         print(f"wrote {args.write_config}")
     return 0
 
