@@ -8,6 +8,7 @@ and vocabulary are read from the model (the attributes the profiler reads) to co
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -55,6 +56,11 @@ def job_model(job: Any) -> JobModel:
     train, _ = job.build_datasets()
     inputs = _to_meta(profile_inputs(model, train, 1, job.optional("collate")))
     vocab = next((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    plan = job.training.tp_plan
+    if isinstance(plan, dict):  # a user TP plan that shards no embedding puts no constraint on the vocabulary
+        embeddings = [name for name, m in model.named_modules() if isinstance(m, nn.Embedding)]
+        if not any(fnmatch.fnmatch(name, pattern) for name in embeddings for pattern in plan):
+            vocab = None
     first = next(iter(model.parameters()), None)
     dtype = "fp32" if first is None or first.dtype == torch.float32 else "bf16"
     return JobModel(model=model, example_inputs=inputs if isinstance(inputs, Mapping) else (inputs,),

@@ -26,7 +26,7 @@ from torch import nn
 
 from merak_core.planner.cluster import ClusterSpec
 from merak_core.planner.cluster_cost import model_costs, trace_for_cluster
-from merak_core.planner.cluster_search import ClusterCandidate, predict_config
+from merak_core.planner.cluster_search import ClusterCandidate, _bytes, predict_config
 
 __all__ = ["DryRunProblem", "DryRunReport", "RankPlan", "dry_run"]
 
@@ -90,24 +90,25 @@ class DryRunReport:
     def ok(self) -> bool:
         return self.first_failure is None
 
-    def summary(self, show_ranks: int = 4) -> str:
+    def summary(self, show_ranks: int = 8) -> str:
         lines = [f"dry run: {self.world_size} ranks on {self.cluster}"
                  + (f", dp={self.degrees[0]} tp={self.degrees[1]} pp={self.degrees[2]}" if self.degrees else "")]
         if self.ranks:
             lines.append(f"  built {len(self.ranks)} ranks' groups ({self.groups_backend}), partition, schedules and "
                          "memory")
-            picks = sorted({*range(min(show_ranks, len(self.ranks))), len(self.ranks) - 1})
+            firsts = {p.stage: p.rank for p in reversed(self.ranks)}  # the first rank of each stage
+            picks = sorted({*sorted(firsts.values())[:show_ranks], len(self.ranks) - 1})
             for r in picks:
                 p = self.ranks[r]
                 sched = p.schedule if len(p.schedule) <= 60 else p.schedule[:57] + "..."
                 lines.append(f"  rank {p.rank:>5} node {p.node:>4} stage {p.stage:>3} dp_rank {p.dp_rank:>4} tp_rank "
-                             f"{p.tp_rank:>2} recompute {p.recompute_fraction:.2f} memory {p.memory_bytes / 1e9:.1f} GB"
+                             f"{p.tp_rank:>2} recompute {p.recompute_fraction:.2f} memory {_bytes(p.memory_bytes)}"
                              f"  [{sched}]")
         if self.prediction is not None:
             c = self.prediction
-            lines.append(f"  predicted step {c.step_time_s:.4f} s (pipeline {c.pipeline_s:.4f} s, DP {c.dp_allreduce_s:.4f}"
-                         f" s); memory per stage GB: {','.join(f'{b / 1e9:.1f}' for b in c.stage_memory_bytes)} of "
-                         f"{c.memory_limit_bytes / 1e9:.1f} usable")
+            lines.append(f"  predicted step {c.step_time_s * 1e3:.3f} ms (pipeline {c.pipeline_s * 1e3:.3f} ms, DP "
+                         f"{c.dp_allreduce_s * 1e3:.3f} ms); memory per stage: "
+                         f"{','.join(_bytes(b) for b in c.stage_memory_bytes)} of {_bytes(c.memory_limit_bytes)} usable")
         for p in self.problems:
             lines.append(f"  {p}")
         first = self.first_failure
