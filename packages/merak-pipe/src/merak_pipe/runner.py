@@ -223,8 +223,9 @@ class PipelineRunner:
 
     @property
     def last_step_s(self) -> float:
-        """Seconds of the last ``step``/``evaluate`` call from start to the end of its last action
-        (on CUDA between CUDA events, waiting for the device when read; 0.0 before the first)."""
+        """Seconds of the last ``step``/``evaluate`` call, from the start of its first action to the
+        end of its last one (a step: of the shared-parameter all-reduce); on CUDA between CUDA
+        events, waiting for the device when read; 0.0 before the first call."""
         if self._step_marks is None:
             return 0.0
         start, end = self._step_marks
@@ -234,6 +235,8 @@ class PipelineRunner:
         """One training step: forward and backward of every microbatch; returns the loss on the last stage."""
         self._run_round(inputs, labels, training=True)
         self._sync_shared_parameters()
+        if self._step_marks is not None:
+            self._step_marks = (self._step_marks[0], self._clock.mark())
         return self._round_loss()
 
     def evaluate(self, inputs: Any = None, labels: Any = None, *, return_outputs: bool = False) -> Any:
@@ -280,7 +283,7 @@ class PipelineRunner:
                 f"pipeline rank {self.rank} holds the last stage ({self.schedule.num_stages - 1}): "
                 "pass labels= to step()"
             )
-        self._clock.start_round()
+        self._clock.start_round(anchor=self.record_timing)
         start = self._clock.mark()
         try:
             for step in self._plans[training]:

@@ -53,11 +53,14 @@ class RoundClock:
         self._host0 = 0.0
         self._event0: Any = None
 
-    def start_round(self) -> None:
-        """Anchor this round's device clock to the host clock (one synchronize on CUDA)."""
+    def start_round(self, *, anchor: bool) -> None:
+        """Start this round's device clock; with ``anchor`` align it to the host clock (one
+        synchronize on CUDA, so that several ranks' timings line up), else only differences of
+        its seconds are meaningful."""
         if self.cuda:
-            torch.cuda.synchronize(self.device)
-            self._host0 = time.perf_counter()
+            if anchor:
+                torch.cuda.synchronize(self.device)
+                self._host0 = time.perf_counter()
             self._event0 = torch.cuda.Event(enable_timing=True)
             self._event0.record()
 
