@@ -172,8 +172,19 @@ def _compare_losses(what: str, got: list[float], want: list[float], rtol: float)
     return worst
 
 
-BF16_LOSS_RTOL = 0.05
-"""Relative loss difference allowed between bf16 autocast and float32 over the checked steps."""
+BF16_STEP_RTOL = 0.01
+"""Any step's loss, bf16 autocast against float32: 1 % (about 2.5 bf16 unit round-offs); the mean over
+the steps 0.25 % and the first step one unit round-off, 2**-8 (see [Note: bf16 tolerance] in
+tests/e2e/test_bf16.py)."""
+
+
+def _compare_bf16(what: str, got: list[float], want: list[float]) -> float:
+    worst = _compare_losses(what, got, want, BF16_STEP_RTOL)
+    rel = [abs(a - b) / abs(b) for a, b in zip(got, want, strict=True)]
+    assert rel[0] <= 2**-8, f"{what}: first step differs by {rel[0]:.3g} (> 2**-8): {got[0]} vs {want[0]}"
+    assert statistics.mean(rel) <= 0.0025, f"{what}: mean relative difference {statistics.mean(rel):.3g} > 0.25 %"
+    assert got != want, f"{what}: bf16 and float32 losses are bit-identical: autocast did not run"
+    return worst
 
 
 def trainer_bf16(device: str, size: str) -> dict[str, Any]:
@@ -185,8 +196,8 @@ def trainer_bf16(device: str, size: str) -> dict[str, Any]:
     _, bf16 = _train(model, train, device, bf16=True, max_steps=steps, per_device_train_batch_size=16,
                      learning_rate=3e-3)
     _, fp32 = _train(ref_model, train, "cpu", max_steps=steps, per_device_train_batch_size=16, learning_rate=3e-3)
-    out["demo_loss_rel_diff"] = _compare_losses("demo model bf16 vs CPU float32", [h["loss"] for h in bf16],
-                                                [h["loss"] for h in fp32], BF16_LOSS_RTOL)
+    out["demo_loss_rel_diff"] = _compare_bf16("demo model bf16 vs CPU float32", [h["loss"] for h in bf16],
+                                              [h["loss"] for h in fp32])
     out["demo_loss_first_last"] = (bf16[0]["loss"], bf16[-1]["loss"])
     assert bf16[-1]["loss"] < bf16[0]["loss"], f"the demo model did not learn in {steps} bf16 steps: {bf16}"
     # Llama: the loss comparison on a small batch (the CPU float32 run must stay short) ...
@@ -196,8 +207,8 @@ def trainer_bf16(device: str, size: str) -> dict[str, Any]:
     ref = copy.deepcopy(llama)
     _, bf16 = _train(llama, data, device, bf16=True, max_steps=steps, learning_rate=3e-4)
     _, fp32 = _train(ref, data, "cpu", max_steps=steps, learning_rate=3e-4)
-    out["llama_loss_rel_diff"] = _compare_losses("Llama bf16 vs CPU float32", [h["loss"] for h in bf16],
-                                                 [h["loss"] for h in fp32], BF16_LOSS_RTOL)
+    out["llama_loss_rel_diff"] = _compare_bf16("Llama bf16 vs CPU float32", [h["loss"] for h in bf16],
+                                               [h["loss"] for h in fp32])
     del llama, ref
     out.update(llama_throughput(device, size))
     return out
@@ -474,7 +485,7 @@ def multi_tp_overlap(device: str, size: str) -> dict[str, Any]:
                 times[chunks] = _time_fwd_bwd(model, x, 10 if size == "full" else 2)
             del model
         for chunks in (2, 4):
-            tol = (2e-2, 2e-2) if size == "full" else (1e-5, 1e-6)
+            tol = (5e-2, 5e-2) if size == "full" else (1e-5, 1e-6)
             _close(f"tp={tp} chunks={chunks} output", outputs[chunks], outputs[1], *tol)
         slowest = torch.tensor([times[c] for c in (1, 2, 4)], dtype=torch.float64, device=dev)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
@@ -516,7 +527,9 @@ def multi_3d(device: str, size: str) -> dict[str, Any]:
         from tests.e2e._trainer_support import reference_steps
 
         want = reference_steps(ref_model, train, args, world // 4, microbatch_loss)
-        out["worst_rel_diff"] = _compare_losses("2x2x2 demo vs single device", losses, want, 1e-4)
+        # float32 over 20 steps: summation orders differ (TP, DP, microbatches) and Adam amplifies them a little.
+        out["worst_rel_diff"] = _compare_losses("2x2x2 demo vs single device", losses, want,
+                                                2e-3 if size == "full" else 1e-4)
     return out
 
 

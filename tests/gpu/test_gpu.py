@@ -44,7 +44,7 @@ def _run(command: list[str], timeout_s: float, capsys: pytest.CaptureFixture[str
 
 @pytest.mark.parametrize("name", sorted(checks.SINGLE_CHECKS))
 def test_single_gpu(name: str, capsys: pytest.CaptureFixture[str]) -> None:
-    result = _run([sys.executable, "-m", "tests.gpu.main", name, "--device", "cuda"], 300, capsys)
+    result = _run([sys.executable, "-m", "tests.gpu.main", name, "--device", "cuda"], 480, capsys)
     if name == "trainer_bf16":
         assert result["llama_tokens_per_s"] > 0
         assert result["llama_params"] > 2e8

@@ -90,8 +90,13 @@ def _all_forward_params(model: nn.Module, keys: list[str]) -> bool:
 
 
 def apply_tensor_parallel(model: nn.Module, layout: ParallelLayout, *, plan: Any = None,
-                          overlap_chunks: int = 1) -> nn.Module:
-    """Shard ``model`` over ``layout.tp_group`` (no-op when ``tp == 1``)."""
+                          overlap_chunks: int = 1, rng_tracker: Any = None) -> nn.Module:
+    """Shard ``model`` over ``layout.tp_group`` (no-op when ``tp == 1``).
+
+    ``plan``: None/"auto", a registered plan name, a ``TPPlan`` or a job-file mapping
+    (``merak_tp.plan_from_mapping``). ``rng_tracker``: the TP random stream for the plan's
+    regions of sharded dropout (``merak_tp.parallelize``).
+    """
     if layout.tp == 1:
         return model
     import merak_tp
@@ -99,8 +104,9 @@ def apply_tensor_parallel(model: nn.Module, layout: ParallelLayout, *, plan: Any
     if plan in (None, "auto"):
         plan = None
     elif isinstance(plan, Mapping):
-        plan = merak_tp.TPPlan(name="user", layers=dict(plan))
-    return merak_tp.parallelize(model, plan, group=layout.tp_group, overlap_chunks=overlap_chunks)
+        plan = merak_tp.plan_from_mapping(plan)
+    return merak_tp.parallelize(model, plan, group=layout.tp_group, overlap_chunks=overlap_chunks,
+                                rng_tracker=rng_tracker)
 
 
 def build_parallel_model(
@@ -114,6 +120,7 @@ def build_parallel_model(
     init_fn: Callable[[nn.Module], Any] | None = None,
     partition_method: str = "cost",
     split_points: Sequence[str] | None = None,
+    rng_tracker: Any = None,
 ) -> ParallelModel:
     """Apply TP, partition into ``layout.pp`` stages and keep this rank's stage.
 
@@ -130,7 +137,7 @@ def build_parallel_model(
         example_inputs = tuple(example_inputs[k] for k in keys or ())
     elif isinstance(example_inputs, torch.Tensor):  # one input (e.g. an (inputs, labels) dataset), not a sequence
         example_inputs = (example_inputs,)
-    model = apply_tensor_parallel(model, layout, plan=tp_plan, overlap_chunks=overlap_chunks)
+    model = apply_tensor_parallel(model, layout, plan=tp_plan, overlap_chunks=overlap_chunks, rng_tracker=rng_tracker)
     if layout.pp == 1:
         from merak_graph import is_meta_module, materialize
 
