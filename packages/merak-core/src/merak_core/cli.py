@@ -19,11 +19,11 @@ import argparse
 import logging
 import os
 import shlex
-import subprocess
 import sys
 from typing import Any
 
 from merak_core import __version__
+from merak_core.exitcodes import BAD_INPUT
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
@@ -49,7 +49,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                    help="seconds a collective or pipeline transfer waits for a peer before the step fails "
                         "(sets training.comm_timeout_s; default: the job's, 600)")
-    p.add_argument("--dry-run", action="store_true", help="print the torchrun command and exit")
+    p.add_argument("--dry-run", action="store_true", help="check the job, print the torchrun command and exit")
+    p.add_argument("--no-check", action="store_true",
+                   help="skip the checks before launch (building the model on the meta device, a first batch)")
     _add_cluster_flags(p, plan=False)
 
 
@@ -112,6 +114,11 @@ def _train(args: argparse.Namespace) -> int:
         from merak_core.layout import resolve_degrees
 
         resolve_degrees(args.nproc_per_node * args.nnodes, None, t.tp, t.pp)
+    if not args.no_check:
+        from merak_core.preflight import preflight
+
+        report = preflight(job)  # once, here: a mistake is reported once, not by every rank after launch
+        logging.getLogger("merak").info("job checked: %s", report)
     if args.dry_run:
         if t.layout == "auto":
             print(_auto_dry_run(args, t))
@@ -119,8 +126,41 @@ def _train(args: argparse.Namespace) -> int:
         return 0
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
-    logging.getLogger("merak").info("launching: %s", shlex.join(cmd))
-    return subprocess.call(cmd, env=env)
+    with _output_dir_lock(args, t.output_dir) as lock:
+        logging.getLogger("merak").info("launching: %s", shlex.join(cmd))
+        return _supervise(args, cmd, env, lock)
+
+
+def _output_dir_lock(args: argparse.Namespace, output_dir: str) -> Any:
+    """The lock of ``output_dir`` (see [Note: output_dir lock]); on a multi-node job only node 0 takes it."""
+    import contextlib
+
+    from merak_core.outdir_lock import OutputDirLock, OutputDirLocked
+
+    if args.nnodes > 1 and args.node_rank not in (0, None):
+        return contextlib.nullcontext(None)
+    try:
+        return OutputDirLock.acquire(output_dir, command=shlex.join(["merak", "train", args.config, *args.overrides]))
+    except OutputDirLocked as exc:
+        raise ValueError(str(exc)) from None
+
+
+def _supervise(args: argparse.Namespace, cmd: list[str], env: dict[str, str], lock: Any) -> int:
+    """Run torchrun with signals forwarded (see [Note: signal forwarding]); the resume hint when stopped."""
+    from merak_core.supervise import run_torchrun
+
+    outcome = run_torchrun(cmd, env=env, pass_fds=(lock.fd,) if lock is not None else (),
+                           on_start=(lambda pid: lock.note(torchrun_pid=pid)) if lock is not None else None)
+    if outcome.preempted:
+        hidden = f" ({outcome.hidden_lines} lines of shutdown output hidden)" if outcome.hidden_lines else ""
+        resume = shlex.join(["merak", "train", args.config, *_resume_overrides(args.overrides), "--resume", "latest"])
+        print(f"merak train: the job was stopped by a signal{hidden}. Resume it from its last checkpoint with:\n"
+              f"  {resume}", file=sys.stderr, flush=True)
+    return outcome.exit_status
+
+
+def _resume_overrides(overrides: list[str]) -> list[str]:
+    return [o for o in overrides if not o.startswith("training.comm_timeout_s=")] if overrides else []
 
 
 def _auto_dry_run(args: argparse.Namespace, t: Any) -> str:
@@ -250,6 +290,7 @@ def _cluster_command(args: argparse.Namespace, job: Any) -> int:
         report = dry_run_job(jm, cluster, world_size=ranks, training=job.training)
         print(report.summary())
         return 0 if report.ok else 1
+    assert nodes is not None  # checked above
     t = job.training
     gbs = args.global_batch_size or t.per_device_train_batch_size * t.gradient_accumulation_steps * max(
         nodes * cluster.devices_per_node // (t.tp * t.pp), 1)
@@ -285,7 +326,10 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args)
         except ValueError as exc:  # a bad job file or override: one clear line, no traceback
             print(f"merak train: error: {exc}", file=sys.stderr)
-            return 2
+            return BAD_INPUT
+        except KeyboardInterrupt:  # Ctrl-C before torchrun started (while checking the job)
+            print("merak train: interrupted before the job started", file=sys.stderr)
+            return 130
     if args.command == "plan":
         try:
             return _plan(args)

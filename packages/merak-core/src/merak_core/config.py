@@ -382,9 +382,8 @@ class TrainingArguments:
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: Iterable[str] = ()) -> TrainingArguments:
         """Load a YAML mapping of field names, then apply ``key=value`` overrides (later wins)."""
-        yaml = _yaml()
         text = Path(path).read_text()
-        loaded = yaml.safe_load(text)
+        loaded = load_yaml(text, str(path))
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, Mapping):
@@ -451,6 +450,42 @@ def _yaml() -> Any:
     except ImportError as err:  # pragma: no cover - pyyaml is a dependency of merak-core
         raise ImportError("reading/writing YAML configs needs PyYAML: pip install pyyaml") from err
     return yaml
+
+
+def load_yaml(text: str, source: str) -> Any:
+    """Parse a YAML job or config file; a duplicate key or a syntax error is a ``ValueError`` naming the line.
+
+    YAML itself keeps the last of two equal keys of a mapping without a word, so a
+    ``learning_rate`` given twice would silently lose one value; here it is an error.
+    """
+    yaml = _yaml()
+
+    class StrictLoader(yaml.SafeLoader):  # type: ignore[misc, name-defined]
+        pass
+
+    def construct_mapping(loader: Any, node: Any, deep: bool = False) -> Any:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = loader.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                first = seen.get(key)
+            except TypeError:  # an unhashable key: the normal constructor reports it
+                continue
+            seen.setdefault(key, line)
+            if first is not None:
+                raise ValueError(f"{source}: line {line}: key {key!r} appears twice in one mapping (first at line "
+                                 f"{first}); YAML would keep only the last value, so remove one of them")
+        return loader.construct_mapping(node, deep=deep)
+
+    StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, construct_mapping)
+    try:
+        return yaml.load(text, Loader=StrictLoader)
+    except yaml.YAMLError as exc:
+        text = " ".join(str(exc).replace('in "<unicode string>", ', "").split())
+        raise ValueError(f"{source}: not valid YAML: {text}") from None
 
 
 def _canonical_key(key: str, source: str) -> str:
@@ -594,5 +629,5 @@ def build_lr_scheduler(
 
 __all__ = [
     "DTYPES", "KEY_ALIASES", "LAYOUTS", "LR_SCHEDULER_TYPES", "SCHEDULES", "TrainingArguments", "build_lr_scheduler",
-    "auto_conflict_message", "lr_lambda", "parse_bytes", "parse_overrides", "parse_recompute",
+    "auto_conflict_message", "load_yaml", "lr_lambda", "parse_bytes", "parse_overrides", "parse_recompute",
 ]

@@ -34,7 +34,7 @@ from typing import Any
 
 import yaml
 
-from merak_core.config import TrainingArguments
+from merak_core.config import TrainingArguments, load_yaml
 
 SECTIONS = ("model", "data", "loss", "metrics", "collate", "training")
 FACTORY_KEYS = ("factory", "kwargs")
@@ -102,7 +102,7 @@ class JobConfig:
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"job file {str(path)!r} does not exist")
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = load_yaml(path.read_text(), str(path)) or {}
         if not isinstance(raw, dict):
             raise ValueError(f"job file {str(path)!r} must hold a mapping with sections {SECTIONS}")
         for item in overrides:
@@ -118,7 +118,17 @@ class JobConfig:
             if required not in raw:
                 raise ValueError(f"{source}: the '{required}' section is missing (it needs a 'factory')")
         factories = {name: _factory(raw[name], name, source) for name in ("model", "data")}
-        training = TrainingArguments.from_dict(raw.get("training") or {}, source=f"{source}: training")
+        section = raw.get("training")
+        if section is not None and not isinstance(section, dict):
+            raise ValueError(f"{source}: the 'training' section must be a mapping of TrainingArguments keys, got "
+                             f"{type(section).__name__} {section!r}; write 'training:' and below it indented "
+                             "'key: value' lines (e.g. '  max_steps: 100')")
+        for name in ("loss", "metrics", "collate"):
+            value = raw.get(name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"{source}: '{name}' must be 'file.py:function' or 'package.module:function', got "
+                                 f"{type(value).__name__} {value!r}")
+        training = TrainingArguments.from_dict(section or {}, source=f"{source}: training")
         job = cls(model=factories["model"], data=factories["data"], training=training,
                   loss=raw.get("loss"), metrics=raw.get("metrics"), collate=raw.get("collate"), base_dir=base_dir)
         job.model.load(base_dir, "model.factory")  # fail now on a bad spec, not on 8 ranks later
@@ -156,7 +166,7 @@ def write_job(source: str | Path | None, out: str | Path, training: dict[str, An
     raw: dict[str, Any] = {}
     src_dir = Path(".").resolve()
     if source is not None:
-        raw = yaml.safe_load(Path(source).read_text()) or {}
+        raw = load_yaml(Path(source).read_text(), str(source)) or {}
         for item in overrides:
             _apply_override(raw, item)
         src_dir = Path(source).resolve().parent
@@ -209,7 +219,7 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
     if parts[0] not in SECTIONS:
         raise ValueError(f"override {item!r}: unknown section {parts[0]!r}{_suggest(parts[0], SECTIONS)}; "
                          f"valid: {SECTIONS}")
-    value = yaml.safe_load(text) if text.strip() else None
+    value = load_yaml(text, f"override {item!r}") if text.strip() else None
     node = raw
     for part in parts[:-1]:
         nxt = node.get(part)

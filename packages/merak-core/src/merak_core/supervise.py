@@ -1,0 +1,165 @@
+"""Run torchrun for ``merak train``: forward signals to it, wait for it, never leave ranks behind.
+
+[Note: signal forwarding] torchrun starts in a session of its own (``start_new_session``), so
+a Ctrl-C in the terminal reaches only ``merak train``, which forwards it (SIGINT, SIGTERM or
+SIGHUP, as received) to torchrun's process group with ``os.killpg``. torchrun passes it to its
+workers (each in a session of its own as well), waits for them and kills those that outlive
+its shutdown timeout; ``merak train`` waits for torchrun in turn, so when it returns no rank of
+the job is left. A second signal is forwarded again. While stopping, the ranks' and torchrun's
+shutdown tracebacks are held back: the user sees the ranks' own log lines (the one that says
+how to resume among them), a count of what was hidden, and the command to resume.
+
+Exit status: torchrun's, except :data:`merak_core.exitcodes.PREEMPTED` when the job was
+stopped by a signal (sent to ``merak train``, to torchrun or to the ranks, which then exit with
+that code) before it finished.
+
+Not done here: a SIGKILL of ``merak train`` itself cannot be forwarded; torchrun, in its own
+session, then runs on (and keeps the output_dir lock, see [Note: output_dir lock]).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+from types import FrameType
+from typing import IO, Any
+
+from merak_core.exitcodes import PREEMPTED
+
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""Signals ``merak train`` passes on to torchrun."""
+
+_EXITCODE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
+_AGENT_SIGNAL = re.compile(r"got signal: (\d+)|Received (\d+) death signal|Received Signals\.(\w+) death signal")
+_RANK_LINE = re.compile(r"^\[rank \d+\] ")
+
+__all__ = ["FORWARDED", "JobOutcome", "run_torchrun"]
+
+
+class _ShutdownFilter:
+    """Decides which stderr lines to show once the job is stopping (see [Note: signal forwarding]).
+
+    Shown: the ranks' log lines (``[rank N] ...``) outside tracebacks. Hidden: tracebacks
+    (from ``Traceback`` to the exception line) and torchrun's own shutdown report.
+    """
+
+    def __init__(self) -> None:
+        self.in_traceback = False
+        self.hidden = 0
+
+    def keep(self, line: str) -> bool:
+        text = line.rstrip("\n")
+        if text.startswith("Traceback (most recent call last)"):
+            self.in_traceback = True
+        elif self.in_traceback and not (text[:1].isspace() or text == "" or text.startswith(("During handling",
+                                                                                               "The above exception"))):
+            self.in_traceback = False  # the exception line closes the traceback
+            self.hidden += 1
+            return False
+        if self.in_traceback or not _RANK_LINE.match(text):
+            self.hidden += 1
+            return False
+        return True
+
+
+class JobOutcome:
+    """What :func:`run_torchrun` saw: torchrun's status, the signal that stopped the job, worker exit codes."""
+
+    def __init__(self) -> None:
+        self.returncode: int | None = None
+        self.signal: int | None = None
+        """The first signal ``merak train`` received and forwarded, or None."""
+        self.agent_signal: str | None = None
+        """A signal torchrun reported receiving itself (sent to torchrun directly), or None."""
+        self.worker_exitcodes: list[int] = []
+        self.hidden_lines = 0
+
+    @property
+    def preempted(self) -> bool:
+        """The job was stopped by a signal before it finished."""
+        if self.returncode == 0:
+            return False
+        if self.signal is not None or self.agent_signal is not None:
+            return True
+        return bool(self.worker_exitcodes) and all(c == PREEMPTED for c in self.worker_exitcodes)
+
+    @property
+    def exit_status(self) -> int:
+        if self.preempted:
+            return PREEMPTED
+        assert self.returncode is not None
+        return self.returncode if self.returncode >= 0 else 128 - self.returncode
+
+
+def _pump(stream: IO[str], out: IO[str], outcome: JobOutcome, stopping: threading.Event) -> None:
+    filt = _ShutdownFilter()
+    for line in stream:
+        found = _EXITCODE.match(line)
+        if found:
+            outcome.worker_exitcodes.append(int(found.group(1)))
+        sig = _AGENT_SIGNAL.search(line)
+        if sig and outcome.signal is None:
+            outcome.agent_signal = next(g for g in sig.groups() if g)
+        if stopping.is_set() or outcome.agent_signal is not None:
+            if not filt.keep(line):
+                continue
+        out.write(line)
+        out.flush()
+    outcome.hidden_lines = filt.hidden
+
+
+def run_torchrun(cmd: Sequence[str], *, env: dict[str, str] | None = None, pass_fds: Sequence[int] = (),
+                 on_start: Any = None, err: IO[str] | None = None) -> JobOutcome:
+    """Run ``cmd`` (a torchrun command line) as described in [Note: signal forwarding].
+
+    ``on_start(pid)`` is called once torchrun runs; ``err`` receives torchrun's stderr
+    (default: ``sys.stderr``). Must be called from the main thread (it installs signal handlers).
+    """
+    out = err if err is not None else sys.stderr
+    outcome = JobOutcome()
+    stopping = threading.Event()
+    started: list[subprocess.Popen[str]] = []
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        if outcome.signal is None:
+            outcome.signal = signum
+            out.write(f"merak train: {signal.Signals(signum).name} received, stopping the job (a second signal "
+                      "is passed on again)\n")
+            out.flush()
+        stopping.set()
+        if started:
+            try:
+                os.killpg(started[0].pid, signum)
+            except ProcessLookupError:
+                pass
+
+    previous = {s: signal.signal(s, forward) for s in FORWARDED}  # before Popen: no signal is missed
+    try:
+        proc = subprocess.Popen(list(cmd), env=env, start_new_session=True, stderr=subprocess.PIPE, text=True,
+                                errors="replace", bufsize=1, pass_fds=tuple(pass_fds))
+    except BaseException:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        raise
+    started.append(proc)
+    if outcome.signal is not None:  # arrived while torchrun was starting
+        os.killpg(proc.pid, outcome.signal)
+    pump = threading.Thread(target=_pump, args=(proc.stderr, out, outcome, stopping), daemon=True)
+    pump.start()
+    try:
+        if on_start is not None:
+            on_start(proc.pid)
+        outcome.returncode = proc.wait()
+        pump.join()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if proc.poll() is None:  # only on an exception here: take the job down with us
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait()
+    return outcome
