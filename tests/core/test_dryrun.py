@@ -114,3 +114,14 @@ def test_dry_run_prediction_matches_the_planner(recompute):
                          recompute=recompute, stage_layers=report.prediction.stage_layers)
     assert report.prediction.step_time_s == pytest.approx(ref.step_time_s, rel=1e-12)
     assert report.prediction.stage_memory_bytes == pytest.approx(ref.stage_memory_bytes, rel=1e-12)
+
+
+def test_large_dry_runs_build_a_sample_of_ranks_through_the_fake_group_and_compute_the_rest():
+    report = _run(load_cluster("h100-sxm-8x"), 128, tp=4, pp=2, num_microbatches=2, fake_pg_ranks=16)
+    # ranks 0..7, the first and last rank of both stages (0, 63, 64, 127)
+    assert report.ok and "for 11 sampled ranks" in report.groups_backend
+    assert len(report.ranks) == 128
+    for p in report.ranks:
+        stage, d, t = coords_of(p.rank, dp=16, tp=4)
+        assert p.dp_group == tuple(rank_of(stage, x, t, dp=16, tp=4) for x in range(16))
+        assert p.pp_group == tuple(rank_of(x, d, t, dp=16, tp=4) for x in range(2))

@@ -1,11 +1,11 @@
 """Dry run at any scale: build, in one process, what every one of N ranks would build, and say
 which rank would fail first and why.
 
-:func:`dry_run` checks the layout (dp * tp * pp = N, tp dividing heads and vocabulary), then for
-every rank builds its :class:`~merak_core.layout.ParallelLayout` over torch's fake process group
-(no communication: a group records its ranks, collectives do nothing), so the real group code
-runs at 1024 ranks; it partitions the model on the meta device (merak-graph), gives each rank its
-stage, its schedule (built and validated by merak-pipe), its recomputation plan, the groups of
+:func:`dry_run` checks the layout (dp * tp * pp = N, tp dividing heads and vocabulary); ranks
+build their :class:`~merak_core.layout.ParallelLayout` over torch's fake process group (no
+communication: a group records its ranks, collectives do nothing), so the real group code runs
+at 1024 ranks (every rank up to 64 ranks, a sample beyond: see [Note: dry-run groups]); it
+partitions the model on the meta device (merak-graph) and gives each rank its stage, its schedule (built and validated by merak-pipe), its recomputation plan, the groups of
 parameters tied across stages, and its memory against the cluster's device
 (:mod:`.cluster_cost`). The report lists every problem; :attr:`DryRunReport.first_failure` is
 the lowest rank that would fail.
@@ -31,6 +31,9 @@ from merak_core.planner.cluster_search import ClusterCandidate, _bytes, predict_
 __all__ = ["DryRunProblem", "DryRunReport", "RankPlan", "dry_run"]
 
 logger = logging.getLogger(__name__)
+
+_Groups = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+"""A rank's (dp, tp, pp) group ranks."""
 
 
 @dataclass(frozen=True)
@@ -109,8 +112,8 @@ class DryRunReport:
             lines.append(f"  predicted step {c.step_time_s * 1e3:.3f} ms (pipeline {c.pipeline_s * 1e3:.3f} ms, DP "
                          f"{c.dp_allreduce_s * 1e3:.3f} ms); memory per stage: "
                          f"{','.join(_bytes(b) for b in c.stage_memory_bytes)} of {_bytes(c.memory_limit_bytes)} usable")
-        for p in self.problems:
-            lines.append(f"  {p}")
+        for prob in self.problems:
+            lines.append(f"  {prob}")
         first = self.first_failure
         lines.append(f"  FIRST FAILURE: {first}" if first is not None else "  every rank would build and fit")
         lines.append("  seconds: " + ", ".join(f"{k} {v:.2f}" for k, v in self.seconds.items()))
@@ -141,9 +144,35 @@ def _check_layout(world_size: int, dp: int | None, tp: int, pp: int, cluster: Cl
     return degrees, problems
 
 
+def _computed_groups(rank: int, dp: int, tp: int, pp: int) -> _Groups:
+    from merak_core.layout import coords_of, rank_of
+
+    p, d, t = coords_of(rank, dp=dp, tp=tp)
+    return (tuple(rank_of(p, x, t, dp=dp, tp=tp) for x in range(dp)),
+            tuple(rank_of(p, d, x, dp=dp, tp=tp) for x in range(tp)),
+            tuple(rank_of(x, d, t, dp=dp, tp=tp) for x in range(pp)))
+
+
+def _sample_ranks(world_size: int, dp: int, tp: int, pp: int, limit: int) -> list[int]:
+    """Every rank up to ``limit``; beyond, the first node, the first and last rank of every stage, the last rank."""
+    if world_size <= limit:
+        return list(range(world_size))
+    stride = dp * tp
+    picks = {*range(min(limit // 2, world_size)), world_size - 1}
+    for s in range(pp):
+        picks.update((s * stride, (s + 1) * stride - 1))
+    return sorted(picks)
+
+
 def _build_groups(world_size: int, dp: int, tp: int, pp: int,
-                  ranks: Sequence[int]) -> tuple[dict[int, tuple[tuple[int, ...], ...]], str]:
-    """Each rank's (dp, tp, pp) group ranks, as the real layout code builds them over a fake process group."""
+                  ranks: Sequence[int]) -> tuple[dict[int, _Groups], str]:
+    """The (dp, tp, pp) group ranks of ``ranks``, as the real layout code builds them over a fake process group.
+
+    [Note: dry-run groups] Every rank creates every group (``new_group`` is collective), so building
+    all N ranks costs O(N^2) group creations: 1024 ranks would take minutes. ``ranks`` may be a
+    sample; the other ranks' groups come from the layout's rank formula, which the sampled ranks
+    check against what the real code built.
+    """
     import torch.distributed as dist
 
     from merak_core import _compat
@@ -151,15 +180,8 @@ def _build_groups(world_size: int, dp: int, tp: int, pp: int,
 
     fake = _compat.fake_process_group_store()
     if fake is None or dist.is_initialized():
-        from merak_core.layout import coords_of, rank_of
-
-        out = {}
-        for r in ranks:
-            p, d, t = coords_of(r, dp=dp, tp=tp)
-            out[r] = (tuple(rank_of(p, x, t, dp=dp, tp=tp) for x in range(dp)),
-                      tuple(rank_of(p, d, x, dp=dp, tp=tp) for x in range(tp)),
-                      tuple(rank_of(x, d, t, dp=dp, tp=tp) for x in range(pp)))
-        return out, "computed (no fake process group)"
+        return ({r: _computed_groups(r, dp, tp, pp) for r in range(world_size)},
+                "computed from the rank formula (no fake process group available)")
     out = {}
     previous = logging.getLogger("merak_core.layout").level
     logging.getLogger("merak_core.layout").setLevel(logging.WARNING)
@@ -168,24 +190,36 @@ def _build_groups(world_size: int, dp: int, tp: int, pp: int,
             dist.init_process_group("fake", rank=r, world_size=world_size, store=fake())
             try:
                 lay = ParallelLayout.build(dp, tp, pp, device="cpu")
-                out[r] = tuple(tuple(dist.get_process_group_ranks(g)) for g in (lay.dp_group, lay.tp_group,
-                                                                                  lay.pp_group))
+                out[r] = (tuple(dist.get_process_group_ranks(lay.dp_group)),
+                          tuple(dist.get_process_group_ranks(lay.tp_group)),
+                          tuple(dist.get_process_group_ranks(lay.pp_group)))
             finally:
                 dist.destroy_process_group()
     finally:
         logging.getLogger("merak_core.layout").setLevel(previous)
-    return out, "torch fake process group"
+    for r, built in out.items():
+        if built != _computed_groups(r, dp, tp, pp):
+            raise RuntimeError(f"rank {r}: the layout built groups {built} but the rank formula gives "
+                               f"{_computed_groups(r, dp, tp, pp)}")
+    how = "torch fake process group"
+    if len(out) < world_size:
+        how += f" for {len(out)} sampled ranks, the rest from the rank formula they match"
+    for r in range(world_size):
+        out.setdefault(r, _computed_groups(r, dp, tp, pp))
+    return out, how
 
 
 def dry_run(model: nn.Module, example_inputs: Sequence[Any] | Mapping[str, Any], cluster: ClusterSpec, *, world_size: int,
             dp: int | None = None, tp: int = 1, pp: int = 1, schedule: str = "1f1b", num_microbatches: int = 1,
             micro_batch_size: int = 1, recompute: str = "none", zero_stage: int = 0, tp_overlap: bool = False,
-            tp_chunks: int = 2, num_heads: int | None = None, num_kv_heads: int | None = None, vocab_size: int | None = None,
-            dtype: str = "bf16") -> DryRunReport:
+            tp_chunks: int = 2, fake_pg_ranks: int = 64, num_heads: int | None = None,
+            num_kv_heads: int | None = None, vocab_size: int | None = None, dtype: str = "bf16") -> DryRunReport:
     """Build what each of ``world_size`` ranks would build for this job; never raises for a bad job.
 
     ``model`` is best built on the meta device (``merak_graph.empty_init()``); ``example_inputs``
     hold one sample (meta tensors are fine); costs and memory scale by ``micro_batch_size``.
+    Up to ``fake_pg_ranks`` ranks build their groups over the fake process group (all of them when
+    ``world_size`` is not larger; see [Note: dry-run groups]).
     """
     import merak_graph as mg
     from merak_pipe import build_schedule
@@ -229,7 +263,8 @@ def dry_run(model: nn.Module, example_inputs: Sequence[Any] | Mapping[str, Any],
     per_stage_actions = [" ".join(str(a) for a in sched.actions[sched.stage_to_rank[s]]) for s in range(pp)]
     report.seconds["partition+schedule"] = time.perf_counter() - t1
     t2 = time.perf_counter()
-    groups, report.groups_backend = _build_groups(world_size, dp, tp, pp, range(world_size))
+    groups, report.groups_backend = _build_groups(world_size, dp, tp, pp,
+                                                  _sample_ranks(world_size, dp, tp, pp, fake_pg_ranks))
     report.seconds["groups"] = time.perf_counter() - t2
     shared = {s.name: sorted({st for st, _ in s.stages}) for s in part.shared_parameters}
     _rank_plans(report, cluster, groups, cand, per_stage_actions, shared, costs.param_numel, tp)
@@ -237,7 +272,7 @@ def dry_run(model: nn.Module, example_inputs: Sequence[Any] | Mapping[str, Any],
     return report
 
 
-def _rank_plans(report: DryRunReport, cluster: ClusterSpec, groups: dict[int, tuple[tuple[int, ...], ...]],
+def _rank_plans(report: DryRunReport, cluster: ClusterSpec, groups: dict[int, _Groups],
                 cand: ClusterCandidate, actions: list[str], shared: dict[str, list[int]], numel: dict[str, int],
                 tp: int) -> None:
     from merak_core.layout import coords_of

@@ -1,0 +1,109 @@
+"""Benchmark: dry runs at cluster scale, and the Merak paper's 64-GPU experiments by simulation.
+
+``dryrun``: :func:`merak_core.planner.dryrun.dry_run` of a Llama-70B-shaped and a GPT-20B-shaped
+model (meta device, no weights) at N = 64, 256 and 1024 ranks of 8 x H100 nodes: every rank's
+groups built over torch's fake process group, the meta partition, schedule, recomputation plan,
+tied-parameter groups and memory. Reported: seconds per phase and in all, the first failure.
+
+``paper``: the four GPT sizes of the Merak paper on 64 GPUs (8 nodes of a cluster file, default
+8 x A100-80GB), global batch 256 sequences of 1024 tokens: (a) the baseline of Megatron-LM /
+DeepSpeed-style 3D training: 1F1B, full recomputation, TP all-reduces not overlapped, the best
+layout (dp, tp, pp), microbatches and ZeRO stage for that baseline; (b) Merak's best plan: shifted
+critical path, stage-aware recomputation, sub-pipelined TP, its own best layout; (c) Merak's
+techniques at the baseline's layout. Prints a Markdown table with the ratios beside the paper's.
+
+Run (single process)::
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_cluster_plan.py dryrun
+    OMP_NUM_THREADS=1 python benchmarks/bench_cluster_plan.py paper [--cluster a100-80gb-8x]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from merak_core.planner.cluster import load_cluster
+from merak_core.planner.cluster_cost import model_costs, trace_for_cluster
+from merak_core.planner.cluster_search import ClusterCandidate, plan_cluster, predict_config
+from merak_core.planner.dryrun import dry_run
+from merak_core.planner.gpt_shapes import PAPER_MODELS, REFERENCE_MODELS, build_decoder, decoder_inputs
+
+PAPER_RATIOS = {"gpt-1.5b": 1.42, "gpt-2.5b": 1.39, "gpt-8.3b": 1.43, "gpt-20b": 1.61}
+DRY_LAYOUTS = {"llama-70b": dict(tp=8, pp=8, num_microbatches=32), "gpt-20b": dict(tp=8, pp=4, num_microbatches=32)}
+
+
+def bench_dryrun(cluster_name: str, sizes: list[int]) -> None:
+    cluster = load_cluster(cluster_name)
+    print("| model | params | N ranks | layout | trace s | groups s | total s | first failure |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, layout in DRY_LAYOUTS.items():
+        shape = REFERENCE_MODELS[name]
+        for n in sizes:
+            model = build_decoder(shape)
+            t0 = time.perf_counter()
+            report = dry_run(model, decoder_inputs(shape), cluster, world_size=n, schedule="shifted_critical_path",
+                             recompute="stage_aware", zero_stage=1, tp_overlap=True, num_heads=shape.num_heads,
+                             num_kv_heads=shape.kv_heads, vocab_size=shape.vocab_size, **layout)
+            total = time.perf_counter() - t0
+            dp, tp, pp = report.degrees or (0, 0, 0)
+            first = report.first_failure
+            print(f"| {name} | {shape.num_parameters() / 1e9:.1f}B | {n} | dp{dp}-tp{tp}-pp{pp} "
+                  f"| {report.seconds.get('trace', 0):.2f} | {report.seconds.get('groups', 0):.2f} | {total:.2f} "
+                  f"| {first.kind + ' rank ' + str(first.rank) if first else 'none'} |", flush=True)
+
+
+def _describe(c: ClusterCandidate) -> str:
+    rc = c.recompute if c.recompute != "stage_aware" else "sa[" + ",".join(f"{f:.2f}" for f in c.recompute_fractions) + "]"
+    return (f"{c.layout} m={c.num_microbatches} mbs={c.micro_batch_size} zero{c.zero_stage} {c.schedule} {rc}"
+            f"{' tp-overlap' if c.tp_overlap else ''}")
+
+
+def bench_paper(cluster_name: str, global_batch_size: int, max_microbatches: int) -> None:
+    cluster = load_cluster(cluster_name)
+    nodes = 64 // cluster.devices_per_node
+    print(f"cluster {cluster.name}: {nodes} nodes x {cluster.devices_per_node} {cluster.device_name}, global batch "
+          f"{global_batch_size} x 1024 tokens\n")
+    print("| model | (a) baseline: configuration | (a) step s | (b) Merak: configuration | (b) step s "
+          "| ratio a/b | (c) Merak at (a)'s layout, s | ratio a/c | paper |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, shape in PAPER_MODELS.items():
+        t0 = time.perf_counter()
+        model = build_decoder(shape)
+        costs = model_costs(trace_for_cluster(model, decoder_inputs(shape), cluster), model,
+                            num_heads=shape.num_heads, vocab_size=shape.vocab_size)
+        common = dict(num_nodes=nodes, global_batch_size=global_batch_size, max_microbatches=max_microbatches)
+        base = plan_cluster(costs, cluster, schedules=("1f1b",), recompute_modes=("full",), tp_overlaps=(False,),
+                            **common)[0]
+        merak = plan_cluster(costs, cluster, schedules=("shifted_critical_path",), recompute_modes=("stage_aware",),
+                             tp_overlaps=(True,), **common)[0]
+        same = predict_config(costs, cluster, dp=base.dp, tp=base.tp, pp=base.pp, schedule="shifted_critical_path",
+                              num_microbatches=base.num_microbatches, micro_batch_size=base.micro_batch_size,
+                              recompute="stage_aware", zero_stage=base.zero_stage, tp_overlap=True)
+        same_s = f"{same.step_time_s:.3f}" if same is not None and same.fits else "does not fit"
+        same_r = f"{base.step_time_s / same.step_time_s:.2f}" if same is not None and same.fits else "-"
+        print(f"| {name} | {_describe(base)} | {base.step_time_s:.3f} | {_describe(merak)} | {merak.step_time_s:.3f} "
+              f"| {base.step_time_s / merak.step_time_s:.2f} | {same_s} | {same_r} | {PAPER_RATIOS[name]:.2f} |",
+              flush=True)
+        print(f"<!-- {name}: {time.perf_counter() - t0:.1f} s to trace and search -->", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="what", required=True)
+    d = sub.add_parser("dryrun")
+    d.add_argument("--cluster", default="h100-sxm-8x")
+    d.add_argument("--sizes", default="64,256,1024")
+    p = sub.add_parser("paper")
+    p.add_argument("--cluster", default="a100-80gb-8x")
+    p.add_argument("--global-batch-size", type=int, default=256)
+    p.add_argument("--max-microbatches", type=int, default=128)
+    args = parser.parse_args()
+    if args.what == "dryrun":
+        bench_dryrun(args.cluster, [int(x) for x in args.sizes.split(",")])
+    else:
+        bench_paper(args.cluster, args.global_batch_size, args.max_microbatches)
+
+
+if __name__ == "__main__":
+    main()
