@@ -274,3 +274,88 @@ def rng_streams_body(out_dir: str) -> dict[str, Any]:
     np.random.seed(0)
     second.resume("latest")
     return {"saved": after_save, "resumed": draws(second)}
+
+
+def flip_bytes(path: str, count: int = 16) -> None:
+    """Invert ``count`` bytes in the middle of a file (a silent disk or copy error)."""
+    data = bytearray(open(path, "rb").read())
+    mid = len(data) // 2
+    for i in range(mid, mid + count):
+        data[i] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+
+
+def resume_latest_body(name: str, kwargs: dict[str, Any], path: str = "latest") -> dict[str, Any]:
+    """Resume ``path`` with the warnings captured; the step, the warnings, the later losses (or the error)."""
+    from merak_core.checkpoint import CheckpointError
+
+    trainer = make_trainer(name, kwargs)
+    with LogCapture() as logs:
+        try:
+            step = trainer.resume(path)
+        except CheckpointError as exc:
+            return {"error": f"{type(exc).__name__}: {exc}", "warnings": logs.messages("WARNING")}
+    losses = {int(h["step"]): h["loss"] for h in trainer.train()}
+    return {"resumed_step": step, "warnings": logs.messages("WARNING"), "losses": losses}
+
+
+def nonfinite_save_body(out_dir: str, where: str) -> dict[str, Any]:
+    """After a good save at step 2, poison one tensor on one rank and save step 3: every rank must refuse."""
+    from merak_core.checkpoint import NonFiniteCheckpointError
+
+    trainer = make_trainer("gpt", layout_kwargs(1, 1, 2, output_dir=out_dir, max_steps=2, save_steps=2))
+    trainer.train()
+    trainer.global_step = 3
+    rank = dist.get_rank()
+    with torch.no_grad():
+        if where == "parameter" and rank == 1:
+            name, p = trainer.model.named_parameters()[0]
+            p.view(-1)[0] = float("nan")
+        if where == "optimizer" and rank == 0:
+            p = trainer.params[-1]
+            trainer.optimizer.state[p]["exp_avg_sq"].view(-1)[-1] = float("inf")
+    try:
+        trainer.checkpoints.save()
+    except NonFiniteCheckpointError as exc:
+        return {"error": str(exc)}
+    return {"error": None}
+
+
+def changed_settings_reference(name: str, kwargs: dict[str, Any], changes: dict[str, Any], dp: int,
+                               switch_at: int) -> list[float]:
+    """One process: ``kwargs``' optimizer and schedule for ``switch_at`` steps, then ``changes``' values.
+
+    After the switch the rate of each step is computed from the new arguments' formula
+    (``lr_lambda``) and set on the optimizer directly, with the new weight decay and betas;
+    the Adam moments and the data order carry on.
+    """
+    from merak_core.config import lr_lambda
+    from tests.e2e._trainer_support import TokenDataset, reference_microbatches, reference_optimizer
+
+    args, new = make_args(**kwargs), make_args(**{**kwargs, **changes})
+    model = build_model(name)
+    loss_fn = REFERENCE_MODELS[name].loss
+    data = TokenDataset(64, model.config.vocab_size)
+    opt, sched = reference_optimizer(model, args)
+    rate = lr_lambda(new, new.max_steps)
+    losses = []
+    for step, chunks in enumerate(reference_microbatches(len(data), new, dp)):
+        if step >= switch_at:
+            for group in opt.param_groups:
+                group["lr"] = new.learning_rate * rate(step)
+                group["betas"] = (new.adam_beta1, new.adam_beta2)
+                if group["weight_decay"]:
+                    group["weight_decay"] = new.weight_decay
+        model.zero_grad(set_to_none=True)
+        total = 0.0
+        for chunk in chunks:
+            batch = torch.utils.data.default_collate([data[i] for i in chunk])
+            loss = loss_fn(model(batch["input_ids"]), batch["labels"]) / len(chunks)
+            loss.backward()
+            total += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), (new if step >= switch_at else args).max_grad_norm)
+        opt.step()
+        if step < switch_at:
+            sched.step()
+        losses.append(total)
+    return losses
