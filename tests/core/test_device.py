@@ -203,3 +203,29 @@ def test_build_parallel_model_retargets_the_kept_stage() -> None:
                               device="meta")
     constants = _device_constants(pm.module)
     assert constants and set(constants) == {torch.device("meta")}
+
+
+# ---------------------------------------------------------------------------- planner clocks and memory
+
+
+def test_planner_memory_is_free_memory_less_a_margin(monkeypatch: pytest.MonkeyPatch) -> None:
+    from merak_core.autoplan import default_memory_per_device
+
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (40 * gib, 80 * gib))
+    assert default_memory_per_device(torch.device("cuda", 0)) == 40 * gib - int(0.08 * 80 * gib)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (5 * gib, 8 * gib))
+    assert default_memory_per_device(torch.device("cuda", 0)) == 4 * gib  # at least 1 GiB of margin
+
+
+def test_planner_timings_synchronise_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    from merak_core.planner import profile
+
+    synced: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    calls: list[int] = []
+    profile._timed(lambda: calls.append(1), 3, torch.device("cuda", 1))
+    assert len(calls) == 4 and synced == [torch.device("cuda", 1)] * 2  # before and after the timed calls
+    synced.clear()
+    profile._timed(lambda: None, 3, torch.device("cpu"))
+    assert synced == []

@@ -20,6 +20,7 @@ import sys
 from datetime import timedelta
 from typing import Any
 from typing import Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
