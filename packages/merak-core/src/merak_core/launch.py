@@ -19,8 +19,6 @@ import shlex
 import sys
 from datetime import timedelta
 from typing import Any
-from typing import Any
-from typing import Any
 
 import torch
 import torch.distributed as dist
