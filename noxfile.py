@@ -111,7 +111,8 @@ def gpu(session: nox.Session) -> None:
                 "sys.exit(0 if ok else 'nox -s gpu needs a CUDA build of torch and a visible GPU "
                 "(torch.cuda.is_available() is False)')", external=True)
     # The CPU float32 references use the host's cores; GPU work needs no OMP limit.
-    env = {**ENV, "OMP_NUM_THREADS": str(min(os.cpu_count() or 1, 16))}
+    threads = str(min(os.cpu_count() or 1, 16))
+    env = {**ENV, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
     session.run("python", "-m", "pytest", "tests/gpu", "-m", "gpu", "-p", "no:cacheprovider", "-rA",
                 *session.posargs, env=env, external=True)
 
