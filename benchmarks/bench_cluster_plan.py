@@ -12,10 +12,16 @@ layout (dp, tp, pp), microbatches and ZeRO stage for that baseline; (b) Merak's 
 critical path, stage-aware recomputation, sub-pipelined TP, its own best layout; (c) Merak's
 techniques at the baseline's layout. Prints a Markdown table with the ratios beside the paper's.
 
+``cpu``: this machine described as a cluster (one core per device, nominal numbers, see
+``CPU_CLUSTER``) and the demo model (examples/addition, fp32, real weights): each pipeline stage of
+pp = 1, 2, 4 is timed (forward + backward, one thread, median of 5) at micro batch 16 and 64 in
+this one process, against the cluster model's prediction for that stage.
+
 Run (single process)::
 
     OMP_NUM_THREADS=1 python benchmarks/bench_cluster_plan.py dryrun
     OMP_NUM_THREADS=1 python benchmarks/bench_cluster_plan.py paper [--cluster a100-80gb-8x]
+    OMP_NUM_THREADS=1 python benchmarks/bench_cluster_plan.py cpu
 """
 
 from __future__ import annotations
@@ -88,6 +94,80 @@ def bench_paper(cluster_name: str, global_batch_size: int, max_microbatches: int
         print(f"<!-- {name}: {time.perf_counter() - t0:.1f} s to trace and search -->", flush=True)
 
 
+# This machine: 2 cores of an Intel Xeon (AVX-512, 2 FMA units, 2.1 GHz): 2.1e9 x 2 x 16 x 2 = 134
+# GFLOP/s fp32 per core; memory bandwidth and links are nominal guesses, not measured.
+CPU_CLUSTER = {
+    "name": "cpu-2core", "source": "nominal numbers for this machine's cores (not a spec sheet, not measured)",
+    "devices_per_node": 2,
+    "device": {"name": "xeon-core", "peak_tflops": {"bf16": 0.134, "fp32": 0.134}, "memory_gb": 4,
+               "memory_bandwidth_gb_s": 10},
+    "intra_node": {"bandwidth_gb_s": 5, "latency_us": 20},
+    "efficiency": {"compute": 0.5, "memory": 0.8, "link": 0.8},
+}
+
+
+def _median_s(fn, repeats: int = 5) -> float:
+    import statistics
+
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench_cpu() -> None:
+    import statistics
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    import merak_graph as mg
+    from merak_core.planner.cluster import ClusterSpec
+
+    torch.set_num_threads(1)
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root))
+    from examples.addition.model import build_model
+
+    cluster = ClusterSpec.from_dict(CPU_CLUSTER)
+    torch.manual_seed(0)
+    model = build_model(depth=4, width=64, heads=4, vocab_size=13, context=16)
+    one = torch.randint(0, 13, (1, 16))
+    sharded = trace_for_cluster(model, (one,), cluster, dtype="fp32")
+    costs = model_costs(sharded, model, dtype="fp32")
+    print(f"cluster {cluster.name}: {cluster.flops('fp32') / 1e9:.0f} GFLOP/s fp32 sustained per core\n")
+    print("| pp | stage | micro batch | predicted F+B ms | measured F+B ms | error |")
+    print("|---|---|---|---|---|---|")
+    errors = []
+    for pp in (1, 2, 4):
+        part = mg.partition_sharded(sharded, pp, model=model)
+        for mbs in (16, 64):
+            values = (torch.randint(0, 13, (mbs, 16)),)
+            for s, stage in enumerate(part.stages):
+                inputs = tuple(v.detach().requires_grad_(v.is_floating_point()) for v in values)
+
+                def step(stage=stage, inputs=inputs) -> None:
+                    out = stage(*inputs)
+                    outs = out if isinstance(out, tuple) else (out,)
+                    sum(o.float().sum() for o in outs if o.is_floating_point()).backward()
+
+                measured = _median_s(step)
+                lo, hi = part.bounds[s], part.bounds[s + 1]
+                predicted = 3 * mbs * sum(ly.forward_s for ly in costs.layers[lo:hi])
+                err = (predicted - measured) / measured
+                errors.append(abs(err))
+                print(f"| {pp} | {s} | {mbs} | {predicted * 1e3:.3f} | {measured * 1e3:.3f} | {100 * err:+.0f}% |",
+                      flush=True)
+                with torch.no_grad():
+                    out = stage(*values)
+                values = out if isinstance(out, tuple) else (out,)
+    print(f"\nmedian absolute error: {100 * statistics.median(errors):.0f}%")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="what", required=True)
@@ -98,8 +178,11 @@ def main() -> None:
     p.add_argument("--cluster", default="a100-80gb-8x")
     p.add_argument("--global-batch-size", type=int, default=256)
     p.add_argument("--max-microbatches", type=int, default=128)
+    sub.add_parser("cpu")
     args = parser.parse_args()
-    if args.what == "dryrun":
+    if args.what == "cpu":
+        bench_cpu()
+    elif args.what == "dryrun":
         bench_dryrun(args.cluster, [int(x) for x in args.sizes.split(",")])
     else:
         bench_paper(args.cluster, args.global_batch_size, args.max_microbatches)
