@@ -183,3 +183,12 @@ def test_unmatched_operations_are_reported() -> None:
     send = P2POp(True, 1, "F", 0, 0, Action(0, ActionKind.SEND_F, 0))
     result = replay({0: [(send,)], 1: []})
     assert not result.ok and result.unmatched and "posts no matching receive" in result.unmatched[0]
+
+
+@pytest.mark.parametrize("num_stages", [4, 8, 16])
+@pytest.mark.parametrize("num_microbatches", [1, 4, 16])
+def test_a_v_layout_runs_under_nccl_rules(num_stages: int, num_microbatches: int) -> None:
+    """Two stages per rank in a V (stage s on rank min(s, S - 1 - s)), GPipe order."""
+    from tests.pipe._runtime_bodies import v_schedule
+
+    validate(v_schedule(num_stages=num_stages, num_microbatches=num_microbatches), nccl=True)
