@@ -664,3 +664,12 @@ def tuple_dataset_reference_loss() -> float:
     model = _classifier().double()
     losses = [default_loss(model(x), y) for x, y in zip(batch.inputs.chunk(2), batch.labels.chunk(2), strict=True)]
     return float(sum(losses) / 2)
+
+
+def tp_vocab_parallel_id_out_of_range(ctx: CaseContext) -> None:
+    """Masked, id 96 of a 96-row table would embed as zeros on both TP ranks and train silently."""
+    import merak_tp
+
+    model = merak_tp.parallelize(_gpt(), group=None)
+    with ctx.guard():
+        model(torch.tensor([[1, 2, 96, 3]]))

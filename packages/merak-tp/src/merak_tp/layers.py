@@ -427,10 +427,25 @@ class VocabParallelEmbedding(_KeepsShardTags, nn.Module):
         p = p % self.num_embeddings
         return p - self.vocab_start if self.vocab_start <= p < self.vocab_end else None
 
+    def _check_ids(self, ids: torch.Tensor) -> None:
+        """An id outside the vocabulary is an error (masked, it would embed as a row of zeros on every rank).
+
+        Every TP rank holds the same ids, so every rank raises the same error before the all-reduce.
+        """
+        if ids.is_meta or torch.compiler.is_compiling() or torch.compiler.is_exporting():
+            return
+        bad = (ids < 0) | (ids >= self.num_embeddings)
+        if bool(bad.any()):
+            value = int(ids[bad].flatten()[0])
+            raise ValueError(f"token id {value} is outside the vocabulary of {self.num_embeddings} (ids 0.."
+                             f"{self.num_embeddings - 1}) of this vocab-parallel embedding; fix the tokenizer or "
+                             "the data, or build the model with a vocabulary that covers every id")
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             out = nn.functional.embedding(ids, self.weight, self.padding_idx)
         else:
+            self._check_ids(ids)
             outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
             local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
             out = nn.functional.embedding(local_ids, self.weight, self._local_padding_idx())
