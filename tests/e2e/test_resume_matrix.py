@@ -8,7 +8,10 @@ the checkpoint) into and out of tp > 1 with ZeRO off and on equals it to roundin
 reduction order changes with the layout).
 
 Each case is one call into the worker pool: 4 steps with checkpoints at 2 and 4, then a fresh
-Trainer resumes step_2 and trains steps 3 and 4.
+Trainer resumes step_2 and trains steps 3 and 4. The case ``gpt-dp2_tp2_pp2-zero0`` is the main
+job's layout, whose resume failed at the first step (AdamW's ``exp_avg_sq`` loaded unsharded
+after the 0-d ``step`` state took over the parameter's shard spec); every case also checks that
+each optimizer state has its parameter's shape after loading.
 """
 
 from __future__ import annotations
@@ -29,8 +32,8 @@ COMMON = dict(max_steps=4, save_steps=2, lr_scheduler_type="cosine")
 def _cases() -> list[tuple[str, tuple[int, int, int], int]]:
     cases = [(name, layout, zero) for name in ("gpt", "llama") for layout in LAYOUTS for zero in (0, 1)
              if not (zero and layout[0] == 1)]
-    # Dropout: the layouts of the reported mismatch (dp2 pp2, dp2, pp2), TP, and all three axes.
-    cases += [("gpt_dropout", layout, 0) for layout in [(2, 1, 2), (2, 1, 1), (1, 1, 2), (1, 2, 1), (2, 2, 2)]]
+    # Dropout: the layouts of the reported mismatch (dp2 pp2, dp2, pp2), TP, and all three axes with ZeRO-1.
+    cases += [("gpt_dropout", layout, 0) for layout in [(2, 1, 2), (2, 1, 1), (1, 1, 2), (1, 2, 1)]]
     cases += [("gpt_dropout", (2, 2, 2), 1)]
     return cases
 
@@ -59,14 +62,6 @@ def test_resume_is_bit_identical_at_every_layout(tmp_path: Path, case: tuple[str
             assert res["losses"][step] == res["full_losses"][step], f"rank {rank} step {step}: not bit-identical"
     head = results[0]
     _assert_states_equal(head["final_state"], head["full_state"], f"{_id(case)} final parameters")
-
-
-def test_resume_tp2_zero_off_loads_adam_states_sharded(tmp_path: Path) -> None:
-    """The main job's layout (2x2x2, ZeRO off): exp_avg_sq came back unsharded after the 0-d step state."""
-    kwargs = support.layout_kwargs(2, 2, 2, output_dir=str(tmp_path), zero_stage=0, **COMMON)
-    results = run_on_ranks(8, support.resume_pair_body, "gpt", kwargs, 2)
-    assert [r["bad_shapes"] for r in results] == [[]] * 8
-    assert results[0]["losses"] == {s: results[0]["full_losses"][s] for s in (3, 4)}
 
 
 def test_every_random_stream_comes_back_per_rank(tmp_path: Path) -> None:
