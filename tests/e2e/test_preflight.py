@@ -60,7 +60,10 @@ def _merak_dry_run(job: Path, argv: tuple[str, ...]) -> tuple[int, str]:
     from merak_core.cli import main
 
     err = io.StringIO()
-    with no_collectives(), contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+    # The TP check initialises torch's fake process group in this process (see [Note: the plan as the
+    # ranks apply it] in merak_core/preflight.py); nothing else may touch torch.distributed.
+    with no_collectives(allow=("init_process_group",)), contextlib.redirect_stderr(err), \
+            contextlib.redirect_stdout(io.StringIO()):
         try:
             status = main(["--log-level", "WARNING", "train", str(job), *argv, "--dry-run"])
         except SystemExit as exc:
@@ -128,6 +131,9 @@ CASES = {
     "tp_does_not_divide_a_size": Case(("training.tp=3 does not divide hidden.out_features=8",
                                        "choose a TP degree that divides 8"),
                                       training={"dp": 1, "tp": 3, "tp_plan": {"hidden": "column", "head": "row"}}),
+    "tp_style_on_wrong_module": Case(("training.tp=2, tp_plan 'user': embed: style 'column' needs an nn.Linear",
+                                      "got Embedding"),
+                                     training={"dp": 1, "tp": 2, "tp_plan": {"embed": "column", "hidden": "row"}}),
     # ------------------------------------------------------------------ data
     "data_factory_returns_int": Case(("data.factory returned int (8) as the training set", "return a dataset"),
                                      data={"kwargs": {"kind": "int"}}),
@@ -184,6 +190,9 @@ def test_good_job_passes_every_check(tmp_path: Path) -> None:
     status, err = _merak_dry_run(_job(case, tmp_path), ())
     assert status == 0, err
     assert not (tmp_path / "out").exists(), "a dry run creates nothing"
+    import torch.distributed as dist
+
+    assert not dist.is_initialized(), "the TP check's fake process group is gone"
 
 
 @pytest.mark.parametrize("name", ["training_is_a_list", "token_id_beyond_vocabulary"])

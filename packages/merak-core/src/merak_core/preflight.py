@@ -9,7 +9,8 @@ found in one process, in seconds, and reported once with the key, the value and 
   types, each named ``model.kwargs.<key>``), and the model builds on the meta device
   (``merak_graph.empty_init``: no parameter memory);
 - the TP plan resolves against the model: every pattern matches a module and every sharded
-  size (and head count) divides by ``tp`` (:func:`check_tp_plan`);
+  size (and head count) divides by ``tp``; then ``merak_tp.parallelize`` itself shards a copy of
+  the meta model as TP rank 0 of a fake group (:func:`check_tp_plan`);
 - the data factory returns datasets (not an int or a dict), a first batch collates (ragged
   samples are named by index, with a collator hint), and on that batch the input ids lie inside
   the input embedding's vocabulary, the labels of the default cross-entropy loss are int64 class
@@ -254,7 +255,7 @@ def _sharded_sizes(module: nn.Module, style: str) -> tuple[str, int] | None:
     return None
 
 
-def check_tp_plan(model: nn.Module, tp_plan: Any, tp: int | None) -> str | None:
+def check_tp_plan(model: nn.Module, tp_plan: Any, tp: int | None, overlap_chunks: int = 1) -> str | None:
     """Resolve the TP plan against ``model``: patterns match modules, sizes divide by ``tp``.
 
     Returns the plan's name, or None when the job uses no TP plan (``tp == 1`` and no
@@ -307,7 +308,35 @@ def check_tp_plan(model: nn.Module, tp_plan: Any, tp: int | None) -> str | None:
             if isinstance(value, int) and not isinstance(value, bool) and value % tp:
                 raise PreflightError(f"training.tp={tp} does not divide {name}.{attr}={value} (TP plan "
                                      f"{plan.name!r}); choose a TP degree that divides {value}")
+    _parallelize_on_fake_group(model, plan, tp, overlap_chunks)
     return str(plan.name)
+
+
+def _parallelize_on_fake_group(model: nn.Module, plan: Any, tp: int, overlap_chunks: int) -> None:
+    """Run ``merak_tp.parallelize`` itself on a copy of the meta model, as TP rank 0 of a fake group of ``tp``.
+
+    [Note: the plan as the ranks apply it] The checks above speak in job-file terms; this one
+    runs the very code every rank runs (module kinds, fused sections, head counts, the plan's own
+    checks), over torch's fake process group (its collectives do nothing), in this process. It
+    is skipped when torch does not ship the fake backend or a process group already exists here.
+    """
+    import copy
+
+    import torch.distributed as dist
+
+    import merak_tp
+    from merak_core import _compat
+
+    store = _compat.fake_process_group_store()
+    if store is None or not dist.is_available() or dist.is_initialized():
+        return
+    dist.init_process_group("fake", rank=0, world_size=tp, store=store())
+    try:
+        merak_tp.parallelize(copy.deepcopy(model), plan, group=dist.group.WORLD, overlap_chunks=overlap_chunks)
+    except ValueError as exc:
+        raise PreflightError(f"training.tp={tp}, tp_plan {plan.name!r}: {exc}") from None
+    finally:
+        dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------------------- data
@@ -494,7 +523,7 @@ def preflight(job: JobConfig, *, tp: int | None = None) -> PreflightReport:
     report.checks.append(f"output_dir {t.output_dir} writable")
     model = build_meta_model(job)
     report.checks.append(f"model {type(model).__name__} builds")
-    plan = check_tp_plan(model, t.tp_plan, t.tp if tp is None and t.layout != "auto" else tp)
+    plan = check_tp_plan(model, t.tp_plan, t.tp if tp is None and t.layout != "auto" else tp, t.overlap_chunks)
     if plan is not None:
         report.checks.append(f"TP plan {plan} resolves")
     data_fn = job.data.load(job.base_dir, "data.factory")
