@@ -14,7 +14,6 @@ its receive was issued is an error in the schedule, reported as such.
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -91,11 +90,12 @@ class BoundaryExchange:
 
     # ------------------------------------------------------------------ one unit
 
-    def run_unit(self, unit: tuple[P2POp, ...], on_issue: Callable[[Action], None] | None = None) -> None:
-        """Issue one unit as one batch; read received control messages at once."""
+    def run_unit(self, unit: tuple[P2POp, ...]) -> list[Action]:
+        """Issue one unit as one batch; read received control messages at once. Returns the
+        SEND/RECV actions whose data messages it issued."""
         chosen = [(op, tr) for op in unit if (tr := self._transfer(op)) is not None]
         if not chosen:
-            return
+            return []
         pendings = self.transport.issue([tr for _, tr in chosen])
         for (op, _), pending in zip(chosen, pendings, strict=True):
             if op.send:
@@ -110,10 +110,7 @@ class BoundaryExchange:
                 spec = self.transport.read_spec(pending)
                 self.in_spec[op.stage + 1] = spec
                 self._last_recv_spec[op.stage + 1] = spec
-        if on_issue is not None:
-            for op, _ in chosen:
-                if op.kind in (DATA_F, DATA_B):
-                    on_issue(op.action)
+        return [op.action for op, _ in chosen if op.kind in (DATA_F, DATA_B)]
 
     def _read_header(self, op: P2POp, pending: _Pending) -> None:
         changed, nbytes = self.transport.read_header(pending)

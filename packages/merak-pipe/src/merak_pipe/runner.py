@@ -289,8 +289,13 @@ class PipelineRunner:
             for step in self._plans[training]:
                 if isinstance(step, Action):
                     self._run_compute(step)
+                elif self.record_timing:
+                    start_unit = self._clock.mark()
+                    issued = self.exchange.run_unit(step)
+                    end_unit = self._clock.mark()
+                    self._marks += [(a, start_unit, start_unit, end_unit, 0.0) for a in issued]
                 else:
-                    self.exchange.run_unit(step, self._record_comm if self.record_timing else None)
+                    self.exchange.run_unit(step)
             self.transport.wait_sends()
             self._check_round_complete()
         except BaseException:
@@ -452,10 +457,6 @@ class PipelineRunner:
                     f"parameter's gradient {tuple(param.shape)} over global ranks "
                     f"{dist.get_process_group_ranks(group)}")
             self.transport.wait([work], what)
-
-    def _record_comm(self, action: Action) -> None:
-        mark = self._clock.mark()
-        self._marks.append((action, mark, mark, mark, 0.0))
 
     def _resolve_marks(self) -> list[ActionTiming]:
         seconds = self._clock.seconds
