@@ -1,7 +1,7 @@
 """The point-to-point issue order of one rank: what the runtime issues, in which units, in which order.
 
-:func:`issue_order` turns one rank's lowered action list into *steps*: a compute action, or a
-*unit* of p2p operations issued together (one ``batch_isend_irecv``). The runtime
+:func:`issue_orders` turns every rank's lowered action list into *steps*: a compute action,
+or a *unit* of p2p operations issued together (one ``batch_isend_irecv``). The runtime
 (``merak_pipe.runner``) walks exactly these steps, and the NCCL replay checker
 (``merak_pipe.nccl_check``) replays exactly these units, so what is checked is what runs.
 
@@ -14,11 +14,18 @@
   of each channel (ordered pair of ranks) in the order the peer sends them ([Note: channel
   order] in ``lowering.py``), so both sides issue a pair's messages in the same order.
 - The first forward message of a stage in a round is preceded by its control messages
-  ([Note: boundary values] in ``comm.py``): a header unit, then a spec unit (the pickled
-  boundary spec; issued only when the header says the spec changed, by both sides alike). The
-  sender issues them right before the unit that holds that first ``SEND_F``, the receiver right
-  before the unit that holds the matching first ``RECV_F``; the receiver waits for each before
-  issuing anything else (it needs the header to size the spec, and the spec to size the data).
+  ([Note: boundary values] in ``comm.py``): a header, then the pickled boundary spec (sent
+  only when the header says the spec changed, and then received, by both sides alike). The
+  sender puts both into the unit of that first ``SEND_F``, right before it. The receiver
+  splits the unit of the matching ``RECV_F``: the operations before it plus the header form one
+  unit, the spec one more, and the ``RECV_F`` starts the next; it waits for each before going
+  on (it needs the header to size the spec, and the spec to size the data).
+- Where this order needs NCCL's eager buffer (a send waits for a receive that its peer issues
+  only after a message this rank issues later: the rendezvous deadlocks once a message exceeds
+  the eager size), :func:`issue_orders` moves that send into its rank's next unit and repeats
+  until the replay of :mod:`merak_pipe._p2p_replay` finishes: a send may go later, never
+  earlier, and never changes its place in its channel's order. 1F1B, GPipe and ZB-H1 need no
+  move; some sends of shifted-critical-path (warm-up) and of interleaved-1f1b do.
 - ``forward_only=True`` gives the order of an evaluation round: only F, SEND_F and RECV_F
   actions, with units formed the same way from what is left.
 """
