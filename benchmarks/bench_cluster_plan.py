@@ -65,8 +65,13 @@ def _describe(c: ClusterCandidate) -> str:
             f"{' tp-overlap' if c.tp_overlap else ''}")
 
 
-def bench_paper(cluster_name: str, global_batch_size: int, max_microbatches: int) -> None:
+def bench_paper(cluster_name: str, global_batch_size: int, max_microbatches: int,
+                memory_gb: float | None = None) -> None:
+    import dataclasses
+
     cluster = load_cluster(cluster_name)
+    if memory_gb is not None:  # the same devices with less memory (where recomputation matters)
+        cluster = dataclasses.replace(cluster, name=f"{cluster.name} with {memory_gb:g} GB", memory_bytes=memory_gb * 1e9)
     nodes = 64 // cluster.devices_per_node
     print(f"cluster {cluster.name}: {nodes} nodes x {cluster.devices_per_node} {cluster.device_name}, global batch "
           f"{global_batch_size} x 1024 tokens\n")
@@ -178,6 +183,7 @@ def main() -> None:
     p.add_argument("--cluster", default="a100-80gb-8x")
     p.add_argument("--global-batch-size", type=int, default=256)
     p.add_argument("--max-microbatches", type=int, default=128)
+    p.add_argument("--memory-gb", type=float, default=None, help="override the device memory (GB)")
     sub.add_parser("cpu")
     args = parser.parse_args()
     if args.what == "cpu":
@@ -185,7 +191,7 @@ def main() -> None:
     elif args.what == "dryrun":
         bench_dryrun(args.cluster, [int(x) for x in args.sizes.split(",")])
     else:
-        bench_paper(args.cluster, args.global_batch_size, args.max_microbatches)
+        bench_paper(args.cluster, args.global_batch_size, args.max_microbatches, args.memory_gb)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ pipeline is simulated with :func:`merak_pipe.simulate`; stage-aware recomputatio
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from typing import Any
 from merak_core.planner.cluster import ClusterSpec
 from merak_core.planner.cluster_cost import ModelCosts, stage_costs, step_overhead_s
 from merak_core.planner.search import split_layers
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["CLUSTER_SCHEDULES", "PREDICTABLE_SCHEDULES", "ClusterCandidate", "format_cluster_plan", "plan_cluster", "predict_config"]
 
@@ -84,12 +87,13 @@ def predict_config(costs: ModelCosts, cluster: ClusterSpec, *, dp: int, tp: int,
                    num_microbatches: int, micro_batch_size: int, recompute: str = "none", zero_stage: int = 0,
                    tp_overlap: bool = False, tp_chunks: int = 2, stage_layers: Sequence[int] | None = None,
                    memo: dict[Any, Any] | None = None) -> ClusterCandidate | None:
-    """Predict one configuration (fitting or not); None when stage-aware recomputation cannot fit.
+    """Predict one configuration (fitting or not); None when stage-aware recomputation cannot fit, or
+    when the schedule built for the recomputation plan does not validate (logged as a warning).
 
     ``memo`` (a dict kept across calls on the same costs and cluster) reuses built schedules and
     simulations; with it, schedules are not re-validated.
     """
-    from merak_pipe import CostModel, RecomputePlan, build_schedule, simulate, stage_aware_plan
+    from merak_pipe import CostModel, RecomputePlan, ScheduleError, build_schedule, simulate, stage_aware_plan
 
     if schedule not in PREDICTABLE_SCHEDULES:
         raise ValueError(f"schedule {schedule!r} is not one of {PREDICTABLE_SCHEDULES}")
@@ -129,8 +133,15 @@ def predict_config(costs: ModelCosts, cluster: ClusterSpec, *, dp: int, tp: int,
     sim_key = ("sim", name, pp, m, plan, tuple(st.forward_s), tuple(st.backward_s), tuple(st.input_bytes),
                st.p2p_latency_s, st.p2p_bandwidth, tuple(sum(a) for a in st.activation_bytes))
     if sim_key not in memo:
-        memo[sim_key] = simulate(schedule_of(plan), sim_costs)
+        try:
+            memo[sim_key] = simulate(schedule_of(plan), sim_costs)
+        except ScheduleError as exc:  # a generator bug for this plan: skip the configuration, say so
+            logger.warning("%s with pp=%d, m=%d and recompute fractions %s does not validate, skipped: %s",
+                           name, pp, m, plan.fractions, str(exc).splitlines()[0])
+            memo[sim_key] = None
     result = memo[sim_key]
+    if result is None:
+        return None
     dp_s, opt_s = step_overhead_s(costs, cluster, st, bounds=bounds, dp=dp, tp=tp, zero_stage=zero_stage)
     memory = tuple(s + a for s, a in zip(st.static_bytes, result.peak_memory, strict=True))
     stride = dp * tp
