@@ -13,8 +13,9 @@ Exit status: torchrun's, except :data:`merak_core.exitcodes.PREEMPTED` when the 
 stopped by a signal (sent to ``merak train``, to torchrun or to the ranks, which then exit with
 that code) before it finished.
 
-Not done here: a SIGKILL of ``merak train`` itself cannot be forwarded; torchrun, in its own
-session, then runs on (and keeps the output_dir lock, see [Note: output_dir lock]).
+Not done here: a SIGKILL of ``merak train`` itself cannot be forwarded. torchrun, in its own
+session, then runs on with a closed stderr (it keeps the output_dir lock, see [Note: output_dir
+lock]) until it or its ranks next write to it.
 """
 
 from __future__ import annotations

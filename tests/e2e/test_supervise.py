@@ -1,0 +1,101 @@
+"""``merak_core.supervise.run_torchrun`` with a stand-in for torchrun (a small Python child, no torch).
+
+The child plays torchrun's part: it runs in its own session, gets the forwarded signal, prints
+what a stopping job prints (a rank's log line, tracebacks, torchrun's failure report) and exits.
+The real job is in ``test_cli_signals.py``; these cases are cheap and check the exit status, the
+forwarding and what is shown.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from merak_core.exitcodes import PREEMPTED
+from merak_core.supervise import run_torchrun
+
+CHILD = textwrap.dedent("""
+    import os, signal, sys, time
+    ready = sys.argv[1]
+
+    def stop(signum, frame):
+        sys.stderr.write("[rank 0] 12:00:00 merak_core.signals WARNING received %s: saving\\n"
+                         % signal.Signals(signum).name)
+        sys.stderr.write("Traceback (most recent call last):\\n  File \\"x.py\\", line 1, in <module>\\n"
+                         "    step()\\nKeyboardInterrupt\\n")
+        sys.stderr.write("torch.distributed.elastic.multiprocessing.api: Sending process 1 closing signal\\n")
+        sys.stderr.write("  exitcode  : %d (pid: 1)\\n" % int(sys.argv[2]))
+        sys.stderr.flush()
+        sys.exit(1)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    sys.stderr.write("[rank 0] step 1 loss 2.0\\n")
+    sys.stderr.write("a line before the signal\\n")
+    sys.stderr.flush()
+    open(ready, "w").write(str(os.getpgid(0)))
+    time.sleep(60)
+    sys.exit(3)
+""")
+
+
+def _run_and_signal(tmp: Path, signum: int | None, exitcode: int = PREEMPTED,
+                    to_child: bool = False) -> tuple[object, str, int]:
+    ready = tmp / "ready"
+    err = io.StringIO()
+
+    def fire() -> None:
+        deadline = time.monotonic() + 30
+        while not ready.exists() or not ready.read_text() or "a line before" not in err.getvalue():
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
+        if to_child:
+            os.killpg(int(ready.read_text()), signal.SIGTERM)  # someone signals torchrun directly
+        elif signum is not None:
+            os.kill(os.getpid(), signum)  # the user signals merak train (this process)
+
+    thread = threading.Thread(target=fire, daemon=True)
+    thread.start()
+    outcome = run_torchrun([sys.executable, "-c", CHILD, str(ready), str(exitcode)], err=err)
+    thread.join()
+    return outcome, err.getvalue(), int(ready.read_text())
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+def test_signal_is_forwarded_to_the_child_session_and_its_noise_hidden(tmp_path: Path, signum: int) -> None:
+    before = signal.getsignal(signum)
+    outcome, err, child_pgid = _run_and_signal(tmp_path, signum)
+    assert child_pgid != os.getpgid(0), "torchrun runs in a session of its own"
+    assert outcome.signal == signum and outcome.returncode == 1  # type: ignore[attr-defined]
+    assert outcome.exit_status == PREEMPTED  # type: ignore[attr-defined]
+    name = signal.Signals(signum).name
+    assert err.splitlines() == [
+        "[rank 0] step 1 loss 2.0",
+        "a line before the signal",  # before the signal everything is shown
+        f"merak train: {name} received, stopping the job (a second signal is passed on again)",
+        f"[rank 0] 12:00:00 merak_core.signals WARNING received {name}: saving",
+    ]
+    assert outcome.hidden_lines == 6  # type: ignore[attr-defined]
+    assert signal.getsignal(signum) is before, "the handlers are restored"
+
+
+def test_a_signal_sent_to_torchrun_directly_is_a_preemption_too(tmp_path: Path) -> None:
+    outcome, err, _ = _run_and_signal(tmp_path, None, to_child=True)
+    assert outcome.signal is None and outcome.worker_exitcodes == [PREEMPTED]  # type: ignore[attr-defined]
+    assert outcome.exit_status == PREEMPTED  # type: ignore[attr-defined]
+    assert "Traceback" in err, "without a signal to merak train nothing is hidden"
+
+
+def test_a_crash_keeps_its_status_and_output(tmp_path: Path) -> None:
+    outcome, err, _ = _run_and_signal(tmp_path, None, exitcode=1, to_child=True)
+    assert outcome.worker_exitcodes == [1] and not outcome.preempted  # type: ignore[attr-defined]
+    assert outcome.exit_status == 1 and "KeyboardInterrupt" in err  # type: ignore[attr-defined]
