@@ -110,6 +110,11 @@ CASES = {
     "output_dir_not_writable": Case(("training.output_dir='/proc/merak-out' cannot be created",
                                      "'/proc' is not writable", "choose a writable directory"),
                                     training={"output_dir": "/proc/merak-out"}),
+    "resume_latest_without_checkpoint": Case(("--resume latest:", "holds no checkpoint", "--resume auto"),
+                                             argv=("--resume", "latest")),
+    "resume_missing_path": Case(("--resume '/nonexistent/step_3': no such checkpoint",
+                                 "pass a step_<N> directory, 'latest' or 'auto'"),
+                                argv=("--resume", "/nonexistent/step_3")),
     # ------------------------------------------------------------------ the model
     "model_kwarg_unknown": Case(("model.kwargs.widht: build_lm() takes no argument 'widht'",
                                  "did you mean 'width'?"), model={"kwargs": {"widht": 8}}),

@@ -9,6 +9,9 @@ torchrun (``torch.distributed.run``): one process per rank, single node by
 default, the usual multi-node flags passed through. Merak has no launcher of
 its own; each rank then runs :mod:`merak_core.launch`.
 
+``merak plans`` lists the registered TP plans; ``merak check CONFIG.yaml`` compares
+every module the job's TP plan shards with the unsharded module (:mod:`merak_core.tp_check`).
+
 Only this module (and the per-rank entry point) configures logging; the
 libraries never touch the root logger.
 """
@@ -117,7 +120,7 @@ def _train(args: argparse.Namespace) -> int:
     if not args.no_check:
         from merak_core.preflight import preflight
 
-        report = preflight(job)  # once, here: a mistake is reported once, not by every rank after launch
+        report = preflight(job, resume=args.resume)  # once, here: a mistake is reported once, not by every rank after launch
         logging.getLogger("merak").info("job checked: %s", report)
     if args.dry_run:
         if t.layout == "auto":
@@ -304,6 +307,63 @@ def _cluster_command(args: argparse.Namespace, job: Any) -> int:
     return 0
 
 
+def _add_plans(sub: argparse._SubParsersAction) -> None:
+    sub.add_parser("plans", help="list the registered tensor-parallel plans and the model types they cover",
+                   description="List the TP plans merak_tp knows (built in: transformers families by model_type), "
+                   "for training.tp_plan.")
+
+
+def _plans(_args: argparse.Namespace) -> int:
+    import merak_tp
+
+    for name, covers in merak_tp.list_plans().items():
+        print(f"{name:<18} {', '.join(covers) or '-'}")
+    return 0
+
+
+def _add_check(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("check", help="check that the job's TP plan shards its model exactly",
+                       description="Run one batch through the job's model unsharded and sharded with its TP plan "
+                       "on tp CPU processes (gloo), and report the largest difference of every sharded module's "
+                       "output. Exits 1 when one is above the tolerance.")
+    p.add_argument("config", help="YAML job file")
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides of the job file")
+    p.add_argument("--tp", type=int, default=None, help="TP ranks to check on (default: the job's tp, at least 2)")
+    p.add_argument("--tolerance", type=float, default=1e-9,
+                   help="largest relative difference accepted (default 1e-9, float64)")
+
+
+def _check(args: argparse.Namespace) -> int:
+    from torch.utils.data import default_collate
+
+    from merak_core.job import JobConfig, load_callable
+    from merak_core.tp_check import check_plan_numerics, format_report
+
+    job = JobConfig.from_yaml(args.config, args.overrides)
+    t = job.training
+    train, _ = job.build_datasets()
+    collate = load_callable(job.collate, base_dir=job.base_dir, what="collate") if job.collate else default_collate
+    batch = collate([train[i] for i in range(min(len(train), t.per_device_train_batch_size))])
+    if isinstance(batch, dict):
+        inputs: tuple[tuple[Any, ...], dict[str, Any]] = ((), {k: v for k, v in batch.items() if k != "labels"})
+    elif isinstance(batch, (tuple, list)):
+        inputs = ((batch[0],), {})
+    else:
+        inputs = ((batch,), {})
+    import merak_tp
+
+    plan: Any = t.tp_plan
+    if plan in (None, "auto"):
+        plan = None
+    elif isinstance(plan, dict):
+        plan = merak_tp.plan_from_mapping(plan)
+    tp = args.tp or max(2, t.tp)
+    rows = check_plan_numerics(job.build_model, inputs, plan=plan, tp=tp)
+    print(f"TP plan check of {args.config} at tp={tp} (float64, one batch of {t.per_device_train_batch_size}):")
+    print(format_report(rows, tolerance=args.tolerance))
+    return 1 if any(r.relative > args.tolerance for r in rows) else 0
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="merak", description="Automated 3D-parallel training for PyTorch.")
     parser.add_argument("--version", action="version", version=f"merak {__version__}")
@@ -311,6 +371,8 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_train(sub)
     _add_plan(sub)
+    _add_plans(sub)
+    _add_check(sub)
     return parser
 
 
@@ -336,6 +398,14 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             print(f"merak plan: error: {exc}", file=sys.stderr)
             return 2
+    if args.command == "plans":
+        return _plans(args)
+    if args.command == "check":
+        try:
+            return _check(args)
+        except ValueError as exc:
+            print(f"merak check: error: {exc}", file=sys.stderr)
+            return BAD_INPUT
     parser.error(f"unknown command {args.command!r}")
     return 2
 

@@ -4,7 +4,7 @@ A mistake in a job file found on the ranks is reported once per rank, after ever
 started, imported torch and joined the process group (and sometimes only at step 1). Here it is
 found in one process, in seconds, and reported once with the key, the value and the fix:
 
-- ``output_dir`` is a directory (or can be created) and writable;
+- ``output_dir`` is a directory (or can be created) and writable, and ``--resume`` finds a checkpoint;
 - the model factory's keyword arguments fit its signature (names and annotated or default
   types, each named ``model.kwargs.<key>``), and the model builds on the meta device
   (``merak_graph.empty_init``: no parameter memory);
@@ -45,7 +45,7 @@ SHAPE_SCAN_SAMPLES = 64
 """Samples whose tensor shapes are compared with the first one (ragged data), beyond the first batch."""
 
 __all__ = ["PreflightError", "PreflightReport", "check_batch", "check_dataset", "check_model_kwargs",
-           "check_output_dir", "check_tp_plan", "first_batch", "preflight"]
+           "check_output_dir", "check_resume", "check_tp_plan", "first_batch", "preflight"]
 
 
 class PreflightError(ValueError):
@@ -85,6 +85,24 @@ def check_output_dir(output_dir: str) -> None:
         what = "is not writable" if probe == path else f"cannot be created: {str(probe)!r} is not writable"
         raise PreflightError(f"training.output_dir={output_dir!r} {what} ({exc.strerror}); choose a writable "
                              "directory (training.output_dir=...) or fix its permissions") from None
+
+
+def check_resume(resume: str | None, output_dir: str) -> None:
+    """``--resume latest`` needs a checkpoint in ``output_dir``; ``--resume PATH`` needs PATH to exist."""
+    from merak_core.checkpoint.files import latest_candidates, pointer_root
+
+    if resume in (None, "auto"):
+        return
+    root = Path(output_dir) / "checkpoints"
+    if resume == "latest":
+        if not latest_candidates(root):
+            raise PreflightError(f"--resume latest: {str(root)!r} holds no checkpoint; start without --resume, or "
+                                 "use --resume auto (the latest checkpoint when there is one, else a fresh start)")
+        return
+    assert resume is not None
+    if pointer_root(resume) is None and not Path(resume).exists() and not (root / resume).exists():
+        raise PreflightError(f"--resume {resume!r}: no such checkpoint (neither that path nor {str(root / resume)!r} "
+                             "exists); pass a step_<N> directory, 'latest' or 'auto'")
 
 
 # ---------------------------------------------------------------------------- the model
@@ -509,17 +527,18 @@ def _output_classes(model: nn.Module, inputs: Any) -> int | None:
 # ---------------------------------------------------------------------------- everything
 
 
-def preflight(job: JobConfig, *, tp: int | None = None) -> PreflightReport:
+def preflight(job: JobConfig, *, tp: int | None = None, resume: str | None = None) -> PreflightReport:
     """Run every check of the module docstring on ``job``; raise :class:`PreflightError` on the first mistake.
 
     ``tp``: the TP degree the job will run with (default ``job.training.tp``; None when the
-    planner chooses it).
+    planner chooses it). ``resume``: the ``--resume`` argument.
     """
     from merak_core.data import split_inputs_labels
 
     t = job.training
     report = PreflightReport()
     check_output_dir(t.output_dir)
+    check_resume(resume, t.output_dir)
     report.checks.append(f"output_dir {t.output_dir} writable")
     model = build_meta_model(job)
     report.checks.append(f"model {type(model).__name__} builds")
