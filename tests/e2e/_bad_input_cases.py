@@ -302,8 +302,12 @@ def tp_style_on_wrong_module(ctx: CaseContext) -> None:
 
 
 def args_unknown_tp_plan_name(ctx: CaseContext) -> None:
+    from merak_core.job import JobConfig
+
+    _args(ctx, tp_plan="gtp")  # a name is looked up once the job's modules (which may register it) are imported
+    job = _write_job(ctx, training="tp_plan: gtp")
     with ctx.guard():
-        _args(ctx, tp_plan="gtp")
+        JobConfig.from_yaml(job)
 
 
 def args_unknown_tp_style(ctx: CaseContext) -> None:

@@ -191,8 +191,10 @@ class TrainingArguments:
     """Sub-microbatches for sub-pipelined TP (communication overlapped with compute); 1: off."""
     zero_stage: int = 0
     """0: replicated optimizer states; 1: ZeRO-1, optimizer states sharded over DP."""
-    tp_plan: str | dict[str, str] | None = None
-    """TP plan: None/``auto`` for known model types, a plan name, or a mapping module pattern -> style."""
+    tp_plan: str | dict[str, Any] | None = None
+    """TP plan: None/``auto`` for known model types, a plan name (built in, or registered by the job's
+    modules), a mapping module pattern -> style, or the full plan vocabulary (``layers``, ``sections``,
+    ``attributes``, ``regions``, ... see ``merak_tp.plan_from_mapping``)."""
 
     # ------------------------------------------------------------ the planner (see [Note: layout auto])
     layout: str = "manual"
@@ -271,7 +273,14 @@ class TrainingArguments:
         self._check_planner_fields()
         _check(self.zero_stage in (0, 1) and not isinstance(self.zero_stage, bool), "zero_stage",
                self.zero_stage, "0 (off) or 1 (optimizer states sharded over DP)")
-        if isinstance(self.tp_plan, Mapping):
+        if isinstance(self.tp_plan, Mapping) and ("layers" in self.tp_plan or "base" in self.tp_plan):
+            import merak_tp
+
+            try:  # the full plan vocabulary (merak_tp.plan_from_mapping); a base plan may come from the job
+                merak_tp.plan_from_mapping(self.tp_plan, check_only=True)
+            except (ValueError, TypeError) as exc:
+                raise ValueError(f"tp_plan={self.tp_plan!r} is invalid: {exc}") from None
+        elif isinstance(self.tp_plan, Mapping):
             _check(all(isinstance(k, str) and isinstance(v, str) for k, v in self.tp_plan.items()), "tp_plan",
                    self.tp_plan, "a mapping of module-name pattern to a style name (both strings)")
             import merak_tp
@@ -279,16 +288,10 @@ class TrainingArguments:
             bad = {k: v for k, v in self.tp_plan.items() if v not in merak_tp.STYLES}
             _check(not bad, "tp_plan", self.tp_plan, f"styles from {merak_tp.STYLES} (unknown: {bad})")
         else:
+            # A plan name is looked up once the job's modules are imported (they may register it):
+            # by merak_core.job after the factories load, and by the Trainer.
             _check(self.tp_plan is None or isinstance(self.tp_plan, str), "tp_plan", self.tp_plan,
                    "null, 'auto', a plan name or a mapping")
-            if self.tp_plan not in (None, "auto"):  # checked now, not only when tp > 1 first shards a model
-                import merak_tp
-
-                try:
-                    merak_tp.get_plan(str(self.tp_plan))
-                except ValueError as exc:
-                    raise ValueError(f"tp_plan={self.tp_plan!r}: {exc}; or use 'auto' or a mapping of module "
-                                     "pattern -> style") from None
 
     def _check_planner_fields(self) -> None:
         _check(self.layout in LAYOUTS, "layout", self.layout, f"one of {LAYOUTS}")

@@ -133,6 +133,7 @@ class JobConfig:
                   loss=raw.get("loss"), metrics=raw.get("metrics"), collate=raw.get("collate"), base_dir=base_dir)
         job.model.load(base_dir, "model.factory")  # fail now on a bad spec, not on 8 ranks later
         job.data.load(base_dir, "data.factory")
+        _check_tp_plan_name(training.tp_plan, source)  # the factories may have registered it
         for name in ("loss", "metrics", "collate"):
             if getattr(job, name) is not None:
                 load_callable(getattr(job, name), base_dir=base_dir, what=name)
@@ -195,6 +196,20 @@ def write_job(source: str | Path | None, out: str | Path, training: dict[str, An
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w") as f:
         yaml.safe_dump(raw, f, sort_keys=False)
+
+
+def _check_tp_plan_name(tp_plan: Any, source: str) -> None:
+    """A named TP plan (or a mapping's ``base``) is registered once the job's modules are imported."""
+    name = tp_plan.get("base") if isinstance(tp_plan, dict) else tp_plan
+    if not isinstance(name, str) or name == "auto":
+        return
+    import merak_tp
+
+    try:
+        merak_tp.get_plan(name)
+    except ValueError as exc:
+        raise ValueError(f"{source}: training.tp_plan={name!r}: {exc}; or use 'auto' (the built-in plan of the "
+                         "model type) or a mapping of module pattern -> style") from None
 
 
 def _factory(section: Any, name: str, source: str) -> Factory:

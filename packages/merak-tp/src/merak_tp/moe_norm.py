@@ -5,8 +5,9 @@ tensors ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``) keeps its own
 forward; each expert's gate/up rows are split column-wise (two sections, gate and
 up, split separately) and its down projection row-wise, so the module's output on
 a rank is a partial sum. The module's class is swapped for a subclass whose
-forward enters the TP region (input gradient all-reduced) and all-reduces the
-output, like a column -> row MLP. Parameter names do not change.
+forward enters the TP region (the gradients of its inputs, tokens and routing
+weights, all-reduced) and all-reduces the output, like a column -> row MLP.
+Parameter names do not change.
 
 ``ShardedRMSNorm``: an RMSNorm applied to a column layer's sharded output (OLMo 2
 normalises the whole q and k projections): the weight is split like the
@@ -34,9 +35,17 @@ class TPExperts:
 
     _merak_tp_group_ref: _GroupRef
 
-    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         group = self._merak_tp_group_ref.group
-        out = super().forward(copy_to_tp_region(hidden_states, group), *args, **kwargs)  # type: ignore[misc]
+
+        def enter(x: Any) -> Any:
+            # Every differentiable input (the tokens and the routing weights) gets a partial gradient
+            # from this rank's slice of the experts: all-reduced in backward.
+            if isinstance(x, torch.Tensor) and x.is_floating_point():
+                return copy_to_tp_region(x, group)
+            return x
+
+        out = super().forward(*(enter(a) for a in args), **{k: enter(v) for k, v in kwargs.items()})  # type: ignore[misc]
         return reduce_from_tp_region(out, group)
 
 
@@ -68,7 +77,8 @@ def shard_experts(module: nn.Module, name: str, *, group: Any) -> nn.Module:
     if inter % world:
         raise ValueError(f"{name}: the experts' intermediate size {inter} is not divisible by the tensor-parallel "
                          f"size {world}; choose a TP degree that divides {inter}")
-    new = _tp_class(type(module)).__new__(_tp_class(type(module)))
+    cls: Any = _tp_class(type(module))
+    new = cls.__new__(cls)
     new.__dict__.update(module.__dict__)
     for key in ("_parameters", "_buffers", "_modules"):
         new.__dict__[key] = dict(module.__dict__[key])

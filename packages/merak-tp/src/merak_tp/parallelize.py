@@ -123,14 +123,29 @@ def _build(module: nn.Module, name: str, style: str, kind: str, sections: Any, *
     raise AssertionError(style)
 
 
+def _closest(pattern: str, names: list[str]) -> list[str]:
+    """Module names nearest to a pattern that matches none: the pattern's siblings, most similar first."""
+    parent, _, leaf = pattern.rpartition(".")
+    if parent:
+        by_leaf: dict[str, str] = {}
+        for n in names:
+            head, _, tail = n.rpartition(".")
+            if fnmatch.fnmatchcase(head, parent):
+                by_leaf.setdefault(tail, n)
+        if by_leaf:
+            near = difflib.get_close_matches(leaf, list(by_leaf), n=5, cutoff=0.0)
+            return [by_leaf[n] for n in near]
+    return difflib.get_close_matches(pattern.replace("*", "0"), names, n=3, cutoff=0.5)
+
+
 def _check_patterns(model: nn.Module, plan: TPPlan, names: list[str]) -> None:
     """Every pattern of the plan matches at least one module (unless listed in ``plan.optional``)."""
     groups = (("layers", plan.layers), ("attributes", plan.attributes), ("regions", plan.regions))
     for where, patterns in groups:
         for pattern in patterns:
-            if pattern in plan.optional or any(fnmatch.fnmatchcase(n, pattern) for n in names if n):
+            if pattern in plan.optional or any(fnmatch.fnmatchcase(n, pattern) for n in names):
                 continue
-            close = difflib.get_close_matches(pattern, [n for n in names if n], n=3, cutoff=0.5)
+            close = _closest(pattern, [n for n in names if n])
             raise ValueError(
                 f"TP plan {plan.name!r}: {where} pattern {pattern!r} matched no module of {type(model).__name__} "
                 f"(closest module names: {close or 'none'}); fix the pattern against model.named_modules() "
@@ -229,7 +244,7 @@ def parallelize(
     replaced: list[tuple[str, nn.Module, nn.Module]] = []
     for name, module in named.items():
         pattern = _match(name, plan.layers) if name else None
-        if pattern is None or plan.layers[pattern] == "replicate":
+        if pattern is None or plan.layers[pattern] in ("replicate", "per_head"):
             continue
         style = plan.layers[pattern]
         kind = _kind(module, name, style, plan)
@@ -266,11 +281,19 @@ def parallelize(
 
 def _apply_regions(model: nn.Module, plan: TPPlan, region_names: list[str], *, group: Any, tp: int, chunks: int,
                    sp: bool, rng_tracker: Any) -> None:
-    """Regions: overlap, sequence parallelism and the TP random stream."""
+    """Regions: overlap, sequence parallelism and the TP random stream; per-head modules' gradient sums."""
     named = dict(model.named_modules())
+    per_head = {id(p) for n, m in named.items() if n and (pattern := _match(n, plan.layers)) is not None
+                and plan.layers[pattern] == "per_head" for p in m.parameters()}
+    if tp > 1:
+        for p in model.parameters():
+            if id(p) in per_head and p.requires_grad:
+                p.register_hook(_make_sum_hook(group))  # each rank applied it to its own heads only
     if (chunks > 1 or sp or rng_tracker is not None) and tp > 1:
         for name in region_names:
             fork = rng_tracker if _match(name, plan.rng_regions) is not None else None
+            if chunks == 1 and not sp and fork is None:
+                continue  # only the TP random stream asked for: regions without dropout stay as they are
             make_region(named[name], group=group, chunks=chunks, sequence_parallel=sp, name=name, rng_tracker=fork)
     if not (sp and tp > 1):
         return
@@ -287,6 +310,7 @@ def _apply_regions(model: nn.Module, plan: TPPlan, region_names: list[str], *, g
     full |= {id(p) for m in named.values() if isinstance(m, (ColumnParallelLinear, RowParallelLinear,
                                                              VocabParallelEmbedding))
              for p in m.parameters()}
+    full |= per_head  # inside a region (full sequence); summed over the heads above
     for p in model.parameters():
         if p._merak_tp_dim is None and id(p) not in full and p.requires_grad:  # type: ignore[attr-defined]
             p._merak_tp_sequence_partial = True  # type: ignore[attr-defined]

@@ -15,6 +15,9 @@ including dots) to styles:
                     parallel (one all-reduce for the whole block)
 ``"sharded_norm"``  an RMSNorm over a column layer's sharded output (OLMo 2's q/k norms): its
                     weight is split like the features and the mean square is all-reduced
+``"per_head"``      a replicated module applied to each local head (Qwen 3's and Gemma 3's q/k
+                    norms over ``head_dim``): kept whole, its gradients summed over the TP ranks
+                    (each rank sees only its own heads)
 ``"replicate"``     left as is (documentation; unmatched modules are replicated)
 
 plus the per-rank attributes to divide (head counts, fused split sizes), the
@@ -42,7 +45,7 @@ from torch import nn
 __all__ = ["MODULE_KINDS", "STYLES", "TPPlan", "get_plan", "list_plans", "plan_for_model", "plan_from_mapping",
            "register_plan"]
 
-STYLES = ("column", "column_qkv", "row", "vocab", "lm_head", "experts", "sharded_norm", "replicate")
+STYLES = ("column", "column_qkv", "row", "vocab", "lm_head", "experts", "sharded_norm", "per_head", "replicate")
 
 MODULE_KINDS = ("linear", "embedding", "scaled_embedding")
 """What a plan may declare a module class to be, when its forward is not the stock one:
@@ -52,7 +55,8 @@ MODULE_KINDS = ("linear", "embedding", "scaled_embedding")
 SectionSpec = int | tuple[int, ...] | str | Callable[[nn.Module], tuple[int, ...]]
 """Sections of a fused column layer: an equal count, the full sizes, an expression over
 ``model.config`` attributes (``"num_attention_heads*head_dim, num_key_value_heads*head_dim, ..."``)
-or a function of the root model returning the sizes."""
+or a function of the root model returning the sizes. ``head_dim`` left unset in a config means
+``hidden_size // num_attention_heads``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -178,8 +182,9 @@ def plan_for_model(model: nn.Module) -> TPPlan:
         f"no built-in TP plan for {type(model).__name__} (model_type={model_type!r}); built-in plans cover the "
         f"transformers model types {sorted(_BY_TYPE)}. Name a plan in the job file's training.tp_plan key "
         f"(registered plans: {sorted(_PLANS)}), or write one: training.tp_plan: {{layers: {{pattern: style}}, "
-        "...} (styles: " + ", ".join(STYLES) + "), or in Python TPPlan(...) passed to parallelize(model, plan, "
-        "group=...) or registered with register_plan(plan, model_types=(...,), classes=(...,))"
+        "...} (styles: " + ", ".join(STYLES) + "). Write a TPPlan(...) in Python and pass it as "
+        "parallelize(model, plan, group=...) or register it with register_plan(plan, model_types=(...,), "
+        "classes=(...,))"
     )
 
 
@@ -215,7 +220,7 @@ def _sections_value(pattern: str, value: Any) -> SectionSpec:
                      "config expressions (['num_attention_heads*head_dim', 'num_key_value_heads*head_dim', ...])")
 
 
-def plan_from_mapping(data: Mapping[str, Any], *, name: str = "user") -> TPPlan:
+def plan_from_mapping(data: Mapping[str, Any], *, name: str = "user", check_only: bool = False) -> TPPlan:
     """A plan from plain data (a job file's ``training.tp_plan``).
 
     Either ``{pattern: style}`` (layers only), or the full vocabulary: ``layers``,
@@ -223,6 +228,8 @@ def plan_from_mapping(data: Mapping[str, Any], *, name: str = "user") -> TPPlan:
     ``sequence_scatter`` / ``sequence_gather`` / ``sequence_full``, ``rng_regions``,
     ``optional``, ``sequence_parallel``, ``vocab_parallel_loss`` and ``base`` (a registered
     plan whose fields the others replace). Raises ``ValueError`` naming the bad key or value.
+    ``check_only``: validate before the job's modules are imported (a ``base`` not registered
+    yet is skipped, the layers may then come from it).
     """
     if not isinstance(data, Mapping):
         raise ValueError(f"tp_plan={data!r}: expected a mapping")
@@ -237,7 +244,10 @@ def plan_from_mapping(data: Mapping[str, Any], *, name: str = "user") -> TPPlan:
     if "base" in data:
         if not isinstance(data["base"], str):
             raise ValueError(f"tp_plan base={data['base']!r}: expected the name of a registered plan")
-        fields = {f.name: getattr(get_plan(data["base"]), f.name) for f in dataclasses.fields(TPPlan)}
+        if data["base"] in _PLANS or not check_only:
+            fields = {f.name: getattr(get_plan(data["base"]), f.name) for f in dataclasses.fields(TPPlan)}
+        else:
+            fields = {"layers": {}}
     fields["name"] = str(data.get("name", name))
     if "layers" in data:
         layers = data["layers"]
@@ -290,6 +300,9 @@ def resolve_sections(spec: SectionSpec, model: nn.Module, name: str) -> int | tu
                 value *= int(factor)
                 continue
             got = getattr(config, factor, None)
+            heads = getattr(config, "num_attention_heads", None)
+            if factor == "head_dim" and got is None and isinstance(heads, int):
+                got = getattr(config, "hidden_size", 0) // heads  # configs that leave it implicit
             if not isinstance(got, int) or isinstance(got, bool):
                 raise ValueError(f"{name}: sections {spec!r}: model.config.{factor} is {got!r}, expected an integer "
                                  "(sections expressions multiply integer attributes of model.config)")

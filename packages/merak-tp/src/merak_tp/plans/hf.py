@@ -76,7 +76,7 @@ def _phi3_fixup(module: nn.Module, name: str, tp: int) -> None:
     each attention module a copy of the config with the per-rank head count."""
     _record_heads(module, name, tp)
     if type(module).__name__ == "Phi3Attention":
-        config = copy.copy(module.config)
+        config: Any = copy.copy(module.config)
         config.num_attention_heads = config.num_attention_heads // tp
         config.num_key_value_heads = config.num_key_value_heads // tp
         module.config = config  # type: ignore[assignment]
@@ -127,12 +127,17 @@ def _decoder_plan(name: str, layers: dict[str, str], **kw: Any) -> TPPlan:
                   sequence_full=("*embed_tokens",), optional=("lm_head",), **kw)
 
 
-for _t in ("llama", "mistral", "qwen2", "qwen3"):
-    register_plan(_decoder_plan(f"hf_{_t}", {**_ATTN, **_GATED_MLP, **_ENDS}), model_types=(_t,))
+_HEAD_NORMS = {"*layers.*.self_attn.q_norm": "per_head", "*layers.*.self_attn.k_norm": "per_head"}
 
-for _t in ("gemma", "gemma2", "gemma3_text"):
+for _t in ("llama", "mistral", "qwen2"):
+    register_plan(_decoder_plan(f"hf_{_t}", {**_ATTN, **_GATED_MLP, **_ENDS}), model_types=(_t,))
+register_plan(_decoder_plan("hf_qwen3", {**_ATTN, **_HEAD_NORMS, **_GATED_MLP, **_ENDS}), model_types=("qwen3",))
+
+for _t in ("gemma", "gemma2"):
     register_plan(_decoder_plan(f"hf_{_t}", {**_ATTN, **_GATED_MLP, **_ENDS}, module_kinds=_GEMMA_EMBEDDINGS),
                   model_types=(_t,))
+register_plan(_decoder_plan("hf_gemma3_text", {**_ATTN, **_HEAD_NORMS, **_GATED_MLP, **_ENDS},
+                            module_kinds=_GEMMA_EMBEDDINGS), model_types=("gemma3_text",))
 
 register_plan(_decoder_plan("hf_olmo2", {
     **_ATTN, "*layers.*.self_attn.q_norm": "sharded_norm", "*layers.*.self_attn.k_norm": "sharded_norm",
@@ -147,9 +152,10 @@ register_plan(_decoder_plan("hf_phi3", {
 }, sections={"*layers.*.self_attn.qkv_proj": _qkv_sections, "*layers.*.mlp.gate_up_proj": 2},
     fixup=_phi3_fixup), model_types=("phi3",))
 
-for _t, _mlp in (("mixtral", {}), ("qwen3_moe", _GATED_MLP)):
+for _t, _extra in (("mixtral", {}), ("qwen3_moe", _HEAD_NORMS)):
+    _mlp = _GATED_MLP if _t == "qwen3_moe" else {}  # dense MLPs in the layers listed in mlp_only_layers
     register_plan(_decoder_plan(f"hf_{_t}", {
-        **_ATTN, "*layers.*.mlp.experts": "experts", "*layers.*.mlp.gate": "replicate", **_mlp, **_ENDS,
+        **_ATTN, **_extra, "*layers.*.mlp.experts": "experts", "*layers.*.mlp.gate": "replicate", **_mlp, **_ENDS,
     }, regions=("*layers.*.self_attn",), sequence_parallel=False,
         attributes={"*layers.*.mlp.experts": ("intermediate_dim",)}).with_options(
         optional=("lm_head", *_mlp)), model_types=(_t,))
@@ -223,6 +229,8 @@ register_plan(TPPlan(
     rng_regions=("*layers.*.self_attn",),
     sequence_scatter=("*layers.0",),
     sequence_full=("*decoder.embed_tokens", "*decoder.embed_positions", "*decoder.project_in"),
+    # OPTDecoderLayer flattens batch and sequence around its MLP: no sequence parallelism.
+    sequence_parallel=False,
     optional=("lm_head",),
     check=_check_heads,
 ), model_types=("opt",))

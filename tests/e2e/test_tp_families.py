@@ -1,0 +1,121 @@
+"""Every transformers family with a built-in TP plan trains under the Trainer like one process.
+
+A tiny random model of each family (``tests/tp/_hf_families.py``, float64, no
+downloads) is handed to ``merak_core.Trainer`` unchanged, with ``tp_plan`` left to
+the built-in plan of its ``model_type``. Three optimizer steps (AdamW, warm-up,
+clipping) must give the same losses and every parameter, by name, as the same
+training in one process. Layouts: tp=2 with sub-pipelined overlap
+(``overlap_chunks=2``), and tp=2 x pp=2 (stages traced by torch.export) for the
+families that export; mixture-of-experts blocks route tokens with data-dependent
+shapes, which torch.export cannot trace, so they run at tp=2 only.
+
+Run with ``nox -s transformers`` or ``pytest -m transformers``.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+from tests.e2e._trainer_support import reference_steps
+from tests.support.compare import assert_tensors_close
+from tests.support.dist import run_on_ranks
+
+pytest.importorskip("transformers")
+
+from tests.tp import _hf_families as F  # noqa: E402
+
+pytestmark = pytest.mark.transformers
+
+SEQ = 8
+NO_EXPORT = F.MOE
+"""Families whose stages torch.export cannot trace (data-dependent expert routing)."""
+
+
+class Tokens(Dataset):
+    """Random token sequences with next-token labels (ids from 3 up: no pad/bos/eos tokens)."""
+
+    def __init__(self, size: int, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(3, F.VOCAB, (size, SEQ + 1), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i, :-1].clone(), "labels": self.ids[i, 1:].clone()}
+
+
+def lm_loss(output: Any, labels: torch.Tensor) -> torch.Tensor:
+    logits = getattr(output, "logits", output)
+    if isinstance(logits, (tuple, list)):
+        logits = logits[0]
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1))
+
+
+def make_args(**overrides: Any) -> Any:
+    from merak_core.config import TrainingArguments
+
+    values: dict[str, Any] = dict(
+        output_dir=tempfile.mkdtemp(prefix="merak-tpfam-"), per_device_train_batch_size=2,
+        gradient_accumulation_steps=2, learning_rate=1e-2, max_steps=3, dtype="float64", max_grad_norm=0.5,
+        logging_steps=1, warmup_steps=1, lr_scheduler_type="linear", weight_decay=0.1, seed=7,
+    )
+    values.update(overrides)
+    return TrainingArguments(**values)
+
+
+def train_on_ranks(name: str, kwargs: dict[str, Any]) -> tuple[list[float], Any]:
+    import torch.distributed as dist
+
+    from merak_core import Trainer
+
+    trainer = Trainer(F.build_family(name), make_args(**kwargs), Tokens(16), loss_fn=lm_loss)
+    history = trainer.train()
+    state = trainer.full_state_dict()
+    transposed = {n for n, p in trainer.model.named_parameters() if getattr(p, "_merak_tp_transposed", False)}
+    return [h["loss"] for h in history if "loss" in h], (state, transposed) if dist.get_rank() == 0 else None
+
+
+def reference(name: str, kwargs: dict[str, Any]) -> tuple[list[float], dict[str, torch.Tensor]]:
+    args = make_args(**kwargs)
+    model = F.build_family(name)
+    params = dict(model.named_parameters())
+
+    def microbatch_loss(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        labels = batch.pop("labels")
+        return lm_loss(model(**batch), labels)
+
+    losses = reference_steps(model, Tokens(16), args, 1, microbatch_loss)
+    return losses, {n: p.detach().clone() for n, p in params.items()}
+
+
+def _check(name: str, tp: int, pp: int, **overrides: Any) -> None:
+    kwargs = dict(dp=1, tp=tp, pp=pp, gradient_accumulation_steps=2, **overrides)
+    results = run_on_ranks(tp * pp, train_on_ranks, name, kwargs)
+    ref_losses, ref_state = reference(name, kwargs)
+    losses, (state, transposed) = results[0]
+    tol = F.tolerance(name)
+    assert len(losses) == 3
+    assert losses == pytest.approx(ref_losses, rel=tol.get("rtol", 1e-9), abs=1e-12)
+    assert sorted(state) == sorted(ref_state)
+    for key, ref in ref_state.items():
+        value = state[key]
+        if key in transposed and value.shape != ref.shape:
+            value = value.t()
+        assert_tensors_close(value, ref, name=f"{name} tp{tp} pp{pp} param {key}",
+                             rtol=tol.get("rtol", 1e-8), atol=tol.get("atol", 1e-10))
+
+
+@pytest.mark.parametrize("name", F.FAMILIES)
+def test_family_trains_at_tp2_with_overlap(name: str) -> None:
+    _check(name, 2, 1, overlap_chunks=2)
+
+
+@pytest.mark.parametrize("name", [f for f in F.FAMILIES if f not in NO_EXPORT])
+def test_family_trains_at_tp2_pp2(name: str) -> None:
+    _check(name, 2, 2)
