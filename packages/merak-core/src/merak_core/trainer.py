@@ -192,10 +192,21 @@ class Trainer:
             example_inputs = self._example_inputs(train_dataset if train_dataset is not None else eval_dataset)
         if not _is_meta(model):
             model.to(dtype=args.torch_dtype)
-        torch.manual_seed(args.seed + 1 + self.layout.tp_rank)  # dropout differs across TP, equal across DP
+        # One default stream on every rank: dropout of replicated activations agrees across TP ranks.
+        # At pp == 1 sharded activations (the plan's rng regions) draw from the TP stream, seeded per TP
+        # rank and derived from the default generator, so recomputation and resumes replay it
+        # (merak_tp.rng). Traced stages (pp > 1) keep the modules unwrapped: there, sharded dropout uses
+        # the default stream too (the same masks for the heads of every rank).
+        torch.manual_seed(args.seed + 1)
+        tp_rng = None
+        if self.layout.tp > 1 and self.layout.pp == 1:
+            import merak_tp
+
+            tp_rng = merak_tp.RNGTracker(self.device)
+            tp_rng.add("tp", merak_tp.tp_seed(args.seed, self.layout.tp_group), derived=True)
         self.model: ParallelModel = build_parallel_model(
             model, self.layout, example_inputs=example_inputs, tp_plan=args.tp_plan,
-            overlap_chunks=args.overlap_chunks, device=self.device, init_fn=init_fn,
+            overlap_chunks=args.overlap_chunks, device=self.device, init_fn=init_fn, rng_tracker=tp_rng,
         )
         self._check_loss_fn()
         self.runner = self._build_runner()
