@@ -135,12 +135,16 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _output_dir_lock(args: argparse.Namespace, output_dir: str) -> Any:
-    """The lock of ``output_dir`` (see [Note: output_dir lock]); on a multi-node job only node 0 takes it."""
+    """The lock of ``output_dir`` (see [Note: output_dir lock]).
+
+    On several nodes only ``--node-rank 0`` takes it: the nodes of one job may share the directory,
+    and without a node rank (an elastic rendezvous) no node knows that it is the first.
+    """
     import contextlib
 
     from merak_core.outdir_lock import OutputDirLock, OutputDirLocked
 
-    if args.nnodes > 1 and args.node_rank not in (0, None):
+    if args.nnodes > 1 and args.node_rank != 0:
         return contextlib.nullcontext(None)
     try:
         return OutputDirLock.acquire(output_dir, command=shlex.join(["merak", "train", args.config, *args.overrides]))
