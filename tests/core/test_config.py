@@ -232,3 +232,15 @@ def test_comm_timeout_is_a_job_setting(tmp_path: Path) -> None:
     path.write_text("comm_timeout_s: 45\n")
     assert TrainingArguments.from_yaml(path).comm_timeout_s == 45.0
     assert TrainingArguments.from_yaml(path, ["comm_timeout_s=2.5"]).comm_timeout == datetime.timedelta(seconds=2.5)
+
+
+def test_duplicate_yaml_key_is_an_error(tmp_path: Path) -> None:
+    """YAML keeps the last of two equal keys; a config file with one twice is refused, naming both lines."""
+    path = tmp_path / "train.yaml"
+    path.write_text("learning_rate: 1.0e-3\nmax_steps: 10\nlearning_rate: 3.0e-3\n")
+    with pytest.raises(ValueError, match=r"train.yaml: line 3: key 'learning_rate' appears twice in one mapping "
+                                         r"\(first at line 1\)"):
+        TrainingArguments.from_yaml(path)
+    path.write_text("max_steps: [10\n")
+    with pytest.raises(ValueError, match=r"train.yaml: not valid YAML: .*line 2, column 1"):
+        TrainingArguments.from_yaml(path)
