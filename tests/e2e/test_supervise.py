@@ -81,7 +81,7 @@ def test_signal_is_forwarded_to_the_child_session_and_its_noise_hidden(tmp_path:
     assert err.splitlines() == [
         "[rank 0] step 1 loss 2.0",
         "a line before the signal",  # before the signal everything is shown
-        f"merak train: {name} received, stopping the job (a second signal is passed on again)",
+        f"merak train: {name} received, stopping the job",
         f"[rank 0] 12:00:00 merak_core.signals WARNING received {name}: saving",
     ]
     assert outcome.hidden_lines == 6  # type: ignore[attr-defined]
@@ -99,3 +99,48 @@ def test_a_crash_keeps_its_status_and_output(tmp_path: Path) -> None:
     outcome, err, _ = _run_and_signal(tmp_path, None, exitcode=1, to_child=True)
     assert outcome.worker_exitcodes == [1] and not outcome.preempted  # type: ignore[attr-defined]
     assert outcome.exit_status == 1 and "KeyboardInterrupt" in err  # type: ignore[attr-defined]
+
+
+STUBBORN = textwrap.dedent("""
+    import os, signal, subprocess, sys, time
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+    signal.signal(signal.SIGTERM, lambda *a: None)  # a slow shutdown: the save takes long
+    open(sys.argv[1], "w").write(str(rank.pid))
+    time.sleep(120)
+""")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def test_the_third_signal_kills_torchrun_and_its_ranks(tmp_path: Path) -> None:
+    ready = tmp_path / "ready"
+    err = io.StringIO()
+
+    def fire() -> None:
+        deadline = time.monotonic() + 30
+        while (not ready.exists() or not ready.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for _ in range(3):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.3)
+
+    thread = threading.Thread(target=fire, daemon=True)
+    thread.start()
+    outcome = run_torchrun([sys.executable, "-c", STUBBORN, str(ready)], err=err)
+    thread.join()
+    rank = int(ready.read_text())
+    assert outcome.returncode == -signal.SIGKILL and outcome.exit_status == PREEMPTED, err.getvalue()
+    assert err.getvalue().splitlines() == [
+        "merak train: SIGTERM received, stopping the job",
+        "merak train: still stopping (the ranks finish their step and save); signal once more to kill them now",
+        "merak train: killing torchrun and its ranks",
+    ]
+    deadline = time.monotonic() + 10
+    while _alive(rank) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(rank), "the rank in its own session was killed too"

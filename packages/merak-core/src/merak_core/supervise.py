@@ -5,7 +5,9 @@ a Ctrl-C in the terminal reaches only ``merak train``, which forwards it (SIGINT
 SIGHUP, as received) to torchrun's process group with ``os.killpg``. torchrun passes it to its
 workers (each in a session of its own as well), waits for them and kills those that outlive
 its shutdown timeout; ``merak train`` waits for torchrun in turn, so when it returns no rank of
-the job is left. A second signal is forwarded again. While stopping, the ranks' and torchrun's
+the job is left. torchrun gets only the first signal (a second one would interrupt its own
+shutdown and leave ranks running): a second one prints that the job is still stopping, a third
+kills torchrun's ranks and torchrun with SIGKILL (no checkpoint). While stopping, the ranks' and torchrun's
 shutdown tracebacks are held back: the user sees the ranks' own log lines (the one that says
 how to resume among them), a count of what was hidden, and the command to resume.
 
@@ -79,6 +81,8 @@ class JobOutcome:
         """A signal torchrun reported receiving itself (sent to torchrun directly), or None."""
         self.worker_exitcodes: list[int] = []
         self.hidden_lines = 0
+        self.repeats = 0
+        """Signals received after the first (the second warns, the third kills the job's processes)."""
 
     @property
     def preempted(self) -> bool:
@@ -95,6 +99,41 @@ class JobOutcome:
             return PREEMPTED
         assert self.returncode is not None
         return self.returncode if self.returncode >= 0 else 128 - self.returncode
+
+
+def _children(pid: int) -> list[int]:
+    """Direct children of ``pid``, from ``/proc`` (empty where there is no ``/proc``)."""
+    found = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(entry))
+    return found
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL torchrun's ranks (each leads a session of its own) and torchrun's process group."""
+    for child in _children(pid):
+        for kill in (os.killpg, os.kill):
+            try:
+                kill(child, signal.SIGKILL)
+                break
+            except (ProcessLookupError, PermissionError):
+                continue
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _pump(stream: IO[str], out: IO[str], outcome: JobOutcome, stopping: threading.Event) -> None:
@@ -127,12 +166,20 @@ def run_torchrun(cmd: Sequence[str], *, env: dict[str, str] | None = None, pass_
     started: list[subprocess.Popen[str]] = []
 
     def forward(signum: int, frame: FrameType | None) -> None:
-        if outcome.signal is None:
-            outcome.signal = signum
-            out.write(f"merak train: {signal.Signals(signum).name} received, stopping the job (a second signal "
-                      "is passed on again)\n")
-            out.flush()
         stopping.set()
+        if outcome.signal is not None:  # a repeated signal: torchrun is already stopping its ranks
+            outcome.repeats += 1
+            if outcome.repeats == 1:
+                out.write("merak train: still stopping (the ranks finish their step and save); signal once more "
+                          "to kill them now\n")
+            elif started:
+                out.write("merak train: killing torchrun and its ranks\n")
+                _kill_tree(started[0].pid)
+            out.flush()
+            return
+        outcome.signal = signum
+        out.write(f"merak train: {signal.Signals(signum).name} received, stopping the job\n")
+        out.flush()
         if started:
             try:
                 os.killpg(started[0].pid, signum)
