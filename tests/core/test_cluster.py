@@ -245,3 +245,24 @@ def test_a_schedule_that_does_not_validate_is_skipped_with_a_warning(small_costs
               recompute="stage_aware")
     assert predict_config(small_costs, load_cluster("h100-sxm-8x"), memo={}, **kw) is None
     assert "does not validate, skipped" in caplog.text
+
+
+def test_virtual_stages_shrink_the_bubble_and_sum_memory_per_rank(small_costs):
+    cluster = load_cluster("h100-sxm-8x")
+    kw = dict(dp=1, tp=1, pp=2, num_microbatches=2, micro_batch_size=256)
+    plain = predict_config(small_costs, cluster, schedule="1f1b", **kw)
+    inter = predict_config(small_costs, cluster, schedule="interleaved_1f1b", virtual_stages=2, **kw)
+    assert inter.virtual_stages == 2 and len(inter.stage_layers) == 4 and len(inter.stage_memory_bytes) == 2
+    assert inter.pipeline_s < plain.pipeline_s
+    # every rank holds two stages: its static memory is the sum of theirs
+    bounds = [0]
+    for size in inter.stage_layers:
+        bounds.append(bounds[-1] + size)
+    per_stage = [small_costs.stage_params(bounds[s], bounds[s + 1]) * (2 + 4 + 12) for s in range(4)]
+    assert inter.stage_static_bytes == pytest.approx((per_stage[0] + per_stage[2], per_stage[1] + per_stage[3]))
+    with pytest.raises(ValueError, match="one stage per rank"):
+        inter.training_fields()
+    searched = plan_cluster(small_costs, cluster, num_nodes=1, global_batch_size=16, max_microbatches=8,
+                            schedules=("1f1b", "interleaved_1f1b"), zero_stages=(0,), tp_overlaps=(False,),
+                            layouts=[(1, 1, 4)])
+    assert {c.virtual_stages for c in searched} == {1, 2}

@@ -125,3 +125,8 @@ def test_large_dry_runs_build_a_sample_of_ranks_through_the_fake_group_and_compu
         stage, d, t = coords_of(p.rank, dp=16, tp=4)
         assert p.dp_group == tuple(rank_of(stage, x, t, dp=16, tp=4) for x in range(16))
         assert p.pp_group == tuple(rank_of(x, d, t, dp=16, tp=4) for x in range(2))
+
+
+def test_an_interleaved_schedule_is_refused_as_the_trainer_would():
+    report = _run(load_cluster("h100-sxm-8x"), 8, pp=2, num_microbatches=4, schedule="interleaved_1f1b")
+    assert report.first_failure.kind == "schedule" and "one stage per rank" in report.first_failure.message

@@ -233,8 +233,12 @@ def _tp_exposed(comm: float, compute: float, overlap: bool, chunks: int) -> floa
 
 def stage_costs(costs: ModelCosts, cluster: ClusterSpec, *, bounds: Sequence[int], dp: int, tp: int,
                 micro_batch_size: int, zero_stage: int = 0, tp_overlap: bool = False,
-                tp_chunks: int = 2) -> StageCosts:
-    """Seconds and bytes per stage for layers split at ``bounds`` (see [Note: cluster model terms])."""
+                tp_chunks: int = 2, num_ranks: int | None = None) -> StageCosts:
+    """Seconds and bytes per stage for layers split at ``bounds`` (see [Note: cluster model terms]).
+
+    ``num_ranks``: pipeline ranks when they hold several stages each (virtual stages); default one
+    stage per rank.
+    """
     b, pp = micro_batch_size, len(bounds) - 1
     prec = costs.precision
     tp_group = tp_ranks(dp, tp)
@@ -256,27 +260,33 @@ def stage_costs(costs: ModelCosts, cluster: ClusterSpec, *, bounds: Sequence[int
         static.append(n * (prec.weight_bytes + prec.grad_bytes) + n * prec.optimizer_bytes / opt_div)
         out_b.append(b * layers[-1].output_bytes)
         in_b.append(b * (costs.layers[bounds[s] - 1].output_bytes if bounds[s] > 0 else 0.0))
-    latency, bandwidth = p2p_link(dp, tp, pp, cluster)
+    latency, bandwidth = p2p_link(dp, tp, num_ranks if num_ranks is not None else pp, cluster)
     return StageCosts(forward_s=fwd, backward_s=bwd, tp_exposed_s=exposed, activation_bytes=acts,
                       static_bytes=static, params_per_device=params, boundary_bytes=out_b, input_bytes=in_b,
                       p2p_latency_s=latency, p2p_bandwidth=bandwidth)
 
 
 def step_overhead_s(costs: ModelCosts, cluster: ClusterSpec, stages: StageCosts, *, bounds: Sequence[int],
-                    dp: int, tp: int, zero_stage: int) -> tuple[float, float]:
-    """(DP gradient all-reduce + tied-parameter all-reduce, optimizer step) seconds per step."""
+                    dp: int, tp: int, zero_stage: int,
+                    stage_to_rank: Sequence[int] | None = None) -> tuple[float, float]:
+    """(DP gradient all-reduce + tied-parameter all-reduce, optimizer step) seconds per step.
+
+    ``stage_to_rank``: the pipeline rank of each stage (default: stage s on rank s).
+    """
     prec = costs.precision
-    grads = max(stages.params_per_device) * prec.grad_bytes
-    dp_s = _ring_allreduce_s(grads, dp_ranks(dp, tp), cluster)
-    pp = len(bounds) - 1
+    placement = list(stage_to_rank) if stage_to_rank is not None else list(range(len(bounds) - 1))
+    per_rank: dict[int, float] = {}
+    for s, n in enumerate(stages.params_per_device):
+        per_rank[placement[s]] = per_rank.get(placement[s], 0.0) + n
+    largest = max(per_rank.values())
+    dp_s = _ring_allreduce_s(largest * prec.grad_bytes, dp_ranks(dp, tp), cluster)
     stride = dp * tp
     tied = 0.0
     for name, held in costs.tied_across(bounds).items():
-        ranks = [s * stride for s in held]
+        ranks = sorted({placement[s] * stride for s in held})
         tied += _ring_allreduce_s(costs.param_numel[name] / tp * prec.grad_bytes, ranks, cluster)
-    del pp
     opt_div = dp if zero_stage == 1 else 1
     # Adam reads and writes master weights, moments and gradients, writes the 16-bit weights.
-    touched = max(stages.params_per_device) / opt_div * (2 * prec.optimizer_bytes + prec.grad_bytes + prec.weight_bytes)
+    touched = largest / opt_div * (2 * prec.optimizer_bytes + prec.grad_bytes + prec.weight_bytes)
     optimizer = touched / (cluster.memory_bandwidth * cluster.memory_efficiency)
     return dp_s + tied, optimizer

@@ -99,7 +99,7 @@ def dry_run_job(jm: JobModel, cluster: ClusterSpec, *, world_size: int, training
     schedule = t.schedule
     if schedule == "auto":
         schedule = "shifted_critical_path" if t.memory_budget is not None else "1f1b"
-    if schedule not in PREDICTABLE_SCHEDULES:
+    if schedule not in PREDICTABLE_SCHEDULES and schedule != "interleaved_1f1b":
         notes.append(f"schedule {schedule!r} is not priced by the cluster model: 1f1b was dry-run instead")
         schedule = "1f1b"
     recompute = t.recompute

@@ -25,9 +25,10 @@ logger = logging.getLogger(__name__)
 __all__ = ["CLUSTER_SCHEDULES", "PREDICTABLE_SCHEDULES", "ClusterCandidate", "format_cluster_plan", "plan_cluster", "predict_config"]
 
 CLUSTER_SCHEDULES = ("1f1b", "shifted_critical_path")
-"""Schedules the cluster search tries by default."""
-PREDICTABLE_SCHEDULES = ("gpipe", "1f1b", "shifted_critical_path", "zb_h1")
-"""Schedules :func:`predict_config` prices (one stage per rank)."""
+"""Schedules the cluster search tries by default (the Trainer runs them). ``interleaved_1f1b`` (virtual
+stages) can be searched too, as a what-if: merak-pipe simulates it, the Trainer does not run it yet."""
+PREDICTABLE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "shifted_critical_path", "zb_h1")
+"""Schedules :func:`predict_config` prices (``interleaved_1f1b`` with ``virtual_stages`` per rank)."""
 RECOMPUTE = ("none", "full", "stage_aware")
 
 
@@ -51,11 +52,15 @@ class ClusterCandidate:
     dp_allreduce_s: float
     optimizer_s: float
     stage_memory_bytes: tuple[float, ...]
-    """Per stage, per device: weights + gradients + optimizer states + simulated activation peak."""
+    """Per pipeline rank (device): weights + gradients + optimizer states + simulated activation peak
+    of every stage it holds."""
     stage_static_bytes: tuple[float, ...]
+    """Per pipeline rank: weights + gradients + optimizer states."""
     memory_limit_bytes: float
     pipeline_crosses_nodes: bool
     dp_crosses_nodes: bool
+    virtual_stages: int = 1
+    """Stages per pipeline rank (interleaved 1F1B); ``stage_layers`` has pp * virtual_stages entries."""
 
     @property
     def layout(self) -> str:
@@ -73,6 +78,9 @@ class ClusterCandidate:
                                "zero_stage": self.zero_stage}
         if self.recompute == "stage_aware":
             out["memory_budget"] = int(self.memory_limit_bytes)
+        if self.virtual_stages > 1:
+            raise ValueError(f"{self.layout} {self.schedule} with {self.virtual_stages} stages per rank: the Trainer "
+                             "runs one stage per rank; choose a configuration without virtual stages")
         return out
 
 
@@ -85,13 +93,15 @@ def _bounds(sizes: Sequence[int]) -> list[int]:
 
 def predict_config(costs: ModelCosts, cluster: ClusterSpec, *, dp: int, tp: int, pp: int, schedule: str,
                    num_microbatches: int, micro_batch_size: int, recompute: str = "none", zero_stage: int = 0,
-                   tp_overlap: bool = False, tp_chunks: int = 2, stage_layers: Sequence[int] | None = None,
+                   tp_overlap: bool = False, tp_chunks: int = 2, virtual_stages: int = 2,
+                   stage_layers: Sequence[int] | None = None,
                    memo: dict[Any, Any] | None = None) -> ClusterCandidate | None:
     """Predict one configuration (fitting or not); None when stage-aware recomputation cannot fit, or
     when the schedule built for the recomputation plan does not validate (logged as a warning).
 
     ``memo`` (a dict kept across calls on the same costs and cluster) reuses built schedules and
-    simulations; with it, schedules are not re-validated.
+    simulations; with it, schedules are not re-validated. ``virtual_stages`` applies to
+    ``interleaved_1f1b`` only (pp * virtual_stages stages, stage s on pipeline rank s % pp).
     """
     from merak_pipe import CostModel, RecomputePlan, ScheduleError, build_schedule, simulate, stage_aware_plan
 
@@ -99,20 +109,28 @@ def predict_config(costs: ModelCosts, cluster: ClusterSpec, *, dp: int, tp: int,
         raise ValueError(f"schedule {schedule!r} is not one of {PREDICTABLE_SCHEDULES}")
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute {recompute!r} is not one of {RECOMPUTE}")
-    sizes = list(stage_layers) if stage_layers is not None else split_layers([ly.forward_s for ly in costs.layers], pp)
+    v = virtual_stages if schedule == "interleaved_1f1b" and pp > 1 else 1
+    if v < 1 or v * pp > costs.num_layers:
+        raise ValueError(f"virtual_stages={virtual_stages} with pp={pp}: expected 1 <= pp * virtual_stages <= "
+                         f"{costs.num_layers} layers")
+    num_stages = pp * v
+    sizes = (list(stage_layers) if stage_layers is not None
+             else split_layers([ly.forward_s for ly in costs.layers], num_stages))
     bounds = _bounds(sizes)
     st = stage_costs(costs, cluster, bounds=bounds, dp=dp, tp=tp, micro_batch_size=micro_batch_size,
-                     zero_stage=zero_stage, tp_overlap=tp_overlap, tp_chunks=tp_chunks)
+                     zero_stage=zero_stage, tp_overlap=tp_overlap, tp_chunks=tp_chunks, num_ranks=pp)
     limit = cluster.usable_memory_bytes
     name = schedule.replace("_", "-") if pp > 1 else "1f1b"
     m = num_microbatches
     check = memo is None
     memo = {} if memo is None else memo
+    options = {"num_ranks": pp} if v > 1 else {}
 
     def schedule_of(rplan: Any) -> Any:
-        key = ("schedule", name, pp, m, rplan)
+        key = ("schedule", name, num_stages, pp, m, rplan)
         if key not in memo:
-            memo[key] = build_schedule(name, num_stages=pp, num_microbatches=m, recompute=rplan, check=check)
+            memo[key] = build_schedule(name, num_stages=num_stages, num_microbatches=m, recompute=rplan, check=check,
+                                       **options)
         return memo[key]
 
     if recompute == "stage_aware" and pp > 1:
@@ -123,14 +141,14 @@ def predict_config(costs: ModelCosts, cluster: ClusterSpec, *, dp: int, tp: int,
         except ValueError:
             return None
     elif recompute == "full":
-        plan = RecomputePlan.full(pp)
+        plan = RecomputePlan.full(num_stages)
     else:
-        plan = RecomputePlan.none(pp)
+        plan = RecomputePlan.none(num_stages)
     sim_costs = CostModel(forward=st.forward_s, backward=st.backward_s, recompute=st.forward_s,
                           p2p_latency=st.p2p_latency_s, p2p_bandwidth=st.p2p_bandwidth,
                           boundary_bytes=st.boundary_bytes, activation_bytes=[sum(a) for a in st.activation_bytes],
                           input_bytes=st.input_bytes)
-    sim_key = ("sim", name, pp, m, plan, tuple(st.forward_s), tuple(st.backward_s), tuple(st.input_bytes),
+    sim_key = ("sim", name, num_stages, pp, m, plan, tuple(st.forward_s), tuple(st.backward_s), tuple(st.input_bytes),
                st.p2p_latency_s, st.p2p_bandwidth, tuple(sum(a) for a in st.activation_bytes))
     if sim_key not in memo:
         try:
@@ -142,16 +160,19 @@ def predict_config(costs: ModelCosts, cluster: ClusterSpec, *, dp: int, tp: int,
     result = memo[sim_key]
     if result is None:
         return None
-    dp_s, opt_s = step_overhead_s(costs, cluster, st, bounds=bounds, dp=dp, tp=tp, zero_stage=zero_stage)
-    memory = tuple(s + a for s, a in zip(st.static_bytes, result.peak_memory, strict=True))
+    placement = list(result.schedule.stage_to_rank)
+    dp_s, opt_s = step_overhead_s(costs, cluster, st, bounds=bounds, dp=dp, tp=tp, zero_stage=zero_stage,
+                                  stage_to_rank=placement)
+    static = [sum(b for b, r in zip(st.static_bytes, placement, strict=True) if r == rank) for rank in range(pp)]
+    memory = tuple(s + a for s, a in zip(static, result.peak_memory_per_rank, strict=True))
     stride = dp * tp
     return ClusterCandidate(
         dp=dp, tp=tp, pp=pp, schedule=schedule if pp > 1 else "1f1b", num_microbatches=m,
         micro_batch_size=micro_batch_size, recompute=recompute, recompute_fractions=tuple(plan.fractions),
         zero_stage=zero_stage, tp_overlap=tp_overlap and tp > 1, stage_layers=tuple(sizes),
         step_time_s=result.makespan + dp_s + opt_s, pipeline_s=result.makespan, dp_allreduce_s=dp_s,
-        optimizer_s=opt_s, stage_memory_bytes=memory, stage_static_bytes=tuple(st.static_bytes),
-        memory_limit_bytes=limit,
+        optimizer_s=opt_s, stage_memory_bytes=memory, stage_static_bytes=tuple(static),
+        memory_limit_bytes=limit, virtual_stages=v,
         pipeline_crosses_nodes=any(cluster.node_of(s * stride) != cluster.node_of((s + 1) * stride)
                                    for s in range(pp - 1)),
         dp_crosses_nodes=cluster.node_of(0) != cluster.node_of((dp - 1) * tp),
@@ -178,10 +199,11 @@ def plan_cluster(costs: ModelCosts, cluster: ClusterSpec, *, num_nodes: int, glo
                  schedules: Sequence[str] = CLUSTER_SCHEDULES, recompute_modes: Sequence[str] = RECOMPUTE,
                  zero_stages: Sequence[int] = (0, 1), tp_overlaps: Sequence[bool] = (False, True),
                  max_microbatches: int = 128, layouts: Sequence[tuple[int, int, int]] | None = None,
-                 ) -> list[ClusterCandidate]:
+                 virtual_stages: Sequence[int] = (2,)) -> list[ClusterCandidate]:
     """Every configuration that fits the device memory on ``num_nodes`` nodes, best predicted first.
 
-    ``layouts`` restricts the (dp, tp, pp) tried. Raises ValueError when no layout suits the model
+    ``layouts`` restricts the (dp, tp, pp) tried; ``virtual_stages`` are the stages per rank tried
+    with ``interleaved_1f1b`` when ``schedules`` holds it. Raises ValueError when no layout suits the model
     or nothing fits (naming the least memory any configuration needs).
     """
     for label, v in (("num_nodes", num_nodes), ("global_batch_size", global_batch_size),
@@ -198,23 +220,27 @@ def plan_cluster(costs: ModelCosts, cluster: ClusterSpec, *, num_nodes: int, glo
     out: list[ClusterCandidate] = []
     least = math.inf
     memo: dict[Any, Any] = {}
-    sizes_by_pp: dict[int, list[int]] = {}
+    sizes_by_stages: dict[int, list[int]] = {}
+    forward = [ly.forward_s for ly in costs.layers]
     for dp, tp, pp in grid:
-        if pp not in sizes_by_pp:
-            sizes_by_pp[pp] = split_layers([ly.forward_s for ly in costs.layers], pp)
         per_dp = global_batch_size // dp
         for m in _divisors(per_dp):
             if m < pp or m > max_microbatches:
                 continue
-            for sched in (schedules if pp > 1 else ("1f1b",)):
+            runs = [(sched, 1) for sched in (schedules if pp > 1 else ("1f1b",)) if sched != "interleaved_1f1b"]
+            if pp > 1 and "interleaved_1f1b" in schedules:
+                runs += [("interleaved_1f1b", v) for v in virtual_stages if v > 1 and pp * v <= costs.num_layers]
+            for sched, v in runs:
+                if pp * v not in sizes_by_stages:
+                    sizes_by_stages[pp * v] = split_layers(forward, pp * v)
                 for zero in zero_stages:
                     for overlap in (tp_overlaps if tp > 1 else (False,)):
                         seen: set[tuple[float, ...]] = set()
                         for mode in recompute_modes:
                             c = predict_config(costs, cluster, dp=dp, tp=tp, pp=pp, schedule=sched,
                                                num_microbatches=m, micro_batch_size=per_dp // m, recompute=mode,
-                                               zero_stage=zero, tp_overlap=overlap, stage_layers=sizes_by_pp[pp],
-                                               memo=memo)
+                                               zero_stage=zero, tp_overlap=overlap, virtual_stages=v,
+                                               stage_layers=sizes_by_stages[pp * v], memo=memo)
                             if c is None or c.recompute_fractions in seen:
                                 continue
                             seen.add(c.recompute_fractions)
@@ -245,7 +271,8 @@ def format_cluster_plan(cands: Sequence[ClusterCandidate], top: int = 10) -> str
         mem = ",".join(_bytes(b) for b in c.stage_memory_bytes)
         if len(c.stage_memory_bytes) > 8:
             mem = f"max {_bytes(max(c.stage_memory_bytes))} over {len(c.stage_memory_bytes)} stages"
-        lines.append(f"{i:>3} {c.layout:<14} {c.schedule:<22} {c.num_microbatches:>4} {c.micro_batch_size:>4} "
+        sched = c.schedule if c.virtual_stages == 1 else f"{c.schedule} v{c.virtual_stages}"
+        lines.append(f"{i:>3} {c.layout:<14} {sched:<22} {c.num_microbatches:>4} {c.micro_batch_size:>4} "
                      f"{c.zero_stage:>4} {'yes' if c.tp_overlap else 'no':>6} {rc:<24} {c.step_time_s * 1e3:>10.3f}  "
                      f"{mem} ({_bytes(c.memory_limit_bytes)})")
     return "\n".join(lines)

@@ -230,6 +230,11 @@ def dry_run(model: nn.Module, example_inputs: Sequence[Any] | Mapping[str, Any],
     if degrees is None:
         return report
     dp, tp, pp = degrees
+    if schedule == "interleaved_1f1b":
+        report.problems.append(DryRunProblem(0, None, "schedule", "interleaved_1f1b (several stages per rank) is "
+                                             "refused by the Trainer, which runs one stage per rank: use 1f1b or "
+                                             "shifted_critical_path"))
+        return report
     if num_microbatches < pp:
         report.problems.append(DryRunProblem(0, None, "schedule", f"num_microbatches={num_microbatches} < pp={pp}: "
                                              "every stage needs a microbatch; raise gradient_accumulation_steps"))
