@@ -115,3 +115,30 @@ def test_merak_check_passes_an_exact_plan_and_flags_a_wrong_one(tmp_path: Path,
     out = capsys.readouterr().out
     flagged = [line for line in out.splitlines() if line.endswith(" NO")]
     assert any("gate_up_proj" in line for line in flagged), out
+
+
+def _trainer_with_check(tp_plan: object) -> str:
+    import tempfile
+
+    from merak_core import Trainer
+    from merak_core.config import TrainingArguments
+    from tests.e2e.test_tp_families import Tokens, lm_loss
+
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(prefix="merak-tpcheck-"), tp=2, dtype="float64",
+                             per_device_train_batch_size=2, max_steps=1, tp_check=True, tp_plan=tp_plan)
+    try:
+        Trainer(F.build_family("phi3"), args, Tokens(8), loss_fn=lm_loss)
+    except ValueError as err:
+        return str(err)
+    return "ok"
+
+
+def test_trainer_tp_check_refuses_a_wrong_plan_before_training() -> None:
+    assert run_on_ranks(2, _trainer_with_check, None) == ["ok", "ok"]
+    wrong = {"base": "hf_phi3", "sections": {"*layers.*.self_attn.qkv_proj": ["num_attention_heads*head_dim",
+                                                                             "num_key_value_heads*head_dim",
+                                                                             "num_key_value_heads*head_dim"]}}
+    errors = run_on_ranks(2, _trainer_with_check, wrong)
+    for err in errors:
+        assert "does not shard the model exactly (training.tp_check)" in err, err
+        assert any("gate_up_proj" in line and line.endswith(" NO") for line in err.splitlines()), err

@@ -195,6 +195,10 @@ class TrainingArguments:
     """TP plan: None/``auto`` for known model types, a plan name (built in, or registered by the job's
     modules), a mapping module pattern -> style, or the full plan vocabulary (``layers``, ``sections``,
     ``attributes``, ``regions``, ... see ``merak_tp.plan_from_mapping``)."""
+    tp_check: bool = False
+    """Before training (tp > 1), run one batch through every module the TP plan shards and through the
+    unsharded module (float64 copies, on the TP group) and stop with an error naming the modules that
+    differ (relative difference above 1e-9); ``merak check`` does the same before launch."""
 
     # ------------------------------------------------------------ the planner (see [Note: layout auto])
     layout: str = "manual"
@@ -245,6 +249,7 @@ class TrainingArguments:
                f"one of {LR_SCHEDULER_TYPES}")
         _check(isinstance(self.bf16, bool), "bf16", self.bf16, "true or false")
         _check(isinstance(self.plan_probe_tp, bool), "plan_probe_tp", self.plan_probe_tp, "true or false")
+        _check(isinstance(self.tp_check, bool), "tp_check", self.tp_check, "true or false")
         _check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {tuple(DTYPES)}")
         _check(self.nonfinite in NONFINITE_POLICIES, "nonfinite", self.nonfinite, f"one of {NONFINITE_POLICIES}")
         if self.dtype == "float16":

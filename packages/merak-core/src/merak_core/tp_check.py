@@ -14,11 +14,15 @@ A module that is wrong (a fused projection split as one block, a scale dropped, 
 head count not divided) shows a difference of the order of its output; an exact
 plan shows rounding only (~1e-15 in float64). It runs on the real model, so it
 needs the model to fit ``tp`` times in this machine's memory.
+
+``check_before_training`` is the same comparison on a running job's TP group
+(``training.tp_check: true``: the Trainer runs it once before sharding its model).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import tempfile
@@ -30,7 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["ModuleDifference", "check_plan_numerics", "format_report"]
+__all__ = ["ModuleDifference", "check_before_training", "check_plan_numerics", "compare_sharded_modules",
+           "format_report"]
 
 
 @dataclass(frozen=True)
@@ -88,42 +93,87 @@ def _record(model: nn.Module, names: list[str], into: dict[str, torch.Tensor]) -
     return handles
 
 
-def _rank_main(rank: int, world: int, store_path: str, out_path: str, build: Callable[[], nn.Module],
-               inputs: Any, plan: Any) -> None:
+def _call(model: nn.Module, inputs: Any) -> None:
+    if isinstance(inputs, dict):
+        model(**inputs)
+    elif isinstance(inputs, tuple) and len(inputs) == 2 and isinstance(inputs[1], dict) \
+            and isinstance(inputs[0], tuple):
+        model(*inputs[0], **inputs[1])
+    elif isinstance(inputs, (tuple, list)):
+        model(*inputs)
+    else:
+        model(inputs)
+
+
+def _as_double(inputs: Any) -> Any:
+    if isinstance(inputs, torch.Tensor):
+        return inputs.double() if inputs.is_floating_point() else inputs
+    if isinstance(inputs, dict):
+        return {k: _as_double(v) for k, v in inputs.items()}
+    if isinstance(inputs, (tuple, list)):
+        return type(inputs)(_as_double(v) for v in inputs)
+    return inputs
+
+
+def compare_sharded_modules(model: nn.Module, inputs: Any, *, plan: Any, group: Any) -> list[ModuleDifference]:
+    """On the ranks of TP ``group`` (collective): ``model`` unsharded against a sharded copy, per module.
+
+    ``model`` is not changed (both runs use float64 copies, in eval mode); ``inputs`` is a dict of
+    keyword inputs, a tuple of positional ones, ``(args, kwargs)`` or one tensor.
+    """
     import merak_tp
 
+    ref = copy.deepcopy(model).double().eval()
+    sharded_model = merak_tp.parallelize(copy.deepcopy(ref), plan, group=group)
+    names = [n for n, m in sharded_model.named_modules() if n and (
+        isinstance(m, merak_tp.TP_LEAF_MODULES) and not isinstance(m, (merak_tp.SequenceScatter,
+                                                                        merak_tp.SequenceGather)))]
+    got: dict[str, torch.Tensor] = {}
+    want: dict[str, torch.Tensor] = {}
+    handles = _record(sharded_model, names, got) + _record(ref, names, want)
+    inputs = _as_double(inputs)
+    try:
+        with torch.no_grad():
+            _call(sharded_model, inputs)
+            _call(ref, inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    modules = dict(sharded_model.named_modules())
+    rows = []
+    for name in names:
+        if name not in got or name not in want:
+            continue
+        full = _gather_output(modules[name], got[name], group)
+        expected = want[name].detach().to(full.dtype)
+        diff = float((full - expected).abs().max()) if full.shape == expected.shape else float("inf")
+        rows.append(ModuleDifference(name=name, kind=type(modules[name]).__name__, max_abs=diff,
+                                     scale=float(expected.abs().max())))
+    return rows
+
+
+def check_before_training(model: nn.Module, inputs: Any, *, plan: Any, group: Any, tolerance: float = 1e-9) -> None:
+    """``compare_sharded_modules`` on the job's TP group; ``ValueError`` naming the modules above ``tolerance``."""
+    rows = compare_sharded_modules(model, inputs, plan=plan, group=group)
+    bad = [r for r in rows if r.relative > tolerance]
+    if bad:
+        raise ValueError("the TP plan does not shard the model exactly (training.tp_check):\n"
+                         + format_report(rows, tolerance=tolerance)
+                         + "\nfix the plan's styles or sections for these modules (merak check JOB.yaml prints "
+                         "the same table before launch)")
+
+
+def _rank_main(rank: int, world: int, store_path: str, out_path: str, build: Callable[[], nn.Module],
+               inputs: Any, plan: Any) -> None:
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     try:
         torch.manual_seed(0)
-        ref = build().double().eval()
-        model = copy.deepcopy(ref)
-        merak_tp.parallelize(model, plan, group=dist.group.WORLD)
-        sharded = [n for n, m in model.named_modules() if n and (
-            isinstance(m, merak_tp.TP_LEAF_MODULES) and not isinstance(m, (merak_tp.SequenceScatter,
-                                                                            merak_tp.SequenceGather)))]
-        got: dict[str, torch.Tensor] = {}
-        want: dict[str, torch.Tensor] = {}
-        _record(model, sharded, got)
-        _record(ref, sharded, want)
-        with torch.no_grad():
-            args, kwargs = inputs
-            model(*args, **kwargs)
-            ref(*args, **kwargs)
-        modules = dict(model.named_modules())
-        rows = []
-        for name in sharded:
-            if name not in got or name not in want:
-                continue
-            full = _gather_output(modules[name], got[name], dist.group.WORLD)
-            expected = want[name].detach().to(full.dtype)
-            diff = float((full - expected).abs().max()) if full.shape == expected.shape else float("inf")
-            rows.append({"name": name, "kind": type(modules[name]).__name__, "max_abs": diff,
-                         "scale": float(expected.abs().max())})
+        rows = compare_sharded_modules(build(), inputs, plan=plan, group=dist.group.WORLD)
         if rank == 0:
             with open(out_path, "w") as f:
-                json.dump(rows, f)
+                json.dump([dataclasses.asdict(r) for r in rows], f)
     finally:
         dist.destroy_process_group()
 
