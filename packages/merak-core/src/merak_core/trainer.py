@@ -192,6 +192,8 @@ class Trainer:
             example_inputs = self._example_inputs(train_dataset if train_dataset is not None else eval_dataset)
         if not _is_meta(model):
             model.to(dtype=args.torch_dtype)
+        if args.tp_check and self.layout.tp > 1:
+            self._check_tp_plan(model, example_inputs)
         # One default stream on every rank: dropout of replicated activations agrees across TP ranks.
         # At pp == 1 sharded activations (the plan's rng regions) draw from the TP stream, seeded per TP
         # rank and derived from the default generator, so recomputation and resumes replay it
@@ -266,6 +268,18 @@ class Trainer:
         samples = [next(it) for _ in range(self.args.micro_batch_size)]
         inputs, self._example_labels = split_inputs_labels(collate(samples))
         return inputs
+
+    def _check_tp_plan(self, model: nn.Module, example_inputs: Any) -> None:
+        """``training.tp_check``: every module the plan shards against the unsharded one (merak_core.tp_check)."""
+        if _is_meta(model):
+            raise ValueError("training.tp_check=true needs a model with real weights (this one is on the meta "
+                             "device); run `merak check JOB.yaml` on a machine where it fits, or set tp_check=false")
+        import merak_tp
+        from merak_core.tp_check import check_before_training
+
+        plan: Any = self.args.tp_plan
+        plan = None if plan in (None, "auto") else merak_tp.plan_from_mapping(plan) if isinstance(plan, dict) else plan
+        check_before_training(model, example_inputs, plan=plan, group=self.layout.tp_group)
 
     def _check_loss_fn(self) -> None:
         """With pp > 1, try ``loss_fn`` on meta tensors shaped like the model's output and one microbatch of labels.
