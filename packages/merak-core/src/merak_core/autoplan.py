@@ -135,9 +135,10 @@ def profile_inputs(model: nn.Module, dataset: Any, num_samples: int,
 
 def _relax_vocab(profile: ModelProfile, model: nn.Module, tp_plan: Any) -> ModelProfile:
     """A user TP plan that shards no ``nn.Embedding`` puts no constraint on the vocabulary."""
-    if isinstance(tp_plan, dict) and profile.vocab_size is not None:
+    if isinstance(tp_plan, dict) and profile.vocab_size is not None and "base" not in tp_plan:
+        layers = tp_plan["layers"] if isinstance(tp_plan.get("layers"), dict) else tp_plan  # full form or flat
         embeddings = [name for name, m in model.named_modules() if isinstance(m, nn.Embedding)]
-        if not any(fnmatch.fnmatch(name, pattern) for name in embeddings for pattern in tp_plan):
+        if not any(fnmatch.fnmatch(name, pattern) for name in embeddings for pattern in layers):
             return dataclasses.replace(profile, vocab_size=None)
     return profile
 
