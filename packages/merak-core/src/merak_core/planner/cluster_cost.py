@@ -141,7 +141,11 @@ def trace_for_cluster(model: nn.Module, example_inputs: Sequence[Any] | Mapping[
     import merak_graph as mg
 
     by_name = isinstance(example_inputs, Mapping)
-    gm = mg.trace(model, example_inputs=example_inputs if by_name else tuple(example_inputs), method="fx")
+    inputs = example_inputs if by_name else tuple(example_inputs)
+    try:  # torch.fx first: fast at any size; torch.export for models fx cannot trace (transformers)
+        gm = mg.trace(model, example_inputs=inputs, method="fx")
+    except mg.TraceError:
+        gm = mg.trace(model, example_inputs=inputs, method="auto")
     values = ([example_inputs[n] for n in gm.meta.get("merak_input_names", list(example_inputs))]  # type: ignore[call-overload]
               if by_name else list(example_inputs))
     rates = mg.CostModel(flops_per_s=cluster.flops(dtype),
