@@ -48,3 +48,13 @@ def test_train_dry_run_ranks_reports_the_first_failure(capsys):
     out = capsys.readouterr().out
     assert "cluster: h100-sxm-8x (the default" in out
     assert "FIRST FAILURE: error [layout] rank 0" in out
+
+
+def test_plan_for_a_cluster_traces_a_transformers_model(capsys):
+    import pytest
+
+    pytest.importorskip("transformers")
+    job = str(pathlib.Path(DEMO).parents[1] / "transformers/config.yaml")
+    assert main(["plan", job, "--cluster", "h100-sxm-8x", "--nodes", "1", "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "feasible configurations on 1 nodes" in out and "(fp32)" in out
