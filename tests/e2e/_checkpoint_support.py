@@ -359,3 +359,12 @@ def changed_settings_reference(name: str, kwargs: dict[str, Any], changes: dict[
             sched.step()
         losses.append(total)
     return losses
+
+
+def load_weights_from_checkpoint_body(name: str, kwargs: dict[str, Any], source: str) -> dict[str, Any] | None:
+    """A fresh trainer (another layout) takes only the model weights of ``source`` (a checkpoint or 'latest')."""
+    from merak_core.weights import load_full_state_dict
+
+    trainer = make_trainer(name, kwargs)
+    load_full_state_dict(trainer, source)
+    return trainer.full_state_dict()

@@ -114,3 +114,15 @@ def test_nonfinite_state_is_never_committed(tmp_path: Path, where: str) -> None:
         assert "exp_avg_sq" in error or where == "parameter"
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_2"]
     assert (root / "latest").read_text().strip() == "step_2"
+
+
+def test_weights_from_the_latest_pointer_into_another_layout(tmp_path: Path) -> None:
+    _train(tmp_path)
+    root = tmp_path / "checkpoints"
+    support.flip_bytes(str(root / "step_4" / "__1_0.distcp"))
+    kwargs = support.layout_kwargs(1, 2, 1, output_dir=str(tmp_path / "tp2"), max_steps=2)
+    loaded = run_on_ranks(2, support.load_weights_from_checkpoint_body, "gpt", kwargs, str(root / "latest"))[0]
+    from merak_core.weights import read_checkpoint_model
+
+    expected = read_checkpoint_model(root / "step_2")  # step 4 is corrupt: latest means step 2
+    assert sorted(loaded) == sorted(expected) and all(torch.equal(loaded[k], expected[k]) for k in expected)

@@ -48,6 +48,9 @@ def _open_source(source: Mapping[str, torch.Tensor] | str | os.PathLike[str]) ->
     if isinstance(source, Mapping):
         return source.__getitem__, list(source)
     path = Path(source)
+    if path.is_dir() or pointer_root(path) is not None:  # a checkpoint, or a 'latest' pointer
+        state = read_checkpoint_model(path)
+        return state.__getitem__, list(state)
     if not path.is_file():
         raise ValueError(f"state dict file {str(path)!r} does not exist")
     if path.suffix == ".safetensors":
@@ -86,6 +89,10 @@ def _read_shard(entry: Any, spec: _Spec) -> torch.Tensor:
 def load_full_state_dict(trainer: Trainer, source: Mapping[str, torch.Tensor] | str | os.PathLike[str], *,
                          strict: bool = True) -> list[str]:
     """Load single-device weights (a state dict, a ``torch.save`` file or ``.safetensors``) into any layout.
+
+    ``source`` may also be a checkpoint directory or a ``latest`` pointer
+    (``.../checkpoints/latest``): its model weights only, verified (see :func:`read_checkpoint_model`;
+    every rank reads the whole model then).
 
     Each rank reads only its own stage's parameters and slices only its own TP block
     (safetensors and ``torch.save`` files are memory-mapped, so other ranks' parts are
