@@ -41,9 +41,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# TrainingArguments whose new values a resumed run uses (optimizer, LR schedule, length, clipping).
+# TrainingArguments whose new values a resumed run uses (optimizer, LR schedule, length, clipping,
+# the non-finite policy).
 RESUMABLE_SETTINGS = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
-                      "lr_scheduler_type", "warmup_steps", "max_steps", "num_train_epochs", "max_grad_norm")
+                      "lr_scheduler_type", "warmup_steps", "max_steps", "num_train_epochs", "max_grad_norm",
+                      "nonfinite")
 # Optimizer group options that follow from those settings (logged through the setting, not twice).
 _GROUP_KEYS_FROM_SETTINGS = {"lr", "initial_lr", "weight_decay", "betas", "eps"}
 
