@@ -28,6 +28,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped on CPU machines)")
     config.addinivalue_line("markers", "world8: uses the 8-rank worker pool")
     config.addinivalue_line("markers", "transformers: needs the optional transformers package")
+    config.addinivalue_line("markers", "slow: starts subprocesses (merak train / torchrun); seconds per test")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

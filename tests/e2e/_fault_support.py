@@ -7,6 +7,7 @@ import signal
 import tempfile
 import time
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,7 +57,14 @@ def job_data(size: int = 64) -> TokenDataset:
 
 
 def job_loss(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The LM loss; kills this rank once (no marker file yet) at the configured loss call."""
+    """The LM loss; kills this rank once (no marker file yet) at the configured loss call.
+
+    ``MERAK_TEST_STEP_SLEEP`` (seconds per loss call) slows the job down so that a test can signal it
+    in the middle of training.
+    """
+    delay = float(os.environ.get("MERAK_TEST_STEP_SLEEP", "0") or 0)
+    if delay and not output.is_meta:
+        time.sleep(delay)
     marker = os.environ.get("MERAK_TEST_KILL_MARKER")
     if marker:
         job_loss.calls = getattr(job_loss, "calls", 0) + 1  # type: ignore[attr-defined]
@@ -92,13 +100,14 @@ class SignalAtCollate:
         return torch.utils.data.default_collate(samples)
 
 
-def _signal_trainer(layout: tuple[int, int, int], out: str, max_steps: int, collate: object,
-                    timeout_s: float | None = None) -> object:
+def signal_trainer(layout: tuple[int, int, int], out: str, max_steps: int, collate: object = None,
+                   timeout_s: float | None = None, **extra: object) -> Any:
+    """The GPT reference Trainer at ``layout`` (constant learning rate, logging every step)."""
     from merak_core import ParallelLayout, Trainer
 
     dp, tp, pp = layout
     kwargs = layout_kwargs(dp, tp, pp, max_steps=max_steps, output_dir=out, logging_steps=1,
-                           lr_scheduler_type="constant", warmup_steps=0)
+                           lr_scheduler_type="constant", warmup_steps=0, **extra)
     group_layout = None if timeout_s is None else ParallelLayout.build(dp, tp, pp,
                                                                         timeout=timedelta(seconds=timeout_s))
     model = build_model("gpt")
@@ -112,7 +121,7 @@ def preempt_body(layout: tuple[int, int, int], victim: int, signum: int, at_call
     from merak_core.signals import TrainingPreempted
 
     collate = SignalAtCollate(victim, signum, at_call)
-    trainer = _signal_trainer(layout, out, max_steps, collate)
+    trainer = signal_trainer(layout, out, max_steps, collate)
     collate.armed = True
     try:
         trainer.train()
@@ -127,7 +136,7 @@ def preempt_body(layout: tuple[int, int, int], victim: int, signum: int, at_call
 
 def resume_body(layout: tuple[int, int, int], out: str, max_steps: int, resume: str | None) -> dict:
     """Train to ``max_steps`` (after resuming from ``resume``); the losses by step and the final parameters."""
-    trainer = _signal_trainer(layout, out, max_steps, None)
+    trainer = signal_trainer(layout, out, max_steps, None)
     if resume is not None:
         trainer.resume(resume)
     history = trainer.train()
@@ -137,7 +146,7 @@ def resume_body(layout: tuple[int, int, int], out: str, max_steps: int, resume: 
 def stall_body(layout: tuple[int, int, int], victim: int, at_call: int, timeout_s: float) -> None:
     """Rank ``victim`` stops itself (SIGSTOP) during step ``at_call``; the others raise within the timeout."""
     collate = SignalAtCollate(victim, signal.SIGSTOP, at_call)
-    trainer = _signal_trainer(layout, os.path.join(tempfile.gettempdir(), f"merak-stall-{os.getpid()}"), 6,
+    trainer = signal_trainer(layout, os.path.join(tempfile.gettempdir(), f"merak-stall-{os.getpid()}"), 6,
                               collate, timeout_s=timeout_s)
     collate.armed = True
     start = time.monotonic()
@@ -147,3 +156,90 @@ def stall_body(layout: tuple[int, int, int], victim: int, at_call: int, timeout_
         raise RuntimeError(f"SURVIVOR rank {dist.get_rank()} failed after {time.monotonic() - start:.1f} s with "
                            f"{type(exc).__name__}: {exc}") from None
     raise AssertionError(f"rank {dist.get_rank()} finished although rank {victim} stopped")
+
+
+# ---------------------------------------------------------------------------- merak train jobs in subprocesses
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def job_env(**extra: str) -> dict[str, str]:
+    """The environment of a ``merak train`` subprocess: this checkout's packages first, one thread per rank."""
+    paths = [REPO] + [os.path.join(REPO, "packages", p, "src") for p in ("merak-pipe", "merak-graph", "merak-tp",
+                                                                        "merak-core")]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(paths), OMP_NUM_THREADS="1", **extra)
+
+
+def write_job(path: str, training: dict, data_size: int = 64) -> str:
+    """A job file of the reference GPT on TokenDataset with ``training`` (TrainingArguments fields)."""
+    import yaml
+
+    job = {"model": {"factory": "tests.e2e._fault_support:job_model"},
+           "data": {"factory": "tests.e2e._fault_support:job_data", "kwargs": {"size": data_size}},
+           "loss": "tests.e2e._fault_support:job_loss", "training": training}
+    with open(path, "w") as f:
+        yaml.safe_dump(job, f)
+    return path
+
+
+def children(pid: int) -> list[int]:
+    """The direct child processes of ``pid`` (Linux ``/proc``)."""
+    out: list[int] = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                out += [int(c) for c in f.read().split()]
+    except OSError:
+        pass
+    return out
+
+
+def process_env(pid: int) -> dict[str, str]:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            items = f.read().split(b"\0")
+    except OSError:
+        return {}
+    return dict(item.decode(errors="replace").split("=", 1) for item in items if b"=" in item)
+
+
+def job_processes(cli_pid: int) -> tuple[int | None, dict[int, int]]:
+    """torchrun's pid under a ``merak train`` process and its ranks' pids by global rank (whatever started yet)."""
+    for child in children(cli_pid):
+        ranks = {}
+        for worker in children(child):
+            rank = process_env(worker).get("RANK")
+            if rank is not None:
+                ranks[int(rank)] = worker
+        if ranks or "torch.distributed.run" in _cmdline(child):
+            return child, ranks
+    return None, {}
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def logged_steps(output_dir: str) -> list[int]:
+    """Steps of the training records in ``output_dir/metrics.jsonl`` so far (a torn last line ignored)."""
+    import json
+
+    path = os.path.join(output_dir, "metrics.jsonl")
+    steps = []
+    try:
+        with open(path) as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if "loss" in record:
+                    steps.append(int(record["step"]))
+    except OSError:
+        pass
+    return steps

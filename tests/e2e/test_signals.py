@@ -1,17 +1,31 @@
 """SIGTERM / SIGINT on one rank: every rank stops after the same step with a preemption checkpoint and one
 resume line, and resuming gives the uninterrupted run bit for bit; SIGSTOP on one rank: the others name it
-(global rank and coordinates) within the communication timeout."""
+(global rank and coordinates) within the communication timeout.
+
+The same through a real ``merak train`` job (``slow``): SIGTERM to torchrun, or to one rank, while it
+trains; the ranks finish the step they are in together, write a preemption checkpoint at that step,
+print one line on rank 0 that says how to resume and exit with ``exitcodes.PREEMPTED``; ``merak train
+JOB --resume latest`` then ends with the uninterrupted run's losses (the single-process reference),
+and metrics.jsonl and summary.json cover the whole run.
+"""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.e2e import _fault_support as faults
+from tests.e2e._checkpoint_support import layout_kwargs
+from tests.e2e._trainer_support import make_args, reference_training
 from tests.support.dist import WorkerError, run_on_ranks
 
 LAYOUT = (2, 1, 2)  # 4 ranks: stage 0 = ranks 0, 1; stage 1 = ranks 2, 3
@@ -60,3 +74,66 @@ def test_a_stalled_rank_is_named_by_the_others_within_the_timeout() -> None:
             section, section
         elapsed = float(re.search(r"failed after ([0-9.]+) s", section).group(1))  # type: ignore[union-attr]
         assert elapsed < timeout_s + 5, section
+
+
+JOB_STEPS = 14
+DATA_SIZE = 128  # one epoch: 16 global batches of 8
+TIMEOUT_S = 240
+
+
+def _launch(job: Path, cwd: Path, *extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "merak_core.cli", "train", str(job), *extra], cwd=cwd,
+                            env=faults.job_env(MERAK_TEST_STEP_SLEEP="0.15"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _signal_mid_run(proc: subprocess.Popen[str], out: str, target: str) -> None:
+    """Wait for step 3 in metrics.jsonl, then SIGTERM torchrun (``target='torchrun'``) or rank 1."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline and proc.poll() is None:
+        if len(faults.logged_steps(out)) >= 3:
+            torchrun, ranks = faults.job_processes(proc.pid)
+            pid = torchrun if target == "torchrun" else ranks.get(1)
+            assert pid is not None, (torchrun, ranks)
+            os.kill(pid, signal.SIGTERM)
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the job never reached step 3: {proc.communicate()[0][-3000:]}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["torchrun", "rank1"])
+def test_sigterm_writes_a_preemption_checkpoint_and_the_resume_gives_the_uninterrupted_run(
+        tmp_path: Path, target: str) -> None:
+    from merak_core.exitcodes import PREEMPTED
+
+    out = str(tmp_path / "out")
+    kwargs = layout_kwargs(2, 1, 1, output_dir=out, max_steps=JOB_STEPS, logging_steps=1)
+    job = Path(faults.write_job(str(tmp_path / "job.yaml"), make_args(**kwargs).to_dict(), data_size=DATA_SIZE))
+    proc = _launch(job, tmp_path)
+    _signal_mid_run(proc, out, target)
+    log, _ = proc.communicate(timeout=TIMEOUT_S)
+    assert proc.returncode == PREEMPTED, log[-4000:]
+    lines = re.findall(r"^merak: stopped by (\S+(?: [^,]+)?) after step (\d+), checkpoint (\S+); resume with: "
+                       r"(.*)$", log, flags=re.M)
+    assert len(lines) == 1, log[-4000:]  # one line, from rank 0
+    _, step, checkpoint, command = lines[0]
+    step = int(step)
+    assert 3 <= step < JOB_STEPS and checkpoint == os.path.join(out, "checkpoints", f"step_{step}"), lines
+    assert command == f"merak train {job} --resume latest"
+    assert os.path.isdir(checkpoint) and faults.logged_steps(out) == list(range(1, step + 1))
+    if target == "torchrun":  # merak train hides the shutdown tracebacks of a job stopped by a signal
+        assert "Traceback" not in log, log[-4000:]
+
+    resumed = subprocess.run([sys.executable, "-m", "merak_core.cli", "train", str(job), "--resume", "latest"],
+                             cwd=tmp_path, env=faults.job_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
+    reference, _ = reference_training("gpt", kwargs, dp=2, dataset_size=DATA_SIZE)
+    records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, JOB_STEPS + 1))
+    assert losses == pytest.approx(reference, rel=1e-10)
+    summary = json.loads((Path(out) / "summary.json").read_text())
+    assert summary["steps"] == JOB_STEPS
+    assert summary["first_loss"] == pytest.approx(reference[0], rel=1e-10)
+    assert summary["final_loss"] == pytest.approx(reference[-1], rel=1e-10)

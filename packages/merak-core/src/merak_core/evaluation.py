@@ -18,6 +18,7 @@ the eval microbatch size (the trainer).
 from __future__ import annotations
 
 import contextlib
+import logging
 import typing
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -26,6 +27,8 @@ import torch
 import torch.distributed as dist
 
 from merak_core.data import StageBatch
+
+logger = logging.getLogger(__name__)
 
 
 def rows(value: Any, lo: int, hi: int) -> Any:
@@ -78,7 +81,6 @@ def evaluate_loader(
     tp_rank: int,
     device: torch.device,
     autocast: Callable[[], contextlib.AbstractContextManager[Any]],
-    agree_names: Callable[[list[str]], list[str]],
 ) -> dict[str, float]:
     """``eval_loss`` and ``eval_<metric>`` over every real sample of ``loader``; collective over all ranks.
 
@@ -119,6 +121,31 @@ def evaluate_loader(
     return out
 
 
+def agree_names(names: list[str]) -> list[str]:
+    """Metric names are only known on last-stage ranks: share them so every rank reduces the same vector."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, names)
+    return max(gathered, key=len)
+
+
+def shapes_specialised(module: torch.nn.Module, device: torch.device, args: Any) -> bool:
+    """Whether any rank's stages were traced by torch.export with fixed shapes (merak_graph ``strict_shapes``).
+
+    Such stages only take the training microbatch, so evaluation then runs in microbatches of the
+    training size (logged once). Collective: every rank takes the same decision.
+    """
+    mine = any(getattr(m, "strict_shapes", False) for m in module.modules())
+    flag = torch.tensor([1.0 if mine else 0.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    specialised = bool(flag.item())
+    if specialised and dist.get_rank() == 0:
+        logger.info("evaluate: the stages were traced by torch.export with the training microbatch of %d "
+                    "(shapes specialised), so evaluation runs in microbatches of %d instead of "
+                    "per_device_eval_batch_size=%d", args.micro_batch_size, args.micro_batch_size,
+                    args.per_device_eval_batch_size)
+    return specialised
+
+
 def _zeroed(sums: EvalSums) -> EvalSums:
     empty = EvalSums()
     empty.metrics = dict.fromkeys(sums.metrics, 0.0)
@@ -136,4 +163,4 @@ def _add_partial_loss(sums: EvalSums, outputs: Any, labels: torch.Tensor, real: 
         sums.add_loss(float(value), hi - lo)
 
 
-__all__ = ["EvalSums", "evaluate_loader", "rows"]
+__all__ = ["EvalSums", "agree_names", "evaluate_loader", "rows", "shapes_specialised"]

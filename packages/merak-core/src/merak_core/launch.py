@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import shlex
+import signal
 import sys
 from datetime import timedelta
 from typing import Any
@@ -106,14 +107,22 @@ def main(argv: list[str] | None = None) -> int:
         trainer.resume(resume)
     from merak_core.exitcodes import PREEMPTED
     from merak_core.nonfinite import json_safe
-    from merak_core.signals import TrainingPreempted
+    from merak_core.signals import STOP_SIGNALS, StopRequest, TrainingPreempted
 
-    try:
-        history = trainer.train()
-    except TrainingPreempted as stopped:  # every rank, after the same step ([Note: preemption])
+    # A signal between two steps' checks is only recorded; once stopped, the rank ignores further ones
+    # (torchrun sends SIGTERM to the ranks still running when the first exits) and exits with PREEMPTED.
+    stopped: TrainingPreempted | None = None
+    with StopRequest(announce=False):
+        try:
+            history = trainer.train()
+        except TrainingPreempted as exc:  # every rank, after the same step ([Note: preemption])
+            stopped = exc
+    if stopped is not None:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
         if dist.get_rank() == 0:
-            print(stopped.resume_line(shlex.join(["merak", "train", args.config, *args.overrides]) + " --resume latest"),
-                  flush=True)
+            command = shlex.join(["merak", "train", args.config, *args.overrides]) + " --resume latest"
+            print(stopped.resume_line(command), flush=True)
         dist.destroy_process_group()
         return PREEMPTED
     final = trainer.last_eval

@@ -50,11 +50,14 @@ class TrainingPreempted(Exception):
 class StopRequest:
     """Records SIGTERM/SIGINT while active (a context manager; see [Note: preemption]).
 
+    ``announce``: log the first signal (a warning on the rank that received it).
+
     Outside the main thread (where Python cannot install handlers) it records nothing and the
     signals keep their previous handlers.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, announce: bool = True) -> None:
+        self.announce = announce
         self.signal_name: str | None = None
         self.count = 0
         self._previous: dict[int, Any] = {}
@@ -69,7 +72,9 @@ class StopRequest:
         name = signal.Signals(signum).name
         if self.signal_name is None:
             self.signal_name = name
-            logger.warning("received %s: finishing the current step with every rank, then saving and exiting", name)
+            if self.announce:
+                logger.warning("received %s: finishing the current step with every rank, then saving and exiting",
+                               name)
         if self.count >= 3:  # the user insists: the default action next time
             for sig, previous in self._previous.items():
                 signal.signal(sig, previous)

@@ -65,7 +65,7 @@ from merak_core.compose import ParallelModel, build_parallel_model, gather_full_
 from merak_core.config import TrainingArguments, build_lr_scheduler
 from merak_core.data import StageAwareDataLoader
 from merak_core.data_parallel import DataParallelGradSync
-from merak_core.evaluation import evaluate_loader
+from merak_core.evaluation import evaluate_loader, shapes_specialised
 from merak_core.layout import ParallelLayout, init, select_device
 from merak_core.metrics import MetricsWriter
 from merak_core.planner import PlanContext
@@ -607,41 +607,19 @@ class Trainer:
 
         return evaluate_loader(loader, run=run, loss_fn=self.loss_fn, compute_metrics=self.compute_metrics,
                                num_microbatches=num_micro, tp_rank=self.layout.tp_rank, device=self.device,
-                               autocast=self._autocast, agree_names=_agree_names)
+                               autocast=self._autocast)
 
     def _eval_micro_batch_size(self) -> int:
-        """``per_device_eval_batch_size``, or the training microbatch when the stages are shape-specialised.
-
-        Stages traced by torch.export are specialised to the traced microbatch shape (merak_graph
-        ``strict_shapes``), so evaluation then runs in microbatches of the training size (whole
-        batches only, as always); logged once. Every rank takes the same decision.
-        """
-        wanted, micro = self.args.per_device_eval_batch_size, self.args.micro_batch_size
-        if wanted == micro:
-            return wanted
-        if self._eval_specialised is None:
-            mine = any(getattr(m, "strict_shapes", False) for m in self.model.module.modules())
-            flag = torch.tensor([1.0 if mine else 0.0], device=self.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            self._eval_specialised = bool(flag.item())
-            if self._eval_specialised and dist.get_rank() == 0:
-                logger.info("evaluate: the stages were traced by torch.export with the training microbatch of %d "
-                            "(shapes specialised), so evaluation runs in microbatches of %d instead of "
-                            "per_device_eval_batch_size=%d", micro, micro, wanted)
-        return micro if self._eval_specialised else wanted
+        """``per_device_eval_batch_size``, or the training microbatch for shape-specialised stages (once)."""
+        if self._eval_specialised is None and self.args.per_device_eval_batch_size != self.args.micro_batch_size:
+            self._eval_specialised = shapes_specialised(self.model.module, self.device, self.args)
+        return self.args.micro_batch_size if self._eval_specialised else self.args.per_device_eval_batch_size
 
     # ------------------------------------------------------------------ export
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The unsharded parameters by logical name on global rank 0 (None elsewhere); collective."""
         return gather_full_state_dict(self.model)
-
-
-def _agree_names(names: list[str]) -> list[str]:
-    """Metric names are only known on last-stage ranks: share them so every rank reduces the same vector."""
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, names)
-    return max(gathered, key=len)
 
 
 def _count_tokens(inputs: Any) -> int:
