@@ -22,6 +22,7 @@ Shape legend: b batch, t tokens, h hidden, v vocabulary, n heads, d head dim.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -439,5 +440,7 @@ __all__ = [
     "lm_loss",
 ]
 
-# The reference models' TP plans, registered for these classes (after they are defined).
-from tests.support import tp_plans as _tp_plans  # noqa: E402,F401
+# The reference models' TP plans, registered for these classes (after they are defined), when merak-tp
+# is installed (``nox -s package`` tests merak-graph and merak-pipe without it).
+if importlib.util.find_spec("merak_tp") is not None:
+    from tests.support import tp_plans as _tp_plans  # noqa: F401
