@@ -1,7 +1,7 @@
 """Merak's task runner: tests, the per-package matrix, lint, types, the demo, benchmarks.
 
-``nox`` with no arguments runs what CI runs (lint, typecheck, tests, each
-library package tested alone, and the transformers tests); ``nox -s gpu`` is the GPU check
+``nox`` with no arguments runs what CI runs (lint, typecheck, the full suite with the
+transformers tests in one environment, each library package tested alone); ``nox -s gpu`` is the GPU check
 (not a default session: it needs a CUDA build of torch, see its docstring). Every session installs torch through
 ``constraints.txt`` (``torch==2.13.0``, a CPU build on these machines: an
 unpinned ``torch`` pulls a multi-GB CUDA build). Environments are reused
@@ -24,7 +24,7 @@ ALL_PACKAGES = ("packages/merak-pipe", "packages/merak-graph", "packages/merak-t
 ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
 
 nox.options.reuse_venv = "yes"
-nox.options.sessions = ["lint", "typecheck", "tests", "package", "transformers"]
+nox.options.sessions = ["lint", "typecheck", "tests", "package"]
 nox.options.error_on_missing_interpreters = True
 
 
@@ -35,9 +35,13 @@ def _install_all(session: nox.Session, *extra: str) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """The full test suite over all four packages (what CI runs); safetensors for the weight-file tests."""
-    _install_all(session, *TEST_DEPS, "safetensors")
-    session.run("pytest", "tests", *session.posargs, env=ENV)
+    """The full test suite over all four packages (what CI runs), the transformers tests included.
+
+    One environment holds transformers and safetensors, so a fresh clone builds one venv for the
+    suite instead of two (the transformers tests were once a session of their own).
+    """
+    _install_all(session, *TEST_DEPS, "transformers>=5", "safetensors")
+    session.run("pytest", "tests", *session.posargs, env={**ENV, "HF_HUB_OFFLINE": "1"})
 
 
 @nox.session
@@ -61,7 +65,10 @@ def package(session: nox.Session, library: str) -> None:
 
 @nox.session
 def transformers(session: nox.Session) -> None:
-    """Tests against tiny, randomly initialised transformers models (no downloads)."""
+    """Only the tests against tiny, randomly initialised transformers models (no downloads).
+
+    Not a default session: ``tests`` runs them too. Kept for a quick look at the transformers families.
+    """
     _install_all(session, *TEST_DEPS, "transformers>=5", "safetensors")
     session.run("pytest", "tests", "-m", "transformers", *session.posargs,
                 env={**ENV, "HF_HUB_OFFLINE": "1"})
