@@ -90,6 +90,7 @@ def _stop(proc: subprocess.Popen[str], signum: int) -> tuple[str, str]:
     return out, err
 
 
+@pytest.mark.slow
 def test_sigterm_to_merak_train_stops_every_rank_and_a_second_job_is_refused(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     proc, pids = _start(tmp_path)
@@ -129,6 +130,7 @@ def test_second_job_error_names_the_holder(tmp_path: Path, capsys: pytest.Captur
     assert f"kill {os.getpid()} on {socket.gethostname()}" in err and "training.output_dir=..." in err
 
 
+@pytest.mark.slow
 def test_ctrl_c_prints_a_few_lines_and_how_to_resume(tmp_path: Path) -> None:
     proc, pids = _start(tmp_path)
     job_pids = _job_pids(tmp_path, pids)

@@ -200,6 +200,7 @@ def test_good_job_passes_every_check(tmp_path: Path) -> None:
     assert not dist.is_initialized(), "the TP check's fake process group is gone"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["training_is_a_list", "token_id_beyond_vocabulary"])
 def test_real_merak_train_prints_the_error_once_and_starts_nothing(name: str, tmp_path: Path) -> None:
     case = CASES[name]
