@@ -1,14 +1,16 @@
 """Name the rank that stalled or died, at the moment a collective times out.
 
-[Note: heartbeats] While a rank trains, a daemon thread increments the rank's counter in the
-default group's key-value store (the one torchrun or the test harness rendezvoused through)
-every ``interval_s`` seconds. The thread runs while the main thread waits in a collective
-(gloo and NCCL waits release the GIL), so a healthy rank that is itself blocked by someone else
-keeps beating; a rank stopped by SIGSTOP, deadlocked while holding the GIL, or dead stops. When a
-collective of a step fails, :meth:`Heartbeat.unresponsive` reads every rank's counter, waits a
-few intervals and reads again: ranks whose counter did not move are the stalled ones. Counters,
-not timestamps, so clocks of different hosts never matter. The store is touched once per
-interval per rank, never inside a step's critical path.
+[Note: heartbeats] While a rank trains, a daemon thread writes the rank's wall-clock time to its
+key in the default group's key-value store (the one torchrun or the test harness rendezvoused
+through) every ``interval_s`` seconds. The thread runs while the main thread waits in a
+collective (gloo and NCCL waits release the GIL), so a healthy rank that is itself blocked by
+someone else keeps beating; a rank stopped by SIGSTOP, deadlocked while holding the GIL, or dead
+stops. When a collective of a step fails, :meth:`Heartbeat.unresponsive` reads every rank's last
+beat: ranks silent for more than three intervals are suspects, and a suspect is named only if it
+is still silent a little later (a healthy rank whose thread was merely starved of CPU beats again
+meanwhile). Nothing waits when every rank beats. Clocks of different hosts are compared, so they
+must agree to within about an interval (NTP does). The store is touched once per interval per
+rank, never inside a step's critical path.
 
 Not done here: the timeout itself (every process group of the layout has it, from
 ``comm_timeout_s``) and restarting the job (torchrun's ``--max-restarts``).
@@ -78,7 +80,7 @@ class Heartbeat:
 
     def _beat(self) -> None:
         assert self.store is not None
-        self.store.add(f"{_PREFIX}{self.rank}", 1)
+        self.store.set(f"{_PREFIX}{self.rank}", f"{time.time():.3f}")
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -87,26 +89,34 @@ class Heartbeat:
             except Exception:  # noqa: BLE001 - the store is gone (the job is ending): stop beating
                 return
 
-    def _counters(self) -> list[int]:
+    def _last_beats(self, ranks: list[int]) -> dict[int, float]:
+        """Each rank's last beat (wall-clock seconds); 0 for a rank that never beat."""
         assert self.store is not None
-        return [int(self.store.add(f"{_PREFIX}{r}", 0)) for r in range(self.world_size)]
+        out = {}
+        for r in ranks:
+            key = f"{_PREFIX}{r}"
+            out[r] = float(self.store.get(key)) if self.store.check([key]) else 0.0
+        return out
 
     def unresponsive(self, wait_s: float | None = None) -> list[int] | None:
-        """Global ranks whose heartbeat did not advance within ``wait_s`` (default 4 intervals, at least 2 s).
+        """Global ranks silent for three intervals, and still silent ``wait_s`` later (default 2 intervals, >= 0.5 s).
 
         None when the check could not run (no store, or the store itself does not answer).
         """
         if self.store is None or self.world_size < 2:
             return None
-        wait_s = max(2.0, 4 * self.interval_s) if wait_s is None else wait_s
+        wait_s = max(0.5, 2 * self.interval_s) if wait_s is None else wait_s
         try:
-            before = self._counters()
+            beats = self._last_beats([r for r in range(self.world_size) if r != self.rank])
+            suspects = [r for r, t in beats.items() if time.time() - t > 3 * self.interval_s]
+            if not suspects:
+                return []
             time.sleep(wait_s)
-            after = self._counters()
+            again = self._last_beats(suspects)
         except Exception as exc:  # noqa: BLE001 - the store's host may be the dead rank
             logger.warning("heartbeat check failed: %s", exc)
             return None
-        return [r for r in range(self.world_size) if r != self.rank and after[r] == before[r]]
+        return [r for r in suspects if again[r] == beats[r]]
 
     def diagnosis(self, wait_s: float | None = None) -> str:
         """A sentence naming the stalled or dead ranks, for a failure message."""
@@ -114,7 +124,7 @@ class Heartbeat:
         if stalled is None:
             return "the ranks' heartbeats could not be read"
         if not stalled:
-            return ("every other rank's heartbeat still advances: they are alive but did not reach this "
+            return ("every other rank still beats its heartbeat: they are alive but did not reach this "
                     "collective (one waits elsewhere, or the step needs more than the timeout)")
         names = "; ".join(self.describe(r) for r in stalled)
         return f"no heartbeat from {names}: stalled (stopped, hung) or dead"
