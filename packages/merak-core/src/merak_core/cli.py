@@ -298,7 +298,6 @@ def _cluster_command(args: argparse.Namespace, job: Any) -> int:
         print(report.summary())
         return 0 if report.ok else 1
     assert nodes is not None  # checked above
-    assert nodes is not None  # checked above
     t = job.training
     gbs = args.global_batch_size or t.per_device_train_batch_size * t.gradient_accumulation_steps * max(
         nodes * cluster.devices_per_node // (t.tp * t.pp), 1)
