@@ -15,6 +15,7 @@ import os
 import pickle
 import shutil
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -405,6 +406,7 @@ class CheckpointManager:
                      optim_keys: dict[str, list[str]], request: dict[str, Any]) -> None:
         trainer = self.trainer
         inner = _inner_optimizer(trainer.optimizer)
+        group_of = {id(q): group for group in inner.param_groups for q in group["params"]}
         with torch.no_grad():
             for name, (p, _) in _specs(trainer).items():
                 buf, spec = receivers[f"model/{name}"]
@@ -416,8 +418,27 @@ class CheckpointManager:
                     if key in receivers:
                         buf, spec = receivers[key]
                         value = _from_loaded(spec, buf)
-                        state[state_key] = value.to(p.device) if value.ndim else value
+                        state[state_key] = place_optimizer_state(value, state_key, p, group_of[id(p)])
                     elif key in request:
                         state[state_key] = pickle.loads(request[key])  # noqa: S301 - our own checkpoint
                 if state:
                     inner.state[p] = state
+
+
+def place_optimizer_state(value: torch.Tensor, key: str, param: torch.Tensor, group: Mapping[str, Any]) -> torch.Tensor:
+    """Where ``Optimizer.load_state_dict`` would put a loaded state tensor, and in which dtype.
+
+    [Note: optimizer state placement] The checkpoint writes states straight into
+    ``optimizer.state`` (the layouts' shards are assembled here, not by torch), so it must
+    follow torch's own rule: AdamW's ``step`` stays a CPU tensor unless the group is
+    ``fused`` or ``capturable``, where the kernels read it on the parameter's device as
+    float32 (a CPU ``step`` fails the first fused CUDA step after a resume); every other
+    floating state takes the parameter's device and dtype.
+    """
+    if key == "step":
+        if group.get("fused") or group.get("capturable"):
+            return value.to(dtype=torch.float32, device=param.device)
+        return value
+    if value.is_floating_point() and param.is_floating_point():
+        return value.to(dtype=param.dtype, device=param.device)
+    return value.to(device=param.device)

@@ -87,7 +87,10 @@ def _to_checkpoint(trainer: Trainer, tensor: torch.Tensor, spec: _Spec, like: nn
 def _load_target(trainer: Trainer, spec: _Spec, local: torch.Tensor, dtype: torch.dtype) -> tuple[Any, torch.Tensor]:
     """(object DCP loads into, tensor that receives the full data) for a local tensor shaped like a param."""
     if spec.whole:
-        full = torch.empty(spec.full_shape, dtype=dtype, device=local.device)
+        # A whole tensor (replicated, or fused sections gathered) is staged in host memory and
+        # only this rank's slice is copied to the device: loading never holds the unsharded
+        # model on the GPU at once.
+        full = torch.empty(spec.full_shape, dtype=dtype, device="cpu")
         return full, full
     from torch.distributed.tensor import DTensor, Shard
 
