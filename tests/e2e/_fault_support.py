@@ -123,14 +123,13 @@ def preempt_body(layout: tuple[int, int, int], victim: int, signum: int, at_call
     collate = SignalAtCollate(victim, signum, at_call)
     trainer = signal_trainer(layout, out, max_steps, collate)
     collate.armed = True
+    before = signal.getsignal(signum)  # whatever this process had (the pool may have inherited any handler)
     try:
         trainer.train()
     except TrainingPreempted as exc:
-        handler = signal.getsignal(signum)
         return {"step": exc.step, "checkpoint": exc.checkpoint, "signal": exc.signal_name,
                 "line": exc.resume_line("merak train job.yaml --resume latest"),
-                "losses": [h["loss"] for h in trainer.history], "handler_restored": handler is signal.default_int_handler
-                or handler == signal.SIG_DFL}
+                "losses": [h["loss"] for h in trainer.history], "handler_restored": signal.getsignal(signum) is before}
     raise AssertionError(f"rank {dist.get_rank()} finished although rank {victim} was signalled")
 
 
