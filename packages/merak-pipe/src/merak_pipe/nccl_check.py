@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from merak_pipe._p2p_replay import Replay
+from merak_pipe._schedule_errors import _fail
 from merak_pipe.ir import Schedule
 from merak_pipe.p2p_order import P2POp, Unit, issue_orders
 
@@ -114,8 +115,6 @@ def round_units(schedule: Schedule, *, forward_only: bool = False) -> dict[int, 
 def check_nccl(schedule: Schedule) -> Schedule:
     """Raise :class:`ScheduleError` unless the runtime's issue order of the lowered ``schedule`` runs
     under NCCL's rules, for a training round and for an evaluation round; return it otherwise."""
-    from merak_pipe.validate import _fail
-
     for forward_only, what in ((False, "training step"), (True, "evaluation (forward-only) round")):
         units = round_units(schedule, forward_only=forward_only)
         result = replay(units)
