@@ -18,7 +18,7 @@ from typing import Any
 
 from merak_core.planner.cluster import ClusterSpec
 from merak_core.planner.cluster_cost import ModelCosts, stage_costs, step_overhead_s
-from merak_core.planner.search import split_layers
+from merak_core.planner.search import RECOMPUTE_MODES, split_layers
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +29,6 @@ CLUSTER_SCHEDULES = ("1f1b", "shifted_critical_path")
 stages) can be searched too, as a what-if: merak-pipe simulates it, the Trainer does not run it yet."""
 PREDICTABLE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "shifted_critical_path", "zb_h1")
 """Schedules :func:`predict_config` prices (``interleaved_1f1b`` with ``virtual_stages`` per rank)."""
-RECOMPUTE = ("none", "full", "stage_aware")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,8 +106,8 @@ def predict_config(costs: ModelCosts, cluster: ClusterSpec, *, dp: int, tp: int,
 
     if schedule not in PREDICTABLE_SCHEDULES:
         raise ValueError(f"schedule {schedule!r} is not one of {PREDICTABLE_SCHEDULES}")
-    if recompute not in RECOMPUTE:
-        raise ValueError(f"recompute {recompute!r} is not one of {RECOMPUTE}")
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute {recompute!r} is not one of {RECOMPUTE_MODES}")
     v = virtual_stages if schedule == "interleaved_1f1b" and pp > 1 else 1
     if v < 1 or v * pp > costs.num_layers:
         raise ValueError(f"virtual_stages={virtual_stages} with pp={pp}: expected 1 <= pp * virtual_stages <= "
@@ -196,7 +195,7 @@ def _layouts(costs: ModelCosts, cluster: ClusterSpec, world: int, gbs: int) -> l
 
 
 def plan_cluster(costs: ModelCosts, cluster: ClusterSpec, *, num_nodes: int, global_batch_size: int,
-                 schedules: Sequence[str] = CLUSTER_SCHEDULES, recompute_modes: Sequence[str] = RECOMPUTE,
+                 schedules: Sequence[str] = CLUSTER_SCHEDULES, recompute_modes: Sequence[str] = RECOMPUTE_MODES,
                  zero_stages: Sequence[int] = (0, 1), tp_overlaps: Sequence[bool] = (False, True),
                  max_microbatches: int = 128, layouts: Sequence[tuple[int, int, int]] | None = None,
                  virtual_stages: Sequence[int] = (2,)) -> list[ClusterCandidate]:
