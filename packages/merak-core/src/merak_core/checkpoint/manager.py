@@ -236,24 +236,18 @@ class CheckpointManager:
             if value is not None:
                 state[f"model/{name}"] = value
         inner = _inner_optimizer(trainer.optimizer)
-        names = {id(p): name for name, (p, _) in specs.items()}
-        for group in inner.param_groups:
-            for p in group["params"]:
-                owner = names.get(id(p))
-                if owner is None:
+        for p, name in _named_optimizer_params(inner, specs):
+            spec = specs[name][1]
+            for key, value in sorted(inner.state.get(p, {}).items()):
+                if not isinstance(value, torch.Tensor):  # e.g. SGD's momentum_buffer=None: pickled
+                    state[f"optim/{name}/{key}"] = pickle.dumps(value)
                     continue
-                name = owner
-                spec = specs[name][1]
-                for key, value in sorted(inner.state.get(p, {}).items()):
-                    if not isinstance(value, torch.Tensor):  # e.g. SGD's momentum_buffer=None: pickled
-                        state[f"optim/{name}/{key}"] = pickle.dumps(value)
-                        continue
-                    if value.shape == p.shape and value.ndim > 0:
-                        out = _to_checkpoint(trainer, value, spec, p)
-                    else:
-                        out = value.detach().clone()
-                    if out is not None:
-                        state[f"optim/{name}/{key}"] = out
+                if value.shape == p.shape and value.ndim > 0:
+                    out = _to_checkpoint(trainer, value, spec, p)
+                else:
+                    out = value.detach().clone()
+                if out is not None:
+                    state[f"optim/{name}/{key}"] = out
         if dist.get_rank() == 0:
             groups = [{k: v for k, v in g.items() if k != "params"} for g in trainer.optimizer.param_groups]
             train_state = {
@@ -372,34 +366,28 @@ class CheckpointManager:
             target, buf = _load_target(trainer, spec, p, p.dtype)
             request[key], receivers[key] = target, (buf, spec)
         inner = _inner_optimizer(trainer.optimizer)
-        names = {id(p): name for name, (p, _) in specs.items()}
         optim_keys: dict[str, list[str]] = {}
         for key in available:
             if key.startswith("optim/"):
                 name, _, state_key = key[len("optim/"):].rpartition("/")
                 optim_keys.setdefault(name, []).append(state_key)
         owned: list[tuple[nn.Parameter, str]] = []
-        for group in inner.param_groups:
-            for p in group["params"]:
-                owner = names.get(id(p))
-                if owner is None:
+        for p, name in _named_optimizer_params(inner, specs):
+            owned.append((p, name))
+            param_spec = specs[name][1]
+            for state_key in optim_keys.get(name, []):
+                key = f"optim/{name}/{state_key}"
+                md = available[key]
+                if not isinstance(md, TensorStorageMetadata):
+                    request[key] = b""  # a pickled non-tensor state
                     continue
-                name = owner
-                owned.append((p, name))
-                param_spec = specs[name][1]
-                for state_key in optim_keys.get(name, []):
-                    key = f"optim/{name}/{state_key}"
-                    md = available[key]
-                    if not isinstance(md, TensorStorageMetadata):
-                        request[key] = b""  # a pickled non-tensor state
-                        continue
-                    dtype = md.properties.dtype
-                    if tuple(md.size) == param_spec.full_shape and len(md.size) > 0:
-                        target, buf = _load_target(trainer, param_spec, p, dtype)
-                        request[key], receivers[key] = target, (buf, param_spec)
-                    else:  # e.g. AdamW's 0-d step: a plain tensor, stored as it is
-                        buf = torch.empty(tuple(md.size), dtype=dtype, device="cpu")
-                        request[key], receivers[key] = buf, (buf, _Spec.plain(buf))
+                dtype = md.properties.dtype
+                if tuple(md.size) == param_spec.full_shape and len(md.size) > 0:
+                    target, buf = _load_target(trainer, param_spec, p, dtype)
+                    request[key], receivers[key] = target, (buf, param_spec)
+                else:  # e.g. AdamW's 0-d step: a plain tensor, stored as it is
+                    buf = torch.empty(tuple(md.size), dtype=dtype, device="cpu")
+                    request[key], receivers[key] = buf, (buf, _Spec.plain(buf))
         return request, receivers, owned, optim_keys
 
     def _copy_loaded(self, receivers: dict[str, tuple[torch.Tensor, _Spec]], owned: list[tuple[nn.Parameter, str]],
@@ -423,6 +411,12 @@ class CheckpointManager:
                         state[state_key] = pickle.loads(request[key])  # noqa: S301 - our own checkpoint
                 if state:
                     inner.state[p] = state
+
+
+def _named_optimizer_params(inner: torch.optim.Optimizer, specs: Mapping[str, Any]) -> list[tuple[nn.Parameter, str]]:
+    """The optimizer's parameters that this rank's model names, in the optimizer's order (save and load)."""
+    names = {id(p): name for name, (p, _) in specs.items()}
+    return [(p, names[id(p)]) for group in inner.param_groups for p in group["params"] if id(p) in names]
 
 
 def place_optimizer_state(value: torch.Tensor, key: str, param: torch.Tensor, group: Mapping[str, Any]) -> torch.Tensor:
