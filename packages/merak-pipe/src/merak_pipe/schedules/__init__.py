@@ -3,7 +3,7 @@
 ``build_schedule(name, num_stages=..., num_microbatches=...)`` returns a compute-only
 :class:`~merak_pipe.ir.Schedule` (no send/recv; :func:`merak_pipe.lower` adds them), validated
 unless ``check=False``. Built-in names: ``gpipe``, ``1f1b``, ``interleaved-1f1b``,
-``shifted-critical-path``, ``zb-h1``. One schedule family per module.
+``shifted-critical-path``, ``zb-h1``, ``zb-v``. One schedule family per module.
 
 A generator is any callable ``fn(*, num_stages, num_microbatches, num_ranks, recompute, **options)``
 returning a :class:`Schedule`; :func:`register_schedule` adds it under a name.
@@ -22,6 +22,7 @@ from merak_pipe.schedules.interleaved import interleaved_1f1b
 from merak_pipe.schedules.one_f_one_b import one_f_one_b
 from merak_pipe.schedules.shifted import shifted_critical_path
 from merak_pipe.schedules.zero_bubble import zb_h1
+from merak_pipe.schedules.zero_bubble_v import zb_v
 
 __all__ = ["ScheduleGenerator", "available_schedules", "build_schedule", "register_schedule"]
 
@@ -35,6 +36,7 @@ _REGISTRY: dict[str, ScheduleGenerator] = {
     "interleaved-1f1b": interleaved_1f1b,
     "shifted-critical-path": shifted_critical_path,
     "zb-h1": zb_h1,
+    "zb-v": zb_v,
 }
 
 
