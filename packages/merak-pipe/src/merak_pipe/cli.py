@@ -20,11 +20,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from merak_pipe.csv_io import from_csv, to_csv
-from merak_pipe.ir import Schedule, ScheduleError
+from merak_pipe.ir import RecomputePlan, Schedule, ScheduleError
 from merak_pipe.lowering import lower
-from merak_pipe.recompute import RecomputePlan
 from merak_pipe.schedules import available_schedules, build_schedule
 from merak_pipe.sim import CostModel, simulate
+from merak_pipe.trace import chrome_trace, plot_timeline
 from merak_pipe.validate import validate
 
 __all__ = ["main"]
@@ -157,10 +157,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.critical_path:
                 print("critical path: " + " -> ".join(f"r{t.rank}:{t.action}" for t in result.critical_path))
             if args.trace:
-                result.to_chrome_trace(args.trace)
+                chrome_trace(result, args.trace)
                 print(f"wrote {args.trace}")
             if args.png:
-                result.plot(args.png)
+                plot_timeline(result, args.png)
                 print(f"wrote {args.png}")
     except ScheduleError as err:
         print(f"invalid schedule: {err}", file=sys.stderr)

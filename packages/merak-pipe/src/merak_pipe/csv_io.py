@@ -13,8 +13,7 @@ import csv
 import io
 import os
 
-from merak_pipe.ir import Action, ActionKind, Schedule
-from merak_pipe.recompute import RecomputePlan
+from merak_pipe.ir import Action, ActionKind, RecomputePlan, Schedule
 
 __all__ = ["from_csv", "to_csv"]
 

@@ -4,7 +4,8 @@ An :class:`Action` is ``(stage, kind, microbatch)`` with the compact string form
 ``torch.distributed.pipelining``'s ``_Action`` (``"1F3"`` = stage 1, forward, microbatch 3;
 ``"2SEND_B0"``; ``"0RECV_F5"``). A :class:`Schedule` maps each pipeline rank to its ordered
 list of actions, plus the stage-to-rank map (several stages per rank for interleaved schedules)
-and an optional :class:`~merak_pipe.recompute.RecomputePlan`.
+and an optional :class:`RecomputePlan` (per-stage recompute fractions, data like the rest;
+plans are computed by :mod:`merak_pipe.recompute`).
 
 This module holds data only. Generating (``merak_pipe.schedules``), lowering and validating
 (``merak_pipe.lowering`` / ``merak_pipe.validate``), simulating (``merak_pipe.sim``) and running
@@ -19,14 +20,13 @@ backward" (``torch.utils.checkpoint`` style).
 
 from __future__ import annotations
 
+import math
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
-from merak_pipe.recompute import RecomputePlan
-
-__all__ = ["Action", "ActionKind", "Schedule", "ScheduleError", "format_table"]
+__all__ = ["Action", "ActionKind", "RecomputePlan", "Schedule", "ScheduleError", "format_table"]
 
 
 class ActionKind(str, Enum):
@@ -116,6 +116,64 @@ class Action:
             )
         stage, kind, microbatch = match.groups()
         return cls(int(stage), ActionKind(kind), int(microbatch))
+
+
+@dataclass(frozen=True)
+class RecomputePlan:
+    """Per-stage recompute fractions (0.0 = keep all activations, 1.0 = recompute everything)."""
+
+    fractions: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        fractions = tuple(float(f) for f in self.fractions)
+        object.__setattr__(self, "fractions", fractions)
+        if not fractions:
+            raise ValueError("RecomputePlan.fractions is empty; give one fraction per stage")
+        for stage, fraction in enumerate(fractions):
+            if not (0.0 <= fraction <= 1.0) or math.isnan(fraction):
+                raise ValueError(
+                    f"recompute fraction of stage {stage} is {fraction}; expected a value in [0, 1] "
+                    "(0 keeps all activations, 1 recomputes the whole stage)"
+                )
+
+    @property
+    def num_stages(self) -> int:
+        """Number of stages the plan covers."""
+        return len(self.fractions)
+
+    def __getitem__(self, stage: int) -> float:
+        return self.fractions[stage]
+
+    @property
+    def total(self) -> float:
+        """Sum of the fractions (a simple "how much is recomputed" measure)."""
+        return sum(self.fractions)
+
+    @classmethod
+    def none(cls, num_stages: int) -> RecomputePlan:
+        """Keep every activation on every stage."""
+        return cls((0.0,) * _check_stages(num_stages))
+
+    @classmethod
+    def full(cls, num_stages: int) -> RecomputePlan:
+        """Recompute every stage completely."""
+        return cls((1.0,) * _check_stages(num_stages))
+
+    @classmethod
+    def uniform(cls, num_stages: int, fraction: float) -> RecomputePlan:
+        """The same fraction on every stage."""
+        return cls((float(fraction),) * _check_stages(num_stages))
+
+    @classmethod
+    def from_list(cls, fractions: Sequence[float]) -> RecomputePlan:
+        """A plan from any sequence of fractions."""
+        return cls(tuple(float(f) for f in fractions))
+
+
+def _check_stages(num_stages: int) -> int:
+    if num_stages < 1:
+        raise ValueError(f"num_stages={num_stages}; expected >= 1")
+    return num_stages
 
 
 class ScheduleError(ValueError):

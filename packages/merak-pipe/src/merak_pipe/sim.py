@@ -149,18 +149,6 @@ class SimResult:
             lines.append(f"{rank:4d} | {100 * self.bubble_fraction[rank]:8.1f} | {peaks}")
         return "\n".join(lines)
 
-    def to_chrome_trace(self, path: str | None = None, *, us_per_unit: float = 1000.0) -> dict[str, object]:
-        """The timeline as Chrome trace / Perfetto JSON (see :mod:`merak_pipe.trace`)."""
-        from merak_pipe.trace import chrome_trace
-
-        return chrome_trace(self, path, us_per_unit=us_per_unit)
-
-    def plot(self, path: str) -> None:
-        """Save a PNG timeline (needs matplotlib: ``pip install merak-pipe[plot]``)."""
-        from merak_pipe.trace import plot_timeline
-
-        plot_timeline(self, path)
-
 
 def simulate(schedule: Schedule, costs: CostModel | None = None, *, check: bool = True) -> SimResult:
     """Simulate ``schedule`` (compute-only or lowered) under ``costs``.
@@ -172,14 +160,29 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, *, check: bool 
         return _simulate(schedule, costs, check)
 
 
-def _simulate(schedule: Schedule, costs: CostModel | None, check: bool) -> SimResult:
-    costs = costs or CostModel()
-    if check:
-        _check_structure(schedule)  # the deadlock check is the execution below
+@dataclass
+class _StageCosts:
+    """The cost model resolved to one value per stage (the schedule's plan applied)."""
+
+    forward: list[float]
+    backward: list[float]
+    backward_input: list[float]
+    backward_weight: list[float]
+    recompute: list[float]
+    """Recompute time of each stage's planned fraction."""
+    message: list[float]
+    """Time of the message that carries stage s's output (and its gradient back)."""
+    fractions: list[float]
+    activation_bytes: list[float]
+    input_bytes: list[float]
+
+
+def _stage_costs(schedule: Schedule, costs: CostModel) -> _StageCosts:
     S = schedule.num_stages
     fwd = _per_stage("forward", costs.forward, S)
     bwd = _per_stage("backward", costs.backward, S)
-    b_in = _per_stage("backward_input", costs.backward_input, S) if costs.backward_input is not None else [b / 2 for b in bwd]
+    b_in = _per_stage("backward_input", costs.backward_input, S) if costs.backward_input is not None \
+        else [b / 2 for b in bwd]
     b_w = (
         _per_stage("backward_weight", costs.backward_weight, S)
         if costs.backward_weight is not None
@@ -192,72 +195,86 @@ def _simulate(schedule: Schedule, costs: CostModel | None, check: bool) -> SimRe
         )
     rec_full = _per_stage("recompute", costs.recompute, S) if costs.recompute is not None else list(fwd)
     boundary = _per_stage("boundary_bytes", costs.boundary_bytes, S)
-    act_bytes = _per_stage("activation_bytes", costs.activation_bytes, S)
-    in_bytes = _per_stage("input_bytes", costs.input_bytes, S)
     frac = list(schedule.recompute.fractions) if schedule.recompute is not None else [0.0] * S
-    rec = [rec_full[s] * frac[s] for s in range(S)]
-    msg_time = [costs.p2p_latency + boundary[s] / costs.p2p_bandwidth for s in range(S)]
+    return _StageCosts(
+        forward=fwd, backward=bwd, backward_input=b_in, backward_weight=b_w,
+        recompute=[rec_full[s] * frac[s] for s in range(S)],
+        message=[costs.p2p_latency + boundary[s] / costs.p2p_bandwidth for s in range(S)],
+        fractions=frac,
+        activation_bytes=_per_stage("activation_bytes", costs.activation_bytes, S),
+        input_bytes=_per_stage("input_bytes", costs.input_bytes, S),
+    )
 
-    order, blocked, keys, deps, produces = execute(schedule)
-    if blocked:
-        validate(schedule)  # raises with the table and the blocked steps
-        raise ScheduleError(f"schedule {schedule.name!r} deadlocks")  # pragma: no cover
+
+def _recomputed_by_r(schedule: Schedule) -> bytearray:
+    """Flags per ``stage * M + microbatch``: 1 where an explicit ``R`` action recomputes it."""
     M = schedule.num_microbatches
-    SM = S * M
-    num_ranks = schedule.num_ranks
-    r_done = bytearray(SM)
+    flags = bytearray(schedule.num_stages * M)
     for acts in schedule.actions.values():
         for a in acts:
             if a.kind is ActionKind.RECOMPUTE:
-                r_done[a.stage * M + a.microbatch] = 1
-    # Duration of each action, per rank and step.
-    F, B, BI, W, R = (
-        ActionKind.FORWARD,
-        ActionKind.FULL_BACKWARD,
-        ActionKind.BACKWARD_INPUT,
-        ActionKind.BACKWARD_WEIGHT,
-        ActionKind.RECOMPUTE,
-    )
-    durations: list[list[float]] = []
-    if not any(r_done):
-        # No R actions: a duration depends on (kind, stage) only.
-        table = {
-            F: fwd,
-            B: [bwd[st] + rec[st] for st in range(S)],
-            BI: [b_in[st] + rec[st] for st in range(S)],
-            W: b_w,
-        }
-        zeros = [0.0] * S
-        for rank in range(num_ranks):
-            durations.append([table.get(a.kind, zeros)[a.stage] for a in schedule.actions[rank]])
-    for rank in range(num_ranks if not durations else 0):
-        rank_durations = []
-        for a in schedule.actions[rank]:
-            st, kind = a.stage, a.kind
-            if kind is F:
-                dur = fwd[st]
-            elif kind is B:
-                dur = bwd[st] + (0.0 if r_done[st * M + a.microbatch] else rec[st])
-            elif kind is BI:
-                dur = b_in[st] + (0.0 if r_done[st * M + a.microbatch] else rec[st])
-            elif kind is W:
-                dur = b_w[st]
-            elif kind is R:
-                dur = rec[st]
-            else:
-                dur = 0.0
-            rank_durations.append(dur)
-        durations.append(rank_durations)
+                flags[a.stage * M + a.microbatch] = 1
+    return flags
 
-    has_comm_delay = any(t > 0 for t in msg_time)
-    size = 8 * SM
+
+def _durations(schedule: Schedule, c: _StageCosts) -> list[list[float]]:
+    """Duration of each action, per rank and step: the one kind -> duration map.
+
+    A ``B``/``I`` recomputes inside itself unless an ``R`` action did it first.
+    """
+    S, M = schedule.num_stages, schedule.num_microbatches
+    plain = {
+        ActionKind.FORWARD: c.forward,
+        ActionKind.FULL_BACKWARD: c.backward,
+        ActionKind.BACKWARD_INPUT: c.backward_input,
+        ActionKind.BACKWARD_WEIGHT: c.backward_weight,
+        ActionKind.RECOMPUTE: c.recompute,
+    }
+    implicit = dict(plain)
+    for kind in (ActionKind.FULL_BACKWARD, ActionKind.BACKWARD_INPUT):
+        implicit[kind] = [plain[kind][st] + c.recompute[st] for st in range(S)]
+    by_r = _recomputed_by_r(schedule)
+    zeros = [0.0] * S
+    durations: list[list[float]] = []
+    for rank in range(schedule.num_ranks):
+        durations.append([
+            (plain if by_r[a.stage * M + a.microbatch] else implicit).get(a.kind, zeros)[a.stage]
+            for a in schedule.actions[rank]
+        ])
+    return durations
+
+
+@dataclass
+class _Times:
+    """Start and end of every action, and its predecessor on the critical path."""
+
+    starts: list[list[float]]
+    ends: list[list[float]]
+    binding: list[list[int]]
+    """Predecessor encoded as ``rank * stride + step`` (-1: none)."""
+    stride: int
+    rank_free: list[float]
+
+
+def _run_times(
+    schedule: Schedule,
+    order: list[tuple[int, int]],
+    deps: list[list[tuple[int, ...]]],
+    produces: list[list[int]],
+    durations: list[list[float]],
+    message: list[float],
+) -> _Times:
+    """Each action starts when its rank is free and its inputs have arrived (ranks in ``order``)."""
+    S, M = schedule.num_stages, schedule.num_microbatches
+    num_ranks = schedule.num_ranks
+    has_comm_delay = any(t > 0 for t in message)
+    size = 8 * S * M
     finish = [0.0] * size
     src_rank = [0] * size
     src_step = [0] * size
     rank_free = [0.0] * num_ranks
     starts: list[list[float]] = [[0.0] * len(schedule.actions[r]) for r in range(num_ranks)]
     ends: list[list[float]] = [[0.0] * len(schedule.actions[r]) for r in range(num_ranks)]
-    # Predecessor on the critical path, encoded as rank * stride + step (-1: none).
     stride = max((len(a) for a in schedule.actions.values()), default=0) + 1
     binding: list[list[int]] = [[-1] * len(schedule.actions[r]) for r in range(num_ranks)]
     grad_codes = (_GRAD, _SENT_B)
@@ -270,7 +287,7 @@ def _simulate(schedule: Schedule, costs: CostModel | None, check: bool) -> SimRe
             if has_comm_delay and sr != rank:
                 code, ks = divmod(k // M, S)
                 # F-type messages carry stage ks's output; gradients carry the output of stage ks - 1.
-                t += msg_time[ks - 1] if code in grad_codes else msg_time[ks]
+                t += message[ks - 1] if code in grad_codes else message[ks]
             if t > start:
                 start = t
                 bind = sr * stride + src_step[k]
@@ -283,46 +300,98 @@ def _simulate(schedule: Schedule, costs: CostModel | None, check: bool) -> SimRe
         finish[key] = end
         src_rank[key] = rank
         src_step[key] = step
+    return _Times(starts, ends, binding, stride, rank_free)
 
-    busy = [sum(d) for d in durations]
-    makespan = max(rank_free, default=0.0)
-    bubble = [1.0 - b / makespan if makespan > 0 else 0.0 for b in busy]
 
-    # Critical path: walk back from the action that finishes last.
+def _critical_path(schedule: Schedule, times: _Times) -> list[TimedAction]:
+    """Walk back from the action that finishes last along each action's binding predecessor."""
     path: list[TimedAction] = []
-    last_rank = max(range(num_ranks), key=lambda r: rank_free[r])
+    num_ranks = schedule.num_ranks
+    last_rank = max(range(num_ranks), key=lambda r: times.rank_free[r])
     if schedule.actions[last_rank]:
+        stride = times.stride
         cur = last_rank * stride + len(schedule.actions[last_rank]) - 1
         while cur >= 0:
             r, st = divmod(cur, stride)
-            path.append(TimedAction(r, schedule.actions[r][st], starts[r][st], ends[r][st]))
-            cur = binding[r][st]
+            path.append(TimedAction(r, schedule.actions[r][st], times.starts[r][st], times.ends[r][st]))
+            cur = times.binding[r][st]
         path.reverse()
+    return path
 
-    memory, peak, peak_rank = _memory(schedule, starts, ends, frac, act_bytes, in_bytes, costs.weight_grad_fraction)
+
+def _simulate(schedule: Schedule, costs: CostModel | None, check: bool) -> SimResult:
+    costs = costs or CostModel()
+    if check:
+        _check_structure(schedule)  # the deadlock check is the execution below
+    c = _stage_costs(schedule, costs)
+    order, blocked, _keys, deps, produces = execute(schedule)
+    if blocked:
+        validate(schedule)  # raises with the table and the blocked steps
+        raise ScheduleError(f"schedule {schedule.name!r} deadlocks")  # pragma: no cover
+    durations = _durations(schedule, c)
+    times = _run_times(schedule, order, deps, produces, durations, c.message)
+    busy = [sum(d) for d in durations]
+    makespan = max(times.rank_free, default=0.0)
+    memory, peak, peak_rank = _memory(schedule, times.starts, times.ends, c, costs.weight_grad_fraction)
     return SimResult(
         schedule=schedule,
         makespan=makespan,
         busy=busy,
-        bubble_fraction=bubble,
-        critical_path=path,
+        bubble_fraction=[1.0 - b / makespan if makespan > 0 else 0.0 for b in busy],
+        critical_path=_critical_path(schedule, times),
         memory=memory,
         peak_memory=peak,
         peak_memory_per_rank=peak_rank,
         costs=costs,
         _order=order,
-        _starts=starts,
-        _ends=ends,
+        _starts=times.starts,
+        _ends=times.ends,
     )
+
+
+def _memory_deltas(
+    schedule: Schedule, c: _StageCosts, wgrad_fraction: float
+) -> tuple[dict[ActionKind, list[tuple[float, float]]], dict[ActionKind, list[tuple[float, float]]]]:
+    """Per kind and stage: (bytes added at the start, bytes added at the end) of an action.
+
+    Two tables: for a microbatch recomputed by an ``R`` action, and for one whose ``B``/``I``
+    recomputes inside itself (it allocates the recomputed activations at its start).
+    """
+    S = schedule.num_stages
+    frac, act_bytes, in_bytes = c.fractions, c.activation_bytes, c.input_bytes
+    kept_after_f = [(1.0 - frac[s]) * act_bytes[s] + (in_bytes[s] if frac[s] > 0 else 0.0) for s in range(S)]
+    recomputed = [frac[s] * act_bytes[s] for s in range(S)]
+    keep_for_w = [wgrad_fraction * act_bytes[s] for s in range(S)]
+    total = [kept_after_f[s] + recomputed[s] for s in range(S)]
+    by_r = {
+        ActionKind.FORWARD: [(0.0, kept_after_f[s]) for s in range(S)],
+        ActionKind.FULL_BACKWARD: [(0.0, -total[s]) for s in range(S)],
+        ActionKind.BACKWARD_INPUT: [(0.0, keep_for_w[s] - total[s]) for s in range(S)],
+        ActionKind.BACKWARD_WEIGHT: [(0.0, -keep_for_w[s]) for s in range(S)],
+        ActionKind.RECOMPUTE: [(recomputed[s], 0.0) for s in range(S)],
+    }
+    inside = dict(by_r)
+    for kind in (ActionKind.FULL_BACKWARD, ActionKind.BACKWARD_INPUT):
+        inside[kind] = [(recomputed[s], end) for s, (_, end) in enumerate(by_r[kind])]
+    return by_r, inside
+
+
+def _dedupe(curve: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Several changes at one instant: keep the last value (peaks are tracked separately)."""
+    deduped: list[tuple[float, float]] = []
+    for point in curve:
+        if deduped and deduped[-1][0] == point[0]:
+            deduped[-1] = point
+        else:
+            deduped.append(point)
+    return deduped
 
 
 def _memory(
     schedule: Schedule,
     starts: list[list[float]],
     ends: list[list[float]],
-    frac: list[float],
-    act_bytes: list[float],
-    in_bytes: list[float],
+    c: _StageCosts,
     wgrad_fraction: float,
 ) -> tuple[dict[int, list[tuple[float, float]]], list[float], list[float]]:
     """Activation memory per stage; see [Note: activation memory] in the module docstring.
@@ -331,73 +400,38 @@ def _memory(
     so what a backward frees is known without bookkeeping per microbatch: the F's kept bytes plus
     the recomputed ``f * A``.
     """
-    S = schedule.num_stages
-    kept_after_f = [(1.0 - frac[s]) * act_bytes[s] + (in_bytes[s] if frac[s] > 0 else 0.0) for s in range(S)]
-    recomputed = [frac[s] * act_bytes[s] for s in range(S)]
-    keep_for_w = [wgrad_fraction * act_bytes[s] for s in range(S)]
-    r_stages = {(a.stage, a.microbatch) for acts in schedule.actions.values() for a in acts if a.kind is ActionKind.RECOMPUTE}
+    S, M = schedule.num_stages, schedule.num_microbatches
+    by_r_table, inside_table = _memory_deltas(schedule, c, wgrad_fraction)
+    by_r = _recomputed_by_r(schedule)
     memory: dict[int, list[tuple[float, float]]] = {s: [(0.0, 0.0)] for s in range(S)}
     peak = [0.0] * S
     peak_rank = [0.0] * schedule.num_ranks
     current = [0.0] * S
-    F, B, BI, W, R = (
-        ActionKind.FORWARD,
-        ActionKind.FULL_BACKWARD,
-        ActionKind.BACKWARD_INPUT,
-        ActionKind.BACKWARD_WEIGHT,
-        ActionKind.RECOMPUTE,
-    )
     for rank in range(schedule.num_ranks):
         rank_total = 0.0
         rank_peak = 0.0
         rank_starts, rank_ends = starts[rank], ends[rank]
         for step, a in enumerate(schedule.actions[rank]):
-            kind = a.kind
             s = a.stage
-            if kind is F:
-                delta_start, delta_end = 0.0, kept_after_f[s]
-            elif kind is B or kind is BI:
-                alloc = recomputed[s] if (recomputed[s] and (s, a.microbatch) not in r_stages) else 0.0
-                total = kept_after_f[s] + recomputed[s]
-                delta_start = alloc
-                delta_end = -total if kind is B else keep_for_w[s] - total
-            elif kind is W:
-                delta_start, delta_end = 0.0, -keep_for_w[s]
-            elif kind is R:
-                delta_start, delta_end = recomputed[s], 0.0
-            else:
+            row = (by_r_table if by_r[s * M + a.microbatch] else inside_table).get(a.kind)
+            if row is None:
                 continue
+            delta_start, delta_end = row[s]
             cur = current[s]
             points = memory[s]
             if delta_start:
                 cur += delta_start
                 rank_total += delta_start
                 points.append((rank_starts[step], cur))
-                if cur > peak[s]:
-                    peak[s] = cur
-                if rank_total > rank_peak:
-                    rank_peak = rank_total
+                peak[s] = max(peak[s], cur)
+                rank_peak = max(rank_peak, rank_total)
             if delta_end:
-                cur += delta_end
+                cur = max(cur + delta_end, 0.0)  # rounding
                 rank_total += delta_end
-                if cur < 0.0:
-                    cur = 0.0  # rounding
                 points.append((rank_ends[step], cur))
-                if cur > peak[s]:
-                    peak[s] = cur
-                if rank_total > rank_peak:
-                    rank_peak = rank_total
+                peak[s] = max(peak[s], cur)
+                rank_peak = max(rank_peak, rank_total)
             current[s] = cur
         peak_rank[rank] = rank_peak
-    for s in range(S):
-        # A stage's points were appended in its rank's order, which is chronological.
-        curve = memory[s]
-        # Several changes at one instant: keep the last value (peaks are tracked above).
-        deduped: list[tuple[float, float]] = []
-        for point in curve:
-            if deduped and deduped[-1][0] == point[0]:
-                deduped[-1] = point
-            else:
-                deduped.append(point)
-        memory[s] = deduped
-    return memory, peak, peak_rank
+    # A stage's points were appended in its rank's order, which is chronological.
+    return {s: _dedupe(memory[s]) for s in range(S)}, peak, peak_rank

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from merak_pipe.ir import Action, Schedule
-from merak_pipe.recompute import RecomputePlan
+from merak_pipe.ir import Action, RecomputePlan, Schedule
 from merak_pipe.schedules._common import B, F, one_stage_per_rank
 
 __all__ = ["gpipe"]

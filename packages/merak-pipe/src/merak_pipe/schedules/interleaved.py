@@ -11,8 +11,7 @@ then alternates one forward and one backward, then drains the backwards.
 
 from __future__ import annotations
 
-from merak_pipe.ir import Action, Schedule
-from merak_pipe.recompute import RecomputePlan
+from merak_pipe.ir import Action, RecomputePlan, Schedule
 from merak_pipe.schedules._common import B, F
 
 __all__ = ["interleaved_1f1b"]

@@ -6,8 +6,7 @@ backward recomputes inside itself (no ``R`` actions; see [Note: recompute action
 
 from __future__ import annotations
 
-from merak_pipe.ir import Action, Schedule
-from merak_pipe.recompute import RecomputePlan
+from merak_pipe.ir import Action, RecomputePlan, Schedule
 from merak_pipe.schedules._common import B, F, one_f_one_b_order, one_stage_per_rank
 
 __all__ = ["one_f_one_b"]

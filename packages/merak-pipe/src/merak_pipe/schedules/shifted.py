@@ -22,8 +22,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from merak_pipe.ir import Action, Schedule
-from merak_pipe.recompute import RecomputePlan
+from merak_pipe.ir import Action, RecomputePlan, Schedule
 from merak_pipe.schedules._common import B, F, R, one_stage_per_rank
 
 __all__ = ["shifted_critical_path"]

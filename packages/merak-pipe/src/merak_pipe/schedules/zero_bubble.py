@@ -9,8 +9,7 @@ A microbatch is released after its W, so stage i holds at most min(S - i, M) mic
 
 from __future__ import annotations
 
-from merak_pipe.ir import Action, Schedule
-from merak_pipe.recompute import RecomputePlan
+from merak_pipe.ir import Action, RecomputePlan, Schedule
 from merak_pipe.schedules._common import F, I, W, one_f_one_b_order, one_stage_per_rank
 
 __all__ = ["zb_h1"]
