@@ -5,8 +5,8 @@ downloads) is handed to ``merak_core.Trainer`` unchanged, with ``tp_plan`` left 
 the built-in plan of its ``model_type``. Three optimizer steps (AdamW, warm-up,
 clipping) must give the same losses and every parameter, by name, as the same
 training in one process. Layouts: tp=2 with sub-pipelined overlap
-(``overlap_chunks=2``), and tp=2 x pp=2 (stages traced by torch.export) for the
-families that export; mixture-of-experts blocks route tokens with data-dependent
+(``overlap_chunks=2``), and tp=2 x pp=2 with the same overlap (stages traced by
+torch.export, the overlapped regions opaque leaves) for the families that export; mixture-of-experts blocks route tokens with data-dependent
 shapes, which torch.export cannot trace, so they run at tp=2 only.
 
 Run with ``nox -s transformers`` or ``pytest -m transformers``.
@@ -117,5 +117,6 @@ def test_family_trains_at_tp2_with_overlap(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", [f for f in F.FAMILIES if f not in NO_EXPORT])
-def test_family_trains_at_tp2_pp2(name: str) -> None:
-    _check(name, 2, 2)
+def test_family_trains_at_tp2_pp2_with_overlap(name: str) -> None:
+    """tp=2 x pp=2 with the overlapped (sub-pipelined) regions as opaque leaves of the traced stages."""
+    _check(name, 2, 2, overlap_chunks=2)

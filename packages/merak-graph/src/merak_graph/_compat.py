@@ -6,9 +6,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten  # private torch API (pytree helpers)
+from torch.utils._pytree import (  # private torch API (pytree helpers)
+    tree_flatten,
+    tree_flatten_with_path,
+    tree_unflatten,
+)
 
-__all__ = ["flop_formula", "is_export_guard_node", "tree_flatten", "tree_unflatten"]
+__all__ = ["flop_formula", "is_export_guard_node", "tree_flatten", "tree_flatten_with_path", "tree_unflatten"]
 
 
 def _flop_registry() -> dict[Any, Callable[..., int]]:

@@ -9,9 +9,20 @@ branches or collectives, never runs under export). After export, each
 placeholder call is replaced by a ``call_module`` node of the leaf, with the
 leaf's original arguments. The placeholder op itself never runs.
 
-Limits: a leaf's outputs must be a tensor or a tuple/list of tensors; its
-non-tensor arguments are baked in as constants; the eager pre-run needs inputs
-and weights the leaf can run on (real ones, or meta when the leaf runs on meta).
+[Note: leaf outputs] A leaf may return a tensor or any pytree (tuple, list,
+dict) of tensors and ``None``s, e.g. transformers attention's
+``(attn_output, None)``. The placeholder op returns only the tensors; the
+``None``s are structure, rebuilt around them at the same places (they are
+``None`` whatever the input values, as the eager pre-run shows for these
+shapes). In the final graph the ``call_module`` node returns the leaf's own
+structure, and each use of the k-th tensor reads it by its pytree path (a
+chain of ``getitem``), not by its index among the tensors.
+
+Limits: a leaf's outputs must be tensors or ``None`` (an int, a string or any
+other value is refused: it could depend on the inputs and would be baked in);
+its non-tensor arguments are baked in as constants; the eager pre-run needs
+inputs and weights the leaf can run on (real ones, or meta when the leaf runs
+on meta).
 """
 
 from __future__ import annotations
@@ -24,11 +35,49 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ._compat import meta_collectives, tree_flatten, tree_unflatten
+from ._compat import meta_collectives, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 _LIB: torch.library.Library | None = None
 _COUNTER = itertools.count()
 _FAKE_SPECS: dict[str, list[list[tuple[tuple[int, ...], torch.dtype]]]] = {}
+
+
+class _Call:
+    """One recorded leaf call: its tensors' shapes, its output structure and where the tensors are in it."""
+
+    def __init__(self, name: str, out: Any) -> None:
+        flat, self.spec = tree_flatten(out)
+        bad = [(i, type(v).__name__) for i, v in enumerate(flat) if v is not None and not isinstance(v, torch.Tensor)]
+        if bad:
+            raise TypeError(f"leaf module {name!r} returns non-tensor values {bad} (flat output position, type); "
+                            "an opaque leaf returns tensors and None only (see [Note: leaf outputs])")
+        self.size = len(flat)
+        self.tensor_pos = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
+        self.tensors = [(tuple(flat[i].shape), flat[i].dtype) for i in self.tensor_pos]
+        paths = [path for path, _ in tree_flatten_with_path(out)[0]]
+        self.paths = [paths[i] for i in self.tensor_pos]
+        """The pytree key path of each tensor (``SequenceKey(idx)`` / ``MappingKey(key)`` entries)."""
+
+    def rebuild(self, tensors: list[Any]) -> Any:
+        flat: list[Any] = [None] * self.size
+        for i, t in zip(self.tensor_pos, tensors, strict=True):
+            flat[i] = t
+        return tree_unflatten(flat, self.spec)
+
+
+def _key(entry: Any) -> Any:
+    for attr in ("idx", "key"):  # SequenceKey / MappingKey
+        if hasattr(entry, attr):
+            return getattr(entry, attr)
+    raise TypeError(f"leaf output path entry {entry!r}: only tuples, lists and dicts are supported")
+
+
+def _read_path(graph: fx.Graph, value: fx.Node, path: tuple[Any, ...]) -> fx.Node:
+    import operator
+
+    for entry in path:
+        value = graph.call_function(operator.getitem, (value, _key(entry)))
+    return value
 
 
 def _library() -> torch.library.Library:
@@ -66,14 +115,11 @@ def export_with_leaves(
         if name and is_leaf(mod, name) and not any(name.startswith(p + ".") for p, _ in leaves):
             leaves.append((name, mod))
     # 1. eager pre-run: record every leaf call's output shapes.
-    records: dict[str, list[tuple[list[tuple[tuple[int, ...], torch.dtype]], Any]]] = {n: [] for n, _ in leaves}
+    records: dict[str, list[_Call]] = {n: [] for n, _ in leaves}
     hooks = []
     for name, mod in leaves:
         def hook(_m: nn.Module, _a: Any, out: Any, name: str = name) -> None:
-            flat, spec = tree_flatten(out)
-            if not all(isinstance(t, torch.Tensor) for t in flat):
-                raise TypeError(f"leaf module {name!r} returns non-tensor values; it cannot be an opaque leaf")
-            records[name].append(([(tuple(t.shape), t.dtype) for t in flat], spec))
+            records[name].append(_Call(name, out))
         hooks.append(mod.register_forward_hook(hook))
     try:
         with torch.no_grad(), meta_collectives():
@@ -87,7 +133,7 @@ def export_with_leaves(
     originals: list[tuple[nn.Module, Any]] = []
     for name, mod in leaves:
         op_name, op = _new_op()
-        _FAKE_SPECS[op_name] = [r[0] for r in records[name]]
+        _FAKE_SPECS[op_name] = [r.tensors for r in records[name]]
         ops[op] = (name, mod)
         counter = itertools.count()
 
@@ -97,7 +143,7 @@ def export_with_leaves(
             tensor_pos = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
             templates[(_op, call)] = (spec, flat)
             outs = _op([flat[i] for i in tensor_pos], call)
-            return tree_unflatten(list(outs), records[_name][call][1])
+            return records[_name][call].rebuild(list(outs))
 
         originals.append((mod, mod.__dict__.get("forward")))
         mod.forward = forward  # type: ignore[method-assign]
@@ -125,14 +171,15 @@ def export_with_leaves(
         with gm.graph.inserting_before(node):
             new = gm.graph.call_module(name, tuple(call_args), dict(call_kwargs))
         new.meta = dict(node.meta)
-        out_spec = records[name][call][1]
-        if out_spec.is_leaf():  # a single tensor
-            for user in list(node.users):
-                assert user.target.__name__ == "getitem" and user.args[1] == 0  # type: ignore[union-attr]
-                user.replace_all_uses_with(new)
-                gm.graph.erase_node(user)
-        else:
-            node.replace_all_uses_with(new)  # getitem(k) on a tuple/list output indexes the same way
+        record = records[name][call]
+        for user in list(node.users):  # getitem(op, k): the k-th tensor, read by its path ([Note: leaf outputs])
+            assert user.target.__name__ == "getitem" and isinstance(user.args[1], int)  # type: ignore[union-attr]
+            with gm.graph.inserting_before(user):
+                value = _read_path(gm.graph, new, record.paths[user.args[1]])
+            if value is not new:
+                value.meta = dict(user.meta)
+            user.replace_all_uses_with(value)
+            gm.graph.erase_node(user)
         gm.graph.erase_node(node)
     gm.graph.lint()
     gm.recompile()
