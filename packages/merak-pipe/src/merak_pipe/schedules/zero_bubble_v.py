@@ -17,8 +17,7 @@ Not done here: the paper's half-memory variants (ZB-V with less than 1F1B's memo
 
 from __future__ import annotations
 
-from merak_pipe.ir import Action, Schedule
-from merak_pipe.recompute import RecomputePlan
+from merak_pipe.ir import Action, RecomputePlan, Schedule
 from merak_pipe.schedules._common import F, I, W
 
 __all__ = ["zb_v", "v_stage_to_rank"]
