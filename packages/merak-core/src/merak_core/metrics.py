@@ -1,17 +1,23 @@
 """What a training run shows and leaves behind, on global rank 0 only.
 
 - a progress line every ``logging_steps``: step / total, a bar, loss, learning
-  rate, tokens/s and step time (plain text, so it reads the same in a terminal
-  and in a log file);
+  rate, gradient norm (before clipping; when ``max_grad_norm > 0``, which computes it),
+  tokens/s, step time and the estimated time left (plain text, so it reads the same in a
+  terminal and in a log file; see [Note: ETA]);
 - ``metrics.jsonl`` in ``output_dir``: one JSON object per logged record (NaN and infinities
   written as ``null``, so every line is valid JSON). A resumed run keeps the records up to the
   step it resumed from and appends after them (records of later steps, from the interrupted
   segment, are dropped first), so the file, the plot and :meth:`MetricsWriter.summary` cover the
   whole run;
-- TensorBoard scalars when ``torch.utils.tensorboard`` (the ``tensorboard``
-  package) is installed;
+- TensorBoard event files when the ``tensorboard`` package is installed (the
+  ``tensorboard`` extra; :mod:`merak_core.tensorboard`);
 - ``loss.png`` at the end: the loss curve (needs matplotlib, the ``plot`` extra;
   without it the run says so and skips the picture).
+
+[Note: ETA] The time left is the mean wall time per step since the first logged step of this
+run segment (so tracing, the first step's warm-up and a resume's loading are not counted),
+times the steps left; on that first record, its own step time times the steps left. Written
+``ETA 1:02:03`` (hours) or ``ETA 2:03`` (minutes and seconds).
 """
 
 from __future__ import annotations
@@ -20,8 +26,11 @@ import json
 import logging
 import math
 import os
+import time
+from collections.abc import Callable
 from typing import Any
 
+from merak_core import tensorboard
 from merak_core.nonfinite import json_safe
 
 logger = logging.getLogger(__name__)
@@ -32,12 +41,14 @@ _BAR = 24
 class MetricsWriter:
     """Rank-0 sink for training records (no-op on other ranks)."""
 
-    def __init__(self, output_dir: str, *, enabled: bool) -> None:
+    def __init__(self, output_dir: str, *, enabled: bool, clock: Callable[[], float] = time.monotonic) -> None:
         self.output_dir = output_dir
         self.enabled = enabled
         self.total = 0
         self.records: list[dict[str, Any]] = []
         self._tb: Any = None
+        self._clock = clock
+        self._anchor: tuple[float, int] | None = None
         self.path = os.path.join(output_dir, "metrics.jsonl")
         if enabled:
             os.makedirs(output_dir, exist_ok=True)
@@ -53,12 +64,8 @@ class MetricsWriter:
             for record in self.records:
                 f.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
         os.replace(tmp, self.path)
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(os.path.join(self.output_dir, "tensorboard"))
-        except Exception:  # noqa: BLE001 - TensorBoard is optional
-            self._tb = None
+        self._anchor = None
+        self._tb = tensorboard.open_writer(self.output_dir, resumed_step=resumed_step)
 
     def _earlier_records(self, resumed_step: int) -> list[dict[str, Any]]:
         """The records of ``metrics.jsonl`` at steps up to ``resumed_step`` (a torn last line is skipped)."""
@@ -82,10 +89,18 @@ class MetricsWriter:
         with open(self.path, "a") as f:
             f.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
         if self._tb is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    self._tb.add_scalar(key, value, record.get("step", 0))
+            tensorboard.write_record(self._tb, record)
         print(self._line(record), flush=True)
+
+    def eta_s(self, step: int, step_time_s: float) -> float:
+        """Seconds left after ``step`` (see [Note: ETA]); the first call anchors the estimate."""
+        now = self._clock()
+        left = max(0, self.total - step)
+        if self._anchor is None or step <= self._anchor[1]:
+            self._anchor = (now, step)
+            return step_time_s * left
+        t0, s0 = self._anchor
+        return (now - t0) / (step - s0) * left
 
     def _line(self, r: dict[str, Any]) -> str:
         step = int(r.get("step", 0))
@@ -96,11 +111,14 @@ class MetricsWriter:
         bar = "=" * done + (">" if done < _BAR else "") + " " * max(0, _BAR - done - 1)
         parts = [f"step {step:>{len(str(self.total))}}/{self.total} [{bar}]", f"loss {r['loss']:.4f}",
                  f"lr {r.get('lr', 0.0):.2e}"]
+        if r.get("grad_norm") is not None:
+            parts.append(f"grad_norm {r['grad_norm']:.3g}")
         if r.get("skipped"):
             parts.append(f"SKIPPED (non-finite; {r.get('skipped_steps', 1)} so far)")
         if "tokens_per_s" in r:
             parts.append(f"{r['tokens_per_s']:,.0f} tok/s")
         parts.append(f"{r.get('step_time_s', 0.0) * 1e3:.0f} ms/step")
+        parts.append(f"ETA {format_duration(self.eta_s(step, float(r.get('step_time_s', 0.0))))}")
         return "  ".join(parts)
 
     def finish(self) -> str | None:
@@ -143,3 +161,13 @@ class MetricsWriter:
         return {"first_loss": losses[0]["loss"] if losses else None,
                 "final_loss": losses[-1]["loss"] if losses else None,
                 "skipped_steps": sum(1 for r in losses if r.get("skipped"))}
+
+
+def format_duration(seconds: float) -> str:
+    """``75`` -> ``1:15``, ``3725`` -> ``1:02:05`` (rounded to the second; ``--:--`` when not finite)."""
+    if not math.isfinite(seconds):
+        return "--:--"
+    total = max(0, round(seconds))
+    hours, rest = divmod(total, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
