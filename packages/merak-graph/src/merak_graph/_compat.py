@@ -126,3 +126,19 @@ def meta_collectives() -> Iterator[None]:
 
 
 __all__ += ["meta_collectives"]
+
+
+@contextlib.contextmanager
+def export_compiling_state() -> Iterator[None]:
+    """The compiling/exporting flags ``torch.export`` sets while it traces (``torch.compiler.is_exporting()``).
+
+    An eager run under it takes the code path the export will take: libraries such as
+    transformers then skip the value-dependent checks (``mask.all()``) that meta tensors cannot answer.
+    """
+    from torch._export.utils import _compiling_state_context  # private torch API
+
+    with _compiling_state_context():
+        yield
+
+
+__all__ += ["export_compiling_state"]

@@ -27,6 +27,7 @@ on meta).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -35,7 +36,13 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ._compat import meta_collectives, tree_flatten, tree_flatten_with_path, tree_unflatten
+from ._compat import (
+    export_compiling_state,
+    meta_collectives,
+    tree_flatten,
+    tree_flatten_with_path,
+    tree_unflatten,
+)
 
 _LIB: torch.library.Library | None = None
 _COUNTER = itertools.count()
@@ -121,8 +128,10 @@ def export_with_leaves(
         def hook(_m: nn.Module, _a: Any, out: Any, name: str = name) -> None:
             records[name].append(_Call(name, out))
         hooks.append(mod.register_forward_hook(hook))
+    on_meta = any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
     try:
-        with torch.no_grad(), meta_collectives():
+        # On meta, the pre-run takes export's own code path (values cannot be read; see export_compiling_state).
+        with torch.no_grad(), meta_collectives(), export_compiling_state() if on_meta else contextlib.nullcontext():
             model(*args, **kwargs)
     finally:
         for h in hooks:

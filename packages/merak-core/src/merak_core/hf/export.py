@@ -1,0 +1,249 @@
+"""Hugging Face export: a Merak run or checkpoint as a folder ``from_pretrained`` loads.
+
+::
+
+    merak export out/checkpoints/latest --to-hf out/hf      # a checkpoint, in one process
+    export_hf(trainer, "out/hf")                            # a live run (collective)
+
+The folder holds the weights as safetensors shards (``model-0000k-of-0000n.safetensors`` with a
+``model.safetensors.index.json``, or one ``model.safetensors`` when it fits one shard), the
+``config.json`` of the pretrained folder the run started from (its ``dtype`` set to the
+exported one) and that folder's tokenizer and generation files (:data:`COMPANION_FILES`),
+copied as they are. Tensor names are the model's logical names (a tied parameter once, under
+the name the original folder used; see [Note: pretrained tensor names]); ``Conv1D`` weights
+are written in their own ``(in, out)`` layout.
+
+[Note: export from a run] A live run is exported without gathering the model on one rank:
+on every stage, DP rank 0's TP group gathers the stage's TP shards (one tensor at a time) and
+its TP rank 0 writes that stage's shards; a parameter held by several stages (tied
+embeddings) is written by the first. Rank 0 then writes the index, ``config.json`` and the
+companion files last, so a folder with an index is complete. It assumes ``OUT`` is on a file
+system every writing rank sees (as checkpoints do).
+
+Not done here: reading folders (``folder.py``), choosing when to export (the trainer).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from merak_core.hf.folder import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, PretrainedFolder
+
+if TYPE_CHECKING:
+    from merak_core.trainer import Trainer
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 1000**3
+_SHARD_RE = re.compile(r"^model(-\d+-of-\d+)?\.safetensors$")
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "kib": 1024, "mib": 1024**2, "gib": 1024**3}
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from ``5GB``, ``200MiB``, ``10KB`` or an int (the ``max_shard_size`` of save_pretrained)."""
+    if isinstance(value, int):
+        size = value
+    else:
+        match = _SIZE_RE.match(str(value))
+        if match is None:
+            raise ValueError(f"max_shard_size {value!r} is not a size such as '5GB', '500MB' or 1000000")
+        size = int(float(match.group(1)) * _UNITS[(match.group(2) or "B").lower()])
+    if size < 1:
+        raise ValueError(f"max_shard_size must be positive, got {value!r}")
+    return size
+
+
+def _chunks(sizes: Sequence[tuple[str, int]], max_bytes: int) -> list[list[str]]:
+    """Consecutive names grouped so that each group stays under ``max_bytes`` (a bigger tensor alone)."""
+    groups: list[list[str]] = []
+    current: list[str] = []
+    used = 0
+    for name, size in sizes:
+        if current and used + size > max_bytes:
+            groups.append(current)
+            current, used = [], 0
+        current.append(name)
+        used += size
+    if current:
+        groups.append(current)
+    return groups
+
+
+def _shard_name(index: int, total: int) -> str:
+    return WEIGHTS_FILE if total == 1 else f"model-{index + 1:05d}-of-{total:05d}.safetensors"
+
+
+def _save_shard(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, path)
+
+
+def prepare_out_dir(out: Path) -> None:
+    """Create ``out``, removing the weights and index a previous export left there (nothing else)."""
+    out.mkdir(parents=True, exist_ok=True)
+    for entry in out.iterdir():
+        if entry.is_file() and (_SHARD_RE.match(entry.name) or entry.name == INDEX_FILE
+                                or entry.name.endswith(".safetensors.tmp")):
+            entry.unlink()
+
+
+def write_metadata(out: Path, weight_map: dict[str, str], total_bytes: int, *, source: PretrainedFolder | None,
+                   dtype: torch.dtype | None) -> None:
+    """The index (for more than one shard), ``config.json`` (dtype updated) and the companion files."""
+    if source is not None:
+        for path in source.companion_files():
+            shutil.copy2(path, out / path.name)
+        config = dict(source.config)
+        if dtype is not None:
+            config["dtype"] = str(dtype).removeprefix("torch.")
+            config.pop("torch_dtype", None)
+        (out / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    files = set(weight_map.values())
+    if len(files) > 1:
+        index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        tmp = out / (INDEX_FILE + ".tmp")
+        tmp.write_text(json.dumps(index, indent=2) + "\n")
+        os.replace(tmp, out / INDEX_FILE)
+
+
+def write_hf_folder(state: dict[str, torch.Tensor], out: str | os.PathLike[str], *,
+                    source: PretrainedFolder | None, max_shard_size: int | str = DEFAULT_MAX_SHARD_BYTES) -> Path:
+    """Write a full state dict (logical names) as a Hugging Face folder, in this process alone."""
+    out_dir = Path(out)
+    prepare_out_dir(out_dir)
+    sizes = [(name, t.numel() * t.element_size()) for name, t in state.items()]
+    groups = _chunks(sizes, parse_size(max_shard_size))
+    weight_map: dict[str, str] = {}
+    for i, names in enumerate(groups):
+        file_name = _shard_name(i, len(groups))
+        _save_shard({n: state[n] for n in names}, out_dir / file_name)
+        weight_map.update(dict.fromkeys(names, file_name))
+    dtype = next(iter(state.values())).dtype if state else None
+    write_metadata(out_dir, weight_map, sum(s for _, s in sizes), source=source, dtype=dtype)
+    return out_dir
+
+
+def resolve_source(pretrained: str | os.PathLike[str] | PretrainedFolder | None,
+                   recorded: str | None = None) -> PretrainedFolder | None:
+    """The pretrained folder whose config and tokenizer an export copies: given, else the recorded one."""
+    if isinstance(pretrained, PretrainedFolder):
+        return pretrained
+    if pretrained is not None:
+        return PretrainedFolder(pretrained)
+    if recorded is not None:
+        if not Path(recorded).is_dir():
+            raise ValueError(
+                f"the run started from the pretrained folder {recorded!r}, which no longer exists: pass "
+                "--pretrained PATH (merak export) with a folder holding its config.json and tokenizer files"
+            )
+        return PretrainedFolder(recorded)
+    return None
+
+
+def export_checkpoint(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], *,
+                      pretrained: str | os.PathLike[str] | None = None,
+                      max_shard_size: int | str = DEFAULT_MAX_SHARD_BYTES) -> Path:
+    """A checkpoint directory or ``latest`` pointer as a Hugging Face folder (one process, verified)."""
+    from merak_core.checkpoint.files import latest_candidates, pointer_root, read_checkpoint_meta
+    from merak_core.weights import read_checkpoint_model
+
+    state = read_checkpoint_model(checkpoint)
+    root = pointer_root(checkpoint)
+    directory = Path(checkpoint) if root is None else latest_candidates(root)[0]
+    recorded = read_checkpoint_meta(directory).get("pretrained")
+    source = resolve_source(pretrained, recorded)
+    if source is None:
+        raise ValueError(
+            f"checkpoint {str(checkpoint)!r} has no pretrained folder on record (the run did not start from "
+            "model.pretrained): pass --pretrained PATH, a folder with the config.json (and tokenizer) of "
+            "this model, so that from_pretrained can build it"
+        )
+    return write_hf_folder(state, out, source=source, max_shard_size=max_shard_size)
+
+
+def _stage_tensors(trainer: Trainer) -> Iterable[tuple[str, torch.Tensor]]:
+    """(logical name, full tensor in the file layout) for this stage's parameters (see [Note: export from a run]).
+
+    Collective over the TP group (one gather per sharded parameter, in the same order on every
+    TP rank); yields on every TP rank, the tensors are complete everywhere.
+    """
+    pm = trainer.model
+    layout = pm.layout
+    seen: set[int] = set()
+    for name, p in pm.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if pm.shared_owner.get(p, layout.pp_rank) != layout.pp_rank:
+            continue  # a tied copy: the first stage that holds it writes it
+        tensor = p.detach()
+        if layout.tp > 1 and getattr(p, "_merak_tp_dim", None) is not None:
+            import merak_tp
+
+            tensor = merak_tp.gather_tensor(tensor, like=p, group=layout.tp_group)
+        if getattr(p, "_merak_tp_transposed", False):
+            tensor = tensor.t()
+        yield name, tensor.cpu().contiguous()
+
+
+def export_hf(trainer: Trainer, out: str | os.PathLike[str], *,
+              pretrained: str | os.PathLike[str] | PretrainedFolder | None = None,
+              max_shard_size: int | str = DEFAULT_MAX_SHARD_BYTES) -> Path:
+    """Export a live run as a Hugging Face folder (collective over the world; see [Note: export from a run]).
+
+    ``pretrained``: the folder whose config and tokenizer files to copy (default: the one the
+    Trainer loaded). Returns ``out`` on every rank once the folder is complete.
+    """
+    import torch.distributed as dist
+
+    source = resolve_source(pretrained, getattr(trainer, "pretrained_path", None))
+    if source is None:
+        raise ValueError("export_hf needs the config.json of the model: the run did not start from "
+                         "model.pretrained, so pass pretrained=PATH (a folder with config.json)")
+    max_bytes = parse_size(max_shard_size)
+    layout = trainer.layout
+    out_dir = Path(out)
+    if dist.get_rank() == 0:
+        prepare_out_dir(out_dir)
+    dist.barrier()
+    writes = layout.dp_rank == 0
+    tensors = dict(_stage_tensors(trainer)) if writes else {}
+    keep = writes and layout.tp_rank == 0
+    groups = _chunks([(n, t.numel() * t.element_size()) for n, t in tensors.items()], max_bytes) if keep else []
+    plan: list[Any] = [None] * dist.get_world_size()
+    sizes = {n: t.numel() * t.element_size() for n, t in tensors.items()} if keep else {}
+    dtype = next(iter(tensors.values())).dtype if keep and tensors else None
+    dist.all_gather_object(plan, (layout.pp_rank, groups, sizes, dtype) if keep else None)
+    stages = sorted((entry for entry in plan if entry is not None), key=lambda e: e[0])
+    total = sum(len(groups_) for _, groups_, _, _ in stages)
+    weight_map: dict[str, str] = {}
+    index = 0
+    for stage_index, stage_groups, _, _ in stages:
+        for names in stage_groups:
+            file_name = _shard_name(index, total)
+            weight_map.update(dict.fromkeys(names, file_name))
+            if keep and stage_index == layout.pp_rank:
+                _save_shard({n: tensors[n] for n in names}, out_dir / file_name)
+            index += 1
+    del tensors
+    dist.barrier()
+    if dist.get_rank() == 0:
+        total_bytes = sum(sum(s.values()) for _, _, s, _ in stages)
+        write_metadata(out_dir, weight_map, total_bytes, source=source,
+                       dtype=next((d for *_, d in stages if d is not None), None))
+        logger.info("exported %d tensors in %d files to %s", len(weight_map), total, out_dir)
+    dist.barrier()
+    return out_dir

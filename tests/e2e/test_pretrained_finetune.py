@@ -1,0 +1,123 @@
+"""A Hugging Face folder fine-tuned by Merak at 2x2x2 and 1x2x4 and exported back, against transformers.
+
+A tiny float64 GPT-2 (tied embeddings, ``Conv1D`` weights, fused q/k/v) and Llama (grouped-query
+attention, untied head) are saved with ``save_pretrained`` in the test, a tokenizer is trained on
+text written in the test, and the text's token stream is cut into blocks. On the ranks the model
+is built on the meta device from ``config.json`` and each rank loads only its TP slices of its
+own stage; then:
+
+(a) the folder exported before any step equals the original tensor for tensor (names, dtype, values);
+(b) after 3 steps the parameters ``from_pretrained`` loads from the export equal a single-process
+    fine-tune of ``from_pretrained(original)`` on the same token stream (float64);
+(c) transformers' own loss (``model(input_ids, labels=...)``) on the eval text equals Merak's eval
+    loss (transformers computes it in float32, hence the tolerance).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.e2e._pretrained_support import SEQ, Blocks, lm_loss, make_folder, read_folder, token_stream
+from tests.e2e._trainer_support import make_args, reference_steps
+from tests.support.compare import assert_tensors_close
+from tests.support.dist import run_on_ranks
+
+pytestmark = pytest.mark.transformers
+
+TRAIN_BLOCKS, EVAL_BLOCKS = 64, 16
+
+
+def _datasets(folder: Path, text: Path) -> tuple[Blocks, Blocks]:
+    ids = token_stream(text, folder / "tokenizer.json")
+    return Blocks(ids, count=TRAIN_BLOCKS), Blocks(ids, start=TRAIN_BLOCKS, count=EVAL_BLOCKS)
+
+
+def finetune_on_ranks(folder: str, text: str, out: str, args_kwargs: dict[str, Any]) -> tuple[int, int, float]:
+    """Rank body: load the folder, export it, train, export again, evaluate.
+
+    Returns (bytes this rank read from the folder, bytes of its own parameters, eval loss).
+    """
+    from merak_core import Trainer
+    from merak_core.hf import PretrainedWeights, export_hf, pretrained_model, skip_init
+
+    args = make_args(**args_kwargs)
+    train, evaluation = _datasets(Path(folder), Path(text))
+    model = pretrained_model(folder, dtype=args.torch_dtype)
+    weights = PretrainedWeights.match(model, folder)
+    trainer = Trainer(model, args, train, evaluation, loss_fn=lm_loss, init_fn=skip_init)
+    read = weights.load_into(trainer.model)
+    own = sum(p.numel() * p.element_size() for p in {id(p): p for _, p in trainer.model.named_parameters()}.values())
+    export_hf(trainer, Path(out) / "step0", pretrained=folder, max_shard_size="40KB")
+    trainer.train()
+    export_hf(trainer, Path(out) / "step3", pretrained=folder, max_shard_size="40KB")
+    return read, own, trainer.evaluate()["eval_loss"]
+
+
+def reference_finetune(folder: Path, text: Path, args_kwargs: dict[str, Any], dp: int) -> dict[str, torch.Tensor]:
+    """The same fine-tune in one process, from ``from_pretrained(folder)``; its parameters by name."""
+    import transformers as tf
+
+    args = make_args(**args_kwargs)
+    model = tf.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float64)
+    train, _ = _datasets(folder, text)
+
+    def microbatch_loss(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return lm_loss(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]), batch["labels"])
+
+    reference_steps(model, train, args, dp, microbatch_loss)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def transformers_eval_loss(folder: Path, text: Path, tokenizer_folder: Path) -> float:
+    """transformers' own causal-LM loss on the eval blocks (labels shifted inside the model)."""
+    import transformers as tf
+
+    model = tf.AutoModelForCausalLM.from_pretrained(str(folder))
+    ids = token_stream(text, tokenizer_folder / "tokenizer.json")
+    blocks = torch.stack([ids[i * SEQ:i * SEQ + SEQ + 1] for i in range(TRAIN_BLOCKS, TRAIN_BLOCKS + EVAL_BLOCKS)])
+    with torch.no_grad():
+        return float(model(input_ids=blocks, labels=blocks).loss)
+
+
+@pytest.mark.parametrize(("name", "layout"), [("gpt2", (2, 2, 2)), ("llama", (1, 2, 4))],
+                         ids=["gpt2-dp2_tp2_pp2", "llama-dp1_tp2_pp4"])
+def test_pretrained_finetune_and_export(name: str, layout: tuple[int, int, int]) -> None:
+    tf = pytest.importorskip("transformers")
+    dp, tp, pp = layout
+    root = Path(tempfile.mkdtemp(prefix="merak-pretrained-"))
+    folder, text = make_folder(name, root)
+    kwargs = dict(dp=dp, tp=tp, pp=pp, gradient_accumulation_steps=pp, per_device_eval_batch_size=2)
+    results = run_on_ranks(dp * tp * pp, finetune_on_ranks, str(folder), str(text), str(root / "out"), kwargs)
+
+    # Each rank read exactly its own shard of its own stage, never the whole model.
+    for rank, (read, own, _) in enumerate(results):
+        assert read == own, f"rank {rank} read {read} bytes for {own} bytes of parameters"
+
+    # (a) before any step: the export is the original folder, tensor for tensor.
+    original, step0 = read_folder(folder), read_folder(root / "out" / "step0")
+    assert sorted(step0) == sorted(original)
+    for key, ref in original.items():
+        assert step0[key].dtype == ref.dtype and torch.equal(step0[key], ref), key
+    exported = root / "out" / "step3"
+    assert (exported / "model.safetensors.index.json").is_file()
+    assert (exported / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()
+    assert (exported / "generation_config.json").is_file()
+
+    # (b) after 3 steps: what from_pretrained loads equals the single-process fine-tune.
+    loaded = tf.AutoModelForCausalLM.from_pretrained(str(exported))
+    ref_state = reference_finetune(folder, text, kwargs, dp)
+    state = dict(loaded.named_parameters())
+    assert sorted(state) == sorted(ref_state)
+    for key, ref in ref_state.items():
+        assert state[key].dtype == torch.float64, key
+        assert_tensors_close(state[key].detach(), ref, name=f"{name} {layout} {key}", rtol=1e-8, atol=1e-10)
+
+    # (c) transformers' loss on the eval text equals Merak's eval loss (every rank reports the same).
+    eval_losses = [r[2] for r in results]
+    assert all(v == pytest.approx(eval_losses[0], rel=1e-12) for v in eval_losses)
+    assert eval_losses[0] == pytest.approx(transformers_eval_loss(exported, text, folder), rel=1e-6)
