@@ -36,9 +36,24 @@ def test_family_plan_with_overlap_and_sequence_parallel(name: str) -> None:
 def test_plans_without_sequence_parallel_refuse_it() -> None:
     import merak_tp
 
-    for name in (*F.MOE, "opt"):
-        with pytest.raises(ValueError, match="does not support sequence_parallel=True"):
+    for name, why in (("mixtral", "its experts block takes every token"), ("qwen3_moe", "its experts block"),
+                      ("opt", "OPTDecoderLayer flattens batch and sequence")):
+        with pytest.raises(ValueError, match=f"TP plan 'hf_{name}' .* does not support sequence_parallel=True: "
+                                             f"{why}.*training.sequence_parallel: false"):
             merak_tp.parallelize(F.build_family(name), group=None, sequence_parallel=True)
+
+
+def test_moe_plans_keep_the_experts_opaque_for_tracing() -> None:
+    """The experts route tokens with data-dependent shapes (torch.export cannot trace them); their output
+    shape follows the input's, so a pipeline tracer keeps them as leaves, with or without TP."""
+    import merak_tp
+
+    for name in F.MOE:
+        names = merak_tp.trace_leaf_names(F.build_family(name))
+        assert names == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"], (name, names)
+    assert merak_tp.trace_leaf_names(F.build_family("llama")) == []
+    plan = merak_tp.plan_from_mapping({"base": "hf_llama", "trace_leaves": ["*layers.1.mlp"]})
+    assert merak_tp.trace_leaf_names(F.build_family("llama"), plan) == ["model.layers.1.mlp"]
 
 
 def test_gemma_scaled_embedding_keeps_its_scale() -> None:

@@ -37,6 +37,7 @@ from merak_tp.plans import (
     plan_for_model,
     plan_from_mapping,
     register_plan,
+    trace_leaf_names,
 )
 from merak_tp.rng import RNGTracker, sharded_dropout, tp_seed
 
@@ -86,5 +87,6 @@ __all__ = [
     "shard_experts",
     "sharded_dropout",
     "tp_seed",
+    "trace_leaf_names",
     "vocab_parallel_cross_entropy",
 ]

@@ -228,8 +228,10 @@ def parallelize(
     elif isinstance(plan, str):
         plan = get_plan(plan)
     if sequence_parallel and not plan.sequence_parallel:
-        raise ValueError(f"TP plan {plan.name!r} does not support sequence_parallel=True (e.g. a mixture-of-experts "
-                         "block routes whole sequences); use sequence_parallel=False")
+        why = f": {plan.sequence_parallel_note}" if plan.sequence_parallel_note else ""
+        raise ValueError(f"TP plan {plan.name!r} (for {type(model).__name__}) does not support "
+                         f"sequence_parallel=True{why}; use sequence_parallel=False (training.sequence_parallel: "
+                         "false), tensor parallelism without it is exact")
     vocab_loss = plan.vocab_parallel_loss if vocab_parallel_loss is None else vocab_parallel_loss
     tp = tp_size(group)
     named = dict(model.named_modules())

@@ -43,7 +43,7 @@ from typing import Any
 from torch import nn
 
 __all__ = ["MODULE_KINDS", "STYLES", "TPPlan", "get_plan", "list_plans", "plan_for_model", "plan_from_mapping",
-           "register_plan"]
+           "register_plan", "trace_leaf_names"]
 
 STYLES = ("column", "column_qkv", "row", "vocab", "lm_head", "experts", "sharded_norm", "per_head", "replicate")
 
@@ -94,6 +94,12 @@ class TPPlan:
     head absent from a headless model). Every other pattern must match at least one module."""
     sequence_parallel: bool = True
     """Whether the plan supports ``sequence_parallel=True``."""
+    sequence_parallel_note: str = ""
+    """Why it does not (named in the error for ``sequence_parallel=True``)."""
+    trace_leaves: tuple[str, ...] = ()
+    """Patterns of modules a pipeline tracer keeps opaque even without TP: code that ``torch.export``
+    cannot trace (data-dependent shapes inside) but whose outputs' shapes follow from its inputs'
+    (a mixture-of-experts block: routed tokens inside, ``[tokens, hidden]`` out). See ``trace_leaf_names``."""
     vocab_parallel_loss: bool = False
     """Leave the LM head's logits vocab-sharded (use ``vocab_parallel_cross_entropy``)."""
     fixup: Callable[[nn.Module, str, int], None] | None = None
@@ -115,7 +121,8 @@ class TPPlan:
             if self.layers.get(pattern) not in ("column", "lm_head"):
                 raise ValueError(f"TPPlan {self.name!r}: sections for {pattern!r}, which is not a 'column' pattern "
                                  "of layers; give the sections under the same pattern as the column style")
-        for what in ("regions", "sequence_scatter", "sequence_gather", "sequence_full", "rng_regions", "optional"):
+        for what in ("regions", "sequence_scatter", "sequence_gather", "sequence_full", "rng_regions", "optional",
+                     "trace_leaves"):
             value = getattr(self, what)
             if isinstance(value, str) or not all(isinstance(v, str) for v in value):
                 raise ValueError(f"TPPlan {self.name!r}: {what}={value!r} must be a tuple of pattern strings")
@@ -188,11 +195,32 @@ def plan_for_model(model: nn.Module) -> TPPlan:
     )
 
 
+def trace_leaf_names(model: nn.Module, plan: TPPlan | None = None) -> list[str]:
+    """Names of ``model``'s modules matching ``plan.trace_leaves`` (default: the model's built-in plan, if any).
+
+    For a pipeline tracer's ``leaf_modules`` when the model is not tensor parallel (TP's own
+    modules are leaves already). A model without a plan has none.
+    """
+    import fnmatch
+
+    if plan is None:
+        try:
+            plan = plan_for_model(model)
+        except ValueError:
+            return []
+    names: list[str] = []
+    for name, _ in model.named_modules():
+        if name and any(fnmatch.fnmatchcase(name, p) for p in plan.trace_leaves) \
+                and not any(name.startswith(n + ".") for n in names):
+            names.append(name)
+    return names
+
+
 # --------------------------------------------------------------------------- plans as plain data
 
 _MAPPING_KEYS = {
     "name", "layers", "sections", "attributes", "module_kinds", "regions", "sequence_scatter", "sequence_gather",
-    "sequence_full", "rng_regions", "optional", "sequence_parallel", "vocab_parallel_loss", "base",
+    "sequence_full", "rng_regions", "optional", "sequence_parallel", "vocab_parallel_loss", "base", "trace_leaves",
 }
 
 
@@ -226,7 +254,7 @@ def plan_from_mapping(data: Mapping[str, Any], *, name: str = "user", check_only
     Either ``{pattern: style}`` (layers only), or the full vocabulary: ``layers``,
     ``sections``, ``attributes`` (pattern -> list of names), ``module_kinds``, ``regions``,
     ``sequence_scatter`` / ``sequence_gather`` / ``sequence_full``, ``rng_regions``,
-    ``optional``, ``sequence_parallel``, ``vocab_parallel_loss`` and ``base`` (a registered
+    ``optional``, ``trace_leaves``, ``sequence_parallel``, ``vocab_parallel_loss`` and ``base`` (a registered
     plan whose fields the others replace). Raises ``ValueError`` naming the bad key or value.
     ``check_only``: validate before the job's modules are imported (a ``base`` not registered
     yet is skipped, the layers may then come from it).
@@ -271,7 +299,8 @@ def plan_from_mapping(data: Mapping[str, Any], *, name: str = "user", check_only
             raise ValueError(f"tp_plan module_kinds={kinds!r}: expected a mapping of class name to one of "
                              f"{MODULE_KINDS}")
         fields["module_kinds"] = dict(kinds)
-    for key in ("regions", "sequence_scatter", "sequence_gather", "sequence_full", "rng_regions", "optional"):
+    for key in ("regions", "sequence_scatter", "sequence_gather", "sequence_full", "rng_regions", "optional",
+                "trace_leaves"):
         if key in data:
             fields[key] = _tuple_of_str(key, data[key])
     for key in ("sequence_parallel", "vocab_parallel_loss"):

@@ -12,7 +12,11 @@ by rows (style ``experts``). The router stays replicated, so every rank routes
 every token to the same experts and the block needs one all-reduce, like a dense
 MLP; the load per rank is balanced whatever the routing (experts split across
 ranks would need an all-to-all and would load the ranks as unevenly as the
-router chooses).
+router chooses). The experts module routes tokens with data-dependent shapes
+(``nonzero``), which torch.export cannot trace, while its output is always
+``[tokens, hidden]``: the plans name it a trace leaf, so pipeline stages keep it
+opaque with or without TP (``trace_leaves``). Sequence parallelism is refused:
+the block takes every token on every rank.
 
 transformers is not imported here: modules are matched by name and class name.
 """
@@ -152,11 +156,16 @@ register_plan(_decoder_plan("hf_phi3", {
 }, sections={"*layers.*.self_attn.qkv_proj": _qkv_sections, "*layers.*.mlp.gate_up_proj": 2},
     fixup=_phi3_fixup), model_types=("phi3",))
 
+_MOE_NO_SP = ("its experts block takes every token of the sequence on every rank (the router is replicated and "
+              "the experts' partial sums are all-reduced over whole tokens); sequence parallelism would need the "
+              "block to gather the sequence first, which this plan does not do")
+
 for _t, _extra in (("mixtral", {}), ("qwen3_moe", _HEAD_NORMS)):
     _mlp = _GATED_MLP if _t == "qwen3_moe" else {}  # dense MLPs in the layers listed in mlp_only_layers
     register_plan(_decoder_plan(f"hf_{_t}", {
         **_ATTN, **_extra, "*layers.*.mlp.experts": "experts", "*layers.*.mlp.gate": "replicate", **_mlp, **_ENDS,
-    }, regions=("*layers.*.self_attn",), sequence_parallel=False,
+    }, regions=("*layers.*.self_attn",), sequence_parallel=False, sequence_parallel_note=_MOE_NO_SP,
+        trace_leaves=("*layers.*.mlp.experts",),
         attributes={"*layers.*.mlp.experts": ("intermediate_dim",)}).with_options(
         optional=("lm_head", *_mlp)), model_types=(_t,))
 
@@ -229,8 +238,9 @@ register_plan(TPPlan(
     rng_regions=("*layers.*.self_attn",),
     sequence_scatter=("*layers.0",),
     sequence_full=("*decoder.embed_tokens", "*decoder.embed_positions", "*decoder.project_in"),
-    # OPTDecoderLayer flattens batch and sequence around its MLP: no sequence parallelism.
     sequence_parallel=False,
+    sequence_parallel_note="OPTDecoderLayer flattens batch and sequence into one dim around its MLP (fc1/fc2), "
+                           "so a sequence-sharded residual stream would be reshaped wrongly",
     optional=("lm_head",),
     check=_check_heads,
 ), model_types=("opt",))
