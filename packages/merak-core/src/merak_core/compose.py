@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from merak_core.fsdp import full_local_tensor
 from merak_core.layout import ParallelLayout
 
 logger = logging.getLogger(__name__)
@@ -51,12 +52,22 @@ class ParallelModel:
     by_keyword: bool = False
     """Dict batches whose keys are all ``forward`` parameters go in by keyword when ``pp == 1``
     (so ``forward(input_ids, past, attention_mask)`` gets its mask right)."""
-    shared_parameters: list[tuple[nn.Parameter, dist.ProcessGroup]] = field(default_factory=list)
-    """Local copies of parameters held by several stages, with the group of ranks holding a copy."""
+    shared_parameters: list[tuple[nn.Parameter, dist.ProcessGroup | None]] = field(default_factory=list)
+    """Local copies of parameters held by several stages, with the group of ranks holding a copy
+    (None when every copy is on this rank, [Note: local ties])."""
     shared_owner: dict[nn.Parameter, int] = field(default_factory=dict)
     """For gradient-norm counting: shared parameter -> the stage whose copy counts."""
     partition: Any = None
     """The ``merak_graph.Partition`` (``pp > 1``), for summaries and estimates."""
+    stage_to_rank: tuple[int, ...] | None = None
+    """Pipeline rank of every stage (``pp > 1``): ``pp * v`` entries with virtual stages."""
+    stage_modules: dict[int, nn.Module] = field(default_factory=dict)
+    """Stage index -> this rank's module of that stage (``pp > 1``)."""
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages of the whole model (1 without pipelining)."""
+        return len(self.stage_to_rank) if self.stage_to_rank is not None else 1
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """(logical name, parameter) for every distinct local parameter."""
@@ -121,8 +132,13 @@ def build_parallel_model(
     partition_method: str = "cost",
     split_points: Sequence[str] | None = None,
     rng_tracker: Any = None,
+    stage_to_rank: Sequence[int] | None = None,
 ) -> ParallelModel:
     """Apply TP, partition into ``layout.pp`` stages and keep this rank's stage.
+
+    ``stage_to_rank``: virtual stages, e.g. a schedule's ``stage_to_rank`` (``pp * v`` entries,
+    ``v`` per pipeline rank: round-robin for interleaved-1F1B, a V for ZB-V); the model is cut
+    into that many stages and this rank keeps its ``v`` of them in a :class:`StageSet`.
 
     ``example_inputs`` holds one microbatch's inputs (a dict by name or a tuple in
     ``forward``'s order); meta tensors are fine. Every rank must call this with the
@@ -149,50 +165,135 @@ def build_parallel_model(
                              by_keyword=by_keyword)
 
     import merak_graph
-    from merak_graph import is_meta_module
-    from merak_pipe.shared import shared_parameter_groups
 
     leaves: tuple[type, ...] = ()
     if layout.tp > 1:
         import merak_tp
 
         leaves = merak_tp.TP_LEAF_MODULES
+    placement = tuple(stage_to_rank) if stage_to_rank is not None else tuple(range(layout.pp))
+    _check_placement(placement, layout.pp)
     # Inputs named like forward's parameters are traced by keyword (stage 0 then takes them
     # positionally in ``part.input_names`` order); others by position.
-    part = merak_graph.partition(
-        model, layout.pp, example_inputs=named_inputs if by_keyword else tuple(example_inputs),
-        method=partition_method,
-        leaf_modules=leaves, split_points=split_points, trace_method="auto",
-    )
-    stage_index = layout.pp_rank
-    if is_meta_module(model):
-        stage = part.build_stage(stage_index, device=device, init_fn=init_fn)
-    else:  # real tensors already: keep this stage's modules as they are (no copy)
-        stage = place_stage(part.stages[stage_index], device)
-    logical = part.stage_parameter_names(stage_index)
-    # Drop the other stages: their tensors must not stay alive on this rank.
-    part.stages = [stage if i == stage_index else merak_graph.StageModule() for i in range(len(part.stages))]
-    part.model = None
-    local_params = dict(stage.named_parameters(remove_duplicate=False))
-    copies = {sp.name: [s for s, _ in sp.stages] for sp in part.shared_parameters}
-    groups = shared_parameter_groups(copies, group=layout.pp_group, timeout=layout.timeout) \
-        if copies else {}
-    shared: list[tuple[nn.Parameter, dist.ProcessGroup]] = []
-    owner: dict[nn.Parameter, int] = {}
-    for sp in part.shared_parameters:
-        for s, local_name in sp.stages:
-            if s == stage_index:
-                param = local_params[local_name]
-                group = groups.get(sp.name)
-                if group is not None:
-                    shared.append((param, group))
-                owner[param] = min(st for st, _ in sp.stages)
-    logger.info("stage %d/%d: %d parameters, %d shared across stages", stage_index, layout.pp,
-                len(logical), len(shared))
+    try:
+        part = merak_graph.partition(
+            model, len(placement), example_inputs=named_inputs if by_keyword else tuple(example_inputs),
+            method=partition_method,
+            leaf_modules=leaves, split_points=split_points, trace_method="auto",
+        )
+    except merak_graph.PartitionError as exc:
+        if len(placement) == layout.pp:
+            raise
+        raise ValueError(
+            f"virtual_stages={len(placement) // layout.pp} at pp={layout.pp} needs the model cut into "
+            f"{len(placement)} stages, which it cannot be: {exc}. Use fewer virtual_stages (or a smaller pp)"
+        ) from exc
+    pm = _this_rank_stages(part, placement, layout, device=device, init_fn=init_fn)
     if by_keyword:
         keys = list(part.input_names)
-    return ParallelModel(module=stage, layout=layout, logical_names=logical, input_keys=keys,
-                         shared_parameters=shared, shared_owner=owner, partition=part)
+    pm.input_keys = keys
+    return pm
+
+
+def _check_placement(placement: tuple[int, ...], pp: int) -> None:
+    counts = [placement.count(r) for r in range(pp)]
+    if len(placement) % pp or any(c != len(placement) // pp for c in counts):
+        raise ValueError(
+            f"stage_to_rank={list(placement)} must put the same number of stages on each of the pp={pp} "
+            f"pipeline ranks (got {counts}); use a schedule's stage_to_rank (merak_pipe.build_schedule)"
+        )
+
+
+class StageSet(nn.Module):
+    """The pipeline stages one rank holds (virtual stages): ``stage{i}`` for each stage index ``i``.
+
+    Parameters tied across two of these stages are one ``nn.Parameter`` object (see
+    [Note: local ties]), so ``named_parameters()`` lists each once.
+    """
+
+    def __init__(self, stages: Mapping[int, nn.Module]) -> None:
+        super().__init__()
+        self.stage_indices = sorted(stages)
+        for index in self.stage_indices:
+            self.add_module(f"stage{index}", stages[index])
+
+    def stage(self, index: int) -> nn.Module:
+        return self.get_submodule(f"stage{index}")
+
+
+def _this_rank_stages(part: Any, placement: tuple[int, ...], layout: ParallelLayout, *,
+                      device: torch.device | str, init_fn: Callable[[nn.Module], Any] | None) -> ParallelModel:
+    """Keep the stages ``placement`` puts on this rank; drop the others (their tensors must not stay alive)."""
+    import merak_graph
+    from merak_graph import is_meta_module
+
+    mine = [s for s, r in enumerate(placement) if r == layout.pp_rank]
+    meta = is_meta_module(part.model) if part.model is not None else False
+    modules: dict[int, nn.Module] = {}
+    for s in mine:
+        if meta or is_meta_module(part.stages[s]):
+            modules[s] = part.build_stage(s, device=device, init_fn=init_fn)
+        else:  # real tensors already: keep this stage's modules as they are (no copy)
+            modules[s] = place_stage(part.stages[s], device)
+    _tie_local_copies(part, modules)
+    if len(mine) == 1:
+        module: nn.Module = modules[mine[0]]
+        logical = dict(part.stage_parameter_names(mine[0]))
+    else:
+        module = StageSet(modules)
+        logical = {f"stage{s}.{local}": name for s in mine for local, name in part.stage_parameter_names(s).items()}
+    part.stages = [modules.get(i, merak_graph.StageModule()) for i in range(len(part.stages))]
+    part.model = None
+    shared, owner = _shared_groups(part, placement, modules, layout)
+    logger.info("pipeline rank %d/%d holds stages %s: %d parameters, %d shared across stages", layout.pp_rank,
+                layout.pp, mine, len(logical), len(shared))
+    return ParallelModel(module=module, layout=layout, logical_names=logical, input_keys=None,
+                         shared_parameters=shared, shared_owner=owner, partition=part, stage_to_rank=placement,
+                         stage_modules=modules)
+
+
+def _local_param(module: nn.Module, local_name: str) -> nn.Parameter:
+    return dict(module.named_parameters(remove_duplicate=False))[local_name]
+
+
+def _tie_local_copies(part: Any, modules: Mapping[int, nn.Module]) -> None:
+    """[Note: local ties] Copies of one shared parameter on two stages of this rank become one object.
+
+    Their gradients then accumulate into one ``.grad`` (the sum over the stages), as in the
+    unpartitioned model; only copies on other ranks need an all-reduce.
+    """
+    for sp in part.shared_parameters:
+        here = [(s, local) for s, local in sp.stages if s in modules]
+        if len(here) < 2:
+            continue
+        keep = _local_param(modules[here[0][0]], here[0][1])
+        for s, local in here[1:]:
+            owner_name, _, leaf = local.rpartition(".")
+            owner = modules[s].get_submodule(owner_name) if owner_name else modules[s]
+            if getattr(owner, leaf) is not keep:
+                setattr(owner, leaf, keep)
+
+
+def _shared_groups(part: Any, placement: tuple[int, ...], modules: Mapping[int, nn.Module],
+                   layout: ParallelLayout) -> tuple[list[tuple[nn.Parameter, Any]], dict[nn.Parameter, int]]:
+    """Per shared parameter held here: (this rank's copy, the group of ranks holding one, or None), and the
+    pipeline rank whose copy the gradient norm counts."""
+    from merak_pipe.shared import shared_parameter_groups
+
+    copies = {sp.name: sorted({placement[s] for s, _ in sp.stages}) for sp in part.shared_parameters}
+    groups = shared_parameter_groups(copies, group=layout.pp_group, timeout=layout.timeout) if copies else {}
+    shared: list[tuple[nn.Parameter, Any]] = []
+    owner: dict[nn.Parameter, int] = {}
+    for sp in part.shared_parameters:
+        here = [(s, local) for s, local in sp.stages if s in modules]
+        if not here:
+            continue
+        param = _local_param(modules[here[0][0]], here[0][1])
+        # A copy with no group (every copy on this rank, [Note: local ties]) still gets its
+        # gradient from several backwards per microbatch: it is listed so DP reduces it last.
+        shared.append((param, groups.get(sp.name)))
+        owner[param] = placement[min(s for s, _ in sp.stages)]
+    return shared, owner
 
 
 _M = TypeVar("_M", bound=nn.Module)
@@ -233,7 +334,7 @@ def gather_full_state_dict(pm: ParallelModel, *, dst: int = 0) -> dict[str, torc
     for name, p in pm.named_parameters():
         if name in local:
             continue
-        tensor = p.detach()
+        tensor = full_local_tensor(p.detach())  # ZeRO-2/3: gathered over DP (every DP rank takes part)
         if layout.tp > 1 and getattr(p, "_merak_tp_dim", None) is not None:
             import merak_tp
 

@@ -45,6 +45,9 @@ class ModelProfile:
     """Bytes each layer keeps for backward, for one sample."""
     layer_param_bytes: list[float]
     """Parameter bytes of each layer (embeddings and head counted in the first / last layer)."""
+    shared_param_bytes: float = 0.0
+    """Bytes of parameters counted in both the first and the last layer (a tied embedding and head):
+    a stage holding both layers holds them once."""
     microbatch_overhead_s: float = 0.0
     """Fixed seconds per microbatch and stage (forward + backward) that do not grow with the batch."""
     boundary_bytes: float = 0.0
@@ -261,7 +264,9 @@ def profile_model(
 
     ``sample`` is a batch (its first dimension is the batch size), or a mapping passed by keyword; per-layer forward time comes
     from hooks on ``layers`` (default: the model's longest ``nn.ModuleList``), kept bytes from
-    saved-tensor hooks (parameters excluded). A one-sample run splits the step time into a fixed
+    saved-tensor hooks (parameters excluded, each storage once; before the first layer: the first
+    layer's, after the last one: the last layer's, plus one tensor the size of the output for the
+    loss). A one-sample run splits the step time into a fixed
     per-microbatch overhead and a per-sample part (the layer times are scaled to the latter); time and memory outside the layers go to the first layer. Backward time
     is measured for the whole model and spread over layers in proportion to forward time.
     With ``cache_dir`` the profile is read from / written to ``<fingerprint>-<device>.json``.
@@ -323,20 +328,37 @@ def _measure(model: nn.Module, sample: torch.Tensor | Mapping[str, torch.Tensor]
     out_bytes = [0.0]
     current = [-1]  # -1: outside the layers
     starts: dict[int, float] = {}
-    outside_act = [0.0]
+    outside_act = [0.0, 0.0]  # saved before the first layer / after the last one
+    after = [False]  # the last layer has run: what follows (final norm, head, loss) is the last layer's
+    used_after: set[int] = set()
+    used_before: set[int] = set()
 
-    param_ptrs = {p.data_ptr() for p in model.parameters()}
+    param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved_storages: set[int] = set()
     dev = _device_of(sample)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.data_ptr() in param_ptrs:  # a saved weight is a parameter, counted in layer_param_bytes
+        key = t.untyped_storage().data_ptr()
+        if key in param_ptrs:  # a saved weight is a parameter, counted in layer_param_bytes
+            if current[0] < 0:
+                (used_after if after[0] else used_before).add(key)
             return t
-        nbytes = float(t.numel() * t.element_size())
+        if key in saved_storages:  # saved again (or a view of a saved tensor): held once
+            return t
+        saved_storages.add(key)
+        nbytes = float(t.untyped_storage().nbytes())
         if current[0] >= 0:
             act[current[0]] += nbytes
         else:
-            outside_act[0] += nbytes
+            outside_act[1 if after[0] else 0] += nbytes
         return t
+
+    in_layer_modules = {id(m) for layer in layers for m in layer.modules()}
+
+    def outside_module(m: nn.Module, _a: Any) -> None:  # a module outside the layers: its weights' place
+        if current[0] < 0:
+            (used_after if after[0] else used_before).update(p.untyped_storage().data_ptr()
+                                                             for p in m.parameters(recurse=False))
 
     handles = []
     for i, layer in enumerate(layers):
@@ -347,18 +369,24 @@ def _measure(model: nn.Module, sample: torch.Tensor | Mapping[str, torch.Tensor]
         def post(_m: nn.Module, _a: Any, out: Any, i: int = i) -> None:
             fwd[i] += _now(dev) - starts[i]
             current[0] = -1
+            after[0] = i == n - 1
             if isinstance(out, torch.Tensor):
                 out_bytes[0] = float(out.numel() * out.element_size())
 
         handles.append(layer.register_forward_pre_hook(pre))
         handles.append(layer.register_forward_hook(post))
+    for m in model.modules():
+        if id(m) not in in_layer_modules and any(True for _ in m.parameters(recurse=False)):
+            handles.append(m.register_forward_pre_hook(outside_module))
     total_f = total_b = 0.0
     fwd_sum = [0.0] * n
     try:
         for rep in range(repeats + 1):  # the first run warms up
             fwd[:] = [0.0] * n
             act[:] = [0.0] * n
-            outside_act[0] = 0.0
+            outside_act[:] = [0.0, 0.0]
+            saved_storages.clear()
+            after[0] = False
             model.zero_grad(set_to_none=True)
             t0 = _now(dev)
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -366,6 +394,8 @@ def _measure(model: nn.Module, sample: torch.Tensor | Mapping[str, torch.Tensor]
             t1 = _now(dev)
             if not isinstance(y, torch.Tensor):  # a dict / ModelOutput: its first tensor (logits or loss)
                 y = next(v for v in y.values() if isinstance(v, torch.Tensor))
+            if y.is_floating_point():  # a training loss (cross-entropy) keeps one tensor the output's size
+                outside_act[1] += float(y.numel() * y.element_size())
             loss = y.float().sum()
             loss.backward()
             t2 = _now(dev)
@@ -380,9 +410,24 @@ def _measure(model: nn.Module, sample: torch.Tensor | Mapping[str, torch.Tensor]
     per_layer_f[0] += max(total_f - sum(per_layer_f), 0.0)  # embedding, head and loss: first layer
     per_layer_b = [total_b * f / max(sum(per_layer_f), 1e-12) for f in per_layer_f]
     act[0] += outside_act[0]
+    act[-1] += outside_act[1]
     params = [float(sum(p.numel() * p.element_size() for p in layer.parameters())) for layer in layers]
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
-    params[0] += float(sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in in_layers))
+    # Outside the layers: a parameter used only after the last layer (final norm, untied head) is the
+    # last layer's; one used before and after (a tied embedding) is held by both; the rest the first's.
+    shared = 0.0
+    for p in model.parameters():
+        if id(p) in in_layers:
+            continue
+        nbytes = float(p.numel() * p.element_size())
+        late = p.untyped_storage().data_ptr() in used_after
+        early = p.untyped_storage().data_ptr() in used_before or not late
+        if late:
+            params[-1] += nbytes
+        if early and not (late and n == 1):
+            params[0] += nbytes
+        if late and early and n > 1:
+            shared += nbytes
     vocab = None
     for m in model.modules():
         if isinstance(m, nn.Embedding):
@@ -392,7 +437,7 @@ def _measure(model: nn.Module, sample: torch.Tensor | Mapping[str, torch.Tensor]
     kv = _find_attr(model, ("num_key_value_heads", "num_kv_heads", "n_kv_heads"))
     prof = ModelProfile(
         layer_forward_s=[f / batch for f in per_layer_f], layer_backward_s=[b / batch for b in per_layer_b],
-        layer_activation_bytes=[a / batch for a in act], layer_param_bytes=params,
+        layer_activation_bytes=[a / batch for a in act], layer_param_bytes=params, shared_param_bytes=shared,
         boundary_bytes=out_bytes[0] / batch, num_heads=heads, num_kv_heads=kv, vocab_size=vocab,
         fingerprint=key, device=device)
     if batch > 1:  # time(b) = overhead + b * per_sample: a one-sample run gives the overhead

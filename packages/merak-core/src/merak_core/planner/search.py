@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from merak_core.planner.comm import CommModel
+from merak_core.planner.memory import ZERO_STAGES, model_state_bytes
 from merak_core.planner.profile import ModelProfile
 
 __all__ = [
@@ -126,8 +127,12 @@ def _layout(profile: ModelProfile, comm: CommModel, dp: int, tp: int, pp: int, z
     bounds = [sum(sizes[:s]) for s in range(pp + 1)]
     stage = [range(bounds[s], bounds[s + 1]) for s in range(pp)]
     params = [sum(profile.layer_param_bytes[i] for i in r) / tp for r in stage]
-    opt_div = dp if zero_stage == 1 else 1
-    static = [p * 2 + p * optimizer_state_factor / opt_div for p in params]
+    if pp == 1:  # one stage holds the first and the last layer: a tied embedding once
+        params[0] -= profile.shared_param_bytes / tp
+    opt_div = dp if zero_stage >= 1 else 1
+    static = [sum(model_state_bytes(p, zero_stage=zero_stage, dp=dp, optimizer_state_factor=optimizer_state_factor,
+                                    largest_unit_bytes=max(profile.layer_param_bytes[i] for i in r) / tp))
+              for p, r in zip(params, stage, strict=True)]
     world = dp * tp * pp
     # Per step outside the pipeline: the optimizer over this rank's parameters (its share under
     # ZeRO-1), the gradient-norm all-reduce and the loss all-reduce over every rank.
@@ -215,8 +220,8 @@ def _evaluate(profile: ModelProfile, comm: CommModel, lay: _Layout, *, schedule:
 def _check_common(memory_per_device: float, zero_stage: int, compute_slots: float | None) -> None:
     if not memory_per_device > 0:
         raise ValueError(f"memory_per_device={memory_per_device!r}; expected bytes > 0")
-    if zero_stage not in (0, 1):
-        raise ValueError(f"zero_stage={zero_stage!r}; expected 0 or 1")
+    if zero_stage not in ZERO_STAGES:
+        raise ValueError(f"zero_stage={zero_stage!r}; expected one of {ZERO_STAGES}")
     if compute_slots is not None and (not isinstance(compute_slots, (int, float)) or isinstance(compute_slots, bool)
                                       or not 1 <= compute_slots < math.inf):
         raise ValueError(f"compute_slots={compute_slots!r}; expected a number >= 1 (ranks that can compute at once "
