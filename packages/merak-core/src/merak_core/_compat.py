@@ -59,3 +59,19 @@ def fake_process_group_store() -> type | None:
     except ImportError:
         return None
     return FakeStore
+
+
+def fsdp_reduce_gradients(root: torch.nn.Module) -> None:
+    """Run FSDP2's post-backward of every parameter group under ``root`` now, then its end-of-backward callback.
+
+    For gradients accumulated with ``set_requires_gradient_sync(False)`` over backwards that the
+    caller drives (pipeline microbatches): the same calls torch.distributed.pipelining makes for
+    its REDUCE_GRAD action. Private FSDP2 state; the only place merak-core touches it.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    state = fully_shard.state(root)  # type: ignore[attr-defined]
+    for sub_state in state._state_ctx.all_states:
+        for param_group in sub_state._fsdp_param_groups:
+            param_group.post_backward()
+    state._root_post_backward_final_callback()

@@ -13,7 +13,9 @@ single-process) model, so every logical parameter must be counted exactly once:
   the PP group; a parameter shared by several stages (a tied embedding) is named
   by the caller in ``shared_params`` with the one stage that counts it.
 - **DP**: gradients are already averaged over DP (identical on every DP rank), so
-  nothing is reduced over DP.
+  nothing is reduced over DP; under ZeRO-2/3 a gradient is a ``DTensor`` sharded over
+  the DP mesh, each DP rank holds a distinct part, and the partial sums of those shards
+  are added over that mesh's group too.
 
 Then every local gradient is scaled by ``min(1, max_norm / (norm + 1e-6))``,
 exactly as ``torch.nn.utils.clip_grad_norm_`` does.
@@ -33,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from merak_core.fsdp import is_sharded, local_tensor
 from merak_core.layout import ParallelLayout
 
 logger = logging.getLogger(__name__)
@@ -88,6 +91,8 @@ def global_grad_norm(
         if owner is not None and owner != pp_rank:
             continue  # shared across stages: counted on its owner stage
         grads.append(p.grad.detach())
+    dp_sharded = _sharded_group([p.grad for p in params if p.grad is not None])  # before the TP/PP filter
+    grads = [local_tensor(g) for g in grads]
     device = _device_of(params, layout)
     # Per-tensor norms in the gradient's precision (at least float32), accumulated and
     # reduced in float64 so every rank reduces the same dtype whatever its stage holds.
@@ -99,7 +104,7 @@ def global_grad_norm(
         else:
             local += part.to(torch.float64) ** norm_type
     op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
-    for group in (tp_group, pp_group):
+    for group in (tp_group, pp_group, dp_sharded):
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(local, op=op, group=group)
     return local if math.isinf(norm_type) else local ** (1.0 / norm_type)
@@ -146,7 +151,15 @@ def scale_gradients_(parameters: Iterable[torch.Tensor], max_norm: float, total_
     coef = torch.clamp(max_norm / (total_norm + _EPS), max=1.0)
     for p in _unique(parameters):
         if p.grad is not None:
-            p.grad.detach().mul_(coef.to(p.grad.dtype))
+            local_tensor(p.grad.detach()).mul_(coef.to(p.grad.dtype))
+
+
+def _sharded_group(grads: list[torch.Tensor]) -> ProcessGroup | None:
+    """The DP group of ZeRO-2/3 gradients (DTensors on a 1-D mesh), or None for plain gradients."""
+    for g in grads:
+        if is_sharded(g):
+            return g.device_mesh.get_group(0)  # type: ignore[attr-defined]
+    return None
 
 
 def _unique(parameters: Iterable[torch.Tensor]) -> list[torch.Tensor]:

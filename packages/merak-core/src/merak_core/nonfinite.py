@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from merak_core.fsdp import local_tensor
+
 STOP = "stop"
 SKIP = "skip"
 
@@ -42,7 +44,7 @@ class NonFiniteError(FloatingPointError):
 
 def local_grads_nonfinite(params: Iterable[torch.Tensor]) -> bool:
     """Whether any local gradient holds a NaN or an infinity (no communication)."""
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = [local_tensor(p.grad) for p in params if p.grad is not None]  # a ZeRO-2/3 gradient: its shard
     if not grads:
         return False
     return bool(torch.stack([torch.isfinite(g).all() for g in grads]).logical_not().any())
@@ -54,6 +56,7 @@ def first_nonfinite_gradient(named: Sequence[tuple[str, nn.Parameter]]) -> tuple
         g = p.grad
         if g is None:
             continue
+        g = local_tensor(g)
         finite = torch.isfinite(g)
         if not bool(finite.all()):
             return name, "nan" if bool(torch.isnan(g).any()) else "inf"

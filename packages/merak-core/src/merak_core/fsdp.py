@@ -1,0 +1,321 @@
+"""ZeRO stages 2 and 3: gradients and parameters sharded over the DP axis with torch's FSDP2.
+
+:class:`ShardedDataParallel` applies ``torch.distributed.fsdp.fully_shard`` to this rank's
+part of the model over a 1-D device mesh of the rank's DP group. The parameters it shards
+are whatever the model holds locally: after merak-tp, a TP layer's weight is a plain
+``nn.Parameter`` with this TP rank's block, so FSDP2 shards the TP shard over DP (dim 0,
+``torch.chunk`` sizes) and the TP math is untouched. A parameter becomes a ``DTensor``
+sharded over the DP mesh; merak's shard tags (``_merak_tp_*``) are copied onto it.
+
+The object mirrors :class:`merak_core.data_parallel.DataParallelGradSync`:
+:meth:`~ShardedDataParallel.prepare_step` before the step's backwards (no gradient sync,
+see [Note: one gradient sync per step]), :meth:`~ShardedDataParallel.finish` after them
+(reduce-scatter of the accumulated gradients; then the gradients of parameters held by
+several pipeline stages are summed over their copies, on the shards).
+
+[Note: ZeRO-2 and ZeRO-3 in FSDP2] FSDP2 always keeps the parameters sharded between
+steps (the optimizer updates the shards; the next forward all-gathers them), so the two
+stages differ in when parameters are gathered *during* a step:
+
+- ZeRO-2: ``reshard_after_forward=False`` and no resharding between microbatches: each
+  unit is all-gathered once per step, at its first forward, and stays gathered until the
+  step's gradient reduce-scatter. Communication per step: one all-gather and one
+  reduce-scatter of the parameters, exactly ZeRO-2's (DeepSpeed's all-gather of updated
+  parameters after the step is this all-gather, moved to the next forward).
+- ZeRO-3: parameters are gathered only around the computation that needs them:
+  resharded after every forward and every backward, gathered again for the next (see
+  [Note: reshard after forward per stage] for the one exception).
+
+[Note: one gradient sync per step] As in torch.distributed.pipelining (its REDUCE_GRAD
+action): every microbatch's backward runs with ``set_requires_gradient_sync(False)``, so
+FSDP2 accumulates unsharded gradients; after the last backward, :meth:`finish` runs each
+parameter group's post-backward with the sync on (one reduce-scatter per unit per step)
+and FSDP2's end-of-backward callback. A pipeline schedule drives the backwards of its
+microbatches itself, so this does not depend on which backward is the last. The price:
+unsharded gradients are held during the step (a reduce-scatter per microbatch would keep
+them sharded for ``num_microbatches`` times the communication).
+
+[Note: reshard after forward per stage] Under 1F1B stage ``s`` of ``S`` holds ``S - s``
+microbatches of activations at its peak, so the first stage's peak is the pipeline's.
+ZeRO-3 reshards after forward on every stage except the last one when ``pp > 1``: the last
+stage runs each backward right after its forward and holds one microbatch of activations,
+the fewest of the pipeline, so keeping its units gathered from forward to backward leaves
+the step's peak (set by the first stage) unchanged and saves one all-gather per unit per
+microbatch. At ``pp == 1`` the only stage's peak is the end of its forward, so it reshards.
+``reshard_after_forward=`` overrides the rule.
+
+[Note: FSDP units] A pipeline stage (``nn.Sequential`` of traced shards) is run unit by
+unit by merak-pipe, never through the container's ``forward``, so each unit is its own
+FSDP2 root (``fully_shard(unit)``); a whole model (``pp == 1``) is sharded per transformer
+block (each element of an ``nn.ModuleList``) and then at the root. A parameter used by two
+units of one stage cannot be sharded per unit and is refused.
+
+Not done here: ZeRO-1 (:mod:`merak_core.zero`), the replicated all-reduce
+(:mod:`merak_core.data_parallel`), mixed-precision policies (parameters are gathered and
+gradients reduced in the parameter dtype), CPU offload.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+
+from merak_core import _compat
+
+logger = logging.getLogger(__name__)
+
+SHARDED_ZERO_STAGES = (2, 3)
+_TAG_PREFIX = "_merak"
+
+
+def default_reshard_after_forward(zero_stage: int, *, stage_index: int, num_stages: int) -> bool:
+    """The rule of [Note: reshard after forward per stage] (pure)."""
+    if zero_stage not in SHARDED_ZERO_STAGES:
+        raise ValueError(f"zero_stage={zero_stage!r}: FSDP2 sharding is ZeRO stage 2 or 3")
+    if zero_stage == 2:
+        return False
+    return num_stages == 1 or stage_index < num_stages - 1
+
+
+def check_sharding_supported(zero_stage: int, *, schedule_name: str, actions: Iterable[Any] = ()) -> None:
+    """Refuse what ZeRO-2/3 cannot run exactly, before any collective (pure).
+
+    ``actions``: the schedule's actions (objects with a ``kind`` whose value is ``"F"``, ``"B"``,
+    ``"I"``, ``"W"`` ...). A split backward (``I`` then ``W``) computes weight gradients with
+    ``torch.autograd.grad`` against the registered (sharded) parameters, which FSDP2 swaps for
+    gathered ones during compute: those gradients would be lost, so such schedules are refused.
+    """
+    if zero_stage not in SHARDED_ZERO_STAGES:
+        return
+    split = sorted({str(getattr(a.kind, "value", a.kind)) for a in actions} & {"I", "W"})
+    if split:
+        raise ValueError(
+            f"zero_stage={zero_stage} with schedule={schedule_name!r}: the schedule splits the backward into "
+            f"input- and weight-gradient actions ({'/'.join(split)}), which FSDP2-sharded parameters do not "
+            "support (the weight gradients would be lost); expected a schedule with full backwards. Use "
+            "schedule 1f1b, gpipe or shifted_critical_path with ZeRO-2/3, or zero_stage 0/1 with this schedule"
+        )
+
+
+def fsdp_units(module: nn.Module) -> list[nn.Module]:
+    """The modules that become FSDP2 roots (see [Note: FSDP units])."""
+    if isinstance(module, nn.Sequential):
+        return [unit for unit in module if any(True for _ in unit.parameters())]
+    return [module]
+
+
+def _blocks(root: nn.Module) -> list[nn.Module]:
+    """Elements of ``nn.ModuleList`` containers below ``root`` (transformer blocks), outermost lists only."""
+    blocks: list[nn.Module] = []
+    inside: set[int] = set()
+    for _, sub in root.named_modules():
+        if id(sub) in inside or not isinstance(sub, nn.ModuleList):
+            continue
+        for child in sub:
+            if any(True for _ in child.parameters()):
+                blocks.append(child)
+            inside.update(id(m) for m in child.modules())
+    return blocks
+
+
+class ShardedDataParallel:
+    """ZeRO-2/3 for this rank's stage module over the DP group (see the module docstring).
+
+    Args:
+        module: the stage module (``nn.Sequential`` of units) or the whole model, on its device.
+        dp_group: the DP process group (``layout.dp_group``).
+        zero_stage: 2 or 3.
+        device_type: ``"cpu"`` or ``"cuda"`` (the mesh's device type).
+        stage_index, num_stages: this rank's pipeline stage, for the reshard rule.
+        shared_parameters: ``[(param, group)]`` parameters held by several stages, summed over
+            ``group`` after the reduce-scatter (the pipeline runner must then not sum them).
+        reshard_after_forward: override [Note: reshard after forward per stage].
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        dp_group: ProcessGroup,
+        *,
+        zero_stage: int,
+        device_type: str,
+        stage_index: int = 0,
+        num_stages: int = 1,
+        shared_parameters: Sequence[tuple[nn.Parameter, ProcessGroup]] = (),
+        reshard_after_forward: bool | None = None,
+    ) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        if zero_stage not in SHARDED_ZERO_STAGES:
+            raise ValueError(f"zero_stage={zero_stage!r}: ShardedDataParallel implements ZeRO stage 2 or 3 "
+                             "(use merak_core.zero.ZeroOptimizer for stage 1)")
+        self.zero_stage = zero_stage
+        self.dp_group = dp_group
+        self.dp_size = dist.get_world_size(dp_group)
+        self.reshard_after_forward = (
+            default_reshard_after_forward(zero_stage, stage_index=stage_index, num_stages=num_stages)
+            if reshard_after_forward is None else bool(reshard_after_forward))
+        # Between microbatches ZeRO-3 gives the memory back; ZeRO-2 keeps the gather for the step.
+        self._reshard_between = zero_stage == 3 and self.reshard_after_forward
+        # The axis name carries the group's name: DTensor caches sharding results by mesh, and meshes
+        # compare equal by their ranks, so a mesh over a later group of the same ranks (a second
+        # layout in one process) would otherwise be answered with the first group's mesh.
+        self.mesh = DeviceMesh.from_group(dp_group, device_type, mesh_dim_names=(f"dp:{dp_group.group_name}",))
+        before = dict(module.named_parameters(remove_duplicate=False))
+        self.units = fsdp_units(module)
+        _check_units_disjoint(self.units)
+        for unit in self.units:
+            for block in _blocks(unit) if unit is module and not isinstance(module, nn.Sequential) else []:
+                fully_shard(block, mesh=self.mesh, reshard_after_forward=self.reshard_after_forward)
+            fully_shard(unit, mesh=self.mesh, reshard_after_forward=self.reshard_after_forward)
+        self.roots: list[Any] = list(self.units)
+        self.param_map = _new_parameters(module, before)
+        """id(parameter before sharding) -> the sharded parameter that replaced it."""
+        self.shared_parameters = [(self.param_map.get(id(p), p), g) for p, g in shared_parameters]
+        self._armed = False
+        logger.debug("ZeRO-%d over %d DP ranks: %d FSDP units, reshard_after_forward=%s", zero_stage,
+                     self.dp_size, len(self.units), self.reshard_after_forward)
+
+    def remap(self, params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
+        """The sharded parameters that replaced ``params`` (others unchanged)."""
+        return [self.param_map.get(id(p), p) for p in params]
+
+    # ------------------------------------------------------------------ a step
+
+    @property
+    def armed(self) -> bool:
+        """True between :meth:`prepare_step` and :meth:`finish`."""
+        return self._armed
+
+    def prepare_step(self, num_backwards: int = 1) -> None:
+        """Before the step's backwards: accumulate without syncing ([Note: one gradient sync per step])."""
+        if isinstance(num_backwards, bool) or not isinstance(num_backwards, int) or num_backwards < 1:
+            raise ValueError(f"num_backwards must be a positive integer, got {num_backwards!r}")
+        if self._armed:
+            raise RuntimeError("the sharded gradient sync is already armed: call finish() before arming it again")
+        for root in self.roots:
+            root.set_is_last_backward(False)
+            root.set_requires_gradient_sync(False)
+            root.set_reshard_after_backward(self._reshard_between)
+        self._armed = True
+
+    def finish(self) -> None:
+        """After the last backward: reduce-scatter the accumulated gradients, reshard, sum shared copies."""
+        if not self._armed:
+            raise RuntimeError("finish() without prepare_step(): nothing is being synchronised")
+        try:
+            for root in self.roots:
+                root.set_is_last_backward(True)
+                root.set_requires_gradient_sync(True)
+                root.set_reshard_after_backward(True)
+                _compat.fsdp_reduce_gradients(root)
+        finally:
+            self._armed = False
+        self._sum_shared_gradients()
+
+    def _sum_shared_gradients(self) -> None:
+        """Each copy is sharded the same way over DP, so the sum of the shards is the shard of the sum."""
+        pending = []
+        for param, group in self.shared_parameters:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            local = local_tensor(param.grad)
+            pending.append((param, dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group, async_op=True)))
+        for param, work in pending:
+            assert work is not None
+            try:
+                work.wait()
+            except Exception as err:
+                raise RuntimeError(
+                    f"rank {dist.get_rank()}: all-reduce of a shared parameter's gradient shard "
+                    f"{tuple(local_tensor(param).shape)} failed: {err}. A peer probably died"
+                ) from err
+
+    def reshard(self) -> None:
+        """Free gathered parameters (e.g. after an evaluation that ran forwards only)."""
+        for root in self.roots:
+            root.reshard()
+
+
+def _check_units_disjoint(units: Sequence[nn.Module]) -> None:
+    owner: dict[int, int] = {}
+    for index, unit in enumerate(units):
+        for name, p in unit.named_parameters():
+            if owner.setdefault(id(p), index) != index:
+                raise ValueError(
+                    f"parameter {name!r} is used by units {owner[id(p)]} and {index} of one pipeline stage, which "
+                    "FSDP2 cannot shard unit by unit: use zero_stage 0 or 1 for this model and layout, or a "
+                    "layout whose stages do not cut between the two uses"
+                )
+
+
+def _new_parameters(module: nn.Module, before: dict[str, nn.Parameter]) -> dict[int, nn.Parameter]:
+    """Map the parameters before sharding to the ones FSDP2 registered under the same names, with merak's tags."""
+    mapping: dict[int, nn.Parameter] = {}
+    for name, new in module.named_parameters(remove_duplicate=False):
+        original = before.get(name)
+        if original is None or original is new:
+            continue
+        mapping[id(original)] = new
+        for tag, value in vars(original).items():
+            if tag.startswith(_TAG_PREFIX):
+                setattr(new, tag, value)
+    return mapping
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor; any other tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def is_sharded(tensor: torch.Tensor) -> bool:
+    """True for a DTensor (a ZeRO-2/3 parameter, its gradient or its optimizer state)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def full_local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DP-sharded DTensor (collective over its mesh); others as they are."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def copy_into_shard_(target: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy this rank's part of ``full`` into ``target`` (a DP-sharded DTensor or a plain tensor)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(target, DTensor):
+        target.copy_(full)
+        return
+    if tuple(full.shape) != tuple(target.shape):
+        raise ValueError(f"cannot load a tensor of shape {tuple(full.shape)} into a parameter of shape "
+                         f"{tuple(target.shape)}")
+    source = distribute_tensor(full.to(device=target.device, dtype=target.dtype), target.device_mesh,
+                               target.placements, src_data_rank=None)
+    target.to_local().copy_(source.to_local())
+
+
+def shard_like(like: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """A new tensor sharded like ``like`` (a DTensor) holding this rank's part of ``full``."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(like, DTensor):
+        return full
+    return distribute_tensor(full.to(device=like.device), like.device_mesh, like.placements, src_data_rank=None)
+
+
+__all__ = [
+    "SHARDED_ZERO_STAGES", "ShardedDataParallel", "check_sharding_supported", "copy_into_shard_", "default_reshard_after_forward",
+    "fsdp_units", "full_local_tensor", "is_sharded", "local_tensor", "shard_like",
+]

@@ -1,0 +1,161 @@
+"""ZeRO-2/3 (FSDP2 over the DP axis) inside a real merak-pipe pipeline step (dp=2 x pp=2, tied weights).
+
+The recipe the engine uses: ``ShardedDataParallel.prepare_step`` before ``PipelineRunner.step``
+(the runner gets no shared parameters: their copies are summed on the gradient shards),
+``finish()`` after it. Every stage's gradients, gathered over DP, must equal the single-process
+gradient of the global batch by logical name, for ZeRO 2 and 3, 1F1B and GPipe, with and
+without recomputation; the parameters must really be sharded (each DP rank holds half), and
+the pure rules (the reshard-after-forward choice, the FSDP units) are checked without processes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from merak_core.fsdp import ShardedDataParallel, default_reshard_after_forward, fsdp_units
+from merak_core.layout import ParallelLayout
+from tests.support.compare import assert_grads_match
+from tests.support.dist import run_on_ranks
+
+merak_pipe = pytest.importorskip("merak_pipe")
+
+VOCAB, HIDDEN, SEQ = 11, 6, 5
+DP, PP, MICRO, PER_RANK = 2, 2, 2, 4
+
+
+class _Embed(nn.Module):
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight.clone())
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class _Block(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor) -> None:
+        super().__init__()
+        self.linear = nn.Linear(HIDDEN, HIDDEN).double()
+        with torch.no_grad():
+            self.linear.weight.copy_(weight)
+            self.linear.bias.copy_(bias)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + torch.tanh(self.linear(h))
+
+
+class _TiedHead(nn.Module):
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight.clone())
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h @ self.weight.t()
+
+
+def _weights() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(21)
+    w = {"embed.weight": torch.randn(VOCAB, HIDDEN, generator=g, dtype=torch.float64)}
+    for i in range(2):
+        w[f"block{i}.weight"] = torch.randn(HIDDEN, HIDDEN, generator=g, dtype=torch.float64) * 0.3
+        w[f"block{i}.bias"] = torch.randn(HIDDEN, generator=g, dtype=torch.float64) * 0.1
+    return w
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    n = DP * PER_RANK
+    return torch.randint(0, VOCAB, (n, SEQ), generator=g), torch.randint(0, VOCAB, (n, SEQ), generator=g)
+
+
+def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+
+
+def _reference() -> dict[str, torch.Tensor]:
+    w = _weights()
+    stage0 = nn.Sequential(_Embed(w["embed.weight"]), _Block(w["block0.weight"], w["block0.bias"]))
+    block1 = _Block(w["block1.weight"], w["block1.bias"])
+    ids, labels = _batch()
+    embed = stage0[0].weight
+    _loss(block1(stage0(ids)) @ embed.t(), labels).backward()
+    return {"embed.weight": embed.grad, "block0.weight": stage0[1].linear.weight.grad,
+            "block0.bias": stage0[1].linear.bias.grad, "block1.weight": block1.linear.weight.grad,
+            "block1.bias": block1.linear.bias.grad}
+
+
+def _pipeline_step(zero_stage: int, schedule_name: str, recompute: bool) -> tuple[int, dict[str, torch.Tensor], bool]:
+    from merak_pipe import PipelineRunner, PipelineStage, RecomputePlan, build_schedule
+    from merak_pipe.shared import shared_parameter_groups, shared_parameters_list
+
+    layout = ParallelLayout.build(DP, 1, PP, device="cpu")
+    w = _weights()
+    if layout.is_first_stage:
+        module = nn.Sequential(_Embed(w["embed.weight"]), _Block(w["block0.weight"], w["block0.bias"]))
+        names = {"embed.weight": (0, "weight"), "block0.weight": (1, "linear.weight"), "block0.bias": (1, "linear.bias")}
+        tied = module[0].weight
+    else:
+        module = nn.Sequential(_Block(w["block1.weight"], w["block1.bias"]), _TiedHead(w["embed.weight"]))
+        names = {"embed.weight": (1, "weight"), "block1.weight": (0, "linear.weight"), "block1.bias": (0, "linear.bias")}
+        tied = module[1].weight
+    groups = shared_parameter_groups({"embed": [0, 1]}, group=layout.pp_group)
+    shared = shared_parameters_list({"embed": tied}, groups)
+    sharded = ShardedDataParallel(module, layout.dp_group, zero_stage=zero_stage, device_type="cpu",
+                                  stage_index=layout.pp_rank, num_stages=PP, shared_parameters=shared)
+    stage = PipelineStage(module, stage_index=layout.pp_rank, num_stages=PP, group=layout.pp_group)
+    plan = RecomputePlan.full(PP) if recompute else None
+    schedule = build_schedule(schedule_name, num_stages=PP, num_microbatches=MICRO, recompute=plan)
+    runner = PipelineRunner([stage], schedule, loss_fn=_loss, group=layout.pp_group, shared_parameters=[])
+
+    ids, labels = _batch()
+    rows = slice(layout.dp_rank * PER_RANK, (layout.dp_rank + 1) * PER_RANK)
+    sharded.prepare_step(MICRO)
+    runner.step(ids[rows] if layout.is_first_stage else None, labels[rows] if layout.is_last_stage else None)
+    sharded.finish()
+    params = {n: module[i].get_parameter(attr) for n, (i, attr) in names.items()}
+    halves = all(p.to_local().shape[0] == (p.shape[0] + 1) // 2 if layout.dp_rank == 0
+                 else p.to_local().shape[0] == p.shape[0] // 2 for p in params.values())
+    return layout.pp_rank, {n: p.grad.full_tensor() for n, p in params.items()}, halves
+
+
+@pytest.mark.parametrize(("zero_stage", "schedule_name", "recompute"), [
+    (2, "1f1b", False), (3, "1f1b", False), (3, "gpipe", True), (2, "gpipe", True),
+])
+def test_sharded_gradients_inside_a_pipeline_step(zero_stage: int, schedule_name: str, recompute: bool) -> None:
+    results = run_on_ranks(DP * PP, _pipeline_step, zero_stage, schedule_name, recompute)
+    ref = _reference()
+    for pp_rank, grads, halves in results:
+        assert halves, f"stage {pp_rank}: the parameters are not sharded over DP"
+        assert_grads_match(grads, {n: g for n, g in ref.items() if n in grads})
+    assert {n for _, grads, _ in results for n in grads} == set(ref)
+
+
+def test_reshard_after_forward_rule() -> None:
+    assert default_reshard_after_forward(3, stage_index=0, num_stages=1)
+    assert [default_reshard_after_forward(3, stage_index=s, num_stages=4) for s in range(4)] == [True] * 3 + [False]
+    assert not any(default_reshard_after_forward(2, stage_index=s, num_stages=2) for s in range(2))
+    with pytest.raises(ValueError, match="zero_stage=1"):
+        default_reshard_after_forward(1, stage_index=0, num_stages=1)
+
+
+def test_fsdp_units_are_the_stage_units_or_the_model() -> None:
+    seq = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
+    assert fsdp_units(seq) == [seq[0], seq[2]]
+    model = nn.Linear(2, 2)
+    assert fsdp_units(model) == [model]
+
+
+def test_split_backward_schedules_are_refused_before_any_collective() -> None:
+    from merak_core.fsdp import check_sharding_supported
+    from merak_pipe import build_schedule
+
+    zb = build_schedule("zb-h1", num_stages=2, num_microbatches=4)
+    actions = [a for rank in zb.actions.values() for a in rank]
+    with pytest.raises(ValueError, match=r"zero_stage=3 with schedule='zb-h1'.*I/W.*1f1b"):
+        check_sharding_supported(3, schedule_name="zb-h1", actions=actions)
+    check_sharding_supported(1, schedule_name="zb-h1", actions=actions)  # ZeRO-1 runs it
+    one_f_one_b = build_schedule("1f1b", num_stages=2, num_microbatches=4)
+    check_sharding_supported(2, schedule_name="1f1b", actions=[a for r in one_f_one_b.actions.values() for a in r])
