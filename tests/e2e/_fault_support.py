@@ -77,6 +77,25 @@ def job_loss(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return lm_loss(output, labels)
 
 
+def job_model_signalling(name: str = "gpt") -> torch.nn.Module:
+    """The model factory of a job stopped while its ranks set up (the CLI's checks, without ``RANK``, just build).
+
+    On a rank: with ``MERAK_TEST_SETUP_SIGNAL`` (a signal name) the rank sends it to itself; with
+    ``MERAK_TEST_PID_DIR`` it writes ``rank<N>.pid`` there. Then it blocks, so that a signal ends set-up.
+    """
+    rank = os.environ.get("RANK")
+    if rank is None:
+        return build_model(name)
+    pid_dir = os.environ.get("MERAK_TEST_PID_DIR")
+    if pid_dir:
+        with open(os.path.join(pid_dir, f"rank{rank}.pid"), "w") as f:
+            f.write(str(os.getpid()))
+    name_of_signal = os.environ.get("MERAK_TEST_SETUP_SIGNAL")
+    if name_of_signal:
+        os.kill(os.getpid(), getattr(signal, name_of_signal))
+    time.sleep(600)  # only a signal ends this set-up
+    return build_model(name)
+
 
 # ---------------------------------------------------------------------------- signals and stalls (in the pool)
 

@@ -85,11 +85,45 @@ def main(argv: list[str] | None = None) -> int:
     if "OMP_NUM_THREADS" in os.environ:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
+    from merak_core.signals import SetupSignals
+
+    # [Note: signals during set-up]: until training starts, a stop signal ends this rank at once.
+    where: dict[str, str] = {}  # the job's output_dir, once the job file is read
+    with SetupSignals(lambda name: _setup_stop_line(rank, name, args, where.get("output_dir"))) as setup:
+        trainer, layout, targs = _set_up(args, where)
+    try:
+        status = _train(trainer, layout, targs, args)
+    except BaseException:
+        setup.restore()  # a failing rank: torchrun's SIGTERM ends it as usual
+        raise
+    from merak_core.exitcodes import PREEMPTED
+
+    if status != PREEMPTED:  # a preempted rank keeps ignoring signals while it exits
+        setup.restore()
+    return status
+
+
+def _setup_stop_line(rank: int, signal_name: str, args: argparse.Namespace, output_dir: str | None) -> str:
+    """What a rank stopped during set-up prints: rank 0 how to continue, the others the fact."""
+    if rank != 0:
+        return f"[rank {rank}] merak: stopped by {signal_name} during set-up, before the first step"
+    from merak_core.signals import restart_command
+
+    command = restart_command(args.config, args.overrides,
+                              os.path.join(output_dir, "checkpoints") if output_dir else None)
+    return (f"[rank 0] merak: stopped by {signal_name} during set-up, before the first step (nothing new to save); "
+            f"start again with: {command}")
+
+
+def _set_up(args: argparse.Namespace, where: dict[str, str]) -> tuple[Any, Any, Any]:
+    """Everything before the first step: the job file, the process groups, the model, the resume."""
     from merak_core import Trainer, init
     from merak_core.job import JobConfig
 
     job = JobConfig.from_yaml(args.config, args.overrides)
     targs = job.training
+    if targs.output_dir:
+        where["output_dir"] = targs.output_dir
     init_restarted_process_group(targs.comm_timeout)
     train_data, eval_data = job.build_datasets()
     from merak_core.autoplan import plan_for_job  # layout: auto / the plan check's profile (collective)
@@ -105,6 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     resume = resume_target(args.resume)
     if resume is not None:
         trainer.resume(resume)
+    return trainer, layout, targs
+
+
+def _train(trainer: Any, layout: Any, targs: Any, args: argparse.Namespace) -> int:
+    """Train, then write the summary (rank 0); PREEMPTED when a signal stopped the job."""
     from merak_core.exitcodes import PREEMPTED
     from merak_core.nonfinite import json_safe
     from merak_core.signals import STOP_SIGNALS, StopRequest, TrainingPreempted
@@ -112,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     # A signal between two steps' checks is only recorded; once stopped, the rank ignores further ones
     # (torchrun sends SIGTERM to the ranks still running when the first exits) and exits with PREEMPTED.
     stopped: TrainingPreempted | None = None
-    with StopRequest(announce=False):
+    with StopRequest(announce=False):  # inherits a signal recorded after set-up ([Note: signals during set-up])
         try:
             history = trainer.train()
         except TrainingPreempted as exc:  # every rank, after the same step ([Note: preemption])

@@ -12,6 +12,16 @@ checkpoint to the entry point, which prints how to resume and exits with
 already stopping); a third signal restores the default action, so a stuck rank can still be
 killed by signal.
 
+[Note: signals during set-up] Before training starts (importing, building the model,
+partitioning, creating process groups, loading a checkpoint) a rank has nothing to save, and
+much of that time is spent inside C++ calls (a rendezvous, a store wait) where Python runs no
+signal handler until the call returns. :class:`SetupSignals` covers that phase: the signal's
+number reaches a watcher thread through :func:`signal.set_wakeup_fd` at once, and the thread
+(or the handler, whichever runs first) writes one line and ends the process with
+:data:`merak_core.exitcodes.PREEMPTED`, without tracebacks and without waiting for the call.
+When set-up is over, :meth:`SetupSignals.__exit__` disarms it and :class:`StopRequest` takes
+over; a signal that arrives in between is kept (``late``) and inherited by the stop request.
+
 Not done here: forwarding signals from ``merak train`` to torchrun (the CLI) and writing the
 checkpoint (the checkpoint manager).
 """
@@ -19,10 +29,16 @@ checkpoint (the checkpoint manager).
 from __future__ import annotations
 
 import logging
+import os
+import shlex
 import signal
 import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from types import FrameType
 from typing import Any
+
+from merak_core.exitcodes import PREEMPTED
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +100,16 @@ class StopRequest:
         if threading.current_thread() is threading.main_thread():
             for sig in STOP_SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
+            self._inherit(self._previous.get(signal.SIGTERM))
         return self
+
+    def _inherit(self, outer: Any) -> None:
+        """Keep a signal that the handler this one replaces has recorded (an enclosing request, or set-up's)."""
+        owner = getattr(outer, "__self__", None)
+        if isinstance(owner, StopRequest) and owner.signal_name is not None:
+            self.signal_name, self.count = owner.signal_name, owner.count
+        elif isinstance(owner, SetupSignals) and owner.late is not None:
+            self.signal_name, self.count = signal.Signals(owner.late).name, 1
 
     def __exit__(self, *exc: object) -> None:
         for sig, previous in self._previous.items():
@@ -92,4 +117,101 @@ class StopRequest:
         self._previous.clear()
 
 
-__all__ = ["STOP_SIGNALS", "StopRequest", "TrainingPreempted"]
+class SetupSignals:
+    """SIGTERM/SIGINT while a rank sets up: one line, then exit with PREEMPTED at once (see [Note: signals during set-up]).
+
+    ``message(signal_name)`` gives the line to print (nothing when it returns None). Outside the
+    main thread it does nothing. After the context exits, its handler stays installed until
+    :meth:`restore`, recording signals in ``late`` instead of exiting; a :class:`StopRequest`
+    entered then inherits the recorded signal.
+    """
+
+    def __init__(self, message: Callable[[str], str | None] | None = None, *, exit_code: int = PREEMPTED) -> None:
+        self.message = message
+        self.exit_code = exit_code
+        self.late: int | None = None
+        self._armed = False
+        self._once = threading.Lock()
+        self._previous: dict[int, Any] = {}
+        self._pipe: tuple[int, int] | None = None
+        self._old_wakeup = -1
+        self._watcher: threading.Thread | None = None
+
+    def _stop(self, signum: int) -> None:
+        if not self._once.acquire(blocking=False):  # the other path is already exiting
+            return
+        try:
+            line = self.message(signal.Signals(signum).name) if self.message is not None else None
+            if line:
+                os.write(2, (line.rstrip("\n") + "\n").encode(errors="replace"))
+        except BaseException:  # noqa: BLE001 - exiting is all that is left to do
+            pass
+        os._exit(self.exit_code)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self._armed:
+            self._stop(signum)
+        elif self.late is None:
+            self.late = signum
+
+    def _watch(self, read_fd: int) -> None:
+        while True:
+            try:
+                data = os.read(read_fd, 64)
+            except OSError:
+                return
+            if not data or not self._armed:
+                return
+            for signum in data:
+                if signum in STOP_SIGNALS:
+                    self._stop(signum)
+
+    def __enter__(self) -> SetupSignals:
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        self._pipe = (read_fd, write_fd)
+        self._armed = True
+        self._old_wakeup = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        for sig in STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        self._watcher = threading.Thread(target=self._watch, args=(read_fd,), name="merak-setup-signals",
+                                         daemon=True)
+        self._watcher.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pipe is None:
+            return
+        self._armed = False
+        signal.set_wakeup_fd(self._old_wakeup)
+        read_fd, write_fd = self._pipe
+        try:
+            os.write(write_fd, b"\0")  # wake the watcher: it sees the guard disarmed and returns
+        except OSError:
+            pass
+        if self._watcher is not None:
+            self._watcher.join(timeout=5)
+        for fd in (read_fd, write_fd):
+            os.close(fd)
+        self._pipe = None
+
+    def restore(self) -> None:
+        """Put back the handlers that were installed before :meth:`__enter__`."""
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()
+
+
+def restart_command(config: str, overrides: Sequence[str], checkpoints: str | os.PathLike[str] | None) -> str:
+    """The command that continues a stopped job: with ``--resume latest`` only when ``checkpoints`` holds one."""
+    from merak_core.checkpoint.files import latest_candidates
+
+    command = ["merak", "train", config, *overrides]
+    if checkpoints is not None and latest_candidates(Path(checkpoints)):
+        command += ["--resume", "latest"]
+    return shlex.join(command)
+
+
+__all__ = ["STOP_SIGNALS", "SetupSignals", "StopRequest", "TrainingPreempted", "restart_command"]
