@@ -26,6 +26,7 @@ Usage::
 
     python benchmarks/bench_faults.py                 # 20 trials at 4 ranks, 10 at 8
     python benchmarks/bench_faults.py --ranks 4 --trials 3 --seed 1
+    python benchmarks/bench_faults.py --quick         # 2 trials of 6 steps at 4 ranks
 
 Not done here: multi-node faults and faults inside checkpoint writes.
 """
@@ -76,6 +77,12 @@ class Trial:
     detection_s: float | None = None
     identical: bool | None = None
     wall_s: float = 0.0
+    restarts: int = 0
+    """torchrun restarts of the worker group (its "will restart worker group" lines)."""
+    last_output_s: float | None = None
+    """Seconds between the job's last output line and its end (a large value on an unfinished trial: stuck)."""
+    load: str = ""
+    """The machine's 1-minute load average at the trial's start and end."""
     note: str = ""
 
 
@@ -167,13 +174,24 @@ def _inject(job: _Job, out: Path, trial: Trial, deadline: float) -> float | None
     return None
 
 
+def _load() -> str:
+    try:
+        return f"{os.getloadavg()[0]:.0f}"
+    except OSError:
+        return "?"
+
+
 def run_trial(trial: Trial, root: Path, args: argparse.Namespace, reference: dict[str, Any]) -> Trial:
     start = time.monotonic()
+    load_at_start = _load()
     job_path, out = _job_file(root, trial.ranks, args.steps, args.save_steps, args.timeout)
     env = faults.job_env(MERAK_TEST_STEP_SLEEP=str(args.step_sleep))
     job = _Job(job_path, root, env, "--max-restarts", str(args.max_restarts))
     fault_at = _inject(job, out, trial, start + args.trial_timeout)
     codes = [job.wait(max(1.0, start + args.trial_timeout - time.monotonic()))]
+    ended = time.monotonic()
+    if job.lines:
+        trial.last_output_s = ended - job.lines[-1][0]
     text = job.text()
     if fault_at is None:
         trial.note = "the job ended before the fault"
@@ -200,7 +218,9 @@ def run_trial(trial: Trial, root: Path, args: argparse.Namespace, reference: dic
             bool((final[k] == reference[k]).all()) and final[k].dtype == reference[k].dtype for k in reference)
     else:
         trial.note = (trial.note + " " + text[-600:].replace("\n", " | ")).strip()
+    trial.restarts = text.count("will restart worker group")
     trial.wall_s = time.monotonic() - start
+    trial.load = f"{load_at_start}-{_load()}"
     return trial
 
 
@@ -227,11 +247,12 @@ def _table(trials: list[Trial], timeout: float) -> str:
                     f"{f' ({unknown} unknown)' if unknown else ''} | {median} | {within}/{len(det)} | "
                     f"{sum(bool(t.identical) for t in mine)}/{len(mine)} |")
     rows += ["", "| ranks | fault | victim | at step | exit codes | committed at fault | resumed from | lost | "
-             "detection s | identical | wall s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "detection s | identical | restarts | wall s | load |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for t in trials:
         det = "n/a" if t.detection_s is None else f"{t.detection_s:.1f}"
         rows.append(f"| {t.ranks} | {t.fault} | {t.victim} | {t.at_step} | {t.exit_codes} | {t.committed_at_fault} | "
-                    f"{t.resumed_from} | {t.steps_lost} | {det} | {t.identical} | {t.wall_s:.0f} |")
+                    f"{t.resumed_from} | {t.steps_lost} | {det} | {t.identical} | {t.restarts} | {t.wall_s:.0f} | "
+                    f"{t.load} |")
     return "\n".join(rows)
 
 
@@ -246,8 +267,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-sleep", type=float, default=0.1, help="seconds added to every loss call (default 0.1)")
     p.add_argument("--trial-timeout", type=float, default=600.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, help="write every trial as JSON here")
+    p.add_argument("--json", default=None, help="write every trial as JSON here (rewritten after each trial)")
+    p.add_argument("--quick", action="store_true", help="2 trials of 6 steps at 4 ranks")
     args = p.parse_args(argv)
+    if args.quick:
+        args.ranks, args.trials, args.steps = [4], 2 if args.trials is None else args.trials, 6
     rng = random.Random(args.seed)
     trials: list[Trial] = []
     for ranks in args.ranks:
@@ -260,9 +284,12 @@ def main(argv: list[str] | None = None) -> int:
                               at_step=rng.randint(2, args.steps - 1))
                 run_trial(trial, root / f"trial_{i}", args, reference)
                 trials.append(trial)
+                if args.json:
+                    Path(args.json).write_text(json.dumps([asdict(t) for t in trials], indent=2))
                 print(f"[{ranks} ranks] trial {i + 1}/{count}: {trial.fault} of rank {trial.victim} at step "
                       f"{trial.at_step}: finished={trial.finished} lost={trial.steps_lost} "
-                      f"detection={trial.detection_s} identical={trial.identical} ({trial.wall_s:.0f} s)"
+                      f"detection={trial.detection_s} identical={trial.identical} restarts={trial.restarts} "
+                      f"({trial.wall_s:.0f} s, load {trial.load}, last output {trial.last_output_s} s before the end)"
                       + (f" note: {trial.note[:300]}" if trial.note else ""), flush=True)
         finally:
             shutil.rmtree(root, ignore_errors=True)
