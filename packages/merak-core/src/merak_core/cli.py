@@ -223,10 +223,10 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
 def _plan(args: argparse.Namespace) -> int:
     import torch
 
-    from merak_core.autoplan import _relax_vocab, profile_inputs
     from merak_core.config import parse_bytes
     from merak_core.job import JobConfig, write_job
     from merak_core.planner import format_plan, plan, profile_model
+    from merak_core.planner.auto import _relax_vocab, profile_inputs
 
     job = JobConfig.from_yaml(args.config, args.overrides)
     if args.cluster is not None or args.dry_run_ranks is not None:

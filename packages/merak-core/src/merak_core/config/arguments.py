@@ -1,36 +1,6 @@
-"""``TrainingArguments``: the training configuration, Hugging Face style, plus the parallel fields.
+"""``TrainingArguments``: the fields of a run, their checks, and building them from mappings and overrides.
 
-A Hugging Face ``Trainer`` user recognises the names and defaults
-(``per_device_train_batch_size``, ``gradient_accumulation_steps``,
-``learning_rate``, ``lr_scheduler_type``, ``warmup_steps``, ...). Merak adds the
-3D-parallel fields (``dp``, ``tp``, ``pp``, ``schedule``, ``recompute``,
-``memory_budget``, ``overlap_chunks``, ``zero_stage``, ``tp_plan``).
-
-[Note: batch sizes] ``per_device_train_batch_size`` is the *microbatch* size of
-one data-parallel replica (a DP rank; all TP ranks and pipeline stages of a
-replica share it). ``gradient_accumulation_steps`` is the number of microbatches
-per optimizer step, which Merak's pipeline calls ``num_microbatches`` (the
-property and the YAML key ``num_microbatches`` are aliases). So one optimizer
-step consumes ``per_device_train_batch_size * gradient_accumulation_steps``
-samples per DP replica and ``global_batch_size(dp)`` samples in total, exactly
-as with Hugging Face gradient accumulation on ``dp`` GPUs.
-
-[Note: layout auto] With ``layout: auto`` the planner chooses ``dp``, ``tp``, ``pp``,
-``schedule``, ``per_device_train_batch_size``, ``gradient_accumulation_steps``, ``recompute``
-(and ``memory_budget`` for stage-aware recomputation) when the job starts
-(:mod:`merak_core.autoplan`). It keeps the job's *global* batch, read as if the job were plain
-data parallelism over every rank: ``per_device_train_batch_size * gradient_accumulation_steps *
-WORLD_SIZE``. ``dp``, ``tp`` and ``pp`` must then be left out (a ValueError says so before any
-collective); the other parallel fields of the job are replaced by the plan.
-
-Configs load from YAML (a flat mapping of field names) with ``key=value``
-overrides from the command line, type-checked against the field types; an
-unknown key is an error that lists the valid keys and suggests the closest one.
-:func:`build_lr_scheduler` turns the schedule fields into a
-``torch.optim.lr_scheduler.LambdaLR`` with Hugging Face's formulas.
-
-Not done here: the per-component configs of the libraries (the trainer derives
-them from these fields) and any check against the world size (``init`` does that).
+See :mod:`merak_core.config` for [Note: batch sizes] and [Note: layout auto].
 """
 
 from __future__ import annotations
@@ -40,11 +10,8 @@ import dataclasses
 import datetime
 import difflib
 import inspect
-import logging
 import math
-import re
 import textwrap
-import types
 import typing
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -53,67 +20,23 @@ from typing import Any
 
 import torch
 
-logger = logging.getLogger(__name__)
-
-LR_SCHEDULER_TYPES = ("constant", "linear", "cosine")
-NONFINITE_POLICIES = ("stop", "skip")
-SCHEDULES = ("auto", "gpipe", "1f1b", "interleaved_1f1b", "shifted_critical_path", "zb_h1")
-"""Pipeline schedules (merak-pipe spells them with hyphens; both spellings are accepted, stored with underscores)."""
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
-MAX_SEED = 2**32 - 1
-"""The largest ``seed``: seeds are offset per epoch and per TP rank and must stay valid for every generator."""
-LAYOUTS = ("manual", "auto")
-"""``training.layout``: the job's degrees, or the planner's choice at start-up."""
-KEY_ALIASES = {"num_microbatches": "gradient_accumulation_steps", "micro_batch_size": "per_device_train_batch_size"}
-"""Merak names accepted in YAML and overrides for the Hugging Face field they map to."""
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_recompute(spec: str) -> tuple[str, float | None]:
-    """``"none" | "full" | "uniform:<f>" | "stage_aware"`` -> ``(kind, fraction)``.
-
-    ``fraction`` is the share of layers recomputed per stage for ``uniform`` (0 < f <= 1),
-    1.0 for ``full``, 0.0 for ``none`` and None for ``stage_aware`` (chosen per stage).
-    """
-    if not isinstance(spec, str):
-        raise ValueError(f"recompute must be a string, got {spec!r}: use 'none', 'full', 'uniform:0.5' or 'stage_aware'")
-    text = spec.strip().lower()
-    if text == "none":
-        return "none", 0.0
-    if text == "full":
-        return "full", 1.0
-    if text == "stage_aware":
-        return "stage_aware", None
-    if text.startswith("uniform:"):
-        try:
-            fraction = float(text.split(":", 1)[1])
-        except ValueError:
-            fraction = math.nan
-        if not 0.0 < fraction <= 1.0:
-            raise ValueError(
-                f"recompute={spec!r}: the uniform fraction must be a number in (0, 1], e.g. 'uniform:0.5'"
-            )
-        return "uniform", fraction
-    raise ValueError(f"recompute={spec!r} is not one of 'none', 'full', 'uniform:<fraction>', 'stage_aware'")
-
-
-def parse_bytes(value: int | str) -> int:
-    """``12884901888``, ``"12GiB"``, ``"500 MB"`` -> bytes (binary units KiB..TiB, decimal KB..TB)."""
-    if isinstance(value, bool):
-        raise ValueError(f"memory size must be bytes or a string like '12GiB', got {value!r}")
-    if isinstance(value, int):
-        if value <= 0:
-            raise ValueError(f"memory size must be positive, got {value}")
-        return value
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot read memory size {value!r}: write bytes or e.g. '12GiB', '500MB'")
-    size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-    if size <= 0:
-        raise ValueError(f"memory size must be positive, got {value!r}")
-    return size
+from merak_core.config.values import (
+    _NO,
+    DTYPES,
+    KEY_ALIASES,
+    LAYOUTS,
+    LR_SCHEDULER_TYPES,
+    MAX_SEED,
+    NONFINITE_POLICIES,
+    SCHEDULES,
+    _coerce,
+    _convert,
+    _members,
+    _yaml,
+    load_yaml,
+    parse_bytes,
+    parse_recompute,
+)
 
 
 @dataclass(kw_only=True)
@@ -452,50 +375,6 @@ def _check_float(args: TrainingArguments, name: str, *, minimum: float) -> None:
     setattr(args, name, float(value))
 
 
-def _yaml() -> Any:
-    try:
-        import yaml
-    except ImportError as err:  # pragma: no cover - pyyaml is a dependency of merak-core
-        raise ImportError("reading/writing YAML configs needs PyYAML: pip install pyyaml") from err
-    return yaml
-
-
-def load_yaml(text: str, source: str) -> Any:
-    """Parse a YAML job or config file; a duplicate key or a syntax error is a ``ValueError`` naming the line.
-
-    YAML itself keeps the last of two equal keys of a mapping without a word, so a
-    ``learning_rate`` given twice would silently lose one value; here it is an error.
-    """
-    yaml = _yaml()
-
-    class StrictLoader(yaml.SafeLoader):  # type: ignore[misc, name-defined]
-        pass
-
-    def construct_mapping(loader: Any, node: Any, deep: bool = False) -> Any:
-        seen: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                continue
-            key = loader.construct_object(key_node, deep=True)
-            line = key_node.start_mark.line + 1
-            try:
-                first = seen.get(key)
-            except TypeError:  # an unhashable key: the normal constructor reports it
-                continue
-            seen.setdefault(key, line)
-            if first is not None:
-                raise ValueError(f"{source}: line {line}: key {key!r} appears twice in one mapping (first at line "
-                                 f"{first}); YAML would keep only the last value, so remove one of them")
-        return loader.construct_mapping(node, deep=deep)
-
-    StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, construct_mapping)
-    try:
-        return yaml.load(text, Loader=StrictLoader)
-    except yaml.YAMLError as exc:
-        text = " ".join(str(exc).replace('in "<unicode string>", ', "").split())
-        raise ValueError(f"{source}: not valid YAML: {text}") from None
-
-
 def _canonical_key(key: str, source: str) -> str:
     name = KEY_ALIASES.get(key, key)
     valid = TrainingArguments.field_names()
@@ -527,115 +406,3 @@ def parse_overrides(overrides: Iterable[str]) -> dict[str, Any]:
             parsed = raw.strip()  # e.g. output_dir=2024 stays the text the user typed
         out[name] = parsed
     return out
-
-
-def _members(annotation: Any) -> tuple[Any, ...]:
-    origin = typing.get_origin(annotation)
-    return typing.get_args(annotation) if origin in (typing.Union, types.UnionType) else (annotation,)
-
-
-def _coerce(name: str, value: Any, annotation: Any, *, source: str) -> Any:
-    """Check ``value`` against the field type; convert where the text form is unambiguous."""
-    members = _members(annotation)
-    optional = type(None) in members
-    if value is None and optional:
-        return None
-    if (optional and str not in members and isinstance(value, str)
-            and value.strip().lower() in ("none", "null")):
-        return None
-    for member in members:
-        converted = _convert(value, member)
-        if converted is not _NO:
-            return converted
-    expected = " or ".join(_type_name(m) for m in members)
-    got = "null" if value is None else type(value).__name__
-    raise ValueError(f"{source}: {name}={value!r} has the wrong type: expected {expected}, got {got}")
-
-
-_NO = object()
-
-
-def _convert(value: Any, member: Any) -> Any:
-    if member is type(None):
-        return _NO
-    if member is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.strip().lower() in ("true", "false"):
-            return value.strip().lower() == "true"
-        return _NO
-    if member is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, str) and re.fullmatch(r"[+-]?\d+", value.strip()):
-            return int(value)
-        return _NO
-    if member is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                return _NO
-        return _NO
-    if member is str:
-        return value if isinstance(value, str) else _NO
-    if typing.get_origin(member) is dict:
-        return dict(value) if isinstance(value, Mapping) else _NO
-    return value if isinstance(value, member) else _NO
-
-
-def _type_name(member: Any) -> str:
-    if member is type(None):
-        return "null"
-    if typing.get_origin(member) is dict:
-        return "a mapping"
-    return getattr(member, "__name__", str(member))
-
-
-# ---------------------------------------------------------------------------- LR schedules
-
-
-def lr_lambda(args: TrainingArguments, num_training_steps: int | None = None) -> typing.Callable[[int], float]:
-    """The multiplier of ``learning_rate`` at each step (Hugging Face's formulas, warm-up for all types)."""
-    warmup = args.warmup_steps
-    kind = args.lr_scheduler_type
-    total = num_training_steps if num_training_steps is not None else (args.max_steps if args.max_steps > 0 else None)
-    if kind != "constant" and total is None:
-        raise ValueError(
-            f"lr_scheduler_type={kind!r} decays to 0 at the last step, but max_steps=-1: pass num_training_steps "
-            "(the trainer computes it from num_train_epochs) or set max_steps"
-        )
-    if total is not None and total < 1:
-        raise ValueError(f"num_training_steps must be >= 1, got {total}")
-
-    def multiplier(step: int) -> float:
-        if step < warmup:
-            return step / max(1, warmup)
-        if kind == "constant":
-            return 1.0
-        assert total is not None
-        progress = (step - warmup) / max(1, total - warmup)
-        if kind == "linear":
-            return max(0.0, 1.0 - progress)
-        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
-
-    return multiplier
-
-
-def build_lr_scheduler(
-    optimizer: torch.optim.Optimizer, args: TrainingArguments, num_training_steps: int | None = None
-) -> torch.optim.lr_scheduler.LambdaLR:
-    """``LambdaLR`` for ``args.lr_scheduler_type`` with ``args.warmup_steps`` linear warm-up.
-
-    ``num_training_steps`` defaults to ``args.max_steps``; it is required for the decaying
-    types when ``max_steps`` is -1. Works with :class:`merak_core.zero.ZeroOptimizer`.
-    """
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args, num_training_steps))
-
-
-__all__ = [
-    "DTYPES", "KEY_ALIASES", "LAYOUTS", "LR_SCHEDULER_TYPES", "SCHEDULES", "TrainingArguments", "build_lr_scheduler",
-    "auto_conflict_message", "load_yaml", "lr_lambda", "parse_bytes", "parse_overrides", "parse_recompute",
-]

@@ -1,0 +1,388 @@
+"""The parallel step: one optimizer step of a composed model over the 3D layout.
+
+:class:`ParallelEngine` owns what a step needs (the composed model, the pipeline runner, the DP
+gradient sync, the optimizer and the learning-rate schedule) and nothing about the loop around it.
+:meth:`ParallelEngine.step` runs one optimizer step on this rank's part of a global batch and
+returns a :class:`StepResult` (the global mean loss, the pipeline seconds, the gradient norm, the
+runner's timings when recorded, whether the update was skipped and whether a stop was agreed).
+
+One optimizer step: the data loader hands this rank its part of the global batch (inputs on the
+first stage, labels on the last, nothing in between); the pipeline runner splits it into
+``num_microbatches`` and runs the schedule (gradients accumulate, scaled to the full-batch mean;
+gradients of parameters shared across stages are summed over their copies); gradients are averaged
+over the DP group in buckets; the global gradient norm (over DP, TP and PP, each logical parameter
+counted once) is clipped; the optimizer (optionally ZeRO-1) steps; the learning-rate schedule
+advances.
+
+[Note: loss scaling] The loss of a step is the mean over microbatches and DP ranks of each
+microbatch's ``loss_fn`` value (for token losses: the mean over that microbatch's counted tokens).
+A single-process reference that splits the global batch into ``dp * num_microbatches`` equal chunks
+and averages their losses computes exactly the same gradient (see ``tests/e2e``).
+
+[Note: failures] Every group has the layout's timeout. When a peer dies or stalls, a step fails on
+every other rank within that timeout with an error that names the rank, its (pp, dp, tp)
+coordinates, the step and what it waited on: the pipeline runner's ``PipelineCommError`` (stage,
+action, microbatch, peer) gains the global ranks of the pipeline; other collectives raise
+:class:`TrainingStepError` naming the group's global ranks. Both add which ranks stopped answering
+the heartbeat (:mod:`merak_core.stall`): the stalled or dead peer by global rank and coordinates.
+
+[Note: non-finite steps and signals] The step's last all-reduce carries the loss and two flags (a
+non-finite gradient, a stop signal), see :mod:`merak_core.nonfinite` and :mod:`merak_core.signals`:
+``nonfinite: stop`` raises an error naming the step, the loss, the norm and the first bad gradient;
+``skip`` drops the update; a signal ends training after the same step on every rank, with a
+preemption checkpoint.
+
+Not done here: the loop, evaluation cadence, metrics and checkpoints (``trainer.py``), process
+groups, devices and preparing the model (``bootstrap.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from merak_core import nonfinite
+from merak_core.bootstrap import autocast
+from merak_core.clip import global_grad_norm, scale_gradients_
+from merak_core.compose import ParallelModel
+from merak_core.config import TrainingArguments, build_lr_scheduler
+from merak_core.data_parallel import DataParallelGradSync
+from merak_core.layout import ParallelLayout
+from merak_core.stall import Heartbeat
+from merak_core.zero import ZeroOptimizer
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+__all__ = ["LossFn", "ParallelEngine", "StepResult", "TrainingStepError", "default_loss", "schedule_name"]
+
+
+class TrainingStepError(RuntimeError):
+    """A collective of a training step failed or timed out; the message names the rank, step and group."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step produced (the same ``loss``, ``skipped`` and ``stop_agreed`` on every rank)."""
+
+    loss: float
+    """The global mean loss of the step (see [Note: loss scaling])."""
+    pipeline_s: float
+    """Seconds of this rank's pipeline part (forward and backward of every microbatch)."""
+    grad_norm: float | None
+    """The global gradient norm before clipping (None when ``max_grad_norm`` is 0)."""
+    skipped: bool = False
+    """The loss or a gradient was not finite and the update was dropped (``nonfinite: skip``)."""
+    stop_agreed: bool = False
+    """Some rank got a stop signal: every rank stops after this step."""
+    timings: tuple[Any, ...] = ()
+    """The runner's per-action timings of this step (only with ``record_timing``)."""
+
+
+def default_loss(output: Any, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy for classifiers (``[b, c]`` vs ``[b]``) and LMs (``[b, t, v]`` vs ``[b, t]``, -100 ignored)."""
+    logits = getattr(output, "logits", output)
+    if isinstance(logits, (tuple, list)):
+        logits = logits[0]
+    flat = logits.reshape(-1, logits.size(-1))
+    if flat.dtype in (torch.float16, torch.bfloat16):
+        flat = flat.float()  # low-precision logits: the softmax in float32; float64 stays float64
+    return F.cross_entropy(flat, labels.reshape(-1), ignore_index=-100)
+
+
+def schedule_name(args: TrainingArguments) -> str:
+    """The merak-pipe schedule for ``args.schedule`` (``auto``: shifted critical path with a budget, else 1F1B)."""
+    name = args.schedule
+    if name == "auto":
+        name = "shifted_critical_path" if args.memory_budget is not None else "1f1b"
+    return name.replace("_", "-")
+
+
+def _decay_groups(named: Sequence[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW groups: matrices decay, biases and norm weights (1-D) do not."""
+    seen: set[int] = set()
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
+    for _, p in named:
+        if id(p) in seen or not p.requires_grad:
+            continue
+        seen.add(id(p))
+        (decay if p.ndim >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def check_schedule(args: TrainingArguments, layout: ParallelLayout) -> str:
+    """The schedule's merak-pipe name; ValueError for what the engine cannot run on this layout."""
+    name = schedule_name(args)
+    if name.startswith("interleaved"):
+        raise ValueError(
+            f"schedule={args.schedule!r} places several stages on one rank, which the Trainer does not "
+            "do yet: use 1f1b, gpipe, zb_h1 or shifted_critical_path (merak_pipe runs interleaved schedules "
+            "over hand-split stages)"
+        )
+    num_micro = args.num_microbatches
+    if layout.pp > 1 and num_micro < layout.pp:
+        raise ValueError(
+            f"gradient_accumulation_steps={num_micro} microbatches is fewer than pp={layout.pp} stages: "
+            f"the pipeline would idle; use at least {layout.pp} microbatches"
+        )
+    return name
+
+
+class ParallelEngine:
+    """One optimizer step of ``model`` over ``layout`` (see the module docstring).
+
+    Args:
+        model: the composed model of this rank (:func:`merak_core.compose.build_parallel_model`).
+        layout: the parallel layout the model was composed for.
+        args: the run's :class:`TrainingArguments`.
+        device: this rank's device.
+        loss_fn: ``loss_fn(output, labels) -> scalar``.
+        num_training_steps: the length of the learning-rate schedule.
+        example_labels: one microbatch of labels, to try ``loss_fn`` on before the first step.
+        optimizer_factory: ``fn(param_groups) -> Optimizer`` (default: AdamW from ``args``).
+    """
+
+    def __init__(self, model: ParallelModel, layout: ParallelLayout, args: TrainingArguments, *,
+                 device: torch.device, loss_fn: LossFn, num_training_steps: int, example_labels: Any = None,
+                 optimizer_factory: Callable[[list[dict[str, Any]]], torch.optim.Optimizer] | None = None) -> None:
+        self.model, self.layout, self.args, self.device, self.loss_fn = model, layout, args, device, loss_fn
+        self.schedule_name = check_schedule(args, layout)
+        self._check_loss_fn(example_labels)
+        self.runner = self._build_runner()
+        named = self.model.named_parameters()
+        self.params = [p for _, p in named]
+        # Shared (tied) parameters get their cross-stage sum after the backward: reduce them last.
+        self.dp_sync = (DataParallelGradSync(self.model.module, layout.dp_group,
+                                             deferred_params=[p for p, _ in self.model.shared_parameters])
+                        if layout.dp > 1 else None)
+        groups = _decay_groups(named, args.weight_decay)
+        factory = optimizer_factory or self._adamw
+        self.optimizer: torch.optim.Optimizer = (
+            ZeroOptimizer(groups, factory, group=layout.dp_group) if args.zero_stage == 1 and layout.dp > 1
+            else factory(groups)
+        )
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, args, num_training_steps)
+        self.heartbeat: Heartbeat | None = None
+        """The running loop's heartbeat: a failed step names the ranks that stopped answering it."""
+        self.last_pipeline_s = 0.0
+        self.last_grad_norm: float | None = None
+
+    # ------------------------------------------------------------------ set-up
+
+    def _adamw(self, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        a = self.args
+        # Fused kernels on CUDA; the multi-tensor path on CPU (bit-identical to the per-parameter loop).
+        fused = self.device.type == "cuda"
+        return torch.optim.AdamW(groups, lr=a.learning_rate, betas=(a.adam_beta1, a.adam_beta2),
+                                 eps=a.adam_epsilon, weight_decay=a.weight_decay, foreach=not fused, fused=fused)
+
+    def _check_loss_fn(self, labels: Any) -> None:
+        """With pp > 1, try ``loss_fn`` on meta tensors shaped like the model's output and one microbatch of labels.
+
+        Every rank does it, so labels the loss cannot take fail here, on all ranks, instead of in the
+        last stage alone while the other stages wait for its gradients until the timeout. Only a model
+        whose output is one tensor is checked; errors caused by the meta device itself are ignored.
+        """
+        part = self.model.partition
+        if part is None or not isinstance(labels, torch.Tensor) or len(part.stage_info[-1].outputs) != 1:
+            return
+        out = part.stage_info[-1].outputs[0]
+        if out.dtype is None:
+            return
+        output = torch.empty(out.shape, dtype=out.dtype, device="meta")
+        try:
+            self.loss_fn(output, labels.to("meta"))
+        except (AttributeError, KeyError, TypeError, NotImplementedError):
+            return  # the output is not a plain tensor for this loss, or the loss needs real values
+        except Exception as exc:  # noqa: BLE001 - any other failure is the labels' or the loss's
+            if "meta" in str(exc):
+                return
+            raise ValueError(
+                f"loss_fn cannot take the model's output (shape {list(out.shape)}, {out.dtype}) with labels of "
+                f"shape {list(labels.shape)} and dtype {labels.dtype}: {type(exc).__name__}: {exc}. Fix the labels "
+                "the dataset or collate function returns (e.g. integer class ids for cross-entropy) or the loss_fn"
+            ) from exc
+
+    def _build_runner(self) -> Any:
+        from merak_pipe import PipelineRunner, PipelineStage, build_schedule
+
+        layout, args = self.layout, self.args
+        recompute = self._recompute_plan()
+        schedule = build_schedule(self.schedule_name, num_stages=layout.pp,
+                                  num_microbatches=args.num_microbatches, recompute=recompute)
+        stage = PipelineStage(self.model.module, stage_index=layout.pp_rank, num_stages=layout.pp,
+                              group=layout.pp_group, device=self.device)
+        return PipelineRunner([stage], schedule, loss_fn=self.loss_fn, group=layout.pp_group,
+                              shared_parameters=self.model.shared_parameters, timeout=layout.timeout)
+
+    def _recompute_plan(self) -> Any:
+        from merak_pipe import RecomputePlan
+
+        mode, fraction = self.args.recompute_mode
+        pp = self.layout.pp
+        if mode == "none":
+            return None
+        if mode == "full":
+            return RecomputePlan.full(pp)
+        if mode == "uniform":
+            return RecomputePlan.uniform(pp, float(fraction or 0.0))
+        return self._stage_aware_plan()
+
+    def _stage_aware_plan(self) -> Any:
+        from merak_pipe import build_schedule, stage_aware_plan
+
+        part = self.model.partition
+        if part is None or self.args.memory_budget is None:
+            raise ValueError(
+                "recompute='stage_aware' needs pp > 1 and memory_budget (bytes per rank, e.g. '2GiB'): "
+                f"got pp={self.layout.pp}, memory_budget={self.args.memory_budget}"
+            )
+        layer_bytes = []
+        for info in part.stage_info:
+            lo, hi = info.shard_range
+            n = max(1, hi - lo)
+            layer_bytes.append([info.activation_bytes / n] * n)
+        probe = build_schedule(self.schedule_name, num_stages=self.layout.pp,
+                               num_microbatches=self.args.num_microbatches)
+        static = [info.param_bytes * 4.0 for info in part.stage_info]
+        return stage_aware_plan(layer_activation_bytes=layer_bytes, memory_budget=float(self.args.memory_budget),
+                                static_bytes=static, schedule=probe)
+
+    # ------------------------------------------------------------------ inputs
+
+    def stage_inputs(self, inputs: Any) -> Any:
+        """This stage's inputs on the device, in the order (or by the keywords) the model was traced with."""
+        if inputs is None:
+            return None
+        if isinstance(inputs, Mapping):
+            keys = self.model.input_keys
+            if keys is None or set(keys) != set(inputs):
+                raise ValueError(f"batch inputs have keys {sorted(inputs)} but the model was traced with "
+                                 f"{keys}: every batch must carry the same input keys")
+            if self.model.by_keyword and self.layout.pp == 1:
+                return {k: inputs[k].to(self.device) for k in keys}
+            return tuple(inputs[k].to(self.device) for k in keys)
+        if isinstance(inputs, torch.Tensor):
+            return inputs.to(self.device)
+        return tuple(x.to(self.device) for x in inputs)
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """bf16 autocast on this device when ``args.bf16``, else nothing."""
+        return autocast(self.args.bf16, self.device)
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self, inputs: Any, labels: Any, *, step: int, stop_requested: bool = False) -> StepResult:
+        """Optimizer step number ``step`` on this rank's part of a global batch (collective).
+
+        A non-finite loss or gradient norm, and a stop request on any rank, are known to every rank
+        after the step's last all-reduce (see [Note: step flags] in :mod:`merak_core.nonfinite`):
+        ``nonfinite: stop`` raises :class:`merak_core.nonfinite.NonFiniteError`; ``skip`` drops the
+        update (optimizer and learning-rate schedule unchanged, ``StepResult.skipped``).
+        """
+        for p in self.params:
+            p.grad = None
+        labels = labels.to(self.device) if isinstance(labels, torch.Tensor) else labels
+        layout = self.layout
+        if self.dp_sync is not None:
+            # Buckets are all-reduced during the backward of the last microbatch, as their gradients
+            # become final (each parameter's gradient accumulates once per microbatch).
+            self.dp_sync.prepare_step(self.args.num_microbatches)
+        with self._phase(f"pipeline step over global ranks {layout.pp_ranks} (pipeline rank i = the i-th)", step):
+            with self.autocast():
+                start = time.perf_counter()
+                loss = self.runner.step(self.stage_inputs(inputs), labels)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)  # the time of the GPU work, not of queuing it
+                self.last_pipeline_s = time.perf_counter() - start
+        timings = tuple(self.runner.timings) if getattr(self.runner, "record_timing", False) else ()
+        if self.dp_sync is not None:
+            with self._phase(f"DP gradient all-reduce over global ranks {layout.dp_ranks}", step):
+                self.dp_sync.finish()
+        self._fill_missing_grads()
+        norm = None
+        if self.args.max_grad_norm > 0:
+            with self._phase(f"gradient-norm all-reduce over the TP and PP groups (global ranks {layout.tp_ranks} "
+                             f"and {layout.pp_ranks})", step):
+                norm = global_grad_norm(self.params, layout=layout, shared_params=self.model.shared_owner)
+            bad = not bool(torch.isfinite(norm))
+        else:
+            bad = nonfinite.local_grads_nonfinite(self.params)
+        with self._phase("loss all-reduce over all ranks", step):
+            loss_value, any_bad, stop_agreed = self._reduce_step(loss, bad, stop_requested)
+        self.last_grad_norm = float(norm) if norm is not None else None
+        result = StepResult(loss=loss_value, pipeline_s=self.last_pipeline_s, grad_norm=self.last_grad_norm,
+                            skipped=any_bad or not math.isfinite(loss_value), stop_agreed=stop_agreed,
+                            timings=timings)
+        if result.skipped:
+            if self.args.nonfinite == nonfinite.STOP:
+                raise nonfinite.nonfinite_error(step=step, loss=loss_value, grad_norm=self.last_grad_norm,
+                                                named=self.model.named_parameters(), layout=self.layout)
+            return result
+        if norm is not None:
+            scale_gradients_(self.params, self.args.max_grad_norm, norm)
+        zero = isinstance(self.optimizer, ZeroOptimizer)
+        with self._phase(f"optimizer step (ZeRO-1 broadcasts over global ranks {layout.dp_ranks})" if zero
+                         else "optimizer step (local, no communication)", step):
+            self.optimizer.step()
+        self.lr_scheduler.step()
+        return result
+
+    def _reduce_step(self, loss: torch.Tensor | None, bad: bool, stop: bool) -> tuple[float, bool, bool]:
+        """The step's loss averaged over DP, and whether any rank saw a non-finite gradient or a stop signal."""
+        value = torch.zeros(nonfinite.STEP_VECTOR_SIZE, dtype=torch.float64, device=self.device)
+        if loss is not None and self.layout.tp_rank == 0:
+            value[nonfinite.LOSS] += float(loss)
+        value[nonfinite.NONFINITE] = float(bad)
+        value[nonfinite.STOP_REQUESTED] = float(stop)
+        dist.all_reduce(value)
+        return (float(value[nonfinite.LOSS]) / self.layout.dp, bool(value[nonfinite.NONFINITE] > 0),
+                bool(value[nonfinite.STOP_REQUESTED] > 0))
+
+    @contextlib.contextmanager
+    def _phase(self, what: str, step: int) -> Iterator[None]:
+        """Re-raise a communication failure with this rank, its coordinates, the step and what it waited on.
+
+        See [Note: failures]: a pipeline error keeps its class (``PipelineCommError``); any
+        other ``RuntimeError`` (gloo/NCCL errors and timeouts) becomes :class:`TrainingStepError`.
+        ``ValueError`` (bad input) passes through unchanged.
+        """
+        try:
+            yield
+        except RuntimeError as exc:
+            layout = self.layout
+            where = (f"rank {layout.rank} (pp_rank {layout.pp_rank}, dp_rank {layout.dp_rank}, "
+                     f"tp_rank {layout.tp_rank}), step {step}: {what} failed "
+                     f"(timeout {layout.timeout.total_seconds():g} s; {self._stall_diagnosis()})")
+            if type(exc).__name__ in ("PipelineCommError", "PipelineTimeoutError"):
+                raise type(exc)(f"{where}: {exc}") from exc
+            raise TrainingStepError(f"{where}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                                    ) from exc
+
+    def _stall_diagnosis(self) -> str:
+        """Which ranks stopped answering (see [Note: heartbeats] in :mod:`merak_core.stall`)."""
+        if self.heartbeat is None:
+            return "a peer died or stalled?"
+        return self.heartbeat.diagnosis()
+
+    def _fill_missing_grads(self) -> None:
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+
+    # ------------------------------------------------------------------ evaluation
+
+    def evaluate_batch(self, inputs: Any, labels: Any, *, return_outputs: bool) -> Any:
+        """The runner's forward-only pass over one batch (collective over the pipeline)."""
+        labels = labels.to(self.device) if labels is not None else None
+        with self.autocast():
+            return self.runner.evaluate(self.stage_inputs(inputs), labels, return_outputs=return_outputs)

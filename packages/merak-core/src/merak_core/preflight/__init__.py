@@ -1,0 +1,81 @@
+"""Checks of a job that ``merak train`` runs once, in the launching process, before torchrun starts.
+
+A mistake in a job file found on the ranks is reported once per rank, after every rank has
+started, imported torch and joined the process group (and sometimes only at step 1). Here it is
+found in one process, in seconds, and reported once with the key, the value and the fix:
+
+- ``output_dir`` is a directory (or can be created) and writable, and ``--resume`` finds a checkpoint;
+- the model factory's keyword arguments fit its signature (names and annotated or default
+  types, each named ``model.kwargs.<key>``), and the model builds on the meta device
+  (``merak_graph.empty_init``: no parameter memory);
+- the TP plan resolves against the model: every pattern matches a module and every sharded
+  size (and head count) divides by ``tp``; then ``merak_tp.parallelize`` itself shards a copy of
+  the meta model as TP rank 0 of a fake group (:func:`check_tp_plan`);
+- the data factory returns datasets (not an int or a dict), a first batch collates (ragged
+  samples are named by index, with a collator hint), and on that batch the input ids lie inside
+  the input embedding's vocabulary, the labels of the default cross-entropy loss are int64 class
+  ids (or -100) inside the model's output size, and ``input_ids``-like inputs are integers.
+
+Not checked here: anything that needs the process group or the real weights (the loss on real
+values, memory), samples after the first few batches, and layouts chosen by ``layout: auto``
+(their degrees are known only on the ranks; patterns are still checked).
+
+Modules: ``files`` (output_dir, --resume), ``model`` (factory arguments, the meta build), ``tp_plan``,
+``data`` (datasets and the first batch); ``base`` (the error and the report).
+"""
+
+from __future__ import annotations
+
+from merak_core.job import JobConfig
+from merak_core.preflight.base import PreflightError, PreflightReport
+from merak_core.preflight.data import SHAPE_SCAN_SAMPLES, check_batch, check_dataset, first_batch
+from merak_core.preflight.files import check_output_dir, check_resume
+from merak_core.preflight.model import _where, build_meta_model, check_model_kwargs
+from merak_core.preflight.tp_plan import check_tp_plan
+
+__all__ = ["SHAPE_SCAN_SAMPLES", "PreflightError", "PreflightReport", "build_meta_model", "check_batch",
+           "check_dataset", "check_model_kwargs", "check_output_dir", "check_resume", "check_tp_plan",
+           "first_batch", "preflight"]
+
+
+def preflight(job: JobConfig, *, tp: int | None = None, resume: str | None = None) -> PreflightReport:
+    """Run every check of the module docstring on ``job``; raise :class:`PreflightError` on the first mistake.
+
+    ``tp``: the TP degree the job will run with (default ``job.training.tp``; None when the
+    planner chooses it). ``resume``: the ``--resume`` argument.
+    """
+    from merak_core.data import split_inputs_labels
+
+    t = job.training
+    report = PreflightReport()
+    check_output_dir(t.output_dir)
+    check_resume(resume, t.output_dir)
+    report.checks.append(f"output_dir {t.output_dir} writable")
+    model = build_meta_model(job)
+    report.checks.append(f"model {type(model).__name__} builds")
+    plan = check_tp_plan(model, t.tp_plan, t.tp if tp is None and t.layout != "auto" else tp, t.overlap_chunks)
+    if plan is not None:
+        report.checks.append(f"TP plan {plan} resolves")
+    data_fn = job.data.load(job.base_dir, "data.factory")
+    check_model_kwargs(data_fn, job.data.kwargs, "data")
+    try:
+        train, evaluation = job.build_datasets()
+    except ValueError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - reported with the factory and the kwargs
+        raise PreflightError(f"data.factory {job.data.spec!r} failed with kwargs {job.data.kwargs}: "
+                             f"{type(exc).__name__}: {exc}{_where(exc)}") from None
+    collate = job.optional("collate")
+    for what, dataset, batch_size in (("training", train, t.per_device_train_batch_size),
+                                      ("evaluation", evaluation, t.per_device_eval_batch_size)):
+        if dataset is None:
+            continue
+        check_dataset(dataset, what)
+        batch = first_batch(dataset, collate, batch_size, what)
+        try:
+            inputs, labels = split_inputs_labels(batch)
+        except ValueError as exc:
+            raise PreflightError(f"the first {what} batch: {exc}") from None
+        check_batch(model, inputs, labels, default_loss=job.loss is None)
+        report.checks.append(f"first {what} batch collates")
+    return report
