@@ -10,18 +10,10 @@ from typing import Any
 import torch
 
 from tests.support.dist import run_on_ranks
-from tests.support.models import GPT, DecoderConfig
-from tests.support.text import make_tokenizer, sentences
+from tests.support.text import make_tokenizer, sentences, text_model
 
 VOCAB = 300
 STEPS = 6
-
-
-class TextGPT(GPT):
-    """The reference GPT taking the text datasets' ``input_ids`` keyword."""
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return super().forward(input_ids)
 
 
 class Recorder(torch.utils.data.Dataset):
@@ -48,9 +40,7 @@ def _trainer(spec_kw: dict[str, Any], output_dir: str, max_steps: int, save_step
     args = TrainingArguments(dp=2, tp=1, pp=1, per_device_train_batch_size=2, gradient_accumulation_steps=2,
                              max_steps=max_steps, save_steps=save_steps, output_dir=output_dir, logging_steps=100,
                              learning_rate=1e-3, seed=3)
-    torch.manual_seed(0)
-    model = TextGPT(DecoderConfig(vocab_size=VOCAB, hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=2,
-                                  intermediate_size=32, max_seq_len=16))
+    model = text_model(VOCAB, dtype="float32")
     trainer = Trainer(model, args, data, layout=init(dp=2, tp=1, pp=1))
     data.seen.clear()  # the trainer read a first microbatch to trace the model
     return trainer, data
