@@ -282,3 +282,35 @@ def test_cache_meta_describes_the_build(tmp_path: Path, tok: Path) -> None:
     assert meta["num_records"] == 5 and meta["dtype"] == "uint16" and meta["eos_id"] == load_tokenizer(
         str(tok)).backend.token_to_id(EOS)
     assert os.path.getsize(train.cache.path / "tokens.bin") == 2 * meta["num_tokens"]
+
+
+def test_samples_pickle_as_the_cache_folder_not_the_tokens(tmp_path: Path, tok: Path) -> None:
+    import pickle
+
+    (tmp_path / "a.txt").write_text("\n".join(sentences(400, seed=12)))
+    train, _ = build_text_datasets(_spec(tmp_path, tok, tmp_path / "a.txt", seq_len=4))
+    blob = pickle.dumps(train)
+    assert len(blob) < os.path.getsize(train.cache.path / "tokens.bin") / 4  # a spawned worker maps the files again
+    copy = pickle.loads(blob)
+    assert all(torch.equal(copy[i]["labels"], train[i]["labels"]) for i in (0, len(train) - 1))
+
+
+def test_the_saved_position_names_the_samples_and_other_data_is_refused(tmp_path: Path, tok: Path) -> None:
+    from merak_core.data import StageAwareDataLoader
+
+    (tmp_path / "a.txt").write_text("\n".join(sentences(60, seed=13)))
+    train, _ = build_text_datasets(_spec(tmp_path, tok, tmp_path / "a.txt", seq_len=4))
+    loader = StageAwareDataLoader(train, batch_size=2, seed=1)
+    it = iter(loader)
+    next(it), next(it)
+    state = loader.state_dict()
+    assert state["dataset"] == train.fingerprint and state["batches_consumed"] == 2
+    same, _ = build_text_datasets(_spec(tmp_path, tok, tmp_path / "a.txt", seq_len=4))
+    resumed = StageAwareDataLoader(same, batch_size=2, seed=1)
+    resumed.load_state_dict(state)
+    assert torch.equal(next(iter(resumed)).labels, next(it).labels)  # the third batch, as if never stopped
+    other, _ = build_text_datasets(_spec(tmp_path, tok, tmp_path / "a.txt", seq_len=5))
+    with pytest.raises(ValueError, match="saved over the samples .*seq_len=4.* reads .*seq_len=5.*changed"):
+        StageAwareDataLoader(other, batch_size=2, seed=1).load_state_dict(state)
+    older = {k: v for k, v in state.items() if k != "dataset"}  # a checkpoint written before the fingerprint
+    StageAwareDataLoader(other, batch_size=2, seed=1).load_state_dict(older)

@@ -330,13 +330,18 @@ class StageAwareDataLoader:
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, Any]:
-        """The position: epoch and batches consumed in it (plus what must match on resume)."""
+        """The position: epoch and batches consumed in it (plus what must match on resume).
+
+        A dataset with a ``fingerprint`` (text data: its token cache and cutting) records it, so a
+        resume over other data is refused instead of repeating or skipping samples.
+        """
         return {
             "epoch": self._epoch,
             "batches_consumed": self._consumed,
             "seed": self.seed,
             "global_batch_size": self.global_batch_size,
             "shuffle": self.shuffle,
+            "dataset": getattr(self.dataset, "fingerprint", None),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -348,6 +353,14 @@ class StageAwareDataLoader:
                     f"data loader state was saved with {key}={state[key]!r} but this loader has {key}={mine!r}: "
                     "resume with the same seed, shuffle and dp_size*batch_size, or start a new epoch"
                 )
+        mine_data = getattr(self.dataset, "fingerprint", None)
+        if state.get("dataset") is not None and mine_data is not None and state["dataset"] != mine_data:
+            raise ValueError(
+                f"data loader state was saved over the samples {state['dataset']!r} but this loader reads "
+                f"{mine_data!r}: the data, the tokenizer or the cutting (seq_len, packing, eval_fraction) changed, "
+                "so the saved position would repeat or skip samples; resume with the same data, or start a new "
+                "run from the checkpoint's weights"
+            )
         self._epoch = int(state["epoch"])
         self._consumed = int(state["batches_consumed"])
 

@@ -63,6 +63,17 @@ class TokenCache:
     """True when this process tokenized the data (False: an existing cache was reused)."""
 
     def __post_init__(self) -> None:
+        self._open()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (a spawned data-loader worker) as the folder, not the mapped arrays."""
+        return {"path": self.path, "built": self.built}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.path, self.built = state["path"], state["built"]
+        self._open()
+
+    def _open(self) -> None:
         self.meta: dict[str, Any] = json.loads((self.path / "meta.json").read_text())
         dtype = np.dtype(self.meta["dtype"])
         n = int(self.meta["num_tokens"])
