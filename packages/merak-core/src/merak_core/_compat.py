@@ -75,3 +75,25 @@ def fsdp_reduce_gradients(root: torch.nn.Module) -> None:
         for param_group in sub_state._fsdp_param_groups:
             param_group.post_backward()
     state._root_post_backward_final_callback()
+
+
+def fsdp_unsharded_bytes(root: torch.nn.Module) -> tuple[int, int]:
+    """(gathered parameter bytes, unsharded gradient bytes) FSDP2 holds now for the groups under ``root``.
+
+    Storages FSDP2 has freed (resharded parameters) count 0; an accumulated gradient counts once.
+    Private FSDP2 state, read for memory measurements only.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    state = fully_shard.state(root)  # type: ignore[attr-defined]
+    params = grads = 0
+    for sub_state in state._state_ctx.all_states:
+        for param_group in sub_state._fsdp_param_groups:
+            for fsdp_param in param_group.fsdp_params:
+                for tensor in getattr(fsdp_param, "all_gather_outputs", []):
+                    params += tensor.untyped_storage().nbytes()
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                for grad in (getattr(unsharded, "grad", None), fsdp_param.unsharded_accumulated_grad):
+                    if grad is not None:
+                        grads += grad.numel() * grad.element_size()
+    return params, grads

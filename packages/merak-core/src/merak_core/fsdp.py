@@ -57,9 +57,10 @@ gradients reduced in the parameter dtype), CPU offload.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -68,6 +69,9 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from merak_core import _compat
+
+if TYPE_CHECKING:
+    from merak_core.compose import ParallelModel
 
 logger = logging.getLogger(__name__)
 
@@ -84,17 +88,23 @@ def default_reshard_after_forward(zero_stage: int, *, stage_index: int, num_stag
     return num_stages == 1 or stage_index < num_stages - 1
 
 
-def check_sharding_supported(zero_stage: int, *, schedule_name: str, actions: Iterable[Any] = ()) -> None:
-    """Refuse what ZeRO-2/3 cannot run exactly, before any collective (pure).
+def check_sharding_supported(zero_stage: int, schedule_name: str, *, virtual_stages: int = 1) -> None:
+    """Refuse what ZeRO-2/3 cannot run exactly, before any collective (pure; config checks call it).
 
-    ``actions``: the schedule's actions (objects with a ``kind`` whose value is ``"F"``, ``"B"``,
-    ``"I"``, ``"W"`` ...). A split backward (``I`` then ``W``) computes weight gradients with
-    ``torch.autograd.grad`` against the registered (sharded) parameters, which FSDP2 swaps for
-    gathered ones during compute: those gradients would be lost, so such schedules are refused.
+    ``schedule_name``: a merak-pipe schedule name (``1f1b``, ``zb-h1``, ...; ``_`` or ``-``;
+    ``auto`` is accepted). A schedule that splits the backward (``I`` then ``W`` actions) computes
+    weight gradients with ``torch.autograd.grad`` against the registered (sharded) parameters,
+    which FSDP2 swaps for gathered ones during compute: those gradients would be lost, so it is
+    refused; so is a schedule name merak-pipe does not know (its own error says which exist).
     """
-    if zero_stage not in SHARDED_ZERO_STAGES:
+    if zero_stage not in SHARDED_ZERO_STAGES or schedule_name == "auto":
         return
-    split = sorted({str(getattr(a.kind, "value", a.kind)) for a in actions} & {"I", "W"})
+    from merak_pipe import build_schedule
+
+    name = schedule_name.replace("_", "-")
+    schedule = build_schedule(name, num_stages=2 * max(1, virtual_stages), num_microbatches=4)
+    kinds = {str(getattr(a.kind, "value", a.kind)) for actions in schedule.actions.values() for a in actions}
+    split = sorted(kinds & {"I", "W"})
     if split:
         raise ValueError(
             f"zero_stage={zero_stage} with schedule={schedule_name!r}: the schedule splits the backward into "
@@ -126,14 +136,15 @@ def _blocks(root: nn.Module) -> list[nn.Module]:
 
 
 class ShardedDataParallel:
-    """ZeRO-2/3 for this rank's stage module over the DP group (see the module docstring).
+    """ZeRO-2/3 for this rank's stage modules over the DP group (see the module docstring).
 
     Args:
-        module: the stage module (``nn.Sequential`` of units) or the whole model, on its device.
+        stages: pipeline stage index -> this rank's module of that stage (``nn.Sequential`` of
+            units, or the whole model at ``pp == 1``: ``{0: model}``), on its device.
         dp_group: the DP process group (``layout.dp_group``).
         zero_stage: 2 or 3.
         device_type: ``"cpu"`` or ``"cuda"`` (the mesh's device type).
-        stage_index, num_stages: this rank's pipeline stage, for the reshard rule.
+        num_stages: the pipeline's number of stages (virtual stages included), for the reshard rule.
         shared_parameters: ``[(param, group)]`` parameters held by several stages, summed over
             ``group`` after the reduce-scatter (the pipeline runner must then not sum them).
         reshard_after_forward: override [Note: reshard after forward per stage].
@@ -141,14 +152,13 @@ class ShardedDataParallel:
 
     def __init__(
         self,
-        module: nn.Module,
+        stages: Mapping[int, nn.Module],
         dp_group: ProcessGroup,
         *,
         zero_stage: int,
         device_type: str,
-        stage_index: int = 0,
         num_stages: int = 1,
-        shared_parameters: Sequence[tuple[nn.Parameter, ProcessGroup]] = (),
+        shared_parameters: Sequence[tuple[nn.Parameter, ProcessGroup | None]] = (),
         reshard_after_forward: bool | None = None,
     ) -> None:
         from torch.distributed.fsdp import fully_shard
@@ -156,32 +166,44 @@ class ShardedDataParallel:
         if zero_stage not in SHARDED_ZERO_STAGES:
             raise ValueError(f"zero_stage={zero_stage!r}: ShardedDataParallel implements ZeRO stage 2 or 3 "
                              "(use merak_core.zero.ZeroOptimizer for stage 1)")
+        if not stages:
+            raise ValueError("ShardedDataParallel needs at least one stage module")
         self.zero_stage = zero_stage
         self.dp_group = dp_group
         self.dp_size = dist.get_world_size(dp_group)
-        self.reshard_after_forward = (
-            default_reshard_after_forward(zero_stage, stage_index=stage_index, num_stages=num_stages)
-            if reshard_after_forward is None else bool(reshard_after_forward))
-        # Between microbatches ZeRO-3 gives the memory back; ZeRO-2 keeps the gather for the step.
-        self._reshard_between = zero_stage == 3 and self.reshard_after_forward
         # The axis name carries the group's name: DTensor caches sharding results by mesh, and meshes
         # compare equal by their ranks, so a mesh over a later group of the same ranks (a second
         # layout in one process) would otherwise be answered with the first group's mesh.
         self.mesh = DeviceMesh.from_group(dp_group, device_type, mesh_dim_names=(f"dp:{dp_group.group_name}",))
-        before = dict(module.named_parameters(remove_duplicate=False))
-        self.units = fsdp_units(module)
-        _check_units_disjoint(self.units)
-        for unit in self.units:
-            for block in _blocks(unit) if unit is module and not isinstance(module, nn.Sequential) else []:
-                fully_shard(block, mesh=self.mesh, reshard_after_forward=self.reshard_after_forward)
-            fully_shard(unit, mesh=self.mesh, reshard_after_forward=self.reshard_after_forward)
-        self.roots: list[Any] = list(self.units)
-        self.param_map = _new_parameters(module, before)
+        self.reshard_after_forward = {
+            index: (default_reshard_after_forward(zero_stage, stage_index=index, num_stages=num_stages)
+                    if reshard_after_forward is None else bool(reshard_after_forward))
+            for index in stages}
+        """Stage index -> whether its units reshard after forward."""
+        units = {index: fsdp_units(module) for index, module in stages.items()}
+        _check_units_disjoint([u for index in sorted(units) for u in units[index]])
+        before = {id(p): p for module in stages.values() for p in module.parameters()}
+        names_before = [dict(module.named_parameters(remove_duplicate=False)) for module in stages.values()]
+        self.roots: list[Any] = []
+        self._reshard_between: list[bool] = []
+        for index in sorted(units):
+            reshard = self.reshard_after_forward[index]
+            for unit in units[index]:
+                for block in _blocks(unit) if not isinstance(stages[index], nn.Sequential) else []:
+                    fully_shard(block, mesh=self.mesh, reshard_after_forward=reshard)
+                fully_shard(unit, mesh=self.mesh, reshard_after_forward=reshard)
+                self.roots.append(unit)
+                # Between microbatches ZeRO-3 gives the memory back; ZeRO-2 keeps the gather for the step.
+                self._reshard_between.append(zero_stage == 3 and reshard)
+        self.param_map: dict[int, nn.Parameter] = {}
         """id(parameter before sharding) -> the sharded parameter that replaced it."""
+        for module, names in zip(stages.values(), names_before, strict=True):
+            self.param_map.update(_new_parameters(module, names))
+        assert all(key in self.param_map for key in before), "a parameter was not sharded"
         self.shared_parameters = [(self.param_map.get(id(p), p), g) for p, g in shared_parameters]
         self._armed = False
         logger.debug("ZeRO-%d over %d DP ranks: %d FSDP units, reshard_after_forward=%s", zero_stage,
-                     self.dp_size, len(self.units), self.reshard_after_forward)
+                     self.dp_size, len(self.roots), self.reshard_after_forward)
 
     def remap(self, params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
         """The sharded parameters that replaced ``params`` (others unchanged)."""
@@ -200,10 +222,10 @@ class ShardedDataParallel:
             raise ValueError(f"num_backwards must be a positive integer, got {num_backwards!r}")
         if self._armed:
             raise RuntimeError("the sharded gradient sync is already armed: call finish() before arming it again")
-        for root in self.roots:
+        for root, reshard in zip(self.roots, self._reshard_between, strict=True):
             root.set_is_last_backward(False)
             root.set_requires_gradient_sync(False)
-            root.set_reshard_after_backward(self._reshard_between)
+            root.set_reshard_after_backward(reshard)
         self._armed = True
 
     def finish(self) -> None:
@@ -238,10 +260,39 @@ class ShardedDataParallel:
                     f"{tuple(local_tensor(param).shape)} failed: {err}. A peer probably died"
                 ) from err
 
+    def unsharded_bytes(self) -> tuple[int, int]:
+        """(gathered parameter bytes, unsharded gradient bytes) held now, beyond the shards.
+
+        Zero between steps; during a step it is what [Note: ZeRO-2 and ZeRO-3 in FSDP2] and
+        [Note: one gradient sync per step] describe (read it right before :meth:`finish` for the
+        step's largest value). For memory measurements (``benchmarks/bench_core_memory.py``).
+        """
+        params = grads = 0
+        for root in self.roots:
+            p, g = _compat.fsdp_unsharded_bytes(root)
+            params, grads = params + p, grads + g
+        return params, grads
+
     def reshard(self) -> None:
         """Free gathered parameters (e.g. after an evaluation that ran forwards only)."""
         for root in self.roots:
             root.reshard()
+
+
+def shard_parallel_model(model: ParallelModel, *, zero_stage: int, device: torch.device,
+                         ) -> tuple[ShardedDataParallel, ParallelModel]:
+    """Shard this rank's part of ``model`` over its DP group; the sharded object and the updated model.
+
+    The returned :class:`~merak_core.compose.ParallelModel` is ``model`` with its shared-parameter
+    lists pointing at the sharded parameters (the modules are sharded in place). Give the pipeline
+    runner no shared parameters: :meth:`ShardedDataParallel.finish` sums their copies.
+    """
+    layout = model.layout
+    stages = dict(model.stage_modules) or {layout.pp_rank if layout.pp > 1 else 0: model.module}
+    sharded = ShardedDataParallel(stages, layout.dp_group, zero_stage=zero_stage, device_type=device.type,
+                                  num_stages=model.num_stages, shared_parameters=model.shared_parameters)
+    owner = {sharded.param_map.get(id(p), p): stage for p, stage in model.shared_owner.items()}
+    return sharded, dataclasses.replace(model, shared_parameters=sharded.shared_parameters, shared_owner=owner)
 
 
 def _check_units_disjoint(units: Sequence[nn.Module]) -> None:
@@ -317,5 +368,5 @@ def shard_like(like: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
 
 __all__ = [
     "SHARDED_ZERO_STAGES", "ShardedDataParallel", "check_sharding_supported", "copy_into_shard_", "default_reshard_after_forward",
-    "fsdp_units", "full_local_tensor", "is_sharded", "local_tensor", "shard_like",
+    "fsdp_units", "full_local_tensor", "is_sharded", "local_tensor", "shard_like", "shard_parallel_model",
 ]

@@ -36,6 +36,7 @@ from merak_core.checkpoint.files import (
 from merak_core.checkpoint.integrity import VerifyingReader, check_manifest
 from merak_core.checkpoint.specs import _Spec, _specs
 from merak_core.compose import gather_full_state_dict
+from merak_core.fsdp import copy_into_shard_
 
 if TYPE_CHECKING:
     from merak_core.trainer import Trainer
@@ -121,7 +122,7 @@ def load_full_state_dict(trainer: Trainer, source: Mapping[str, torch.Tensor] | 
             if shape != spec.full_shape:
                 raise ValueError(f"parameter {name!r}: the state dict holds shape {list(shape)}, the model "
                                  f"{list(spec.full_shape)}: load weights of the same architecture")
-            p.copy_(_read_shard(entry, spec))
+            copy_into_shard_(p, _read_shard(entry, spec))  # ZeRO-2/3: this DP rank's part
     return missing
 
 

@@ -52,6 +52,7 @@ from merak_core.checkpoint.integrity import (
 )
 from merak_core.checkpoint.specs import _from_loaded, _load_target, _Spec, _specs, _to_checkpoint
 from merak_core.checkpoint.state import _inner_optimizer, restore_train_state, rng_state, set_rng_state
+from merak_core.fsdp import copy_into_shard_, local_tensor, shard_like
 
 if TYPE_CHECKING:
     from merak_core.trainer import Trainer
@@ -176,13 +177,14 @@ class CheckpointManager:
     def _local_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """(name, tensor) for this rank's parameters and optimizer states."""
         specs = _specs(self.trainer)
-        out: list[tuple[str, torch.Tensor]] = [(f"parameter {name}", p.detach()) for name, (p, _) in specs.items()]
+        out: list[tuple[str, torch.Tensor]] = [(f"parameter {name}", local_tensor(p.detach()))
+                                               for name, (p, _) in specs.items()]
         names = {id(p): name for name, (p, _) in specs.items()}
         inner = _inner_optimizer(self.trainer.optimizer)
         for p, values in inner.state.items():
             for key, value in values.items():
                 if isinstance(value, torch.Tensor):
-                    out.append((f"optimizer state {names.get(id(p), '?')}/{key}", value))
+                    out.append((f"optimizer state {names.get(id(p), '?')}/{key}", local_tensor(value)))
         return out
 
     def _check_finite(self, step: int) -> None:
@@ -398,7 +400,7 @@ class CheckpointManager:
         with torch.no_grad():
             for name, (p, _) in _specs(trainer).items():
                 buf, spec = receivers[f"model/{name}"]
-                p.copy_(_from_loaded(spec, buf))
+                copy_into_shard_(p, _from_loaded(spec, buf))  # ZeRO-2/3: this DP rank's part
             for p, name in owned:
                 state = {}
                 for state_key in optim_keys.get(name, []):
@@ -406,7 +408,8 @@ class CheckpointManager:
                     if key in receivers:
                         buf, spec = receivers[key]
                         value = _from_loaded(spec, buf)
-                        state[state_key] = place_optimizer_state(value, state_key, p, group_of[id(p)])
+                        value = place_optimizer_state(value, state_key, p, group_of[id(p)])
+                        state[state_key] = shard_like(p, value) if value.shape == p.shape and value.ndim else value
                     elif key in request:
                         state[state_key] = pickle.loads(request[key])  # noqa: S301 - our own checkpoint
                 if state:

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from merak_core.fsdp import full_local_tensor
+
 if TYPE_CHECKING:
     from merak_core.trainer import Trainer
 
@@ -68,8 +70,13 @@ def _specs(trainer: Trainer) -> dict[str, tuple[nn.Parameter, _Spec]]:
 
 
 def _to_checkpoint(trainer: Trainer, tensor: torch.Tensor, spec: _Spec, like: nn.Parameter) -> torch.Tensor | None:
-    """What this rank writes for ``tensor`` (a parameter or a state shaped like it); collective over TP."""
+    """What this rank writes for ``tensor`` (a parameter or a state shaped like it); collective over TP.
+
+    A ZeRO-2/3 tensor (sharded over DP) is gathered over DP first (collective there too), so every
+    ZeRO stage writes the same checkpoint and any other one reads it.
+    """
     layout = trainer.layout
+    tensor = full_local_tensor(tensor)
     if spec.dim is None:
         return spec.oriented(tensor.detach())
     if spec.sections > 1:
