@@ -72,8 +72,8 @@ def tests(session: nox.Session) -> None:
     One environment holds transformers and safetensors, so a fresh clone builds one venv for the
     suite instead of two (the transformers tests were once a session of their own).
     """
-    # tensorboard and pyarrow: the optional extras whose tests (event files, parquet data) run here too.
-    _install_all(session, *TEST_DEPS, "transformers>=5", "safetensors", "tensorboard", "pyarrow")
+    # tensorboard, pyarrow, datasets: the optional extras whose tests (event files, parquet, saved datasets) run here.
+    _install_all(session, *TEST_DEPS, "transformers>=5", "safetensors", "tensorboard", "pyarrow", "datasets")
     session.run("pytest", "tests", *session.posargs, env={**ENV, "HF_HUB_OFFLINE": "1"})
 
 

@@ -36,8 +36,9 @@ class LoadedTokenizer:
 
     def encode(self, texts: list[str], *, special: bool) -> list[list[int]]:
         """Token ids of each text (``special``: with the tokenizer's own added tokens, e.g. BOS)."""
-        if self.fast:
-            return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=special)]
+        if self.fast:  # encode_batch_fast: no character offsets (tokenizers >= 0.21)
+            encode = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
+            return [e.ids for e in encode(texts, add_special_tokens=special)]
         out = self.backend(texts, add_special_tokens=special)["input_ids"]
         return [list(ids) for ids in out]
 
