@@ -145,7 +145,7 @@ def test_profile_inputs_follow_the_trainers_keyword_and_positional_rule():
 
 
 def test_plan_check_report_writes_the_replanned_job_and_a_metrics_record(tmp_path: Path):
-    # The Trainer side of the check on synthetic measurements (no processes): a fake trainer running pure DP,
+    # The Trainer side of the check on synthetic measurements (no processes): a fake run of pure DP,
     # measured with an optimizer 1 ns/byte slower than profiled (see test_planner_feedback's re-plan test).
     import dataclasses
     import json
@@ -153,6 +153,7 @@ def test_plan_check_report_writes_the_replanned_job_and_a_metrics_record(tmp_pat
     from types import SimpleNamespace
 
     from merak_core.autoplan import PlanCheck
+    from merak_core.metrics import MetricsWriter
     from merak_core.planner import CommModel, MeasuredStep, ModelProfile, PlanContext, predict_current
 
     free = CommModel(p2p_latency_s=0.0, p2p_bandwidth=math.inf, allreduce_latency_s=0.0, allreduce_bandwidth=math.inf)
@@ -164,14 +165,14 @@ def test_plan_check_report_writes_the_replanned_job_and_a_metrics_record(tmp_pat
     args = TrainingArguments(dp=4, per_device_train_batch_size=2, gradient_accumulation_steps=1, schedule="1f1b",
                              output_dir=str(tmp_path), save_steps=2)
     metrics = tmp_path / "metrics.jsonl"
-    trainer = SimpleNamespace(args=args, layout=SimpleNamespace(dp=4, tp=1, pp=1), schedule_name="1f1b",
-                              global_step=5, metrics=SimpleNamespace(enabled=True, path=str(metrics)))
+    run = SimpleNamespace(args=args, layout=SimpleNamespace(dp=4, tp=1, pp=1), schedule_name="1f1b")
+    writer = MetricsWriter(str(tmp_path), enabled=True)  # the Trainer's sink for the check's record
     true = predict_current(ctx, profile=dataclasses.replace(profile, optimizer_s_per_byte=1e-9), dp=4, tp=1, pp=1,
                            schedule="1f1b", num_microbatches=1, micro_batch_size=2)
     measured = MeasuredStep(step_time_s=true.step_time_s, pipeline_s=true.pipeline_s,
                             stage_forward_s=true.stage_forward_s, stage_backward_s=true.stage_backward_s, steps=3)
-    check = PlanCheck(trainer, ctx, 5)
-    check._report(measured)
+    check = PlanCheck(run, ctx, 5, sink=writer.append)
+    check._report(measured, 5)
     assert check.comparison is not None and check.replan is not None and check.replan.changed
     record = json.loads(metrics.read_text())
     assert record["step"] == 5 and record["replanned_changed"] is True

@@ -8,7 +8,8 @@ and the CLI. Process groups and devices themselves are created by :mod:`merak_co
 - :func:`process_group` — the default process group (if nobody made it) and this rank's device;
 - :func:`run_layout` / :func:`run_device` — the layout a run trains on and the device it computes on;
 - :func:`autocast` — the one bf16 autocast context of a step, an evaluation or a profile;
-- :func:`example_batch` — one microbatch of a dataset, split into inputs and labels (for tracing);
+- :func:`first_samples` / :func:`example_batch` — the first samples of a dataset (for tracing and
+  profiling), one microbatch of them split into inputs and labels;
 - :func:`compose` — the model in the run's dtype, its TP plan checked, composed for this rank.
 
 Not done here: the step itself (``engine.py``) and the loop (``trainer.py``).
@@ -17,6 +18,7 @@ Not done here: the step itself (``engine.py``) and the loop (``trainer.py``).
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -27,8 +29,8 @@ from merak_core.compose import ParallelModel, build_parallel_model
 from merak_core.config import TrainingArguments
 from merak_core.layout import ParallelLayout, ensure_process_group, init, select_device
 
-__all__ = ["autocast", "check_layout", "compose", "example_batch", "is_meta", "process_group", "run_device",
-           "run_layout"]
+__all__ = ["autocast", "check_layout", "compose", "example_batch", "first_samples", "is_meta", "process_group",
+           "run_device", "run_layout"]
 
 
 def process_group(device: torch.device | str | None = None) -> torch.device:
@@ -73,17 +75,24 @@ def run_device(layout: ParallelLayout, device: torch.device | str | None = None)
     return select_device(device) if device is not None else layout.device
 
 
+def first_samples(dataset: Any, count: int) -> list[Any]:
+    """Up to ``count`` samples from the start of ``dataset`` (map-style by index, else by iterating)."""
+    if hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
+        return [dataset[i] for i in range(min(count, len(dataset)))]
+    return list(itertools.islice(iter(dataset), count))
+
+
 def example_batch(dataset: Any, collate: Callable[[list[Any]], Any] | None, batch_size: int) -> tuple[Any, Any]:
     """The first ``batch_size`` samples of ``dataset``, collated and split into ``(inputs, labels)``."""
     if dataset is None:
         raise ValueError("Trainer needs a train_dataset, an eval_dataset or example_inputs to trace the model")
     from merak_core.data import split_inputs_labels
 
-    collate = collate or torch.utils.data.default_collate
-    it = iter(dataset) if not hasattr(dataset, "__getitem__") else (dataset[i] for i in range(len(dataset)))
-    samples = [next(it) for _ in range(batch_size)]
-    inputs, labels = split_inputs_labels(collate(samples))
-    return inputs, labels
+    samples = first_samples(dataset, batch_size)
+    if len(samples) < batch_size:
+        raise ValueError(f"the dataset has {len(samples)} samples, fewer than one microbatch of {batch_size} "
+                         "(per_device_train_batch_size): use a smaller microbatch or more samples")
+    return split_inputs_labels((collate or torch.utils.data.default_collate)(samples))
 
 
 def _check_tp_plan(args: TrainingArguments, layout: ParallelLayout, model: nn.Module, example_inputs: Any) -> None:

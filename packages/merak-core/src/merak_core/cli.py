@@ -225,8 +225,8 @@ def _plan(args: argparse.Namespace) -> int:
 
     from merak_core.config import parse_bytes
     from merak_core.job import JobConfig, write_job
-    from merak_core.planner import format_plan, plan, profile_model
-    from merak_core.planner.auto import _relax_vocab, profile_inputs
+    from merak_core.planner import format_plan, plan
+    from merak_core.planner.auto import profile_for_plan, profile_inputs
 
     job = JobConfig.from_yaml(args.config, args.overrides)
     if args.cluster is not None or args.dry_run_ranks is not None:
@@ -247,7 +247,7 @@ def _plan(args: argparse.Namespace) -> int:
     model = job.build_model()
     train, _ = job.build_datasets()
     batch = profile_inputs(model, train, args.profile_batch or t.per_device_train_batch_size, job.optional("collate"))
-    profile = _relax_vocab(profile_model(model, batch, cache_dir=args.profile_cache), model, t.tp_plan)
+    profile = profile_for_plan(model, batch, tp_plan=t.tp_plan, cache_dir=args.profile_cache)
     cands = plan(profile, world_size=args.world_size, memory_per_device=memory, global_batch_size=gbs,
                  zero_stage=t.zero_stage, compute_slots=args.compute_slots)
     print(f"{len(cands)} feasible configurations for {args.world_size} ranks, {memory} bytes per device, "

@@ -59,6 +59,7 @@ from merak_core.data_parallel import DataParallelGradSync
 from merak_core.layout import ParallelLayout
 from merak_core.stall import Heartbeat
 from merak_core.zero import ZeroOptimizer
+from merak_pipe import PipelineCommError
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -281,9 +282,20 @@ class ParallelEngine:
 
     # ------------------------------------------------------------------ the step
 
-    def step(self, inputs: Any, labels: Any, *, step: int, stop_requested: bool = False) -> StepResult:
+    @property
+    def schedule(self) -> Any:
+        """The schedule the runner runs (a merak-pipe schedule: actions per stage)."""
+        return self.runner.schedule
+
+    def param_bytes(self) -> int:
+        """Bytes of this rank's parameters."""
+        return sum(p.numel() * p.element_size() for p in self.params)
+
+    def step(self, inputs: Any, labels: Any, *, step: int, stop_requested: bool = False,
+             record_timing: bool = False) -> StepResult:
         """Optimizer step number ``step`` on this rank's part of a global batch (collective).
 
+        ``record_timing``: the runner records every action's timing (``StepResult.timings``).
         A non-finite loss or gradient norm, and a stop request on any rank, are known to every rank
         after the step's last all-reduce (see [Note: step flags] in :mod:`merak_core.nonfinite`):
         ``nonfinite: stop`` raises :class:`merak_core.nonfinite.NonFiniteError`; ``skip`` drops the
@@ -299,12 +311,13 @@ class ParallelEngine:
             self.dp_sync.prepare_step(self.args.num_microbatches)
         with self._phase(f"pipeline step over global ranks {layout.pp_ranks} (pipeline rank i = the i-th)", step):
             with self.autocast():
+                self.runner.record_timing = record_timing
                 start = time.perf_counter()
                 loss = self.runner.step(self.stage_inputs(inputs), labels)
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)  # the time of the GPU work, not of queuing it
                 self.last_pipeline_s = time.perf_counter() - start
-        timings = tuple(self.runner.timings) if getattr(self.runner, "record_timing", False) else ()
+        timings = tuple(self.runner.timings) if record_timing else ()
         if self.dp_sync is not None:
             with self._phase(f"DP gradient all-reduce over global ranks {layout.dp_ranks}", step):
                 self.dp_sync.finish()
@@ -363,7 +376,7 @@ class ParallelEngine:
             where = (f"rank {layout.rank} (pp_rank {layout.pp_rank}, dp_rank {layout.dp_rank}, "
                      f"tp_rank {layout.tp_rank}), step {step}: {what} failed "
                      f"(timeout {layout.timeout.total_seconds():g} s; {self._stall_diagnosis()})")
-            if type(exc).__name__ in ("PipelineCommError", "PipelineTimeoutError"):
+            if isinstance(exc, PipelineCommError):  # PipelineTimeoutError included
                 raise type(exc)(f"{where}: {exc}") from exc
             raise TrainingStepError(f"{where}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
                                     ) from exc

@@ -34,7 +34,7 @@ from typing import Any
 
 import yaml
 
-from merak_core.config import TrainingArguments, load_yaml
+from merak_core.config import KEY_ALIASES, TrainingArguments, load_yaml
 
 SECTIONS = ("model", "data", "loss", "metrics", "collate", "training")
 FACTORY_KEYS = ("factory", "kwargs")
@@ -173,8 +173,7 @@ def write_job(source: str | Path | None, out: str | Path, training: dict[str, An
         src_dir = Path(source).resolve().parent
     section = raw.setdefault("training", {}) or {}
     raw["training"] = section
-    for alias, name in (("num_microbatches", "gradient_accumulation_steps"),
-                        ("micro_batch_size", "per_device_train_batch_size")):
+    for alias, name in KEY_ALIASES.items():
         if name in training:
             section.pop(alias, None)
     if {"dp", "tp", "pp"} & set(training) and section.get("layout") == "auto":

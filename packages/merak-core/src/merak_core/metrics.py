@@ -92,6 +92,13 @@ class MetricsWriter:
             tensorboard.write_record(self._tb, record)
         print(self._line(record), flush=True)
 
+    def append(self, record: dict[str, Any]) -> None:
+        """Add ``record`` to ``metrics.jsonl`` alone (not to the history, the progress line or TensorBoard)."""
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
+
     def eta_s(self, step: int, step_time_s: float) -> float:
         """Seconds left after ``step`` (see [Note: ETA]); the first call anchors the estimate."""
         now = self._clock()

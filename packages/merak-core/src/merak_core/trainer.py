@@ -147,7 +147,7 @@ class Trainer:
 
         self.plan_context = plan_context
         self._eval_specialised: bool | None = None
-        self.plan_check = PlanCheck.for_trainer(self, plan_context)
+        self.plan_check = PlanCheck.for_run(self.engine, plan_context, sink=self.metrics.append)
 
     # ------------------------------------------------------------------ the engine's parts
 
@@ -208,15 +208,17 @@ class Trainer:
 
     # ------------------------------------------------------------------ training
 
-    def training_step(self, inputs: Any, labels: Any) -> float:
+    def training_step(self, inputs: Any, labels: Any, *, record_timing: bool = False) -> float:
         """One optimizer step on this rank's part of a global batch; the global mean loss on every rank.
 
         See :meth:`merak_core.engine.ParallelEngine.step`: ``nonfinite: stop`` raises
         :class:`merak_core.nonfinite.NonFiniteError`; ``skip`` drops the update (``last_step_skipped``);
-        a stop request on any rank sets ``stop_agreed`` after the update.
+        a stop request on any rank sets ``stop_agreed`` after the update. The step's whole result
+        is ``last_result``.
         """
         step = self.global_step + 1
-        result = self.engine.step(inputs, labels, step=step, stop_requested=self._stop.requested)
+        result = self.engine.step(inputs, labels, step=step, stop_requested=self._stop.requested,
+                                  record_timing=record_timing)
         self.last_result = result
         self.stop_agreed = result.stop_agreed
         self.last_step_skipped = result.skipped
@@ -280,13 +282,12 @@ class Trainer:
             except StopIteration:
                 iterator = iter(loader)
                 continue
-            if self.plan_check is not None:
-                self.plan_check.before_step(total)
+            timed = self.plan_check is not None and self.plan_check.before_step(self.global_step, total)
             step_start = time.perf_counter()
-            loss = self.training_step(batch.inputs, batch.labels)
+            loss = self.training_step(batch.inputs, batch.labels, record_timing=timed)
             step_time = time.perf_counter() - step_start
             if self.plan_check is not None:
-                self.plan_check.after_step(step_time)
+                self.plan_check.after_step(self.global_step, self.last_result, step_time)
             window_tokens += _count_tokens(batch.inputs) * self.layout.dp
             record: dict[str, Any] = {"step": self.global_step, "loss": loss,
                                       "lr": float(self.lr_scheduler.get_last_lr()[0]), "step_time_s": step_time}

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from merak_core.bootstrap import autocast, process_group
+from merak_core.bootstrap import autocast, first_samples, process_group
 from merak_core.config import TrainingArguments, auto_conflict_message
 from merak_core.planner import (
     Candidate,
@@ -49,7 +49,7 @@ from merak_core.planner import (
 logger = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_PLAN_CHECK_STEPS", "AutoLayout", "auto_layout", "build_plan_context", "compute_slots",
-           "default_memory_per_device", "plan_for_job", "profile_inputs"]
+           "default_memory_per_device", "plan_for_job", "profile_for_plan", "profile_inputs"]
 
 DEFAULT_PLAN_CHECK_STEPS = 5
 """``plan_check_steps`` of an auto layout when the job does not set it."""
@@ -99,11 +99,7 @@ def profile_inputs(model: nn.Module, dataset: Any, num_samples: int,
     from merak_core.data import split_inputs_labels
 
     collate = data_collator or torch.utils.data.default_collate
-    if hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
-        samples = [dataset[i] for i in range(min(num_samples, len(dataset)))]
-    else:
-        it = iter(dataset)
-        samples = [s for _, s in zip(range(num_samples), it, strict=False)]
+    samples = first_samples(dataset, num_samples)
     if not samples:
         raise ValueError("layout='auto' profiles the model on training samples, but the training set is empty")
     inputs, _ = split_inputs_labels(collate(samples))
@@ -150,10 +146,13 @@ def _job_model_and_batch(args: TrainingArguments, model: nn.Module | Callable[[]
     return copy_, ({k: cast(v) for k, v in batch.items()} if isinstance(batch, Mapping) else cast(batch))
 
 
-def _profile_built(args: TrainingArguments, copy_: nn.Module, batch: Any, device: torch.device) -> ModelProfile:
-    with autocast(args.bf16, device):
-        profile = profile_model(copy_, batch)
-    return _relax_vocab(profile, copy_, args.tp_plan)
+def profile_for_plan(model: nn.Module, batch: Any, *, tp_plan: Any, bf16: bool = False,
+                     device: torch.device | None = None, cache_dir: str | None = None) -> ModelProfile:
+    """The profile the planner plans from: ``profile_model`` (under the run's autocast), the vocabulary
+    unconstrained when the job's own TP plan shards no embedding. ``merak plan`` and ``layout: auto`` both use it."""
+    with autocast(bf16, device if device is not None else torch.device("cpu")):
+        profile = profile_model(model, batch, cache_dir=cache_dir)
+    return _relax_vocab(profile, model, tp_plan)
 
 
 def _cpu_compute_slots(args: TrainingArguments, built: tuple[nn.Module, Any] | None,
@@ -196,7 +195,7 @@ def _profile_and_measure(args: TrainingArguments, model: nn.Module | Callable[[]
     try:  # one copy of the model per rank: rank 0 profiles it, every rank times it for the contention
         built = _job_model_and_batch(args, model, train_dataset, data_collator, dev)
         if rank == 0:
-            profile = _profile_built(args, *built, dev)
+            profile = profile_for_plan(*built, tp_plan=args.tp_plan, bf16=args.bf16, device=dev)
     except Exception as exc:  # noqa: BLE001 - reported on every rank below, so none waits forever
         if rank == 0:
             logger.exception("%s: profiling failed", what)

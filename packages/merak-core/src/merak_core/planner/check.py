@@ -11,10 +11,10 @@ from the last checkpoint with).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import statistics
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -48,10 +48,18 @@ def _read_status(field_name: str) -> float | None:
 
 
 class PlanCheck:
-    """The Trainer's plan check (see the module docstring); build it with :meth:`for_trainer`."""
+    """The Trainer's plan check (see the module docstring); build it with :meth:`for_run`.
 
-    def __init__(self, trainer: Any, context: PlanContext, steps: int) -> None:
-        self.trainer, self.context, self.steps = trainer, context, steps
+    ``run`` is what the check reads about the job: ``args``, ``layout``, ``device``, ``schedule_name``,
+    ``schedule`` (the runner's schedule) and ``param_bytes()`` (a :class:`merak_core.engine.ParallelEngine`).
+    The caller drives it around each step: :meth:`before_step` says whether that step should record the
+    runner's timings, :meth:`after_step` takes the step's :class:`~merak_core.engine.StepResult`. The
+    record of the check goes to ``sink`` (rank 0; e.g. the metrics file).
+    """
+
+    def __init__(self, run: Any, context: PlanContext, steps: int, *,
+                 sink: Callable[[dict[str, Any]], None] | None = None) -> None:
+        self.run, self.context, self.steps, self.sink = run, context, steps, sink
         self.comparison: PlanComparison | None = None
         """Rank 0, after the check: predicted against measured."""
         self.replan: Replan | None = None
@@ -65,55 +73,56 @@ class PlanCheck:
         self.done = False
 
     @classmethod
-    def for_trainer(cls, trainer: Any, context: PlanContext | None) -> PlanCheck | None:
-        steps = trainer.args.plan_check_steps or 0
+    def for_run(cls, run: Any, context: PlanContext | None, *,
+                sink: Callable[[dict[str, Any]], None] | None = None) -> PlanCheck | None:
+        """The check for ``run``'s ``plan_check_steps``, or None when it is off (no context, 0 steps, uniform)."""
+        args = run.args
+        steps = args.plan_check_steps or 0
         if context is None or steps == 0:
             if steps and dist.get_rank() == 0:
                 logger.info("plan check: plan_check_steps=%d but no profile to predict from: pass "
                             "Trainer(plan_context=...) or use layout: auto", steps)
             return None
-        kind, _ = trainer.args.recompute_mode
+        kind, _ = args.recompute_mode
         if kind == "uniform":
             if dist.get_rank() == 0:
                 logger.info("plan check: recompute=%r is not in the planner's model (none, full, stage_aware): off",
-                            trainer.args.recompute)
+                            args.recompute)
             return None
-        return cls(trainer, context, steps)
+        return cls(run, context, steps, sink=sink)
 
-    def before_step(self, total_steps: int) -> None:
-        t = self.trainer
+    def before_step(self, step: int, total_steps: int) -> bool:
+        """Before the step after ``step`` (the steps done so far): whether it should record timings."""
         if self.done:
-            return
+            return False
         if self._start is None:
-            self._start = t.global_step
-            self._end = t.global_step + min(self.steps, total_steps - t.global_step)
+            self._start = step
+            self._end = step + min(self.steps, total_steps - step)
             warmup = 1 if self._end - self._start < 4 else 2
             self._first_measured = self._start + warmup + 1
             if self._end < self._first_measured:
                 logger.info("plan check: %d steps left, fewer than a warm-up step and a measured one: off",
                             self._end - self._start)
                 self.done = True
-                return
+                return False
             self._reset_memory()
-        if t.global_step + 1 >= self._first_measured:
-            t.runner.record_timing = True
+        return step + 1 >= self._first_measured
 
-    def after_step(self, step_time_s: float) -> None:
-        t = self.trainer
-        if self.done or self._start is None or t.global_step < self._first_measured:
+    def after_step(self, step: int, result: Any, step_time_s: float) -> None:
+        """After step number ``step`` with its :class:`~merak_core.engine.StepResult` (collective at the last)."""
+        if self.done or self._start is None or step < self._first_measured:
             return
-        self._timings.extend(t.runner.timings)
+        self._timings.extend(result.timings)
         self._step_s.append(step_time_s)
-        self._pipeline_s.append(t.last_pipeline_s)
-        if t.global_step >= self._end:
-            t.runner.record_timing = False
+        self._pipeline_s.append(result.pipeline_s)
+        if step >= self._end:
             self.done = True
-            self._finish()
+            self._finish(step)
 
     # -------------------------------------------------------------- measuring
 
     def _reset_memory(self) -> None:
-        dev = self.trainer.device
+        dev = self.run.device
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
             return
@@ -132,55 +141,54 @@ class PlanCheck:
         parameters (which existed before): gradients, optimizer states and activations appear as
         growth. It includes allocator slack and anything else the process allocated meanwhile.
         """
-        t = self.trainer
-        if t.device.type == "cuda":
-            return float(torch.cuda.max_memory_allocated(t.device))
+        dev = self.run.device
+        if dev.type == "cuda":
+            return float(torch.cuda.max_memory_allocated(dev))
         peak = _read_status("VmHWM")
         if peak is None or self._memory_base is None:
             return None
-        params = sum(p.numel() * p.element_size() for p in t.params)
-        return max(peak - self._memory_base, 0.0) + float(params)
+        return max(peak - self._memory_base, 0.0) + float(self.run.param_bytes())
 
-    def _finish(self) -> None:
+    def _finish(self, step: int) -> None:
         from merak_pipe.timing import gather_timings, measured_costs
 
-        t = self.trainer
-        layout = t.layout
+        run = self.run
+        layout = run.layout
         timings = gather_timings(self._timings, group=layout.pp_group)
-        memory = torch.full((layout.pp,), -1.0, dtype=torch.float64, device=t.device)
+        memory = torch.full((layout.pp,), -1.0, dtype=torch.float64, device=run.device)
         mine = self._peak_memory()
         memory[layout.pp_rank] = -1.0 if mine is None else mine
         dist.all_reduce(memory, op=dist.ReduceOp.MAX)
         if dist.get_rank() != 0:
             return
         try:
-            costs = measured_costs(timings, t.runner.schedule)
+            costs = measured_costs(timings, run.schedule)
             measured = MeasuredStep(
                 step_time_s=statistics.median(self._step_s), pipeline_s=statistics.median(self._pipeline_s),
                 stage_forward_s=tuple(float(x) for x in costs.forward),
                 stage_backward_s=tuple(float(x) for x in costs.backward),
                 stage_peak_memory_bytes=tuple(None if v < 0 else float(v) for v in memory.tolist()),
                 steps=len(self._step_s))
-            self._report(measured)
+            self._report(measured, step)
         except Exception as exc:  # noqa: BLE001 - the check must never stop training
             logger.warning("plan check failed: %s: %s", type(exc).__name__, exc)
 
     # -------------------------------------------------------------- reporting (rank 0)
 
-    def _report(self, measured: MeasuredStep) -> None:
-        t, args, ctx = self.trainer, self.trainer.args, self.context
+    def _report(self, measured: MeasuredStep, step: int) -> None:
+        run, args, ctx = self.run, self.run.args, self.context
         kind, _ = args.recompute_mode
         predicted = predict_current(
-            ctx, dp=t.layout.dp, tp=t.layout.tp, pp=t.layout.pp, schedule=t.schedule_name,
+            ctx, dp=run.layout.dp, tp=run.layout.tp, pp=run.layout.pp, schedule=run.schedule_name,
             num_microbatches=args.num_microbatches, micro_batch_size=args.micro_batch_size, recompute=kind,
             memory_budget=args.memory_budget if kind == "stage_aware" else None)
         self.comparison = compare(predicted, measured)
         logger.info("%s", self.comparison.table())
-        record: dict[str, Any] = {"step": t.global_step, **self.comparison.to_record()}
+        record: dict[str, Any] = {"step": step, **self.comparison.to_record()}
         error = self.comparison.step_time_error
         if needs_replan(self.comparison, args.plan_error_threshold):
             self.replan = replan(ctx, predicted, measured,
-                                 global_batch_size=args.global_batch_size(t.layout.dp))
+                                 global_batch_size=args.global_batch_size(run.layout.dp))
             path = os.path.join(args.output_dir, "replanned.yaml")
             if self.replan.changed:
                 self._write_job(path, self.replan.best.training_fields())
@@ -191,13 +199,11 @@ class PlanCheck:
         else:
             logger.info("plan check: step-time error %+.1f%% is within plan_error_threshold=%g",
                         100 * error, args.plan_error_threshold)
-        if t.metrics.enabled:
-            with open(t.metrics.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+        if self.sink is not None:
+            self.sink(record)
 
     def _write_job(self, out: str, fields: dict[str, Any]) -> None:
         """The job file with the suggested fields (the training section alone when the run has no job file)."""
         from merak_core.job import write_job
 
         write_job(self.context.job_file, out, fields, overrides=self.context.job_overrides)
-

@@ -14,8 +14,9 @@ rank's) by the planner's prediction for that configuration: the factors go into
 every layout the planner considers (with pipeline stages too). The median over the probes of the
 measured / predicted time outside the pipeline becomes ``ModelProfile.overhead_scale``.
 
-The probe trains a copy of the model (or what the model function builds) and leaves the caller's
-random stream as it was; it writes nothing outside a temporary folder.
+The probe trains a copy of the model (or what the model function builds) with the step engine
+(:class:`merak_core.engine.ParallelEngine`, no Trainer: no metrics, checkpoints or files) and
+leaves the caller's random stream as it was.
 """
 
 from __future__ import annotations
@@ -23,9 +24,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-import shutil
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -67,7 +66,6 @@ def measure_tp_scale(args: TrainingArguments, model: nn.Module | Callable[[], nn
     collective) for ``steps`` < 3.
     """
     from merak_core.layout import ParallelLayout
-    from merak_core.trainer import Trainer
 
     if steps < 3:
         raise ValueError(f"measure_tp_scale: steps={steps}; expected >= 3 (one warm-up step and two measured)")
@@ -78,55 +76,58 @@ def measure_tp_scale(args: TrainingArguments, model: nn.Module | Callable[[], nn
     micro = args.per_device_train_batch_size
     scale: dict[int, float] = {}
     rest: list[float] = []
-    folder = [tempfile.mkdtemp(prefix="merak-tp-probe-") if dist.get_rank() == 0 else ""]
-    dist.broadcast_object_list(folder, src=0)
-    try:
-        for k in ks:
-            probe = dataclasses.replace(
-                args, layout="manual", dp=world // k, tp=k, pp=1, gradient_accumulation_steps=1, max_steps=steps,
-                schedule="1f1b", recompute="none", memory_budget=None,
-                save_steps=None, eval_steps=None, plan_check_steps=0, logging_steps=10**9,
-                output_dir=f"{folder[0]}/tp{k}")
-            layout = ParallelLayout.build(world // k, k, 1)
-            with torch.random.fork_rng():
-                copy_ = model() if not isinstance(model, nn.Module) else copy.deepcopy(model)
-                trainer = Trainer(copy_, probe, train_dataset, None, data_collator=data_collator, layout=layout)
-                trainer.metrics.enabled = False  # no progress line, metrics file or plot for a probe
-                pipeline, step = _times(trainer, steps)
-            measured = torch.tensor([statistics.median(pipeline[1:]), statistics.median(step[1:])],
-                                    dtype=torch.float64, device=layout.device)
-            dist.all_reduce(measured, op=dist.ReduceOp.MAX)
-            predicted = predict(base, dp=world // k, tp=k, pp=1, schedule="1f1b", num_microbatches=1,
-                                micro_batch_size=micro, comm=comm, compute_slots=compute_slots)
-            pipe_s, step_s = (float(x) for x in measured)
-            scale[k] = pipe_s / predicted.pipeline_s
-            outside = predicted.step_time_s - predicted.pipeline_s
-            if outside > 0:
-                rest.append(max(step_s - pipe_s, 0.0) / outside)
-            if dist.get_rank() == 0:
-                logger.info("probe dp%d-tp%d, microbatch %d: pipeline %.2f ms measured / %.2f ms modelled (x%.2f); "
-                            "outside the pipeline %.2f / %.2f ms", world // k, k, micro, pipe_s * 1e3,
-                            predicted.pipeline_s * 1e3, scale[k], (step_s - pipe_s) * 1e3, outside * 1e3)
-    finally:
-        dist.barrier()
+    for k in ks:
+        probe = dataclasses.replace(
+            args, layout="manual", dp=world // k, tp=k, pp=1, gradient_accumulation_steps=1, max_steps=steps,
+            schedule="1f1b", recompute="none", memory_budget=None,
+            save_steps=None, eval_steps=None, plan_check_steps=0, logging_steps=10**9)
+        layout = ParallelLayout.build(world // k, k, 1)
+        with torch.random.fork_rng():
+            copy_ = model() if not isinstance(model, nn.Module) else copy.deepcopy(model)
+            pipeline, step = _times(copy_, probe, layout, train_dataset, data_collator, steps)
+        measured = torch.tensor([statistics.median(pipeline[1:]), statistics.median(step[1:])],
+                                dtype=torch.float64, device=layout.device)
+        dist.all_reduce(measured, op=dist.ReduceOp.MAX)
+        predicted = predict(base, dp=world // k, tp=k, pp=1, schedule="1f1b", num_microbatches=1,
+                            micro_batch_size=micro, comm=comm, compute_slots=compute_slots)
+        pipe_s, step_s = (float(x) for x in measured)
+        scale[k] = pipe_s / predicted.pipeline_s
+        outside = predicted.step_time_s - predicted.pipeline_s
+        if outside > 0:
+            rest.append(max(step_s - pipe_s, 0.0) / outside)
         if dist.get_rank() == 0:
-            shutil.rmtree(folder[0], ignore_errors=True)
+            logger.info("probe dp%d-tp%d, microbatch %d: pipeline %.2f ms measured / %.2f ms modelled (x%.2f); "
+                        "outside the pipeline %.2f / %.2f ms", world // k, k, micro, pipe_s * 1e3,
+                        predicted.pipeline_s * 1e3, scale[k], (step_s - pipe_s) * 1e3, outside * 1e3)
     return ProbeResult(tp_scale=scale, overhead_scale=statistics.median(rest) if rest else 1.0)
 
 
-def _times(trainer: Any, steps: int) -> tuple[list[float], list[float]]:
-    """Train ``steps`` steps; each step's pipeline seconds (``Trainer.last_pipeline_s``) and whole seconds."""
+def _times(model: nn.Module, args: TrainingArguments, layout: Any, train_dataset: Any,
+           data_collator: Callable[[list[Any]], Any] | None, steps: int) -> tuple[list[float], list[float]]:
+    """Train ``steps`` steps of ``model`` with the step engine; each step's pipeline and whole seconds."""
+    from merak_core import bootstrap
+    from merak_core.data import StageAwareDataLoader
+    from merak_core.engine import ParallelEngine, default_loss
+
+    device = bootstrap.run_device(layout)
+    loader = StageAwareDataLoader(train_dataset, batch_size=args.micro_batch_size * args.num_microbatches,
+                                  layout=layout, collate_fn=data_collator, seed=args.seed, shuffle=True,
+                                  num_workers=args.dataloader_num_workers)
+    inputs, labels = bootstrap.example_batch(train_dataset, data_collator, args.micro_batch_size)
+    composed = bootstrap.compose(model, args, layout, device, example_inputs=inputs)
+    engine = ParallelEngine(composed, layout, args, device=device, loss_fn=default_loss, num_training_steps=steps,
+                            example_labels=labels)
     pipeline: list[float] = []
     whole: list[float] = []
-    run = trainer.training_step
-
-    def step(inputs: Any, labels: Any) -> float:
+    batches = iter(loader)
+    for number in range(1, steps + 1):
+        try:
+            batch = next(batches)
+        except StopIteration:
+            batches = iter(loader)
+            batch = next(batches)
         start = time.perf_counter()
-        loss = run(inputs, labels)  # returns a Python float: the device finished the step
+        result = engine.step(batch.inputs, batch.labels, step=number)  # a Python float loss: the device finished
         whole.append(time.perf_counter() - start)
-        pipeline.append(trainer.last_pipeline_s)
-        return loss
-
-    trainer.training_step = step
-    trainer.train()
+        pipeline.append(result.pipeline_s)
     return pipeline, whole
