@@ -100,24 +100,48 @@ def _all_forward_params(model: nn.Module, keys: list[str]) -> bool:
     return bool(keys) and all(k in params for k in keys)
 
 
+def _tp_plan(plan: Any) -> Any:
+    """A job's ``tp_plan`` as ``merak_tp.parallelize`` takes it (None: the model's built-in plan)."""
+    if plan in (None, "auto"):
+        return None
+    if isinstance(plan, Mapping):
+        import merak_tp
+
+        return merak_tp.plan_from_mapping(plan)
+    return plan
+
+
 def apply_tensor_parallel(model: nn.Module, layout: ParallelLayout, *, plan: Any = None,
-                          overlap_chunks: int = 1, rng_tracker: Any = None) -> nn.Module:
+                          overlap_chunks: int = 1, rng_tracker: Any = None,
+                          sequence_parallel: bool = False) -> nn.Module:
     """Shard ``model`` over ``layout.tp_group`` (no-op when ``tp == 1``).
 
     ``plan``: None/"auto", a registered plan name, a ``TPPlan`` or a job-file mapping
     (``merak_tp.plan_from_mapping``). ``rng_tracker``: the TP random stream for the plan's
-    regions of sharded dropout (``merak_tp.parallelize``).
+    regions of sharded dropout; ``sequence_parallel``: the plan's sequence-parallel regions
+    (``merak_tp.parallelize``).
     """
     if layout.tp == 1:
         return model
     import merak_tp
 
-    if plan in (None, "auto"):
+    return merak_tp.parallelize(model, _tp_plan(plan), group=layout.tp_group, overlap_chunks=overlap_chunks,
+                                rng_tracker=rng_tracker, sequence_parallel=sequence_parallel)
+
+
+def _trace_leaves(model: nn.Module, layout: ParallelLayout, plan: Any) -> tuple[Any, ...]:
+    """Modules the pipeline tracer keeps opaque: TP's modules, or without TP the plan's ``trace_leaves``
+    (mixture-of-experts blocks, whose data-dependent routing torch.export cannot trace)."""
+    import merak_tp
+
+    if layout.tp > 1:
+        return merak_tp.TP_LEAF_MODULES
+    try:  # without TP the plan shards nothing: one that does not resolve falls back to the built-in one
+        plan = _tp_plan(plan)
+        plan = merak_tp.get_plan(plan) if isinstance(plan, str) else plan
+    except ValueError:
         plan = None
-    elif isinstance(plan, Mapping):
-        plan = merak_tp.plan_from_mapping(plan)
-    return merak_tp.parallelize(model, plan, group=layout.tp_group, overlap_chunks=overlap_chunks,
-                                rng_tracker=rng_tracker)
+    return tuple(merak_tp.trace_leaf_names(model, plan))
 
 
 def build_parallel_model(
@@ -133,6 +157,7 @@ def build_parallel_model(
     split_points: Sequence[str] | None = None,
     rng_tracker: Any = None,
     stage_to_rank: Sequence[int] | None = None,
+    sequence_parallel: bool = False,
 ) -> ParallelModel:
     """Apply TP, partition into ``layout.pp`` stages and keep this rank's stage.
 
@@ -153,7 +178,8 @@ def build_parallel_model(
         example_inputs = tuple(example_inputs[k] for k in keys or ())
     elif isinstance(example_inputs, torch.Tensor):  # one input (e.g. an (inputs, labels) dataset), not a sequence
         example_inputs = (example_inputs,)
-    model = apply_tensor_parallel(model, layout, plan=tp_plan, overlap_chunks=overlap_chunks, rng_tracker=rng_tracker)
+    model = apply_tensor_parallel(model, layout, plan=tp_plan, overlap_chunks=overlap_chunks, rng_tracker=rng_tracker,
+                                  sequence_parallel=sequence_parallel)
     if layout.pp == 1:
         from merak_graph import is_meta_module, materialize
 
@@ -166,11 +192,7 @@ def build_parallel_model(
 
     import merak_graph
 
-    leaves: tuple[type, ...] = ()
-    if layout.tp > 1:
-        import merak_tp
-
-        leaves = merak_tp.TP_LEAF_MODULES
+    leaves = _trace_leaves(model, layout, tp_plan)
     placement = tuple(stage_to_rank) if stage_to_rank is not None else tuple(range(layout.pp))
     _check_placement(placement, layout.pp)
     # Inputs named like forward's parameters are traced by keyword (stage 0 then takes them
