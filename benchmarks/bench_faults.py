@@ -78,7 +78,7 @@ class Trial:
     identical: bool | None = None
     wall_s: float = 0.0
     restarts: int = 0
-    """torchrun restarts of the worker group (its "will restart worker group" lines)."""
+    """Restarts of the worker group by torchrun (attempts that rank 0 began, less one per ``merak train``)."""
     last_output_s: float | None = None
     """Seconds between the job's last output line and its end (a large value on an unfinished trial: stuck)."""
     load: str = ""
@@ -218,7 +218,7 @@ def run_trial(trial: Trial, root: Path, args: argparse.Namespace, reference: dic
             bool((final[k] == reference[k]).all()) and final[k].dtype == reference[k].dtype for k in reference)
     else:
         trial.note = (trial.note + " " + text[-600:].replace("\n", " | ")).strip()
-    trial.restarts = text.count("will restart worker group")
+    trial.restarts = max(0, text.count("parallel layout: rank 0/") - len(codes))
     trial.wall_s = time.monotonic() - start
     trial.load = f"{load_at_start}-{_load()}"
     return trial

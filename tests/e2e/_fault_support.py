@@ -56,6 +56,13 @@ def job_data(size: int = 64) -> TokenDataset:
     return TokenDataset(size, build_model("gpt").config.vocab_size)
 
 
+def job_data_late(size: int = 64) -> TokenDataset:
+    """``job_data``; rank ``MERAK_TEST_LATE_RANK`` first sleeps ``MERAK_TEST_LATE_S`` seconds (a slow start)."""
+    if os.environ.get("RANK") is not None and os.environ.get("RANK") == os.environ.get("MERAK_TEST_LATE_RANK"):
+        time.sleep(float(os.environ.get("MERAK_TEST_LATE_S", "0")))
+    return job_data(size)
+
+
 def job_loss(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """The LM loss; kills this rank once (no marker file yet) at the configured loss call.
 

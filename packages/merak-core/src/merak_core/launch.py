@@ -39,6 +39,36 @@ def resume_target(requested: str | None) -> str | None:
     return None
 
 
+SETUP_TIMEOUT = timedelta(minutes=15)
+"""How long a rank waits for the others to arrive at process-group creation (see [Note: arrival])."""
+
+
+def wait_for_every_rank(timeout: timedelta = SETUP_TIMEOUT) -> bool:
+    """Under torchrun, wait until every rank of this attempt is here; whether there was anything to wait for.
+
+    [Note: arrival] The ranks start together but reach process-group creation at different times
+    (importing torch, the data factory, building the model: seconds apart on a loaded machine or a
+    slow file system). Process-group creation waits for the others only ``comm_timeout_s``, the
+    timeout meant for a step's collectives, so a rank that arrives later than that failed the whole
+    job with ``DistStoreError: wait timeout``, and a restart could fail the same way. The ranks first
+    meet at a counter in torchrun's store under this attempt's prefix, for up to ``timeout`` (a rank
+    that dies meanwhile is torchrun's to notice), and then create the groups together. Only where the
+    agent hosts the store (torchrun's default); elsewhere nothing happens.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if (world_size < 2 or dist.is_initialized() or "MASTER_ADDR" not in os.environ
+            or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"):
+        return False
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
+                          timeout=timeout)
+    prefix = f"merak/arrival/attempt_{attempt}"
+    if store.add(f"{prefix}/count", 1) == world_size:
+        store.set(f"{prefix}/all", "1")
+    store.wait([f"{prefix}/all"], timeout)
+    return True
+
+
 def init_restarted_process_group(timeout: timedelta | None = None) -> None:
     """After a torchrun restart, join the default process group under a key prefix of this attempt.
 
@@ -124,8 +154,9 @@ def _set_up(args: argparse.Namespace, where: dict[str, str]) -> tuple[Any, Any, 
     targs = job.training
     if targs.output_dir:
         where["output_dir"] = targs.output_dir
-    init_restarted_process_group(targs.comm_timeout)
     train_data, eval_data = job.build_datasets()
+    wait_for_every_rank(max(SETUP_TIMEOUT, targs.comm_timeout))  # [Note: arrival]
+    init_restarted_process_group(targs.comm_timeout)
     from merak_core.autoplan import plan_for_job  # layout: auto / the plan check's profile (collective)
 
     targs, plan_context = plan_for_job(targs, job.build_model, train_data, data_collator=job.optional("collate"),
