@@ -360,7 +360,7 @@ def gather_full_state_dict(pm: ParallelModel, *, dst: int = 0) -> dict[str, torc
         if layout.tp > 1 and getattr(p, "_merak_tp_dim", None) is not None:
             import merak_tp
 
-            tensor = merak_tp.gather_tensor(p.detach(), like=p, group=layout.tp_group)
+            tensor = merak_tp.gather_tensor(tensor, like=p, group=layout.tp_group)
         if getattr(p, "_merak_tp_transposed", False):
             tensor = tensor.t()  # stored in Linear layout (e.g. transformers Conv1D): give the original back
         local[name] = tensor.cpu().contiguous()
