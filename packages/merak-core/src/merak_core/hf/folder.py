@@ -67,9 +67,16 @@ class PretrainedFolder:
         return [self.path / name for name in COMPANION_FILES if (self.path / name).is_file()]
 
     @contextmanager
-    def reader(self) -> Iterator[_SliceReader]:
-        """A reader of safetensors slices by tensor name; every file it opened is closed on exit."""
-        reader = _SliceReader(self)
+    def reader(self, *, keep_open: bool = True) -> Iterator[_SliceReader]:
+        """A reader of safetensors slices by tensor name; every file it opened is closed on exit.
+
+        [Note: mapped pages] safetensors memory-maps its file, and the pages a read touches stay
+        resident (counted in the process's RSS) while the file is mapped. With ``keep_open=False``
+        each :meth:`_SliceReader.get_slice` opens the file afresh, so the mapping lives only as long
+        as the returned slice: at most one tensor's pages are mapped at a time (for loading;
+        ``keep_open=True`` is for reading shapes, where only the headers are touched).
+        """
+        reader = _SliceReader(self, keep_open=keep_open)
         try:
             yield reader
         finally:
@@ -77,10 +84,11 @@ class PretrainedFolder:
 
 
 class _SliceReader:
-    """Name -> safetensors ``PySafeSlice``; opens each file on first use (memory-mapped, nothing read yet)."""
+    """Name -> safetensors ``PySafeSlice`` (memory-mapped; nothing is read until it is indexed)."""
 
-    def __init__(self, folder: PretrainedFolder) -> None:
+    def __init__(self, folder: PretrainedFolder, *, keep_open: bool) -> None:
         self._folder = folder
+        self._keep_open = keep_open
         self._handles: dict[str, Any] = {}
 
     def get_slice(self, name: str) -> Any:
@@ -90,7 +98,8 @@ class _SliceReader:
             from safetensors import safe_open
 
             handle = safe_open(str(self._folder.path / file_name), framework="pt")
-            self._handles[file_name] = handle
+            if self._keep_open:
+                self._handles[file_name] = handle
         return handle.get_slice(name)
 
     def close(self) -> None:

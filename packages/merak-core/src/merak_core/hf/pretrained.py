@@ -202,7 +202,7 @@ class PretrainedWeights:
         layout = pm.layout
         read = 0
         seen: set[int] = set()
-        with torch.no_grad(), self.folder.reader() as reader:
+        with torch.no_grad(), self.folder.reader(keep_open=False) as reader:  # [Note: mapped pages]
             for name, p in pm.named_parameters():
                 if id(p) in seen:
                     continue
