@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 
+from merak_pipe import RecomputePlan
 from tests.pipe import _runtime_bodies as bodies
 from tests.support.compare import assert_tensors_close
 from tests.support.dist import run_on_ranks
@@ -75,6 +76,15 @@ def test_tied_embedding_copies_agree(world: int, nccl_rules: bool) -> None:
     assert len(holders) == 2
     assert_tensors_close(holders[0], holders[1], name="wte.weight copies")
     assert_tensors_close(holders[0], bodies.reference(case)[0]["grads"]["wte.weight"], name="wte.weight")
+
+
+@TRANSPORT
+def test_shifted_critical_path_with_a_later_stage_recomputing_more(nccl_rules: bool) -> None:
+    """Stage 1 recomputes everything, stage 0 nothing: the warm-up depths are cut so it runs (it deadlocked)."""
+    case = make_case("shifted-critical-path", 4, "gpt", RecomputePlan((0.0, 1.0, 0.0, 0.0)), seqs=(8,),
+                     num_microbatches=8, nccl_rules=nccl_rules)
+    results = run_on_ranks(4, bodies.train_body, case)
+    assert_matches(results, bodies.reference(case))
 
 
 @TRANSPORT

@@ -136,6 +136,32 @@ def test_shifted_critical_path_keeps_partial_plans_and_zeroes_the_last_stage() -
         build_schedule("shifted-critical-path", num_stages=4, num_microbatches=8, extra_warmup=[1, 2])
 
 
+@settings(max_examples=40, deadline=None)
+@given(fractions=st.lists(st.sampled_from([0.0, 0.5, 1.0]), min_size=2, max_size=8), M=st.integers(1, 16))
+def test_shifted_critical_path_validates_for_any_recompute_plan(fractions: list[float], M: int) -> None:
+    """A later stage recomputing more than an earlier one (e.g. (0, 1, 0, 0)) must not deadlock."""
+    schedule = build_schedule("shifted-critical-path", num_stages=len(fractions), num_microbatches=M,
+                              recompute=RecomputePlan(tuple(fractions)))
+    _check(schedule)
+    validate(schedule, nccl=True)
+    warmups = [next((i for i, a in enumerate(acts) if a.kind is not ActionKind.FORWARD), len(acts))
+               for acts in (schedule.actions[r] for r in range(len(fractions)))]
+    assert all(b <= a for a, b in zip(warmups, warmups[1:], strict=False)), warmups
+
+
+def test_shifted_critical_path_cuts_a_deeper_warmup_after_a_shallower_stage() -> None:
+    schedule = build_schedule("shifted-critical-path", num_stages=4, num_microbatches=8,
+                              recompute=RecomputePlan((0.0, 1.0, 0.0, 0.0)))
+    # Stage 1 recomputes everything but may not warm up deeper than stage 0 (3 forwards) nor run
+    # more than 2 ahead of stage 2: it keeps 1F1B's depth, its R still before each B.
+    assert schedule.options["extra_warmup"] == (0, 0, 0, 0)
+    assert [str(a) for a in schedule.actions[1][:5]] == ["1F0", "1F1", "1F2", "1R0", "1B0"]
+    full = build_schedule("shifted-critical-path", num_stages=4, num_microbatches=8)
+    assert full.options["extra_warmup"] == (3, 2, 1, 0)  # the default plan keeps its deeper warm-up
+    with pytest.raises(ValueError, match="stage 1 would warm up with 7 forwards, more than the 3 of stage 0"):
+        build_schedule("shifted-critical-path", num_stages=4, num_microbatches=8, extra_warmup=[0, 5, 0, 0])
+
+
 def test_recompute_argument_forms() -> None:
     for given_value, expected in [("full", (1.0,) * 3), ("none", (0.0,) * 3), (0.25, (0.25,) * 3)]:
         s = build_schedule("1f1b", num_stages=3, num_microbatches=2, recompute=given_value)

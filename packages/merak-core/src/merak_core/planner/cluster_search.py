@@ -95,14 +95,13 @@ def predict_config(costs: ModelCosts, cluster: ClusterSpec, *, dp: int, tp: int,
                    tp_overlap: bool = False, tp_chunks: int = 2, virtual_stages: int = 2,
                    stage_layers: Sequence[int] | None = None,
                    memo: dict[Any, Any] | None = None) -> ClusterCandidate | None:
-    """Predict one configuration (fitting or not); None when stage-aware recomputation cannot fit, or
-    when the schedule built for the recomputation plan does not validate (logged as a warning).
+    """Predict one configuration (fitting or not); None when stage-aware recomputation cannot fit.
 
     ``memo`` (a dict kept across calls on the same costs and cluster) reuses built schedules and
     simulations; with it, schedules are not re-validated. ``virtual_stages`` applies to
     ``interleaved_1f1b`` only (pp * virtual_stages stages, stage s on pipeline rank s % pp).
     """
-    from merak_pipe import CostModel, RecomputePlan, ScheduleError, build_schedule, simulate, stage_aware_plan
+    from merak_pipe import CostModel, RecomputePlan, build_schedule, simulate, stage_aware_plan
 
     if schedule not in PREDICTABLE_SCHEDULES:
         raise ValueError(f"schedule {schedule!r} is not one of {PREDICTABLE_SCHEDULES}")
@@ -150,15 +149,8 @@ def predict_config(costs: ModelCosts, cluster: ClusterSpec, *, dp: int, tp: int,
     sim_key = ("sim", name, num_stages, pp, m, plan, tuple(st.forward_s), tuple(st.backward_s), tuple(st.input_bytes),
                st.p2p_latency_s, st.p2p_bandwidth, tuple(sum(a) for a in st.activation_bytes))
     if sim_key not in memo:
-        try:
-            memo[sim_key] = simulate(schedule_of(plan), sim_costs)
-        except ScheduleError as exc:  # a generator bug for this plan: skip the configuration, say so
-            logger.warning("%s with pp=%d, m=%d and recompute fractions %s does not validate, skipped: %s",
-                           name, pp, m, plan.fractions, str(exc).splitlines()[0])
-            memo[sim_key] = None
+        memo[sim_key] = simulate(schedule_of(plan), sim_costs)
     result = memo[sim_key]
-    if result is None:
-        return None
     placement = list(result.schedule.stage_to_rank)
     dp_s, opt_s = step_overhead_s(costs, cluster, st, bounds=bounds, dp=dp, tp=tp, zero_stage=zero_stage,
                                   stage_to_rank=placement)

@@ -1,6 +1,6 @@
 """Merak's shifted-critical-path schedule: 1F1B with recomputation moved off the critical path.
 
-Starting from 1F1B with activation checkpointing (Lai et al., 2022, and DESIGN.md):
+Starting from 1F1B with activation checkpointing (Lai et al., 2022):
 
 (a) the last stage runs each backward right after its forward, so it keeps its activations and
     never recomputes (its recompute fraction is forced to 0);
@@ -15,6 +15,18 @@ Starting from 1F1B with activation checkpointing (Lai et al., 2022, and DESIGN.m
 
 Stages with a fraction strictly between 0 and 1 keep 1F1B's warm-up by default (their kept
 activations grow with the warm-up depth).
+
+[Note: warm-up depths] Stage i's warm-up (its forwards before its first backward) needs that
+many forwards from stage i - 1, which runs only its own warm-up (plus one steady-state forward)
+before it waits for its first gradient: a stage never warms up deeper than the stage before it,
+or the two deadlock. Under NCCL's rules (one in-order stream per rank, a send completing with its
+receive) a middle stage that runs far ahead of the next one can also block the gradient its
+predecessor waits for. So the default depths are cut to the family that validates for every plan
+(checked for every plan of up to 7 stages, see the tests): each stage at least 1 and at most 2
+forwards deeper than the next, as in 1F1B (1) and full recomputation (2). A plan where a later
+stage recomputes everything and an earlier one does not (``(0, 1, 0, 0)``) thus gives the later
+stage less extra warm-up. An explicit ``extra_warmup`` is kept as given, except that a stage
+deeper than the one before it is refused.
 """
 
 from __future__ import annotations
@@ -47,6 +59,33 @@ def _extras(num_stages: int, plan: RecomputePlan, extra_warmup: int | Sequence[i
     return values
 
 
+def _default_depths(num_stages: int, extras: list[int]) -> list[int]:
+    """Warm-up depths (before the cap at M) cut to the family of [Note: warm-up depths]."""
+    S = num_stages
+    depths = [S - 1 - stage + extras[stage] for stage in range(S)]
+    for stage in range(1, S):
+        depths[stage] = min(depths[stage], depths[stage - 1] - 1)
+    for stage in range(S - 2, -1, -1):
+        depths[stage] = min(depths[stage], depths[stage + 1] + 2)
+    return depths
+
+
+def _checked_depths(num_stages: int, num_microbatches: int, extras: list[int]) -> list[int]:
+    """Explicit extra warm-ups as depths; refuses a stage deeper than the one before it."""
+    S, M = num_stages, num_microbatches
+    depths = [S - 1 - stage + extras[stage] for stage in range(S)]
+    for stage in range(1, S):
+        here, before = min(depths[stage], M), min(depths[stage - 1], M)
+        if here > before:
+            raise ValueError(
+                f"extra_warmup={extras}: stage {stage} would warm up with {here} forwards, more than the "
+                f"{before} of stage {stage - 1}, which cannot feed them before it waits for its first "
+                f"gradient (a deadlock, see [Note: warm-up depths]); give stage {stage} at most "
+                f"{depths[stage - 1] - (S - 1 - stage)} extra warm-up forwards"
+            )
+    return depths
+
+
 def shifted_critical_path(
     *,
     num_stages: int,
@@ -67,11 +106,13 @@ def shifted_critical_path(
     if recompute[S - 1] != 0.0:
         logger.debug("shifted-critical-path: last stage recompute fraction %s set to 0", recompute[S - 1])
         recompute = RecomputePlan((*recompute.fractions[:-1], 0.0))
-    extras = _extras(S, recompute, extra_warmup)
+    requested = _extras(S, recompute, extra_warmup)
+    depths = _default_depths(S, requested) if extra_warmup is None else _checked_depths(S, M, requested)
+    extras = [d - (S - 1 - stage) for stage, d in enumerate(depths)]
     actions: dict[int, list[Action]] = {}
     for stage in range(S):
         uses_r = recompute[stage] > 0.0
-        warmup = min(S - 1 - stage + extras[stage], M)
+        warmup = min(depths[stage], M)
         ops = [Action(stage, F, m) for m in range(warmup)]
         for k in range(M):
             if warmup + k < M:
