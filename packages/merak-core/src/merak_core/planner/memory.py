@@ -199,6 +199,8 @@ class SavedActivationMeter:
             raise ValueError("SavedActivationMeter needs at least one stage module")
         self.stage_modules = dict(stage_modules)
         self._param_keys = {_storage_key(p) for m in self.stage_modules.values() for p in m.parameters()}
+        self._unit_param_keys: set[int] = set()
+        """The running unit's parameters as registered now: under ZeRO-2/3 (FSDP2) the gathered ones."""
         self._current = min(self.stage_modules)
         self._counts: dict[int, dict[int, list[int]]] = {s: {} for s in self.stage_modules}  # key -> [refs, bytes]
         self.live = dict.fromkeys(self.stage_modules, 0)
@@ -207,13 +209,17 @@ class SavedActivationMeter:
         self._handles: list[Any] = []
 
     def _enter_stage(self, stage: int) -> Any:
-        def hook(_module: nn.Module, _args: Any) -> None:
+        def hook(module: nn.Module, _args: Any) -> None:
             self._current = stage
+            # Runs after FSDP2's pre-forward hook (registered earlier), which swapped in the gathered
+            # parameters: autograd saving them is not an activation either.
+            self._unit_param_keys = {_storage_key(p) for p in module.parameters()}
         return hook
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         key = _storage_key(tensor)
-        if key in self._param_keys or tensor.device.type == "meta":
+        if (key in self._param_keys or key in self._unit_param_keys or tensor.device.type == "meta"
+                or isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter)):
             return tensor
         stage = self._current
         entry = self._counts[stage].get(key)
@@ -225,7 +231,10 @@ class SavedActivationMeter:
             self.rank_peak = max(self.rank_peak, sum(self.live.values()))
         else:
             entry[0] += 1
-        return _Saved(self, stage, key, tensor)
+        # Held detached: a saved output that kept its grad_fn would close a cycle through autograd's
+        # graph (node -> saved value -> tensor -> node) that Python's GC cannot see, and a graph kept
+        # for a split backward (retain_graph) would then never be freed.
+        return _Saved(self, stage, key, tensor.detach())
 
     @staticmethod
     def _unpack(packed: Any) -> torch.Tensor:

@@ -70,7 +70,7 @@ def pipeline_step_fn(stage_modules: Mapping[int, nn.Module], schedule: Any, *, l
             chunks = zip(_split(inputs, schedule.num_microbatches), _split(labels, schedule.num_microbatches),
                          strict=True)
             for x, y in chunks:
-                out = module(*x) if isinstance(x, tuple) else module(x)
+                out = module(*x) if isinstance(x, tuple) else module(**x) if isinstance(x, dict) else module(x)
                 (loss_fn(out, y) / schedule.num_microbatches).backward()
         return single
     stages = [PipelineStage(m, stage_index=s, num_stages=schedule.num_stages, group=group, device=device)
@@ -86,6 +86,9 @@ def _split(value: Any, parts: int) -> list[Any]:
     if isinstance(value, tuple):
         columns = [_split(v, parts) for v in value]
         return [tuple(c[i] for c in columns) for i in range(parts)]
+    if isinstance(value, Mapping):
+        split = {k: _split(v, parts) for k, v in value.items()}
+        return [{k: v[i] for k, v in split.items()} for i in range(parts)]
     raise TypeError(f"cannot split a batch of type {type(value).__name__} into microbatches")
 
 

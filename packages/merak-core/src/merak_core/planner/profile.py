@@ -266,8 +266,9 @@ def profile_model(
     from hooks on ``layers`` (default: the model's longest ``nn.ModuleList``), kept bytes from
     saved-tensor hooks (parameters excluded, each storage once; before the first layer: the first
     layer's, after the last one: the last layer's, plus one tensor the size of the output for the
-    loss). A one-sample run splits the step time into a fixed
-    per-microbatch overhead and a per-sample part (the layer times are scaled to the latter); time and memory outside the layers go to the first layer. Backward time
+    loss). Forward time outside the layers goes to the first layer, except what runs after the last
+    one (final norm, head: the last layer's). A one-sample run splits the step time into a fixed
+    per-microbatch overhead and a per-sample part (the layer times are scaled to the latter). Backward time
     is measured for the whole model and spread over layers in proportion to forward time.
     With ``cache_dir`` the profile is read from / written to ``<fingerprint>-<device>.json``.
     """
@@ -367,9 +368,11 @@ def _measure(model: nn.Module, sample: torch.Tensor | Mapping[str, torch.Tensor]
             starts[i] = _now(dev)
 
         def post(_m: nn.Module, _a: Any, out: Any, i: int = i) -> None:
-            fwd[i] += _now(dev) - starts[i]
+            now = _now(dev)
+            fwd[i] += now - starts[i]
             current[0] = -1
             after[0] = i == n - 1
+            last_end[0] = now
             if isinstance(out, torch.Tensor):
                 out_bytes[0] = float(out.numel() * out.element_size())
 
@@ -380,6 +383,8 @@ def _measure(model: nn.Module, sample: torch.Tensor | Mapping[str, torch.Tensor]
             handles.append(m.register_forward_pre_hook(outside_module))
     total_f = total_b = 0.0
     fwd_sum = [0.0] * n
+    last_end = [0.0]
+    tail_f = 0.0  # forward seconds after the last layer (final norm, head)
     try:
         for rep in range(repeats + 1):  # the first run warms up
             fwd[:] = [0.0] * n
@@ -403,11 +408,15 @@ def _measure(model: nn.Module, sample: torch.Tensor | Mapping[str, torch.Tensor]
                 total_f += (t1 - t0) / repeats
                 total_b += (t2 - t1) / repeats
                 fwd_sum = [a + f / repeats for a, f in zip(fwd_sum, fwd, strict=True)]
+                tail_f += max(t1 - last_end[0], 0.0) / repeats
     finally:
         for h in handles:
             h.remove()
     per_layer_f = list(fwd_sum)
-    per_layer_f[0] += max(total_f - sum(per_layer_f), 0.0)  # embedding, head and loss: first layer
+    # Outside the layers: the head after the last layer is the last layer's, the rest (embedding) the first's.
+    tail_f = min(tail_f, max(total_f - sum(per_layer_f), 0.0))
+    per_layer_f[-1] += tail_f
+    per_layer_f[0] += max(total_f - sum(per_layer_f), 0.0)
     per_layer_b = [total_b * f / max(sum(per_layer_f), 1e-12) for f in per_layer_f]
     act[0] += outside_act[0]
     act[-1] += outside_act[1]
