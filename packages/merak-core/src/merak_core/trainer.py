@@ -35,6 +35,8 @@ import torch.distributed as dist
 from torch import nn
 
 from merak_core import bootstrap
+from merak_core.checkpoint import CheckpointManager
+from merak_core.checkpoint.parts import CheckpointParts, TrainState
 from merak_core.compose import ParallelModel, gather_full_state_dict
 from merak_core.config import TrainingArguments
 from merak_core.data import StageAwareDataLoader
@@ -128,7 +130,7 @@ class Trainer:
         self.engine = ParallelEngine(composed, self.layout, args, device=self.device, loss_fn=self.loss_fn,
                                      num_training_steps=self.num_training_steps(), example_labels=example_labels,
                                      optimizer_factory=optimizer_factory)
-        self.global_step = 0
+        self.train_state = TrainState()
         self.skipped_steps = 0
         self.last_step_skipped = False
         self.stop_agreed = False
@@ -136,13 +138,12 @@ class Trainer:
         self._stop = StopRequest()
         self.history: list[dict[str, float]] = []
         self.last_eval: dict[str, float] = {}
-        # A merak_tp.RNGTracker the model forks for dropout on TP-sharded activations, if any:
-        # checkpoints save and restore its states per rank (see merak_core.checkpoint.state).
-        self.rng_tracker: Any = None
         self.metrics = MetricsWriter(args.output_dir, enabled=dist.get_rank() == 0)
-        from merak_core.checkpoint import CheckpointManager
-
-        self.checkpoints = CheckpointManager(self)
+        e = self.engine
+        self.checkpoint_parts = CheckpointParts(
+            args=args, layout=self.layout, device=self.device, model=e.model, optimizer=e.optimizer,
+            lr_scheduler=e.lr_scheduler, train_loader=self.train_loader, train=self.train_state)
+        self.checkpoints = CheckpointManager(self.checkpoint_parts)
         from merak_core.planner.check import PlanCheck
 
         self.plan_context = plan_context
@@ -192,6 +193,25 @@ class Trainer:
     def last_grad_norm(self) -> float | None:
         """The last step's gradient norm before clipping (None when ``max_grad_norm`` is 0)."""
         return self.engine.last_grad_norm
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps done (the train state a checkpoint carries)."""
+        return self.train_state.global_step
+
+    @global_step.setter
+    def global_step(self, value: int) -> None:
+        self.train_state.global_step = value
+
+    @property
+    def rng_tracker(self) -> Any:
+        """A ``merak_tp.RNGTracker`` the model forks for dropout on TP-sharded activations, if any:
+        checkpoints save and restore its states per rank (see :mod:`merak_core.checkpoint.state`)."""
+        return self.checkpoint_parts.rng_tracker
+
+    @rng_tracker.setter
+    def rng_tracker(self, tracker: Any) -> None:
+        self.checkpoint_parts.rng_tracker = tracker
 
     # ------------------------------------------------------------------ sizes
 

@@ -26,15 +26,15 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from merak_core.checkpoint.files import (
     CheckpointCorruptError,
     CheckpointError,
-    _dcp_metadata,
-    _describe_failure,
-    _is_corruption,
+    dcp_metadata,
+    describe_failure,
+    is_corruption,
     latest_candidates,
     pointer_root,
     read_checkpoint_meta,
 )
 from merak_core.checkpoint.integrity import VerifyingReader, check_manifest
-from merak_core.checkpoint.specs import _Spec, _specs
+from merak_core.checkpoint.specs import TensorSpec, tensor_specs
 from merak_core.compose import gather_full_state_dict
 from merak_core.fsdp import copy_into_shard_
 
@@ -68,7 +68,7 @@ def _open_source(source: Mapping[str, torch.Tensor] | str | os.PathLike[str]) ->
     return loaded.__getitem__, list(loaded)
 
 
-def _read_shard(entry: Any, spec: _Spec) -> torch.Tensor:
+def _read_shard(entry: Any, spec: TensorSpec) -> torch.Tensor:
     """This rank's shard from a full tensor or a safetensors slice, reading only that part when possible."""
     if isinstance(entry, torch.Tensor):
         return spec.slice_full(entry)
@@ -114,7 +114,7 @@ def load_full_state_dict(trainer: Trainer, source: Mapping[str, torch.Tensor] | 
             "model's parameter names (pass strict=False to load the matching ones)"
         )
     with torch.no_grad():
-        for name, (p, spec) in _specs(trainer).items():
+        for name, (p, spec) in tensor_specs(trainer.checkpoint_parts).items():
             if name not in available:
                 continue
             entry = getter(name)
@@ -153,7 +153,7 @@ def read_checkpoint_model(path: str | os.PathLike[str]) -> dict[str, torch.Tenso
 def _read_model(directory: Path) -> dict[str, torch.Tensor]:
     meta = read_checkpoint_meta(directory)
     manifest = check_manifest(directory, meta)
-    available = _dcp_metadata(directory)
+    available = dcp_metadata(directory)
     request: dict[str, Any] = {}
     for key, md in available.items():
         if key.startswith("model/") and isinstance(md, TensorStorageMetadata):
@@ -166,9 +166,9 @@ def _read_model(directory: Path) -> dict[str, torch.Tensor]:
             dcp.load(request, storage_reader=VerifyingReader(str(directory), manifest, meta.get("step")),
                      no_dist=True)
     except (Exception, dcp.CheckpointException) as exc:
-        kind = CheckpointCorruptError if _is_corruption(exc) else CheckpointError
+        kind = CheckpointCorruptError if is_corruption(exc) else CheckpointError
         raise kind(
-            f"checkpoint {str(directory)!r} is corrupt or unreadable: {_describe_failure(exc)}"
+            f"checkpoint {str(directory)!r} is corrupt or unreadable: {describe_failure(exc)}"
         ) from exc
     return {key[len("model/"):]: value for key, value in sorted(request.items())}
 

@@ -13,11 +13,11 @@ on the layout that wrote it, so any layout can read it:
 - ``model/<logical name>``: the full logical parameter (see [Note: logical names]
   in compose.py), in the user's unsharded model's shape and orientation. A
   TP-sharded parameter is saved as a ``DTensor`` on the 1-D TP mesh with
-  ``Shard(_merak_tp_dim)``, so each TP rank writes only its block and DCP records
+  ``Shard(dim)`` (the dim of its ``merak_tp.ShardSpec``), so each TP rank writes only its block and DCP records
   the chunk offsets; replicated parameters are plain tensors. DP replicas and the
   copies of a parameter tied across stages write the same chunks, which DCP's
   planner deduplicates, so each chunk is stored once. A fused parameter
-  (``_merak_tp_sections > 1``: its shard is several blocks of the full tensor) is
+  (``ShardSpec.num_sections > 1``: its shard is several blocks of the full tensor) is
   gathered over TP and saved whole.
 - ``optim/<logical name>/<state key>``: optimizer state (AdamW ``exp_avg``,
   ``exp_avg_sq``, ``step``). States shaped like the parameter are sharded like it;
@@ -52,8 +52,10 @@ Every collective here runs on groups created with a timeout (the default group,
 the layout's groups); barriers use ``monitored_barrier`` on gloo, which names the
 rank that did not arrive.
 
-Not done here: asynchronous saving, and checkpoints of models other than through
-a :class:`~merak_core.trainer.Trainer`.
+The manager is handed the parts of a run explicitly (:class:`CheckpointParts`: arguments, layout,
+model, optimizer, learning-rate schedule, data position, train state), never the loop that owns them.
+
+Not done here: asynchronous saving.
 """
 
 from merak_core.checkpoint.files import (
@@ -62,17 +64,21 @@ from merak_core.checkpoint.files import (
     META_FILE,
     CheckpointCorruptError,
     CheckpointError,
+    dcp_metadata,
+    describe_failure,
+    is_corruption,
     latest_candidates,
     pointer_root,
     read_checkpoint_meta,
 )
-from merak_core.checkpoint.files import _dcp_metadata as _dcp_metadata
-from merak_core.checkpoint.files import _describe_failure as _describe_failure
 from merak_core.checkpoint.manager import CheckpointManager, NonFiniteCheckpointError
-from merak_core.checkpoint.specs import _Spec as _Spec
-from merak_core.checkpoint.specs import _specs as _specs
+from merak_core.checkpoint.parts import CheckpointParts, TrainState
+from merak_core.checkpoint.specs import TensorSpec, tensor_specs
+
+_Spec = TensorSpec  # the earlier private name
 
 __all__ = [
     "FORMAT", "LATEST_FILE", "META_FILE", "CheckpointCorruptError", "CheckpointError", "CheckpointManager",
-    "NonFiniteCheckpointError", "latest_candidates", "pointer_root", "read_checkpoint_meta",
+    "CheckpointParts", "NonFiniteCheckpointError", "TensorSpec", "TrainState", "dcp_metadata", "describe_failure",
+    "is_corruption", "latest_candidates", "pointer_root", "read_checkpoint_meta", "tensor_specs",
 ]

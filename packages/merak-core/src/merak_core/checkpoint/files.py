@@ -140,7 +140,7 @@ def read_checkpoint_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
     return meta
 
 
-def _dcp_metadata(directory: Path) -> dict[str, Any]:
+def dcp_metadata(directory: Path) -> dict[str, Any]:
     try:
         return dict(dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata)
     except Exception as exc:  # noqa: BLE001 - any unreadable metadata is a corrupt checkpoint
@@ -148,7 +148,7 @@ def _dcp_metadata(directory: Path) -> dict[str, Any]:
             f"checkpoint {str(directory)!r} is corrupt: cannot read DCP metadata: {exc}") from exc
 
 
-def _describe_failure(exc: BaseException) -> str:
+def describe_failure(exc: BaseException) -> str:
     """A short text for an exception of a DCP call (``CheckpointException`` lists every failing rank)."""
     failures = getattr(exc, "failures", None)
     if isinstance(exc, dcp.CheckpointException) and isinstance(failures, dict):
@@ -160,7 +160,7 @@ def _describe_failure(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _is_corruption(exc: BaseException) -> bool:
+def is_corruption(exc: BaseException) -> bool:
     """True when a DCP failure (on any rank) is a :class:`CheckpointCorruptError` raised while reading files."""
     if isinstance(exc, CheckpointCorruptError):
         return True

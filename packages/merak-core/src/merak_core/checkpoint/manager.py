@@ -1,4 +1,4 @@
-"""CheckpointManager: save and load a Trainer's whole state with DCP, any layout to any layout.
+"""CheckpointManager: save and load a run's whole state (:class:`CheckpointParts`) with DCP, any layout to any layout.
 
 See the package docstring (``merak_core.checkpoint``) for the keys, the atomic
 commit, the manifest and the ``latest`` pointer.
@@ -33,11 +33,11 @@ from merak_core.checkpoint.files import (
     CheckpointError,
     _atomic_write,
     _check_fingerprint,
-    _dcp_metadata,
-    _describe_failure,
     _fsync_dir,
-    _is_corruption,
     _step_dirs,
+    dcp_metadata,
+    describe_failure,
+    is_corruption,
     latest_candidates,
     pointer_root,
     read_checkpoint_meta,
@@ -50,12 +50,12 @@ from merak_core.checkpoint.integrity import (
     nonfinite_count,
     nonfinite_names,
 )
-from merak_core.checkpoint.specs import _from_loaded, _load_target, _Spec, _specs, _to_checkpoint
+from merak_core.checkpoint.specs import TensorSpec, _from_loaded, _load_target, _to_checkpoint, tensor_specs
 from merak_core.checkpoint.state import _inner_optimizer, restore_train_state, rng_state, set_rng_state
 from merak_core.fsdp import copy_into_shard_, local_tensor, shard_like
 
 if TYPE_CHECKING:
-    from merak_core.trainer import Trainer
+    from merak_core.checkpoint.parts import CheckpointParts
 
 logger = logging.getLogger(__name__)
 
@@ -83,20 +83,20 @@ def _warn_rank0(message: str, *args: Any) -> None:
 
 
 class CheckpointManager:
-    """Save and load a :class:`~merak_core.trainer.Trainer`'s whole state (see the package docstring).
+    """Save and load the explicit state of a run, :class:`CheckpointParts` (see the package docstring).
 
     Collective: every rank calls ``save``/``load`` at the same point. Checkpoints go to
     ``args.output_dir/checkpoints``; ``save_total_limit`` bounds how many are kept.
     """
 
-    def __init__(self, trainer: Trainer) -> None:
-        self.trainer = trainer
+    def __init__(self, parts: CheckpointParts) -> None:
+        self.parts = parts
         self._fingerprint: dict[str, tuple[int, ...]] | None = None
 
     @property
     def root(self) -> Path:
         """The directory holding ``step_<N>`` checkpoints and the ``latest`` pointer."""
-        return Path(self.trainer.args.output_dir) / "checkpoints"
+        return Path(self.parts.args.output_dir) / "checkpoints"
 
     def checkpoints(self) -> list[Path]:
         """Committed checkpoint directories, oldest first."""
@@ -114,7 +114,7 @@ class CheckpointManager:
     def fingerprint(self) -> dict[str, tuple[int, ...]]:
         """Every logical parameter name with its full shape, over all stages (collective once, then cached)."""
         if self._fingerprint is None:
-            local = {name: spec.full_shape for name, (_, spec) in _specs(self.trainer).items()}
+            local = {name: spec.full_shape for name, (_, spec) in tensor_specs(self.parts).items()}
             gathered: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, local)
             merged: dict[str, tuple[int, ...]] = {}
@@ -131,8 +131,8 @@ class CheckpointManager:
         Raises :class:`NonFiniteCheckpointError` on every rank, before anything is written,
         when a parameter or optimizer state holds NaN or inf (see [Note: finite checkpoints]).
         """
-        trainer = self.trainer
-        step = trainer.global_step
+        parts = self.parts
+        step = parts.train.global_step
         fingerprint = self.fingerprint()
         self._check_finite(step)
         final = self.root / f"step_{step}"
@@ -150,7 +150,7 @@ class CheckpointManager:
             dcp.save(state, storage_writer=writer)
         except (Exception, dcp.CheckpointException) as exc:
             raise RuntimeError(f"rank {rank}: writing checkpoint {str(tmp)!r} failed (the previous checkpoint "
-                               f"is untouched): {_describe_failure(exc)}") from exc
+                               f"is untouched): {describe_failure(exc)}") from exc
         _barrier("checkpoint written")
         written: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(written, writer.written)
@@ -159,11 +159,11 @@ class CheckpointManager:
             for part in written:
                 files.update(part)
             files[".metadata"] = file_checksum(tmp / ".metadata")
-            layout = trainer.layout
+            layout = parts.layout
             meta = {
                 "format": FORMAT, "step": step, "time": time.time(), "torch": torch.__version__,
                 "layout": {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "world_size": layout.world_size},
-                "zero_stage": trainer.args.zero_stage, "training_arguments": trainer.args.to_dict(),
+                "zero_stage": parts.args.zero_stage, "training_arguments": parts.args.to_dict(),
                 "fingerprint": {name: list(shape) for name, shape in fingerprint.items()},
                 "files": dict(sorted(files.items())),
             }
@@ -176,11 +176,11 @@ class CheckpointManager:
 
     def _local_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """(name, tensor) for this rank's parameters and optimizer states."""
-        specs = _specs(self.trainer)
+        specs = tensor_specs(self.parts)
         out: list[tuple[str, torch.Tensor]] = [(f"parameter {name}", local_tensor(p.detach()))
                                                for name, (p, _) in specs.items()]
         names = {id(p): name for name, (p, _) in specs.items()}
-        inner = _inner_optimizer(self.trainer.optimizer)
+        inner = _inner_optimizer(self.parts.optimizer)
         for p, values in inner.state.items():
             for key, value in values.items():
                 if isinstance(value, torch.Tensor):
@@ -190,7 +190,7 @@ class CheckpointManager:
     def _check_finite(self, step: int) -> None:
         """Refuse to save NaN/inf (see [Note: finite checkpoints]); one all-reduce of one number."""
         tensors = self._local_tensors()
-        count = nonfinite_count([t for _, t in tensors], self.trainer.device)
+        count = nonfinite_count([t for _, t in tensors], self.parts.device)
         dist.all_reduce(count)
         if float(count.item()) == 0:
             return
@@ -221,7 +221,7 @@ class CheckpointManager:
             shutil.rmtree(old)
 
     def _prune(self) -> None:
-        limit = self.trainer.args.save_total_limit
+        limit = self.parts.args.save_total_limit
         if not limit:
             return
         dirs = self.checkpoints()
@@ -230,14 +230,14 @@ class CheckpointManager:
             shutil.rmtree(path, ignore_errors=True)
 
     def _state_dict_to_save(self) -> dict[str, Any]:
-        trainer = self.trainer
+        parts = self.parts
         state: dict[str, Any] = {}
-        specs = _specs(trainer)
+        specs = tensor_specs(parts)
         for name, (p, spec) in specs.items():
-            value = _to_checkpoint(trainer, p, spec, p)
+            value = _to_checkpoint(parts, p, spec, p)
             if value is not None:
                 state[f"model/{name}"] = value
-        inner = _inner_optimizer(trainer.optimizer)
+        inner = _inner_optimizer(parts.optimizer)
         for p, name in _named_optimizer_params(inner, specs):
             spec = specs[name][1]
             for key, value in sorted(inner.state.get(p, {}).items()):
@@ -245,19 +245,19 @@ class CheckpointManager:
                     state[f"optim/{name}/{key}"] = pickle.dumps(value)
                     continue
                 if value.shape == p.shape and value.ndim > 0:
-                    out = _to_checkpoint(trainer, value, spec, p)
+                    out = _to_checkpoint(parts, value, spec, p)
                 else:
                     out = value.detach().clone()
                 if out is not None:
                     state[f"optim/{name}/{key}"] = out
         if dist.get_rank() == 0:
-            groups = [{k: v for k, v in g.items() if k != "params"} for g in trainer.optimizer.param_groups]
+            groups = [{k: v for k, v in g.items() if k != "params"} for g in parts.optimizer.param_groups]
             train_state = {
-                "step": trainer.global_step, "scheduler": trainer.lr_scheduler.state_dict(), "param_groups": groups,
-                "data": trainer.train_loader.state_dict() if trainer.train_loader is not None else None,
+                "step": parts.train.global_step, "scheduler": parts.lr_scheduler.state_dict(), "param_groups": groups,
+                "data": parts.train_loader.state_dict() if parts.train_loader is not None else None,
             }
             state["train_state"] = pickle.dumps(train_state)
-        state[f"rng/rank_{dist.get_rank()}"] = rng_state(trainer)
+        state[f"rng/rank_{dist.get_rank()}"] = rng_state(parts)
         return state
 
     # ------------------------------------------------------------------ load
@@ -302,7 +302,7 @@ class CheckpointManager:
         """
         if self.resolve(path) is None:
             logger.info("resume=auto: no checkpoint under %s, starting from scratch", self.root)
-            return self.trainer.global_step
+            return self.parts.train.global_step
         candidates, is_latest = self._candidates(path)
         skipped: list[str] = []
         for directory in candidates:
@@ -320,9 +320,9 @@ class CheckpointManager:
         meta = read_checkpoint_meta(directory)
         manifest = check_manifest(directory, meta)
         _check_fingerprint(directory, meta.get("fingerprint", {}), self.fingerprint())
-        available = _dcp_metadata(directory)
-        trainer = self.trainer
-        layout = trainer.layout
+        available = dcp_metadata(directory)
+        parts = self.parts
+        layout = parts.layout
         saved_layout = meta.get("layout", {})
         same_layout = (saved_layout.get("dp"), saved_layout.get("tp"), saved_layout.get("pp")) == (
             layout.dp, layout.tp, layout.pp)
@@ -336,38 +336,38 @@ class CheckpointManager:
         try:
             dcp.load(request, storage_reader=VerifyingReader(str(directory), manifest, meta.get("step")))
         except (Exception, dcp.CheckpointException) as exc:
-            kind = CheckpointCorruptError if _is_corruption(exc) else CheckpointError
+            kind = CheckpointCorruptError if is_corruption(exc) else CheckpointError
             raise kind(
                 f"rank {dist.get_rank()}: checkpoint {str(directory)!r} is corrupt or unreadable: "
-                f"{_describe_failure(exc)}"
+                f"{describe_failure(exc)}"
             ) from exc
         train_state = pickle.loads(request["train_state"])  # noqa: S301 - our own checkpoint
         # Checks first: fails before any tensor is copied.
-        restore_train_state(trainer, directory, train_state, meta.get("training_arguments", {}))
+        restore_train_state(parts, directory, train_state, meta.get("training_arguments", {}))
         self._copy_loaded(receivers, owned, optim_keys, request)
         if rng_key in request:
-            set_rng_state(request[rng_key], trainer)
+            set_rng_state(request[rng_key], parts)
         else:
             logger.info("checkpoint layout %s differs from dp=%d tp=%d pp=%d: RNG states not restored",
                         saved_layout, layout.dp, layout.tp, layout.pp)
         _barrier("checkpoint loaded")
         step = int(train_state["step"])
-        trainer.global_step = step
+        parts.train.global_step = step
         logger.info("loaded checkpoint %s (step %d, saved under %s)", directory, step, saved_layout)
         return step
 
     def _load_request(self, available: dict[str, Any]) -> tuple[
-            dict[str, Any], dict[str, tuple[torch.Tensor, _Spec]], list[tuple[nn.Parameter, str]], dict[str, list[str]]]:
+            dict[str, Any], dict[str, tuple[torch.Tensor, TensorSpec]], list[tuple[nn.Parameter, str]], dict[str, list[str]]]:
         """What to ask DCP for: (request, receiving buffers with their specs, owned params, state keys by name)."""
-        trainer = self.trainer
-        specs = _specs(trainer)
+        parts = self.parts
+        specs = tensor_specs(parts)
         request: dict[str, Any] = {}
-        receivers: dict[str, tuple[torch.Tensor, _Spec]] = {}
+        receivers: dict[str, tuple[torch.Tensor, TensorSpec]] = {}
         for name, (p, spec) in specs.items():
             key = f"model/{name}"
-            target, buf = _load_target(trainer, spec, p, p.dtype)
+            target, buf = _load_target(parts, spec, p, p.dtype)
             request[key], receivers[key] = target, (buf, spec)
-        inner = _inner_optimizer(trainer.optimizer)
+        inner = _inner_optimizer(parts.optimizer)
         optim_keys: dict[str, list[str]] = {}
         for key in available:
             if key.startswith("optim/"):
@@ -385,20 +385,20 @@ class CheckpointManager:
                     continue
                 dtype = md.properties.dtype
                 if tuple(md.size) == param_spec.full_shape and len(md.size) > 0:
-                    target, buf = _load_target(trainer, param_spec, p, dtype)
+                    target, buf = _load_target(parts, param_spec, p, dtype)
                     request[key], receivers[key] = target, (buf, param_spec)
                 else:  # e.g. AdamW's 0-d step: a plain tensor, stored as it is
                     buf = torch.empty(tuple(md.size), dtype=dtype, device="cpu")
-                    request[key], receivers[key] = buf, (buf, _Spec.plain(buf))
+                    request[key], receivers[key] = buf, (buf, TensorSpec.plain(buf))
         return request, receivers, owned, optim_keys
 
-    def _copy_loaded(self, receivers: dict[str, tuple[torch.Tensor, _Spec]], owned: list[tuple[nn.Parameter, str]],
+    def _copy_loaded(self, receivers: dict[str, tuple[torch.Tensor, TensorSpec]], owned: list[tuple[nn.Parameter, str]],
                      optim_keys: dict[str, list[str]], request: dict[str, Any]) -> None:
-        trainer = self.trainer
-        inner = _inner_optimizer(trainer.optimizer)
+        parts = self.parts
+        inner = _inner_optimizer(parts.optimizer)
         group_of = {id(q): group for group in inner.param_groups for q in group["params"]}
         with torch.no_grad():
-            for name, (p, _) in _specs(trainer).items():
+            for name, (p, _) in tensor_specs(parts).items():
                 buf, spec = receivers[f"model/{name}"]
                 copy_into_shard_(p, _from_loaded(spec, buf))  # ZeRO-2/3: this DP rank's part
             for p, name in owned:

@@ -19,20 +19,21 @@ from torch import nn
 from merak_core.fsdp import full_local_tensor
 
 if TYPE_CHECKING:
-    from merak_core.trainer import Trainer
+    from merak_core.checkpoint.parts import CheckpointParts
 
 
-class _Spec:
+class TensorSpec:
     """How one local parameter relates to its full logical tensor (see [Note: checkpoint keys])."""
 
     def __init__(self, param: torch.Tensor, tp: int, tp_rank: int) -> None:
-        dim = getattr(param, "_merak_tp_dim", None) if tp > 1 else None
-        self.transposed = bool(getattr(param, "_merak_tp_transposed", False)) and param.ndim == 2
-        self.sections = int(getattr(param, "_merak_tp_sections", 1) or 1)
+        from merak_tp.shard_spec import get_shard_spec
+
+        self.shard = get_shard_spec(param)  # merak-tp's metadata, in the parameter's orientation
+        dim = self.shard.dim if tp > 1 else None
+        self.transposed = self.shard.transposed and param.ndim == 2
+        self.sections = self.shard.num_sections
         self.tp, self.tp_rank = tp, tp_rank
-        local_shape = list(param.shape)
-        if dim is not None:
-            local_shape[dim] *= tp
+        local_shape = list(param.shape) if dim is None else list(self.shard.full_shape(param.shape, tp))
         if self.transposed:
             local_shape.reverse()
             dim = None if dim is None else 1 - dim
@@ -40,7 +41,7 @@ class _Spec:
         self.full_shape = tuple(local_shape)
 
     @classmethod
-    def plain(cls, tensor: torch.Tensor) -> _Spec:
+    def plain(cls, tensor: torch.Tensor) -> TensorSpec:
         """The spec of a tensor stored as it is (no TP sharding, no transpose)."""
         return cls(tensor.detach().new_empty(tensor.shape, device="meta"), 1, 0)
 
@@ -54,28 +55,25 @@ class _Spec:
 
     def slice_full(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's shard of the full tensor, in the parameter's own orientation (a view where possible)."""
-        if self.dim is not None:
-            parts = full.chunk(self.sections, dim=self.dim) if self.sections > 1 else (full,)
-            blocks = [part.chunk(self.tp, dim=self.dim)[self.tp_rank] for part in parts]
-            full = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=self.dim)
-        return full.t() if self.transposed else full
+        local = full.t() if self.transposed else full
+        return local if self.dim is None else self.shard.slice(local, self.tp, self.tp_rank)
 
 
-def _specs(trainer: Trainer) -> dict[str, tuple[nn.Parameter, _Spec]]:
-    layout = trainer.layout
-    out: dict[str, tuple[nn.Parameter, _Spec]] = {}
-    for name, p in trainer.model.named_parameters():
-        out.setdefault(name, (p, _Spec(p, layout.tp, layout.tp_rank)))
+def tensor_specs(parts: CheckpointParts) -> dict[str, tuple[nn.Parameter, TensorSpec]]:
+    layout = parts.layout
+    out: dict[str, tuple[nn.Parameter, TensorSpec]] = {}
+    for name, p in parts.model.named_parameters():
+        out.setdefault(name, (p, TensorSpec(p, layout.tp, layout.tp_rank)))
     return out
 
 
-def _to_checkpoint(trainer: Trainer, tensor: torch.Tensor, spec: _Spec, like: nn.Parameter) -> torch.Tensor | None:
+def _to_checkpoint(parts: CheckpointParts, tensor: torch.Tensor, spec: TensorSpec, like: nn.Parameter) -> torch.Tensor | None:
     """What this rank writes for ``tensor`` (a parameter or a state shaped like it); collective over TP.
 
     A ZeRO-2/3 tensor (sharded over DP) is gathered over DP first (collective there too), so every
     ZeRO stage writes the same checkpoint and any other one reads it.
     """
-    layout = trainer.layout
+    layout = parts.layout
     tensor = full_local_tensor(tensor)
     if spec.dim is None:
         return spec.oriented(tensor.detach())
@@ -91,7 +89,7 @@ def _to_checkpoint(trainer: Trainer, tensor: torch.Tensor, spec: _Spec, like: nn
                               shape=torch.Size(spec.full_shape), stride=_contiguous_stride(spec.full_shape))
 
 
-def _load_target(trainer: Trainer, spec: _Spec, local: torch.Tensor, dtype: torch.dtype) -> tuple[Any, torch.Tensor]:
+def _load_target(parts: CheckpointParts, spec: TensorSpec, local: torch.Tensor, dtype: torch.dtype) -> tuple[Any, torch.Tensor]:
     """(object DCP loads into, tensor that receives the full data) for a local tensor shaped like a param."""
     if spec.whole:
         # A whole tensor (replicated, or fused sections gathered) is staged in host memory and
@@ -102,12 +100,12 @@ def _load_target(trainer: Trainer, spec: _Spec, local: torch.Tensor, dtype: torc
     from torch.distributed.tensor import DTensor, Shard
 
     buf = torch.empty(spec.oriented(local).shape, dtype=dtype, device=local.device)
-    dt = DTensor.from_local(buf, trainer.layout.mesh["tp"], [Shard(spec.dim or 0)], run_check=False,
+    dt = DTensor.from_local(buf, parts.layout.mesh["tp"], [Shard(spec.dim or 0)], run_check=False,
                             shape=torch.Size(spec.full_shape), stride=_contiguous_stride(spec.full_shape))
     return dt, buf
 
 
-def _from_loaded(spec: _Spec, loaded: torch.Tensor) -> torch.Tensor:
+def _from_loaded(spec: TensorSpec, loaded: torch.Tensor) -> torch.Tensor:
     """The local shard (parameter orientation) from what ``_load_target`` received."""
     if spec.whole:
         return spec.slice_full(loaded)

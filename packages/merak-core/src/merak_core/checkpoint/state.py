@@ -2,15 +2,15 @@
 
 [Note: random streams] Each rank saves its own streams (``rng/rank_<r>``): torch's
 CPU generator, every CUDA generator once CUDA is initialised, Python's and NumPy's
-generators and, when the trainer has a ``rng_tracker`` attribute (a
-``merak_tp.RNGTracker``), the tracker's stored states. The Trainer's own TP stream
+generators and, when the run has a ``rng_tracker`` (a
+``merak_tp.RNGTracker``), the tracker's stored states. The run's own TP stream
 is a *derived* one (each fork seeds from a draw of the default generator), so the
 default generator's state covers it. They are restored only under the same
 (dp, tp, pp) layout, where ranks correspond. The data order needs no stream: it
 is a function of the seed, the epoch and the position (see ``merak_core.data``).
 
 [Note: changed job file] On resume the job file wins for every optimizer and
-schedule setting: the optimizer groups keep the values the trainer was built with
+schedule setting: the optimizer groups keep the values the run was built with
 (learning rate, weight decay, betas, eps, any other group option), the LR schedule
 keeps its new multiplier function and base rates and takes only its position (the
 step) from the checkpoint, and the current rate is recomputed from them. Each
@@ -37,7 +37,7 @@ import torch.distributed as dist
 from merak_core.checkpoint.files import CheckpointError
 
 if TYPE_CHECKING:
-    from merak_core.trainer import Trainer
+    from merak_core.checkpoint.parts import CheckpointParts
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def _inner_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return getattr(optimizer, "inner", optimizer)
 
 
-def rng_state(trainer: Trainer | None = None) -> bytes:
+def rng_state(parts: CheckpointParts | None = None) -> bytes:
     """This rank's random streams (see [Note: random streams])."""
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -66,13 +66,13 @@ def rng_state(trainer: Trainer | None = None) -> bytes:
         state["numpy"] = np.random.get_state()
     except ImportError:  # pragma: no cover - numpy is optional
         pass
-    tracker = getattr(trainer, "rng_tracker", None)
+    tracker = getattr(parts, "rng_tracker", None)
     if tracker is not None:
         state["tp_tracker"] = tracker.get_states()
     return pickle.dumps(state)
 
 
-def set_rng_state(blob: bytes, trainer: Trainer | None = None) -> None:
+def set_rng_state(blob: bytes, parts: CheckpointParts | None = None) -> None:
     state = pickle.loads(blob)  # noqa: S301 - our own checkpoint (see the merak-core README, "Limits": trust)
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
@@ -82,7 +82,7 @@ def set_rng_state(blob: bytes, trainer: Trainer | None = None) -> None:
         import numpy as np
 
         np.random.set_state(state["numpy"])
-    tracker = getattr(trainer, "rng_tracker", None)
+    tracker = getattr(parts, "rng_tracker", None)
     if tracker is not None and "tp_tracker" in state:
         tracker.set_states(state["tp_tracker"])
 
@@ -116,43 +116,43 @@ def _group_changes(saved_groups: Sequence[Mapping[str, Any]], groups: Sequence[M
     return out
 
 
-def restore_train_state(trainer: Trainer, directory: Path, state: Mapping[str, Any],
+def restore_train_state(parts: CheckpointParts, directory: Path, state: Mapping[str, Any],
                         saved_args: Mapping[str, Any]) -> None:
     """Data position and LR-schedule position; settings from the job file (see [Note: changed job file]).
 
-    Raises before changing anything when the checkpoint cannot apply to this trainer.
+    Raises before changing anything when the checkpoint cannot apply to this run.
     """
     groups = state["param_groups"]
-    if len(groups) != len(trainer.optimizer.param_groups):
+    if len(groups) != len(parts.optimizer.param_groups):
         raise CheckpointError(
             f"checkpoint {str(directory)!r} has {len(groups)} optimizer parameter groups, this trainer "
-            f"{len(trainer.optimizer.param_groups)}: resume with the same optimizer set-up"
+            f"{len(parts.optimizer.param_groups)}: resume with the same optimizer set-up"
         )
-    if state.get("data") is not None and trainer.train_loader is not None:
+    if state.get("data") is not None and parts.train_loader is not None:
         try:
-            trainer.train_loader.load_state_dict(state["data"])  # checks everything before assigning
+            parts.train_loader.load_state_dict(state["data"])  # checks everything before assigning
         except ValueError as exc:
             raise CheckpointError(f"checkpoint {str(directory)!r}: {exc}") from exc
-    changes = setting_changes(saved_args, trainer.args) + _group_changes(groups, trainer.optimizer.param_groups)
+    changes = setting_changes(saved_args, parts.args) + _group_changes(groups, parts.optimizer.param_groups)
     if dist.get_rank() == 0:
         for change in changes:
             logger.info("resume: %s", change)
-    _restore_schedule(trainer, state["scheduler"])
+    _restore_schedule(parts, state["scheduler"])
 
 
-def _restore_schedule(trainer: Trainer, saved: Mapping[str, Any]) -> None:
-    """The schedule's position from the checkpoint, its function and base rates from this trainer."""
-    scheduler = trainer.lr_scheduler
+def _restore_schedule(parts: CheckpointParts, saved: Mapping[str, Any]) -> None:
+    """The schedule's position from the checkpoint, its function and base rates from this run."""
+    scheduler = parts.lr_scheduler
     lambdas = list(getattr(scheduler, "lr_lambdas", []))
-    if not lambdas:  # not the trainer's LambdaLR: its own state as saved
+    if not lambdas:  # not the run's LambdaLR: its own state as saved
         scheduler.load_state_dict(dict(saved))
         return
     base_lrs = list(scheduler.base_lrs)
     scheduler.__dict__.update({k: v for k, v in saved.items() if k not in ("base_lrs", "lr_lambdas", "_last_lr")})
     lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(base_lrs, lambdas, strict=True)]
-    optimizers = [trainer.optimizer]
-    inner = _inner_optimizer(trainer.optimizer)
-    if inner is not trainer.optimizer:
+    optimizers = [parts.optimizer]
+    inner = _inner_optimizer(parts.optimizer)
+    if inner is not parts.optimizer:
         optimizers.append(inner)
     for optimizer in optimizers:
         for group, lr in zip(optimizer.param_groups, lrs, strict=True):
