@@ -21,6 +21,7 @@ ROOT = Path(__file__).parent
 CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))
 TEST_DEPS = ("pytest>=8", "hypothesis>=6.100")
 LIBRARIES = ("pipe", "graph", "tp")
+EXTRAS_FOR_TESTS = ("graph", "tp")  # libraries whose package session installs their [transformers] extra
 ALL_PACKAGES = ("packages/merak-pipe", "packages/merak-graph", "packages/merak-tp", "packages/merak-core")
 # One thread per process: many ranks share 2 cores (see DEVELOPERS / README).
 ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
@@ -67,21 +68,32 @@ def _install_all(session: nox.Session, *extra: str) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """The full test suite over all four packages (what CI runs), the transformers tests included.
+    """merak-core's and the end-to-end tests, the transformers tests included (CI runs it).
 
-    One environment holds transformers and safetensors, so a fresh clone builds one venv for the
-    suite instead of two (the transformers tests were once a session of their own).
+    Each library's own tests (tests/pipe, tests/graph, tests/tp) run once, in that library's
+    ``package`` session, where it is installed alone; running them here too would only repeat them
+    (2666 s of test time in one run on the loaded 2-core machine). Arguments after ``--`` that
+    name test paths replace that selection (``nox -s tests -- tests/pipe -x`` runs the pipe tests
+    in this environment); other arguments are added to it.
     """
     # tensorboard, pyarrow, datasets: the optional extras whose tests (event files, parquet, saved datasets) run here.
     _install_all(session, *TEST_DEPS, "transformers>=5", "safetensors", "tensorboard", "pyarrow", "datasets")
-    session.run("pytest", "tests", *session.posargs, env={**ENV, "HF_HUB_OFFLINE": "1"})
+    selection = ["tests", *(f"--ignore=tests/{name}" for name in LIBRARIES)]
+    named_paths = any(os.path.exists(arg.split("::")[0]) for arg in session.posargs)
+    args = list(session.posargs) if named_paths else [*selection, *session.posargs]
+    session.run("pytest", *args, env={**ENV, "HF_HUB_OFFLINE": "1"})
 
 
 @nox.session
 @nox.parametrize("library", LIBRARIES)
 def package(session: nox.Session, library: str) -> None:
-    """One library installed alone, with only its declared dependencies; its own tests."""
-    session.install(*CONSTRAINTS, f"packages/merak-{library}", *TEST_DEPS)
+    """One library installed alone, with only its declared dependencies; its own tests.
+
+    merak-graph and merak-tp come with their ``transformers`` extra (declared, optional), so their
+    tests against tiny transformers models run here: this is the only session that runs them.
+    """
+    extra = "[transformers]" if library in EXTRAS_FOR_TESTS else ""
+    session.install(*CONSTRAINTS, f"packages/merak-{library}{extra}", *TEST_DEPS)
     # A reused environment must test the current source, whatever its version says.
     session.install(*CONSTRAINTS, "--force-reinstall", "--no-deps", f"packages/merak-{library}")
     others = [f"merak_{name}" for name in (*LIBRARIES, "core") if name != library]
@@ -93,7 +105,7 @@ def package(session: nox.Session, library: str) -> None:
     )
     # Import the installed copy, not the source tree, and only this package's tests.
     session.run("pytest", f"tests/{library}", "tests/support_tests", "tests/test_boundaries.py",
-                "-p", "no:cacheprovider", *session.posargs, env=ENV)
+                "-p", "no:cacheprovider", *session.posargs, env={**ENV, "HF_HUB_OFFLINE": "1"})
 
 
 @nox.session
