@@ -27,8 +27,8 @@ def _job(tmp: Path) -> Path:
     (tmp / "corpus.txt").write_text("\n".join(sentences(90, seed=31)))
     job = {
         "model": {"factory": "tests.support.text:text_model"},
-        "data": {"factory": "merak_core.textdata.job:text_datasets", "kwargs": {"format": "text", "path": str(tmp / "corpus.txt"), "tokenizer": str(tok), "seq_len": 8,
-                 "eval_fraction": 0.05, "cache_dir": str(tmp / "cache")}},
+        "data": {"format": "text", "path": "corpus.txt", "tokenizer": str(tok.relative_to(tmp)), "seq_len": 8,
+                 "eval_fraction": 0.05, "cache_dir": "cache"},
         "metrics": "tests.support.text:token_metrics",
         "training": {"dp": 2, "tp": 1, "pp": 1, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2,
                      "per_device_eval_batch_size": 2, "max_steps": 2, "save_steps": 2, "dtype": "float64",

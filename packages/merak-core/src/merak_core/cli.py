@@ -11,6 +11,8 @@ its own; each rank then runs :mod:`merak_core.launch`.
 
 ``merak plans`` lists the registered TP plans; ``merak check CONFIG.yaml`` compares
 every module the job's TP plan shards with the unsharded module (:mod:`merak_core.tp_check`).
+``merak export CHECKPOINT --to-hf OUT`` writes a checkpoint as a Hugging Face folder (:mod:`merak_core.hf.cli`).
+``merak eval CONFIG.yaml --checkpoint latest`` evaluates a checkpoint (:mod:`merak_core.eval_job`).
 
 Only this module (and the per-rank entry point) configures logging; the
 libraries never touch the root logger.
@@ -333,39 +335,29 @@ def _add_check(sub: argparse._SubParsersAction) -> None:
     p.add_argument("config", help="YAML job file")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides of the job file")
     p.add_argument("--tp", type=int, default=None, help="TP ranks to check on (default: the job's tp, at least 2)")
-    p.add_argument("--tolerance", type=float, default=1e-9,
-                   help="largest relative difference accepted (default 1e-9, float64)")
+    p.add_argument("--tolerance", type=float, default=None,
+                   help="largest relative difference accepted (default 1e-9, float64 rounding; 1e-5 when the "
+                   "sharded modules compute in float32 inside)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--tiny", action="store_true", default=None,
+                      help="check the same family at a tiny config (transformers models)")
+    size.add_argument("--full", dest="tiny", action="store_false",
+                      help="check the job's model itself, however large")
+    p.add_argument("--max-params", type=int, default=None,
+                   help="above this many parameters the tiny config is checked (default 200,000,000); a model "
+                   "that does not fit the check's memory is checked at the tiny config too")
 
 
 def _check(args: argparse.Namespace) -> int:
-    from torch.utils.data import default_collate
-
-    from merak_core.job import JobConfig, load_callable
-    from merak_core.tp_check import check_plan_numerics, format_report
+    from merak_core.job import JobConfig
+    from merak_core.tp_check import check_job, default_tolerance, format_report
 
     job = JobConfig.from_yaml(args.config, args.overrides)
-    t = job.training
-    train, _ = job.build_datasets()
-    collate = load_callable(job.collate, base_dir=job.base_dir, what="collate") if job.collate else default_collate
-    batch = collate([train[i] for i in range(min(len(train), t.per_device_train_batch_size))])
-    if isinstance(batch, dict):
-        inputs: tuple[tuple[Any, ...], dict[str, Any]] = ((), {k: v for k, v in batch.items() if k != "labels"})
-    elif isinstance(batch, (tuple, list)):
-        inputs = ((batch[0],), {})
-    else:
-        inputs = ((batch,), {})
-    import merak_tp
-
-    plan: Any = t.tp_plan
-    if plan in (None, "auto"):
-        plan = None
-    elif isinstance(plan, dict):
-        plan = merak_tp.plan_from_mapping(plan)
-    tp = args.tp or max(2, t.tp)
-    rows = check_plan_numerics(job.build_model, inputs, plan=plan, tp=tp)
-    print(f"TP plan check of {args.config} at tp={tp} (float64, one batch of {t.per_device_train_batch_size}):")
-    print(format_report(rows, tolerance=args.tolerance))
-    return 1 if any(r.relative > args.tolerance for r in rows) else 0
+    rows, checked = check_job(job, tp=args.tp, tiny=args.tiny, max_params=args.max_params)
+    tolerance = default_tolerance(rows) if args.tolerance is None else args.tolerance
+    print(f"TP plan check of {args.config}: {checked}")
+    print(format_report(rows, tolerance=tolerance))
+    return 1 if any(r.relative > tolerance for r in rows) else 0
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -377,6 +369,12 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_plan(sub)
     _add_plans(sub)
     _add_check(sub)
+    from merak_core.hf.cli import add_parser as _add_export
+
+    _add_export(sub)
+    from merak_core.eval_job import add_parser as _add_eval
+
+    _add_eval(sub)
     return parser
 
 
@@ -409,6 +407,22 @@ def main(argv: list[str] | None = None) -> int:
             return _check(args)
         except ValueError as exc:
             print(f"merak check: error: {exc}", file=sys.stderr)
+            return BAD_INPUT
+    if args.command == "export":
+        from merak_core.hf.cli import run as _export
+
+        try:
+            return _export(args)
+        except ValueError as exc:  # CheckpointError included
+            print(f"merak export: error: {exc}", file=sys.stderr)
+            return BAD_INPUT
+    if args.command == "eval":
+        from merak_core.eval_job import run as _eval
+
+        try:
+            return _eval(args)
+        except ValueError as exc:
+            print(f"merak eval: error: {exc}", file=sys.stderr)
             return BAD_INPUT
     parser.error(f"unknown command {args.command!r}")
     return 2

@@ -5,9 +5,13 @@
     model:
       factory: model.py:build_model      # FILE.py:function (relative to this YAML) or package.module:function
       kwargs: {depth: 4, width: 64}
+      # or: pretrained: gpt2-small/      # a Hugging Face folder (config.json + safetensors), relative to
+      #                                  # this YAML; with a factory too, factory(config, **kwargs) builds it
     data:
       factory: data.py:build_datasets    # returns (train_dataset, eval_dataset) or train_dataset
       kwargs: {num_digits: 2}
+                                         # or text: {format: jsonl, path: ..., tokenizer: ..., seq_len: ...}
+                                         # (merak_core.textdata lists the keys)
     loss: null                           # FILE.py:function(output, labels) -> scalar; null: cross-entropy
     metrics: data.py:exact_match         # optional: fn(output, labels) -> per-example values
     collate: null                        # optional collate function
@@ -34,10 +38,13 @@ from typing import Any
 
 import yaml
 
-from merak_core.config import KEY_ALIASES, TrainingArguments, load_yaml
+from merak_core.config import KEY_ALIASES, TrainingArguments, load_yaml, override_value, split_override
+from merak_core.textdata.job import FACTORY as TEXT_FACTORY
+from merak_core.textdata.job import is_text_section, text_factory_kwargs
 
 SECTIONS = ("model", "data", "loss", "metrics", "collate", "training")
 FACTORY_KEYS = ("factory", "kwargs")
+MODEL_KEYS = (*FACTORY_KEYS, "pretrained")
 
 
 def load_callable(spec: str, *, base_dir: str | Path = ".", what: str = "callable") -> Callable[..., Any]:
@@ -78,10 +85,14 @@ def load_callable(spec: str, *, base_dir: str | Path = ".", what: str = "callabl
 class Factory:
     """A callable by import spec plus its keyword arguments."""
 
-    spec: str
+    spec: str | None
     kwargs: dict[str, Any] = field(default_factory=dict)
+    pretrained: str | None = None
+    """``model.pretrained``: the Hugging Face folder the weights come from (resolved against the job file)."""
 
     def load(self, base_dir: str | Path, what: str) -> Callable[..., Any]:
+        if self.spec is None:
+            raise ValueError(f"{what}: no factory is given (the model comes from model.pretrained)")
         return load_callable(self.spec, base_dir=base_dir, what=what)
 
 
@@ -117,7 +128,11 @@ class JobConfig:
         for required in ("model", "data"):
             if required not in raw:
                 raise ValueError(f"{source}: the '{required}' section is missing (it needs a 'factory')")
-        factories = {name: _factory(raw[name], name, source) for name in ("model", "data")}
+        factories = {name: _factory(raw[name], name, source, base_dir) for name in ("model", "data")
+                     if not (name == "data" and is_text_section(raw[name]))}
+        if "data" not in factories:  # text data: the built-in factory (merak_core.textdata.job)
+            factories["data"] = Factory(TEXT_FACTORY, text_factory_kwargs(raw["data"], base_dir=base_dir,
+                                                                          source=source))
         section = raw.get("training")
         if section is not None and not isinstance(section, dict):
             raise ValueError(f"{source}: the 'training' section must be a mapping of TrainingArguments keys, got "
@@ -131,7 +146,12 @@ class JobConfig:
         training = TrainingArguments.from_dict(section or {}, source=f"{source}: training")
         job = cls(model=factories["model"], data=factories["data"], training=training,
                   loss=raw.get("loss"), metrics=raw.get("metrics"), collate=raw.get("collate"), base_dir=base_dir)
-        job.model.load(base_dir, "model.factory")  # fail now on a bad spec, not on 8 ranks later
+        if job.model.spec is not None:
+            job.model.load(base_dir, "model.factory")  # fail now on a bad spec, not on 8 ranks later
+        if job.model.pretrained is not None:
+            from merak_core.hf import PretrainedFolder
+
+            PretrainedFolder(job.model.pretrained)  # a bad folder fails here, with its path and the fix
         job.data.load(base_dir, "data.factory")
         _check_tp_plan_name(training.tp_plan, source)  # the factories may have registered it
         for name in ("loss", "metrics", "collate"):
@@ -140,6 +160,13 @@ class JobConfig:
         return job
 
     def build_model(self) -> Any:
+        """The model: the factory's, or with ``model.pretrained`` the folder's, on the meta device."""
+        if self.model.pretrained is not None:
+            from merak_core.hf import pretrained_model
+
+            factory = self.model.load(self.base_dir, "model.factory") if self.model.spec is not None else None
+            return pretrained_model(self.model.pretrained, factory=factory, factory_kwargs=self.model.kwargs,
+                                    dtype=self.training.torch_dtype)
         return self.model.load(self.base_dir, "model.factory")(**self.model.kwargs)
 
     def build_datasets(self) -> tuple[Any, Any]:
@@ -211,29 +238,42 @@ def _check_tp_plan_name(tp_plan: Any, source: str) -> None:
                          "model type) or a mapping of module pattern -> style") from None
 
 
-def _factory(section: Any, name: str, source: str) -> Factory:
+def _factory(section: Any, name: str, source: str, base_dir: str = ".") -> Factory:
     if isinstance(section, str):
         return Factory(section)
-    if not isinstance(section, dict) or "factory" not in section:
-        raise ValueError(f"{source}: section '{name}' needs 'factory: file.py:function' (and optional 'kwargs')")
+    keys = MODEL_KEYS if name == "model" else FACTORY_KEYS
+    if not isinstance(section, dict) or not ("factory" in section or (name == "model" and "pretrained" in section)):
+        extra = " or 'pretrained: PATH' (a Hugging Face folder)" if name == "model" else ""
+        raise ValueError(f"{source}: section '{name}' needs 'factory: file.py:function' (and optional 'kwargs')"
+                         f"{extra}")
     for key in section:
-        if key not in FACTORY_KEYS:
-            raise ValueError(f"{source}: unknown key {name}.{key}{_suggest(key, FACTORY_KEYS)}; valid: {FACTORY_KEYS}")
+        if key not in keys:
+            raise ValueError(f"{source}: unknown key {name}.{key}{_suggest(key, keys)}; valid: {keys}")
     kwargs = section.get("kwargs") or {}
     if not isinstance(kwargs, dict):
         raise ValueError(f"{source}: {name}.kwargs must be a mapping, got {kwargs!r}")
-    return Factory(section["factory"], dict(kwargs))
+    pretrained = section.get("pretrained")
+    if pretrained is not None:
+        if not isinstance(pretrained, str) or not pretrained:
+            raise ValueError(f"{source}: model.pretrained must be the path of a Hugging Face folder, got "
+                             f"{type(pretrained).__name__} {pretrained!r}")
+        pretrained = str(Path(base_dir) / Path(pretrained).expanduser())
+    return Factory(section.get("factory"), dict(kwargs), pretrained=pretrained)
 
 
 def _apply_override(raw: dict[str, Any], item: str) -> None:
-    if "=" not in item:
-        raise ValueError(f"override {item!r} is not 'section.key=value' (e.g. training.max_steps=50)")
-    key, _, text = item.partition("=")
-    parts = key.strip().split(".")
+    key, text = split_override(item, "'section.key=value' (e.g. training.max_steps=50)")
+    parts = key.split(".")
     if parts[0] not in SECTIONS:
         raise ValueError(f"override {item!r}: unknown section {parts[0]!r}{_suggest(parts[0], SECTIONS)}; "
                          f"valid: {SECTIONS}")
-    value = load_yaml(text, f"override {item!r}") if text.strip() else None
+    field = KEY_ALIASES.get(parts[-1], parts[-1]) if len(parts) == 2 and parts[0] == "training" else None
+    if not text.strip():
+        value = None
+    elif field in TrainingArguments.field_names():  # typed like a flat override (config.override_value)
+        value = override_value(field, text)
+    else:
+        value = load_yaml(text, f"override {item!r}")
     node = raw
     for part in parts[:-1]:
         nxt = node.get(part)
