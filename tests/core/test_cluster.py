@@ -267,3 +267,29 @@ def test_virtual_stages_shrink_the_bubble_and_sum_memory_per_rank(small_costs):
                             schedules=("1f1b", "interleaved_1f1b"), zero_stages=(0,), tp_overlaps=(False,),
                             layouts=[(1, 1, 4)])
     assert {c.virtual_stages for c in searched} == {1, 2}
+
+
+def test_per_operator_overhead_is_charged_per_microbatch_not_per_sample(small_costs):
+    # The fixed cost per operator (dispatch, kernel launch) does not grow with the micro batch and
+    # is not divided by tp; the backward pays it twice like the rest of the forward.
+    plain = ClusterSpec.from_dict(_raw())
+    raw = _raw()
+    raw["device"]["op_overhead_us"] = 10.0
+    slow = ClusterSpec.from_dict(raw)
+    assert slow.op_overhead_s == pytest.approx(1e-5) and plain.op_overhead_s == 0.0
+    ops = sum(ly.num_ops for ly in small_costs.layers)
+    assert ops > 4 * SMALL.num_layers  # every block runs many operators
+    bounds = [0, small_costs.num_layers]
+    for b, tp in ((1, 1), (8, 1), (8, 4)):
+        a = stage_costs(small_costs, plain, bounds=bounds, dp=1, tp=tp, micro_batch_size=b)
+        c = stage_costs(small_costs, slow, bounds=bounds, dp=1, tp=tp, micro_batch_size=b)
+        assert c.forward_s[0] == pytest.approx(a.forward_s[0] + 1e-5 * ops, rel=1e-9)
+        assert c.backward_s[0] == pytest.approx(a.backward_s[0] + 2e-5 * ops, rel=1e-9)
+
+
+def test_a_negative_or_non_numeric_operator_overhead_is_refused():
+    for bad in (-1.0, "fast"):
+        raw = _raw()
+        raw["device"]["op_overhead_us"] = bad
+        with pytest.raises(ValueError, match="device.op_overhead_us"):
+            ClusterSpec.from_dict(raw)

@@ -27,13 +27,13 @@ _SHIPPED = Path(__file__).parent / "clusters"
 _SCHEMA: dict[str, Any] = {
     "name": str, "source": str, "devices_per_node": int,
     "device": {"name": str, "peak_tflops": {"bf16": float, "fp32": float}, "memory_gb": float,
-               "memory_bandwidth_gb_s": float},
+               "memory_bandwidth_gb_s": float, "op_overhead_us": float},
     "intra_node": {"bandwidth_gb_s": float, "bidirectional": bool, "latency_us": float},
     "inter_node": {"nics_per_node": int, "nic_gbit_s": float, "latency_us": float},
     "efficiency": {"compute": float, "memory": float, "link": float},
     "usable_memory_fraction": float,
 }
-_OPTIONAL = {"source", "device.name", "intra_node.bidirectional", "efficiency.memory", "efficiency.link",
+_OPTIONAL = {"source", "device.name", "device.op_overhead_us", "intra_node.bidirectional", "efficiency.memory", "efficiency.link",
              "usable_memory_fraction", "inter_node"}
 _FRACTIONS = {"efficiency.compute", "efficiency.memory", "efficiency.link", "usable_memory_fraction"}
 
@@ -68,6 +68,10 @@ class ClusterSpec:
     """Sustained fraction of a link's bandwidth in collectives and point-to-point messages."""
     usable_memory_fraction: float = 0.9
     """Fraction of the device memory a job can use (the rest: runtime context, fragmentation)."""
+    op_overhead_s: float = 0.0
+    """Fixed seconds per operator launched in the forward, whatever its size (dispatch and kernel
+    launch; the file's ``device.op_overhead_us``). It dominates small models: on a CPU core a
+    64-wide layer spends more time dispatching than computing. Shipped GPU files leave it out (0)."""
     device_name: str = ""
     source: str = ""
     """Where the numbers come from."""
@@ -81,7 +85,7 @@ class ClusterSpec:
         for name in ("memory_bytes", "memory_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"ClusterSpec.{name}={getattr(self, name)!r}: expected a value > 0")
-        for name in ("intra_node_latency_s", "inter_node_latency_s"):
+        for name in ("intra_node_latency_s", "inter_node_latency_s", "op_overhead_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"ClusterSpec.{name}={getattr(self, name)!r}: expected seconds >= 0")
         for name in ("compute_efficiency", "memory_efficiency", "link_efficiency", "usable_memory_fraction"):
@@ -135,6 +139,7 @@ class ClusterSpec:
                 compute_efficiency=float(eff["compute"]), memory_efficiency=float(eff.get("memory", 0.8)),
                 link_efficiency=float(eff.get("link", 0.8)),
                 usable_memory_fraction=float(raw.get("usable_memory_fraction", 0.9)),
+                op_overhead_s=float(dev.get("op_overhead_us", 0.0)) / 1e6,
                 device_name=str(dev.get("name", "")), source=str(raw.get("source", "")),
             )
         except ValueError as exc:

@@ -8,7 +8,8 @@ boundaries (about two shards per transformer block). :func:`model_costs` turns t
 per-layer :class:`LayerCost` for one sample; :func:`predict_config` prices one configuration.
 
 [Note: cluster model terms] Per stage and microbatch of b samples:
-- compute: b x the stage's forward (backward: 2x) divided by tp;
+- compute: b x the stage's forward divided by tp, plus the cluster's fixed ``op_overhead_s`` per
+  operator the stage runs (not divided by tp, not scaled by b); backward: 2x that;
 - TP: one all-reduce of the residual stream (b x ``tp_message_bytes``) per shard holding
   parameters, in forward and in backward, over the TP group's link (a node's NVLink when tp
   fits a node). Sub-pipelined TP (``tp_overlap``) splits the microbatch in ``tp_chunks``: only
@@ -33,6 +34,7 @@ rings that share a NIC, sequence parallelism.
 from __future__ import annotations
 
 import math
+import operator
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -79,6 +81,8 @@ class LayerCost:
     """Bytes of the tensors the shard's nodes produce."""
     output_bytes: float
     """Bytes of the shard's outputs (the pipeline message when a stage ends here)."""
+    num_ops: int = 0
+    """Operators the shard's forward runs (graph calls other than tuple indexing)."""
 
     @property
     def tp_allreduces(self) -> int:
@@ -172,11 +176,20 @@ def model_costs(sharded: Any, model: nn.Module, *, dtype: str = "bf16", num_head
             numel.setdefault(canonical.get(id(p), n), p.numel())
         layers.append(LayerCost(forward_s=s.time_s / 3.0, flops=float(s.flops), param_names=names,
                                 activation_bytes=float(s.activation_bytes),
-                                output_bytes=float(sum(b.nbytes for b in s.outputs))))
+                                output_bytes=float(sum(b.nbytes for b in s.outputs)), num_ops=_count_ops(s.module)))
     inner = [ly.output_bytes for ly in layers[:-1] if ly.output_bytes > 0] or [layers[-1].output_bytes]
     return ModelCosts(layers=tuple(layers), param_numel=numel, precision=Precision.for_dtype(param_dtype),
                       tp_message_bytes=float(statistics.median(inner)), dtype=dtype, num_heads=num_heads,
                       num_kv_heads=num_kv_heads, vocab_size=vocab_size)
+
+
+def _count_ops(module: nn.Module) -> int:
+    """Calls in a shard's graph, the unit of the fixed per-operator overhead."""
+    graph = getattr(module, "graph", None)
+    if graph is None:
+        return 0
+    calls = ("call_function", "call_method", "call_module")
+    return sum(1 for node in graph.nodes if node.op in calls and node.target is not operator.getitem)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -250,7 +263,7 @@ def stage_costs(costs: ModelCosts, cluster: ClusterSpec, *, bounds: Sequence[int
     fwd, bwd, exposed, acts, static, params, out_b, in_b = [], [], [], [], [], [], [], []
     for s in range(pp):
         layers = costs.layers[bounds[s]:bounds[s + 1]]
-        compute_f = b * sum(ly.forward_s for ly in layers) / tp
+        compute_f = b * sum(ly.forward_s for ly in layers) / tp + cluster.op_overhead_s * sum(ly.num_ops for ly in layers)
         comm = one_ar * sum(ly.tp_allreduces for ly in layers) if tp > 1 else 0.0
         ex_f = _tp_exposed(comm, compute_f, tp_overlap, tp_chunks)
         ex_b = _tp_exposed(comm, 2 * compute_f, tp_overlap, tp_chunks)
