@@ -50,7 +50,8 @@ def _run(spec_kw: dict[str, Any], output_dir: str, interrupt_at: int | None) -> 
     """This rank's sample ids over ``STEPS`` steps, in a run interrupted after ``interrupt_at`` or not."""
     if interrupt_at is None:
         trainer, data = _trainer(spec_kw, output_dir, STEPS, None)
-        trainer.train()
+        history = trainer.train()
+        assert all(r["grad_norm"] > 0 for r in history)  # the engine's norm, before clipping, in every record
         return data.seen
     first, data = _trainer(spec_kw, output_dir, interrupt_at, interrupt_at)
     first.train()  # saves its last step

@@ -311,6 +311,8 @@ class Trainer:
             window_tokens += _count_tokens(batch.inputs) * self.layout.dp
             record: dict[str, Any] = {"step": self.global_step, "loss": loss,
                                       "lr": float(self.lr_scheduler.get_last_lr()[0]), "step_time_s": step_time}
+            if self.last_grad_norm is not None:  # before clipping; computed when max_grad_norm > 0
+                record["grad_norm"] = self.last_grad_norm
             if self.last_step_skipped:
                 record.update(skipped=True, skipped_steps=self.skipped_steps)
             self.history.append(record)
