@@ -109,9 +109,9 @@ def args_bf16_with_float64(ctx: CaseContext) -> None:
         _args(ctx, bf16=True, dtype="float64")
 
 
-def args_zero_stage_2(ctx: CaseContext) -> None:
+def args_zero_stage_4(ctx: CaseContext) -> None:
     with ctx.guard():
-        _args(ctx, zero_stage=2)
+        _args(ctx, zero_stage=4)
 
 
 def args_unknown_dtype(ctx: CaseContext) -> None:

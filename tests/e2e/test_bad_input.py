@@ -178,7 +178,7 @@ ROWS = [
     # ------------------------------------------------------------------ training fields
     _row(config_cases.args_negative_learning_rate, ValueError, _all("learning_rate=-0.0003", ">= 0.0", "set learning_rate")),
     _row(config_cases.args_bf16_with_float64, ValueError, _all("bf16=True with dtype='float64'", "set dtype='float32'")),
-    _row(config_cases.args_zero_stage_2, ValueError, _all("zero_stage=2", "0 (off) or 1")),
+    _row(config_cases.args_zero_stage_4, ValueError, _all("zero_stage=4", "0 (off), 1", "3 (and parameters")),
     _row(config_cases.args_unknown_dtype, ValueError, _all("dtype='fp16'", "'float16'", "set dtype")),
     _row(config_cases.lr_decay_without_total_steps, ValueError,
          _all("lr_scheduler_type='cosine'", "max_steps=-1", "pass num_training_steps")),

@@ -56,6 +56,7 @@ from merak_core.clip import global_grad_norm, scale_gradients_
 from merak_core.compose import ParallelModel
 from merak_core.config import TrainingArguments, build_lr_scheduler
 from merak_core.data_parallel import DataParallelGradSync
+from merak_core.fsdp import SHARDED_ZERO_STAGES, ShardedDataParallel, shard_parallel_model
 from merak_core.layout import ParallelLayout
 from merak_core.stall import Heartbeat
 from merak_core.zero import ZeroOptimizer
@@ -157,14 +158,20 @@ class ParallelEngine:
                  optimizer_factory: Callable[[list[dict[str, Any]]], torch.optim.Optimizer] | None = None) -> None:
         self.model, self.layout, self.args, self.device, self.loss_fn = model, layout, args, device, loss_fn
         self.schedule_name = check_schedule(args, layout)
+        self.sharded: ShardedDataParallel | None = None
+        if args.zero_stage in SHARDED_ZERO_STAGES and layout.dp > 1:
+            # ZeRO-2/3: FSDP2 over the DP axis replaces the parameters (merak_core.fsdp).
+            self.sharded, self.model = shard_parallel_model(model, zero_stage=args.zero_stage, device=device)
         self._check_loss_fn(example_labels)
         self.runner = self._build_runner()
         named = self.model.named_parameters()
         self.params = [p for _, p in named]
         # Shared (tied) parameters get their cross-stage sum after the backward: reduce them last.
-        self.dp_sync = (DataParallelGradSync(self.model.module, layout.dp_group,
-                                             deferred_params=[p for p, _ in self.model.shared_parameters])
-                        if layout.dp > 1 else None)
+        self.dp_sync: DataParallelGradSync | ShardedDataParallel | None = (
+            self.sharded if self.sharded is not None
+            else DataParallelGradSync(self.model.module, layout.dp_group,
+                                      deferred_params=[p for p, _ in self.model.shared_parameters])
+            if layout.dp > 1 else None)
         groups = _decay_groups(named, args.weight_decay)
         factory = optimizer_factory or self._adamw
         self.optimizer: torch.optim.Optimizer = (
@@ -223,7 +230,9 @@ class ParallelEngine:
         stage = PipelineStage(self.model.module, stage_index=layout.pp_rank, num_stages=layout.pp,
                               group=layout.pp_group, device=self.device)
         return PipelineRunner([stage], schedule, loss_fn=self.loss_fn, group=layout.pp_group,
-                              shared_parameters=self.model.shared_parameters, timeout=layout.timeout)
+                              # ZeRO-2/3 sums the shared copies on the gradient shards (ShardedDataParallel.finish)
+                              shared_parameters=self.model.shared_parameters if self.sharded is None else [],
+                              timeout=layout.timeout)
 
     def _recompute_plan(self) -> Any:
         from merak_pipe import RecomputePlan
@@ -319,7 +328,8 @@ class ParallelEngine:
                 self.last_pipeline_s = time.perf_counter() - start
         timings = tuple(self.runner.timings) if record_timing else ()
         if self.dp_sync is not None:
-            with self._phase(f"DP gradient all-reduce over global ranks {layout.dp_ranks}", step):
+            what = "all-reduce" if self.sharded is None else f"reduce-scatter (ZeRO-{self.args.zero_stage})"
+            with self._phase(f"DP gradient {what} over global ranks {layout.dp_ranks}", step):
                 self.dp_sync.finish()
         self._fill_missing_grads()
         norm = None

@@ -5,7 +5,7 @@ part of the model over a 1-D device mesh of the rank's DP group. The parameters 
 are whatever the model holds locally: after merak-tp, a TP layer's weight is a plain
 ``nn.Parameter`` with this TP rank's block, so FSDP2 shards the TP shard over DP (dim 0,
 ``torch.chunk`` sizes) and the TP math is untouched. A parameter becomes a ``DTensor``
-sharded over the DP mesh; merak's shard tags (``_merak_tp_*``) are copied onto it.
+sharded over the DP mesh; merak-tp's ``ShardSpec`` is copied onto it.
 
 The object mirrors :class:`merak_core.data_parallel.DataParallelGradSync`:
 :meth:`~ShardedDataParallel.prepare_step` before the step's backwards (no gradient sync,
@@ -69,6 +69,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from merak_core import _compat
+from merak_tp.shard_spec import get_shard_spec, has_shard_spec, set_shard_spec
 
 if TYPE_CHECKING:
     from merak_core.compose import ParallelModel
@@ -76,7 +77,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SHARDED_ZERO_STAGES = (2, 3)
-_TAG_PREFIX = "_merak"
 
 
 def default_reshard_after_forward(zero_stage: int, *, stage_index: int, num_stages: int) -> bool:
@@ -88,29 +88,24 @@ def default_reshard_after_forward(zero_stage: int, *, stage_index: int, num_stag
     return num_stages == 1 or stage_index < num_stages - 1
 
 
-def check_sharding_supported(zero_stage: int, schedule_name: str, *, virtual_stages: int = 1) -> None:
-    """Refuse what ZeRO-2/3 cannot run exactly, before any collective (pure; config checks call it).
+def check_sharding_supported(zero_stage: int, schedule_name: str) -> None:
+    """Refuse what ZeRO-2/3 cannot run exactly, before any collective (pure; the config check calls it).
 
-    ``schedule_name``: a merak-pipe schedule name (``1f1b``, ``zb-h1``, ...; ``_`` or ``-``;
-    ``auto`` is accepted). A schedule that splits the backward (``I`` then ``W`` actions) computes
+    ``schedule_name``: a merak-pipe schedule name or spelling (``auto`` is accepted). A schedule
+    that splits the backward (``I`` then ``W`` actions: its ``split_backward`` capability) computes
     weight gradients with ``torch.autograd.grad`` against the registered (sharded) parameters,
-    which FSDP2 swaps for gathered ones during compute: those gradients would be lost, so it is
-    refused; so is a schedule name merak-pipe does not know (its own error says which exist).
+    which FSDP2 swaps for gathered ones during compute: those gradients would be lost.
     """
     if zero_stage not in SHARDED_ZERO_STAGES or schedule_name == "auto":
         return
-    from merak_pipe import build_schedule
+    from merak_pipe import schedule_info
 
-    name = schedule_name.replace("_", "-")
-    schedule = build_schedule(name, num_stages=2 * max(1, virtual_stages), num_microbatches=4)
-    kinds = {str(getattr(a.kind, "value", a.kind)) for actions in schedule.actions.values() for a in actions}
-    split = sorted(kinds & {"I", "W"})
-    if split:
+    if schedule_info(schedule_name).split_backward:
         raise ValueError(
             f"zero_stage={zero_stage} with schedule={schedule_name!r}: the schedule splits the backward into "
-            f"input- and weight-gradient actions ({'/'.join(split)}), which FSDP2-sharded parameters do not "
-            "support (the weight gradients would be lost); expected a schedule with full backwards. Use "
-            "schedule 1f1b, gpipe or shifted_critical_path with ZeRO-2/3, or zero_stage 0/1 with this schedule"
+            "input- and weight-gradient actions (I/W), which FSDP2-sharded parameters do not support (the "
+            "weight gradients would be lost); expected a schedule with full backwards. Use schedule 1f1b, "
+            "gpipe or shifted_critical_path with ZeRO-2/3, or zero_stage 0/1 with this schedule"
         )
 
 
@@ -315,9 +310,8 @@ def _new_parameters(module: nn.Module, before: dict[str, nn.Parameter]) -> dict[
         if original is None or original is new:
             continue
         mapping[id(original)] = new
-        for tag, value in vars(original).items():
-            if tag.startswith(_TAG_PREFIX):
-                setattr(new, tag, value)
+        if has_shard_spec(original):
+            set_shard_spec(new, get_shard_spec(original))
     return mapping
 
 

@@ -113,7 +113,8 @@ class TrainingArguments:
     overlap_chunks: int = 1
     """Sub-microbatches for sub-pipelined TP (communication overlapped with compute); 1: off."""
     zero_stage: int = 0
-    """0: replicated optimizer states; 1: ZeRO-1, optimizer states sharded over DP."""
+    """0: replicated optimizer states; 1: ZeRO-1, optimizer states sharded over DP; 2: ZeRO-2, gradients
+    too; 3: ZeRO-3, parameters too (2 and 3 with torch's FSDP2 over the DP axis, see merak_core.fsdp)."""
     tp_plan: str | dict[str, Any] | None = None
     """TP plan: None/``auto`` for known model types, a plan name (built in, or registered by the job's
     modules), a mapping module pattern -> style, or the full plan vocabulary (``layers``, ``sections``,
@@ -199,8 +200,12 @@ class TrainingArguments:
                 "recompute='full' / 'uniform:<fraction>'"
             )
         self._check_planner_fields()
-        _check(self.zero_stage in (0, 1) and not isinstance(self.zero_stage, bool), "zero_stage",
-               self.zero_stage, "0 (off) or 1 (optimizer states sharded over DP)")
+        _check(self.zero_stage in (0, 1, 2, 3) and not isinstance(self.zero_stage, bool), "zero_stage",
+               self.zero_stage, "0 (off), 1 (optimizer states sharded over DP), 2 (and gradients) or 3 (and "
+               "parameters; ZeRO-2/3 run on torch's FSDP2)")
+        from merak_core.fsdp import check_sharding_supported
+
+        check_sharding_supported(self.zero_stage, self.schedule)
         if isinstance(self.tp_plan, Mapping) and ("layers" in self.tp_plan or "base" in self.tp_plan):
             import merak_tp
 
