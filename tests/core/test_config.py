@@ -245,3 +245,27 @@ def test_duplicate_yaml_key_is_an_error(tmp_path: Path) -> None:
     path.write_text("max_steps: [10\n")
     with pytest.raises(ValueError, match=r"train.yaml: not valid YAML: .*line 2, column 1"):
         TrainingArguments.from_yaml(path)
+
+
+def test_the_config_stores_the_registry_key() -> None:
+    from merak_core.config import schedule_choices
+    from merak_pipe import schedule_infos
+
+    assert TrainingArguments(schedule="zb-v").schedule == "zb_v"
+    assert TrainingArguments(schedule=" Zb-H1 ").schedule == "zb_h1"
+    assert schedule_choices() == ("auto", *(i.key for i in schedule_infos()))
+    with pytest.raises(ValueError, match=r"schedule='pipedream' is invalid: expected one of \('auto', 'gpipe'"):
+        TrainingArguments(schedule="pipedream")
+
+
+def test_job_training_overrides_are_typed_like_flat_overrides() -> None:
+    # One override parser: `training.output_dir=2024` is the text typed, as `output_dir=2024` is.
+    from merak_core.config import parse_overrides
+    from merak_core.job import JobConfig
+
+    demo = Path(__file__).resolve().parents[2] / "examples" / "addition" / "config.yaml"
+    job = JobConfig.from_yaml(demo, ["training.output_dir=2024", "training.max_steps=7"])
+    assert job.training.output_dir == "2024" == parse_overrides(["output_dir=2024"])["output_dir"]
+    assert job.training.max_steps == 7
+    with pytest.raises(ValueError, match=r"override 'training\.max_steps' is not 'section\.key=value'"):
+        JobConfig.from_yaml(demo, ["training.max_steps"])

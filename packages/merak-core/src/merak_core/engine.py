@@ -60,7 +60,8 @@ from merak_core.fsdp import SHARDED_ZERO_STAGES, ShardedDataParallel, shard_para
 from merak_core.layout import ParallelLayout
 from merak_core.stall import Heartbeat
 from merak_core.zero import ZeroOptimizer
-from merak_pipe import PipelineCommError
+from merak_graph import PARAM_MEMORY_FACTOR
+from merak_pipe import PipelineCommError, schedule_info
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -104,8 +105,8 @@ def schedule_name(args: TrainingArguments) -> str:
     """The merak-pipe schedule for ``args.schedule`` (``auto``: shifted critical path with a budget, else 1F1B)."""
     name = args.schedule
     if name == "auto":
-        name = "shifted_critical_path" if args.memory_budget is not None else "1f1b"
-    return name.replace("_", "-")
+        name = "shifted-critical-path" if args.memory_budget is not None else "1f1b"
+    return schedule_info(name).name
 
 
 def _decay_groups(named: Sequence[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict[str, Any]]:
@@ -124,7 +125,7 @@ def _decay_groups(named: Sequence[tuple[str, nn.Parameter]], weight_decay: float
 def check_schedule(args: TrainingArguments, layout: ParallelLayout) -> str:
     """The schedule's merak-pipe name; ValueError for what the engine cannot run on this layout."""
     name = schedule_name(args)
-    if name.startswith("interleaved"):
+    if not schedule_info(name).one_stage_per_rank:
         raise ValueError(
             f"schedule={args.schedule!r} places several stages on one rank, which the Trainer does not "
             "do yet: use 1f1b, gpipe, zb_h1 or shifted_critical_path (merak_pipe runs interleaved schedules "
@@ -263,7 +264,7 @@ class ParallelEngine:
             layer_bytes.append([info.activation_bytes / n] * n)
         probe = build_schedule(self.schedule_name, num_stages=self.layout.pp,
                                num_microbatches=self.args.num_microbatches)
-        static = [info.param_bytes * 4.0 for info in part.stage_info]
+        static = [info.param_bytes * PARAM_MEMORY_FACTOR for info in part.stage_info]  # as the partitioner counts
         return stage_aware_plan(layer_activation_bytes=layer_bytes, memory_budget=float(self.args.memory_budget),
                                 static_bytes=static, schedule=probe)
 

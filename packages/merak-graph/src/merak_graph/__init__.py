@@ -11,6 +11,7 @@ from .costs import CostModel, NodeCost, ValueSpec, annotate_costs, graph_cost_su
 from .empty import empty_init, is_meta_module, materialize
 from .errors import InputMismatchError, PartitionError, TraceError
 from .partitioning import (
+    PARAM_MEMORY_FACTOR,
     Partition,
     SharedParameter,
     StageInfo,
@@ -27,6 +28,7 @@ from .tracing import trace
 __version__ = "0.1.0"
 
 __all__ = [
+    "PARAM_MEMORY_FACTOR",
     "BoundaryValue",
     "CostModel",
     "InputMismatchError",

@@ -39,11 +39,15 @@ from .solver import (
 from .stage import StageModule, retarget_devices
 from .tracing import LeafSpec, normalize_inputs, trace
 
-__all__ = ["Partition", "SharedParameter", "StageInfo", "partition", "partition_sharded", "partition_traced"]
+__all__ = ["PARAM_MEMORY_FACTOR", "Partition", "SharedParameter", "StageInfo", "partition", "partition_sharded",
+           "partition_traced"]
 
 logger = logging.getLogger(__name__)
 
 METHODS = ("cost", "uniform", "parameters")
+
+PARAM_MEMORY_FACTOR = 4.0
+"""Default bytes held per parameter byte: the weight, its gradient and two Adam moments."""
 
 
 @dataclass(frozen=True)
@@ -315,7 +319,7 @@ def partition_sharded(
     *,
     method: str = "cost",
     memory_limit: float | None = None,
-    param_memory_factor: float = 4.0,
+    param_memory_factor: float = PARAM_MEMORY_FACTOR,
     in_flight: str | Sequence[float] | None = None,
     model: nn.Module | None = None,
     balance_tolerance: float = 0.0,
@@ -425,7 +429,7 @@ def partition(
     trace_method: str = "auto",
     static_kwargs: Mapping[str, Any] | None = None,
     cost_model: CostModel | None = None,
-    param_memory_factor: float = 4.0,
+    param_memory_factor: float = PARAM_MEMORY_FACTOR,
     in_flight: str | Sequence[float] | None = None,
     balance_tolerance: float = 0.0,
     profile_device: torch.device | str | None = None,
@@ -484,7 +488,7 @@ def partition_traced(
     split_points: Sequence[str] | None = None,
     method: str = "cost",
     memory_limit: float | None = None,
-    param_memory_factor: float = 4.0,
+    param_memory_factor: float = PARAM_MEMORY_FACTOR,
     in_flight: str | Sequence[float] | None = None,
     balance_tolerance: float = 0.0,
     profile_device: torch.device | str | None = None,

@@ -14,7 +14,14 @@ from merak_pipe.ir import Action, ActionKind, RecomputePlan, Schedule, ScheduleE
 from merak_pipe.lowering import lower, strip_comms
 from merak_pipe.recompute import closed_form_plan, in_flight_counts, stage_aware_plan
 from merak_pipe.runner import PipelineRunner
-from merak_pipe.schedules import available_schedules, build_schedule, register_schedule
+from merak_pipe.schedules import (
+    ScheduleInfo,
+    available_schedules,
+    build_schedule,
+    register_schedule,
+    schedule_info,
+    schedule_infos,
+)
 from merak_pipe.shared import shared_parameter_groups, shared_parameters_list
 from merak_pipe.sim import CostModel, SimResult, TimedAction, simulate
 from merak_pipe.stage import PipelineStage
@@ -42,6 +49,7 @@ __all__ = [
     "RecomputePlan",
     "Schedule",
     "ScheduleError",
+    "ScheduleInfo",
     "SimResult",
     "TimedAction",
     "__version__",
@@ -59,6 +67,8 @@ __all__ = [
     "measured_step_time",
     "plot_timeline",
     "register_schedule",
+    "schedule_info",
+    "schedule_infos",
     "shared_parameter_groups",
     "shared_parameters_list",
     "simulate",

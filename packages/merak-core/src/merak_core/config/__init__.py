@@ -36,7 +36,12 @@ Modules: ``values`` (allowed values, reading YAML, sizes and recompute specs, ty
 ``arguments`` (the dataclass, its checks, overrides), ``lr`` (learning-rate schedules).
 """
 
-from merak_core.config.arguments import TrainingArguments, auto_conflict_message, parse_overrides
+from merak_core.config.arguments import (
+    TrainingArguments,
+    auto_conflict_message,
+    override_value,
+    parse_overrides,
+)
 from merak_core.config.lr import build_lr_scheduler, lr_lambda
 from merak_core.config.values import (
     DTYPES,
@@ -45,14 +50,17 @@ from merak_core.config.values import (
     LR_SCHEDULER_TYPES,
     MAX_SEED,
     NONFINITE_POLICIES,
-    SCHEDULES,
     load_yaml,
     parse_bytes,
     parse_recompute,
+    schedule_choices,
+    schedule_key,
+    split_override,
 )
 
 __all__ = [
-    "DTYPES", "KEY_ALIASES", "LAYOUTS", "LR_SCHEDULER_TYPES", "SCHEDULES", "TrainingArguments", "build_lr_scheduler",
+    "DTYPES", "KEY_ALIASES", "LAYOUTS", "LR_SCHEDULER_TYPES", "TrainingArguments", "build_lr_scheduler",
     "MAX_SEED", "NONFINITE_POLICIES", "auto_conflict_message", "load_yaml", "lr_lambda", "parse_bytes",
-    "parse_overrides", "parse_recompute",
+    "parse_overrides", "parse_recompute", "schedule_choices", "schedule_key",
+    "override_value", "split_override",
 ]

@@ -28,7 +28,6 @@ from merak_core.config.values import (
     LR_SCHEDULER_TYPES,
     MAX_SEED,
     NONFINITE_POLICIES,
-    SCHEDULES,
     _coerce,
     _convert,
     _members,
@@ -36,6 +35,9 @@ from merak_core.config.values import (
     load_yaml,
     parse_bytes,
     parse_recompute,
+    schedule_choices,
+    schedule_key,
+    split_override,
 )
 
 
@@ -105,7 +107,7 @@ class TrainingArguments:
     """Pipeline-parallel degree (stages)."""
     schedule: str = "auto"
     """Pipeline schedule: ``auto`` (shifted critical path with a memory budget, else 1F1B), ``gpipe``,
-    ``1f1b``, ``interleaved_1f1b``, ``shifted_critical_path`` or ``zb_h1`` (hyphens accepted)."""
+    ``1f1b``, ``zb_h1``, ``shifted_critical_path``, ... (any ``merak_pipe.schedule_infos()`` key; hyphens accepted)."""
     recompute: str = "none"
     """Activation recomputation: ``none``, ``full``, ``uniform:<fraction>`` or ``stage_aware``."""
     memory_budget: int | str | None = None
@@ -187,9 +189,8 @@ class TrainingArguments:
                 f"bf16=True with dtype={self.dtype!r}: mixed precision keeps float32 parameters, so set "
                 "dtype='float32' (or bf16=False to train in a low-precision dtype directly)"
             )
-        if isinstance(self.schedule, str):
-            self.schedule = self.schedule.strip().lower().replace("-", "_")
-        _check(self.schedule in SCHEDULES, "schedule", self.schedule, f"one of {SCHEDULES}")
+        self.schedule = schedule_key(self.schedule)
+        _check(self.schedule in schedule_choices(), "schedule", self.schedule, f"one of {schedule_choices()}")
         parse_recompute(self.recompute)
         if self.memory_budget is not None:
             self.memory_budget = parse_bytes(self.memory_budget)
@@ -399,15 +400,18 @@ def parse_overrides(overrides: Iterable[str]) -> dict[str, Any]:
         overrides = [overrides]
     out: dict[str, Any] = {}
     for item in overrides:
-        text = item[2:] if item.startswith("--") else item
-        if "=" not in text:
-            raise ValueError(f"override {item!r} is not of the form key=value (e.g. learning_rate=3e-4)")
-        key, raw = text.split("=", 1)
-        name = _canonical_key(key.strip(), "override")
-        parsed = _yaml().safe_load(raw) if raw.strip() else ""
-        members = _members(typing.get_type_hints(TrainingArguments)[name])
-        if isinstance(parsed, str) or (str in members and isinstance(parsed, (int, float, bool))
-                                       and not any(_convert(parsed, m) is not _NO for m in members if m is not str)):
-            parsed = raw.strip()  # e.g. output_dir=2024 stays the text the user typed
-        out[name] = parsed
+        key, raw = split_override(item, "of the form key=value (e.g. learning_rate=3e-4)")
+        name = _canonical_key(key, "override")
+        out[name] = override_value(name, raw)
     return out
+
+
+def override_value(name: str, raw: str) -> Any:
+    """The value of the override ``name=raw`` for the field ``name``: a YAML scalar, or the typed text for a
+    string field (``output_dir=2024`` stays ``"2024"``). Used for flat overrides and a job's ``training.*``."""
+    parsed = _yaml().safe_load(raw) if raw.strip() else ""
+    members = _members(typing.get_type_hints(TrainingArguments)[name])
+    if isinstance(parsed, str) or (str in members and isinstance(parsed, (int, float, bool))
+                                   and not any(_convert(parsed, m) is not _NO for m in members if m is not str)):
+        parsed = raw.strip()  # e.g. output_dir=2024 stays the text the user typed
+    return parsed

@@ -17,8 +17,6 @@ import torch
 
 LR_SCHEDULER_TYPES = ("constant", "linear", "cosine")
 NONFINITE_POLICIES = ("stop", "skip")
-SCHEDULES = ("auto", "gpipe", "1f1b", "interleaved_1f1b", "shifted_critical_path", "zb_h1")
-"""Pipeline schedules (merak-pipe spells them with hyphens; both spellings are accepted, stored with underscores)."""
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_SEED = 2**32 - 1
 """The largest ``seed``: seeds are offset per epoch and per TP rank and must stay valid for every generator."""
@@ -57,6 +55,38 @@ def parse_recompute(spec: str) -> tuple[str, float | None]:
             )
         return "uniform", fraction
     raise ValueError(f"recompute={spec!r} is not one of 'none', 'full', 'uniform:<fraction>', 'stage_aware'")
+
+
+def schedule_choices() -> tuple[str, ...]:
+    """``training.schedule`` values: ``auto`` and the key of every schedule merak-pipe has registered."""
+    from merak_pipe import schedule_infos
+
+    return ("auto", *(info.key for info in schedule_infos()))
+
+
+def schedule_key(value: Any) -> Any:
+    """The stored spelling of a schedule (its registry key, see [Note: schedule spellings] in
+    ``merak_pipe.schedules.registry``); anything the registry does not know comes back as given."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip().lower()
+    if text == "auto":
+        return text
+    from merak_pipe import schedule_info
+
+    try:
+        return schedule_info(text).key
+    except ValueError:
+        return text
+
+
+def split_override(item: str, form: str) -> tuple[str, str]:
+    """``"key=value"`` (or ``"--key=value"``) -> ``("key", "value")``; ValueError saying the ``form`` otherwise."""
+    text = item[2:] if item.startswith("--") else item
+    if "=" not in text:
+        raise ValueError(f"override {item!r} is not {form}")
+    key, _, raw = text.partition("=")
+    return key.strip(), raw
 
 
 def parse_bytes(value: int | str) -> int:

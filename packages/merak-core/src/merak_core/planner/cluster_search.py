@@ -19,6 +19,7 @@ from typing import Any
 from merak_core.planner.cluster import ClusterSpec
 from merak_core.planner.cluster_cost import ModelCosts, stage_costs, step_overhead_s
 from merak_core.planner.search import RECOMPUTE_MODES, split_layers
+from merak_pipe import schedule_info
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +119,7 @@ def predict_config(costs: ModelCosts, cluster: ClusterSpec, *, dp: int, tp: int,
     st = stage_costs(costs, cluster, bounds=bounds, dp=dp, tp=tp, micro_batch_size=micro_batch_size,
                      zero_stage=zero_stage, tp_overlap=tp_overlap, tp_chunks=tp_chunks, num_ranks=pp)
     limit = cluster.usable_memory_bytes
-    name = schedule.replace("_", "-") if pp > 1 else "1f1b"
+    name = schedule_info(schedule).name if pp > 1 else "1f1b"
     m = num_microbatches
     check = memo is None
     memo = {} if memo is None else memo

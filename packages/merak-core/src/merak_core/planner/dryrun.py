@@ -263,7 +263,7 @@ def dry_run(model: nn.Module, example_inputs: Sequence[Any] | Mapping[str, Any],
     report.prediction = cand
     from merak_pipe import RecomputePlan
 
-    sched = build_schedule(schedule.replace("_", "-") if pp > 1 else "1f1b", num_stages=pp,
+    sched = build_schedule(schedule if pp > 1 else "1f1b", num_stages=pp,
                            num_microbatches=num_microbatches, recompute=RecomputePlan(cand.recompute_fractions))
     per_stage_actions = [" ".join(str(a) for a in sched.actions[sched.stage_to_rank[s]]) for s in range(pp)]
     report.seconds["partition+schedule"] = time.perf_counter() - t1

@@ -28,6 +28,7 @@ from typing import Any
 from merak_core.planner.comm import CommModel
 from merak_core.planner.profile import ModelProfile
 from merak_core.planner.search import Candidate, plan, predict
+from merak_pipe import schedule_info
 
 __all__ = [
     "MeasuredStep", "PlanComparison", "PlanContext", "Replan", "compare", "correct_profile", "needs_replan",
@@ -183,7 +184,7 @@ def predict_current(ctx: PlanContext, *, dp: int, tp: int, pp: int, schedule: st
     ``schedule`` may be spelled with hyphens; ``memory_budget`` is the stage-aware budget (default:
     the context's memory per device); ``profile`` replaces the context's.
     """
-    return predict(profile or ctx.profile, dp=dp, tp=tp, pp=pp, schedule=schedule.replace("-", "_"),
+    return predict(profile or ctx.profile, dp=dp, tp=tp, pp=pp, schedule=schedule_info(schedule).key,
                    num_microbatches=num_microbatches, micro_batch_size=micro_batch_size, recompute=recompute,
                    comm=ctx.comm, zero_stage=ctx.zero_stage, optimizer_state_factor=ctx.optimizer_state_factor,
                    memory_per_device=float(memory_budget) if memory_budget is not None else ctx.memory_per_device,

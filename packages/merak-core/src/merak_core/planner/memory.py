@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from merak_core.planner.profile import ModelProfile
+from merak_pipe import schedule_info
 
 __all__ = [
     "ZERO_STAGES", "SavedActivationMeter", "StageMemory", "compare_stage_memory", "cuda_peak_bytes", "measure_held_bytes",
@@ -130,7 +131,7 @@ def predict_stage_memory(
                          f"{profile.num_layers} layers")
     if virtual_stages < 1 or num_stages % virtual_stages:
         raise ValueError(f"virtual_stages={virtual_stages} must divide the {num_stages} stages")
-    name = schedule.replace("_", "-")
+    name = schedule_info(schedule).name
     fractions = list(recompute_fractions) if recompute_fractions is not None else [0.0] * num_stages
     if len(fractions) != num_stages:
         raise ValueError(f"recompute_fractions has {len(fractions)} values for {num_stages} stages")

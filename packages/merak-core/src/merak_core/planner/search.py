@@ -13,13 +13,14 @@ from typing import Any
 from merak_core.planner.comm import CommModel
 from merak_core.planner.memory import ZERO_STAGES, model_state_bytes
 from merak_core.planner.profile import ModelProfile
+from merak_pipe import schedule_info, schedule_infos
 
 __all__ = [
     "PLANNER_SCHEDULES", "RECOMPUTE_MODES", "Candidate", "format_plan", "plan", "predict", "split_layers", "why_best",
 ]
 
-PLANNER_SCHEDULES = ("gpipe", "1f1b", "zb_h1", "shifted_critical_path")
-"""Schedules the Trainer runs with one stage per rank (config spelling)."""
+PLANNER_SCHEDULES = tuple(info.key for info in schedule_infos() if info.one_stage_per_rank)
+"""Schedules the Trainer runs with one stage per rank (config spelling): the registry's, in its order."""
 RECOMPUTE_MODES = ("none", "full", "stage_aware")
 
 
@@ -187,7 +188,7 @@ def _evaluate(profile: ModelProfile, comm: CommModel, lay: _Layout, *, schedule:
         boundary_bytes=b * profile.boundary_bytes, activation_bytes=[b * sum(a) for a in lay.act1],
         input_bytes=b * profile.boundary_bytes,
     )
-    name = schedule.replace("_", "-")
+    name = schedule_info(schedule).name
     if recompute == "stage_aware":
         if pp < 2:
             return None
