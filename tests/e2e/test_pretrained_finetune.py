@@ -38,24 +38,27 @@ def _datasets(folder: Path, text: Path) -> tuple[Blocks, Blocks]:
 
 
 def finetune_on_ranks(folder: str, text: str, out: str, args_kwargs: dict[str, Any]) -> tuple[int, int, float]:
-    """Rank body: load the folder, export it, train, export again, evaluate.
+    """Rank body: the Trainer from the folder, exported at once, trained (exported at the end), evaluated.
 
     Returns (bytes this rank read from the folder, bytes of its own parameters, eval loss).
     """
     from merak_core import Trainer
-    from merak_core.hf import PretrainedWeights, export_hf, pretrained_model, skip_init
+    from merak_core.hf import PretrainedWeights, export_hf
 
-    args = make_args(**args_kwargs)
+    args = make_args(**args_kwargs, output_dir=str(Path(out) / "run"), save_steps=3,
+                     export_hf_dir=str(Path(out) / "step3"))
     train, evaluation = _datasets(Path(folder), Path(text))
-    model = pretrained_model(folder, dtype=args.torch_dtype)
-    weights = PretrainedWeights.match(model, folder)
-    trainer = Trainer(model, args, train, evaluation, loss_fn=lm_loss, init_fn=skip_init)
-    read = weights.load_into(trainer.model)
+    read: list[int] = []
+    original = PretrainedWeights.load_into
+    PretrainedWeights.load_into = lambda self, pm: read.append(original(self, pm)) or read[-1]  # type: ignore
+    try:
+        trainer = Trainer(None, args, train, evaluation, loss_fn=lm_loss, pretrained=folder)
+    finally:
+        PretrainedWeights.load_into = original  # type: ignore[method-assign]
     own = sum(p.numel() * p.element_size() for p in {id(p): p for _, p in trainer.model.named_parameters()}.values())
-    export_hf(trainer, Path(out) / "step0", pretrained=folder, max_shard_size="40KB")
-    trainer.train()
-    export_hf(trainer, Path(out) / "step3", pretrained=folder, max_shard_size="40KB")
-    return read, own, trainer.evaluate()["eval_loss"]
+    export_hf(trainer, Path(out) / "step0", max_shard_size="40KB")
+    trainer.train()  # exports to step3 (export_hf_dir) after the last step
+    return read[0], own, trainer.last_eval["eval_loss"]
 
 
 def reference_finetune(folder: Path, text: Path, args_kwargs: dict[str, Any], dp: int) -> dict[str, torch.Tensor]:
@@ -104,7 +107,7 @@ def test_pretrained_finetune_and_export(name: str, layout: tuple[int, int, int])
     for key, ref in original.items():
         assert step0[key].dtype == ref.dtype and torch.equal(step0[key], ref), key
     exported = root / "out" / "step3"
-    assert (exported / "model.safetensors.index.json").is_file()
+    assert (root / "out" / "step0" / "model.safetensors.index.json").is_file()
     assert (exported / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()
     assert (exported / "generation_config.json").is_file()
 
@@ -116,6 +119,15 @@ def test_pretrained_finetune_and_export(name: str, layout: tuple[int, int, int])
     for key, ref in ref_state.items():
         assert state[key].dtype == torch.float64, key
         assert_tensors_close(state[key].detach(), ref, name=f"{name} {layout} {key}", rtol=1e-8, atol=1e-10)
+
+    # The checkpoint of step 3 ('latest') exports to the same folder in one process.
+    from merak_core.hf import export_checkpoint
+
+    again = export_checkpoint(root / "out" / "run" / "checkpoints" / "latest", root / "out" / "from_checkpoint")
+    assert (again / "tokenizer.json").is_file()  # the pretrained folder the run recorded
+    from_checkpoint, final = read_folder(again), read_folder(exported)
+    assert sorted(from_checkpoint) == sorted(final)
+    assert all(torch.equal(from_checkpoint[k], final[k]) for k in final)
 
     # (c) transformers' loss on the eval text equals Merak's eval loss (every rank reports the same).
     eval_losses = [r[2] for r in results]

@@ -166,7 +166,7 @@ def _set_up(args: argparse.Namespace, where: dict[str, str]) -> tuple[Any, Any, 
     model = job.build_model()
     trainer = Trainer(model, targs, train_data, eval_data, loss_fn=job.optional("loss"),
                       data_collator=job.optional("collate"), compute_metrics=job.optional("metrics"),
-                      layout=layout, plan_context=plan_context)
+                      layout=layout, plan_context=plan_context, pretrained=job.model.pretrained)
     resume = resume_target(args.resume)
     if resume is not None:
         trainer.resume(resume)

@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -81,11 +83,15 @@ class Trainer:
         optimizer_factory: ``fn(param_groups) -> Optimizer`` (default: AdamW from ``args``).
         plan_context: the planner's profile and machine, for the plan check (``plan_check_steps``);
             ``layout: auto`` builds it (:func:`merak_core.planner.auto.auto_layout` runs here first).
+        pretrained: a Hugging Face folder (``config.json`` + safetensors) whose weights the model starts
+            from; ``model=None`` builds the model from its ``config.json`` on the meta device. Each rank
+            reads only its TP slices of its own stage (:mod:`merak_core.hf`); ``export_hf_dir`` and
+            ``merak export`` copy the folder's config and tokenizer files.
     """
 
     def __init__(
         self,
-        model: nn.Module,
+        model: nn.Module | None,
         args: TrainingArguments,
         train_dataset: Any = None,
         eval_dataset: Any = None,
@@ -99,7 +105,11 @@ class Trainer:
         optimizer_factory: Callable[[list[dict[str, Any]]], torch.optim.Optimizer] | None = None,
         device: torch.device | str | None = None,
         plan_context: PlanContext | None = None,
+        pretrained: str | os.PathLike[str] | None = None,
     ) -> None:
+        model, weights, init_fn = _pretrained_start(model, args, pretrained, init_fn)
+        self.pretrained_path = None if pretrained is None else str(Path(pretrained).resolve())
+        """The Hugging Face folder the run started from (recorded in checkpoints for ``merak export``)."""
         if args.layout == "auto" or (args.plan_check_steps and plan_context is None):
             if args.layout == "auto" and layout is not None:
                 raise ValueError("layout='auto' chooses dp/tp/pp itself: do not pass layout= (or use layout: manual)")
@@ -127,6 +137,8 @@ class Trainer:
                 train_dataset if train_dataset is not None else eval_dataset, data_collator, args.micro_batch_size)
         composed = bootstrap.compose(model, args, self.layout, self.device, example_inputs=example_inputs,
                                      init_fn=init_fn)
+        if weights is not None:
+            weights.load_into(composed)  # this rank's slices, before the optimizer sees the parameters
         self.engine = ParallelEngine(composed, self.layout, args, device=self.device, loss_fn=self.loss_fn,
                                      num_training_steps=self.num_training_steps(), example_labels=example_labels,
                                      optimizer_factory=optimizer_factory)
@@ -142,7 +154,8 @@ class Trainer:
         e = self.engine
         self.checkpoint_parts = CheckpointParts(
             args=args, layout=self.layout, device=self.device, model=e.model, optimizer=e.optimizer,
-            lr_scheduler=e.lr_scheduler, train_loader=self.train_loader, train=self.train_state)
+            lr_scheduler=e.lr_scheduler, train_loader=self.train_loader, train=self.train_state,
+            pretrained=self.pretrained_path)
         self.checkpoints = CheckpointManager(self.checkpoint_parts)
         from merak_core.planner.check import PlanCheck
 
@@ -288,6 +301,10 @@ class Trainer:
             self.metrics.log({"step": self.global_step, **self.last_eval})
         if args.save_steps and self.global_step % args.save_steps:
             self.checkpoints.save()  # the final state, unless the last step just saved it
+        if args.export_hf_dir is not None:
+            from merak_core.hf import export_hf
+
+            export_hf(self, args.export_hf_dir)  # from the live parameters: checkpoints or not
         self.metrics.finish()
         return self.history
 
@@ -387,3 +404,23 @@ def _count_tokens(inputs: Any) -> int:
     return int(inputs.numel()) if isinstance(inputs, torch.Tensor) and not inputs.is_floating_point() \
         else int(inputs.shape[0])
 
+
+def _pretrained_start(model: nn.Module | None, args: TrainingArguments, pretrained: str | os.PathLike[str] | None,
+                      init_fn: Callable[[nn.Module], Any] | None) -> tuple[nn.Module, Any, Any]:
+    """(model, matched weights or None, init_fn) for ``Trainer(..., pretrained=PATH)``.
+
+    The folder is matched to the model by name and shape here, on every rank alike, before any
+    collective; a meta model is cast to the run's dtype and materialised without initialisation
+    (every parameter is then loaded).
+    """
+    if pretrained is None:
+        if model is None:
+            raise ValueError("Trainer needs a model, or pretrained=PATH (a Hugging Face folder) to build it from")
+        return model, None, init_fn
+    from merak_core.hf import PretrainedWeights, pretrained_model, skip_init
+
+    if model is None:
+        model = pretrained_model(pretrained, dtype=args.torch_dtype)
+    elif bootstrap.is_meta(model):
+        model.to(dtype=args.torch_dtype)
+    return model, PretrainedWeights.match(model, pretrained), init_fn or skip_init

@@ -164,6 +164,7 @@ class CheckpointManager:
                 "format": FORMAT, "step": step, "time": time.time(), "torch": torch.__version__,
                 "layout": {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "world_size": layout.world_size},
                 "zero_stage": parts.args.zero_stage, "training_arguments": parts.args.to_dict(),
+                "pretrained": parts.pretrained,
                 "fingerprint": {name: list(shape) for name, shape in fingerprint.items()},
                 "files": dict(sorted(files.items())),
             }

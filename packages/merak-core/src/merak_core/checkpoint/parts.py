@@ -44,3 +44,5 @@ class CheckpointParts:
     train: TrainState
     rng_tracker: Any = None
     """A ``merak_tp.RNGTracker`` whose stored states are saved per rank, if any."""
+    pretrained: str | None = None
+    """The Hugging Face folder the run started from, recorded in the metadata for ``merak export``."""

@@ -82,6 +82,10 @@ class TrainingArguments:
     """Checkpoint every this many steps; None: no periodic checkpoints."""
     save_total_limit: int | None = None
     """Keep at most this many checkpoints (oldest deleted first); None: keep all."""
+    export_hf_dir: str | None = None
+    """At the end of training, write the model here as a Hugging Face folder (sharded safetensors, index,
+    ``config.json``, tokenizer files; ``merak_core.hf.export_hf``), whether or not checkpoints are saved.
+    Needs a run started from ``model.pretrained`` (its config and tokenizer are copied); None: no export."""
     seed: int = 42
     """Seed of parameter initialisation, data order and dropout."""
     bf16: bool = False
@@ -147,6 +151,8 @@ class TrainingArguments:
     def __post_init__(self) -> None:
         _check(isinstance(self.output_dir, str) and self.output_dir != "", "output_dir", self.output_dir,
                "a non-empty directory path")
+        _check(self.export_hf_dir is None or (isinstance(self.export_hf_dir, str) and self.export_hf_dir != ""),
+               "export_hf_dir", self.export_hf_dir, "a directory path, or null for no export")
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
                      "logging_steps", "tp", "pp", "overlap_chunks"):
             _check_int(self, name, minimum=1)

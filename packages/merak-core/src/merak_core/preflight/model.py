@@ -82,6 +82,8 @@ def build_meta_model(job: JobConfig) -> nn.Module:
     """The job's model built under ``merak_graph.empty_init`` (parameters on the meta device)."""
     import merak_graph
 
+    if job.model.pretrained is not None:
+        return _pretrained_meta_model(job)
     fn = job.model.load(job.base_dir, "model.factory")
     check_model_kwargs(fn, job.model.kwargs)
     try:
@@ -98,6 +100,26 @@ def build_meta_model(job: JobConfig) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise PreflightError(f"model.factory {job.model.spec!r} returned {type(model).__name__}, not a torch.nn.Module; "
                              "return the model")
+    return model
+
+
+def _pretrained_meta_model(job: JobConfig) -> nn.Module:
+    """``model.pretrained``: the model built from the folder's config.json and matched to its tensors."""
+    from merak_core.hf import PretrainedWeights
+
+    folder = job.model.pretrained
+    assert folder is not None
+    try:
+        model = job.build_model()
+    except ValueError as exc:
+        raise PreflightError(str(exc)) from None
+    except Exception as exc:  # noqa: BLE001 - reported with the folder
+        raise PreflightError(f"model.pretrained {folder!r}: building the model from its config.json failed: "
+                             f"{type(exc).__name__}: {exc}{_where(exc)}") from None
+    try:
+        PretrainedWeights.match(model, folder)  # names and shapes, from the file headers
+    except ValueError as exc:
+        raise PreflightError(str(exc)) from None
     return model
 
 
