@@ -144,3 +144,57 @@ def test_the_third_signal_kills_torchrun_and_its_ranks(tmp_path: Path) -> None:
     while _alive(rank) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(rank), "the rank in its own session was killed too"
+
+
+REPORT = textwrap.dedent("""
+    import sys
+    sys.stderr.write('''[rank1]: RuntimeError: the same fault in every attempt
+    torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+    ============================================================
+    merak_core.launch FAILED
+    ------------------------------------------------------------
+    Failures:
+    [1]:
+      time      : 2026-12-01_12:45:16
+      host      : localhost
+      rank      : 1 (local_rank: 1)
+      exitcode  : %s (pid: 2285)
+      error_file: <N/A>
+      traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+    ------------------------------------------------------------
+    Root Cause (first observed failure):
+    [0]:
+      time      : 2026-12-01_12:45:16
+      host      : localhost
+      rank      : 3 (local_rank: 3)
+      exitcode  : %s (pid: 2284)
+      error_file: <N/A>
+      traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+    ============================================================
+    ''' % (sys.argv[1], sys.argv[2]))
+    sys.exit(1)
+""")
+
+
+@pytest.mark.parametrize(("root_code", "max_restarts", "expected"), [
+    ("1", 3, "merak train: the job failed: rank 3 failed first (exit code 1); its error is above; torchrun "
+             "restarted the job 3 times (--max-restarts 3) and every attempt failed, so it gave up"),
+    ("-9", 0, "merak train: the job failed: rank 3 failed first (killed by SIGKILL); its error is above"),
+], ids=["repeated-fault", "killed-no-restarts"])
+def test_a_failed_job_is_summed_up_in_one_line_naming_the_root_cause(root_code: str, max_restarts: int,
+                                                                      expected: str) -> None:
+    from merak_core.supervise import failure_line
+
+    err = io.StringIO()
+    outcome = run_torchrun([sys.executable, "-c", REPORT, "75", root_code], err=err)
+    assert outcome.returncode == 1 and outcome.root_cause == (3, int(root_code))  # type: ignore[attr-defined]
+    assert "the same fault in every attempt" in err.getvalue(), "torchrun's output is shown unchanged"
+    assert failure_line(outcome, max_restarts) == expected  # type: ignore[arg-type]
+
+
+def test_no_failure_line_for_a_finished_or_preempted_job() -> None:
+    from merak_core.supervise import JobOutcome, failure_line
+
+    done, stopped = JobOutcome(), JobOutcome()
+    done.returncode, stopped.returncode, stopped.worker_exitcodes = 0, 1, [PREEMPTED, PREEMPTED]
+    assert failure_line(done, 3) is None and failure_line(stopped, 3) is None

@@ -38,10 +38,11 @@ FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 """Signals ``merak train`` passes on to torchrun."""
 
 _EXITCODE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
+_REPORT_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
 _AGENT_SIGNAL = re.compile(r"got signal: (\d+)|Received (\d+) death signal|Received Signals\.(\w+) death signal")
 _RANK_LINE = re.compile(r"^\[rank \d+\] ")
 
-__all__ = ["FORWARDED", "JobOutcome", "run_torchrun"]
+__all__ = ["FORWARDED", "JobOutcome", "failure_line", "run_torchrun"]
 
 
 class _ShutdownFilter:
@@ -83,6 +84,8 @@ class JobOutcome:
         self.hidden_lines = 0
         self.repeats = 0
         """Signals received after the first (the second warns, the third kills the job's processes)."""
+        self.root_cause: tuple[int, int] | None = None
+        """(global rank, exit code) of the first failure in torchrun's final report, or None."""
 
     @property
     def preempted(self) -> bool:
@@ -138,10 +141,19 @@ def _kill_tree(pid: int) -> None:
 
 def _pump(stream: IO[str], out: IO[str], outcome: JobOutcome, stopping: threading.Event) -> None:
     filt = _ShutdownFilter()
+    in_root_cause, root_rank = False, None
     for line in stream:
         found = _EXITCODE.match(line)
         if found:
             outcome.worker_exitcodes.append(int(found.group(1)))
+        if line.startswith("Root Cause"):
+            in_root_cause = True
+        elif in_root_cause:
+            rank_found = _REPORT_RANK.match(line)
+            if rank_found:
+                root_rank = int(rank_found.group(1))
+            elif found and root_rank is not None and outcome.root_cause is None:
+                outcome.root_cause = (root_rank, int(found.group(1)))
         sig = _AGENT_SIGNAL.search(line)
         if sig and outcome.signal is None:
             outcome.agent_signal = next(g for g in sig.groups() if g)
@@ -151,6 +163,27 @@ def _pump(stream: IO[str], out: IO[str], outcome: JobOutcome, stopping: threadin
         out.write(line)
         out.flush()
     outcome.hidden_lines = filt.hidden
+
+
+def failure_line(outcome: JobOutcome, max_restarts: int) -> str | None:
+    """What ``merak train`` says after torchrun's report when the job failed (None: it did not fail).
+
+    torchrun gives up only when ``--max-restarts`` attempts are spent, so a fault that repeats in
+    every attempt ends here, after ``max_restarts + 1`` attempts, never in a loop.
+    """
+    status = outcome.exit_status
+    if status in (0, PREEMPTED):
+        return None
+    if outcome.root_cause is not None:
+        rank, code = outcome.root_cause
+        how = (f"killed by {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals()
+               else f"exit code {code}")
+        cause = f"rank {rank} failed first ({how}); its error is above"
+    else:
+        cause = f"torchrun exited with status {status}; the error is above"
+    spent = (f"; torchrun restarted the job {max_restarts} time{'s' if max_restarts != 1 else ''} "
+             f"(--max-restarts {max_restarts}) and every attempt failed, so it gave up" if max_restarts > 0 else "")
+    return f"merak train: the job failed: {cause}{spent}"
 
 
 def run_torchrun(cmd: Sequence[str], *, env: dict[str, str] | None = None, pass_fds: Sequence[int] = (),
