@@ -8,6 +8,8 @@ wrong plan exactly as the whole-model check does. Marked ``transformers``.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -94,3 +96,51 @@ def test_tiny_check_passes_the_plan_and_flags_a_wrong_one(full_configs: dict[str
     assert flagged[0] == "model.layers.0.mlp.down_proj", flagged
     assert {"model.layers.1.mlp.gate_up_proj", "model.layers.1.mlp.down_proj", "lm_head"} <= set(flagged)
     assert min(r.relative for r in rows if r.name in flagged) > 1e-3
+
+
+EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "tp_families" / "job.yaml")
+"""transformers' default (full-size) config of a family: Phi-3 mini, 3.8e9 parameters."""
+
+
+def test_merak_check_of_a_full_size_job_checks_the_tiny_config(capsys: pytest.CaptureFixture[str]) -> None:
+    from merak_core.cli import main
+
+    assert main(["check", EXAMPLE, "model.kwargs={family: phi3}"]) == 0, capsys.readouterr()
+    out = capsys.readouterr().out
+    assert "Phi3ForCausalLM has 3,821,079,552 parameters" in out and "checking a tiny config" in out, out
+    assert "tiny: hidden_size=32, num_hidden_layers=2, num_attention_heads=4" in out, out
+    assert "model.layers.1.mlp.gate_up_proj" in out and "0 above the tolerance 1e-09" in out, out
+    # The silent-wrong Phi-3 plan (gate/up as one block) fails the tiny check with exit 1.
+    wrong = ("training.tp_plan={base: hf_phi3, sections: {'*layers.*.self_attn.qkv_proj': "
+             "[num_attention_heads*head_dim, num_key_value_heads*head_dim, num_key_value_heads*head_dim]}}")
+    assert main(["check", EXAMPLE, "model.kwargs={family: phi3}", wrong, "--tiny"]) == 1
+    flagged = [line.split()[0] for line in capsys.readouterr().out.splitlines() if line.endswith(" NO")]
+    assert flagged[0] == "model.layers.0.mlp.down_proj", flagged
+
+
+def test_merak_check_refuses_real_sizes_the_plan_cannot_split(capsys: pytest.CaptureFixture[str]) -> None:
+    """What only the real config has (GPT-2's vocabulary of 50257) is refused on the meta model first."""
+    from merak_core.cli import main
+
+    assert main(["check", EXAMPLE, "model.kwargs={family: gpt2}"]) == 2
+    assert "does not divide transformer.wte.num_embeddings=50257" in capsys.readouterr().err
+
+
+def test_float32_inside_the_sharded_modules_sets_a_float32_tolerance() -> None:
+    """OLMo 2's sharded q/k norms compute in float32 whatever the model's dtype: the check says so and
+    accepts float32 rounding (1e-5) instead of flagging an exact plan; Llama stays at 1e-9."""
+    from merak_core.tp_check import (
+        FLOAT32_TOLERANCE,
+        FLOAT64_TOLERANCE,
+        check_plan_numerics,
+        default_tolerance,
+        format_report,
+    )
+
+    inputs = ((), {"input_ids": torch.randint(3, F.VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))})
+    olmo = check_plan_numerics(lambda: F.build_family("olmo2"), inputs, tp=2)
+    assert default_tolerance(olmo) == FLOAT32_TOLERANCE
+    assert 1e-9 < max(r.relative for r in olmo) < 1e-5, olmo  # float32 rounding, not a wrong plan
+    assert "0 above the tolerance 1e-05 (the model computes in float32 inside)" in format_report(olmo)
+    llama = check_plan_numerics(lambda: F.build_family("llama"), inputs, tp=2)
+    assert default_tolerance(llama) == FLOAT64_TOLERANCE and max(r.relative for r in llama) < 1e-12

@@ -5,7 +5,7 @@ downloads) is handed to ``merak_core.Trainer`` unchanged, with ``tp_plan`` left 
 the built-in plan of its ``model_type``. Three optimizer steps (AdamW, warm-up,
 clipping) must give the same losses and every parameter, by name, as the same
 training in one process. Layouts: tp=2 with sub-pipelined overlap
-(``overlap_chunks=2``), and tp=2 x pp=2 with the same overlap (stages traced by
+(``overlap_chunks=2``) and sequence parallelism where the plan has it, and tp=2 x pp=2 with the same overlap (stages traced by
 torch.export, the overlapped regions opaque leaves) for every family; the
 mixture-of-experts blocks route tokens with data-dependent shapes, which
 torch.export cannot trace: they stay opaque leaves too (TP's experts module, or
@@ -78,7 +78,11 @@ def train_on_ranks(name: str, kwargs: dict[str, Any]) -> tuple[list[float], Any]
     history = trainer.train()
     state = trainer.full_state_dict()
     transposed = {n for n, p in trainer.model.named_parameters() if getattr(p, "_merak_tp_transposed", False)}
-    return [h["loss"] for h in history if "loss" in h], (state, transposed) if dist.get_rank() == 0 else None
+    import merak_tp
+
+    scatters = sum(isinstance(m, merak_tp.SequenceScatter) for m in trainer.model.module.modules())
+    return ([h["loss"] for h in history if "loss" in h], (state, transposed) if dist.get_rank() == 0 else None,
+            scatters)
 
 
 def reference(name: str, kwargs: dict[str, Any]) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -98,7 +102,9 @@ def _check(name: str, tp: int, pp: int, **overrides: Any) -> None:
     kwargs = dict(dp=1, tp=tp, pp=pp, gradient_accumulation_steps=2, **overrides)
     results = run_on_ranks(tp * pp, train_on_ranks, name, kwargs)
     ref_losses, ref_state = reference(name, kwargs)
-    losses, (state, transposed) = results[0]
+    losses, (state, transposed), _ = results[0]
+    scatters = sum(r[2] for r in results)  # the modules entering sequence parallelism, over the ranks
+    assert (scatters > 0) == bool(overrides.get("sequence_parallel")), scatters
     tol = F.tolerance(name)
     assert len(losses) == 3
     assert losses == pytest.approx(ref_losses, rel=tol.get("rtol", 1e-9), abs=1e-12)
@@ -111,9 +117,35 @@ def _check(name: str, tp: int, pp: int, **overrides: Any) -> None:
                              rtol=tol.get("rtol", 1e-8), atol=tol.get("atol", 1e-10))
 
 
+SEQUENCE_PARALLEL = tuple(f for f in F.FAMILIES if f not in (*F.MOE, "opt"))
+"""Families whose plans shard the sequence between the TP blocks (``training.sequence_parallel``)."""
+
+
 @pytest.mark.parametrize("name", F.FAMILIES)
-def test_family_trains_at_tp2_with_overlap(name: str) -> None:
-    _check(name, 2, 1, overlap_chunks=2)
+def test_family_trains_at_tp2_with_overlap_and_sequence_parallel(name: str) -> None:
+    """tp=2 with overlap_chunks=2, and sequence parallelism where the plan supports it (both at once: the
+    overlapped regions gather and reduce-scatter the sequence)."""
+    _check(name, 2, 1, overlap_chunks=2, sequence_parallel=name in SEQUENCE_PARALLEL)
+
+
+def test_sequence_parallel_at_tp2_pp2() -> None:
+    """Sequence parallelism inside traced stages (the scatter/gather modules are opaque leaves too)."""
+    _check("llama", 2, 2, sequence_parallel=True)
+
+
+def test_sequence_parallel_is_refused_before_any_process_group() -> None:
+    """A plan without sequence parallelism: the Trainer refuses it from the model alone, naming the family,
+    the reason and the job-file key (here no process group exists: the error comes first)."""
+    import torch.distributed as dist
+
+    from merak_core import Trainer
+
+    assert not dist.is_initialized()
+    for name, why in (("opt", "OPTDecoderLayer flattens batch and sequence"), ("mixtral", "its experts block")):
+        with pytest.raises(ValueError, match=f"sequence_parallel=true: the TP plan 'hf_{name}' of .*model_type "
+                                             f"'{name}'.* does not support sequence parallelism: {why}.*"
+                                             "training.sequence_parallel: false"):
+            Trainer(F.build_family(name), make_args(tp=2, sequence_parallel=True), Tokens(4), loss_fn=lm_loss)
 
 
 @pytest.mark.parametrize("name", F.FAMILIES)

@@ -142,3 +142,20 @@ def test_trainer_tp_check_refuses_a_wrong_plan_before_training() -> None:
     for err in errors:
         assert "does not shard the model exactly (training.tp_check)" in err, err
         assert any("gate_up_proj" in line and line.endswith(" NO") for line in err.splitlines()), err
+
+
+def test_sequence_parallel_on_a_plan_without_it_is_refused_in_the_launching_process(tmp_path: Path) -> None:
+    """``training.sequence_parallel: true`` with OPT (its layers flatten batch and sequence): the check before
+    torchrun names the plan, the family, the reason and the key; Llama's plan passes."""
+    from merak_core.job import JobConfig
+    from merak_core.preflight import PreflightError, preflight
+
+    job = JobConfig.from_yaml(_write_job(tmp_path, "opt", {"tp": 2, "sequence_parallel": True}))
+    with pytest.raises(PreflightError, match="the TP plan 'hf_opt' of OPTForCausalLM .* does not support sequence "
+                                             "parallelism: OPTDecoderLayer flattens .*training.sequence_parallel: "
+                                             "false"):
+        preflight(job, tp=2)
+    (tmp_path / "llama").mkdir()
+    ok = preflight(JobConfig.from_yaml(_write_job(tmp_path / "llama", "llama", {"tp": 2, "sequence_parallel": True})),
+                   tp=2)
+    assert "sequence parallelism supported by the TP plan" in ok.checks

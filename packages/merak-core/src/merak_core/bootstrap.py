@@ -131,4 +131,5 @@ def compose(model: nn.Module, args: TrainingArguments, layout: ParallelLayout, d
     return build_parallel_model(
         model, layout, example_inputs=example_inputs, tp_plan=args.tp_plan,
         overlap_chunks=args.overlap_chunks, device=device, init_fn=init_fn, rng_tracker=tp_rng,
+        sequence_parallel=args.sequence_parallel and layout.tp > 1,
     )

@@ -38,8 +38,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["ModuleDifference", "check_before_training", "check_plan_numerics", "check_sequence_parallel",
-           "compare_sharded_modules", "format_report", "resolve_plan"]
+__all__ = ["FLOAT32_TOLERANCE", "FLOAT64_TOLERANCE", "ModuleDifference", "check_before_training", "check_job",
+           "check_plan_numerics", "check_sequence_parallel", "compare_sharded_modules", "default_tolerance",
+           "format_report", "resolve_plan"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,9 @@ class ModuleDifference:
     """Largest absolute difference."""
     scale: float
     """Largest magnitude of the unsharded output."""
+    float32_inside: bool = False
+    """The model computed some values in float32 although it ran in float64 (norms or routers that
+    upcast to float32 by design): differences up to float32 rounding are exact for it."""
 
     @property
     def relative(self) -> float:
@@ -119,6 +123,46 @@ def _as_double(inputs: Any) -> Any:
     return inputs
 
 
+FLOAT64_TOLERANCE = 1e-9
+FLOAT32_TOLERANCE = 1e-5
+"""Relative tolerances of the check: rounding in float64, or in float32 for a model that computes some values
+in float32 whatever its dtype (OLMo 2's and Gemma's norms, Mixtral's router)."""
+
+
+def default_tolerance(rows: list[ModuleDifference]) -> float:
+    """``FLOAT32_TOLERANCE`` when the model computes in float32 inside, ``FLOAT64_TOLERANCE`` otherwise."""
+    return FLOAT32_TOLERANCE if any(r.float32_inside for r in rows) else FLOAT64_TOLERANCE
+
+
+class _Float32Watch(torch.overrides.TorchFunctionMode):
+    """Notes whether a torch function inside one of ``modules`` returns a float32 tensor (the model runs in
+    float64). Only the compared modules count: replicated code (rotary tables in float32...) computes the
+    same on both sides."""
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        super().__init__()
+        self.seen = False
+        self.depth = 0
+        self.handles = [h for m in modules for h in (m.register_forward_pre_hook(self._enter),
+                                                    m.register_forward_hook(self._leave))]
+
+    def _enter(self, *_: Any) -> None:
+        self.depth += 1
+
+    def _leave(self, *_: Any) -> None:
+        self.depth -= 1
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        if self.depth and isinstance(out, torch.Tensor) and out.dtype == torch.float32:
+            self.seen = True
+        return out
+
+
 def compare_sharded_modules(model: nn.Module, inputs: Any, *, plan: Any, group: Any) -> list[ModuleDifference]:
     """On the ranks of TP ``group`` (collective): ``model`` unsharded against a sharded copy, per module.
 
@@ -136,11 +180,15 @@ def compare_sharded_modules(model: nn.Module, inputs: Any, *, plan: Any, group: 
     want: dict[str, torch.Tensor] = {}
     handles = _record(sharded_model, names, got) + _record(ref, names, want)
     inputs = _as_double(inputs)
+    ref_modules = dict(ref.named_modules())
+    watch = _Float32Watch([ref_modules[n] for n in names if n in ref_modules])
     try:
         with torch.no_grad():
             _call(sharded_model, inputs)
-            _call(ref, inputs)
+            with watch:
+                _call(ref, inputs)
     finally:
+        watch.remove()
         for h in handles:
             h.remove()
     modules = dict(sharded_model.named_modules())
@@ -152,7 +200,7 @@ def compare_sharded_modules(model: nn.Module, inputs: Any, *, plan: Any, group: 
         expected = want[name].detach().to(full.dtype)
         diff = float((full - expected).abs().max()) if full.shape == expected.shape else float("inf")
         rows.append(ModuleDifference(name=name, kind=type(modules[name]).__name__, max_abs=diff,
-                                     scale=float(expected.abs().max())))
+                                     scale=float(expected.abs().max()), float32_inside=watch.seen))
     return rows
 
 
@@ -186,9 +234,12 @@ def check_sequence_parallel(model: nn.Module, tp_plan: Any) -> None:
                      "patterns and sequence_parallel: true")
 
 
-def check_before_training(model: nn.Module, inputs: Any, *, plan: Any, group: Any, tolerance: float = 1e-9) -> None:
-    """``compare_sharded_modules`` on the job's TP group; ``ValueError`` naming the modules above ``tolerance``."""
+def check_before_training(model: nn.Module, inputs: Any, *, plan: Any, group: Any,
+                          tolerance: float | None = None) -> None:
+    """``compare_sharded_modules`` on the job's TP group; ``ValueError`` naming the modules above ``tolerance``
+    (default: :func:`default_tolerance`)."""
     rows = compare_sharded_modules(model, inputs, plan=plan, group=group)
+    tolerance = default_tolerance(rows) if tolerance is None else tolerance
     bad = [r for r in rows if r.relative > tolerance]
     if bad:
         raise ValueError("the TP plan does not shard the model exactly (training.tp_check):\n"
@@ -232,15 +283,17 @@ def check_plan_numerics(build: Callable[[], nn.Module], inputs: tuple[tuple[Any,
     return [ModuleDifference(**row) for row in rows]
 
 
-def format_report(rows: list[ModuleDifference], *, tolerance: float) -> str:
+def format_report(rows: list[ModuleDifference], *, tolerance: float | None = None) -> str:
     """A table: module, parallel class, largest difference (absolute and relative), and the verdict."""
+    tolerance = default_tolerance(rows) if tolerance is None else tolerance
     width = max([len(r.name) for r in rows] + [6])
     lines = [f"{'module':<{width}}  {'kind':<28}  {'max |diff|':>11}  {'relative':>9}  ok"]
     for r in rows:
         ok = "yes" if r.relative <= tolerance else "NO"
         lines.append(f"{r.name:<{width}}  {r.kind[:28]:<28}  {r.max_abs:>11.3e}  {r.relative:>9.2e}  {ok}")
     bad = [r for r in rows if r.relative > tolerance]
-    lines.append(f"{len(rows)} sharded modules, {len(bad)} above the tolerance {tolerance:g}"
+    inside = " (the model computes in float32 inside)" if any(r.float32_inside for r in rows) else ""
+    lines.append(f"{len(rows)} sharded modules, {len(bad)} above the tolerance {tolerance:g}{inside}"
                  + (f": {', '.join(r.name for r in bad[:5])}" if bad else ""))
     return "\n".join(lines)
 

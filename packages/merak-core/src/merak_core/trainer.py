@@ -116,6 +116,10 @@ class Trainer:
             from merak_core.planner.auto import plan_for_job  # collective: see [Note: layout auto] in config
 
             args, plan_context = plan_for_job(args, model, train_dataset, data_collator=data_collator, device=device)
+        if args.sequence_parallel and (layout.tp if layout is not None else args.tp) > 1:
+            from merak_core.tp_check import check_sequence_parallel
+
+            check_sequence_parallel(model, args.tp_plan)  # from the model alone, before any process group
         self.args = args
         self.layout = bootstrap.run_layout(args, layout, device)
         self.device = bootstrap.run_device(self.layout, device)

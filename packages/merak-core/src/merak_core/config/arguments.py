@@ -118,6 +118,10 @@ class TrainingArguments:
     """Activation memory budget per rank, bytes or e.g. ``"12GiB"``; stored as bytes. None: no limit."""
     overlap_chunks: int = 1
     """Sub-microbatches for sub-pipelined TP (communication overlapped with compute); 1: off."""
+    sequence_parallel: bool = False
+    """With tp > 1, shard the activations between the TP blocks (norms, dropout, residual adds) along the
+    sequence, Megatron-style (the plan's sequence-parallel regions); a plan without them is refused
+    before training. No effect at tp=1."""
     zero_stage: int = 0
     """0: replicated optimizer states; 1: ZeRO-1, optimizer states sharded over DP; 2: ZeRO-2, gradients
     too; 3: ZeRO-3, parameters too (2 and 3 with torch's FSDP2 over the DP axis, see merak_core.fsdp)."""
@@ -128,7 +132,8 @@ class TrainingArguments:
     tp_check: bool = False
     """Before training (tp > 1), run one batch through every module the TP plan shards and through the
     unsharded module (float64 copies, on the TP group) and stop with an error naming the modules that
-    differ (relative difference above 1e-9); ``merak check`` does the same before launch."""
+    differ (relative difference above 1e-9, or 1e-5 when the sharded modules compute in float32 inside);
+    ``merak check`` does the same before launch."""
 
     # ------------------------------------------------------------ the planner (see [Note: layout auto])
     layout: str = "manual"
@@ -182,6 +187,7 @@ class TrainingArguments:
         _check(isinstance(self.bf16, bool), "bf16", self.bf16, "true or false")
         _check(isinstance(self.plan_probe_tp, bool), "plan_probe_tp", self.plan_probe_tp, "true or false")
         _check(isinstance(self.tp_check, bool), "tp_check", self.tp_check, "true or false")
+        _check(isinstance(self.sequence_parallel, bool), "sequence_parallel", self.sequence_parallel, "true or false")
         _check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {tuple(DTYPES)}")
         _check(self.nonfinite in NONFINITE_POLICIES, "nonfinite", self.nonfinite, f"one of {NONFINITE_POLICIES}")
         if self.dtype == "float16":

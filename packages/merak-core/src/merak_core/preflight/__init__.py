@@ -56,6 +56,14 @@ def preflight(job: JobConfig, *, tp: int | None = None, resume: str | None = Non
     plan = check_tp_plan(model, t.tp_plan, t.tp if tp is None and t.layout != "auto" else tp, t.overlap_chunks)
     if plan is not None:
         report.checks.append(f"TP plan {plan} resolves")
+    if t.sequence_parallel and ((t.tp if tp is None else tp) or 0) > 1:
+        from merak_core.tp_check import check_sequence_parallel
+
+        try:
+            check_sequence_parallel(model, t.tp_plan)
+        except ValueError as exc:
+            raise PreflightError(str(exc)) from None
+        report.checks.append("sequence parallelism supported by the TP plan")
     data_fn = job.data.load(job.base_dir, "data.factory")
     check_model_kwargs(data_fn, job.data.kwargs, "data")
     try:
