@@ -2,7 +2,7 @@
 
 A logical "model" of named float64 gradients is cut by hand the way merak-tp and a
 pipeline would: column/row-parallel weights sharded over TP (tagged
-``_merak_tp_dim``), replicated biases and norms, a tied embedding held by the first
+a ``ShardSpec`` with a dim), replicated biases and norms, a tied embedding held by the first
 and the last stage (counted on stage 0), and a parameter without a gradient. Every
 layout's global norm and clipped gradients (re-assembled from the shards) must equal
 the single-process reference.
@@ -16,8 +16,9 @@ import pytest
 import torch
 from torch import nn
 
-from merak_core.clip import TP_DIM_ATTR, clip_grad_norm_, global_grad_norm
+from merak_core.clip import clip_grad_norm_, global_grad_norm
 from merak_core.layout import ParallelLayout, coords_of
+from merak_tp.shard_spec import ShardSpec, set_shard_spec
 from tests.support.compare import assert_tensors_close
 from tests.support.dist import run_on_ranks
 
@@ -66,7 +67,7 @@ def _clip_on_rank(dp: int, tp: int, pp: int, max_norm: float, norm_type: float
             p = nn.Parameter(p.detach().chunk(tp, tp_dim)[layout.tp_rank].clone())
             if grad is not None:
                 p.grad = grad.chunk(tp, tp_dim)[layout.tp_rank].clone()
-            setattr(p, TP_DIM_ATTR, tp_dim)
+            set_shard_spec(p, ShardSpec(tp_dim))
         params[name] = p
     shared = {params["embed.weight"]: 0} if pp > 1 else None
     # Pass the tied parameter twice: duplicates must be counted once (as torch does).

@@ -20,11 +20,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from merak_core.clip import TP_DIM_ATTR, clip_grad_norm_
+from merak_core.clip import clip_grad_norm_
 from merak_core.config import TrainingArguments, build_lr_scheduler
 from merak_core.data_parallel import DataParallelGradSync
 from merak_core.layout import ParallelLayout
 from merak_core.zero import ZeroOptimizer
+from merak_tp.shard_spec import ShardSpec, set_shard_spec
 from tests.support.compare import assert_tensors_close
 from tests.support.dist import run_on_ranks
 
@@ -118,7 +119,7 @@ def _train(dp: int, tp: int, zero: bool) -> tuple[tuple[int, int], list[float], 
     for name, full in _full_params().items():
         dim = TP_DIMS[name]
         p = nn.Parameter(full.clone() if dim is None else full.chunk(tp, dim)[layout.tp_rank].clone())
-        setattr(p, TP_DIM_ATTR, dim)
+        set_shard_spec(p, ShardSpec(dim))
         params[name] = p
     module = nn.Module()
     for name, p in params.items():

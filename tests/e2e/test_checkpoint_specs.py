@@ -1,6 +1,6 @@
 """Pure tests (no processes) of how checkpoints map a TP shard to its full logical tensor.
 
-The convention is merak-tp's (``_merak_tp_dim``, ``_merak_tp_sections``, ``_merak_tp_transposed``):
+The convention is merak-tp's ``ShardSpec`` (dim, sections, transposed):
 the shard a rank holds must be exactly what ``merak_tp`` would cut from the full tensor, for
 plain, fused (sections) and transposed (transformers ``Conv1D``) weights, from an in-memory
 tensor and from a safetensors slice.
@@ -17,14 +17,12 @@ from torch import nn
 from merak_core.checkpoint import _Spec
 from merak_core.weights import _read_shard
 from merak_tp.layers import _shard
+from merak_tp.shard_spec import ShardSpec, set_shard_spec
 
 
 def _param(local: torch.Tensor, dim: int | None, sections: int = 1, transposed: bool = False) -> nn.Parameter:
     p = nn.Parameter(local.clone())
-    p._merak_tp_dim = dim  # type: ignore[attr-defined]
-    p._merak_tp_sections = sections  # type: ignore[attr-defined]
-    if transposed:
-        p._merak_tp_transposed = True  # type: ignore[attr-defined]
+    set_shard_spec(p, ShardSpec(dim, sections, transposed))
     return p
 
 

@@ -71,11 +71,11 @@ def test_match_refuses_a_folder_of_another_model(tmp_path: Path) -> None:
         PretrainedWeights.match(deeper, folder)
 
 
-def _tagged(shape: tuple[int, ...], **tags: object) -> torch.Tensor:
-    t = torch.empty(shape, device="meta")
-    for key, value in tags.items():
-        setattr(t, f"_merak_tp_{key}", value)
-    return t
+def _tagged(shape: tuple[int, ...], *, dim: int | None, sections: int = 1,
+            section_sizes: tuple[int, ...] | None = None, transposed: bool = False) -> torch.Tensor:
+    from merak_tp.shard_spec import ShardSpec, set_shard_spec
+
+    return set_shard_spec(torch.empty(shape, device="meta"), ShardSpec(dim, section_sizes or sections, transposed))
 
 
 @pytest.mark.parametrize("as_slice", [True, False], ids=["safetensors", "tensor"])

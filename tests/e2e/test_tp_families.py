@@ -23,6 +23,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
+from merak_tp.shard_spec import get_shard_spec
 from tests.e2e._trainer_support import reference_steps
 from tests.support.compare import assert_tensors_close
 from tests.support.dist import run_on_ranks
@@ -77,7 +78,7 @@ def train_on_ranks(name: str, kwargs: dict[str, Any]) -> tuple[list[float], Any]
     trainer = Trainer(F.build_family(name), make_args(**kwargs), Tokens(16), loss_fn=lm_loss)
     history = trainer.train()
     state = trainer.full_state_dict()
-    transposed = {n for n, p in trainer.model.named_parameters() if getattr(p, "_merak_tp_transposed", False)}
+    transposed = {n for n, p in trainer.model.named_parameters() if get_shard_spec(p).transposed}
     import merak_tp
 
     scatters = sum(isinstance(m, merak_tp.SequenceScatter) for m in trainer.model.module.modules())

@@ -26,6 +26,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
+from merak_tp.shard_spec import get_shard_spec
 from tests.e2e._trainer_support import reference_steps
 from tests.support.compare import assert_tensors_close
 from tests.support.dist import run_on_ranks
@@ -132,7 +133,7 @@ def train_hf_on_ranks(name: str, args_kwargs: dict[str, Any], with_mask: bool,
                       compute_metrics=token_accuracy if metrics else None)
     history = trainer.train()  # evaluates once at the end
     state = trainer.full_state_dict()
-    transposed = {name for name, p in trainer.model.named_parameters() if getattr(p, "_merak_tp_transposed", False)}
+    transposed = {name for name, p in trainer.model.named_parameters() if get_shard_spec(p).transposed}
     return ([h["loss"] for h in history], state if dist.get_rank() == 0 else None, transposed,
             trainer.last_eval["eval_loss"])
 

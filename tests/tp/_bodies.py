@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import merak_tp
+from merak_tp.shard_spec import get_shard_spec, has_shard_spec
 from tests.support.compare import assert_grads_match, assert_tensors_close, named_grads
 from tests.support.models import GPT, REFERENCE_MODELS, Bert, DecoderConfig, Llama
 
@@ -240,7 +241,7 @@ def meta_body(tp: int) -> bool:
     assert shard_names == {n for n, _ in real_tp.named_parameters()}
     for (n, p), (_, q) in zip(model.named_parameters(), real_tp.named_parameters(), strict=True):
         assert p.shape == q.shape, n
-        assert getattr(p, "_merak_tp_dim", "x") == getattr(q, "_merak_tp_dim", "y"), n
+        assert has_shard_spec(p) and has_shard_spec(q) and get_shard_spec(p).dim == get_shard_spec(q).dim, n
     return True
 
 
@@ -433,8 +434,8 @@ def deepcopy_body(tp: int) -> bool:
     assert isinstance(twin.blocks[0].attn, merak_tp.TPRegion)
     assert twin.blocks[0].attn.q_proj.group is group
     for (n, p), (_, q) in zip(model.named_parameters(), twin.named_parameters(), strict=True):
-        # Sharded parameters keep their tags; a replicated one may lose its None tag (same meaning).
-        assert getattr(p, "_merak_tp_dim", None) == getattr(q, "_merak_tp_dim", None), n
+        # Sharded parameters keep their specs; a replicated one may lose its spec (same meaning).
+        assert get_shard_spec(p).dim == get_shard_spec(q).dim, n
     for _ in range(2):
         twin_out = twin(ids)
     assert_tensors_close(twin_out, out.detach(), name="deep copy output")

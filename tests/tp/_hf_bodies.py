@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 import merak_tp
+from merak_tp.shard_spec import get_shard_spec
 from tests.support.compare import assert_grads_match, assert_tensors_close, named_grads
 from tests.support.models import lm_loss
 from tests.tp._bodies import gathered_grads, tp_group
@@ -70,7 +71,7 @@ def hf_body(name: str, tp: int, chunks: int, sp: bool, vocab_loss: bool) -> dict
     assert_tensors_close(loss, loss_ref.detach(), name="loss")
     grads = gathered_grads(model, group)
     for pname, p in model.named_parameters():
-        if getattr(p, "_merak_tp_transposed", False):  # a transformers Conv1D, now in Linear layout
+        if get_shard_spec(p).transposed:  # a transformers Conv1D, now in Linear layout
             grads[pname] = grads[pname].t()
     assert_grads_match(grads, named_grads(ref))
     for pname, p in model.named_parameters():

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from merak_tp.shard_spec import get_shard_spec
+
 VOCAB = 96
 
 FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text", "phi3",
@@ -120,7 +122,7 @@ def family_body(name: str, tp: int, chunks: int, sp: bool, plan: Any = None) -> 
     assert_tensors_close(loss, loss_ref.detach(), name=f"{name} loss", **tol)
     grads = gathered_grads(model, group)
     for pname, p in model.named_parameters():
-        if getattr(p, "_merak_tp_transposed", False):
+        if get_shard_spec(p).transposed:
             grads[pname] = grads[pname].t()
     assert_grads_match(grads, named_grads(ref), **tol)
     for pname, p in model.named_parameters():

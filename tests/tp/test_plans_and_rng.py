@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import merak_tp
+from merak_tp.shard_spec import has_shard_spec
 from tests.support.dist import run_on_ranks
 from tests.support.models import GPT, DecoderConfig, Llama, ResNet
 from tests.tp import _bodies as B
@@ -45,7 +46,7 @@ def test_single_process_parallelize_is_the_identity() -> None:
     ids = torch.randint(0, 96, (2, 5))
     torch.testing.assert_close(model(ids), ref(ids), rtol=0, atol=0)
     assert {n for n, _ in model.named_parameters()} == {n for n, _ in ref.named_parameters()}
-    assert all(hasattr(p, "_merak_tp_dim") for p in model.parameters())
+    assert all(has_shard_spec(p) for p in model.parameters())
 
 
 def test_errors_name_the_module_and_the_fix() -> None:

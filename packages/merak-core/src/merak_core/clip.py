@@ -3,7 +3,7 @@
 The global norm is the norm of the gradient of the *logical* (unsharded,
 single-process) model, so every logical parameter must be counted exactly once:
 
-- **TP**: a parameter tagged with ``_merak_tp_dim`` (an int: the dim it is sharded
+- **TP**: a parameter whose ``merak_tp.ShardSpec`` has a ``dim`` (the dim it is sharded
   along over the TP group, set by merak-tp) contributes its local shard on every TP
   rank, and the shards' partial sums are added over the TP group. A parameter
   without the tag (or with ``None``) is replicated over TP, so it is counted on
@@ -37,11 +37,9 @@ from torch.distributed import ProcessGroup
 
 from merak_core.fsdp import is_sharded, local_tensor
 from merak_core.layout import ParallelLayout
+from merak_tp.shard_spec import get_shard_spec
 
 logger = logging.getLogger(__name__)
-
-TP_DIM_ATTR = "_merak_tp_dim"
-"""Attribute merak-tp sets on sharded parameters: the tensor dim sharded over the TP group."""
 
 SharedParams = Mapping[torch.Tensor, int] | Mapping[nn.Parameter, int]
 """Parameter held by several pipeline stages -> the stage (rank in the PP group) that counts it."""
@@ -50,8 +48,8 @@ _EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s epsilon
 
 
 def is_tp_sharded(param: torch.Tensor) -> bool:
-    """True when ``param`` is a TP shard (tagged with an int ``_merak_tp_dim``)."""
-    return getattr(param, TP_DIM_ATTR, None) is not None
+    """True when ``param`` is a TP shard (its ``ShardSpec`` names a sharded dim)."""
+    return get_shard_spec(param).sharded
 
 
 def global_grad_norm(
@@ -182,4 +180,4 @@ def _device_of(params: list[torch.Tensor], layout: ParallelLayout | None) -> tor
     return torch.device("cpu")
 
 
-__all__ = ["TP_DIM_ATTR", "SharedParams", "clip_grad_norm_", "global_grad_norm", "is_tp_sharded", "scale_gradients_"]
+__all__ = ["SharedParams", "clip_grad_norm_", "global_grad_norm", "is_tp_sharded", "scale_gradients_"]

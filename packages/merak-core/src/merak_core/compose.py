@@ -16,7 +16,7 @@ The data flow (see the project README):
 it has in the user's unsharded model (``model.named_parameters()``; a tied
 parameter has the name it is first reached by). Checkpoints, gradient
 comparisons and the full state dict use logical names; a TP-sharded parameter
-carries ``_merak_tp_dim`` (see merak-tp's README) so it can be reassembled.
+carries a ``merak_tp.ShardSpec`` (see merak-tp's README) so it can be reassembled.
 
 Not done here: running steps, data parallelism and optimizers (``trainer.py``).
 """
@@ -346,22 +346,23 @@ def _canonical_names(model: nn.Module) -> dict[int, str]:
 def gather_full_state_dict(pm: ParallelModel, *, dst: int = 0) -> dict[str, torch.Tensor] | None:
     """The logical (unsharded, single-device) parameters, assembled on global rank ``dst``.
 
-    Collective over the world. TP shards are all-gathered along their ``_merak_tp_dim``;
+    Collective over the world. TP shards are all-gathered along their ``ShardSpec.dim``;
     stages are gathered from the DP-rank-0 replica of each pipeline. Returns the
     state dict on ``dst`` and None elsewhere. Meant for export and tests: it moves
     every parameter through one rank.
     """
+    from merak_tp.shard_spec import get_shard_spec
+
     layout = pm.layout
     local: dict[str, torch.Tensor] = {}
     for name, p in pm.named_parameters():
         if name in local:
             continue
         tensor = full_local_tensor(p.detach())  # ZeRO-2/3: gathered over DP (every DP rank takes part)
-        if layout.tp > 1 and getattr(p, "_merak_tp_dim", None) is not None:
-            import merak_tp
-
-            tensor = merak_tp.gather_tensor(tensor, like=p, group=layout.tp_group)
-        if getattr(p, "_merak_tp_transposed", False):
+        spec = get_shard_spec(p)
+        if layout.tp > 1 and spec.sharded:
+            tensor = spec.gather(tensor, layout.tp_group)
+        if spec.transposed:
             tensor = tensor.t()  # stored in Linear layout (e.g. transformers Conv1D): give the original back
         local[name] = tensor.cpu().contiguous()
     contribute = layout.dp_rank == 0 and layout.tp_rank == 0

@@ -81,12 +81,8 @@ def _gather_output(module: nn.Module, out: torch.Tensor, group: Any) -> torch.Te
     if not sharded or weight is None or dist.get_world_size(group) == 1:
         return out
     t = out.detach().movedim(-1, 0).contiguous()
-    t._merak_tp_dim = 0  # type: ignore[attr-defined]
-    t._merak_tp_sections = getattr(weight, "_merak_tp_sections", 1)  # type: ignore[attr-defined]
-    sizes = getattr(weight, "_merak_tp_section_sizes", None)
-    if sizes is not None:
-        t._merak_tp_section_sizes = sizes  # type: ignore[attr-defined]
-    return merak_tp.gather_tensor(t, group=group).movedim(0, -1)
+    spec = merak_tp.ShardSpec(0, merak_tp.get_shard_spec(weight).sections)  # the weight's dim-0 sections
+    return spec.gather(t, group).movedim(0, -1)
 
 
 def _record(model: nn.Module, names: list[str], into: dict[str, torch.Tensor]) -> list[Any]:

@@ -2,7 +2,8 @@
 
 Layers take their TP process group as a constructor argument; ``parallelize``
 converts an existing model following a plan. No module-level parallel state.
-See the package README for the API, the shard-metadata convention and limits.
+Every parameter it touches carries a ``ShardSpec`` (``get_shard_spec``), the shard metadata
+the other packages read. See the package README for the API and limits.
 """
 
 from merak_tp._events import record_overlap_events
@@ -40,6 +41,7 @@ from merak_tp.plans import (
     trace_leaf_names,
 )
 from merak_tp.rng import RNGTracker, sharded_dropout, tp_seed
+from merak_tp.shard_spec import ShardSpec, get_shard_spec, has_shard_spec, set_shard_spec
 
 __version__ = "0.1.0"
 
@@ -58,6 +60,7 @@ __all__ = [
     "RowParallelLinear",
     "SequenceGather",
     "SequenceScatter",
+    "ShardSpec",
     "ShardedRMSNorm",
     "TPExperts",
     "TPPlan",
@@ -69,6 +72,8 @@ __all__ = [
     "gather_from_tp_region",
     "gather_tensor",
     "get_plan",
+    "get_shard_spec",
+    "has_shard_spec",
     "is_replicated",
     "list_plans",
     "make_region",
@@ -84,6 +89,7 @@ __all__ = [
     "remove_region",
     "scatter_to_sequence_region",
     "scatter_to_tp_region",
+    "set_shard_spec",
     "shard_experts",
     "sharded_dropout",
     "tp_seed",

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed import ProcessGroup
 
 from merak_tp import _compat
 from merak_tp._events import _record, _RegionState
@@ -45,7 +46,7 @@ class _ColumnLinearFn(torch.autograd.Function):
 
     @staticmethod
     @amp_forward
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Any,
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: ProcessGroup | None,
                 chunks: int, reduce_input_grad: bool, name: str, region_chunk: int) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
@@ -99,7 +100,7 @@ class _RowLinearFn(torch.autograd.Function):
 
     @staticmethod
     @amp_forward
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Any,
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: ProcessGroup | None,
                 chunks: int, mode: str, seq_dim: int, name: str, region_chunk: int,
                 defer: _RegionState | None) -> torch.Tensor:
         ctx.save_for_backward(x, weight)

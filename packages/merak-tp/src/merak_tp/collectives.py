@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from merak_tp import _compat
 
@@ -88,14 +89,14 @@ def amp_backward(backward: _F) -> _F:
     return wrapped  # type: ignore[return-value]
 
 
-def tp_size(group: Any) -> int:
+def tp_size(group: ProcessGroup | None) -> int:
     """Number of ranks in the TP group (1 when torch.distributed is not initialised)."""
     if not dist.is_available() or not dist.is_initialized():
         return 1
     return dist.get_world_size(group)
 
 
-def tp_rank(group: Any) -> int:
+def tp_rank(group: ProcessGroup | None) -> int:
     """This process's rank inside the TP group (0 when not initialised)."""
     if not dist.is_available() or not dist.is_initialized():
         return 0
@@ -110,7 +111,7 @@ def _check_divisible(size: int, world: int, what: str) -> None:
         )
 
 
-def _split(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+def _split(x: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.Tensor:
     world = tp_size(group)
     if world == 1:
         return x
@@ -118,7 +119,7 @@ def _split(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
     return x.chunk(world, dim=dim)[tp_rank(group)].contiguous()
 
 
-def _all_gather(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+def _all_gather(x: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.Tensor:
     world = tp_size(group)
     if world == 1:
         return x
@@ -129,7 +130,7 @@ def _all_gather(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
     return out.movedim(0, d).contiguous() if d else out
 
 
-def _reduce_scatter(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+def _reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.Tensor:
     world = tp_size(group)
     if world == 1:
         return x
@@ -141,7 +142,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
     return out.movedim(0, d).contiguous() if d else out
 
 
-def _all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
+def _all_reduce(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     if tp_size(group) == 1:
         return x
     x = x.contiguous().clone()
@@ -152,7 +153,7 @@ def _all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
 class _CopyToRegion(torch.autograd.Function):
     @staticmethod
     @amp_forward
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
         ctx.group = group
         return x
 
@@ -165,7 +166,7 @@ class _CopyToRegion(torch.autograd.Function):
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
     @amp_forward
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
         return _all_reduce(x, group)
 
     @staticmethod
@@ -177,7 +178,7 @@ class _ReduceFromRegion(torch.autograd.Function):
 class _ScatterToRegion(torch.autograd.Function):
     @staticmethod
     @amp_forward
-    def forward(ctx: Any, x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.Tensor:
         ctx.dim, ctx.group = dim, group
         return _split(x, dim, group)
 
@@ -190,7 +191,7 @@ class _ScatterToRegion(torch.autograd.Function):
 class _GatherFromRegion(torch.autograd.Function):
     @staticmethod
     @amp_forward
-    def forward(ctx: Any, x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.Tensor:
         ctx.dim, ctx.group = dim, group
         return _all_gather(x, dim, group)
 
@@ -203,7 +204,7 @@ class _GatherFromRegion(torch.autograd.Function):
 class _GatherFromSequence(torch.autograd.Function):
     @staticmethod
     @amp_forward
-    def forward(ctx: Any, x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.Tensor:
         ctx.dim, ctx.group = dim, group
         return _all_gather(x, dim, group)
 
@@ -216,7 +217,7 @@ class _GatherFromSequence(torch.autograd.Function):
 class _ReduceScatterToSequence(torch.autograd.Function):
     @staticmethod
     @amp_forward
-    def forward(ctx: Any, x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.Tensor:
         ctx.dim, ctx.group = dim, group
         return _reduce_scatter(x, dim, group)
 
@@ -226,36 +227,36 @@ class _ReduceScatterToSequence(torch.autograd.Function):
         return _all_gather(grad, ctx.dim, ctx.group), None, None
 
 
-def copy_to_tp_region(x: torch.Tensor, group: Any) -> torch.Tensor:
+def copy_to_tp_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Identity forward, all-reduce of the gradient backward (entry of a column layer)."""
     return _CopyToRegion.apply(x, group)
 
 
-def reduce_from_tp_region(x: torch.Tensor, group: Any) -> torch.Tensor:
+def reduce_from_tp_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """All-reduce forward, identity backward (exit of a row layer)."""
     return _ReduceFromRegion.apply(x, group)
 
 
-def scatter_to_tp_region(x: torch.Tensor, group: Any, dim: int = -1) -> torch.Tensor:
+def scatter_to_tp_region(x: torch.Tensor, group: ProcessGroup | None, dim: int = -1) -> torch.Tensor:
     """Keep this rank's block of ``dim`` forward; all-gather the gradient backward."""
     return _ScatterToRegion.apply(x, dim, group)
 
 
-def gather_from_tp_region(x: torch.Tensor, group: Any, dim: int = -1) -> torch.Tensor:
+def gather_from_tp_region(x: torch.Tensor, group: ProcessGroup | None, dim: int = -1) -> torch.Tensor:
     """All-gather along ``dim`` forward; keep this rank's block of the gradient backward."""
     return _GatherFromRegion.apply(x, dim, group)
 
 
-def scatter_to_sequence_region(x: torch.Tensor, group: Any, dim: int = 1) -> torch.Tensor:
+def scatter_to_sequence_region(x: torch.Tensor, group: ProcessGroup | None, dim: int = 1) -> torch.Tensor:
     """Enter sequence parallelism: keep this rank's sequence block; all-gather backward."""
     return _ScatterToRegion.apply(x, dim, group)
 
 
-def gather_from_sequence_region(x: torch.Tensor, group: Any, dim: int = 1) -> torch.Tensor:
+def gather_from_sequence_region(x: torch.Tensor, group: ProcessGroup | None, dim: int = 1) -> torch.Tensor:
     """All-gather the sequence forward; reduce-scatter the (partial) gradient backward."""
     return _GatherFromSequence.apply(x, dim, group)
 
 
-def reduce_scatter_to_sequence_region(x: torch.Tensor, group: Any, dim: int = 1) -> torch.Tensor:
+def reduce_scatter_to_sequence_region(x: torch.Tensor, group: ProcessGroup | None, dim: int = 1) -> torch.Tensor:
     """Sum partial results and keep this rank's sequence block; all-gather backward."""
     return _ReduceScatterToSequence.apply(x, dim, group)

@@ -3,18 +3,10 @@
 Each layer takes its TP process group as a constructor argument (any group:
 the world or a subgroup from ``dist.new_group``; TP rank = ``dist.get_rank(group)``).
 
-[Note: shard metadata] Every parameter of these layers carries
-``param._merak_tp_dim``: the tensor dim that is split over the TP group in
-contiguous equal blocks in rank order, or ``None`` when the parameter is
-replicated (identical on every TP rank, with an identical gradient).
-``param._merak_tp_sections`` (default 1) says the sharded dim is made of that
-many sections, each split separately (a fused q/k/v or gate/up projection); unequal
-sections (grouped-query q/k/v) also carry ``param._merak_tp_section_sizes``, the
-full size of each section;
-``merak_tp.gather_tensor`` uses both to rebuild the full tensor. A weight sliced
-from a transformers ``Conv1D`` (stored (in, out)) is kept in ``nn.Linear``'s
-(out, in) layout and has ``param._merak_tp_transposed = True``: transpose the
-gathered tensor to get the original layout back.
+Every parameter of these layers carries a :class:`~merak_tp.shard_spec.ShardSpec` (see
+[Note: shard metadata] in ``shard_spec.py``): the dim split over the group (or None), its
+sections, and whether it was transposed from a transformers ``Conv1D``;
+``merak_tp.gather_tensor`` uses it to rebuild the full tensor.
 
 Shape legend: ``*`` leading dims (batch first, then sequence), i in-features,
 o out-features, v vocabulary, h hidden.
@@ -29,6 +21,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from merak_tp._events import _GroupRef, _RegionState
 from merak_tp._linear_fns import _ColumnLinearFn, _RowLinearFn
@@ -40,47 +33,29 @@ from merak_tp.collectives import (
     tp_rank,
     tp_size,
 )
+from merak_tp.shard_spec import (
+    Sections,
+    ShardSpec,
+    get_shard_spec,
+    has_shard_spec,
+    section_sizes,
+    set_shard_spec,
+)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "section_sizes"]
 
 
-Sections = int | tuple[int, ...]
-"""Equal sections (a count) or the full sizes of unequal sections along the sharded dim."""
-
-
-def section_sizes(sections: Sections, size: int) -> tuple[int, ...]:
-    """The full size of every section of a dim of ``size`` (``sections`` a count or explicit sizes)."""
-    if isinstance(sections, int):
-        if sections < 1 or size % sections:
-            raise ValueError(f"sections={sections} must be >= 1 and divide the size {size}")
-        return (size // sections,) * sections
-    sizes = tuple(int(s) for s in sections)
-    if not sizes or any(s < 1 for s in sizes) or sum(sizes) != size:
-        raise ValueError(f"section sizes {sizes} must be positive and add up to the size {size}")
-    return sizes
-
-
-def _mark(param: nn.Parameter, dim: int | None, sections: Sections = 1) -> nn.Parameter:
-    param._merak_tp_dim = dim  # type: ignore[attr-defined]
-    if isinstance(sections, int):
-        param._merak_tp_sections = sections  # type: ignore[attr-defined]
-    else:
-        param._merak_tp_sections = len(sections)  # type: ignore[attr-defined]
-        if len(set(sections)) > 1:
-            param._merak_tp_section_sizes = tuple(sections)  # type: ignore[attr-defined]
-    return param
-
-
-_TAGS = ("_merak_tp_dim", "_merak_tp_sections", "_merak_tp_section_sizes", "_merak_tp_transposed")
+def _mark(param: nn.Parameter, dim: int | None, sections: Sections = 1, *, transposed: bool = False) -> nn.Parameter:
+    return set_shard_spec(param, ShardSpec(dim, sections, transposed))  # type: ignore[return-value]
 
 
 class _KeepsShardTags:
-    """``copy.deepcopy`` keeps the shard tags of the layer's parameters.
+    """``copy.deepcopy`` keeps the shard specs of the layer's parameters.
 
     ``nn.Parameter.__deepcopy__`` builds a new parameter without the old one's Python
-    attributes; the tags are copied back here (ties are kept by deepcopy's memo).
+    attributes; the specs are set again here (ties are kept by deepcopy's memo).
     """
 
     _parameters: dict[str, nn.Parameter | None]
@@ -93,10 +68,8 @@ class _KeepsShardTags:
             object.__setattr__(result, key, copy.deepcopy(value, memo))
         for name, param in self._parameters.items():
             new = result._parameters.get(name)
-            if param is not None and new is not None:
-                for tag in _TAGS:
-                    if hasattr(param, tag):
-                        setattr(new, tag, getattr(param, tag))
+            if param is not None and new is not None and has_shard_spec(param):
+                set_shard_spec(new, get_shard_spec(param))
         return result
 
 
@@ -110,11 +83,8 @@ def _divide(size: int, world: int, what: str, layer: str) -> int:
 
 
 def _shard(full: torch.Tensor, dim: int, world: int, rank: int, sections: Sections = 1) -> torch.Tensor:
-    """This rank's block of ``full`` along ``dim`` (each section split separately, see ``section_sizes``)."""
-    sizes = section_sizes(sections, full.size(dim))
-    parts = full.split(list(sizes), dim=dim) if len(sizes) > 1 else (full,)
-    local = [p.chunk(world, dim=dim)[rank] for p in parts]
-    out = local[0] if len(local) == 1 else torch.cat(local, dim=dim)
+    """This rank's block of ``full`` along ``dim`` as a new tensor (see ``ShardSpec.slice``)."""
+    out = ShardSpec(dim, sections).slice(full, world, rank)
     return out.clone() if out.device.type != "meta" else out.contiguous()
 
 
@@ -142,12 +112,12 @@ class ColumnParallelLinear(_KeepsShardTags, nn.Module):
     """
 
     @property
-    def group(self) -> Any:
+    def group(self) -> ProcessGroup | None:
         """The TP process group."""
         return self._group_ref.group
 
     def __init__(
-        self, in_features: int, out_features: int, *, group: Any, bias: bool = True,
+        self, in_features: int, out_features: int, *, group: ProcessGroup | None, bias: bool = True,
         gather_output: bool = False, sequence_parallel: bool = False, sequence_dim: int = 1,
         overlap_chunks: int = 1, sections: Sections = 1, device: Any = None, dtype: torch.dtype | None = None,
         _skip_init: bool = False,
@@ -196,7 +166,7 @@ class ColumnParallelLinear(_KeepsShardTags, nn.Module):
 
     @classmethod
     def from_linear(
-        cls, linear: nn.Module, *, group: Any, gather_output: bool = False, sequence_parallel: bool = False,
+        cls, linear: nn.Module, *, group: ProcessGroup | None, gather_output: bool = False, sequence_parallel: bool = False,
         sequence_dim: int = 1, overlap_chunks: int = 1, sections: Sections = 1, transposed: bool = False,
     ) -> ColumnParallelLinear:
         """Slice an existing ``nn.Linear`` (real or meta weights) into this rank's column shard.
@@ -212,8 +182,8 @@ class ColumnParallelLinear(_KeepsShardTags, nn.Module):
                     overlap_chunks=overlap_chunks, sections=sections, device="meta", dtype=weight.dtype,
                     _skip_init=True)
         w = _shard(weight.detach(), 0, layer.tp_size, layer.tp_rank, sections)
-        layer.weight = _mark(nn.Parameter(w, requires_grad=src_weight.requires_grad), 0, sections)
-        layer.weight._merak_tp_transposed = transposed  # type: ignore[attr-defined]
+        layer.weight = _mark(nn.Parameter(w, requires_grad=src_weight.requires_grad), 0, sections,
+                             transposed=transposed)
         if bias is not None:
             b = _shard(bias.detach(), 0, layer.tp_size, layer.tp_rank, sections)
             layer.bias = _mark(nn.Parameter(b, requires_grad=bias.requires_grad), 0, sections)
@@ -252,16 +222,16 @@ class RowParallelLinear(_KeepsShardTags, nn.Module):
     splits a replicated input first). The partial products are all-reduced, or
     reduce-scattered along ``sequence_dim`` with ``sequence_parallel=True``;
     with ``overlap_chunks > 1`` chunk j's reduction is in flight while chunk j+1
-    is computed. The bias is replicated (``_merak_tp_dim = None``).
+    is computed. The bias is replicated (its ``ShardSpec.dim`` is None).
     """
 
     @property
-    def group(self) -> Any:
+    def group(self) -> ProcessGroup | None:
         """The TP process group."""
         return self._group_ref.group
 
     def __init__(
-        self, in_features: int, out_features: int, *, group: Any, bias: bool = True,
+        self, in_features: int, out_features: int, *, group: ProcessGroup | None, bias: bool = True,
         input_is_parallel: bool = True, sequence_parallel: bool = False, sequence_dim: int = 1,
         overlap_chunks: int = 1, device: Any = None, dtype: torch.dtype | None = None, _skip_init: bool = False,
     ) -> None:
@@ -301,7 +271,7 @@ class RowParallelLinear(_KeepsShardTags, nn.Module):
 
     @classmethod
     def from_linear(
-        cls, linear: nn.Module, *, group: Any, input_is_parallel: bool = True, sequence_parallel: bool = False,
+        cls, linear: nn.Module, *, group: ProcessGroup | None, input_is_parallel: bool = True, sequence_parallel: bool = False,
         sequence_dim: int = 1, overlap_chunks: int = 1, transposed: bool = False,
     ) -> RowParallelLinear:
         """Slice an existing ``nn.Linear`` (real or meta weights) into this rank's row shard."""
@@ -313,8 +283,7 @@ class RowParallelLinear(_KeepsShardTags, nn.Module):
                     sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
                     overlap_chunks=overlap_chunks, device="meta", dtype=weight.dtype, _skip_init=True)
         w = _shard(weight.detach(), 1, layer.tp_size, layer.tp_rank)
-        layer.weight = _mark(nn.Parameter(w, requires_grad=src_weight.requires_grad), 1)
-        layer.weight._merak_tp_transposed = transposed  # type: ignore[attr-defined]
+        layer.weight = _mark(nn.Parameter(w, requires_grad=src_weight.requires_grad), 1, transposed=transposed)
         if bias is not None:
             layer.bias = _mark(bias if isinstance(bias, nn.Parameter) else nn.Parameter(bias.detach()), None)
         return layer
@@ -358,12 +327,12 @@ class VocabParallelEmbedding(_KeepsShardTags, nn.Module):
     """
 
     @property
-    def group(self) -> Any:
+    def group(self) -> ProcessGroup | None:
         """The TP process group."""
         return self._group_ref.group
 
     def __init__(
-        self, num_embeddings: int, embedding_dim: int, *, group: Any, padding_idx: int | None = None,
+        self, num_embeddings: int, embedding_dim: int, *, group: ProcessGroup | None, padding_idx: int | None = None,
         embed_scale: float | torch.Tensor | None = None, device: Any = None, dtype: torch.dtype | None = None,
         _skip_init: bool = False,
     ) -> None:
@@ -403,7 +372,7 @@ class VocabParallelEmbedding(_KeepsShardTags, nn.Module):
             self.weight.copy_(_shard(full, 0, self.tp_size, self.tp_rank))
 
     @classmethod
-    def from_embedding(cls, embedding: nn.Embedding, *, group: Any,
+    def from_embedding(cls, embedding: nn.Embedding, *, group: ProcessGroup | None,
                        embed_scale: float | torch.Tensor | None = None) -> VocabParallelEmbedding:
         """Slice an existing ``nn.Embedding`` (real or meta weights) into this rank's vocab shard.
 

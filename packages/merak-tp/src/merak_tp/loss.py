@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from merak_tp.collectives import amp_backward, amp_forward, tp_rank, tp_size
 
@@ -25,7 +26,7 @@ __all__ = ["vocab_parallel_cross_entropy"]
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     @amp_forward
-    def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor, group: Any, ignore_index: int,
+    def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor, group: ProcessGroup | None, ignore_index: int,
                 smoothing: float) -> torch.Tensor:
         world, rank = tp_size(group), tp_rank(group)
         v_local = logits.size(-1)
@@ -70,7 +71,7 @@ class _VocabParallelCE(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(
-    logits_local: torch.Tensor, labels: torch.Tensor, *, group: Any, ignore_index: int = -100,
+    logits_local: torch.Tensor, labels: torch.Tensor, *, group: ProcessGroup | None, ignore_index: int = -100,
     label_smoothing: float = 0.0, reduction: str = "mean",
 ) -> torch.Tensor:
     """Cross-entropy of vocabulary-sharded logits ``[..., v/tp]`` against ``labels[...]``.

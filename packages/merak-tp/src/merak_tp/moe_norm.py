@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from merak_tp._events import _GroupRef
 from merak_tp.collectives import copy_to_tp_region, reduce_from_tp_region, tp_rank, tp_size
@@ -60,7 +61,7 @@ def _tp_class(cls: type) -> type:
     return _SUBCLASSES[cls]
 
 
-def shard_experts(module: nn.Module, name: str, *, group: Any) -> nn.Module:
+def shard_experts(module: nn.Module, name: str, *, group: ProcessGroup | None) -> nn.Module:
     """A copy of experts ``module`` holding this rank's shard of every expert (the original is untouched)."""
     gate_up = getattr(module, "gate_up_proj", None)
     down = getattr(module, "down_proj", None)
@@ -100,7 +101,7 @@ class ShardedRMSNorm(_KeepsShardTags, nn.Module):
     every rank sums its squares and the sums are all-reduced (their gradient too).
     """
 
-    def __init__(self, weight: torch.Tensor, eps: float, *, group: Any) -> None:
+    def __init__(self, weight: torch.Tensor, eps: float, *, group: ProcessGroup | None) -> None:
         super().__init__()
         self._group_ref = _GroupRef(group)
         self.tp_size, self.tp_rank = tp_size(group), tp_rank(group)
@@ -113,7 +114,7 @@ class ShardedRMSNorm(_KeepsShardTags, nn.Module):
                                          requires_grad=weight.requires_grad), 0)
 
     @classmethod
-    def from_norm(cls, norm: nn.Module, name: str, *, group: Any) -> ShardedRMSNorm:
+    def from_norm(cls, norm: nn.Module, name: str, *, group: ProcessGroup | None) -> ShardedRMSNorm:
         """From an RMSNorm module with a 1D ``weight`` and ``variance_epsilon`` (or ``eps``)."""
         weight = getattr(norm, "weight", None)
         eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from merak_tp import _compat
 from merak_tp._events import _GroupRef, _record, _RegionState
@@ -329,7 +330,7 @@ def _swap_class(module: nn.Module, mixin: type) -> None:
 
 
 def make_region(
-    module: nn.Module, *, group: Any, chunks: int = 1, sequence_parallel: bool = False, sequence_dim: int = 1,
+    module: nn.Module, *, group: ProcessGroup | None, chunks: int = 1, sequence_parallel: bool = False, sequence_dim: int = 1,
     name: str = "region", rng_tracker: Any = None,
 ) -> nn.Module:
     """Make ``module`` (columns -> local compute -> row layer) a TP region, in place.
@@ -351,7 +352,7 @@ def make_region(
     return module
 
 
-def make_sequence_scatter(module: nn.Module, *, group: Any, sequence_dim: int = 1) -> nn.Module:
+def make_sequence_scatter(module: nn.Module, *, group: ProcessGroup | None, sequence_dim: int = 1) -> nn.Module:
     """Split ``module``'s first input along ``sequence_dim`` on entry (start of sequence parallelism)."""
     _swap_class(module, SequenceScatter)
     module._merak_scatter_group = _GroupRef(group)  # type: ignore[assignment]
@@ -359,7 +360,7 @@ def make_sequence_scatter(module: nn.Module, *, group: Any, sequence_dim: int = 
     return module
 
 
-def make_sequence_gather(module: nn.Module, *, group: Any, sequence_dim: int = 1) -> nn.Module:
+def make_sequence_gather(module: nn.Module, *, group: ProcessGroup | None, sequence_dim: int = 1) -> nn.Module:
     """All-gather ``module``'s first input along ``sequence_dim`` on entry (end of sequence parallelism)."""
     _swap_class(module, SequenceGather)
     module._merak_scatter_group = _GroupRef(group)  # type: ignore[assignment]

@@ -12,8 +12,8 @@ Steps, in an order that leaves the model untouched if anything is invalid:
 4. with ``overlap_chunks > 1`` or ``sequence_parallel``, turn the plan's regions
    into sub-pipelined / sequence-parallel regions (see ``overlap.py``).
 
-After it, every parameter has ``_merak_tp_dim`` (see [Note: shard metadata] in
-``layers.py``); ``gather_tensor`` rebuilds a full tensor from the shards.
+After it, every parameter has a ``ShardSpec`` (see [Note: shard metadata] in
+``shard_spec.py``); ``gather_tensor`` rebuilds a full tensor from the shards.
 
 [Note: stock forwards] A module is replaced by a parallel layer only when the
 result cannot change: its class's forward is ``nn.Linear``'s or
@@ -29,18 +29,21 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import ProcessGroup
 
-from merak_tp._compat import all_gather_dim0
 from merak_tp.collectives import tp_size
 from merak_tp.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from merak_tp.moe_norm import ShardedRMSNorm, shard_experts
 from merak_tp.overlap import make_region, make_sequence_gather, make_sequence_scatter
 from merak_tp.plans import TPPlan, get_plan, plan_for_model, resolve_sections
+from merak_tp.rng import RNGTracker
+from merak_tp.shard_spec import REPLICATED, get_shard_spec, has_shard_spec, set_shard_spec
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +100,7 @@ def _kind(module: nn.Module, name: str, style: str, plan: TPPlan) -> str:
         "(style 'replicate' or no pattern)")
 
 
-def _build(module: nn.Module, name: str, style: str, kind: str, sections: Any, *, group: Any, chunks: int,
+def _build(module: nn.Module, name: str, style: str, kind: str, sections: Any, *, group: ProcessGroup | None, chunks: int,
            sp: bool, in_region: bool, vocab_loss: bool, head_sp: bool) -> nn.Module:
     if kind == "experts":
         return shard_experts(module, name, group=group)
@@ -182,7 +185,7 @@ def _swap_in(model: nn.Module, replaced: list[tuple[str, nn.Module, nn.Module]])
                 continue
             if id(old_p) in shard_of:
                 shared = shard_of[id(old_p)]
-                if shared.shape != new_p.shape or getattr(shared, "_merak_tp_dim", None) != getattr(new_p, "_merak_tp_dim", None):
+                if shared.shape != new_p.shape or get_shard_spec(shared).dim != get_shard_spec(new_p).dim:
                     raise ValueError(f"{name}.{pname} is tied to a parameter sharded differently "
                                      f"({tuple(shared.shape)} vs {tuple(new_p.shape)}); shard both the same way")
                 setattr(new, pname, shared)
@@ -197,8 +200,8 @@ def _swap_in(model: nn.Module, replaced: list[tuple[str, nn.Module, nn.Module]])
 
 
 def parallelize(
-    model: nn.Module, plan: TPPlan | str | None = None, *, group: Any, overlap_chunks: int = 1,
-    sequence_parallel: bool = False, vocab_parallel_loss: bool | None = None, rng_tracker: Any = None,
+    model: nn.Module, plan: TPPlan | str | None = None, *, group: ProcessGroup | None, overlap_chunks: int = 1,
+    sequence_parallel: bool = False, vocab_parallel_loss: bool | None = None, rng_tracker: RNGTracker | None = None,
 ) -> nn.Module:
     """Tensor-parallelize ``model`` in place over ``group`` and return it.
 
@@ -218,6 +221,40 @@ def parallelize(
     module, a matched module's forward is not one the plan knows (see [Note: stock
     forwards]), or a size is not divisible by the TP degree.
     """
+    plan = _resolve_plan(model, plan, overlap_chunks=overlap_chunks, sequence_parallel=sequence_parallel,
+                         rng_tracker=rng_tracker)
+    vocab_loss = plan.vocab_parallel_loss if vocab_parallel_loss is None else vocab_parallel_loss
+    tp = tp_size(group)
+    named = dict(model.named_modules())
+    _check_patterns(model, plan, list(named))
+    if plan.check is not None:
+        plan.check(model, tp)
+    region_names = [n for n in named if _match(n, plan.regions) is not None]  # "" = the model itself
+    new_attrs = _attributes(named, plan, tp)
+    replaced = _build_layers(model, named, plan, region_names, group=group, chunks=overlap_chunks,
+                             sp=sequence_parallel, vocab_loss=vocab_loss)
+    # Nothing in the model has changed so far; from here on it is converted.
+    _swap_in(model, replaced)
+    for name, attr, value in new_attrs:
+        setattr(model.get_submodule(name) if name else model, attr, value)
+    if plan.fixup is not None:
+        for name, module in model.named_modules():
+            plan.fixup(module, name, tp)
+    for p in model.parameters():
+        if not has_shard_spec(p):
+            set_shard_spec(p, REPLICATED)
+    _apply_regions(model, plan, region_names, group=group, tp=tp, chunks=overlap_chunks, sp=sequence_parallel,
+                   rng_tracker=rng_tracker)
+    model._merak_tp_plan = plan.name  # type: ignore[assignment]
+    logger.info("parallelized %s with plan %s over %d ranks (%d layers sharded, overlap_chunks=%d, "
+                "sequence_parallel=%s)", type(model).__name__, plan.name, tp, len(replaced), overlap_chunks,
+                sequence_parallel)
+    return model
+
+
+def _resolve_plan(model: nn.Module, plan: TPPlan | str | None, *, overlap_chunks: int, sequence_parallel: bool,
+                  rng_tracker: RNGTracker | None) -> TPPlan:
+    """Step 1: check the arguments and find the plan (``None``: the built-in plan of the model's type)."""
     if overlap_chunks < 1:
         raise ValueError(f"overlap_chunks={overlap_chunks}: expected an integer >= 1 (1 = no overlap)")
     if rng_tracker is not None and "tp" not in rng_tracker:
@@ -232,17 +269,13 @@ def parallelize(
         raise ValueError(f"TP plan {plan.name!r} (for {type(model).__name__}) does not support "
                          f"sequence_parallel=True{why}; use sequence_parallel=False (training.sequence_parallel: "
                          "false), tensor parallelism without it is exact")
-    vocab_loss = plan.vocab_parallel_loss if vocab_parallel_loss is None else vocab_parallel_loss
-    tp = tp_size(group)
-    named = dict(model.named_modules())
-    names = list(named)
-    _check_patterns(model, plan, names)
-    if plan.check is not None:
-        plan.check(model, tp)
-    region_names = [n for n in named if _match(n, plan.regions) is not None]  # "" = the model itself
-    new_attrs = _attributes(named, plan, tp)
+    return plan
 
-    # Build the parallel layers (nothing in the model changes yet).
+
+def _build_layers(model: nn.Module, named: dict[str, nn.Module], plan: TPPlan, region_names: list[str], *,
+                  group: ProcessGroup | None, chunks: int, sp: bool,
+                  vocab_loss: bool) -> list[tuple[str, nn.Module, nn.Module]]:
+    """Step 2: every parallel layer, sliced from the existing weights; the model is not changed."""
     replaced: list[tuple[str, nn.Module, nn.Module]] = []
     for name, module in named.items():
         pattern = _match(name, plan.layers) if name else None
@@ -253,36 +286,18 @@ def parallelize(
         spec = plan.sections.get(pattern)
         sections = 1 if spec is None else resolve_sections(spec, model, name)
         in_region = any(r == "" or name.startswith(r + ".") for r in region_names)
-        new = _build(module, name, style, kind, sections, group=group, chunks=overlap_chunks,
-                     sp=sequence_parallel, in_region=in_region, vocab_loss=vocab_loss,
-                     head_sp=not plan.sequence_gather)
+        new = _build(module, name, style, kind, sections, group=group, chunks=chunks, sp=sp, in_region=in_region,
+                     vocab_loss=vocab_loss, head_sp=not plan.sequence_gather)
         new._merak_name = name  # type: ignore[assignment]
         replaced.append((name, module, new))
     if not replaced:
         raise ValueError(f"TP plan {plan.name!r} matched no module of {type(model).__name__}: check its "
                          f"patterns {sorted(plan.layers)} against model.named_modules()")
-
-    _swap_in(model, replaced)
-    for name, attr, value in new_attrs:
-        setattr(model.get_submodule(name) if name else model, attr, value)
-    if plan.fixup is not None:
-        for name, module in model.named_modules():
-            plan.fixup(module, name, tp)
-    for p in model.parameters():
-        if not hasattr(p, "_merak_tp_dim"):
-            p._merak_tp_dim = None  # type: ignore[attr-defined]
-            p._merak_tp_sections = 1  # type: ignore[attr-defined]
-    _apply_regions(model, plan, region_names, group=group, tp=tp, chunks=overlap_chunks, sp=sequence_parallel,
-                   rng_tracker=rng_tracker)
-    model._merak_tp_plan = plan.name  # type: ignore[assignment]
-    logger.info("parallelized %s with plan %s over %d ranks (%d layers sharded, overlap_chunks=%d, "
-                "sequence_parallel=%s)", type(model).__name__, plan.name, tp, len(replaced), overlap_chunks,
-                sequence_parallel)
-    return model
+    return replaced
 
 
-def _apply_regions(model: nn.Module, plan: TPPlan, region_names: list[str], *, group: Any, tp: int, chunks: int,
-                   sp: bool, rng_tracker: Any) -> None:
+def _apply_regions(model: nn.Module, plan: TPPlan, region_names: list[str], *, group: ProcessGroup | None, tp: int, chunks: int,
+                   sp: bool, rng_tracker: RNGTracker | None) -> None:
     """Regions: overlap, sequence parallelism and the TP random stream; per-head modules' gradient sums."""
     named = dict(model.named_modules())
     per_head = {id(p) for n, m in named.items() if n and (pattern := _match(n, plan.layers)) is not None
@@ -314,12 +329,13 @@ def _apply_regions(model: nn.Module, plan: TPPlan, region_names: list[str], *, g
              for p in m.parameters()}
     full |= per_head  # inside a region (full sequence); summed over the heads above
     for p in model.parameters():
-        if p._merak_tp_dim is None and id(p) not in full and p.requires_grad:  # type: ignore[attr-defined]
-            p._merak_tp_sequence_partial = True  # type: ignore[attr-defined]
+        spec = get_shard_spec(p)
+        if not spec.sharded and id(p) not in full and p.requires_grad:
+            set_shard_spec(p, spec.replace(sequence_partial=True))
             p.register_hook(_make_sum_hook(group))
 
 
-def _make_sum_hook(group: Any) -> Any:
+def _make_sum_hook(group: ProcessGroup | None) -> Callable[[torch.Tensor], torch.Tensor]:
     def hook(grad: torch.Tensor) -> torch.Tensor:
         # Under sequence parallelism a replicated parameter sees only this rank's tokens.
         out = grad.contiguous().clone()
@@ -330,29 +346,19 @@ def _make_sum_hook(group: Any) -> Any:
 
 
 def is_replicated(param: torch.Tensor) -> bool:
-    """True when ``param`` is identical on every TP rank (``_merak_tp_dim is None``)."""
-    return getattr(param, "_merak_tp_dim", None) is None
+    """True when ``param`` is identical on every TP rank (its ``ShardSpec.dim`` is None)."""
+    return not get_shard_spec(param).sharded
 
 
-def gather_tensor(tensor: torch.Tensor, *, like: torch.Tensor | None = None, group: Any) -> torch.Tensor:
+def gather_tensor(tensor: torch.Tensor, *, like: torch.Tensor | None = None,
+                  group: ProcessGroup | None) -> torch.Tensor:
     """The full tensor from every rank's shard of ``tensor`` (shard layout read from ``like`` or itself).
 
     Works for a parameter, its ``.grad`` (pass the parameter as ``like``) or an
     optimizer state of the same shape. Replicated tensors are returned as is.
+    Collective over ``group`` for a sharded tensor (see ``ShardSpec.gather``).
     """
-    meta = tensor if like is None else like
-    dim = getattr(meta, "_merak_tp_dim", None)
-    world = tp_size(group)
-    if dim is None or world == 1:
+    spec = get_shard_spec(tensor if like is None else like)
+    if not spec.sharded or tp_size(group) == 1:
         return tensor.detach()
-    sections = getattr(meta, "_merak_tp_sections", 1)
-    x0 = tensor.detach().movedim(dim, 0).contiguous()
-    out = torch.empty((world * x0.size(0), *x0.shape[1:]), dtype=x0.dtype, device=x0.device)
-    all_gather_dim0(out, x0, group)
-    blocks = out.chunk(world, dim=0)  # one block per rank
-    if sections > 1:
-        full_sizes = getattr(meta, "_merak_tp_section_sizes", None)
-        local = [size // world for size in full_sizes] if full_sizes else [x0.size(0) // sections] * sections
-        per_rank = [b.split(local, dim=0) for b in blocks]
-        out = torch.cat([per_rank[r][s] for s in range(sections) for r in range(world)], dim=0)
-    return out.movedim(0, dim)
+    return spec.gather(tensor, group)

@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
 
 import torch
+from torch.distributed import ProcessGroup
 
 from merak_tp.collectives import tp_rank, tp_size
 
@@ -41,7 +41,7 @@ __all__ = ["RNGTracker", "sharded_dropout", "tp_seed"]
 _TP_SEED_OFFSET = 2718
 
 
-def tp_seed(base_seed: int, group: Any) -> int:
+def tp_seed(base_seed: int, group: ProcessGroup | None) -> int:
     """A seed that differs per TP rank (``base_seed + 2718 + tp_rank``), as Megatron derives it."""
     return base_seed + _TP_SEED_OFFSET + tp_rank(group)
 
@@ -122,7 +122,7 @@ class RNGTracker:
             self._set_rng(outer)
 
 
-def sharded_dropout(x_local: torch.Tensor, p: float, *, group: Any, dim: int = -1,
+def sharded_dropout(x_local: torch.Tensor, p: float, *, group: ProcessGroup | None, dim: int = -1,
                     generator: torch.Generator, training: bool = True) -> torch.Tensor:
     """Dropout of a tensor sharded along ``dim``, equal to the unsharded dropout's block.
 

@@ -182,6 +182,8 @@ def _stage_tensors(trainer: Trainer) -> Iterable[tuple[str, torch.Tensor]]:
     """
     pm = trainer.model
     layout = pm.layout
+    from merak_tp.shard_spec import get_shard_spec
+
     seen: set[int] = set()
     for name, p in pm.named_parameters():
         if id(p) in seen:
@@ -190,11 +192,10 @@ def _stage_tensors(trainer: Trainer) -> Iterable[tuple[str, torch.Tensor]]:
         if pm.shared_owner.get(p, layout.pp_rank) != layout.pp_rank:
             continue  # a tied copy: the first stage that holds it writes it
         tensor = p.detach()
-        if layout.tp > 1 and getattr(p, "_merak_tp_dim", None) is not None:
-            import merak_tp
-
-            tensor = merak_tp.gather_tensor(tensor, like=p, group=layout.tp_group)
-        if getattr(p, "_merak_tp_transposed", False):
+        spec = get_shard_spec(p)
+        if layout.tp > 1 and spec.sharded:
+            tensor = spec.gather(tensor, layout.tp_group)
+        if spec.transposed:
             tensor = tensor.t()
         yield name, tensor.cpu().contiguous()
 

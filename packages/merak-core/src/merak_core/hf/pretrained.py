@@ -18,8 +18,7 @@ stage is opened beyond the file headers. [Note: pretrained tensor names] Names a
 through every alias of a tied parameter (``lm_head.weight`` and ``transformer.wte.weight`` are
 one tensor; the folder holds one of them), and ``Conv1D`` weights (GPT-2, stored ``(in, out)``)
 are sliced in the file's orientation and transposed into the TP layer's ``(out, in)``; both
-come from the shard tags merak-tp puts on every parameter (``_merak_tp_dim``,
-``_merak_tp_sections``, ``_merak_tp_section_sizes``, ``_merak_tp_transposed``).
+come from the ``ShardSpec`` merak-tp puts on every parameter (``merak_tp.get_shard_spec``).
 
 Not done here: reading folders (``folder.py``), writing them (``export.py``). Persistent
 buffers are not read from the folder: they keep the values the model's constructor computes
@@ -102,18 +101,17 @@ class _Layout:
 
 
 def _layout_of(param: torch.Tensor, tp: int, full_shape: tuple[int, ...]) -> _Layout:
-    """Read merak-tp's shard tags (see [Note: shard metadata] in ``merak_tp.layers``)."""
-    transposed = bool(getattr(param, "_merak_tp_transposed", False)) and param.ndim == 2
-    dim = getattr(param, "_merak_tp_dim", None) if tp > 1 else None
+    """Read merak-tp's ``ShardSpec`` (see [Note: shard metadata] in ``merak_tp.shard_spec``)."""
+    from merak_tp.shard_spec import get_shard_spec, section_sizes
+
+    spec = get_shard_spec(param)
+    transposed = spec.transposed and param.ndim == 2
+    dim = spec.dim if tp > 1 else None
     if dim is not None and transposed:
         dim = 1 - dim
     if dim is None:
         return _Layout(None, (), transposed)
-    sizes = getattr(param, "_merak_tp_section_sizes", None)
-    if sizes is None:
-        sections = int(getattr(param, "_merak_tp_sections", 1) or 1)
-        sizes = (full_shape[dim] // sections,) * sections
-    return _Layout(dim, tuple(int(s) for s in sizes), transposed)
+    return _Layout(dim, section_sizes(spec.sections, full_shape[dim]), transposed)
 
 
 def read_local_shard(entry: Any, param: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:
