@@ -19,7 +19,11 @@ import nox
 
 ROOT = Path(__file__).parent
 CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))
-TEST_DEPS = ("pytest>=8", "hypothesis>=6.100")
+TEST_DEPS = ("pytest>=8", "hypothesis>=6.100", "pytest-xdist>=3.5")
+# Two pytest workers per machine of two cores, at most four: much of the suite waits (subprocesses
+# starting, timeouts that a fault test must see expire, one rank blocked on another), and a second
+# worker can fill that time. ``-- -n 0`` runs in one process (a later ``-n`` wins).
+WORKERS = ("-n", "auto", "--maxprocesses", "4", "--dist", "worksteal")
 LIBRARIES = ("pipe", "graph", "tp")
 EXTRAS_FOR_TESTS = ("graph", "tp")  # libraries whose package session installs their [transformers] extra
 ALL_PACKAGES = ("packages/merak-pipe", "packages/merak-graph", "packages/merak-tp", "packages/merak-core")
@@ -81,7 +85,7 @@ def tests(session: nox.Session) -> None:
     selection = ["tests", *(f"--ignore=tests/{name}" for name in LIBRARIES)]
     named_paths = any(os.path.exists(arg.split("::")[0]) for arg in session.posargs)
     args = list(session.posargs) if named_paths else [*selection, *session.posargs]
-    session.run("pytest", *args, env={**ENV, "HF_HUB_OFFLINE": "1"})
+    session.run("pytest", *WORKERS, *args, env={**ENV, "HF_HUB_OFFLINE": "1"})
 
 
 @nox.session
@@ -104,7 +108,7 @@ def package(session: nox.Session, library: str) -> None:
         *others,
     )
     # Import the installed copy, not the source tree, and only this package's tests.
-    session.run("pytest", f"tests/{library}", "tests/support_tests", "tests/test_boundaries.py",
+    session.run("pytest", *WORKERS, f"tests/{library}", "tests/support_tests", "tests/test_boundaries.py",
                 "-p", "no:cacheprovider", *session.posargs, env={**ENV, "HF_HUB_OFFLINE": "1"})
 
 
