@@ -92,6 +92,8 @@ def job_model_signalling(name: str = "gpt") -> torch.nn.Module:
     """
     rank = os.environ.get("RANK")
     if rank is None:
+        if os.environ.get("MERAK_TEST_CHECK_SIGNAL"):  # merak train's checks before launch
+            os.kill(os.getpid(), getattr(signal, os.environ["MERAK_TEST_CHECK_SIGNAL"]))
         return build_model(name)
     pid_dir = os.environ.get("MERAK_TEST_PID_DIR")
     if pid_dir:

@@ -21,14 +21,18 @@ libraries never touch the root logger.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import shlex
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 from merak_core import __version__
-from merak_core.exitcodes import BAD_INPUT
+from merak_core.exitcodes import BAD_INPUT, PREEMPTED
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
@@ -133,7 +137,7 @@ def _train(args: argparse.Namespace) -> int:
     env.setdefault("OMP_NUM_THREADS", "1")
     with _output_dir_lock(args, t.output_dir) as lock:
         logging.getLogger("merak").info("launching: %s", shlex.join(cmd))
-        return _supervise(args, cmd, env, lock)
+        return _supervise(args, cmd, env, lock, t.output_dir)
 
 
 def _output_dir_lock(args: argparse.Namespace, output_dir: str) -> Any:
@@ -154,17 +158,25 @@ def _output_dir_lock(args: argparse.Namespace, output_dir: str) -> Any:
         raise ValueError(str(exc)) from None
 
 
-def _supervise(args: argparse.Namespace, cmd: list[str], env: dict[str, str], lock: Any) -> int:
-    """Run torchrun with signals forwarded (see [Note: signal forwarding]); the resume hint when stopped."""
-    from merak_core.supervise import run_torchrun
+def _supervise(args: argparse.Namespace, cmd: list[str], env: dict[str, str], lock: Any, output_dir: str) -> int:
+    """Run torchrun with signals forwarded (see [Note: signal forwarding]); how to continue when stopped or failed."""
+    from merak_core.signals import restart_command
+    from merak_core.supervise import failure_line, run_torchrun
 
     outcome = run_torchrun(cmd, env=env, pass_fds=(lock.fd,) if lock is not None else (),
                            on_start=(lambda pid: lock.note(torchrun_pid=pid)) if lock is not None else None)
+    command = restart_command(args.config, _resume_overrides(args.overrides), os.path.join(output_dir, "checkpoints"))
+    resumable = command.endswith("--resume latest")
     if outcome.preempted:
         hidden = f" ({outcome.hidden_lines} lines of shutdown output hidden)" if outcome.hidden_lines else ""
-        resume = shlex.join(["merak", "train", args.config, *_resume_overrides(args.overrides), "--resume", "latest"])
-        print(f"merak train: the job was stopped by a signal{hidden}. Resume it from its last checkpoint with:\n"
-              f"  {resume}", file=sys.stderr, flush=True)
+        again = ("Resume it from its last checkpoint with" if resumable
+                 else "Nothing was saved (no checkpoint yet); start it again with")
+        print(f"merak train: the job was stopped by a signal{hidden}. {again}:\n  {command}", file=sys.stderr,
+              flush=True)
+    failed = failure_line(outcome, args.max_restarts)
+    if failed is not None:
+        after = f"; once fixed, resume from the last checkpoint with: {command}" if resumable else ""
+        print(failed + after, file=sys.stderr, flush=True)
     return outcome.exit_status
 
 
@@ -378,6 +390,32 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _StoppedBeforeLaunch(BaseException):
+    """SIGINT or SIGTERM while ``merak train`` checks the job (the signal's name is the message).
+
+    A ``BaseException``, like ``KeyboardInterrupt``: the checks report a factory's ``Exception`` as bad input.
+    """
+
+
+@contextlib.contextmanager
+def _stop_before_launch() -> Iterator[None]:
+    """Turn SIGINT/SIGTERM into :class:`_StoppedBeforeLaunch` (torchrun's supervisor installs its own meanwhile)."""
+    def stop(signum: int, frame: Any) -> None:
+        raise _StoppedBeforeLaunch(signal.Signals(signum).name)
+
+    if threading.current_thread() is not threading.main_thread():  # only the main thread has handlers
+        yield
+        return
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    except KeyboardInterrupt:  # a SIGINT handler of someone else's
+        raise _StoppedBeforeLaunch("SIGINT") from None
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _build_parser()
     args = parser.parse_args(argv)
@@ -387,13 +425,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "train":
         try:
-            return _train(args)
+            with _stop_before_launch():
+                return _train(args)
         except ValueError as exc:  # a bad job file or override: one clear line, no traceback
             print(f"merak train: error: {exc}", file=sys.stderr)
             return BAD_INPUT
-        except KeyboardInterrupt:  # Ctrl-C before torchrun started (while checking the job)
-            print("merak train: interrupted before the job started", file=sys.stderr)
-            return 130
+        except _StoppedBeforeLaunch as exc:  # SIGINT/SIGTERM before torchrun started (while checking the job)
+            print(f"merak train: stopped by {exc} before the job started (nothing was launched)", file=sys.stderr)
+            return PREEMPTED
     if args.command == "plan":
         try:
             return _plan(args)
