@@ -131,3 +131,36 @@ def test_merak_eval_prints_loss_perplexity_and_metrics(trained: tuple[Path, dict
                      f"eval_token_accuracy {expected['eval_token_accuracy']:.4f}"]
     written = json.loads(out.read_text())
     assert written["eval_loss"] == pytest.approx(expected["eval_loss"], rel=1e-12)
+
+
+def _sft_eval(job_path: str, overrides: list[str]) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from merak_core import Trainer, init
+    from merak_core.job import JobConfig
+
+    job = JobConfig.from_yaml(job_path, overrides)
+    t = job.training
+    _, evaluation = job.build_datasets()
+    torch.manual_seed(t.seed)
+    trainer = Trainer(job.build_model(), t, None, evaluation, layout=init(dp=t.dp, tp=t.tp, pp=t.pp))
+    got = trainer.evaluate()
+    state = trainer.full_state_dict()
+    return {"got": got, "reference": _reference(state, evaluation) if dist.get_rank() == 0 else None}
+
+
+def test_eval_loss_is_the_token_mean_when_prompts_are_masked(tmp_path: Path) -> None:
+    """Prompt/response data: samples count different numbers of labels; the eval loss is the mean over every
+    counted token of the eval set, whatever the layout and the microbatches."""
+    from tests.support.text import write_jsonl
+
+    write_jsonl(tmp_path / "sft.jsonl", [{"q": q, "a": a} for q, a in zip(sentences(40, seed=51, words=12),
+                                                                           sentences(40, seed=52), strict=True)])
+    raw = yaml.safe_load(_job(tmp_path).read_text())
+    raw["data"] = {"format": "jsonl", "path": "sft.jsonl", "prompt_field": "q", "response_field": "a",
+                   "tokenizer": "tok", "seq_len": 16, "packing": False, "eval_fraction": 0.3, "cache_dir": "cache"}
+    job = tmp_path / "sft.yaml"
+    job.write_text(yaml.safe_dump(raw))
+    for layout in (["training.dp=2", "training.per_device_eval_batch_size=3"], EVAL_LAYOUT):
+        result = run_on_ranks(2, _sft_eval, str(job), layout)[0]
+        assert result["got"]["eval_loss"] == pytest.approx(result["reference"]["eval_loss"], rel=1e-12)

@@ -11,6 +11,13 @@ per-sample loss (a loss that averages over samples, e.g. cross-entropy without i
 positions) exactly as a single process over the whole set computes it. ``compute_metrics``
 values are per example: the real rows are summed and divided by the number of real samples.
 
+With the default loss (token-mean cross-entropy, -100 ignored) on integer labels, each
+microbatch's loss is weighted by its counted labels instead (every microbatch's loss computed
+from the outputs of its real rows): ``eval_loss`` is then the mean negative log-likelihood over
+every counted token of the set, whatever the layout and the microbatch size, as for a single
+process over the whole set, also when samples count different numbers of tokens (prompt
+masking, padding); ``exp(eval_loss)`` is the per-token perplexity.
+
 Not done here: building the loader (``StageAwareDataLoader(..., drop_last=False)``) and choosing
 the eval microbatch size (the trainer).
 """
@@ -87,18 +94,24 @@ def evaluate_loader(
     ``run(batch, return_outputs)`` evaluates one batch with the pipeline and returns what
     ``PipelineRunner.evaluate`` returns (None off the last stage).
     """
+    from merak_core.engine import default_loss
+
     sums = EvalSums()
     for batch in loader:
         partial = batch.num_real is not None
-        result = run(batch, compute_metrics is not None or partial)
+        by_token = loss_fn is default_loss and isinstance(batch.labels, torch.Tensor) and \
+            not batch.labels.is_floating_point()
+        per_micro = partial or by_token
+        result = run(batch, compute_metrics is not None or per_micro)
         if result is None:
             continue
-        loss, outputs = result if (compute_metrics is not None or partial) else (result, None)
+        loss, outputs = result if (compute_metrics is not None or per_micro) else (result, None)
         labels = typing.cast(torch.Tensor, batch.labels).to(device)
         total = _batch_rows(labels)
         real = total if batch.num_real is None else batch.num_real
-        if partial:
-            _add_partial_loss(sums, outputs, labels, real, total // num_microbatches, loss_fn, autocast)
+        if per_micro:
+            _add_partial_loss(sums, outputs, labels, real, total // num_microbatches, loss_fn, autocast,
+                              by_token=by_token)
         else:
             sums.add_loss(float(loss), total)
         if compute_metrics is not None and real > 0:
@@ -154,13 +167,17 @@ def _zeroed(sums: EvalSums) -> EvalSums:
 
 def _add_partial_loss(sums: EvalSums, outputs: Any, labels: torch.Tensor, real: int, micro: int,
                       loss_fn: Callable[[Any, Any], torch.Tensor],
-                      autocast: Callable[[], contextlib.AbstractContextManager[Any]]) -> None:
-    """Each microbatch's loss over its real rows, weighted by their number (padding rows dropped)."""
+                      autocast: Callable[[], contextlib.AbstractContextManager[Any]], *, by_token: bool = False) -> None:
+    """Each microbatch's loss over its real rows, weighted by their number (padding rows dropped),
+    or (``by_token``) by their labels other than -100."""
     for lo in range(0, real, micro):
         hi = min(lo + micro, real)
+        counted = int((labels[lo:hi] != -100).sum()) if by_token else hi - lo
+        if counted == 0:
+            continue  # nothing counted: the token mean of these rows is not defined (NaN), and weighs 0
         with autocast():
             value = loss_fn(rows(outputs, lo, hi), rows(labels, lo, hi))
-        sums.add_loss(float(value), hi - lo)
+        sums.add_loss(float(value), counted)
 
 
 __all__ = ["EvalSums", "agree_names", "evaluate_loader", "rows", "shapes_specialised"]
