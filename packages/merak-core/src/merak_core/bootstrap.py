@@ -28,6 +28,7 @@ from torch import nn
 from merak_core.compose import ParallelModel, build_parallel_model
 from merak_core.config import TrainingArguments
 from merak_core.layout import ParallelLayout, ensure_process_group, init, select_device
+from merak_core.virtual_stages import stage_placement
 
 __all__ = ["autocast", "check_layout", "compose", "example_batch", "first_samples", "is_meta", "process_group",
            "run_device", "run_layout"]
@@ -131,5 +132,6 @@ def compose(model: nn.Module, args: TrainingArguments, layout: ParallelLayout, d
     return build_parallel_model(
         model, layout, example_inputs=example_inputs, tp_plan=args.tp_plan,
         overlap_chunks=args.overlap_chunks, device=device, init_fn=init_fn, rng_tracker=tp_rng,
+        stage_to_rank=stage_placement(args.schedule, layout.pp, args.virtual_stages),
         sequence_parallel=args.sequence_parallel and layout.tp > 1,
     )

@@ -34,6 +34,7 @@ from torch import nn
 
 from merak_core.fsdp import full_local_tensor
 from merak_core.layout import ParallelLayout
+from merak_core.virtual_stages import check_layer_count
 
 logger = logging.getLogger(__name__)
 
@@ -195,6 +196,7 @@ def build_parallel_model(
     leaves = _trace_leaves(model, layout, tp_plan)
     placement = tuple(stage_to_rank) if stage_to_rank is not None else tuple(range(layout.pp))
     _check_placement(placement, layout.pp)
+    check_layer_count(model, layout.pp, len(placement) // layout.pp)
     # Inputs named like forward's parameters are traced by keyword (stage 0 then takes them
     # positionally in ``part.input_names`` order); others by position.
     try:

@@ -59,6 +59,7 @@ from merak_core.data_parallel import DataParallelGradSync
 from merak_core.fsdp import SHARDED_ZERO_STAGES, ShardedDataParallel, shard_parallel_model
 from merak_core.layout import ParallelLayout
 from merak_core.stall import Heartbeat
+from merak_core.virtual_stages import check_virtual_stages
 from merak_core.zero import ZeroOptimizer
 from merak_graph import PARAM_MEMORY_FACTOR
 from merak_pipe import PipelineCommError, schedule_info
@@ -125,12 +126,7 @@ def _decay_groups(named: Sequence[tuple[str, nn.Parameter]], weight_decay: float
 def check_schedule(args: TrainingArguments, layout: ParallelLayout) -> str:
     """The schedule's merak-pipe name; ValueError for what the engine cannot run on this layout."""
     name = schedule_name(args)
-    if not schedule_info(name).one_stage_per_rank:
-        raise ValueError(
-            f"schedule={args.schedule!r} places several stages on one rank, which the Trainer does not "
-            "do yet: use 1f1b, gpipe, zb_h1 or shifted_critical_path (merak_pipe runs interleaved schedules "
-            "over hand-split stages)"
-        )
+    check_virtual_stages(name, layout.pp, args.virtual_stages)  # stages per rank: what the schedule places
     num_micro = args.num_microbatches
     if layout.pp > 1 and num_micro < layout.pp:
         raise ValueError(
@@ -226,11 +222,13 @@ class ParallelEngine:
 
         layout, args = self.layout, self.args
         recompute = self._recompute_plan()
-        schedule = build_schedule(self.schedule_name, num_stages=layout.pp,
+        num_stages = self.model.num_stages  # pp * virtual_stages
+        schedule = build_schedule(self.schedule_name, num_stages=num_stages, num_ranks=layout.pp,
                                   num_microbatches=args.num_microbatches, recompute=recompute)
-        stage = PipelineStage(self.model.module, stage_index=layout.pp_rank, num_stages=layout.pp,
-                              group=layout.pp_group, device=self.device)
-        return PipelineRunner([stage], schedule, loss_fn=self.loss_fn, group=layout.pp_group,
+        modules = self.model.stage_modules or {layout.pp_rank: self.model.module}
+        stages = [PipelineStage(module, stage_index=s, num_stages=num_stages, group=layout.pp_group,
+                                device=self.device) for s, module in sorted(modules.items())]
+        return PipelineRunner(stages, schedule, loss_fn=self.loss_fn, group=layout.pp_group,
                               # ZeRO-2/3 sums the shared copies on the gradient shards (ShardedDataParallel.finish)
                               shared_parameters=self.model.shared_parameters if self.sharded is None else [],
                               timeout=layout.timeout)
@@ -239,7 +237,7 @@ class ParallelEngine:
         from merak_pipe import RecomputePlan
 
         mode, fraction = self.args.recompute_mode
-        pp = self.layout.pp
+        pp = self.model.num_stages
         if mode == "none":
             return None
         if mode == "full":
@@ -262,7 +260,7 @@ class ParallelEngine:
             lo, hi = info.shard_range
             n = max(1, hi - lo)
             layer_bytes.append([info.activation_bytes / n] * n)
-        probe = build_schedule(self.schedule_name, num_stages=self.layout.pp,
+        probe = build_schedule(self.schedule_name, num_stages=self.model.num_stages, num_ranks=self.layout.pp,
                                num_microbatches=self.args.num_microbatches)
         static = [info.param_bytes * PARAM_MEMORY_FACTOR for info in part.stage_info]  # as the partitioner counts
         return stage_aware_plan(layer_activation_bytes=layer_bytes, memory_budget=float(self.args.memory_budget),

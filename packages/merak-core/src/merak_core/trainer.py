@@ -57,6 +57,7 @@ from merak_core.metrics import MetricsWriter
 from merak_core.planner import PlanContext
 from merak_core.signals import StopRequest, TrainingPreempted
 from merak_core.stall import Heartbeat
+from merak_core.virtual_stages import stage_data_roles
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +132,7 @@ class Trainer:
         check_schedule(args, self.layout)
         self.train_loader = (
             StageAwareDataLoader(train_dataset, batch_size=args.micro_batch_size * args.num_microbatches,
-                                 layout=self.layout, collate_fn=data_collator, seed=args.seed, shuffle=True,
+                                 **stage_data_roles(args, self.layout), collate_fn=data_collator, seed=args.seed, shuffle=True,
                                  num_workers=args.dataloader_num_workers)
             if train_dataset is not None else None
         )
@@ -375,7 +376,7 @@ class Trainer:
         num_micro = self.args.num_microbatches
         # Every sample counts once: the last partial batch is padded and masked ([Note: eval weighting]).
         loader = StageAwareDataLoader(dataset, batch_size=self._eval_micro_batch_size() * num_micro,
-                                      layout=self.layout, collate_fn=self.data_collator, shuffle=False,
+                                      **stage_data_roles(self.args, self.layout), collate_fn=self.data_collator, shuffle=False,
                                       seed=self.args.seed, drop_last=False)
 
         def run(batch: Any, return_outputs: bool) -> Any:

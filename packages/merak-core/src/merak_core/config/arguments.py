@@ -39,6 +39,7 @@ from merak_core.config.values import (
     schedule_key,
     split_override,
 )
+from merak_core.virtual_stages import check_virtual_stages
 
 
 @dataclass(kw_only=True)
@@ -109,6 +110,9 @@ class TrainingArguments:
     """Tensor-parallel degree."""
     pp: int = 1
     """Pipeline-parallel degree (stages)."""
+    virtual_stages: int = 1
+    """Pipeline stages per pipeline rank: the model is cut into ``pp * virtual_stages`` stages, placed by the
+    schedule (``interleaved_1f1b``: round-robin, any v; ``zb_v``: in a V, v = 2). 1: one stage per rank."""
     schedule: str = "auto"
     """Pipeline schedule: ``auto`` (shifted critical path with a memory budget, else 1F1B), ``gpipe``,
     ``1f1b``, ``zb_h1``, ``shifted_critical_path``, ... (any ``merak_pipe.schedule_infos()`` key; hyphens accepted)."""
@@ -203,6 +207,7 @@ class TrainingArguments:
             )
         self.schedule = schedule_key(self.schedule)
         _check(self.schedule in schedule_choices(), "schedule", self.schedule, f"one of {schedule_choices()}")
+        check_virtual_stages(self.schedule, self.pp, self.virtual_stages)
         parse_recompute(self.recompute)
         if self.memory_budget is not None:
             self.memory_budget = parse_bytes(self.memory_budget)

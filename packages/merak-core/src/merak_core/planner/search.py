@@ -22,6 +22,8 @@ __all__ = [
 PLANNER_SCHEDULES = tuple(info.key for info in schedule_infos() if info.one_stage_per_rank)
 """Schedules the Trainer runs with one stage per rank (config spelling): the registry's, in its order."""
 RECOMPUTE_MODES = ("none", "full", "stage_aware")
+VIRTUAL_STAGE_SCHEDULES = tuple(info.key for info in schedule_infos() if not info.one_stage_per_rank)
+"""Schedules with several stages per rank, planned with ``virtual_stages`` when :func:`plan` is given v > 1."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,11 @@ class Candidate:
     """Predicted backward seconds of one microbatch, per stage, likewise (without recomputation)."""
     overhead_s: float = 0.0
     """Predicted seconds per step outside the pipeline and the DP all-reduce (optimizer, clipping, loss)."""
+    virtual_stages: int = 1
+    """Pipeline stages per rank (``pp * virtual_stages`` stages; the per-stage tuples have that many)."""
+    device_peak_bytes: tuple[float, ...] = ()
+    """Per pipeline rank: its stages' static bytes plus the simulated activation peak of the rank
+    (what ``memory_per_device`` bounds); the per-stage peaks when each rank holds one stage."""
 
     @property
     def layout(self) -> str:
@@ -63,11 +70,14 @@ class Candidate:
                                "gradient_accumulation_steps": self.num_microbatches, "recompute": self.recompute}
         if self.recompute == "stage_aware":
             out["memory_budget"] = int(self.memory_per_device)
+        if self.virtual_stages > 1:
+            out["virtual_stages"] = self.virtual_stages
         return out
 
 
 def _sort_key(c: Candidate) -> tuple[Any, ...]:
-    return (float(f"{c.step_time_s:.9g}"), c.tp, c.layout, PLANNER_SCHEDULES.index(c.schedule), c.num_microbatches,
+    order = PLANNER_SCHEDULES + VIRTUAL_STAGE_SCHEDULES
+    return (float(f"{c.step_time_s:.9g}"), c.tp, c.layout, order.index(c.schedule), c.num_microbatches,
             RECOMPUTE_MODES.index(c.recompute))
 
 
@@ -120,13 +130,16 @@ class _Layout:
     dp_allreduce_s: float
     optimizer_s: float  # optimizer step over this rank's parameters (uncontended)
     step_comm_s: float  # the gradient-norm and loss all-reduces over every rank
+    zero_stage: int = 0
+    optimizer_state_factor: float = 2.0
 
 
 def _layout(profile: ModelProfile, comm: CommModel, dp: int, tp: int, pp: int, zero_stage: int,
-            optimizer_state_factor: float) -> _Layout:
-    sizes = split_layers(profile.layer_forward_s, pp)
-    bounds = [sum(sizes[:s]) for s in range(pp + 1)]
-    stage = [range(bounds[s], bounds[s + 1]) for s in range(pp)]
+            optimizer_state_factor: float, virtual_stages: int = 1) -> _Layout:
+    num_stages = pp * virtual_stages
+    sizes = split_layers(profile.layer_forward_s, num_stages)
+    bounds = [sum(sizes[:s]) for s in range(num_stages + 1)]
+    stage = [range(bounds[s], bounds[s + 1]) for s in range(num_stages)]
     params = [sum(profile.layer_param_bytes[i] for i in r) / tp for r in stage]
     if pp == 1:  # one stage holds the first and the last layer: a tied embedding once
         params[0] -= profile.shared_param_bytes / tp
@@ -137,15 +150,18 @@ def _layout(profile: ModelProfile, comm: CommModel, dp: int, tp: int, pp: int, z
     world = dp * tp * pp
     # Per step outside the pipeline: the optimizer over this rank's parameters (its share under
     # ZeRO-1), the gradient-norm all-reduce and the loss all-reduce over every rank.
-    optimizer = max(params) / opt_div * profile.optimizer_s_per_byte
+    # A rank holds every pp-th stage (round-robin; a V holds the same amount up to rounding).
+    rank_params = [sum(params[s] for s in range(num_stages) if s % pp == r) for r in range(pp)]
+    optimizer = max(rank_params) / opt_div * profile.optimizer_s_per_byte
     return _Layout(
         dp=dp, tp=tp, pp=pp, sizes=sizes,
         fwd1=[sum(profile.layer_forward_s[i] for i in r) / tp for r in stage],
         bwd1=[sum(profile.layer_backward_s[i] for i in r) / tp for r in stage],
         act1=[[profile.layer_activation_bytes[i] / tp for i in r] for r in stage],
         layers=[len(r) for r in stage], static=static,
-        dp_allreduce_s=max(comm.allreduce_s(p, dp) for p in params) + _wait(comm, dp), optimizer_s=optimizer,
-        step_comm_s=2 * (comm.allreduce_s(8.0, world) + _wait(comm, world)))
+        dp_allreduce_s=max(comm.allreduce_s(p, dp) for p in rank_params) + _wait(comm, dp), optimizer_s=optimizer,
+        step_comm_s=2 * (comm.allreduce_s(8.0, world) + _wait(comm, world)), zero_stage=zero_stage,
+        optimizer_state_factor=optimizer_state_factor)
 
 
 def _wait(comm: CommModel, group_size: int) -> float:
@@ -168,6 +184,7 @@ def _evaluate(profile: ModelProfile, comm: CommModel, lay: _Layout, *, schedule:
     from merak_pipe.recompute import RecomputePlan
 
     pp, m, b = lay.pp, num_microbatches, micro_batch_size
+    num_stages = len(lay.sizes)  # pp * virtual stages
     tp_comm = [2 * n * (comm.allreduce_s(b * profile.boundary_bytes, lay.tp) + _wait(comm, lay.tp))
                for n in lay.layers]
     # The fixed per-microbatch cost (operator dispatch) belongs to the layers' operators: each stage
@@ -192,7 +209,7 @@ def _evaluate(profile: ModelProfile, comm: CommModel, lay: _Layout, *, schedule:
     if recompute == "stage_aware":
         if pp < 2:
             return None
-        base = build_schedule(name, num_stages=pp, num_microbatches=m)
+        base = build_schedule(name, num_stages=num_stages, num_ranks=pp, num_microbatches=m)
         try:
             rplan = stage_aware_plan(
                 layer_activation_bytes=[[b * a for a in layer] for layer in lay.act1],
@@ -201,12 +218,16 @@ def _evaluate(profile: ModelProfile, comm: CommModel, lay: _Layout, *, schedule:
         except ValueError:
             return None
     elif recompute == "full":
-        rplan = RecomputePlan.full(pp)
+        rplan = RecomputePlan.full(num_stages)
     else:
-        rplan = RecomputePlan.none(pp)
-    fractions = tuple(float(rplan[s]) for s in range(pp))
-    result = simulate(build_schedule(name, num_stages=pp, num_microbatches=m, recompute=rplan), costs)
-    peak = tuple(st + a for st, a in zip(lay.static, result.peak_memory, strict=True))
+        rplan = RecomputePlan.none(num_stages)
+    fractions = tuple(float(rplan[s]) for s in range(num_stages))
+    sched = build_schedule(name, num_stages=num_stages, num_ranks=pp, num_microbatches=m, recompute=rplan)
+    result = simulate(sched, costs)
+    static = _held_once(profile, lay, sched.stage_to_rank)
+    peak = tuple(st + a for st, a in zip(static, result.peak_memory, strict=True))
+    device = tuple(sum(st for st, r in zip(static, sched.stage_to_rank, strict=True) if r == rank)
+                   + result.peak_memory_per_rank[rank] for rank in range(pp))
     pipeline = result.makespan
     overhead = (_contended(lay.optimizer_s, world, compute_slots) + lay.step_comm_s) * profile.overhead_scale
     dp_allreduce = lay.dp_allreduce_s * profile.overhead_scale
@@ -215,7 +236,20 @@ def _evaluate(profile: ModelProfile, comm: CommModel, lay: _Layout, *, schedule:
         recompute=recompute, recompute_fractions=fractions, stage_layers=tuple(lay.sizes),
         step_time_s=pipeline + dp_allreduce + overhead, pipeline_s=pipeline,
         dp_allreduce_s=dp_allreduce, peak_memory_bytes=peak, memory_per_device=float(memory_per_device),
-        stage_forward_s=tuple(fwd), stage_backward_s=tuple(bwd), overhead_s=overhead)
+        stage_forward_s=tuple(fwd), stage_backward_s=tuple(bwd), overhead_s=overhead,
+        virtual_stages=num_stages // pp, device_peak_bytes=device)
+
+
+def _held_once(profile: ModelProfile, lay: _Layout, stage_to_rank: Sequence[int]) -> list[float]:
+    """Static bytes per stage, less the tied copy on the last stage when the first stage's rank holds it
+    too (ZB-V: one local parameter; see merak_core.planner.memory)."""
+    static = list(lay.static)
+    last = len(static) - 1
+    if last > 0 and stage_to_rank[0] == stage_to_rank[last] and profile.shared_param_bytes:
+        p = profile.shared_param_bytes / lay.tp
+        static[last] -= sum(model_state_bytes(p, zero_stage=lay.zero_stage, dp=lay.dp,
+                                              optimizer_state_factor=lay.optimizer_state_factor))
+    return static
 
 
 def _check_common(memory_per_device: float, zero_stage: int, compute_slots: float | None) -> None:
@@ -245,6 +279,7 @@ def predict(
     zero_stage: int = 0,
     optimizer_state_factor: float = 2.0,
     compute_slots: float | None = None,
+    virtual_stages: int = 1,
 ) -> Candidate:
     """The planner's prediction for one given configuration (whether or not it fits the memory).
 
@@ -257,13 +292,15 @@ def predict(
                     ("micro_batch_size", micro_batch_size)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"predict: {name}={v!r}; expected an int >= 1")
-    if schedule not in PLANNER_SCHEDULES:
-        raise ValueError(f"predict: schedule {schedule!r} is not one of {PLANNER_SCHEDULES}")
+    allowed = PLANNER_SCHEDULES if virtual_stages == 1 else VIRTUAL_STAGE_SCHEDULES
+    if schedule not in allowed:
+        raise ValueError(f"predict: schedule {schedule!r} with virtual_stages={virtual_stages} is not one of {allowed}")
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"predict: recompute {recompute!r} is not one of {RECOMPUTE_MODES}")
-    if pp > profile.num_layers:
-        raise ValueError(f"predict: pp={pp} but the profile has {profile.num_layers} layers; use pp <= layers")
-    lay = _layout(profile, comm, dp, tp, pp, zero_stage, optimizer_state_factor)
+    if pp * virtual_stages > profile.num_layers:
+        raise ValueError(f"predict: pp={pp} x virtual_stages={virtual_stages} stages but the profile has "
+                         f"{profile.num_layers} layers; use pp * virtual_stages <= layers")
+    lay = _layout(profile, comm, dp, tp, pp, zero_stage, optimizer_state_factor, virtual_stages)
     if recompute == "stage_aware" and pp < 2:
         recompute = "none"
     cand = _evaluate(profile, comm, lay, schedule=schedule if pp > 1 else "1f1b", num_microbatches=num_microbatches,
@@ -288,6 +325,7 @@ def plan(
     recompute_modes: Sequence[str] = RECOMPUTE_MODES,
     max_microbatches: int = 64,
     compute_slots: float | None = None,
+    virtual_stages: Sequence[int] = (1,),
 ) -> list[Candidate]:
     """Every feasible configuration, best predicted step time first.
 
@@ -327,12 +365,14 @@ def plan(
             if global_batch_size % dp:
                 continue
             layouts_tried += 1
-            lay = _layout(profile, comm, dp, tp, pp, zero_stage, optimizer_state_factor)
+            lays = {v: _layout(profile, comm, dp, tp, pp, zero_stage, optimizer_state_factor, v)
+                    for v in sorted(set(virtual_stages)) if v == 1 or 1 < pp and pp * v <= profile.num_layers}
             per_dp = global_batch_size // dp
             for m in _divisors(per_dp):
                 if m > max_microbatches or m < pp:  # the Trainer needs a microbatch per stage at least
                     continue
-                for sched in (schedules if pp > 1 else ("1f1b",)):
+                for sched, v in _runs(pp, schedules, lays):
+                    lay = lays[v]
                     seen: set[tuple[float, ...]] = set()
                     for mode in recompute_modes:
                         cand = _evaluate(profile, comm, lay, schedule=sched, num_microbatches=m,
@@ -341,8 +381,8 @@ def plan(
                         if cand is None or cand.recompute_fractions in seen:
                             continue
                         seen.add(cand.recompute_fractions)
-                        least_needed = min(least_needed, max(cand.peak_memory_bytes))
-                        if max(cand.peak_memory_bytes) > memory_per_device:
+                        least_needed = min(least_needed, max(cand.device_peak_bytes))
+                        if max(cand.device_peak_bytes) > memory_per_device:
                             continue
                         out.append(cand)
     if layouts_tried == 0:
@@ -357,6 +397,18 @@ def plan(
             f"{least_needed:.6g} bytes per device: raise the memory, add devices or shrink the batch")
     out.sort(key=_sort_key)
     return out
+
+
+def _runs(pp: int, schedules: Sequence[str], lays: dict[int, _Layout]) -> list[tuple[str, int]]:
+    """(schedule, virtual stages) pairs to try at ``pp``: the given one-stage schedules, and with v > 1 the
+    registry's schedules that place v stages per rank."""
+    if pp == 1:
+        return [("1f1b", 1)]
+    runs = [(sched, 1) for sched in schedules] if 1 in lays else []
+    for v in sorted(lays):
+        if v > 1:
+            runs += [(sched, v) for sched in VIRTUAL_STAGE_SCHEDULES if schedule_info(sched).stages_per_rank in (None, v)]
+    return runs
 
 
 def why_best(cands: Sequence[Candidate]) -> str:
@@ -383,7 +435,8 @@ def format_plan(cands: Sequence[Candidate], top: int = 10) -> str:
     for i, c in enumerate(cands[:top], 1):
         rc = c.recompute if c.recompute != "stage_aware" else "sa:" + ",".join(f"{f:.2f}" for f in c.recompute_fractions)
         peaks = ",".join(f"{p / 2**20:.1f}" for p in c.peak_memory_bytes)
-        lines.append(f"{i:>3} {c.layout:<14} {c.schedule:<22} {c.num_microbatches:>3} {c.micro_batch_size:>4} "
+        sched = c.schedule + (f" v={c.virtual_stages}" if c.virtual_stages > 1 else "")
+        lines.append(f"{i:>3} {c.layout:<14} {sched:<22} {c.num_microbatches:>3} {c.micro_batch_size:>4} "
                      f"{rc:<28} {c.step_time_s * 1e3:>9.3f}  {peaks}")
     lines.append("why: " + why_best(cands))
     return "\n".join(lines)

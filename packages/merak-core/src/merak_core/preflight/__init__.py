@@ -45,6 +45,7 @@ def preflight(job: JobConfig, *, tp: int | None = None, resume: str | None = Non
     planner chooses it). ``resume``: the ``--resume`` argument.
     """
     from merak_core.data import split_inputs_labels
+    from merak_core.virtual_stages import check_layer_count
 
     t = job.training
     report = PreflightReport()
@@ -53,6 +54,12 @@ def preflight(job: JobConfig, *, tp: int | None = None, resume: str | None = Non
     report.checks.append(f"output_dir {t.output_dir} writable")
     model = build_meta_model(job)
     report.checks.append(f"model {type(model).__name__} builds")
+    if t.virtual_stages > 1:
+        try:
+            check_layer_count(model, t.pp, t.virtual_stages)
+        except ValueError as exc:
+            raise PreflightError(str(exc)) from None
+        report.checks.append(f"{t.pp * t.virtual_stages} virtual stages fit the model's layers")
     plan = check_tp_plan(model, t.tp_plan, t.tp if tp is None and t.layout != "auto" else tp, t.overlap_chunks)
     if plan is not None:
         report.checks.append(f"TP plan {plan} resolves")
