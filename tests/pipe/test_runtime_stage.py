@@ -56,7 +56,8 @@ def test_split_backward_equals_full_backward(fraction: float, recompute_first: b
 
 
 def test_split_backward_runs_only_parameter_branches() -> None:
-    from merak_pipe.stage import _run_units, _WeightPlan
+    from merak_pipe._split_backward import _WeightPlan
+    from merak_pipe.stage import _run_units
 
     module, inputs = _middle_stage()
     x = inputs[0].clone().requires_grad_(True)
@@ -68,7 +69,7 @@ def test_split_backward_runs_only_parameter_branches() -> None:
 
 
 def test_weight_used_twice_falls_back_and_stays_exact() -> None:
-    from merak_pipe.stage import _WeightPlan
+    from merak_pipe._split_backward import _WeightPlan
 
     class Twice(nn.Module):
         def __init__(self) -> None:

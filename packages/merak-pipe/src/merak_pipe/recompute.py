@@ -2,8 +2,9 @@
 
 A :class:`RecomputePlan` (data, defined with the IR in :mod:`merak_pipe.ir` and re-exported
 here) holds, per stage, a fraction in [0, 1]: 0.0 keeps every activation, 1.0 checkpoints
-the whole stage (only its input is kept and the forward is run again before the backward). The runtime checkpoints the first ``round(f * num_units)`` units of a stage
-(an ``nn.Sequential`` stage is a chain of units; any other module is one unit).
+the whole stage (only its input is kept and the forward is run again before the backward).
+The runtime checkpoints the first ``round(f * num_units)`` units of a stage (an
+``nn.Sequential`` stage is a chain of units; any other module is one unit).
 
 Plans are built by :meth:`RecomputePlan.none`, :meth:`RecomputePlan.full`,
 :meth:`RecomputePlan.uniform`, :func:`closed_form_plan` (Merak's ``(1 - r_i)(S - 1 - i) = const``)
@@ -128,18 +129,7 @@ def stage_aware_plan(
     """
     num_stages = len(layer_activation_bytes)
     _check_stages(num_stages)
-    if in_flight is None:
-        if schedule is None:
-            raise ValueError("stage_aware_plan needs in_flight (one count per stage) or a schedule to count them")
-        in_flight = in_flight_counts(schedule)
-    if len(in_flight) != num_stages:
-        raise ValueError(f"in_flight has {len(in_flight)} counts but layer_activation_bytes has {num_stages} stages")
-    if stage_to_rank is None:
-        stage_to_rank = schedule.stage_to_rank if schedule is not None else tuple(range(num_stages))
-    if len(stage_to_rank) != num_stages or set(stage_to_rank) != set(range(len(set(stage_to_rank)))):
-        raise ValueError(
-            f"stage_to_rank={tuple(stage_to_rank)} must give a rank 0..R-1 to each of the {num_stages} stages"
-        )
+    in_flight, stage_to_rank = _counts_and_placement(num_stages, in_flight, schedule, stage_to_rank)
     num_devices = len(set(stage_to_rank))
     budget = _per_stage_values("memory_budget", memory_budget, num_devices)
     static = _per_stage_values("static_bytes", static_bytes, num_stages)
@@ -153,62 +143,89 @@ def stage_aware_plan(
     chosen = [0] * num_stages
     for device in range(num_devices):
         stages = [s for s in range(num_stages) if stage_to_rank[s] == device]
-        limit = budget[device] * (1 + 1e-12)
         if len(stages) == 1:
-            s = stages[0]
-            table = tables[s]
-            fits = [k for k in range(table.num_layers + 1) if table.need(k) <= limit]
-            if not fits:
-                raise ValueError(
-                    f"stage {s} does not fit its memory budget even with full recomputation: it needs at least "
-                    f"{table.least():.6g} bytes ({table.static:.6g} static + {table.in_flight} in-flight microbatches) "
-                    f"but the budget is {budget[device]:.6g}; use more pipeline stages, smaller microbatches, fewer "
-                    "in-flight microbatches or a larger budget"
-                )
-            chosen[s] = fits[0]
-            continue
-        ks = {s: 0 for s in stages}
-
-        def device_need(ks: dict[int, int]) -> float:
-            return sum(tables[s].need(k, with_buffer=False) for s, k in ks.items()) + max(
-                tables[s].buffer(k) for s, k in ks.items()
-            )
-
-        need = device_need(ks)
-        while need > limit:
-            # Best memory saved per fraction of a stage recomputed, looking past steps that save
-            # nothing (the first checkpointed layer adds the kept stage input).
-            best: tuple[float, int, int] | None = None
-            for s in stages:
-                for k in range(ks[s] + 1, tables[s].num_layers + 1):
-                    trial = dict(ks)
-                    trial[s] = k
-                    gain = (need - device_need(trial)) * tables[s].num_layers / (k - ks[s])
-                    if best is None or gain > best[0]:
-                        best = (gain, s, k)
-            if best is None or best[0] <= 0:
-                raise ValueError(
-                    f"device {device} (stages {stages}) does not fit its memory budget {budget[device]:.6g}: "
-                    f"it still needs {need:.6g} bytes with fractions "
-                    f"{[round(ks[s] / tables[s].num_layers, 4) for s in stages]}; use more devices, smaller "
-                    "microbatches or a larger budget"
-                )
-            ks[best[1]] = best[2]
-            need = device_need(ks)
-        # Give back any layer that is no longer needed (a jump may overshoot).
-        trimmed = True
-        while trimmed:
-            trimmed = False
-            for s in sorted(stages, key=lambda t: -ks[t] / tables[t].num_layers):
-                if ks[s] > 0:
-                    trial = dict(ks)
-                    trial[s] -= 1
-                    if device_need(trial) <= limit:
-                        ks = trial
-                        trimmed = True
-        for s in stages:
-            chosen[s] = ks[s]
+            chosen[stages[0]] = _single_stage_layers(stages[0], tables[stages[0]], budget[device])
+        else:
+            for s, k in _shared_device_layers(device, stages, tables, budget[device]).items():
+                chosen[s] = k
     return RecomputePlan(tuple(chosen[s] / tables[s].num_layers for s in range(num_stages)))
+
+
+def _counts_and_placement(num_stages: int, in_flight: Sequence[int] | None, schedule: Schedule | None,
+                          stage_to_rank: Sequence[int] | None) -> tuple[Sequence[int], Sequence[int]]:
+    """The in-flight counts and the stage-to-device map of :func:`stage_aware_plan`, checked."""
+    if in_flight is None:
+        if schedule is None:
+            raise ValueError("stage_aware_plan needs in_flight (one count per stage) or a schedule to count them")
+        in_flight = in_flight_counts(schedule)
+    if len(in_flight) != num_stages:
+        raise ValueError(f"in_flight has {len(in_flight)} counts but layer_activation_bytes has {num_stages} stages")
+    if stage_to_rank is None:
+        stage_to_rank = schedule.stage_to_rank if schedule is not None else tuple(range(num_stages))
+    if len(stage_to_rank) != num_stages or set(stage_to_rank) != set(range(len(set(stage_to_rank)))):
+        raise ValueError(
+            f"stage_to_rank={tuple(stage_to_rank)} must give a rank 0..R-1 to each of the {num_stages} stages"
+        )
+    return in_flight, stage_to_rank
+
+
+def _single_stage_layers(s: int, table: _StageMemory, budget: float) -> int:
+    """The fewest checkpointed layers with which a device's only stage fits ``budget``."""
+    limit = budget * (1 + 1e-12)
+    fits = [k for k in range(table.num_layers + 1) if table.need(k) <= limit]
+    if not fits:
+        raise ValueError(
+            f"stage {s} does not fit its memory budget even with full recomputation: it needs at least "
+            f"{table.least():.6g} bytes ({table.static:.6g} static + {table.in_flight} in-flight microbatches) "
+            f"but the budget is {budget:.6g}; use more pipeline stages, smaller microbatches, fewer "
+            "in-flight microbatches or a larger budget"
+        )
+    return fits[0]
+
+
+def _shared_device_layers(device: int, stages: list[int], tables: list[_StageMemory], budget: float) -> dict[int, int]:
+    """Checkpointed layers per stage for a device holding several stages (see :func:`stage_aware_plan`)."""
+    limit = budget * (1 + 1e-12)
+    ks = {s: 0 for s in stages}
+
+    def device_need(ks: dict[int, int]) -> float:
+        return sum(tables[s].need(k, with_buffer=False) for s, k in ks.items()) + max(
+            tables[s].buffer(k) for s, k in ks.items()
+        )
+
+    need = device_need(ks)
+    while need > limit:
+        # Best memory saved per fraction of a stage recomputed, looking past steps that save
+        # nothing (the first checkpointed layer adds the kept stage input).
+        best: tuple[float, int, int] | None = None
+        for s in stages:
+            for k in range(ks[s] + 1, tables[s].num_layers + 1):
+                trial = dict(ks)
+                trial[s] = k
+                gain = (need - device_need(trial)) * tables[s].num_layers / (k - ks[s])
+                if best is None or gain > best[0]:
+                    best = (gain, s, k)
+        if best is None or best[0] <= 0:
+            raise ValueError(
+                f"device {device} (stages {stages}) does not fit its memory budget {budget:.6g}: "
+                f"it still needs {need:.6g} bytes with fractions "
+                f"{[round(ks[s] / tables[s].num_layers, 4) for s in stages]}; use more devices, smaller "
+                "microbatches or a larger budget"
+            )
+        ks[best[1]] = best[2]
+        need = device_need(ks)
+    # Give back any layer that is no longer needed (a jump may overshoot).
+    trimmed = True
+    while trimmed:
+        trimmed = False
+        for s in sorted(stages, key=lambda t: -ks[t] / tables[t].num_layers):
+            if ks[s] > 0:
+                trial = dict(ks)
+                trial[s] -= 1
+                if device_need(trial) <= limit:
+                    ks = trial
+                    trimmed = True
+    return ks
 
 
 class _StageMemory:

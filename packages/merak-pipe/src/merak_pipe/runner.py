@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from merak_pipe._round import _as_call, _concat, _Round, _split_batch
 from merak_pipe.comm import (
     P2PTransport,
     PipelineCommError,
@@ -51,53 +52,6 @@ from merak_pipe.timing import ActionTiming, RoundClock
 __all__ = ["PipelineRunner"]
 
 logger = logging.getLogger(__name__)
-
-
-def _as_call(value: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Boundary value -> (args, kwargs) of the stage call (see merak_pipe.stage)."""
-    if isinstance(value, tuple):
-        return value, {}
-    if isinstance(value, dict):
-        return (), dict(value)
-    return (value,), {}
-
-
-def _split_batch(value: Any, num_microbatches: int, what: str) -> list[Any]:
-    """Split every tensor of ``value`` into ``num_microbatches`` equal chunks along dim 0."""
-    if isinstance(value, torch.Tensor):
-        if value.dim() == 0:
-            raise ValueError(f"{what} holds a 0-d tensor; every tensor must have a batch dim 0 to split")
-        size = value.size(0)
-        if size < num_microbatches:
-            raise ValueError(
-                f"{what} has batch size {size}, fewer than the schedule's {num_microbatches} microbatches; "
-                "pass a larger batch or build the schedule with fewer microbatches"
-            )
-        if size % num_microbatches:
-            raise ValueError(
-                f"{what} has batch size {size}, not divisible into {num_microbatches} microbatches; "
-                f"pass a batch size that is a multiple of {num_microbatches}"
-            )
-        return list(value.split(size // num_microbatches))
-    if isinstance(value, (tuple, list)):
-        parts = [_split_batch(v, num_microbatches, f"{what}[{i}]") for i, v in enumerate(value)]
-        return [type(value)(p[m] for p in parts) for m in range(num_microbatches)] if parts else \
-            [type(value)() for _ in range(num_microbatches)]
-    if isinstance(value, dict):
-        split = {k: _split_batch(v, num_microbatches, f"{what}[{k!r}]") for k, v in value.items()}
-        return [{k: s[m] for k, s in split.items()} for m in range(num_microbatches)]
-    return [value] * num_microbatches
-
-
-def _concat(values: list[Any]) -> Any:
-    first = values[0]
-    if isinstance(first, torch.Tensor):
-        return torch.cat(values, dim=0)
-    if isinstance(first, (tuple, list)):
-        return type(first)(_concat([v[i] for v in values]) for i in range(len(first)))
-    if isinstance(first, dict):
-        return {k: _concat([v[k] for v in values]) for k in first}
-    return first
 
 
 class PipelineRunner:
@@ -207,7 +161,7 @@ class PipelineRunner:
         }
         self._clock = RoundClock(self.device)
         self._step_marks: tuple[Any, Any] | None = None
-        self._reset_round(training=True)
+        self._round = _Round(index=0, training=True)
 
     # ------------------------------------------------------------------ public API
 
@@ -247,33 +201,24 @@ class PipelineRunner:
         if not self.holds_last_stage:
             return None
         if return_outputs:
-            outputs = [self._outputs[m] for m in range(self.num_microbatches)]
+            outputs = [self._round.outputs[m] for m in range(self.num_microbatches)]
             return loss, _concat(outputs)
         return loss
 
     # ------------------------------------------------------------------ round driver
 
     def _reset_round(self, *, training: bool) -> None:
-        self._training = training
-        self._mb_inputs: list[Any] = []
-        self._mb_labels: list[Any] = []
-        self._losses: dict[int, torch.Tensor] = {}
-        self._outputs: dict[int, Any] = {}
-        self._fwd_local: dict[tuple[int, int], Any] = {}
-        self._bwd_local: dict[tuple[int, int], list[torch.Tensor]] = {}
-        self._marks: list[tuple[Action, Any, Any, Any, float]] = []
+        self._round = _Round(index=self._round.index + 1, training=training)
         self.exchange.reset_round()
-        self._recv_buffers: dict[tuple[int, int], list[torch.Tensor]] = {}
-        self._round_index = getattr(self, "_round_index", -1) + 1
 
     def _check_inputs(self, inputs: Any, labels: Any) -> None:
         m = self.num_microbatches
         if self.holds_first_stage:
             if inputs is None:
                 raise ValueError(f"pipeline rank {self.rank} holds stage 0: pass the batch as inputs=")
-            self._mb_inputs = _split_batch(inputs, m, "inputs")
+            self._round.inputs = _split_batch(inputs, m, "inputs")
         if self.holds_last_stage and labels is not None:
-            self._mb_labels = _split_batch(labels, m, "labels")
+            self._round.labels = _split_batch(labels, m, "labels")
 
     def _run_round(self, inputs: Any, labels: Any, *, training: bool) -> None:
         self._reset_round(training=training)
@@ -293,7 +238,7 @@ class PipelineRunner:
                     start_unit = self._clock.mark()
                     issued = self.exchange.run_unit(step)
                     end_unit = self._clock.mark()
-                    self._marks += [(a, start_unit, start_unit, end_unit, 0.0) for a in issued]
+                    self._round.marks += [(a, start_unit, start_unit, end_unit, 0.0) for a in issued]
                 else:
                     self.exchange.run_unit(step)
             self.transport.wait_sends()
@@ -306,16 +251,16 @@ class PipelineRunner:
             raise
         finally:
             if training:
-                for buffers in self._recv_buffers.values():
+                for buffers in self._round.recv_buffers.values():
                     self.transport.release(buffers)
-            self._recv_buffers = {}
+            self._round.recv_buffers.clear()
         self._step_marks = (start, self._clock.mark())
         if self.record_timing:
             self.timings = self._resolve_marks()
 
     def _check_round_complete(self) -> None:
         leftovers = self.exchange.leftovers()
-        if self._training:
+        if self._round.training:
             for index, stage in self.stages.items():
                 if stage.pending_microbatches():
                     leftovers.append(f"stage {index} microbatches without a backward: {stage.pending_microbatches()}")
@@ -326,9 +271,9 @@ class PipelineRunner:
             )
 
     def _round_loss(self) -> torch.Tensor | None:
-        if not self.holds_last_stage or not self._losses:
+        if not self.holds_last_stage or not self._round.losses:
             return None
-        total = torch.stack([self._losses[m] for m in sorted(self._losses)]).sum()
+        total = torch.stack([self._round.losses[m] for m in sorted(self._round.losses)]).sum()
         return total / self.num_microbatches if self.loss_reduction == "mean" else total
 
     # ------------------------------------------------------------------ compute actions
@@ -345,30 +290,30 @@ class PipelineRunner:
 
     def _forward_input(self, s: int, m: int) -> Any:
         if s == 0:
-            return self._mb_inputs[m]
+            return self._round.inputs[m]
         if self.schedule.rank_of(s - 1) == self.rank:
-            value = self._fwd_local.pop((s, m), None)
+            value = self._round.fwd_local.pop((s, m), None)
             if value is None:
                 raise RuntimeError(f"pipeline rank {self.rank}: {s}F{m} runs before {s - 1}F{m} on the same rank")
             return value
         spec, tensors = self.exchange.take_forward_input(s, m, Action(s, ActionKind.FORWARD, m))
         leaves = []
         for t, meta in zip(tensors, spec_metas(spec), strict=True):
-            leaves.append(t.requires_grad_(meta.requires_grad and self._training))
-        if self._training:
-            self._recv_buffers.setdefault((s, m), []).extend(tensors)
+            leaves.append(t.requires_grad_(meta.requires_grad and self._round.training))
+        if self._round.training:
+            self._round.recv_buffers.setdefault((s, m), []).extend(tensors)
         return unflatten_boundary(spec, leaves)
 
     def _output_grads(self, s: int, m: int, action: Action) -> list[torch.Tensor] | None:
         if s == self.schedule.num_stages - 1:
             return None
         if self.schedule.rank_of(s + 1) == self.rank:
-            grads = self._bwd_local.pop((s, m), None)
+            grads = self._round.bwd_local.pop((s, m), None)
             if grads is None:
                 raise RuntimeError(f"pipeline rank {self.rank}: backward of {s} mb {m} runs before that of {s + 1}")
             return grads
         grads = self.exchange.take_output_grads(s, m, action)
-        self._recv_buffers.setdefault((s, m), []).extend(grads)
+        self._round.recv_buffers.setdefault((s, m), []).extend(grads)
         return grads
 
     def _run_compute(self, action: Action) -> None:
@@ -404,28 +349,28 @@ class PipelineRunner:
             raise type(exc)(f"pipeline rank {self.rank}, stage {s}, action {action} (microbatch {m}): {exc}") from exc
         if clock is not None:
             implicit = stage.recompute_seconds - recompute_before if kind is not ActionKind.RECOMPUTE else 0.0
-            self._marks.append((action, start, ready, clock.mark(), implicit))
+            self._round.marks.append((action, start, ready, clock.mark(), implicit))
 
     def _forward(self, stage: PipelineStage, s: int, m: int, value: Any) -> None:
         args, kwargs = _as_call(value)
         is_last = s == self.schedule.num_stages - 1
-        labels = self._mb_labels[m] if (is_last and self._mb_labels) else None
+        labels = self._round.labels[m] if (is_last and self._round.labels) else None
         scale = 1.0 / self.num_microbatches if self.loss_reduction == "mean" else 1.0
         out, loss = stage.forward(
             m, args, kwargs, recompute_fraction=self._fraction(s),
             loss_fn=self.loss_fn if labels is not None else None, labels=labels,
-            loss_scale=scale, training=self._training,
+            loss_scale=scale, training=self._round.training,
         )
         if is_last:
             if loss is not None:
-                self._losses[m] = loss
-            if not self._training:
-                self._outputs[m] = out
+                self._round.losses[m] = loss
+            if not self._round.training:
+                self._round.outputs[m] = out
             return
         spec, tensors = flatten_boundary(out)
         if self.schedule.rank_of(s + 1) == self.rank:
-            handed = [t.detach().requires_grad_(t.requires_grad and self._training) for t in tensors]
-            self._fwd_local[(s + 1, m)] = unflatten_boundary(spec, handed)
+            handed = [t.detach().requires_grad_(t.requires_grad and self._round.training) for t in tensors]
+            self._round.fwd_local[(s + 1, m)] = unflatten_boundary(spec, handed)
             return
         known = self.exchange.out_spec.setdefault(s, spec)
         if known != spec:
@@ -440,7 +385,7 @@ class PipelineRunner:
         if s == 0:
             return
         if self.schedule.rank_of(s - 1) == self.rank:
-            self._bwd_local[(s - 1, m)] = input_grads
+            self._round.bwd_local[(s - 1, m)] = input_grads
         else:
             self.exchange.put_input_grads(s, m, input_grads)
 
@@ -463,8 +408,8 @@ class PipelineRunner:
         return [
             ActionTiming(rank=self.rank, stage=a.stage, kind=a.kind.value, microbatch=a.microbatch,
                          start_s=seconds(start), ready_s=seconds(start if ready is None else ready),
-                         end_s=seconds(end), recompute_s=recompute, step=self._round_index)
-            for a, start, ready, end, recompute in self._marks
+                         end_s=seconds(end), recompute_s=recompute, step=self._round.index)
+            for a, start, ready, end, recompute in self._round.marks
         ]
 
 

@@ -42,6 +42,14 @@ def _locate(schedule: Schedule, action: Action, nth: int = 0) -> tuple[int, int]
 
 
 def _check_structure(schedule: Schedule) -> None:
+    counts, kind_offset = _count_actions(schedule)
+    _check_compute_counts(schedule, counts, kind_offset)
+    if schedule.lowered:
+        _check_comms(schedule, counts, kind_offset)
+
+
+def _count_actions(schedule: Schedule) -> tuple[bytearray, dict[ActionKind, int]]:
+    """Check every action alone and that none repeats; the counts per (kind, stage, microbatch)."""
     S, M = schedule.num_stages, schedule.num_microbatches
     SM = S * M
     # counts[kind_index * S * M + stage * M + microbatch], saturating at 2 (only 0, 1, "more" matter).
@@ -83,6 +91,13 @@ def _check_structure(schedule: Schedule) -> None:
                 first = _locate(schedule, a)
                 raise _fail(schedule, f"{a} appears twice (first at rank {first[0]}, step {first[1]})", rank, step)
             counts[index] = 1
+    return counts, kind_offset
+
+
+def _check_compute_counts(schedule: Schedule, counts: bytearray, kind_offset: dict[ActionKind, int]) -> None:
+    """One F per (stage, microbatch), and one B or one I and one W."""
+    M = schedule.num_microbatches
+    SM = schedule.num_stages * M
 
     def block(kind: ActionKind) -> bytes:
         offset = kind_offset[kind]
@@ -106,8 +121,6 @@ def _check_structure(schedule: Schedule) -> None:
                 raise _fail(
                     schedule, f"stage {s} microbatch {m} has no {missing_action} (needs one B, or one I and one W)"
                 )
-    if lowered:
-        _check_comms(schedule, counts, kind_offset)
 
 
 def _check_comms(schedule: Schedule, counts: bytearray, kind_offset: dict[ActionKind, int]) -> None:
