@@ -362,7 +362,8 @@ def _add_check(sub: argparse._SubParsersAction) -> None:
 
 def _check(args: argparse.Namespace) -> int:
     from merak_core.job import JobConfig
-    from merak_core.tp_check import check_job, default_tolerance, format_report
+    from merak_core.tp_check import default_tolerance, format_report
+    from merak_core.tp_check_job import check_job
 
     job = JobConfig.from_yaml(args.config, args.overrides)
     rows, checked = check_job(job, tp=args.tp, tiny=args.tiny, max_params=args.max_params)
