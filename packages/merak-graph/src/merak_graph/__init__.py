@@ -7,10 +7,10 @@ shards at small boundaries and assigns contiguous shards to stages;
 ``Partition.build_stage(i, device=...)`` materialises one stage. See README.md.
 """
 
-from .costs import CostModel, NodeCost, ValueSpec, annotate_costs, graph_cost_summary
-from .empty import empty_init, is_meta_module, materialize
-from .errors import InputMismatchError, PartitionError, TraceError
-from .partitioning import (
+from merak_graph.costs import CostModel, NodeCost, ValueSpec, annotate_costs, graph_cost_summary
+from merak_graph.empty import empty_init, is_meta_module, materialize
+from merak_graph.errors import InputMismatchError, PartitionError, TraceError
+from merak_graph.partitioning import (
     PARAM_MEMORY_FACTOR,
     Partition,
     SharedParameter,
@@ -19,11 +19,11 @@ from .partitioning import (
     partition_sharded,
     partition_traced,
 )
-from .profiling import profile_shards
-from .sharding import BoundaryValue, Shard, ShardedGraph, natural_shard_count, shard
-from .solver import optimal_contiguous_partition, uniform_partition
-from .stage import StageModule, retarget_devices
-from .tracing import trace
+from merak_graph.profiling import profile_shards
+from merak_graph.sharding import BoundaryValue, Shard, ShardedGraph, natural_shard_count, shard
+from merak_graph.solver import optimal_contiguous_partition, uniform_partition
+from merak_graph.stage import StageModule, retarget_devices
+from merak_graph.tracing import trace
 
 __version__ = "0.1.0"
 

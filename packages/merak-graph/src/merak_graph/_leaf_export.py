@@ -36,7 +36,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ._compat import (
+from merak_graph._compat import (
     export_compiling_state,
     meta_collectives,
     tree_flatten,

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ._compat import FlopCountingMode, meta_collectives, tree_flatten
+from merak_graph._compat import FlopCountingMode, meta_collectives, tree_flatten
 
 __all__ = ["CostModel", "NodeCost", "ValueSpec", "annotate_costs", "graph_cost_summary"]
 
@@ -185,7 +185,7 @@ def annotate_costs(
     to_meta = any(t.is_meta for t in gm.parameters()) or any(t.is_meta for t in gm.buffers())
     names = gm.meta.get("merak_input_names")
     if names is not None and len(example_inputs) != len(names):
-        from .errors import InputMismatchError
+        from merak_graph.errors import InputMismatchError
 
         raise InputMismatchError(
             f"{len(example_inputs)} example inputs given but the traced graph takes {len(names)}: {names}"

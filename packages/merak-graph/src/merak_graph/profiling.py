@@ -25,9 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .empty import is_meta_module, materialize
-from .sharding import ShardedGraph
-from .stage import retarget_devices
+from merak_graph.empty import is_meta_module, materialize
+from merak_graph.sharding import ShardedGraph
+from merak_graph.stage import retarget_devices
 
 __all__ = ["profile_shards"]
 

@@ -29,8 +29,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from .costs import NodeCost, ValueSpec, annotate_costs
-from .errors import PartitionError
+from merak_graph.costs import NodeCost, ValueSpec, annotate_costs
+from merak_graph.errors import PartitionError
 
 __all__ = ["BoundaryValue", "Shard", "ShardedGraph", "shard", "module_path", "natural_shard_count"]
 

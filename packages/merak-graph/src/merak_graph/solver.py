@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .errors import PartitionError
+from merak_graph.errors import PartitionError
 
 __all__ = ["optimal_contiguous_partition", "uniform_partition", "stage_bounds_cost"]
 
@@ -60,18 +60,10 @@ def optimal_contiguous_partition(
             f"the graph has {n} shards but {num_stages} stages were asked: use at most {n} stages, or more "
             "shards (num_shards=, split_points=)"
         )
-    pm = list(param_memory or [0.0] * n)
-    am = list(activation_memory or [0.0] * n)
     flight = list(in_flight or [1.0] * num_stages)
     if len(flight) != num_stages:
         raise ValueError(f"in_flight has {len(flight)} entries, expected one per stage ({num_stages})")
-    pre_c = [0.0]
-    pre_p = [0.0]
-    pre_a = [0.0]
-    for i in range(n):
-        pre_c.append(pre_c[-1] + float(costs[i]))
-        pre_p.append(pre_p[-1] + float(pm[i]))
-        pre_a.append(pre_a[-1] + float(am[i]))
+    pre_c, pre_p, pre_a = _prefix_sums(costs, param_memory, activation_memory)
     inf = float("inf")
 
     def fits(stage: int, i: int, j: int) -> bool:
@@ -110,14 +102,33 @@ def optimal_contiguous_partition(
             f"bytes per stage (the smallest shard alone needs {min_needed:.4g} bytes on the first stage): raise "
             "memory_limit, add stages, or use recomputation to shrink activations"
         )
+    bounds = _walk_back(arg, n)
+    assert bounds[0] == 0 and len(bounds) == num_stages + 1
+    return bounds
+
+
+def _prefix_sums(costs: Sequence[float], param_memory: Sequence[float] | None,
+                 activation_memory: Sequence[float] | None) -> tuple[list[float], list[float], list[float]]:
+    """Prefix sums of cost, parameter memory and activation memory (missing memories are 0)."""
+    n = len(costs)
+    pm = list(param_memory or [0.0] * n)
+    am = list(activation_memory or [0.0] * n)
+    pre_c, pre_p, pre_a = [0.0], [0.0], [0.0]
+    for i in range(n):
+        pre_c.append(pre_c[-1] + float(costs[i]))
+        pre_p.append(pre_p[-1] + float(pm[i]))
+        pre_a.append(pre_a[-1] + float(am[i]))
+    return pre_c, pre_p, pre_a
+
+
+def _walk_back(arg: list[list[int]], n: int) -> list[int]:
+    """Stage bounds from the DP's argmin table (``arg[s][j]``: where stage s starts if it ends at j)."""
     bounds = [n]
     j = n
-    for s in range(num_stages - 1, -1, -1):
-        i = arg[s][j]
-        bounds.append(i)
-        j = i
+    for s in range(len(arg) - 1, -1, -1):
+        j = arg[s][j]
+        bounds.append(j)
     bounds.reverse()
-    assert bounds[0] == 0 and len(bounds) == num_stages + 1
     return bounds
 
 
@@ -145,14 +156,8 @@ def smallest_boundary_partition(
     n = len(costs)
     if n < num_stages:
         return None
-    pm = list(param_memory or [0.0] * n)
-    am = list(activation_memory or [0.0] * n)
     flight = list(in_flight or [1.0] * num_stages)
-    pre_c, pre_p, pre_a = [0.0], [0.0], [0.0]
-    for i in range(n):
-        pre_c.append(pre_c[-1] + float(costs[i]))
-        pre_p.append(pre_p[-1] + float(pm[i]))
-        pre_a.append(pre_a[-1] + float(am[i]))
+    pre_c, pre_p, pre_a = _prefix_sums(costs, param_memory, activation_memory)
     inf = (float("inf"), float("inf"))
 
     def ok(stage: int, i: int, j: int) -> bool:
@@ -184,10 +189,4 @@ def smallest_boundary_partition(
             best[s][j], arg[s][j] = b, a
     if best[num_stages - 1][n] == inf:
         return None
-    bounds = [n]
-    j = n
-    for s in range(num_stages - 1, -1, -1):
-        j = arg[s][j]
-        bounds.append(j)
-    bounds.reverse()
-    return bounds
+    return _walk_back(arg, n)

@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from .errors import InputMismatchError
+from merak_graph.errors import InputMismatchError
 
 __all__ = ["StageModule", "retarget_devices"]
 

@@ -40,8 +40,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ._compat import is_export_guard_node
-from .errors import InputMismatchError, TraceError
+from merak_graph._compat import is_export_guard_node
+from merak_graph.errors import InputMismatchError, TraceError
 
 __all__ = ["trace", "normalize_inputs"]
 
@@ -183,7 +183,7 @@ def _trace_export(model: nn.Module, names: list[str], values: list[Any] | None, 
     else:
         args, kwargs = tuple(values), dict(static_kwargs)
     if leaf_modules:
-        from ._leaf_export import export_with_leaves
+        from merak_graph._leaf_export import export_with_leaves
 
         gm = export_with_leaves(model, args, kwargs, _leaf_predicate(model, leaf_modules))
     else:

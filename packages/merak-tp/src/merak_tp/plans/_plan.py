@@ -268,6 +268,25 @@ def plan_from_mapping(data: Mapping[str, Any], *, name: str = "user", check_only
         close = {k: difflib.get_close_matches(k, sorted(_MAPPING_KEYS), n=1) for k in unknown}
         raise ValueError(f"tp_plan: unknown keys {unknown} (closest: {close}); expected keys from "
                          f"{sorted(_MAPPING_KEYS)}")
+    fields = _base_fields(data, check_only)
+    fields["name"] = str(data.get("name", name))
+    fields.update(_mapping_fields(data))
+    for key in ("regions", "sequence_scatter", "sequence_gather", "sequence_full", "rng_regions", "optional",
+                "trace_leaves"):
+        if key in data:
+            fields[key] = _tuple_of_str(key, data[key])
+    for key in ("sequence_parallel", "vocab_parallel_loss"):
+        if key in data:
+            if not isinstance(data[key], bool):
+                raise ValueError(f"tp_plan {key}={data[key]!r}: expected true or false")
+            fields[key] = data[key]
+    if "layers" not in fields:
+        raise ValueError("tp_plan: no layers (give layers: {pattern: style} or base: <plan name>)")
+    return TPPlan(**fields)
+
+
+def _base_fields(data: Mapping[str, Any], check_only: bool) -> dict[str, Any]:
+    """The fields of the registered plan named by ``base`` (none without it)."""
     fields: dict[str, Any] = {}
     if "base" in data:
         if not isinstance(data["base"], str):
@@ -276,7 +295,12 @@ def plan_from_mapping(data: Mapping[str, Any], *, name: str = "user", check_only
             fields = {f.name: getattr(get_plan(data["base"]), f.name) for f in dataclasses.fields(TPPlan)}
         else:
             fields = {"layers": {}}
-    fields["name"] = str(data.get("name", name))
+    return fields
+
+
+def _mapping_fields(data: Mapping[str, Any]) -> dict[str, Any]:
+    """The mapping-valued keys (layers, sections, attributes, module_kinds), each checked."""
+    fields: dict[str, Any] = {}
     if "layers" in data:
         layers = data["layers"]
         if not isinstance(layers, Mapping) or not all(isinstance(k, str) and isinstance(v, str)
@@ -299,18 +323,7 @@ def plan_from_mapping(data: Mapping[str, Any], *, name: str = "user", check_only
             raise ValueError(f"tp_plan module_kinds={kinds!r}: expected a mapping of class name to one of "
                              f"{MODULE_KINDS}")
         fields["module_kinds"] = dict(kinds)
-    for key in ("regions", "sequence_scatter", "sequence_gather", "sequence_full", "rng_regions", "optional",
-                "trace_leaves"):
-        if key in data:
-            fields[key] = _tuple_of_str(key, data[key])
-    for key in ("sequence_parallel", "vocab_parallel_loss"):
-        if key in data:
-            if not isinstance(data[key], bool):
-                raise ValueError(f"tp_plan {key}={data[key]!r}: expected true or false")
-            fields[key] = data[key]
-    if "layers" not in fields:
-        raise ValueError("tp_plan: no layers (give layers: {pattern: style} or base: <plan name>)")
-    return TPPlan(**fields)
+    return fields
 
 
 def resolve_sections(spec: SectionSpec, model: nn.Module, name: str) -> int | tuple[int, ...]:
