@@ -123,7 +123,7 @@ def _measure_candidate(trainer: Any, cand: Any, inputs: Any, labels: Any) -> lis
     model = engine.model
     modules = dict(model.stage_modules) or {0: model.module}
     placement = model.stage_to_rank or (0,)
-    schedule = build_schedule(cand.schedule.replace("_", "-"), num_stages=len(placement),
+    schedule = build_schedule(cand.schedule, num_stages=len(placement), num_ranks=layout.pp,
                               num_microbatches=cand.num_microbatches,
                               recompute=RecomputePlan(tuple(cand.recompute_fractions)))
     run = pipeline_step_fn(modules, schedule, loss_fn=engine.loss_fn, group=layout.pp_group if layout.pp > 1 else None,
@@ -152,26 +152,30 @@ def memory_body(name: str, world: int, global_batch: int) -> list[dict[str, Any]
     # time) does not follow this machine's load: the Trainer's partition balances estimated cost.
     prof = dataclasses.replace(profile[0], layer_forward_s=[1e-3] * profile[0].num_layers,
                                layer_backward_s=[2e-3] * profile[0].num_layers)
-    cands = plan(prof, world_size=world, memory_per_device=1e15, global_batch_size=global_batch, zero_stage=1)
-    groups: dict[tuple[int, int, int, int], list[Any]] = {}
-    for c in cands:
-        groups.setdefault((c.dp, c.tp, c.pp, c.micro_batch_size), []).append(c)
+    cands = plan(prof, world_size=world, memory_per_device=1e15, global_batch_size=global_batch, zero_stage=1,
+                 virtual_stages=(1, 2))
+    groups: dict[tuple[int, int, int, int, int, str], list[Any]] = {}
+    for c in cands:  # virtual stages: a Trainer per schedule (the placement depends on it)
+        key = (c.dp, c.tp, c.pp, c.micro_batch_size, c.virtual_stages, c.schedule if c.virtual_stages > 1 else "")
+        groups.setdefault(key, []).append(c)
     rows = []
-    for (dp, tp, pp, mbs), group in sorted(groups.items()):
+    for (dp, tp, pp, mbs, v, _), group in sorted(groups.items()):
         model, data, loss_fn = MODELS[name]()
         args = TrainingArguments(output_dir=tempfile.mkdtemp(prefix="merak-mem-"), dp=dp, tp=tp, pp=pp,
                                  per_device_train_batch_size=mbs, gradient_accumulation_steps=group[0].num_microbatches,
-                                 max_steps=1, zero_stage=1 if dp > 1 else 0, logging_steps=1, seed=0)
+                                 max_steps=1, zero_stage=1 if dp > 1 else 0, logging_steps=1, seed=0,
+                                 schedule=group[0].schedule if v > 1 else "1f1b", virtual_stages=v)
         trainer = Trainer(model, args, data, **({"loss_fn": loss_fn} if loss_fn else {}))
         trainer.train()  # one step: the optimizer states exist
         inputs, labels = _batch(data, global_batch // dp)
         for cand in group:
             measured = _measure_candidate(trainer, cand, inputs, labels)
             predicted = predict_stage_memory(
-                prof, stage_layers=cand.stage_layers, schedule=cand.schedule, num_microbatches=cand.num_microbatches,
+                prof, stage_layers=cand.stage_layers, virtual_stages=v, schedule=cand.schedule,
+                num_microbatches=cand.num_microbatches,
                 micro_batch_size=cand.micro_batch_size, recompute_fractions=cand.recompute_fractions, tp=tp, dp=dp,
                 zero_stage=1)
-            rows.append({"config": f"{cand.layout} {cand.schedule} m={cand.num_microbatches} mbs={mbs} "
+            rows.append({"config": f"{cand.layout} {cand.schedule} v={v} m={cand.num_microbatches} mbs={mbs} "
                                    f"recompute={cand.recompute}",
                          "planner": list(cand.peak_memory_bytes), "predicted": predicted, "measured": measured})
     return rows if dist.get_rank() == 0 else []

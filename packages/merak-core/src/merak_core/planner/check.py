@@ -70,6 +70,8 @@ class PlanCheck:
         self._step_s: list[float] = []
         self._pipeline_s: list[float] = []
         self._memory_base: float | None = None
+        self._meter: Any = None
+        self._meter_bytes: float | None = None
         self.done = False
 
     @classmethod
@@ -106,12 +108,16 @@ class PlanCheck:
                 self.done = True
                 return False
             self._reset_memory()
+        if step + 1 == self._first_measured and self.run.device.type != "cuda":
+            self._start_meter()
         return step + 1 >= self._first_measured
 
     def after_step(self, step: int, result: Any, step_time_s: float) -> None:
         """After step number ``step`` with its :class:`~merak_core.engine.StepResult` (collective at the last)."""
         if self.done or self._start is None or step < self._first_measured:
             return
+        if self._meter is not None:
+            self._stop_meter()
         self._timings.extend(result.timings)
         self._step_s.append(step_time_s)
         self._pipeline_s.append(result.pipeline_s)
@@ -120,6 +126,26 @@ class PlanCheck:
             self._finish(step)
 
     # -------------------------------------------------------------- measuring
+
+    def _stage_modules(self) -> dict[int, Any]:
+        model = self.run.model
+        return dict(model.stage_modules) or {self.run.layout.pp_rank: model.module}
+
+    def _start_meter(self) -> None:
+        from merak_core.planner.memory import SavedActivationMeter
+
+        self._meter = SavedActivationMeter(self._stage_modules())
+        self._meter.start()
+
+    def _stop_meter(self) -> None:
+        """[Note: CPU peak memory] The first measured step's saved activations (peak over this rank's
+        stages) plus the parameter, gradient and optimizer bytes held after it."""
+        from merak_core.planner.memory import measure_held_bytes
+
+        meter, self._meter = self._meter, None
+        meter.stop()
+        held = measure_held_bytes(self._stage_modules(), getattr(self.run, "optimizer", None))
+        self._meter_bytes = float(meter.rank_peak + sum(sum(v) for v in held.values()))
 
     def _reset_memory(self) -> None:
         dev = self.run.device
@@ -136,14 +162,19 @@ class PlanCheck:
     def _peak_memory(self) -> float | None:
         """This rank's peak bytes over the steps since the reset (see [Note: CPU peak memory]).
 
-        [Note: CPU peak memory] On CPU the peak is the growth of the process's peak resident set
-        (VmHWM) over its size before the first step of this run, plus the bytes of this rank's
-        parameters (which existed before): gradients, optimizer states and activations appear as
-        growth. It includes allocator slack and anything else the process allocated meanwhile.
+        [Note: CPU peak memory] On CPU the peak is counted, not read from the process: the bytes of
+        the tensors autograd saved during the first measured step (saved-tensor hooks,
+        :class:`merak_core.planner.memory.SavedActivationMeter`) plus the parameters, gradients and
+        optimizer states held after it, the terms the planner predicts. Where that count is missing,
+        it is the growth of the process's peak resident set (VmHWM) over its size before the first
+        step, plus the parameter bytes (allocator slack and anything else the process allocated
+        included). On CUDA it is the allocator's peak (``torch.cuda.max_memory_allocated``).
         """
         dev = self.run.device
         if dev.type == "cuda":
             return float(torch.cuda.max_memory_allocated(dev))
+        if self._meter_bytes is not None:
+            return self._meter_bytes
         peak = _read_status("VmHWM")
         if peak is None or self._memory_base is None:
             return None

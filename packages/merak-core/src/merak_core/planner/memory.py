@@ -208,6 +208,7 @@ class SavedActivationMeter:
         self.peak = dict.fromkeys(self.stage_modules, 0)
         self.rank_peak = 0
         self._handles: list[Any] = []
+        self._open: Any = None
 
     def _enter_stage(self, stage: int) -> Any:
         def hook(module: nn.Module, _args: Any) -> None:
@@ -249,6 +250,17 @@ class SavedActivationMeter:
         if entry[0] == 0:
             self.live[stage] -= entry[1]
             del self._counts[stage][key]
+
+    def start(self) -> None:
+        """Begin counting (as entering :meth:`measuring`); :meth:`stop` ends it. For callers that see the
+        step's start and end in two places (the plan check)."""
+        self._open = self.measuring()
+        self._open.__enter__()
+
+    def stop(self) -> None:
+        opened, self._open = self._open, None
+        if opened is not None:
+            opened.__exit__(None, None, None)
 
     @contextmanager
     def measuring(self) -> Iterator[SavedActivationMeter]:
