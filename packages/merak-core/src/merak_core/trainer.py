@@ -292,6 +292,9 @@ class Trainer:
                     f"earlier run, which this run (not resumed, save_steps={args.save_steps}) would overwrite: "
                     "resume it with trainer.resume('latest') (merak train --resume latest), or choose a new output_dir"
                 )
+        if self.global_step >= total and dist.get_rank() == 0:  # e.g. a finished job resumed: nothing to do
+            logger.warning("nothing to train: the run is already at step %d of %d, the job is finished (raise "
+                           "training.max_steps to train longer)", self.global_step, total)
         self.metrics.start(total, resumed_step=self.global_step)
         heartbeat = Heartbeat.for_timeout(dist.get_rank(), dist.get_world_size(),
                                           self.layout.timeout.total_seconds(), describe=self._describe_rank)

@@ -263,18 +263,18 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ load
 
-    def _candidates(self, path: str | os.PathLike[str]) -> tuple[list[Path], bool]:
-        """(directories to try in order, whether ``path`` meant 'the latest good one')."""
+    def _candidates(self, path: str | os.PathLike[str], *, warn: bool = False) -> tuple[list[Path], bool]:
+        """(directories to try in order, whether ``path`` meant 'the latest good one'); ``warn``: about a dangling pointer."""
         text = str(path)
         if text in ("latest", "auto"):
-            return latest_candidates(self.root), True
+            return _warn_if_dangling(self.root, latest_candidates(self.root), warn), True
         root = pointer_root(text)
         if root is None and not Path(text).exists() and (self.root / text).exists():
             root = pointer_root(self.root / text)
             if root is None:
                 return [self.root / text], False
         if root is not None:
-            return latest_candidates(root), True
+            return _warn_if_dangling(root, latest_candidates(root), warn), True
         return [Path(text)], False
 
     def resolve(self, path: str | os.PathLike[str] = "latest") -> Path | None:
@@ -304,7 +304,7 @@ class CheckpointManager:
         if self.resolve(path) is None:
             logger.info("resume=auto: no checkpoint under %s, starting from scratch", self.root)
             return self.parts.train.global_step
-        candidates, is_latest = self._candidates(path)
+        candidates, is_latest = self._candidates(path, warn=True)
         skipped: list[str] = []
         for directory in candidates:
             try:
@@ -440,3 +440,16 @@ def place_optimizer_state(value: torch.Tensor, key: str, param: torch.Tensor, gr
     if value.is_floating_point() and param.is_floating_point():
         return value.to(dtype=param.dtype, device=param.device)
     return value.to(device=param.device)
+
+
+def _warn_if_dangling(root: Path, candidates: list[Path], warn: bool) -> list[Path]:
+    """Warn (rank 0, if ``warn``) when ``root/latest`` names a directory that is gone; ``candidates`` unchanged."""
+    pointer = root / LATEST_FILE
+    if not warn:
+        return candidates
+    name = pointer.read_text().strip() if pointer.is_file() else ""
+    if name and not (root / name).is_dir() and (not dist.is_initialized() or dist.get_rank() == 0):
+        instead = f"using the newest committed checkpoint, {candidates[0].name}" if candidates else "none is left"
+        logger.warning("the 'latest' pointer %s names %s, which does not exist (deleted?): %s", pointer, name,
+                       instead)
+    return candidates
