@@ -45,8 +45,7 @@ def finetune_on_ranks(folder: str, text: str, out: str, args_kwargs: dict[str, A
     from merak_core import Trainer
     from merak_core.hf import PretrainedWeights, export_hf
 
-    args = make_args(**args_kwargs, output_dir=str(Path(out) / "run"), save_steps=3,
-                     export_hf_dir=str(Path(out) / "step3"))
+    args = make_args(**args_kwargs, output_dir=str(Path(out) / "run"), export_hf_dir=str(Path(out) / "step3"))
     train, evaluation = _datasets(Path(folder), Path(text))
     read: list[int] = []
     original = PretrainedWeights.load_into
@@ -87,14 +86,16 @@ def transformers_eval_loss(folder: Path, text: Path, tokenizer_folder: Path) -> 
         return float(model(input_ids=blocks, labels=blocks).loss)
 
 
-@pytest.mark.parametrize(("name", "layout"), [("gpt2", (2, 2, 2)), ("llama", (1, 2, 4))],
-                         ids=["gpt2-dp2_tp2_pp2", "llama-dp1_tp2_pp4"])
-def test_pretrained_finetune_and_export(name: str, layout: tuple[int, int, int]) -> None:
+@pytest.mark.parametrize(("name", "layout", "save_steps"), [("gpt2", (2, 2, 2), None), ("llama", (1, 2, 4), 3)],
+                         ids=["gpt2-dp2_tp2_pp2", "llama-dp1_tp2_pp4-checkpointed"])
+def test_pretrained_finetune_and_export(name: str, layout: tuple[int, int, int], save_steps: int | None) -> None:
+    """GPT-2 exports at the end with no checkpoint at all; Llama's step-3 checkpoint exports the same folder."""
     tf = pytest.importorskip("transformers")
     dp, tp, pp = layout
     root = Path(tempfile.mkdtemp(prefix="merak-pretrained-"))
     folder, text = make_folder(name, root)
-    kwargs = dict(dp=dp, tp=tp, pp=pp, gradient_accumulation_steps=pp, per_device_eval_batch_size=2)
+    kwargs = dict(dp=dp, tp=tp, pp=pp, gradient_accumulation_steps=pp, per_device_eval_batch_size=2,
+                  save_steps=save_steps)
     results = run_on_ranks(dp * tp * pp, finetune_on_ranks, str(folder), str(text), str(root / "out"), kwargs)
 
     # Each rank read exactly its own shard of its own stage, never the whole model.
@@ -120,14 +121,17 @@ def test_pretrained_finetune_and_export(name: str, layout: tuple[int, int, int])
         assert state[key].dtype == torch.float64, key
         assert_tensors_close(state[key].detach(), ref, name=f"{name} {layout} {key}", rtol=1e-8, atol=1e-10)
 
-    # The checkpoint of step 3 ('latest') exports to the same folder in one process.
-    from merak_core.hf import export_checkpoint
+    checkpoints = root / "out" / "run" / "checkpoints"
+    if save_steps is None:
+        assert not checkpoints.exists()  # the export did not need one
+    else:  # the checkpoint of step 3 ('latest') exports to the same folder, in one process
+        from merak_core.hf import export_checkpoint
 
-    again = export_checkpoint(root / "out" / "run" / "checkpoints" / "latest", root / "out" / "from_checkpoint")
-    assert (again / "tokenizer.json").is_file()  # the pretrained folder the run recorded
-    from_checkpoint, final = read_folder(again), read_folder(exported)
-    assert sorted(from_checkpoint) == sorted(final)
-    assert all(torch.equal(from_checkpoint[k], final[k]) for k in final)
+        again = export_checkpoint(checkpoints / "latest", root / "out" / "from_checkpoint")
+        assert (again / "tokenizer.json").is_file()  # from the pretrained folder the checkpoint recorded
+        from_checkpoint, final = read_folder(again), read_folder(exported)
+        assert sorted(from_checkpoint) == sorted(final)
+        assert all(torch.equal(from_checkpoint[k], final[k]) for k in final)
 
     # (c) transformers' loss on the eval text equals Merak's eval loss (every rank reports the same).
     eval_losses = [r[2] for r in results]
