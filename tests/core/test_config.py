@@ -251,7 +251,7 @@ def test_the_config_stores_the_registry_key() -> None:
     from merak_core.config import schedule_choices
     from merak_pipe import schedule_infos
 
-    assert TrainingArguments(schedule="zb-v").schedule == "zb_v"
+    assert TrainingArguments(schedule="zb-v", pp=2, virtual_stages=2).schedule == "zb_v"
     assert TrainingArguments(schedule=" Zb-H1 ").schedule == "zb_h1"
     assert schedule_choices() == ("auto", *(i.key for i in schedule_infos()))
     with pytest.raises(ValueError, match=r"schedule='pipedream' is invalid: expected one of \('auto', 'gpipe'"):

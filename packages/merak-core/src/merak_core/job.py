@@ -271,7 +271,7 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
     if not text.strip():
         value = None
     elif field in TrainingArguments.field_names():  # typed like a flat override (config.override_value)
-        value = override_value(field, text)
+        value = override_value(field, text, source=f"override {item!r}")
     else:
         value = load_yaml(text, f"override {item!r}")
     node = raw

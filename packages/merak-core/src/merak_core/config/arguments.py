@@ -419,14 +419,15 @@ def parse_overrides(overrides: Iterable[str]) -> dict[str, Any]:
     for item in overrides:
         key, raw = split_override(item, "of the form key=value (e.g. learning_rate=3e-4)")
         name = _canonical_key(key, "override")
-        out[name] = override_value(name, raw)
+        out[name] = override_value(name, raw, source=f"override {item!r}")
     return out
 
 
-def override_value(name: str, raw: str) -> Any:
+def override_value(name: str, raw: str, *, source: str = "override") -> Any:
     """The value of the override ``name=raw`` for the field ``name``: a YAML scalar, or the typed text for a
-    string field (``output_dir=2024`` stays ``"2024"``). Used for flat overrides and a job's ``training.*``."""
-    parsed = _yaml().safe_load(raw) if raw.strip() else ""
+    string field (``output_dir=2024`` stays ``"2024"``). Used for flat overrides and a job's ``training.*``;
+    text that is not YAML is a ValueError naming ``source``."""
+    parsed = load_yaml(raw, source) if raw.strip() else ""
     members = _members(typing.get_type_hints(TrainingArguments)[name])
     if isinstance(parsed, str) or (str in members and isinstance(parsed, (int, float, bool))
                                    and not any(_convert(parsed, m) is not _NO for m in members if m is not str)):

@@ -70,6 +70,23 @@ def check_tp_plan(model: nn.Module, tp_plan: Any, tp: int | None, overlap_chunks
     except ValueError as exc:
         raise PreflightError(f"training.tp_plan={tp_plan!r}: {exc}") from None
     named = dict(model.named_modules())
+    _check_patterns(model, plan, named)
+    if tp is None or tp == 1:
+        return str(plan.name)
+    check = getattr(plan, "check", None)
+    if check is not None:
+        try:
+            check(model, tp)
+        except ValueError as exc:
+            raise PreflightError(f"training.tp={tp} with TP plan {plan.name!r}: {exc}") from None
+    for name, module in named.items():
+        _check_divisible(model, plan, tp, name, module)
+    _parallelize_on_fake_group(model, plan, tp, overlap_chunks)
+    return str(plan.name)
+
+
+def _check_patterns(model: nn.Module, plan: Any, named: dict[str, nn.Module]) -> None:
+    """Every layer, attribute and region pattern of ``plan`` matches a module (unless optional)."""
     optional = tuple(getattr(plan, "optional", ()))
     for where in ("layers", "attributes", "regions"):
         for pattern in getattr(plan, where, ()):
@@ -82,36 +99,29 @@ def check_tp_plan(model: nn.Module, tp_plan: Any, tp: int | None, overlap_chunks
                 f"training.tp_plan: {where} pattern {pattern!r} matches no module of {type(model).__name__} "
                 f"(closest module names: {close or 'none'}); fix the pattern against model.named_modules() "
                 "('*' matches any text, dots included)")
-    if tp is None or tp == 1:
-        return str(plan.name)
-    check = getattr(plan, "check", None)
-    if check is not None:
-        try:
-            check(model, tp)
-        except ValueError as exc:
-            raise PreflightError(f"training.tp={tp} with TP plan {plan.name!r}: {exc}") from None
-    for name, module in named.items():
-        pattern = _match(name, plan.layers) if name else None
-        if pattern is not None:
-            style = plan.layers[pattern]
-            sized = _sharded_sizes(module, style)
-            if sized is not None:
-                what, size = sized
-                for part in _section_sizes(plan, pattern, style, model, name, size):
-                    if part % tp:
-                        raise PreflightError(
-                            f"training.tp={tp} does not divide {name}.{what}={size}"
-                            f"{f' (a section of {part})' if part != size else ''}, sharded by style {style!r} of "
-                            f"tp_plan pattern {pattern!r}; choose a TP degree that divides {part}, or leave "
-                            f"{name!r} replicated")
-        attr_pattern = _match(name, getattr(plan, "attributes", {}))
-        for attr in getattr(plan, "attributes", {}).get(attr_pattern, ()) if attr_pattern else ():
-            value = getattr(module, attr, None)
-            if isinstance(value, int) and not isinstance(value, bool) and value % tp:
-                raise PreflightError(f"training.tp={tp} does not divide {name}.{attr}={value} (TP plan "
-                                     f"{plan.name!r}); choose a TP degree that divides {value}")
-    _parallelize_on_fake_group(model, plan, tp, overlap_chunks)
-    return str(plan.name)
+
+
+def _check_divisible(model: nn.Module, plan: Any, tp: int, name: str, module: nn.Module) -> None:
+    """The sizes ``plan`` shards in ``module`` (weights, sections, head-count attributes) divide by ``tp``."""
+    pattern = _match(name, plan.layers) if name else None
+    if pattern is not None:
+        style = plan.layers[pattern]
+        sized = _sharded_sizes(module, style)
+        if sized is not None:
+            what, size = sized
+            for part in _section_sizes(plan, pattern, style, model, name, size):
+                if part % tp:
+                    raise PreflightError(
+                        f"training.tp={tp} does not divide {name}.{what}={size}"
+                        f"{f' (a section of {part})' if part != size else ''}, sharded by style {style!r} of "
+                        f"tp_plan pattern {pattern!r}; choose a TP degree that divides {part}, or leave "
+                        f"{name!r} replicated")
+    attr_pattern = _match(name, getattr(plan, "attributes", {}))
+    for attr in getattr(plan, "attributes", {}).get(attr_pattern, ()) if attr_pattern else ():
+        value = getattr(module, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value % tp:
+            raise PreflightError(f"training.tp={tp} does not divide {name}.{attr}={value} (TP plan "
+                                 f"{plan.name!r}); choose a TP degree that divides {value}")
 
 
 def _parallelize_on_fake_group(model: nn.Module, plan: Any, tp: int, overlap_chunks: int) -> None:
