@@ -212,7 +212,7 @@ class PlanCheck:
         predicted = predict_current(
             ctx, dp=run.layout.dp, tp=run.layout.tp, pp=run.layout.pp, schedule=run.schedule_name,
             num_microbatches=args.num_microbatches, micro_batch_size=args.micro_batch_size, recompute=kind,
-            memory_budget=args.memory_budget if kind == "stage_aware" else None)
+            memory_budget=args.memory_budget if kind == "stage_aware" else None, virtual_stages=args.virtual_stages)
         self.comparison = compare(predicted, measured)
         logger.info("%s", self.comparison.table())
         record: dict[str, Any] = {"step": step, **self.comparison.to_record()}

@@ -178,7 +178,7 @@ def _config(c: Candidate) -> tuple[Any, ...]:
 
 def predict_current(ctx: PlanContext, *, dp: int, tp: int, pp: int, schedule: str, num_microbatches: int,
                     micro_batch_size: int, recompute: str = "none", memory_budget: float | None = None,
-                    profile: ModelProfile | None = None) -> Candidate:
+                    profile: ModelProfile | None = None, virtual_stages: int = 1) -> Candidate:
     """:func:`~merak_core.planner.predict` of one configuration with the context's machine.
 
     ``schedule`` may be spelled with hyphens; ``memory_budget`` is the stage-aware budget (default:
@@ -188,30 +188,36 @@ def predict_current(ctx: PlanContext, *, dp: int, tp: int, pp: int, schedule: st
                    num_microbatches=num_microbatches, micro_batch_size=micro_batch_size, recompute=recompute,
                    comm=ctx.comm, zero_stage=ctx.zero_stage, optimizer_state_factor=ctx.optimizer_state_factor,
                    memory_per_device=float(memory_budget) if memory_budget is not None else ctx.memory_per_device,
-                   compute_slots=ctx.compute_slots)
+                   compute_slots=ctx.compute_slots, virtual_stages=virtual_stages)
 
 
 def _repredict(ctx: PlanContext, c: Candidate, profile: ModelProfile) -> Candidate:
     budget = c.memory_per_device if c.recompute == "stage_aware" and c.memory_per_device > 0 else None
     return predict_current(ctx, dp=c.dp, tp=c.tp, pp=c.pp, schedule=c.schedule, num_microbatches=c.num_microbatches,
                            micro_batch_size=c.micro_batch_size, recompute=c.recompute, memory_budget=budget,
-                           profile=profile)
+                           profile=profile, virtual_stages=c.virtual_stages)
 
 
 def compare(predicted: Candidate, measured: MeasuredStep) -> PlanComparison:
     """Rows: step time, pipeline, outside the pipeline, then per stage F, B (per microbatch) and peak memory."""
-    if len(measured.stage_forward_s) != predicted.pp:
+    num_stages = len(predicted.stage_forward_s)  # pp * virtual stages
+    if len(measured.stage_forward_s) != num_stages:
         raise ValueError(f"compare: the measurement has {len(measured.stage_forward_s)} stages but the prediction "
-                         f"{predicted.layout} has pp={predicted.pp}: measure the configuration that was predicted")
+                         f"{predicted.layout} has pp={predicted.pp}"
+                         + (f" x {predicted.virtual_stages} virtual stages" if predicted.virtual_stages > 1 else "")
+                         + ": measure the configuration that was predicted")
     rows = [_Row("step time", "ms", predicted.step_time_s, measured.step_time_s),
             _Row("pipeline", "ms", predicted.pipeline_s, measured.pipeline_s),
             _Row("outside pipeline", "ms", predicted.step_time_s - predicted.pipeline_s, measured.outside_pipeline_s)]
-    for s in range(predicted.pp):
+    for s in range(num_stages):
         rows.append(_Row(f"stage {s} F", "ms", predicted.stage_forward_s[s], measured.stage_forward_s[s]))
         rows.append(_Row(f"stage {s} B", "ms", predicted.stage_backward_s[s], measured.stage_backward_s[s]))
-    for s in range(predicted.pp):
-        mem = measured.stage_peak_memory_bytes[s] if measured.stage_peak_memory_bytes else None
-        rows.append(_Row(f"stage {s} peak memory", "MiB", predicted.peak_memory_bytes[s], mem))
+    # Memory is measured per pipeline rank (one stage each, or its virtual stages together).
+    device = predicted.device_peak_bytes or predicted.peak_memory_bytes
+    label = "stage" if predicted.virtual_stages == 1 else "rank"
+    for r in range(predicted.pp):
+        mem = measured.stage_peak_memory_bytes[r] if measured.stage_peak_memory_bytes else None
+        rows.append(_Row(f"{label} {r} peak memory", "MiB", device[r], mem))
     return PlanComparison(predicted, measured, tuple(rows))
 
 
