@@ -8,6 +8,7 @@
   position, random streams), and a checkpoint reshards across ZeRO stages and layouts
   (0/1 -> 2/3 and 2/3 -> 0/1): every ZeRO stage writes the same checkpoint.
 - The model weights of a checkpoint load into a ZeRO-3 run (``load_full_state_dict``).
+- ZeRO-3 with virtual stages (interleaved 1F1B, two stages per rank) equals one process too.
 """
 
 from __future__ import annotations
@@ -90,3 +91,8 @@ def test_model_weights_load_into_a_zero3_run(tmp_path: Path) -> None:
     loaded = run_on_ranks(4, support.load_weights_from_checkpoint_body, "gpt", other, str(source))[0]
     expected = support.saved_state_body(str(source))
     assert sorted(loaded) == sorted(expected) and all(torch.equal(loaded[k], expected[k]) for k in expected)
+
+
+def test_zero3_with_virtual_stages_matches_single_process() -> None:
+    """Two stages per rank (interleaved 1F1B, v=2): every stage module's units are sharded over DP."""
+    _check("gpt", 2, 1, 2, zero_stage=3, virtual_stages=2, schedule="interleaved_1f1b", gradient_accumulation_steps=4)
