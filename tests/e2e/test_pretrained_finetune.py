@@ -137,3 +137,31 @@ def test_pretrained_finetune_and_export(name: str, layout: tuple[int, int, int],
     eval_losses = [r[2] for r in results]
     assert all(v == pytest.approx(eval_losses[0], rel=1e-12) for v in eval_losses)
     assert eval_losses[0] == pytest.approx(transformers_eval_loss(exported, text, folder), rel=1e-6)
+
+
+def load_at_pp1_on_ranks(folder: str) -> dict[str, torch.Tensor] | None:
+    """Rank body: a meta GPT-2 at tp=2, pp=1 (no tracing) loaded from the folder; the full state dict on rank 0."""
+    import merak_core
+    from merak_core.compose import build_parallel_model, gather_full_state_dict
+    from merak_core.hf import PretrainedWeights, pretrained_model, skip_init
+
+    layout = merak_core.init(dp=1, tp=2, pp=1)
+    model = pretrained_model(folder)
+    weights = PretrainedWeights.match(model, folder)
+    pm = build_parallel_model(model, layout, example_inputs={"input_ids": torch.zeros(1, SEQ, dtype=torch.long)},
+                              init_fn=skip_init)
+    weights.load_into(pm)
+    return gather_full_state_dict(pm)
+
+
+def test_meta_model_at_pp1_loads_under_its_own_names() -> None:
+    """At pp=1 TP and materialisation replace every parameter: a new one reusing the id of a freed original
+    must not take that original's logical name (it did: c_attn's slice went to the MLP's c_fc)."""
+    pytest.importorskip("transformers")
+    root = Path(tempfile.mkdtemp(prefix="merak-pretrained-pp1-"))
+    folder, _ = make_folder("gpt2", root)
+    state = run_on_ranks(2, load_at_pp1_on_ranks, str(folder))[0]
+    original = read_folder(folder)
+    assert state is not None and sorted(state) == sorted(original)
+    for key, ref in original.items():
+        assert torch.equal(state[key], ref), key

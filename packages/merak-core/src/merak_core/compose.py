@@ -187,7 +187,7 @@ def build_parallel_model(
         if is_meta_module(model):
             materialize(model, device=device, init_fn=init_fn)
         model.to(device)
-        logical = {name: canonical.get(id(p), name) for name, p in model.named_parameters()}
+        logical = {name: _canonical_name(canonical, p, name) for name, p in model.named_parameters()}
         return ParallelModel(module=model, layout=layout, logical_names=logical, input_keys=keys,
                              by_keyword=by_keyword)
 
@@ -337,12 +337,22 @@ def place_stage(stage: _M, device: torch.device | str) -> _M:
     return stage.to(device)
 
 
-def _canonical_names(model: nn.Module) -> dict[int, str]:
-    """id(parameter) -> the first name ``named_parameters`` reaches it by."""
-    out: dict[int, str] = {}
+def _canonical_names(model: nn.Module) -> dict[int, tuple[nn.Parameter, str]]:
+    """id(parameter) -> (the parameter, the first name ``named_parameters`` reaches it by).
+
+    The parameter is kept so that the entry cannot match a new tensor that reuses the id of
+    a replaced one (TP layers and meta materialisation create new parameters).
+    """
+    out: dict[int, tuple[nn.Parameter, str]] = {}
     for name, p in model.named_parameters():
-        out.setdefault(id(p), name)
+        out.setdefault(id(p), (p, name))
     return out
+
+
+def _canonical_name(canonical: dict[int, tuple[nn.Parameter, str]], param: nn.Parameter, name: str) -> str:
+    """The logical name of ``param``: its original first name if it is an original parameter, else ``name``."""
+    entry = canonical.get(id(param))
+    return entry[1] if entry is not None and entry[0] is param else name
 
 
 def gather_full_state_dict(pm: ParallelModel, *, dst: int = 0) -> dict[str, torch.Tensor] | None:
