@@ -56,7 +56,7 @@ from merak_core.clip import global_grad_norm, scale_gradients_
 from merak_core.compose import ParallelModel
 from merak_core.config import TrainingArguments, build_lr_scheduler
 from merak_core.data_parallel import DataParallelGradSync
-from merak_core.fsdp import SHARDED_ZERO_STAGES, ShardedDataParallel, shard_parallel_model
+from merak_core.fsdp import SHARDED_ZERO_STAGES, ShardedDataParallel
 from merak_core.layout import ParallelLayout
 from merak_core.stall import Heartbeat
 from merak_core.virtual_stages import check_virtual_stages
@@ -408,3 +408,19 @@ class ParallelEngine:
         labels = labels.to(self.device) if labels is not None else None
         with self.autocast():
             return self.runner.evaluate(self.stage_inputs(inputs), labels, return_outputs=return_outputs)
+
+
+def shard_parallel_model(model: ParallelModel, *, zero_stage: int, device: torch.device,
+                         ) -> tuple[ShardedDataParallel, ParallelModel]:
+    """Shard this rank's part of ``model`` over its DP group; the sharded object and the updated model.
+
+    The returned :class:`~merak_core.compose.ParallelModel` is ``model`` with its shared-parameter
+    lists pointing at the sharded parameters (the modules are sharded in place). Give the pipeline
+    runner no shared parameters: :meth:`ShardedDataParallel.finish` sums their copies.
+    """
+    layout = model.layout
+    stages = dict(model.stage_modules) or {layout.pp_rank if layout.pp > 1 else 0: model.module}
+    sharded = ShardedDataParallel(stages, layout.dp_group, zero_stage=zero_stage, device_type=device.type,
+                                  num_stages=model.num_stages, shared_parameters=model.shared_parameters)
+    owner = {sharded.param_map.get(id(p), p): stage for p, stage in model.shared_owner.items()}
+    return sharded, dataclasses.replace(model, shared_parameters=sharded.shared_parameters, shared_owner=owner)

@@ -57,10 +57,9 @@ gradients reduced in the parameter dtype), CPU offload.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -70,9 +69,6 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from merak_core import _compat
 from merak_tp.shard_spec import get_shard_spec, has_shard_spec, set_shard_spec
-
-if TYPE_CHECKING:
-    from merak_core.compose import ParallelModel
 
 logger = logging.getLogger(__name__)
 
@@ -274,22 +270,6 @@ class ShardedDataParallel:
             root.reshard()
 
 
-def shard_parallel_model(model: ParallelModel, *, zero_stage: int, device: torch.device,
-                         ) -> tuple[ShardedDataParallel, ParallelModel]:
-    """Shard this rank's part of ``model`` over its DP group; the sharded object and the updated model.
-
-    The returned :class:`~merak_core.compose.ParallelModel` is ``model`` with its shared-parameter
-    lists pointing at the sharded parameters (the modules are sharded in place). Give the pipeline
-    runner no shared parameters: :meth:`ShardedDataParallel.finish` sums their copies.
-    """
-    layout = model.layout
-    stages = dict(model.stage_modules) or {layout.pp_rank if layout.pp > 1 else 0: model.module}
-    sharded = ShardedDataParallel(stages, layout.dp_group, zero_stage=zero_stage, device_type=device.type,
-                                  num_stages=model.num_stages, shared_parameters=model.shared_parameters)
-    owner = {sharded.param_map.get(id(p), p): stage for p, stage in model.shared_owner.items()}
-    return sharded, dataclasses.replace(model, shared_parameters=sharded.shared_parameters, shared_owner=owner)
-
-
 def _check_units_disjoint(units: Sequence[nn.Module]) -> None:
     owner: dict[int, int] = {}
     for index, unit in enumerate(units):
@@ -362,5 +342,5 @@ def shard_like(like: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
 
 __all__ = [
     "SHARDED_ZERO_STAGES", "ShardedDataParallel", "check_sharding_supported", "copy_into_shard_", "default_reshard_after_forward",
-    "fsdp_units", "full_local_tensor", "is_sharded", "local_tensor", "shard_like", "shard_parallel_model",
+    "fsdp_units", "full_local_tensor", "is_sharded", "local_tensor", "shard_like",
 ]
