@@ -3,7 +3,7 @@
 Fast: ``merak train --dry-run`` (in this process, no torchrun) refuses a bad ``model.pretrained``
 folder, or one whose tensors do not fit the model, with the path and the fix, before anything
 starts. Slow (one subprocess run): ``merak train`` fine-tunes a GPT-2 folder on text data
-(``data: {format: text}``) at tp=2, exports it at the end (``export_hf_dir``), and
+(``data: {format: text}``) at tp=2 x pp=2, exports it at the end (``export_hf_dir``), and
 ``merak export latest --job`` writes the same tensors from the final checkpoint; transformers
 loads both.
 """
@@ -91,8 +91,7 @@ def _merak(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 def test_merak_train_exports_and_merak_export_latest_agrees(tmp_path: Path) -> None:
     tf = pytest.importorskip("transformers")
     make_folder("gpt2", tmp_path)
-    # Two ranks (tp=2, no tracing) keep the subprocess cheap; the layouts are the in-pool tests' business.
-    job = _write(tmp_path, _job(tmp_path, pp=1, save_steps=2, export_hf_dir=str(tmp_path / "hf")))
+    job = _write(tmp_path, _job(tmp_path, save_steps=2, export_hf_dir=str(tmp_path / "hf")))
     run = _merak("train", str(job), cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     exported = _merak("export", "latest", "--job", str(job), "--to-hf", str(tmp_path / "from_ckpt"), cwd=tmp_path)
