@@ -78,3 +78,22 @@ def test_eval_set_smaller_than_a_batch_after_training() -> None:
     want = _reference(3, first["state"])
     for key, value in want.items():
         assert first["evaluate"][key] == pytest.approx(value, rel=1e-12), (key, first["evaluate"], want)
+
+
+def test_default_loss_reads_the_logits_of_a_model_output_cut_into_rows() -> None:
+    # A transformers model at pp=1 returns a ModelOutput; evaluating a padded last batch cuts it
+    # into microbatch rows, which come back as a plain dict. The default loss must read its logits
+    # (it raised AttributeError: 'dict' object has no attribute 'reshape' at the end of training).
+    modeling_outputs = pytest.importorskip("transformers.modeling_outputs")
+    from merak_core.engine import default_loss
+    from merak_core.evaluation import rows
+
+    torch.manual_seed(0)
+    logits = torch.randn(4, 3, 7, dtype=torch.float64)
+    labels = torch.randint(0, 7, (4, 3))
+    out = modeling_outputs.CausalLMOutput(logits=logits)
+    part = rows(out, 0, 2)
+    assert isinstance(part, dict) and not hasattr(part, "logits")
+    expected = torch.nn.functional.cross_entropy(logits[:2].reshape(-1, 7), labels[:2].reshape(-1))
+    torch.testing.assert_close(default_loss(part, labels[:2]), expected, rtol=0, atol=0)
+    torch.testing.assert_close(default_loss(out, labels), default_loss(logits, labels), rtol=0, atol=0)

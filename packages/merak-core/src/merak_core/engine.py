@@ -93,7 +93,10 @@ class StepResult:
 
 def default_loss(output: Any, labels: torch.Tensor) -> torch.Tensor:
     """Cross-entropy for classifiers (``[b, c]`` vs ``[b]``) and LMs (``[b, t, v]`` vs ``[b, t]``, -100 ignored)."""
-    logits = getattr(output, "logits", output)
+    if isinstance(output, Mapping) and "logits" in output:
+        logits = output["logits"]  # a ModelOutput, or its rows as a plain dict (evaluation of a partial batch)
+    else:
+        logits = getattr(output, "logits", output)
     if isinstance(logits, (tuple, list)):
         logits = logits[0]
     flat = logits.reshape(-1, logits.size(-1))
