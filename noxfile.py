@@ -19,6 +19,8 @@ import nox
 
 ROOT = Path(__file__).parent
 CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))
+# One ruff for everyone: the formatter's output changes between releases.
+RUFF = "ruff==0.17.6"
 TEST_DEPS = ("pytest>=8", "hypothesis>=6.100", "pytest-xdist>=3.5")
 # Two pytest workers per machine of two cores, at most four: much of the suite waits (subprocesses
 # starting, timeouts that a fault test must see expire, one rank blocked on another), and a second
@@ -51,8 +53,13 @@ def _pip_find_links() -> str | None:
     raw = os.environ.get("PIP_FIND_LINKS", "")
     if not raw:
         try:
-            out = subprocess.run([sys.executable, "-m", "pip", "config", "get", "global.find-links"],
-                                 capture_output=True, text=True, timeout=60, check=False)
+            out = subprocess.run(
+                [sys.executable, "-m", "pip", "config", "get", "global.find-links"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
         except (OSError, subprocess.TimeoutExpired):
             return None
         raw = out.stdout if out.returncode == 0 else ""
@@ -102,14 +109,24 @@ def package(session: nox.Session, library: str) -> None:
     session.install(*CONSTRAINTS, "--force-reinstall", "--no-deps", f"packages/merak-{library}")
     others = [f"merak_{name}" for name in (*LIBRARIES, "core") if name != library]
     session.run(
-        "python", "-c",
+        "python",
+        "-c",
         "import importlib.util, sys; present = [m for m in sys.argv[1:] if importlib.util.find_spec(m)]; "
         "sys.exit(f'other Merak packages are installed: {present}' if present else 0)",
         *others,
     )
     # Import the installed copy, not the source tree, and only this package's tests.
-    session.run("pytest", *WORKERS, f"tests/{library}", "tests/support_tests", "tests/test_boundaries.py",
-                "-p", "no:cacheprovider", *session.posargs, env={**ENV, "HF_HUB_OFFLINE": "1"})
+    session.run(
+        "pytest",
+        *WORKERS,
+        f"tests/{library}",
+        "tests/support_tests",
+        "tests/test_boundaries.py",
+        "-p",
+        "no:cacheprovider",
+        *session.posargs,
+        env={**ENV, "HF_HUB_OFFLINE": "1"},
+    )
 
 
 @nox.session
@@ -119,15 +136,16 @@ def transformers(session: nox.Session) -> None:
     Not a default session: ``tests`` runs them too. Kept for a quick look at the transformers families.
     """
     _install_all(session, *TEST_DEPS, "transformers>=5", "safetensors")
-    session.run("pytest", "tests", "-m", "transformers", *session.posargs,
-                env={**ENV, "HF_HUB_OFFLINE": "1"})
+    session.run("pytest", "tests", "-m", "transformers", *session.posargs, env={**ENV, "HF_HUB_OFFLINE": "1"})
 
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff over packages, tests, benchmarks and examples."""
-    session.install("ruff>=0.6")
-    session.run("ruff", "check", "packages", "tests", "benchmarks", "examples", "noxfile.py")
+    """ruff over packages, tests, benchmarks and examples: the lint rules (complexity included) and the format."""
+    session.install(RUFF)
+    paths = ("packages", "tests", "benchmarks", "examples", "noxfile.py")
+    session.run("ruff", "check", *paths)
+    session.run("ruff", "format", "--check", *paths)
 
 
 @nox.session
@@ -160,17 +178,35 @@ def gpu(session: nox.Session) -> None:
     single-rank checks (a few minutes); with more GPUs visible, also the torchrun checks.
     """
     editable = [arg for pkg in ALL_PACKAGES for arg in ("-e", pkg)]
-    session.run("python", "-m", "pip", "install", "--quiet", *editable, *TEST_DEPS, "safetensors", external=True)
-    session.run("python", "-c",
-                "import sys, torch; ok = torch.cuda.is_available(); "
-                "print(f'torch {torch.__version__}, CUDA {torch.version.cuda}, devices: {torch.cuda.device_count()}'); "
-                "sys.exit(0 if ok else 'nox -s gpu needs a CUDA build of torch and a visible GPU "
-                "(torch.cuda.is_available() is False)')", external=True)
+    session.run(
+        "python", "-m", "pip", "install", "--quiet", *editable, *TEST_DEPS, "safetensors", external=True
+    )
+    session.run(
+        "python",
+        "-c",
+        "import sys, torch; ok = torch.cuda.is_available(); "
+        "print(f'torch {torch.__version__}, CUDA {torch.version.cuda}, devices: {torch.cuda.device_count()}'); "
+        "sys.exit(0 if ok else 'nox -s gpu needs a CUDA build of torch and a visible GPU "
+        "(torch.cuda.is_available() is False)')",
+        external=True,
+    )
     # The CPU float32 references use the host's cores; GPU work needs no OMP limit.
     threads = str(min(os.cpu_count() or 1, 16))
     env = {**ENV, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
-    session.run("python", "-m", "pytest", "tests/gpu", "-m", "gpu", "-p", "no:cacheprovider", "-rA",
-                *session.posargs, env=env, external=True)
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "tests/gpu",
+        "-m",
+        "gpu",
+        "-p",
+        "no:cacheprovider",
+        "-rA",
+        *session.posargs,
+        env=env,
+        external=True,
+    )
 
 
 @nox.session

@@ -36,7 +36,10 @@ from merak_core.planner.dryrun import dry_run
 from merak_core.planner.gpt_shapes import PAPER_MODELS, REFERENCE_MODELS, build_decoder, decoder_inputs
 
 PAPER_RATIOS = {"gpt-1.5b": 1.42, "gpt-2.5b": 1.39, "gpt-8.3b": 1.43, "gpt-20b": 1.61}
-DRY_LAYOUTS = {"llama-70b": dict(tp=8, pp=8, num_microbatches=32), "gpt-20b": dict(tp=8, pp=4, num_microbatches=32)}
+DRY_LAYOUTS = {
+    "llama-70b": dict(tp=8, pp=8, num_microbatches=32),
+    "gpt-20b": dict(tp=8, pp=4, num_microbatches=32),
+}
 
 
 def bench_dryrun(cluster_name: str, sizes: list[int]) -> None:
@@ -48,64 +51,119 @@ def bench_dryrun(cluster_name: str, sizes: list[int]) -> None:
         for n in sizes:
             model = build_decoder(shape)
             t0 = time.perf_counter()
-            report = dry_run(model, decoder_inputs(shape), cluster, world_size=n, schedule="shifted_critical_path",
-                             recompute="stage_aware", zero_stage=1, tp_overlap=True, num_heads=shape.num_heads,
-                             num_kv_heads=shape.kv_heads, vocab_size=shape.vocab_size, **layout)
+            report = dry_run(
+                model,
+                decoder_inputs(shape),
+                cluster,
+                world_size=n,
+                schedule="shifted_critical_path",
+                recompute="stage_aware",
+                zero_stage=1,
+                tp_overlap=True,
+                num_heads=shape.num_heads,
+                num_kv_heads=shape.kv_heads,
+                vocab_size=shape.vocab_size,
+                **layout,
+            )
             total = time.perf_counter() - t0
             dp, tp, pp = report.degrees or (0, 0, 0)
             first = report.first_failure
-            print(f"| {name} | {shape.num_parameters() / 1e9:.1f}B | {n} | dp{dp}-tp{tp}-pp{pp} "
-                  f"| {report.seconds.get('trace', 0):.2f} | {report.seconds.get('groups', 0):.2f} | {total:.2f} "
-                  f"| {first.kind + ' rank ' + str(first.rank) if first else 'none'} |", flush=True)
+            print(
+                f"| {name} | {shape.num_parameters() / 1e9:.1f}B | {n} | dp{dp}-tp{tp}-pp{pp} "
+                f"| {report.seconds.get('trace', 0):.2f} | {report.seconds.get('groups', 0):.2f} | {total:.2f} "
+                f"| {first.kind + ' rank ' + str(first.rank) if first else 'none'} |",
+                flush=True,
+            )
 
 
 def _describe(c: ClusterCandidate) -> str:
-    rc = c.recompute if c.recompute != "stage_aware" else "sa[" + ",".join(f"{f:.2f}" for f in c.recompute_fractions) + "]"
-    return (f"{c.layout} m={c.num_microbatches} mbs={c.micro_batch_size} zero{c.zero_stage} {c.schedule} {rc}"
-            f"{' tp-overlap' if c.tp_overlap else ''}")
+    rc = (
+        c.recompute
+        if c.recompute != "stage_aware"
+        else "sa[" + ",".join(f"{f:.2f}" for f in c.recompute_fractions) + "]"
+    )
+    return (
+        f"{c.layout} m={c.num_microbatches} mbs={c.micro_batch_size} zero{c.zero_stage} {c.schedule} {rc}"
+        f"{' tp-overlap' if c.tp_overlap else ''}"
+    )
 
 
-def bench_paper(cluster_name: str, global_batch_size: int, max_microbatches: int,
-                memory_gb: float | None = None) -> None:
+def bench_paper(
+    cluster_name: str, global_batch_size: int, max_microbatches: int, memory_gb: float | None = None
+) -> None:
     import dataclasses
 
     cluster = load_cluster(cluster_name)
     if memory_gb is not None:  # the same devices with less memory (where recomputation matters)
-        cluster = dataclasses.replace(cluster, name=f"{cluster.name} with {memory_gb:g} GB", memory_bytes=memory_gb * 1e9)
+        cluster = dataclasses.replace(
+            cluster, name=f"{cluster.name} with {memory_gb:g} GB", memory_bytes=memory_gb * 1e9
+        )
     nodes = 64 // cluster.devices_per_node
-    print(f"cluster {cluster.name}: {nodes} nodes x {cluster.devices_per_node} {cluster.device_name}, global batch "
-          f"{global_batch_size} x 1024 tokens\n")
-    print("| model | (a) baseline: configuration | (a) step s | (b) Merak: configuration | (b) step s "
-          "| ratio a/b | (c) Merak at (a)'s layout, s | ratio a/c | paper |")
+    print(
+        f"cluster {cluster.name}: {nodes} nodes x {cluster.devices_per_node} {cluster.device_name}, global batch "
+        f"{global_batch_size} x 1024 tokens\n"
+    )
+    print(
+        "| model | (a) baseline: configuration | (a) step s | (b) Merak: configuration | (b) step s "
+        "| ratio a/b | (c) Merak at (a)'s layout, s | ratio a/c | paper |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for name, shape in PAPER_MODELS.items():
         t0 = time.perf_counter()
         model = build_decoder(shape)
-        costs = model_costs(trace_for_cluster(model, decoder_inputs(shape), cluster), model,
-                            num_heads=shape.num_heads, vocab_size=shape.vocab_size)
+        costs = model_costs(
+            trace_for_cluster(model, decoder_inputs(shape), cluster),
+            model,
+            num_heads=shape.num_heads,
+            vocab_size=shape.vocab_size,
+        )
         common = dict(num_nodes=nodes, global_batch_size=global_batch_size, max_microbatches=max_microbatches)
-        base = plan_cluster(costs, cluster, schedules=("1f1b",), recompute_modes=("full",), tp_overlaps=(False,),
-                            **common)[0]
-        merak = plan_cluster(costs, cluster, schedules=("shifted_critical_path",), recompute_modes=("stage_aware",),
-                             tp_overlaps=(True,), **common)[0]
-        same = predict_config(costs, cluster, dp=base.dp, tp=base.tp, pp=base.pp, schedule="shifted_critical_path",
-                              num_microbatches=base.num_microbatches, micro_batch_size=base.micro_batch_size,
-                              recompute="stage_aware", zero_stage=base.zero_stage, tp_overlap=True)
+        base = plan_cluster(
+            costs, cluster, schedules=("1f1b",), recompute_modes=("full",), tp_overlaps=(False,), **common
+        )[0]
+        merak = plan_cluster(
+            costs,
+            cluster,
+            schedules=("shifted_critical_path",),
+            recompute_modes=("stage_aware",),
+            tp_overlaps=(True,),
+            **common,
+        )[0]
+        same = predict_config(
+            costs,
+            cluster,
+            dp=base.dp,
+            tp=base.tp,
+            pp=base.pp,
+            schedule="shifted_critical_path",
+            num_microbatches=base.num_microbatches,
+            micro_batch_size=base.micro_batch_size,
+            recompute="stage_aware",
+            zero_stage=base.zero_stage,
+            tp_overlap=True,
+        )
         same_s = f"{same.step_time_s:.3f}" if same is not None and same.fits else "does not fit"
         same_r = f"{base.step_time_s / same.step_time_s:.2f}" if same is not None and same.fits else "-"
-        print(f"| {name} | {_describe(base)} | {base.step_time_s:.3f} | {_describe(merak)} | {merak.step_time_s:.3f} "
-              f"| {base.step_time_s / merak.step_time_s:.2f} | {same_s} | {same_r} | {PAPER_RATIOS[name]:.2f} |",
-              flush=True)
+        print(
+            f"| {name} | {_describe(base)} | {base.step_time_s:.3f} | {_describe(merak)} | {merak.step_time_s:.3f} "
+            f"| {base.step_time_s / merak.step_time_s:.2f} | {same_s} | {same_r} | {PAPER_RATIOS[name]:.2f} |",
+            flush=True,
+        )
         print(f"<!-- {name}: {time.perf_counter() - t0:.1f} s to trace and search -->", flush=True)
 
 
 # This machine: 2 cores of an Intel Xeon (AVX-512, 2 FMA units, 2.1 GHz): 2.1e9 x 2 x 16 x 2 = 134
 # GFLOP/s fp32 per core; memory bandwidth and links are nominal guesses, not measured.
 CPU_CLUSTER = {
-    "name": "cpu-2core", "source": "nominal numbers for this machine's cores (not a spec sheet, not measured)",
+    "name": "cpu-2core",
+    "source": "nominal numbers for this machine's cores (not a spec sheet, not measured)",
     "devices_per_node": 2,
-    "device": {"name": "xeon-core", "peak_tflops": {"bf16": 0.134, "fp32": 0.134}, "memory_gb": 4,
-               "memory_bandwidth_gb_s": 10},
+    "device": {
+        "name": "xeon-core",
+        "peak_tflops": {"bf16": 0.134, "fp32": 0.134},
+        "memory_gb": 4,
+        "memory_bandwidth_gb_s": 10,
+    },
     "intra_node": {"bandwidth_gb_s": 5, "latency_us": 20},
     "efficiency": {"compute": 0.5, "memory": 0.8, "link": 0.8},
 }
@@ -172,10 +230,14 @@ def bench_cpu() -> None:
     one = torch.randint(0, 13, (1, 16))
     sharded = trace_for_cluster(model, (one,), cluster, dtype="fp32")
     costs = model_costs(sharded, model, dtype="fp32")
-    print(f"cluster {cluster.name}: {cluster.flops('fp32') / 1e9:.0f} GFLOP/s fp32 sustained per core, "
-          f"{overhead_us:.2f} us per operator (measured: a chain of tiny ops, F+B)\n")
-    print("| pp | stage | micro batch | predicted F+B ms | of which per-op overhead | roofline only | measured F+B ms "
-          "| error | error without overhead |")
+    print(
+        f"cluster {cluster.name}: {cluster.flops('fp32') / 1e9:.0f} GFLOP/s fp32 sustained per core, "
+        f"{overhead_us:.2f} us per operator (measured: a chain of tiny ops, F+B)\n"
+    )
+    print(
+        "| pp | stage | micro batch | predicted F+B ms | of which per-op overhead | roofline only | measured F+B ms "
+        "| error | error without overhead |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     errors, roof_errors = [], []
     for pp in (1, 2, 4):
@@ -199,17 +261,24 @@ def bench_cpu() -> None:
                 roof_err = (roofline - measured) / measured
                 errors.append(abs(err))
                 roof_errors.append(abs(roof_err))
-                print(f"| {pp} | {s} | {mbs} | {predicted * 1e3:.3f} | {overhead * 1e3:.3f} | {roofline * 1e3:.3f} "
-                      f"| {measured * 1e3:.3f} | {100 * err:+.0f}% | {100 * roof_err:+.0f}% |", flush=True)
+                print(
+                    f"| {pp} | {s} | {mbs} | {predicted * 1e3:.3f} | {overhead * 1e3:.3f} | {roofline * 1e3:.3f} "
+                    f"| {measured * 1e3:.3f} | {100 * err:+.0f}% | {100 * roof_err:+.0f}% |",
+                    flush=True,
+                )
                 with torch.no_grad():
                     out = stage(*values)
                 values = out if isinstance(out, tuple) else (out,)
-    print(f"\nmedian absolute error: {100 * statistics.median(errors):.0f}% "
-          f"(roofline alone: {100 * statistics.median(roof_errors):.0f}%)")
+    print(
+        f"\nmedian absolute error: {100 * statistics.median(errors):.0f}% "
+        f"(roofline alone: {100 * statistics.median(roof_errors):.0f}%)"
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="what", required=True)
     d = sub.add_parser("dryrun")
     d.add_argument("--cluster", default="h100-sxm-8x")

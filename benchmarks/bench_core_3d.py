@@ -44,8 +44,14 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-TP_PLAN = {"layers.*.attn.query": "column", "layers.*.attn.key": "column", "layers.*.attn.value": "column",
-           "layers.*.attn.out": "row", "layers.*.up": "column", "layers.*.down": "row"}
+TP_PLAN = {
+    "layers.*.attn.query": "column",
+    "layers.*.attn.key": "column",
+    "layers.*.attn.value": "column",
+    "layers.*.attn.out": "row",
+    "layers.*.up": "column",
+    "layers.*.down": "row",
+}
 
 
 # --------------------------------------------------------------------------- the model
@@ -146,8 +152,11 @@ def build_model(cfg: dict[str, Any]) -> GPT:
 def _adamw(params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
-                             lr=lr, foreach=False)
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr,
+        foreach=False,
+    )
 
 
 # --------------------------------------------------------------------------- torch's composition
@@ -198,7 +207,7 @@ class TorchComposition:
             flat /= layout.dp
             offset = 0
             for g in locals_:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
         self.optimizer.step()
         value = torch.zeros(1, dtype=torch.float64)
@@ -230,10 +239,21 @@ def _worker(rank: int, world: int, store_path: str, cfg: dict[str, Any], queue: 
     mbs, micro = cfg["micro_batch"], cfg["num_microbatches"]
     data = Tokens(dp * mbs * micro * (cfg["warmup"] + cfg["steps"]), cfg["vocab"], cfg["seq"])
     args = TrainingArguments(
-        output_dir=tempfile.mkdtemp(prefix="merak-bench3d-"), dp=dp, tp=tp, pp=pp, per_device_train_batch_size=mbs,
-        gradient_accumulation_steps=micro, learning_rate=cfg["lr"], lr_scheduler_type="constant",
-        weight_decay=0.01, max_grad_norm=0.0, max_steps=cfg["warmup"] + cfg["steps"], schedule="1f1b",
-        tp_plan=TP_PLAN if tp > 1 else None, seed=0, logging_steps=1000,
+        output_dir=tempfile.mkdtemp(prefix="merak-bench3d-"),
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        per_device_train_batch_size=mbs,
+        gradient_accumulation_steps=micro,
+        learning_rate=cfg["lr"],
+        lr_scheduler_type="constant",
+        weight_decay=0.01,
+        max_grad_norm=0.0,
+        max_steps=cfg["warmup"] + cfg["steps"],
+        schedule="1f1b",
+        tp_plan=TP_PLAN if tp > 1 else None,
+        seed=0,
+        logging_steps=1000,
     )
     trainer = Trainer(build_model(cfg), args, data, loss_fn=lm_loss, layout=layout)
     theirs = TorchComposition(build_model(cfg), layout, cfg)
@@ -271,8 +291,14 @@ def _worker(rank: int, world: int, store_path: str, cfg: dict[str, Any], queue: 
         dist.barrier()
     if rank == 0:
         numel = sum(p.numel() for p in build_model(cfg).parameters())
-        queue.put({"times": {m: statistics.median(t) for m, t in times.items()}, "loss_diff": loss_diff,
-                   "numel": numel, "final_loss": losses["merak"]})
+        queue.put(
+            {
+                "times": {m: statistics.median(t) for m, t in times.items()},
+                "loss_diff": loss_diff,
+                "numel": numel,
+                "final_loss": losses["merak"],
+            }
+        )
     dist.barrier()
     dist.destroy_process_group()
 
@@ -282,8 +308,10 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_worker, args=(r, world, os.path.join(tmp, "store"), cfg, queue))
-                 for r in range(world)]
+        procs = [
+            ctx.Process(target=_worker, args=(r, world, os.path.join(tmp, "store"), cfg, queue))
+            for r in range(world)
+        ]
         for p in procs:
             p.start()
         out = queue.get(timeout=3600)
@@ -303,28 +331,57 @@ def main(argv: list[str] | None = None) -> int:
     if len(layout) != 3 or layout[2] < 2:
         parser.error(f"--layout must be dp,tp,pp with pp >= 2, got {args.layout!r}")
     cfg: dict[str, Any] = (
-        dict(vocab=256, seq=32, width=128, depth=4, heads=4, micro_batch=4, num_microbatches=4, lr=1e-3,
-             warmup=2, steps=6)
-        if args.quick else
-        dict(vocab=512, seq=64, width=256, depth=8, heads=8, micro_batch=4, num_microbatches=4, lr=1e-3,
-             warmup=3, steps=20)
+        dict(
+            vocab=256,
+            seq=32,
+            width=128,
+            depth=4,
+            heads=4,
+            micro_batch=4,
+            num_microbatches=4,
+            lr=1e-3,
+            warmup=2,
+            steps=6,
+        )
+        if args.quick
+        else dict(
+            vocab=512,
+            seq=64,
+            width=256,
+            depth=8,
+            heads=8,
+            micro_batch=4,
+            num_microbatches=4,
+            lr=1e-3,
+            warmup=3,
+            steps=20,
+        )
     )
     cfg["layout"] = layout
     dp, tp, pp = layout
-    print(f"torch {torch.__version__}, gloo, {os.cpu_count()} CPUs, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}")
-    print(f"model: GPT {cfg['depth']} layers x width {cfg['width']}, {cfg['heads']} heads, vocab {cfg['vocab']}, "
-          f"seq {cfg['seq']}; global batch {dp * cfg['num_microbatches'] * cfg['micro_batch']} sequences "
-          f"= dp {dp} x {cfg['num_microbatches']} microbatches x {cfg['micro_batch']}; "
-          f"median of {cfg['steps']} steps after {cfg['warmup']} warm-up")
+    print(
+        f"torch {torch.__version__}, gloo, {os.cpu_count()} CPUs, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}"
+    )
+    print(
+        f"model: GPT {cfg['depth']} layers x width {cfg['width']}, {cfg['heads']} heads, vocab {cfg['vocab']}, "
+        f"seq {cfg['seq']}; global batch {dp * cfg['num_microbatches'] * cfg['micro_batch']} sequences "
+        f"= dp {dp} x {cfg['num_microbatches']} microbatches x {cfg['micro_batch']}; "
+        f"median of {cfg['steps']} steps after {cfg['warmup']} warm-up"
+    )
     res = run(cfg)
     t = res["times"]
     print()
-    print("| layout (dp x tp x pp) | params | merak ms/step | torch ms/step | merak / torch | single-process ms/step "
-          "| merak / single | max |loss diff| merak vs torch |")
+    print(
+        "| layout (dp x tp x pp) | params | merak ms/step | torch ms/step | merak / torch | single-process ms/step "
+        "| merak / single | max |loss diff| merak vs torch |"
+    )
     print("|---|---|---|---|---|---|---|---|")
-    print(f"| {dp}x{tp}x{pp} | {res['numel'] / 1e6:.2f}M | {t['merak'] * 1e3:.1f} | {t['torch'] * 1e3:.1f} | "
-          f"{t['merak'] / t['torch']:.2f} | {t['single'] * 1e3:.1f} | {t['merak'] / t['single']:.2f} | "
-          f"{res['loss_diff']:.1e} |", flush=True)
+    print(
+        f"| {dp}x{tp}x{pp} | {res['numel'] / 1e6:.2f}M | {t['merak'] * 1e3:.1f} | {t['torch'] * 1e3:.1f} | "
+        f"{t['merak'] / t['torch']:.2f} | {t['single'] * 1e3:.1f} | {t['merak'] / t['single']:.2f} | "
+        f"{res['loss_diff']:.1e} |",
+        flush=True,
+    )
     return 0
 
 

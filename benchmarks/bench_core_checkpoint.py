@@ -37,9 +37,16 @@ CONFIG = REPO / "examples" / "addition" / "config.yaml"
 def _job(out_dir: str, width: int, depth: int) -> Any:
     from merak_core.job import JobConfig
 
-    overrides = [f"training.output_dir={out_dir}", "training.max_steps=1", "training.eval_steps=null",
-                 f"model.kwargs.width={width}", f"model.kwargs.depth={depth}", "data.kwargs.train_size=512",
-                 "data.kwargs.eval_size=64", "training.logging_steps=1000"]
+    overrides = [
+        f"training.output_dir={out_dir}",
+        "training.max_steps=1",
+        "training.eval_steps=null",
+        f"model.kwargs.width={width}",
+        f"model.kwargs.depth={depth}",
+        "data.kwargs.train_size=512",
+        "data.kwargs.eval_size=64",
+        "training.logging_steps=1000",
+    ]
     return JobConfig.from_yaml(CONFIG, overrides)
 
 
@@ -58,7 +65,9 @@ def _worker(rank: int, world: int, store_path: str, cfg: dict[str, Any], queue: 
     layout = init(dp=targs.dp, tp=targs.tp, pp=targs.pp)
     torch.manual_seed(targs.seed)
     train, _ = job.build_datasets()
-    trainer = Trainer(job.build_model(), targs, train, None, data_collator=job.optional("collate"), layout=layout)
+    trainer = Trainer(
+        job.build_model(), targs, train, None, data_collator=job.optional("collate"), layout=layout
+    )
     trainer.train()
     saves, loads = [], []
     path = None
@@ -78,8 +87,15 @@ def _worker(rank: int, world: int, store_path: str, cfg: dict[str, Any], queue: 
     if rank == 0:
         assert path is not None
         files = [f for f in path.iterdir() if f.is_file()]
-        queue.put({"save": saves, "load": loads, "bytes": _dir_bytes(path), "files": len(files),
-                   "params": sum(t.numel() for t in (trainer.full_state_dict() or {}).values())})
+        queue.put(
+            {
+                "save": saves,
+                "load": loads,
+                "bytes": _dir_bytes(path),
+                "files": len(files),
+                "params": sum(t.numel() for t in (trainer.full_state_dict() or {}).values()),
+            }
+        )
     else:
         trainer.full_state_dict()
     dist.barrier()
@@ -106,8 +122,12 @@ def _baseline(cfg: dict[str, Any], out_dir: str) -> dict[str, Any]:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         loads.append(time.perf_counter() - start)
-    return {"save": saves, "load": loads, "bytes": path.stat().st_size,
-            "params": sum(p.numel() for p in model.parameters())}
+    return {
+        "save": saves,
+        "load": loads,
+        "bytes": path.stat().st_size,
+        "params": sum(p.numel() for p in model.parameters()),
+    }
 
 
 def main() -> None:
@@ -134,15 +154,21 @@ def main() -> None:
     finally:
         shutil.rmtree(out, ignore_errors=True)
     rows = [("torch.save, 1 process (baseline)", base), ("DCP, dp=2 tp=2 pp=2, 8 ranks", dcp_result)]
-    print(f"model: addition demo, width {args.width}, depth {args.depth}, {base['params']:,} parameters "
-          f"(float32), AdamW state; median of {cfg['repeats']} repeats")
+    print(
+        f"model: addition demo, width {args.width}, depth {args.depth}, {base['params']:,} parameters "
+        f"(float32), AdamW state; median of {cfg['repeats']} repeats"
+    )
     print(f"{'checkpoint':<36} {'save ms':>9} {'load ms':>9} {'size KiB':>10} {'save x':>7} {'load x':>7}")
     for label, r in rows:
         save, load = statistics.median(r["save"]), statistics.median(r["load"])
-        print(f"{label:<36} {save * 1e3:9.1f} {load * 1e3:9.1f} {r['bytes'] / 1024:10.1f} "
-              f"{save / statistics.median(base['save']):7.2f} {load / statistics.median(base['load']):7.2f}")
-    print(f"DCP files per checkpoint: {dcp_result['files']} (one per rank that wrote, .metadata, "
-          "merak_checkpoint.json)")
+        print(
+            f"{label:<36} {save * 1e3:9.1f} {load * 1e3:9.1f} {r['bytes'] / 1024:10.1f} "
+            f"{save / statistics.median(base['save']):7.2f} {load / statistics.median(base['load']):7.2f}"
+        )
+    print(
+        f"DCP files per checkpoint: {dcp_result['files']} (one per rank that wrote, .metadata, "
+        "merak_checkpoint.json)"
+    )
 
 
 if __name__ == "__main__":

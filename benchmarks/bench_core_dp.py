@@ -72,7 +72,7 @@ def _worker(rank: int, world: int, store_path: str, cfg: dict[str, Any], queue: 
             syncs[mode] = DataParallelGradSync(models[mode], None, bucket_size_bytes=bucket_bytes)
     times: dict[str, list[float]] = {mode: [] for mode in MODES}
     for step in range(cfg["warmup"] + cfg["steps"]):
-        for mode in MODES[step % len(MODES):] + MODES[:step % len(MODES)]:  # rotate: no position bias
+        for mode in MODES[step % len(MODES) :] + MODES[: step % len(MODES)]:  # rotate: no position bias
             model, runner, sync = models[mode], runners[mode], syncs.get(mode)
             model.zero_grad(set_to_none=True)
             dist.barrier()
@@ -101,7 +101,9 @@ def _worker(rank: int, world: int, store_path: str, cfg: dict[str, Any], queue: 
     final_grads = {mode: [p.grad.detach().clone() for p in models[mode].parameters()] for mode in MODES}
     for sync in syncs.values():
         sync.remove_hooks()
-    diff = max((a - b).abs().max().item() for a, b in zip(final_grads["overlapped"], final_grads["ddp"], strict=True))
+    diff = max(
+        (a - b).abs().max().item() for a, b in zip(final_grads["overlapped"], final_grads["ddp"], strict=True)
+    )
     if rank == 0:
         numel = sum(p.numel() for p in _model(cfg["width"], cfg["depth"]).parameters())
         queue.put({"world": world, "times": results, "diff": diff, "numel": numel})
@@ -113,8 +115,10 @@ def run(world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_worker, args=(r, world, os.path.join(tmp, "store"), cfg, queue))
-                 for r in range(world)]
+        procs = [
+            ctx.Process(target=_worker, args=(r, world, os.path.join(tmp, "store"), cfg, queue))
+            for r in range(world)
+        ]
         for p in procs:
             p.start()
         out = queue.get(timeout=1800)
@@ -129,30 +133,41 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small model, few steps, 2 ranks only")
     parser.add_argument("--worlds", default=None, help="comma-separated world sizes (default 2,4; quick: 2)")
-    parser.add_argument("--steps", type=int, default=None, help="measured steps per mode (default 30; quick: 5)")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="measured steps per mode (default 30; quick: 5)"
+    )
     args = parser.parse_args(argv)
     cfg = (
         dict(width=256, depth=4, batch=16, num_microbatches=2, bucket_mb=0.25, warmup=2, steps=5)
-        if args.quick else
-        dict(width=512, depth=8, batch=32, num_microbatches=2, bucket_mb=1.0, warmup=3, steps=30)
+        if args.quick
+        else dict(width=512, depth=8, batch=32, num_microbatches=2, bucket_mb=1.0, warmup=3, steps=30)
     )
     if args.steps is not None:
         cfg["steps"] = args.steps
     worlds = [int(w) for w in (args.worlds or ("2" if args.quick else "2,4")).split(",")]
-    print(f"torch {torch.__version__}, gloo, {os.cpu_count()} CPUs, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}")
-    print(f"model: {cfg['depth']} x (Linear {cfg['width']} + GELU + LayerNorm), batch {cfg['batch']} per microbatch, "
-          f"{cfg['num_microbatches']} microbatches, bucket {cfg['bucket_mb']} MiB (ours and DDP), "
-          f"median of {cfg['steps']} steps after {cfg['warmup']} warm-up")
+    print(
+        f"torch {torch.__version__}, gloo, {os.cpu_count()} CPUs, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}"
+    )
+    print(
+        f"model: {cfg['depth']} x (Linear {cfg['width']} + GELU + LayerNorm), batch {cfg['batch']} per microbatch, "
+        f"{cfg['num_microbatches']} microbatches, bucket {cfg['bucket_mb']} MiB (ours and DDP), "
+        f"median of {cfg['steps']} steps after {cfg['warmup']} warm-up"
+    )
     print()
-    print(f"| ranks | params | {' | '.join(f'{m} ms' for m in MODES)} | overlapped/ddp | per_param/ddp | "
-          "bucketed/ddp | max |grad diff| vs DDP |")
+    print(
+        f"| ranks | params | {' | '.join(f'{m} ms' for m in MODES)} | overlapped/ddp | per_param/ddp | "
+        "bucketed/ddp | max |grad diff| vs DDP |"
+    )
     print("|" + "---|" * (len(MODES) + 6))
     for world in worlds:
         res = run(world, cfg)
         t = res["times"]
         row = " | ".join(f"{t[m] * 1e3:.1f}" for m in MODES)
-        print(f"| {world} | {res['numel'] / 1e6:.2f}M | {row} | {t['overlapped'] / t['ddp']:.2f} | "
-              f"{t['per_param'] / t['ddp']:.2f} | {t['bucketed'] / t['ddp']:.2f} | {res['diff']:.1e} |", flush=True)
+        print(
+            f"| {world} | {res['numel'] / 1e6:.2f}M | {row} | {t['overlapped'] / t['ddp']:.2f} | "
+            f"{t['per_param'] / t['ddp']:.2f} | {t['bucketed'] / t['ddp']:.2f} | {res['diff']:.1e} |",
+            flush=True,
+        )
     return 0
 
 

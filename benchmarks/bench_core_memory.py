@@ -51,10 +51,21 @@ def _trainer(cfg: dict[str, Any], layout: Any, zero_stage: int, data: Any) -> An
 
     dp, tp, pp = cfg["layout"]
     args = TrainingArguments(
-        output_dir=tempfile.mkdtemp(prefix="merak-benchmem-"), dp=dp, tp=tp, pp=pp,
-        per_device_train_batch_size=cfg["micro_batch"], gradient_accumulation_steps=cfg["num_microbatches"],
-        learning_rate=1e-4, lr_scheduler_type="constant", weight_decay=0.01, max_grad_norm=1.0,
-        max_steps=1000, schedule="1f1b", tp_plan=TP_PLAN if tp > 1 else None, seed=0, logging_steps=1000,
+        output_dir=tempfile.mkdtemp(prefix="merak-benchmem-"),
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        per_device_train_batch_size=cfg["micro_batch"],
+        gradient_accumulation_steps=cfg["num_microbatches"],
+        learning_rate=1e-4,
+        lr_scheduler_type="constant",
+        weight_decay=0.01,
+        max_grad_norm=1.0,
+        max_steps=1000,
+        schedule="1f1b",
+        tp_plan=TP_PLAN if tp > 1 else None,
+        seed=0,
+        logging_steps=1000,
         zero_stage=zero_stage,
     )
     return Trainer(build_model(cfg), args, data, loss_fn=lm_loss, layout=layout)
@@ -101,10 +112,18 @@ def _measure_stage(cfg: dict[str, Any], layout: Any, zero_stage: int, data: Any)
             trainer.training_step(batch.inputs, batch.labels)
         if step >= cfg["warmup"]:
             times.append(time.perf_counter() - start)
-    p_bytes, g_bytes, o_bytes = measure_held_bytes({layout.pp_rank: module}, trainer.optimizer)[layout.pp_rank]
-    out = {"times": times, "params": p_bytes, "grads": g_bytes, "optimizer": o_bytes,
-           "in_step_params": in_step["params"], "in_step_grads": in_step["grads"],
-           "activations": meter.peak[layout.pp_rank]}
+    p_bytes, g_bytes, o_bytes = measure_held_bytes({layout.pp_rank: module}, trainer.optimizer)[
+        layout.pp_rank
+    ]
+    out = {
+        "times": times,
+        "params": p_bytes,
+        "grads": g_bytes,
+        "optimizer": o_bytes,
+        "in_step_params": in_step["params"],
+        "in_step_grads": in_step["grads"],
+        "activations": meter.peak[layout.pp_rank],
+    }
     del trainer, module, meter
     gc.collect()
     return out
@@ -130,9 +149,16 @@ def _worker(rank: int, world: int, store_path: str, cfg: dict[str, Any], queue: 
             else:
                 results[zero_stage] = res
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, {"coords": (layout.pp_rank, layout.dp_rank, layout.tp_rank), **{
-        z: {k: v for k, v in r.items() if k != "times"} | {"time": statistics.median(r["times"])}
-        for z, r in results.items()}})
+    dist.all_gather_object(
+        gathered,
+        {
+            "coords": (layout.pp_rank, layout.dp_rank, layout.tp_rank),
+            **{
+                z: {k: v for k, v in r.items() if k != "times"} | {"time": statistics.median(r["times"])}
+                for z, r in results.items()
+            },
+        },
+    )
     if rank == 0:
         queue.put(gathered)
     dist.barrier()
@@ -144,8 +170,10 @@ def run(cfg: dict[str, Any]) -> list[dict[Any, Any]]:
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_worker, args=(r, world, os.path.join(tmp, "store"), cfg, queue))
-                 for r in range(world)]
+        procs = [
+            ctx.Process(target=_worker, args=(r, world, os.path.join(tmp, "store"), cfg, queue))
+            for r in range(world)
+        ]
         for p in procs:
             p.start()
         out = queue.get(timeout=7200)
@@ -163,17 +191,23 @@ def _mib(n: float) -> str:
 def report(cfg: dict[str, Any], ranks: list[dict[Any, Any]]) -> None:
     dp, tp, pp = cfg["layout"]
     print(f"\n### layout {dp}x{tp}x{pp} (dp x tp x pp), MiB per rank\n")
-    print("| ZeRO | rank (pp,dp,tp) | params | grads | optimizer | held | in-step gathered params | in-step "
-          "unsharded grads | activation peak | ms/step | step time / ZeRO-1 |")
+    print(
+        "| ZeRO | rank (pp,dp,tp) | params | grads | optimizer | held | in-step gathered params | in-step "
+        "unsharded grads | activation peak | ms/step | step time / ZeRO-1 |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for z in ZERO_STAGES:
         for rank in ranks:
             r = rank[z]
             held = r["params"] + r["grads"] + r["optimizer"]
-            print(f"| {z} | {rank['coords']} | {_mib(r['params'])} | {_mib(r['grads'])} | {_mib(r['optimizer'])} | "
-                  f"{_mib(held)} | {_mib(r['in_step_params'])} | {_mib(r['in_step_grads'])} | "
-                  f"{_mib(r['activations'])} | {r['time'] * 1e3:.0f} | {r['time'] / rank[1]['time']:.2f} |")
-    print("\n| ZeRO | max held over ranks, MiB | held / ZeRO-0 (max over ranks) | median step time / ZeRO-1 |")
+            print(
+                f"| {z} | {rank['coords']} | {_mib(r['params'])} | {_mib(r['grads'])} | {_mib(r['optimizer'])} | "
+                f"{_mib(held)} | {_mib(r['in_step_params'])} | {_mib(r['in_step_grads'])} | "
+                f"{_mib(r['activations'])} | {r['time'] * 1e3:.0f} | {r['time'] / rank[1]['time']:.2f} |"
+            )
+    print(
+        "\n| ZeRO | max held over ranks, MiB | held / ZeRO-0 (max over ranks) | median step time / ZeRO-1 |"
+    )
     print("|---|---|---|---|")
     for z in ZERO_STAGES:
         held = [rank[z]["params"] + rank[z]["grads"] + rank[z]["optimizer"] for rank in ranks]
@@ -189,17 +223,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layouts", nargs="+", default=["2,2,2", "4,1,2"], help="dp,tp,pp per layout")
     args = parser.parse_args(argv)
     cfg: dict[str, Any] = (
-        dict(vocab=512, seq=16, width=64, depth=4, heads=4, micro_batch=2, num_microbatches=2, warmup=1, steps=2)
-        if args.quick else
-        dict(vocab=16384, seq=32, width=512, depth=12, heads=8, micro_batch=2, num_microbatches=2, warmup=1,
-             steps=2)
+        dict(
+            vocab=512,
+            seq=16,
+            width=64,
+            depth=4,
+            heads=4,
+            micro_batch=2,
+            num_microbatches=2,
+            warmup=1,
+            steps=2,
+        )
+        if args.quick
+        else dict(
+            vocab=16384,
+            seq=32,
+            width=512,
+            depth=12,
+            heads=8,
+            micro_batch=2,
+            num_microbatches=2,
+            warmup=1,
+            steps=2,
+        )
     )
     numel = sum(p.numel() for p in build_model(cfg).parameters())
-    print(f"torch {torch.__version__}, gloo, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, "
-          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}")
-    print(f"model: GPT {cfg['depth']} layers x width {cfg['width']}, vocab {cfg['vocab']}, seq {cfg['seq']}, "
-          f"{numel / 1e6:.1f}M parameters (float32), AdamW; {cfg['num_microbatches']} microbatches of "
-          f"{cfg['micro_batch']}, 1F1B; median of {2 * cfg['steps']} steps per ZeRO stage")
+    print(
+        f"torch {torch.__version__}, gloo, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, "
+        f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}"
+    )
+    print(
+        f"model: GPT {cfg['depth']} layers x width {cfg['width']}, vocab {cfg['vocab']}, seq {cfg['seq']}, "
+        f"{numel / 1e6:.1f}M parameters (float32), AdamW; {cfg['num_microbatches']} microbatches of "
+        f"{cfg['micro_batch']}, 1F1B; median of {2 * cfg['steps']} steps per ZeRO stage"
+    )
     for text in args.layouts:
         layout = tuple(int(x) for x in text.split(","))
         if len(layout) != 3:

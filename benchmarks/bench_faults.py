@@ -50,16 +50,19 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO)] + [str(REPO / "packages" / p / "src") for p in ("merak-pipe", "merak-graph", "merak-tp",
-                                                                          "merak-core")]
+sys.path[:0] = [str(REPO)] + [
+    str(REPO / "packages" / p / "src") for p in ("merak-pipe", "merak-graph", "merak-tp", "merak-core")
+]
 
 from tests.e2e import _fault_support as faults  # noqa: E402
 from tests.e2e._trainer_support import make_args  # noqa: E402
 
 FAULTS = ("sigkill_rank", "sigstop_rank", "sigterm_rank", "sigterm_torchrun")
 LAYOUTS = {4: (2, 1, 2), 8: (2, 2, 2)}
-DETECTION = re.compile(r"received SIG|no heartbeat from|failed \(timeout|exitcode|stopped by|Closing process|"
-                       r"closing signal|SignalException|died|Timed out")
+DETECTION = re.compile(
+    r"received SIG|no heartbeat from|failed \(timeout|exitcode|stopped by|Closing process|"
+    r"closing signal|SignalException|died|Timed out"
+)
 RESUMED = re.compile(r"loaded checkpoint \S*step_(\d+)")
 
 
@@ -90,8 +93,14 @@ class _Job:
     """One ``merak train`` process; its output lines with arrival times."""
 
     def __init__(self, job: Path, cwd: Path, env: dict[str, str], *extra: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "merak_core.cli", "train", str(job), *extra], cwd=cwd,
-                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "merak_core.cli", "train", str(job), *extra],
+            cwd=cwd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         self.lines: list[tuple[float, str]] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -146,8 +155,18 @@ def _job_file(root: Path, ranks: int, steps: int, save_steps: int, timeout: floa
     dp, tp, pp = LAYOUTS[ranks]
     root.mkdir(parents=True, exist_ok=True)
     out = root / "out"
-    kwargs = layout_kwargs(dp, tp, pp, output_dir=str(out), max_steps=steps, save_steps=save_steps,
-                           logging_steps=1, comm_timeout_s=timeout, lr_scheduler_type="constant", warmup_steps=0)
+    kwargs = layout_kwargs(
+        dp,
+        tp,
+        pp,
+        output_dir=str(out),
+        max_steps=steps,
+        save_steps=save_steps,
+        logging_steps=1,
+        comm_timeout_s=timeout,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+    )
     job = Path(faults.write_job(str(root / "job.yaml"), make_args(**kwargs).to_dict(), data_size=8 * steps))
     return job, out
 
@@ -162,8 +181,11 @@ def _inject(job: _Job, out: Path, trial: Trial, deadline: float) -> float | None
                 pid, sig = torchrun, signal.SIGTERM
             else:
                 pid = ranks.get(trial.victim)
-                sig = {"sigkill_rank": signal.SIGKILL, "sigstop_rank": signal.SIGSTOP,
-                       "sigterm_rank": signal.SIGTERM}[trial.fault]
+                sig = {
+                    "sigkill_rank": signal.SIGKILL,
+                    "sigstop_rank": signal.SIGSTOP,
+                    "sigterm_rank": signal.SIGTERM,
+                }[trial.fault]
             if pid is None:
                 time.sleep(0.05)
                 continue
@@ -196,10 +218,13 @@ def run_trial(trial: Trial, root: Path, args: argparse.Namespace, reference: dic
     if fault_at is None:
         trial.note = "the job ended before the fault"
     else:
-        trial.detection_s = next((t - fault_at for t, line in job.lines if t >= fault_at and DETECTION.search(line)),
-                                 None)
+        trial.detection_s = next(
+            (t - fault_at for t, line in job.lines if t >= fault_at and DETECTION.search(line)), None
+        )
     if trial.fault == "sigterm_torchrun" and codes[0] != 0:  # preempted: resume as a scheduler would
-        again = _Job(job_path, root, faults.job_env(), "--resume", "latest", "--max-restarts", str(args.max_restarts))
+        again = _Job(
+            job_path, root, faults.job_env(), "--resume", "latest", "--max-restarts", str(args.max_restarts)
+        )
         codes.append(again.wait(max(1.0, start + args.trial_timeout - time.monotonic())))
         text += again.text()
     trial.exit_codes = "/".join(str(c) for c in codes)
@@ -215,7 +240,8 @@ def run_trial(trial: Trial, root: Path, args: argparse.Namespace, reference: dic
     if trial.finished:
         final = _final_model(out, args.steps)
         trial.identical = final.keys() == reference.keys() and all(
-            bool((final[k] == reference[k]).all()) and final[k].dtype == reference[k].dtype for k in reference)
+            bool((final[k] == reference[k]).all()) and final[k].dtype == reference[k].dtype for k in reference
+        )
     else:
         trial.note = (trial.note + " " + text[-600:].replace("\n", " | ")).strip()
     trial.restarts = max(0, text.count("parallel layout: rank 0/") - len(codes))
@@ -234,8 +260,11 @@ def _reference(root: Path, ranks: int, args: argparse.Namespace) -> dict[str, An
 
 
 def _table(trials: list[Trial], timeout: float) -> str:
-    rows = ["| ranks | trials | finished | committed steps lost | detection s (median / max) | within timeout+5 s | "
-            "final params identical |", "|---|---|---|---|---|---|---|"]
+    rows = [
+        "| ranks | trials | finished | committed steps lost | detection s (median / max) | within timeout+5 s | "
+        "final params identical |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for ranks in sorted({t.ranks for t in trials}):
         mine = [t for t in trials if t.ranks == ranks]
         det = sorted(t.detection_s for t in mine if t.detection_s is not None)
@@ -243,28 +272,40 @@ def _table(trials: list[Trial], timeout: float) -> str:
         unknown = sum(1 for t in mine if t.steps_lost is None)
         median = f"{det[len(det) // 2]:.1f} / {det[-1]:.1f}" if det else "n/a"
         within = sum(1 for d in det if d <= timeout + 5)
-        rows.append(f"| {ranks} | {len(mine)} | {sum(t.finished for t in mine)} | {lost}"
-                    f"{f' ({unknown} unknown)' if unknown else ''} | {median} | {within}/{len(det)} | "
-                    f"{sum(bool(t.identical) for t in mine)}/{len(mine)} |")
-    rows += ["", "| ranks | fault | victim | at step | exit codes | committed at fault | resumed from | lost | "
-             "detection s | identical | restarts | wall s | load |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        rows.append(
+            f"| {ranks} | {len(mine)} | {sum(t.finished for t in mine)} | {lost}"
+            f"{f' ({unknown} unknown)' if unknown else ''} | {median} | {within}/{len(det)} | "
+            f"{sum(bool(t.identical) for t in mine)}/{len(mine)} |"
+        )
+    rows += [
+        "",
+        "| ranks | fault | victim | at step | exit codes | committed at fault | resumed from | lost | "
+        "detection s | identical | restarts | wall s | load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for t in trials:
         det = "n/a" if t.detection_s is None else f"{t.detection_s:.1f}"
-        rows.append(f"| {t.ranks} | {t.fault} | {t.victim} | {t.at_step} | {t.exit_codes} | {t.committed_at_fault} | "
-                    f"{t.resumed_from} | {t.steps_lost} | {det} | {t.identical} | {t.restarts} | {t.wall_s:.0f} | "
-                    f"{t.load} |")
+        rows.append(
+            f"| {t.ranks} | {t.fault} | {t.victim} | {t.at_step} | {t.exit_codes} | {t.committed_at_fault} | "
+            f"{t.resumed_from} | {t.steps_lost} | {det} | {t.identical} | {t.restarts} | {t.wall_s:.0f} | "
+            f"{t.load} |"
+        )
     return "\n".join(rows)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, nargs="+", default=[4, 8], choices=sorted(LAYOUTS))
-    p.add_argument("--trials", type=int, default=None, help="trials per rank count (default: 20 at 4, 10 at 8)")
+    p.add_argument(
+        "--trials", type=int, default=None, help="trials per rank count (default: 20 at 4, 10 at 8)"
+    )
     p.add_argument("--steps", type=int, default=12, help="steps of each job (default 12)")
     p.add_argument("--save-steps", type=int, default=3)
     p.add_argument("--timeout", type=float, default=5.0, help="the job's comm_timeout_s (default 5)")
     p.add_argument("--max-restarts", type=int, default=3)
-    p.add_argument("--step-sleep", type=float, default=0.1, help="seconds added to every loss call (default 0.1)")
+    p.add_argument(
+        "--step-sleep", type=float, default=0.1, help="seconds added to every loss call (default 0.1)"
+    )
     p.add_argument("--trial-timeout", type=float, default=600.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write every trial as JSON here (rewritten after each trial)")
@@ -280,17 +321,24 @@ def main(argv: list[str] | None = None) -> int:
         try:
             reference = _reference(root / "reference", ranks, args)
             for i in range(count):
-                trial = Trial(ranks=ranks, fault=rng.choice(FAULTS), victim=rng.randrange(ranks),
-                              at_step=rng.randint(2, args.steps - 1))
+                trial = Trial(
+                    ranks=ranks,
+                    fault=rng.choice(FAULTS),
+                    victim=rng.randrange(ranks),
+                    at_step=rng.randint(2, args.steps - 1),
+                )
                 run_trial(trial, root / f"trial_{i}", args, reference)
                 trials.append(trial)
                 if args.json:
                     Path(args.json).write_text(json.dumps([asdict(t) for t in trials], indent=2))
-                print(f"[{ranks} ranks] trial {i + 1}/{count}: {trial.fault} of rank {trial.victim} at step "
-                      f"{trial.at_step}: finished={trial.finished} lost={trial.steps_lost} "
-                      f"detection={trial.detection_s} identical={trial.identical} restarts={trial.restarts} "
-                      f"({trial.wall_s:.0f} s, load {trial.load}, last output {trial.last_output_s} s before the end)"
-                      + (f" note: {trial.note[:300]}" if trial.note else ""), flush=True)
+                print(
+                    f"[{ranks} ranks] trial {i + 1}/{count}: {trial.fault} of rank {trial.victim} at step "
+                    f"{trial.at_step}: finished={trial.finished} lost={trial.steps_lost} "
+                    f"detection={trial.detection_s} identical={trial.identical} restarts={trial.restarts} "
+                    f"({trial.wall_s:.0f} s, load {trial.load}, last output {trial.last_output_s} s before the end)"
+                    + (f" note: {trial.note[:300]}" if trial.note else ""),
+                    flush=True,
+                )
         finally:
             shutil.rmtree(root, ignore_errors=True)
     print(_table(trials, args.timeout))

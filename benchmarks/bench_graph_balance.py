@@ -36,10 +36,32 @@ from merak_graph import annotate_costs, empty_init, partition_sharded, partition
 from tests.support.models import GPT, DecoderConfig, Llama  # noqa: E402
 
 MODELS = {
-    "gpt2-small-24L": (GPT, DecoderConfig(vocab_size=50257, hidden_size=768, num_layers=24, num_heads=12,
-                                          num_kv_heads=12, intermediate_size=3072, max_seq_len=1024), 1024),
-    "llama2-7b": (Llama, DecoderConfig(vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32,
-                                       num_kv_heads=32, intermediate_size=11008, max_seq_len=4096), 4096),
+    "gpt2-small-24L": (
+        GPT,
+        DecoderConfig(
+            vocab_size=50257,
+            hidden_size=768,
+            num_layers=24,
+            num_heads=12,
+            num_kv_heads=12,
+            intermediate_size=3072,
+            max_seq_len=1024,
+        ),
+        1024,
+    ),
+    "llama2-7b": (
+        Llama,
+        DecoderConfig(
+            vocab_size=32000,
+            hidden_size=4096,
+            num_layers=32,
+            num_heads=32,
+            num_kv_heads=32,
+            intermediate_size=11008,
+            max_seq_len=4096,
+        ),
+        4096,
+    ),
 }
 _LAYER = re.compile(r"^(?:blocks|layers)\.(\d+)(?:\.|$)")
 
@@ -101,7 +123,9 @@ def _size_split(gm: torch.fx.GraphModule, num_stages: int) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="GPT-2 shapes only")
-    parser.add_argument("--tracer", default="export", choices=["export", "fx"], help="tracer (default export)")
+    parser.add_argument(
+        "--tracer", default="export", choices=["export", "fx"], help="tracer (default export)"
+    )
     args = parser.parse_args()
     names = ["gpt2-small-24L"] if args.quick else list(MODELS)
     rows = []
@@ -121,7 +145,9 @@ def main() -> None:
             elif per_stage is None:  # the default of merak_graph.partition (natural cuts, refined if coarse)
                 part = partition_traced(gm, num_stages, model=model, method="cost")
             else:
-                part = partition_sharded(shard(gm, per_stage * num_stages, model=model), num_stages, model=model)
+                part = partition_sharded(
+                    shard(gm, per_stage * num_stages, model=model), num_stages, model=model
+                )
             sharded = part.sharded
             elapsed = time.perf_counter() - t1
             costs = part.stage_costs
@@ -129,15 +155,29 @@ def main() -> None:
             bound = max(1.0, max(s.time_s for s in sharded.shards) / mean)
             boundary = max(sum(b.nbytes for b in cut) for cut in part.boundaries) / 2**20
             label = {0: "natural", None: "default"}.get(per_stage, str(per_stage))
-            rows.append((f"{name} ({label})", num_stages, len(sharded.shards), boundary, _ratio(costs), bound,
-                         _ratio(_even_layers(gm, cfg.num_layers, num_stages)),
-                         _ratio(_size_split(gm, num_stages)), prep + elapsed))
-    print("| model | stages | shards | max stage boundary MiB | cost (ours) | lower bound | cost/bound | even layers | "
-          "size split (PiPPy) | seconds |")
+            rows.append(
+                (
+                    f"{name} ({label})",
+                    num_stages,
+                    len(sharded.shards),
+                    boundary,
+                    _ratio(costs),
+                    bound,
+                    _ratio(_even_layers(gm, cfg.num_layers, num_stages)),
+                    _ratio(_size_split(gm, num_stages)),
+                    prep + elapsed,
+                )
+            )
+    print(
+        "| model | stages | shards | max stage boundary MiB | cost (ours) | lower bound | cost/bound | even layers | "
+        "size split (PiPPy) | seconds |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name, s, k, mib, ours, bound, even, size, secs in rows:
-        print(f"| {name} | {s} | {k} | {mib:.0f} | {ours:.3f} | {bound:.3f} | {ours / bound:.3f} | {even:.3f} | "
-              f"{size:.3f} | {secs:.1f} |")
+        print(
+            f"| {name} | {s} | {k} | {mib:.0f} | {ours:.3f} | {bound:.3f} | {ours / bound:.3f} | {even:.3f} | "
+            f"{size:.3f} | {secs:.1f} |"
+        )
     print("ratios are slowest-stage / mean-stage estimated fwd+bwd time; 1.000 is perfect balance")
 
 

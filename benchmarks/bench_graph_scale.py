@@ -25,10 +25,30 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 CONFIGS = {
-    "llama-70b": (dict(vocab_size=128256, hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8,
-                       intermediate_size=28672, max_seq_len=4096), 8),
-    "llama-405b": (dict(vocab_size=128256, hidden_size=16384, num_layers=126, num_heads=128, num_kv_heads=8,
-                        intermediate_size=53248, max_seq_len=4096), 16),
+    "llama-70b": (
+        dict(
+            vocab_size=128256,
+            hidden_size=8192,
+            num_layers=80,
+            num_heads=64,
+            num_kv_heads=8,
+            intermediate_size=28672,
+            max_seq_len=4096,
+        ),
+        8,
+    ),
+    "llama-405b": (
+        dict(
+            vocab_size=128256,
+            hidden_size=16384,
+            num_layers=126,
+            num_heads=128,
+            num_kv_heads=8,
+            intermediate_size=53248,
+            max_seq_len=4096,
+        ),
+        16,
+    ),
 }
 
 
@@ -61,8 +81,13 @@ def _one(name: str, method: str) -> dict[str, float]:
     params = sum(p.numel() for p in model.parameters())
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return {
-        **times, "total": sum(times.values()), "cpu": usage.ru_utime + usage.ru_stime, "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-        "params_b": params / 1e9, "shards": len(sharded.shards), "stages": num_stages,
+        **times,
+        "total": sum(times.values()),
+        "cpu": usage.ru_utime + usage.ru_stime,
+        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "params_b": params / 1e9,
+        "shards": len(sharded.shards),
+        "stages": num_stages,
         "ratio": max(costs) / (sum(costs) / len(costs)),
     }
 
@@ -75,21 +100,33 @@ def main() -> None:
     if args.one:
         print(json.dumps(_one(*args.one)))
         return
-    runs = [("llama-70b", "fx")] if args.quick else [
-        ("llama-70b", "fx"), ("llama-70b", "export"), ("llama-405b", "fx"), ("llama-405b", "export")]
-    print("| model | params | stages | tracer | build s | trace s | annotate s | shard+partition s | total s "
-          "| process CPU s | peak RSS GiB | shards | slowest/mean |")
+    runs = (
+        [("llama-70b", "fx")]
+        if args.quick
+        else [("llama-70b", "fx"), ("llama-70b", "export"), ("llama-405b", "fx"), ("llama-405b", "export")]
+    )
+    print(
+        "| model | params | stages | tracer | build s | trace s | annotate s | shard+partition s | total s "
+        "| process CPU s | peak RSS GiB | shards | slowest/mean |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, method in runs:
-        out = subprocess.run([sys.executable, __file__, "--one", name, method], capture_output=True, text=True,
-                             env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
+        out = subprocess.run(
+            [sys.executable, __file__, "--one", name, method],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            check=False,
+        )
         if out.returncode != 0:
             print(f"| {name} | - | - | {method} | failed: {out.stderr.strip().splitlines()[-1][:80]} |")
             continue
         r = json.loads(out.stdout.strip().splitlines()[-1])
-        print(f"| {name} | {r['params_b']:.1f}B | {r['stages']} | {method} | {r['build']:.1f} | {r['trace']:.1f} | "
-              f"{r['annotate']:.1f} | {r['shard+partition']:.1f} | {r['total']:.1f} | {r['cpu']:.1f} | "
-              f"{r['peak_rss_gib']:.2f} | {r['shards']} | {r['ratio']:.3f} |")
+        print(
+            f"| {name} | {r['params_b']:.1f}B | {r['stages']} | {method} | {r['build']:.1f} | {r['trace']:.1f} | "
+            f"{r['annotate']:.1f} | {r['shard+partition']:.1f} | {r['total']:.1f} | {r['cpu']:.1f} | "
+            f"{r['peak_rss_gib']:.2f} | {r['shards']} | {r['ratio']:.3f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -68,12 +68,19 @@ class _Head(nn.Module):
 def stage_module(stage: int, num_stages: int, seq: int) -> nn.Sequential:
     """Stage ``stage`` of an 8-layer GPT (width 128): layers split evenly, embedding/head at the ends."""
     torch.manual_seed(0)
-    cfg = DecoderConfig(vocab_size=VOCAB, hidden_size=WIDTH, num_layers=LAYERS, num_heads=HEADS,
-                        num_kv_heads=HEADS, intermediate_size=4 * WIDTH, max_seq_len=max(seq, 64))
+    cfg = DecoderConfig(
+        vocab_size=VOCAB,
+        hidden_size=WIDTH,
+        num_layers=LAYERS,
+        num_heads=HEADS,
+        num_kv_heads=HEADS,
+        intermediate_size=4 * WIDTH,
+        max_seq_len=max(seq, 64),
+    )
     model = GPT(cfg)
     model.lm_head.weight = nn.Parameter(model.wte.weight.detach().clone())  # untied: stages are independent
     per = LAYERS // num_stages
-    units: list[nn.Module] = list(model.blocks[stage * per:(stage + 1) * per])
+    units: list[nn.Module] = list(model.blocks[stage * per : (stage + 1) * per])
     if stage == 0:
         units.insert(0, _Embed(model))
     if stage == num_stages - 1:
@@ -83,13 +90,17 @@ def stage_module(stage: int, num_stages: int, seq: int) -> nn.Sequential:
 
 def batch(batch_size: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    return torch.randint(0, VOCAB, (batch_size, seq), generator=g), torch.randint(0, VOCAB, (batch_size, seq), generator=g)
+    return torch.randint(0, VOCAB, (batch_size, seq), generator=g), torch.randint(
+        0, VOCAB, (batch_size, seq), generator=g
+    )
 
 
 # --------------------------------------------------------------------------- process harness
 
 
-def _worker(rank: int, world: int, store_dir: str, fn: Callable[..., Any], args: tuple[Any, ...], queue: Any) -> None:
+def _worker(
+    rank: int, world: int, store_dir: str, fn: Callable[..., Any], args: tuple[Any, ...], queue: Any
+) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     store = dist.FileStore(os.path.join(store_dir, "store"), world)
@@ -105,7 +116,9 @@ def run_world(world: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as store_dir:
-        procs = [ctx.Process(target=_worker, args=(r, world, store_dir, fn, args, queue)) for r in range(world)]
+        procs = [
+            ctx.Process(target=_worker, args=(r, world, store_dir, fn, args, queue)) for r in range(world)
+        ]
         for p in procs:
             p.start()
         results: dict[int, Any] = {}
@@ -138,34 +151,49 @@ def _alternate(variants: dict[str, Callable[[], None]], warmup: int, rounds: int
     names = list(variants)
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
-        for name in (names if r % 2 == 0 else names[::-1]):
+        for name in names if r % 2 == 0 else names[::-1]:
             times[name].append(_timed(variants[name]))
     out = {name: statistics.median(ts) for name, ts in times.items()}
     base = names[0]
     for name in names[1:]:
-        out[f"{name}/{base}"] = statistics.median(t / b for t, b in zip(times[name], times[base], strict=True))
+        out[f"{name}/{base}"] = statistics.median(
+            t / b for t, b in zip(times[name], times[base], strict=True)
+        )
     return out
 
 
 # --------------------------------------------------------------------------- sections
 
 
-def _ours(schedule_name: str, module: nn.Module, world: int, microbatches: int, recompute: Any = None,
-          record_timing: bool = False) -> Any:
+def _ours(
+    schedule_name: str,
+    module: nn.Module,
+    world: int,
+    microbatches: int,
+    recompute: Any = None,
+    record_timing: bool = False,
+) -> Any:
     from merak_pipe.runner import PipelineRunner
     from merak_pipe.schedules import build_schedule
     from merak_pipe.stage import PipelineStage
 
     num_stages = 2 * world if schedule_name == "interleaved-1f1b" else world
-    schedule = build_schedule(schedule_name, num_stages=num_stages, num_microbatches=microbatches,
-                              num_ranks=world, recompute=recompute)
+    schedule = build_schedule(
+        schedule_name,
+        num_stages=num_stages,
+        num_microbatches=microbatches,
+        num_ranks=world,
+        recompute=recompute,
+    )
     stage = PipelineStage(module, stage_index=dist.get_rank(), num_stages=world)
     if num_stages != world:
         raise ValueError("use _ours_multi for several stages per rank")
     return PipelineRunner([stage], schedule, loss_fn=lm_loss, record_timing=record_timing)
 
 
-def torch_section(world: int, microbatches: int, batch_size: int, seq: int, warmup: int, rounds: int) -> dict[str, float]:
+def torch_section(
+    world: int, microbatches: int, batch_size: int, seq: int, warmup: int, rounds: int
+) -> dict[str, float]:
     from torch.distributed.pipelining import PipelineStage as TorchStage
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
@@ -176,7 +204,9 @@ def torch_section(world: int, microbatches: int, batch_size: int, seq: int, warm
     out: dict[str, float] = {}
     for name, torch_cls in (("1f1b", Schedule1F1B), ("gpipe", ScheduleGPipe)):
         ours = _ours(name, module, world, microbatches)
-        theirs = torch_cls(TorchStage(module, rank, world, torch.device("cpu")), microbatches, loss_fn=lm_loss)
+        theirs = torch_cls(
+            TorchStage(module, rank, world, torch.device("cpu")), microbatches, loss_fn=lm_loss
+        )
 
         def run_ours(ours: Any = ours) -> None:
             module.zero_grad(set_to_none=True)
@@ -199,8 +229,16 @@ def torch_section(world: int, microbatches: int, batch_size: int, seq: int, warm
     return out
 
 
-def _floor(schedule_name: str, module: nn.Module, world: int, microbatches: int, ids: torch.Tensor,
-           labels: torch.Tensor, seq: int, rounds: int) -> float:
+def _floor(
+    schedule_name: str,
+    module: nn.Module,
+    world: int,
+    microbatches: int,
+    ids: torch.Tensor,
+    labels: torch.Tensor,
+    seq: int,
+    rounds: int,
+) -> float:
     """The schedule's makespan with free communication: the best any runtime could do here.
 
     Every rank times its own stage's forward and backward on the step's microbatches with no
@@ -217,13 +255,15 @@ def _floor(schedule_name: str, module: nn.Module, world: int, microbatches: int,
     for r in range(rounds):
         for m in range(microbatches):
             if rank == 0:
-                x: torch.Tensor = ids[m * mb:(m + 1) * mb]
+                x: torch.Tensor = ids[m * mb : (m + 1) * mb]
             else:
-                x = torch.randn(mb, seq, WIDTH, generator=torch.Generator().manual_seed(r * 64 + m)).requires_grad_()
+                x = torch.randn(
+                    mb, seq, WIDTH, generator=torch.Generator().manual_seed(r * 64 + m)
+                ).requires_grad_()
             start = time.perf_counter()
             out = module(x)
             if rank == world - 1:
-                out = lm_loss(out, labels[m * mb:(m + 1) * mb]) / microbatches
+                out = lm_loss(out, labels[m * mb : (m + 1) * mb]) / microbatches
             mid = time.perf_counter()
             out.backward(None if out.dim() == 0 else torch.ones_like(out))
             fwd.append(mid - start)
@@ -236,7 +276,9 @@ def _floor(schedule_name: str, module: nn.Module, world: int, microbatches: int,
     return simulate(schedule, model).makespan
 
 
-def shifted_section(world: int, microbatches: int, batch_size: int, seq: int, warmup: int, rounds: int) -> dict[str, float]:
+def shifted_section(
+    world: int, microbatches: int, batch_size: int, seq: int, warmup: int, rounds: int
+) -> dict[str, float]:
     rank = dist.get_rank()
     module = stage_module(rank, world, seq)
     ids, labels = batch(batch_size, seq)
@@ -253,8 +295,16 @@ def shifted_section(world: int, microbatches: int, batch_size: int, seq: int, wa
     return _alternate(variants, warmup, rounds)
 
 
-def sim_section(world: int, microbatches: int, batch_size: int, seq: int, warmup: int, rounds: int,
-                schedule_name: str, recompute: Any) -> dict[str, float] | None:
+def sim_section(
+    world: int,
+    microbatches: int,
+    batch_size: int,
+    seq: int,
+    warmup: int,
+    rounds: int,
+    schedule_name: str,
+    recompute: Any,
+) -> dict[str, float] | None:
     from merak_pipe.runner import PipelineRunner
     from merak_pipe.schedules import build_schedule
     from merak_pipe.sim import simulate
@@ -263,10 +313,17 @@ def sim_section(world: int, microbatches: int, batch_size: int, seq: int, warmup
 
     rank = dist.get_rank()
     num_stages = 2 * world if schedule_name == "interleaved-1f1b" else world
-    schedule = build_schedule(schedule_name, num_stages=num_stages, num_microbatches=microbatches,
-                              num_ranks=world, recompute=recompute)
-    stages = [PipelineStage(stage_module(s, num_stages, seq), stage_index=s, num_stages=num_stages)
-              for s in schedule.stages_of(rank)]
+    schedule = build_schedule(
+        schedule_name,
+        num_stages=num_stages,
+        num_microbatches=microbatches,
+        num_ranks=world,
+        recompute=recompute,
+    )
+    stages = [
+        PipelineStage(stage_module(s, num_stages, seq), stage_index=s, num_stages=num_stages)
+        for s in schedule.stages_of(rank)
+    ]
     runner = PipelineRunner(stages, schedule, loss_fn=lm_loss, record_timing=True)
     ids, labels = batch(batch_size, seq)
     measured, predicted = [], []
@@ -284,31 +341,43 @@ def sim_section(world: int, microbatches: int, batch_size: int, seq: int, warmup
     if rank != 0:
         return None
     errors = [p / m - 1 for p, m in zip(predicted, measured, strict=True)]
-    return {"measured": statistics.median(measured), "predicted": statistics.median(predicted),
-            "error": statistics.median(errors), "worst": max(errors, key=abs)}
+    return {
+        "measured": statistics.median(measured),
+        "predicted": statistics.median(predicted),
+        "error": statistics.median(errors),
+        "worst": max(errors, key=abs),
+    }
 
 
 # --------------------------------------------------------------------------- main
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run)")
     parser.add_argument("--section", choices=["torch", "shifted", "sim", "all"], default="all")
     parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=None, help="measured steps per variant (default 20, 5 quick)")
+    parser.add_argument(
+        "--rounds", type=int, default=None, help="measured steps per variant (default 20, 5 quick)"
+    )
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 4], help="stage counts (torch, shifted)")
     args = parser.parse_args()
     warmup, rounds = (2, 5) if args.quick else (3, 20)
     rounds = args.rounds or rounds
     seq = args.seq
-    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, "
-          f"GPT {LAYERS} layers width {WIDTH}, seq {seq}, float32, gloo; medians of {rounds} steps after {warmup} warm-up")
+    print(
+        f"torch {torch.__version__}, {os.cpu_count()} CPUs, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, "
+        f"GPT {LAYERS} layers width {WIDTH}, seq {seq}, float32, gloo; medians of {rounds} steps after {warmup} warm-up"
+    )
 
     if args.section in ("torch", "all"):
         print("\n## merak_pipe vs torch.distributed.pipelining (step time, s)")
-        print("| stages | microbatches | schedule | merak_pipe (median) | torch (median) | ours/torch (median of paired steps) "
-              "| floor: free communication | floor/torch |")
+        print(
+            "| stages | microbatches | schedule | merak_pipe (median) | torch (median) | ours/torch (median of paired steps) "
+            "| floor: free communication | floor/torch |"
+        )
         print("|---|---|---|---|---|---|---|---|")
         for world in args.stages:
             m, b = 8, 16
@@ -316,12 +385,17 @@ def main() -> None:
             for name in ("1f1b", "gpipe"):
                 ours, theirs = res[f"{name}/ours"], res[f"{name}/torch"]
                 floor = res[f"{name}/floor"]
-                print(f"| {world} | {m} | {name} | {ours:.4f} | {theirs:.4f} | {res[f'{name}/ratio']:.3f} "
-                      f"| {floor:.4f} | {floor / theirs:.3f} |", flush=True)
+                print(
+                    f"| {world} | {m} | {name} | {ours:.4f} | {theirs:.4f} | {res[f'{name}/ratio']:.3f} "
+                    f"| {floor:.4f} | {floor / theirs:.3f} |",
+                    flush=True,
+                )
 
     if args.section in ("shifted", "all"):
         print("\n## shifted-critical-path vs 1F1B, full recompute (step time, s)")
-        print("| stages | microbatches | 1f1b (median) | shifted-critical-path (median) | speed-up (median of paired steps) |")
+        print(
+            "| stages | microbatches | 1f1b (median) | shifted-critical-path (median) | speed-up (median of paired steps) |"
+        )
         print("|---|---|---|---|---|")
         for world in args.stages:
             m, b = 8, 16
@@ -335,12 +409,21 @@ def main() -> None:
         print("| schedule | ranks | stages | recompute | measured | predicted | median error | worst step |")
         print("|---|---|---|---|---|---|---|---|")
         world, m, b = 2, 8, 16
-        for name, recompute in (("gpipe", None), ("1f1b", None), ("1f1b", "full"), ("interleaved-1f1b", None),
-                                ("shifted-critical-path", "full"), ("zb-h1", None)):
+        for name, recompute in (
+            ("gpipe", None),
+            ("1f1b", None),
+            ("1f1b", "full"),
+            ("interleaved-1f1b", None),
+            ("shifted-critical-path", "full"),
+            ("zb-h1", None),
+        ):
             res = run_world(world, sim_section, world, m, b, seq, warmup, rounds, name, recompute)[0]
             stages = 2 * world if name == "interleaved-1f1b" else world
-            print(f"| {name} | {world} | {stages} | {recompute or 'none'} | {res['measured']:.4f} | "
-                  f"{res['predicted']:.4f} | {100 * res['error']:+.1f}% | {100 * res['worst']:+.1f}% |", flush=True)
+            print(
+                f"| {name} | {world} | {stages} | {recompute or 'none'} | {res['measured']:.4f} | "
+                f"{res['predicted']:.4f} | {100 * res['error']:+.1f}% | {100 * res['worst']:+.1f}% |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -33,29 +33,48 @@ def _row(label: str, result, reference, full_makespan: float, plan: RecomputePla
 
 
 def part1(sizes: list[tuple[int, int]]) -> list[str]:
-    costs = CostModel(forward=1.0, backward=2.0, recompute=1.0, activation_bytes=1.0, input_bytes=1.0 / LAYERS)
+    costs = CostModel(
+        forward=1.0, backward=2.0, recompute=1.0, activation_bytes=1.0, input_bytes=1.0 / LAYERS
+    )
     notes = []
     for S, M in sizes:
         one = build_schedule("1f1b", num_stages=S, num_microbatches=M)
         reference = simulate(one, costs)
         budget = reference.peak_memory[0] / 2
         aware_plan = stage_aware_plan(
-            layer_activation_bytes=[[1.0 / LAYERS] * LAYERS] * S, memory_budget=budget, schedule=one,
+            layer_activation_bytes=[[1.0 / LAYERS] * LAYERS] * S,
+            memory_budget=budget,
+            schedule=one,
             input_bytes=1.0 / LAYERS,
         )
         runs = [
             ("gpipe", build_schedule("gpipe", num_stages=S, num_microbatches=M)),
             ("1f1b (no recompute)", one),
-            ("1f1b full recompute", build_schedule("1f1b", num_stages=S, num_microbatches=M, recompute="full")),
-            ("1f1b stage-aware recompute", build_schedule("1f1b", num_stages=S, num_microbatches=M, recompute=aware_plan)),
-            ("shifted-critical-path", build_schedule("shifted-critical-path", num_stages=S, num_microbatches=M)),
+            (
+                "1f1b full recompute",
+                build_schedule("1f1b", num_stages=S, num_microbatches=M, recompute="full"),
+            ),
+            (
+                "1f1b stage-aware recompute",
+                build_schedule("1f1b", num_stages=S, num_microbatches=M, recompute=aware_plan),
+            ),
+            (
+                "shifted-critical-path",
+                build_schedule("shifted-critical-path", num_stages=S, num_microbatches=M),
+            ),
             ("zb-h1", build_schedule("zb-h1", num_stages=S, num_microbatches=M)),
         ]
         results = {label: simulate(s, costs) for label, s in runs}
         full = results["1f1b full recompute"].makespan
-        print(f"\nS={S}, M={M} (F=1, B=2, R=1; stage-aware budget {budget:.3g} = half of 1F1B's stage-0 peak)")
-        print("| schedule                         | makespan | vs full | bubble% | peak  | <= 1F1B mem | recompute |")
-        print("|----------------------------------|----------|---------|---------|-------|-------------|-----------|")
+        print(
+            f"\nS={S}, M={M} (F=1, B=2, R=1; stage-aware budget {budget:.3g} = half of 1F1B's stage-0 peak)"
+        )
+        print(
+            "| schedule                         | makespan | vs full | bubble% | peak  | <= 1F1B mem | recompute |"
+        )
+        print(
+            "|----------------------------------|----------|---------|---------|-------|-------------|-----------|"
+        )
         for label, s in runs:
             print(_row(label, results[label], reference, full, s.recompute))
         scp = results["shifted-critical-path"]
@@ -72,22 +91,38 @@ def part1(sizes: list[tuple[int, int]]) -> list[str]:
 
 def ablation(sizes: list[tuple[int, int]]) -> None:
     """What each of the three shifted-critical-path ideas buys, one added at a time."""
-    costs = CostModel(forward=1.0, backward=2.0, recompute=1.0, activation_bytes=1.0, input_bytes=1.0 / LAYERS)
+    costs = CostModel(
+        forward=1.0, backward=2.0, recompute=1.0, activation_bytes=1.0, input_bytes=1.0 / LAYERS
+    )
     print("\nShifted-critical-path ablation (makespan; F=1, B=2, R=1)")
-    print("| S | M | 1F1B full recompute | (a) last stage keeps activations | (a)+(b) R while waiting | (a)+(b)+(c) deeper warm-up |")
-    print("|---|---|---------------------|----------------------------------|-------------------------|----------------------------|")
+    print(
+        "| S | M | 1F1B full recompute | (a) last stage keeps activations | (a)+(b) R while waiting | (a)+(b)+(c) deeper warm-up |"
+    )
+    print(
+        "|---|---|---------------------|----------------------------------|-------------------------|----------------------------|"
+    )
     for S, M in sizes:
-        full = simulate(build_schedule("1f1b", num_stages=S, num_microbatches=M, recompute="full"), costs).makespan
+        full = simulate(
+            build_schedule("1f1b", num_stages=S, num_microbatches=M, recompute="full"), costs
+        ).makespan
         last_free = RecomputePlan((1.0,) * (S - 1) + (0.0,))
-        a = simulate(build_schedule("1f1b", num_stages=S, num_microbatches=M, recompute=last_free), costs).makespan
-        ab = simulate(build_schedule("shifted-critical-path", num_stages=S, num_microbatches=M, extra_warmup=0), costs).makespan
-        abc = simulate(build_schedule("shifted-critical-path", num_stages=S, num_microbatches=M), costs).makespan
+        a = simulate(
+            build_schedule("1f1b", num_stages=S, num_microbatches=M, recompute=last_free), costs
+        ).makespan
+        ab = simulate(
+            build_schedule("shifted-critical-path", num_stages=S, num_microbatches=M, extra_warmup=0), costs
+        ).makespan
+        abc = simulate(
+            build_schedule("shifted-critical-path", num_stages=S, num_microbatches=M), costs
+        ).makespan
         print(f"| {S} | {M} | {full:g} | {a:g} | {ab:g} | {abc:g} |")
 
 
 def part2(repeats: int) -> None:
-    print(f"\nSimulator speed: 1F1B, 64 stages x 1024 microbatches (best of {repeats}; wall seconds, and the "
-          "process CPU seconds of build + validate + simulate, which other load on the machine does not inflate)")
+    print(
+        f"\nSimulator speed: 1F1B, 64 stages x 1024 microbatches (best of {repeats}; wall seconds, and the "
+        "process CPU seconds of build + validate + simulate, which other load on the machine does not inflate)"
+    )
     best = [float("inf")] * 6
     for _ in range(repeats):
         c0 = time.process_time()
@@ -104,14 +139,22 @@ def part2(repeats: int) -> None:
         t4 = time.perf_counter()
         for i, v in enumerate((t1 - t0, t2 - t1, t3 - t2, t3 - t0, c1 - c0, t4 - t3)):
             best[i] = min(best[i], v)
-    print("| build (s) | validate (s) | simulate (s) | total (s) | total CPU (s) | lower+validate lowered (s) | actions |")
-    print("|-----------|--------------|--------------|-----------|---------------|----------------------------|---------|")
+    print(
+        "| build (s) | validate (s) | simulate (s) | total (s) | total CPU (s) | lower+validate lowered (s) | actions |"
+    )
+    print(
+        "|-----------|--------------|--------------|-----------|---------------|----------------------------|---------|"
+    )
     n = sum(len(a) for a in schedule.actions.values())
-    print(f"| {best[0]:9.3f} | {best[1]:12.3f} | {best[2]:12.3f} | {best[3]:9.3f} | {best[4]:13.3f} | {best[5]:26.3f} "
-          f"| {n:7d} |")
-    print(f"makespan {result.makespan:g}, bubble {100 * result.bubble_fraction[0]:.2f}% "
-          f"(closed form {100 * 63 / (1024 + 63):.2f}%); target total < 2 s: {'met' if best[3] < 2.0 else 'NOT met'}"
-          f" (wall), {'met' if best[4] < 2.0 else 'NOT met'} (CPU)")
+    print(
+        f"| {best[0]:9.3f} | {best[1]:12.3f} | {best[2]:12.3f} | {best[3]:9.3f} | {best[4]:13.3f} | {best[5]:26.3f} "
+        f"| {n:7d} |"
+    )
+    print(
+        f"makespan {result.makespan:g}, bubble {100 * result.bubble_fraction[0]:.2f}% "
+        f"(closed form {100 * 63 / (1024 + 63):.2f}%); target total < 2 s: {'met' if best[3] < 2.0 else 'NOT met'}"
+        f" (wall), {'met' if best[4] < 2.0 else 'NOT met'} (CPU)"
+    )
 
 
 def sweep() -> None:
@@ -127,20 +170,26 @@ def sweep() -> None:
         for P in range(1, 17):
             for M in range(1, 65):
                 try:
-                    schedule = build_schedule("interleaved-1f1b", num_stages=P * v, num_microbatches=M, num_ranks=P)
+                    schedule = build_schedule(
+                        "interleaved-1f1b", num_stages=P * v, num_microbatches=M, num_ranks=P
+                    )
                 except ValueError:
                     refused += 1  # M not a multiple of the number of rounds: a clear error
                     continue
                 validate(lower(schedule), channel_order=True)
                 checked += 1
-    print(f"\nsweep: {checked} schedules valid (compute-only and lowered), {refused} interleaved sizes refused "
-          f"with a ValueError, {time.perf_counter() - t0:.0f} s")
+    print(
+        f"\nsweep: {checked} schedules valid (compute-only and lowered), {refused} interleaved sizes refused "
+        f"with a ValueError, {time.perf_counter() - t0:.0f} s"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="S=4, M=8 and S=8, M=16 only; one timing run")
-    parser.add_argument("--sweep", action="store_true", help="also validate every schedule for S=1..16, M=1..64, v=1..4")
+    parser.add_argument(
+        "--sweep", action="store_true", help="also validate every schedule for S=1..16, M=1..64, v=1..4"
+    )
     args = parser.parse_args()
     sizes = [(4, 8), (8, 16)] if args.quick else [(S, M) for S in (4, 8) for M in (8, 16, 32)]
     notes = part1(sizes)

@@ -95,18 +95,36 @@ def make_folder(out: Path, quick: bool) -> tuple[int, int]:
 
     torch.manual_seed(0)
     if quick:
-        cfg = tf.GPT2Config(vocab_size=8000, n_embd=256, n_layer=4, n_head=8, n_positions=128, use_cache=False,
-                            bos_token_id=0, eos_token_id=0)
+        cfg = tf.GPT2Config(
+            vocab_size=8000,
+            n_embd=256,
+            n_layer=4,
+            n_head=8,
+            n_positions=128,
+            use_cache=False,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
     else:
-        cfg = tf.GPT2Config(vocab_size=32000, n_embd=768, n_layer=12, n_head=12, n_positions=1024, use_cache=False,
-                            bos_token_id=0, eos_token_id=0)
+        cfg = tf.GPT2Config(
+            vocab_size=32000,
+            n_embd=768,
+            n_layer=12,
+            n_head=12,
+            n_positions=1024,
+            use_cache=False,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
     model = tf.GPT2LMHeadModel(cfg)
     model.save_pretrained(str(out))
     params = dict(model.named_parameters())
     return sum(p.numel() for p in params.values()), max(p.numel() * p.element_size() for p in params.values())
 
 
-def _rank(rank: int, world: int, store: str, folder: str, mode: str, pp: int, tp: int, result_dir: str) -> None:
+def _rank(
+    rank: int, world: int, store: str, folder: str, mode: str, pp: int, tp: int, result_dir: str
+) -> None:
     import torch
     import torch.distributed as dist
 
@@ -120,11 +138,15 @@ def _rank(rank: int, world: int, store: str, folder: str, mode: str, pp: int, tp
     from merak_core.hf import PretrainedWeights, pretrained_model, skip_init
 
     layout = merak_core.init(dp=1, tp=tp, pp=pp)
-    example = {"input_ids": torch.zeros(1, SEQ, dtype=torch.long),
-               "attention_mask": torch.ones(1, SEQ, dtype=torch.long)}
+    example = {
+        "input_ids": torch.zeros(1, SEQ, dtype=torch.long),
+        "attention_mask": torch.ones(1, SEQ, dtype=torch.long),
+    }
     # Warm-up, identical in both modes and not measured: the imports, the first torch.export and the
     # partitioner's caches (a meta model, so no weights), which would otherwise count as load memory.
-    build_parallel_model(pretrained_model(folder), layout, example_inputs=example, init_fn=skip_init, device="cpu")
+    build_parallel_model(
+        pretrained_model(folder), layout, example_inputs=example, init_fn=skip_init, device="cpu"
+    )
     gc.collect()
     _trim_heap()
     dist.barrier()
@@ -148,9 +170,18 @@ def _rank(rank: int, world: int, store: str, folder: str, mode: str, pp: int, tp
     times = {"build_s": t1 - t0, "partition_s": t2 - t1, "load_s": t3 - t2, "total_s": t3 - t0}
     own = sum(p.numel() * p.element_size() for p in {id(p): p for _, p in pm.named_parameters()}.values())
     hwm = _status_kb("VmHWM") * 1024
-    record = {"rank": rank, "mode": mode, "pp": pp, "tp": tp, "own_bytes": own, **times,
-              "hwm_bytes": hwm - rss0, "anon_bytes": anon.peak - anon0, "rss_before": rss0,
-              "hwm_before_load_over_rss": hwm_before - rss0}
+    record = {
+        "rank": rank,
+        "mode": mode,
+        "pp": pp,
+        "tp": tp,
+        "own_bytes": own,
+        **times,
+        "hwm_bytes": hwm - rss0,
+        "anon_bytes": anon.peak - anon0,
+        "rss_before": rss0,
+        "hwm_before_load_over_rss": hwm_before - rss0,
+    }
     Path(result_dir, f"{mode}_{pp}_{tp}_{rank}.json").write_text(json.dumps(record))
     dist.barrier()
     dist.destroy_process_group()
@@ -161,8 +192,11 @@ def run_layout(folder: Path, mode: str, pp: int, tp: int, result_dir: Path) -> l
 
     world = pp * tp
     with tempfile.TemporaryDirectory() as d:
-        tmp.spawn(_rank, args=(world, os.path.join(d, "store"), str(folder), mode, pp, tp, str(result_dir)),
-                  nprocs=world)
+        tmp.spawn(
+            _rank,
+            args=(world, os.path.join(d, "store"), str(folder), mode, pp, tp, str(result_dir)),
+            nprocs=world,
+        )
     return [json.loads((result_dir / f"{mode}_{pp}_{tp}_{r}.json").read_text()) for r in range(world)]
 
 
@@ -178,35 +212,52 @@ def main() -> None:
         folder = Path(d) / "gpt2"
         num_params, largest = make_folder(folder, args.quick)
         size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
-        print(f"GPT-2 with {num_params / 1e6:.1f}M parameters, {size / 1e6:.0f} MB of safetensors; "
-              f"largest tensor {largest / 1e6:.1f} MB")
+        print(
+            f"GPT-2 with {num_params / 1e6:.1f}M parameters, {size / 1e6:.0f} MB of safetensors; "
+            f"largest tensor {largest / 1e6:.1f} MB"
+        )
         for name in args.layouts.split(","):
             pp, tp = LAYOUTS[name]
             for mode in ("pretrained", "full"):
                 records += run_layout(folder, mode, pp, tp, Path(d))
     load_end = os.getloadavg()
-    print(f"{'layout':8} {'mode':10} {'rank':>4} {'own MB':>8} {'hwm MB':>8} {'anon MB':>8} "
-          f"{'target MB':>9} {'hwm/tgt':>7} {'anon/tgt':>8} {'seconds':>8} {'load s':>7}")
+    print(
+        f"{'layout':8} {'mode':10} {'rank':>4} {'own MB':>8} {'hwm MB':>8} {'anon MB':>8} "
+        f"{'target MB':>9} {'hwm/tgt':>7} {'anon/tgt':>8} {'seconds':>8} {'load s':>7}"
+    )
     for r in records:
         target = 1.3 * (r["own_bytes"] + largest)
         r["target_bytes"] = target
-        print(f"{'pp' + str(r['pp']) + ('_tp' + str(r['tp']) if r['tp'] > 1 else ''):8} {r['mode']:10} "
-              f"{r['rank']:>4} {r['own_bytes'] / 1e6:8.1f} {r['hwm_bytes'] / 1e6:8.1f} {r['anon_bytes'] / 1e6:8.1f} "
-              f"{target / 1e6:9.1f} {r['hwm_bytes'] / target:7.2f} {r['anon_bytes'] / target:8.2f} "
-              f"{r['total_s']:8.2f} {r['load_s'] + r['build_s']:7.2f}")
+        print(
+            f"{'pp' + str(r['pp']) + ('_tp' + str(r['tp']) if r['tp'] > 1 else ''):8} {r['mode']:10} "
+            f"{r['rank']:>4} {r['own_bytes'] / 1e6:8.1f} {r['hwm_bytes'] / 1e6:8.1f} {r['anon_bytes'] / 1e6:8.1f} "
+            f"{target / 1e6:9.1f} {r['hwm_bytes'] / target:7.2f} {r['anon_bytes'] / target:8.2f} "
+            f"{r['total_s']:8.2f} {r['load_s'] + r['build_s']:7.2f}"
+        )
     for name in args.layouts.split(","):
         pp, tp = LAYOUTS[name]
         mine = [r for r in records if (r["pp"], r["tp"]) == (pp, tp)]
         peak = {m: max(r["hwm_bytes"] for r in mine if r["mode"] == m) for m in ("pretrained", "full")}
         secs = {m: max(r["total_s"] for r in mine if r["mode"] == m) for m in ("pretrained", "full")}
         ok = all(r["hwm_bytes"] <= r["target_bytes"] for r in mine if r["mode"] == "pretrained")
-        print(f"{name}: max peak (hwm) pretrained/full = {peak['pretrained'] / peak['full']:.2f}, "
-              f"slowest rank seconds pretrained/full = {secs['pretrained'] / secs['full']:.2f}; "
-              f"every pretrained rank within target (hwm): {ok}")
+        print(
+            f"{name}: max peak (hwm) pretrained/full = {peak['pretrained'] / peak['full']:.2f}, "
+            f"slowest rank seconds pretrained/full = {secs['pretrained'] / secs['full']:.2f}; "
+            f"every pretrained rank within target (hwm): {ok}"
+        )
     print(f"load average (1, 5, 15 min): start {load_start}, end {load_end}; {os.cpu_count()} CPUs")
     if args.json:
-        Path(args.json).write_text(json.dumps({"params": num_params, "largest_tensor_bytes": largest,
-                                               "loadavg": [load_start, load_end], "records": records}, indent=1))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "params": num_params,
+                    "largest_tensor_bytes": largest,
+                    "loadavg": [load_start, load_end],
+                    "records": records,
+                },
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -54,16 +54,21 @@ def _plan(kind: str) -> Any:
     return merak_tp.TPPlan(name=f"bench_{kind}", layers=PLANS[kind], regions=("",))
 
 
-def bench(configs: list[tuple[str, int, int, int]], chunks: tuple[int, ...], steps: int,
-          warmup: int) -> list[dict[str, Any]]:
+def bench(
+    configs: list[tuple[str, int, int, int]], chunks: tuple[int, ...], steps: int, warmup: int
+) -> list[dict[str, Any]]:
     import merak_tp
 
     rows = []
     for kind, hidden, batch, seq in configs:
         torch.manual_seed(0)
         ref = {"mlp": MLP, "attn": lambda h: Attention(h, max(1, h // 64)), "block": Block}[kind](hidden)
-        modes = {f"k={k}": merak_tp.parallelize(copy.deepcopy(ref), _plan(kind), group=dist.group.WORLD,
-                                                overlap_chunks=k) for k in chunks}
+        modes = {
+            f"k={k}": merak_tp.parallelize(
+                copy.deepcopy(ref), _plan(kind), group=dist.group.WORLD, overlap_chunks=k
+            )
+            for k in chunks
+        }
         torch.manual_seed(1)
         x = torch.randn(batch, seq, hidden)
         outs = {}
@@ -88,8 +93,10 @@ def main() -> None:
         configs += [("mlp", 1024, 8, 128), ("block", 1024, 8, 128)]
     steps = args.steps or (20 if args.quick else 30)
     rows = launch(2, bench, configs, chunks, steps, 5)
-    print(f"TP=2 on gloo, {torch.__version__}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, "
-          f"median of {steps} steps (forward+backward)")
+    print(
+        f"TP=2 on gloo, {torch.__version__}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, "
+        f"median of {steps} steps (forward+backward)"
+    )
     head = " | ".join(f"k={k} ms" for k in chunks)
     speed = " | ".join(f"speedup k={k}" for k in chunks[1:])
     print(f"| block | hidden | tokens | {head} | {speed} |")

@@ -139,9 +139,12 @@ def build_modes(kind: str, hidden: int, chunks: int = 1) -> dict[str, nn.Module]
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     ref = build(kind, hidden)
-    ours = merak_tp.parallelize(copy.deepcopy(ref), merak_tp.TPPlan(name=f"bench_{kind}", layers=PLANS[kind],
-                                                                    regions=("",)),
-                                group=dist.group.WORLD, overlap_chunks=chunks)
+    ours = merak_tp.parallelize(
+        copy.deepcopy(ref),
+        merak_tp.TPPlan(name=f"bench_{kind}", layers=PLANS[kind], regions=("",)),
+        group=dist.group.WORLD,
+        overlap_chunks=chunks,
+    )
     mesh = init_device_mesh("cpu", (world,))
     styles = {n: ColwiseParallel() if s == "column" else RowwiseParallel() for n, s in PLANS[kind].items()}
     theirs = parallelize_module(copy.deepcopy(ref), mesh, styles)
@@ -163,8 +166,9 @@ def time_modes(modes: dict[str, nn.Module], x: torch.Tensor, steps: int, warmup:
     return {m: statistics.median(v) for m, v in times.items()}
 
 
-def _worker(rank: int, world: int, store_path: str, fn: Callable[..., Any], args: tuple[Any, ...],
-            out_path: str) -> None:
+def _worker(
+    rank: int, world: int, store_path: str, fn: Callable[..., Any], args: tuple[Any, ...], out_path: str
+) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world)
@@ -181,8 +185,12 @@ def launch(world: int, fn: Callable[..., Any], *args: Any) -> Any:
     """Run ``fn(*args)`` on ``world`` fresh gloo ranks; return rank 0's result."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.pt")
-        mp.start_processes(_worker, args=(world, os.path.join(tmp, "store"), fn, args, out), nprocs=world,
-                           start_method="fork")
+        mp.start_processes(
+            _worker,
+            args=(world, os.path.join(tmp, "store"), fn, args, out),
+            nprocs=world,
+            start_method="fork",
+        )
         return torch.load(out, weights_only=False)
 
 
@@ -209,14 +217,20 @@ def main() -> None:
         configs += [("mlp", 512, 8, 64), ("attn", 512, 8, 64), ("mlp", 1024, 8, 128), ("attn", 1024, 8, 128)]
     steps = args.steps or (20 if args.quick else 40)
     rows = launch(2, bench, configs, steps, 5)
-    print(f"TP=2 on gloo, {torch.__version__}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, "
-          f"median of {steps} steps (forward+backward)")
-    print("| block | hidden | tokens | merak ms | hand-written Megatron ms | torch DTensor TP ms "
-          "| merak / torch | Megatron / torch |")
+    print(
+        f"TP=2 on gloo, {torch.__version__}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, "
+        f"median of {steps} steps (forward+backward)"
+    )
+    print(
+        "| block | hidden | tokens | merak ms | hand-written Megatron ms | torch DTensor TP ms "
+        "| merak / torch | Megatron / torch |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['kind']} | {r['hidden']} | {r['tokens']} | {1e3 * r['merak']:.2f} | {1e3 * r['megatron']:.2f} "
-              f"| {1e3 * r['torch']:.2f} | {r['merak'] / r['torch']:.2f}x | {r['megatron'] / r['torch']:.2f}x |")
+        print(
+            f"| {r['kind']} | {r['hidden']} | {r['tokens']} | {1e3 * r['merak']:.2f} | {1e3 * r['megatron']:.2f} "
+            f"| {1e3 * r['torch']:.2f} | {r['merak'] / r['torch']:.2f}x | {r['megatron'] / r['torch']:.2f}x |"
+        )
     print(f"max |merak - torch| output difference: {max(r['diff'] for r in rows):.2e}")
 
 

@@ -58,12 +58,23 @@ def _trainer(cfg: dict[str, Any], pp: int, schedule: str, v: int) -> Any:
     from merak_core.config import TrainingArguments
 
     torch.manual_seed(0)
-    model = build_model(depth=cfg["depth"], width=cfg["width"], heads=4, vocab_size=cfg["vocab"], context=cfg["seq"])
+    model = build_model(
+        depth=cfg["depth"], width=cfg["width"], heads=4, vocab_size=cfg["vocab"], context=cfg["seq"]
+    )
     steps = cfg["rounds"] + cfg["warmup"]
     args = TrainingArguments(
-        output_dir=tempfile.mkdtemp(prefix="merak-benchv-"), pp=pp, per_device_train_batch_size=cfg["micro_batch"],
-        gradient_accumulation_steps=cfg["num_microbatches"], learning_rate=1e-3, lr_scheduler_type="constant",
-        max_grad_norm=0.0, max_steps=steps, schedule=schedule, virtual_stages=v, seed=0, logging_steps=10**6,
+        output_dir=tempfile.mkdtemp(prefix="merak-benchv-"),
+        pp=pp,
+        per_device_train_batch_size=cfg["micro_batch"],
+        gradient_accumulation_steps=cfg["num_microbatches"],
+        learning_rate=1e-3,
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        max_steps=steps,
+        schedule=schedule,
+        virtual_stages=v,
+        seed=0,
+        logging_steps=10**6,
     )
     data = Tokens(cfg["micro_batch"] * cfg["num_microbatches"] * steps, cfg["vocab"], cfg["seq"])
     return Trainer(model, args, data)
@@ -84,24 +95,34 @@ def _halved(costs: Any, pp: int, v: int) -> Any:
         values = getattr(costs, name)
         per = list(values) if isinstance(values, (list, tuple)) else [values] * pp
         out[name] = [per[s % pp] / v for s in range(pp * v)]
-    return dataclasses.replace(costs, forward=out["forward"], backward=out["backward"], recompute=out["forward"])
+    return dataclasses.replace(
+        costs, forward=out["forward"], backward=out["backward"], recompute=out["forward"]
+    )
 
 
 def _worker(rank: int, world: int, store_path: str, cfg: dict[str, Any], queue: Any) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
-                            timeout=timedelta(seconds=900))
+    dist.init_process_group(
+        "gloo",
+        store=dist.FileStore(store_path, world),
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=900),
+    )
     from merak_pipe.timing import gather_timings, measured_costs
 
-    modes = {"1f1b": _trainer(cfg, world, "1f1b", 1), "interleaved": _trainer(cfg, world, "interleaved_1f1b", 2),
-             "zb_v": _trainer(cfg, world, "zb_v", 2)}
+    modes = {
+        "1f1b": _trainer(cfg, world, "1f1b", 1),
+        "interleaved": _trainer(cfg, world, "interleaved_1f1b", 2),
+        "zb_v": _trainer(cfg, world, "zb_v", 2),
+    }
     loaders = {m: iter(t.train_loader) for m, t in modes.items()}
     rows: list[dict[str, float]] = []
     for step in range(cfg["warmup"] + cfg["rounds"]):
         row: dict[str, float] = {}
         names = list(modes)
-        for mode in names[step % len(names):] + names[:step % len(names)]:  # rotate who goes first
+        for mode in names[step % len(names) :] + names[: step % len(names)]:  # rotate who goes first
             trainer = modes[mode]
             batch = next(loaders[mode])
             dist.barrier()
@@ -117,8 +138,10 @@ def _worker(rank: int, world: int, store_path: str, cfg: dict[str, Any], queue: 
             if mode == "1f1b":
                 from merak_pipe import simulate
 
-                row["pred_ratio"] = simulate(modes["interleaved"].engine.schedule, _halved(costs, world, 2)).makespan \
+                row["pred_ratio"] = (
+                    simulate(modes["interleaved"].engine.schedule, _halved(costs, world, 2)).makespan
                     / simulate(trainer.engine.schedule, costs).makespan
+                )
         if step >= cfg["warmup"]:
             rows.append(row)
     if rank == 0:
@@ -131,7 +154,10 @@ def run(cfg: dict[str, Any], pp: int) -> list[dict[str, float]]:
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_worker, args=(r, pp, os.path.join(tmp, "store"), cfg, queue)) for r in range(pp)]
+        procs = [
+            ctx.Process(target=_worker, args=(r, pp, os.path.join(tmp, "store"), cfg, queue))
+            for r in range(pp)
+        ]
         for p in procs:
             p.start()
         rows = queue.get(timeout=3600)
@@ -152,26 +178,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pp", default="2,4", help="pipeline sizes (default 2,4)")
     parser.add_argument("--rounds", type=int, default=None, help="measured rounds (default 20; quick 4)")
     args = parser.parse_args(argv)
-    cfg: dict[str, Any] = (dict(vocab=64, seq=16, width=64, depth=8, micro_batch=2, num_microbatches=8, warmup=1,
-                                rounds=4) if args.quick else
-                           dict(vocab=256, seq=64, width=128, depth=8, micro_batch=4, num_microbatches=8, warmup=3,
-                                rounds=20))
+    cfg: dict[str, Any] = (
+        dict(vocab=64, seq=16, width=64, depth=8, micro_batch=2, num_microbatches=8, warmup=1, rounds=4)
+        if args.quick
+        else dict(
+            vocab=256, seq=64, width=128, depth=8, micro_batch=4, num_microbatches=8, warmup=3, rounds=20
+        )
+    )
     if args.rounds is not None:
         cfg["rounds"] = args.rounds
-    print(f"torch {torch.__version__}, gloo, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; model: "
-          f"{cfg['depth']} layers x width {cfg['width']}, seq {cfg['seq']}, {cfg['num_microbatches']} microbatches "
-          f"of {cfg['micro_batch']}; median of {cfg['rounds']} paired rounds after {cfg['warmup']} warm-up")
-    print("| pp | 1f1b ms | interleaved v=2 ms | interleaved / 1f1b (paired) | pred ratio (sim on 1f1b costs) "
-          "| 1f1b sim error | interleaved sim error | zb_v ms | zb_v / 1f1b (paired) | zb_v sim error |")
+    print(
+        f"torch {torch.__version__}, gloo, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; model: "
+        f"{cfg['depth']} layers x width {cfg['width']}, seq {cfg['seq']}, {cfg['num_microbatches']} microbatches "
+        f"of {cfg['micro_batch']}; median of {cfg['rounds']} paired rounds after {cfg['warmup']} warm-up"
+    )
+    print(
+        "| pp | 1f1b ms | interleaved v=2 ms | interleaved / 1f1b (paired) | pred ratio (sim on 1f1b costs) "
+        "| 1f1b sim error | interleaved sim error | zb_v ms | zb_v / 1f1b (paired) | zb_v sim error |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for pp in (int(x) for x in args.pp.split(",")):
         rows = run(cfg, pp)
         ratio = statistics.median(r["interleaved"] / r["1f1b"] for r in rows)
-        err = {m: statistics.median(r[f"{m}_sim"] / r[f"{m}_pipe"] - 1 for r in rows) for m in ("1f1b", "interleaved", "zb_v")}
+        err = {
+            m: statistics.median(r[f"{m}_sim"] / r[f"{m}_pipe"] - 1 for r in rows)
+            for m in ("1f1b", "interleaved", "zb_v")
+        }
         zbv = statistics.median(r["zb_v"] / r["1f1b"] for r in rows)
-        print(f"| {pp} | {_median(rows, '1f1b') * 1e3:.1f} | {_median(rows, 'interleaved') * 1e3:.1f} | {ratio:.3f} | "
-              f"{_median(rows, 'pred_ratio'):.3f} | {100 * err['1f1b']:+.1f}% | {100 * err['interleaved']:+.1f}% | "
-              f"{_median(rows, 'zb_v') * 1e3:.1f} | {zbv:.3f} | {100 * err['zb_v']:+.1f}% |", flush=True)
+        print(
+            f"| {pp} | {_median(rows, '1f1b') * 1e3:.1f} | {_median(rows, 'interleaved') * 1e3:.1f} | {ratio:.3f} | "
+            f"{_median(rows, 'pred_ratio'):.3f} | {100 * err['1f1b']:+.1f}% | {100 * err['interleaved']:+.1f}% | "
+            f"{_median(rows, 'zb_v') * 1e3:.1f} | {zbv:.3f} | {100 * err['zb_v']:+.1f}% |",
+            flush=True,
+        )
     print(f"load average at the end: {os.getloadavg()[0]:.1f}")
     return 0
 

@@ -41,8 +41,13 @@ def _spawn_body(rank: int, world_size: int, path: str) -> None:
     import datetime
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(path, world_size), rank=rank,
-                           world_size=world_size, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        store=dist.FileStore(path, world_size),
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=60),
+    )
     dist.barrier()
     dist.destroy_process_group()
 
@@ -84,10 +89,14 @@ def main() -> None:
         spawn = spawn_startup(world_size)
         rows.append((world_size, startup, statistics.median(noop), statistics.median(ar), spawn))
     print(f"worker pool on {os.cpu_count()} cores, torch {torch.__version__}, {calls} calls each")
-    print("| ranks | pool start-up (fork) | empty body / call | body with all-reduce / call | spawn start-up | spawn / fork start-up |")
+    print(
+        "| ranks | pool start-up (fork) | empty body / call | body with all-reduce / call | spawn start-up | spawn / fork start-up |"
+    )
     print("|---|---|---|---|---|---|")
     for ws, startup, noop, ar, spawn in rows:
-        print(f"| {ws} | {startup:.3f} s | {noop * 1e3:.2f} ms | {ar * 1e3:.2f} ms | {spawn:.2f} s | {spawn / startup:.0f}x |")
+        print(
+            f"| {ws} | {startup:.3f} s | {noop * 1e3:.2f} ms | {ar * 1e3:.2f} ms | {spawn:.2f} s | {spawn / startup:.0f}x |"
+        )
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import pytest
 PACKAGES_DIR = Path(__file__).resolve().parents[1] / "packages"
 PACKAGES = ("merak_pipe", "merak_graph", "merak_tp", "merak_core")
 
+
 def _module_name(src: Path, path: Path) -> str:
     parts = list(path.relative_to(src.parent).with_suffix("").parts)
     if parts[-1] == "__init__":
@@ -31,7 +32,8 @@ def _module_name(src: Path, path: Path) -> str:
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
@@ -142,7 +144,9 @@ def test_check_catches_a_deferred_cycle_and_ignores_type_checking(tmp_path: Path
     src = copy / "merak-tp" / "src" / "merak_tp"
     (src / "_first.py").write_text("from merak_tp import _second\n")
     (src / "_second.py").write_text("def f():\n    from merak_tp._first import thing\n    return thing\n")
-    (src / "_third.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from merak_tp import _fourth\n")
+    (src / "_third.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from merak_tp import _fourth\n"
+    )
     (src / "_fourth.py").write_text("from . import _third\n")
     cycles = package_cycles(copy, "merak_tp")
     assert cycles == ["merak_tp._first -> merak_tp._second -> merak_tp._first"], cycles

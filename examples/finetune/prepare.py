@@ -30,8 +30,10 @@ VOCAB = 128
 
 def write_text(path: Path, lines: int = 4000, seed: int = 0) -> None:
     rng = random.Random(seed)
-    rows = [" ".join((rng.choice(SUBJECTS), rng.choice(VERBS), rng.choice(OBJECTS), rng.choice(ENDS)))
-            for _ in range(lines)]
+    rows = [
+        " ".join((rng.choice(SUBJECTS), rng.choice(VERBS), rng.choice(OBJECTS), rng.choice(ENDS)))
+        for _ in range(lines)
+    ]
     path.write_text("\n".join(rows) + "\n")
 
 
@@ -41,12 +43,15 @@ def write_tokenizer(text: Path, folder: Path) -> int:
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
     tok.decoder = decoders.Metaspace()
-    tok.train([str(text)], trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<unk>", "<eos>"],
-                                               show_progress=False))
+    tok.train(
+        [str(text)],
+        trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<unk>", "<eos>"], show_progress=False),
+    )
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(
-        '{"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>", "unk_token": "<unk>"}\n')
+        '{"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>", "unk_token": "<unk>"}\n'
+    )
     return int(tok.token_to_id("<eos>"))
 
 
@@ -55,9 +60,19 @@ def write_model(folder: Path, eos_id: int) -> None:
     import transformers as tf
 
     torch.manual_seed(0)
-    config = tf.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=4, n_head=4, n_positions=128, resid_pdrop=0.0,
-                           embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=eos_id,
-                           eos_token_id=eos_id)
+    config = tf.GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=64,
+        n_layer=4,
+        n_head=4,
+        n_positions=128,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+    )
     tf.GPT2LMHeadModel(config).save_pretrained(str(folder))
 
 

@@ -11,14 +11,22 @@ from __future__ import annotations
 import torch
 
 FAMILIES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
-    "gemma": ("GemmaConfig", "GemmaForCausalLM"), "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
-    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"), "phi3": ("Phi3Config", "Phi3ForCausalLM"),
-    "gpt2": ("GPT2Config", "GPT2LMHeadModel"), "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM"),
-    "falcon": ("FalconConfig", "FalconForCausalLM"), "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
-    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM"), "bert": ("BertConfig", "BertForMaskedLM"),
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel"),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM"),
+    "falcon": ("FalconConfig", "FalconForCausalLM"),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM"),
+    "bert": ("BertConfig", "BertForMaskedLM"),
     "opt": ("OPTConfig", "OPTForCausalLM"),
 }
 

@@ -24,21 +24,33 @@ ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "examples/addition/config.yaml"
 
 
-@pytest.mark.parametrize("kw, names", [
-    (dict(dp=2), "dp=2"), (dict(tp=2), "tp=2"), (dict(pp=4), "pp=4"), (dict(dp=1, tp=2, pp=2), "dp=1, pp=2, tp=2"),
-])
+@pytest.mark.parametrize(
+    "kw, names",
+    [
+        (dict(dp=2), "dp=2"),
+        (dict(tp=2), "tp=2"),
+        (dict(pp=4), "pp=4"),
+        (dict(dp=1, tp=2, pp=2), "dp=1, pp=2, tp=2"),
+    ],
+)
 def test_auto_with_explicit_degrees_is_a_clear_error(kw, names):
-    with pytest.raises(ValueError, match=f"layout='auto' lets the planner choose dp, tp and pp, but the job also "
-                                         f"sets {names}: remove") as info:
+    with pytest.raises(
+        ValueError,
+        match=f"layout='auto' lets the planner choose dp, tp and pp, but the job also sets {names}: remove",
+    ) as info:
         TrainingArguments(layout="auto", **kw)
     assert "layout: manual" in str(info.value)
 
 
 def test_auto_conflict_in_a_job_file_names_the_file_and_the_override_fix(tmp_path: Path):
-    with pytest.raises(ValueError, match=r"config.yaml: training: layout='auto' .* sets dp=2, pp=2, tp=2") as info:
+    with pytest.raises(
+        ValueError, match=r"config.yaml: training: layout='auto' .* sets dp=2, pp=2, tp=2"
+    ) as info:
         JobConfig.from_yaml(DEMO, ["training.layout=auto"])
     assert "training.dp=null training.pp=1 training.tp=1" in str(info.value)
-    job = JobConfig.from_yaml(DEMO, ["training.layout=auto", "training.dp=null", "training.tp=1", "training.pp=1"])
+    job = JobConfig.from_yaml(
+        DEMO, ["training.layout=auto", "training.dp=null", "training.tp=1", "training.pp=1"]
+    )
     assert job.training.layout == "auto" and job.training.dp is None
 
 
@@ -54,13 +66,16 @@ def test_auto_arguments_round_trip_through_yaml_and_overrides(tmp_path: Path):
         args.with_overrides(["tp=2"])
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(layout="automatic"), "layout='automatic' is invalid"),
-    (dict(plan_check_steps=1), "plan_check_steps=1 is invalid"),
-    (dict(plan_check_steps=-1), "plan_check_steps=-1 is invalid"),
-    (dict(plan_error_threshold=-0.5), "plan_error_threshold=-0.5 is invalid"),
-    (dict(memory_per_device="lots"), "cannot read memory size 'lots'"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(layout="automatic"), "layout='automatic' is invalid"),
+        (dict(plan_check_steps=1), "plan_check_steps=1 is invalid"),
+        (dict(plan_check_steps=-1), "plan_check_steps=-1 is invalid"),
+        (dict(plan_error_threshold=-0.5), "plan_error_threshold=-0.5 is invalid"),
+        (dict(memory_per_device="lots"), "cannot read memory size 'lots'"),
+    ],
+)
 def test_planner_field_validation(kw, match):
     with pytest.raises(ValueError, match=match):
         TrainingArguments(**kw)
@@ -91,7 +106,10 @@ def test_merak_train_dry_run_explains_auto(capsys: pytest.CaptureFixture[str]):
     assert main(["train", str(DEMO), *over, "--nproc-per-node", "4", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "layout: auto -- when the job starts, on 4 ranks" in out
-    assert "global batch of 128 (per_device_train_batch_size 16 x gradient_accumulation_steps 2 x 4 ranks)" in out
+    assert (
+        "global batch of 128 (per_device_train_batch_size 16 x gradient_accumulation_steps 2 x 4 ranks)"
+        in out
+    )
     assert f"merak plan {DEMO} {' '.join(over)} --world-size 4" in out
     assert "--nproc-per-node=4" in out.splitlines()[-1] and "merak_core.launch" in out.splitlines()[-1]
     assert main(["train", str(DEMO), *over, "--dry-run"]) == 2
@@ -99,9 +117,22 @@ def test_merak_train_dry_run_explains_auto(capsys: pytest.CaptureFixture[str]):
 
 
 def test_write_job_gives_a_loadable_job_with_the_fields(tmp_path: Path):
-    fields = {"dp": 2, "tp": 1, "pp": 2, "schedule": "gpipe", "per_device_train_batch_size": 4,
-              "gradient_accumulation_steps": 8, "recompute": "none"}
-    over = ["training.layout=auto", "training.dp=null", "training.tp=1", "training.pp=1", "training.max_steps=7"]
+    fields = {
+        "dp": 2,
+        "tp": 1,
+        "pp": 2,
+        "schedule": "gpipe",
+        "per_device_train_batch_size": 4,
+        "gradient_accumulation_steps": 8,
+        "recompute": "none",
+    }
+    over = [
+        "training.layout=auto",
+        "training.dp=null",
+        "training.tp=1",
+        "training.pp=1",
+        "training.max_steps=7",
+    ]
     out = tmp_path / "sub" / "replanned.yaml"
     write_job(DEMO, out, fields, overrides=over)
     raw = yaml.safe_load(out.read_text())
@@ -156,21 +187,51 @@ def test_plan_check_report_writes_the_replanned_job_and_a_metrics_record(tmp_pat
     from merak_core.metrics import MetricsWriter
     from merak_core.planner import CommModel, MeasuredStep, ModelProfile, PlanContext, predict_current
 
-    free = CommModel(p2p_latency_s=0.0, p2p_bandwidth=math.inf, allreduce_latency_s=0.0, allreduce_bandwidth=math.inf)
-    profile = ModelProfile(layer_forward_s=[1e-3] * 4, layer_backward_s=[2e-3] * 4, layer_activation_bytes=[1e6] * 4,
-                           layer_param_bytes=[4e6] * 4, boundary_bytes=1e4, microbatch_overhead_s=2e-4, num_heads=4,
-                           vocab_size=16)
+    free = CommModel(
+        p2p_latency_s=0.0, p2p_bandwidth=math.inf, allreduce_latency_s=0.0, allreduce_bandwidth=math.inf
+    )
+    profile = ModelProfile(
+        layer_forward_s=[1e-3] * 4,
+        layer_backward_s=[2e-3] * 4,
+        layer_activation_bytes=[1e6] * 4,
+        layer_param_bytes=[4e6] * 4,
+        boundary_bytes=1e4,
+        microbatch_overhead_s=2e-4,
+        num_heads=4,
+        vocab_size=16,
+    )
     over = ["training.dp=4", "training.tp=1", "training.pp=1", "training.max_steps=7"]
-    ctx = PlanContext(profile=profile, comm=free, memory_per_device=1e9, job_file=str(DEMO), job_overrides=tuple(over))
-    args = TrainingArguments(dp=4, per_device_train_batch_size=2, gradient_accumulation_steps=1, schedule="1f1b",
-                             output_dir=str(tmp_path), save_steps=2)
+    ctx = PlanContext(
+        profile=profile, comm=free, memory_per_device=1e9, job_file=str(DEMO), job_overrides=tuple(over)
+    )
+    args = TrainingArguments(
+        dp=4,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=1,
+        schedule="1f1b",
+        output_dir=str(tmp_path),
+        save_steps=2,
+    )
     metrics = tmp_path / "metrics.jsonl"
     run = SimpleNamespace(args=args, layout=SimpleNamespace(dp=4, tp=1, pp=1), schedule_name="1f1b")
     writer = MetricsWriter(str(tmp_path), enabled=True)  # the Trainer's sink for the check's record
-    true = predict_current(ctx, profile=dataclasses.replace(profile, optimizer_s_per_byte=1e-9), dp=4, tp=1, pp=1,
-                           schedule="1f1b", num_microbatches=1, micro_batch_size=2)
-    measured = MeasuredStep(step_time_s=true.step_time_s, pipeline_s=true.pipeline_s,
-                            stage_forward_s=true.stage_forward_s, stage_backward_s=true.stage_backward_s, steps=3)
+    true = predict_current(
+        ctx,
+        profile=dataclasses.replace(profile, optimizer_s_per_byte=1e-9),
+        dp=4,
+        tp=1,
+        pp=1,
+        schedule="1f1b",
+        num_microbatches=1,
+        micro_batch_size=2,
+    )
+    measured = MeasuredStep(
+        step_time_s=true.step_time_s,
+        pipeline_s=true.pipeline_s,
+        stage_forward_s=true.stage_forward_s,
+        stage_backward_s=true.stage_backward_s,
+        steps=3,
+    )
     check = PlanCheck(run, ctx, 5, sink=writer.append)
     check._report(measured, 5)
     assert check.comparison is not None and check.replan is not None and check.replan.changed

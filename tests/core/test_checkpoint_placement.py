@@ -29,7 +29,9 @@ def test_placement_matches_torch_load_state_dict(flags: dict[str, bool], dtype: 
     saved = _adamw(p, **flags).state_dict()
     # As read back from storage: a float64 step (not float32) and a half-precision moment,
     # so any cast or move the policy makes is visible.
-    loaded = {k: (v.to(torch.float64) if k == "step" else v.to(torch.float16)) for k, v in saved["state"][0].items()}
+    loaded = {
+        k: (v.to(torch.float64) if k == "step" else v.to(torch.float16)) for k, v in saved["state"][0].items()
+    }
 
     target = torch.nn.Parameter(p.detach().clone())
     reference = _adamw(torch.nn.Parameter(p.detach().clone()), **flags)

@@ -25,21 +25,23 @@ from tests.support.dist import run_on_ranks
 # name: (shape, TP-sharded dim or None, pipeline stages (of 2) holding it)
 SPEC: dict[str, tuple[tuple[int, ...], int | None, tuple[int, ...]]] = {
     "embed.weight": ((8, 6), 0, (0, 1)),  # vocab-parallel, tied with the head on the last stage
-    "l0.weight": ((8, 6), 0, (0,)),        # column-parallel
+    "l0.weight": ((8, 6), 0, (0,)),  # column-parallel
     "l0.bias": ((8,), 0, (0,)),
-    "l1.weight": ((6, 8), 1, (0,)),        # row-parallel
-    "l1.bias": ((6,), None, (0,)),         # replicated over TP
+    "l1.weight": ((6, 8), 1, (0,)),  # row-parallel
+    "l1.bias": ((6,), None, (0,)),  # replicated over TP
     "norm.weight": ((6,), None, (1,)),
     "l2.weight": ((4, 6), 0, (1,)),
     "l2.bias": ((4,), 0, (1,)),
-    "unused.weight": ((4, 4), 0, (1,)),    # never receives a gradient
+    "unused.weight": ((4, 4), 0, (1,)),  # never receives a gradient
 }
 
 
 def _full_grads() -> dict[str, torch.Tensor | None]:
     g = torch.Generator().manual_seed(9)
-    return {name: None if name.startswith("unused") else torch.randn(shape, generator=g, dtype=torch.float64)
-            for name, (shape, _, _) in SPEC.items()}
+    return {
+        name: None if name.startswith("unused") else torch.randn(shape, generator=g, dtype=torch.float64)
+        for name, (shape, _, _) in SPEC.items()
+    }
 
 
 def _reference(max_norm: float, norm_type: float) -> tuple[float, dict[str, torch.Tensor]]:
@@ -52,8 +54,9 @@ def _reference(max_norm: float, norm_type: float) -> tuple[float, dict[str, torc
     return total.item(), {n: p.grad for n, p in params if p.grad is not None}
 
 
-def _clip_on_rank(dp: int, tp: int, pp: int, max_norm: float, norm_type: float
-                  ) -> tuple[tuple[int, int, int], float, float, dict[str, torch.Tensor]]:
+def _clip_on_rank(
+    dp: int, tp: int, pp: int, max_norm: float, norm_type: float
+) -> tuple[tuple[int, int, int], float, float, dict[str, torch.Tensor]]:
     layout = ParallelLayout.build(dp, tp, pp, device="cpu")
     params: dict[str, nn.Parameter] = {}
     for name, grad in _full_grads().items():

@@ -41,7 +41,9 @@ def _tiny_cluster(memory_gb: float = 80.0, devices_per_node: int = 8) -> Cluster
 def small_costs():
     cluster = load_cluster("h100-sxm-8x")
     model = build_decoder(SMALL)
-    return model_costs(trace_for_cluster(model, decoder_inputs(SMALL), cluster), model, num_heads=4, vocab_size=128)
+    return model_costs(
+        trace_for_cluster(model, decoder_inputs(SMALL), cluster), model, num_heads=4, vocab_size=128
+    )
 
 
 # ------------------------------------------------------------------ cluster files
@@ -57,7 +59,11 @@ def test_shipped_clusters_load_with_spec_sheet_numbers():
     # NVLink figures are both directions together: half each way.
     assert (a100.intra_node_bandwidth, h100.intra_node_bandwidth) == (300e9, 450e9)
     # One NIC per GPU: 200 Gb/s HDR = 25 GB/s, 400 Gb/s NDR = 50 GB/s per device.
-    assert (a100.inter_node_bandwidth, h100.inter_node_bandwidth, h200.inter_node_bandwidth) == (25e9, 50e9, 50e9)
+    assert (a100.inter_node_bandwidth, h100.inter_node_bandwidth, h200.inter_node_bandwidth) == (
+        25e9,
+        50e9,
+        50e9,
+    )
     for c in (a100, h100, h200):
         assert c.devices_per_node == 8 and "spec sheet" in c.source
 
@@ -69,17 +75,20 @@ def test_cluster_links_inside_and_across_nodes():
     assert c.node_of(7) == 0 and c.node_of(8) == 1
 
 
-@pytest.mark.parametrize(("changes", "match"), [
-    ({"devices_per_node": 0}, "devices_per_node=0 must be > 0"),
-    ({"devices_per_node": 8.5}, "devices_per_node=8.5 must be a int"),
-    ({"device.memory_gb": -1}, "device.memory_gb=-1 must be > 0"),
-    ({"device.peak_tflops.bf16": "989 TFLOP/s"}, "device.peak_tflops.bf16='989 TFLOP/s' must be a float"),
-    ({"device.memory_bandwith_gb_s": 1}, "unknown key 'device.memory_bandwith_gb_s'"),
-    ({"device.memory_bandwidth_gb_s": None}, "the key 'device.memory_bandwidth_gb_s' is missing"),
-    ({"efficiency.compute": 1.5}, r"efficiency.compute=1.5 must be a fraction in \(0, 1\]"),
-    ({"intra_node": [900]}, "intra_node must be a mapping"),
-    ({"intra_node.bidirectional": "yes"}, "intra_node.bidirectional='yes' must be a bool"),
-])
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        ({"devices_per_node": 0}, "devices_per_node=0 must be > 0"),
+        ({"devices_per_node": 8.5}, "devices_per_node=8.5 must be a int"),
+        ({"device.memory_gb": -1}, "device.memory_gb=-1 must be > 0"),
+        ({"device.peak_tflops.bf16": "989 TFLOP/s"}, "device.peak_tflops.bf16='989 TFLOP/s' must be a float"),
+        ({"device.memory_bandwith_gb_s": 1}, "unknown key 'device.memory_bandwith_gb_s'"),
+        ({"device.memory_bandwidth_gb_s": None}, "the key 'device.memory_bandwidth_gb_s' is missing"),
+        ({"efficiency.compute": 1.5}, r"efficiency.compute=1.5 must be a fraction in \(0, 1\]"),
+        ({"intra_node": [900]}, "intra_node must be a mapping"),
+        ({"intra_node.bidirectional": "yes"}, "intra_node.bidirectional='yes' must be a bool"),
+    ],
+)
 def test_bad_cluster_files_are_refused_with_the_key(changes, match):
     with pytest.raises(ValueError, match=match):
         ClusterSpec.from_dict(_raw(**changes))
@@ -135,8 +144,9 @@ def test_compute_bound_layer_time_is_flops_over_sustained_peak():
 
 def test_single_device_step_is_microbatches_times_forward_and_backward(small_costs):
     cluster = load_cluster("h100-sxm-8x")
-    c = predict_config(small_costs, cluster, dp=1, tp=1, pp=1, schedule="1f1b", num_microbatches=4,
-                       micro_batch_size=2)
+    c = predict_config(
+        small_costs, cluster, dp=1, tp=1, pp=1, schedule="1f1b", num_microbatches=4, micro_batch_size=2
+    )
     f = 2 * sum(ly.forward_s for ly in small_costs.layers)
     assert c.pipeline_s == pytest.approx(4 * 3 * f, rel=1e-9)
     assert c.dp_allreduce_s == 0.0 and c.step_time_s == pytest.approx(c.pipeline_s + c.optimizer_s)
@@ -144,8 +154,9 @@ def test_single_device_step_is_microbatches_times_forward_and_backward(small_cos
 
 def test_dp_allreduce_is_the_ring_formula_over_the_network(small_costs):
     cluster = load_cluster("a100-80gb-8x")
-    c = predict_config(small_costs, cluster, dp=16, tp=1, pp=1, schedule="1f1b", num_microbatches=1,
-                       micro_batch_size=1)
+    c = predict_config(
+        small_costs, cluster, dp=16, tp=1, pp=1, schedule="1f1b", num_microbatches=1, micro_batch_size=1
+    )
     grads = SMALL.num_parameters() * 4.0  # fp32 gradients of bf16 weights
     bw, lat = 25e9 * cluster.link_efficiency, 5e-6
     assert c.dp_allreduce_s == pytest.approx(2 * 15 * lat + 2 * 15 / 16 * grads / bw, rel=1e-9)
@@ -174,17 +185,27 @@ def test_tp_overlap_hides_communication_but_never_compute(small_costs):
 
 def test_pipeline_messages_cross_nodes_when_a_stage_fills_a_node(small_costs):
     cluster = load_cluster("h100-sxm-8x")
-    inside = predict_config(small_costs, cluster, dp=2, tp=2, pp=2, schedule="1f1b", num_microbatches=2,
-                            micro_batch_size=1)
-    across = predict_config(small_costs, cluster, dp=4, tp=2, pp=2, schedule="1f1b", num_microbatches=2,
-                            micro_batch_size=1)
+    inside = predict_config(
+        small_costs, cluster, dp=2, tp=2, pp=2, schedule="1f1b", num_microbatches=2, micro_batch_size=1
+    )
+    across = predict_config(
+        small_costs, cluster, dp=4, tp=2, pp=2, schedule="1f1b", num_microbatches=2, micro_batch_size=1
+    )
     assert not inside.pipeline_crosses_nodes and across.pipeline_crosses_nodes
 
 
 def test_stage_aware_recomputation_fits_and_beats_full(small_costs):
     # A device just big enough that stage 0 of pp=4 cannot keep every activation.
-    probe = predict_config(small_costs, load_cluster("h100-sxm-8x"), dp=1, tp=1, pp=4, schedule="1f1b",
-                           num_microbatches=8, micro_batch_size=64)
+    probe = predict_config(
+        small_costs,
+        load_cluster("h100-sxm-8x"),
+        dp=1,
+        tp=1,
+        pp=4,
+        schedule="1f1b",
+        num_microbatches=8,
+        micro_batch_size=64,
+    )
     need = max(probe.stage_memory_bytes)
     cluster = _tiny_cluster(memory_gb=need * 0.8 / 0.9 / 1e9)
     kw = dict(dp=1, tp=1, pp=4, num_microbatches=8, micro_batch_size=64)
@@ -210,8 +231,7 @@ def test_plan_cluster_says_what_is_missing_when_nothing_fits(small_costs):
     with pytest.raises(ValueError, match="nothing fits .* the smallest configuration needs"):
         plan_cluster(small_costs, _tiny_cluster(memory_gb=1e-6), num_nodes=1, global_batch_size=8)
     with pytest.raises(ValueError, match="no \\(dp, tp, pp\\)"):
-        plan_cluster(small_costs, load_cluster("h100-sxm-8x"), num_nodes=1, global_batch_size=3,
-                     layouts=[])
+        plan_cluster(small_costs, load_cluster("h100-sxm-8x"), num_nodes=1, global_batch_size=3, layouts=[])
 
 
 def test_paper_models_have_their_advertised_sizes():
@@ -232,16 +252,30 @@ def test_cluster_spec_is_validated_when_built_directly():
 def test_shifted_schedule_with_a_non_monotone_recompute_plan_validates():
     from merak_pipe import RecomputePlan, build_schedule
 
-    build_schedule("shifted-critical-path", num_stages=4, num_microbatches=8, recompute=RecomputePlan((0.0, 1.0, 0.0, 0.0)))
+    build_schedule(
+        "shifted-critical-path",
+        num_stages=4,
+        num_microbatches=8,
+        recompute=RecomputePlan((0.0, 1.0, 0.0, 0.0)),
+    )
 
 
 def test_a_non_monotone_stage_aware_plan_is_predicted(small_costs, monkeypatch, caplog):
     """A plan where a later stage recomputes more than an earlier one gets a prediction (it was skipped)."""
     import merak_pipe
 
-    monkeypatch.setattr(merak_pipe, "stage_aware_plan", lambda **kw: merak_pipe.RecomputePlan((0.0, 1.0, 0.0, 0.0)))
-    kw = dict(dp=1, tp=1, pp=4, schedule="shifted_critical_path", num_microbatches=8, micro_batch_size=1,
-              recompute="stage_aware")
+    monkeypatch.setattr(
+        merak_pipe, "stage_aware_plan", lambda **kw: merak_pipe.RecomputePlan((0.0, 1.0, 0.0, 0.0))
+    )
+    kw = dict(
+        dp=1,
+        tp=1,
+        pp=4,
+        schedule="shifted_critical_path",
+        num_microbatches=8,
+        micro_batch_size=1,
+        recompute="stage_aware",
+    )
     got = predict_config(small_costs, load_cluster("h100-sxm-8x"), memo={}, **kw)
     assert got is not None and got.recompute_fractions == (0.0, 1.0, 0.0, 0.0)
     assert got.pipeline_s > 0
@@ -260,12 +294,22 @@ def test_virtual_stages_shrink_the_bubble_and_sum_memory_per_rank(small_costs):
     for size in inter.stage_layers:
         bounds.append(bounds[-1] + size)
     per_stage = [small_costs.stage_params(bounds[s], bounds[s + 1]) * (2 + 4 + 12) for s in range(4)]
-    assert inter.stage_static_bytes == pytest.approx((per_stage[0] + per_stage[2], per_stage[1] + per_stage[3]))
+    assert inter.stage_static_bytes == pytest.approx(
+        (per_stage[0] + per_stage[2], per_stage[1] + per_stage[3])
+    )
     with pytest.raises(ValueError, match="one stage per rank"):
         inter.training_fields()
-    searched = plan_cluster(small_costs, cluster, num_nodes=1, global_batch_size=16, max_microbatches=8,
-                            schedules=("1f1b", "interleaved_1f1b"), zero_stages=(0,), tp_overlaps=(False,),
-                            layouts=[(1, 1, 4)])
+    searched = plan_cluster(
+        small_costs,
+        cluster,
+        num_nodes=1,
+        global_batch_size=16,
+        max_microbatches=8,
+        schedules=("1f1b", "interleaved_1f1b"),
+        zero_stages=(0,),
+        tp_overlaps=(False,),
+        layouts=[(1, 1, 4)],
+    )
     assert {c.virtual_stages for c in searched} == {1, 2}
 
 

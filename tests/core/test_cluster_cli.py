@@ -13,8 +13,23 @@ DEMO = str(pathlib.Path(__file__).resolve().parents[2] / "examples/addition/conf
 
 def test_plan_for_a_cluster_prints_a_ranked_table_with_per_stage_memory(capsys, tmp_path):
     out_yaml = tmp_path / "best.yaml"
-    assert main(["plan", DEMO, "--cluster", "a100-80gb-8x", "--nodes", "1", "--top", "3",
-                 "--write-config", str(out_yaml)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                DEMO,
+                "--cluster",
+                "a100-80gb-8x",
+                "--nodes",
+                "1",
+                "--top",
+                "3",
+                "--write-config",
+                str(out_yaml),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "on 1 nodes x 8 A100-SXM4-80GB (8 ranks, cluster a100-80gb-8x)" in out
     assert "memory per stage (usable)" in out and "(72.0G)" in out
@@ -26,7 +41,9 @@ def test_plan_for_a_cluster_prints_a_ranked_table_with_per_stage_memory(capsys, 
 
 def test_plan_without_world_size_or_cluster_is_a_clear_error(capsys):
     assert main(["plan", DEMO, "--memory-per-device", "1GiB"]) == 2
-    assert "--world-size=None: expected a number of ranks >= 1 (or plan for a cluster" in capsys.readouterr().err
+    assert (
+        "--world-size=None: expected a number of ranks >= 1 (or plan for a cluster" in capsys.readouterr().err
+    )
     assert main(["plan", DEMO, "--cluster", "h100-sxm-8x"]) == 2
     assert "--cluster needs --nodes N" in capsys.readouterr().err
     assert main(["plan", DEMO, "--cluster", "no-such-cluster", "--nodes", "1"]) == 2

@@ -25,8 +25,17 @@ from tests.support.dist import run_on_ranks
 
 def test_defaults_are_hugging_face_like() -> None:
     args = TrainingArguments()
-    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps, args.learning_rate) == (8, 1, 5e-5)
-    assert (args.lr_scheduler_type, args.adam_beta1, args.adam_beta2, args.adam_epsilon) == ("linear", 0.9, 0.999, 1e-8)
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps, args.learning_rate) == (
+        8,
+        1,
+        5e-5,
+    )
+    assert (args.lr_scheduler_type, args.adam_beta1, args.adam_beta2, args.adam_epsilon) == (
+        "linear",
+        0.9,
+        0.999,
+        1e-8,
+    )
     assert (args.max_grad_norm, args.max_steps, args.num_train_epochs, args.seed) == (1.0, -1, 3.0, 42)
     assert (args.dp, args.tp, args.pp, args.zero_stage, args.schedule) == (None, 1, 1, 0, "auto")
     with pytest.raises(TypeError):
@@ -41,33 +50,51 @@ def test_batch_size_mapping() -> None:
         TrainingArguments().global_batch_size()
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"per_device_train_batch_size": 0}, r"per_device_train_batch_size=0 is invalid: expected an integer >= 1"),
-    ({"gradient_accumulation_steps": 2.5}, r"gradient_accumulation_steps=2.5 is invalid"),
-    ({"learning_rate": -1.0}, r"learning_rate=-1.0 is invalid: expected a number >= 0.0"),
-    ({"lr_scheduler_type": "poly"}, r"lr_scheduler_type='poly' is invalid: expected one of \('constant'"),
-    ({"adam_beta2": 1.0}, r"adam_beta2=1.0 is invalid: expected a number in \[0, 1\)"),
-    ({"adam_epsilon": 0.0}, r"adam_epsilon=0.0 is invalid"),
-    ({"max_steps": 0}, r"max_steps=0 is invalid"),
-    ({"num_train_epochs": 0.0}, r"num_train_epochs=0.0 is invalid"),
-    ({"dtype": "fp8"}, r"dtype='fp8' is invalid"),
-    ({"bf16": True, "dtype": "float64"}, r"bf16=True with dtype='float64'.*set dtype='float32'"),
-    ({"plan_probe_tp": "yes"}, r"plan_probe_tp=.yes. is invalid: expected true or false"),
-    ({"schedule": "zigzag"}, r"schedule='zigzag' is invalid: expected one of \('auto'"),
-    ({"recompute": "uniform:1.5"}, r"recompute='uniform:1.5': the uniform fraction must be a number in \(0, 1\]"),
-    ({"recompute": "some"}, r"recompute='some' is not one of"),
-    ({"zero_stage": 4}, r"zero_stage=4 is invalid: expected 0 \(off\), 1 \(optimizer states sharded over DP\), 2"),
-    ({"zero_stage": 3, "schedule": "zb_h1"}, r"zero_stage=3 with schedule='zb_h1'.*\(I/W\).*Use schedule 1f1b"),
-    ({"tp": 0}, r"tp=0 is invalid"),
-    ({"dp": 0}, r"dp=0 is invalid: expected an integer >= 1 or null"),
-    ({"memory_budget": "lots"}, r"cannot read memory size 'lots'"),
-    ({"eval_steps": 0}, r"eval_steps=0 is invalid"),
-    ({"tp_plan": {"q_proj": 1}}, r"tp_plan=.* is invalid"),
-    ({"seed": 10**23}, r"seed=100000000000000000000000 is invalid: expected an integer in \[0, 4294967295\]"),
-    ({"seed": -1}, r"seed=-1 is invalid: expected an integer >= 0"),
-    ({"comm_timeout_s": 0}, r"comm_timeout_s=0.0 is invalid: expected a positive number of seconds"),
-    ({"comm_timeout_s": float("inf")}, r"comm_timeout_s=inf is invalid: expected a number >= 0.0"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (
+            {"per_device_train_batch_size": 0},
+            r"per_device_train_batch_size=0 is invalid: expected an integer >= 1",
+        ),
+        ({"gradient_accumulation_steps": 2.5}, r"gradient_accumulation_steps=2.5 is invalid"),
+        ({"learning_rate": -1.0}, r"learning_rate=-1.0 is invalid: expected a number >= 0.0"),
+        ({"lr_scheduler_type": "poly"}, r"lr_scheduler_type='poly' is invalid: expected one of \('constant'"),
+        ({"adam_beta2": 1.0}, r"adam_beta2=1.0 is invalid: expected a number in \[0, 1\)"),
+        ({"adam_epsilon": 0.0}, r"adam_epsilon=0.0 is invalid"),
+        ({"max_steps": 0}, r"max_steps=0 is invalid"),
+        ({"num_train_epochs": 0.0}, r"num_train_epochs=0.0 is invalid"),
+        ({"dtype": "fp8"}, r"dtype='fp8' is invalid"),
+        ({"bf16": True, "dtype": "float64"}, r"bf16=True with dtype='float64'.*set dtype='float32'"),
+        ({"plan_probe_tp": "yes"}, r"plan_probe_tp=.yes. is invalid: expected true or false"),
+        ({"schedule": "zigzag"}, r"schedule='zigzag' is invalid: expected one of \('auto'"),
+        (
+            {"recompute": "uniform:1.5"},
+            r"recompute='uniform:1.5': the uniform fraction must be a number in \(0, 1\]",
+        ),
+        ({"recompute": "some"}, r"recompute='some' is not one of"),
+        (
+            {"zero_stage": 4},
+            r"zero_stage=4 is invalid: expected 0 \(off\), 1 \(optimizer states sharded over DP\), 2",
+        ),
+        (
+            {"zero_stage": 3, "schedule": "zb_h1"},
+            r"zero_stage=3 with schedule='zb_h1'.*\(I/W\).*Use schedule 1f1b",
+        ),
+        ({"tp": 0}, r"tp=0 is invalid"),
+        ({"dp": 0}, r"dp=0 is invalid: expected an integer >= 1 or null"),
+        ({"memory_budget": "lots"}, r"cannot read memory size 'lots'"),
+        ({"eval_steps": 0}, r"eval_steps=0 is invalid"),
+        ({"tp_plan": {"q_proj": 1}}, r"tp_plan=.* is invalid"),
+        (
+            {"seed": 10**23},
+            r"seed=100000000000000000000000 is invalid: expected an integer in \[0, 4294967295\]",
+        ),
+        ({"seed": -1}, r"seed=-1 is invalid: expected an integer >= 0"),
+        ({"comm_timeout_s": 0}, r"comm_timeout_s=0.0 is invalid: expected a positive number of seconds"),
+        ({"comm_timeout_s": float("inf")}, r"comm_timeout_s=inf is invalid: expected a number >= 0.0"),
+    ],
+)
 def test_validation_names_value_and_fix(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         TrainingArguments(**kwargs)
@@ -78,7 +105,11 @@ def test_parsers() -> None:
     assert parse_recompute("full") == ("full", 1.0)
     assert parse_recompute("uniform:0.25") == ("uniform", 0.25)
     assert parse_recompute("stage_aware") == ("stage_aware", None)
-    assert parse_bytes("12GiB") == 12 * 2**30 and parse_bytes("500 MB") == 500 * 10**6 and parse_bytes(4096) == 4096
+    assert (
+        parse_bytes("12GiB") == 12 * 2**30
+        and parse_bytes("500 MB") == 500 * 10**6
+        and parse_bytes(4096) == 4096
+    )
     assert parse_bytes("1.5KiB") == 1536
     assert TrainingArguments(memory_budget="2GiB").memory_budget == 2 * 2**30
 
@@ -87,7 +118,7 @@ def test_yaml_round_trip_and_overrides(tmp_path: Path) -> None:
     path = tmp_path / "train.yaml"
     path.write_text(
         "output_dir: runs/demo\n"
-        "num_microbatches: 4\n"          # alias of gradient_accumulation_steps
+        "num_microbatches: 4\n"  # alias of gradient_accumulation_steps
         "learning_rate: 3.0e-4\n"
         "lr_scheduler_type: cosine\n"
         "warmup_steps: 10\n"
@@ -97,8 +128,18 @@ def test_yaml_round_trip_and_overrides(tmp_path: Path) -> None:
         "memory_budget: 1GiB\n"
         "tp_plan: {q_proj: column, o_proj: row}\n"
     )
-    args = TrainingArguments.from_yaml(path, ["learning_rate=1e-3", "--tp=1", "dp=null", "bf16=true",
-                                              "output_dir=2024", "schedule=1f1b", "zero_stage=1"])
+    args = TrainingArguments.from_yaml(
+        path,
+        [
+            "learning_rate=1e-3",
+            "--tp=1",
+            "dp=null",
+            "bf16=true",
+            "output_dir=2024",
+            "schedule=1f1b",
+            "zero_stage=1",
+        ],
+    )
     assert args.gradient_accumulation_steps == 4 and args.num_microbatches == 4
     assert args.learning_rate == 1e-3 and isinstance(args.learning_rate, float)
     assert (args.tp, args.pp, args.dp, args.bf16, args.zero_stage) == (1, 2, None, True, 1)
@@ -118,22 +159,31 @@ def test_yaml_round_trip_and_overrides(tmp_path: Path) -> None:
 def test_unknown_key_lists_valid_keys_and_suggests(tmp_path: Path) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text("learning_rat: 0.1\n")
-    with pytest.raises(ValueError, match=r"unknown TrainingArguments key 'learning_rat' \(did you mean "
-                                         r"'learning_rate'\?\)\. Valid keys: output_dir, .*zero_stage"):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown TrainingArguments key 'learning_rat' \(did you mean "
+        r"'learning_rate'\?\)\. Valid keys: output_dir, .*zero_stage",
+    ):
         TrainingArguments.from_yaml(path)
-    with pytest.raises(ValueError, match=r"unknown TrainingArguments key 'gradient_accumulation' \(did you mean "
-                                         r"'gradient_accumulation_steps'\?\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown TrainingArguments key 'gradient_accumulation' \(did you mean "
+        r"'gradient_accumulation_steps'\?\)",
+    ):
         parse_overrides(["gradient_accumulation=4"])
 
 
-@pytest.mark.parametrize("override,message", [
-    ("tp=two", r"tp='two' has the wrong type: expected int, got str"),
-    ("bf16=1", r"bf16=1 has the wrong type: expected bool, got int"),
-    ("learning_rate=fast", r"learning_rate='fast' has the wrong type: expected float"),
-    ("max_steps=1.5", r"max_steps=1.5 has the wrong type: expected int"),
-    ("tp=null", r"tp=None has the wrong type: expected int, got null"),
-    ("learning_rate", r"not of the form key=value"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("tp=two", r"tp='two' has the wrong type: expected int, got str"),
+        ("bf16=1", r"bf16=1 has the wrong type: expected bool, got int"),
+        ("learning_rate=fast", r"learning_rate='fast' has the wrong type: expected float"),
+        ("max_steps=1.5", r"max_steps=1.5 has the wrong type: expected int"),
+        ("tp=null", r"tp=None has the wrong type: expected int, got null"),
+        ("learning_rate", r"not of the form key=value"),
+    ],
+)
 def test_overrides_are_type_checked(tmp_path: Path, override: str, message: str) -> None:
     path = tmp_path / "ok.yaml"
     path.write_text("seed: 1\n")
@@ -213,7 +263,9 @@ def test_matches_transformers_when_installed() -> None:
         theirs_opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
         ours = build_lr_scheduler(ours_opt, args)
         theirs = transformers.get_scheduler(
-            "constant_with_warmup" if kind == "constant" else kind, theirs_opt, num_warmup_steps=2,
+            "constant_with_warmup" if kind == "constant" else kind,
+            theirs_opt,
+            num_warmup_steps=2,
             num_training_steps=8,
         )
         for _ in range(9):
@@ -232,15 +284,20 @@ def test_comm_timeout_is_a_job_setting(tmp_path: Path) -> None:
     path = tmp_path / "train.yaml"
     path.write_text("comm_timeout_s: 45\n")
     assert TrainingArguments.from_yaml(path).comm_timeout_s == 45.0
-    assert TrainingArguments.from_yaml(path, ["comm_timeout_s=2.5"]).comm_timeout == datetime.timedelta(seconds=2.5)
+    assert TrainingArguments.from_yaml(path, ["comm_timeout_s=2.5"]).comm_timeout == datetime.timedelta(
+        seconds=2.5
+    )
 
 
 def test_duplicate_yaml_key_is_an_error(tmp_path: Path) -> None:
     """YAML keeps the last of two equal keys; a config file with one twice is refused, naming both lines."""
     path = tmp_path / "train.yaml"
     path.write_text("learning_rate: 1.0e-3\nmax_steps: 10\nlearning_rate: 3.0e-3\n")
-    with pytest.raises(ValueError, match=r"train.yaml: line 3: key 'learning_rate' appears twice in one mapping "
-                                         r"\(first at line 1\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"train.yaml: line 3: key 'learning_rate' appears twice in one mapping "
+        r"\(first at line 1\)",
+    ):
         TrainingArguments.from_yaml(path)
     path.write_text("max_steps: [10\n")
     with pytest.raises(ValueError, match=r"train.yaml: not valid YAML: .*line 2, column 1"):
@@ -254,7 +311,9 @@ def test_the_config_stores_the_registry_key() -> None:
     assert TrainingArguments(schedule="zb-v", pp=2, virtual_stages=2).schedule == "zb_v"
     assert TrainingArguments(schedule=" Zb-H1 ").schedule == "zb_h1"
     assert schedule_choices() == ("auto", *(i.key for i in schedule_infos()))
-    with pytest.raises(ValueError, match=r"schedule='pipedream' is invalid: expected one of \('auto', 'gpipe'"):
+    with pytest.raises(
+        ValueError, match=r"schedule='pipedream' is invalid: expected one of \('auto', 'gpipe'"
+    ):
         TrainingArguments(schedule="pipedream")
 
 

@@ -77,7 +77,7 @@ def test_dp_shards_concatenate_to_the_epoch_permutation(dp: int, bs: int, n: int
         assert len(per_rank[r]) == steps
     for s in range(steps):
         global_batch = [i for r in range(dp) for i in per_rank[r][s]]
-        assert global_batch == perm[s * dp * bs:(s + 1) * dp * bs].tolist()
+        assert global_batch == perm[s * dp * bs : (s + 1) * dp * bs].tolist()
     flat = [i for r in range(dp) for step in per_rank[r] for i in step]
     assert len(flat) == len(set(flat)) == steps * dp * bs  # disjoint
 
@@ -112,8 +112,9 @@ def test_drop_last_false_pads_by_wrapping() -> None:
 def test_only_first_and_last_stages_read() -> None:
     n, dp, bs = 12, 2, 3
     middle_ds = _Samples(n)
-    middle = StageAwareDataLoader(middle_ds, batch_size=bs, dp_rank=0, dp_size=dp,
-                                  needs_inputs=False, needs_labels=False)
+    middle = StageAwareDataLoader(
+        middle_ds, batch_size=bs, dp_rank=0, dp_size=dp, needs_inputs=False, needs_labels=False
+    )
     items = list(middle)
     assert len(items) == len(middle) == 2 and all(b.is_empty for b in items)
     assert middle_ds.reads == []
@@ -138,7 +139,9 @@ def test_iterable_dataset_sharded_in_stream_order() -> None:
     assert stream.epochs == [0, 1]  # set_epoch forwarded: the dataset can reshuffle itself
     padded = _epoch_by_rank(_Stream(n), dp, bs, drop_last=False)
     assert [i for r in range(dp) for i in padded[r][-1]] == [18, 19, 20, 21, 22, 18]
-    endless = StageAwareDataLoader(_Stream(n), batch_size=bs, dp_size=dp, needs_inputs=False, needs_labels=False)
+    endless = StageAwareDataLoader(
+        _Stream(n), batch_size=bs, dp_size=dp, needs_inputs=False, needs_labels=False
+    )
     it = iter(endless)
     assert all(next(it).is_empty for _ in range(50))  # no length: middle stages never run dry
     with pytest.raises(TypeError, match="no __len__"):
@@ -173,8 +176,12 @@ def test_split_hook_and_errors() -> None:
     pairs = [(torch.tensor([float(i)]), torch.tensor(i)) for i in range(8)]
     batch = next(iter(StageAwareDataLoader(pairs, batch_size=4, shuffle=False)))
     assert batch.inputs[:, 0].tolist() == [0.0, 1.0, 2.0, 3.0] and batch.labels.tolist() == [0, 1, 2, 3]
-    custom = StageAwareDataLoader(_Samples(8), batch_size=4, shuffle=False,
-                                  split_inputs_labels=lambda b: (b["input_ids"], b["labels"].squeeze(-1)))
+    custom = StageAwareDataLoader(
+        _Samples(8),
+        batch_size=4,
+        shuffle=False,
+        split_inputs_labels=lambda b: (b["input_ids"], b["labels"].squeeze(-1)),
+    )
     b = next(iter(custom))
     assert torch.equal(b.inputs, torch.tensor([[0, 0], [1, 1], [2, 2], [3, 3]]))
     with pytest.raises(ValueError, match="no 'labels'"):
@@ -195,16 +202,23 @@ def _layout_batches(dp: int, tp: int, pp: int) -> tuple[tuple[int, int, int], li
     layout = ParallelLayout.build(dp, tp, pp, device="cpu")
     ds = _Samples(16)
     # One optimizer step = 2 microbatches of 1 sample per DP rank.
-    args = TrainingArguments(per_device_train_batch_size=1, gradient_accumulation_steps=2, seed=11, dp=dp, tp=tp, pp=pp)
+    args = TrainingArguments(
+        per_device_train_batch_size=1, gradient_accumulation_steps=2, seed=11, dp=dp, tp=tp, pp=pp
+    )
     loader = StageAwareDataLoader.from_training_args(ds, args, layout)
     assert loader.batch_size == 2 and loader.shuffle and loader.drop_last
-    evaluation = StageAwareDataLoader.from_training_args(_Samples(5), args.with_overrides(["per_device_eval_batch_size=3"]),
-                                                         layout, evaluation=True)
+    evaluation = StageAwareDataLoader.from_training_args(
+        _Samples(5), args.with_overrides(["per_device_eval_batch_size=3"]), layout, evaluation=True
+    )
     assert (evaluation.batch_size, evaluation.shuffle, len(evaluation)) == (3, False, -(-5 // (3 * dp)))
     out = []
     for b in loader:
-        out.append((None if b.inputs is None else b.inputs["input_ids"][:, 0].tolist(),
-                    None if b.labels is None else (-b.labels[:, 0]).tolist()))
+        out.append(
+            (
+                None if b.inputs is None else b.inputs["input_ids"][:, 0].tolist(),
+                None if b.labels is None else (-b.labels[:, 0]).tolist(),
+            )
+        )
     return (layout.pp_rank, layout.dp_rank, layout.tp_rank), out, len(ds.reads)
 
 
@@ -217,7 +231,7 @@ def test_layout_driven_loading(dp: int, tp: int, pp: int) -> None:
     steps = len(ref)
     for (p, d, _t), batches, reads in results:
         assert len(batches) == steps
-        mine = [perm[s * 2 * dp + d * 2:s * 2 * dp + d * 2 + 2] for s in range(steps)]
+        mine = [perm[s * 2 * dp + d * 2 : s * 2 * dp + d * 2 + 2] for s in range(steps)]
         first, last = p == 0, p == pp - 1
         for (inputs, labels), expected in zip(batches, mine, strict=True):
             assert inputs == (expected if first else None)
@@ -226,14 +240,22 @@ def test_layout_driven_loading(dp: int, tp: int, pp: int) -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(n=st.integers(1, 60), dp=st.integers(1, 4), bs=st.integers(1, 5), seed=st.integers(0, 99),
-       epoch=st.integers(0, 3), drop_last=st.booleans())
+@given(
+    n=st.integers(1, 60),
+    dp=st.integers(1, 4),
+    bs=st.integers(1, 5),
+    seed=st.integers(0, 99),
+    epoch=st.integers(0, 3),
+    drop_last=st.booleans(),
+)
 def test_sharding_properties(n: int, dp: int, bs: int, seed: int, epoch: int, drop_last: bool) -> None:
     if drop_last and n < dp * bs:
         return
     ds = list(range(n))
-    loaders = [StageAwareDataLoader(ds, batch_size=bs, dp_rank=r, dp_size=dp, seed=seed, drop_last=drop_last)
-               for r in range(dp)]
+    loaders = [
+        StageAwareDataLoader(ds, batch_size=bs, dp_rank=r, dp_size=dp, seed=seed, drop_last=drop_last)
+        for r in range(dp)
+    ]
     for loader in loaders:
         loader.set_epoch(epoch)
     per_rank = [[b.inputs for b in _plain(loader)] for loader in loaders]
@@ -242,7 +264,7 @@ def test_sharding_properties(n: int, dp: int, bs: int, seed: int, epoch: int, dr
     perm = loaders[0].epoch_permutation(epoch).tolist()
     flat = [i for s in range(steps) for r in range(dp) for i in per_rank[r][s]]
     if drop_last:
-        assert flat == perm[:steps * dp * bs]  # concatenation = permutation prefix, hence disjoint
+        assert flat == perm[: steps * dp * bs]  # concatenation = permutation prefix, hence disjoint
     else:
         assert flat == [perm[i % n] for i in range(steps * dp * bs)] and set(flat) == set(range(n))
 
@@ -258,8 +280,13 @@ def test_padded_batches_say_how_many_rows_are_real(dp: int, bs: int, n: int) -> 
     # Every sample is real exactly once: the real rows of all ranks' batches are the epoch's order.
     ds = _Samples(n)
     real_ids = []
-    for step_batches in zip(*[StageAwareDataLoader(ds, batch_size=bs, dp_rank=r, dp_size=dp, seed=3,
-                                                   drop_last=False) for r in range(dp)], strict=True):
+    for step_batches in zip(
+        *[
+            StageAwareDataLoader(ds, batch_size=bs, dp_rank=r, dp_size=dp, seed=3, drop_last=False)
+            for r in range(dp)
+        ],
+        strict=True,
+    ):
         for b in step_batches:
             real = bs if b.num_real is None else b.num_real
             assert b.num_real is None or 0 <= b.num_real < bs
@@ -273,10 +300,15 @@ def test_padded_batches_say_how_many_rows_are_real(dp: int, bs: int, n: int) -> 
 
 def test_padded_stream_batches_say_how_many_rows_are_real() -> None:
     n, dp, bs = 23, 2, 3  # the last global batch holds 18..22 (5 real): rank 0 gets 3, rank 1 gets 2
-    last = [list(StageAwareDataLoader(_Stream(n), batch_size=bs, dp_rank=r, dp_size=dp, drop_last=False))[-1]
-            for r in range(dp)]
+    last = [
+        list(StageAwareDataLoader(_Stream(n), batch_size=bs, dp_rank=r, dp_size=dp, drop_last=False))[-1]
+        for r in range(dp)
+    ]
     assert [b.num_real for b in last] == [3, 2]
     assert _ids(last[1])[:2] == [21, 22]
-    middle = list(StageAwareDataLoader(_Samples(5), batch_size=4, dp_size=1, drop_last=False,
-                                       needs_inputs=False, needs_labels=False))
+    middle = list(
+        StageAwareDataLoader(
+            _Samples(5), batch_size=4, dp_size=1, drop_last=False, needs_inputs=False, needs_labels=False
+        )
+    )
     assert len(middle) == 2 and all(b.is_empty for b in middle)  # middle stages read nothing, count the same

@@ -41,14 +41,16 @@ def _reference_grads(name: str, world: int) -> tuple[float, dict[str, torch.Tens
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _dp_grads(name: str, mode: str, bucket_size_bytes: int) -> tuple[float, dict[str, torch.Tensor], int, int]:
+def _dp_grads(
+    name: str, mode: str, bucket_size_bytes: int
+) -> tuple[float, dict[str, torch.Tensor], int, int]:
     rank, world = dist.get_rank(), dist.get_world_size()
     ref = REFERENCE_MODELS[name]
     model = build_reference(name, seed=11)
     ids, labels = _global_batch(name, world)
     # Rank r's shard of the global batch: rows [r*b*m, (r+1)*b*m), then cut into microbatches.
     rows = PER_RANK_BATCH * NUM_MICROBATCHES
-    my_ids, my_labels = ids[rank * rows:(rank + 1) * rows], labels[rank * rows:(rank + 1) * rows]
+    my_ids, my_labels = ids[rank * rows : (rank + 1) * rows], labels[rank * rows : (rank + 1) * rows]
     sync = DataParallelGradSync(model, None, bucket_size_bytes=bucket_size_bytes)
     total = torch.zeros((), dtype=torch.float64)
     if mode == "step":  # a pipeline-style driver: arm once for all microbatches of the step
@@ -146,7 +148,9 @@ def test_any_grad_order_and_unused_params(world: int, bucket_size_bytes: int) ->
     for rank in range(world):
         model = _Branchy()
         model(_branchy_input(rank), _route(rank)).backward()
-        per_rank.append({n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()})
+        per_rank.append(
+            {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
+        )
     for n in per_rank[0]:
         expected[n] = sum(g[n] for g in per_rank) / world
         # Second step: every rank holds avg + own grad, the average of which is 2 * avg.
@@ -228,7 +232,9 @@ def _deferred(defer: bool) -> tuple[dict[str, torch.Tensor], list[list[str]]]:
     rank = dist.get_rank()
     model = _Branchy()
     tied = model.layers[0].weight
-    sync = DataParallelGradSync(model, None, bucket_size_bytes=1 << 20, deferred_params=[tied] if defer else ())
+    sync = DataParallelGradSync(
+        model, None, bucket_size_bytes=1 << 20, deferred_params=[tied] if defer else ()
+    )
     sync.prepare_step(1)
     model(_branchy_input(rank), [0, 1, 2]).backward()
     # What a pipeline runner does to a tied parameter after its backwards: add the other
@@ -246,7 +252,9 @@ def test_deferred_params_are_reduced_from_their_final_gradient() -> None:
         model = _Branchy()
         model(_branchy_input(rank), [0, 1, 2]).backward()
         model.layers[0].weight.grad.add_(torch.full_like(model.layers[0].weight, float(rank + 1)))
-        per_rank.append({n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()})
+        per_rank.append(
+            {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
+        )
     expected = {n: (per_rank[0][n] + per_rank[1][n]) / 2 for n in per_rank[0]}
     for grads, names in run_on_ranks(2, _deferred, True):
         assert names[-1] == ["layers.0.weight"]  # its own bucket, launched last

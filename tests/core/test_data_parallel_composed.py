@@ -32,8 +32,15 @@ from tests.support.dist import run_on_ranks
 IN, HIDDEN, OUT = 6, 8, 3
 GLOBAL_BATCH, MICRO = 8, 2
 STEPS = 3
-ARGS = dict(learning_rate=0.05, lr_scheduler_type="cosine", warmup_steps=1, max_steps=STEPS, max_grad_norm=0.05,
-            weight_decay=0.1, gradient_accumulation_steps=MICRO)
+ARGS = dict(
+    learning_rate=0.05,
+    lr_scheduler_type="cosine",
+    warmup_steps=1,
+    max_steps=STEPS,
+    max_grad_norm=0.05,
+    weight_decay=0.1,
+    gradient_accumulation_steps=MICRO,
+)
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -80,13 +87,17 @@ TP_DIMS = {"w1": 0, "b1": 0, "w2": 1, "b2": None}
 
 def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100 + step)
-    return (torch.randn(GLOBAL_BATCH, IN, generator=g, dtype=torch.float64),
-            torch.randn(GLOBAL_BATCH, OUT, generator=g, dtype=torch.float64))
+    return (
+        torch.randn(GLOBAL_BATCH, IN, generator=g, dtype=torch.float64),
+        torch.randn(GLOBAL_BATCH, OUT, generator=g, dtype=torch.float64),
+    )
 
 
 def _groups(params: dict[str, nn.Parameter]) -> list[dict[str, Any]]:
-    return [{"params": [params["w1"], params["w2"]]},
-            {"params": [params["b1"], params["b2"]], "weight_decay": 0.0}]
+    return [
+        {"params": [params["w1"], params["w2"]]},
+        {"params": [params["b1"], params["b2"]], "weight_decay": 0.0},
+    ]
 
 
 def _adamw(args: TrainingArguments) -> Any:
@@ -112,7 +123,9 @@ def _reference() -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
     return losses, norms, {n: p.detach() for n, p in params.items()}
 
 
-def _train(dp: int, tp: int, zero: bool) -> tuple[tuple[int, int], list[float], list[float], dict[str, torch.Tensor]]:
+def _train(
+    dp: int, tp: int, zero: bool
+) -> tuple[tuple[int, int], list[float], list[float], dict[str, torch.Tensor]]:
     args = TrainingArguments(**ARGS, dp=dp, tp=tp, zero_stage=int(zero))
     layout = ParallelLayout.build(dp, tp, 1, device="cpu")
     params: dict[str, nn.Parameter] = {}
@@ -125,14 +138,20 @@ def _train(dp: int, tp: int, zero: bool) -> tuple[tuple[int, int], list[float], 
     for name, p in params.items():
         module.register_parameter(name, p)
     sync = DataParallelGradSync(module, layout.dp_group, bucket_size_bytes=64)
-    opt = (ZeroOptimizer(_groups(params), _adamw(args), group=layout.dp_group) if zero
-           else _adamw(args)(_groups(params)))
+    opt = (
+        ZeroOptimizer(_groups(params), _adamw(args), group=layout.dp_group)
+        if zero
+        else _adamw(args)(_groups(params))
+    )
     sched = build_lr_scheduler(opt, args)
     rows = GLOBAL_BATCH // dp
     losses, norms = [], []
     for step in range(STEPS):
         x, y = _data(step)
-        x, y = x[layout.dp_rank * rows:(layout.dp_rank + 1) * rows], y[layout.dp_rank * rows:(layout.dp_rank + 1) * rows]
+        x, y = (
+            x[layout.dp_rank * rows : (layout.dp_rank + 1) * rows],
+            y[layout.dp_rank * rows : (layout.dp_rank + 1) * rows],
+        )
         opt.zero_grad()
         total = torch.zeros((), dtype=torch.float64)
         for i, (xm, ym) in enumerate(zip(x.chunk(MICRO), y.chunk(MICRO), strict=True)):

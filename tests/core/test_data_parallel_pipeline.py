@@ -84,9 +84,13 @@ def _reference() -> dict[str, torch.Tensor]:
     ids, labels = _batch()
     embed = stage0[0].weight
     _loss(block1(stage0(ids)) @ embed.t(), labels).backward()
-    return {"embed.weight": embed.grad, "block0.weight": stage0[1].linear.weight.grad,
-            "block0.bias": stage0[1].linear.bias.grad, "block1.weight": block1.linear.weight.grad,
-            "block1.bias": block1.linear.bias.grad}
+    return {
+        "embed.weight": embed.grad,
+        "block0.weight": stage0[1].linear.weight.grad,
+        "block0.bias": stage0[1].linear.bias.grad,
+        "block1.weight": block1.linear.weight.grad,
+        "block1.bias": block1.linear.bias.grad,
+    }
 
 
 def _pipeline_step(schedule_name: str) -> tuple[int, dict[str, torch.Tensor], int, int]:
@@ -98,11 +102,19 @@ def _pipeline_step(schedule_name: str) -> tuple[int, dict[str, torch.Tensor], in
     if layout.is_first_stage:
         module = nn.Sequential(_Embed(w["embed.weight"]), _Block(w["block0.weight"], w["block0.bias"]))
         tied = module[0].weight
-        names = {"embed.weight": tied, "block0.weight": module[1].linear.weight, "block0.bias": module[1].linear.bias}
+        names = {
+            "embed.weight": tied,
+            "block0.weight": module[1].linear.weight,
+            "block0.bias": module[1].linear.bias,
+        }
     else:
         module = nn.Sequential(_Block(w["block1.weight"], w["block1.bias"]), _TiedHead(w["embed.weight"]))
         tied = module[1].weight
-        names = {"embed.weight": tied, "block1.weight": module[0].linear.weight, "block1.bias": module[0].linear.bias}
+        names = {
+            "embed.weight": tied,
+            "block1.weight": module[0].linear.weight,
+            "block1.bias": module[0].linear.bias,
+        }
     groups = shared_parameter_groups({"embed": [0, 1]}, group=layout.pp_group)
     shared = shared_parameters_list({"embed": tied}, groups)
     stage = PipelineStage(module, stage_index=layout.pp_rank, num_stages=PP, group=layout.pp_group)

@@ -53,13 +53,21 @@ def existing_group(monkeypatch: pytest.MonkeyPatch) -> Any:
 # ---------------------------------------------------------------------------- select_device
 
 
-@pytest.mark.parametrize(("local_rank", "count", "expected"), [
-    (0, 8, 0), (5, 8, 5), (7, 8, 7),   # every GPU visible to every process: GPU LOCAL_RANK
-    (3, 1, 0), (6, 1, 0),              # one GPU visible per process (CUDA_VISIBLE_DEVICES per rank)
-    (5, 4, 1), (6, 4, 2),              # LOCAL_RANK modulo the visible count
-])
-def test_local_rank_modulo_visible_count(gpus: Any, monkeypatch: pytest.MonkeyPatch, local_rank: int, count: int,
-                                         expected: int) -> None:
+@pytest.mark.parametrize(
+    ("local_rank", "count", "expected"),
+    [
+        (0, 8, 0),
+        (5, 8, 5),
+        (7, 8, 7),  # every GPU visible to every process: GPU LOCAL_RANK
+        (3, 1, 0),
+        (6, 1, 0),  # one GPU visible per process (CUDA_VISIBLE_DEVICES per rank)
+        (5, 4, 1),
+        (6, 4, 2),  # LOCAL_RANK modulo the visible count
+    ],
+)
+def test_local_rank_modulo_visible_count(
+    gpus: Any, monkeypatch: pytest.MonkeyPatch, local_rank: int, count: int, expected: int
+) -> None:
     gpus(count)
     monkeypatch.setenv("LOCAL_RANK", str(local_rank))
     assert select_device() == torch.device("cuda", expected)
@@ -70,7 +78,9 @@ def test_no_gpu_means_cpu_and_cuda_request_fails(gpus: Any) -> None:
     gpus(0)
     assert select_device() == torch.device("cpu")
     assert select_device("cpu") == torch.device("cpu")
-    with pytest.raises(ValueError, match=r"device='cuda' was requested but CUDA is not available: pass device='cpu'"):
+    with pytest.raises(
+        ValueError, match=r"device='cuda' was requested but CUDA is not available: pass device='cpu'"
+    ):
         select_device("cuda")
 
 
@@ -82,10 +92,18 @@ def test_explicit_index_must_be_visible(gpus: Any, monkeypatch: pytest.MonkeyPat
         select_device("cuda:3")
 
 
-@pytest.mark.parametrize(("backend", "expected"), [
-    ("nccl", "cuda"), ("cpu:gloo,cuda:nccl", "cuda"), ("cuda:nccl,cpu:gloo", "cuda"), ("gloo", "cpu"),
-])
-def test_backend_string_decides(gpus: Any, monkeypatch: pytest.MonkeyPatch, backend: str, expected: str) -> None:
+@pytest.mark.parametrize(
+    ("backend", "expected"),
+    [
+        ("nccl", "cuda"),
+        ("cpu:gloo,cuda:nccl", "cuda"),
+        ("cuda:nccl,cpu:gloo", "cuda"),
+        ("gloo", "cpu"),
+    ],
+)
+def test_backend_string_decides(
+    gpus: Any, monkeypatch: pytest.MonkeyPatch, backend: str, expected: str
+) -> None:
     gpus(4)
     monkeypatch.setenv("LOCAL_RANK", "2")
     dev = select_device(backend=backend)
@@ -95,8 +113,9 @@ def test_backend_string_decides(gpus: Any, monkeypatch: pytest.MonkeyPatch, back
 
 
 @pytest.mark.parametrize("backend", ["nccl", "cpu:gloo,cuda:nccl"])
-def test_existing_group_uses_local_rank_not_current_device(gpus: Any, existing_group: Any,
-                                                           monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
+def test_existing_group_uses_local_rank_not_current_device(
+    gpus: Any, existing_group: Any, monkeypatch: pytest.MonkeyPatch, backend: str
+) -> None:
     gpus(4)
     existing_group(backend, rank=6)
     monkeypatch.setenv("LOCAL_RANK", "3")
@@ -113,7 +132,9 @@ def test_existing_gloo_group_stays_on_cpu(gpus: Any, existing_group: Any) -> Non
     assert collective_device() == torch.device("cpu")
 
 
-def test_ensure_process_group_initialises_eagerly_on_the_local_gpu(gpus: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ensure_process_group_initialises_eagerly_on_the_local_gpu(
+    gpus: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     gpus(2)
     monkeypatch.setenv("LOCAL_RANK", "3")
     monkeypatch.setenv("WORLD_SIZE", "4")
@@ -121,8 +142,7 @@ def test_ensure_process_group_initialises_eagerly_on_the_local_gpu(gpus: Any, mo
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     calls: dict[str, Any] = {}
     monkeypatch.setattr(torch.cuda, "set_device", lambda dev: calls.setdefault("set_device", dev))
-    monkeypatch.setattr(dist, "init_process_group",
-                        lambda backend, **kw: calls.update(backend=backend, **kw))
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.update(backend=backend, **kw))
     dev = ensure_process_group()
     assert dev == torch.device("cuda", 1)
     assert calls["set_device"] == torch.device("cuda", 1)
@@ -131,14 +151,20 @@ def test_ensure_process_group_initialises_eagerly_on_the_local_gpu(gpus: Any, mo
     assert (calls["rank"], calls["world_size"]) == (3, 4)
 
 
-def test_ensure_process_group_refuses_a_gloo_backend_for_a_gpu(gpus: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ensure_process_group_refuses_a_gloo_backend_for_a_gpu(
+    gpus: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     gpus(1)
-    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: pytest.fail("must refuse before initialising"))
+    monkeypatch.setattr(
+        dist, "init_process_group", lambda *a, **k: pytest.fail("must refuse before initialising")
+    )
     with pytest.raises(ValueError, match=r"backend='gloo' cannot move tensors on cuda:0"):
         ensure_process_group("cuda", backend="gloo")
 
 
-def test_ensure_process_group_on_cpu_is_gloo_without_device_id(gpus: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ensure_process_group_on_cpu_is_gloo_without_device_id(
+    gpus: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     gpus(0)
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.delenv("MASTER_ADDR", raising=False)
@@ -153,8 +179,11 @@ def test_one_place_chooses_the_device() -> None:
     from pathlib import Path
 
     src = Path(layout_mod.__file__).parent
-    offenders = [str(p.relative_to(src)) for p in src.rglob("*.py")
-                 if "current_device()" in p.read_text() and p.name != "layout.py"]
+    offenders = [
+        str(p.relative_to(src))
+        for p in src.rglob("*.py")
+        if "current_device()" in p.read_text() and p.name != "layout.py"
+    ]
     assert offenders == []
 
 
@@ -188,7 +217,9 @@ def _device_constants(module: nn.Module) -> list[torch.device]:
 def test_place_stage_retargets_device_constants() -> None:
     import merak_graph
 
-    part = merak_graph.partition(_WithPositions(), 2, example_inputs=(torch.randn(2, 6),), trace_method="export")
+    part = merak_graph.partition(
+        _WithPositions(), 2, example_inputs=(torch.randn(2, 6),), trace_method="export"
+    )
     stage = part.stages[1]
     assert _device_constants(stage) and set(_device_constants(stage)) == {torch.device("cpu")}
     moved = place_stage(stage, "meta")
@@ -199,8 +230,12 @@ def test_place_stage_retargets_device_constants() -> None:
 def test_build_parallel_model_retargets_the_kept_stage() -> None:
     """The pp > 1 path with a real model moves ``part.stages[i]``: its constants follow (here to meta)."""
     layout = types.SimpleNamespace(pp=2, tp=1, pp_rank=1, pp_group=None, timeout=None)
-    pm = build_parallel_model(_WithPositions(), layout, example_inputs=(torch.randn(2, 6),),  # type: ignore[arg-type]
-                              device="meta")
+    pm = build_parallel_model(
+        _WithPositions(),
+        layout,
+        example_inputs=(torch.randn(2, 6),),  # type: ignore[arg-type]
+        device="meta",
+    )
     constants = _device_constants(pm.module)
     assert constants and set(constants) == {torch.device("meta")}
 

@@ -60,8 +60,10 @@ def _grads(model: nn.Module, x: torch.Tensor, tp_loss: bool, group: object | Non
             value = F.cross_entropy(y.float().reshape(-1, 8), labels.reshape(-1))
     assert y.dtype == torch.bfloat16
     value.backward()  # outside autocast
-    return {n: merak_tp.gather_tensor(p.grad, like=p, group=group) if group is not None else p.grad
-            for n, p in model.named_parameters()}
+    return {
+        n: merak_tp.gather_tensor(p.grad, like=p, group=group) if group is not None else p.grad
+        for n, p in model.named_parameters()
+    }
 
 
 def amp_body(mode: str, chunks: int) -> bool:
@@ -75,8 +77,9 @@ def amp_body(mode: str, chunks: int) -> bool:
     expected = _grads(ref, x, False, None)
     if mode == "layers":
         mlp = model[0]
-        mlp.fc1 = merak_tp.ColumnParallelLinear.from_linear(mlp.fc1, group=group, overlap_chunks=chunks,
-                                                            gather_output=False)
+        mlp.fc1 = merak_tp.ColumnParallelLinear.from_linear(
+            mlp.fc1, group=group, overlap_chunks=chunks, gather_output=False
+        )
         mlp.fc2 = merak_tp.RowParallelLinear.from_linear(mlp.fc2, group=group, overlap_chunks=chunks)
     else:  # a sub-pipelined region (block-level overlap)
         plan = merak_tp.TPPlan(name="amp_mlp", layers={"0.fc1": "column", "0.fc2": "row"}, regions=("0",))

@@ -36,8 +36,11 @@ def bf16_body(reduce_dtype: Any) -> dict[str, Any]:
         p.grad = mine[n].clone()
     sync.sync()
     equal = all(torch.equal(p.grad, exact[n].to(torch.bfloat16)) for n, p in model.named_parameters())
-    return {"bucket_dtypes": sorted({str(b.dtype) for b in sync.buckets}), "exact": equal,
-            "grad_dtypes": sorted({str(p.grad.dtype) for p in model.parameters()})}
+    return {
+        "bucket_dtypes": sorted({str(b.dtype) for b in sync.buckets}),
+        "exact": equal,
+        "grad_dtypes": sorted({str(p.grad.dtype) for p in model.parameters()}),
+    }
 
 
 def test_bf16_gradients_are_reduced_in_float32() -> None:
@@ -74,8 +77,11 @@ def memory_body(dtype: torch.dtype, steps: int) -> dict[str, Any]:
         if b.buffer is not None:
             storages[b.buffer.untyped_storage().data_ptr()] = b.buffer.untyped_storage().nbytes()
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return {"held_over_grads": sum(storages.values()) / grad_bytes, "buckets": len(sync.buckets),
-            "buffers_kept": sum(b.buffer is not None for b in sync.buckets)}
+    return {
+        "held_over_grads": sum(storages.values()) / grad_bytes,
+        "buckets": len(sync.buckets),
+        "buffers_kept": sum(b.buffer is not None for b in sync.buckets),
+    }
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -89,8 +95,12 @@ def test_no_bucket_memory_kept_between_steps(dtype: torch.dtype) -> None:
 def avg_body() -> list[bool]:
     model = _model(torch.float32)
     out = []
-    for backend, device in (("gloo", "cpu"), ("nccl", "cuda"), ("cpu:gloo,cuda:nccl", "cuda"),
-                            ("cpu:gloo,cuda:nccl", "cpu")):
+    for backend, device in (
+        ("gloo", "cpu"),
+        ("nccl", "cuda"),
+        ("cpu:gloo,cuda:nccl", "cuda"),
+        ("cpu:gloo,cuda:nccl", "cpu"),
+    ):
         sync = DataParallelGradSync(model, None)
         real = dist.get_backend
         dist.get_backend = lambda group=None, b=backend: b  # type: ignore[assignment]

@@ -29,8 +29,15 @@ def _run(cluster: ClusterSpec, world_size: int, shape: DecoderShape = SMALL, **k
 
 
 def test_every_rank_gets_its_groups_stage_and_schedule():
-    report = _run(load_cluster("h100-sxm-8x"), 16, tp=2, pp=2, num_microbatches=4, schedule="shifted_critical_path",
-                  recompute="stage_aware")
+    report = _run(
+        load_cluster("h100-sxm-8x"),
+        16,
+        tp=2,
+        pp=2,
+        num_microbatches=4,
+        schedule="shifted_critical_path",
+        recompute="stage_aware",
+    )
     assert report.ok, report.summary()
     assert report.degrees == (4, 2, 2) and report.groups_backend == "torch fake process group"
     assert not dist.is_initialized()  # the fake groups are gone again
@@ -58,7 +65,9 @@ def test_a_layout_that_does_not_divide_fails_on_rank_0():
     assert "does not divide WORLD_SIZE=12" in first.message
     assert not report.ranks
     heads = _run(load_cluster("h100-sxm-8x"), 24, tp=3, pp=1, num_microbatches=1)
-    assert heads.first_failure.kind == "layout" and "tp=3 does not divide the model's heads=4" in str(heads.first_failure)
+    assert heads.first_failure.kind == "layout" and "tp=3 does not divide the model's heads=4" in str(
+        heads.first_failure
+    )
     too_deep = _run(load_cluster("h100-sxm-8x"), 64, pp=64, num_microbatches=64)
     assert too_deep.first_failure.kind == "partition" and "num_stages=64" in too_deep.first_failure.message
 
@@ -71,15 +80,23 @@ def test_a_stage_that_does_not_fit_names_the_first_rank_of_that_stage():
     s0, s1 = base.prediction.stage_memory_bytes
     assert s0 > s1
     mid = (s0 + s1) / 2 / 0.9 / 1e9
-    report = _run(_cluster(devices_per_node=4, memory_gb=mid), 8, pp=2, num_microbatches=8, micro_batch_size=64)
+    report = _run(
+        _cluster(devices_per_node=4, memory_gb=mid), 8, pp=2, num_microbatches=8, micro_batch_size=64
+    )
     first = report.first_failure
     assert first is not None and (first.rank, first.stage, first.kind) == (0, 0, "memory")
     assert "stage 0 needs" in first.message and "raise pp or tp" in first.message
     # stage 1's ranks fit: only one memory problem is reported
     assert [p.kind for p in report.problems if p.fatal] == ["memory"]
     # when every stage fails, the first failure is rank 0 and it is the only memory problem
-    flipped = _run(_cluster(devices_per_node=4, memory_gb=s1 * 0.99 / 0.9 / 1e9), 8, dp=4, pp=2,
-                   num_microbatches=8, micro_batch_size=64)
+    flipped = _run(
+        _cluster(devices_per_node=4, memory_gb=s1 * 0.99 / 0.9 / 1e9),
+        8,
+        dp=4,
+        pp=2,
+        num_microbatches=8,
+        micro_batch_size=64,
+    )
     assert flipped.first_failure.rank == 0 and [p.kind for p in flipped.problems if p.fatal] == ["memory"]
 
 
@@ -98,7 +115,10 @@ def test_a_tied_parameter_across_nodes_is_reported():
 
 def test_too_few_microbatches_are_refused():
     report = _run(load_cluster("h100-sxm-8x"), 8, pp=4, num_microbatches=2)
-    assert report.first_failure.kind == "schedule" and "num_microbatches=2 < pp=4" in report.first_failure.message
+    assert (
+        report.first_failure.kind == "schedule"
+        and "num_microbatches=2 < pp=4" in report.first_failure.message
+    )
 
 
 @pytest.mark.parametrize("recompute", ["none", "full"])
@@ -110,8 +130,18 @@ def test_dry_run_prediction_matches_the_planner(recompute):
     report = _run(cluster, 16, tp=2, pp=2, num_microbatches=4, recompute=recompute)
     model = build_decoder(SMALL)
     costs = model_costs(trace_for_cluster(model, decoder_inputs(SMALL), cluster), model)
-    ref = predict_config(costs, cluster, dp=4, tp=2, pp=2, schedule="1f1b", num_microbatches=4, micro_batch_size=1,
-                         recompute=recompute, stage_layers=report.prediction.stage_layers)
+    ref = predict_config(
+        costs,
+        cluster,
+        dp=4,
+        tp=2,
+        pp=2,
+        schedule="1f1b",
+        num_microbatches=4,
+        micro_batch_size=1,
+        recompute=recompute,
+        stage_layers=report.prediction.stage_layers,
+    )
     assert report.prediction.step_time_s == pytest.approx(ref.step_time_s, rel=1e-12)
     assert report.prediction.stage_memory_bytes == pytest.approx(ref.stage_memory_bytes, rel=1e-12)
 

@@ -82,12 +82,18 @@ def _reference() -> dict[str, torch.Tensor]:
     ids, labels = _batch()
     embed = stage0[0].weight
     _loss(block1(stage0(ids)) @ embed.t(), labels).backward()
-    return {"embed.weight": embed.grad, "block0.weight": stage0[1].linear.weight.grad,
-            "block0.bias": stage0[1].linear.bias.grad, "block1.weight": block1.linear.weight.grad,
-            "block1.bias": block1.linear.bias.grad}
+    return {
+        "embed.weight": embed.grad,
+        "block0.weight": stage0[1].linear.weight.grad,
+        "block0.bias": stage0[1].linear.bias.grad,
+        "block1.weight": block1.linear.weight.grad,
+        "block1.bias": block1.linear.bias.grad,
+    }
 
 
-def _pipeline_step(zero_stage: int, schedule_name: str, recompute: bool) -> tuple[int, dict[str, torch.Tensor], bool]:
+def _pipeline_step(
+    zero_stage: int, schedule_name: str, recompute: bool
+) -> tuple[int, dict[str, torch.Tensor], bool]:
     from merak_pipe import PipelineRunner, PipelineStage, RecomputePlan, build_schedule
     from merak_pipe.shared import shared_parameter_groups, shared_parameters_list
 
@@ -95,16 +101,30 @@ def _pipeline_step(zero_stage: int, schedule_name: str, recompute: bool) -> tupl
     w = _weights()
     if layout.is_first_stage:
         module = nn.Sequential(_Embed(w["embed.weight"]), _Block(w["block0.weight"], w["block0.bias"]))
-        names = {"embed.weight": (0, "weight"), "block0.weight": (1, "linear.weight"), "block0.bias": (1, "linear.bias")}
+        names = {
+            "embed.weight": (0, "weight"),
+            "block0.weight": (1, "linear.weight"),
+            "block0.bias": (1, "linear.bias"),
+        }
         tied = module[0].weight
     else:
         module = nn.Sequential(_Block(w["block1.weight"], w["block1.bias"]), _TiedHead(w["embed.weight"]))
-        names = {"embed.weight": (1, "weight"), "block1.weight": (0, "linear.weight"), "block1.bias": (0, "linear.bias")}
+        names = {
+            "embed.weight": (1, "weight"),
+            "block1.weight": (0, "linear.weight"),
+            "block1.bias": (0, "linear.bias"),
+        }
         tied = module[1].weight
     groups = shared_parameter_groups({"embed": [0, 1]}, group=layout.pp_group)
     shared = shared_parameters_list({"embed": tied}, groups)
-    sharded = ShardedDataParallel({layout.pp_rank: module}, layout.dp_group, zero_stage=zero_stage,
-                                  device_type="cpu", num_stages=PP, shared_parameters=shared)
+    sharded = ShardedDataParallel(
+        {layout.pp_rank: module},
+        layout.dp_group,
+        zero_stage=zero_stage,
+        device_type="cpu",
+        num_stages=PP,
+        shared_parameters=shared,
+    )
     stage = PipelineStage(module, stage_index=layout.pp_rank, num_stages=PP, group=layout.pp_group)
     plan = RecomputePlan.full(PP) if recompute else None
     schedule = build_schedule(schedule_name, num_stages=PP, num_microbatches=MICRO, recompute=plan)
@@ -116,15 +136,27 @@ def _pipeline_step(zero_stage: int, schedule_name: str, recompute: bool) -> tupl
     runner.step(ids[rows] if layout.is_first_stage else None, labels[rows] if layout.is_last_stage else None)
     sharded.finish()
     params = {n: module[i].get_parameter(attr) for n, (i, attr) in names.items()}
-    halves = all(p.to_local().shape[0] == (p.shape[0] + 1) // 2 if layout.dp_rank == 0
-                 else p.to_local().shape[0] == p.shape[0] // 2 for p in params.values())
+    halves = all(
+        p.to_local().shape[0] == (p.shape[0] + 1) // 2
+        if layout.dp_rank == 0
+        else p.to_local().shape[0] == p.shape[0] // 2
+        for p in params.values()
+    )
     return layout.pp_rank, {n: p.grad.full_tensor() for n, p in params.items()}, halves
 
 
-@pytest.mark.parametrize(("zero_stage", "schedule_name", "recompute"), [
-    (2, "1f1b", False), (3, "1f1b", False), (3, "gpipe", True), (2, "gpipe", True),
-])
-def test_sharded_gradients_inside_a_pipeline_step(zero_stage: int, schedule_name: str, recompute: bool) -> None:
+@pytest.mark.parametrize(
+    ("zero_stage", "schedule_name", "recompute"),
+    [
+        (2, "1f1b", False),
+        (3, "1f1b", False),
+        (3, "gpipe", True),
+        (2, "gpipe", True),
+    ],
+)
+def test_sharded_gradients_inside_a_pipeline_step(
+    zero_stage: int, schedule_name: str, recompute: bool
+) -> None:
     results = run_on_ranks(DP * PP, _pipeline_step, zero_stage, schedule_name, recompute)
     ref = _reference()
     for pp_rank, grads, halves in results:
@@ -135,7 +167,9 @@ def test_sharded_gradients_inside_a_pipeline_step(zero_stage: int, schedule_name
 
 def test_reshard_after_forward_rule() -> None:
     assert default_reshard_after_forward(3, stage_index=0, num_stages=1)
-    assert [default_reshard_after_forward(3, stage_index=s, num_stages=4) for s in range(4)] == [True] * 3 + [False]
+    assert [default_reshard_after_forward(3, stage_index=s, num_stages=4) for s in range(4)] == [True] * 3 + [
+        False
+    ]
     assert not any(default_reshard_after_forward(2, stage_index=s, num_stages=2) for s in range(2))
     with pytest.raises(ValueError, match="zero_stage=1"):
         default_reshard_after_forward(1, stage_index=0, num_stages=1)

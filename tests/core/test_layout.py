@@ -26,8 +26,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _factorisations(world: int) -> list[tuple[int, int, int]]:
-    return [(d, t, world // (d * t)) for d in range(1, world + 1) for t in range(1, world + 1)
-            if world % (d * t) == 0]
+    return [
+        (d, t, world // (d * t))
+        for d in range(1, world + 1)
+        for t in range(1, world + 1)
+        if world % (d * t) == 0
+    ]
 
 
 # ---------------------------------------------------------------------------- pure
@@ -86,7 +90,9 @@ def test_init_single_process_without_launcher() -> None:
         "assert lay.mesh.mesh_dim_names == ('pp', 'dp', 'tp')\n"
         "print('OK', dist.get_backend())\n"
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
+    }
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "packages/merak-core/src"), env.get("PYTHONPATH", "")])
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -106,7 +112,9 @@ def _check_all_layouts(world: int) -> list[tuple[int, int, int, int]]:
         assert lay.rank_of(pp=lay.pp_rank, dp=lay.dp_rank, tp=lay.tp_rank) == rank
         assert lay.is_first_stage == (lay.pp_rank == 0) and lay.is_last_stage == (lay.pp_rank == pp - 1)
         for axis, group, expected in (
-            ("dp", lay.dp_group, lay.dp_ranks), ("tp", lay.tp_group, lay.tp_ranks), ("pp", lay.pp_group, lay.pp_ranks),
+            ("dp", lay.dp_group, lay.dp_ranks),
+            ("tp", lay.tp_group, lay.tp_ranks),
+            ("pp", lay.pp_group, lay.pp_ranks),
         ):
             # Communicate for real: who is in my group, in group-rank order?
             out = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size(group))]
@@ -117,8 +125,9 @@ def _check_all_layouts(world: int) -> list[tuple[int, int, int, int]]:
             assert lay.mesh[axis].size() == len(expected)
         assert lay.pp_ranks[lay.pp_rank] == rank
         assert lay.stage_rank(pp - 1) == lay.rank_of(pp=pp - 1, dp=lay.dp_rank, tp=lay.tp_rank)
-        again = ParallelLayout.from_groups(dp_group=lay.dp_group, tp_group=lay.tp_group, pp_group=lay.pp_group,
-                                           device="cpu")
+        again = ParallelLayout.from_groups(
+            dp_group=lay.dp_group, tp_group=lay.tp_group, pp_group=lay.pp_group, device="cpu"
+        )
         assert (again.pp_rank, again.dp_rank, again.tp_rank) == (lay.pp_rank, lay.dp_rank, lay.tp_rank)
         results.append((dp, tp, pp, lay.pp_rank * 100 + lay.dp_rank * 10 + lay.tp_rank))
     # init() over the existing default group builds the same layout and still validates.
@@ -146,7 +155,11 @@ def test_layouts_build_real_groups(world: int) -> None:
 def test_layout_2x2x2_world8() -> None:
     results = run_on_ranks(8, _check_2x2x2)
     assert [r for r in results] == [
-        (coords_of(rank, dp=2, tp=2), tuple(sorted({rank ^ 1, rank})), ) for rank in range(8)
+        (
+            coords_of(rank, dp=2, tp=2),
+            tuple(sorted({rank ^ 1, rank})),
+        )
+        for rank in range(8)
     ]
 
 
@@ -180,11 +193,21 @@ dist.destroy_process_group()
 def _torchrun(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     script = tmp_path / "job.py"
     script.write_text(_TORCHRUN_SCRIPT)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
+    }
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "packages/merak-core/src"), env.get("PYTHONPATH", "")])
     env["OMP_NUM_THREADS"] = "1"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(script), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(script),
+        *args,
+    ]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     if out.returncode != 0 and "address already in use" in out.stderr.lower():
         # torchrun picks a free port, closes it and lets the workers bind it later: another job on a
@@ -197,8 +220,11 @@ def test_init_under_torchrun(tmp_path: Path) -> None:
     out = _torchrun(tmp_path, "none", "2")
     assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-4000:])
     # Two ranks share one stdout pipe: a line of one may land in the middle of the other's.
-    lines = sorted(re.findall(r"RESULT rank=\d+ dp=\d+ tp=\d+ tp_rank=\d+ sum=[\d.]+ backend=\w+ timeout=\d+",
-                              out.stdout))
+    lines = sorted(
+        re.findall(
+            r"RESULT rank=\d+ dp=\d+ tp=\d+ tp_rank=\d+ sum=[\d.]+ backend=\w+ timeout=\d+", out.stdout
+        )
+    )
     assert lines == [
         "RESULT rank=0 dp=1 tp=2 tp_rank=0 sum=3.0 backend=gloo timeout=600",
         "RESULT rank=1 dp=1 tp=2 tp_rank=1 sum=3.0 backend=gloo timeout=600",

@@ -47,26 +47,47 @@ def test_model_state_bytes_per_zero_stage() -> None:
 
 
 def _profile() -> ModelProfile:
-    return ModelProfile(layer_forward_s=[1.0] * 4, layer_backward_s=[2.0] * 4, layer_activation_bytes=[100.0] * 4,
-                        layer_param_bytes=[1000.0, 500.0, 500.0, 1000.0], shared_param_bytes=400.0,
-                        boundary_bytes=10.0)
+    return ModelProfile(
+        layer_forward_s=[1.0] * 4,
+        layer_backward_s=[2.0] * 4,
+        layer_activation_bytes=[100.0] * 4,
+        layer_param_bytes=[1000.0, 500.0, 500.0, 1000.0],
+        shared_param_bytes=400.0,
+        boundary_bytes=10.0,
+    )
 
 
 def test_prediction_counts_in_flight_microbatches_and_tied_copies() -> None:
     prof = _profile()
-    one = predict_stage_memory(prof, stage_layers=[2, 2], schedule="1f1b", num_microbatches=4, micro_batch_size=2)
+    one = predict_stage_memory(
+        prof, stage_layers=[2, 2], schedule="1f1b", num_microbatches=4, micro_batch_size=2
+    )
     # 1F1B: stage 0 holds 2 microbatches, stage 1 one; 2 samples x 2 layers x 100 bytes each
     assert [m.activation_bytes for m in one] == [2 * 400.0, 400.0]
     assert [m.param_bytes for m in one] == [1500.0, 1500.0]  # the tied copy on both stages
-    whole = predict_stage_memory(prof, stage_layers=[4], schedule="1f1b", num_microbatches=4, micro_batch_size=2)
+    whole = predict_stage_memory(
+        prof, stage_layers=[4], schedule="1f1b", num_microbatches=4, micro_batch_size=2
+    )
     assert whole[0].param_bytes == 3000.0 - 400.0  # one stage holds the tie once
     # ZB-V, 2 ranks: stages 0 and 3 on rank 0, so the tied copy is one parameter there
-    v = predict_stage_memory(prof, stage_layers=[1, 1, 1, 1], virtual_stages=2, schedule="zb_v",
-                             num_microbatches=4, micro_batch_size=1)
+    v = predict_stage_memory(
+        prof,
+        stage_layers=[1, 1, 1, 1],
+        virtual_stages=2,
+        schedule="zb_v",
+        num_microbatches=4,
+        micro_batch_size=1,
+    )
     assert [m.rank for m in v] == [0, 1, 1, 0]
     assert [m.param_bytes for m in v] == [1000.0, 500.0, 500.0, 600.0]
-    full = predict_stage_memory(prof, stage_layers=[2, 2], schedule="1f1b", num_microbatches=4, micro_batch_size=2,
-                                recompute_fractions=[1.0, 1.0])
+    full = predict_stage_memory(
+        prof,
+        stage_layers=[2, 2],
+        schedule="1f1b",
+        num_microbatches=4,
+        micro_batch_size=2,
+        recompute_fractions=[1.0, 1.0],
+    )
     assert full[0].activation_bytes < one[0].activation_bytes
 
 
@@ -96,7 +117,11 @@ def _addition() -> tuple[nn.Module, Any, Any]:
     from model import build_model  # type: ignore[import-not-found]
 
     torch.manual_seed(0)
-    return build_model(depth=4, width=64, heads=4, vocab_size=13, context=16), AdditionDataset(64, num_digits=2), None
+    return (
+        build_model(depth=4, width=64, heads=4, vocab_size=13, context=16),
+        AdditionDataset(64, num_digits=2),
+        None,
+    )
 
 
 def _gpt2() -> tuple[nn.Module, Any, Any]:
@@ -123,12 +148,22 @@ def _measure_candidate(trainer: Any, cand: Any, inputs: Any, labels: Any) -> lis
     model = engine.model
     modules = dict(model.stage_modules) or {0: model.module}
     placement = model.stage_to_rank or (0,)
-    schedule = build_schedule(cand.schedule, num_stages=len(placement), num_ranks=layout.pp,
-                              num_microbatches=cand.num_microbatches,
-                              recompute=RecomputePlan(tuple(cand.recompute_fractions)))
-    run = pipeline_step_fn(modules, schedule, loss_fn=engine.loss_fn, group=layout.pp_group if layout.pp > 1 else None,
-                           inputs=engine.stage_inputs(inputs), labels=labels,
-                           shared_parameters=model.shared_parameters)
+    schedule = build_schedule(
+        cand.schedule,
+        num_stages=len(placement),
+        num_ranks=layout.pp,
+        num_microbatches=cand.num_microbatches,
+        recompute=RecomputePlan(tuple(cand.recompute_fractions)),
+    )
+    run = pipeline_step_fn(
+        modules,
+        schedule,
+        loss_fn=engine.loss_fn,
+        group=layout.pp_group if layout.pp > 1 else None,
+        inputs=engine.stage_inputs(inputs),
+        labels=labels,
+        shared_parameters=model.shared_parameters,
+    )
     for p in engine.params:
         p.grad = None
     mine, _ = measure_step(modules, placement, run, optimizer=engine.optimizer)
@@ -150,40 +185,80 @@ def memory_body(name: str, world: int, global_batch: int) -> list[dict[str, Any]
     dist.broadcast_object_list(profile, 0)
     # Memory terms as measured; layer times made equal so that the planner's contiguous split (by
     # time) does not follow this machine's load: the Trainer's partition balances estimated cost.
-    prof = dataclasses.replace(profile[0], layer_forward_s=[1e-3] * profile[0].num_layers,
-                               layer_backward_s=[2e-3] * profile[0].num_layers)
-    cands = plan(prof, world_size=world, memory_per_device=1e15, global_batch_size=global_batch, zero_stage=1,
-                 virtual_stages=(1, 2))
+    prof = dataclasses.replace(
+        profile[0],
+        layer_forward_s=[1e-3] * profile[0].num_layers,
+        layer_backward_s=[2e-3] * profile[0].num_layers,
+    )
+    cands = plan(
+        prof,
+        world_size=world,
+        memory_per_device=1e15,
+        global_batch_size=global_batch,
+        zero_stage=1,
+        virtual_stages=(1, 2),
+    )
     groups: dict[tuple[int, int, int, int, int, str], list[Any]] = {}
     for c in cands:  # virtual stages: a Trainer per schedule (the placement depends on it)
-        key = (c.dp, c.tp, c.pp, c.micro_batch_size, c.virtual_stages, c.schedule if c.virtual_stages > 1 else "")
+        key = (
+            c.dp,
+            c.tp,
+            c.pp,
+            c.micro_batch_size,
+            c.virtual_stages,
+            c.schedule if c.virtual_stages > 1 else "",
+        )
         groups.setdefault(key, []).append(c)
     rows = []
     for (dp, tp, pp, mbs, v, _), group in sorted(groups.items()):
         model, data, loss_fn = MODELS[name]()
-        args = TrainingArguments(output_dir=tempfile.mkdtemp(prefix="merak-mem-"), dp=dp, tp=tp, pp=pp,
-                                 per_device_train_batch_size=mbs, gradient_accumulation_steps=group[0].num_microbatches,
-                                 max_steps=1, zero_stage=1 if dp > 1 else 0, logging_steps=1, seed=0,
-                                 schedule=group[0].schedule if v > 1 else "1f1b", virtual_stages=v)
+        args = TrainingArguments(
+            output_dir=tempfile.mkdtemp(prefix="merak-mem-"),
+            dp=dp,
+            tp=tp,
+            pp=pp,
+            per_device_train_batch_size=mbs,
+            gradient_accumulation_steps=group[0].num_microbatches,
+            max_steps=1,
+            zero_stage=1 if dp > 1 else 0,
+            logging_steps=1,
+            seed=0,
+            schedule=group[0].schedule if v > 1 else "1f1b",
+            virtual_stages=v,
+        )
         trainer = Trainer(model, args, data, **({"loss_fn": loss_fn} if loss_fn else {}))
         trainer.train()  # one step: the optimizer states exist
         inputs, labels = _batch(data, global_batch // dp)
         for cand in group:
             measured = _measure_candidate(trainer, cand, inputs, labels)
             predicted = predict_stage_memory(
-                prof, stage_layers=cand.stage_layers, virtual_stages=v, schedule=cand.schedule,
+                prof,
+                stage_layers=cand.stage_layers,
+                virtual_stages=v,
+                schedule=cand.schedule,
                 num_microbatches=cand.num_microbatches,
-                micro_batch_size=cand.micro_batch_size, recompute_fractions=cand.recompute_fractions, tp=tp, dp=dp,
-                zero_stage=1)
-            rows.append({"config": f"{cand.layout} {cand.schedule} v={v} m={cand.num_microbatches} mbs={mbs} "
-                                   f"recompute={cand.recompute}",
-                         "planner": list(cand.peak_memory_bytes), "predicted": predicted, "measured": measured})
+                micro_batch_size=cand.micro_batch_size,
+                recompute_fractions=cand.recompute_fractions,
+                tp=tp,
+                dp=dp,
+                zero_stage=1,
+            )
+            rows.append(
+                {
+                    "config": f"{cand.layout} {cand.schedule} v={v} m={cand.num_microbatches} mbs={mbs} "
+                    f"recompute={cand.recompute}",
+                    "planner": list(cand.peak_memory_bytes),
+                    "predicted": predicted,
+                    "measured": measured,
+                }
+            )
     return rows if dist.get_rank() == 0 else []
 
 
 @pytest.mark.parametrize(("name", "world", "global_batch"), [("addition", 4, 8), ("gpt2", 2, 4)])
 def test_predicted_memory_per_stage_matches_measured_for_every_ranked_configuration(
-        name: str, world: int, global_batch: int) -> None:
+    name: str, world: int, global_batch: int
+) -> None:
     if name == "gpt2":
         pytest.importorskip("transformers")
     rows = run_on_ranks(world, memory_body, name, world, global_batch, timeout_s=600)[0]
@@ -197,6 +272,8 @@ def test_predicted_memory_per_stage_matches_measured_for_every_ranked_configurat
         report.append(row["config"] + "\n" + compare_stage_memory(predicted, measured))
     text = "\n".join(report)
     print(text)
-    print(f"{name}: {len(rows)} configurations, {len(errors)} stages: median error "
-          f"{100 * statistics.median(errors):.1f}%, max {100 * max(errors):.1f}%")
+    print(
+        f"{name}: {len(rows)} configurations, {len(errors)} stages: median error "
+        f"{100 * statistics.median(errors):.1f}%, max {100 * max(errors):.1f}%"
+    )
     assert statistics.median(errors) <= 0.15, text

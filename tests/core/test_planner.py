@@ -24,14 +24,29 @@ from merak_core.planner import (
     split_layers,
 )
 
-FREE = CommModel(p2p_latency_s=0.0, p2p_bandwidth=math.inf, allreduce_latency_s=0.0, allreduce_bandwidth=math.inf)
+FREE = CommModel(
+    p2p_latency_s=0.0, p2p_bandwidth=math.inf, allreduce_latency_s=0.0, allreduce_bandwidth=math.inf
+)
 
 
-def _profile(layers: int = 8, *, heads: int | None = 4, fwd: float = 1e-3, act: float = 1e6, param: float = 4e6,
-             boundary: float = 1e4) -> ModelProfile:
-    return ModelProfile(layer_forward_s=[fwd] * layers, layer_backward_s=[2 * fwd] * layers,
-                        layer_activation_bytes=[act] * layers, layer_param_bytes=[param] * layers,
-                        boundary_bytes=boundary, num_heads=heads, vocab_size=16)
+def _profile(
+    layers: int = 8,
+    *,
+    heads: int | None = 4,
+    fwd: float = 1e-3,
+    act: float = 1e6,
+    param: float = 4e6,
+    boundary: float = 1e4,
+) -> ModelProfile:
+    return ModelProfile(
+        layer_forward_s=[fwd] * layers,
+        layer_backward_s=[2 * fwd] * layers,
+        layer_activation_bytes=[act] * layers,
+        layer_param_bytes=[param] * layers,
+        boundary_bytes=boundary,
+        num_heads=heads,
+        vocab_size=16,
+    )
 
 
 def test_every_candidate_fits_and_tighter_memory_keeps_a_subset():
@@ -48,13 +63,19 @@ def test_every_candidate_fits_and_tighter_memory_keeps_a_subset():
     # a stage-aware plan depends on the budget; every other candidate under the small limit is one of the big ones
     assert all(key(c) in big_keys for c in small if c.recompute != "stage_aware")
     assert {key(c) for c in big if max(c.peak_memory_bytes) <= limit and c.recompute != "stage_aware"} <= {
-        key(c) for c in small}
+        key(c) for c in small
+    }
 
 
 def test_single_stage_memory_and_time_equal_the_sums():
-    prof = ModelProfile(layer_forward_s=[1e-3, 2e-3, 3e-3], layer_backward_s=[2e-3, 5e-3, 1e-3],
-                        layer_activation_bytes=[10.0, 20.0, 30.0], layer_param_bytes=[100.0, 0.0, 50.0],
-                        boundary_bytes=7.0, microbatch_overhead_s=4e-4)
+    prof = ModelProfile(
+        layer_forward_s=[1e-3, 2e-3, 3e-3],
+        layer_backward_s=[2e-3, 5e-3, 1e-3],
+        layer_activation_bytes=[10.0, 20.0, 30.0],
+        layer_param_bytes=[100.0, 0.0, 50.0],
+        boundary_bytes=7.0,
+        microbatch_overhead_s=4e-4,
+    )
     cands = plan(prof, world_size=1, memory_per_device=1e6, global_batch_size=6, comm=FREE)
     assert {(c.dp, c.tp, c.pp) for c in cands} == {(1, 1, 1)}
     assert sorted(c.num_microbatches for c in cands if c.recompute == "none") == [1, 2, 3, 6]
@@ -62,7 +83,9 @@ def test_single_stage_memory_and_time_equal_the_sums():
         b = c.micro_batch_size
         assert c.micro_batch_size * c.num_microbatches == 6
         m = c.num_microbatches
-        extra = m * (2e-4 + b * 6e-3) if c.recompute == "full" else 0.0  # recompute = the forward, overhead too
+        extra = (
+            m * (2e-4 + b * 6e-3) if c.recompute == "full" else 0.0
+        )  # recompute = the forward, overhead too
         assert c.step_time_s == pytest.approx(6 * (6e-3 + 8e-3) + m * 4e-4 + extra, rel=1e-12)
         static = 150.0 * (2 + 2)
         act = b * 60.0 + (b * 7.0 if c.recompute == "full" else 0.0)
@@ -71,7 +94,13 @@ def test_single_stage_memory_and_time_equal_the_sums():
 
 def test_zero_stage_one_divides_optimizer_states_by_dp():
     prof = _profile(layers=2)
-    kw = dict(world_size=2, memory_per_device=1e12, global_batch_size=4, schedules=("1f1b",), recompute_modes=("none",))
+    kw = dict(
+        world_size=2,
+        memory_per_device=1e12,
+        global_batch_size=4,
+        schedules=("1f1b",),
+        recompute_modes=("none",),
+    )
     z0 = {(c.layout, c.num_microbatches): c for c in plan(prof, **kw)}
     z1 = {(c.layout, c.num_microbatches): c for c in plan(prof, zero_stage=1, **kw)}
     c0, c1 = z0[("dp2-tp1-pp1", 1)], z1[("dp2-tp1-pp1", 1)]
@@ -91,14 +120,17 @@ def test_nothing_fits_names_the_least_memory_needed_and_that_memory_suffices():
         plan(prof, world_size=4, memory_per_device=needed * (1 - 1e-4), global_batch_size=16)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(world_size=0), "world_size=0"),
-    (dict(global_batch_size=0), "global_batch_size=0"),
-    (dict(memory_per_device=-1.0), "memory_per_device"),
-    (dict(zero_stage=4), "zero_stage=4"),
-    (dict(schedules=("interleaved_1f1b",)), "interleaved_1f1b"),
-    (dict(recompute_modes=("uniform",)), "uniform"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(world_size=0), "world_size=0"),
+        (dict(global_batch_size=0), "global_batch_size=0"),
+        (dict(memory_per_device=-1.0), "memory_per_device"),
+        (dict(zero_stage=4), "zero_stage=4"),
+        (dict(schedules=("interleaved_1f1b",)), "interleaved_1f1b"),
+        (dict(recompute_modes=("uniform",)), "uniform"),
+    ],
+)
 def test_invalid_inputs_raise(kwargs, match):
     args = dict(world_size=2, memory_per_device=1e9, global_batch_size=4)
     args.update(kwargs)
@@ -114,8 +146,12 @@ def test_no_layout_suits_the_model():
 
 def test_profile_validation():
     with pytest.raises(ValueError, match="layer_backward_s has 1 values"):
-        ModelProfile(layer_forward_s=[1.0, 1.0], layer_backward_s=[1.0], layer_activation_bytes=[1.0, 1.0],
-                     layer_param_bytes=[1.0, 1.0])
+        ModelProfile(
+            layer_forward_s=[1.0, 1.0],
+            layer_backward_s=[1.0],
+            layer_activation_bytes=[1.0, 1.0],
+            layer_param_bytes=[1.0, 1.0],
+        )
     with pytest.raises(ValueError, match="num_heads=0"):
         _profile(heads=0)
     with pytest.raises(ValueError, match="allreduce_bandwidth"):
@@ -253,14 +289,29 @@ def test_profile_model_measures_and_caches(tmp_path: Path):
     assert ModelProfile.from_json(prof.to_json()) == prof
 
 
-def test_merak_plan_command_prints_a_table_and_writes_a_valid_job(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+def test_merak_plan_command_prints_a_table_and_writes_a_valid_job(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
     from merak_core.cli import main
     from merak_core.job import JobConfig
 
     root = Path(__file__).resolve().parents[2]
     out = tmp_path / "planned.yaml"
-    rc = main(["plan", str(root / "examples/addition/config.yaml"), "data.kwargs.train_size=64", "--world-size", "4",
-               "--memory-per-device", "1GiB", "--top", "3", "--write-config", str(out)])
+    rc = main(
+        [
+            "plan",
+            str(root / "examples/addition/config.yaml"),
+            "data.kwargs.train_size=64",
+            "--world-size",
+            "4",
+            "--memory-per-device",
+            "1GiB",
+            "--top",
+            "3",
+            "--write-config",
+            str(out),
+        ]
+    )
     text = capsys.readouterr().out
     assert rc == 0
     lines = text.splitlines()
@@ -271,7 +322,16 @@ def test_merak_plan_command_prints_a_table_and_writes_a_valid_job(tmp_path: Path
     assert t.dp * t.tp * t.pp == 4
     assert t.per_device_train_batch_size * t.gradient_accumulation_steps * t.dp == 16 * 2 * 2
     assert f"dp{t.dp}-tp{t.tp}-pp{t.pp}" in lines[2]  # the first ranked row is what was written
-    rc = main(["plan", str(root / "examples/addition/config.yaml"), "--world-size", "4", "--memory-per-device", "1KiB"])
+    rc = main(
+        [
+            "plan",
+            str(root / "examples/addition/config.yaml"),
+            "--world-size",
+            "4",
+            "--memory-per-device",
+            "1KiB",
+        ]
+    )
     assert rc == 2 and "smallest configuration needs" in capsys.readouterr().err
 
 

@@ -29,53 +29,96 @@ from merak_core.planner import (
 
 
 def _profile(**kw) -> ModelProfile:
-    values = dict(layer_forward_s=[1e-3] * 4, layer_backward_s=[2e-3] * 4, layer_activation_bytes=[1e6] * 4,
-                  layer_param_bytes=[4e6] * 4, boundary_bytes=1e4, microbatch_overhead_s=2e-4, num_heads=4,
-                  vocab_size=16, optimizer_s_per_byte=1e-10)
+    values = dict(
+        layer_forward_s=[1e-3] * 4,
+        layer_backward_s=[2e-3] * 4,
+        layer_activation_bytes=[1e6] * 4,
+        layer_param_bytes=[4e6] * 4,
+        boundary_bytes=1e4,
+        microbatch_overhead_s=2e-4,
+        num_heads=4,
+        vocab_size=16,
+        optimizer_s_per_byte=1e-10,
+    )
     values.update(kw)
     return ModelProfile(**values)
 
 
-FREE = CommModel(p2p_latency_s=0.0, p2p_bandwidth=math.inf, allreduce_latency_s=0.0, allreduce_bandwidth=math.inf)
+FREE = CommModel(
+    p2p_latency_s=0.0, p2p_bandwidth=math.inf, allreduce_latency_s=0.0, allreduce_bandwidth=math.inf
+)
 
-TRUE = dict(layer_forward_s=[1.5e-3, 1.4e-3, 0.9e-3, 1.1e-3], layer_backward_s=[3e-3, 2.5e-3, 2e-3, 2.5e-3],
-            optimizer_s_per_byte=5e-10)
+TRUE = dict(
+    layer_forward_s=[1.5e-3, 1.4e-3, 0.9e-3, 1.1e-3],
+    layer_backward_s=[3e-3, 2.5e-3, 2e-3, 2.5e-3],
+    optimizer_s_per_byte=5e-10,
+)
 """The hidden costs the "measurements" come from: stages differ, and so does the optimizer."""
 
 CONFIGS = [
     dict(dp=1, tp=1, pp=4, schedule="1f1b", num_microbatches=4, micro_batch_size=2),
     dict(dp=2, tp=1, pp=2, schedule="gpipe", num_microbatches=2, micro_batch_size=2),
     dict(dp=1, tp=2, pp=2, schedule="zb_h1", num_microbatches=4, micro_batch_size=2),
-    dict(dp=1, tp=1, pp=2, schedule="shifted_critical_path", num_microbatches=4, micro_batch_size=2,
-         recompute="full"),
+    dict(
+        dp=1,
+        tp=1,
+        pp=2,
+        schedule="shifted_critical_path",
+        num_microbatches=4,
+        micro_batch_size=2,
+        recompute="full",
+    ),
     dict(dp=4, tp=1, pp=1, schedule="1f1b", num_microbatches=1, micro_batch_size=2),
 ]
 
 
-def _measure(ctx: PlanContext, cfg: dict, true: ModelProfile, *, memory: bool = True, steps: int = 3) -> MeasuredStep:
+def _measure(
+    ctx: PlanContext, cfg: dict, true: ModelProfile, *, memory: bool = True, steps: int = 3
+) -> MeasuredStep:
     t = predict_current(ctx, profile=true, **cfg)
-    return MeasuredStep(step_time_s=t.step_time_s, pipeline_s=t.pipeline_s, stage_forward_s=t.stage_forward_s,
-                        stage_backward_s=t.stage_backward_s,
-                        stage_peak_memory_bytes=t.peak_memory_bytes if memory else (), steps=steps)
+    return MeasuredStep(
+        step_time_s=t.step_time_s,
+        pipeline_s=t.pipeline_s,
+        stage_forward_s=t.stage_forward_s,
+        stage_backward_s=t.stage_backward_s,
+        stage_peak_memory_bytes=t.peak_memory_bytes if memory else (),
+        steps=steps,
+    )
 
 
 def test_compare_rows_and_errors_come_from_the_numbers():
     ctx = PlanContext(profile=_profile())
     cfg = CONFIGS[1]
     pred = predict_current(ctx, **cfg)
-    measured = MeasuredStep(step_time_s=2 * pred.step_time_s, pipeline_s=pred.pipeline_s * 1.5,
-                            stage_forward_s=(4e-3, 5e-3), stage_backward_s=(9e-3, 8e-3),
-                            stage_peak_memory_bytes=(3 * 2**20, None), steps=4)
+    measured = MeasuredStep(
+        step_time_s=2 * pred.step_time_s,
+        pipeline_s=pred.pipeline_s * 1.5,
+        stage_forward_s=(4e-3, 5e-3),
+        stage_backward_s=(9e-3, 8e-3),
+        stage_peak_memory_bytes=(3 * 2**20, None),
+        steps=4,
+    )
     comp = compare(pred, measured)
     rows = {r.name: r for r in comp.rows}
-    assert list(rows) == ["step time", "pipeline", "outside pipeline", "stage 0 F", "stage 0 B", "stage 1 F",
-                          "stage 1 B", "stage 0 peak memory", "stage 1 peak memory"]
+    assert list(rows) == [
+        "step time",
+        "pipeline",
+        "outside pipeline",
+        "stage 0 F",
+        "stage 0 B",
+        "stage 1 F",
+        "stage 1 B",
+        "stage 0 peak memory",
+        "stage 1 peak memory",
+    ]
     assert comp.step_time_error == pytest.approx(-0.5)
     assert rows["stage 0 F"].predicted == pred.stage_forward_s[0]
     assert rows["stage 1 B"].error == pytest.approx((pred.stage_backward_s[1] - 8e-3) / 8e-3)
     outside = 2 * pred.step_time_s - 1.5 * pred.pipeline_s
     assert rows["outside pipeline"].measured == pytest.approx(outside)
-    assert rows["outside pipeline"].error == pytest.approx((pred.step_time_s - pred.pipeline_s - outside) / outside)
+    assert rows["outside pipeline"].error == pytest.approx(
+        (pred.step_time_s - pred.pipeline_s - outside) / outside
+    )
     assert rows["stage 0 peak memory"].error == pytest.approx(pred.peak_memory_bytes[0] / (3 * 2**20) - 1)
     assert rows["stage 1 peak memory"].measured is None and rows["stage 1 peak memory"].error is None
     table = comp.table()
@@ -97,15 +140,26 @@ def test_compare_rejects_another_stage_count():
         compare(pred, m)
 
 
-@pytest.mark.parametrize("error, threshold, expected", [
-    (0.3, 0.25, True), (-0.3, 0.25, True), (0.2, 0.25, False), (-0.2, 0.25, False), (0.3, 0.35, False),
-    (0.01, 0.0, True),
-])
+@pytest.mark.parametrize(
+    "error, threshold, expected",
+    [
+        (0.3, 0.25, True),
+        (-0.3, 0.25, True),
+        (0.2, 0.25, False),
+        (-0.2, 0.25, False),
+        (0.3, 0.35, False),
+        (0.01, 0.0, True),
+    ],
+)
 def test_needs_replan_compares_the_absolute_step_error_with_the_threshold(error, threshold, expected):
     ctx = PlanContext(profile=_profile())
     pred = predict_current(ctx, **CONFIGS[4])
-    measured = MeasuredStep(step_time_s=pred.step_time_s / (1 + error), pipeline_s=pred.pipeline_s,
-                            stage_forward_s=pred.stage_forward_s, stage_backward_s=pred.stage_backward_s)
+    measured = MeasuredStep(
+        step_time_s=pred.step_time_s / (1 + error),
+        pipeline_s=pred.pipeline_s,
+        stage_forward_s=pred.stage_forward_s,
+        stage_backward_s=pred.stage_backward_s,
+    )
     comp = compare(pred, measured)
     assert comp.step_time_error == pytest.approx(error)
     assert needs_replan(comp, threshold) is expected
@@ -148,9 +202,12 @@ def test_corrected_profile_with_ranks_sharing_cores_still_gives_the_measured_ste
     true = _profile(**TRUE)
     t = predict_current(ctx, profile=true, **cfg)
     slowed = 2.0  # measured stage times include the slow-down of sharing cores
-    measured = MeasuredStep(step_time_s=t.step_time_s, pipeline_s=t.pipeline_s,
-                            stage_forward_s=tuple(slowed * f for f in t.stage_forward_s),
-                            stage_backward_s=tuple(slowed * b for b in t.stage_backward_s))
+    measured = MeasuredStep(
+        step_time_s=t.step_time_s,
+        pipeline_s=t.pipeline_s,
+        stage_forward_s=tuple(slowed * f for f in t.stage_forward_s),
+        stage_backward_s=tuple(slowed * b for b in t.stage_backward_s),
+    )
     corrected = correct_profile(ctx, predict_current(ctx, **cfg), measured)
     again = predict_current(ctx, profile=corrected, **cfg)
     assert again.step_time_s == pytest.approx(measured.step_time_s, rel=1e-6)
@@ -163,8 +220,15 @@ def test_corrected_profile_with_ranks_sharing_cores_still_gives_the_measured_ste
 def test_replan_keeps_a_configuration_that_was_measured_as_predicted():
     ctx = PlanContext(profile=_profile(), memory_per_device=1e9)
     best = plan(ctx.profile, world_size=4, memory_per_device=1e9, global_batch_size=8, comm=ctx.comm)[0]
-    cfg = dict(dp=best.dp, tp=best.tp, pp=best.pp, schedule=best.schedule, num_microbatches=best.num_microbatches,
-               micro_batch_size=best.micro_batch_size, recompute=best.recompute)
+    cfg = dict(
+        dp=best.dp,
+        tp=best.tp,
+        pp=best.pp,
+        schedule=best.schedule,
+        num_microbatches=best.num_microbatches,
+        micro_batch_size=best.micro_batch_size,
+        recompute=best.recompute,
+    )
     pred = predict_current(ctx, **cfg)
     result = replan(ctx, pred, _measure(ctx, cfg, ctx.profile))
     assert not result.changed
@@ -180,8 +244,15 @@ def test_replan_switches_when_the_measurement_says_the_current_layout_is_slow():
     cands = plan(ctx.profile, world_size=4, memory_per_device=1e9, global_batch_size=8, comm=ctx.comm)
     current = cands[0]
     assert current.pp == 1 and current.tp == 1
-    cfg = dict(dp=current.dp, tp=1, pp=1, schedule=current.schedule, num_microbatches=current.num_microbatches,
-               micro_batch_size=current.micro_batch_size, recompute=current.recompute)
+    cfg = dict(
+        dp=current.dp,
+        tp=1,
+        pp=1,
+        schedule=current.schedule,
+        num_microbatches=current.num_microbatches,
+        micro_batch_size=current.micro_batch_size,
+        recompute=current.recompute,
+    )
     slow = dataclasses.replace(ctx.profile, optimizer_s_per_byte=1e-9)
     measured = _measure(ctx, cfg, slow)
     comp = compare(current, measured)
@@ -206,16 +277,21 @@ def test_replan_reports_when_nothing_fits():
     tight = dataclasses.replace(ctx, memory_per_device=1e3)
     result = replan(tight, pred, _measure(ctx, cfg, ctx.profile))
     assert result.candidates == () and not result.changed
-    assert "found nothing else that fits" in result.message() and "smallest configuration needs" in result.error
+    assert (
+        "found nothing else that fits" in result.message() and "smallest configuration needs" in result.error
+    )
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(step_time_s=0.0), "step_time_s=0.0"),
-    (dict(pipeline_s=math.nan), "pipeline_s=nan"),
-    (dict(stage_backward_s=(1.0,)), "2 forward and 1 backward"),
-    (dict(stage_forward_s=(1.0, -1.0)), "stage time -1.0"),
-    (dict(stage_peak_memory_bytes=(1.0,)), "1 values for 2 stages"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(step_time_s=0.0), "step_time_s=0.0"),
+        (dict(pipeline_s=math.nan), "pipeline_s=nan"),
+        (dict(stage_backward_s=(1.0,)), "2 forward and 1 backward"),
+        (dict(stage_forward_s=(1.0, -1.0)), "stage time -1.0"),
+        (dict(stage_peak_memory_bytes=(1.0,)), "1 values for 2 stages"),
+    ],
+)
 def test_measured_step_validation(kw, match):
     values = dict(step_time_s=1.0, pipeline_s=0.5, stage_forward_s=(1.0, 1.0), stage_backward_s=(1.0, 1.0))
     values.update(kw)
@@ -223,10 +299,14 @@ def test_measured_step_validation(kw, match):
         MeasuredStep(**values)
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(memory_per_device=0), "memory_per_device=0"), (dict(compute_slots=0), "compute_slots=0"),
-    (dict(zero_stage=2), "zero_stage=2"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(memory_per_device=0), "memory_per_device=0"),
+        (dict(compute_slots=0), "compute_slots=0"),
+        (dict(zero_stage=2), "zero_stage=2"),
+    ],
+)
 def test_plan_context_validation(kw, match):
     with pytest.raises(ValueError, match=match):
         PlanContext(profile=_profile(), **kw)

@@ -15,24 +15,43 @@ from torch import nn
 
 from merak_core.planner import CommModel, ModelProfile, plan, predict, profile_model
 
-FREE = CommModel(p2p_latency_s=0.0, p2p_bandwidth=math.inf, allreduce_latency_s=0.0, allreduce_bandwidth=math.inf)
+FREE = CommModel(
+    p2p_latency_s=0.0, p2p_bandwidth=math.inf, allreduce_latency_s=0.0, allreduce_bandwidth=math.inf
+)
 
 
 def _profile(layers: int = 4, *, fwd: float = 1e-3, opt: float = 0.0, param: float = 4e6) -> ModelProfile:
-    return ModelProfile(layer_forward_s=[fwd] * layers, layer_backward_s=[2 * fwd] * layers,
-                        layer_activation_bytes=[1e6] * layers, layer_param_bytes=[param] * layers,
-                        boundary_bytes=1e4, num_heads=4, optimizer_s_per_byte=opt)
+    return ModelProfile(
+        layer_forward_s=[fwd] * layers,
+        layer_backward_s=[2 * fwd] * layers,
+        layer_activation_bytes=[1e6] * layers,
+        layer_param_bytes=[param] * layers,
+        boundary_bytes=1e4,
+        num_heads=4,
+        optimizer_s_per_byte=opt,
+    )
 
 
 def test_predict_equals_the_plans_candidate_for_every_configuration():
     prof = _profile(opt=1e-10)
     comm = CommModel(p2p_latency_s=1e-4, allreduce_latency_s=2e-4, allreduce_bandwidth=1e9)
     for slots in (None, 2):
-        for c in plan(prof, world_size=4, memory_per_device=1e12, global_batch_size=8, comm=comm,
-                      compute_slots=slots):
-            again = predict(prof, dp=c.dp, tp=c.tp, pp=c.pp, schedule=c.schedule, num_microbatches=c.num_microbatches,
-                            micro_batch_size=c.micro_batch_size, recompute=c.recompute, comm=comm,
-                            memory_per_device=1e12, compute_slots=slots)
+        for c in plan(
+            prof, world_size=4, memory_per_device=1e12, global_batch_size=8, comm=comm, compute_slots=slots
+        ):
+            again = predict(
+                prof,
+                dp=c.dp,
+                tp=c.tp,
+                pp=c.pp,
+                schedule=c.schedule,
+                num_microbatches=c.num_microbatches,
+                micro_batch_size=c.micro_batch_size,
+                recompute=c.recompute,
+                comm=comm,
+                memory_per_device=1e12,
+                compute_slots=slots,
+            )
             assert again == c
 
 
@@ -68,12 +87,34 @@ def test_per_step_overhead_is_the_optimizer_and_two_small_all_reduces():
     assert c.overhead_s == pytest.approx(stage_params * 1e-9 + 2 * 2e-3, rel=1e-12)
     # the DP all-reduce of one stage's gradients over 2 ranks, 8e6 bytes: beyond the last point, last slope
     assert c.dp_allreduce_s == pytest.approx(3e-3 + (8e6 - 1e6) * (2e-3 / (1e6 - 8.0)), rel=1e-12)
-    z1 = predict(prof, dp=2, tp=1, pp=2, schedule="1f1b", num_microbatches=2, micro_batch_size=1, comm=comm,
-                 zero_stage=1)
-    assert z1.overhead_s == pytest.approx(stage_params / 2 * 1e-9 + 2 * 2e-3, rel=1e-12)  # ZeRO-1: half the states
-    shared = predict(prof, dp=2, tp=1, pp=2, schedule="1f1b", num_microbatches=2, micro_batch_size=1, comm=comm,
-                     compute_slots=2)
-    assert shared.overhead_s == pytest.approx(stage_params * 1e-9 * 2 + 2 * 2e-3, rel=1e-12)  # 4 ranks, 2 cores
+    z1 = predict(
+        prof,
+        dp=2,
+        tp=1,
+        pp=2,
+        schedule="1f1b",
+        num_microbatches=2,
+        micro_batch_size=1,
+        comm=comm,
+        zero_stage=1,
+    )
+    assert z1.overhead_s == pytest.approx(
+        stage_params / 2 * 1e-9 + 2 * 2e-3, rel=1e-12
+    )  # ZeRO-1: half the states
+    shared = predict(
+        prof,
+        dp=2,
+        tp=1,
+        pp=2,
+        schedule="1f1b",
+        num_microbatches=2,
+        micro_batch_size=1,
+        comm=comm,
+        compute_slots=2,
+    )
+    assert shared.overhead_s == pytest.approx(
+        stage_params * 1e-9 * 2 + 2 * 2e-3, rel=1e-12
+    )  # 4 ranks, 2 cores
 
 
 def test_measured_all_reduce_table_interpolates():
@@ -90,13 +131,16 @@ def test_measured_all_reduce_table_interpolates():
         CommModel(allreduce_by_group={2: [(8, -1.0)]})
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(compute_slots=0), "compute_slots=0"),
-    (dict(dp=0), "dp=0"),
-    (dict(schedule="interleaved_1f1b"), "interleaved_1f1b"),
-    (dict(recompute="uniform"), "uniform"),
-    (dict(pp=5), "pp=5"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(compute_slots=0), "compute_slots=0"),
+        (dict(dp=0), "dp=0"),
+        (dict(schedule="interleaved_1f1b"), "interleaved_1f1b"),
+        (dict(recompute="uniform"), "uniform"),
+        (dict(pp=5), "pp=5"),
+    ],
+)
 def test_predict_rejects_bad_input(kwargs, match):
     args = dict(dp=1, tp=1, pp=2, schedule="1f1b", num_microbatches=2, micro_batch_size=1)
     args.update(kwargs)
@@ -127,7 +171,9 @@ def test_profiling_leaves_the_random_stream_and_gradients_alone():
     assert torch.equal(torch.rand(3), expected)  # the stream continues as if nothing had been profiled
     assert prof.optimizer_s_per_byte > 0
     assert all(p.grad is None for p in model.parameters())
-    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))  # the optimizer ran on copies
+    assert all(
+        torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True)
+    )  # the optimizer ran on copies
 
 
 def _table_body():
@@ -164,7 +210,9 @@ def test_tp_all_reduce_waits_are_not_cpu_work_on_shared_cores():
 def test_a_measured_wait_per_synchronisation_is_charged_to_every_synchronising_step():
     prof = _profile()
     base = CommModel(allreduce_by_group={2: [(8.0, 1e-3)], 4: [(8.0, 2e-3)]}, p2p_latency_s=1e-4)
-    waiting = CommModel(allreduce_by_group={2: [(8.0, 1e-3)], 4: [(8.0, 2e-3)]}, p2p_latency_s=1e-4, sync_wait_s=5e-4)
+    waiting = CommModel(
+        allreduce_by_group={2: [(8.0, 1e-3)], 4: [(8.0, 2e-3)]}, p2p_latency_s=1e-4, sync_wait_s=5e-4
+    )
     kw = dict(dp=2, tp=2, pp=1, schedule="1f1b", num_microbatches=1, micro_batch_size=2)
     a, b = predict(prof, comm=base, **kw), predict(prof, comm=waiting, **kw)
     # 4 layers x 2 all-reduces x 2 directions in the pipeline, one DP all-reduce, two per-step all-reduces
@@ -176,10 +224,18 @@ def test_a_measured_wait_per_synchronisation_is_charged_to_every_synchronising_s
 
 
 def test_the_fixed_cost_per_microbatch_is_shared_by_the_stages_by_layer_count():
-    prof = dataclasses.replace(_profile(), microbatch_overhead_s=8e-3)  # forward 4 ms + backward 4 ms, whole model
-    whole = predict(prof, dp=1, tp=1, pp=1, schedule="1f1b", num_microbatches=1, micro_batch_size=1, comm=FREE)
-    assert whole.stage_forward_s == pytest.approx((4e-3 + 4e-3,), rel=1e-12)  # 4 layers x 1 ms + the whole 4 ms
-    split = predict(prof, dp=1, tp=2, pp=2, schedule="1f1b", num_microbatches=2, micro_batch_size=1, comm=FREE)
+    prof = dataclasses.replace(
+        _profile(), microbatch_overhead_s=8e-3
+    )  # forward 4 ms + backward 4 ms, whole model
+    whole = predict(
+        prof, dp=1, tp=1, pp=1, schedule="1f1b", num_microbatches=1, micro_batch_size=1, comm=FREE
+    )
+    assert whole.stage_forward_s == pytest.approx(
+        (4e-3 + 4e-3,), rel=1e-12
+    )  # 4 layers x 1 ms + the whole 4 ms
+    split = predict(
+        prof, dp=1, tp=2, pp=2, schedule="1f1b", num_microbatches=2, micro_batch_size=1, comm=FREE
+    )
     # two layers per stage: half the fixed cost each, and a TP shard pays it whole (it runs every operator)
     assert split.stage_forward_s == pytest.approx((2e-3 / 2 + 2e-3,) * 2, rel=1e-12)
     assert split.stage_backward_s == pytest.approx((4e-3 / 2 + 2e-3,) * 2, rel=1e-12)

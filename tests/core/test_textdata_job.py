@@ -24,11 +24,21 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _raw(**data: Any) -> dict[str, Any]:
-    section = {"format": "jsonl", "path": "train.jsonl", "text_field": "body", "tokenizer": "tok", "seq_len": 8,
-               "eval_fraction": 0.1, "cache_dir": "cache"}
+    section = {
+        "format": "jsonl",
+        "path": "train.jsonl",
+        "text_field": "body",
+        "tokenizer": "tok",
+        "seq_len": 8,
+        "eval_fraction": 0.1,
+        "cache_dir": "cache",
+    }
     section.update(data)
-    return {"model": {"factory": "tests.support.text:text_model"}, "data": section,
-            "training": {"dp": 1, "tp": 1, "pp": 1, "per_device_train_batch_size": 2, "max_steps": 1}}
+    return {
+        "model": {"factory": "tests.support.text:text_model"},
+        "data": section,
+        "training": {"dp": 1, "tp": 1, "pp": 1, "per_device_train_batch_size": 2, "max_steps": 1},
+    }
 
 
 def _write(folder: Path, raw: dict[str, Any], name: str = "job.yaml") -> Path:
@@ -45,29 +55,50 @@ def test_a_text_section_builds_the_datasets_with_paths_from_the_job_folder(folde
     assert isinstance(train, TokenSamples) and isinstance(evaluation, TokenSamples)
     assert train.seq_len == 6 and train[0]["input_ids"].shape == (6,)
     assert len(evaluation) >= 1 and evaluation.sample_id(0) == len(train)
-    assert job_text_spec(JobConfig.from_dict({**_raw(), "data": {"factory": "tests.support.text:sentences",
-                                                                   "kwargs": {"count": 3}}})) is None
+    assert (
+        job_text_spec(
+            JobConfig.from_dict(
+                {**_raw(), "data": {"factory": "tests.support.text:sentences", "kwargs": {"count": 3}}}
+            )
+        )
+        is None
+    )
 
 
-@pytest.mark.parametrize(("data", "match"), [
-    ({"seq_len": 0}, r"data.seq_len=0: expected a positive integer"),
-    ({"seqlen": 8}, r"unknown key data.seqlen \(did you mean 'seq_len'\?\)"),
-    ({"format": "csv"}, r"data.format='csv': expected one of"),
-    ({"factory": "x.py:f"}, r"data has both 'format' \(text data\) and 'factory'"),
-])
-def test_bad_keys_are_refused_when_the_job_file_is_read(folder: Path, data: dict[str, Any], match: str) -> None:
+@pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        ({"seq_len": 0}, r"data.seq_len=0: expected a positive integer"),
+        ({"seqlen": 8}, r"unknown key data.seqlen \(did you mean 'seq_len'\?\)"),
+        ({"format": "csv"}, r"data.format='csv': expected one of"),
+        ({"factory": "x.py:f"}, r"data has both 'format' \(text data\) and 'factory'"),
+    ],
+)
+def test_bad_keys_are_refused_when_the_job_file_is_read(
+    folder: Path, data: dict[str, Any], match: str
+) -> None:
     with pytest.raises(ValueError, match=match):
         JobConfig.from_dict(_raw(**data), base_dir=str(folder), source="job.yaml")
 
 
-@pytest.mark.parametrize(("data", "match"), [
-    ({"path": "missing.jsonl"}, r"data.path='.*missing.jsonl' does not exist .*point data.path at the jsonl file"),
-    ({"tokenizer": "no-tok"}, r"data.tokenizer='.*no-tok' does not exist"),
-    ({"text_field": "text"}, r"data.text_field='text': line 1 of .* has no field 'text' \(it has \['body'\]\); "
-                             r"set data.text_field"),
-])
-def test_launch_checks_name_the_key_and_the_fix(folder: Path, data: dict[str, Any], match: str,
-                                                capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        (
+            {"path": "missing.jsonl"},
+            r"data.path='.*missing.jsonl' does not exist .*point data.path at the jsonl file",
+        ),
+        ({"tokenizer": "no-tok"}, r"data.tokenizer='.*no-tok' does not exist"),
+        (
+            {"text_field": "text"},
+            r"data.text_field='text': line 1 of .* has no field 'text' \(it has \['body'\]\); "
+            r"set data.text_field",
+        ),
+    ],
+)
+def test_launch_checks_name_the_key_and_the_fix(
+    folder: Path, data: dict[str, Any], match: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     from merak_core.cli import main
     from merak_core.exitcodes import BAD_INPUT
 

@@ -91,8 +91,11 @@ def _zero_same_grads(kind: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]
         opt.step()
         sched.step()
     owned = sum(len(v) for v in opt.inner.state.values())
-    return ({n: p.detach().clone() for n, p in model.named_parameters()}, opt.consolidate_state_dict(),
-            len(opt.inner.state) and owned)
+    return (
+        {n: p.detach().clone() for n, p in model.named_parameters()},
+        opt.consolidate_state_dict(),
+        len(opt.inner.state) and owned,
+    )
 
 
 def _assert_state_equal(actual: dict[str, Any], expected: dict[str, Any], *, exact: bool) -> None:
@@ -103,7 +106,9 @@ def _assert_state_equal(actual: dict[str, Any], expected: dict[str, Any], *, exa
             if exact:
                 assert torch.equal(torch.as_tensor(value), torch.as_tensor(ref_value)), (index, key)
             else:
-                assert_tensors_close(torch.as_tensor(value), torch.as_tensor(ref_value), name=f"state[{index}][{key}]")
+                assert_tensors_close(
+                    torch.as_tensor(value), torch.as_tensor(ref_value), name=f"state[{index}][{key}]"
+                )
     for got, ref in zip(actual["param_groups"], expected["param_groups"], strict=True):
         assert got == ref
 

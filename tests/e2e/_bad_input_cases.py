@@ -51,8 +51,13 @@ def _gpt(**cfg: Any) -> nn.Module:
 def _args(ctx: CaseContext, **overrides: Any) -> Any:
     from merak_core import TrainingArguments
 
-    values: dict[str, Any] = dict(output_dir=str(ctx.tmp / "out"), per_device_train_batch_size=2,
-                                  gradient_accumulation_steps=2, max_steps=2, dtype="float64")
+    values: dict[str, Any] = dict(
+        output_dir=str(ctx.tmp / "out"),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=2,
+        dtype="float64",
+    )
     values.update(overrides)
     return TrainingArguments(**values)
 
@@ -86,9 +91,15 @@ def _mlp(depth: int = 4) -> nn.Module:
     return nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(depth)]).double()
 
 
-def _write_job(ctx: CaseContext, training: str = "dp: 1\n  tp: 1\n  pp: 1", *, model: str = "model.py:build_model",
-               extra: str = "") -> Path:
-    (ctx.tmp / "model.py").write_text(textwrap.dedent("""
+def _write_job(
+    ctx: CaseContext,
+    training: str = "dp: 1\n  tp: 1\n  pp: 1",
+    *,
+    model: str = "model.py:build_model",
+    extra: str = "",
+) -> Path:
+    (ctx.tmp / "model.py").write_text(
+        textwrap.dedent("""
         import torch
 
         def build_model():
@@ -96,10 +107,13 @@ def _write_job(ctx: CaseContext, training: str = "dp: 1\n  tp: 1\n  pp: 1", *, m
 
         def build_data():
             return [(torch.zeros(4), 0)] * 8
-    """))
+    """)
+    )
     job = ctx.tmp / "job.yaml"
-    job.write_text(f"model:\n  factory: {model}\ndata:\n  factory: model.py:build_data\n{extra}"
-                   f"training:\n  {training}\n  output_dir: {ctx.tmp / 'out'}\n")
+    job.write_text(
+        f"model:\n  factory: {model}\ndata:\n  factory: model.py:build_data\n{extra}"
+        f"training:\n  {training}\n  output_dir: {ctx.tmp / 'out'}\n"
+    )
     return job
 
 
@@ -304,7 +318,9 @@ def tp_style_on_wrong_module(ctx: CaseContext) -> None:
 def args_unknown_tp_plan_name(ctx: CaseContext) -> None:
     from merak_core.job import JobConfig
 
-    _args(ctx, tp_plan="gtp")  # a name is looked up once the job's modules (which may register it) are imported
+    _args(
+        ctx, tp_plan="gtp"
+    )  # a name is looked up once the job's modules (which may register it) are imported
     job = _write_job(ctx, training="tp_plan: gtp")
     with ctx.guard():
         JobConfig.from_yaml(job)
@@ -382,8 +398,12 @@ def stage_aware_budget_too_small(ctx: CaseContext) -> None:
 
     schedule = build_schedule("1f1b", num_stages=2, num_microbatches=4)
     with ctx.guard():
-        stage_aware_plan(layer_activation_bytes=[[100.0] * 4, [100.0] * 4], memory_budget=1000.0,
-                         static_bytes=990.0, schedule=schedule)
+        stage_aware_plan(
+            layer_activation_bytes=[[100.0] * 4, [100.0] * 4],
+            memory_budget=1000.0,
+            static_bytes=990.0,
+            schedule=schedule,
+        )
 
 
 def partition_memory_limit_too_small(ctx: CaseContext) -> None:
@@ -391,8 +411,9 @@ def partition_memory_limit_too_small(ctx: CaseContext) -> None:
 
     model = _mlp()
     with ctx.guard():
-        merak_graph.partition(model, 2, example_inputs=(torch.zeros(2, 8, dtype=torch.float64),),
-                              memory_limit=100.0)
+        merak_graph.partition(
+            model, 2, example_inputs=(torch.zeros(2, 8, dtype=torch.float64),), memory_limit=100.0
+        )
 
 
 # ----------------------------------------------------------------------------- tracing / partitioning
@@ -451,8 +472,9 @@ def _two_stage_runner(num_stages_of_stage: int = 2, num_stages_of_schedule: int 
 
     rank = dist.get_rank()
     torch.manual_seed(rank)
-    stage = PipelineStage(nn.Sequential(nn.Linear(4, 4)).double(), stage_index=rank,
-                          num_stages=num_stages_of_stage)
+    stage = PipelineStage(
+        nn.Sequential(nn.Linear(4, 4)).double(), stage_index=rank, num_stages=num_stages_of_stage
+    )
     schedule = build_schedule("1f1b", num_stages=num_stages_of_schedule, num_microbatches=4)
     return PipelineRunner([stage], schedule, loss_fn=lambda out, y: ((out - y) ** 2).mean())
 
@@ -585,7 +607,9 @@ def cli_multi_node_without_endpoint(ctx: CaseContext) -> None:
 class _Features(Dataset):
     """``{"input": x, "labels": y}`` samples for ``nn.Sequential`` classifiers (``forward(input)``)."""
 
-    def __init__(self, size: int = 16, *, label_dtype: torch.dtype = torch.long, label_width: int = 0) -> None:
+    def __init__(
+        self, size: int = 16, *, label_dtype: torch.dtype = torch.long, label_width: int = 0
+    ) -> None:
         g = torch.Generator().manual_seed(1)
         self.x = torch.randn(size, 4, generator=g, dtype=torch.float64)
         shape = (size, label_width) if label_width else (size,)
@@ -666,7 +690,9 @@ def tuple_dataset_reference_loss() -> float:
     loader = StageAwareDataLoader(_Pairs(), batch_size=4, seed=args.seed, shuffle=True)
     batch = next(iter(loader))
     model = _classifier().double()
-    losses = [default_loss(model(x), y) for x, y in zip(batch.inputs.chunk(2), batch.labels.chunk(2), strict=True)]
+    losses = [
+        default_loss(model(x), y) for x, y in zip(batch.inputs.chunk(2), batch.labels.chunk(2), strict=True)
+    ]
     return float(sum(losses) / 2)
 
 

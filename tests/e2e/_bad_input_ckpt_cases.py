@@ -28,8 +28,15 @@ def _ckpt_trainer(output_dir: str, *, hidden: int = 8, batch: int = 2, layout: A
     from merak_core import Trainer, TrainingArguments, init
 
     layout = layout if layout is not None else init(dp=2, device="cpu")
-    args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=batch, max_steps=1, save_steps=1,
-                             dtype="float64", logging_steps=1, learning_rate=0.1)
+    args = TrainingArguments(
+        output_dir=output_dir,
+        per_device_train_batch_size=batch,
+        max_steps=1,
+        save_steps=1,
+        dtype="float64",
+        logging_steps=1,
+        learning_rate=0.1,
+    )
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, hidden), nn.Tanh(), nn.Linear(hidden, 3))
     return Trainer(model, args, _Pairs(), layout=layout)
@@ -38,8 +45,11 @@ def _ckpt_trainer(output_dir: str, *, hidden: int = 8, batch: int = 2, layout: A
 def _snapshot(root: Path) -> dict[str, tuple[int, bytes]]:
     import hashlib
 
-    return {str(p.relative_to(root)): (p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).digest())
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): (p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).digest())
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def _saved_run(ctx: CaseContext) -> tuple[Path, Any]:

@@ -58,8 +58,17 @@ def build_failing() -> nn.Module:
 class Tokens(Dataset):
     """Token sequences with next-token labels; options make one sample or the dtypes wrong."""
 
-    def __init__(self, size: int = 32, vocab: int = 16, *, ragged_at: int | None = None, label_dtype: str = "int64",
-                 max_id: int | None = None, float_ids: bool = False, bad_label: int | None = None) -> None:
+    def __init__(
+        self,
+        size: int = 32,
+        vocab: int = 16,
+        *,
+        ragged_at: int | None = None,
+        label_dtype: str = "int64",
+        max_id: int | None = None,
+        float_ids: bool = False,
+        bad_label: int | None = None,
+    ) -> None:
         g = torch.Generator().manual_seed(0)
         self.ids = torch.randint(0, vocab, (size, SEQ + 1), generator=g)
         if max_id is not None:
@@ -114,4 +123,6 @@ def slow_loss(logits_btv: torch.Tensor, labels_bt: torch.Tensor) -> torch.Tensor
         marker = os.environ.get("MERAK_TEST_PID_DIR")
         if marker:
             open(os.path.join(marker, f"step.rank{os.environ.get('RANK', '0')}"), "w").close()
-    return F.cross_entropy(logits_btv.reshape(-1, logits_btv.size(-1)), labels_bt.reshape(-1), ignore_index=-100)
+    return F.cross_entropy(
+        logits_btv.reshape(-1, logits_btv.size(-1)), labels_bt.reshape(-1), ignore_index=-100
+    )

@@ -26,10 +26,31 @@ from typing import Any
 import torch.distributed as dist
 
 GUARDED = (
-    "all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "all_to_all", "all_to_all_single",
-    "barrier", "batch_isend_irecv", "broadcast", "broadcast_object_list", "gather", "gather_object", "irecv",
-    "isend", "monitored_barrier", "new_group", "new_subgroups", "recv", "reduce", "reduce_scatter",
-    "reduce_scatter_tensor", "scatter", "scatter_object_list", "send", "init_process_group",
+    "all_reduce",
+    "all_gather",
+    "all_gather_object",
+    "all_gather_into_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "batch_isend_irecv",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "gather_object",
+    "irecv",
+    "isend",
+    "monitored_barrier",
+    "new_group",
+    "new_subgroups",
+    "recv",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
+    "scatter_object_list",
+    "send",
+    "init_process_group",
 )
 """``torch.distributed`` functions a bad input must never reach."""
 

@@ -24,8 +24,9 @@ def layout_kwargs(dp: int, tp: int, pp: int, **extra: Any) -> dict[str, Any]:
     """TrainingArguments fields of a (dp, tp, pp) run with the shared global batch."""
     num_micro = GLOBAL_BATCH // (MICRO * dp)
     assert num_micro >= pp, (dp, tp, pp)
-    return dict(dp=dp, tp=tp, pp=pp, per_device_train_batch_size=MICRO, gradient_accumulation_steps=num_micro,
-                **extra)
+    return dict(
+        dp=dp, tp=tp, pp=pp, per_device_train_batch_size=MICRO, gradient_accumulation_steps=num_micro, **extra
+    )
 
 
 def make_trainer(name: str, kwargs: dict[str, Any], dataset_size: int = 64) -> Any:
@@ -55,8 +56,9 @@ def make_trainer(name: str, kwargs: dict[str, Any], dataset_size: int = 64) -> A
     return Trainer(model, args, data, loss_fn=loss)
 
 
-def train_body(name: str, kwargs: dict[str, Any], resume: str | None = None,
-               full_state_at: int | None = None) -> dict[str, Any]:
+def train_body(
+    name: str, kwargs: dict[str, Any], resume: str | None = None, full_state_at: int | None = None
+) -> dict[str, Any]:
     """Train (optionally after resuming); losses by step, and the full state after loading / at the end."""
     trainer = make_trainer(name, kwargs)
     out: dict[str, Any] = {}
@@ -95,8 +97,9 @@ def die_during_save_body(name: str, kwargs: dict[str, Any], victim: int, die_at_
         FileSystemWriter.write_data = original  # type: ignore[method-assign]
 
 
-def import_export_body(name: str, save_kwargs: dict[str, Any], load_kwargs: dict[str, Any],
-                       out_dir: str) -> dict[str, Any]:
+def import_export_body(
+    name: str, save_kwargs: dict[str, Any], load_kwargs: dict[str, Any], out_dir: str
+) -> dict[str, Any]:
     """Export a trained model (.pt and .safetensors), import both into a fresh trainer of another layout."""
     from merak_core.weights import export_full_state_dict, load_full_state_dict
 
@@ -163,8 +166,13 @@ def sgd_body(out_dir: str, resume: bool) -> dict[str, Any]:
         opt = torch.optim.SGD(groups, lr=0.05, momentum=0.9)
         return opt
 
-    trainer = Trainer(model, args, TokenDataset(64, model.config.vocab_size), loss_fn=REFERENCE_MODELS["gpt"].loss,
-                      optimizer_factory=sgd)
+    trainer = Trainer(
+        model,
+        args,
+        TokenDataset(64, model.config.vocab_size),
+        loss_fn=REFERENCE_MODELS["gpt"].loss,
+        optimizer_factory=sgd,
+    )
     first = trainer.params[0]
     if resume:
         trainer.resume("step_2")
@@ -173,8 +181,11 @@ def sgd_body(out_dir: str, resume: bool) -> dict[str, Any]:
         trainer.optimizer.state[first]["note"] = ("a non-tensor state", 1)
         note = None
     history = trainer.train()
-    return {"losses": {int(h["step"]): h["loss"] for h in history}, "note": note,
-            "momentum": trainer.optimizer.state[first]["momentum_buffer"].clone()}
+    return {
+        "losses": {int(h["step"]): h["loss"] for h in history},
+        "note": note,
+        "momentum": trainer.optimizer.state[first]["momentum_buffer"].clone(),
+    }
 
 
 class LogCapture:
@@ -212,12 +223,17 @@ class LogCapture:
 def _state_shape_errors(trainer: Any) -> list[str]:
     """Optimizer states shaped unlike their parameter (what the sharded-state bug produced)."""
     inner = getattr(trainer.optimizer, "inner", trainer.optimizer)
-    return [f"{key}: {list(v.shape)} vs param {list(p.shape)}" for p, st in inner.state.items()
-            for key, v in st.items() if isinstance(v, torch.Tensor) and v.ndim > 0 and v.shape != p.shape]
+    return [
+        f"{key}: {list(v.shape)} vs param {list(p.shape)}"
+        for p, st in inner.state.items()
+        for key, v in st.items()
+        if isinstance(v, torch.Tensor) and v.ndim > 0 and v.shape != p.shape
+    ]
 
 
-def resume_pair_body(name: str, kwargs: dict[str, Any], save_at: int,
-                     resume_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+def resume_pair_body(
+    name: str, kwargs: dict[str, Any], save_at: int, resume_kwargs: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """An uninterrupted run (saving every ``save_at`` steps), then a fresh Trainer resumes ``step_<save_at>``.
 
     ``resume_kwargs`` change TrainingArguments of the resumed run (a changed job file). Returns
@@ -233,8 +249,13 @@ def resume_pair_body(name: str, kwargs: dict[str, Any], save_at: int,
         step = resumed.resume(f"step_{save_at}")
         bad_shapes = _state_shape_errors(resumed)
         losses = {int(h["step"]): h["loss"] for h in resumed.train()}
-    out = {"resumed_step": step, "full_losses": full_losses, "losses": losses, "bad_shapes": bad_shapes,
-           "logs": logs.messages()}
+    out = {
+        "resumed_step": step,
+        "full_losses": full_losses,
+        "losses": losses,
+        "bad_shapes": bad_shapes,
+        "logs": logs.messages(),
+    }
     final_state = resumed.full_state_dict()
     if dist.get_rank() == 0:
         out.update(full_state=full_state, final_state=final_state)
@@ -252,8 +273,12 @@ def rng_streams_body(out_dir: str) -> dict[str, Any]:
     def draws(trainer: Any) -> dict[str, Any]:
         with trainer.rng_tracker.fork("tp"):
             tracked = torch.rand(3)
-        return {"torch": torch.rand(3), "python": random.random(), "numpy": float(np.random.rand()),
-                "tracker": tracked}
+        return {
+            "torch": torch.rand(3),
+            "python": random.random(),
+            "numpy": float(np.random.rand()),
+            "tracker": tracked,
+        }
 
     rank = dist.get_rank()
     kwargs = layout_kwargs(2, 1, 2, output_dir=out_dir, max_steps=2, save_steps=2)
@@ -321,8 +346,9 @@ def nonfinite_save_body(out_dir: str, where: str) -> dict[str, Any]:
     return {"error": None}
 
 
-def changed_settings_reference(name: str, kwargs: dict[str, Any], changes: dict[str, Any], dp: int,
-                               switch_at: int) -> list[float]:
+def changed_settings_reference(
+    name: str, kwargs: dict[str, Any], changes: dict[str, Any], dp: int, switch_at: int
+) -> list[float]:
     """One process: ``kwargs``' optimizer and schedule for ``switch_at`` steps, then ``changes``' values.
 
     After the switch the rate of each step is computed from the new arguments' formula
@@ -361,7 +387,9 @@ def changed_settings_reference(name: str, kwargs: dict[str, Any], changes: dict[
     return losses
 
 
-def load_weights_from_checkpoint_body(name: str, kwargs: dict[str, Any], source: str) -> dict[str, Any] | None:
+def load_weights_from_checkpoint_body(
+    name: str, kwargs: dict[str, Any], source: str
+) -> dict[str, Any] | None:
     """A fresh trainer (another layout) takes only the model weights of ``source`` (a checkpoint or 'latest')."""
     from merak_core.weights import load_full_state_dict
 

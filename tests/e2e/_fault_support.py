@@ -33,15 +33,27 @@ def die_mid_step_body(layout: tuple[int, int, int], victim: int, die_at_call: in
             os._exit(19)
         return lm_loss(output, labels)
 
-    args = make_args(**layout_kwargs(dp, tp, pp, max_steps=3, output_dir=os.path.join(tempfile.gettempdir(), f"merak-fault-{os.getpid()}")))
+    args = make_args(
+        **layout_kwargs(
+            dp,
+            tp,
+            pp,
+            max_steps=3,
+            output_dir=os.path.join(tempfile.gettempdir(), f"merak-fault-{os.getpid()}"),
+        )
+    )
     model = build_model("gpt")
-    trainer = Trainer(model, args, TokenDataset(64, model.config.vocab_size), loss_fn=loss_fn, layout=group_layout)
+    trainer = Trainer(
+        model, args, TokenDataset(64, model.config.vocab_size), loss_fn=loss_fn, layout=group_layout
+    )
     start = time.monotonic()
     try:
         trainer.train()
     except RuntimeError as exc:
-        raise RuntimeError(f"SURVIVOR rank {dist.get_rank()} failed after {time.monotonic() - start:.1f} s with "
-                           f"{type(exc).__name__}: {exc}") from None
+        raise RuntimeError(
+            f"SURVIVOR rank {dist.get_rank()} failed after {time.monotonic() - start:.1f} s with "
+            f"{type(exc).__name__}: {exc}"
+        ) from None
     raise AssertionError(f"rank {dist.get_rank()} finished although rank {victim} died")
 
 
@@ -58,7 +70,9 @@ def job_data(size: int = 64) -> TokenDataset:
 
 def job_data_late(size: int = 64) -> TokenDataset:
     """``job_data``; rank ``MERAK_TEST_LATE_RANK`` first sleeps ``MERAK_TEST_LATE_S`` seconds (a slow start)."""
-    if os.environ.get("RANK") is not None and os.environ.get("RANK") == os.environ.get("MERAK_TEST_LATE_RANK"):
+    if os.environ.get("RANK") is not None and os.environ.get("RANK") == os.environ.get(
+        "MERAK_TEST_LATE_RANK"
+    ):
         time.sleep(float(os.environ.get("MERAK_TEST_LATE_S", "0")))
     return job_data(size)
 
@@ -76,8 +90,11 @@ def job_loss(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     if marker:
         job_loss.calls = getattr(job_loss, "calls", 0) + 1  # type: ignore[attr-defined]
         rank = int(os.environ.get("RANK", "0"))
-        if (rank == int(os.environ["MERAK_TEST_KILL_RANK"]) and not os.path.exists(marker)
-                and job_loss.calls == int(os.environ["MERAK_TEST_KILL_AT_CALL"])):  # type: ignore[attr-defined]
+        if (
+            rank == int(os.environ["MERAK_TEST_KILL_RANK"])
+            and not os.path.exists(marker)
+            and job_loss.calls == int(os.environ["MERAK_TEST_KILL_AT_CALL"])
+        ):  # type: ignore[attr-defined]
             with open(marker, "w") as f:
                 f.write(f"rank {rank} killed itself at loss call {job_loss.calls}\n")  # type: ignore[attr-defined]
             os._exit(13)
@@ -128,23 +145,46 @@ class SignalAtCollate:
         return torch.utils.data.default_collate(samples)
 
 
-def signal_trainer(layout: tuple[int, int, int], out: str, max_steps: int, collate: object = None,
-                   timeout_s: float | None = None, **extra: object) -> Any:
+def signal_trainer(
+    layout: tuple[int, int, int],
+    out: str,
+    max_steps: int,
+    collate: object = None,
+    timeout_s: float | None = None,
+    **extra: object,
+) -> Any:
     """The GPT reference Trainer at ``layout`` (constant learning rate, logging every step)."""
     from merak_core import ParallelLayout, Trainer
 
     dp, tp, pp = layout
-    kwargs = layout_kwargs(dp, tp, pp, max_steps=max_steps, output_dir=out, logging_steps=1,
-                           lr_scheduler_type="constant", warmup_steps=0, **extra)
-    group_layout = None if timeout_s is None else ParallelLayout.build(dp, tp, pp,
-                                                                        timeout=timedelta(seconds=timeout_s))
+    kwargs = layout_kwargs(
+        dp,
+        tp,
+        pp,
+        max_steps=max_steps,
+        output_dir=out,
+        logging_steps=1,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        **extra,
+    )
+    group_layout = (
+        None if timeout_s is None else ParallelLayout.build(dp, tp, pp, timeout=timedelta(seconds=timeout_s))
+    )
     model = build_model("gpt")
-    return Trainer(model, make_args(**kwargs), TokenDataset(64, model.config.vocab_size), loss_fn=lm_loss,
-                   data_collator=collate, layout=group_layout)
+    return Trainer(
+        model,
+        make_args(**kwargs),
+        TokenDataset(64, model.config.vocab_size),
+        loss_fn=lm_loss,
+        data_collator=collate,
+        layout=group_layout,
+    )
 
 
-def preempt_body(layout: tuple[int, int, int], victim: int, signum: int, at_call: int, out: str,
-                 max_steps: int) -> dict:
+def preempt_body(
+    layout: tuple[int, int, int], victim: int, signum: int, at_call: int, out: str, max_steps: int
+) -> dict:
     """Train until rank ``victim`` signals itself during step ``at_call``; what every rank saw."""
     from merak_core.signals import TrainingPreempted
 
@@ -155,9 +195,14 @@ def preempt_body(layout: tuple[int, int, int], victim: int, signum: int, at_call
     try:
         trainer.train()
     except TrainingPreempted as exc:
-        return {"step": exc.step, "checkpoint": exc.checkpoint, "signal": exc.signal_name,
-                "line": exc.resume_line("merak train job.yaml --resume latest"),
-                "losses": [h["loss"] for h in trainer.history], "handler_restored": signal.getsignal(signum) is before}
+        return {
+            "step": exc.step,
+            "checkpoint": exc.checkpoint,
+            "signal": exc.signal_name,
+            "line": exc.resume_line("merak train job.yaml --resume latest"),
+            "losses": [h["loss"] for h in trainer.history],
+            "handler_restored": signal.getsignal(signum) is before,
+        }
     raise AssertionError(f"rank {dist.get_rank()} finished although rank {victim} was signalled")
 
 
@@ -173,15 +218,22 @@ def resume_body(layout: tuple[int, int, int], out: str, max_steps: int, resume: 
 def stall_body(layout: tuple[int, int, int], victim: int, at_call: int, timeout_s: float) -> None:
     """Rank ``victim`` stops itself (SIGSTOP) during step ``at_call``; the others raise within the timeout."""
     collate = SignalAtCollate(victim, signal.SIGSTOP, at_call)
-    trainer = signal_trainer(layout, os.path.join(tempfile.gettempdir(), f"merak-stall-{os.getpid()}"), 6,
-                              collate, timeout_s=timeout_s)
+    trainer = signal_trainer(
+        layout,
+        os.path.join(tempfile.gettempdir(), f"merak-stall-{os.getpid()}"),
+        6,
+        collate,
+        timeout_s=timeout_s,
+    )
     collate.armed = True
     start = time.monotonic()
     try:
         trainer.train()
     except RuntimeError as exc:
-        raise RuntimeError(f"SURVIVOR rank {dist.get_rank()} failed after {time.monotonic() - start:.1f} s with "
-                           f"{type(exc).__name__}: {exc}") from None
+        raise RuntimeError(
+            f"SURVIVOR rank {dist.get_rank()} failed after {time.monotonic() - start:.1f} s with "
+            f"{type(exc).__name__}: {exc}"
+        ) from None
     raise AssertionError(f"rank {dist.get_rank()} finished although rank {victim} stopped")
 
 
@@ -193,8 +245,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def job_env(**extra: str) -> dict[str, str]:
     """The environment of a ``merak train`` subprocess: this checkout's packages first, one thread per rank."""
-    paths = [REPO] + [os.path.join(REPO, "packages", p, "src") for p in ("merak-pipe", "merak-graph", "merak-tp",
-                                                                        "merak-core")]
+    paths = [REPO] + [
+        os.path.join(REPO, "packages", p, "src")
+        for p in ("merak-pipe", "merak-graph", "merak-tp", "merak-core")
+    ]
     return dict(os.environ, PYTHONPATH=os.pathsep.join(paths), OMP_NUM_THREADS="1", **extra)
 
 
@@ -202,9 +256,12 @@ def write_job(path: str, training: dict, data_size: int = 64) -> str:
     """A job file of the reference GPT on TokenDataset with ``training`` (TrainingArguments fields)."""
     import yaml
 
-    job = {"model": {"factory": "tests.e2e._fault_support:job_model"},
-           "data": {"factory": "tests.e2e._fault_support:job_data", "kwargs": {"size": data_size}},
-           "loss": "tests.e2e._fault_support:job_loss", "training": training}
+    job = {
+        "model": {"factory": "tests.e2e._fault_support:job_model"},
+        "data": {"factory": "tests.e2e._fault_support:job_data", "kwargs": {"size": data_size}},
+        "loss": "tests.e2e._fault_support:job_loss",
+        "training": training,
+    }
     with open(path, "w") as f:
         yaml.safe_dump(job, f)
     return path

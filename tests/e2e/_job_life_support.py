@@ -38,6 +38,11 @@ def resume_body(kwargs: dict[str, Any], path: str = "latest") -> dict[str, Any]:
     with LogCapture() as logs:
         step = trainer.resume(path)
         history = trainer.train()
-    return {"resumed_step": step, "warnings": logs.messages("WARNING"), "infos": logs.messages("INFO"),
-            "losses": {int(h["step"]): h["loss"] for h in history}, "final_step": trainer.global_step,
-            "state": trainer.full_state_dict()}
+    return {
+        "resumed_step": step,
+        "warnings": logs.messages("WARNING"),
+        "infos": logs.messages("INFO"),
+        "losses": {int(h["step"]): h["loss"] for h in history},
+        "final_step": trainer.global_step,
+        "state": trainer.full_state_dict(),
+    }

@@ -16,8 +16,29 @@ from torch.utils.data import Dataset
 
 VOCAB = 96
 SEQ = 8
-WORDS = ("merak", "pipeline", "tensor", "stage", "shard", "token", "model", "train", "slice", "export",
-         "the", "a", "of", "and", "to", "in", "every", "rank", "reads", "its", "own")
+WORDS = (
+    "merak",
+    "pipeline",
+    "tensor",
+    "stage",
+    "shard",
+    "token",
+    "model",
+    "train",
+    "slice",
+    "export",
+    "the",
+    "a",
+    "of",
+    "and",
+    "to",
+    "in",
+    "every",
+    "rank",
+    "reads",
+    "its",
+    "own",
+)
 
 
 def write_text(path: str | os.PathLike[str], *, lines: int = 120, seed: int = 0) -> Path:
@@ -38,7 +59,9 @@ def build_tokenizer(text_path: str | os.PathLike[str], out_dir: str | os.PathLik
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train([str(text_path)], trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<unk>"], show_progress=False))
+    tok.train(
+        [str(text_path)], trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<unk>"], show_progress=False)
+    )
     assert tok.get_vocab_size() <= VOCAB, tok.get_vocab_size()
     tok.save(str(Path(out_dir) / "tokenizer.json"))
     return tok
@@ -60,16 +83,19 @@ class Blocks(Dataset):
 
     def __init__(self, ids: torch.Tensor, *, start: int = 0, count: int | None = None) -> None:
         n = (len(ids) - 1) // SEQ
-        blocks = [ids[i * SEQ:i * SEQ + SEQ + 1] for i in range(n)]
-        self.blocks = blocks[start:None if count is None else start + count]
+        blocks = [ids[i * SEQ : i * SEQ + SEQ + 1] for i in range(n)]
+        self.blocks = blocks[start : None if count is None else start + count]
 
     def __len__(self) -> int:
         return len(self.blocks)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         block = self.blocks[i]
-        return {"input_ids": block[:-1].clone(), "attention_mask": torch.ones(SEQ, dtype=torch.long),
-                "labels": block[1:].clone()}
+        return {
+            "input_ids": block[:-1].clone(),
+            "attention_mask": torch.ones(SEQ, dtype=torch.long),
+            "labels": block[1:].clone(),
+        }
 
 
 def save_tiny_model(name: str, out_dir: str | os.PathLike[str], *, max_shard_size: str | None = None) -> Path:
@@ -78,13 +104,34 @@ def save_tiny_model(name: str, out_dir: str | os.PathLike[str], *, max_shard_siz
 
     torch.manual_seed(0)
     if name == "gpt2":
-        cfg = tf.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
-                            embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0)
+        cfg = tf.GPT2Config(
+            vocab_size=VOCAB,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            use_cache=False,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         model = tf.GPT2LMHeadModel(cfg)
     elif name == "llama":
-        cfg = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                             use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        cfg = tf.LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            use_cache=False,
+            bos_token_id=0,
+            eos_token_id=0,
+            pad_token_id=0,
+        )
         model = tf.LlamaForCausalLM(cfg)
     else:
         raise ValueError(f"unknown model {name!r}")
@@ -116,5 +163,6 @@ def lm_loss(output: Any, labels: torch.Tensor) -> torch.Tensor:
     logits = getattr(output, "logits", output)
     if isinstance(logits, (tuple, list)):
         logits = logits[0]
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1),
-                                             ignore_index=-100)
+    return torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100
+    )

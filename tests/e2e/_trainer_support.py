@@ -42,9 +42,18 @@ def make_args(**overrides: Any):
     from merak_core.config import TrainingArguments
 
     values: dict[str, Any] = dict(
-        output_dir=tempfile.mkdtemp(prefix="merak-e2e-"), per_device_train_batch_size=2,
-        gradient_accumulation_steps=2, learning_rate=1e-2, max_steps=3, dtype="float64", max_grad_norm=0.5,
-        logging_steps=1, warmup_steps=1, lr_scheduler_type="linear", weight_decay=0.1, seed=7,
+        output_dir=tempfile.mkdtemp(prefix="merak-e2e-"),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        learning_rate=1e-2,
+        max_steps=3,
+        dtype="float64",
+        max_grad_norm=0.5,
+        logging_steps=1,
+        warmup_steps=1,
+        lr_scheduler_type="linear",
+        weight_decay=0.1,
+        seed=7,
     )
     values.update(overrides)
     return TrainingArguments(**values)
@@ -73,9 +82,13 @@ def reference_optimizer(model: torch.nn.Module, args: Any) -> tuple[torch.optim.
     params = dict(model.named_parameters()).values()  # tied parameters once
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=args.learning_rate,
-                            betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon, foreach=False)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.learning_rate,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_epsilon,
+        foreach=False,
+    )
     return opt, build_lr_scheduler(opt, args, args.max_steps)
 
 
@@ -86,25 +99,32 @@ def reference_microbatches(dataset_size: int, args: Any, dp: int) -> list[list[l
     perm = torch.randperm(dataset_size, generator=torch.Generator().manual_seed(args.seed)).tolist()
     steps = []
     for step in range(args.max_steps):
-        idx = perm[step * global_batch:(step + 1) * global_batch]
-        steps.append([idx[i:i + mbs] for i in range(0, global_batch, mbs)])
+        idx = perm[step * global_batch : (step + 1) * global_batch]
+        steps.append([idx[i : i + mbs] for i in range(0, global_batch, mbs)])
     return steps
 
 
-def reference_training(name: str, args_kwargs: dict[str, Any], dp: int,
-                       dataset_size: int = 64) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference_training(
+    name: str, args_kwargs: dict[str, Any], dp: int, dataset_size: int = 64
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The same run in one process: the global batch split into dp * num_microbatches equal chunks."""
     args = make_args(**args_kwargs)
     model = build_model(name)
     ref = REFERENCE_MODELS[name]
     data = TokenDataset(dataset_size, model.config.vocab_size)
-    losses = reference_steps(model, data, args, dp,
-                             lambda batch: ref.loss(model(batch["input_ids"]), batch["labels"]))
+    losses = reference_steps(
+        model, data, args, dp, lambda batch: ref.loss(model(batch["input_ids"]), batch["labels"])
+    )
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def reference_steps(model: torch.nn.Module, data: Any, args: Any, dp: int,
-                    microbatch_loss: Callable[[dict[str, torch.Tensor]], torch.Tensor]) -> list[float]:
+def reference_steps(
+    model: torch.nn.Module,
+    data: Any,
+    args: Any,
+    dp: int,
+    microbatch_loss: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+) -> list[float]:
     """``args.max_steps`` single-process steps over the Trainer's microbatches; the loss of each step.
 
     Each global batch is split as the Trainer splits it (:func:`reference_microbatches`), the

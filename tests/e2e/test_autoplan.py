@@ -32,8 +32,14 @@ from tests.support.models import REFERENCE_MODELS
 
 REPO = Path(__file__).resolve().parents[2]
 WORLD = 4
-KWARGS: dict[str, Any] = dict(max_steps=3, per_device_train_batch_size=2, gradient_accumulation_steps=1,
-                              memory_per_device="1GiB", plan_check_steps=3, plan_error_threshold=0.0)
+KWARGS: dict[str, Any] = dict(
+    max_steps=3,
+    per_device_train_batch_size=2,
+    gradient_accumulation_steps=1,
+    memory_per_device="1GiB",
+    plan_check_steps=3,
+    plan_error_threshold=0.0,
+)
 
 
 def _auto_body(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -48,16 +54,34 @@ def _auto_body(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     history = trainer.train()
     t = trainer.args
     out: dict[str, Any] = {
-        "fields": {k: getattr(t, k) for k in ("dp", "tp", "pp", "schedule", "per_device_train_batch_size",
-                                              "gradient_accumulation_steps", "recompute")},
-        "layout": (trainer.layout.dp, trainer.layout.tp, trainer.layout.pp), "losses": [h["loss"] for h in history],
+        "fields": {
+            k: getattr(t, k)
+            for k in (
+                "dp",
+                "tp",
+                "pp",
+                "schedule",
+                "per_device_train_batch_size",
+                "gradient_accumulation_steps",
+                "recompute",
+            )
+        },
+        "layout": (trainer.layout.dp, trainer.layout.tp, trainer.layout.pp),
+        "losses": [h["loss"] for h in history],
     }
     if dist.get_rank() == 0:
         ctx = trainer.plan_context
         check = trainer.plan_check
-        out.update(profile=ctx.profile, comm=ctx.comm, memory=ctx.memory_per_device, slots=ctx.compute_slots,
-                   comparison=check.comparison, replan=check.replan, output_dir=t.output_dir,
-                   metrics=open(os.path.join(t.output_dir, "metrics.jsonl")).read())
+        out.update(
+            profile=ctx.profile,
+            comm=ctx.comm,
+            memory=ctx.memory_per_device,
+            slots=ctx.compute_slots,
+            comparison=check.comparison,
+            replan=check.replan,
+            output_dir=t.output_dir,
+            metrics=open(os.path.join(t.output_dir, "metrics.jsonl")).read(),
+        )
     return out
 
 
@@ -70,16 +94,25 @@ def test_layout_auto_chooses_plans_first_candidate_and_trains_like_one_process()
     assert all(r["layout"] == (fields["dp"], fields["tp"], fields["pp"]) for r in results)
     r0 = results[0]
     gbs = KWARGS["per_device_train_batch_size"] * KWARGS["gradient_accumulation_steps"] * WORLD
-    best = plan(r0["profile"], world_size=WORLD, memory_per_device=r0["memory"], global_batch_size=gbs,
-                comm=r0["comm"], compute_slots=r0["slots"])[0]
+    best = plan(
+        r0["profile"],
+        world_size=WORLD,
+        memory_per_device=r0["memory"],
+        global_batch_size=gbs,
+        comm=r0["comm"],
+        compute_slots=r0["slots"],
+    )[0]
     expected = best.training_fields()
     expected.pop("memory_budget", None)
     assert fields == expected
     assert r0["memory"] == 2**30
     assert fields["per_device_train_batch_size"] * fields["gradient_accumulation_steps"] * fields["dp"] == gbs
 
-    ref_kwargs = {**KWARGS, "per_device_train_batch_size": fields["per_device_train_batch_size"],
-                  "gradient_accumulation_steps": fields["gradient_accumulation_steps"]}
+    ref_kwargs = {
+        **KWARGS,
+        "per_device_train_batch_size": fields["per_device_train_batch_size"],
+        "gradient_accumulation_steps": fields["gradient_accumulation_steps"],
+    }
     ref_losses, _ = reference_training("gpt", ref_kwargs, fields["dp"])
     for r in results:
         assert r["losses"] == pytest.approx(ref_losses, rel=1e-9, abs=1e-12)
@@ -120,7 +153,9 @@ def _manual_check_body(kwargs: dict[str, Any]) -> Any:
 
     args = make_args(**kwargs)
     model = build_model("gpt")
-    trainer = Trainer(model, args, TokenDataset(64, model.config.vocab_size), loss_fn=REFERENCE_MODELS["gpt"].loss)
+    trainer = Trainer(
+        model, args, TokenDataset(64, model.config.vocab_size), loss_fn=REFERENCE_MODELS["gpt"].loss
+    )
     trainer.train()
     if dist.get_rank() != 0:
         return None
@@ -129,15 +164,40 @@ def _manual_check_body(kwargs: dict[str, Any]) -> Any:
 
 def test_manual_layout_plan_check_profiles_first_and_compares_every_stage():
     # a manual 1x1x2 layout with stage-aware recomputation: the Trainer builds the profile itself
-    kwargs = dict(dp=1, tp=1, pp=2, max_steps=3, plan_check_steps=3, schedule="1f1b", recompute="stage_aware",
-                  memory_budget="1GiB", gradient_accumulation_steps=2)
+    kwargs = dict(
+        dp=1,
+        tp=1,
+        pp=2,
+        max_steps=3,
+        plan_check_steps=3,
+        schedule="1f1b",
+        recompute="stage_aware",
+        memory_budget="1GiB",
+        gradient_accumulation_steps=2,
+    )
     has_context, comparison = run_on_ranks(2, _manual_check_body, kwargs)[0]
     assert has_context and comparison is not None
     c = comparison.candidate
-    assert (c.dp, c.tp, c.pp, c.schedule, c.recompute, c.num_microbatches) == (1, 1, 2, "1f1b", "stage_aware", 2)
+    assert (c.dp, c.tp, c.pp, c.schedule, c.recompute, c.num_microbatches) == (
+        1,
+        1,
+        2,
+        "1f1b",
+        "stage_aware",
+        2,
+    )
     names = [row.name for row in comparison.rows]
-    assert names == ["step time", "pipeline", "outside pipeline", "stage 0 F", "stage 0 B", "stage 1 F", "stage 1 B",
-                     "stage 0 peak memory", "stage 1 peak memory"]
+    assert names == [
+        "step time",
+        "pipeline",
+        "outside pipeline",
+        "stage 0 F",
+        "stage 0 B",
+        "stage 1 F",
+        "stage 1 B",
+        "stage 0 peak memory",
+        "stage 1 peak memory",
+    ]
     for row in comparison.rows[:7]:
         assert row.measured > 0 and row.error == pytest.approx((row.predicted - row.measured) / row.measured)
 
@@ -182,13 +242,29 @@ def test_merak_train_with_layout_auto(tmp_path: Path):
     """``merak train`` (torchrun, 2 processes): launch plans, trains the choice, checks and names the job file."""
     (tmp_path / "job.yaml").write_text(JOB)
     (tmp_path / "factories.py").write_text(FACTORIES % {"repo": str(REPO)})
-    roots = [str(Path(importlib.import_module(n).__file__).resolve().parents[1])  # type: ignore[arg-type]
-             for n in ("merak_core", "merak_pipe", "merak_graph", "merak_tp")]
+    roots = [
+        str(Path(importlib.import_module(n).__file__).resolve().parents[1])  # type: ignore[arg-type]
+        for n in ("merak_core", "merak_pipe", "merak_graph", "merak_tp")
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(roots))
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "merak_core.cli", "train", "job.yaml", f"training.output_dir={out}",
-                           "--nproc-per-node", "2"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=240)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "merak_core.cli",
+            "train",
+            "job.yaml",
+            f"training.output_dir={out}",
+            "--nproc-per-node",
+            "2",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
     chosen = re.search(r"layout auto: training with dp=(\d+) tp=(\d+) pp=(\d+) schedule=(\S+)", log)
@@ -205,5 +281,8 @@ def test_merak_train_with_layout_auto(tmp_path: Path):
     assert written.exists() == check[0]["replanned_changed"]
     if written.exists():  # the job file (factories made absolute) with the suggested fields
         raw = yaml.safe_load(written.read_text())
-        assert raw["training"]["layout"] == "manual" and Path(raw["model"]["factory"].split(":")[0]).is_absolute()
+        assert (
+            raw["training"]["layout"] == "manual"
+            and Path(raw["model"]["factory"].split(":")[0]).is_absolute()
+        )
         assert f"merak train {written} --resume latest" in check[0]["replanned"]

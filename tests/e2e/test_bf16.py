@@ -46,8 +46,12 @@ STEP_RTOL = 0.01
 MEAN_RTOL = 0.0025
 
 TP_PLAN = {
-    "layers.*.attn.query": "column", "layers.*.attn.key": "column", "layers.*.attn.value": "column",
-    "layers.*.attn.out": "row", "layers.*.up": "column", "layers.*.down": "row",
+    "layers.*.attn.query": "column",
+    "layers.*.attn.key": "column",
+    "layers.*.attn.value": "column",
+    "layers.*.attn.out": "row",
+    "layers.*.up": "column",
+    "layers.*.down": "row",
 }
 
 
@@ -83,17 +87,34 @@ def train_demo(dp: int, tp: int, pp: int, bf16: bool) -> dict[str, Any]:
     model = build_model(depth=2, width=32, heads=4, vocab_size=13, context=16)
     train_data, _ = build_datasets(train_size=2048, eval_size=8, num_digits=2)
     args = TrainingArguments(
-        output_dir=tempfile.mkdtemp(prefix="merak-bf16-"), dp=dp, tp=tp, pp=pp, bf16=bf16, dtype="float32",
-        per_device_train_batch_size=8, gradient_accumulation_steps=2, learning_rate=4e-3, warmup_steps=2,
-        lr_scheduler_type="cosine", weight_decay=0.01, max_grad_norm=1.0, max_steps=STEPS, logging_steps=STEPS,
-        seed=0, schedule="1f1b", tp_plan=TP_PLAN if tp > 1 else None,
+        output_dir=tempfile.mkdtemp(prefix="merak-bf16-"),
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        bf16=bf16,
+        dtype="float32",
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=2,
+        learning_rate=4e-3,
+        warmup_steps=2,
+        lr_scheduler_type="cosine",
+        weight_decay=0.01,
+        max_grad_norm=1.0,
+        max_steps=STEPS,
+        logging_steps=STEPS,
+        seed=0,
+        schedule="1f1b",
+        tp_plan=TP_PLAN if tp > 1 else None,
     )
     trainer = Trainer(model, args, train_data)
     with _MatmulDtypes() as seen:
         history = trainer.train()
     params_dtypes = {str(p.dtype).replace("torch.", "") for p in trainer.model.module.parameters()}
-    return {"losses": [h["loss"] for h in history], "matmul_dtypes": sorted(seen.dtypes),
-            "param_dtypes": sorted(params_dtypes)}
+    return {
+        "losses": [h["loss"] for h in history],
+        "matmul_dtypes": sorted(seen.dtypes),
+        "param_dtypes": sorted(params_dtypes),
+    }
 
 
 @pytest.mark.parametrize("layout", [(1, 2, 2), (2, 1, 2)], ids=lambda t: "dp{}_tp{}_pp{}".format(*t))
@@ -115,8 +136,10 @@ def test_bf16_tracks_float32(layout: tuple[int, int, int]) -> None:
     assert low != ref, "bf16 and float32 losses are bit-identical: autocast had no effect"
 
     rel = [abs(a - b) / abs(b) for a, b in zip(low, ref, strict=True)]
-    report = "\n".join(f"step {i + 1:2d}: float32 {b:.5f}  bf16 {a:.5f}  rel diff {r:.4%}"
-                       for i, (a, b, r) in enumerate(zip(low, ref, rel, strict=True)))
+    report = "\n".join(
+        f"step {i + 1:2d}: float32 {b:.5f}  bf16 {a:.5f}  rel diff {r:.4%}"
+        for i, (a, b, r) in enumerate(zip(low, ref, rel, strict=True))
+    )
     assert rel[0] <= FIRST_STEP_RTOL, f"first step (same parameters) differs too much:\n{report}"
     assert max(rel) <= STEP_RTOL, f"a step's bf16 loss left the float32 band:\n{report}"
     assert sum(rel) / len(rel) <= MEAN_RTOL, f"bf16 drifts from float32 on average:\n{report}"

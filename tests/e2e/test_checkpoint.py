@@ -24,7 +24,9 @@ def _world(dp: int, tp: int, pp: int) -> int:
     return dp * tp * pp
 
 
-def _assert_states_equal(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str) -> None:
+def _assert_states_equal(
+    actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str
+) -> None:
     assert sorted(actual) == sorted(expected), what
     for key in expected:
         assert torch.equal(actual[key], expected[key]), f"{what}: {key} differs"
@@ -34,8 +36,9 @@ def _assert_states_equal(actual: dict[str, torch.Tensor], expected: dict[str, to
 def test_resume_is_bit_identical(tmp_path: Path, layout: tuple[int, int, int]) -> None:
     dp, tp, pp = layout
     zero = 1 if tp > 1 else 0  # one case with ZeRO-1 sharded optimizer states
-    kwargs = support.layout_kwargs(dp, tp, pp, output_dir=str(tmp_path), max_steps=4, save_steps=2,
-                                   zero_stage=zero)
+    kwargs = support.layout_kwargs(
+        dp, tp, pp, output_dir=str(tmp_path), max_steps=4, save_steps=2, zero_stage=zero
+    )
     full = run_on_ranks(_world(*layout), support.train_body, "gpt", kwargs)
     assert full[0]["checkpoints"] == ["step_2", "step_4"]
     resumed = run_on_ranks(_world(*layout), support.train_body, "gpt", kwargs, "step_2")
@@ -51,22 +54,31 @@ RESHARD = [((2, 2, 2), (1, 2, 4)), ((2, 2, 2), (1, 1, 1)), ((1, 1, 1), (2, 2, 2)
 
 
 @pytest.mark.parametrize("case", RESHARD, ids=lambda c: "{}x{}x{}_to_{}x{}x{}".format(*c[0], *c[1]))
-def test_reshard_across_layouts(tmp_path: Path, case: tuple[tuple[int, int, int], tuple[int, int, int]]) -> None:
+def test_reshard_across_layouts(
+    tmp_path: Path, case: tuple[tuple[int, int, int], tuple[int, int, int]]
+) -> None:
     src, dst = case
     name = "llama" if src == (1, 1, 1) else "gpt"  # tied embeddings across stages / GQA sharded over TP
     common = dict(output_dir=str(tmp_path), max_steps=4, save_steps=2, zero_stage=1)
     full = run_on_ranks(_world(*src), support.train_body, name, support.layout_kwargs(*src, **common))
     saved = support.saved_state_body(str(tmp_path / "checkpoints" / "step_2"))
     common["output_dir"] = str(tmp_path / "resharded")
-    resumed = run_on_ranks(_world(*dst), support.train_body, name, support.layout_kwargs(*dst, **common),
-                           str(tmp_path / "checkpoints" / "step_2"))
+    resumed = run_on_ranks(
+        _world(*dst),
+        support.train_body,
+        name,
+        support.layout_kwargs(*dst, **common),
+        str(tmp_path / "checkpoints" / "step_2"),
+    )
     head = resumed[0]
     assert head["resumed_step"] == 2
     _assert_states_equal(head["loaded_state"], saved, f"logical parameters after loading under {dst}")
     for step in (3, 4):
         assert head["losses"][step] == pytest.approx(full[0]["losses"][step], rel=1e-11, abs=1e-12), step
     for key, ref in full[0]["final_state"].items():
-        assert_tensors_close(head["final_state"][key], ref, name=f"{src}->{dst} final {key}", rtol=1e-8, atol=1e-10)
+        assert_tensors_close(
+            head["final_state"][key], ref, name=f"{src}->{dst} final {key}", rtol=1e-8, atol=1e-10
+        )
 
 
 @pytest.mark.transformers
@@ -82,8 +94,13 @@ def test_reshard_transformers_gpt2_fused_and_transposed(tmp_path: Path) -> None:
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     assert {name: tuple(t.shape) for name, t in saved.items()} == shapes  # the unsharded model's layout
     common["output_dir"] = str(tmp_path / "tp1")
-    resumed = run_on_ranks(1, support.train_body, "hf_gpt2", support.layout_kwargs(1, 1, 1, **common),
-                           str(tmp_path / "checkpoints" / "step_2"))[0]
+    resumed = run_on_ranks(
+        1,
+        support.train_body,
+        "hf_gpt2",
+        support.layout_kwargs(1, 1, 1, **common),
+        str(tmp_path / "checkpoints" / "step_2"),
+    )[0]
     _assert_states_equal(resumed["loaded_state"], saved, "tp=1 parameters after loading the tp=2 checkpoint")
     for step in (3, 4):
         assert resumed["losses"][step] == pytest.approx(full[0]["losses"][step], rel=1e-11), step
@@ -132,12 +149,15 @@ def test_export_from_checkpoint_directory(tmp_path: Path) -> None:
     full = run_on_ranks(2, support.train_body, "gpt", kwargs)
     out = export_full_state_dict(tmp_path / "checkpoints" / "step_2", tmp_path / "exported.pt")
     assert out is not None
-    _assert_states_equal(torch.load(tmp_path / "exported.pt", weights_only=True), full[0]["final_state"], "export")
+    _assert_states_equal(
+        torch.load(tmp_path / "exported.pt", weights_only=True), full[0]["final_state"], "export"
+    )
 
 
 def test_retention_and_latest_pointer(tmp_path: Path) -> None:
-    kwargs = support.layout_kwargs(1, 1, 2, output_dir=str(tmp_path), max_steps=5, save_steps=2,
-                                   save_total_limit=2)
+    kwargs = support.layout_kwargs(
+        1, 1, 2, output_dir=str(tmp_path), max_steps=5, save_steps=2, save_total_limit=2
+    )
     full = run_on_ranks(2, support.train_body, "gpt", kwargs)
     root = tmp_path / "checkpoints"
     # Saves at 2, 4 and the final step 5; the limit keeps the newest two.
@@ -152,7 +172,9 @@ def test_retention_and_latest_pointer(tmp_path: Path) -> None:
     again = run_on_ranks(2, support.train_body, "gpt", kwargs, "latest")[0]
     assert again["resumed_step"] == 5 and again["losses"] == {}
     assert sorted(os.listdir(root)) == ["latest", "step_4", "step_5"]
-    _assert_states_equal(support.saved_state_body(str(root / "step_5")), full[0]["final_state"], "re-saved step 5")
+    _assert_states_equal(
+        support.saved_state_body(str(root / "step_5")), full[0]["final_state"], "re-saved step 5"
+    )
 
 
 def test_save_killed_midway_leaves_previous_checkpoint(tmp_path: Path) -> None:
@@ -175,9 +197,15 @@ def test_save_killed_midway_leaves_previous_checkpoint(tmp_path: Path) -> None:
 
 def test_bad_checkpoints_raise_clear_errors(tmp_path: Path) -> None:
     other = tmp_path / "other"
-    run_on_ranks(1, support.train_body, "llama",
-                 support.layout_kwargs(1, 1, 1, output_dir=str(other), max_steps=1, save_steps=1))
-    errors = run_on_ranks(1, support.error_body, str(tmp_path / "run"), str(other / "checkpoints" / "step_1"))[0]
+    run_on_ranks(
+        1,
+        support.train_body,
+        "llama",
+        support.layout_kwargs(1, 1, 1, output_dir=str(other), max_steps=1, save_steps=1),
+    )
+    errors = run_on_ranks(
+        1, support.error_body, str(tmp_path / "run"), str(other / "checkpoints" / "step_1")
+    )[0]
     assert "no checkpoint to resume from" in errors["latest_missing"]
     assert "does not exist" in errors["no_such_dir"] and "nope" in errors["no_such_dir"]
     assert "was written for another model" in errors["other_model"]

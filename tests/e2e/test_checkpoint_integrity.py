@@ -23,8 +23,9 @@ KWARGS = dict(max_steps=4, save_steps=2)
 
 def _train(tmp_path: Path) -> dict:
     """A pp=2 run with checkpoints at steps 2 and 4 (each stage's rank writes its own shard file)."""
-    return run_on_ranks(2, support.train_body, "gpt", support.layout_kwargs(1, 1, 2, output_dir=str(tmp_path),
-                                                                             **KWARGS))[0]
+    return run_on_ranks(
+        2, support.train_body, "gpt", support.layout_kwargs(1, 1, 2, output_dir=str(tmp_path), **KWARGS)
+    )[0]
 
 
 def test_manifest_lists_every_file_with_its_checksum(tmp_path: Path) -> None:
@@ -60,8 +61,9 @@ def test_flipped_bytes_in_a_shard_name_the_file_and_step(tmp_path: Path) -> None
     assert run_on_ranks(2, support.resume_latest_body, "gpt", kwargs, "latest")[0]["warnings"] == []
 
 
-def test_latest_pointer_path_in_export_skips_corrupt_checkpoints(tmp_path: Path,
-                                                                  caplog: pytest.LogCaptureFixture) -> None:
+def test_latest_pointer_path_in_export_skips_corrupt_checkpoints(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     from merak_core.weights import export_full_state_dict, read_checkpoint_model
 
     _train(tmp_path)
@@ -74,15 +76,23 @@ def test_latest_pointer_path_in_export_skips_corrupt_checkpoints(tmp_path: Path,
         out = export_full_state_dict(root / "latest", tmp_path / "model.pt")
     assert out is not None and sorted(out) == sorted(step_2)
     assert all(torch.equal(out[k], step_2[k]) for k in step_2)  # step 2's weights, not step 4's
-    assert [r.getMessage() for r in caplog.records if "skipping checkpoint" in r.getMessage() and
-            "step_4" in r.getMessage() and "'__0_0.distcp'" in r.getMessage()]
+    assert [
+        r.getMessage()
+        for r in caplog.records
+        if "skipping checkpoint" in r.getMessage()
+        and "step_4" in r.getMessage()
+        and "'__0_0.distcp'" in r.getMessage()
+    ]
     from merak_core.checkpoint import CheckpointCorruptError
 
     with pytest.raises(CheckpointCorruptError, match=r"\(step 4\) is corrupt: file '__0_0.distcp'"):
         read_checkpoint_model(root / "step_4")
     support.flip_bytes(str(root / "step_2" / "__1_0.distcp"))
-    with pytest.raises(CheckpointCorruptError, match=r"no checkpoint under .* verifies; skipped: step_4: .* \| "
-                                                     r"step_2: .*'__1_0.distcp'"):
+    with pytest.raises(
+        CheckpointCorruptError,
+        match=r"no checkpoint under .* verifies; skipped: step_4: .* \| "
+        r"step_2: .*'__1_0.distcp'",
+    ):
         export_full_state_dict(root, tmp_path / "model2.pt")  # the checkpoints directory means its latest
 
 
@@ -121,7 +131,9 @@ def test_weights_from_the_latest_pointer_into_another_layout(tmp_path: Path) -> 
     root = tmp_path / "checkpoints"
     support.flip_bytes(str(root / "step_4" / "__1_0.distcp"))
     kwargs = support.layout_kwargs(1, 2, 1, output_dir=str(tmp_path / "tp2"), max_steps=2)
-    loaded = run_on_ranks(2, support.load_weights_from_checkpoint_body, "gpt", kwargs, str(root / "latest"))[0]
+    loaded = run_on_ranks(2, support.load_weights_from_checkpoint_body, "gpt", kwargs, str(root / "latest"))[
+        0
+    ]
     from merak_core.weights import read_checkpoint_model
 
     expected = read_checkpoint_model(root / "step_2")  # step 4 is corrupt: latest means step 2

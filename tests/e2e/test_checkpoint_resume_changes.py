@@ -11,10 +11,23 @@ import pytest
 from tests.e2e import _checkpoint_support as support
 from tests.support.dist import run_on_ranks
 
-BASE = dict(max_steps=5, save_steps=2, lr_scheduler_type="cosine", learning_rate=1e-2, weight_decay=0.1,
-            max_grad_norm=0.5, warmup_steps=1)
-CHANGES = dict(learning_rate=3e-3, weight_decay=0.05, adam_beta2=0.99, max_grad_norm=0.3, warmup_steps=0,
-               lr_scheduler_type="linear")
+BASE = dict(
+    max_steps=5,
+    save_steps=2,
+    lr_scheduler_type="cosine",
+    learning_rate=1e-2,
+    weight_decay=0.1,
+    max_grad_norm=0.5,
+    warmup_steps=1,
+)
+CHANGES = dict(
+    learning_rate=3e-3,
+    weight_decay=0.05,
+    adam_beta2=0.99,
+    max_grad_norm=0.3,
+    warmup_steps=0,
+    lr_scheduler_type="linear",
+)
 
 
 def test_new_settings_apply_after_resume_and_are_logged_once(tmp_path: Path) -> None:
@@ -28,7 +41,9 @@ def test_new_settings_apply_after_resume_and_are_logged_once(tmp_path: Path) -> 
     for step in (3, 4, 5):  # step 3's loss is taken before its update: the same as the old run's
         assert head["losses"][step] == pytest.approx(reference[step - 1], rel=1e-9, abs=1e-12), step
     for step in (4, 5):
-        assert head["losses"][step] != pytest.approx(head["full_losses"][step], rel=1e-6), "new values ignored"
+        assert head["losses"][step] != pytest.approx(head["full_losses"][step], rel=1e-6), (
+            "new values ignored"
+        )
     resume_lines = [m for m in head["logs"] if m.startswith("resume: ")]
     assert resume_lines == [
         "resume: learning_rate 0.01 -> 0.003 (job file)",
@@ -52,8 +67,12 @@ def test_more_steps_after_a_finished_run_continue_it_exactly(tmp_path: Path) -> 
 
 
 def test_changed_vocabulary_is_refused_before_any_step(tmp_path: Path) -> None:
-    run_on_ranks(1, support.train_body, "gpt", support.layout_kwargs(1, 1, 1, output_dir=str(tmp_path),
-                                                                     max_steps=2, save_steps=2))
+    run_on_ranks(
+        1,
+        support.train_body,
+        "gpt",
+        support.layout_kwargs(1, 1, 1, output_dir=str(tmp_path), max_steps=2, save_steps=2),
+    )
     message = run_on_ranks(1, support.load_error_body, str(tmp_path), "latest", "gpt_vocab128")[0]
     assert "(step 2) was written for another model" in message
     assert "parameter wte.weight: checkpoint [96, 32] vs model [128, 32]" in message

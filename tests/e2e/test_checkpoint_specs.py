@@ -27,12 +27,12 @@ def _param(local: torch.Tensor, dim: int | None, sections: int = 1, transposed: 
 
 
 CASES = [  # (full shape in the checkpoint, tp dim of the local param, sections, transposed)
-    ((12, 4), 0, 1, False),   # column weight
-    ((4, 12), 1, 1, False),   # row weight
-    ((12,), 0, 1, False),     # column bias
-    ((12, 4), 0, 3, False),   # fused q/k/v (GPT-2 c_attn after slicing), sections
-    ((4, 12), 0, 3, True),    # the same, stored (in, out) by Conv1D: transposed
-    ((12, 4), 1, 1, True),    # Conv1D row weight (c_proj): transposed
+    ((12, 4), 0, 1, False),  # column weight
+    ((4, 12), 1, 1, False),  # row weight
+    ((12,), 0, 1, False),  # column bias
+    ((12, 4), 0, 3, False),  # fused q/k/v (GPT-2 c_attn after slicing), sections
+    ((4, 12), 0, 3, True),  # the same, stored (in, out) by Conv1D: transposed
+    ((12, 4), 1, 1, True),  # Conv1D row weight (c_proj): transposed
     ((12, 4), None, 1, False),  # replicated
 ]
 
@@ -66,4 +66,3 @@ def test_safetensors_slice_reads_only_the_shard(tmp_path: Path, case: tuple) -> 
             local = layer_full if dim is None else _shard(layer_full, dim, 2, rank, sections)
             spec = _Spec(_param(local, dim, sections, transposed), 2, rank)
             assert torch.equal(_read_shard(entry, spec), local)
-

@@ -37,8 +37,14 @@ def _job(tmp: Path) -> Path:
         "model": {"factory": f"{JOBS}:slow_lm"},
         "data": {"factory": f"{JOBS}:data", "kwargs": {"size": 64}},
         "loss": f"{JOBS}:slow_loss",
-        "training": {"output_dir": str(tmp / "out"), "dp": 2, "per_device_train_batch_size": 2,
-                     "max_steps": 10000, "logging_steps": 1, "save_steps": 10000},
+        "training": {
+            "output_dir": str(tmp / "out"),
+            "dp": 2,
+            "per_device_train_batch_size": 2,
+            "max_steps": 10000,
+            "logging_steps": 1,
+            "save_steps": 10000,
+        },
     }
     path = tmp / "job.yaml"
     path.write_text(yaml.safe_dump(job))
@@ -48,19 +54,33 @@ def _job(tmp: Path) -> Path:
 def _start(tmp: Path) -> tuple[subprocess.Popen[str], Path]:
     pids = tmp / "pids"
     pids.mkdir()
-    paths = [str(REPO)] + [str(REPO / "packages" / p / "src") for p in ("merak-pipe", "merak-graph", "merak-tp",
-                                                                        "merak-core")]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths), OMP_NUM_THREADS="1", MERAK_TEST_PID_DIR=str(pids),
-               MERAK_TEST_STEP_SLEEP="0.2")
-    proc = subprocess.Popen([sys.executable, "-m", "merak_core.cli", "train", str(_job(tmp))], cwd=tmp, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    paths = [str(REPO)] + [
+        str(REPO / "packages" / p / "src") for p in ("merak-pipe", "merak-graph", "merak-tp", "merak-core")
+    ]
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(paths),
+        OMP_NUM_THREADS="1",
+        MERAK_TEST_PID_DIR=str(pids),
+        MERAK_TEST_STEP_SLEEP="0.2",
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "merak_core.cli", "train", str(_job(tmp))],
+        cwd=tmp,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + START_TIMEOUT_S
     while not all((pids / f"step.rank{r}").exists() for r in (0, 1)):  # both ranks are in a training step
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             out, err = proc.communicate()
-            pytest.fail(f"the job did not reach a training step (status {proc.returncode}):\n{out[-2000:]}\n"
-                        f"{err[-4000:]}")
+            pytest.fail(
+                f"the job did not reach a training step (status {proc.returncode}):\n{out[-2000:]}\n"
+                f"{err[-4000:]}"
+            )
         time.sleep(0.5)
     return proc, pids
 
@@ -92,7 +112,8 @@ def _stop(proc: subprocess.Popen[str], signum: int) -> tuple[str, str]:
 
 @pytest.mark.slow
 def test_sigterm_to_merak_train_stops_every_rank_and_a_second_job_is_refused(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     proc, pids = _start(tmp_path)
     job_pids = _job_pids(tmp_path, pids)
     assert all(_alive(p) for p in job_pids)
@@ -102,8 +123,10 @@ def test_sigterm_to_merak_train_stops_every_rank_and_a_second_job_is_refused(
 
     status = main(["--log-level", "WARNING", "train", str(tmp_path / "job.yaml"), "--no-check"])
     assert status == BAD_INPUT
-    assert f"is in use by another running job (host {socket.gethostname()}, pid {proc.pid} (torchrun pid " \
-           f"{job_pids[2]})" in capsys.readouterr().err
+    assert (
+        f"is in use by another running job (host {socket.gethostname()}, pid {proc.pid} (torchrun pid "
+        f"{job_pids[2]})" in capsys.readouterr().err
+    )
 
     out, err = _stop(proc, signal.SIGTERM)
     assert proc.returncode == PREEMPTED, err[-4000:]
@@ -124,8 +147,10 @@ def test_second_job_error_names_the_holder(tmp_path: Path, capsys: pytest.Captur
     with OutputDirLock.acquire(tmp_path / "out", command="merak train other.yaml"):
         assert main(["--log-level", "WARNING", "train", str(job), "--no-check"]) == BAD_INPUT
     err = capsys.readouterr().err
-    assert f"output_dir '{tmp_path / 'out'}' is in use by another running job (host {socket.gethostname()}, " \
-           f"pid {os.getpid()}, started " in err
+    assert (
+        f"output_dir '{tmp_path / 'out'}' is in use by another running job (host {socket.gethostname()}, "
+        f"pid {os.getpid()}, started " in err
+    )
     assert "command: merak train other.yaml" in err
     assert f"kill {os.getpid()} on {socket.gethostname()}" in err and "training.output_dir=..." in err
 
@@ -147,20 +172,25 @@ def test_ctrl_c_prints_a_few_lines_and_how_to_resume(tmp_path: Path) -> None:
     assert [p for p in job_pids if _alive(p)] == []
 
 
-def test_stale_lock_of_a_dead_job_is_taken_over_with_a_warning(tmp_path: Path,
-                                                                caplog: pytest.LogCaptureFixture) -> None:
+def test_stale_lock_of_a_dead_job_is_taken_over_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     out = tmp_path / "out"
     out.mkdir()
-    (out / LOCK_NAME).write_text(json.dumps({"host": "node7", "pid": 4194303, "started": 0.0,
-                                             "command": "merak train old.yaml"}))
+    (out / LOCK_NAME).write_text(
+        json.dumps({"host": "node7", "pid": 4194303, "started": 0.0, "command": "merak train old.yaml"})
+    )
     with caplog.at_level(logging.WARNING, logger="merak_core.outdir_lock"):
         lock = OutputDirLock.acquire(out, command="merak train new.yaml")
     assert lock.stale is not None and lock.stale["pid"] == 4194303
     assert "taking over the lock of a job that is gone (host node7, pid 4194303, started " in caplog.text
     assert "command: merak train old.yaml" in caplog.text
     holder = json.loads((out / LOCK_NAME).read_text())
-    assert (holder["host"], holder["pid"], holder["command"]) == (socket.gethostname(), os.getpid(),
-                                                                  "merak train new.yaml")
+    assert (holder["host"], holder["pid"], holder["command"]) == (
+        socket.gethostname(),
+        os.getpid(),
+        "merak train new.yaml",
+    )
     lock.release()
     assert (out / LOCK_NAME).read_text() == ""
     with OutputDirLock.acquire(out) as again:  # a released lock is no stale lock

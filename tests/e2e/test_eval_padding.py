@@ -30,15 +30,33 @@ def token_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, torc
 def eval_body(dp: int, pp: int, size: int, train_steps: int) -> dict[str, Any]:
     from merak_core import Trainer
 
-    args = make_args(**layout_kwargs(dp, 1, pp, per_device_eval_batch_size=2, max_steps=max(1, train_steps),
-                                     output_dir=tempfile.mkdtemp(prefix="merak-eval-")))
+    args = make_args(
+        **layout_kwargs(
+            dp,
+            1,
+            pp,
+            per_device_eval_batch_size=2,
+            max_steps=max(1, train_steps),
+            output_dir=tempfile.mkdtemp(prefix="merak-eval-"),
+        )
+    )
     model = build_model("gpt")
     vocab = model.config.vocab_size
-    trainer = Trainer(model, args, TokenDataset(64, vocab), TokenDataset(size, vocab, seed=1), loss_fn=lm_loss,
-                      compute_metrics=token_accuracy)
+    trainer = Trainer(
+        model,
+        args,
+        TokenDataset(64, vocab),
+        TokenDataset(size, vocab, seed=1),
+        loss_fn=lm_loss,
+        compute_metrics=token_accuracy,
+    )
     if train_steps:
         trainer.train()  # evaluates at the end, before the final save
-        return {"last_eval": trainer.last_eval, "evaluate": trainer.evaluate(), "state": trainer.full_state_dict()}
+        return {
+            "last_eval": trainer.last_eval,
+            "evaluate": trainer.evaluate(),
+            "state": trainer.full_state_dict(),
+        }
     return {"evaluate": trainer.evaluate()}
 
 
@@ -59,8 +77,9 @@ def _reference(size: int, state: dict[str, torch.Tensor] | None = None) -> dict[
 
 # Global eval batch 8 (2 per microbatch x 2 microbatches x dp 2, or x 4 microbatches at dp 1):
 # 37 = 4 full batches + 5 (rank 0: 4 real rows, rank 1: 1); 3 < one batch (rank 1: none); 16: whole batches.
-@pytest.mark.parametrize("dp,pp,size", [(2, 1, 37), (2, 1, 3), (1, 2, 37), (2, 2, 5), (2, 2, 16)],
-                         ids=lambda v: str(v))
+@pytest.mark.parametrize(
+    "dp,pp,size", [(2, 1, 37), (2, 1, 3), (1, 2, 37), (2, 2, 5), (2, 2, 16)], ids=lambda v: str(v)
+)
 def test_eval_counts_every_sample_once(dp: int, pp: int, size: int) -> None:
     results = run_on_ranks(dp * pp, eval_body, dp, pp, size, 0)
     got = results[0]["evaluate"]

@@ -44,11 +44,15 @@ def test_rank_dying_mid_step_fails_the_others_with_naming_errors() -> None:
     # Rank 3's pipeline peer names the pipeline transfer it waited on and the pipeline's global ranks.
     assert re.search(r"PipelineCommError|PipelineTimeoutError", sections[1]), sections[1]
     assert "pipeline step over global ranks [1, 3]" in sections[1]
-    assert re.search(r"stage 0, action 0\w+ \(microbatch \d\), peer pipeline rank 1", sections[1]), sections[1]
+    assert re.search(r"stage 0, action 0\w+ \(microbatch \d\), peer pipeline rank 1", sections[1]), sections[
+        1
+    ]
     # Its DP peer names the DP all-reduce over the dead rank's group; rank 0 the one over its own DP group.
     assert "DP gradient all-reduce over global ranks [2, 3] failed" in sections[2], sections[2]
     assert "TrainingStepError" in sections[2]
-    assert re.search(r"over global ranks \[0, 1\] failed|pipeline step over global ranks \[0, 2\]", sections[0])
+    assert re.search(
+        r"over global ranks \[0, 1\] failed|pipeline step over global ranks \[0, 2\]", sections[0]
+    )
 
 
 def test_merak_train_restarts_and_resumes_after_a_rank_kills_itself(tmp_path: Path) -> None:
@@ -64,13 +68,25 @@ def test_merak_train_restarts_and_resumes_after_a_rank_kills_itself(tmp_path: Pa
     job_file = tmp_path / "job.yaml"
     job_file.write_text(yaml.safe_dump(job))
     marker = tmp_path / "killed"
-    paths = [str(REPO)] + [str(REPO / "packages" / p / "src") for p in ("merak-pipe", "merak-graph", "merak-tp",
-                                                                        "merak-core")]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths), OMP_NUM_THREADS="1",
-               MERAK_TEST_KILL_MARKER=str(marker), MERAK_TEST_KILL_RANK="1",
-               MERAK_TEST_KILL_AT_CALL="5")  # 2 microbatches per step: the first one of step 3
-    proc = subprocess.run([sys.executable, "-m", "merak_core.cli", "train", str(job_file), "--max-restarts", "1"],
-                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    paths = [str(REPO)] + [
+        str(REPO / "packages" / p / "src") for p in ("merak-pipe", "merak-graph", "merak-tp", "merak-core")
+    ]
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(paths),
+        OMP_NUM_THREADS="1",
+        MERAK_TEST_KILL_MARKER=str(marker),
+        MERAK_TEST_KILL_RANK="1",
+        MERAK_TEST_KILL_AT_CALL="5",
+    )  # 2 microbatches per step: the first one of step 3
+    proc = subprocess.run(
+        [sys.executable, "-m", "merak_core.cli", "train", str(job_file), "--max-restarts", "1"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     log = proc.stdout[-4000:] + proc.stderr[-4000:]
     assert proc.returncode == 0, log
     assert marker.read_text().startswith("rank 1 killed itself"), log

@@ -29,13 +29,31 @@ pytestmark = pytest.mark.transformers
 
 
 def _job(tmp: Path, **training: Any) -> dict[str, Any]:
-    return {"model": {"pretrained": "gpt2"},
-            "data": {"format": "text", "path": "train.txt", "tokenizer": "gpt2", "seq_len": 8,
-                     "eval_fraction": 0.1, "cache_dir": str(tmp / "cache"), "add_eos": False},
-            "training": {"output_dir": str(tmp / "out"), "dp": 1, "tp": 2, "pp": 2,
-                         "per_device_train_batch_size": 2, "per_device_eval_batch_size": 2,
-                         "gradient_accumulation_steps": 2, "max_steps": 2, "learning_rate": 1e-3,
-                         "logging_steps": 1, **training}}
+    return {
+        "model": {"pretrained": "gpt2"},
+        "data": {
+            "format": "text",
+            "path": "train.txt",
+            "tokenizer": "gpt2",
+            "seq_len": 8,
+            "eval_fraction": 0.1,
+            "cache_dir": str(tmp / "cache"),
+            "add_eos": False,
+        },
+        "training": {
+            "output_dir": str(tmp / "out"),
+            "dp": 1,
+            "tp": 2,
+            "pp": 2,
+            "per_device_train_batch_size": 2,
+            "per_device_eval_batch_size": 2,
+            "gradient_accumulation_steps": 2,
+            "max_steps": 2,
+            "learning_rate": 1e-3,
+            "logging_steps": 1,
+            **training,
+        },
+    }
 
 
 def _write(tmp: Path, raw: dict[str, Any]) -> Path:
@@ -83,8 +101,14 @@ def test_a_good_pretrained_job_passes_the_launch_checks(tmp_path: Path) -> None:
 
 def _merak(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "merak_core.cli", *argv], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "merak_core.cli", *argv],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 @pytest.mark.slow
@@ -94,7 +118,9 @@ def test_merak_train_exports_and_merak_export_latest_agrees(tmp_path: Path) -> N
     job = _write(tmp_path, _job(tmp_path, save_steps=2, export_hf_dir=str(tmp_path / "hf")))
     run = _merak("train", str(job), cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    exported = _merak("export", "latest", "--job", str(job), "--to-hf", str(tmp_path / "from_ckpt"), cwd=tmp_path)
+    exported = _merak(
+        "export", "latest", "--job", str(job), "--to-hf", str(tmp_path / "from_ckpt"), cwd=tmp_path
+    )
     assert exported.returncode == 0, exported.stderr[-3000:]
     at_end, from_checkpoint = read_folder(tmp_path / "hf"), read_folder(tmp_path / "from_ckpt")
     original = read_folder(tmp_path / "gpt2")
@@ -102,6 +128,8 @@ def test_merak_train_exports_and_merak_export_latest_agrees(tmp_path: Path) -> N
     assert all(torch.equal(at_end[k], from_checkpoint[k]) for k in at_end)
     assert any(not torch.equal(at_end[k], original[k]) for k in at_end)  # it trained
     for folder in ("hf", "from_ckpt"):
-        assert (tmp_path / folder / "tokenizer.json").read_bytes() == (tmp_path / "gpt2" / "tokenizer.json").read_bytes()
+        assert (tmp_path / folder / "tokenizer.json").read_bytes() == (
+            tmp_path / "gpt2" / "tokenizer.json"
+        ).read_bytes()
         model = tf.AutoModelForCausalLM.from_pretrained(str(tmp_path / folder))
         assert torch.equal(model.transformer.wte.weight.detach(), at_end["transformer.wte.weight"])

@@ -24,8 +24,10 @@ def test_a_full_disk_during_a_save_keeps_latest_and_names_the_error(tmp_path: Pa
     results = run_on_ranks(2, life.disk_full_body, kwargs, 1, 4)  # rank 1's shard of step 4: ENOSPC
     tmp = tmp_path / "run" / "checkpoints" / "step_4.tmp"
     for rank, res in enumerate(results):
-        assert res["error"] == (f"RuntimeError: rank {rank}: writing checkpoint {str(tmp)!r} failed (the previous "
-                                "checkpoint is untouched): rank 1: OSError: [Errno 28] No space left on device")
+        assert res["error"] == (
+            f"RuntimeError: rank {rank}: writing checkpoint {str(tmp)!r} failed (the previous "
+            "checkpoint is untouched): rank 1: OSError: [Errno 28] No space left on device"
+        )
     root = tmp_path / "run" / "checkpoints"
     assert (root / "latest").read_text() == "step_2\n" and not (root / "step_4").exists()
     resumed = run_on_ranks(2, life.resume_body, kwargs)[0]
@@ -41,8 +43,10 @@ def test_latest_naming_a_deleted_checkpoint_falls_back_with_a_warning(tmp_path: 
     shutil.rmtree(root / "step_4")
     resumed = run_on_ranks(2, life.resume_body, kwargs)
     assert [r["resumed_step"] for r in resumed] == [2, 2]
-    assert resumed[0]["warnings"] == [f"the 'latest' pointer {root / 'latest'} names step_4, which does not exist "
-                                      "(deleted?): using the newest committed checkpoint, step_2"]
+    assert resumed[0]["warnings"] == [
+        f"the 'latest' pointer {root / 'latest'} names step_4, which does not exist "
+        "(deleted?): using the newest committed checkpoint, step_2"
+    ]
     assert resumed[1]["warnings"] == []
     assert resumed[0]["losses"] == {s: full["losses"][s] for s in (3, 4)}
 
@@ -53,8 +57,10 @@ def test_resuming_a_finished_job_says_so_and_changes_nothing(tmp_path: Path) -> 
     before = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     again = run_on_ranks(2, life.resume_body, kwargs)
     assert [(r["resumed_step"], r["final_step"], r["losses"]) for r in again] == [(4, 4, {}), (4, 4, {})]
-    assert again[0]["warnings"] == ["nothing to train: the run is already at step 4 of 4, the job is finished "
-                                    "(raise training.max_steps to train longer)"]
+    assert again[0]["warnings"] == [
+        "nothing to train: the run is already at step 4 of 4, the job is finished "
+        "(raise training.max_steps to train longer)"
+    ]
     assert again[1]["warnings"] == []
     state = again[0]["state"]
     assert state.keys() == full["final_state"].keys()

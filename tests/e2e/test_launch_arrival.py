@@ -24,16 +24,37 @@ from tests.e2e._trainer_support import make_args, reference_training
 
 @pytest.mark.slow
 def test_a_late_rank_and_a_kill_before_the_first_checkpoint_restart_from_scratch(tmp_path: Path) -> None:
-    kwargs = layout_kwargs(2, 1, 1, output_dir=str(tmp_path / "out"), max_steps=4, save_steps=2, logging_steps=1,
-                           comm_timeout_s=2.0)
+    kwargs = layout_kwargs(
+        2,
+        1,
+        1,
+        output_dir=str(tmp_path / "out"),
+        max_steps=4,
+        save_steps=2,
+        logging_steps=1,
+        comm_timeout_s=2.0,
+    )
     job = Path(faults.write_job(str(tmp_path / "job.yaml"), make_args(**kwargs).to_dict()))
-    text = job.read_text().replace("tests.e2e._fault_support:job_data", "tests.e2e._fault_support:job_data_late")
+    text = job.read_text().replace(
+        "tests.e2e._fault_support:job_data", "tests.e2e._fault_support:job_data_late"
+    )
     job.write_text(text)
     marker = tmp_path / "killed"
-    env = faults.job_env(MERAK_TEST_LATE_RANK="1", MERAK_TEST_LATE_S="8", MERAK_TEST_KILL_MARKER=str(marker),
-                         MERAK_TEST_KILL_RANK="1", MERAK_TEST_KILL_AT_CALL="2")
-    proc = subprocess.run([sys.executable, "-m", "merak_core.cli", "train", str(job), "--max-restarts", "1"],
-                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    env = faults.job_env(
+        MERAK_TEST_LATE_RANK="1",
+        MERAK_TEST_LATE_S="8",
+        MERAK_TEST_KILL_MARKER=str(marker),
+        MERAK_TEST_KILL_RANK="1",
+        MERAK_TEST_KILL_AT_CALL="2",
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "merak_core.cli", "train", str(job), "--max-restarts", "1"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     log = proc.stdout[-3000:] + proc.stderr[-5000:]
     assert proc.returncode == 0, log
     assert "DistStoreError" not in proc.stderr, log

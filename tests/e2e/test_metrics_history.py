@@ -38,7 +38,14 @@ def test_resumed_writer_keeps_the_history_up_to_the_resumed_step(tmp_path: Path)
         second.log({"step": step, "loss": 1.0 * step, "lr": 1e-3})
     records = _strict(tmp_path / "metrics.jsonl")
     assert [(r["step"], r.get("loss", "eval")) for r in records] == [
-        (1, 9.0), (2, None), (3, 7.0), (3, "eval"), (4, 4.0), (5, 5.0), (6, 6.0)]
+        (1, 9.0),
+        (2, None),
+        (3, 7.0),
+        (3, "eval"),
+        (4, 4.0),
+        (5, 5.0),
+        (6, 6.0),
+    ]
     assert second.summary() == {"first_loss": 9.0, "final_loss": 6.0, "skipped_steps": 0}
     # The plot of the whole run, when the optional matplotlib (the ``plot`` extra) is installed.
     drawn = importlib.util.find_spec("matplotlib") is not None

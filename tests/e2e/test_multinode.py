@@ -89,18 +89,29 @@ def _python_path() -> str:
     """Where this process finds Merak, as absolute paths: the commands run in another directory."""
     import importlib
 
-    roots = [str(Path(importlib.import_module(name).__file__).resolve().parents[1])  # type: ignore[arg-type]
-             for name in ("merak_core", "merak_pipe", "merak_graph", "merak_tp")]
+    roots = [
+        str(Path(importlib.import_module(name).__file__).resolve().parents[1])  # type: ignore[arg-type]
+        for name in ("merak_core", "merak_pipe", "merak_graph", "merak_tp")
+    ]
     inherited = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     return os.pathsep.join(dict.fromkeys(roots + inherited))
 
 
 def _merak(job: Path, output_dir: Path, *flags: str, log: Path) -> subprocess.Popen[bytes]:
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=_python_path())
-    cmd = [sys.executable, "-m", "merak_core.cli", "train", str(job), f"training.output_dir={output_dir}", *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "merak_core.cli",
+        "train",
+        str(job),
+        f"training.output_dir={output_dir}",
+        *flags,
+    ]
     with open(log, "wb") as out:
-        return subprocess.Popen(cmd, cwd=job.parent, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        return subprocess.Popen(
+            cmd, cwd=job.parent, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
 
 def _wait(procs: dict[str, subprocess.Popen[bytes]], logs: dict[str, Path]) -> None:
@@ -124,7 +135,9 @@ def _wait(procs: dict[str, subprocess.Popen[bytes]], logs: dict[str, Path]) -> N
             except subprocess.TimeoutExpired:
                 pass
     if failed:
-        tails = "".join(f"\n--- {name} (exit {code}) ---\n" + logs[name].read_text()[-4000:] for name, code in failed)
+        tails = "".join(
+            f"\n--- {name} (exit {code}) ---\n" + logs[name].read_text()[-4000:] for name, code in failed
+        )
         raise AssertionError(f"merak train failed or timed out after {TIMEOUT_S} s:{tails}")
 
 
@@ -156,7 +169,9 @@ def test_two_nodes_on_loopback_match_one_node(tmp_path: Path) -> None:
     # Each node started 4 workers that joined one 8-rank world through the c10d rendezvous.
     for name in ("node0", "node1"):
         text = logs[name].read_text()
-        assert "--nproc-per-node=4" in text and "--nnodes=2" in text and "--rdzv-backend=c10d" in text, text[-2000:]
+        assert "--nproc-per-node=4" in text and "--nnodes=2" in text and "--rdzv-backend=c10d" in text, text[
+            -2000:
+        ]
     summary = json.loads((tmp_path / "two_nodes" / "summary.json").read_text())
     assert summary["steps"] == STEPS and "/8 dp=2 tp=2 pp=2" in summary["layout"], summary
 

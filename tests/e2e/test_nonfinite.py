@@ -56,8 +56,19 @@ def lr_blowup_body(dp: int, pp: int) -> dict[str, Any]:
     from merak_core import Trainer
     from merak_core.nonfinite import NonFiniteError
 
-    args = make_args(**layout_kwargs(dp, 1, pp, learning_rate=1e6, max_steps=12, lr_scheduler_type="constant",
-                                     warmup_steps=0, max_grad_norm=0.0, dtype="float32"))
+    args = make_args(
+        **layout_kwargs(
+            dp,
+            1,
+            pp,
+            learning_rate=1e6,
+            max_steps=12,
+            lr_scheduler_type="constant",
+            warmup_steps=0,
+            max_grad_norm=0.0,
+            dtype="float32",
+        )
+    )
     model = build_model("gpt").float()
     trainer = Trainer(model, args, TokenDataset(64, model.config.vocab_size), loss_fn=lm_loss)
     try:
@@ -65,8 +76,13 @@ def lr_blowup_body(dp: int, pp: int) -> dict[str, Any]:
     except NonFiniteError as exc:
         finite = all(bool(torch.isfinite(p).all()) for p in trainer.params)
         names = [n for n, _ in trainer.model.named_parameters()]
-        return {"error": str(exc), "losses": [h["loss"] for h in trainer.history], "params_finite": finite,
-                "names": names, "global_step": trainer.global_step}
+        return {
+            "error": str(exc),
+            "losses": [h["loss"] for h in trainer.history],
+            "params_finite": finite,
+            "names": names,
+            "global_step": trainer.global_step,
+        }
     raise AssertionError("learning_rate=1e6 trained 12 steps without a non-finite step")
 
 
@@ -114,30 +130,54 @@ def test_stop_names_the_first_nonfinite_gradient_on_every_rank() -> None:
     texts = run_on_ranks(2, poisoned_gradient_body, victim)
     assert texts[0] == texts[1]
     # The DP all-reduce spreads rank 1's infinity to both replicas; the name is the same.
-    assert re.match(rf"step {BAD_STEP}: non-finite training step \(loss [0-9.]+, gradient norm (inf|nan)\); "
-                    rf"the first non-finite gradient is '{re.escape(victim)}' \((inf|nan), on rank 0: pp_rank 0, "
-                    r"dp_rank 0, tp_rank 0\)\. The step was not applied", texts[0]), texts[0]
+    assert re.match(
+        rf"step {BAD_STEP}: non-finite training step \(loss [0-9.]+, gradient norm (inf|nan)\); "
+        rf"the first non-finite gradient is '{re.escape(victim)}' \((inf|nan), on rank 0: pp_rank 0, "
+        r"dp_rank 0, tp_rank 0\)\. The step was not applied",
+        texts[0],
+    ), texts[0]
 
 
 def skip_body(dp: int, pp: int, max_steps: int, out: str) -> dict[str, Any]:
     """``nonfinite: skip`` with a NaN loss at step BAD_STEP; losses, the final state and the metrics file."""
     from merak_core import Trainer
 
-    kwargs = layout_kwargs(dp, 1, pp, max_steps=max_steps, nonfinite="skip", lr_scheduler_type="constant",
-                           warmup_steps=0, output_dir=out, logging_steps=10)
+    kwargs = layout_kwargs(
+        dp,
+        1,
+        pp,
+        max_steps=max_steps,
+        nonfinite="skip",
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        output_dir=out,
+        logging_steps=10,
+    )
     args = make_args(**kwargs)
     model = build_model("gpt")
-    trainer = Trainer(model, args, TokenDataset(64, model.config.vocab_size),
-                      loss_fn=_PoisonAt(BAD_STEP, args.gradient_accumulation_steps))
+    trainer = Trainer(
+        model,
+        args,
+        TokenDataset(64, model.config.vocab_size),
+        loss_fn=_PoisonAt(BAD_STEP, args.gradient_accumulation_steps),
+    )
     history = trainer.train()
     state = trainer.full_state_dict()
-    return {"losses": [h["loss"] for h in history], "skipped": [h.get("skipped", False) for h in history],
-            "state": state, "skipped_steps": trainer.skipped_steps}
+    return {
+        "losses": [h["loss"] for h in history],
+        "skipped": [h.get("skipped", False) for h in history],
+        "state": state,
+        "skipped_steps": trainer.skipped_steps,
+    }
 
 
-def _reference_skipping(max_steps: int, dp: int, skip: set[int]) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _reference_skipping(
+    max_steps: int, dp: int, skip: set[int]
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The single-process reference that reads every batch but applies no update at the steps in ``skip``."""
-    args = make_args(**layout_kwargs(dp, 1, 1, max_steps=max_steps, lr_scheduler_type="constant", warmup_steps=0))
+    args = make_args(
+        **layout_kwargs(dp, 1, 1, max_steps=max_steps, lr_scheduler_type="constant", warmup_steps=0)
+    )
     model = build_model("gpt")
     data = TokenDataset(64, model.config.vocab_size)
     opt, sched = reference_optimizer(model, args)
@@ -196,5 +236,5 @@ def test_json_safe_writes_null_for_nonfinite() -> None:
 
     value = {"loss": float("nan"), "xs": [1.0, float("inf"), -float("inf")], "ok": 2.5, "name": "a"}
     assert json.dumps(json_safe(value), allow_nan=False) == (
-        '{"loss": null, "xs": [1.0, null, null], "ok": 2.5, "name": "a"}')
-
+        '{"loss": null, "xs": [1.0, null, null], "ok": 2.5, "name": "a"}'
+    )

@@ -37,7 +37,9 @@ def _datasets(folder: Path, text: Path) -> tuple[Blocks, Blocks]:
     return Blocks(ids, count=TRAIN_BLOCKS), Blocks(ids, start=TRAIN_BLOCKS, count=EVAL_BLOCKS)
 
 
-def finetune_on_ranks(folder: str, text: str, out: str, args_kwargs: dict[str, Any]) -> tuple[int, int, float]:
+def finetune_on_ranks(
+    folder: str, text: str, out: str, args_kwargs: dict[str, Any]
+) -> tuple[int, int, float]:
     """Rank body: the Trainer from the folder, exported at once, trained (exported at the end), evaluated.
 
     Returns (bytes this rank read from the folder, bytes of its own parameters, eval loss).
@@ -54,13 +56,17 @@ def finetune_on_ranks(folder: str, text: str, out: str, args_kwargs: dict[str, A
         trainer = Trainer(None, args, train, evaluation, loss_fn=lm_loss, pretrained=folder)
     finally:
         PretrainedWeights.load_into = original  # type: ignore[method-assign]
-    own = sum(p.numel() * p.element_size() for p in {id(p): p for _, p in trainer.model.named_parameters()}.values())
+    own = sum(
+        p.numel() * p.element_size() for p in {id(p): p for _, p in trainer.model.named_parameters()}.values()
+    )
     export_hf(trainer, Path(out) / "step0", max_shard_size="40KB")
     trainer.train()  # exports to step3 (export_hf_dir) after the last step
     return read[0], own, trainer.last_eval["eval_loss"]
 
 
-def reference_finetune(folder: Path, text: Path, args_kwargs: dict[str, Any], dp: int) -> dict[str, torch.Tensor]:
+def reference_finetune(
+    folder: Path, text: Path, args_kwargs: dict[str, Any], dp: int
+) -> dict[str, torch.Tensor]:
     """The same fine-tune in one process, from ``from_pretrained(folder)``; its parameters by name."""
     import transformers as tf
 
@@ -69,7 +75,9 @@ def reference_finetune(folder: Path, text: Path, args_kwargs: dict[str, Any], dp
     train, _ = _datasets(folder, text)
 
     def microbatch_loss(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return lm_loss(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]), batch["labels"])
+        return lm_loss(
+            model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]), batch["labels"]
+        )
 
     reference_steps(model, train, args, dp, microbatch_loss)
     return {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -81,21 +89,34 @@ def transformers_eval_loss(folder: Path, text: Path, tokenizer_folder: Path) -> 
 
     model = tf.AutoModelForCausalLM.from_pretrained(str(folder))
     ids = token_stream(text, tokenizer_folder / "tokenizer.json")
-    blocks = torch.stack([ids[i * SEQ:i * SEQ + SEQ + 1] for i in range(TRAIN_BLOCKS, TRAIN_BLOCKS + EVAL_BLOCKS)])
+    blocks = torch.stack(
+        [ids[i * SEQ : i * SEQ + SEQ + 1] for i in range(TRAIN_BLOCKS, TRAIN_BLOCKS + EVAL_BLOCKS)]
+    )
     with torch.no_grad():
         return float(model(input_ids=blocks, labels=blocks).loss)
 
 
-@pytest.mark.parametrize(("name", "layout", "save_steps"), [("gpt2", (2, 2, 2), None), ("llama", (1, 2, 4), 3)],
-                         ids=["gpt2-dp2_tp2_pp2", "llama-dp1_tp2_pp4-checkpointed"])
-def test_pretrained_finetune_and_export(name: str, layout: tuple[int, int, int], save_steps: int | None) -> None:
+@pytest.mark.parametrize(
+    ("name", "layout", "save_steps"),
+    [("gpt2", (2, 2, 2), None), ("llama", (1, 2, 4), 3)],
+    ids=["gpt2-dp2_tp2_pp2", "llama-dp1_tp2_pp4-checkpointed"],
+)
+def test_pretrained_finetune_and_export(
+    name: str, layout: tuple[int, int, int], save_steps: int | None
+) -> None:
     """GPT-2 exports at the end with no checkpoint at all; Llama's step-3 checkpoint exports the same folder."""
     tf = pytest.importorskip("transformers")
     dp, tp, pp = layout
     root = Path(tempfile.mkdtemp(prefix="merak-pretrained-"))
     folder, text = make_folder(name, root)
-    kwargs = dict(dp=dp, tp=tp, pp=pp, gradient_accumulation_steps=pp, per_device_eval_batch_size=2,
-                  save_steps=save_steps)
+    kwargs = dict(
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        gradient_accumulation_steps=pp,
+        per_device_eval_batch_size=2,
+        save_steps=save_steps,
+    )
     results = run_on_ranks(dp * tp * pp, finetune_on_ranks, str(folder), str(text), str(root / "out"), kwargs)
 
     # Each rank read exactly its own shard of its own stage, never the whole model.
@@ -148,8 +169,9 @@ def load_at_pp1_on_ranks(folder: str) -> dict[str, torch.Tensor] | None:
     layout = merak_core.init(dp=1, tp=2, pp=1)
     model = pretrained_model(folder)
     weights = PretrainedWeights.match(model, folder)
-    pm = build_parallel_model(model, layout, example_inputs={"input_ids": torch.zeros(1, SEQ, dtype=torch.long)},
-                              init_fn=skip_init)
+    pm = build_parallel_model(
+        model, layout, example_inputs={"input_ids": torch.zeros(1, SEQ, dtype=torch.long)}, init_fn=skip_init
+    )
     weights.load_into(pm)
     return gather_full_state_dict(pm)
 

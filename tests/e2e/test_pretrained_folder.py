@@ -34,8 +34,12 @@ def test_folder_errors_name_the_path_and_the_fix(tmp_path: Path) -> None:
     (tmp_path / "pytorch_model.bin").write_bytes(b"")
     with pytest.raises(ValueError, match=r"neither model.safetensors.*pytorch_model.bin.*safe_serialization"):
         PretrainedFolder(tmp_path)
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "model-1.safetensors"}}))
-    with pytest.raises(ValueError, match=r"lists shard files that are not in the folder: \['model-1.safetensors'\]"):
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"w": "model-1.safetensors"}})
+    )
+    with pytest.raises(
+        ValueError, match=r"lists shard files that are not in the folder: \['model-1.safetensors'\]"
+    ):
         PretrainedFolder(tmp_path)
 
 
@@ -64,18 +68,28 @@ def test_match_refuses_a_folder_of_another_model(tmp_path: Path) -> None:
     assert "lm_head.weight" not in weights.file_names and "transformer.wte.weight" in weights.file_names
     assert next(model.parameters()).is_meta
     wider = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=96, n_embd=64, n_layer=2, n_head=4, n_positions=64))
-    with pytest.raises(ValueError, match=r"has shape \[96, 32\], the model built from its config.json has \[96, 64\]"):
+    with pytest.raises(
+        ValueError, match=r"has shape \[96, 32\], the model built from its config.json has \[96, 64\]"
+    ):
         PretrainedWeights.match(wider, folder)
     deeper = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=96, n_embd=32, n_layer=3, n_head=4, n_positions=64))
     with pytest.raises(ValueError, match=r"lacks 12 of the model's parameters, e.g. \['transformer.h.2"):
         PretrainedWeights.match(deeper, folder)
 
 
-def _tagged(shape: tuple[int, ...], *, dim: int | None, sections: int = 1,
-            section_sizes: tuple[int, ...] | None = None, transposed: bool = False) -> torch.Tensor:
+def _tagged(
+    shape: tuple[int, ...],
+    *,
+    dim: int | None,
+    sections: int = 1,
+    section_sizes: tuple[int, ...] | None = None,
+    transposed: bool = False,
+) -> torch.Tensor:
     from merak_tp.shard_spec import ShardSpec, set_shard_spec
 
-    return set_shard_spec(torch.empty(shape, device="meta"), ShardSpec(dim, section_sizes or sections, transposed))
+    return set_shard_spec(
+        torch.empty(shape, device="meta"), ShardSpec(dim, section_sizes or sections, transposed)
+    )
 
 
 @pytest.mark.parametrize("as_slice", [True, False], ids=["safetensors", "tensor"])
@@ -86,19 +100,28 @@ def test_local_shard_of_fused_and_transposed_weights(tmp_path: Path, as_slice: b
 
     from merak_core.hf import read_local_shard
 
-    full = {"qkv": torch.arange(16 * 3, dtype=torch.float64).reshape(16, 3),
-            "conv": torch.arange(6 * 8, dtype=torch.float64).reshape(6, 8)}  # Conv1D: (in=6, out=8)
+    full = {
+        "qkv": torch.arange(16 * 3, dtype=torch.float64).reshape(16, 3),
+        "conv": torch.arange(6 * 8, dtype=torch.float64).reshape(6, 8),
+    }  # Conv1D: (in=6, out=8)
     save_file(full, str(tmp_path / "w.safetensors"))
     handle = safetensors.safe_open(str(tmp_path / "w.safetensors"), framework="pt")
     entry = handle.get_slice if as_slice else full.__getitem__
     for rank in range(2):
-        qkv = read_local_shard(entry("qkv"), _tagged((8, 3), dim=0, sections=3, section_sizes=(8, 4, 4)), 2, rank)
-        want = torch.cat([full["qkv"][rank * 4:rank * 4 + 4], full["qkv"][8 + rank * 2:10 + rank * 2],
-                          full["qkv"][12 + rank * 2:14 + rank * 2]])
+        qkv = read_local_shard(
+            entry("qkv"), _tagged((8, 3), dim=0, sections=3, section_sizes=(8, 4, 4)), 2, rank
+        )
+        want = torch.cat(
+            [
+                full["qkv"][rank * 4 : rank * 4 + 4],
+                full["qkv"][8 + rank * 2 : 10 + rank * 2],
+                full["qkv"][12 + rank * 2 : 14 + rank * 2],
+            ]
+        )
         assert torch.equal(qkv, want)
         # Column-parallel Linear layout (out, in) = (4, 6) per rank, from the (in, out) file tensor.
         conv = read_local_shard(entry("conv"), _tagged((4, 6), dim=0, transposed=True), 2, rank)
-        assert torch.equal(conv, full["conv"][:, rank * 4:rank * 4 + 4].t())
+        assert torch.equal(conv, full["conv"][:, rank * 4 : rank * 4 + 4].t())
         assert torch.equal(read_local_shard(entry("conv"), _tagged((6, 8), dim=None), 2, rank), full["conv"])
 
 

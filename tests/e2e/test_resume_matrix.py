@@ -30,8 +30,13 @@ COMMON = dict(max_steps=4, save_steps=2, lr_scheduler_type="cosine")
 
 
 def _cases() -> list[tuple[str, tuple[int, int, int], int]]:
-    cases = [(name, layout, zero) for name in ("gpt", "llama") for layout in LAYOUTS for zero in (0, 1)
-             if not (zero and layout[0] == 1)]
+    cases = [
+        (name, layout, zero)
+        for name in ("gpt", "llama")
+        for layout in LAYOUTS
+        for zero in (0, 1)
+        if not (zero and layout[0] == 1)
+    ]
     # Dropout: the layouts of the reported mismatch (dp2 pp2, dp2, pp2), TP, and all three axes with ZeRO-1.
     cases += [("gpt_dropout", layout, 0) for layout in [(2, 1, 2), (2, 1, 1), (1, 1, 2), (1, 2, 1)]]
     cases += [("gpt_dropout", (2, 2, 2), 1)]
@@ -43,14 +48,18 @@ def _id(case: tuple[str, tuple[int, int, int], int]) -> str:
     return f"{name}-dp{dp}_tp{tp}_pp{pp}-zero{zero}"
 
 
-def _assert_states_equal(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str) -> None:
+def _assert_states_equal(
+    actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str
+) -> None:
     assert sorted(actual) == sorted(expected), what
     differ = [key for key in expected if not torch.equal(actual[key], expected[key])]
     assert not differ, f"{what}: not bit-identical: {differ}"
 
 
 @pytest.mark.parametrize("case", _cases(), ids=_id)
-def test_resume_is_bit_identical_at_every_layout(tmp_path: Path, case: tuple[str, tuple[int, int, int], int]) -> None:
+def test_resume_is_bit_identical_at_every_layout(
+    tmp_path: Path, case: tuple[str, tuple[int, int, int], int]
+) -> None:
     name, (dp, tp, pp), zero = case
     kwargs = support.layout_kwargs(dp, tp, pp, output_dir=str(tmp_path), zero_stage=zero, **COMMON)
     results = run_on_ranks(dp * tp * pp, support.resume_pair_body, name, kwargs, 2)
@@ -59,7 +68,9 @@ def test_resume_is_bit_identical_at_every_layout(tmp_path: Path, case: tuple[str
         assert res["bad_shapes"] == [], f"rank {rank}: optimizer states loaded with the wrong shape"
         assert sorted(res["losses"]) == [3, 4], rank
         for step in (3, 4):
-            assert res["losses"][step] == res["full_losses"][step], f"rank {rank} step {step}: not bit-identical"
+            assert res["losses"][step] == res["full_losses"][step], (
+                f"rank {rank} step {step}: not bit-identical"
+            )
     head = results[0]
     _assert_states_equal(head["final_state"], head["full_state"], f"{_id(case)} final parameters")
 
@@ -75,16 +86,17 @@ def test_every_random_stream_comes_back_per_rank(tmp_path: Path) -> None:
 
 
 RESHARD = [  # (saving layout, its ZeRO stage, loading layout, its ZeRO stage)
-    ((1, 2, 1), 0, (2, 1, 1), 1),   # out of tp > 1, ZeRO off -> on
-    ((2, 2, 1), 1, (1, 2, 2), 0),   # tp > 1 to tp > 1, ZeRO on -> off
-    ((2, 1, 2), 0, (1, 2, 1), 0),   # into tp > 1, ZeRO off
-    ((2, 1, 1), 1, (2, 2, 2), 1),   # into tp > 1, ZeRO on
-    ((2, 2, 2), 0, (1, 1, 1), 0),   # out of 3D, ZeRO off
+    ((1, 2, 1), 0, (2, 1, 1), 1),  # out of tp > 1, ZeRO off -> on
+    ((2, 2, 1), 1, (1, 2, 2), 0),  # tp > 1 to tp > 1, ZeRO on -> off
+    ((2, 1, 2), 0, (1, 2, 1), 0),  # into tp > 1, ZeRO off
+    ((2, 1, 1), 1, (2, 2, 2), 1),  # into tp > 1, ZeRO on
+    ((2, 2, 2), 0, (1, 1, 1), 0),  # out of 3D, ZeRO off
 ]
 
 
-@pytest.mark.parametrize("case", RESHARD, ids=lambda c: "{}x{}x{}-zero{}_to_{}x{}x{}-zero{}".format(
-    *c[0], c[1], *c[2], c[3]))
+@pytest.mark.parametrize(
+    "case", RESHARD, ids=lambda c: "{}x{}x{}-zero{}_to_{}x{}x{}-zero{}".format(*c[0], c[1], *c[2], c[3])
+)
 @pytest.mark.parametrize("name", ["gpt", "llama"])
 def test_reshard_with_zero_off_and_on(tmp_path: Path, name: str, case: tuple) -> None:
     src, src_zero, dst, dst_zero = case
@@ -99,4 +111,6 @@ def test_reshard_with_zero_off_and_on(tmp_path: Path, name: str, case: tuple) ->
     for step in (3, 4):
         assert head["losses"][step] == pytest.approx(full["losses"][step], rel=1e-11, abs=1e-12), step
     for key, ref in full["final_state"].items():
-        assert_tensors_close(head["final_state"][key], ref, name=f"{src}->{dst} final {key}", rtol=1e-8, atol=1e-10)
+        assert_tensors_close(
+            head["final_state"][key], ref, name=f"{src}->{dst} final {key}", rtol=1e-8, atol=1e-10
+        )

@@ -51,8 +51,13 @@ def _wait_for(path: Path, proc: subprocess.Popen[str], timeout_s: float = 300.0)
 @pytest.mark.slow
 def test_sigterm_inside_a_blocking_store_wait_exits_at_once_with_one_line(tmp_path: Path) -> None:
     ready = tmp_path / "ready"
-    proc = subprocess.Popen([sys.executable, "-c", BLOCKED, str(ready)], env=faults.job_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", BLOCKED, str(ready)],
+        env=faults.job_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     _wait_for(ready, proc)
     proc.send_signal(signal.SIGTERM)
     try:  # far less than the wait's 300 s: the watcher thread acted, not a handler after the wait
@@ -68,35 +73,55 @@ def test_sigterm_inside_a_blocking_store_wait_exits_at_once_with_one_line(tmp_pa
 
 
 def _job(tmp: Path) -> Path:
-    training = {"output_dir": str(tmp / "out"), "dp": 1, "per_device_train_batch_size": 2, "max_steps": 2,
-                "save_steps": 1}
-    job = {"model": {"factory": "tests.e2e._fault_support:job_model_signalling"},
-           "data": {"factory": "tests.e2e._fault_support:job_data", "kwargs": {"size": 8}},
-           "loss": "tests.e2e._fault_support:job_loss", "training": training}
+    training = {
+        "output_dir": str(tmp / "out"),
+        "dp": 1,
+        "per_device_train_batch_size": 2,
+        "max_steps": 2,
+        "save_steps": 1,
+    }
+    job = {
+        "model": {"factory": "tests.e2e._fault_support:job_model_signalling"},
+        "data": {"factory": "tests.e2e._fault_support:job_data", "kwargs": {"size": 8}},
+        "loss": "tests.e2e._fault_support:job_loss",
+        "training": training,
+    }
     path = tmp / "job.yaml"
     path.write_text(yaml.safe_dump(job))
     return path
 
 
 @pytest.mark.slow
-def test_a_rank_interrupted_while_building_the_model_exits_preempted_with_the_restart_line(tmp_path: Path) -> None:
+def test_a_rank_interrupted_while_building_the_model_exits_preempted_with_the_restart_line(
+    tmp_path: Path,
+) -> None:
     # A rank of a job that has a checkpoint already (a resumed or restarted job): the line says --resume latest.
     job = _job(tmp_path)
     checkpoints = tmp_path / "out" / "checkpoints"
     (checkpoints / "step_3").mkdir(parents=True)
     (checkpoints / "latest").write_text("step_3\n")
     env = faults.job_env(RANK="0", MERAK_TEST_SETUP_SIGNAL="SIGINT")
-    proc = subprocess.run([sys.executable, "-m", "merak_core.launch", str(job), "training.seed=3"], env=env,
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "merak_core.launch", str(job), "training.seed=3"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == PREEMPTED, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "KeyboardInterrupt" not in proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.splitlines()[-1] == (
         "[rank 0] merak: stopped by SIGINT during set-up, before the first step (nothing new to save); "
-        f"start again with: merak train {job} training.seed=3 --resume latest")
+        f"start again with: merak train {job} training.seed=3 --resume latest"
+    )
 
 
 def test_restart_command_offers_resume_only_when_a_checkpoint_exists(tmp_path: Path) -> None:
-    assert restart_command("job.yaml", ["training.lr=1"], tmp_path / "none") == "merak train job.yaml training.lr=1"
+    assert (
+        restart_command("job.yaml", ["training.lr=1"], tmp_path / "none")
+        == "merak train job.yaml training.lr=1"
+    )
     assert restart_command("job.yaml", [], None) == "merak train job.yaml"
     (tmp_path / "step_2").mkdir()
     assert restart_command("my job.yaml", [], tmp_path) == "merak train 'my job.yaml' --resume latest"

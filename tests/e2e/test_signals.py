@@ -37,19 +37,26 @@ def _sections(text: str) -> dict[int, str]:
     return {int(parts[i]): parts[i + 1] for i in range(1, len(parts) - 1, 2)}
 
 
-@pytest.mark.parametrize("victim,signum", [(3, signal.SIGTERM), (0, signal.SIGINT)], ids=["sigterm_rank3",
-                                                                                            "sigint_rank0"])
-def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step(tmp_path: Path, victim: int, signum: int) -> None:
+@pytest.mark.parametrize(
+    "victim,signum", [(3, signal.SIGTERM), (0, signal.SIGINT)], ids=["sigterm_rank3", "sigint_rank0"]
+)
+def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step(
+    tmp_path: Path, victim: int, signum: int
+) -> None:
     out = str(tmp_path / "out")
     stopped = run_on_ranks(4, faults.preempt_body, LAYOUT, victim, signum, 3, out, STEPS)
     name = signal.Signals(signum).name
-    assert [r["step"] for r in stopped] == [3] * 4  # the signal came during step 3: step 3 completes everywhere
+    assert [r["step"] for r in stopped] == [
+        3
+    ] * 4  # the signal came during step 3: step 3 completes everywhere
     assert stopped[victim]["signal"] == name
     assert all(r["signal"] == "a stop signal to another rank" for i, r in enumerate(stopped) if i != victim)
     checkpoint = str(Path(out) / "checkpoints" / "step_3")
     assert all(r["checkpoint"] == checkpoint for r in stopped), [r["checkpoint"] for r in stopped]
-    assert stopped[victim]["line"] == (f"merak: stopped by {name} after step 3, checkpoint {checkpoint}; resume "
-                                       "with: merak train job.yaml --resume latest")
+    assert stopped[victim]["line"] == (
+        f"merak: stopped by {name} after step 3, checkpoint {checkpoint}; resume "
+        "with: merak train job.yaml --resume latest"
+    )
     assert all(r["handler_restored"] for r in stopped), "train() left its signal handlers installed"
     # Resuming from the preemption checkpoint gives the uninterrupted run bit for bit.
     resumed = run_on_ranks(4, faults.resume_body, LAYOUT, out, STEPS, "latest")[0]
@@ -70,8 +77,10 @@ def test_a_stalled_rank_is_named_by_the_others_within_the_timeout() -> None:
     for rank in (0, 1, 2):
         section = sections.get(rank, "")
         assert f"SURVIVOR rank {rank} failed after" in section, text[-3000:]
-        assert "no heartbeat from rank 3 (pp_rank 1, dp_rank 1, tp_rank 0): stalled (stopped, hung) or dead" in \
-            section, section
+        assert (
+            "no heartbeat from rank 3 (pp_rank 1, dp_rank 1, tp_rank 0): stalled (stopped, hung) or dead"
+            in section
+        ), section
         elapsed = float(re.search(r"failed after ([0-9.]+) s", section).group(1))  # type: ignore[union-attr]
         assert elapsed < timeout_s + 5, section
 
@@ -82,9 +91,14 @@ TIMEOUT_S = 240
 
 
 def _launch(job: Path, cwd: Path, *extra: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "merak_core.cli", "train", str(job), *extra], cwd=cwd,
-                            env=faults.job_env(MERAK_TEST_STEP_SLEEP="0.15"), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "merak_core.cli", "train", str(job), *extra],
+        cwd=cwd,
+        env=faults.job_env(MERAK_TEST_STEP_SLEEP="0.15"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _signal_mid_run(proc: subprocess.Popen[str], out: str, target: str) -> None:
@@ -104,18 +118,25 @@ def _signal_mid_run(proc: subprocess.Popen[str], out: str, target: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("target", ["torchrun", "rank1"])
 def test_sigterm_writes_a_preemption_checkpoint_and_the_resume_gives_the_uninterrupted_run(
-        tmp_path: Path, target: str) -> None:
+    tmp_path: Path, target: str
+) -> None:
     from merak_core.exitcodes import PREEMPTED
 
     out = str(tmp_path / "out")
     kwargs = layout_kwargs(2, 1, 1, output_dir=out, max_steps=JOB_STEPS, logging_steps=1)
-    job = Path(faults.write_job(str(tmp_path / "job.yaml"), make_args(**kwargs).to_dict(), data_size=DATA_SIZE))
+    job = Path(
+        faults.write_job(str(tmp_path / "job.yaml"), make_args(**kwargs).to_dict(), data_size=DATA_SIZE)
+    )
     proc = _launch(job, tmp_path)
     _signal_mid_run(proc, out, target)
     log, _ = proc.communicate(timeout=TIMEOUT_S)
     assert proc.returncode == PREEMPTED, log[-4000:]
-    lines = re.findall(r"^merak: stopped by (\S+(?: [^,]+)?) after step (\d+), checkpoint (\S+); resume with: "
-                       r"(.*)$", log, flags=re.M)
+    lines = re.findall(
+        r"^merak: stopped by (\S+(?: [^,]+)?) after step (\d+), checkpoint (\S+); resume with: "
+        r"(.*)$",
+        log,
+        flags=re.M,
+    )
     assert len(lines) == 1, log[-4000:]  # one line, from rank 0
     _, step, checkpoint, command = lines[0]
     step = int(step)
@@ -125,8 +146,14 @@ def test_sigterm_writes_a_preemption_checkpoint_and_the_resume_gives_the_uninter
     if target == "torchrun":  # merak train hides the shutdown tracebacks of a job stopped by a signal
         assert "Traceback" not in log, log[-4000:]
 
-    resumed = subprocess.run([sys.executable, "-m", "merak_core.cli", "train", str(job), "--resume", "latest"],
-                             cwd=tmp_path, env=faults.job_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    resumed = subprocess.run(
+        [sys.executable, "-m", "merak_core.cli", "train", str(job), "--resume", "latest"],
+        cwd=tmp_path,
+        env=faults.job_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
     reference, _ = reference_training("gpt", kwargs, dp=2, dataset_size=DATA_SIZE)
     records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]

@@ -47,8 +47,9 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def _run_and_signal(tmp: Path, signum: int | None, exitcode: int = PREEMPTED,
-                    to_child: bool = False) -> tuple[object, str, int]:
+def _run_and_signal(
+    tmp: Path, signum: int | None, exitcode: int = PREEMPTED, to_child: bool = False
+) -> tuple[object, str, int]:
     ready = tmp / "ready"
     err = io.StringIO()
 
@@ -176,13 +177,22 @@ REPORT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize(("root_code", "max_restarts", "expected"), [
-    ("1", 3, "merak train: the job failed: rank 3 failed first (exit code 1); its error is above; torchrun "
-             "restarted the job 3 times (--max-restarts 3) and every attempt failed, so it gave up"),
-    ("-9", 0, "merak train: the job failed: rank 3 failed first (killed by SIGKILL); its error is above"),
-], ids=["repeated-fault", "killed-no-restarts"])
-def test_a_failed_job_is_summed_up_in_one_line_naming_the_root_cause(root_code: str, max_restarts: int,
-                                                                      expected: str) -> None:
+@pytest.mark.parametrize(
+    ("root_code", "max_restarts", "expected"),
+    [
+        (
+            "1",
+            3,
+            "merak train: the job failed: rank 3 failed first (exit code 1); its error is above; torchrun "
+            "restarted the job 3 times (--max-restarts 3) and every attempt failed, so it gave up",
+        ),
+        ("-9", 0, "merak train: the job failed: rank 3 failed first (killed by SIGKILL); its error is above"),
+    ],
+    ids=["repeated-fault", "killed-no-restarts"],
+)
+def test_a_failed_job_is_summed_up_in_one_line_naming_the_root_cause(
+    root_code: str, max_restarts: int, expected: str
+) -> None:
     from merak_core.supervise import failure_line
 
     err = io.StringIO()

@@ -31,15 +31,27 @@ class Recorder(torch.utils.data.Dataset):
         return self.inner[index]
 
 
-def _trainer(spec_kw: dict[str, Any], output_dir: str, max_steps: int, save_steps: int | None) -> tuple[Any, Recorder]:
+def _trainer(
+    spec_kw: dict[str, Any], output_dir: str, max_steps: int, save_steps: int | None
+) -> tuple[Any, Recorder]:
     from merak_core import Trainer, TrainingArguments, init
     from merak_core.textdata import TextDataSpec, build_text_datasets
 
     train, _ = build_text_datasets(TextDataSpec(**spec_kw))
     data = Recorder(train)
-    args = TrainingArguments(dp=2, tp=1, pp=1, per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                             max_steps=max_steps, save_steps=save_steps, output_dir=output_dir, logging_steps=100,
-                             learning_rate=1e-3, seed=3)
+    args = TrainingArguments(
+        dp=2,
+        tp=1,
+        pp=1,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=max_steps,
+        save_steps=save_steps,
+        output_dir=output_dir,
+        logging_steps=100,
+        learning_rate=1e-3,
+        seed=3,
+    )
     model = text_model(VOCAB, dtype="float32")
     trainer = Trainer(model, args, data, layout=init(dp=2, tp=1, pp=1))
     data.seen.clear()  # the trainer read a first microbatch to trace the model
@@ -65,8 +77,13 @@ def _run(spec_kw: dict[str, Any], output_dir: str, interrupt_at: int | None) -> 
 def test_resume_from_the_middle_of_the_text_neither_repeats_nor_skips(tmp_path: Path) -> None:
     tok = make_tokenizer(tmp_path / "tok", vocab_size=VOCAB)
     (tmp_path / "corpus.txt").write_text("\n".join(sentences(120, seed=21)))
-    spec_kw = {"format": "text", "path": str(tmp_path / "corpus.txt"), "tokenizer": str(tok), "seq_len": 8,
-               "cache_dir": str(tmp_path / "cache")}
+    spec_kw = {
+        "format": "text",
+        "path": str(tmp_path / "corpus.txt"),
+        "tokenizer": str(tok),
+        "seq_len": 8,
+        "cache_dir": str(tmp_path / "cache"),
+    }
     whole = run_on_ranks(2, _run, spec_kw, tempfile.mkdtemp(dir=tmp_path), None)
     resumed = run_on_ranks(2, _run, spec_kw, tempfile.mkdtemp(dir=tmp_path), 2)
     assert resumed == whole

@@ -61,7 +61,9 @@ def test_the_tiny_config_is_chosen_for_a_large_or_unfitting_model(full_configs: 
     assert not choose_check_model(big, tp=2, tiny=False)[0]  # --full
     small = F.build_family("llama")
     assert choose_check_model(small, tp=2, tiny=None, available=2**40) == (
-        False, "LlamaForCausalLM has 24,736 parameters: checked whole")
+        False,
+        "LlamaForCausalLM has 24,736 parameters: checked whole",
+    )
     use, why = choose_check_model(small, tp=2, tiny=None, available=1_000_000)
     assert use and "needs ~0.0 GiB, more than half of the 0.0 GiB available" in why
     assert choose_check_model(small, tp=2, tiny=True)[0]
@@ -87,8 +89,12 @@ def test_tiny_check_passes_the_plan_and_flags_a_wrong_one(full_configs: dict[str
     assert {r.name for r in rows} >= {"model.layers.1.mlp.gate_up_proj", "model.layers.0.self_attn.qkv_proj"}
     assert max(r.relative for r in rows) < 1e-12, rows
     wrong = merak_tp.get_plan("hf_phi3").with_options(
-        sections={"*layers.*.self_attn.qkv_proj": merak_tp.get_plan("hf_phi3").sections[
-            "*layers.*.self_attn.qkv_proj"]})
+        sections={
+            "*layers.*.self_attn.qkv_proj": merak_tp.get_plan("hf_phi3").sections[
+                "*layers.*.self_attn.qkv_proj"
+            ]
+        }
+    )
     rows = check_plan_numerics(build, inputs, plan=wrong, tp=2)
     flagged = [r.name for r in rows if r.relative > 1e-9]
     # The gathered gate/up output is right; the local gate * up pairs the wrong halves, so the first module
@@ -111,8 +117,10 @@ def test_merak_check_of_a_full_size_job_checks_the_tiny_config(capsys: pytest.Ca
     assert "tiny: hidden_size=32, num_hidden_layers=2, num_attention_heads=4" in out, out
     assert "model.layers.1.mlp.gate_up_proj" in out and "0 above the tolerance 1e-09" in out, out
     # The silent-wrong Phi-3 plan (gate/up as one block) fails the tiny check with exit 1.
-    wrong = ("training.tp_plan={base: hf_phi3, sections: {'*layers.*.self_attn.qkv_proj': "
-             "[num_attention_heads*head_dim, num_key_value_heads*head_dim, num_key_value_heads*head_dim]}}")
+    wrong = (
+        "training.tp_plan={base: hf_phi3, sections: {'*layers.*.self_attn.qkv_proj': "
+        "[num_attention_heads*head_dim, num_key_value_heads*head_dim, num_key_value_heads*head_dim]}}"
+    )
     assert main(["check", EXAMPLE, "model.kwargs={family: phi3}", wrong, "--tiny"]) == 1
     flagged = [line.split()[0] for line in capsys.readouterr().out.splitlines() if line.endswith(" NO")]
     assert flagged[0] == "model.layers.0.mlp.down_proj", flagged
@@ -137,7 +145,10 @@ def test_float32_inside_the_sharded_modules_sets_a_float32_tolerance() -> None:
         format_report,
     )
 
-    inputs = ((), {"input_ids": torch.randint(3, F.VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))})
+    inputs = (
+        (),
+        {"input_ids": torch.randint(3, F.VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))},
+    )
     olmo = check_plan_numerics(lambda: F.build_family("olmo2"), inputs, tp=2)
     assert default_tolerance(olmo) == FLOAT32_TOLERANCE
     assert 1e-9 < max(r.relative for r in olmo) < 1e-5, olmo  # float32 rounding, not a wrong plan

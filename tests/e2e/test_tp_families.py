@@ -62,9 +62,18 @@ def make_args(**overrides: Any) -> Any:
     from merak_core.config import TrainingArguments
 
     values: dict[str, Any] = dict(
-        output_dir=tempfile.mkdtemp(prefix="merak-tpfam-"), per_device_train_batch_size=2,
-        gradient_accumulation_steps=2, learning_rate=1e-2, max_steps=3, dtype="float64", max_grad_norm=0.5,
-        logging_steps=1, warmup_steps=1, lr_scheduler_type="linear", weight_decay=0.1, seed=7,
+        output_dir=tempfile.mkdtemp(prefix="merak-tpfam-"),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        learning_rate=1e-2,
+        max_steps=3,
+        dtype="float64",
+        max_grad_norm=0.5,
+        logging_steps=1,
+        warmup_steps=1,
+        lr_scheduler_type="linear",
+        weight_decay=0.1,
+        seed=7,
     )
     values.update(overrides)
     return TrainingArguments(**values)
@@ -82,8 +91,11 @@ def train_on_ranks(name: str, kwargs: dict[str, Any]) -> tuple[list[float], Any]
     import merak_tp
 
     scatters = sum(isinstance(m, merak_tp.SequenceScatter) for m in trainer.model.module.modules())
-    return ([h["loss"] for h in history if "loss" in h], (state, transposed) if dist.get_rank() == 0 else None,
-            scatters)
+    return (
+        [h["loss"] for h in history if "loss" in h],
+        (state, transposed) if dist.get_rank() == 0 else None,
+        scatters,
+    )
 
 
 def reference(name: str, kwargs: dict[str, Any]) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -114,8 +126,13 @@ def _check(name: str, tp: int, pp: int, **overrides: Any) -> None:
         value = state[key]
         if key in transposed and value.shape != ref.shape:
             value = value.t()
-        assert_tensors_close(value, ref, name=f"{name} tp{tp} pp{pp} param {key}",
-                             rtol=tol.get("rtol", 1e-8), atol=tol.get("atol", 1e-10))
+        assert_tensors_close(
+            value,
+            ref,
+            name=f"{name} tp{tp} pp{pp} param {key}",
+            rtol=tol.get("rtol", 1e-8),
+            atol=tol.get("atol", 1e-10),
+        )
 
 
 SEQUENCE_PARALLEL = tuple(f for f in F.FAMILIES if f not in (*F.MOE, "opt"))
@@ -140,10 +157,16 @@ def test_sequence_parallel_is_refused_before_any_process_group() -> None:
     with another error, so this one comes first)."""
     from merak_core import Trainer
 
-    for name, why in (("opt", "OPTDecoderLayer flattens batch and sequence"), ("mixtral", "its experts block")):
-        with pytest.raises(ValueError, match=f"sequence_parallel=true: the TP plan 'hf_{name}' of .*model_type "
-                                             f"'{name}'.* does not support sequence parallelism: {why}.*"
-                                             "training.sequence_parallel: false"):
+    for name, why in (
+        ("opt", "OPTDecoderLayer flattens batch and sequence"),
+        ("mixtral", "its experts block"),
+    ):
+        with pytest.raises(
+            ValueError,
+            match=f"sequence_parallel=true: the TP plan 'hf_{name}' of .*model_type "
+            f"'{name}'.* does not support sequence parallelism: {why}.*"
+            "training.sequence_parallel: false",
+        ):
             Trainer(F.build_family(name), make_args(tp=2, sequence_parallel=True), Tokens(4), loss_fn=lm_loss)
 
 

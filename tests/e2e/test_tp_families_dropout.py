@@ -33,9 +33,16 @@ class _Tokens(torch.utils.data.Dataset):
 def _args(**kw: Any) -> Any:
     from merak_core.config import TrainingArguments
 
-    values: dict[str, Any] = dict(output_dir=tempfile.mkdtemp(prefix="merak-tpdrop-"), per_device_train_batch_size=2,
-                                  gradient_accumulation_steps=2, learning_rate=1e-2, max_steps=3, dtype="float64",
-                                  logging_steps=1, seed=11)
+    values: dict[str, Any] = dict(
+        output_dir=tempfile.mkdtemp(prefix="merak-tpdrop-"),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        learning_rate=1e-2,
+        max_steps=3,
+        dtype="float64",
+        logging_steps=1,
+        seed=11,
+    )
     values.update(kw)
     return TrainingArguments(**values)
 
@@ -62,8 +69,12 @@ def _train(kwargs: dict[str, Any], watch: str | None) -> dict[str, Any]:
         dist.all_gather(everyone, stacked, group=layout.tp_group)
         agree = all(torch.equal(e, stacked) for e in everyone)
     state = trainer.full_state_dict()
-    return {"losses": [h["loss"] for h in history if "loss" in h], "agree": agree, "n_seen": len(seen),
-            "state": state if dist.get_rank() == 0 else None}
+    return {
+        "losses": [h["loss"] for h in history if "loss" in h],
+        "agree": agree,
+        "n_seen": len(seen),
+        "state": state if dist.get_rank() == 0 else None,
+    }
 
 
 def test_replicated_activations_drop_identically_on_every_tp_rank() -> None:
@@ -103,7 +114,9 @@ def test_derived_tp_stream_follows_the_default_generator() -> None:
     second_draw = masks(derived)
     torch.set_rng_state(snapshot)  # what a recompute does before running the segment again
     assert torch.equal(masks(derived), first), "the derived stream did not replay"
-    assert not torch.equal(masks(stored), first_stored), "a stored stream replays only if it is snapshotted too"
+    assert not torch.equal(masks(stored), first_stored), (
+        "a stored stream replays only if it is snapshotted too"
+    )
     assert not torch.equal(first, second_draw), "two forks drew the same mask"
     other = merak_tp.RNGTracker()
     other.add("tp", 8, derived=True)  # another TP rank's seed

@@ -20,16 +20,26 @@ def _probe_body() -> tuple[object, bool, bool, list[str]]:
 
     model = build_model("gpt")
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    args = make_args(output_dir=tempfile.mkdtemp(prefix="merak-probe-test-"), per_device_train_batch_size=2,
-                     gradient_accumulation_steps=1, max_steps=1)
-    profile = ModelProfile(layer_forward_s=[1e-4] * 2, layer_backward_s=[2e-4] * 2,
-                           layer_activation_bytes=[1e3] * 2, layer_param_bytes=[1e4] * 2, num_heads=4)
+    args = make_args(
+        output_dir=tempfile.mkdtemp(prefix="merak-probe-test-"),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=1,
+        max_steps=1,
+    )
+    profile = ModelProfile(
+        layer_forward_s=[1e-4] * 2,
+        layer_backward_s=[2e-4] * 2,
+        layer_activation_bytes=[1e3] * 2,
+        layer_param_bytes=[1e4] * 2,
+        num_heads=4,
+    )
     torch.manual_seed(3)
     expected = torch.rand(2)
     torch.manual_seed(3)
     temp_before = sorted(os.listdir(tempfile.gettempdir()))
-    scale = measure_tp_scale(args, model, TokenDataset(64, model.config.vocab_size), profile, CommModel(), None,
-                             steps=3)
+    scale = measure_tp_scale(
+        args, model, TokenDataset(64, model.config.vocab_size), profile, CommModel(), None, steps=3
+    )
     same_stream = torch.equal(torch.rand(2), expected)
     unchanged = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     left = sorted(set(os.listdir(tempfile.gettempdir())) - set(temp_before))
@@ -52,7 +62,8 @@ def test_tp_probe_rejects_too_few_steps():
     from merak_core.planner import CommModel, ModelProfile
     from merak_core.tp_probe import measure_tp_scale
 
-    profile = ModelProfile(layer_forward_s=[1.0], layer_backward_s=[1.0], layer_activation_bytes=[1.0],
-                           layer_param_bytes=[1.0])
+    profile = ModelProfile(
+        layer_forward_s=[1.0], layer_backward_s=[1.0], layer_activation_bytes=[1.0], layer_param_bytes=[1.0]
+    )
     with pytest.raises(ValueError, match="steps=2"):
         measure_tp_scale(make_args(), torch.nn.Linear(2, 2), [], profile, CommModel(), None, steps=2)

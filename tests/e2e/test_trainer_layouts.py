@@ -8,8 +8,18 @@ from tests.e2e._trainer_support import reference_training, train_on_ranks
 from tests.support.compare import assert_tensors_close
 from tests.support.dist import run_on_ranks
 
-LAYOUTS = [(1, 1, 2), (1, 2, 1), (2, 1, 1), (2, 2, 1), (2, 1, 2), (1, 2, 2), (2, 2, 2), (1, 1, 4), (1, 4, 1),
-           (4, 1, 1)]
+LAYOUTS = [
+    (1, 1, 2),
+    (1, 2, 1),
+    (2, 1, 1),
+    (2, 2, 1),
+    (2, 1, 2),
+    (1, 2, 2),
+    (2, 2, 2),
+    (1, 1, 4),
+    (1, 4, 1),
+    (4, 1, 1),
+]
 
 
 def _check(name: str, dp: int, tp: int, pp: int, **extra) -> None:
@@ -22,7 +32,9 @@ def _check(name: str, dp: int, tp: int, pp: int, **extra) -> None:
     assert losses == pytest.approx(ref_losses, rel=1e-9, abs=1e-12)
     assert sorted(state) == sorted(ref_state)
     for key, ref in ref_state.items():
-        assert_tensors_close(state[key], ref, name=f"{name} {dp}x{tp}x{pp} param {key}", rtol=1e-8, atol=1e-10)
+        assert_tensors_close(
+            state[key], ref, name=f"{name} {dp}x{tp}x{pp} param {key}", rtol=1e-8, atol=1e-10
+        )
 
 
 @pytest.mark.parametrize("zero", [0, 1], ids=["zero0", "zero1"])
@@ -35,15 +47,30 @@ def test_layout_matches_single_process(name: str, layout: tuple[int, int, int], 
     _check(name, dp, tp, pp, zero_stage=zero)
 
 
-@pytest.mark.parametrize(("schedule", "recompute"), [
-    ("gpipe", "full"), ("1f1b", "none"), ("1f1b", "uniform:0.5"), ("zb_h1", "full"),
-    ("shifted_critical_path", "full"), ("shifted_critical_path", "none"),
-])
+@pytest.mark.parametrize(
+    ("schedule", "recompute"),
+    [
+        ("gpipe", "full"),
+        ("1f1b", "none"),
+        ("1f1b", "uniform:0.5"),
+        ("zb_h1", "full"),
+        ("shifted_critical_path", "full"),
+        ("shifted_critical_path", "none"),
+    ],
+)
 def test_schedules_and_recompute_match_single_process(schedule: str, recompute: str) -> None:
     """The Trainer's schedule and recomputation choices change speed and memory, never the math."""
     _check("gpt", 2, 1, 2, schedule=schedule, recompute=recompute, gradient_accumulation_steps=4)
 
 
 def test_stage_aware_recompute_under_a_memory_budget_matches_single_process() -> None:
-    _check("llama", 1, 2, 2, schedule="shifted_critical_path", recompute="stage_aware", memory_budget="64MiB",
-           gradient_accumulation_steps=4)
+    _check(
+        "llama",
+        1,
+        2,
+        2,
+        schedule="shifted_critical_path",
+        recompute="stage_aware",
+        memory_budget="64MiB",
+        gradient_accumulation_steps=4,
+    )

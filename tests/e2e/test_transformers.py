@@ -40,20 +40,41 @@ MODELS = ("gpt2", "llama", "qwen2")
 LAYOUTS = [(2, 1, 2), (2, 2, 1), (1, 1, 4)]
 """Layouts that work for every model: DP x PP (torch.export-traced stages), DP x TP, four stages."""
 
+
 def build_hf_model(name: str) -> torch.nn.Module:
     """A tiny, randomly initialised causal LM in float64 (same seed, same weights on every rank)."""
     import transformers as tf
 
     torch.manual_seed(0)
     if name == "gpt2":
-        cfg = tf.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
-                            embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+        cfg = tf.GPT2Config(
+            vocab_size=VOCAB,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            use_cache=False,
+        )
         model = tf.GPT2LMHeadModel(cfg)
     elif name in ("llama", "qwen2"):
-        cfg_cls, model_cls = ((tf.LlamaConfig, tf.LlamaForCausalLM) if name == "llama"
-                              else (tf.Qwen2Config, tf.Qwen2ForCausalLM))
-        cfg = cfg_cls(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
+        cfg_cls, model_cls = (
+            (tf.LlamaConfig, tf.LlamaForCausalLM)
+            if name == "llama"
+            else (tf.Qwen2Config, tf.Qwen2ForCausalLM)
+        )
+        cfg = cfg_cls(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            use_cache=False,
+        )
         model = model_cls(cfg)
     else:
         raise ValueError(f"unknown model {name!r}; expected one of {MODELS}")
@@ -80,9 +101,9 @@ class PaddedTokens(Dataset):
         labels = self.ids[i, 1:].clone()
         mask = torch.ones(SEQ, dtype=torch.long)
         if i % 3 == 0:
-            mask[SEQ - 2:] = 0
-            labels[SEQ - 3:] = -100  # the last real token predicts nothing; padding predicts nothing
-            ids[SEQ - 2:] = 0
+            mask[SEQ - 2 :] = 0
+            labels[SEQ - 3 :] = -100  # the last real token predicts nothing; padding predicts nothing
+            ids[SEQ - 2 :] = 0
         if not self.with_mask:
             return {"input_ids": ids, "labels": labels}
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
@@ -93,8 +114,9 @@ def lm_loss(output: Any, labels: torch.Tensor) -> torch.Tensor:
     logits = getattr(output, "logits", output)
     if isinstance(logits, (tuple, list)):
         logits = logits[0]
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1),
-                                             ignore_index=-100)
+    return torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100
+    )
 
 
 def token_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -108,16 +130,27 @@ def make_args(**overrides: Any) -> Any:
     from merak_core.config import TrainingArguments
 
     values: dict[str, Any] = dict(
-        output_dir=tempfile.mkdtemp(prefix="merak-hf-"), per_device_train_batch_size=2, per_device_eval_batch_size=2,
-        gradient_accumulation_steps=2, learning_rate=1e-2, max_steps=3, dtype="float64", max_grad_norm=0.5,
-        logging_steps=1, warmup_steps=1, lr_scheduler_type="linear", weight_decay=0.1, seed=7,
+        output_dir=tempfile.mkdtemp(prefix="merak-hf-"),
+        per_device_train_batch_size=2,
+        per_device_eval_batch_size=2,
+        gradient_accumulation_steps=2,
+        learning_rate=1e-2,
+        max_steps=3,
+        dtype="float64",
+        max_grad_norm=0.5,
+        logging_steps=1,
+        warmup_steps=1,
+        lr_scheduler_type="linear",
+        weight_decay=0.1,
+        seed=7,
     )
     values.update(overrides)
     return TrainingArguments(**values)
 
 
-def train_hf_on_ranks(name: str, args_kwargs: dict[str, Any], with_mask: bool,
-                      metrics: bool = False) -> tuple[list[float], Any, set[str], float]:
+def train_hf_on_ranks(
+    name: str, args_kwargs: dict[str, Any], with_mask: bool, metrics: bool = False
+) -> tuple[list[float], Any, set[str], float]:
     """Rank body: the Trainer on the HF model; (losses, full state dict on rank 0, transposed names, eval loss).
 
     The last item names the parameters merak-tp stored transposed (a transformers ``Conv1D`` turned
@@ -129,17 +162,28 @@ def train_hf_on_ranks(name: str, args_kwargs: dict[str, Any], with_mask: bool,
 
     data = PaddedTokens(48, with_mask=with_mask)
     eval_data = PaddedTokens(EVAL_SIZE, seed=1, with_mask=with_mask)
-    trainer = Trainer(build_hf_model(name), make_args(**args_kwargs), data, eval_data, loss_fn=lm_loss,
-                      compute_metrics=token_accuracy if metrics else None)
+    trainer = Trainer(
+        build_hf_model(name),
+        make_args(**args_kwargs),
+        data,
+        eval_data,
+        loss_fn=lm_loss,
+        compute_metrics=token_accuracy if metrics else None,
+    )
     history = trainer.train()  # evaluates once at the end
     state = trainer.full_state_dict()
     transposed = {name for name, p in trainer.model.named_parameters() if get_shard_spec(p).transposed}
-    return ([h["loss"] for h in history], state if dist.get_rank() == 0 else None, transposed,
-            trainer.last_eval["eval_loss"])
+    return (
+        [h["loss"] for h in history],
+        state if dist.get_rank() == 0 else None,
+        transposed,
+        trainer.last_eval["eval_loss"],
+    )
 
 
-def reference_training(name: str, args_kwargs: dict[str, Any], dp: int, with_mask: bool,
-                       eval_micro_batch_size: int | None = None) -> tuple[list[float], dict[str, Any], float]:
+def reference_training(
+    name: str, args_kwargs: dict[str, Any], dp: int, with_mask: bool, eval_micro_batch_size: int | None = None
+) -> tuple[list[float], dict[str, Any], float]:
     """The same run in one process: each global batch split into dp * num_microbatches equal chunks.
 
     The evaluation after training averages the loss of every ``eval_micro_batch_size`` (default:
@@ -157,7 +201,10 @@ def reference_training(name: str, args_kwargs: dict[str, Any], dp: int, with_mas
 
     losses = reference_steps(model, data, args, dp, microbatch_loss)
     eval_data = PaddedTokens(EVAL_SIZE, seed=1, with_mask=with_mask)
-    ebs, num_micro = eval_micro_batch_size or args.per_device_eval_batch_size, args.gradient_accumulation_steps
+    ebs, num_micro = (
+        eval_micro_batch_size or args.per_device_eval_batch_size,
+        args.gradient_accumulation_steps,
+    )
     usable = len(eval_data) // (ebs * num_micro * dp) * (ebs * num_micro * dp)
     with torch.no_grad():
         chunk_losses = []
@@ -172,8 +219,13 @@ class Conv1DLayoutError(AssertionError):
     """The full state dict holds a transformers Conv1D weight transposed."""
 
 
-def _check(name: str, layout: tuple[int, int, int], with_mask: bool, eval_micro_batch_size: int | None = None,
-           **overrides: Any) -> None:
+def _check(
+    name: str,
+    layout: tuple[int, int, int],
+    with_mask: bool,
+    eval_micro_batch_size: int | None = None,
+    **overrides: Any,
+) -> None:
     """Losses, every parameter by name and the final eval loss equal single-process training.
 
     transformers ``Conv1D`` weights must come back in their own ``[in, out]`` layout.
@@ -193,8 +245,10 @@ def _check(name: str, layout: tuple[int, int, int], with_mask: bool, eval_micro_
     for key, ref in ref_state.items():
         value = state[key]
         if key in transposed and tuple(value.shape) != tuple(ref.shape):
-            raise Conv1DLayoutError(f"{key}: full_state_dict holds the transposed Conv1D weight "
-                                    f"{tuple(value.shape)}, the model has {tuple(ref.shape)}")
+            raise Conv1DLayoutError(
+                f"{key}: full_state_dict holds the transposed Conv1D weight "
+                f"{tuple(value.shape)}, the model has {tuple(ref.shape)}"
+            )
         assert_tensors_close(value, ref, name=f"{name} {dp}x{tp}x{pp} param {key}", rtol=1e-8, atol=1e-10)
 
 

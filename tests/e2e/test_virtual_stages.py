@@ -37,7 +37,9 @@ def train_body(name: str, layers: int, kwargs: dict[str, Any]) -> tuple[list[flo
 
     args = make_args(**kwargs)
     model = build(name, layers)
-    trainer = Trainer(model, args, TokenDataset(64, model.config.vocab_size), loss_fn=REFERENCE_MODELS[name].loss)
+    trainer = Trainer(
+        model, args, TokenDataset(64, model.config.vocab_size), loss_fn=REFERENCE_MODELS[name].loss
+    )
     history = trainer.train()
     state = trainer.full_state_dict()
     stages = sorted(trainer.model.stage_modules)
@@ -49,19 +51,30 @@ def _reference(name: str, layers: int, kwargs: dict[str, Any]) -> tuple[list[flo
     model = build(name, layers)
     data = TokenDataset(64, model.config.vocab_size)
     loss = REFERENCE_MODELS[name].loss
-    losses = reference_steps(model, data, args, kwargs.get("dp", 1),
-                             lambda batch: loss(model(batch["input_ids"]), batch["labels"]))
+    losses = reference_steps(
+        model, data, args, kwargs.get("dp", 1), lambda batch: loss(model(batch["input_ids"]), batch["labels"])
+    )
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-CASES = [("gpt", "interleaved_1f1b", 2), ("llama", "zb_v", 2), ("gpt", "zb_v", 4), ("llama", "interleaved_1f1b", 4)]
+CASES = [
+    ("gpt", "interleaved_1f1b", 2),
+    ("llama", "zb_v", 2),
+    ("gpt", "zb_v", 4),
+    ("llama", "interleaved_1f1b", 4),
+]
 
 
 @pytest.mark.parametrize(("name", "schedule", "pp"), CASES, ids=lambda v: str(v))
 def test_virtual_stages_match_single_process(name: str, schedule: str, pp: int) -> None:
     layers = 2 * pp
-    kwargs = {"pp": pp, "schedule": schedule, "virtual_stages": 2, "gradient_accumulation_steps": pp,
-              "per_device_train_batch_size": 1}
+    kwargs = {
+        "pp": pp,
+        "schedule": schedule,
+        "virtual_stages": 2,
+        "gradient_accumulation_steps": pp,
+        "per_device_train_batch_size": 1,
+    }
     results = run_on_ranks(pp, train_body, name, layers, kwargs)
     ref_losses, ref_state = _reference(name, layers, kwargs)
     losses, state, _ = results[0]
@@ -75,7 +88,9 @@ def test_virtual_stages_match_single_process(name: str, schedule: str, pp: int) 
     assert losses == pytest.approx(ref_losses, rel=1e-9, abs=1e-12)
     assert sorted(state) == sorted(ref_state)
     for key, ref in ref_state.items():
-        assert_tensors_close(state[key], ref, name=f"{name} {schedule} pp{pp} v2 param {key}", rtol=1e-8, atol=1e-10)
+        assert_tensors_close(
+            state[key], ref, name=f"{name} {schedule} pp{pp} v2 param {key}", rtol=1e-8, atol=1e-10
+        )
 
 
 def resume_body(kwargs: dict[str, Any], out: str) -> tuple[dict[int, float], dict[int, float], Any, Any]:
@@ -86,7 +101,9 @@ def resume_body(kwargs: dict[str, Any], out: str) -> tuple[dict[int, float], dic
     def trainer(**extra: Any) -> Any:
         model = build("gpt", 4)
         args = make_args(**{**kwargs, "output_dir": out, **extra})
-        return Trainer(model, args, TokenDataset(64, model.config.vocab_size), loss_fn=REFERENCE_MODELS["gpt"].loss)
+        return Trainer(
+            model, args, TokenDataset(64, model.config.vocab_size), loss_fn=REFERENCE_MODELS["gpt"].loss
+        )
 
     whole = trainer()
     full = {int(h["step"]): h["loss"] for h in whole.train()}
@@ -101,19 +118,35 @@ def resume_body(kwargs: dict[str, Any], out: str) -> tuple[dict[int, float], dic
 
 @pytest.mark.parametrize("schedule", ["zb_v"])
 def test_virtual_stages_resume_bit_identical(schedule: str) -> None:
-    kwargs = {"pp": 2, "schedule": schedule, "virtual_stages": 2, "gradient_accumulation_steps": 2,
-              "per_device_train_batch_size": 1, "max_steps": 4, "save_steps": 2, "lr_scheduler_type": "cosine"}
-    full, resumed, state, state2 = run_on_ranks(2, resume_body, kwargs, tempfile.mkdtemp(prefix="merak-v-"))[0]
+    kwargs = {
+        "pp": 2,
+        "schedule": schedule,
+        "virtual_stages": 2,
+        "gradient_accumulation_steps": 2,
+        "per_device_train_batch_size": 1,
+        "max_steps": 4,
+        "save_steps": 2,
+        "lr_scheduler_type": "cosine",
+    }
+    full, resumed, state, state2 = run_on_ranks(2, resume_body, kwargs, tempfile.mkdtemp(prefix="merak-v-"))[
+        0
+    ]
     assert sorted(resumed) == [3, 4]
     assert [resumed[k] for k in (3, 4)] == [full[k] for k in (3, 4)]
     assert sorted(state) == sorted(state2)
     assert [k for k in state if not torch.equal(state[k], state2[k])] == []
 
 
-@pytest.mark.parametrize(("kwargs", "match"), [
-    ({"pp": 2, "schedule": "1f1b", "virtual_stages": 2}, "runs 1 stage\\(s\\) per pipeline rank but virtual_stages=2"),
-    ({"pp": 2, "schedule": "zb_v", "virtual_stages": 3}, "set virtual_stages=2"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (
+            {"pp": 2, "schedule": "1f1b", "virtual_stages": 2},
+            "runs 1 stage\\(s\\) per pipeline rank but virtual_stages=2",
+        ),
+        ({"pp": 2, "schedule": "zb_v", "virtual_stages": 3}, "set virtual_stages=2"),
+    ],
+)
 def test_unsupported_virtual_stages_are_refused_in_the_arguments(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         make_args(**kwargs)

@@ -50,22 +50,25 @@ def test_zero23_resume_is_bit_identical(tmp_path: Path, case: tuple[str, tuple[i
         assert res["resumed_step"] == 2
         assert res["bad_shapes"] == [], f"rank {rank}: optimizer states loaded with the wrong shape"
         for step in (3, 4):
-            assert res["losses"][step] == res["full_losses"][step], f"rank {rank} step {step}: not bit-identical"
+            assert res["losses"][step] == res["full_losses"][step], (
+                f"rank {rank} step {step}: not bit-identical"
+            )
     head = results[0]
     differ = [k for k, v in head["full_state"].items() if not torch.equal(head["final_state"][k], v)]
     assert sorted(head["final_state"]) == sorted(head["full_state"]) and not differ, differ
 
 
 RESHARD = [  # (saving layout, its ZeRO stage, loading layout, its ZeRO stage)
-    ((2, 1, 2), 3, (2, 1, 2), 1),   # ZeRO-3 -> ZeRO-1, same layout
-    ((2, 2, 1), 0, (2, 2, 2), 3),   # ZeRO off -> ZeRO-3, into pp > 1
-    ((4, 1, 1), 2, (2, 2, 1), 3),   # ZeRO-2 -> ZeRO-3, dp 4 -> 2, into tp > 1
-    ((2, 2, 2), 3, (1, 1, 1), 0),   # ZeRO-3 3D -> one process
+    ((2, 1, 2), 3, (2, 1, 2), 1),  # ZeRO-3 -> ZeRO-1, same layout
+    ((2, 2, 1), 0, (2, 2, 2), 3),  # ZeRO off -> ZeRO-3, into pp > 1
+    ((4, 1, 1), 2, (2, 2, 1), 3),  # ZeRO-2 -> ZeRO-3, dp 4 -> 2, into tp > 1
+    ((2, 2, 2), 3, (1, 1, 1), 0),  # ZeRO-3 3D -> one process
 ]
 
 
-@pytest.mark.parametrize("case", RESHARD, ids=lambda c: "{}x{}x{}-zero{}_to_{}x{}x{}-zero{}".format(
-    *c[0], c[1], *c[2], c[3]))
+@pytest.mark.parametrize(
+    "case", RESHARD, ids=lambda c: "{}x{}x{}-zero{}_to_{}x{}x{}-zero{}".format(*c[0], c[1], *c[2], c[3])
+)
 def test_zero23_checkpoints_reshard_across_zero_stages(tmp_path: Path, case: tuple) -> None:
     src, src_zero, dst, dst_zero = case
     kwargs = support.layout_kwargs(*src, output_dir=str(tmp_path), zero_stage=src_zero, **COMMON)
@@ -80,7 +83,9 @@ def test_zero23_checkpoints_reshard_across_zero_stages(tmp_path: Path, case: tup
     for step in (3, 4):
         assert head["losses"][step] == pytest.approx(full["losses"][step], rel=1e-11, abs=1e-12), step
     for key, ref in full["final_state"].items():
-        assert_tensors_close(head["final_state"][key], ref, name=f"{src}->{dst} final {key}", rtol=1e-8, atol=1e-10)
+        assert_tensors_close(
+            head["final_state"][key], ref, name=f"{src}->{dst} final {key}", rtol=1e-8, atol=1e-10
+        )
 
 
 def test_model_weights_load_into_a_zero3_run(tmp_path: Path) -> None:
@@ -95,4 +100,13 @@ def test_model_weights_load_into_a_zero3_run(tmp_path: Path) -> None:
 
 def test_zero3_with_virtual_stages_matches_single_process() -> None:
     """Two stages per rank (interleaved 1F1B, v=2): every stage module's units are sharded over DP."""
-    _check("gpt", 2, 1, 2, zero_stage=3, virtual_stages=2, schedule="interleaved_1f1b", gradient_accumulation_steps=4)
+    _check(
+        "gpt",
+        2,
+        1,
+        2,
+        zero_stage=3,
+        virtual_stages=2,
+        schedule="interleaved_1f1b",
+        gradient_accumulation_steps=4,
+    )

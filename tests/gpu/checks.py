@@ -45,10 +45,25 @@ ROOT = Path(__file__).resolve().parents[2]
 
 PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
     # Dense bf16 tensor-core peaks (no sparsity), by a substring of torch.cuda.get_device_name; first match wins.
-    ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12), ("H800", 989e12),
-    ("GH200", 989e12), ("B200", 2250e12), ("A100", 312e12), ("A800", 312e12), ("A10G", 70e12),
-    ("A10", 125e12), ("L40S", 362e12), ("L40", 181e12), ("L4", 121e12), ("RTX 4090", 165e12),
-    ("RTX 3090", 71e12), ("A6000", 155e12), ("MI300X", 1307e12), ("MI250X", 383e12),
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),
+    ("H200", 989e12),
+    ("H800", 989e12),
+    ("GH200", 989e12),
+    ("B200", 2250e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("A10G", 70e12),
+    ("A10", 125e12),
+    ("L40S", 362e12),
+    ("L40", 181e12),
+    ("L4", 121e12),
+    ("RTX 4090", 165e12),
+    ("RTX 3090", 71e12),
+    ("A6000", 155e12),
+    ("MI300X", 1307e12),
+    ("MI250X", 383e12),
 )
 
 
@@ -94,10 +109,24 @@ def llama_config(size: str, *, seq: int) -> Any:
     from tests.support.models import DecoderConfig
 
     if size == "full":  # ~330M parameters
-        return DecoderConfig(vocab_size=32000, hidden_size=1024, num_layers=24, num_heads=16, num_kv_heads=4,
-                             intermediate_size=2816, max_seq_len=seq)
-    return DecoderConfig(vocab_size=96, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                         intermediate_size=64, max_seq_len=seq)
+        return DecoderConfig(
+            vocab_size=32000,
+            hidden_size=1024,
+            num_layers=24,
+            num_heads=16,
+            num_kv_heads=4,
+            intermediate_size=2816,
+            max_seq_len=seq,
+        )
+    return DecoderConfig(
+        vocab_size=96,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=64,
+        max_seq_len=seq,
+    )
 
 
 def build_llama(size: str, *, seq: int, seed: int = 0) -> nn.Module:
@@ -117,8 +146,11 @@ def demo_model_and_data(size: str) -> tuple[nn.Module, Any, Any]:
     from examples.addition.model import build_model
 
     torch.manual_seed(0)
-    sizes = dict(depth=4, width=64, heads=4, vocab_size=13, context=16) if size == "full" else \
-        dict(depth=2, width=32, heads=2, vocab_size=13, context=16)
+    sizes = (
+        dict(depth=4, width=64, heads=4, vocab_size=13, context=16)
+        if size == "full"
+        else dict(depth=2, width=32, heads=2, vocab_size=13, context=16)
+    )
     train, evaluate = build_datasets(train_size=4096 if size == "full" else 256, eval_size=64, num_digits=2)
     return build_model(**sizes), train, evaluate
 
@@ -143,9 +175,18 @@ def _arguments(**overrides: Any) -> Any:
     from merak_core.config import TrainingArguments
 
     values: dict[str, Any] = dict(
-        output_dir=tempfile.mkdtemp(prefix="merak-gpu-check-"), per_device_train_batch_size=2,
-        gradient_accumulation_steps=1, learning_rate=1e-3, lr_scheduler_type="constant", warmup_steps=0,
-        weight_decay=0.01, max_grad_norm=1.0, logging_steps=1000, seed=3, dtype="float32")
+        output_dir=tempfile.mkdtemp(prefix="merak-gpu-check-"),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=1,
+        learning_rate=1e-3,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.01,
+        max_grad_norm=1.0,
+        logging_steps=1000,
+        seed=3,
+        dtype="float32",
+    )
     values.update(overrides)
     return TrainingArguments(**values)
 
@@ -167,8 +208,10 @@ def _compare_losses(what: str, got: list[float], want: list[float], rtol: float)
         rel = abs(a - b) / max(abs(b), 1e-6)
         worst = max(worst, rel)
         if not rel <= rtol:
-            raise AssertionError(f"{what}: step {step} loss {a:.6f} vs reference {b:.6f} (relative {rel:.3g} > "
-                                 f"{rtol:g}); all: {got} vs {want}")
+            raise AssertionError(
+                f"{what}: step {step} loss {a:.6f} vs reference {b:.6f} (relative {rel:.3g} > "
+                f"{rtol:g}); all: {got} vs {want}"
+            )
     return worst
 
 
@@ -182,7 +225,9 @@ def _compare_bf16(what: str, got: list[float], want: list[float]) -> float:
     worst = _compare_losses(what, got, want, BF16_STEP_RTOL)
     rel = [abs(a - b) / abs(b) for a, b in zip(got, want, strict=True)]
     assert rel[0] <= 2**-8, f"{what}: first step differs by {rel[0]:.3g} (> 2**-8): {got[0]} vs {want[0]}"
-    assert statistics.mean(rel) <= 0.0025, f"{what}: mean relative difference {statistics.mean(rel):.3g} > 0.25 %"
+    assert statistics.mean(rel) <= 0.0025, (
+        f"{what}: mean relative difference {statistics.mean(rel):.3g} > 0.25 %"
+    )
     assert got != want, f"{what}: bf16 and float32 losses are bit-identical: autocast did not run"
     return worst
 
@@ -193,11 +238,15 @@ def trainer_bf16(device: str, size: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     model, train, _ = demo_model_and_data(size)
     ref_model = copy.deepcopy(model)
-    _, bf16 = _train(model, train, device, bf16=True, max_steps=steps, per_device_train_batch_size=16,
-                     learning_rate=3e-3)
-    _, fp32 = _train(ref_model, train, "cpu", max_steps=steps, per_device_train_batch_size=16, learning_rate=3e-3)
-    out["demo_loss_rel_diff"] = _compare_bf16("demo model bf16 vs CPU float32", [h["loss"] for h in bf16],
-                                              [h["loss"] for h in fp32])
+    _, bf16 = _train(
+        model, train, device, bf16=True, max_steps=steps, per_device_train_batch_size=16, learning_rate=3e-3
+    )
+    _, fp32 = _train(
+        ref_model, train, "cpu", max_steps=steps, per_device_train_batch_size=16, learning_rate=3e-3
+    )
+    out["demo_loss_rel_diff"] = _compare_bf16(
+        "demo model bf16 vs CPU float32", [h["loss"] for h in bf16], [h["loss"] for h in fp32]
+    )
     out["demo_loss_first_last"] = (bf16[0]["loss"], bf16[-1]["loss"])
     assert bf16[-1]["loss"] < bf16[0]["loss"], f"the demo model did not learn in {steps} bf16 steps: {bf16}"
     # Llama: the loss comparison on a small batch (the CPU float32 run must stay short) ...
@@ -207,8 +256,9 @@ def trainer_bf16(device: str, size: str) -> dict[str, Any]:
     ref = copy.deepcopy(llama)
     _, bf16 = _train(llama, data, device, bf16=True, max_steps=steps, learning_rate=3e-4)
     _, fp32 = _train(ref, data, "cpu", max_steps=steps, learning_rate=3e-4)
-    out["llama_loss_rel_diff"] = _compare_bf16("Llama bf16 vs CPU float32", [h["loss"] for h in bf16],
-                                               [h["loss"] for h in fp32])
+    out["llama_loss_rel_diff"] = _compare_bf16(
+        "Llama bf16 vs CPU float32", [h["loss"] for h in bf16], [h["loss"] for h in fp32]
+    )
     del llama, ref
     out.update(llama_throughput(device, size))
     return out
@@ -223,25 +273,38 @@ def llama_throughput(device: str, size: str) -> dict[str, Any]:
     flops_per_token = llama_flops_per_token(model, seq)
     params = sum(p.numel() for p in model.parameters())
     data = CountingDataset(micro * steps, model.config.vocab_size, seq)  # type: ignore[attr-defined]
-    _, history = _train(model, data, device, bf16=True, max_steps=steps, per_device_train_batch_size=micro,
-                        learning_rate=3e-4)
+    _, history = _train(
+        model, data, device, bf16=True, max_steps=steps, per_device_train_batch_size=micro, learning_rate=3e-4
+    )
     step_s = statistics.median(h["step_time_s"] for h in history[2:])
     tokens_per_s = micro * seq / step_s
     dev = torch.device(device)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     peak = peak_bf16_flops(name) if dev.type == "cuda" else None
     mfu = tokens_per_s * flops_per_token / peak if peak else None
-    return {"llama_params": params, "llama_tokens_per_step": micro * seq, "llama_step_s": step_s,
-            "llama_tokens_per_s": tokens_per_s, "llama_mfu": mfu, "device_name": name, "peak_bf16_flops": peak,
-            "peak_memory_gib": (torch.cuda.max_memory_allocated(dev) / 2**30) if dev.type == "cuda" else None}
+    return {
+        "llama_params": params,
+        "llama_tokens_per_step": micro * seq,
+        "llama_step_s": step_s,
+        "llama_tokens_per_s": tokens_per_s,
+        "llama_mfu": mfu,
+        "device_name": name,
+        "peak_bf16_flops": peak,
+        "peak_memory_gib": (torch.cuda.max_memory_allocated(dev) / 2**30) if dev.type == "cuda" else None,
+    }
 
 
 # ---------------------------------------------------------------------------- pipeline on one rank
 
 
 def _close(what: str, got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float) -> None:
-    torch.testing.assert_close(got.detach().float().cpu(), want.detach().float().cpu(), rtol=rtol, atol=atol,
-                               msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(
+        got.detach().float().cpu(),
+        want.detach().float().cpu(),
+        rtol=rtol,
+        atol=atol,
+        msg=lambda m: f"{what}: {m}",
+    )
 
 
 def pipeline_v(device: str, size: str) -> dict[str, Any]:
@@ -262,8 +325,12 @@ def pipeline_v(device: str, size: str) -> dict[str, Any]:
     ids = torch.stack([data[i]["input_ids"] for i in range(batch)])
     labels = torch.stack([data[i]["labels"] for i in range(batch)])
     part = merak_graph.partition(model, 2, example_inputs=(ids[: batch // micro],))
-    stages = [PipelineStage(place_stage(part.stages[s], dev), stage_index=s, num_stages=2,
-                            group=dist.group.WORLD, device=dev) for s in range(2)]
+    stages = [
+        PipelineStage(
+            place_stage(part.stages[s], dev), stage_index=s, num_stages=2, group=dist.group.WORLD, device=dev
+        )
+        for s in range(2)
+    ]
     schedule = build_schedule("interleaved-1f1b", num_stages=2, num_microbatches=micro, num_ranks=1)
     runner = PipelineRunner(stages, schedule, loss_fn=_lm_loss, group=dist.group.WORLD)
     loss = runner.step(ids.to(dev), labels.to(dev))
@@ -297,7 +364,9 @@ def _tp_copy(model: nn.Module, chunks: int) -> nn.Module:
     return tp
 
 
-def _grads_of(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, bf16: bool) -> tuple[float, dict[str, Any]]:
+def _grads_of(
+    model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, bf16: bool
+) -> tuple[float, dict[str, Any]]:
     model.zero_grad(set_to_none=True)
     with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=bf16):
         loss = _lm_loss(model(ids), labels)
@@ -327,7 +396,13 @@ def tp_world1(device: str, size: str) -> dict[str, Any]:
         for bf16, (rtol, atol) in ((False, (1e-4, 1e-6)), (True, (5e-2, 5e-3))):
             want_loss, want = _grads_of(model, ids, labels, bf16)
             got_loss, got = _grads_of(tp, ids, labels, bf16)
-            _close(f"chunks={chunks} bf16={bf16} loss", torch.tensor(got_loss), torch.tensor(want_loss), rtol, atol)
+            _close(
+                f"chunks={chunks} bf16={bf16} loss",
+                torch.tensor(got_loss),
+                torch.tensor(want_loss),
+                rtol,
+                atol,
+            )
             for name, g in want.items():
                 assert got[name] is not None and got[name].dtype == g.dtype, name
                 scale = float(g.abs().max()) or 1.0
@@ -361,8 +436,14 @@ def save_resume(device: str, size: str) -> dict[str, Any]:
         resumed.metrics.enabled = False
         assert resumed.resume("latest") == k
         tail = resumed.train()
-        _, full = _train(straight, train, device, max_steps=2 * k,
-                         optimizer_factory=factory, **{**common, "output_dir": tempfile.mkdtemp()})
+        _, full = _train(
+            straight,
+            train,
+            device,
+            max_steps=2 * k,
+            optimizer_factory=factory,
+            **{**common, "output_dir": tempfile.mkdtemp()},
+        )
         got = [h["loss"] for h in head] + [h["loss"] for h in tail]
         want = [h["loss"] for h in full]
         if dev.type == "cpu":
@@ -373,8 +454,12 @@ def save_resume(device: str, size: str) -> dict[str, Any]:
     return out
 
 
-SINGLE_CHECKS = {"trainer_bf16": trainer_bf16, "pipeline_v": pipeline_v, "tp_world1": tp_world1,
-                 "save_resume": save_resume}
+SINGLE_CHECKS = {
+    "trainer_bf16": trainer_bf16,
+    "pipeline_v": pipeline_v,
+    "tp_world1": tp_world1,
+    "save_resume": save_resume,
+}
 
 
 # ---------------------------------------------------------------------------- several ranks
@@ -394,8 +479,9 @@ def _reference_losses(model: nn.Module, data: Any, args: Any, dp: int, device: t
 ALL_SCHEDULES = ("gpipe", "1f1b", "zb_h1", "shifted_critical_path")
 
 
-def multi_pipeline(device: str, size: str, *, degrees: tuple[int, ...] = (2, 4),
-                   schedules: tuple[str, ...] = ALL_SCHEDULES) -> dict[str, Any]:
+def multi_pipeline(
+    device: str, size: str, *, degrees: tuple[int, ...] = (2, 4), schedules: tuple[str, ...] = ALL_SCHEDULES
+) -> dict[str, Any]:
     """Trainer at pp = 2 and 4 (dp = world / pp) with every schedule against the reference steps.
 
     ``degrees`` / ``schedules`` narrow it (the CPU smoke runs one schedule per degree)."""
@@ -414,15 +500,39 @@ def multi_pipeline(device: str, size: str, *, degrees: tuple[int, ...] = (2, 4),
             from tests.support.models import DecoderConfig, Llama
 
             torch.manual_seed(0)
-            cfg = DecoderConfig(vocab_size=32000, hidden_size=hidden, num_layers=4, num_heads=16, num_kv_heads=4,
-                                intermediate_size=5504, max_seq_len=seq) if size == "full" else \
-                DecoderConfig(vocab_size=96, hidden_size=hidden, num_layers=4, num_heads=4, num_kv_heads=2,
-                              intermediate_size=64, max_seq_len=seq)
+            cfg = (
+                DecoderConfig(
+                    vocab_size=32000,
+                    hidden_size=hidden,
+                    num_layers=4,
+                    num_heads=16,
+                    num_kv_heads=4,
+                    intermediate_size=5504,
+                    max_seq_len=seq,
+                )
+                if size == "full"
+                else DecoderConfig(
+                    vocab_size=96,
+                    hidden_size=hidden,
+                    num_layers=4,
+                    num_heads=4,
+                    num_kv_heads=2,
+                    intermediate_size=64,
+                    max_seq_len=seq,
+                )
+            )
             model = Llama(cfg)
             ref_model = copy.deepcopy(model) if dist.get_rank() == 0 else None
             data = CountingDataset(64, cfg.vocab_size, seq)
-            args = _arguments(pp=pp, dp=world // pp, schedule=schedule, gradient_accumulation_steps=2 * pp,
-                              per_device_train_batch_size=micro, max_steps=2, learning_rate=1e-3)
+            args = _arguments(
+                pp=pp,
+                dp=world // pp,
+                schedule=schedule,
+                gradient_accumulation_steps=2 * pp,
+                per_device_train_batch_size=micro,
+                max_steps=2,
+                learning_rate=1e-3,
+            )
             trainer = Trainer(model, args, data, loss_fn=_lm_loss)
             trainer.metrics.enabled = False
             losses = [h["loss"] for h in trainer.train()]
@@ -472,14 +582,23 @@ def multi_tp_overlap(device: str, size: str) -> dict[str, Any]:
         groups = [dist.new_group(list(range(s, s + tp))) for s in range(0, world, tp)]
         group = groups[rank // tp]
         torch.manual_seed(0)
-        cfg = DecoderConfig(vocab_size=256, hidden_size=hidden, num_layers=2, num_heads=32 if size == "full" else 8,
-                            num_kv_heads=8, intermediate_size=11008 if size == "full" else 64, max_seq_len=seq)
+        cfg = DecoderConfig(
+            vocab_size=256,
+            hidden_size=hidden,
+            num_layers=2,
+            num_heads=32 if size == "full" else 8,
+            num_kv_heads=8,
+            intermediate_size=11008 if size == "full" else 64,
+            max_seq_len=seq,
+        )
         base = Llama(cfg)
         x = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1)).to(dev)
         times: dict[int, float] = {}
         outputs: dict[int, torch.Tensor] = {}
         for chunks in (1, 2, 4):
-            model = merak_tp.parallelize(copy.deepcopy(base), None, group=group, overlap_chunks=chunks).to(dev)
+            model = merak_tp.parallelize(copy.deepcopy(base), None, group=group, overlap_chunks=chunks).to(
+                dev
+            )
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=size == "full"):
                 outputs[chunks] = model(x).detach().float()
                 times[chunks] = _time_fwd_bwd(model, x, 10 if size == "full" else 2)
@@ -508,10 +627,25 @@ def multi_3d(device: str, size: str) -> dict[str, Any]:
     model, train, _ = demo_model_and_data(size)
     ref_model = copy.deepcopy(model) if dist.get_rank() == 0 else None
     steps = 20 if size == "full" else 3
-    tp_plan = {"layers.*.attn.query": "column", "layers.*.attn.key": "column", "layers.*.attn.value": "column",
-               "layers.*.attn.out": "row", "layers.*.up": "column", "layers.*.down": "row"}
-    args = _arguments(dp=world // 4, tp=2, pp=2, schedule="1f1b", gradient_accumulation_steps=2,
-                      per_device_train_batch_size=8, max_steps=steps, learning_rate=3e-3, tp_plan=tp_plan)
+    tp_plan = {
+        "layers.*.attn.query": "column",
+        "layers.*.attn.key": "column",
+        "layers.*.attn.value": "column",
+        "layers.*.attn.out": "row",
+        "layers.*.up": "column",
+        "layers.*.down": "row",
+    }
+    args = _arguments(
+        dp=world // 4,
+        tp=2,
+        pp=2,
+        schedule="1f1b",
+        gradient_accumulation_steps=2,
+        per_device_train_batch_size=8,
+        max_steps=steps,
+        learning_rate=3e-3,
+        tp_plan=tp_plan,
+    )
     trainer = Trainer(model, args, train)
     trainer.metrics.enabled = False
     losses = [h["loss"] for h in trainer.train()]
@@ -528,10 +662,10 @@ def multi_3d(device: str, size: str) -> dict[str, Any]:
 
         want = reference_steps(ref_model, train, args, world // 4, microbatch_loss)
         # float32 over 20 steps: summation orders differ (TP, DP, microbatches) and Adam amplifies them a little.
-        out["worst_rel_diff"] = _compare_losses("2x2x2 demo vs single device", losses, want,
-                                                2e-3 if size == "full" else 1e-4)
+        out["worst_rel_diff"] = _compare_losses(
+            "2x2x2 demo vs single device", losses, want, 2e-3 if size == "full" else 1e-4
+        )
     return out
 
 
 MULTI_CHECKS = {"multi_pipeline": multi_pipeline, "multi_tp_overlap": multi_tp_overlap, "multi_3d": multi_3d}
-

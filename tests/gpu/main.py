@@ -32,17 +32,23 @@ def main(argv: list[str] | None = None) -> int:
 
     single = args.check in checks.SINGLE_CHECKS
     if not single and args.check not in checks.MULTI_CHECKS:
-        parser.error(f"unknown check {args.check!r}: one of {sorted({**checks.SINGLE_CHECKS, **checks.MULTI_CHECKS})}")
-    device = ensure_process_group(args.device, backend="cpu:gloo,cuda:nccl" if single and args.device != "cpu"
-                                  else None)
+        parser.error(
+            f"unknown check {args.check!r}: one of {sorted({**checks.SINGLE_CHECKS, **checks.MULTI_CHECKS})}"
+        )
+    device = ensure_process_group(
+        args.device, backend="cpu:gloo,cuda:nccl" if single and args.device != "cpu" else None
+    )
     fn = (checks.SINGLE_CHECKS if single else checks.MULTI_CHECKS)[args.check]
     start = time.perf_counter()
     result = fn(str(device), args.size)
     result["seconds"] = time.perf_counter() - start
     result["torch"] = torch.__version__
     if dist.get_rank() == 0:
-        print("MERAK_GPU_RESULT " + json.dumps({"check": args.check, "world": dist.get_world_size(), **result},
-                                               default=str), flush=True)
+        print(
+            "MERAK_GPU_RESULT "
+            + json.dumps({"check": args.check, "world": dist.get_world_size(), **result}, default=str),
+            flush=True,
+        )
     dist.destroy_process_group()
     return 0
 

@@ -26,8 +26,9 @@ def test_throughput_numbers_on_cpu() -> None:
 
 @pytest.mark.parametrize(("world", "pp", "schedule"), [(2, 2, "1f1b"), (4, 4, "zb_h1")])
 def test_pipeline_check_on_cpu(world: int, pp: int, schedule: str) -> None:
-    results = run_on_ranks(world, checks.multi_pipeline, "cpu", "tiny", degrees=(pp,), schedules=(schedule,),
-                           timeout_s=600)
+    results = run_on_ranks(
+        world, checks.multi_pipeline, "cpu", "tiny", degrees=(pp,), schedules=(schedule,), timeout_s=600
+    )
     assert f"pp{pp}_{schedule}" in results[0]
 
 

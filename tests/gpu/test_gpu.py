@@ -34,8 +34,10 @@ def _run(command: list[str], timeout_s: float, capsys: pytest.CaptureFixture[str
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("MERAK_GPU_RESULT ")]
     if proc.returncode != 0 or not lines:
-        raise AssertionError(f"{' '.join(command)} exited with {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}"
-                             f"\n--- stderr\n{proc.stderr[-6000:]}")
+        raise AssertionError(
+            f"{' '.join(command)} exited with {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}"
+            f"\n--- stderr\n{proc.stderr[-6000:]}"
+        )
     result = json.loads(lines[-1].removeprefix("MERAK_GPU_RESULT "))
     with capsys.disabled():
         print(f"\n[gpu] {result['check']} (world {result['world']}): {json.dumps(result, sort_keys=True)}")
@@ -54,6 +56,22 @@ def test_single_gpu(name: str, capsys: pytest.CaptureFixture[str]) -> None:
 def test_multi_gpu(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     n = _gpus()
     if n < 2 or (name == "multi_3d" and n % 4 != 0) or (name == "multi_3d" and n < 8):
-        pytest.skip(f"{name} needs {'8' if name == 'multi_3d' else 'at least 2'} visible GPUs, this machine has {n}")
-    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-          "-m", "tests.gpu.main", name, "--device", "cuda"], 600, capsys)
+        pytest.skip(
+            f"{name} needs {'8' if name == 'multi_3d' else 'at least 2'} visible GPUs, this machine has {n}"
+        )
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={n}",
+            "-m",
+            "tests.gpu.main",
+            name,
+            "--device",
+            "cuda",
+        ],
+        600,
+        capsys,
+    )

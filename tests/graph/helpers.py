@@ -46,8 +46,11 @@ def run_stages(
     loss.backward()
     for i in range(len(stages) - 2, -1, -1):
         outs = sent[i] if isinstance(sent[i], tuple) else (sent[i],)
-        pairs = [(o, r.grad) for o, r in zip(outs, received[i + 1], strict=True)
-                 if isinstance(r, torch.Tensor) and r.grad is not None]
+        pairs = [
+            (o, r.grad)
+            for o, r in zip(outs, received[i + 1], strict=True)
+            if isinstance(r, torch.Tensor) and r.grad is not None
+        ]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
     grads: dict[str, torch.Tensor] = {}

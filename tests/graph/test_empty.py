@@ -30,8 +30,15 @@ class _Custom(nn.Module):
 
 def test_everything_is_on_meta() -> None:
     with empty_init():
-        models = [GPT(), Llama(), ResNet(CNNConfig(norm="batch")), _Custom(),
-                  nn.Conv1d(2, 3, 3), nn.LSTM(4, 4), nn.MultiheadAttention(8, 2)]
+        models = [
+            GPT(),
+            Llama(),
+            ResNet(CNNConfig(norm="batch")),
+            _Custom(),
+            nn.Conv1d(2, 3, 3),
+            nn.LSTM(4, 4),
+            nn.MultiheadAttention(8, 2),
+        ]
     for m in models:
         tensors = [*m.parameters(), *m.buffers()]
         assert tensors and all(t.is_meta for t in tensors), type(m).__name__
@@ -124,7 +131,9 @@ def test_safetensors_reads_only_the_stage_tensors(tmp_path) -> None:  # type: ig
         meta = GPT().to(torch.float64)
     spec = REFERENCE_MODELS["gpt"]
     inputs = spec.make_inputs(2, 8, 0)
-    part = partition(meta, 3, example_inputs=tuple(t.to("meta") for t in inputs), input_names=spec.input_names)
+    part = partition(
+        meta, 3, example_inputs=tuple(t.to("meta") for t in inputs), input_names=spec.input_names
+    )
 
     from merak_graph import empty as empty_mod
 

@@ -79,8 +79,9 @@ def test_leaf_with_none_and_nested_outputs_traces_and_partitions_exactly() -> No
     def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return ((out - y) ** 2).mean()
 
-    part = partition(model, 2, example_inputs=(x,), leaf_modules=leaves, trace_method="export",
-                     split_points=["second"])
+    part = partition(
+        model, 2, example_inputs=(x,), leaf_modules=leaves, trace_method="export", split_points=["second"]
+    )
     stages = [part.build_stage(i, device="cpu", state_dict=model.state_dict()) for i in range(2)]
     ref_out, ref_loss, ref_grads = reference_step(model, (x,), labels, loss_fn)
     out, loss, grads = run_stages(part, stages, (x,), labels, loss_fn)

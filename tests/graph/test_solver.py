@@ -33,7 +33,7 @@ def _brute_force(costs, num_stages, pm=None, am=None, flight=None, limit=None): 
 
 
 def _slowest(costs, bounds):  # type: ignore[no-untyped-def]
-    return max(sum(costs[bounds[i]:bounds[i + 1]]) for i in range(len(bounds) - 1))
+    return max(sum(costs[bounds[i] : bounds[i + 1]]) for i in range(len(bounds) - 1))
 
 
 @settings(max_examples=150, deadline=None)
@@ -71,11 +71,13 @@ def test_memory_limit_and_in_flight_match_brute_force(data, num_stages, limit, o
     expected = _brute_force(costs, num_stages, pm, am, flight, limit)
     if expected == float("inf"):
         with pytest.raises(PartitionError, match="memory_limit"):
-            optimal_contiguous_partition(costs, num_stages, param_memory=pm, activation_memory=am,
-                                         in_flight=flight, memory_limit=limit)
+            optimal_contiguous_partition(
+                costs, num_stages, param_memory=pm, activation_memory=am, in_flight=flight, memory_limit=limit
+            )
         return
-    bounds = optimal_contiguous_partition(costs, num_stages, param_memory=pm, activation_memory=am,
-                                          in_flight=flight, memory_limit=limit)
+    bounds = optimal_contiguous_partition(
+        costs, num_stages, param_memory=pm, activation_memory=am, in_flight=flight, memory_limit=limit
+    )
     assert _slowest(costs, bounds) == expected
     f = flight or [1.0] * num_stages
     for s in range(num_stages):
@@ -87,7 +89,9 @@ def test_in_flight_moves_activation_heavy_shards_later() -> None:
     # Equal costs; under 1F1B stage 0 holds 2 microbatches, so the heavy-activation shard must go last.
     costs = [1.0, 1.0, 1.0, 1.0]
     am = [0.0, 0.0, 0.0, 10.0]
-    bounds = optimal_contiguous_partition(costs, 2, activation_memory=am, in_flight=[2.0, 1.0], memory_limit=10.0)
+    bounds = optimal_contiguous_partition(
+        costs, 2, activation_memory=am, in_flight=[2.0, 1.0], memory_limit=10.0
+    )
     assert bounds[1] <= 3
 
 

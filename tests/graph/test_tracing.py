@@ -112,7 +112,9 @@ def test_input_mismatches_are_reported() -> None:
         part.stages[0](x, x)
     with pytest.raises(InputMismatchError, match="dtype"):
         part.stages[0](x.float())
-    exported = partition(model, 2, example_inputs=(x,), leaf_modules=(DataDependentLinear,), trace_method="export")
+    exported = partition(
+        model, 2, example_inputs=(x,), leaf_modules=(DataDependentLinear,), trace_method="export"
+    )
     with pytest.raises(InputMismatchError, match="shapes specialised"):
         exported.run(torch.randn(5, 8, dtype=torch.float64))
     fx_part = partition(model, 2, example_inputs=(x,), leaf_modules=(DataDependentLinear,), trace_method="fx")
@@ -139,7 +141,9 @@ def test_memory_limit_shapes_the_partition() -> None:
     free = partition(model, 2, example_inputs=(x,), leaf_modules=(DataDependentLinear,))
     tight = max(free.stage_memory) * 0.999
     try:
-        limited = partition(model, 2, example_inputs=(x,), leaf_modules=(DataDependentLinear,), memory_limit=tight)
+        limited = partition(
+            model, 2, example_inputs=(x,), leaf_modules=(DataDependentLinear,), memory_limit=tight
+        )
     except PartitionError:
         return  # no assignment fits: also a correct answer for this limit
     assert max(limited.stage_memory) <= tight

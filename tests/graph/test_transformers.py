@@ -22,20 +22,72 @@ def _configs():  # type: ignore[no-untyped-def]
     t = pytest.importorskip("transformers")
     common = dict(vocab_size=VOCAB, max_position_embeddings=64)
     return {
-        "gpt2": (lambda: t.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
-                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                      bos_token_id=0, eos_token_id=0), t.GPT2LMHeadModel, True),
-        "llama": (lambda: t.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, **common),
-                  t.LlamaForCausalLM, False),
-        "bert": (lambda: t.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                      intermediate_size=64, hidden_dropout_prob=0.0,
-                                      attention_probs_dropout_prob=0.0, **common), t.BertForMaskedLM, True),
-        "opt": (lambda: t.OPTConfig(hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=4,
-                                    dropout=0.0, word_embed_proj_dim=32, **common), t.OPTForCausalLM, True),
-        "qwen2": (lambda: t.Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, **common),
-                  t.Qwen2ForCausalLM, False),
+        "gpt2": (
+            lambda: t.GPT2Config(
+                vocab_size=VOCAB,
+                n_embd=32,
+                n_layer=2,
+                n_head=4,
+                n_positions=64,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+                bos_token_id=0,
+                eos_token_id=0,
+            ),
+            t.GPT2LMHeadModel,
+            True,
+        ),
+        "llama": (
+            lambda: t.LlamaConfig(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                **common,
+            ),
+            t.LlamaForCausalLM,
+            False,
+        ),
+        "bert": (
+            lambda: t.BertConfig(
+                hidden_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                intermediate_size=64,
+                hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0,
+                **common,
+            ),
+            t.BertForMaskedLM,
+            True,
+        ),
+        "opt": (
+            lambda: t.OPTConfig(
+                hidden_size=32,
+                num_hidden_layers=2,
+                ffn_dim=64,
+                num_attention_heads=4,
+                dropout=0.0,
+                word_embed_proj_dim=32,
+                **common,
+            ),
+            t.OPTForCausalLM,
+            True,
+        ),
+        "qwen2": (
+            lambda: t.Qwen2Config(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                **common,
+            ),
+            t.Qwen2ForCausalLM,
+            False,
+        ),
     }
 
 
@@ -87,8 +139,12 @@ def test_meta_built_llama_is_partitioned_and_one_stage_built() -> None:
     with empty_init():
         meta = cls(make_config()).double()
     inputs = _inputs()
-    part = partition(meta, 2, example_inputs={k: v.to("meta") for k, v in inputs.items()},
-                     static_kwargs={"use_cache": False})
+    part = partition(
+        meta,
+        2,
+        example_inputs={k: v.to("meta") for k, v in inputs.items()},
+        static_kwargs={"use_cache": False},
+    )
     stages = [part.build_stage(i, device="cpu", state_dict=real.state_dict()) for i in range(2)]
     assert is_meta_module(meta)
     out = stages[1](*stages[0](*inputs.values()))
@@ -114,7 +170,9 @@ def test_llama_with_opaque_leaf_modules_via_export() -> None:
     ref_grads = named_grads(model)
 
     leaf = t.models.llama.modeling_llama.LlamaMLP
-    part = partition(model, 2, example_inputs=inputs, static_kwargs={"use_cache": False}, leaf_modules=(leaf,))
+    part = partition(
+        model, 2, example_inputs=inputs, static_kwargs={"use_cache": False}, leaf_modules=(leaf,)
+    )
     assert part.graph_module.meta["merak_trace_method"] == "export"
     calls = [n.target for n in part.graph_module.graph.nodes if n.op == "call_module"]
     assert calls == ["model.layers.0.mlp", "model.layers.1.mlp"]

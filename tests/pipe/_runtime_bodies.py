@@ -33,8 +33,12 @@ TIMEOUT = timedelta(seconds=30)
 def make_schedule(case: dict[str, Any], world: int) -> Schedule:
     options = dict(case.get("options", {}))
     return build_schedule(
-        case["schedule"], num_stages=case["num_stages"], num_microbatches=case["num_microbatches"],
-        num_ranks=world, recompute=case.get("recompute"), **options,
+        case["schedule"],
+        num_stages=case["num_stages"],
+        num_microbatches=case["num_microbatches"],
+        num_ranks=world,
+        recompute=case.get("recompute"),
+        **options,
     )
 
 
@@ -45,24 +49,29 @@ def batch_for(case: dict[str, Any], step: int, seq: int) -> tuple[torch.Tensor, 
     return ids, labels
 
 
-def build_runner(case: dict[str, Any], schedule: Schedule, group: dist.ProcessGroup | None = None,
-                 **runner_kwargs: Any) -> tuple[torch.nn.Module, PipelineRunner]:
+def build_runner(
+    case: dict[str, Any], schedule: Schedule, group: dist.ProcessGroup | None = None, **runner_kwargs: Any
+) -> tuple[torch.nn.Module, PipelineRunner]:
     rank = dist.get_rank(group)
     num_stages = case["num_stages"]
     model = build_model(case["model"], num_layers=layers_for(num_stages), dropout=case.get("dropout", 0.0))
     modules = split_units(model_units(case["model"], model), num_stages)
-    stages = [PipelineStage(modules[s], stage_index=s, num_stages=num_stages, group=group)
-              for s in schedule.stages_of(rank)]
+    stages = [
+        PipelineStage(modules[s], stage_index=s, num_stages=num_stages, group=group)
+        for s in schedule.stages_of(rank)
+    ]
     shared: list[Any] = []
     if case["model"] == "gpt":
         groups = shared_parameter_groups(
-            {"wte.weight": [schedule.rank_of(0), schedule.rank_of(num_stages - 1)]}, group=group)
+            {"wte.weight": [schedule.rank_of(0), schedule.rank_of(num_stages - 1)]}, group=group
+        )
         shared = shared_parameters_list({"wte.weight": model.wte.weight}, groups)
     runner_kwargs.setdefault("timeout", TIMEOUT)
     runner_kwargs.setdefault("loss_reduction", case.get("loss_reduction", "mean"))
     runner_kwargs.setdefault("nccl_rules", case.get("nccl_rules", False))
-    runner = PipelineRunner(stages, schedule, loss_fn=lm_loss, group=group, shared_parameters=shared,
-                            **runner_kwargs)
+    runner = PipelineRunner(
+        stages, schedule, loss_fn=lm_loss, group=group, shared_parameters=shared, **runner_kwargs
+    )
     return model, runner
 
 
@@ -79,13 +88,19 @@ def train_body(case: dict[str, Any], schedule: Schedule | None = None) -> list[d
     for step, seq in enumerate(case["seqs"]):
         model.zero_grad(set_to_none=True)
         ids, labels = batch_for(case, step, seq)
-        loss = runner.step(ids if runner.holds_first_stage else None,
-                           labels if runner.holds_last_stage else None)
+        loss = runner.step(
+            ids if runner.holds_first_stage else None, labels if runner.holds_last_stage else None
+        )
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        results.append({"loss": loss, "grads": grads,
-                        "pending": [st.pending_microbatches() for st in runner.stages.values()],
-                        "allocated": runner.transport.buffers_allocated,
-                        "reused": runner.transport.buffers_reused})
+        results.append(
+            {
+                "loss": loss,
+                "grads": grads,
+                "pending": [st.pending_microbatches() for st in runner.stages.values()],
+                "allocated": runner.transport.buffers_allocated,
+                "reused": runner.transport.buffers_reused,
+            }
+        )
     return results
 
 
@@ -101,17 +116,29 @@ def reference(case: dict[str, Any]) -> list[dict[str, Any]]:
             # The sum of the microbatches' mean losses: equal microbatches, so M x the full mean.
             loss = loss * case["num_microbatches"]
         loss.backward()
-        results.append({"loss": loss.detach(),
-                        "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()}})
+        results.append(
+            {
+                "loss": loss.detach(),
+                "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()},
+            }
+        )
     return results
 
 
 def strip_recompute_actions(schedule: Schedule) -> Schedule:
     """The same order of compute actions without R and without a recompute plan."""
-    actions = {r: [a for a in acts if a.kind is not ActionKind.RECOMPUTE] for r, acts in schedule.actions.items()}
-    return Schedule(name=schedule.name + "-norecompute", num_stages=schedule.num_stages,
-                    num_microbatches=schedule.num_microbatches, stage_to_rank=schedule.stage_to_rank,
-                    actions=actions, lowered=schedule.lowered, recompute=None)
+    actions = {
+        r: [a for a in acts if a.kind is not ActionKind.RECOMPUTE] for r, acts in schedule.actions.items()
+    }
+    return Schedule(
+        name=schedule.name + "-norecompute",
+        num_stages=schedule.num_stages,
+        num_microbatches=schedule.num_microbatches,
+        stage_to_rank=schedule.stage_to_rank,
+        actions=actions,
+        lowered=schedule.lowered,
+        recompute=None,
+    )
 
 
 def dropout_body(case: dict[str, Any], strip: bool) -> list[dict[str, Any]]:
@@ -147,9 +174,15 @@ def subgroup_body(case: dict[str, Any]) -> list[dict[str, Any]] | None:
     for step, seq in enumerate(case["seqs"]):
         model.zero_grad(set_to_none=True)
         ids, labels = batch_for(case, step, seq)
-        loss = runner.step(ids if runner.holds_first_stage else None, labels if runner.holds_last_stage else None)
-        results.append({"loss": loss, "grads": {n: p.grad.clone() for n, p in model.named_parameters()
-                                                if p.grad is not None}})
+        loss = runner.step(
+            ids if runner.holds_first_stage else None, labels if runner.holds_last_stage else None
+        )
+        results.append(
+            {
+                "loss": loss,
+                "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+            }
+        )
     return results
 
 
@@ -201,8 +234,11 @@ def bad_input_body(case: dict[str, Any]) -> dict[str, str]:
             errors[name] = str(exc)
     try:
         PipelineStage(torch.nn.Linear(2, 2), stage_index=0, num_stages=world + 1)
-        PipelineRunner([PipelineStage(torch.nn.Linear(2, 2), stage_index=0, num_stages=world + 1)], schedule,
-                       loss_fn=lm_loss)
+        PipelineRunner(
+            [PipelineStage(torch.nn.Linear(2, 2), stage_index=0, num_stages=world + 1)],
+            schedule,
+            loss_fn=lm_loss,
+        )
     except ValueError as exc:
         errors["stage_count"] = str(exc)
     wrong_ranks = build_schedule("1f1b", num_stages=2 * world, num_microbatches=4, num_ranks=2 * world)
@@ -231,15 +267,22 @@ def timing_body(case: dict[str, Any], steps: int) -> dict[str, Any]:
     own = [str(a) for a in runner.schedule.actions[dist.get_rank()]]
     mine = [t.action for t in runner.timings]
     trace = measured_chrome_trace(gather_timings(runner.timings))
-    return {"own": own, "recorded": mine, "costs": measured_costs(collected, runner.schedule),
-            "step_s": measured_step_time(gather_timings(runner.timings)), "events": len(trace["traceEvents"]),
-            "last_step_s": runner.last_step_s, "own_span_s": measured_step_time(runner.timings),
-            "ordered": all(t.start_s <= t.ready_s <= t.end_s for t in runner.timings),
-            "recompute_s": sum(t.recompute_s + (t.compute_s if t.kind == "R" else 0.0) for t in runner.timings)}
+    return {
+        "own": own,
+        "recorded": mine,
+        "costs": measured_costs(collected, runner.schedule),
+        "step_s": measured_step_time(gather_timings(runner.timings)),
+        "events": len(trace["traceEvents"]),
+        "last_step_s": runner.last_step_s,
+        "own_span_s": measured_step_time(runner.timings),
+        "ordered": all(t.start_s <= t.ready_s <= t.end_s for t in runner.timings),
+        "recompute_s": sum(t.recompute_s + (t.compute_s if t.kind == "R" else 0.0) for t in runner.timings),
+    }
 
 
-def v_schedule(*, num_stages: int, num_microbatches: int, num_ranks: int | None = None,
-               recompute: Any = None) -> Schedule:
+def v_schedule(
+    *, num_stages: int, num_microbatches: int, num_ranks: int | None = None, recompute: Any = None
+) -> Schedule:
     """A user-defined GPipe-order "V" schedule: stage s on rank min(s, S - 1 - s) (2 stages per rank).
 
     Stages 1 and 2 share rank 1 and stages 0 and 3 share rank 0 (for S = 4), so the runtime hands
@@ -255,8 +298,14 @@ def v_schedule(*, num_stages: int, num_microbatches: int, num_ranks: int | None 
         actions[stage_to_rank[s]] += [Action(s, ActionKind.FORWARD, m) for m in range(num_microbatches)]
     for s in reversed(range(num_stages)):
         actions[stage_to_rank[s]] += [Action(s, ActionKind.FULL_BACKWARD, m) for m in range(num_microbatches)]
-    return Schedule(name="v-gpipe", num_stages=num_stages, num_microbatches=num_microbatches,
-                    stage_to_rank=stage_to_rank, actions=actions, recompute=recompute)
+    return Schedule(
+        name="v-gpipe",
+        num_stages=num_stages,
+        num_microbatches=num_microbatches,
+        stage_to_rank=stage_to_rank,
+        actions=actions,
+        recompute=recompute,
+    )
 
 
 def registered_v_body(case: dict[str, Any]) -> list[dict[str, Any]]:

@@ -97,8 +97,11 @@ def model_units(name: str, model: nn.Module) -> list[nn.Module]:
         return [GPTEmbed(model), *model.blocks, GPTHead(model)]
     as_dict = name == "llama-dict"
     assert isinstance(model, Llama)
-    return [LlamaEmbed(model, as_dict=as_dict), *(LlamaLayer(b, as_dict=as_dict) for b in model.layers),
-            LlamaHead(model)]
+    return [
+        LlamaEmbed(model, as_dict=as_dict),
+        *(LlamaLayer(b, as_dict=as_dict) for b in model.layers),
+        LlamaHead(model),
+    ]
 
 
 def split_units(units: list[nn.Module], num_stages: int) -> list[nn.Sequential]:
@@ -109,7 +112,7 @@ def split_units(units: list[nn.Module], num_stages: int) -> list[nn.Sequential]:
     out, start = [], 0
     for s in range(num_stages):
         size = base + (1 if s < extra else 0)
-        out.append(nn.Sequential(*units[start:start + size]))
+        out.append(nn.Sequential(*units[start : start + size]))
         start += size
     return out
 

@@ -13,15 +13,38 @@ from merak_pipe import CostModel, build_schedule, from_csv, simulate, to_csv
 from merak_pipe.cli import main
 
 
-def test_simulate_prints_the_library_numbers_and_writes_a_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_simulate_prints_the_library_numbers_and_writes_a_trace(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     trace = tmp_path / "out.json"
-    code = main(["simulate", "--schedule", "shifted-critical-path", "--stages", "4", "--microbatches", "8",
-                 "--forward", "1", "--backward", "2", "--recompute", "full", "--input-bytes", "0.05",
-                 "--trace", str(trace), "--critical-path"])
+    code = main(
+        [
+            "simulate",
+            "--schedule",
+            "shifted-critical-path",
+            "--stages",
+            "4",
+            "--microbatches",
+            "8",
+            "--forward",
+            "1",
+            "--backward",
+            "2",
+            "--recompute",
+            "full",
+            "--input-bytes",
+            "0.05",
+            "--trace",
+            str(trace),
+            "--critical-path",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
-    expected = simulate(build_schedule("shifted-critical-path", num_stages=4, num_microbatches=8, recompute="full"),
-                        CostModel(forward=1, backward=2, input_bytes=0.05))
+    expected = simulate(
+        build_schedule("shifted-critical-path", num_stages=4, num_microbatches=8, recompute="full"),
+        CostModel(forward=1, backward=2, input_bytes=0.05),
+    )
     makespan = float(re.search(r"makespan ([0-9.e+]+)", out).group(1))  # type: ignore[union-attr]
     assert makespan == pytest.approx(expected.makespan, rel=1e-3)
     for rank in range(4):
@@ -42,14 +65,31 @@ def test_show_validate_and_export_csv(tmp_path: Path, capsys: pytest.CaptureFixt
     out = capsys.readouterr().out
     assert "0SEND_F0" in out and "rank 1" in out
     csv_path = tmp_path / "zb.csv"
-    assert main(["export-csv", "--schedule", "zb-h1", "--stages", "3", "--microbatches", "4", "--out", str(csv_path)]) == 0
+    assert (
+        main(
+            [
+                "export-csv",
+                "--schedule",
+                "zb-h1",
+                "--stages",
+                "3",
+                "--microbatches",
+                "4",
+                "--out",
+                str(csv_path),
+            ]
+        )
+        == 0
+    )
     assert from_csv(csv_path).actions == build_schedule("zb-h1", num_stages=3, num_microbatches=4).actions
     assert main(["validate", "--csv", str(csv_path)]) == 0
     assert "ok: " in capsys.readouterr().out
     assert main(["simulate", "--csv", str(csv_path), "--forward", "1", "--backward", "2"]) == 0
 
 
-def test_invalid_csv_exits_1_with_the_marked_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_invalid_csv_exits_1_with_the_marked_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     bad = build_schedule("1f1b", num_stages=2, num_microbatches=2)
     bad.actions[0].reverse()
     path = tmp_path / "bad.csv"
@@ -60,14 +100,30 @@ def test_invalid_csv_exits_1_with_the_marked_table(tmp_path: Path, capsys: pytes
 
 
 def test_user_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["simulate", "--schedule", "interleaved-1f1b", "--stages", "6", "--microbatches", "4", "--ranks", "4"]) == 2
+    assert (
+        main(
+            [
+                "simulate",
+                "--schedule",
+                "interleaved-1f1b",
+                "--stages",
+                "6",
+                "--microbatches",
+                "4",
+                "--ranks",
+                "4",
+            ]
+        )
+        == 2
+    )
     assert "not a multiple of num_ranks" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["simulate", "--schedule", "1f1b"])
 
 
-def test_png_needs_matplotlib_or_says_how_to_get_it(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_png_needs_matplotlib_or_says_how_to_get_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     png = tmp_path / "t.png"
     args = ["simulate", "--schedule", "1f1b", "--stages", "3", "--microbatches", "4", "--png", str(png)]
     try:

@@ -25,11 +25,15 @@ def _load_in_torch(path: Path) -> dict[int, list[object]]:
     import csv
 
     with open(path, newline="") as f:
-        return {rank: [torch_schedules._Action.from_str(c) for c in row] for rank, row in enumerate(csv.reader(f))}
+        return {
+            rank: [torch_schedules._Action.from_str(c) for c in row] for rank, row in enumerate(csv.reader(f))
+        }
 
 
 @pytest.mark.parametrize("name,kw,S,M", CASES)
-def test_exported_csv_passes_torch_validation(tmp_path: Path, name: str, kw: dict[str, int], S: int, M: int) -> None:
+def test_exported_csv_passes_torch_validation(
+    tmp_path: Path, name: str, kw: dict[str, int], S: int, M: int
+) -> None:
     schedule = build_schedule(name, num_stages=S, num_microbatches=M, **kw)
     path = tmp_path / "s.csv"
     to_csv(schedule, path, drop_recompute=True)
@@ -49,9 +53,14 @@ def test_recompute_actions_need_an_explicit_choice(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("name,kw,S,M", CASES)
-def test_round_trip_compute_only_and_lowered(tmp_path: Path, name: str, kw: dict[str, int], S: int, M: int) -> None:
-    schedule = build_schedule(name, num_stages=S, num_microbatches=M, recompute="none", **kw) if name != "shifted-critical-path" \
+def test_round_trip_compute_only_and_lowered(
+    tmp_path: Path, name: str, kw: dict[str, int], S: int, M: int
+) -> None:
+    schedule = (
+        build_schedule(name, num_stages=S, num_microbatches=M, recompute="none", **kw)
+        if name != "shifted-critical-path"
         else build_schedule(name, num_stages=S, num_microbatches=M, **kw)
+    )
     for s in (schedule, lower(schedule)):
         text = to_csv(s, tmp_path / "x.csv", drop_recompute=False) if not s.has_recompute_actions else None
         if text is None:
@@ -66,10 +75,15 @@ def test_round_trip_compute_only_and_lowered(tmp_path: Path, name: str, kw: dict
 def test_torch_generated_schedules_load_validate_and_simulate_here(tmp_path: Path) -> None:
     """Torch's own interleaved 1F1B rank ops and its send/recv lowering, written as CSV, read here."""
     P, v, M = 4, 2, 8
-    fake = SimpleNamespace(n_local_stages=v, pp_group_size=P, microbatches_per_round=M // max(1, M // P),
-                           _n_microbatches=M)
+    fake = SimpleNamespace(
+        n_local_stages=v, pp_group_size=P, microbatches_per_round=M // max(1, M // P), _n_microbatches=M
+    )
     compute = {
-        rank: [a for a in torch_schedules.ScheduleInterleaved1F1B._calculate_single_rank_operations(fake, rank) if a is not None]
+        rank: [
+            a
+            for a in torch_schedules.ScheduleInterleaved1F1B._calculate_single_rank_operations(fake, rank)
+            if a is not None
+        ]
         for rank in range(P)
     }
     rows = [",".join(str(a) for a in compute[r]) for r in range(P)]

@@ -56,7 +56,10 @@ def _tiny() -> Schedule:
         num_stages=4,
         num_microbatches=1,
         stage_to_rank=(0, 1, 0, 1),
-        actions={0: [Action(0, ActionKind.FORWARD, 0), Action(2, ActionKind.FORWARD, 0)], 1: [Action(1, ActionKind.FORWARD, 0)]},
+        actions={
+            0: [Action(0, ActionKind.FORWARD, 0), Action(2, ActionKind.FORWARD, 0)],
+            1: [Action(1, ActionKind.FORWARD, 0)],
+        },
     )
 
 

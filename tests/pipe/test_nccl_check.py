@@ -140,7 +140,9 @@ def test_shifted_critical_path_plain_lowered_order_needs_an_eager_buffer() -> No
     """Lowered order as is: stage 0 sends F2 before receiving B0, stage 1 sends B0 before receiving F2;
     with a rendezvous (a message above NCCL's eager size) that deadlocks. The runtime defers the send."""
     schedule = lower(_build("shifted-critical-path", 2, 4))
-    plain = {rank: [s for s in _base_order(schedule, rank, False) if isinstance(s, tuple)] for rank in range(2)}
+    plain = {
+        rank: [s for s in _base_order(schedule, rank, False) if isinstance(s, tuple)] for rank in range(2)
+    }
     result = replay(plain)
     assert result.stuck, result.summary()
     assert "0SEND_F2" in result.summary()
@@ -171,8 +173,13 @@ def test_a_receive_ahead_of_the_send_its_peer_waits_for_is_a_deadlock() -> None:
 
 
 def test_receives_out_of_the_senders_order_are_mismatched_pairs() -> None:
-    schedule = _lowered({0: "0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1",
-                         1: "1RECV_F1 1RECV_F0 1F0 1B0 1SEND_B0 1F1 1B1 1SEND_B1"}, num_microbatches=2)
+    schedule = _lowered(
+        {
+            0: "0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1",
+            1: "1RECV_F1 1RECV_F0 1F0 1B0 1SEND_B0 1F1 1B1 1SEND_B1",
+        },
+        num_microbatches=2,
+    )
     validate(schedule)
     with pytest.raises(ScheduleError, match="breaks NCCL's point-to-point rules") as err:
         validate(schedule, nccl=True)

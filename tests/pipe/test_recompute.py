@@ -53,7 +53,9 @@ def test_stage_aware_reproduces_merak_closed_form(S: int, r0: float) -> None:
     inp=st.floats(0.0, 1.0),
     slack=st.floats(0.0, 40.0),
 )
-def test_stage_aware_choice_is_the_smallest_that_fits(layers: list[float], n: int, static: float, inp: float, slack: float) -> None:
+def test_stage_aware_choice_is_the_smallest_that_fits(
+    layers: list[float], n: int, static: float, inp: float, slack: float
+) -> None:
     L = len(layers)
 
     def need(k: int) -> float:
@@ -61,17 +63,25 @@ def test_stage_aware_choice_is_the_smallest_that_fits(layers: list[float], n: in
         return static + n * kept + sum(layers[:k])
 
     budget = min(need(k) for k in range(L + 1)) + slack
-    plan = stage_aware_plan(layer_activation_bytes=[layers], memory_budget=budget, static_bytes=static,
-                            in_flight=[n], input_bytes=inp)
+    plan = stage_aware_plan(
+        layer_activation_bytes=[layers],
+        memory_budget=budget,
+        static_bytes=static,
+        in_flight=[n],
+        input_bytes=inp,
+    )
     k = round(plan[0] * L)
     assert need(k) <= budget * (1 + 1e-12)
     assert all(need(j) > budget for j in range(k))
 
 
 def test_stage_aware_raises_when_nothing_fits() -> None:
-    with pytest.raises(ValueError, match="stage 0 does not fit its memory budget even with full recomputation"):
-        stage_aware_plan(layer_activation_bytes=[[1.0, 1.0], [1.0]], memory_budget=1.0, static_bytes=0.5,
-                         in_flight=[3, 1])
+    with pytest.raises(
+        ValueError, match="stage 0 does not fit its memory budget even with full recomputation"
+    ):
+        stage_aware_plan(
+            layer_activation_bytes=[[1.0, 1.0], [1.0]], memory_budget=1.0, static_bytes=0.5, in_flight=[3, 1]
+        )
     with pytest.raises(ValueError, match="in_flight .* or a schedule"):
         stage_aware_plan(layer_activation_bytes=[[1.0]], memory_budget=1.0)
     with pytest.raises(ValueError, match="one per stage"):
@@ -109,11 +119,17 @@ def test_stage_aware_shares_a_device_budget_between_interleaved_stages() -> None
     costs = CostModel(activation_bytes=1.0, input_bytes=1.0 / L)
     base = simulate(schedule, costs)
     budget = base.peak_memory_per_rank[0] / 2
-    plan = stage_aware_plan(layer_activation_bytes=[[1.0 / L] * L] * S, memory_budget=budget, schedule=schedule,
-                            input_bytes=1.0 / L)
+    plan = stage_aware_plan(
+        layer_activation_bytes=[[1.0 / L] * L] * S,
+        memory_budget=budget,
+        schedule=schedule,
+        input_bytes=1.0 / L,
+    )
     assert 0 < plan.total < S
-    with_plan = simulate(build_schedule("interleaved-1f1b", num_stages=S, num_microbatches=M, num_ranks=P,
-                                        recompute=plan), costs)
+    with_plan = simulate(
+        build_schedule("interleaved-1f1b", num_stages=S, num_microbatches=M, num_ranks=P, recompute=plan),
+        costs,
+    )
     assert max(with_plan.peak_memory_per_rank) <= budget + 1e-9
     # Checkpointing one layer fewer on any stage would break the (conservative) device bound.
     counts = in_flight_counts(schedule)

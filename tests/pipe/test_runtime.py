@@ -30,16 +30,38 @@ RECOMPUTE = [None, "full", 0.5]
 TRANSPORT = pytest.mark.parametrize("nccl_rules", [False, True], ids=["tags", "nccl-rules"])
 
 
-def make_case(schedule: str, world: int, model: str, recompute: Any, *, seqs: tuple[int, ...] = (8, 6),
-              num_microbatches: int = 4, batch: int = 8, **extra: Any) -> dict[str, Any]:
+def make_case(
+    schedule: str,
+    world: int,
+    model: str,
+    recompute: Any,
+    *,
+    seqs: tuple[int, ...] = (8, 6),
+    num_microbatches: int = 4,
+    batch: int = 8,
+    **extra: Any,
+) -> dict[str, Any]:
     """A test case (see ``_runtime_bodies``); ``extra`` may hold ``nccl_rules``."""
     num_stages = 2 * world if schedule == "interleaved-1f1b" else world
-    return dict(model=model, schedule=schedule, num_stages=num_stages, num_microbatches=num_microbatches,
-                recompute=recompute, seqs=list(seqs), batch=batch, **extra)
+    return dict(
+        model=model,
+        schedule=schedule,
+        num_stages=num_stages,
+        num_microbatches=num_microbatches,
+        recompute=recompute,
+        seqs=list(seqs),
+        batch=batch,
+        **extra,
+    )
 
 
-def assert_matches(results: list[list[dict[str, Any]]], ref: list[dict[str, Any]], *,
-                   rtol: float | None = None, atol: float | None = None) -> None:
+def assert_matches(
+    results: list[list[dict[str, Any]]],
+    ref: list[dict[str, Any]],
+    *,
+    rtol: float | None = None,
+    atol: float | None = None,
+) -> None:
     """Per step: exactly one rank returns the loss and it matches; every gradient matches by name."""
     for step, expected in enumerate(ref):
         losses = [rank_res[step]["loss"] for rank_res in results if rank_res[step]["loss"] is not None]
@@ -48,8 +70,13 @@ def assert_matches(results: list[list[dict[str, Any]]], ref: list[dict[str, Any]
         seen: set[str] = set()
         for rank, rank_res in enumerate(results):
             for name, grad in rank_res[step]["grads"].items():
-                assert_tensors_close(grad, expected["grads"][name], name=f"step {step} rank {rank} grad[{name}]",
-                                     rtol=rtol, atol=atol)
+                assert_tensors_close(
+                    grad,
+                    expected["grads"][name],
+                    name=f"step {step} rank {rank} grad[{name}]",
+                    rtol=rtol,
+                    atol=atol,
+                )
                 seen.add(name)
         missing = sorted(set(expected["grads"]) - seen)
         assert not missing, f"step {step}: no rank produced gradients for {missing}"
@@ -60,7 +87,9 @@ def assert_matches(results: list[list[dict[str, Any]]], ref: list[dict[str, Any]
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("schedule", SCHEDULES)
-def test_step_matches_single_process(schedule: str, world: int, model: str, recompute: Any, nccl_rules: bool) -> None:
+def test_step_matches_single_process(
+    schedule: str, world: int, model: str, recompute: Any, nccl_rules: bool
+) -> None:
     case = make_case(schedule, world, model, recompute, nccl_rules=nccl_rules)
     results = run_on_ranks(world, bodies.train_body, case)
     assert_matches(results, bodies.reference(case))
@@ -81,8 +110,15 @@ def test_tied_embedding_copies_agree(world: int, nccl_rules: bool) -> None:
 @TRANSPORT
 def test_shifted_critical_path_with_a_later_stage_recomputing_more(nccl_rules: bool) -> None:
     """Stage 1 recomputes everything, stage 0 nothing: the warm-up depths are cut so it runs (it deadlocked)."""
-    case = make_case("shifted-critical-path", 4, "gpt", RecomputePlan((0.0, 1.0, 0.0, 0.0)), seqs=(8,),
-                     num_microbatches=8, nccl_rules=nccl_rules)
+    case = make_case(
+        "shifted-critical-path",
+        4,
+        "gpt",
+        RecomputePlan((0.0, 1.0, 0.0, 0.0)),
+        seqs=(8,),
+        num_microbatches=8,
+        nccl_rules=nccl_rules,
+    )
     results = run_on_ranks(4, bodies.train_body, case)
     assert_matches(results, bodies.reference(case))
 
@@ -90,8 +126,9 @@ def test_shifted_critical_path_with_a_later_stage_recomputing_more(nccl_rules: b
 @TRANSPORT
 def test_buffers_reused_across_steps_and_shapes(nccl_rules: bool) -> None:
     """Shapes change (8 -> 6) and repeat (6 -> 6 -> 8): headers re-sent only on change, pooled buffers reused."""
-    case = make_case("1f1b", 2, "llama-dict", 0.5, seqs=(8, 6, 6, 8), num_microbatches=2, batch=4,
-                     nccl_rules=nccl_rules)
+    case = make_case(
+        "1f1b", 2, "llama-dict", 0.5, seqs=(8, 6, 6, 8), num_microbatches=2, batch=4, nccl_rules=nccl_rules
+    )
     results = run_on_ranks(2, bodies.train_body, case)
     assert_matches(results, bodies.reference(case))
     for rank_results in results:
@@ -105,8 +142,17 @@ def test_buffers_reused_across_steps_and_shapes(nccl_rules: bool) -> None:
 
 @TRANSPORT
 def test_more_microbatches_than_stages_and_sum_reduction(nccl_rules: bool) -> None:
-    case = make_case("1f1b", 2, "gpt", "full", seqs=(8,), num_microbatches=8, batch=8, loss_reduction="sum",
-                     nccl_rules=nccl_rules)
+    case = make_case(
+        "1f1b",
+        2,
+        "gpt",
+        "full",
+        seqs=(8,),
+        num_microbatches=8,
+        batch=8,
+        loss_reduction="sum",
+        nccl_rules=nccl_rules,
+    )
     results = run_on_ranks(2, bodies.train_body, case)
     assert_matches(results, bodies.reference(case))
 
@@ -125,8 +171,9 @@ def test_recompute_restores_rng_for_dropout(schedule: str, nccl_rules: bool) -> 
             assert_tensors_close(step_got["loss"], step_expected["loss"], name="loss", rtol=0.0, atol=0.0)
         assert step_got["grads"].keys() == step_expected["grads"].keys()
         for name, grad in step_got["grads"].items():
-            assert_tensors_close(grad, step_expected["grads"][name], name=f"rank {rank} grad[{name}]",
-                                 rtol=1e-12, atol=1e-14)
+            assert_tensors_close(
+                grad, step_expected["grads"][name], name=f"rank {rank} grad[{name}]", rtol=1e-12, atol=1e-14
+            )
     # Dropout really was active: the loss differs from the dropout-free reference.
     loss = next(r[0]["loss"] for r in with_recompute if r[0]["loss"] is not None)
     assert not torch.allclose(loss, bodies.reference(case)[0]["loss"])
@@ -164,8 +211,16 @@ def test_pipelines_on_subgroups(nccl_rules: bool) -> None:
 @pytest.mark.parametrize("model,recompute", [("gpt", None), ("llama-dict", "full"), ("llama", 0.5)])
 def test_user_registered_v_schedule_hands_over_locally(model: str, recompute: Any, nccl_rules: bool) -> None:
     """Two stages per rank in a V (0 and 3 on rank 0, 1 and 2 on rank 1): local hand-over between stages."""
-    case = dict(model=model, schedule="test-v-gpipe", num_stages=4, num_microbatches=4, recompute=recompute,
-                seqs=[8, 6], batch=8, nccl_rules=nccl_rules)
+    case = dict(
+        model=model,
+        schedule="test-v-gpipe",
+        num_stages=4,
+        num_microbatches=4,
+        recompute=recompute,
+        seqs=[8, 6],
+        batch=8,
+        nccl_rules=nccl_rules,
+    )
     results = run_on_ranks(2, bodies.registered_v_body, case)
     assert_matches(results, bodies.reference(case))
 

@@ -13,7 +13,9 @@ from tests.pipe import _runtime_bodies as bodies
 from tests.pipe.test_runtime import TRANSPORT, make_case
 from tests.support.dist import WorkerError, run_on_ranks
 
-ERROR_RE = re.compile(r"pipeline rank (\d+) \(global rank \d+\), stage (\d+), action (\d+)(\w+?)(\d+) \(microbatch (\d+)\)")
+ERROR_RE = re.compile(
+    r"pipeline rank (\d+) \(global rank \d+\), stage (\d+), action (\d+)(\w+?)(\d+) \(microbatch (\d+)\)"
+)
 
 
 def test_bad_input_raises_before_communication() -> None:

@@ -25,8 +25,14 @@ def _middle_stage(fraction_units: int = 0) -> tuple[nn.Sequential, tuple[torch.T
     return stage, (x, cos, sin)
 
 
-def _run(stage_module: nn.Module, inputs: tuple[torch.Tensor, ...], *, split: bool, fraction: float,
-         recompute_first: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _run(
+    stage_module: nn.Module,
+    inputs: tuple[torch.Tensor, ...],
+    *,
+    split: bool,
+    fraction: float,
+    recompute_first: bool = False,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     stage = PipelineStage(stage_module, stage_index=1, num_stages=3)
     args = tuple(t.clone().requires_grad_(i == 0) for i, t in enumerate(inputs))
     out, _ = stage.forward(0, args, {}, recompute_fraction=fraction)
@@ -49,7 +55,9 @@ def _run(stage_module: nn.Module, inputs: tuple[torch.Tensor, ...], *, split: bo
 def test_split_backward_equals_full_backward(fraction: float, recompute_first: bool) -> None:
     module, inputs = _middle_stage()
     dx_ref, grads_ref = _run(copy.deepcopy(module), inputs, split=False, fraction=0.0)
-    dx, grads = _run(copy.deepcopy(module), inputs, split=True, fraction=fraction, recompute_first=recompute_first)
+    dx, grads = _run(
+        copy.deepcopy(module), inputs, split=True, fraction=fraction, recompute_first=recompute_first
+    )
     assert_tensors_close(dx, dx_ref, name="input grad")
     for name, ref in grads_ref.items():
         assert_tensors_close(grads[name], ref, name=f"grad[{name}]")

@@ -69,7 +69,9 @@ def test_interleaved_matches_torch_where_torch_defines_it(P: int, v: int, M: int
     rounds = max(1, M // P)
     if M % rounds != 0:
         return
-    fake = SimpleNamespace(n_local_stages=v, pp_group_size=P, microbatches_per_round=M // rounds, _n_microbatches=M)
+    fake = SimpleNamespace(
+        n_local_stages=v, pp_group_size=P, microbatches_per_round=M // rounds, _n_microbatches=M
+    )
     ours = build_schedule("interleaved-1f1b", num_stages=P * v, num_microbatches=M, num_ranks=P)
     for rank in range(P):
         theirs = torch_schedules.ScheduleInterleaved1F1B._calculate_single_rank_operations(fake, rank)
@@ -116,7 +118,9 @@ def test_shifted_critical_path_shape(S: int, M: int) -> None:
             if a.kind is ActionKind.FULL_BACKWARD:
                 # (b): the recompute of this microbatch comes right before its backward, i.e. ahead
                 # of the gradient's arrival, not after it.
-                assert acts[step - 1].kind is ActionKind.RECOMPUTE and acts[step - 1].microbatch == a.microbatch
+                assert (
+                    acts[step - 1].kind is ActionKind.RECOMPUTE and acts[step - 1].microbatch == a.microbatch
+                )
         # (c): a deeper warm-up than 1F1B's S - 1 - i on stages that recompute everything.
         warmup = next(i for i, a in enumerate(acts) if a.kind is not ActionKind.FORWARD)
         assert warmup == min(2 * (S - 1 - rank) + 1, M)
@@ -140,18 +144,28 @@ def test_shifted_critical_path_keeps_partial_plans_and_zeroes_the_last_stage() -
 @given(fractions=st.lists(st.sampled_from([0.0, 0.5, 1.0]), min_size=2, max_size=8), M=st.integers(1, 16))
 def test_shifted_critical_path_validates_for_any_recompute_plan(fractions: list[float], M: int) -> None:
     """A later stage recomputing more than an earlier one (e.g. (0, 1, 0, 0)) must not deadlock."""
-    schedule = build_schedule("shifted-critical-path", num_stages=len(fractions), num_microbatches=M,
-                              recompute=RecomputePlan(tuple(fractions)))
+    schedule = build_schedule(
+        "shifted-critical-path",
+        num_stages=len(fractions),
+        num_microbatches=M,
+        recompute=RecomputePlan(tuple(fractions)),
+    )
     _check(schedule)
     validate(schedule, nccl=True)
-    warmups = [next((i for i, a in enumerate(acts) if a.kind is not ActionKind.FORWARD), len(acts))
-               for acts in (schedule.actions[r] for r in range(len(fractions)))]
+    warmups = [
+        next((i for i, a in enumerate(acts) if a.kind is not ActionKind.FORWARD), len(acts))
+        for acts in (schedule.actions[r] for r in range(len(fractions)))
+    ]
     assert all(b <= a for a, b in zip(warmups, warmups[1:], strict=False)), warmups
 
 
 def test_shifted_critical_path_cuts_a_deeper_warmup_after_a_shallower_stage() -> None:
-    schedule = build_schedule("shifted-critical-path", num_stages=4, num_microbatches=8,
-                              recompute=RecomputePlan((0.0, 1.0, 0.0, 0.0)))
+    schedule = build_schedule(
+        "shifted-critical-path",
+        num_stages=4,
+        num_microbatches=8,
+        recompute=RecomputePlan((0.0, 1.0, 0.0, 0.0)),
+    )
     # Stage 1 recomputes everything but may not warm up deeper than stage 0 (3 forwards) nor run
     # more than 2 ahead of stage 2: it keeps 1F1B's depth, its R still before each B.
     assert schedule.options["extra_warmup"] == (0, 0, 0, 0)
@@ -173,13 +187,17 @@ def test_recompute_argument_forms() -> None:
 
 
 def test_registry() -> None:
-    assert {"gpipe", "1f1b", "interleaved-1f1b", "shifted-critical-path", "zb-h1"} <= set(available_schedules())
+    assert {"gpipe", "1f1b", "interleaved-1f1b", "shifted-critical-path", "zb-h1"} <= set(
+        available_schedules()
+    )
     with pytest.raises(ValueError, match="unknown schedule 'nope'"):
         build_schedule("nope", num_stages=2, num_microbatches=2)
     with pytest.raises(ValueError, match="already registered"):
         register_schedule("1f1b", lambda **kw: None)
 
-    def reversed_gpipe(*, num_stages: int, num_microbatches: int, num_ranks: int | None, recompute: RecomputePlan | None) -> Schedule:
+    def reversed_gpipe(
+        *, num_stages: int, num_microbatches: int, num_ranks: int | None, recompute: RecomputePlan | None
+    ) -> Schedule:
         s = build_schedule("gpipe", num_stages=num_stages, num_microbatches=num_microbatches, check=False)
         for acts in s.actions.values():
             acts.reverse()  # backwards before forwards: invalid
@@ -196,7 +214,9 @@ def test_registry() -> None:
         _REGISTRY.pop("reversed-gpipe-test")
 
 
-@pytest.mark.parametrize("kwargs", [{"num_stages": 0, "num_microbatches": 1}, {"num_stages": 2, "num_microbatches": 0}])
+@pytest.mark.parametrize(
+    "kwargs", [{"num_stages": 0, "num_microbatches": 1}, {"num_stages": 2, "num_microbatches": 0}]
+)
 def test_sizes_are_checked(kwargs: dict[str, int]) -> None:
     with pytest.raises(ValueError, match=">= 1"):
         build_schedule("1f1b", **kwargs)

@@ -26,8 +26,14 @@ def test_capabilities_match_the_built_schedule(info) -> None:  # type: ignore[no
 
 
 def test_built_in_keys_and_unknown_names() -> None:
-    assert {i.key for i in schedule_infos()} >= {"gpipe", "1f1b", "zb_h1", "shifted_critical_path",
-                                                 "interleaved_1f1b", "zb_v"}
+    assert {i.key for i in schedule_infos()} >= {
+        "gpipe",
+        "1f1b",
+        "zb_h1",
+        "shifted_critical_path",
+        "interleaved_1f1b",
+        "zb_v",
+    }
     with pytest.raises(ValueError, match=r"unknown schedule 'shifted critical path'.*register_schedule"):
         schedule_info("shifted critical path")
 
@@ -44,4 +50,3 @@ def test_a_spelling_taken_by_another_schedule_is_refused_unless_overwritten() ->
     finally:
         _REGISTRY.pop("my-1f1b", None)
         _REGISTRY.pop("my-other", None)
-

@@ -19,11 +19,25 @@ from merak_pipe import (
 )
 
 
-def _schedule(rows: dict[int, str], *, num_stages: int, num_microbatches: int, stage_to_rank: tuple[int, ...] | None = None,
-              lowered: bool = False, recompute: RecomputePlan | None = None) -> Schedule:
+def _schedule(
+    rows: dict[int, str],
+    *,
+    num_stages: int,
+    num_microbatches: int,
+    stage_to_rank: tuple[int, ...] | None = None,
+    lowered: bool = False,
+    recompute: RecomputePlan | None = None,
+) -> Schedule:
     actions = {rank: [Action.parse(t) for t in row.split()] for rank, row in rows.items()}
-    return Schedule("hand", num_stages, num_microbatches, stage_to_rank or tuple(range(num_stages)), actions,
-                    lowered=lowered, recompute=recompute)
+    return Schedule(
+        "hand",
+        num_stages,
+        num_microbatches,
+        stage_to_rank or tuple(range(num_stages)),
+        actions,
+        lowered=lowered,
+        recompute=recompute,
+    )
 
 
 def _marked(err: pytest.ExceptionInfo[ScheduleError]) -> str:
@@ -100,8 +114,13 @@ def test_comm_actions_need_a_lowered_schedule_and_a_cross_rank_edge() -> None:
     s = _schedule({0: "0F0 0SEND_F0 0B0", 1: "1F0 1B0"}, num_stages=2, num_microbatches=1)
     with pytest.raises(ScheduleError, match="lowered=False"):
         validate(s)
-    same_rank = _schedule({0: "0F0 0SEND_F0 1RECV_F0 1F0 1B0 0B0"}, num_stages=2, num_microbatches=1,
-                          stage_to_rank=(0, 0), lowered=True)
+    same_rank = _schedule(
+        {0: "0F0 0SEND_F0 1RECV_F0 1F0 1B0 0B0"},
+        num_stages=2,
+        num_microbatches=1,
+        stage_to_rank=(0, 0),
+        lowered=True,
+    )
     with pytest.raises(ScheduleError, match="no cross-rank edge"):
         validate(same_rank)
 
@@ -169,7 +188,10 @@ def test_channel_order_is_checked_on_request() -> None:
     validate(good, channel_order=True)
     actions = {r: list(a) for r, a in good.actions.items()}
     # Post the receive of microbatch 1 before that of microbatch 0: fine with tags, wrong for NCCL.
-    r0, r1 = actions[1].index(Action(1, ActionKind.RECV_F, 0)), actions[1].index(Action(1, ActionKind.RECV_F, 1))
+    r0, r1 = (
+        actions[1].index(Action(1, ActionKind.RECV_F, 0)),
+        actions[1].index(Action(1, ActionKind.RECV_F, 1)),
+    )
     actions[1][r0], actions[1][r1] = actions[1][r1], actions[1][r0]
     actions[1].remove(Action(1, ActionKind.RECV_F, 0))
     actions[1].insert(0, Action(1, ActionKind.RECV_F, 0))
@@ -177,7 +199,9 @@ def test_channel_order_is_checked_on_request() -> None:
     actions[1].insert(0, Action(1, ActionKind.RECV_F, 1))
     swapped = dataclasses.replace(good, actions=actions)
     validate(swapped)
-    with pytest.raises(ScheduleError, match="receive #0 on channel rank 0 -> rank 1, but send #0 on that channel is 0SEND_F0") as err:
+    with pytest.raises(
+        ScheduleError, match="receive #0 on channel rank 0 -> rank 1, but send #0 on that channel is 0SEND_F0"
+    ) as err:
         validate(swapped, channel_order=True)
     assert ">>1RECV_F1<<" in _marked(err)
 
@@ -192,8 +216,11 @@ def _naive_lower(schedule: Schedule) -> Schedule:
         for a in compute_and_sends:
             if a.kind is ActionKind.FORWARD and a.stage > 0 and schedule.rank_of(a.stage - 1) != rank:
                 out.append(Action(a.stage, ActionKind.RECV_F, a.microbatch))
-            if a.kind is ActionKind.FULL_BACKWARD and a.stage < schedule.num_stages - 1 \
-                    and schedule.rank_of(a.stage + 1) != rank:
+            if (
+                a.kind is ActionKind.FULL_BACKWARD
+                and a.stage < schedule.num_stages - 1
+                and schedule.rank_of(a.stage + 1) != rank
+            ):
                 out.append(Action(a.stage, ActionKind.RECV_B, a.microbatch))
             out.append(a)
         actions[rank] = out

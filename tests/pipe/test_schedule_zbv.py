@@ -43,10 +43,13 @@ def test_zbv_is_shorter_than_1f1b_and_interleaved(ranks: int) -> None:
     micro = 8
     half = CostModel(forward=1.0, backward=2.0, backward_input=1.0, backward_weight=1.0)
     zbv = simulate(build_schedule("zb-v", num_stages=2 * ranks, num_microbatches=micro), half).makespan
-    inter = simulate(build_schedule("interleaved-1f1b", num_stages=2 * ranks, num_ranks=ranks,
-                                    num_microbatches=micro), half).makespan
-    one = simulate(build_schedule("1f1b", num_stages=ranks, num_microbatches=micro),
-                   CostModel(forward=2.0, backward=4.0)).makespan
+    inter = simulate(
+        build_schedule("interleaved-1f1b", num_stages=2 * ranks, num_ranks=ranks, num_microbatches=micro),
+        half,
+    ).makespan
+    one = simulate(
+        build_schedule("1f1b", num_stages=ranks, num_microbatches=micro), CostModel(forward=2.0, backward=4.0)
+    ).makespan
     assert zbv < inter < one
 
 

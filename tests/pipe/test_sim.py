@@ -67,7 +67,9 @@ def test_recompute_time_goes_into_the_backward_or_the_r_action() -> None:
     inside = simulate(build_schedule("1f1b", num_stages=1, num_microbatches=3, recompute=0.5), costs)
     assert inside.makespan == pytest.approx(3 * (1.0 + 2.0 + 0.4))
     plan = RecomputePlan.full(2)
-    scp = simulate(build_schedule("shifted-critical-path", num_stages=2, num_microbatches=3, recompute=plan), costs)
+    scp = simulate(
+        build_schedule("shifted-critical-path", num_stages=2, num_microbatches=3, recompute=plan), costs
+    )
     r_durations = [t.duration for t in scp.timeline if t.action.kind is ActionKind.RECOMPUTE]
     b_durations = [t.duration for t in scp.timeline if t.action.kind is ActionKind.FULL_BACKWARD]
     assert r_durations == [pytest.approx(0.8)] * 3
@@ -83,8 +85,10 @@ def test_p2p_delay_single_microbatch(S: int, F: float, B: float, L: float, nbyte
     assert r.makespan == pytest.approx(S * (F + B) + 2 * (S - 1) * (L + nbytes / 4.0))
 
 
-@pytest.mark.parametrize("name,kw", [("1f1b", {}), ("zb-h1", {}), ("shifted-critical-path", {}),
-                                     ("interleaved-1f1b", {"num_ranks": 3})])
+@pytest.mark.parametrize(
+    "name,kw",
+    [("1f1b", {}), ("zb-h1", {}), ("shifted-critical-path", {}), ("interleaved-1f1b", {"num_ranks": 3})],
+)
 def test_lowered_and_compute_only_simulate_the_same(name: str, kw: dict[str, int]) -> None:
     s = build_schedule(name, num_stages=6, num_microbatches=9, **kw)
     costs = CostModel(forward=[1, 2, 1, 1.5, 1, 1], backward=2.5, p2p_latency=0.3, input_bytes=0.1)
@@ -93,8 +97,16 @@ def test_lowered_and_compute_only_simulate_the_same(name: str, kw: dict[str, int
     assert a.peak_memory == pytest.approx(b.peak_memory)
 
 
-@pytest.mark.parametrize("name,kw", [("1f1b", {}), ("gpipe", {}), ("zb-h1", {}), ("shifted-critical-path", {}),
-                                     ("interleaved-1f1b", {"num_ranks": 2})])
+@pytest.mark.parametrize(
+    "name,kw",
+    [
+        ("1f1b", {}),
+        ("gpipe", {}),
+        ("zb-h1", {}),
+        ("shifted-critical-path", {}),
+        ("interleaved-1f1b", {"num_ranks": 2}),
+    ],
+)
 def test_critical_path_is_a_tight_chain_from_zero_to_the_makespan(name: str, kw: dict[str, int]) -> None:
     costs = CostModel(forward=[1.0, 1.3, 0.7, 1.1], backward=2.1, p2p_latency=0.25)
     r = simulate(build_schedule(name, num_stages=4, num_microbatches=8, **kw), costs)
@@ -104,13 +116,16 @@ def test_critical_path_is_a_tight_chain_from_zero_to_the_makespan(name: str, kw:
         gap = nxt.start - prev.end
         expected = 0.0 if prev.rank == nxt.rank else 0.25
         assert gap == pytest.approx(expected, abs=1e-9), (prev, nxt)
-    assert sum(t.duration for t in path) + 0.25 * sum(p.rank != n.rank for p, n in zip(path, path[1:], strict=False)) \
-        == pytest.approx(r.makespan)
+    assert sum(t.duration for t in path) + 0.25 * sum(
+        p.rank != n.rank for p, n in zip(path, path[1:], strict=False)
+    ) == pytest.approx(r.makespan)
 
 
 def test_every_action_respects_its_rank_order_and_bubbles_match_busy_time() -> None:
-    r = simulate(build_schedule("interleaved-1f1b", num_stages=8, num_microbatches=8, num_ranks=4),
-                 CostModel(forward=1.0, backward=2.0))
+    r = simulate(
+        build_schedule("interleaved-1f1b", num_stages=8, num_microbatches=8, num_ranks=4),
+        CostModel(forward=1.0, backward=2.0),
+    )
     by_rank: dict[int, list[tuple[float, float]]] = {}
     for t in r.timeline:
         by_rank.setdefault(t.rank, []).append((t.start, t.end))
@@ -146,8 +161,12 @@ def test_stage_aware_recompute_under_half_the_stage0_peak_recomputes_less_than_f
     costs = CostModel(forward=1.0, backward=2.0, recompute=1.0, input_bytes=1.0 / L)
     schedule = build_schedule("1f1b", num_stages=S, num_microbatches=M)
     budget = simulate(schedule, costs).peak_memory[0] / 2
-    plan = stage_aware_plan(layer_activation_bytes=[[1.0 / L] * L] * S, memory_budget=budget,
-                            schedule=schedule, input_bytes=1.0 / L)
+    plan = stage_aware_plan(
+        layer_activation_bytes=[[1.0 / L] * L] * S,
+        memory_budget=budget,
+        schedule=schedule,
+        input_bytes=1.0 / L,
+    )
     assert plan.total < RecomputePlan.full(S).total
     aware = simulate(build_schedule("1f1b", num_stages=S, num_microbatches=M, recompute=plan), costs)
     full = simulate(build_schedule("1f1b", num_stages=S, num_microbatches=M, recompute="full"), costs)
@@ -163,7 +182,10 @@ def test_cost_model_checks_its_values() -> None:
     with pytest.raises(ValueError, match="has 2 values but the schedule has 3 stages"):
         simulate(build_schedule("1f1b", num_stages=3, num_microbatches=2), CostModel(forward=[1.0, 2.0]))
     with pytest.raises(ValueError, match="give backward_weight explicitly"):
-        simulate(build_schedule("zb-h1", num_stages=2, num_microbatches=2), CostModel(backward=1.0, backward_input=2.0))
+        simulate(
+            build_schedule("zb-h1", num_stages=2, num_microbatches=2),
+            CostModel(backward=1.0, backward_input=2.0),
+        )
     assert in_flight_counts(build_schedule("1f1b", num_stages=3, num_microbatches=2)) == [2, 2, 1]
     assert math.isinf(CostModel().p2p_bandwidth)
 

@@ -62,8 +62,14 @@ def _fake_batch(ops: list[Any]) -> list[Any]:
 
 
 def one_work_body(nccl_rules: bool) -> dict[str, Any]:
-    transport = P2PTransport(group=dist.group.WORLD, num_stages=2, num_microbatches=2,
-                             timeout=timedelta(seconds=20), device=torch.device("cpu"), nccl_rules=nccl_rules)
+    transport = P2PTransport(
+        group=dist.group.WORLD,
+        num_stages=2,
+        num_microbatches=2,
+        timeout=timedelta(seconds=20),
+        device=torch.device("cpu"),
+        nccl_rules=nccl_rules,
+    )
     transport.batch_isend_irecv = _fake_batch
     _OneWork.waits = 0
     tags = [transport.tag(0, 0, m) for m in range(3)]
@@ -73,7 +79,9 @@ def one_work_body(nccl_rules: bool) -> dict[str, Any]:
         transport.wait_sends()
         return {"waits": _OneWork.waits}
     metas = [TensorMeta((4,), torch.float32, False)] * 3
-    recvs = [Transfer(False, 0, [transport.empty(meta)], [tags[m]], f"recv {m}") for m, meta in enumerate(metas)]
+    recvs = [
+        Transfer(False, 0, [transport.empty(meta)], [tags[m]], f"recv {m}") for m, meta in enumerate(metas)
+    ]
     pendings = transport.issue(recvs)
     got = [transport.finish(p)[0].clone() for p in pendings]
     return {"waits": _OneWork.waits, "works": [len(p.works) for p in pendings], "got": got}
@@ -90,8 +98,14 @@ def test_every_owner_waits_on_the_batch_work(nccl_rules: bool) -> None:
 
 
 def tag_body() -> list[int]:
-    transport = P2PTransport(group=dist.group.WORLD, num_stages=4, num_microbatches=8,
-                             timeout=timedelta(seconds=5), device=torch.device("cpu"), nccl_rules=True)
+    transport = P2PTransport(
+        group=dist.group.WORLD,
+        num_stages=4,
+        num_microbatches=8,
+        timeout=timedelta(seconds=5),
+        device=torch.device("cpu"),
+        nccl_rules=True,
+    )
     header = transport.header_transfer(send=True, stage=1, peer=0, what="h", changed=True, nbytes=3)
     return [*transport.data_tags(True, 2, 5, 3), *header.tags]
 

@@ -27,15 +27,22 @@ def _tol(dtype: torch.dtype, rtol: float | None, atol: float | None) -> tuple[fl
 
 
 def assert_tensors_close(
-    actual: torch.Tensor, expected: torch.Tensor, *, name: str = "tensor",
-    rtol: float | None = None, atol: float | None = None,
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    *,
+    name: str = "tensor",
+    rtol: float | None = None,
+    atol: float | None = None,
 ) -> None:
     """``torch.testing.assert_close`` with Merak's dtype tolerances and a named message."""
     if actual.shape != expected.shape:
         raise AssertionError(f"{name}: shape {tuple(actual.shape)} != reference {tuple(expected.shape)}")
     r, a = _tol(expected.dtype, rtol, atol)
     torch.testing.assert_close(
-        actual.detach().to(expected.dtype).cpu(), expected.detach().cpu(), rtol=r, atol=a,
+        actual.detach().to(expected.dtype).cpu(),
+        expected.detach().cpu(),
+        rtol=r,
+        atol=a,
         msg=lambda m: f"{name} differs from the reference:\n{m}",
     )
 
@@ -51,8 +58,12 @@ def named_grads(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def assert_grads_match(
-    actual: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor], *,
-    rtol: float | None = None, atol: float | None = None, allow_missing: Iterable[str] = (),
+    actual: Mapping[str, torch.Tensor],
+    expected: Mapping[str, torch.Tensor],
+    *,
+    rtol: float | None = None,
+    atol: float | None = None,
+    allow_missing: Iterable[str] = (),
 ) -> None:
     """Every expected gradient is present in ``actual`` under the same name and is close.
 
@@ -71,7 +82,10 @@ def assert_grads_match(
 
 
 def reference_step(
-    model: nn.Module, inputs: tuple[torch.Tensor, ...], labels: torch.Tensor, loss_fn,
+    model: nn.Module,
+    inputs: tuple[torch.Tensor, ...],
+    labels: torch.Tensor,
+    loss_fn,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """One forward+backward in this process: (outputs, loss, gradients by name)."""
     model.zero_grad(set_to_none=True)

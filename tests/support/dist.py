@@ -140,8 +140,9 @@ class WorkerPool:
     def alive(self) -> bool:
         return all(p.is_alive() for p in self._procs)
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None,
-            **kwargs: Any) -> list[Any]:
+    def run(
+        self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None, **kwargs: Any
+    ) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; return results by rank."""
         timeout = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
         for conn in self._conns:
@@ -229,8 +230,9 @@ def get_pool(world_size: int) -> WorkerPool:
     return pool
 
 
-def run_on_ranks(world_size: int, fn: Callable[..., Any], *args: Any,
-                 timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
+def run_on_ranks(
+    world_size: int, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None, **kwargs: Any
+) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; results by rank.
 
     On any failure the pool is discarded (its ranks may be stuck in a collective)

@@ -104,7 +104,9 @@ class Attention(nn.Module):
         return self.o_proj(y)
 
 
-def rotary_tables(max_seq_len: int, head_dim: int, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_tables(
+    max_seq_len: int, head_dim: int, base: float = 10000.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     pos = torch.arange(max_seq_len, dtype=torch.float64)
     freqs = torch.outer(pos, inv_freq)
@@ -395,7 +397,9 @@ def _classes(batch: int, _seq: int, seed: int) -> torch.Tensor:
 
 def lm_loss(logits_btv: torch.Tensor, labels_bt: torch.Tensor) -> torch.Tensor:
     """Mean token cross-entropy; label -100 is ignored."""
-    return F.cross_entropy(logits_btv.reshape(-1, logits_btv.size(-1)), labels_bt.reshape(-1), ignore_index=-100)
+    return F.cross_entropy(
+        logits_btv.reshape(-1, logits_btv.size(-1)), labels_bt.reshape(-1), ignore_index=-100
+    )
 
 
 def class_loss(logits_bc: torch.Tensor, labels_b: torch.Tensor) -> torch.Tensor:
@@ -408,7 +412,11 @@ REFERENCE_MODELS: dict[str, ReferenceModel] = {
     "gpt": ReferenceModel("gpt", GPT, _tokens(_V), _token_labels(_V), lm_loss, ("input_ids",)),
     "llama": ReferenceModel("llama", Llama, _tokens(_V), _token_labels(_V), lm_loss, ("input_ids",)),
     "bert": ReferenceModel(
-        "bert", Bert, _bert_inputs(_V), _token_labels(_V), lm_loss,
+        "bert",
+        Bert,
+        _bert_inputs(_V),
+        _token_labels(_V),
+        lm_loss,
         ("input_ids", "attention_mask", "token_type_ids"),
     ),
     "resnet": ReferenceModel("resnet", ResNet, _images, _classes, class_loss, ("images",)),
@@ -435,8 +443,19 @@ def init_like_gpt2(module: nn.Module, std: float = 0.02) -> None:
 
 
 __all__ = [
-    "Attention", "Bert", "CNNConfig", "DecoderConfig", "GPT", "Llama", "REFERENCE_MODELS",
-    "ReferenceModel", "ResNet", "RMSNorm", "build_reference", "class_loss", "init_like_gpt2",
+    "Attention",
+    "Bert",
+    "CNNConfig",
+    "DecoderConfig",
+    "GPT",
+    "Llama",
+    "REFERENCE_MODELS",
+    "ReferenceModel",
+    "ResNet",
+    "RMSNorm",
+    "build_reference",
+    "class_loss",
+    "init_like_gpt2",
     "lm_loss",
 ]
 

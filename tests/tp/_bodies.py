@@ -65,8 +65,9 @@ def column_body(tp: int, chunks: int, gather_output: bool, bias: bool) -> bool:
     y_ref = ref(xr)
     w_out = torch.randn_like(y_ref)
     (y_ref * w_out).sum().backward()
-    layer = merak_tp.ColumnParallelLinear.from_linear(ref, group=group, gather_output=gather_output,
-                                                      overlap_chunks=chunks)
+    layer = merak_tp.ColumnParallelLinear.from_linear(
+        ref, group=group, gather_output=gather_output, overlap_chunks=chunks
+    )
     xp = x.clone().requires_grad_(True)
     y = layer(xp)
     if gather_output:
@@ -91,8 +92,9 @@ def row_body(tp: int, chunks: int, input_is_parallel: bool, bias: bool) -> bool:
     y_ref = ref(xr)
     w_out = torch.randn_like(y_ref)
     (y_ref * w_out).sum().backward()
-    layer = merak_tp.RowParallelLinear.from_linear(ref, group=group, input_is_parallel=input_is_parallel,
-                                                   overlap_chunks=chunks)
+    layer = merak_tp.RowParallelLinear.from_linear(
+        ref, group=group, input_is_parallel=input_is_parallel, overlap_chunks=chunks
+    )
     rank = dist.get_rank(group)
     xin = x if not input_is_parallel else x.chunk(tp, -1)[rank]
     xp = xin.clone().requires_grad_(True)
@@ -117,8 +119,12 @@ def mlp_sp_body(tp: int, chunks: int) -> bool:
     y_ref = fc2(F.gelu(fc1(xr)))
     w_out = torch.randn_like(y_ref)
     (y_ref * w_out).sum().backward()
-    c = merak_tp.ColumnParallelLinear.from_linear(fc1, group=group, sequence_parallel=True, overlap_chunks=chunks)
-    r = merak_tp.RowParallelLinear.from_linear(fc2, group=group, sequence_parallel=True, overlap_chunks=chunks)
+    c = merak_tp.ColumnParallelLinear.from_linear(
+        fc1, group=group, sequence_parallel=True, overlap_chunks=chunks
+    )
+    r = merak_tp.RowParallelLinear.from_linear(
+        fc2, group=group, sequence_parallel=True, overlap_chunks=chunks
+    )
     x_local = x.chunk(tp, 1)[rank].clone().requires_grad_(True)
     y_local = r(F.gelu(c(x_local)))
     assert_tensors_close(y_local, y_ref.detach().chunk(tp, 1)[rank], name="SP output block")
@@ -126,7 +132,9 @@ def mlp_sp_body(tp: int, chunks: int) -> bool:
     assert x_local.grad is not None and xr.grad is not None
     assert_tensors_close(x_local.grad, xr.grad.chunk(tp, 1)[rank], name="SP input grad block")
     grads = {"0." + n: merak_tp.gather_tensor(p.grad, like=p, group=group) for n, p in c.named_parameters()}
-    grads.update({"2." + n: merak_tp.gather_tensor(p.grad, like=p, group=group) for n, p in r.named_parameters()})
+    grads.update(
+        {"2." + n: merak_tp.gather_tensor(p.grad, like=p, group=group) for n, p in r.named_parameters()}
+    )
     ref_grads = {"0." + n: p.grad for n, p in fc1.named_parameters()}
     ref_grads.update({"2." + n: p.grad for n, p in fc2.named_parameters()})
     assert_grads_match(grads, ref_grads)  # type: ignore[arg-type]
@@ -158,11 +166,17 @@ def loss_body(tp: int, smoothing: float, reduction: str) -> bool:
     labels = torch.randint(0, 8 * tp, (3, 5))
     labels[0, :2] = -100
     lr = logits.clone().requires_grad_(True)
-    ref = F.cross_entropy(lr.reshape(-1, 8 * tp), labels.reshape(-1), ignore_index=-100,
-                          label_smoothing=smoothing, reduction=reduction)
+    ref = F.cross_entropy(
+        lr.reshape(-1, 8 * tp),
+        labels.reshape(-1),
+        ignore_index=-100,
+        label_smoothing=smoothing,
+        reduction=reduction,
+    )
     local = logits.chunk(tp, -1)[rank].clone().requires_grad_(True)
-    loss = merak_tp.vocab_parallel_cross_entropy(local, labels, group=group, label_smoothing=smoothing,
-                                                 reduction=reduction)
+    loss = merak_tp.vocab_parallel_cross_entropy(
+        local, labels, group=group, label_smoothing=smoothing, reduction=reduction
+    )
     if reduction == "none":
         ref = ref.reshape(3, 5)
     assert_tensors_close(loss, ref.detach(), name="loss")
@@ -177,8 +191,9 @@ def loss_body(tp: int, smoothing: float, reduction: str) -> bool:
 # --------------------------------------------------------------------------- parallelize
 
 
-def parallelize_body(name: str, tp: int, chunks: int, sp: bool, vocab_loss: bool, train: bool = True,
-                     batch: int = 4) -> dict[str, bool | None]:
+def parallelize_body(
+    name: str, tp: int, chunks: int, sp: bool, vocab_loss: bool, train: bool = True, batch: int = 4
+) -> dict[str, bool | None]:
     group = tp_group(tp)
     torch.manual_seed(0)
     ref = BUILDERS[name]().double()
@@ -194,8 +209,9 @@ def parallelize_body(name: str, tp: int, chunks: int, sp: bool, vocab_loss: bool
     loss_ref = spec.loss(out_ref, labels)
     loss_ref.backward()
 
-    merak_tp.parallelize(model, group=group, overlap_chunks=chunks, sequence_parallel=sp,
-                         vocab_parallel_loss=vocab_loss)
+    merak_tp.parallelize(
+        model, group=group, overlap_chunks=chunks, sequence_parallel=sp, vocab_parallel_loss=vocab_loss
+    )
     if name == "gpt":
         assert model.lm_head.weight is model.wte.weight, "tied weights came apart"
     # A first step lets sub-pipelined regions check their shape ("probe"); the second runs chunked.
@@ -220,8 +236,11 @@ def parallelize_body(name: str, tp: int, chunks: int, sp: bool, vocab_loss: bool
             g = p.grad.clone()  # type: ignore[union-attr]
             dist.all_reduce(g, op=dist.ReduceOp.MAX, group=group)
             assert_tensors_close(p.grad, g, name=f"replicated grad {pname} across ranks")  # type: ignore[arg-type]
-    return {n: m._merak_region_state.deferrable for n, m in model.named_modules()
-            if isinstance(m, merak_tp.TPRegion)}
+    return {
+        n: m._merak_region_state.deferrable
+        for n, m in model.named_modules()
+        if isinstance(m, merak_tp.TPRegion)
+    }
 
 
 def meta_body(tp: int) -> bool:
@@ -288,12 +307,20 @@ class MLPBlock(nn.Module):
 MLP_PLAN = merak_tp.TPPlan(name="test_mlp", layers={"fc1": "column", "fc2": "row"}, regions=("",))
 
 
-def _in_flight(events: list[tuple[str, ...]], phase: str, launch_what: str, chunk: int, next_chunk: int,
-               compute_what: str) -> bool:
+def _in_flight(
+    events: list[tuple[str, ...]],
+    phase: str,
+    launch_what: str,
+    chunk: int,
+    next_chunk: int,
+    compute_what: str,
+) -> bool:
     """Chunk ``chunk``'s collective is launched before, and waited after, ``next_chunk``'s compute."""
     idx = {e: i for i, e in reversed(list(enumerate(events)))}
     launch = idx[("launch", phase, launch_what, str(chunk))]
-    wait = max(i for i, e in enumerate(events) if e[:3] == ("wait", phase, launch_what) and e[3] == str(chunk))
+    wait = max(
+        i for i, e in enumerate(events) if e[:3] == ("wait", phase, launch_what) and e[3] == str(chunk)
+    )
     compute = idx[("compute", phase, compute_what, str(next_chunk))]
     return launch < compute < wait
 
@@ -484,7 +511,9 @@ def dropout_body(tp: int, chunks: int) -> bool:
         model, tracker = tp_model(0.2)
         before = tracker.get_states()["tp"].clone()
         losses.append(run(model, tracker))
-        assert not torch.equal(before, tracker.get_states()["tp"]), "attention dropout did not use the tracker"
+        assert not torch.equal(before, tracker.get_states()["tp"]), (
+            "attention dropout did not use the tracker"
+        )
     assert torch.equal(losses[0][0], losses[1][0]), "not reproducible"
     assert_grads_match(losses[0][1], losses[1][1], rtol=0, atol=0)
     assert not torch.allclose(losses[0][0], loss_ref), "attention dropout had no effect"

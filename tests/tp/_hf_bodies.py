@@ -22,19 +22,45 @@ def build(name: str) -> Any:
 
     common: dict[str, Any] = {"vocab_size": VOCAB}
     if name == "gpt2":
-        cfg = tf.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=64, attn_pdrop=0.0, resid_pdrop=0.0,
-                            embd_pdrop=0.0, **common)
+        cfg = tf.GPT2Config(
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            n_positions=64,
+            attn_pdrop=0.0,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            **common,
+        )
         model = tf.GPT2LMHeadModel(cfg)
     elif name in ("llama", "qwen2"):
-        cls_cfg, cls = ((tf.LlamaConfig, tf.LlamaForCausalLM) if name == "llama"
-                        else (tf.Qwen2Config, tf.Qwen2ForCausalLM))
-        cfg = cls_cfg(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
-                      num_key_value_heads=4, max_position_embeddings=64, tie_word_embeddings=False, **common)
+        cls_cfg, cls = (
+            (tf.LlamaConfig, tf.LlamaForCausalLM)
+            if name == "llama"
+            else (tf.Qwen2Config, tf.Qwen2ForCausalLM)
+        )
+        cfg = cls_cfg(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            max_position_embeddings=64,
+            tie_word_embeddings=False,
+            **common,
+        )
         model = cls(cfg)
     elif name == "bert":
-        cfg = tf.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-                            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                            max_position_embeddings=64, **common)
+        cfg = tf.BertConfig(
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=64,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            max_position_embeddings=64,
+            **common,
+        )
         model = tf.BertForMaskedLM(cfg)
     else:
         raise ValueError(name)
@@ -55,8 +81,9 @@ def hf_body(name: str, tp: int, chunks: int, sp: bool, vocab_loss: bool) -> dict
     out_ref = ref(input_ids=ids, use_cache=False).logits
     loss_ref = lm_loss(out_ref, labels)
     loss_ref.backward()
-    merak_tp.parallelize(model, group=group, overlap_chunks=chunks, sequence_parallel=sp,
-                         vocab_parallel_loss=vocab_loss)
+    merak_tp.parallelize(
+        model, group=group, overlap_chunks=chunks, sequence_parallel=sp, vocab_parallel_loss=vocab_loss
+    )
     for _step in range(2):
         model.zero_grad(set_to_none=True)
         out = model(input_ids=ids, use_cache=False).logits
@@ -79,5 +106,8 @@ def hf_body(name: str, tp: int, chunks: int, sp: bool, vocab_loss: bool) -> dict
             gmax = p.grad.clone()  # type: ignore[union-attr]
             dist.all_reduce(gmax, op=dist.ReduceOp.MAX, group=group)
             assert_tensors_close(p.grad, gmax, name=f"replicated grad {pname}")  # type: ignore[arg-type]
-    return {n: m._merak_region_state.deferrable for n, m in model.named_modules()
-            if isinstance(m, merak_tp.TPRegion)}
+    return {
+        n: m._merak_region_state.deferrable
+        for n, m in model.named_modules()
+        if isinstance(m, merak_tp.TPRegion)
+    }

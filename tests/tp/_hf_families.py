@@ -14,56 +14,139 @@ from merak_tp.shard_spec import get_shard_spec
 
 VOCAB = 96
 
-FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text", "phi3",
-            "gpt2", "gpt_neox", "falcon", "olmo2", "starcoder2", "bert", "opt")
+FAMILIES = (
+    "llama",
+    "mistral",
+    "mixtral",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "phi3",
+    "gpt2",
+    "gpt_neox",
+    "falcon",
+    "olmo2",
+    "starcoder2",
+    "bert",
+    "opt",
+)
 MOE = ("mixtral", "qwen3_moe")
 
-_DECODER = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_DECODER = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 _NO_DROPOUT = dict(attention_dropout=0.0)
 
 
 def _config(name: str) -> tuple[Any, Any]:
     import transformers as tf
 
-    decoder = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM, {}),
-               "mistral": (tf.MistralConfig, tf.MistralForCausalLM, {}),
-               "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM, dict(num_local_experts=4, num_experts_per_tok=2,
-                                                                          experts_implementation="eager")),
-               "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, {}),
-               "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, dict(head_dim=8)),
-               "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM,
-                             dict(head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                                  norm_topk_prob=True, experts_implementation="eager")),
-               "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM, dict(head_dim=8)),
-               "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM, dict(head_dim=8)),
-               "gemma3_text": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM, dict(head_dim=8, sliding_window=4)),
-               "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM, dict(resid_pdrop=0.0, embd_pdrop=0.0)),
-               "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM, {}),
-               "starcoder2": (tf.Starcoder2Config, tf.Starcoder2ForCausalLM, dict(residual_dropout=0.0,
-                                                                                   embedding_dropout=0.0))}
+    decoder = {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, {}),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM, {}),
+        "mixtral": (
+            tf.MixtralConfig,
+            tf.MixtralForCausalLM,
+            dict(num_local_experts=4, num_experts_per_tok=2, experts_implementation="eager"),
+        ),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, {}),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, dict(head_dim=8)),
+        "qwen3_moe": (
+            tf.Qwen3MoeConfig,
+            tf.Qwen3MoeForCausalLM,
+            dict(
+                head_dim=8,
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=16,
+                norm_topk_prob=True,
+                experts_implementation="eager",
+            ),
+        ),
+        "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM, dict(head_dim=8)),
+        "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM, dict(head_dim=8)),
+        "gemma3_text": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM, dict(head_dim=8, sliding_window=4)),
+        "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM, dict(resid_pdrop=0.0, embd_pdrop=0.0)),
+        "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM, {}),
+        "starcoder2": (
+            tf.Starcoder2Config,
+            tf.Starcoder2ForCausalLM,
+            dict(residual_dropout=0.0, embedding_dropout=0.0),
+        ),
+    }
     if name in decoder:
         cfg_cls, model_cls, extra = decoder[name]
         return cfg_cls(**{**_DECODER, **_NO_DROPOUT, **extra}), model_cls
     if name == "gpt2":
-        return tf.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
-                             embd_pdrop=0.0, attn_pdrop=0.0), tf.GPT2LMHeadModel
+        return tf.GPT2Config(
+            vocab_size=VOCAB,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        ), tf.GPT2LMHeadModel
     if name == "gpt_neox":
-        return tf.GPTNeoXConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                num_attention_heads=4, max_position_embeddings=64, hidden_dropout=0.0,
-                                attention_dropout=0.0), tf.GPTNeoXForCausalLM
+        return tf.GPTNeoXConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+        ), tf.GPTNeoXForCausalLM
     if name == "falcon":
-        return tf.FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                               num_kv_heads=2, new_decoder_architecture=True, alibi=False, hidden_dropout=0.0,
-                               attention_dropout=0.0), tf.FalconForCausalLM
+        return tf.FalconConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_kv_heads=2,
+            new_decoder_architecture=True,
+            alibi=False,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+        ), tf.FalconForCausalLM
     if name == "opt":
-        return tf.OPTConfig(vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
-                            max_position_embeddings=64, word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0,
-                            pad_token_id=0), tf.OPTForCausalLM
+        return tf.OPTConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            ffn_dim=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+            word_embed_proj_dim=32,
+            dropout=0.0,
+            attention_dropout=0.0,
+            pad_token_id=0,
+        ), tf.OPTForCausalLM
     if name == "bert":
-        return tf.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                             intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                             max_position_embeddings=64), tf.BertForMaskedLM
+        return tf.BertConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=64,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            max_position_embeddings=64,
+        ), tf.BertForMaskedLM
     raise ValueError(f"unknown family {name!r}; expected one of {FAMILIES}")
 
 

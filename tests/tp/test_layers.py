@@ -41,7 +41,9 @@ def test_vocab_parallel_embedding(tp: int, padding_idx: int | None) -> None:
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-@pytest.mark.parametrize(("smoothing", "reduction"), [(0.0, "mean"), (0.0, "none"), (0.1, "sum"), (0.2, "mean")])
+@pytest.mark.parametrize(
+    ("smoothing", "reduction"), [(0.0, "mean"), (0.0, "none"), (0.1, "sum"), (0.2, "mean")]
+)
 def test_vocab_parallel_cross_entropy(tp: int, smoothing: float, reduction: str) -> None:
     assert all(run_on_ranks(tp, B.loss_body, tp, smoothing, reduction))
 

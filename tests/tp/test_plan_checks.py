@@ -51,20 +51,27 @@ def _plan(**kw: object) -> merak_tp.TPPlan:
 def test_embedding_with_own_forward_is_refused_or_keeps_its_scale() -> None:
     torch.manual_seed(0)
     model = Tiny(ScaledEmbedding(12, 8), nn.Linear(8, 16)).double()
-    with pytest.raises(ValueError, match=r"emb: .*ScaledEmbedding subclasses nn.Embedding but overrides forward.*"
-                                         r"module_kinds=\{'ScaledEmbedding': 'embedding'.*'scaled_embedding'"):
+    with pytest.raises(
+        ValueError,
+        match=r"emb: .*ScaledEmbedding subclasses nn.Embedding but overrides forward.*"
+        r"module_kinds=\{'ScaledEmbedding': 'embedding'.*'scaled_embedding'",
+    ):
         merak_tp.parallelize(copy.deepcopy(model), _plan(), group=None)
     ids = torch.randint(0, 12, (2, 5))
-    sharded = merak_tp.parallelize(copy.deepcopy(model), _plan(module_kinds={"ScaledEmbedding": "scaled_embedding"}),
-                                   group=None)
+    sharded = merak_tp.parallelize(
+        copy.deepcopy(model), _plan(module_kinds={"ScaledEmbedding": "scaled_embedding"}), group=None
+    )
     assert isinstance(sharded.emb, merak_tp.VocabParallelEmbedding)
     torch.testing.assert_close(sharded(ids), model(ids), rtol=0, atol=0)
 
 
 def test_linear_with_own_forward_is_refused_and_a_stock_subclass_is_not() -> None:
     model = Tiny(nn.Embedding(12, 8), ClampedLinear(8, 16))
-    with pytest.raises(ValueError, match=r"fc1: .*ClampedLinear subclasses nn.Linear but overrides forward.*"
-                                         r"module_kinds=\{'ClampedLinear': 'linear'\}.*replicated"):
+    with pytest.raises(
+        ValueError,
+        match=r"fc1: .*ClampedLinear subclasses nn.Linear but overrides forward.*"
+        r"module_kinds=\{'ClampedLinear': 'linear'\}.*replicated",
+    ):
         merak_tp.parallelize(model, _plan(), group=None)
     assert isinstance(model.fc1, ClampedLinear), "the model changed before the error"
     ok = merak_tp.parallelize(Tiny(nn.Embedding(12, 8), KeepsForward(8, 16)), _plan(), group=None)
@@ -72,17 +79,24 @@ def test_linear_with_own_forward_is_refused_and_a_stock_subclass_is_not() -> Non
 
 
 def test_every_pattern_must_match_and_the_error_names_the_closest_modules() -> None:
-    plan = merak_tp.TPPlan(name="typo", layers={"blocks.*.attn.q_proj": "column", "blocks.*.attn.outt": "row"})
+    plan = merak_tp.TPPlan(
+        name="typo", layers={"blocks.*.attn.q_proj": "column", "blocks.*.attn.outt": "row"}
+    )
     model = GPT(DecoderConfig(num_layers=1))
-    with pytest.raises(ValueError, match=r"layers pattern 'blocks.\*.attn.outt' matched no module of GPT "
-                                         r"\(closest module names: \[.*'blocks.0.attn.o_proj'"):
+    with pytest.raises(
+        ValueError,
+        match=r"layers pattern 'blocks.\*.attn.outt' matched no module of GPT "
+        r"\(closest module names: \[.*'blocks.0.attn.o_proj'",
+    ):
         merak_tp.parallelize(model, plan, group=None)
-    bad_attr = merak_tp.TPPlan(name="attr", layers={"blocks.*.attn.q_proj": "column"},
-                               attributes={"blocks.*.attn": ("num_head",)})
+    bad_attr = merak_tp.TPPlan(
+        name="attr", layers={"blocks.*.attn.q_proj": "column"}, attributes={"blocks.*.attn": ("num_head",)}
+    )
     with pytest.raises(ValueError, match=r"attribute 'num_head' of blocks.0.attn .* is None"):
         merak_tp.parallelize(model, bad_attr, group=None)
-    optional = merak_tp.TPPlan(name="opt", layers={"blocks.*.attn.q_proj": "column", "head": "lm_head"},
-                               optional=("head",))
+    optional = merak_tp.TPPlan(
+        name="opt", layers={"blocks.*.attn.q_proj": "column", "head": "lm_head"}, optional=("head",)
+    )
     merak_tp.parallelize(model, optional, group=None)
 
 

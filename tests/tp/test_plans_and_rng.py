@@ -51,11 +51,13 @@ def test_single_process_parallelize_is_the_identity() -> None:
 
 def test_errors_name_the_module_and_the_fix() -> None:
     with pytest.raises(ValueError, match="matched no module"):
-        merak_tp.parallelize(nn.Sequential(nn.Linear(2, 2)), merak_tp.TPPlan(name="x", layers={"fc": "column"}),
-                             group=None)
+        merak_tp.parallelize(
+            nn.Sequential(nn.Linear(2, 2)), merak_tp.TPPlan(name="x", layers={"fc": "column"}), group=None
+        )
     with pytest.raises(ValueError, match="needs an nn.Linear"):
-        merak_tp.parallelize(nn.Sequential(nn.ReLU()), merak_tp.TPPlan(name="x", layers={"0": "column"}),
-                             group=None)
+        merak_tp.parallelize(
+            nn.Sequential(nn.ReLU()), merak_tp.TPPlan(name="x", layers={"0": "column"}), group=None
+        )
     with pytest.raises(ValueError, match="overlap_chunks=0"):
         merak_tp.parallelize(GPT(DecoderConfig(num_layers=1)), group=None, overlap_chunks=0)
 

@@ -36,10 +36,16 @@ def test_family_plan_with_overlap_and_sequence_parallel(name: str) -> None:
 def test_plans_without_sequence_parallel_refuse_it() -> None:
     import merak_tp
 
-    for name, why in (("mixtral", "its experts block takes every token"), ("qwen3_moe", "its experts block"),
-                      ("opt", "OPTDecoderLayer flattens batch and sequence")):
-        with pytest.raises(ValueError, match=f"TP plan 'hf_{name}' .* does not support sequence_parallel=True: "
-                                             f"{why}.*training.sequence_parallel: false"):
+    for name, why in (
+        ("mixtral", "its experts block takes every token"),
+        ("qwen3_moe", "its experts block"),
+        ("opt", "OPTDecoderLayer flattens batch and sequence"),
+    ):
+        with pytest.raises(
+            ValueError,
+            match=f"TP plan 'hf_{name}' .* does not support sequence_parallel=True: "
+            f"{why}.*training.sequence_parallel: false",
+        ):
             merak_tp.parallelize(F.build_family(name), group=None, sequence_parallel=True)
 
 
@@ -71,8 +77,9 @@ def test_gemma_scaled_embedding_keeps_its_scale() -> None:
     assert isinstance(model.model.embed_tokens, merak_tp.VocabParallelEmbedding)
     torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=0, atol=0)
     undeclared = merak_tp.get_plan("hf_gemma").with_options(module_kinds={})
-    with pytest.raises(ValueError, match="GemmaTextScaledWordEmbedding subclasses nn.Embedding but overrides "
-                                         "forward"):
+    with pytest.raises(
+        ValueError, match="GemmaTextScaledWordEmbedding subclasses nn.Embedding but overrides forward"
+    ):
         merak_tp.parallelize(copy.deepcopy(ref), undeclared, group=None)
 
 
@@ -88,6 +95,9 @@ def test_kv_heads_fewer_than_ranks_is_refused() -> None:
     import merak_tp
 
     model = F.build_family("llama")
-    with pytest.raises(ValueError, match=r"num_key_value_heads=2 is not divisible by the tensor-parallel size 4 "
-                                         r"\(replicating key/value heads"):
+    with pytest.raises(
+        ValueError,
+        match=r"num_key_value_heads=2 is not divisible by the tensor-parallel size 4 "
+        r"\(replicating key/value heads",
+    ):
         merak_tp.get_plan("hf_llama").check(model, 4)  # type: ignore[misc]

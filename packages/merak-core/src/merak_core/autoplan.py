@@ -13,5 +13,14 @@ from merak_core.planner.auto import (
 )
 from merak_core.planner.check import PlanCheck
 
-__all__ = ["DEFAULT_PLAN_CHECK_STEPS", "AutoLayout", "PlanCheck", "auto_layout", "build_plan_context",
-           "compute_slots", "default_memory_per_device", "plan_for_job", "profile_inputs"]
+__all__ = [
+    "DEFAULT_PLAN_CHECK_STEPS",
+    "AutoLayout",
+    "PlanCheck",
+    "auto_layout",
+    "build_plan_context",
+    "compute_slots",
+    "default_memory_per_device",
+    "plan_for_job",
+    "profile_inputs",
+]

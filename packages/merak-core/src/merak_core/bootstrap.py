@@ -30,8 +30,17 @@ from merak_core.config import TrainingArguments
 from merak_core.layout import ParallelLayout, ensure_process_group, init, select_device
 from merak_core.virtual_stages import stage_placement
 
-__all__ = ["autocast", "check_layout", "compose", "example_batch", "first_samples", "is_meta", "process_group",
-           "run_device", "run_layout"]
+__all__ = [
+    "autocast",
+    "check_layout",
+    "compose",
+    "example_batch",
+    "first_samples",
+    "is_meta",
+    "process_group",
+    "run_device",
+    "run_layout",
+]
 
 
 def process_group(device: torch.device | str | None = None) -> torch.device:
@@ -55,15 +64,20 @@ def check_layout(args: TrainingArguments, layout: ParallelLayout) -> None:
     """ValueError when ``args``' degrees disagree with ``layout``'s."""
     for name in ("tp", "pp"):
         if getattr(args, name) != getattr(layout, name):
-            raise ValueError(f"TrainingArguments.{name}={getattr(args, name)} but the layout has "
-                             f"{name}={getattr(layout, name)}: build both from the same degrees")
+            raise ValueError(
+                f"TrainingArguments.{name}={getattr(args, name)} but the layout has "
+                f"{name}={getattr(layout, name)}: build both from the same degrees"
+            )
     if args.dp is not None and args.dp != layout.dp:
-        raise ValueError(f"TrainingArguments.dp={args.dp} but the layout has dp={layout.dp}: build both from "
-                         "the same degrees, or set dp=None to take the layout's")
+        raise ValueError(
+            f"TrainingArguments.dp={args.dp} but the layout has dp={layout.dp}: build both from "
+            "the same degrees, or set dp=None to take the layout's"
+        )
 
 
-def run_layout(args: TrainingArguments, layout: ParallelLayout | None = None,
-               device: torch.device | str | None = None) -> ParallelLayout:
+def run_layout(
+    args: TrainingArguments, layout: ParallelLayout | None = None, device: torch.device | str | None = None
+) -> ParallelLayout:
     """``layout``, or :func:`merak_core.init` from ``args``' degrees; checked against ``args``."""
     if layout is None:
         layout = init(dp=args.dp, tp=args.tp, pp=args.pp, device=device, timeout=args.comm_timeout)
@@ -83,35 +97,57 @@ def first_samples(dataset: Any, count: int) -> list[Any]:
     return list(itertools.islice(iter(dataset), count))
 
 
-def example_batch(dataset: Any, collate: Callable[[list[Any]], Any] | None, batch_size: int) -> tuple[Any, Any]:
+def example_batch(
+    dataset: Any, collate: Callable[[list[Any]], Any] | None, batch_size: int
+) -> tuple[Any, Any]:
     """The first ``batch_size`` samples of ``dataset``, collated and split into ``(inputs, labels)``."""
     if dataset is None:
-        raise ValueError("Trainer needs a train_dataset, an eval_dataset or example_inputs to trace the model")
+        raise ValueError(
+            "Trainer needs a train_dataset, an eval_dataset or example_inputs to trace the model"
+        )
     from merak_core.data import split_inputs_labels
 
     samples = first_samples(dataset, batch_size)
     if len(samples) < batch_size:
-        raise ValueError(f"the dataset has {len(samples)} samples, fewer than one microbatch of {batch_size} "
-                         "(per_device_train_batch_size): use a smaller microbatch or more samples")
+        raise ValueError(
+            f"the dataset has {len(samples)} samples, fewer than one microbatch of {batch_size} "
+            "(per_device_train_batch_size): use a smaller microbatch or more samples"
+        )
     return split_inputs_labels((collate or torch.utils.data.default_collate)(samples))
 
 
-def _check_tp_plan(args: TrainingArguments, layout: ParallelLayout, model: nn.Module, example_inputs: Any) -> None:
+def _check_tp_plan(
+    args: TrainingArguments, layout: ParallelLayout, model: nn.Module, example_inputs: Any
+) -> None:
     """``training.tp_check``: every module the plan shards against the unsharded one (merak_core.tp_check)."""
     if is_meta(model):
-        raise ValueError("training.tp_check=true needs a model with real weights (this one is on the meta "
-                         "device); run `merak check JOB.yaml` on a machine where it fits, or set tp_check=false")
+        raise ValueError(
+            "training.tp_check=true needs a model with real weights (this one is on the meta "
+            "device); run `merak check JOB.yaml` on a machine where it fits, or set tp_check=false"
+        )
     import merak_tp
     from merak_core.tp_check import check_before_training
 
     plan: Any = args.tp_plan
-    plan = None if plan in (None, "auto") else merak_tp.plan_from_mapping(plan) if isinstance(plan, dict) else plan
+    plan = (
+        None
+        if plan in (None, "auto")
+        else merak_tp.plan_from_mapping(plan)
+        if isinstance(plan, dict)
+        else plan
+    )
     check_before_training(model, example_inputs, plan=plan, group=layout.tp_group)
 
 
-def compose(model: nn.Module, args: TrainingArguments, layout: ParallelLayout, device: torch.device, *,
-            example_inputs: Mapping[str, Any] | Sequence[Any] | Any,
-            init_fn: Callable[[nn.Module], Any] | None = None) -> ParallelModel:
+def compose(
+    model: nn.Module,
+    args: TrainingArguments,
+    layout: ParallelLayout,
+    device: torch.device,
+    *,
+    example_inputs: Mapping[str, Any] | Sequence[Any] | Any,
+    init_fn: Callable[[nn.Module], Any] | None = None,
+) -> ParallelModel:
     """``model`` in ``args.torch_dtype``, its TP plan checked (``tp_check``), composed for this rank."""
     if not is_meta(model):
         model.to(dtype=args.torch_dtype)
@@ -130,8 +166,14 @@ def compose(model: nn.Module, args: TrainingArguments, layout: ParallelLayout, d
         tp_rng = merak_tp.RNGTracker(device)
         tp_rng.add("tp", merak_tp.tp_seed(args.seed, layout.tp_group), derived=True)
     return build_parallel_model(
-        model, layout, example_inputs=example_inputs, tp_plan=args.tp_plan,
-        overlap_chunks=args.overlap_chunks, device=device, init_fn=init_fn, rng_tracker=tp_rng,
+        model,
+        layout,
+        example_inputs=example_inputs,
+        tp_plan=args.tp_plan,
+        overlap_chunks=args.overlap_chunks,
+        device=device,
+        init_fn=init_fn,
+        rng_tracker=tp_rng,
         stage_to_rank=stage_placement(args.schedule, layout.pp, args.virtual_stages),
         sequence_parallel=args.sequence_parallel and layout.tp > 1,
     )

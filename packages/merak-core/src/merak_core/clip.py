@@ -126,10 +126,16 @@ def clip_grad_norm_(
     ``min(1, max_norm / (norm + 1e-6))``; see :func:`global_grad_norm` for the arguments.
     """
     if not max_norm > 0:
-        raise ValueError(f"max_norm must be > 0, got {max_norm}; to disable clipping do not call clip_grad_norm_")
+        raise ValueError(
+            f"max_norm must be > 0, got {max_norm}; to disable clipping do not call clip_grad_norm_"
+        )
     params = _unique(parameters)
     total = global_grad_norm(
-        params, norm_type=norm_type, tp_group=tp_group, pp_group=pp_group, layout=layout,
+        params,
+        norm_type=norm_type,
+        tp_group=tp_group,
+        pp_group=pp_group,
+        layout=layout,
         shared_params=shared_params,
     )
     if error_if_nonfinite and not torch.isfinite(total):

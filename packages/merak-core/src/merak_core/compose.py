@@ -86,8 +86,11 @@ def input_order(model: nn.Module, example_inputs: Mapping[str, Any] | Sequence[A
         return None
     import inspect
 
-    params = [p.name for p in inspect.signature(model.forward).parameters.values()
-              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    params = [
+        p.name
+        for p in inspect.signature(model.forward).parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
     keys = list(example_inputs)
     if all(k in params for k in keys):
         return sorted(keys, key=params.index)
@@ -112,9 +115,15 @@ def _tp_plan(plan: Any) -> Any:
     return plan
 
 
-def apply_tensor_parallel(model: nn.Module, layout: ParallelLayout, *, plan: Any = None,
-                          overlap_chunks: int = 1, rng_tracker: Any = None,
-                          sequence_parallel: bool = False) -> nn.Module:
+def apply_tensor_parallel(
+    model: nn.Module,
+    layout: ParallelLayout,
+    *,
+    plan: Any = None,
+    overlap_chunks: int = 1,
+    rng_tracker: Any = None,
+    sequence_parallel: bool = False,
+) -> nn.Module:
     """Shard ``model`` over ``layout.tp_group`` (no-op when ``tp == 1``).
 
     ``plan``: None/"auto", a registered plan name, a ``TPPlan`` or a job-file mapping
@@ -126,8 +135,14 @@ def apply_tensor_parallel(model: nn.Module, layout: ParallelLayout, *, plan: Any
         return model
     import merak_tp
 
-    return merak_tp.parallelize(model, _tp_plan(plan), group=layout.tp_group, overlap_chunks=overlap_chunks,
-                                rng_tracker=rng_tracker, sequence_parallel=sequence_parallel)
+    return merak_tp.parallelize(
+        model,
+        _tp_plan(plan),
+        group=layout.tp_group,
+        overlap_chunks=overlap_chunks,
+        rng_tracker=rng_tracker,
+        sequence_parallel=sequence_parallel,
+    )
 
 
 def _trace_leaves(model: nn.Module, layout: ParallelLayout, plan: Any) -> tuple[Any, ...]:
@@ -177,10 +192,18 @@ def build_parallel_model(
     named_inputs = dict(example_inputs) if isinstance(example_inputs, Mapping) else None
     if isinstance(example_inputs, Mapping):
         example_inputs = tuple(example_inputs[k] for k in keys or ())
-    elif isinstance(example_inputs, torch.Tensor):  # one input (e.g. an (inputs, labels) dataset), not a sequence
+    elif isinstance(
+        example_inputs, torch.Tensor
+    ):  # one input (e.g. an (inputs, labels) dataset), not a sequence
         example_inputs = (example_inputs,)
-    model = apply_tensor_parallel(model, layout, plan=tp_plan, overlap_chunks=overlap_chunks, rng_tracker=rng_tracker,
-                                  sequence_parallel=sequence_parallel)
+    model = apply_tensor_parallel(
+        model,
+        layout,
+        plan=tp_plan,
+        overlap_chunks=overlap_chunks,
+        rng_tracker=rng_tracker,
+        sequence_parallel=sequence_parallel,
+    )
     if layout.pp == 1:
         from merak_graph import is_meta_module, materialize
 
@@ -188,8 +211,9 @@ def build_parallel_model(
             materialize(model, device=device, init_fn=init_fn)
         model.to(device)
         logical = {name: _canonical_name(canonical, p, name) for name, p in model.named_parameters()}
-        return ParallelModel(module=model, layout=layout, logical_names=logical, input_keys=keys,
-                             by_keyword=by_keyword)
+        return ParallelModel(
+            module=model, layout=layout, logical_names=logical, input_keys=keys, by_keyword=by_keyword
+        )
 
     import merak_graph
 
@@ -201,9 +225,13 @@ def build_parallel_model(
     # positionally in ``part.input_names`` order); others by position.
     try:
         part = merak_graph.partition(
-            model, len(placement), example_inputs=named_inputs if by_keyword else tuple(example_inputs),
+            model,
+            len(placement),
+            example_inputs=named_inputs if by_keyword else tuple(example_inputs),
             method=partition_method,
-            leaf_modules=leaves, split_points=split_points, trace_method="auto",
+            leaf_modules=leaves,
+            split_points=split_points,
+            trace_method="auto",
         )
     except merak_graph.PartitionError as exc:
         if len(placement) == layout.pp:
@@ -245,8 +273,14 @@ class StageSet(nn.Module):
         return self.get_submodule(f"stage{index}")
 
 
-def _this_rank_stages(part: Any, placement: tuple[int, ...], layout: ParallelLayout, *,
-                      device: torch.device | str, init_fn: Callable[[nn.Module], Any] | None) -> ParallelModel:
+def _this_rank_stages(
+    part: Any,
+    placement: tuple[int, ...],
+    layout: ParallelLayout,
+    *,
+    device: torch.device | str,
+    init_fn: Callable[[nn.Module], Any] | None,
+) -> ParallelModel:
     """Keep the stages ``placement`` puts on this rank; drop the others (their tensors must not stay alive)."""
     import merak_graph
     from merak_graph import is_meta_module
@@ -265,15 +299,31 @@ def _this_rank_stages(part: Any, placement: tuple[int, ...], layout: ParallelLay
         logical = dict(part.stage_parameter_names(mine[0]))
     else:
         module = StageSet(modules)
-        logical = {f"stage{s}.{local}": name for s in mine for local, name in part.stage_parameter_names(s).items()}
+        logical = {
+            f"stage{s}.{local}": name for s in mine for local, name in part.stage_parameter_names(s).items()
+        }
     part.stages = [modules.get(i, merak_graph.StageModule()) for i in range(len(part.stages))]
     part.model = None
     shared, owner = _shared_groups(part, placement, modules, layout)
-    logger.info("pipeline rank %d/%d holds stages %s: %d parameters, %d shared across stages", layout.pp_rank,
-                layout.pp, mine, len(logical), len(shared))
-    return ParallelModel(module=module, layout=layout, logical_names=logical, input_keys=None,
-                         shared_parameters=shared, shared_owner=owner, partition=part, stage_to_rank=placement,
-                         stage_modules=modules)
+    logger.info(
+        "pipeline rank %d/%d holds stages %s: %d parameters, %d shared across stages",
+        layout.pp_rank,
+        layout.pp,
+        mine,
+        len(logical),
+        len(shared),
+    )
+    return ParallelModel(
+        module=module,
+        layout=layout,
+        logical_names=logical,
+        input_keys=None,
+        shared_parameters=shared,
+        shared_owner=owner,
+        partition=part,
+        stage_to_rank=placement,
+        stage_modules=modules,
+    )
 
 
 def _local_param(module: nn.Module, local_name: str) -> nn.Parameter:
@@ -298,8 +348,9 @@ def _tie_local_copies(part: Any, modules: Mapping[int, nn.Module]) -> None:
                 setattr(owner, leaf, keep)
 
 
-def _shared_groups(part: Any, placement: tuple[int, ...], modules: Mapping[int, nn.Module],
-                   layout: ParallelLayout) -> tuple[list[tuple[nn.Parameter, Any]], dict[nn.Parameter, int]]:
+def _shared_groups(
+    part: Any, placement: tuple[int, ...], modules: Mapping[int, nn.Module], layout: ParallelLayout
+) -> tuple[list[tuple[nn.Parameter, Any]], dict[nn.Parameter, int]]:
     """Per shared parameter held here: (this rank's copy, the group of ranks holding one, or None), and the
     pipeline rank whose copy the gradient norm counts."""
     from merak_pipe.shared import shared_parameter_groups

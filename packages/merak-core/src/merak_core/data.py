@@ -200,8 +200,14 @@ class StageAwareDataLoader:
             batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
             shuffle, drop_last = True, True
         return cls(
-            dataset, batch_size=batch_size, layout=layout, collate_fn=collate_fn, shuffle=shuffle,
-            seed=args.seed, drop_last=drop_last, split_inputs_labels=split_inputs_labels,
+            dataset,
+            batch_size=batch_size,
+            layout=layout,
+            collate_fn=collate_fn,
+            shuffle=shuffle,
+            seed=args.seed,
+            drop_last=drop_last,
+            split_inputs_labels=split_inputs_labels,
             num_workers=args.dataloader_num_workers,
         )
 
@@ -224,7 +230,9 @@ class StageAwareDataLoader:
         """Batches per epoch (the same on every rank)."""
         n = self._dataset_len()
         if n is None:
-            raise TypeError("the iterable dataset has no __len__, so the number of batches per epoch is unknown")
+            raise TypeError(
+                "the iterable dataset has no __len__, so the number of batches per epoch is unknown"
+            )
         full, rest = divmod(n, self.global_batch_size)
         return full if self.drop_last or rest == 0 else full + 1
 
@@ -282,12 +290,17 @@ class StageAwareDataLoader:
             # global generator, so a resumed run (a new iterator mid-epoch) would shift the global
             # stream that dropout reads (see [Note: random streams] in merak_core.checkpoint.state).
             source = DataLoader(
-                self.dataset, batch_sampler=_BatchIndices(indices), collate_fn=self.collate_fn,
-                num_workers=self.num_workers, pin_memory=self.pin_memory,
+                self.dataset,
+                batch_sampler=_BatchIndices(indices),
+                collate_fn=self.collate_fn,
+                num_workers=self.num_workers,
+                pin_memory=self.pin_memory,
                 generator=torch.Generator().manual_seed(self.seed + epoch),
             )
         for offset, item in enumerate(source):
-            batch, real = item if self.iterable and self.reads_data else (item, self._real_rows(start + offset))
+            batch, real = (
+                item if self.iterable and self.reads_data else (item, self._real_rows(start + offset))
+            )
             self._consumed += 1
             yield self._stage_batch(batch, real)
         if self._epoch == epoch:
@@ -299,7 +312,9 @@ class StageAwareDataLoader:
         n = self._dataset_len()
         if self.drop_last or n is None:
             return None
-        real = min(self.batch_size, max(0, n - step * self.global_batch_size - self.dp_rank * self.batch_size))
+        real = min(
+            self.batch_size, max(0, n - step * self.global_batch_size - self.dp_rank * self.batch_size)
+        )
         return None if real == self.batch_size else real
 
     def _stage_batch(self, batch: Any, real: int | None = None) -> StageBatch:
@@ -320,12 +335,12 @@ class StageAwareDataLoader:
             chunk.append(sample)
             if len(chunk) == g:
                 if step >= skip:
-                    yield self.collate_fn(chunk[lo:lo + b]), None
+                    yield self.collate_fn(chunk[lo : lo + b]), None
                 step += 1
                 chunk = []
         if chunk and not self.drop_last and step >= skip:
             padded = [chunk[i % len(chunk)] for i in range(g)]
-            yield self.collate_fn(padded[lo:lo + b]), min(b, max(0, len(chunk) - lo))
+            yield self.collate_fn(padded[lo : lo + b]), min(b, max(0, len(chunk) - lo))
 
     # ------------------------------------------------------------------ state
 
@@ -346,8 +361,11 @@ class StageAwareDataLoader:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume at a saved position: the next batch is the one after the last one handed out."""
-        for key, mine in (("seed", self.seed), ("global_batch_size", self.global_batch_size),
-                          ("shuffle", self.shuffle)):
+        for key, mine in (
+            ("seed", self.seed),
+            ("global_batch_size", self.global_batch_size),
+            ("shuffle", self.shuffle),
+        ):
             if key in state and state[key] != mine:
                 raise ValueError(
                     f"data loader state was saved with {key}={state[key]!r} but this loader has {key}={mine!r}: "

@@ -121,7 +121,11 @@ class DataParallelGradSync:
         average: bool = True,
         deferred_params: Iterable[nn.Parameter] = (),
     ) -> None:
-        if isinstance(bucket_size_bytes, bool) or not isinstance(bucket_size_bytes, int) or bucket_size_bytes < 1:
+        if (
+            isinstance(bucket_size_bytes, bool)
+            or not isinstance(bucket_size_bytes, int)
+            or bucket_size_bytes < 1
+        ):
             raise ValueError(
                 f"bucket_size_bytes must be a positive integer, got {bucket_size_bytes!r}; "
                 f"the default is {DEFAULT_BUCKET_SIZE_BYTES} (25 MiB)"
@@ -160,7 +164,10 @@ class DataParallelGradSync:
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params]
         logger.debug(
             "DP grad sync over %d ranks: %d params in %d buckets (closed at >= %d bytes)",
-            self.world_size, len(self._params), len(self.buckets), bucket_size_bytes,
+            self.world_size,
+            len(self._params),
+            len(self.buckets),
+            bucket_size_bytes,
         )
 
     # ------------------------------------------------------------------ set-up
@@ -179,7 +186,9 @@ class DataParallelGradSync:
             key = (dtype, p.device)
             bucket = open_by_key.get(key)
             if bucket is None:
-                bucket = _Bucket(index=len(buckets), params=[], offsets=[], numel=0, dtype=dtype, device=p.device)
+                bucket = _Bucket(
+                    index=len(buckets), params=[], offsets=[], numel=0, dtype=dtype, device=p.device
+                )
                 buckets.append(bucket)
                 open_by_key[key] = bucket
             bucket.params.append(p)
@@ -268,7 +277,9 @@ class DataParallelGradSync:
         """
         for p in params:
             if id(p) not in self._where:
-                raise ValueError("notify_grad_ready got a parameter this DataParallelGradSync does not synchronise")
+                raise ValueError(
+                    "notify_grad_ready got a parameter this DataParallelGradSync does not synchronise"
+                )
             self._on_grad_ready(p)
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
@@ -316,13 +327,19 @@ class DataParallelGradSync:
         if self.world_size == 1:
             return
         assert bucket.buffer is not None
-        op = dist.ReduceOp.AVG if self.average and self._collective_averages(bucket.device) else dist.ReduceOp.SUM
+        op = (
+            dist.ReduceOp.AVG
+            if self.average and self._collective_averages(bucket.device)
+            else dist.ReduceOp.SUM
+        )
         bucket.work = dist.all_reduce(bucket.buffer, op=op, group=self.group, async_op=True)
 
     def _collective_averages(self, device: torch.device) -> bool:
         """Whether the group's backend averages in the collective: NCCL on CUDA tensors (gloo has no AVG)."""
         if self._avg_in_collective is None:
-            self._avg_in_collective = device.type == "cuda" and "nccl" in str(dist.get_backend(self.group)).lower()
+            self._avg_in_collective = (
+                device.type == "cuda" and "nccl" in str(dist.get_backend(self.group)).lower()
+            )
         return self._avg_in_collective
 
     def finish(self) -> None:
@@ -332,7 +349,9 @@ class DataParallelGradSync:
         gradient they hold (from earlier microbatches) or zeros.
         """
         if not self._armed:
-            raise RuntimeError("finish() without prepare_last_microbatch()/prepare_step(): nothing is being synchronised")
+            raise RuntimeError(
+                "finish() without prepare_last_microbatch()/prepare_step(): nothing is being synchronised"
+            )
         try:
             for bucket in self.buckets:
                 for slot in range(len(bucket.params)):
@@ -406,7 +425,9 @@ def _named_params(params: Iterable[nn.Parameter] | nn.Module) -> list[tuple[str,
     return out
 
 
-def allreduce_gradients_per_parameter(params: Iterable[nn.Parameter], group: ProcessGroup | None = None) -> None:
+def allreduce_gradients_per_parameter(
+    params: Iterable[nn.Parameter], group: ProcessGroup | None = None
+) -> None:
     """The naive baseline: one blocking all-reduce per parameter, then divide (for benchmarks)."""
     world = dist.get_world_size(group)
     for p in params:

@@ -94,7 +94,9 @@ class StepResult:
 def default_loss(output: Any, labels: torch.Tensor) -> torch.Tensor:
     """Cross-entropy for classifiers (``[b, c]`` vs ``[b]``) and LMs (``[b, t, v]`` vs ``[b, t]``, -100 ignored)."""
     if isinstance(output, Mapping) and "logits" in output:
-        logits = output["logits"]  # a ModelOutput, or its rows as a plain dict (evaluation of a partial batch)
+        logits = output[
+            "logits"
+        ]  # a ModelOutput, or its rows as a plain dict (evaluation of a partial batch)
     else:
         logits = getattr(output, "logits", output)
     if isinstance(logits, (tuple, list)):
@@ -153,9 +155,18 @@ class ParallelEngine:
         optimizer_factory: ``fn(param_groups) -> Optimizer`` (default: AdamW from ``args``).
     """
 
-    def __init__(self, model: ParallelModel, layout: ParallelLayout, args: TrainingArguments, *,
-                 device: torch.device, loss_fn: LossFn, num_training_steps: int, example_labels: Any = None,
-                 optimizer_factory: Callable[[list[dict[str, Any]]], torch.optim.Optimizer] | None = None) -> None:
+    def __init__(
+        self,
+        model: ParallelModel,
+        layout: ParallelLayout,
+        args: TrainingArguments,
+        *,
+        device: torch.device,
+        loss_fn: LossFn,
+        num_training_steps: int,
+        example_labels: Any = None,
+        optimizer_factory: Callable[[list[dict[str, Any]]], torch.optim.Optimizer] | None = None,
+    ) -> None:
         self.model, self.layout, self.args, self.device, self.loss_fn = model, layout, args, device, loss_fn
         self.schedule_name = check_schedule(args, layout)
         self.sharded: ShardedDataParallel | None = None
@@ -168,14 +179,21 @@ class ParallelEngine:
         self.params = [p for _, p in named]
         # Shared (tied) parameters get their cross-stage sum after the backward: reduce them last.
         self.dp_sync: DataParallelGradSync | ShardedDataParallel | None = (
-            self.sharded if self.sharded is not None
-            else DataParallelGradSync(self.model.module, layout.dp_group,
-                                      deferred_params=[p for p, _ in self.model.shared_parameters])
-            if layout.dp > 1 else None)
+            self.sharded
+            if self.sharded is not None
+            else DataParallelGradSync(
+                self.model.module,
+                layout.dp_group,
+                deferred_params=[p for p, _ in self.model.shared_parameters],
+            )
+            if layout.dp > 1
+            else None
+        )
         groups = _decay_groups(named, args.weight_decay)
         factory = optimizer_factory or self._adamw
         self.optimizer: torch.optim.Optimizer = (
-            ZeroOptimizer(groups, factory, group=layout.dp_group) if args.zero_stage == 1 and layout.dp > 1
+            ZeroOptimizer(groups, factory, group=layout.dp_group)
+            if args.zero_stage == 1 and layout.dp > 1
             else factory(groups)
         )
         self.lr_scheduler = build_lr_scheduler(self.optimizer, args, num_training_steps)
@@ -190,8 +208,15 @@ class ParallelEngine:
         a = self.args
         # Fused kernels on CUDA; the multi-tensor path on CPU (bit-identical to the per-parameter loop).
         fused = self.device.type == "cuda"
-        return torch.optim.AdamW(groups, lr=a.learning_rate, betas=(a.adam_beta1, a.adam_beta2),
-                                 eps=a.adam_epsilon, weight_decay=a.weight_decay, foreach=not fused, fused=fused)
+        return torch.optim.AdamW(
+            groups,
+            lr=a.learning_rate,
+            betas=(a.adam_beta1, a.adam_beta2),
+            eps=a.adam_epsilon,
+            weight_decay=a.weight_decay,
+            foreach=not fused,
+            fused=fused,
+        )
 
     def _check_loss_fn(self, labels: Any) -> None:
         """With pp > 1, try ``loss_fn`` on meta tensors shaped like the model's output and one microbatch of labels.
@@ -226,15 +251,29 @@ class ParallelEngine:
         layout, args = self.layout, self.args
         recompute = self._recompute_plan()
         num_stages = self.model.num_stages  # pp * virtual_stages
-        schedule = build_schedule(self.schedule_name, num_stages=num_stages, num_ranks=layout.pp,
-                                  num_microbatches=args.num_microbatches, recompute=recompute)
+        schedule = build_schedule(
+            self.schedule_name,
+            num_stages=num_stages,
+            num_ranks=layout.pp,
+            num_microbatches=args.num_microbatches,
+            recompute=recompute,
+        )
         modules = self.model.stage_modules or {layout.pp_rank: self.model.module}
-        stages = [PipelineStage(module, stage_index=s, num_stages=num_stages, group=layout.pp_group,
-                                device=self.device) for s, module in sorted(modules.items())]
-        return PipelineRunner(stages, schedule, loss_fn=self.loss_fn, group=layout.pp_group,
-                              # ZeRO-2/3 sums the shared copies on the gradient shards (ShardedDataParallel.finish)
-                              shared_parameters=self.model.shared_parameters if self.sharded is None else [],
-                              timeout=layout.timeout)
+        stages = [
+            PipelineStage(
+                module, stage_index=s, num_stages=num_stages, group=layout.pp_group, device=self.device
+            )
+            for s, module in sorted(modules.items())
+        ]
+        return PipelineRunner(
+            stages,
+            schedule,
+            loss_fn=self.loss_fn,
+            group=layout.pp_group,
+            # ZeRO-2/3 sums the shared copies on the gradient shards (ShardedDataParallel.finish)
+            shared_parameters=self.model.shared_parameters if self.sharded is None else [],
+            timeout=layout.timeout,
+        )
 
     def _recompute_plan(self) -> Any:
         from merak_pipe import RecomputePlan
@@ -263,11 +302,21 @@ class ParallelEngine:
             lo, hi = info.shard_range
             n = max(1, hi - lo)
             layer_bytes.append([info.activation_bytes / n] * n)
-        probe = build_schedule(self.schedule_name, num_stages=self.model.num_stages, num_ranks=self.layout.pp,
-                               num_microbatches=self.args.num_microbatches)
-        static = [info.param_bytes * PARAM_MEMORY_FACTOR for info in part.stage_info]  # as the partitioner counts
-        return stage_aware_plan(layer_activation_bytes=layer_bytes, memory_budget=float(self.args.memory_budget),
-                                static_bytes=static, schedule=probe)
+        probe = build_schedule(
+            self.schedule_name,
+            num_stages=self.model.num_stages,
+            num_ranks=self.layout.pp,
+            num_microbatches=self.args.num_microbatches,
+        )
+        static = [
+            info.param_bytes * PARAM_MEMORY_FACTOR for info in part.stage_info
+        ]  # as the partitioner counts
+        return stage_aware_plan(
+            layer_activation_bytes=layer_bytes,
+            memory_budget=float(self.args.memory_budget),
+            static_bytes=static,
+            schedule=probe,
+        )
 
     # ------------------------------------------------------------------ inputs
 
@@ -278,8 +327,10 @@ class ParallelEngine:
         if isinstance(inputs, Mapping):
             keys = self.model.input_keys
             if keys is None or set(keys) != set(inputs):
-                raise ValueError(f"batch inputs have keys {sorted(inputs)} but the model was traced with "
-                                 f"{keys}: every batch must carry the same input keys")
+                raise ValueError(
+                    f"batch inputs have keys {sorted(inputs)} but the model was traced with "
+                    f"{keys}: every batch must carry the same input keys"
+                )
             if self.model.by_keyword and self.layout.pp == 1:
                 return {k: inputs[k].to(self.device) for k in keys}
             return tuple(inputs[k].to(self.device) for k in keys)
@@ -302,8 +353,15 @@ class ParallelEngine:
         """Bytes of this rank's parameters."""
         return sum(p.numel() * p.element_size() for p in self.params)
 
-    def step(self, inputs: Any, labels: Any, *, step: int, stop_requested: bool = False,
-             record_timing: bool = False) -> StepResult:
+    def step(
+        self,
+        inputs: Any,
+        labels: Any,
+        *,
+        step: int,
+        stop_requested: bool = False,
+        record_timing: bool = False,
+    ) -> StepResult:
         """Optimizer step number ``step`` on this rank's part of a global batch (collective).
 
         ``record_timing``: the runner records every action's timing (``StepResult.timings``).
@@ -320,7 +378,9 @@ class ParallelEngine:
             # Buckets are all-reduced during the backward of the last microbatch, as their gradients
             # become final (each parameter's gradient accumulates once per microbatch).
             self.dp_sync.prepare_step(self.args.num_microbatches)
-        with self._phase(f"pipeline step over global ranks {layout.pp_ranks} (pipeline rank i = the i-th)", step):
+        with self._phase(
+            f"pipeline step over global ranks {layout.pp_ranks} (pipeline rank i = the i-th)", step
+        ):
             with self.autocast():
                 self.runner.record_timing = record_timing
                 start = time.perf_counter()
@@ -336,8 +396,11 @@ class ParallelEngine:
         self._fill_missing_grads()
         norm = None
         if self.args.max_grad_norm > 0:
-            with self._phase(f"gradient-norm all-reduce over the TP and PP groups (global ranks {layout.tp_ranks} "
-                             f"and {layout.pp_ranks})", step):
+            with self._phase(
+                f"gradient-norm all-reduce over the TP and PP groups (global ranks {layout.tp_ranks} "
+                f"and {layout.pp_ranks})",
+                step,
+            ):
                 norm = global_grad_norm(self.params, layout=layout, shared_params=self.model.shared_owner)
             bad = not bool(torch.isfinite(norm))
         else:
@@ -345,19 +408,33 @@ class ParallelEngine:
         with self._phase("loss all-reduce over all ranks", step):
             loss_value, any_bad, stop_agreed = self._reduce_step(loss, bad, stop_requested)
         self.last_grad_norm = float(norm) if norm is not None else None
-        result = StepResult(loss=loss_value, pipeline_s=self.last_pipeline_s, grad_norm=self.last_grad_norm,
-                            skipped=any_bad or not math.isfinite(loss_value), stop_agreed=stop_agreed,
-                            timings=timings)
+        result = StepResult(
+            loss=loss_value,
+            pipeline_s=self.last_pipeline_s,
+            grad_norm=self.last_grad_norm,
+            skipped=any_bad or not math.isfinite(loss_value),
+            stop_agreed=stop_agreed,
+            timings=timings,
+        )
         if result.skipped:
             if self.args.nonfinite == nonfinite.STOP:
-                raise nonfinite.nonfinite_error(step=step, loss=loss_value, grad_norm=self.last_grad_norm,
-                                                named=self.model.named_parameters(), layout=self.layout)
+                raise nonfinite.nonfinite_error(
+                    step=step,
+                    loss=loss_value,
+                    grad_norm=self.last_grad_norm,
+                    named=self.model.named_parameters(),
+                    layout=self.layout,
+                )
             return result
         if norm is not None:
             scale_gradients_(self.params, self.args.max_grad_norm, norm)
         zero = isinstance(self.optimizer, ZeroOptimizer)
-        with self._phase(f"optimizer step (ZeRO-1 broadcasts over global ranks {layout.dp_ranks})" if zero
-                         else "optimizer step (local, no communication)", step):
+        with self._phase(
+            f"optimizer step (ZeRO-1 broadcasts over global ranks {layout.dp_ranks})"
+            if zero
+            else "optimizer step (local, no communication)",
+            step,
+        ):
             self.optimizer.step()
         self.lr_scheduler.step()
         return result
@@ -370,8 +447,11 @@ class ParallelEngine:
         value[nonfinite.NONFINITE] = float(bad)
         value[nonfinite.STOP_REQUESTED] = float(stop)
         dist.all_reduce(value)
-        return (float(value[nonfinite.LOSS]) / self.layout.dp, bool(value[nonfinite.NONFINITE] > 0),
-                bool(value[nonfinite.STOP_REQUESTED] > 0))
+        return (
+            float(value[nonfinite.LOSS]) / self.layout.dp,
+            bool(value[nonfinite.NONFINITE] > 0),
+            bool(value[nonfinite.STOP_REQUESTED] > 0),
+        )
 
     @contextlib.contextmanager
     def _phase(self, what: str, step: int) -> Iterator[None]:
@@ -385,13 +465,16 @@ class ParallelEngine:
             yield
         except RuntimeError as exc:
             layout = self.layout
-            where = (f"rank {layout.rank} (pp_rank {layout.pp_rank}, dp_rank {layout.dp_rank}, "
-                     f"tp_rank {layout.tp_rank}), step {step}: {what} failed "
-                     f"(timeout {layout.timeout.total_seconds():g} s; {self._stall_diagnosis()})")
+            where = (
+                f"rank {layout.rank} (pp_rank {layout.pp_rank}, dp_rank {layout.dp_rank}, "
+                f"tp_rank {layout.tp_rank}), step {step}: {what} failed "
+                f"(timeout {layout.timeout.total_seconds():g} s; {self._stall_diagnosis()})"
+            )
             if isinstance(exc, PipelineCommError):  # PipelineTimeoutError included
                 raise type(exc)(f"{where}: {exc}") from exc
-            raise TrainingStepError(f"{where}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                                    ) from exc
+            raise TrainingStepError(
+                f"{where}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            ) from exc
 
     def _stall_diagnosis(self) -> str:
         """Which ranks stopped answering (see [Note: heartbeats] in :mod:`merak_core.stall`)."""
@@ -413,8 +496,12 @@ class ParallelEngine:
             return self.runner.evaluate(self.stage_inputs(inputs), labels, return_outputs=return_outputs)
 
 
-def shard_parallel_model(model: ParallelModel, *, zero_stage: int, device: torch.device,
-                         ) -> tuple[ShardedDataParallel, ParallelModel]:
+def shard_parallel_model(
+    model: ParallelModel,
+    *,
+    zero_stage: int,
+    device: torch.device,
+) -> tuple[ShardedDataParallel, ParallelModel]:
     """Shard this rank's part of ``model`` over its DP group; the sharded object and the updated model.
 
     The returned :class:`~merak_core.compose.ParallelModel` is ``model`` with its shared-parameter
@@ -423,7 +510,15 @@ def shard_parallel_model(model: ParallelModel, *, zero_stage: int, device: torch
     """
     layout = model.layout
     stages = dict(model.stage_modules) or {layout.pp_rank if layout.pp > 1 else 0: model.module}
-    sharded = ShardedDataParallel(stages, layout.dp_group, zero_stage=zero_stage, device_type=device.type,
-                                  num_stages=model.num_stages, shared_parameters=model.shared_parameters)
+    sharded = ShardedDataParallel(
+        stages,
+        layout.dp_group,
+        zero_stage=zero_stage,
+        device_type=device.type,
+        num_stages=model.num_stages,
+        shared_parameters=model.shared_parameters,
+    )
     owner = {sharded.param_map.get(id(p), p): stage for p, stage in model.shared_owner.items()}
-    return sharded, dataclasses.replace(model, shared_parameters=sharded.shared_parameters, shared_owner=owner)
+    return sharded, dataclasses.replace(
+        model, shared_parameters=sharded.shared_parameters, shared_owner=owner
+    )

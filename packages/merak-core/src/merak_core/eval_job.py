@@ -56,8 +56,10 @@ def pick_split(datasets: tuple[Any, Any], split: str, source: str) -> Any:
     train, evaluation = datasets
     chosen = evaluation if split == "eval" else train
     if chosen is None:
-        raise ValueError(f"{source}: the job has no {split} data: set data.eval_fraction (text data) or return "
-                         "(train, eval) from the data factory, or evaluate the training set with --split train")
+        raise ValueError(
+            f"{source}: the job has no {split} data: set data.eval_fraction (text data) or return "
+            "(train, eval) from the data factory, or evaluate the training set with --split train"
+        )
     return chosen
 
 
@@ -71,27 +73,48 @@ def evaluate_job(job: Any, checkpoint: str, *, split: str = "eval") -> dict[str,
 
     targs = job.training
     if targs.layout == "auto":
-        raise ValueError("merak eval: training.layout is 'auto'; pass the layout to evaluate with as overrides "
-                         "(training.layout=manual training.dp=... training.tp=... training.pp=...): checkpoints "
-                         "reshard into any layout")
+        raise ValueError(
+            "merak eval: training.layout is 'auto'; pass the layout to evaluate with as overrides "
+            "(training.layout=manual training.dp=... training.tp=... training.pp=...): checkpoints "
+            "reshard into any layout"
+        )
     targs = dataclasses.replace(targs, plan_check_steps=0) if targs.plan_check_steps else targs
     data = pick_split(job.build_datasets(), split, "merak eval")
     layout = init(dp=targs.dp, tp=targs.tp, pp=targs.pp, timeout=targs.comm_timeout)
     torch.manual_seed(targs.seed)
-    trainer = Trainer(job.build_model(), targs, None, data, loss_fn=job.optional("loss"),
-                      data_collator=job.optional("collate"), compute_metrics=job.optional("metrics"), layout=layout)
+    trainer = Trainer(
+        job.build_model(),
+        targs,
+        None,
+        data,
+        loss_fn=job.optional("loss"),
+        data_collator=job.optional("collate"),
+        compute_metrics=job.optional("metrics"),
+        layout=layout,
+    )
     step = trainer.resume(checkpoint)
     metrics = trainer.evaluate()
     loss = metrics.pop("eval_loss")
-    return {"step": step, "checkpoint": checkpoint, "split": split, "samples": len(data), "eval_loss": loss,
-            "eval_perplexity": perplexity(loss), **metrics}
+    return {
+        "step": step,
+        "checkpoint": checkpoint,
+        "split": split,
+        "samples": len(data),
+        "eval_loss": loss,
+        "eval_perplexity": perplexity(loss),
+        **metrics,
+    }
 
 
 def format_result(result: dict[str, Any]) -> str:
     """The line ``merak eval`` prints (see the module docstring)."""
-    values = "  ".join(f"{k} {v:.4f}" for k, v in result.items() if k.startswith("eval_") and isinstance(v, float))
-    return (f"eval: step {result['step']} (checkpoint {result['checkpoint']}), {result['samples']} "
-            f"{result['split']} samples  {values}")
+    values = "  ".join(
+        f"{k} {v:.4f}" for k, v in result.items() if k.startswith("eval_") and isinstance(v, float)
+    )
+    return (
+        f"eval: step {result['step']} (checkpoint {result['checkpoint']}), {result['samples']} "
+        f"{result['split']} samples  {values}"
+    )
 
 
 # ---------------------------------------------------------------------------- per rank (torchrun)
@@ -109,8 +132,10 @@ def worker_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format=f"[rank {rank}] %(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"[rank {rank}] %(asctime)s %(name)s %(levelname)s %(message)s",
+    )
     if "OMP_NUM_THREADS" in os.environ:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     from merak_core.job import JobConfig
@@ -133,17 +158,28 @@ def worker_main(argv: list[str] | None = None) -> int:
 
 def add_parser(sub: Any) -> None:
     """``merak eval`` in the ``merak`` command's subparsers."""
-    p = sub.add_parser("eval", help="evaluate a checkpoint of a job: loss, perplexity and the job's metrics",
-                       description="Evaluate a checkpoint on the job's eval set (or training set) with torchrun: "
-                       "every sample once; prints eval_loss, eval_perplexity and the job's metrics.")
+    p = sub.add_parser(
+        "eval",
+        help="evaluate a checkpoint of a job: loss, perplexity and the job's metrics",
+        description="Evaluate a checkpoint on the job's eval set (or training set) with torchrun: "
+        "every sample once; prints eval_loss, eval_perplexity and the job's metrics.",
+    )
     p.add_argument("config", help="YAML job file")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides of the job file")
-    p.add_argument("--checkpoint", default="latest", metavar="PATH|latest",
-                   help="a step_<N> directory, or 'latest' in the job's output_dir (default)")
+    p.add_argument(
+        "--checkpoint",
+        default="latest",
+        metavar="PATH|latest",
+        help="a step_<N> directory, or 'latest' in the job's output_dir (default)",
+    )
     p.add_argument("--split", default="eval", choices=SPLITS, help="the data to evaluate (default: eval)")
     p.add_argument("--json", default=None, metavar="OUT.json", help="also write the result as JSON")
-    p.add_argument("--nproc-per-node", type=int, default=None,
-                   help="processes (default: the job's dp*tp*pp; needed when training.dp is not set)")
+    p.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        help="processes (default: the job's dp*tp*pp; needed when training.dp is not set)",
+    )
     p.add_argument("--dry-run", action="store_true", help="check, print the torchrun command and exit")
 
 
@@ -158,12 +194,26 @@ def eval_command(args: argparse.Namespace) -> list[str]:
     world = args.nproc_per_node
     if world is None:
         if t.dp is None or t.layout == "auto":
-            raise ValueError("merak eval: the job does not fix dp (training.dp unset or layout: auto): pass "
-                             "--nproc-per-node, or set training.dp/tp/pp as overrides")
+            raise ValueError(
+                "merak eval: the job does not fix dp (training.dp unset or layout: auto): pass "
+                "--nproc-per-node, or set training.dp/tp/pp as overrides"
+            )
         world = t.dp * t.tp * t.pp
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           "-m", "merak_core.eval_job", args.config, *args.overrides, "--checkpoint", args.checkpoint,
-           "--split", args.split]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={world}",
+        "-m",
+        "merak_core.eval_job",
+        args.config,
+        *args.overrides,
+        "--checkpoint",
+        args.checkpoint,
+        "--split",
+        args.split,
+    ]
     if args.json:
         cmd += ["--json", os.path.abspath(args.json)]
     return cmd
@@ -187,12 +237,20 @@ def _check_checkpoint(checkpoint: str, output_dir: str) -> None:
     root = Path(output_dir) / "checkpoints"
     if checkpoint in ("latest", "auto"):
         if not latest_candidates(root):
-            raise ValueError(f"merak eval --checkpoint {checkpoint}: {str(root)!r} holds no checkpoint; train with "
-                             "training.save_steps set, or pass --checkpoint PATH")
+            raise ValueError(
+                f"merak eval --checkpoint {checkpoint}: {str(root)!r} holds no checkpoint; train with "
+                "training.save_steps set, or pass --checkpoint PATH"
+            )
         return
-    if pointer_root(checkpoint) is None and not Path(checkpoint).exists() and not (root / checkpoint).exists():
-        raise ValueError(f"merak eval --checkpoint {checkpoint!r}: no such checkpoint (neither that path nor "
-                         f"{str(root / checkpoint)!r} exists); pass a step_<N> directory or 'latest'")
+    if (
+        pointer_root(checkpoint) is None
+        and not Path(checkpoint).exists()
+        and not (root / checkpoint).exists()
+    ):
+        raise ValueError(
+            f"merak eval --checkpoint {checkpoint!r}: no such checkpoint (neither that path nor "
+            f"{str(root / checkpoint)!r} exists); pass a step_<N> directory or 'latest'"
+        )
 
 
 if __name__ == "__main__":

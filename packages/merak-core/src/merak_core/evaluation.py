@@ -99,8 +99,11 @@ def evaluate_loader(
     sums = EvalSums()
     for batch in loader:
         partial = batch.num_real is not None
-        by_token = loss_fn is default_loss and isinstance(batch.labels, torch.Tensor) and \
-            not batch.labels.is_floating_point()
+        by_token = (
+            loss_fn is default_loss
+            and isinstance(batch.labels, torch.Tensor)
+            and not batch.labels.is_floating_point()
+        )
         per_micro = partial or by_token
         result = run(batch, compute_metrics is not None or per_micro)
         if result is None:
@@ -110,8 +113,9 @@ def evaluate_loader(
         total = _batch_rows(labels)
         real = total if batch.num_real is None else batch.num_real
         if per_micro:
-            _add_partial_loss(sums, outputs, labels, real, total // num_microbatches, loss_fn, autocast,
-                              by_token=by_token)
+            _add_partial_loss(
+                sums, outputs, labels, real, total // num_microbatches, loss_fn, autocast, by_token=by_token
+            )
         else:
             sums.add_loss(float(loss), total)
         if compute_metrics is not None and real > 0:
@@ -125,8 +129,11 @@ def evaluate_loader(
     if tp_rank != 0:  # TP ranks of a stage hold the same values: count them once
         sums = _zeroed(sums)
     names = agree_names(sorted(sums.metrics))
-    vec = torch.tensor([sums.loss, sums.loss_count, sums.metric_count] + [sums.metrics.get(n, 0.0) for n in names],
-                       dtype=torch.float64, device=device)
+    vec = torch.tensor(
+        [sums.loss, sums.loss_count, sums.metric_count] + [sums.metrics.get(n, 0.0) for n in names],
+        dtype=torch.float64,
+        device=device,
+    )
     dist.all_reduce(vec)
     out = {"eval_loss": float(vec[0]) / float(vec[1]) if float(vec[1]) > 0 else float("nan")}
     for i, name in enumerate(names):
@@ -152,10 +159,14 @@ def shapes_specialised(module: torch.nn.Module, device: torch.device, args: Any)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     specialised = bool(flag.item())
     if specialised and dist.get_rank() == 0:
-        logger.info("evaluate: the stages were traced by torch.export with the training microbatch of %d "
-                    "(shapes specialised), so evaluation runs in microbatches of %d instead of "
-                    "per_device_eval_batch_size=%d", args.micro_batch_size, args.micro_batch_size,
-                    args.per_device_eval_batch_size)
+        logger.info(
+            "evaluate: the stages were traced by torch.export with the training microbatch of %d "
+            "(shapes specialised), so evaluation runs in microbatches of %d instead of "
+            "per_device_eval_batch_size=%d",
+            args.micro_batch_size,
+            args.micro_batch_size,
+            args.per_device_eval_batch_size,
+        )
     return specialised
 
 
@@ -165,9 +176,17 @@ def _zeroed(sums: EvalSums) -> EvalSums:
     return empty
 
 
-def _add_partial_loss(sums: EvalSums, outputs: Any, labels: torch.Tensor, real: int, micro: int,
-                      loss_fn: Callable[[Any, Any], torch.Tensor],
-                      autocast: Callable[[], contextlib.AbstractContextManager[Any]], *, by_token: bool = False) -> None:
+def _add_partial_loss(
+    sums: EvalSums,
+    outputs: Any,
+    labels: torch.Tensor,
+    real: int,
+    micro: int,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    autocast: Callable[[], contextlib.AbstractContextManager[Any]],
+    *,
+    by_token: bool = False,
+) -> None:
     """Each microbatch's loss over its real rows, weighted by their number (padding rows dropped),
     or (``by_token``) by their labels other than -100."""
     for lo in range(0, real, micro):

@@ -155,8 +155,10 @@ class ShardedDataParallel:
         from torch.distributed.fsdp import fully_shard
 
         if zero_stage not in SHARDED_ZERO_STAGES:
-            raise ValueError(f"zero_stage={zero_stage!r}: ShardedDataParallel implements ZeRO stage 2 or 3 "
-                             "(use merak_core.zero.ZeroOptimizer for stage 1)")
+            raise ValueError(
+                f"zero_stage={zero_stage!r}: ShardedDataParallel implements ZeRO stage 2 or 3 "
+                "(use merak_core.zero.ZeroOptimizer for stage 1)"
+            )
         if not stages:
             raise ValueError("ShardedDataParallel needs at least one stage module")
         self.zero_stage = zero_stage
@@ -165,11 +167,17 @@ class ShardedDataParallel:
         # The axis name carries the group's name: DTensor caches sharding results by mesh, and meshes
         # compare equal by their ranks, so a mesh over a later group of the same ranks (a second
         # layout in one process) would otherwise be answered with the first group's mesh.
-        self.mesh = DeviceMesh.from_group(dp_group, device_type, mesh_dim_names=(f"dp:{dp_group.group_name}",))
+        self.mesh = DeviceMesh.from_group(
+            dp_group, device_type, mesh_dim_names=(f"dp:{dp_group.group_name}",)
+        )
         self.reshard_after_forward = {
-            index: (default_reshard_after_forward(zero_stage, stage_index=index, num_stages=num_stages)
-                    if reshard_after_forward is None else bool(reshard_after_forward))
-            for index in stages}
+            index: (
+                default_reshard_after_forward(zero_stage, stage_index=index, num_stages=num_stages)
+                if reshard_after_forward is None
+                else bool(reshard_after_forward)
+            )
+            for index in stages
+        }
         """Stage index -> whether its units reshard after forward."""
         units = {index: fsdp_units(module) for index, module in stages.items()}
         _check_units_disjoint([u for index in sorted(units) for u in units[index]])
@@ -193,8 +201,13 @@ class ShardedDataParallel:
         assert all(key in self.param_map for key in before), "a parameter was not sharded"
         self.shared_parameters = [(self.param_map.get(id(p), p), g) for p, g in shared_parameters]
         self._armed = False
-        logger.debug("ZeRO-%d over %d DP ranks: %d FSDP units, reshard_after_forward=%s", zero_stage,
-                     self.dp_size, len(self.roots), self.reshard_after_forward)
+        logger.debug(
+            "ZeRO-%d over %d DP ranks: %d FSDP units, reshard_after_forward=%s",
+            zero_stage,
+            self.dp_size,
+            len(self.roots),
+            self.reshard_after_forward,
+        )
 
     def remap(self, params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
         """The sharded parameters that replaced ``params`` (others unchanged)."""
@@ -212,7 +225,9 @@ class ShardedDataParallel:
         if isinstance(num_backwards, bool) or not isinstance(num_backwards, int) or num_backwards < 1:
             raise ValueError(f"num_backwards must be a positive integer, got {num_backwards!r}")
         if self._armed:
-            raise RuntimeError("the sharded gradient sync is already armed: call finish() before arming it again")
+            raise RuntimeError(
+                "the sharded gradient sync is already armed: call finish() before arming it again"
+            )
         for root, reshard in zip(self.roots, self._reshard_between, strict=True):
             root.set_is_last_backward(False)
             root.set_requires_gradient_sync(False)
@@ -324,10 +339,16 @@ def copy_into_shard_(target: torch.Tensor, full: torch.Tensor) -> None:
         target.copy_(full)
         return
     if tuple(full.shape) != tuple(target.shape):
-        raise ValueError(f"cannot load a tensor of shape {tuple(full.shape)} into a parameter of shape "
-                         f"{tuple(target.shape)}")
-    source = distribute_tensor(full.to(device=target.device, dtype=target.dtype), target.device_mesh,
-                               target.placements, src_data_rank=None)
+        raise ValueError(
+            f"cannot load a tensor of shape {tuple(full.shape)} into a parameter of shape "
+            f"{tuple(target.shape)}"
+        )
+    source = distribute_tensor(
+        full.to(device=target.device, dtype=target.dtype),
+        target.device_mesh,
+        target.placements,
+        src_data_rank=None,
+    )
     target.to_local().copy_(source.to_local())
 
 
@@ -337,10 +358,20 @@ def shard_like(like: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
 
     if not isinstance(like, DTensor):
         return full
-    return distribute_tensor(full.to(device=like.device), like.device_mesh, like.placements, src_data_rank=None)
+    return distribute_tensor(
+        full.to(device=like.device), like.device_mesh, like.placements, src_data_rank=None
+    )
 
 
 __all__ = [
-    "SHARDED_ZERO_STAGES", "ShardedDataParallel", "check_sharding_supported", "copy_into_shard_", "default_reshard_after_forward",
-    "fsdp_units", "full_local_tensor", "is_sharded", "local_tensor", "shard_like",
+    "SHARDED_ZERO_STAGES",
+    "ShardedDataParallel",
+    "check_sharding_supported",
+    "copy_into_shard_",
+    "default_reshard_after_forward",
+    "fsdp_units",
+    "full_local_tensor",
+    "is_sharded",
+    "local_tensor",
+    "shard_like",
 ]

@@ -50,7 +50,9 @@ MODEL_KEYS = (*FACTORY_KEYS, "pretrained")
 def load_callable(spec: str, *, base_dir: str | Path = ".", what: str = "callable") -> Callable[..., Any]:
     """Import ``FILE.py:name`` (relative to ``base_dir``) or ``package.module:name``."""
     if not isinstance(spec, str) or spec.count(":") != 1:
-        raise ValueError(f"{what}: {spec!r} is not of the form 'file.py:function' or 'package.module:function'")
+        raise ValueError(
+            f"{what}: {spec!r} is not of the form 'file.py:function' or 'package.module:function'"
+        )
     target, name = spec.split(":")
     if target.endswith(".py"):
         path = (Path(base_dir) / target).resolve()
@@ -74,8 +76,9 @@ def load_callable(spec: str, *, base_dir: str | Path = ".", what: str = "callabl
         fn = getattr(module, name)
     except AttributeError:
         defined = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
-        raise ValueError(f"{what}: {target!r} has no attribute {name!r}{_suggest(name, defined)}; "
-                         f"it defines {defined}") from None
+        raise ValueError(
+            f"{what}: {target!r} has no attribute {name!r}{_suggest(name, defined)}; it defines {defined}"
+        ) from None
     if not callable(fn):
         raise ValueError(f"{what}: {spec!r} is not callable")
     return fn
@@ -124,28 +127,45 @@ class JobConfig:
     def from_dict(cls, raw: dict[str, Any], *, base_dir: str = ".", source: str = "job") -> JobConfig:
         for key in raw:
             if key not in SECTIONS:
-                raise ValueError(f"{source}: unknown section {key!r}{_suggest(key, SECTIONS)}; valid: {SECTIONS}")
+                raise ValueError(
+                    f"{source}: unknown section {key!r}{_suggest(key, SECTIONS)}; valid: {SECTIONS}"
+                )
         for required in ("model", "data"):
             if required not in raw:
                 raise ValueError(f"{source}: the '{required}' section is missing (it needs a 'factory')")
-        factories = {name: _factory(raw[name], name, source, base_dir) for name in ("model", "data")
-                     if not (name == "data" and is_text_section(raw[name]))}
+        factories = {
+            name: _factory(raw[name], name, source, base_dir)
+            for name in ("model", "data")
+            if not (name == "data" and is_text_section(raw[name]))
+        }
         if "data" not in factories:  # text data: the built-in factory (merak_core.textdata.job)
-            factories["data"] = Factory(TEXT_FACTORY, text_factory_kwargs(raw["data"], base_dir=base_dir,
-                                                                          source=source))
+            factories["data"] = Factory(
+                TEXT_FACTORY, text_factory_kwargs(raw["data"], base_dir=base_dir, source=source)
+            )
         section = raw.get("training")
         if section is not None and not isinstance(section, dict):
-            raise ValueError(f"{source}: the 'training' section must be a mapping of TrainingArguments keys, got "
-                             f"{type(section).__name__} {section!r}; write 'training:' and below it indented "
-                             "'key: value' lines (e.g. '  max_steps: 100')")
+            raise ValueError(
+                f"{source}: the 'training' section must be a mapping of TrainingArguments keys, got "
+                f"{type(section).__name__} {section!r}; write 'training:' and below it indented "
+                "'key: value' lines (e.g. '  max_steps: 100')"
+            )
         for name in ("loss", "metrics", "collate"):
             value = raw.get(name)
             if value is not None and not isinstance(value, str):
-                raise ValueError(f"{source}: '{name}' must be 'file.py:function' or 'package.module:function', got "
-                                 f"{type(value).__name__} {value!r}")
+                raise ValueError(
+                    f"{source}: '{name}' must be 'file.py:function' or 'package.module:function', got "
+                    f"{type(value).__name__} {value!r}"
+                )
         training = TrainingArguments.from_dict(section or {}, source=f"{source}: training")
-        job = cls(model=factories["model"], data=factories["data"], training=training,
-                  loss=raw.get("loss"), metrics=raw.get("metrics"), collate=raw.get("collate"), base_dir=base_dir)
+        job = cls(
+            model=factories["model"],
+            data=factories["data"],
+            training=training,
+            loss=raw.get("loss"),
+            metrics=raw.get("metrics"),
+            collate=raw.get("collate"),
+            base_dir=base_dir,
+        )
         if job.model.spec is not None:
             job.model.load(base_dir, "model.factory")  # fail now on a bad spec, not on 8 ranks later
         if job.model.pretrained is not None:
@@ -165,8 +185,12 @@ class JobConfig:
             from merak_core.hf import pretrained_model
 
             factory = self.model.load(self.base_dir, "model.factory") if self.model.spec is not None else None
-            return pretrained_model(self.model.pretrained, factory=factory, factory_kwargs=self.model.kwargs,
-                                    dtype=self.training.torch_dtype)
+            return pretrained_model(
+                self.model.pretrained,
+                factory=factory,
+                factory_kwargs=self.model.kwargs,
+                dtype=self.training.torch_dtype,
+            )
         return self.model.load(self.base_dir, "model.factory")(**self.model.kwargs)
 
     def build_datasets(self) -> tuple[Any, Any]:
@@ -182,8 +206,9 @@ class JobConfig:
         return None if spec is None else load_callable(spec, base_dir=self.base_dir, what=name)
 
 
-def write_job(source: str | Path | None, out: str | Path, training: dict[str, Any], *,
-              overrides: Iterable[str] = ()) -> None:
+def write_job(
+    source: str | Path | None, out: str | Path, training: dict[str, Any], *, overrides: Iterable[str] = ()
+) -> None:
     """Write ``out``: the job file ``source`` (with ``overrides`` applied) whose training section gets ``training``.
 
     Used by ``merak plan --write-config`` and the plan check's ``replanned.yaml``. Aliases of the
@@ -234,18 +259,23 @@ def _check_tp_plan_name(tp_plan: Any, source: str) -> None:
     try:
         merak_tp.get_plan(name)
     except ValueError as exc:
-        raise ValueError(f"{source}: training.tp_plan={name!r}: {exc}; or use 'auto' (the built-in plan of the "
-                         "model type) or a mapping of module pattern -> style") from None
+        raise ValueError(
+            f"{source}: training.tp_plan={name!r}: {exc}; or use 'auto' (the built-in plan of the "
+            "model type) or a mapping of module pattern -> style"
+        ) from None
 
 
 def _factory(section: Any, name: str, source: str, base_dir: str = ".") -> Factory:
     if isinstance(section, str):
         return Factory(section)
     keys = MODEL_KEYS if name == "model" else FACTORY_KEYS
-    if not isinstance(section, dict) or not ("factory" in section or (name == "model" and "pretrained" in section)):
+    if not isinstance(section, dict) or not (
+        "factory" in section or (name == "model" and "pretrained" in section)
+    ):
         extra = " or 'pretrained: PATH' (a Hugging Face folder)" if name == "model" else ""
-        raise ValueError(f"{source}: section '{name}' needs 'factory: file.py:function' (and optional 'kwargs')"
-                         f"{extra}")
+        raise ValueError(
+            f"{source}: section '{name}' needs 'factory: file.py:function' (and optional 'kwargs'){extra}"
+        )
     for key in section:
         if key not in keys:
             raise ValueError(f"{source}: unknown key {name}.{key}{_suggest(key, keys)}; valid: {keys}")
@@ -255,8 +285,10 @@ def _factory(section: Any, name: str, source: str, base_dir: str = ".") -> Facto
     pretrained = section.get("pretrained")
     if pretrained is not None:
         if not isinstance(pretrained, str) or not pretrained:
-            raise ValueError(f"{source}: model.pretrained must be the path of a Hugging Face folder, got "
-                             f"{type(pretrained).__name__} {pretrained!r}")
+            raise ValueError(
+                f"{source}: model.pretrained must be the path of a Hugging Face folder, got "
+                f"{type(pretrained).__name__} {pretrained!r}"
+            )
         pretrained = str(Path(base_dir) / Path(pretrained).expanduser())
     return Factory(section.get("factory"), dict(kwargs), pretrained=pretrained)
 
@@ -265,8 +297,10 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
     key, text = split_override(item, "'section.key=value' (e.g. training.max_steps=50)")
     parts = key.split(".")
     if parts[0] not in SECTIONS:
-        raise ValueError(f"override {item!r}: unknown section {parts[0]!r}{_suggest(parts[0], SECTIONS)}; "
-                         f"valid: {SECTIONS}")
+        raise ValueError(
+            f"override {item!r}: unknown section {parts[0]!r}{_suggest(parts[0], SECTIONS)}; "
+            f"valid: {SECTIONS}"
+        )
     field = KEY_ALIASES.get(parts[-1], parts[-1]) if len(parts) == 2 and parts[0] == "training" else None
     if not text.strip():
         value = None
@@ -288,4 +322,3 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
 def _suggest(word: str, options: Iterable[str]) -> str:
     close = difflib.get_close_matches(word, list(options), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
-

@@ -56,12 +56,21 @@ def wait_for_every_rank(timeout: timedelta = SETUP_TIMEOUT) -> bool:
     agent hosts the store (torchrun's default); elsewhere nothing happens.
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    if (world_size < 2 or dist.is_initialized() or "MASTER_ADDR" not in os.environ
-            or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"):
+    if (
+        world_size < 2
+        or dist.is_initialized()
+        or "MASTER_ADDR" not in os.environ
+        or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    ):
         return False
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
-                          timeout=timeout)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=False,
+        timeout=timeout,
+    )
     prefix = f"merak/arrival/attempt_{attempt}"
     if store.add(f"{prefix}/count", 1) == world_size:
         store.set(f"{prefix}/all", "1")
@@ -87,9 +96,14 @@ def init_restarted_process_group(timeout: timedelta | None = None) -> None:
     timeout = DEFAULT_TIMEOUT if timeout is None else timeout
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                          is_master=not agent_hosts_store and rank == 0, timeout=timeout,
-                          multi_tenant=not agent_hosts_store)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=not agent_hosts_store and rank == 0,
+        timeout=timeout,
+        multi_tenant=not agent_hosts_store,
+    )
     from merak_core.layout import default_backend, select_device
 
     dev = select_device()  # [Note: one device] in layout.py
@@ -97,21 +111,33 @@ def init_restarted_process_group(timeout: timedelta | None = None) -> None:
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
         eager["device_id"] = dev
-    dist.init_process_group(default_backend(dev), store=dist.PrefixStore(f"merak/attempt_{attempt}", store),
-                            rank=rank, world_size=world_size, timeout=timeout, **eager)
+    dist.init_process_group(
+        default_backend(dev),
+        store=dist.PrefixStore(f"merak/attempt_{attempt}", store),
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+        **eager,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="merak_core.launch")
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*")
-    parser.add_argument("--resume", default=None, metavar="PATH|latest|auto",
-                        help="resume from a checkpoint directory, 'latest', or 'auto' (latest if one exists)")
+    parser.add_argument(
+        "--resume",
+        default=None,
+        metavar="PATH|latest|auto",
+        help="resume from a checkpoint directory, 'latest', or 'auto' (latest if one exists)",
+    )
     args = parser.parse_args(argv)
 
     rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format=f"[rank {rank}] %(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"[rank {rank}] %(asctime)s %(name)s %(levelname)s %(message)s",
+    )
     if "OMP_NUM_THREADS" in os.environ:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
@@ -139,10 +165,13 @@ def _setup_stop_line(rank: int, signal_name: str, args: argparse.Namespace, outp
         return f"[rank {rank}] merak: stopped by {signal_name} during set-up, before the first step"
     from merak_core.signals import restart_command
 
-    command = restart_command(args.config, args.overrides,
-                              os.path.join(output_dir, "checkpoints") if output_dir else None)
-    return (f"[rank 0] merak: stopped by {signal_name} during set-up, before the first step (nothing new to save); "
-            f"start again with: {command}")
+    command = restart_command(
+        args.config, args.overrides, os.path.join(output_dir, "checkpoints") if output_dir else None
+    )
+    return (
+        f"[rank 0] merak: stopped by {signal_name} during set-up, before the first step (nothing new to save); "
+        f"start again with: {command}"
+    )
 
 
 def _set_up(args: argparse.Namespace, where: dict[str, str]) -> tuple[Any, Any, Any]:
@@ -159,14 +188,29 @@ def _set_up(args: argparse.Namespace, where: dict[str, str]) -> tuple[Any, Any, 
     init_restarted_process_group(targs.comm_timeout)
     from merak_core.autoplan import plan_for_job  # layout: auto / the plan check's profile (collective)
 
-    targs, plan_context = plan_for_job(targs, job.build_model, train_data, data_collator=job.optional("collate"),
-                                       job_file=args.config, job_overrides=args.overrides)
+    targs, plan_context = plan_for_job(
+        targs,
+        job.build_model,
+        train_data,
+        data_collator=job.optional("collate"),
+        job_file=args.config,
+        job_overrides=args.overrides,
+    )
     layout = init(dp=targs.dp, tp=targs.tp, pp=targs.pp, timeout=targs.comm_timeout)
     torch.manual_seed(targs.seed)
     model = job.build_model()
-    trainer = Trainer(model, targs, train_data, eval_data, loss_fn=job.optional("loss"),
-                      data_collator=job.optional("collate"), compute_metrics=job.optional("metrics"),
-                      layout=layout, plan_context=plan_context, pretrained=job.model.pretrained)
+    trainer = Trainer(
+        model,
+        targs,
+        train_data,
+        eval_data,
+        loss_fn=job.optional("loss"),
+        data_collator=job.optional("collate"),
+        compute_metrics=job.optional("metrics"),
+        layout=layout,
+        plan_context=plan_context,
+        pretrained=job.model.pretrained,
+    )
     resume = resume_target(args.resume)
     if resume is not None:
         trainer.resume(resume)
@@ -182,7 +226,9 @@ def _train(trainer: Any, layout: Any, targs: Any, args: argparse.Namespace) -> i
     # A signal between two steps' checks is only recorded; once stopped, the rank ignores further ones
     # (torchrun sends SIGTERM to the ranks still running when the first exits) and exits with PREEMPTED.
     stopped: TrainingPreempted | None = None
-    with StopRequest(announce=False):  # inherits a signal recorded after set-up ([Note: signals during set-up])
+    with StopRequest(
+        announce=False
+    ):  # inherits a signal recorded after set-up ([Note: signals during set-up])
         try:
             history = trainer.train()
         except TrainingPreempted as exc:  # every rank, after the same step ([Note: preemption])
@@ -198,13 +244,21 @@ def _train(trainer: Any, layout: Any, targs: Any, args: argparse.Namespace) -> i
     final = trainer.last_eval
     if dist.get_rank() == 0:
         whole = trainer.metrics.summary()  # every segment of a resumed run
-        summary = {"layout": layout.describe(), "steps": trainer.global_step, "first_loss": whole["first_loss"],
-                   "final_loss": history[-1]["loss"] if history else whole["final_loss"],
-                   "skipped_steps": whole["skipped_steps"], **final}
+        summary = {
+            "layout": layout.describe(),
+            "steps": trainer.global_step,
+            "first_loss": whole["first_loss"],
+            "final_loss": history[-1]["loss"] if history else whole["final_loss"],
+            "skipped_steps": whole["skipped_steps"],
+            **final,
+        }
         with open(os.path.join(targs.output_dir, "summary.json"), "w") as f:
             json.dump(json_safe(summary), f, indent=2, allow_nan=False)
-        print("final: " + "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
-                                    for k, v in summary.items()), flush=True)
+        print(
+            "final: "
+            + "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()),
+            flush=True,
+        )
     dist.destroy_process_group()
     return 0
 

@@ -219,8 +219,17 @@ class ParallelLayout:
             [groups["pp"], groups["dp"], groups["tp"]], dev.type, mesh=grid, mesh_dim_names=MESH_AXES
         )
         layout = cls(
-            dp=dp, tp=tp, pp=pp, rank=rank, world_size=world_size, device=dev, mesh=mesh,
-            dp_group=groups["dp"], tp_group=groups["tp"], pp_group=groups["pp"], timeout=timeout,
+            dp=dp,
+            tp=tp,
+            pp=pp,
+            rank=rank,
+            world_size=world_size,
+            device=dev,
+            mesh=mesh,
+            dp_group=groups["dp"],
+            tp_group=groups["tp"],
+            pp_group=groups["pp"],
+            timeout=timeout,
         )
         assert (layout.pp_rank, layout.dp_rank, layout.tp_rank) == mine
         logger.info("parallel layout: %s", layout.describe())
@@ -258,10 +267,21 @@ class ParallelLayout:
         dev = select_device(device)
         _use_device(dev)
         grid = torch.arange(world_size, dtype=torch.int).reshape(pp, dp, tp)
-        mesh = DeviceMesh.from_group([pp_group, dp_group, tp_group], dev.type, mesh=grid, mesh_dim_names=MESH_AXES)
+        mesh = DeviceMesh.from_group(
+            [pp_group, dp_group, tp_group], dev.type, mesh=grid, mesh_dim_names=MESH_AXES
+        )
         return cls(
-            dp=dp, tp=tp, pp=pp, rank=rank, world_size=world_size, device=dev, mesh=mesh,
-            dp_group=dp_group, tp_group=tp_group, pp_group=pp_group, timeout=timeout,
+            dp=dp,
+            tp=tp,
+            pp=pp,
+            rank=rank,
+            world_size=world_size,
+            device=dev,
+            mesh=mesh,
+            dp_group=dp_group,
+            tp_group=tp_group,
+            pp_group=pp_group,
+            timeout=timeout,
         )
 
 
@@ -272,7 +292,9 @@ def _env_int(name: str, default: int | None) -> int | None:
     try:
         return int(raw)
     except ValueError:
-        raise ValueError(f"environment variable {name}={raw!r} is not an integer; launch with torchrun") from None
+        raise ValueError(
+            f"environment variable {name}={raw!r} is not an integer; launch with torchrun"
+        ) from None
 
 
 def init(
@@ -356,8 +378,10 @@ def select_device(device: torch.device | str | None = None, *, backend: str | No
     if dev.index is None:
         return torch.device("cuda", local_rank() % count)
     if dev.index >= count:
-        raise ValueError(f"device={str(device)!r}: this process sees {count} CUDA device(s) (indices 0..{count - 1}, "
-                         "after CUDA_VISIBLE_DEVICES): pass device='cuda' to take LOCAL_RANK's device")
+        raise ValueError(
+            f"device={str(device)!r}: this process sees {count} CUDA device(s) (indices 0..{count - 1}, "
+            "after CUDA_VISIBLE_DEVICES): pass device='cuda' to take LOCAL_RANK's device"
+        )
     return dev
 
 
@@ -408,8 +432,10 @@ def ensure_process_group(
     if backend is None:
         backend = default_backend(dev)
     elif dev.type == "cuda" and not _wants_cuda(backend):
-        raise ValueError(f"backend={backend!r} cannot move tensors on {dev}: use backend='nccl' (or "
-                         "'cpu:gloo,cuda:nccl'), or device='cpu'")
+        raise ValueError(
+            f"backend={backend!r} cannot move tensors on {dev}: use backend='nccl' (or "
+            "'cpu:gloo,cuda:nccl'), or device='cpu'"
+        )
     _use_device(dev)
     kwargs: dict[str, object] = {"timeout": timeout}
     if dev.type == "cuda":
@@ -424,6 +450,15 @@ def ensure_process_group(
 
 
 __all__ = [
-    "MESH_AXES", "ParallelLayout", "collective_device", "coords_of", "default_backend", "ensure_process_group",
-    "init", "local_rank", "rank_of", "resolve_degrees", "select_device",
+    "MESH_AXES",
+    "ParallelLayout",
+    "collective_device",
+    "coords_of",
+    "default_backend",
+    "ensure_process_group",
+    "init",
+    "local_rank",
+    "rank_of",
+    "resolve_degrees",
+    "select_device",
 ]

@@ -41,7 +41,9 @@ _BAR = 24
 class MetricsWriter:
     """Rank-0 sink for training records (no-op on other ranks)."""
 
-    def __init__(self, output_dir: str, *, enabled: bool, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, output_dir: str, *, enabled: bool, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.output_dir = output_dir
         self.enabled = enabled
         self.total = 0
@@ -116,8 +118,11 @@ class MetricsWriter:
             return f"step {step:>{len(str(self.total))}}/{self.total}  eval  {rest}"
         done = min(_BAR, round(_BAR * step / max(1, self.total)))
         bar = "=" * done + (">" if done < _BAR else "") + " " * max(0, _BAR - done - 1)
-        parts = [f"step {step:>{len(str(self.total))}}/{self.total} [{bar}]", f"loss {r['loss']:.4f}",
-                 f"lr {r.get('lr', 0.0):.2e}"]
+        parts = [
+            f"step {step:>{len(str(self.total))}}/{self.total} [{bar}]",
+            f"loss {r['loss']:.4f}",
+            f"lr {r.get('lr', 0.0):.2e}",
+        ]
         if r.get("grad_norm") is not None:
             parts.append(f"grad_norm {r['grad_norm']:.3g}")
         if r.get("skipped"):
@@ -134,8 +139,11 @@ class MetricsWriter:
             return None
         if self._tb is not None:
             self._tb.close()
-        points = [(r["step"], r["loss"]) for r in self.records
-                  if isinstance(r.get("loss"), float) and math.isfinite(r["loss"])]
+        points = [
+            (r["step"], r["loss"])
+            for r in self.records
+            if isinstance(r.get("loss"), float) and math.isfinite(r["loss"])
+        ]
         if not points:
             return None
         try:
@@ -165,9 +173,11 @@ class MetricsWriter:
     def summary(self) -> dict[str, Any]:
         """First and last training loss of the whole run (every segment), and the skipped non-finite steps."""
         losses = [r for r in self.records if "loss" in r]
-        return {"first_loss": losses[0]["loss"] if losses else None,
-                "final_loss": losses[-1]["loss"] if losses else None,
-                "skipped_steps": sum(1 for r in losses if r.get("skipped"))}
+        return {
+            "first_loss": losses[0]["loss"] if losses else None,
+            "final_loss": losses[-1]["loss"] if losses else None,
+            "skipped_steps": sum(1 for r in losses if r.get("skipped")),
+        }
 
 
 def format_duration(seconds: float) -> str:

@@ -63,8 +63,9 @@ def first_nonfinite_gradient(named: Sequence[tuple[str, nn.Parameter]]) -> tuple
     return None
 
 
-def nonfinite_error(*, step: int, loss: float, grad_norm: float | None, named: Sequence[tuple[str, nn.Parameter]],
-                    layout: Any) -> NonFiniteError:
+def nonfinite_error(
+    *, step: int, loss: float, grad_norm: float | None, named: Sequence[tuple[str, nn.Parameter]], layout: Any
+) -> NonFiniteError:
     """The ``stop`` policy's error, identical on every rank (collective: gathers each rank's first bad gradient).
 
     The first non-finite gradient is the one of the lowest pipeline stage that has one, in that
@@ -78,8 +79,10 @@ def nonfinite_error(*, step: int, loss: float, grad_norm: float | None, named: S
     norm = "not computed (max_grad_norm=0)" if grad_norm is None else f"{grad_norm!r}"
     if found:
         pp_rank, tp_rank, dp_rank, rank, name, what = found[0]
-        where = (f"the first non-finite gradient is {name!r} ({what}, on rank {rank}: pp_rank {pp_rank}, "
-                 f"dp_rank {dp_rank}, tp_rank {tp_rank})")
+        where = (
+            f"the first non-finite gradient is {name!r} ({what}, on rank {rank}: pp_rank {pp_rank}, "
+            f"dp_rank {dp_rank}, tp_rank {tp_rank})"
+        )
     elif not math.isfinite(loss):
         where = "every gradient is finite (the loss alone is not)"
     else:
@@ -102,5 +105,12 @@ def json_safe(value: Any) -> Any:
     return value
 
 
-__all__ = ["SKIP", "STOP", "NonFiniteError", "first_nonfinite_gradient", "json_safe", "local_grads_nonfinite",
-           "nonfinite_error"]
+__all__ = [
+    "SKIP",
+    "STOP",
+    "NonFiniteError",
+    "first_nonfinite_gradient",
+    "json_safe",
+    "local_grads_nonfinite",
+    "nonfinite_error",
+]

@@ -45,11 +45,16 @@ class OutputDirLocked(RuntimeError):
 
 def _describe(holder: dict[str, Any]) -> str:
     started = holder.get("started")
-    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)) if isinstance(started, (int, float)) else "?"
+    when = (
+        time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))
+        if isinstance(started, (int, float))
+        else "?"
+    )
     command = holder.get("command")
     torchrun = f" (torchrun pid {holder['torchrun_pid']})" if holder.get("torchrun_pid") else ""
-    return (f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}{torchrun}, started {when}"
-            + (f", command: {command}" if command else ""))
+    return f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}{torchrun}, started {when}" + (
+        f", command: {command}" if command else ""
+    )
 
 
 def _read_holder(fd: int) -> dict[str, Any] | None:
@@ -97,16 +102,22 @@ class OutputDirLock:
                 f"output_dir {str(directory)!r} is in use by another running job ({_describe(holder)}; lock file "
                 f"{str(path)!r}). Wait for that job to finish or stop it (kill {holder.get('pid', '<pid>')} on "
                 f"{holder.get('host', 'its host')}), or give this job another directory "
-                "(training.output_dir=...)") from None
+                "(training.output_dir=...)"
+            ) from None
         except BaseException:
             os.close(fd)
             raise
         stale = _read_holder(fd)
         if stale is not None:
-            logger.warning("output_dir %s: taking over the lock of a job that is gone (%s)", directory,
-                           _describe(stale))
-        me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
-              "command": command if command is not None else " ".join(sys.argv)}
+            logger.warning(
+                "output_dir %s: taking over the lock of a job that is gone (%s)", directory, _describe(stale)
+            )
+        me = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started": time.time(),
+            "command": command if command is not None else " ".join(sys.argv),
+        }
         lock = cls(path, fd, stale)
         lock._write(me)
         return lock

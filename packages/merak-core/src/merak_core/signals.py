@@ -59,8 +59,10 @@ class TrainingPreempted(Exception):
         """The one line that tells the user how to continue (``command``: e.g. ``merak train job.yaml --resume latest``)."""
         if not self.checkpoint:
             return f"merak: stopped by {self.signal_name} after step {self.step}; nothing was saved (no output_dir)"
-        return (f"merak: stopped by {self.signal_name} after step {self.step}, checkpoint {self.checkpoint}; "
-                f"resume with: {command}")
+        return (
+            f"merak: stopped by {self.signal_name} after step {self.step}, checkpoint {self.checkpoint}; "
+            f"resume with: {command}"
+        )
 
 
 class StopRequest:
@@ -89,8 +91,9 @@ class StopRequest:
         if self.signal_name is None:
             self.signal_name = name
             if self.announce:
-                logger.warning("received %s: finishing the current step with every rank, then saving and exiting",
-                               name)
+                logger.warning(
+                    "received %s: finishing the current step with every rank, then saving and exiting", name
+                )
         if self.count >= 3:  # the user insists: the default action next time
             for sig, previous in self._previous.items():
                 signal.signal(sig, previous)
@@ -126,7 +129,9 @@ class SetupSignals:
     entered then inherits the recorded signal.
     """
 
-    def __init__(self, message: Callable[[str], str | None] | None = None, *, exit_code: int = PREEMPTED) -> None:
+    def __init__(
+        self, message: Callable[[str], str | None] | None = None, *, exit_code: int = PREEMPTED
+    ) -> None:
         self.message = message
         self.exit_code = exit_code
         self.late: int | None = None
@@ -176,8 +181,9 @@ class SetupSignals:
         self._old_wakeup = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
         for sig in STOP_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
-        self._watcher = threading.Thread(target=self._watch, args=(read_fd,), name="merak-setup-signals",
-                                         daemon=True)
+        self._watcher = threading.Thread(
+            target=self._watch, args=(read_fd,), name="merak-setup-signals", daemon=True
+        )
         self._watcher.start()
         return self
 

@@ -41,8 +41,15 @@ class Heartbeat:
         store: the store to beat in (default: the default process group's).
     """
 
-    def __init__(self, rank: int, world_size: int, *, interval_s: float,
-                 describe: Callable[[int], str] | None = None, store: Any = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        *,
+        interval_s: float,
+        describe: Callable[[int], str] | None = None,
+        store: Any = None,
+    ) -> None:
         self.rank = rank
         self.world_size = world_size
         self.interval_s = interval_s
@@ -52,8 +59,9 @@ class Heartbeat:
         self._thread: threading.Thread | None = None
 
     @classmethod
-    def for_timeout(cls, rank: int, world_size: int, timeout_s: float, *,
-                    describe: Callable[[int], str] | None = None) -> Heartbeat:
+    def for_timeout(
+        cls, rank: int, world_size: int, timeout_s: float, *, describe: Callable[[int], str] | None = None
+    ) -> Heartbeat:
         """Beats 10 times per timeout, between every 0.2 s and every 1 s."""
         return cls(rank, world_size, interval_s=min(1.0, max(0.2, timeout_s / 10)), describe=describe)
 
@@ -124,8 +132,10 @@ class Heartbeat:
         if stalled is None:
             return "the ranks' heartbeats could not be read"
         if not stalled:
-            return ("every other rank still beats its heartbeat: they are alive but did not reach this "
-                    "collective (one waits elsewhere, or the step needs more than the timeout)")
+            return (
+                "every other rank still beats its heartbeat: they are alive but did not reach this "
+                "collective (one waits elsewhere, or the step needs more than the timeout)"
+            )
         names = "; ".join(self.describe(r) for r in stalled)
         return f"no heartbeat from {names}: stalled (stopped, hung) or dead"
 

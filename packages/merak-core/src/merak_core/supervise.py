@@ -39,7 +39,9 @@ FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 _EXITCODE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
 _REPORT_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
-_AGENT_SIGNAL = re.compile(r"got signal: (\d+)|Received (\d+) death signal|Received Signals\.(\w+) death signal")
+_AGENT_SIGNAL = re.compile(
+    r"got signal: (\d+)|Received (\d+) death signal|Received Signals\.(\w+) death signal"
+)
 _RANK_LINE = re.compile(r"^\[rank \d+\] ")
 
 __all__ = ["FORWARDED", "JobOutcome", "failure_line", "run_torchrun"]
@@ -60,8 +62,9 @@ class _ShutdownFilter:
         text = line.rstrip("\n")
         if text.startswith("Traceback (most recent call last)"):
             self.in_traceback = True
-        elif self.in_traceback and not (text[:1].isspace() or text == "" or text.startswith(("During handling",
-                                                                                               "The above exception"))):
+        elif self.in_traceback and not (
+            text[:1].isspace() or text == "" or text.startswith(("During handling", "The above exception"))
+        ):
             self.in_traceback = False  # the exception line closes the traceback
             self.hidden += 1
             return False
@@ -176,18 +179,31 @@ def failure_line(outcome: JobOutcome, max_restarts: int) -> str | None:
         return None
     if outcome.root_cause is not None:
         rank, code = outcome.root_cause
-        how = (f"killed by {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals()
-               else f"exit code {code}")
+        how = (
+            f"killed by {signal.Signals(-code).name}"
+            if code < 0 and -code in signal.valid_signals()
+            else f"exit code {code}"
+        )
         cause = f"rank {rank} failed first ({how}); its error is above"
     else:
         cause = f"torchrun exited with status {status}; the error is above"
-    spent = (f"; torchrun restarted the job {max_restarts} time{'s' if max_restarts != 1 else ''} "
-             f"(--max-restarts {max_restarts}) and every attempt failed, so it gave up" if max_restarts > 0 else "")
+    spent = (
+        f"; torchrun restarted the job {max_restarts} time{'s' if max_restarts != 1 else ''} "
+        f"(--max-restarts {max_restarts}) and every attempt failed, so it gave up"
+        if max_restarts > 0
+        else ""
+    )
     return f"merak train: the job failed: {cause}{spent}"
 
 
-def run_torchrun(cmd: Sequence[str], *, env: dict[str, str] | None = None, pass_fds: Sequence[int] = (),
-                 on_start: Any = None, err: IO[str] | None = None) -> JobOutcome:
+def run_torchrun(
+    cmd: Sequence[str],
+    *,
+    env: dict[str, str] | None = None,
+    pass_fds: Sequence[int] = (),
+    on_start: Any = None,
+    err: IO[str] | None = None,
+) -> JobOutcome:
     """Run ``cmd`` (a torchrun command line) as described in [Note: signal forwarding].
 
     ``on_start(pid)`` is called once torchrun runs; ``err`` receives torchrun's stderr
@@ -203,8 +219,10 @@ def run_torchrun(cmd: Sequence[str], *, env: dict[str, str] | None = None, pass_
         if outcome.signal is not None:  # a repeated signal: torchrun is already stopping its ranks
             outcome.repeats += 1
             if outcome.repeats == 1:
-                out.write("merak train: still stopping (the ranks finish their step and save); signal once more "
-                          "to kill them now\n")
+                out.write(
+                    "merak train: still stopping (the ranks finish their step and save); signal once more "
+                    "to kill them now\n"
+                )
             elif started:
                 out.write("merak train: killing torchrun and its ranks\n")
                 _kill_tree(started[0].pid)
@@ -221,8 +239,16 @@ def run_torchrun(cmd: Sequence[str], *, env: dict[str, str] | None = None, pass_
 
     previous = {s: signal.signal(s, forward) for s in FORWARDED}  # before Popen: no signal is missed
     try:
-        proc = subprocess.Popen(list(cmd), env=env, start_new_session=True, stderr=subprocess.PIPE, text=True,
-                                errors="replace", bufsize=1, pass_fds=tuple(pass_fds))
+        proc = subprocess.Popen(
+            list(cmd),
+            env=env,
+            start_new_session=True,
+            stderr=subprocess.PIPE,
+            text=True,
+            errors="replace",
+            bufsize=1,
+            pass_fds=tuple(pass_fds),
+        )
     except BaseException:
         for s, handler in previous.items():
             signal.signal(s, handler)

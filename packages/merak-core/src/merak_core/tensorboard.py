@@ -36,17 +36,21 @@ def available() -> bool:
 def open_writer(output_dir: str, *, resumed_step: int = 0) -> Any:
     """A ``SummaryWriter`` on ``output_dir/tensorboard`` (None without the ``tensorboard`` package)."""
     if not available():
-        logger.info("tensorboard is not installed (pip install 'merak-core[tensorboard]'): no TensorBoard events")
+        logger.info(
+            "tensorboard is not installed (pip install 'merak-core[tensorboard]'): no TensorBoard events"
+        )
         return None
     from torch.utils.tensorboard import SummaryWriter
 
-    return SummaryWriter(os.path.join(output_dir, SUBDIR), purge_step=resumed_step + 1 if resumed_step else None)
+    return SummaryWriter(
+        os.path.join(output_dir, SUBDIR), purge_step=resumed_step + 1 if resumed_step else None
+    )
 
 
 def tag(key: str, *, evaluation: bool) -> str:
     """The TensorBoard tag of a record key (``loss`` -> ``train/loss``, ``eval_loss`` -> ``eval/loss``)."""
     if evaluation:
-        return "eval/" + (key[len("eval_"):] if key.startswith("eval_") else key)
+        return "eval/" + (key[len("eval_") :] if key.startswith("eval_") else key)
     return f"train/{key}"
 
 

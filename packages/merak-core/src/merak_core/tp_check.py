@@ -38,9 +38,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["FLOAT32_TOLERANCE", "FLOAT64_TOLERANCE", "ModuleDifference", "check_before_training",
-           "check_plan_numerics", "check_sequence_parallel", "compare_sharded_modules", "default_tolerance",
-           "format_report", "resolve_plan"]
+__all__ = [
+    "FLOAT32_TOLERANCE",
+    "FLOAT64_TOLERANCE",
+    "ModuleDifference",
+    "check_before_training",
+    "check_plan_numerics",
+    "check_sequence_parallel",
+    "compare_sharded_modules",
+    "default_tolerance",
+    "format_report",
+    "resolve_plan",
+]
 
 
 @dataclass(frozen=True)
@@ -76,8 +85,9 @@ def _gather_output(module: nn.Module, out: torch.Tensor, group: Any) -> torch.Te
     import merak_tp
 
     weight = getattr(module, "weight", None)
-    sharded = (isinstance(module, merak_tp.ColumnParallelLinear) and not module.gather_output) or \
-        isinstance(module, merak_tp.ShardedRMSNorm)
+    sharded = (isinstance(module, merak_tp.ColumnParallelLinear) and not module.gather_output) or isinstance(
+        module, merak_tp.ShardedRMSNorm
+    )
     if not sharded or weight is None or dist.get_world_size(group) == 1:
         return out
     t = out.detach().movedim(-1, 0).contiguous()
@@ -89,10 +99,12 @@ def _record(model: nn.Module, names: list[str], into: dict[str, torch.Tensor]) -
     handles = []
     modules = dict(model.named_modules())
     for name in names:
+
         def hook(_m: nn.Module, _args: Any, out: Any, name: str = name) -> None:
             t = _first_tensor(out)
             if t is not None and name not in into:  # the first call (a module may run once per layer)
                 into[name] = t
+
         handles.append(modules[name].register_forward_hook(hook))
     return handles
 
@@ -100,8 +112,12 @@ def _record(model: nn.Module, names: list[str], into: dict[str, torch.Tensor]) -
 def _call(model: nn.Module, inputs: Any) -> None:
     if isinstance(inputs, dict):
         model(**inputs)
-    elif isinstance(inputs, tuple) and len(inputs) == 2 and isinstance(inputs[1], dict) \
-            and isinstance(inputs[0], tuple):
+    elif (
+        isinstance(inputs, tuple)
+        and len(inputs) == 2
+        and isinstance(inputs[1], dict)
+        and isinstance(inputs[0], tuple)
+    ):
         model(*inputs[0], **inputs[1])
     elif isinstance(inputs, (tuple, list)):
         model(*inputs)
@@ -139,8 +155,11 @@ class _Float32Watch(torch.overrides.TorchFunctionMode):
         super().__init__()
         self.seen = False
         self.depth = 0
-        self.handles = [h for m in modules for h in (m.register_forward_pre_hook(self._enter),
-                                                    m.register_forward_hook(self._leave))]
+        self.handles = [
+            h
+            for m in modules
+            for h in (m.register_forward_pre_hook(self._enter), m.register_forward_hook(self._leave))
+        ]
 
     def _enter(self, *_: Any) -> None:
         self.depth += 1
@@ -159,7 +178,9 @@ class _Float32Watch(torch.overrides.TorchFunctionMode):
         return out
 
 
-def compare_sharded_modules(model: nn.Module, inputs: Any, *, plan: Any, group: Any) -> list[ModuleDifference]:
+def compare_sharded_modules(
+    model: nn.Module, inputs: Any, *, plan: Any, group: Any
+) -> list[ModuleDifference]:
     """On the ranks of TP ``group`` (collective): ``model`` unsharded against a sharded copy, per module.
 
     ``model`` is not changed (both runs use float64 copies, in eval mode); ``inputs`` is a dict of
@@ -169,9 +190,15 @@ def compare_sharded_modules(model: nn.Module, inputs: Any, *, plan: Any, group: 
 
     ref = copy.deepcopy(model).double().eval()
     sharded_model = merak_tp.parallelize(copy.deepcopy(ref), plan, group=group)
-    names = [n for n, m in sharded_model.named_modules() if n and (
-        isinstance(m, merak_tp.TP_LEAF_MODULES) and not isinstance(m, (merak_tp.SequenceScatter,
-                                                                        merak_tp.SequenceGather)))]
+    names = [
+        n
+        for n, m in sharded_model.named_modules()
+        if n
+        and (
+            isinstance(m, merak_tp.TP_LEAF_MODULES)
+            and not isinstance(m, (merak_tp.SequenceScatter, merak_tp.SequenceGather))
+        )
+    ]
     got: dict[str, torch.Tensor] = {}
     want: dict[str, torch.Tensor] = {}
     handles = _record(sharded_model, names, got) + _record(ref, names, want)
@@ -195,8 +222,15 @@ def compare_sharded_modules(model: nn.Module, inputs: Any, *, plan: Any, group: 
         full = _gather_output(modules[name], got[name], group)
         expected = want[name].detach().to(full.dtype)
         diff = float((full - expected).abs().max()) if full.shape == expected.shape else float("inf")
-        rows.append(ModuleDifference(name=name, kind=type(modules[name]).__name__, max_abs=diff,
-                                     scale=float(expected.abs().max()), float32_inside=watch.seen))
+        rows.append(
+            ModuleDifference(
+                name=name,
+                kind=type(modules[name]).__name__,
+                max_abs=diff,
+                scale=float(expected.abs().max()),
+                float32_inside=watch.seen,
+            )
+        )
     return rows
 
 
@@ -224,28 +258,40 @@ def check_sequence_parallel(model: nn.Module, tp_plan: Any) -> None:
     family = getattr(getattr(model, "config", None), "model_type", None)
     what = f"{type(model).__name__} (model_type {family!r})" if family else type(model).__name__
     why = f": {plan.sequence_parallel_note}" if plan.sequence_parallel_note else ""
-    raise ValueError(f"training.sequence_parallel=true: the TP plan {plan.name!r} of {what} does not support "
-                     f"sequence parallelism{why}. Set training.sequence_parallel: false (tensor parallelism "
-                     "without it is exact), or give a training.tp_plan with sequence_scatter/sequence_full "
-                     "patterns and sequence_parallel: true")
+    raise ValueError(
+        f"training.sequence_parallel=true: the TP plan {plan.name!r} of {what} does not support "
+        f"sequence parallelism{why}. Set training.sequence_parallel: false (tensor parallelism "
+        "without it is exact), or give a training.tp_plan with sequence_scatter/sequence_full "
+        "patterns and sequence_parallel: true"
+    )
 
 
-def check_before_training(model: nn.Module, inputs: Any, *, plan: Any, group: Any,
-                          tolerance: float | None = None) -> None:
+def check_before_training(
+    model: nn.Module, inputs: Any, *, plan: Any, group: Any, tolerance: float | None = None
+) -> None:
     """``compare_sharded_modules`` on the job's TP group; ``ValueError`` naming the modules above ``tolerance``
     (default: :func:`default_tolerance`)."""
     rows = compare_sharded_modules(model, inputs, plan=plan, group=group)
     tolerance = default_tolerance(rows) if tolerance is None else tolerance
     bad = [r for r in rows if r.relative > tolerance]
     if bad:
-        raise ValueError("the TP plan does not shard the model exactly (training.tp_check):\n"
-                         + format_report(rows, tolerance=tolerance)
-                         + "\nfix the plan's styles or sections for these modules (merak check JOB.yaml prints "
-                         "the same table before launch)")
+        raise ValueError(
+            "the TP plan does not shard the model exactly (training.tp_check):\n"
+            + format_report(rows, tolerance=tolerance)
+            + "\nfix the plan's styles or sections for these modules (merak check JOB.yaml prints "
+            "the same table before launch)"
+        )
 
 
-def _rank_main(rank: int, world: int, store_path: str, out_path: str, build: Callable[[], nn.Module],
-               inputs: Any, plan: Any) -> None:
+def _rank_main(
+    rank: int,
+    world: int,
+    store_path: str,
+    out_path: str,
+    build: Callable[[], nn.Module],
+    inputs: Any,
+    plan: Any,
+) -> None:
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
@@ -259,8 +305,13 @@ def _rank_main(rank: int, world: int, store_path: str, out_path: str, build: Cal
         dist.destroy_process_group()
 
 
-def check_plan_numerics(build: Callable[[], nn.Module], inputs: tuple[tuple[Any, ...], dict[str, Any]], *,
-                        plan: Any = None, tp: int = 2) -> list[ModuleDifference]:
+def check_plan_numerics(
+    build: Callable[[], nn.Module],
+    inputs: tuple[tuple[Any, ...], dict[str, Any]],
+    *,
+    plan: Any = None,
+    tp: int = 2,
+) -> list[ModuleDifference]:
     """Run the unsharded and the TP-sharded model on ``tp`` forked gloo processes; one row per sharded module.
 
     ``build()`` returns the model (called with the same seed on every rank); ``inputs`` are
@@ -272,8 +323,9 @@ def check_plan_numerics(build: Callable[[], nn.Module], inputs: tuple[tuple[Any,
         raise ValueError(f"tp={tp}: a plan check needs at least 2 TP ranks")
     with tempfile.TemporaryDirectory(prefix="merak-check-") as tmp:
         store, out = os.path.join(tmp, "store"), os.path.join(tmp, "report.json")
-        mp.start_processes(_rank_main, args=(tp, store, out, build, inputs, plan), nprocs=tp, join=True,
-                           start_method="fork")
+        mp.start_processes(
+            _rank_main, args=(tp, store, out, build, inputs, plan), nprocs=tp, join=True, start_method="fork"
+        )
         with open(out) as f:
             rows = json.load(f)
     return [ModuleDifference(**row) for row in rows]
@@ -289,6 +341,8 @@ def format_report(rows: list[ModuleDifference], *, tolerance: float | None = Non
         lines.append(f"{r.name:<{width}}  {r.kind[:28]:<28}  {r.max_abs:>11.3e}  {r.relative:>9.2e}  {ok}")
     bad = [r for r in rows if r.relative > tolerance]
     inside = " (the model computes in float32 inside)" if any(r.float32_inside for r in rows) else ""
-    lines.append(f"{len(rows)} sharded modules, {len(bad)} above the tolerance {tolerance:g}{inside}"
-                 + (f": {', '.join(r.name for r in bad[:5])}" if bad else ""))
+    lines.append(
+        f"{len(rows)} sharded modules, {len(bad)} above the tolerance {tolerance:g}{inside}"
+        + (f": {', '.join(r.name for r in bad[:5])}" if bad else "")
+    )
     return "\n".join(lines)

@@ -26,7 +26,9 @@ def _job_inputs(job: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     from merak_core.job import load_callable
 
     train, _ = job.build_datasets()
-    collate = load_callable(job.collate, base_dir=job.base_dir, what="collate") if job.collate else default_collate
+    collate = (
+        load_callable(job.collate, base_dir=job.base_dir, what="collate") if job.collate else default_collate
+    )
     batch = collate([train[i] for i in range(min(len(train), job.training.per_device_train_batch_size))])
     if isinstance(batch, dict):
         return (), {k: v for k, v in batch.items() if k != "labels"}
@@ -35,8 +37,9 @@ def _job_inputs(job: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     return (batch,), {}
 
 
-def check_job(job: Any, *, tp: int | None = None, tiny: bool | None = None,
-              max_params: int | None = None) -> tuple[list[ModuleDifference], str]:
+def check_job(
+    job: Any, *, tp: int | None = None, tiny: bool | None = None, max_params: int | None = None
+) -> tuple[list[ModuleDifference], str]:
     """``merak check``: the job's plan on its model, or on a tiny config of its family; (rows, what was checked).
 
     ``tiny``: True always, False never, None when the model does not fit or has more than
@@ -55,14 +58,17 @@ def check_job(job: Any, *, tp: int | None = None, tiny: bool | None = None,
     if getattr(t, "sequence_parallel", False):
         check_sequence_parallel(meta, plan)
     use_tiny, why = tiny_mod.choose_check_model(
-        meta, tp=tp, tiny=tiny, max_params=tiny_mod.DEFAULT_MAX_PARAMS if max_params is None else max_params)
+        meta, tp=tp, tiny=tiny, max_params=tiny_mod.DEFAULT_MAX_PARAMS if max_params is None else max_params
+    )
     inputs = _job_inputs(job)
     build: Callable[[], nn.Module] = job.build_model
     if use_tiny:
         config = tiny_mod.tiny_config(meta.config, tp=tp)  # type: ignore[union-attr]
         build = tiny_mod.tiny_builder(type(meta), config)
         inputs = tiny_mod.tiny_inputs(inputs, config)
-        why += f"\n  real: {tiny_mod.describe_config(meta.config)}\n  tiny: {tiny_mod.describe_config(config)}"
+        why += (
+            f"\n  real: {tiny_mod.describe_config(meta.config)}\n  tiny: {tiny_mod.describe_config(config)}"
+        )
     del meta
     if plan in (None, "auto"):
         plan = None  # the built-in plan of the model each rank builds

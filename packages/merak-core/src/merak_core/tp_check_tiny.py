@@ -38,8 +38,12 @@ TINY_SEQ = 16
 DEFAULT_MAX_PARAMS = 200_000_000
 """Above this many parameters ``merak check`` uses the tiny config unless ``--full`` (a CPU forward in float64)."""
 
-_ALIASES = {"n_embd": "hidden_size", "d_model": "hidden_size", "n_layer": "num_hidden_layers",
-            "n_head": "num_attention_heads"}
+_ALIASES = {
+    "n_embd": "hidden_size",
+    "d_model": "hidden_size",
+    "n_layer": "num_hidden_layers",
+    "n_head": "num_attention_heads",
+}
 
 
 def _canonical(d: dict[str, Any], key: str) -> Any:
@@ -52,7 +56,13 @@ def _canonical(d: dict[str, Any], key: str) -> Any:
 def _heads(d: dict[str, Any], tp: int) -> tuple[int, int | None]:
     """Tiny (query heads, key/value heads); None when the config has no key/value head count."""
     heads = int(_canonical(d, "num_attention_heads") or 1)
-    kv_key = "num_key_value_heads" if "num_key_value_heads" in d else "num_kv_heads" if "num_kv_heads" in d else None
+    kv_key = (
+        "num_key_value_heads"
+        if "num_key_value_heads" in d
+        else "num_kv_heads"
+        if "num_kv_heads" in d
+        else None
+    )
     kv = d.get(kv_key) if kv_key else None
     kv = int(kv) if kv else heads
     tiny_heads = 2 * tp
@@ -97,17 +107,33 @@ def tiny_config(config: Any, *, tp: int) -> Any:
     heads, kv = _heads(d, tp)
     hidden = heads * TINY_HEAD_DIM
     layers, per_layer = _layers(d)
-    widths = {"hidden_size": hidden, "n_embd": hidden, "d_model": hidden, "word_embed_proj_dim": hidden,
-              "num_attention_heads": heads, "n_head": heads, "num_key_value_heads": kv, "num_kv_heads": kv,
-              "head_dim": TINY_HEAD_DIM, "query_pre_attn_scalar": TINY_HEAD_DIM,
-              "num_hidden_layers": layers, "n_layer": layers,
-              "intermediate_size": 2 * hidden, "ffn_dim": 2 * hidden, "ffn_hidden_size": 2 * hidden,
-              "moe_intermediate_size": hidden // 2, "shared_expert_intermediate_size": hidden // 2,
-              "num_local_experts": min(int(d.get("num_local_experts") or 0), 4),
-              "num_experts": min(int(d.get("num_experts") or 0), 4),
-              "num_experts_per_tok": min(int(d.get("num_experts_per_tok") or 0), 2),
-              "vocab_size": TINY_VOCAB, "max_position_embeddings": 64, "n_positions": 64,
-              "original_max_position_embeddings": 64, "sliding_window": 4}
+    widths = {
+        "hidden_size": hidden,
+        "n_embd": hidden,
+        "d_model": hidden,
+        "word_embed_proj_dim": hidden,
+        "num_attention_heads": heads,
+        "n_head": heads,
+        "num_key_value_heads": kv,
+        "num_kv_heads": kv,
+        "head_dim": TINY_HEAD_DIM,
+        "query_pre_attn_scalar": TINY_HEAD_DIM,
+        "num_hidden_layers": layers,
+        "n_layer": layers,
+        "intermediate_size": 2 * hidden,
+        "ffn_dim": 2 * hidden,
+        "ffn_hidden_size": 2 * hidden,
+        "moe_intermediate_size": hidden // 2,
+        "shared_expert_intermediate_size": hidden // 2,
+        "num_local_experts": min(int(d.get("num_local_experts") or 0), 4),
+        "num_experts": min(int(d.get("num_experts") or 0), 4),
+        "num_experts_per_tok": min(int(d.get("num_experts_per_tok") or 0), 2),
+        "vocab_size": TINY_VOCAB,
+        "max_position_embeddings": 64,
+        "n_positions": 64,
+        "original_max_position_embeddings": 64,
+        "sliding_window": 4,
+    }
     changes = {k: v for k, v in widths.items() if k in d and d[k] is not None}
     if d.get("n_inner") is not None:
         changes["n_inner"] = 4 * hidden
@@ -120,7 +146,9 @@ def tiny_config(config: Any, *, tp: int) -> Any:
     changes["use_cache"] = False
     extra = {}
     if d.get("num_local_experts") or d.get("num_experts"):
-        extra["experts_implementation"] = "eager"  # the check runs in float64; grouped kernels take float32 only
+        extra["experts_implementation"] = (
+            "eager"  # the check runs in float64; grouped kernels take float32 only
+        )
     return type(config).from_dict({**d, **changes}, **extra)
 
 
@@ -128,15 +156,23 @@ def describe_config(config: Any) -> str:
     """One line of the sizes that matter for TP: hidden, layers, heads, kv heads, vocabulary, experts."""
     d = config.to_dict()
     parts = [f"{k}={_canonical(d, k)}" for k in ("hidden_size", "num_hidden_layers", "num_attention_heads")]
-    for key in ("num_key_value_heads", "num_kv_heads", "head_dim", "intermediate_size", "num_local_experts",
-                "num_experts", "vocab_size"):
+    for key in (
+        "num_key_value_heads",
+        "num_kv_heads",
+        "head_dim",
+        "intermediate_size",
+        "num_local_experts",
+        "num_experts",
+        "vocab_size",
+    ):
         if d.get(key) is not None:
             parts.append(f"{key}={d[key]}")
     return ", ".join(parts)
 
 
-def tiny_inputs(inputs: tuple[tuple[Any, ...], dict[str, Any]], config: Any) -> tuple[tuple[Any, ...],
-                                                                                       dict[str, Any]]:
+def tiny_inputs(
+    inputs: tuple[tuple[Any, ...], dict[str, Any]], config: Any
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """One batch for the tiny model: 2 samples, at most ``TINY_SEQ`` positions, token ids in its vocabulary."""
     vocab = int(config.vocab_size)
     type_vocab = getattr(config, "type_vocab_size", None)
@@ -180,8 +216,14 @@ def _available_memory() -> int | None:
         return None
 
 
-def choose_check_model(meta_model: nn.Module, *, tp: int, tiny: bool | None, max_params: int = DEFAULT_MAX_PARAMS,
-                       available: int | None = None) -> tuple[bool, str]:
+def choose_check_model(
+    meta_model: nn.Module,
+    *,
+    tp: int,
+    tiny: bool | None,
+    max_params: int = DEFAULT_MAX_PARAMS,
+    available: int | None = None,
+) -> tuple[bool, str]:
     """Whether to check the tiny config (``tiny=None``: when the model does not fit or is large), and why.
 
     ``meta_model`` is the job's model built on the meta device (nothing allocated).
@@ -196,16 +238,20 @@ def choose_check_model(meta_model: nn.Module, *, tp: int, tiny: bool | None, max
     if tiny:
         reason = f"{size}; --tiny"
     elif available is not None and need > available // 2:
-        reason = (f"{size}: a whole check at tp={tp} needs ~{need / 2**30:.1f} GiB, more than half of the "
-                  f"{available / 2**30:.1f} GiB available")
+        reason = (
+            f"{size}: a whole check at tp={tp} needs ~{need / 2**30:.1f} GiB, more than half of the "
+            f"{available / 2**30:.1f} GiB available"
+        )
     elif num_params > max_params:
         reason = f"{size}, more than --max-params={max_params:,}"
     else:
         return False, f"{size}: checked whole"
     if not has_config:
-        raise ValueError(f"{reason}, but only a transformers model (with model.config) can be checked on a tiny "
-                         f"config of its family; run `merak check` on a smaller model of the same code, or pass "
-                         f"--full on a machine with ~{need / 2**30:.1f} GiB free")
+        raise ValueError(
+            f"{reason}, but only a transformers model (with model.config) can be checked on a tiny "
+            f"config of its family; run `merak check` on a smaller model of the same code, or pass "
+            f"--full on a machine with ~{need / 2**30:.1f} GiB free"
+        )
     return True, f"{reason}: checking a tiny config of the same family"
 
 

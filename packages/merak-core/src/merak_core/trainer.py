@@ -113,10 +113,14 @@ class Trainer:
         """The Hugging Face folder the run started from (recorded in checkpoints for ``merak export``)."""
         if args.layout == "auto" or (args.plan_check_steps and plan_context is None):
             if args.layout == "auto" and layout is not None:
-                raise ValueError("layout='auto' chooses dp/tp/pp itself: do not pass layout= (or use layout: manual)")
+                raise ValueError(
+                    "layout='auto' chooses dp/tp/pp itself: do not pass layout= (or use layout: manual)"
+                )
             from merak_core.planner.auto import plan_for_job  # collective: see [Note: layout auto] in config
 
-            args, plan_context = plan_for_job(args, model, train_dataset, data_collator=data_collator, device=device)
+            args, plan_context = plan_for_job(
+                args, model, train_dataset, data_collator=data_collator, device=device
+            )
         if args.sequence_parallel and (layout.tp if layout is not None else args.tp) > 1:
             from merak_core.tp_check import check_sequence_parallel
 
@@ -131,22 +135,40 @@ class Trainer:
         self.eval_dataset = eval_dataset
         check_schedule(args, self.layout)
         self.train_loader = (
-            StageAwareDataLoader(train_dataset, batch_size=args.micro_batch_size * args.num_microbatches,
-                                 **stage_data_roles(args, self.layout), collate_fn=data_collator, seed=args.seed, shuffle=True,
-                                 num_workers=args.dataloader_num_workers)
-            if train_dataset is not None else None
+            StageAwareDataLoader(
+                train_dataset,
+                batch_size=args.micro_batch_size * args.num_microbatches,
+                **stage_data_roles(args, self.layout),
+                collate_fn=data_collator,
+                seed=args.seed,
+                shuffle=True,
+                num_workers=args.dataloader_num_workers,
+            )
+            if train_dataset is not None
+            else None
         )
         example_labels = None
         if example_inputs is None:
             example_inputs, example_labels = bootstrap.example_batch(
-                train_dataset if train_dataset is not None else eval_dataset, data_collator, args.micro_batch_size)
-        composed = bootstrap.compose(model, args, self.layout, self.device, example_inputs=example_inputs,
-                                     init_fn=init_fn)
+                train_dataset if train_dataset is not None else eval_dataset,
+                data_collator,
+                args.micro_batch_size,
+            )
+        composed = bootstrap.compose(
+            model, args, self.layout, self.device, example_inputs=example_inputs, init_fn=init_fn
+        )
         if weights is not None:
             weights.load_into(composed)  # this rank's slices, before the optimizer sees the parameters
-        self.engine = ParallelEngine(composed, self.layout, args, device=self.device, loss_fn=self.loss_fn,
-                                     num_training_steps=self.num_training_steps(), example_labels=example_labels,
-                                     optimizer_factory=optimizer_factory)
+        self.engine = ParallelEngine(
+            composed,
+            self.layout,
+            args,
+            device=self.device,
+            loss_fn=self.loss_fn,
+            num_training_steps=self.num_training_steps(),
+            example_labels=example_labels,
+            optimizer_factory=optimizer_factory,
+        )
         self.train_state = TrainState()
         self.skipped_steps = 0
         self.last_step_skipped = False
@@ -158,9 +180,16 @@ class Trainer:
         self.metrics = MetricsWriter(args.output_dir, enabled=dist.get_rank() == 0)
         e = self.engine
         self.checkpoint_parts = CheckpointParts(
-            args=args, layout=self.layout, device=self.device, model=e.model, optimizer=e.optimizer,
-            lr_scheduler=e.lr_scheduler, train_loader=self.train_loader, train=self.train_state,
-            pretrained=self.pretrained_path)
+            args=args,
+            layout=self.layout,
+            device=self.device,
+            model=e.model,
+            optimizer=e.optimizer,
+            lr_scheduler=e.lr_scheduler,
+            train_loader=self.train_loader,
+            train=self.train_state,
+            pretrained=self.pretrained_path,
+        )
         self.checkpoints = CheckpointManager(self.checkpoint_parts)
         from merak_core.planner.check import PlanCheck
 
@@ -255,16 +284,22 @@ class Trainer:
         is ``last_result``.
         """
         step = self.global_step + 1
-        result = self.engine.step(inputs, labels, step=step, stop_requested=self._stop.requested,
-                                  record_timing=record_timing)
+        result = self.engine.step(
+            inputs, labels, step=step, stop_requested=self._stop.requested, record_timing=record_timing
+        )
         self.last_result = result
         self.stop_agreed = result.stop_agreed
         self.last_step_skipped = result.skipped
         if result.skipped:
             self.skipped_steps += 1
             if dist.get_rank() == 0:
-                logger.warning("step %d skipped (nonfinite: skip): loss %r, gradient norm %r; %d step(s) skipped "
-                               "so far", step, result.loss, result.grad_norm, self.skipped_steps)
+                logger.warning(
+                    "step %d skipped (nonfinite: skip): loss %r, gradient norm %r; %d step(s) skipped so far",
+                    step,
+                    result.loss,
+                    result.grad_norm,
+                    self.skipped_steps,
+                )
         self.global_step += 1
         return result.loss
 
@@ -293,11 +328,19 @@ class Trainer:
                     "resume it with trainer.resume('latest') (merak train --resume latest), or choose a new output_dir"
                 )
         if self.global_step >= total and dist.get_rank() == 0:  # e.g. a finished job resumed: nothing to do
-            logger.warning("nothing to train: the run is already at step %d of %d, the job is finished (raise "
-                           "training.max_steps to train longer)", self.global_step, total)
+            logger.warning(
+                "nothing to train: the run is already at step %d of %d, the job is finished (raise "
+                "training.max_steps to train longer)",
+                self.global_step,
+                total,
+            )
         self.metrics.start(total, resumed_step=self.global_step)
-        heartbeat = Heartbeat.for_timeout(dist.get_rank(), dist.get_world_size(),
-                                          self.layout.timeout.total_seconds(), describe=self._describe_rank)
+        heartbeat = Heartbeat.for_timeout(
+            dist.get_rank(),
+            dist.get_world_size(),
+            self.layout.timeout.total_seconds(),
+            describe=self._describe_rank,
+        )
         self.engine.heartbeat = heartbeat
         try:
             with self._stop, heartbeat:
@@ -334,8 +377,12 @@ class Trainer:
             if self.plan_check is not None:
                 self.plan_check.after_step(self.global_step, self.last_result, step_time)
             window_tokens += _count_tokens(batch.inputs) * self.layout.dp
-            record: dict[str, Any] = {"step": self.global_step, "loss": loss,
-                                      "lr": float(self.lr_scheduler.get_last_lr()[0]), "step_time_s": step_time}
+            record: dict[str, Any] = {
+                "step": self.global_step,
+                "loss": loss,
+                "lr": float(self.lr_scheduler.get_last_lr()[0]),
+                "step_time_s": step_time,
+            }
             if self.last_grad_norm is not None:  # before clipping; computed when max_grad_norm > 0
                 record["grad_norm"] = self.last_grad_norm
             if self.last_step_skipped:
@@ -378,20 +425,36 @@ class Trainer:
             raise ValueError("Trainer.evaluate() needs an eval_dataset")
         num_micro = self.args.num_microbatches
         # Every sample counts once: the last partial batch is padded and masked ([Note: eval weighting]).
-        loader = StageAwareDataLoader(dataset, batch_size=self._eval_micro_batch_size() * num_micro,
-                                      **stage_data_roles(self.args, self.layout), collate_fn=self.data_collator, shuffle=False,
-                                      seed=self.args.seed, drop_last=False)
+        loader = StageAwareDataLoader(
+            dataset,
+            batch_size=self._eval_micro_batch_size() * num_micro,
+            **stage_data_roles(self.args, self.layout),
+            collate_fn=self.data_collator,
+            shuffle=False,
+            seed=self.args.seed,
+            drop_last=False,
+        )
 
         def run(batch: Any, return_outputs: bool) -> Any:
             return self.engine.evaluate_batch(batch.inputs, batch.labels, return_outputs=return_outputs)
 
-        return evaluate_loader(loader, run=run, loss_fn=self.loss_fn, compute_metrics=self.compute_metrics,
-                               num_microbatches=num_micro, tp_rank=self.layout.tp_rank, device=self.device,
-                               autocast=self.engine.autocast)
+        return evaluate_loader(
+            loader,
+            run=run,
+            loss_fn=self.loss_fn,
+            compute_metrics=self.compute_metrics,
+            num_microbatches=num_micro,
+            tp_rank=self.layout.tp_rank,
+            device=self.device,
+            autocast=self.engine.autocast,
+        )
 
     def _eval_micro_batch_size(self) -> int:
         """``per_device_eval_batch_size``, or the training microbatch for shape-specialised stages (once)."""
-        if self._eval_specialised is None and self.args.per_device_eval_batch_size != self.args.micro_batch_size:
+        if (
+            self._eval_specialised is None
+            and self.args.per_device_eval_batch_size != self.args.micro_batch_size
+        ):
             self._eval_specialised = shapes_specialised(self.model.module, self.device, self.args)
         return self.args.micro_batch_size if self._eval_specialised else self.args.per_device_eval_batch_size
 
@@ -409,12 +472,19 @@ def _count_tokens(inputs: Any) -> int:
         inputs = next(iter(inputs.values()))
     if isinstance(inputs, (tuple, list)):
         inputs = inputs[0]
-    return int(inputs.numel()) if isinstance(inputs, torch.Tensor) and not inputs.is_floating_point() \
+    return (
+        int(inputs.numel())
+        if isinstance(inputs, torch.Tensor) and not inputs.is_floating_point()
         else int(inputs.shape[0])
+    )
 
 
-def _pretrained_start(model: nn.Module | None, args: TrainingArguments, pretrained: str | os.PathLike[str] | None,
-                      init_fn: Callable[[nn.Module], Any] | None) -> tuple[nn.Module, Any, Any]:
+def _pretrained_start(
+    model: nn.Module | None,
+    args: TrainingArguments,
+    pretrained: str | os.PathLike[str] | None,
+    init_fn: Callable[[nn.Module], Any] | None,
+) -> tuple[nn.Module, Any, Any]:
     """(model, matched weights or None, init_fn) for ``Trainer(..., pretrained=PATH)``.
 
     The folder is matched to the model by name and shape here, on every rank alike, before any
@@ -423,7 +493,9 @@ def _pretrained_start(model: nn.Module | None, args: TrainingArguments, pretrain
     """
     if pretrained is None:
         if model is None:
-            raise ValueError("Trainer needs a model, or pretrained=PATH (a Hugging Face folder) to build it from")
+            raise ValueError(
+                "Trainer needs a model, or pretrained=PATH (a Hugging Face folder) to build it from"
+            )
         return model, None, init_fn
     from merak_core.hf import PretrainedWeights, pretrained_model, skip_init
 

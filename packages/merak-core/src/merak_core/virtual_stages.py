@@ -30,18 +30,23 @@ def check_virtual_stages(schedule: str, pp: int, virtual_stages: int) -> None:
     """ValueError unless ``schedule`` (merak-pipe name or config key; ``auto`` is one stage per rank)
     runs ``virtual_stages`` stages per pipeline rank at ``pp``."""
     if not isinstance(virtual_stages, int) or isinstance(virtual_stages, bool) or virtual_stages < 1:
-        raise ValueError(f"virtual_stages={virtual_stages!r}; expected an int >= 1 (pipeline stages per rank)")
+        raise ValueError(
+            f"virtual_stages={virtual_stages!r}; expected an int >= 1 (pipeline stages per rank)"
+        )
     if virtual_stages > 1 and pp < 2:
-        raise ValueError(f"virtual_stages={virtual_stages} needs a pipeline, but pp={pp}: set pp >= 2 or "
-                         "virtual_stages=1")
+        raise ValueError(
+            f"virtual_stages={virtual_stages} needs a pipeline, but pp={pp}: set pp >= 2 or virtual_stages=1"
+        )
     needs = _stages_per_rank(schedule)
     if needs is not None and virtual_stages != needs:
         if needs == 1:
             fix = "use schedule interleaved_1f1b (any v) or zb_v (v=2), or virtual_stages=1"
         else:
             fix = f"set virtual_stages={needs} or use schedule interleaved_1f1b"
-        raise ValueError(f"schedule {schedule!r} runs {needs} stage(s) per pipeline rank but virtual_stages="
-                         f"{virtual_stages}: {fix}")
+        raise ValueError(
+            f"schedule {schedule!r} runs {needs} stage(s) per pipeline rank but virtual_stages="
+            f"{virtual_stages}: {fix}"
+        )
 
 
 def stage_placement(schedule: str, pp: int, virtual_stages: int = 1) -> tuple[int, ...]:
@@ -52,8 +57,9 @@ def stage_placement(schedule: str, pp: int, virtual_stages: int = 1) -> tuple[in
     from merak_pipe import build_schedule, schedule_info
 
     name = schedule_info(schedule.strip().lower()).name
-    return build_schedule(name, num_stages=pp * virtual_stages, num_microbatches=pp, num_ranks=pp,
-                          check=False).stage_to_rank
+    return build_schedule(
+        name, num_stages=pp * virtual_stages, num_microbatches=pp, num_ranks=pp, check=False
+    ).stage_to_rank
 
 
 def check_layer_count(model: Any, pp: int, virtual_stages: int) -> None:
@@ -71,7 +77,8 @@ def check_layer_count(model: Any, pp: int, virtual_stages: int) -> None:
         raise ValueError(
             f"virtual_stages={virtual_stages} at pp={pp} cuts the model into pp * virtual_stages = {stages} stages, "
             f"but it has {layers} layers (its longest nn.ModuleList): every stage needs a layer at least; use "
-            f"virtual_stages <= {most}" + (f" or pp <= {layers // virtual_stages}" if layers >= virtual_stages else "")
+            f"virtual_stages <= {most}"
+            + (f" or pp <= {layers // virtual_stages}" if layers >= virtual_stages else "")
         )
 
 
@@ -80,5 +87,9 @@ def stage_data_roles(args: Any, layout: Any) -> dict[str, Any]:
     labels when it holds the last stage (with ZB-V both are on pipeline rank 0)."""
     placement = stage_placement(args.schedule, layout.pp, args.virtual_stages)
     mine = {s for s, r in enumerate(placement) if r == layout.pp_rank}
-    return {"dp_rank": layout.dp_rank, "dp_size": layout.dp, "needs_inputs": 0 in mine,
-            "needs_labels": len(placement) - 1 in mine}
+    return {
+        "dp_rank": layout.dp_rank,
+        "dp_size": layout.dp,
+        "needs_inputs": 0 in mine,
+        "needs_labels": len(placement) - 1 in mine,
+    }

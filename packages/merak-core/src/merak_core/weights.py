@@ -58,8 +58,10 @@ def _open_source(source: Mapping[str, torch.Tensor] | str | os.PathLike[str]) ->
         try:
             from safetensors import safe_open
         except ImportError as exc:
-            raise ImportError("reading .safetensors files needs the safetensors package: "
-                              "pip install 'merak-core[safetensors]'") from exc
+            raise ImportError(
+                "reading .safetensors files needs the safetensors package: "
+                "pip install 'merak-core[safetensors]'"
+            ) from exc
         handle = safe_open(str(path), framework="pt")
         return handle.get_slice, list(handle.keys())
     loaded = torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
@@ -87,8 +89,9 @@ def _read_shard(entry: Any, spec: TensorSpec) -> torch.Tensor:
     return part.t() if spec.transposed else part
 
 
-def load_full_state_dict(trainer: Trainer, source: Mapping[str, torch.Tensor] | str | os.PathLike[str], *,
-                         strict: bool = True) -> list[str]:
+def load_full_state_dict(
+    trainer: Trainer, source: Mapping[str, torch.Tensor] | str | os.PathLike[str], *, strict: bool = True
+) -> list[str]:
     """Load single-device weights (a state dict, a ``torch.save`` file or ``.safetensors``) into any layout.
 
     ``source`` may also be a checkpoint directory or a ``latest`` pointer
@@ -120,8 +123,10 @@ def load_full_state_dict(trainer: Trainer, source: Mapping[str, torch.Tensor] | 
             entry = getter(name)
             shape = tuple(entry.shape) if isinstance(entry, torch.Tensor) else tuple(entry.get_shape())
             if shape != spec.full_shape:
-                raise ValueError(f"parameter {name!r}: the state dict holds shape {list(shape)}, the model "
-                                 f"{list(spec.full_shape)}: load weights of the same architecture")
+                raise ValueError(
+                    f"parameter {name!r}: the state dict holds shape {list(shape)}, the model "
+                    f"{list(spec.full_shape)}: load weights of the same architecture"
+                )
             copy_into_shard_(p, _read_shard(entry, spec))  # ZeRO-2/3: this DP rank's part
     return missing
 
@@ -147,7 +152,9 @@ def read_checkpoint_model(path: str | os.PathLike[str]) -> dict[str, torch.Tenso
         except CheckpointCorruptError as exc:
             skipped.append(f"{directory.name}: {exc}")
             logger.warning("%s: skipping checkpoint %s, it fails verification: %s", path, directory, exc)
-    raise CheckpointCorruptError(f"no checkpoint under {str(root)!r} verifies; skipped: " + " | ".join(skipped))
+    raise CheckpointCorruptError(
+        f"no checkpoint under {str(root)!r} verifies; skipped: " + " | ".join(skipped)
+    )
 
 
 def _read_model(directory: Path) -> dict[str, torch.Tensor]:
@@ -163,18 +170,22 @@ def _read_model(directory: Path) -> dict[str, torch.Tensor]:
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(request, storage_reader=VerifyingReader(str(directory), manifest, meta.get("step")),
-                     no_dist=True)
+            dcp.load(
+                request,
+                storage_reader=VerifyingReader(str(directory), manifest, meta.get("step")),
+                no_dist=True,
+            )
     except (Exception, dcp.CheckpointException) as exc:
         kind = CheckpointCorruptError if is_corruption(exc) else CheckpointError
         raise kind(
             f"checkpoint {str(directory)!r} is corrupt or unreadable: {describe_failure(exc)}"
         ) from exc
-    return {key[len("model/"):]: value for key, value in sorted(request.items())}
+    return {key[len("model/") :]: value for key, value in sorted(request.items())}
 
 
-def export_full_state_dict(source: Trainer | str | os.PathLike[str], out_path: str | os.PathLike[str]
-                           ) -> dict[str, torch.Tensor] | None:
+def export_full_state_dict(
+    source: Trainer | str | os.PathLike[str], out_path: str | os.PathLike[str]
+) -> dict[str, torch.Tensor] | None:
     """Write one single-device state dict (logical names) to ``out_path``; return it where it was built.
 
     ``source``: a checkpoint directory or a ``latest`` pointer such as ``out/checkpoints/latest``
@@ -195,8 +206,10 @@ def export_full_state_dict(source: Trainer | str | os.PathLike[str], out_path: s
         try:
             from safetensors.torch import save_file
         except ImportError as exc:
-            raise ImportError("writing .safetensors files needs the safetensors package: "
-                              "pip install 'merak-core[safetensors]', or export to a .pt file") from exc
+            raise ImportError(
+                "writing .safetensors files needs the safetensors package: "
+                "pip install 'merak-core[safetensors]', or export to a .pt file"
+            ) from exc
         save_file({k: v.contiguous() for k, v in state.items()}, str(out))
     else:
         torch.save(state, str(out))

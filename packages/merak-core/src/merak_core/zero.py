@@ -91,8 +91,10 @@ class ZeroOptimizer(Optimizer):
         self.owners = partition_parameters([p.numel() for p in self._all_params], self.dp_size)
         owner_of = {id(p): o for p, o in zip(self._all_params, self.owners, strict=True)}
         local_groups = [
-            {**{k: v for k, v in g.items() if k != "params"},
-             "params": [p for p in g["params"] if owner_of[id(p)] == self.dp_rank]}
+            {
+                **{k: v for k, v in g.items() if k != "params"},
+                "params": [p for p in g["params"] if owner_of[id(p)] == self.dp_rank],
+            }
             for g in groups
         ]
         self.inner = optimizer_factory(local_groups)
@@ -108,9 +110,16 @@ class ZeroOptimizer(Optimizer):
         ]
         super().__init__(full_groups, dict(self.inner.defaults))
         self._buckets = self._plan_broadcast()
-        owned = sum(p.numel() for p, o in zip(self._all_params, self.owners, strict=True) if o == self.dp_rank)
-        logger.debug("ZeRO-1 rank %d/%d owns %d of %d elements", self.dp_rank, self.dp_size, owned,
-                     sum(p.numel() for p in self._all_params))
+        owned = sum(
+            p.numel() for p, o in zip(self._all_params, self.owners, strict=True) if o == self.dp_rank
+        )
+        logger.debug(
+            "ZeRO-1 rank %d/%d owns %d of %d elements",
+            self.dp_rank,
+            self.dp_size,
+            owned,
+            sum(p.numel() for p in self._all_params),
+        )
 
     # ------------------------------------------------------------------ step
 
@@ -119,8 +128,12 @@ class ZeroOptimizer(Optimizer):
         buckets: dict[tuple[int, torch.dtype, torch.device], list[nn.Parameter]] = {}
         for p, owner in zip(self._all_params, self.owners, strict=True):
             buckets.setdefault((owner, p.dtype, p.device), []).append(p)
-        return [(owner, params) for (owner, _, _), params in sorted(
-            buckets.items(), key=lambda kv: (kv[0][0], str(kv[0][1]), str(kv[0][2])))]
+        return [
+            (owner, params)
+            for (owner, _, _), params in sorted(
+                buckets.items(), key=lambda kv: (kv[0][0], str(kv[0][1]), str(kv[0][2]))
+            )
+        ]
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -146,7 +159,9 @@ class ZeroOptimizer(Optimizer):
             if owner == self.dp_rank:
                 flat = torch.cat([p.detach().reshape(-1) for p in params])
             else:
-                flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+                flat = torch.empty(
+                    sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device
+                )
             work = _compat.broadcast_from_group_rank(flat, owner, self.group, async_op=True)
             pending.append((owner, params, flat, work))
         for owner, params, flat, work in pending:
@@ -162,7 +177,7 @@ class ZeroOptimizer(Optimizer):
                 continue
             offset = 0
             for p in params:
-                p.detach().copy_(flat[offset:offset + p.numel()].view_as(p))
+                p.detach().copy_(flat[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
 
     # ------------------------------------------------------------------ state
@@ -185,7 +200,11 @@ class ZeroOptimizer(Optimizer):
                 f"not a ZeRO-1 shard (zero_stage={state_dict.get('zero_stage')!r}); for a plain optimizer "
                 "state dict use load_full_state_dict"
             )
-        for key, mine in (("dp_size", self.dp_size), ("dp_rank", self.dp_rank), ("owners", list(self.owners))):
+        for key, mine in (
+            ("dp_size", self.dp_size),
+            ("dp_rank", self.dp_rank),
+            ("owners", list(self.owners)),
+        ):
             if state_dict[key] != mine:
                 raise ValueError(
                     f"ZeRO-1 shard was saved with {key}={state_dict[key]!r} but this optimizer has {key}={mine!r}: "
@@ -219,8 +238,9 @@ class ZeroOptimizer(Optimizer):
         start = 0
         for group in self.param_groups:
             n = len(group["params"])
-            param_groups.append({**{k: v for k, v in group.items() if k != "params"},
-                                 "params": list(range(start, start + n))})
+            param_groups.append(
+                {**{k: v for k, v in group.items() if k != "params"}, "params": list(range(start, start + n))}
+            )
             start += n
         return {"state": dict(sorted(state.items())), "param_groups": param_groups}
 
@@ -240,8 +260,12 @@ class ZeroOptimizer(Optimizer):
         for saved, group in zip(full["param_groups"], self.param_groups, strict=True):
             n = len(group["params"])
             count = sum(1 for i in range(start, start + n) if i in owned)
-            local_groups.append({**{key: v for key, v in saved.items() if key != "params"},
-                                 "params": list(range(k, k + count))})
+            local_groups.append(
+                {
+                    **{key: v for key, v in saved.items() if key != "params"},
+                    "params": list(range(k, k + count)),
+                }
+            )
             k += count
             start += n
         self.inner.load_state_dict({"state": local_state, "param_groups": local_groups})

@@ -58,10 +58,14 @@ class _Options:
         if self.method not in METHODS:
             raise ValueError(f"method={self.method!r} is not one of {METHODS}")
         if self.balance_tolerance < 0:
-            raise ValueError(f"balance_tolerance={self.balance_tolerance} must be >= 0 (0 keeps the exact optimum)")
+            raise ValueError(
+                f"balance_tolerance={self.balance_tolerance} must be >= 0 (0 keeps the exact optimum)"
+            )
         if isinstance(self.in_flight, str) and self.in_flight not in ("none", "1f1b"):
-            raise ValueError(f"in_flight={self.in_flight!r} must be None, 'none', '1f1b' or a list with one number "
-                             "per stage")
+            raise ValueError(
+                f"in_flight={self.in_flight!r} must be None, 'none', '1f1b' or a list with one number "
+                "per stage"
+            )
 
     def in_flight_counts(self, num_stages: int) -> list[float]:
         """One count per stage (see [Note: in-flight microbatches])."""
@@ -75,7 +79,9 @@ class _Options:
         return values
 
 
-def assign_stages(sharded: ShardedGraph, num_stages: int, options: _Options, model: nn.Module | None) -> Partition:
+def assign_stages(
+    sharded: ShardedGraph, num_stages: int, options: _Options, model: nn.Module | None
+) -> Partition:
     """Assign the shards of ``sharded`` to ``num_stages`` contiguous stages (see ``partition``)."""
     shards = sharded.shards
     _check_stage_count(num_stages, sharded)
@@ -84,16 +90,31 @@ def assign_stages(sharded: ShardedGraph, num_stages: int, options: _Options, mod
     _check_memory(shards, bounds, options, flight)
     canonical = _canonical_names(model) if model is not None else {}
     strict = sharded.graph_module.meta.get("merak_trace_method") == "export"
-    stages = [_stage_module(shards[bounds[i]:bounds[i + 1]], strict) for i in range(num_stages)]
+    stages = [_stage_module(shards[bounds[i] : bounds[i + 1]], strict) for i in range(num_stages)]
     names = [_name_map(dict(stage.named_parameters()), canonical) for stage in stages]
     buffer_names = [_name_map(dict(stage.named_buffers()), canonical) for stage in stages]
-    infos = [_stage_info(i, shards, bounds, stages[i], options.param_memory_factor, flight[i])
-             for i in range(num_stages)]
-    logger.info("partitioned into %d stages (%s): stage times %s", num_stages, options.method,
-                [f"{x.time_s:.3g}" for x in infos])
-    return Partition(stages=stages, stage_info=infos, shared_parameters=_shared_parameters(stages, names),
-                     sharded=sharded, bounds=bounds, method=options.method, input_names=list(sharded.input_names),
-                     model=model, _names=names, _buffer_names=buffer_names)
+    infos = [
+        _stage_info(i, shards, bounds, stages[i], options.param_memory_factor, flight[i])
+        for i in range(num_stages)
+    ]
+    logger.info(
+        "partitioned into %d stages (%s): stage times %s",
+        num_stages,
+        options.method,
+        [f"{x.time_s:.3g}" for x in infos],
+    )
+    return Partition(
+        stages=stages,
+        stage_info=infos,
+        shared_parameters=_shared_parameters(stages, names),
+        sharded=sharded,
+        bounds=bounds,
+        method=options.method,
+        input_names=list(sharded.input_names),
+        model=model,
+        _names=names,
+        _buffer_names=buffer_names,
+    )
 
 
 def _check_stage_count(num_stages: int, sharded: ShardedGraph) -> None:
@@ -116,14 +137,25 @@ def _solve_bounds(shards: list[Shard], num_stages: int, options: _Options, fligh
     am = [float(s.activation_bytes) for s in shards]
     costs = [s.time_s for s in shards] if options.method == "cost" else [float(s.param_bytes) for s in shards]
     bounds = optimal_contiguous_partition(
-        costs, num_stages, param_memory=pm, activation_memory=am, in_flight=flight, memory_limit=options.memory_limit,
+        costs,
+        num_stages,
+        param_memory=pm,
+        activation_memory=am,
+        in_flight=flight,
+        memory_limit=options.memory_limit,
     )
     # Among (near-)optimal assignments, prefer the smallest stage-to-stage boundaries (p2p volume).
     slowest = max(stage_bounds_cost(costs, bounds))
     cut_bytes = [float(sum(b.nbytes for b in s.outputs)) for s in shards]
     better = smallest_boundary_partition(
-        costs, num_stages, cut_bytes, slowest * (1.0 + options.balance_tolerance) + 1e-12 * abs(slowest),
-        param_memory=pm, activation_memory=am, in_flight=flight, memory_limit=options.memory_limit,
+        costs,
+        num_stages,
+        cut_bytes,
+        slowest * (1.0 + options.balance_tolerance) + 1e-12 * abs(slowest),
+        param_memory=pm,
+        activation_memory=am,
+        in_flight=flight,
+        memory_limit=options.memory_limit,
     )
     return bounds if better is None else better
 
@@ -134,9 +166,10 @@ def _check_memory(shards: list[Shard], bounds: list[int], options: _Options, fli
     if limit is None:
         return
     for i in range(len(bounds) - 1):
-        group = shards[bounds[i]:bounds[i + 1]]
-        mem = sum(s.param_bytes * options.param_memory_factor for s in group) + \
-            flight[i] * sum(float(s.activation_bytes) for s in group)
+        group = shards[bounds[i] : bounds[i + 1]]
+        mem = sum(s.param_bytes * options.param_memory_factor for s in group) + flight[i] * sum(
+            float(s.activation_bytes) for s in group
+        )
         if mem > limit:
             raise PartitionError(
                 f"method={options.method!r} puts {mem:.4g} bytes on stage {i}, over memory_limit={limit:.4g}: "
@@ -145,8 +178,12 @@ def _check_memory(shards: list[Shard], bounds: list[int], options: _Options, fli
 
 
 def _stage_module(group: list[Shard], strict_shapes: bool) -> StageModule:
-    return StageModule(*[s.module for s in group], input_names=[b.name for b in group[0].inputs],
-                       input_specs=group[0].inputs, strict_shapes=strict_shapes)
+    return StageModule(
+        *[s.module for s in group],
+        input_names=[b.name for b in group[0].inputs],
+        input_specs=group[0].inputs,
+        strict_shapes=strict_shapes,
+    )
 
 
 def _canonical_names(model: nn.Module) -> dict[int, str]:
@@ -172,16 +209,27 @@ def _held_bytes(stage: StageModule) -> int:
     return total
 
 
-def _stage_info(i: int, shards: list[Shard], bounds: list[int], stage: StageModule, param_memory_factor: float,
-                flight: float) -> StageInfo:
+def _stage_info(
+    i: int,
+    shards: list[Shard],
+    bounds: list[int],
+    stage: StageModule,
+    param_memory_factor: float,
+    flight: float,
+) -> StageInfo:
     lo, hi = bounds[i], bounds[i + 1]
     group = shards[lo:hi]
     pbytes = _held_bytes(stage)
     abytes = sum(s.activation_bytes for s in group)
     return StageInfo(
-        index=i, shard_range=(lo, hi), inputs=group[0].inputs, outputs=group[-1].outputs,
+        index=i,
+        shard_range=(lo, hi),
+        inputs=group[0].inputs,
+        outputs=group[-1].outputs,
         time_s=float(sum(stage_bounds_cost([s.time_s for s in shards], [lo, hi]))),
-        flops=sum(s.flops for s in group), param_bytes=pbytes, activation_bytes=abytes,
+        flops=sum(s.flops for s in group),
+        param_bytes=pbytes,
+        activation_bytes=abytes,
         memory_bytes=pbytes * param_memory_factor + flight * abytes,
     )
 
@@ -192,7 +240,10 @@ def _shared_parameters(stages: list[StageModule], names: list[dict[str, str]]) -
     for i, stage in enumerate(stages):
         for local, t in stage.named_parameters():
             holders.setdefault(id(t), []).append((i, local))
-    shared = [SharedParameter(name=names[places[0][0]][places[0][1]], stages=places)
-              for places in holders.values() if len({stage for stage, _ in places}) > 1]
+    shared = [
+        SharedParameter(name=names[places[0][0]][places[0][1]], stages=places)
+        for places in holders.values()
+        if len({stage for stage, _ in places}) > 1
+    ]
     shared.sort(key=lambda s: s.name)
     return shared

@@ -77,8 +77,16 @@ import contextlib  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
 
 _COLLECTIVES = (
-    "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
-    "broadcast", "reduce", "all_to_all", "all_to_all_single", "barrier",
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "reduce",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
 )
 
 

@@ -54,10 +54,16 @@ class _Call:
 
     def __init__(self, name: str, out: Any) -> None:
         flat, self.spec = tree_flatten(out)
-        bad = [(i, type(v).__name__) for i, v in enumerate(flat) if v is not None and not isinstance(v, torch.Tensor)]
+        bad = [
+            (i, type(v).__name__)
+            for i, v in enumerate(flat)
+            if v is not None and not isinstance(v, torch.Tensor)
+        ]
         if bad:
-            raise TypeError(f"leaf module {name!r} returns non-tensor values {bad} (flat output position, type); "
-                            "an opaque leaf returns tensors and None only (see [Note: leaf outputs])")
+            raise TypeError(
+                f"leaf module {name!r} returns non-tensor values {bad} (flat output position, type); "
+                "an opaque leaf returns tensors and None only (see [Note: leaf outputs])"
+            )
         self.size = len(flat)
         self.tensor_pos = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
         self.tensors = [(tuple(flat[i].shape), flat[i].dtype) for i in self.tensor_pos]
@@ -125,13 +131,19 @@ def export_with_leaves(
     records: dict[str, list[_Call]] = {n: [] for n, _ in leaves}
     hooks = []
     for name, mod in leaves:
+
         def hook(_m: nn.Module, _a: Any, out: Any, name: str = name) -> None:
             records[name].append(_Call(name, out))
+
         hooks.append(mod.register_forward_hook(hook))
     on_meta = any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
     try:
         # On meta, the pre-run takes export's own code path (values cannot be read; see export_compiling_state).
-        with torch.no_grad(), meta_collectives(), export_compiling_state() if on_meta else contextlib.nullcontext():
+        with (
+            torch.no_grad(),
+            meta_collectives(),
+            export_compiling_state() if on_meta else contextlib.nullcontext(),
+        ):
             model(*args, **kwargs)
     finally:
         for h in hooks:
@@ -181,7 +193,9 @@ def export_with_leaves(
             new = gm.graph.call_module(name, tuple(call_args), dict(call_kwargs))
         new.meta = dict(node.meta)
         record = records[name][call]
-        for user in list(node.users):  # getitem(op, k): the k-th tensor, read by its path ([Note: leaf outputs])
+        for user in list(
+            node.users
+        ):  # getitem(op, k): the k-th tensor, read by its path ([Note: leaf outputs])
             assert user.target.__name__ == "getitem" and isinstance(user.args[1], int)  # type: ignore[union-attr]
             with gm.graph.inserting_before(user):
                 value = _read_path(gm.graph, new, record.paths[user.args[1]])

@@ -72,7 +72,9 @@ class ValueSpec:
         n = 1
         for d in self.shape:
             n *= int(d)
-        return n * (torch.finfo(self.dtype).bits if self.dtype.is_floating_point else _int_bits(self.dtype)) // 8
+        return (
+            n * (torch.finfo(self.dtype).bits if self.dtype.is_floating_point else _int_bits(self.dtype)) // 8
+        )
 
 
 def _int_bits(dtype: torch.dtype) -> int:
@@ -100,9 +102,35 @@ class NodeCost:
 
 # Ops that return a view or metadata: no data moves, so they cost no time.
 _FREE_OPS = {
-    "view", "_unsafe_view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "expand", "narrow", "t",
-    "getitem", "getattr", "size", "dim", "select", "slice", "as_strided", "alias", "detach", "split", "chunk",
-    "unbind", "flatten", "unflatten", "view_as", "expand_as", "split_with_sizes", "sym_size", "numel",
+    "view",
+    "_unsafe_view",
+    "reshape",
+    "transpose",
+    "permute",
+    "unsqueeze",
+    "squeeze",
+    "expand",
+    "narrow",
+    "t",
+    "getitem",
+    "getattr",
+    "size",
+    "dim",
+    "select",
+    "slice",
+    "as_strided",
+    "alias",
+    "detach",
+    "split",
+    "chunk",
+    "unbind",
+    "flatten",
+    "unflatten",
+    "view_as",
+    "expand_as",
+    "split_with_sizes",
+    "sym_size",
+    "numel",
 }
 
 
@@ -162,8 +190,10 @@ class _CostInterpreter(fx.Interpreter):
             n.op in ("call_function", "call_method") and flops == 0 and _op_name(n) in _FREE_OPS
         )
         time_s = 0.0 if free else self.cost_model.time(flops, in_bytes + out_bytes + param_bytes)
-        n.meta["merak_value"] = _spec(out) if not isinstance(out, (tuple, list)) else ValueSpec(
-            False, python_type=type(out).__name__
+        n.meta["merak_value"] = (
+            _spec(out)
+            if not isinstance(out, (tuple, list))
+            else ValueSpec(False, python_type=type(out).__name__)
         )
         n.meta["merak_cost"] = NodeCost(flops, out_bytes, param_bytes, time_s)
         return out
@@ -190,9 +220,7 @@ def annotate_costs(
         raise InputMismatchError(
             f"{len(example_inputs)} example inputs given but the traced graph takes {len(names)}: {names}"
         )
-    values = [
-        x.to("meta") if to_meta and isinstance(x, torch.Tensor) else x for x in example_inputs
-    ]
+    values = [x.to("meta") if to_meta and isinstance(x, torch.Tensor) else x for x in example_inputs]
     with torch.no_grad(), meta_collectives():
         _CostInterpreter(gm, cost_model, to_meta).run(*values)
     gm.meta["merak_cost_model"] = dataclasses.asdict(cost_model)

@@ -62,7 +62,9 @@ def empty_init(*, include_buffers: bool = True) -> Iterator[None]:
             meta.__dict__.update(kwargs)
             self._parameters[name] = meta
 
-    def register_buffer(self: nn.Module, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None:
+    def register_buffer(
+        self: nn.Module, name: str, tensor: torch.Tensor | None, persistent: bool = True
+    ) -> None:
         original_buffer(self, name, tensor, persistent=persistent)
         buf = self._buffers.get(name)
         if include_buffers and buf is not None and buf.device.type != "meta":
@@ -216,7 +218,9 @@ def _initialise(mod: nn.Module, init_fn: Callable[[nn.Module], Any] | None, load
         else:
             logger.warning(
                 "module %s has no reset_parameters() and no init_fn was given: its tensors %s are left "
-                "uninitialised", type(mod).__name__, sorted(n for n in own if n not in keep),
+                "uninitialised",
+                type(mod).__name__,
+                sorted(n for n in own if n not in keep),
             )
         for name, value in keep.items():
             current = getattr(mod, name)

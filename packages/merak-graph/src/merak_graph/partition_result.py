@@ -153,8 +153,14 @@ class Partition:
         missing = [k for k in needed if k not in available]
         if missing:
             values.update(self._initial_values(missing, device, init_fn))
-        materialize(stage, device=device, state_dict=values, safetensors_path=safetensors_path,
-                    name_map=full_map, strict=True)
+        materialize(
+            stage,
+            device=device,
+            state_dict=values,
+            safetensors_path=safetensors_path,
+            name_map=full_map,
+            strict=True,
+        )
         return stage
 
     def _initial_values(
@@ -192,15 +198,20 @@ class Partition:
                 continue
             clone = _shallow_owner_copy(original)
             materialize(clone, device=device, init_fn=init_fn)
-            local = {**dict(clone.named_parameters(recurse=False)), **dict(clone.named_buffers(recurse=False))}
+            local = {
+                **dict(clone.named_parameters(recurse=False)),
+                **dict(clone.named_buffers(recurse=False)),
+            }
             for name in members:
                 out[name] = local[name.rpartition(".")[2]].detach()
         return out
 
     def summary(self) -> str:
         """A table of stages: shards, time, flops, parameter and memory estimates, boundary."""
-        lines = [f"{'stage':>5} {'shards':>9} {'time_ms':>9} {'GFLOP':>10} {'params_MiB':>11} "
-                 f"{'mem_MiB':>10}  outputs"]
+        lines = [
+            f"{'stage':>5} {'shards':>9} {'time_ms':>9} {'GFLOP':>10} {'params_MiB':>11} "
+            f"{'mem_MiB':>10}  outputs"
+        ]
         for s in self.stage_info:
             outs = ", ".join(f"{b.name}{list(b.shape)}" for b in s.outputs)
             lines.append(
@@ -228,8 +239,10 @@ def _get_tensor(gm: fx.GraphModule, model: nn.Module | None, name: str) -> torch
 def _shallow_owner_copy(module: nn.Module) -> nn.Module:
     """A copy of ``module`` with its own tensors copied (meta) and its children dropped."""
     clone = copy.copy(module)
-    clone._parameters = {k: (None if v is None else nn.Parameter(v.detach().clone(), v.requires_grad))
-                         for k, v in module._parameters.items()}
+    clone._parameters = {
+        k: (None if v is None else nn.Parameter(v.detach().clone(), v.requires_grad))
+        for k, v in module._parameters.items()
+    }
     clone._buffers = {k: (None if v is None else v.detach().clone()) for k, v in module._buffers.items()}
     clone._modules = {}
     _copy_stash(module, clone)
@@ -239,19 +252,29 @@ def _shallow_owner_copy(module: nn.Module) -> nn.Module:
 def _all_local_names(copied: nn.Module, original: nn.Module, canonical: Mapping[str, str]) -> dict[str, str]:
     """Map every local tensor name in ``copied`` (including tied duplicates) to its original name."""
     by_id: dict[int, str] = {}
-    for name, t in [*original.named_parameters(remove_duplicate=False), *original.named_buffers(remove_duplicate=False)]:
+    for name, t in [
+        *original.named_parameters(remove_duplicate=False),
+        *original.named_buffers(remove_duplicate=False),
+    ]:
         if name in canonical:
             by_id[id(t)] = canonical[name]
     out: dict[str, str] = {}
-    for name, t in [*original.named_parameters(remove_duplicate=False), *original.named_buffers(remove_duplicate=False)]:
+    for name, t in [
+        *original.named_parameters(remove_duplicate=False),
+        *original.named_buffers(remove_duplicate=False),
+    ]:
         if id(t) in by_id:
             out[name] = by_id[id(t)]
     del copied
     return out
 
 
-def _load_into(stage: nn.Module, full_map: Mapping[str, str], state_dict: Mapping[str, torch.Tensor] | None,
-               safetensors_path: str | None) -> None:
+def _load_into(
+    stage: nn.Module,
+    full_map: Mapping[str, str],
+    state_dict: Mapping[str, torch.Tensor] | None,
+    safetensors_path: str | None,
+) -> None:
     reader = None
     if safetensors_path is not None:
         from merak_graph.empty import _SafetensorsReader

@@ -35,8 +35,16 @@ from merak_graph.profiling import profile_shards
 from merak_graph.sharding import ShardedGraph, natural_shard_count, shard
 from merak_graph.tracing import LeafSpec, normalize_inputs, trace
 
-__all__ = ["METHODS", "PARAM_MEMORY_FACTOR", "Partition", "SharedParameter", "StageInfo", "partition",
-           "partition_sharded", "partition_traced"]
+__all__ = [
+    "METHODS",
+    "PARAM_MEMORY_FACTOR",
+    "Partition",
+    "SharedParameter",
+    "StageInfo",
+    "partition",
+    "partition_sharded",
+    "partition_traced",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -76,19 +84,38 @@ def partition(
     stage-to-stage boundary is returned (0: only exact optima). With ``profile_device``, shard
     costs are measured on that device (one shard materialised at a time) instead of estimated.
     """
-    options = _Options(method=method, memory_limit=memory_limit, param_memory_factor=param_memory_factor,
-                       in_flight=in_flight, balance_tolerance=balance_tolerance)
+    options = _Options(
+        method=method,
+        memory_limit=memory_limit,
+        param_memory_factor=param_memory_factor,
+        in_flight=in_flight,
+        balance_tolerance=balance_tolerance,
+    )
     if num_stages < 1:
         raise ValueError(f"num_stages={num_stages} must be >= 1")
     if example_inputs is None:
         raise InputMismatchError("partition needs example_inputs (meta tensors are fine) to know the shapes")
     names, values, _ = normalize_inputs(model, example_inputs, input_names)
     assert values is not None
-    gm = trace(model, example_inputs=example_inputs, input_names=input_names, leaf_modules=leaf_modules,
-               method=trace_method, static_kwargs=static_kwargs)
+    gm = trace(
+        model,
+        example_inputs=example_inputs,
+        input_names=input_names,
+        leaf_modules=leaf_modules,
+        method=trace_method,
+        static_kwargs=static_kwargs,
+    )
     annotate_costs(gm, values, cost_model=cost_model)
-    return _partition_graph(gm, num_stages, options, model=model, num_shards=num_shards, split_points=split_points,
-                            profile_device=profile_device, profile_inputs=_real_inputs(values, profile_device))
+    return _partition_graph(
+        gm,
+        num_stages,
+        options,
+        model=model,
+        num_shards=num_shards,
+        split_points=split_points,
+        profile_device=profile_device,
+        profile_inputs=_real_inputs(values, profile_device),
+    )
 
 
 def _real_inputs(values: Sequence[Any], device: torch.device | str | None) -> list[Any] | None:
@@ -98,7 +125,11 @@ def _real_inputs(values: Sequence[Any], device: torch.device | str | None) -> li
     out: list[Any] = []
     for v in values:
         if isinstance(v, torch.Tensor) and v.is_meta:
-            v = torch.randn(v.shape, dtype=v.dtype) if v.is_floating_point() else torch.zeros(v.shape, dtype=v.dtype)
+            v = (
+                torch.randn(v.shape, dtype=v.dtype)
+                if v.is_floating_point()
+                else torch.zeros(v.shape, dtype=v.dtype)
+            )
         out.append(v)
     return out
 
@@ -123,10 +154,23 @@ def partition_traced(
     With ``profile_device``, shard costs are measured there (``profile_shards``) on
     ``profile_inputs`` instead of estimated.
     """
-    options = _Options(method=method, memory_limit=memory_limit, param_memory_factor=param_memory_factor,
-                       in_flight=in_flight, balance_tolerance=balance_tolerance)
-    return _partition_graph(gm, num_stages, options, model=model, num_shards=num_shards, split_points=split_points,
-                            profile_device=profile_device, profile_inputs=profile_inputs)
+    options = _Options(
+        method=method,
+        memory_limit=memory_limit,
+        param_memory_factor=param_memory_factor,
+        in_flight=in_flight,
+        balance_tolerance=balance_tolerance,
+    )
+    return _partition_graph(
+        gm,
+        num_stages,
+        options,
+        model=model,
+        num_shards=num_shards,
+        split_points=split_points,
+        profile_device=profile_device,
+        profile_inputs=profile_inputs,
+    )
 
 
 def partition_sharded(
@@ -141,14 +185,27 @@ def partition_sharded(
     balance_tolerance: float = 0.0,
 ) -> Partition:
     """Assign the shards of ``sharded`` to ``num_stages`` contiguous stages (see ``partition``)."""
-    options = _Options(method=method, memory_limit=memory_limit, param_memory_factor=param_memory_factor,
-                       in_flight=in_flight, balance_tolerance=balance_tolerance)
+    options = _Options(
+        method=method,
+        memory_limit=memory_limit,
+        param_memory_factor=param_memory_factor,
+        in_flight=in_flight,
+        balance_tolerance=balance_tolerance,
+    )
     return assign_stages(sharded, num_stages, options, model)
 
 
-def _partition_graph(gm: fx.GraphModule, num_stages: int, options: _Options, *, model: nn.Module | None,
-                     num_shards: int | None, split_points: Sequence[str] | None,
-                     profile_device: torch.device | str | None, profile_inputs: Sequence[Any] | None) -> Partition:
+def _partition_graph(
+    gm: fx.GraphModule,
+    num_stages: int,
+    options: _Options,
+    *,
+    model: nn.Module | None,
+    num_shards: int | None,
+    split_points: Sequence[str] | None,
+    profile_device: torch.device | str | None,
+    profile_inputs: Sequence[Any] | None,
+) -> Partition:
     """The one path from a traced graph to a partition: shard (finer where it pays), then assign."""
     auto = num_shards is None and not split_points
 
@@ -167,8 +224,11 @@ def _partition_graph(gm: fx.GraphModule, num_stages: int, options: _Options, *, 
         # Natural cuts are too coarse for this stage count: retry with finer shards, keep the better.
         finer = assign_stages(make_shards(_FINE_SHARDS_PER_STAGE * num_stages), num_stages, options, model)
         if max(finer.stage_costs) < max(result.stage_costs) * (1 - _REFINE_MIN_GAIN):
-            logger.info("finer shards improve the slowest stage from %.4g to %.4g s",
-                        max(result.stage_costs), max(finer.stage_costs))
+            logger.info(
+                "finer shards improve the slowest stage from %.4g to %.4g s",
+                max(result.stage_costs),
+                max(finer.stage_costs),
+            )
             result = finer
     return result
 

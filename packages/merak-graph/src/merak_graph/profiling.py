@@ -63,7 +63,9 @@ def profile_shards(
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats={repeats} must be >= 1 and warmup={warmup} >= 0")
     device = torch.device(device)
-    values: tuple[Any, ...] = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in example_inputs)
+    values: tuple[Any, ...] = tuple(
+        x.to(device) if isinstance(x, torch.Tensor) else x for x in example_inputs
+    )
     times: list[float] = []
     for s in sharded.shards:
         module = copy.deepcopy(s.module)
@@ -76,7 +78,8 @@ def profile_shards(
         outputs: Any = None
         for step in range(warmup + repeats):
             inputs = tuple(
-                v.detach().requires_grad_(v.is_floating_point()) if isinstance(v, torch.Tensor) else v for v in values
+                v.detach().requires_grad_(v.is_floating_point()) if isinstance(v, torch.Tensor) else v
+                for v in values
             )
             _sync(device)
             start = time.perf_counter()

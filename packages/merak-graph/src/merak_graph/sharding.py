@@ -249,12 +249,18 @@ def _split_point_cuts(an: _Analysis, split_points: Sequence[str]) -> list[int]:
     cuts = []
     for name in split_points:
         pos = next(
-            (i for i, n in enumerate(an.body)
-             if module_path(n) == name or module_path(n).startswith(name + ".")), None,
+            (
+                i
+                for i, n in enumerate(an.body)
+                if module_path(n) == name or module_path(n).startswith(name + ".")
+            ),
+            None,
         )
         if pos is None:
-            raise PartitionError(f"split point {name!r} matches no module in the traced graph: give a module name "
-                                 "such as 'layers.4' (see model.named_modules())")
+            raise PartitionError(
+                f"split point {name!r} matches no module in the traced graph: give a module name "
+                "such as 'layers.4' (see model.named_modules())"
+            )
         if pos == 0:
             continue
         if not an.valid[pos]:
@@ -311,7 +317,13 @@ def _resolve(gm: fx.GraphModule, model: nn.Module | None, target: str) -> tuple[
 
 
 def _build_shard_module(
-    gm: fx.GraphModule, model: nn.Module | None, an: _Analysis, lo: int, hi: int, index: int, last: bool,
+    gm: fx.GraphModule,
+    model: nn.Module | None,
+    an: _Analysis,
+    lo: int,
+    hi: int,
+    index: int,
+    last: bool,
     canonical: dict[int, str],
 ) -> tuple[fx.GraphModule, list[fx.Node], list[fx.Node]]:
     def canonical_target(target: str) -> str:
@@ -382,7 +394,9 @@ def shard(
     """
     if any("merak_value" not in n.meta for n in gm.graph.nodes if n.op != "output"):
         if example_inputs is None:
-            raise ValueError("the graph has no cost annotation: pass example_inputs or call annotate_costs first")
+            raise ValueError(
+                "the graph has no cost annotation: pass example_inputs or call annotate_costs first"
+            )
         annotate_costs(gm, example_inputs)
     if num_shards is not None and num_shards < 1:
         raise ValueError(f"num_shards={num_shards} must be >= 1")
@@ -409,22 +423,36 @@ def shard(
                 seen.add(id(t))
                 param_bytes += ValueSpec(True, tuple(t.shape), t.dtype).nbytes
         costs = [_cost_of(n) for n in an.body[lo:hi]]
-        shards.append(Shard(
-            index=k, module=module, inputs=_boundary(ins), outputs=_boundary(outs),
-            node_names=[n.name for n in an.body[lo:hi]],
-            time_s=sum(c.time_s for c in costs), flops=sum(c.flops for c in costs),
-            param_bytes=param_bytes, activation_bytes=sum(c.output_bytes for c in costs),
-            returns_model_output=last,
-        ))
+        shards.append(
+            Shard(
+                index=k,
+                module=module,
+                inputs=_boundary(ins),
+                outputs=_boundary(outs),
+                node_names=[n.name for n in an.body[lo:hi]],
+                time_s=sum(c.time_s for c in costs),
+                flops=sum(c.flops for c in costs),
+                param_bytes=param_bytes,
+                activation_bytes=sum(c.output_bytes for c in costs),
+                returns_model_output=last,
+            )
+        )
     if shards:
         model_out = an.output.args[0]
-        out_nodes = [x for x in (model_out if isinstance(model_out, (tuple, list)) else (model_out,))
-                     if isinstance(x, fx.Node)]
+        out_nodes = [
+            x
+            for x in (model_out if isinstance(model_out, (tuple, list)) else (model_out,))
+            if isinstance(x, fx.Node)
+        ]
         shards[-1].outputs = _boundary(out_nodes)
-    logger.debug("sharded %d nodes into %d shards (%d valid cut positions)", len(an.body), len(shards), n_valid)
-    return ShardedGraph(
-        graph_module=gm, shards=shards, cut_positions=cuts,
-        input_names=list(gm.meta.get("merak_input_names", [p.name for p in an.placeholders])),
-        output_names=list(gm.meta.get("merak_output_names", ["output"])), valid_positions=n_valid,
+    logger.debug(
+        "sharded %d nodes into %d shards (%d valid cut positions)", len(an.body), len(shards), n_valid
     )
-
+    return ShardedGraph(
+        graph_module=gm,
+        shards=shards,
+        cut_positions=cuts,
+        input_names=list(gm.meta.get("merak_input_names", [p.name for p in an.placeholders])),
+        output_names=list(gm.meta.get("merak_output_names", ["output"])),
+        valid_positions=n_valid,
+    )

@@ -24,13 +24,15 @@ __all__ = ["optimal_contiguous_partition", "uniform_partition", "stage_bounds_co
 
 def stage_bounds_cost(costs: Sequence[float], bounds: Sequence[int]) -> list[float]:
     """Per-stage cost of a partition given as shard boundaries [0, b1, ..., N]."""
-    return [float(sum(costs[bounds[i]:bounds[i + 1]])) for i in range(len(bounds) - 1)]
+    return [float(sum(costs[bounds[i] : bounds[i + 1]])) for i in range(len(bounds) - 1)]
 
 
 def uniform_partition(num_items: int, num_stages: int) -> list[int]:
     """Boundaries giving each stage the same number of shards (earlier stages get the remainder)."""
     if num_items < num_stages:
-        raise PartitionError(f"{num_items} shards cannot fill {num_stages} stages: use at most {num_items} stages")
+        raise PartitionError(
+            f"{num_items} shards cannot fill {num_stages} stages: use at most {num_items} stages"
+        )
     base, extra = divmod(num_items, num_stages)
     bounds = [0]
     for i in range(num_stages):
@@ -107,8 +109,9 @@ def optimal_contiguous_partition(
     return bounds
 
 
-def _prefix_sums(costs: Sequence[float], param_memory: Sequence[float] | None,
-                 activation_memory: Sequence[float] | None) -> tuple[list[float], list[float], list[float]]:
+def _prefix_sums(
+    costs: Sequence[float], param_memory: Sequence[float] | None, activation_memory: Sequence[float] | None
+) -> tuple[list[float], list[float], list[float]]:
     """Prefix sums of cost, parameter memory and activation memory (missing memories are 0)."""
     n = len(costs)
     pm = list(param_memory or [0.0] * n)

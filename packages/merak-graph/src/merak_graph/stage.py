@@ -29,7 +29,10 @@ class StageModule(nn.Sequential):
     """
 
     def __init__(
-        self, *shards: nn.Module, input_names: list[str] | None = None, input_specs: list[Any] | None = None,
+        self,
+        *shards: nn.Module,
+        input_names: list[str] | None = None,
+        input_specs: list[Any] | None = None,
         strict_shapes: bool = False,
     ) -> None:
         super().__init__(*shards)

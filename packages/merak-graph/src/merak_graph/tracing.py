@@ -58,7 +58,8 @@ def normalize_inputs(
     """(input names, example values in that order or None, whether to pass them by keyword)."""
     params = inspect.signature(model.forward).parameters
     positional = [
-        n for n, p in params.items()
+        n
+        for n, p in params.items()
         if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     ]
     if isinstance(example_inputs, torch.Tensor):
@@ -80,7 +81,9 @@ def normalize_inputs(
     values = list(example_inputs) if example_inputs is not None else None
     if input_names is None:
         if values is None:
-            raise InputMismatchError("give example_inputs (a tuple or a dict) or input_names to trace a model")
+            raise InputMismatchError(
+                "give example_inputs (a tuple or a dict) or input_names to trace a model"
+            )
         if len(values) > len(positional):
             raise InputMismatchError(
                 f"{len(values)} example inputs given but {type(model).__name__}.forward takes "
@@ -131,15 +134,22 @@ class _Tracer(fx.Tracer):
         return super().is_leaf_module(m, module_qualified_name)
 
 
-def _trace_fx(model: nn.Module, names: list[str], by_keyword: bool, leaf_modules: Sequence[LeafSpec],
-              static_kwargs: Mapping[str, Any]) -> fx.GraphModule:
+def _trace_fx(
+    model: nn.Module,
+    names: list[str],
+    by_keyword: bool,
+    leaf_modules: Sequence[LeafSpec],
+    static_kwargs: Mapping[str, Any],
+) -> fx.GraphModule:
     tracer = _Tracer(_leaf_predicate(model, leaf_modules))
     params = inspect.signature(model.forward).parameters
     concrete: dict[str, Any] = dict(static_kwargs)
     if by_keyword:
         for pname, p in params.items():
-            if pname not in names and pname not in concrete and p.kind not in (
-                inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD
+            if (
+                pname not in names
+                and pname not in concrete
+                and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
             ):
                 concrete[pname] = p.default if p.default is not inspect.Parameter.empty else None
     graph = tracer.trace(model, concrete_args=concrete or None)
@@ -159,7 +169,7 @@ def _trace_fx(model: nn.Module, names: list[str], by_keyword: bool, leaf_modules
     if len(kept) != len(names):
         if len(kept) < len(names):
             raise InputMismatchError(f"the traced forward has {len(kept)} inputs but input_names has {names}")
-        for node in kept[len(names):]:
+        for node in kept[len(names) :]:
             if node.users:
                 raise InputMismatchError(
                     f"forward input {node.target!r} is used but not given: add it to input_names/example_inputs"
@@ -170,10 +180,18 @@ def _trace_fx(model: nn.Module, names: list[str], by_keyword: bool, leaf_modules
     return gm
 
 
-def _trace_export(model: nn.Module, names: list[str], values: list[Any] | None, by_keyword: bool,
-                  static_kwargs: Mapping[str, Any], leaf_modules: Sequence[LeafSpec] = ()) -> fx.GraphModule:
+def _trace_export(
+    model: nn.Module,
+    names: list[str],
+    values: list[Any] | None,
+    by_keyword: bool,
+    static_kwargs: Mapping[str, Any],
+    leaf_modules: Sequence[LeafSpec] = (),
+) -> fx.GraphModule:
     if values is None:
-        raise InputMismatchError("method='export' needs example_inputs (meta tensors are fine for a meta model)")
+        raise InputMismatchError(
+            "method='export' needs example_inputs (meta tensors are fine for a meta model)"
+        )
     device = _model_device(model)
     if device is not None and device.type == "meta":
         values = [v.to("meta") if isinstance(v, torch.Tensor) else v for v in values]
@@ -198,7 +216,7 @@ def _trace_export(model: nn.Module, names: list[str], values: list[Any] | None, 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     # Placeholders follow the flattened (args, kwargs); static kwargs are constants and unused.
     kept = placeholders[: len(names)]
-    for node in placeholders[len(names):]:
+    for node in placeholders[len(names) :]:
         if node.users:
             raise TraceError(f"exported graph reads input {node.name!r} that is not one of {names}")
         gm.graph.erase_node(node)
@@ -320,7 +338,9 @@ def _trace_error(model: nn.Module, errors: list[tuple[str, BaseException]]) -> T
             "or partition with explicit split_points=[...] around it."
         )
     else:
-        lines.append("Fix: pass leaf_modules=(...) for the module that breaks tracing, or explicit split_points.")
+        lines.append(
+            "Fix: pass leaf_modules=(...) for the module that breaks tracing, or explicit split_points."
+        )
     return TraceError("\n".join(lines))
 
 

@@ -93,7 +93,10 @@ def describe_event(keys: Keys, key: int, schedule: Schedule) -> Action:
     """The action whose completion produces event ``key`` (B for a grad event of a B-schedule)."""
     code, s, m = keys.decode(key)
     if code == _GRAD:
-        uses_i = any(a.kind is ActionKind.BACKWARD_INPUT and a.stage == s for a in schedule.actions[schedule.rank_of(s)])
+        uses_i = any(
+            a.kind is ActionKind.BACKWARD_INPUT and a.stage == s
+            for a in schedule.actions[schedule.rank_of(s)]
+        )
         kind = ActionKind.BACKWARD_INPUT if uses_i else ActionKind.FULL_BACKWARD
     else:
         kind = next(k for k, c in _PRODUCES.items() if c == code and k is not ActionKind.BACKWARD_INPUT)
@@ -125,7 +128,9 @@ def dependency_table(schedule: Schedule) -> tuple[Keys, list[list[tuple[int, ...
             if a.kind is REC:
                 has_r[a.stage * M + a.microbatch] = 1
     produce_offset = {kind: code * SM for kind, code in _PRODUCES.items()}
-    k_grad, k_r, k_sent_f, k_recvd_f, k_sent_b, k_recvd_b = (c * SM for c in (_GRAD, _R, _SENT_F, _RECVD_F, _SENT_B, _RECVD_B))
+    k_grad, k_r, k_sent_f, k_recvd_f, k_sent_b, k_recvd_b = (
+        c * SM for c in (_GRAD, _R, _SENT_F, _RECVD_F, _SENT_B, _RECVD_B)
+    )
     deps: list[list[tuple[int, ...]]] = []
     produces: list[list[int]] = []
     for rank in range(schedule.num_ranks):

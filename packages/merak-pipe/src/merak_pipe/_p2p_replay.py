@@ -78,7 +78,7 @@ class Replay(Generic[OpT]):
             for k, (s, r) in enumerate(zip(s_list, r_list, strict=False)):
                 self.partner[s], self.partner[r] = r, s
                 self.channel_index[s] = self.channel_index[r] = k
-            self.unmatched += s_list[len(r_list):] + r_list[len(s_list):]
+            self.unmatched += s_list[len(r_list) :] + r_list[len(s_list) :]
 
     def _skip_empty(self, rank: int) -> None:
         left, n = self.left[rank], len(self.units[rank])
@@ -119,9 +119,14 @@ class Replay(Generic[OpT]):
     def waiting_sends(self, rank: int) -> list[int]:
         """Pending sends of ``rank``'s running unit whose partner's unit is not running."""
         u = self.head[rank]
-        return [i for i in self.units[rank][u]
-                if self.ops[i].send and not self.done[i] and self.partner[i] >= 0
-                and not self.is_running(self.partner[i])]
+        return [
+            i
+            for i in self.units[rank][u]
+            if self.ops[i].send
+            and not self.done[i]
+            and self.partner[i] >= 0
+            and not self.is_running(self.partner[i])
+        ]
 
     def defer(self, i: int) -> bool:
         """Move pending send ``i`` (and the later sends of its channel in the same unit) to the next
@@ -132,7 +137,9 @@ class Replay(Generic[OpT]):
         unit = self.units[rank][u]
         peer = self.ops[i].peer
         start = unit.index(i)
-        moving = [j for j in unit[start:] if self.ops[j].send and self.ops[j].peer == peer and not self.done[j]]
+        moving = [
+            j for j in unit[start:] if self.ops[j].send and self.ops[j].peer == peer and not self.done[j]
+        ]
         for j in moving:
             unit.remove(j)
             self.unit_of[j] = u + 1

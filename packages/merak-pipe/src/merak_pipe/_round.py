@@ -42,8 +42,11 @@ def _split_batch(value: Any, num_microbatches: int, what: str) -> list[Any]:
         return list(value.split(size // num_microbatches))
     if isinstance(value, (tuple, list)):
         parts = [_split_batch(v, num_microbatches, f"{what}[{i}]") for i, v in enumerate(value)]
-        return [type(value)(p[m] for p in parts) for m in range(num_microbatches)] if parts else \
-            [type(value)() for _ in range(num_microbatches)]
+        return (
+            [type(value)(p[m] for p in parts) for m in range(num_microbatches)]
+            if parts
+            else [type(value)() for _ in range(num_microbatches)]
+        )
     if isinstance(value, dict):
         split = {k: _split_batch(v, num_microbatches, f"{what}[{k!r}]") for k, v in value.items()}
         return [{k: s[m] for k, s in split.items()} for m in range(num_microbatches)]

@@ -7,7 +7,9 @@ from merak_pipe.ir import Schedule, ScheduleError, format_table
 _CONTEXT_ROWS = 12
 
 
-def _fail(schedule: Schedule, message: str, rank: int | None = None, step: int | None = None) -> ScheduleError:
+def _fail(
+    schedule: Schedule, message: str, rank: int | None = None, step: int | None = None
+) -> ScheduleError:
     mark = (rank, step) if rank is not None and step is not None else None
     table = _table_excerpt(schedule, mark)
     where = f"rank {rank}, step {step}: " if mark is not None else ""

@@ -39,8 +39,13 @@ class _WeightPlan:
     would count a path twice, so the plan falls back to one ``backward(inputs=parameters)``.
     """
 
-    def __init__(self, roots: list[torch.Tensor], grads: list[torch.Tensor] | None,
-                 targets: list[torch.Tensor], params: list[nn.Parameter]) -> None:
+    def __init__(
+        self,
+        roots: list[torch.Tensor],
+        grads: list[torch.Tensor] | None,
+        targets: list[torch.Tensor],
+        params: list[nn.Parameter],
+    ) -> None:
         self.roots, self.grads, self.params = roots, grads, params
         self.fallback = not targets or not params
         self.boundaries: list[tuple[Any, list[nn.Parameter]]] = []
@@ -95,8 +100,10 @@ class _WeightPlan:
             return compute()
         handles = []
         for node, _ in self.boundaries:
+
             def keep(grad_outputs: tuple[torch.Tensor | None, ...], key: int = id(node)) -> None:
                 self.captured[key] = tuple(grad_outputs)
+
             handles.append(node.register_prehook(keep))
         try:
             return compute()
@@ -118,12 +125,23 @@ class _WeightPlan:
             outs = [edge(node, k) for k, g in enumerate(captured) if g is not None]
             seeds = [g for g in captured if g is not None]
             if outs:
-                _accumulate(params, torch.autograd.grad(
-                    outs, [get_edge(p) for p in params], seeds, retain_graph=True, allow_unused=True))
+                _accumulate(
+                    params,
+                    torch.autograd.grad(
+                        outs, [get_edge(p) for p in params], seeds, retain_graph=True, allow_unused=True
+                    ),
+                )
         for root, grad, params in self.pure_roots:
-            _accumulate(params, torch.autograd.grad(
-                [root], [get_edge(p) for p in params], None if grad is None else [grad],
-                retain_graph=True, allow_unused=True))
+            _accumulate(
+                params,
+                torch.autograd.grad(
+                    [root],
+                    [get_edge(p) for p in params],
+                    None if grad is None else [grad],
+                    retain_graph=True,
+                    allow_unused=True,
+                ),
+            )
         self.captured.clear()
         self.boundaries.clear()
         self.pure_roots.clear()
@@ -140,8 +158,9 @@ def _accumulate(params: list[nn.Parameter], grads: Sequence[torch.Tensor | None]
                 param.grad += grad
 
 
-def _backward(roots: list[torch.Tensor], grads: list[torch.Tensor] | None,
-              inputs: list[nn.Parameter] | None) -> None:
+def _backward(
+    roots: list[torch.Tensor], grads: list[torch.Tensor] | None, inputs: list[nn.Parameter] | None
+) -> None:
     if not roots:
         return
     if inputs is not None:
@@ -152,8 +171,9 @@ def _backward(roots: list[torch.Tensor], grads: list[torch.Tensor] | None,
         torch.autograd.backward(roots, grads)
 
 
-def _grad(roots: list[torch.Tensor], grads: list[torch.Tensor] | None,
-          inputs: list[torch.Tensor]) -> list[torch.Tensor | None]:
+def _grad(
+    roots: list[torch.Tensor], grads: list[torch.Tensor] | None, inputs: list[torch.Tensor]
+) -> list[torch.Tensor | None]:
     if not roots or not inputs:
         return [None] * len(inputs)
     out = torch.autograd.grad(roots, inputs, grads, retain_graph=True, allow_unused=True)

@@ -87,7 +87,9 @@ def _schedule(args: argparse.Namespace) -> Schedule:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="merak-pipe", description=__doc__.split("\n")[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        prog="merak-pipe", description=__doc__.split("\n")[0] if __doc__ else None
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -111,12 +113,23 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--backward", type=_floats, default=2.0, help="full backward time, without recompute")
     p.add_argument("--backward-input", type=_floats, default=None, help="I time (default backward/2)")
     p.add_argument("--backward-weight", type=_floats, default=None, help="W time (default backward - I)")
-    p.add_argument("--recompute-time", type=_floats, default=None, help="time to recompute a whole stage (default forward)")
+    p.add_argument(
+        "--recompute-time",
+        type=_floats,
+        default=None,
+        help="time to recompute a whole stage (default forward)",
+    )
     p.add_argument("--latency", type=float, default=0.0, help="p2p latency")
     p.add_argument("--bandwidth", type=float, default=float("inf"), help="p2p bytes per time unit")
-    p.add_argument("--boundary-bytes", type=_floats, default=0.0, help="bytes of a stage's output per microbatch")
-    p.add_argument("--activation-bytes", type=_floats, default=1.0, help="activation bytes per microbatch per stage")
-    p.add_argument("--input-bytes", type=_floats, default=0.0, help="bytes of a recomputing stage's kept input")
+    p.add_argument(
+        "--boundary-bytes", type=_floats, default=0.0, help="bytes of a stage's output per microbatch"
+    )
+    p.add_argument(
+        "--activation-bytes", type=_floats, default=1.0, help="activation bytes per microbatch per stage"
+    )
+    p.add_argument(
+        "--input-bytes", type=_floats, default=0.0, help="bytes of a recomputing stage's kept input"
+    )
     p.add_argument("--trace", default=None, help="write a Chrome trace / Perfetto JSON here")
     p.add_argument("--png", default=None, help="write a PNG timeline here (needs matplotlib)")
     p.add_argument("--critical-path", action="store_true", help="print the critical path")
@@ -126,15 +139,19 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``merak-pipe`` command; returns the exit status."""
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
     try:
         schedule = _schedule(args)
         if args.command == "show":
             print(lower(schedule) if args.lower and not schedule.lowered else schedule)
         elif args.command == "validate":
             validate(lower(schedule) if args.lower and not schedule.lowered else schedule)
-            print(f"ok: {schedule.name}, {schedule.num_stages} stages, {schedule.num_microbatches} microbatches, "
-                  f"{schedule.num_ranks} ranks")
+            print(
+                f"ok: {schedule.name}, {schedule.num_stages} stages, {schedule.num_microbatches} microbatches, "
+                f"{schedule.num_ranks} ranks"
+            )
         elif args.command == "export-csv":
             out = lower(schedule) if args.lower and not schedule.lowered else schedule
             to_csv(out, args.out, drop_recompute=args.drop_recompute)

@@ -202,7 +202,7 @@ def distribute_works(works: Sequence[Any], counts: Sequence[int]) -> list[list[A
     if len(works) == total:
         out, cursor = [], 0
         for n in counts:
-            out.append(list(works[cursor:cursor + n]))
+            out.append(list(works[cursor : cursor + n]))
             cursor += n
         return out
     if len(works) == 1:
@@ -227,8 +227,14 @@ class P2PTransport:
     """
 
     def __init__(
-        self, *, group: dist.ProcessGroup, num_stages: int, num_microbatches: int,
-        timeout: timedelta, device: torch.device, nccl_rules: bool | None = None,
+        self,
+        *,
+        group: dist.ProcessGroup,
+        num_stages: int,
+        num_microbatches: int,
+        timeout: timedelta,
+        device: torch.device,
+        nccl_rules: bool | None = None,
     ) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
@@ -282,14 +288,18 @@ class P2PTransport:
         for tr in transfers:
             op = dist.isend if tr.send else dist.irecv
             global_peer = self._peer(tr.peer)
-            ops += [dist.P2POp(op, t, global_peer, self.group, tag) for t, tag in zip(tr.tensors, tr.tags, strict=True)]
+            ops += [
+                dist.P2POp(op, t, global_peer, self.group, tag)
+                for t, tag in zip(tr.tensors, tr.tags, strict=True)
+            ]
         pendings = [_Pending([], tr.tensors, tr.what) for tr in transfers]
         if ops:
             works = list(self.batch_isend_irecv(ops))
             if self.nccl_rules and len(works) > 1:
                 works = [_BatchWork(works)]
-            for pending, own in zip(pendings, distribute_works(works, [len(tr.tensors) for tr in transfers]),
-                                    strict=True):
+            for pending, own in zip(
+                pendings, distribute_works(works, [len(tr.tensors) for tr in transfers]), strict=True
+            ):
                 pending.works = own
         self._sends += [p for p, tr in zip(pendings, transfers, strict=True) if tr.send]
         return pendings
@@ -306,9 +316,12 @@ class P2PTransport:
                 cls = PipelineTimeoutError if "imed out" in text or "imeout" in text else PipelineCommError
                 reason = (
                     f"did not complete within the timeout of {self.timeout.total_seconds():g} s"
-                    if cls is PipelineTimeoutError else "failed (is the peer alive?)"
+                    if cls is PipelineTimeoutError
+                    else "failed (is the peer alive?)"
                 )
-                raise cls(f"{what}: {reason}: {text.splitlines()[0] if text else type(exc).__name__}") from exc
+                raise cls(
+                    f"{what}: {reason}: {text.splitlines()[0] if text else type(exc).__name__}"
+                ) from exc
             if ok is False:
                 raise PipelineTimeoutError(
                     f"{what}: did not complete within the timeout of {self.timeout.total_seconds():g} s"
@@ -356,8 +369,9 @@ class P2PTransport:
 
     # ------------------------------------------------------------------ control messages
 
-    def header_transfer(self, *, send: bool, stage: int, peer: int, what: str,
-                        changed: bool = False, nbytes: int = 0) -> Transfer:
+    def header_transfer(
+        self, *, send: bool, stage: int, peer: int, what: str, changed: bool = False, nbytes: int = 0
+    ) -> Transfer:
         """The round header ``int64[2] = (changed, nbytes)`` of the sending ``stage``, on the device."""
         if send:
             header = torch.tensor([1 if changed else 0, nbytes], dtype=torch.int64, device=self.device)
@@ -365,8 +379,9 @@ class P2PTransport:
             header = torch.empty(2, dtype=torch.int64, device=self.device)
         return Transfer(send, peer, [header], [self.tag(_HEADER, stage, 0)], what + " [shape header]")
 
-    def spec_transfer(self, *, send: bool, stage: int, peer: int, what: str,
-                      payload: bytes = b"", nbytes: int = 0) -> Transfer:
+    def spec_transfer(
+        self, *, send: bool, stage: int, peer: int, what: str, payload: bytes = b"", nbytes: int = 0
+    ) -> Transfer:
         """The pickled spec of the sending ``stage`` as ``uint8[nbytes]``, on the device."""
         if send:
             tensor = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)

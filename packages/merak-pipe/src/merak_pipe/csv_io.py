@@ -18,7 +18,9 @@ from merak_pipe.ir import Action, ActionKind, RecomputePlan, Schedule
 __all__ = ["from_csv", "to_csv"]
 
 
-def to_csv(schedule: Schedule, path: str | os.PathLike[str] | None = None, *, drop_recompute: bool = False) -> str:
+def to_csv(
+    schedule: Schedule, path: str | os.PathLike[str] | None = None, *, drop_recompute: bool = False
+) -> str:
     """Write ``schedule`` as CSV (to ``path`` if given) and return the text."""
     has_r = schedule.has_recompute_actions
     if has_r and not drop_recompute:

@@ -59,7 +59,9 @@ class BoundaryExchange:
         """Input gradients of ``stage`` for ``microbatch``, to be sent by its SEND_B."""
         self._bwd_out[(stage, microbatch)] = grads
 
-    def take_forward_input(self, stage: int, microbatch: int, action: Action) -> tuple[Any, list[torch.Tensor]]:
+    def take_forward_input(
+        self, stage: int, microbatch: int, action: Action
+    ) -> tuple[Any, list[torch.Tensor]]:
         """(spec, tensors) received for the forward of ``stage``; waits for them."""
         pending = self._fwd_recv.pop((stage, microbatch), None)
         if pending is None:
@@ -119,8 +121,10 @@ class BoundaryExchange:
         if not changed:
             last = self._last_recv_spec.get(receiver)
             if last is None:
-                raise PipelineCommError(f"{pending.what}: the sender reported an unchanged shape spec "
-                                        "but none was received before (mismatched runners?)")
+                raise PipelineCommError(
+                    f"{pending.what}: the sender reported an unchanged shape spec "
+                    "but none was received before (mismatched runners?)"
+                )
             self.in_spec[receiver] = last
 
     def _what(self, op: P2POp) -> str:
@@ -137,16 +141,30 @@ class BoundaryExchange:
             payload = pickle.dumps(spec) if changed else None
             self._payload[op.stage] = payload
             self._last_sent_spec[op.stage] = spec
-            return t.header_transfer(send=True, stage=op.stage, peer=op.peer, what=self._what(op),
-                                     changed=changed, nbytes=len(payload or b""))
+            return t.header_transfer(
+                send=True,
+                stage=op.stage,
+                peer=op.peer,
+                what=self._what(op),
+                changed=changed,
+                nbytes=len(payload or b""),
+            )
         if op.kind == SPEC:
             if op.send:
                 payload = self._payload.pop(op.stage)
-                return None if payload is None else t.spec_transfer(
-                    send=True, stage=op.stage, peer=op.peer, what=self._what(op), payload=payload)
+                return (
+                    None
+                    if payload is None
+                    else t.spec_transfer(
+                        send=True, stage=op.stage, peer=op.peer, what=self._what(op), payload=payload
+                    )
+                )
             changed, nbytes = self._header[op.stage]
-            return t.spec_transfer(send=False, stage=op.stage, peer=op.peer, what=self._what(op),
-                                   nbytes=nbytes) if changed else None
+            return (
+                t.spec_transfer(send=False, stage=op.stage, peer=op.peer, what=self._what(op), nbytes=nbytes)
+                if changed
+                else None
+            )
         if op.send:
             return self._data_send(op)
         return self._data_recv(op)
@@ -156,8 +174,9 @@ class BoundaryExchange:
         tensors = store.pop((op.stage, op.microbatch), None)
         if tensors is None:
             made_by = "F" if op.kind == DATA_F else "B/I"
-            raise RuntimeError(f"pipeline rank {self.rank}: action {op.action} sends values that {made_by} "
-                               "has not produced")
+            raise RuntimeError(
+                f"pipeline rank {self.rank}: action {op.action} sends values that {made_by} has not produced"
+            )
         ready = [x.detach().contiguous() for x in tensors]
         tags = self.transport.data_tags(op.kind == DATA_B, op.stage, op.microbatch, len(ready))
         return Transfer(True, op.peer, ready, tags, self._what(op))
@@ -168,7 +187,9 @@ class BoundaryExchange:
         else:
             own = op.stage - 1
             if own not in self.out_spec:
-                raise RuntimeError(f"pipeline rank {self.rank}: {op.action} comes before any forward of stage {own}")
+                raise RuntimeError(
+                    f"pipeline rank {self.rank}: {op.action} comes before any forward of stage {own}"
+                )
             metas = [meta for meta in spec_metas(self.out_spec[own]) if meta.requires_grad]
         buffers = [self.transport.empty(m) for m in metas]
         tags = self.transport.data_tags(op.kind == DATA_B, op.stage, op.microbatch, len(buffers))

@@ -225,7 +225,9 @@ class Schedule:
             self.actions.setdefault(rank, [])
         extra = set(self.actions) - ranks
         if extra:
-            raise ValueError(f"actions given for ranks {sorted(extra)} that hold no stage (stage_to_rank={self.stage_to_rank})")
+            raise ValueError(
+                f"actions given for ranks {sorted(extra)} that hold no stage (stage_to_rank={self.stage_to_rank})"
+            )
         if self.recompute is not None and self.recompute.num_stages != self.num_stages:
             raise ValueError(
                 f"recompute plan has {self.recompute.num_stages} stages, schedule has {self.num_stages}; "

@@ -54,7 +54,9 @@ def lower(schedule: Schedule) -> Schedule:
 
 def _lower(schedule: Schedule) -> Schedule:
     if schedule.lowered:
-        raise ValueError(f"schedule {schedule.name!r} is already lowered; lower() takes a compute-only schedule")
+        raise ValueError(
+            f"schedule {schedule.name!r} is already lowered; lower() takes a compute-only schedule"
+        )
     rank_of = schedule.stage_to_rank
     last = schedule.num_stages - 1
     # Pass 1: the order in which each channel (src rank, dst rank) carries its messages.
@@ -62,7 +64,9 @@ def _lower(schedule: Schedule) -> Schedule:
     for rank, acts in schedule.actions.items():
         for a in acts:
             if a.kind.is_comm:
-                raise ValueError(f"{a} on rank {rank}: a schedule with lowered=False must not hold send/recv actions")
+                raise ValueError(
+                    f"{a} on rank {rank}: a schedule with lowered=False must not hold send/recv actions"
+                )
             s = a.stage
             if a.kind is ActionKind.FORWARD and s < last and rank_of[s + 1] != rank:
                 channel.setdefault((rank, rank_of[s + 1]), []).append(("F", s, a.microbatch))

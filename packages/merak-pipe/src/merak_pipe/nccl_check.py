@@ -34,6 +34,7 @@ from merak_pipe.p2p_order import P2POp, Unit, issue_orders
 
 __all__ = ["NcclReplay", "check_nccl", "replay", "round_units"]
 
+
 @dataclass
 class NcclReplay:
     """The outcome of a replay: empty lists mean the order runs under NCCL's rules."""
@@ -81,7 +82,9 @@ def _report_pairing(engine: Replay[P2POp], result: NcclReplay) -> None:
 def replay(units: Mapping[int, Sequence[Unit]]) -> NcclReplay:
     """Replay per-rank unit lists (issue order) under NCCL's model; see the module docstring."""
     result = NcclReplay()
-    engine: Replay[P2POp] = Replay({rank: [list(u) for u in rank_units] for rank, rank_units in units.items()})
+    engine: Replay[P2POp] = Replay(
+        {rank: [list(u) for u in rank_units] for rank, rank_units in units.items()}
+    )
     _report_pairing(engine, result)
     engine.run()
     for rank, u in engine.stuck().items():
@@ -95,11 +98,15 @@ def replay(units: Mapping[int, Sequence[Unit]]) -> NcclReplay:
             peer_head = engine.head[peer]
             where = (
                 f"rank {peer} is stuck at unit {peer_head} {_describe_unit(engine.unit_ops(peer)[peer_head])}"
-                if peer_head < len(engine.units[peer]) else f"rank {peer} finished"
+                if peer_head < len(engine.units[peer])
+                else f"rank {peer} finished"
             )
-            waits.append(f"{engine.ops[i]} needs its partner in rank {peer}'s unit {engine.unit_of[other]}, but {where}")
+            waits.append(
+                f"{engine.ops[i]} needs its partner in rank {peer}'s unit {engine.unit_of[other]}, but {where}"
+            )
         result.blocked.append(
-            f"rank {rank} is stuck at unit {u} {_describe_unit(engine.unit_ops(rank)[u])}: " + "; ".join(waits)
+            f"rank {rank} is stuck at unit {u} {_describe_unit(engine.unit_ops(rank)[u])}: "
+            + "; ".join(waits)
         )
     return result
 
@@ -137,4 +144,3 @@ def check_nccl(schedule: Schedule) -> Schedule:
             step,
         )
     return schedule
-

@@ -93,7 +93,9 @@ def _per_stage_values(name: str, value: float | Sequence[float], num_stages: int
         return [float(value)] * num_stages
     values = [float(v) for v in value]
     if len(values) != num_stages:
-        raise ValueError(f"{name} has {len(values)} values but there are {num_stages} stages; give one per stage")
+        raise ValueError(
+            f"{name} has {len(values)} values but there are {num_stages} stages; give one per stage"
+        )
     return values
 
 
@@ -151,15 +153,23 @@ def stage_aware_plan(
     return RecomputePlan(tuple(chosen[s] / tables[s].num_layers for s in range(num_stages)))
 
 
-def _counts_and_placement(num_stages: int, in_flight: Sequence[int] | None, schedule: Schedule | None,
-                          stage_to_rank: Sequence[int] | None) -> tuple[Sequence[int], Sequence[int]]:
+def _counts_and_placement(
+    num_stages: int,
+    in_flight: Sequence[int] | None,
+    schedule: Schedule | None,
+    stage_to_rank: Sequence[int] | None,
+) -> tuple[Sequence[int], Sequence[int]]:
     """The in-flight counts and the stage-to-device map of :func:`stage_aware_plan`, checked."""
     if in_flight is None:
         if schedule is None:
-            raise ValueError("stage_aware_plan needs in_flight (one count per stage) or a schedule to count them")
+            raise ValueError(
+                "stage_aware_plan needs in_flight (one count per stage) or a schedule to count them"
+            )
         in_flight = in_flight_counts(schedule)
     if len(in_flight) != num_stages:
-        raise ValueError(f"in_flight has {len(in_flight)} counts but layer_activation_bytes has {num_stages} stages")
+        raise ValueError(
+            f"in_flight has {len(in_flight)} counts but layer_activation_bytes has {num_stages} stages"
+        )
     if stage_to_rank is None:
         stage_to_rank = schedule.stage_to_rank if schedule is not None else tuple(range(num_stages))
     if len(stage_to_rank) != num_stages or set(stage_to_rank) != set(range(len(set(stage_to_rank)))):
@@ -183,7 +193,9 @@ def _single_stage_layers(s: int, table: _StageMemory, budget: float) -> int:
     return fits[0]
 
 
-def _shared_device_layers(device: int, stages: list[int], tables: list[_StageMemory], budget: float) -> dict[int, int]:
+def _shared_device_layers(
+    device: int, stages: list[int], tables: list[_StageMemory], budget: float
+) -> dict[int, int]:
     """Checkpointed layers per stage for a device holding several stages (see :func:`stage_aware_plan`)."""
     limit = budget * (1 + 1e-12)
     ks = {s: 0 for s in stages}
@@ -231,7 +243,9 @@ def _shared_device_layers(device: int, stages: list[int], tables: list[_StageMem
 class _StageMemory:
     """Memory of one stage when its first k layers are checkpointed (see stage_aware_plan)."""
 
-    def __init__(self, acts: list[float], static: float, in_flight: int, input_bytes: float, with_buffer: bool):
+    def __init__(
+        self, acts: list[float], static: float, in_flight: int, input_bytes: float, with_buffer: bool
+    ):
         self.num_layers = len(acts)
         self.static = static
         self.in_flight = in_flight

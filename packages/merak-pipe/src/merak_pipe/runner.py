@@ -107,7 +107,9 @@ class PipelineRunner:
             group = next(iter(stage_groups.values()))
         world = dist.group.WORLD
         if group is None and world is None:
-            raise RuntimeError("torch.distributed is not initialised: call init_process_group before PipelineRunner")
+            raise RuntimeError(
+                "torch.distributed is not initialised: call init_process_group before PipelineRunner"
+            )
         self.group: dist.ProcessGroup = group if group is not None else world  # type: ignore[assignment]
         self.rank = dist.get_rank(self.group)
         group_size = dist.get_world_size(self.group)
@@ -149,15 +151,20 @@ class PipelineRunner:
         self._recompute = schedule.recompute
         self.device = _common_device(stages, device)
         self.transport = P2PTransport(
-            group=self.group, num_stages=schedule.num_stages, num_microbatches=self.num_microbatches,
-            timeout=timeout, device=self.device, nccl_rules=nccl_rules,
+            group=self.group,
+            num_stages=schedule.num_stages,
+            num_microbatches=self.num_microbatches,
+            timeout=timeout,
+            device=self.device,
+            nccl_rules=nccl_rules,
         )
         self.exchange = BoundaryExchange(self.transport)
         from merak_pipe.nccl_check import check_nccl
 
         check_nccl(schedule)
         self._plans: dict[bool, list[Step]] = {
-            training: issue_orders(schedule, forward_only=not training)[self.rank] for training in (True, False)
+            training: issue_orders(schedule, forward_only=not training)[self.rank]
+            for training in (True, False)
         }
         self._clock = RoundClock(self.device)
         self._step_marks: tuple[Any, Any] | None = None
@@ -263,7 +270,9 @@ class PipelineRunner:
         if self._round.training:
             for index, stage in self.stages.items():
                 if stage.pending_microbatches():
-                    leftovers.append(f"stage {index} microbatches without a backward: {stage.pending_microbatches()}")
+                    leftovers.append(
+                        f"stage {index} microbatches without a backward: {stage.pending_microbatches()}"
+                    )
         if leftovers:
             raise RuntimeError(
                 f"schedule {self.schedule.name!r} left work undone on pipeline rank {self.rank}: "
@@ -281,8 +290,10 @@ class PipelineRunner:
     def _stage(self, action: Action) -> PipelineStage:
         stage = self.stages.get(action.stage)
         if stage is None:
-            raise RuntimeError(f"pipeline rank {self.rank}: action {action} names stage {action.stage}, "
-                               f"which this rank does not hold (it holds {sorted(self.stages)})")
+            raise RuntimeError(
+                f"pipeline rank {self.rank}: action {action} names stage {action.stage}, "
+                f"which this rank does not hold (it holds {sorted(self.stages)})"
+            )
         return stage
 
     def _fraction(self, s: int) -> float:
@@ -294,7 +305,9 @@ class PipelineRunner:
         if self.schedule.rank_of(s - 1) == self.rank:
             value = self._round.fwd_local.pop((s, m), None)
             if value is None:
-                raise RuntimeError(f"pipeline rank {self.rank}: {s}F{m} runs before {s - 1}F{m} on the same rank")
+                raise RuntimeError(
+                    f"pipeline rank {self.rank}: {s}F{m} runs before {s - 1}F{m} on the same rank"
+                )
             return value
         spec, tensors = self.exchange.take_forward_input(s, m, Action(s, ActionKind.FORWARD, m))
         leaves = []
@@ -310,7 +323,9 @@ class PipelineRunner:
         if self.schedule.rank_of(s + 1) == self.rank:
             grads = self._round.bwd_local.pop((s, m), None)
             if grads is None:
-                raise RuntimeError(f"pipeline rank {self.rank}: backward of {s} mb {m} runs before that of {s + 1}")
+                raise RuntimeError(
+                    f"pipeline rank {self.rank}: backward of {s} mb {m} runs before that of {s + 1}"
+                )
             return grads
         grads = self.exchange.take_output_grads(s, m, action)
         self._round.recv_buffers.setdefault((s, m), []).extend(grads)
@@ -346,7 +361,9 @@ class PipelineRunner:
         except (RuntimeError, ValueError, TypeError) as exc:
             if type(exc) not in (RuntimeError, ValueError, TypeError):
                 raise
-            raise type(exc)(f"pipeline rank {self.rank}, stage {s}, action {action} (microbatch {m}): {exc}") from exc
+            raise type(exc)(
+                f"pipeline rank {self.rank}, stage {s}, action {action} (microbatch {m}): {exc}"
+            ) from exc
         if clock is not None:
             implicit = stage.recompute_seconds - recompute_before if kind is not ActionKind.RECOMPUTE else 0.0
             self._round.marks.append((action, start, ready, clock.mark(), implicit))
@@ -357,9 +374,14 @@ class PipelineRunner:
         labels = self._round.labels[m] if (is_last and self._round.labels) else None
         scale = 1.0 / self.num_microbatches if self.loss_reduction == "mean" else 1.0
         out, loss = stage.forward(
-            m, args, kwargs, recompute_fraction=self._fraction(s),
-            loss_fn=self.loss_fn if labels is not None else None, labels=labels,
-            loss_scale=scale, training=self._round.training,
+            m,
+            args,
+            kwargs,
+            recompute_fraction=self._fraction(s),
+            loss_fn=self.loss_fn if labels is not None else None,
+            labels=labels,
+            loss_scale=scale,
+            training=self._round.training,
         )
         if is_last:
             if loss is not None:
@@ -398,17 +420,27 @@ class PipelineRunner:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             work = dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=group, async_op=True)
-            what = (f"pipeline rank {self.rank} (global rank {dist.get_rank()}): all-reduce of a shared "
-                    f"parameter's gradient {tuple(param.shape)} over global ranks "
-                    f"{dist.get_process_group_ranks(group)}")
+            what = (
+                f"pipeline rank {self.rank} (global rank {dist.get_rank()}): all-reduce of a shared "
+                f"parameter's gradient {tuple(param.shape)} over global ranks "
+                f"{dist.get_process_group_ranks(group)}"
+            )
             self.transport.wait([work], what)
 
     def _resolve_marks(self) -> list[ActionTiming]:
         seconds = self._clock.seconds
         return [
-            ActionTiming(rank=self.rank, stage=a.stage, kind=a.kind.value, microbatch=a.microbatch,
-                         start_s=seconds(start), ready_s=seconds(start if ready is None else ready),
-                         end_s=seconds(end), recompute_s=recompute, step=self._round.index)
+            ActionTiming(
+                rank=self.rank,
+                stage=a.stage,
+                kind=a.kind.value,
+                microbatch=a.microbatch,
+                start_s=seconds(start),
+                ready_s=seconds(start if ready is None else ready),
+                end_s=seconds(end),
+                recompute_s=recompute,
+                step=self._round.index,
+            )
             for a, start, ready, end, recompute in self._round.marks
         ]
 
@@ -427,8 +459,10 @@ def _common_device(stages: Sequence[PipelineStage], device: torch.device | str |
             )
         return wanted
     if len(devices) != 1:
-        raise ValueError(f"this rank's PipelineStages are on several devices {sorted(map(str, devices))}; "
-                         "use one device per rank (pass device= to every PipelineStage)")
+        raise ValueError(
+            f"this rank's PipelineStages are on several devices {sorted(map(str, devices))}; "
+            "use one device per rank (pass device= to every PipelineStage)"
+        )
     return next(iter(devices))
 
 

@@ -79,15 +79,20 @@ def shared_parameter_groups(
             continue
         for pipeline in pipelines:
             members = [pipeline[r] for r in ranks]
-            created = dist.new_group(members, timeout=timeout) if timeout is not None else dist.new_group(members)
+            created = (
+                dist.new_group(members, timeout=timeout) if timeout is not None else dist.new_group(members)
+            )
             if me in members:
                 result[name] = created
-        logger.debug("shared parameter %s: groups over pipeline ranks %s in %d pipelines", name, ranks, len(pipelines))
+        logger.debug(
+            "shared parameter %s: groups over pipeline ranks %s in %d pipelines", name, ranks, len(pipelines)
+        )
     return result
 
 
 def shared_parameters_list(
-    params: Mapping[str, nn.Parameter], groups: Mapping[str, dist.ProcessGroup | None],
+    params: Mapping[str, nn.Parameter],
+    groups: Mapping[str, dist.ProcessGroup | None],
 ) -> list[tuple[nn.Parameter, dist.ProcessGroup]]:
     """``[(param, group)]`` for ``PipelineRunner(shared_parameters=...)``: this rank's copies by name."""
     out = []

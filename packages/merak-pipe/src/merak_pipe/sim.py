@@ -39,7 +39,9 @@ def _per_stage(name: str, value: PerStage, num_stages: int) -> list[float]:
     else:
         values = [float(v) for v in value]
         if len(values) != num_stages:
-            raise ValueError(f"CostModel.{name} has {len(values)} values but the schedule has {num_stages} stages")
+            raise ValueError(
+                f"CostModel.{name} has {len(values)} values but the schedule has {num_stages} stages"
+            )
     for v in values:
         if v < 0 or math.isnan(v):
             raise ValueError(f"CostModel.{name}={value!r}: expected values >= 0")
@@ -126,7 +128,9 @@ class SimResult:
         """Every action with its start and end, in an order that respects dependencies (built on first use)."""
         if self._timeline is None:
             acts, starts, ends = self.schedule.actions, self._starts, self._ends
-            self._timeline = [TimedAction(r, acts[r][st], starts[r][st], ends[r][st]) for r, st in self._order]
+            self._timeline = [
+                TimedAction(r, acts[r][st], starts[r][st], ends[r][st]) for r, st in self._order
+            ]
         return self._timeline
 
     def start_end(self, rank: int, step: int) -> tuple[float, float]:
@@ -139,7 +143,9 @@ class SimResult:
 
     def summary(self) -> str:
         """A short table: makespan, bubble per rank, peak memory per stage."""
-        lines = [f"{self.schedule.name}: makespan {self.makespan:.4g}, mean bubble {100 * self.bubble_fraction_mean:.1f}%"]
+        lines = [
+            f"{self.schedule.name}: makespan {self.makespan:.4g}, mean bubble {100 * self.bubble_fraction_mean:.1f}%"
+        ]
         lines.append("rank | bubble % | peak activation memory (stages)")
         for rank in range(self.schedule.num_ranks):
             stages = self.schedule.stages_of(rank)
@@ -181,8 +187,11 @@ def _stage_costs(schedule: Schedule, costs: CostModel) -> _StageCosts:
     S = schedule.num_stages
     fwd = _per_stage("forward", costs.forward, S)
     bwd = _per_stage("backward", costs.backward, S)
-    b_in = _per_stage("backward_input", costs.backward_input, S) if costs.backward_input is not None \
+    b_in = (
+        _per_stage("backward_input", costs.backward_input, S)
+        if costs.backward_input is not None
         else [b / 2 for b in bwd]
+    )
     b_w = (
         _per_stage("backward_weight", costs.backward_weight, S)
         if costs.backward_weight is not None
@@ -197,7 +206,10 @@ def _stage_costs(schedule: Schedule, costs: CostModel) -> _StageCosts:
     boundary = _per_stage("boundary_bytes", costs.boundary_bytes, S)
     frac = list(schedule.recompute.fractions) if schedule.recompute is not None else [0.0] * S
     return _StageCosts(
-        forward=fwd, backward=bwd, backward_input=b_in, backward_weight=b_w,
+        forward=fwd,
+        backward=bwd,
+        backward_input=b_in,
+        backward_weight=b_w,
         recompute=[rec_full[s] * frac[s] for s in range(S)],
         message=[costs.p2p_latency + boundary[s] / costs.p2p_bandwidth for s in range(S)],
         fractions=frac,
@@ -237,10 +249,12 @@ def _durations(schedule: Schedule, c: _StageCosts) -> list[list[float]]:
     zeros = [0.0] * S
     durations: list[list[float]] = []
     for rank in range(schedule.num_ranks):
-        durations.append([
-            (plain if by_r[a.stage * M + a.microbatch] else implicit).get(a.kind, zeros)[a.stage]
-            for a in schedule.actions[rank]
-        ])
+        durations.append(
+            [
+                (plain if by_r[a.stage * M + a.microbatch] else implicit).get(a.kind, zeros)[a.stage]
+                for a in schedule.actions[rank]
+            ]
+        )
     return durations
 
 

@@ -137,8 +137,13 @@ class PipelineStage:
     """
 
     def __init__(
-        self, module: nn.Module, *, stage_index: int, num_stages: int,
-        group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu",
+        self,
+        module: nn.Module,
+        *,
+        stage_index: int,
+        num_stages: int,
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"PipelineStage needs an nn.Module, got {type(module).__name__}")
@@ -155,7 +160,9 @@ class PipelineStage:
         self.device = torch.device(device)
         self.units: list[nn.Module] = list(module) if isinstance(module, nn.Sequential) else [module]
         if not self.units:
-            raise ValueError(f"stage {stage_index}: the nn.Sequential is empty; give the stage at least one module")
+            raise ValueError(
+                f"stage {stage_index}: the nn.Sequential is empty; give the stage at least one module"
+            )
         self._states: dict[int, _MicrobatchState] = {}
         self.recompute_seconds = 0.0
         """Total seconds spent in recomputation (explicit R or inside B/I); read by the runner's timing."""
@@ -186,8 +193,10 @@ class PipelineStage:
         return [p for p in self.module.parameters() if p.requires_grad]
 
     def __repr__(self) -> str:
-        return (f"PipelineStage(stage_index={self.stage_index}, num_stages={self.num_stages}, "
-                f"units={self.num_units}, device={self.device})")
+        return (
+            f"PipelineStage(stage_index={self.stage_index}, num_stages={self.num_stages}, "
+            f"units={self.num_units}, device={self.device})"
+        )
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -211,10 +220,16 @@ class PipelineStage:
     # ------------------------------------------------------------------ forward
 
     def forward(
-        self, microbatch: int, args: tuple[Any, ...], kwargs: dict[str, Any], *,
+        self,
+        microbatch: int,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
         recompute_fraction: float = 0.0,
-        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, labels: Any = None,
-        loss_scale: float = 1.0, training: bool = True,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        labels: Any = None,
+        loss_scale: float = 1.0,
+        training: bool = True,
     ) -> tuple[Any, torch.Tensor | None]:
         """Run the forward of ``microbatch``; return (output value, unscaled loss or None).
 
@@ -288,8 +303,11 @@ class PipelineStage:
 
     # ------------------------------------------------------------------ backward
 
-    def _kept_roots(self, state: _MicrobatchState, output_grads: Sequence[torch.Tensor] | None,
-                    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    def _kept_roots(
+        self,
+        state: _MicrobatchState,
+        output_grads: Sequence[torch.Tensor] | None,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         if self.is_last and state.loss is not None:
             return [state.loss], None
         if output_grads is None:
@@ -301,8 +319,9 @@ class PipelineStage:
             )
         return state.outputs, list(output_grads)
 
-    def _ckpt_roots(self, microbatch: int, ckpt: _Checkpoint,
-                    mid_grads: Sequence[torch.Tensor | None]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _ckpt_roots(
+        self, microbatch: int, ckpt: _Checkpoint, mid_grads: Sequence[torch.Tensor | None]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         if ckpt.recomputed is None:
             self.recompute(microbatch)
         assert ckpt.recomputed is not None
@@ -327,11 +346,15 @@ class PipelineStage:
             mid_grads = [leaf.grad for leaf in ckpt.mid_leaves]
             roots, grads = self._ckpt_roots(microbatch, ckpt, mid_grads)
             _backward(roots, grads, inputs=None)
-        input_grads = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in state.input_leaves]
+        input_grads = [
+            leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in state.input_leaves
+        ]
         del self._states[microbatch]
         return input_grads
 
-    def backward_input(self, microbatch: int, output_grads: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
+    def backward_input(
+        self, microbatch: int, output_grads: Sequence[torch.Tensor] | None
+    ) -> list[torch.Tensor]:
         """Input-gradient backward (``I``): gradients of the stage inputs only; graph kept for ``W``.
 
         See [Note: split backward]: the gradients entering the nodes where parameter-only branches
@@ -354,8 +377,10 @@ class PipelineStage:
         input_grads = plan.run_input(lambda: _grad(roots, grads, leaves)) if leaves else []
         state.weight_plans.append(plan)
         state.input_done = True
-        return [g if g is not None else torch.zeros_like(leaf)
-                for g, leaf in zip(input_grads, state.input_leaves, strict=True)]
+        return [
+            g if g is not None else torch.zeros_like(leaf)
+            for g, leaf in zip(input_grads, state.input_leaves, strict=True)
+        ]
 
     def backward_weight(self, microbatch: int) -> None:
         """Weight-gradient backward (``W``): accumulate parameter grads and free the graph."""

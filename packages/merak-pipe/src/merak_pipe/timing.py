@@ -112,7 +112,9 @@ class ActionTiming:
         return self.ready_s - self.start_s
 
 
-def gather_timings(timings: Sequence[ActionTiming], group: dist.ProcessGroup | None = None) -> list[ActionTiming]:
+def gather_timings(
+    timings: Sequence[ActionTiming], group: dist.ProcessGroup | None = None
+) -> list[ActionTiming]:
     """Every rank's timings of the last step, on every rank of ``group`` (collective)."""
     world = dist.get_world_size(group)
     gathered: list[Any] = [None] * world
@@ -172,8 +174,11 @@ def measured_costs(timings: Iterable[ActionTiming], schedule: Schedule) -> Any:
             elif t.recompute_s > 0:
                 rec.setdefault(t.stage, []).append(t.recompute_s)
             if t.wait_s > 0:
-                key = (step, "SEND_F", t.stage - 1, t.microbatch) if t.kind == "F" else \
-                    (step, "SEND_B", t.stage + 1, t.microbatch)
+                key = (
+                    (step, "SEND_F", t.stage - 1, t.microbatch)
+                    if t.kind == "F"
+                    else (step, "SEND_B", t.stage + 1, t.microbatch)
+                )
                 sent = sends.get(key)
                 if sent is not None and t.start_s < sent < t.ready_s:
                     latencies.append(t.ready_s - sent)
@@ -197,8 +202,11 @@ def measured_costs(timings: Iterable[ActionTiming], schedule: Schedule) -> Any:
         b_in.append(i)
         b_w.append(w)
     return CostModel(
-        forward=forward, backward=backward, recompute=recompute,
-        backward_input=b_in if split else None, backward_weight=b_w if split else None,
+        forward=forward,
+        backward=backward,
+        recompute=recompute,
+        backward_input=b_in if split else None,
+        backward_weight=b_w if split else None,
         p2p_latency=statistics.median(latencies) if latencies else 0.0,
     )
 
@@ -214,18 +222,35 @@ def measured_chrome_trace(timings: Sequence[ActionTiming], path: str | None = No
     origin = min(t.start_s for t in timings)
     events: list[dict[str, Any]] = []
     for rank in sorted({t.rank for t in timings}):
-        events.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"pipeline rank {rank}"}})
+        events.append(
+            {"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"pipeline rank {rank}"}}
+        )
     for t in timings:
         us = 1e6
         if t.kind in _COMPUTE and t.wait_s > 0:
-            events.append({"name": f"wait {t.action}", "cat": "wait", "ph": "X", "pid": t.rank, "tid": t.stage,
-                           "ts": (t.start_s - origin) * us, "dur": t.wait_s * us})
-        events.append({
-            "name": t.action, "cat": "compute" if t.kind in _COMPUTE else "comm", "ph": "X",
-            "pid": t.rank, "tid": t.stage, "ts": (t.ready_s - origin) * us,
-            "dur": max(t.end_s - t.ready_s, 0.0) * us,
-            "args": {"microbatch": t.microbatch, "recompute_s": t.recompute_s},
-        })
+            events.append(
+                {
+                    "name": f"wait {t.action}",
+                    "cat": "wait",
+                    "ph": "X",
+                    "pid": t.rank,
+                    "tid": t.stage,
+                    "ts": (t.start_s - origin) * us,
+                    "dur": t.wait_s * us,
+                }
+            )
+        events.append(
+            {
+                "name": t.action,
+                "cat": "compute" if t.kind in _COMPUTE else "comm",
+                "ph": "X",
+                "pid": t.rank,
+                "tid": t.stage,
+                "ts": (t.ready_s - origin) * us,
+                "dur": max(t.end_s - t.ready_s, 0.0) * us,
+                "args": {"microbatch": t.microbatch, "recompute_s": t.recompute_s},
+            }
+        )
     trace = {"traceEvents": events, "displayTimeUnit": "ms"}
     if path is not None:
         with open(path, "w", encoding="utf-8") as handle:

@@ -42,7 +42,9 @@ def chrome_trace(
         {"name": "process_name", "ph": "M", "pid": 0, "args": {"name": f"pipeline: {result.schedule.name}"}}
     ]
     for rank in range(result.schedule.num_ranks):
-        events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": rank, "args": {"name": f"rank {rank}"}})
+        events.append(
+            {"name": "thread_name", "ph": "M", "pid": 0, "tid": rank, "args": {"name": f"rank {rank}"}}
+        )
     for t in result.timeline:
         if not t.action.kind.is_compute:
             continue
@@ -95,21 +97,38 @@ def plot_timeline(result: SimResult, path: str | os.PathLike[str]) -> None:
     schedule = result.schedule
     num_ranks = schedule.num_ranks
     fig, (ax, ax_mem) = plt.subplots(
-        2, 1, figsize=(max(8.0, min(40.0, result.makespan * 0.4)), 1.0 + 0.6 * num_ranks + 2.5),
-        gridspec_kw={"height_ratios": [max(1, num_ranks), 3]}, sharex=True,
+        2,
+        1,
+        figsize=(max(8.0, min(40.0, result.makespan * 0.4)), 1.0 + 0.6 * num_ranks + 2.5),
+        gridspec_kw={"height_ratios": [max(1, num_ranks), 3]},
+        sharex=True,
     )
     label_boxes = len(result.timeline) <= 2000
     for t in result.timeline:
         kind = t.action.kind
         if not kind.is_compute or t.end <= t.start:
             continue
-        ax.broken_barh([(t.start, t.end - t.start)], (t.rank - 0.4, 0.8), facecolors=_COLORS[kind], edgecolor="white")
+        ax.broken_barh(
+            [(t.start, t.end - t.start)], (t.rank - 0.4, 0.8), facecolors=_COLORS[kind], edgecolor="white"
+        )
         if label_boxes:
-            ax.text((t.start + t.end) / 2, t.rank, str(t.action.microbatch), ha="center", va="center", fontsize=7, color="white")
+            ax.text(
+                (t.start + t.end) / 2,
+                t.rank,
+                str(t.action.microbatch),
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="white",
+            )
     ax.set_yticks(range(num_ranks), [f"rank {r}" for r in range(num_ranks)])
     ax.invert_yaxis()
-    ax.set_title(f"{schedule.name}: {schedule.num_stages} stages, {schedule.num_microbatches} microbatches, makespan {result.makespan:.4g}")
-    ax.legend(handles=[Patch(color=c, label=_NAMES[k]) for k, c in _COLORS.items()], loc="upper right", fontsize=7)
+    ax.set_title(
+        f"{schedule.name}: {schedule.num_stages} stages, {schedule.num_microbatches} microbatches, makespan {result.makespan:.4g}"
+    )
+    ax.legend(
+        handles=[Patch(color=c, label=_NAMES[k]) for k, c in _COLORS.items()], loc="upper right", fontsize=7
+    )
     for stage, curve in result.memory.items():
         xs = [p[0] for p in curve] + [result.makespan]
         ys = [p[1] for p in curve] + [curve[-1][1]]

@@ -67,16 +67,29 @@ def _count_actions(schedule: Schedule) -> tuple[bytearray, dict[ActionKind, int]
             except AttributeError:
                 raise _fail(schedule, f"{a!r} is not an Action", rank, step) from None
             if stage >= S:
-                raise _fail(schedule, f"{a} names stage {stage} but the schedule has {S} stages (0..{S - 1})", rank, step)
+                raise _fail(
+                    schedule,
+                    f"{a} names stage {stage} but the schedule has {S} stages (0..{S - 1})",
+                    rank,
+                    step,
+                )
             if mb >= M:
-                raise _fail(schedule, f"{a} names microbatch {mb} but the schedule has {M} (0..{M - 1})", rank, step)
+                raise _fail(
+                    schedule, f"{a} names microbatch {mb} but the schedule has {M} (0..{M - 1})", rank, step
+                )
             if stage_to_rank[stage] != rank:
                 raise _fail(
-                    schedule, f"{a} runs on rank {rank} but stage {stage} is held by rank {stage_to_rank[stage]}", rank, step
+                    schedule,
+                    f"{a} runs on rank {rank} but stage {stage} is held by rank {stage_to_rank[stage]}",
+                    rank,
+                    step,
                 )
             if kind in comm_kinds and not lowered:
                 raise _fail(
-                    schedule, f"{a} is a send/recv in a schedule with lowered=False; use merak_pipe.lower()", rank, step
+                    schedule,
+                    f"{a} is a send/recv in a schedule with lowered=False; use merak_pipe.lower()",
+                    rank,
+                    step,
                 )
             if kind is recompute_kind and (plan is None or plan[stage] == 0.0):
                 raise _fail(
@@ -89,7 +102,9 @@ def _count_actions(schedule: Schedule) -> tuple[bytearray, dict[ActionKind, int]
             index = kind_offset[kind] + stage * M + mb
             if counts[index]:
                 first = _locate(schedule, a)
-                raise _fail(schedule, f"{a} appears twice (first at rank {first[0]}, step {first[1]})", rank, step)
+                raise _fail(
+                    schedule, f"{a} appears twice (first at rank {first[0]}, step {first[1]})", rank, step
+                )
             counts[index] = 1
     return counts, kind_offset
 
@@ -104,7 +119,12 @@ def _check_compute_counts(schedule: Schedule, counts: bytearray, kind_offset: di
         return bytes(counts[offset : offset + SM])
 
     ones, zeros = b"\x01" * SM, bytes(SM)
-    F, B, BI, W = (ActionKind.FORWARD, ActionKind.FULL_BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT)
+    F, B, BI, W = (
+        ActionKind.FORWARD,
+        ActionKind.FULL_BACKWARD,
+        ActionKind.BACKWARD_INPUT,
+        ActionKind.BACKWARD_WEIGHT,
+    )
     f, b, i, w = block(F), block(B), block(BI), block(W)
     if f != ones:
         missing = f.index(0)
@@ -115,11 +135,16 @@ def _check_compute_counts(schedule: Schedule, counts: bytearray, kind_offset: di
             s, m = divmod(index, M)
             if b[index] and (i[index] or w[index]):
                 r, st = _locate(schedule, Action(s, BI if i[index] else W, m))
-                raise _fail(schedule, f"stage {s} microbatch {m} has both a full backward B and a split I/W", r, st)
-            if not b[index] and not (i[index] and w[index]):
-                missing_action = Action(s, BI, m) if w[index] else Action(s, W, m) if i[index] else Action(s, B, m)
                 raise _fail(
-                    schedule, f"stage {s} microbatch {m} has no {missing_action} (needs one B, or one I and one W)"
+                    schedule, f"stage {s} microbatch {m} has both a full backward B and a split I/W", r, st
+                )
+            if not b[index] and not (i[index] and w[index]):
+                missing_action = (
+                    Action(s, BI, m) if w[index] else Action(s, W, m) if i[index] else Action(s, B, m)
+                )
+                raise _fail(
+                    schedule,
+                    f"stage {s} microbatch {m} has no {missing_action} (needs one B, or one I and one W)",
                 )
 
 
@@ -140,7 +165,8 @@ def _check_comms(schedule: Schedule, counts: bytearray, kind_offset: dict[Action
             if s in stages and row != ones:
                 m = row.index(0)
                 raise _fail(
-                    schedule, f"lowered schedule lacks {Action(s, kind, m)} (stages on different ranks need a send and a recv)"
+                    schedule,
+                    f"lowered schedule lacks {Action(s, kind, m)} (stages on different ranks need a send and a recv)",
                 )
             if s not in stages and row != zeros:
                 m = next(j for j, c in enumerate(row) if c)
@@ -224,7 +250,9 @@ def validate(schedule: Schedule, *, channel_order: bool = False, nccl: bool = Fa
             )
             if at is not None and at[0] == b.rank:
                 later = f"which this rank only runs later, at step {at[1]}"
-            lines.append(f"  rank {b.rank} step {b.step} ({schedule.actions[b.rank][b.step]}) waits for {needed}, {later}")
+            lines.append(
+                f"  rank {b.rank} step {b.step} ({schedule.actions[b.rank][b.step]}) waits for {needed}, {later}"
+            )
         raise _fail(
             schedule,
             f"schedule {schedule.name!r} deadlocks or breaks a dependency:\n" + "\n".join(lines),

@@ -46,8 +46,14 @@ from merak_tp.shard_spec import ShardSpec, get_shard_spec, has_shard_spec, set_s
 __version__ = "0.1.0"
 
 TP_LEAF_MODULES: tuple[type, ...] = (
-    ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, TPRegion, SequenceScatter, SequenceGather,
-    ShardedRMSNorm, TPExperts,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    TPRegion,
+    SequenceScatter,
+    SequenceGather,
+    ShardedRMSNorm,
+    TPExperts,
 )
 """Classes an fx tracer must keep as opaque leaves (``isinstance`` covers the region subclasses)."""
 

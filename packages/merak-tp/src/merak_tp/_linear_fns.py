@@ -46,12 +46,26 @@ class _ColumnLinearFn(torch.autograd.Function):
 
     @staticmethod
     @amp_forward
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: ProcessGroup | None,
-                chunks: int, reduce_input_grad: bool, name: str, region_chunk: int) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        group: ProcessGroup | None,
+        chunks: int,
+        reduce_input_grad: bool,
+        name: str,
+        region_chunk: int,
+    ) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         ctx.group, ctx.chunks, ctx.reduce, ctx.name, ctx.region_chunk = (
-            group, chunks, reduce_input_grad, name, region_chunk)
+            group,
+            chunks,
+            reduce_input_grad,
+            name,
+            region_chunk,
+        )
         y = F.linear(x, weight, bias)
         _record("compute", "fwd", name, region_chunk)
         return y
@@ -100,12 +114,28 @@ class _RowLinearFn(torch.autograd.Function):
 
     @staticmethod
     @amp_forward
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: ProcessGroup | None,
-                chunks: int, mode: str, seq_dim: int, name: str, region_chunk: int,
-                defer: _RegionState | None) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        group: ProcessGroup | None,
+        chunks: int,
+        mode: str,
+        seq_dim: int,
+        name: str,
+        region_chunk: int,
+        defer: _RegionState | None,
+    ) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        ctx.group, ctx.mode, ctx.seq_dim, ctx.name, ctx.region_chunk = group, mode, seq_dim, name, region_chunk
+        ctx.group, ctx.mode, ctx.seq_dim, ctx.name, ctx.region_chunk = (
+            group,
+            mode,
+            seq_dim,
+            name,
+            region_chunk,
+        )
         ctx.seq_first = defer is not None and mode == "reduce_scatter"
         world = dist.get_world_size(group)
         rank = dist.get_rank(group)

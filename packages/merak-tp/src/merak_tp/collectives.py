@@ -67,8 +67,10 @@ def amp_forward(forward: _F) -> _F:
 
     @functools.wraps(forward)
     def wrapped(ctx: Any, *args: Any, **kwargs: Any) -> Any:
-        ctx._merak_autocast = tuple((device_type, torch.is_autocast_enabled(device_type),
-                                     torch.get_autocast_dtype(device_type)) for device_type in _AMP_DEVICE_TYPES)
+        ctx._merak_autocast = tuple(
+            (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+            for device_type in _AMP_DEVICE_TYPES
+        )
         return forward(ctx, *args, **kwargs)
 
     wrapped._merak_amp = "forward"  # type: ignore[attr-defined]
@@ -257,6 +259,8 @@ def gather_from_sequence_region(x: torch.Tensor, group: ProcessGroup | None, dim
     return _GatherFromSequence.apply(x, dim, group)
 
 
-def reduce_scatter_to_sequence_region(x: torch.Tensor, group: ProcessGroup | None, dim: int = 1) -> torch.Tensor:
+def reduce_scatter_to_sequence_region(
+    x: torch.Tensor, group: ProcessGroup | None, dim: int = 1
+) -> torch.Tensor:
     """Sum partial results and keep this rank's sequence block; all-gather backward."""
     return _ReduceScatterToSequence.apply(x, dim, group)

@@ -47,7 +47,9 @@ logger = logging.getLogger(__name__)
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "section_sizes"]
 
 
-def _mark(param: nn.Parameter, dim: int | None, sections: Sections = 1, *, transposed: bool = False) -> nn.Parameter:
+def _mark(
+    param: nn.Parameter, dim: int | None, sections: Sections = 1, *, transposed: bool = False
+) -> nn.Parameter:
     return set_shard_spec(param, ShardSpec(dim, sections, transposed))  # type: ignore[return-value]
 
 
@@ -117,9 +119,19 @@ class ColumnParallelLinear(_KeepsShardTags, nn.Module):
         return self._group_ref.group
 
     def __init__(
-        self, in_features: int, out_features: int, *, group: ProcessGroup | None, bias: bool = True,
-        gather_output: bool = False, sequence_parallel: bool = False, sequence_dim: int = 1,
-        overlap_chunks: int = 1, sections: Sections = 1, device: Any = None, dtype: torch.dtype | None = None,
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        group: ProcessGroup | None,
+        bias: bool = True,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        sequence_dim: int = 1,
+        overlap_chunks: int = 1,
+        sections: Sections = 1,
+        device: Any = None,
+        dtype: torch.dtype | None = None,
         _skip_init: bool = False,
     ) -> None:
         super().__init__()
@@ -134,19 +146,27 @@ class ColumnParallelLinear(_KeepsShardTags, nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         self.sections = sections
-        self.out_features_per_rank = sum(_divide(size, self.tp_size, "out_features" if len(sizes) == 1
-                                                 else f"out_features section {i} of {sizes}", type(self).__name__)
-                                         for i, size in enumerate(sizes))
+        self.out_features_per_rank = sum(
+            _divide(
+                size,
+                self.tp_size,
+                "out_features" if len(sizes) == 1 else f"out_features section {i} of {sizes}",
+                type(self).__name__,
+            )
+            for i, size in enumerate(sizes)
+        )
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel
         self.sequence_dim = sequence_dim
         self.overlap_chunks = overlap_chunks
         self._merak_region: _RegionState | None = None
         kw = {"device": device, "dtype": dtype}
-        self.weight = _mark(nn.Parameter(torch.empty(self.out_features_per_rank, in_features, **kw)), 0,
-                            sections)
-        self.bias = _mark(nn.Parameter(torch.empty(self.out_features_per_rank, **kw)), 0, sections) \
-            if bias else None
+        self.weight = _mark(
+            nn.Parameter(torch.empty(self.out_features_per_rank, in_features, **kw)), 0, sections
+        )
+        self.bias = (
+            _mark(nn.Parameter(torch.empty(self.out_features_per_rank, **kw)), 0, sections) if bias else None
+        )
         if not _skip_init:
             self.reset_parameters()
 
@@ -154,8 +174,11 @@ class ColumnParallelLinear(_KeepsShardTags, nn.Module):
         """Initialise like ``nn.Linear`` on the full-size weight, keep this rank's block."""
         dev = self.weight.device
         full_w = torch.empty(self.out_features, self.in_features, dtype=self.weight.dtype, device=dev)
-        full_b = torch.empty(self.out_features, dtype=self.weight.dtype, device=dev) \
-            if self.bias is not None else None
+        full_b = (
+            torch.empty(self.out_features, dtype=self.weight.dtype, device=dev)
+            if self.bias is not None
+            else None
+        )
         if dev.type == "meta":
             return
         _linear_init(full_w, full_b)
@@ -166,8 +189,16 @@ class ColumnParallelLinear(_KeepsShardTags, nn.Module):
 
     @classmethod
     def from_linear(
-        cls, linear: nn.Module, *, group: ProcessGroup | None, gather_output: bool = False, sequence_parallel: bool = False,
-        sequence_dim: int = 1, overlap_chunks: int = 1, sections: Sections = 1, transposed: bool = False,
+        cls,
+        linear: nn.Module,
+        *,
+        group: ProcessGroup | None,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        sequence_dim: int = 1,
+        overlap_chunks: int = 1,
+        sections: Sections = 1,
+        transposed: bool = False,
     ) -> ColumnParallelLinear:
         """Slice an existing ``nn.Linear`` (real or meta weights) into this rank's column shard.
 
@@ -177,13 +208,24 @@ class ColumnParallelLinear(_KeepsShardTags, nn.Module):
         weight = src_weight.t() if transposed else src_weight
         bias: torch.Tensor | None = getattr(linear, "bias", None)
         out_f, in_f = weight.shape
-        layer = cls(in_f, out_f, group=group, bias=bias is not None, gather_output=gather_output,
-                    sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
-                    overlap_chunks=overlap_chunks, sections=sections, device="meta", dtype=weight.dtype,
-                    _skip_init=True)
+        layer = cls(
+            in_f,
+            out_f,
+            group=group,
+            bias=bias is not None,
+            gather_output=gather_output,
+            sequence_parallel=sequence_parallel,
+            sequence_dim=sequence_dim,
+            overlap_chunks=overlap_chunks,
+            sections=sections,
+            device="meta",
+            dtype=weight.dtype,
+            _skip_init=True,
+        )
         w = _shard(weight.detach(), 0, layer.tp_size, layer.tp_rank, sections)
-        layer.weight = _mark(nn.Parameter(w, requires_grad=src_weight.requires_grad), 0, sections,
-                             transposed=transposed)
+        layer.weight = _mark(
+            nn.Parameter(w, requires_grad=src_weight.requires_grad), 0, sections, transposed=transposed
+        )
         if bias is not None:
             b = _shard(bias.detach(), 0, layer.tp_size, layer.tp_rank, sections)
             layer.bias = _mark(nn.Parameter(b, requires_grad=bias.requires_grad), 0, sections)
@@ -201,7 +243,9 @@ class ColumnParallelLinear(_KeepsShardTags, nn.Module):
             reduce_input_grad = False  # the region reduces the input gradient once for all its layers
         chunk = region.chunk if region is not None and mode == "block" else 0
         name = getattr(self, "_merak_name", "column")
-        y = _ColumnLinearFn.apply(x, self.weight, self.bias, self.group, chunks, reduce_input_grad, name, chunk)
+        y = _ColumnLinearFn.apply(
+            x, self.weight, self.bias, self.group, chunks, reduce_input_grad, name, chunk
+        )
         if mode in ("probe", "sp") and region is not None:
             region.calls.append(("column", self))
         if self.gather_output and self.tp_size > 1:
@@ -209,10 +253,12 @@ class ColumnParallelLinear(_KeepsShardTags, nn.Module):
         return y
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features} "
-                f"(per rank {self.out_features_per_rank}), tp={self.tp_size}, bias={self.bias is not None}, "
-                f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}, "
-                f"overlap_chunks={self.overlap_chunks}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features} "
+            f"(per rank {self.out_features_per_rank}), tp={self.tp_size}, bias={self.bias is not None}, "
+            f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}, "
+            f"overlap_chunks={self.overlap_chunks}"
+        )
 
 
 class RowParallelLinear(_KeepsShardTags, nn.Module):
@@ -231,9 +277,19 @@ class RowParallelLinear(_KeepsShardTags, nn.Module):
         return self._group_ref.group
 
     def __init__(
-        self, in_features: int, out_features: int, *, group: ProcessGroup | None, bias: bool = True,
-        input_is_parallel: bool = True, sequence_parallel: bool = False, sequence_dim: int = 1,
-        overlap_chunks: int = 1, device: Any = None, dtype: torch.dtype | None = None, _skip_init: bool = False,
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        group: ProcessGroup | None,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        sequence_parallel: bool = False,
+        sequence_dim: int = 1,
+        overlap_chunks: int = 1,
+        device: Any = None,
+        dtype: torch.dtype | None = None,
+        _skip_init: bool = False,
     ) -> None:
         super().__init__()
         if overlap_chunks < 1:
@@ -261,8 +317,11 @@ class RowParallelLinear(_KeepsShardTags, nn.Module):
         if dev.type == "meta":
             return
         full_w = torch.empty(self.out_features, self.in_features, dtype=self.weight.dtype, device=dev)
-        full_b = torch.empty(self.out_features, dtype=self.weight.dtype, device=dev) \
-            if self.bias is not None else None
+        full_b = (
+            torch.empty(self.out_features, dtype=self.weight.dtype, device=dev)
+            if self.bias is not None
+            else None
+        )
         _linear_init(full_w, full_b)
         with torch.no_grad():
             self.weight.copy_(_shard(full_w, 1, self.tp_size, self.tp_rank))
@@ -271,19 +330,38 @@ class RowParallelLinear(_KeepsShardTags, nn.Module):
 
     @classmethod
     def from_linear(
-        cls, linear: nn.Module, *, group: ProcessGroup | None, input_is_parallel: bool = True, sequence_parallel: bool = False,
-        sequence_dim: int = 1, overlap_chunks: int = 1, transposed: bool = False,
+        cls,
+        linear: nn.Module,
+        *,
+        group: ProcessGroup | None,
+        input_is_parallel: bool = True,
+        sequence_parallel: bool = False,
+        sequence_dim: int = 1,
+        overlap_chunks: int = 1,
+        transposed: bool = False,
     ) -> RowParallelLinear:
         """Slice an existing ``nn.Linear`` (real or meta weights) into this rank's row shard."""
         src_weight: torch.Tensor = linear.weight  # type: ignore[assignment]
         weight = src_weight.t() if transposed else src_weight
         bias: torch.Tensor | None = getattr(linear, "bias", None)
         out_f, in_f = weight.shape
-        layer = cls(in_f, out_f, group=group, bias=bias is not None, input_is_parallel=input_is_parallel,
-                    sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
-                    overlap_chunks=overlap_chunks, device="meta", dtype=weight.dtype, _skip_init=True)
+        layer = cls(
+            in_f,
+            out_f,
+            group=group,
+            bias=bias is not None,
+            input_is_parallel=input_is_parallel,
+            sequence_parallel=sequence_parallel,
+            sequence_dim=sequence_dim,
+            overlap_chunks=overlap_chunks,
+            device="meta",
+            dtype=weight.dtype,
+            _skip_init=True,
+        )
         w = _shard(weight.detach(), 1, layer.tp_size, layer.tp_rank)
-        layer.weight = _mark(nn.Parameter(w, requires_grad=src_weight.requires_grad), 1, transposed=transposed)
+        layer.weight = _mark(
+            nn.Parameter(w, requires_grad=src_weight.requires_grad), 1, transposed=transposed
+        )
         if bias is not None:
             layer.bias = _mark(bias if isinstance(bias, nn.Parameter) else nn.Parameter(bias.detach()), None)
         return layer
@@ -300,8 +378,15 @@ class RowParallelLinear(_KeepsShardTags, nn.Module):
         chunk = region.chunk if region is not None and block else 0
         name = getattr(self, "_merak_name", "row")
         y = _RowLinearFn.apply(
-            x, self.weight, self.bias, self.group, chunks,
-            "reduce_scatter" if self.sequence_parallel else "all_reduce", self.sequence_dim, name, chunk,
+            x,
+            self.weight,
+            self.bias,
+            self.group,
+            chunks,
+            "reduce_scatter" if self.sequence_parallel else "all_reduce",
+            self.sequence_dim,
+            name,
+            chunk,
             region if block else None,
         )
         if block and self.sequence_parallel:
@@ -311,9 +396,11 @@ class RowParallelLinear(_KeepsShardTags, nn.Module):
         return y
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features} (per rank {self.in_features_per_rank}), "
-                f"out_features={self.out_features}, tp={self.tp_size}, bias={self.bias is not None}, "
-                f"sequence_parallel={self.sequence_parallel}, overlap_chunks={self.overlap_chunks}")
+        return (
+            f"in_features={self.in_features} (per rank {self.in_features_per_rank}), "
+            f"out_features={self.out_features}, tp={self.tp_size}, bias={self.bias is not None}, "
+            f"sequence_parallel={self.sequence_parallel}, overlap_chunks={self.overlap_chunks}"
+        )
 
 
 class VocabParallelEmbedding(_KeepsShardTags, nn.Module):
@@ -332,8 +419,15 @@ class VocabParallelEmbedding(_KeepsShardTags, nn.Module):
         return self._group_ref.group
 
     def __init__(
-        self, num_embeddings: int, embedding_dim: int, *, group: ProcessGroup | None, padding_idx: int | None = None,
-        embed_scale: float | torch.Tensor | None = None, device: Any = None, dtype: torch.dtype | None = None,
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        group: ProcessGroup | None,
+        padding_idx: int | None = None,
+        embed_scale: float | torch.Tensor | None = None,
+        device: Any = None,
+        dtype: torch.dtype | None = None,
         _skip_init: bool = False,
     ) -> None:
         super().__init__()
@@ -342,19 +436,27 @@ class VocabParallelEmbedding(_KeepsShardTags, nn.Module):
         self.tp_rank = tp_rank(group)
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
-        self.num_embeddings_per_rank = _divide(num_embeddings, self.tp_size, "num_embeddings",
-                                               type(self).__name__)
+        self.num_embeddings_per_rank = _divide(
+            num_embeddings, self.tp_size, "num_embeddings", type(self).__name__
+        )
         self.vocab_start = self.tp_rank * self.num_embeddings_per_rank
         self.vocab_end = self.vocab_start + self.num_embeddings_per_rank
         self.padding_idx = padding_idx
-        self.weight = _mark(nn.Parameter(torch.empty(self.num_embeddings_per_rank, embedding_dim,
-                                                     device=device, dtype=dtype)), 0)
+        self.weight = _mark(
+            nn.Parameter(
+                torch.empty(self.num_embeddings_per_rank, embedding_dim, device=device, dtype=dtype)
+            ),
+            0,
+        )
         self.embed_scale: torch.Tensor | None
         if embed_scale is None:
             self.embed_scale = None
         else:
-            scale = embed_scale.detach().clone() if isinstance(embed_scale, torch.Tensor) \
+            scale = (
+                embed_scale.detach().clone()
+                if isinstance(embed_scale, torch.Tensor)
                 else torch.tensor(float(embed_scale), device=device)
+            )
             self.register_buffer("embed_scale", scale, persistent=False)
         if not _skip_init:
             self.reset_parameters()
@@ -363,8 +465,9 @@ class VocabParallelEmbedding(_KeepsShardTags, nn.Module):
         """``nn.Embedding``'s init (standard normal, zero padding row) on the full table, sliced."""
         if self.weight.device.type == "meta":
             return
-        full = torch.empty(self.num_embeddings, self.embedding_dim, dtype=self.weight.dtype,
-                           device=self.weight.device)
+        full = torch.empty(
+            self.num_embeddings, self.embedding_dim, dtype=self.weight.dtype, device=self.weight.device
+        )
         nn.init.normal_(full)
         if self.padding_idx is not None:
             full[self.padding_idx].zero_()
@@ -372,8 +475,13 @@ class VocabParallelEmbedding(_KeepsShardTags, nn.Module):
             self.weight.copy_(_shard(full, 0, self.tp_size, self.tp_rank))
 
     @classmethod
-    def from_embedding(cls, embedding: nn.Embedding, *, group: ProcessGroup | None,
-                       embed_scale: float | torch.Tensor | None = None) -> VocabParallelEmbedding:
+    def from_embedding(
+        cls,
+        embedding: nn.Embedding,
+        *,
+        group: ProcessGroup | None,
+        embed_scale: float | torch.Tensor | None = None,
+    ) -> VocabParallelEmbedding:
         """Slice an existing ``nn.Embedding`` (real or meta weights) into this rank's vocab shard.
 
         ``embed_scale``: the factor the source module's forward multiplies its rows by, if any.
@@ -383,8 +491,16 @@ class VocabParallelEmbedding(_KeepsShardTags, nn.Module):
         num, dim = embedding.weight.shape
         if embed_scale is not None and not isinstance(embed_scale, torch.Tensor):
             embed_scale = torch.tensor(float(embed_scale), device=embedding.weight.device)
-        layer = cls(num, dim, group=group, padding_idx=embedding.padding_idx, embed_scale=embed_scale,
-                    device="meta", dtype=embedding.weight.dtype, _skip_init=True)
+        layer = cls(
+            num,
+            dim,
+            group=group,
+            padding_idx=embedding.padding_idx,
+            embed_scale=embed_scale,
+            device="meta",
+            dtype=embedding.weight.dtype,
+            _skip_init=True,
+        )
         w = _shard(embedding.weight.detach(), 0, layer.tp_size, layer.tp_rank)
         layer.weight = _mark(nn.Parameter(w, requires_grad=embedding.weight.requires_grad), 0)
         return layer
@@ -406,9 +522,11 @@ class VocabParallelEmbedding(_KeepsShardTags, nn.Module):
         bad = (ids < 0) | (ids >= self.num_embeddings)
         if bool(bad.any()):
             value = int(ids[bad].flatten()[0])
-            raise ValueError(f"token id {value} is outside the vocabulary of {self.num_embeddings} (ids 0.."
-                             f"{self.num_embeddings - 1}) of this vocab-parallel embedding; fix the tokenizer or "
-                             "the data, or build the model with a vocabulary that covers every id")
+            raise ValueError(
+                f"token id {value} is outside the vocabulary of {self.num_embeddings} (ids 0.."
+                f"{self.num_embeddings - 1}) of this vocab-parallel embedding; fix the tokenizer or "
+                "the data, or build the model with a vocabulary that covers every id"
+            )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -426,7 +544,14 @@ class VocabParallelEmbedding(_KeepsShardTags, nn.Module):
         return out
 
     def extra_repr(self) -> str:
-        scale = "" if self.embed_scale is None else f", embed_scale={float(self.embed_scale):g}" \
-            if self.embed_scale.device.type != "meta" else ", embed_scale=(meta)"
-        return (f"{self.num_embeddings} (per rank {self.num_embeddings_per_rank}), {self.embedding_dim}, "
-                f"tp={self.tp_size}{scale}")
+        scale = (
+            ""
+            if self.embed_scale is None
+            else f", embed_scale={float(self.embed_scale):g}"
+            if self.embed_scale.device.type != "meta"
+            else ", embed_scale=(meta)"
+        )
+        return (
+            f"{self.num_embeddings} (per rank {self.num_embeddings_per_rank}), {self.embedding_dim}, "
+            f"tp={self.tp_size}{scale}"
+        )

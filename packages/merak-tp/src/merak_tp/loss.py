@@ -26,8 +26,14 @@ __all__ = ["vocab_parallel_cross_entropy"]
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     @amp_forward
-    def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor, group: ProcessGroup | None, ignore_index: int,
-                smoothing: float) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        group: ProcessGroup | None,
+        ignore_index: int,
+        smoothing: float,
+    ) -> torch.Tensor:
         world, rank = tp_size(group), tp_rank(group)
         v_local = logits.size(-1)
         vocab = v_local * world
@@ -71,8 +77,13 @@ class _VocabParallelCE(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(
-    logits_local: torch.Tensor, labels: torch.Tensor, *, group: ProcessGroup | None, ignore_index: int = -100,
-    label_smoothing: float = 0.0, reduction: str = "mean",
+    logits_local: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    group: ProcessGroup | None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
 ) -> torch.Tensor:
     """Cross-entropy of vocabulary-sharded logits ``[..., v/tp]`` against ``labels[...]``.
 

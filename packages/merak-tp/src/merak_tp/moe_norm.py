@@ -65,32 +65,47 @@ def shard_experts(module: nn.Module, name: str, *, group: ProcessGroup | None) -
     """A copy of experts ``module`` holding this rank's shard of every expert (the original is untouched)."""
     gate_up = getattr(module, "gate_up_proj", None)
     down = getattr(module, "down_proj", None)
-    if not (isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.ndim == 3
-            and down.ndim == 3 and gate_up.size(1) == 2 * down.size(2)):
-        raise ValueError(f"{name}: style 'experts' needs a transformers experts module with 3D parameters "
-                         f"gate_up_proj [E, 2I, H] and down_proj [E, H, I]; got {type(module).__name__} with "
-                         f"gate_up_proj={getattr(gate_up, 'shape', None)}, down_proj={getattr(down, 'shape', None)}")
+    if not (
+        isinstance(gate_up, nn.Parameter)
+        and isinstance(down, nn.Parameter)
+        and gate_up.ndim == 3
+        and down.ndim == 3
+        and gate_up.size(1) == 2 * down.size(2)
+    ):
+        raise ValueError(
+            f"{name}: style 'experts' needs a transformers experts module with 3D parameters "
+            f"gate_up_proj [E, 2I, H] and down_proj [E, H, I]; got {type(module).__name__} with "
+            f"gate_up_proj={getattr(gate_up, 'shape', None)}, down_proj={getattr(down, 'shape', None)}"
+        )
     if getattr(module, "down_proj_bias", None) is not None:
-        raise ValueError(f"{name}: {type(module).__name__} has a down_proj_bias, which a row split would add once "
-                         "per TP rank; leave this block replicated (style 'replicate')")
+        raise ValueError(
+            f"{name}: {type(module).__name__} has a down_proj_bias, which a row split would add once "
+            "per TP rank; leave this block replicated (style 'replicate')"
+        )
     world, rank = tp_size(group), tp_rank(group)
     inter = down.size(2)
     if inter % world:
-        raise ValueError(f"{name}: the experts' intermediate size {inter} is not divisible by the tensor-parallel "
-                         f"size {world}; choose a TP degree that divides {inter}")
+        raise ValueError(
+            f"{name}: the experts' intermediate size {inter} is not divisible by the tensor-parallel "
+            f"size {world}; choose a TP degree that divides {inter}"
+        )
     cls: Any = _tp_class(type(module))
     new = cls.__new__(cls)
     new.__dict__.update(module.__dict__)
     for key in ("_parameters", "_buffers", "_modules"):
         new.__dict__[key] = dict(module.__dict__[key])
     new._merak_tp_group_ref = _GroupRef(group)  # type: ignore[attr-defined]
-    new.gate_up_proj = _mark(nn.Parameter(_shard(gate_up.detach(), 1, world, rank, 2),
-                                          requires_grad=gate_up.requires_grad), 1, 2)
-    new.down_proj = _mark(nn.Parameter(_shard(down.detach(), 2, world, rank), requires_grad=down.requires_grad), 2)
+    new.gate_up_proj = _mark(
+        nn.Parameter(_shard(gate_up.detach(), 1, world, rank, 2), requires_grad=gate_up.requires_grad), 1, 2
+    )
+    new.down_proj = _mark(
+        nn.Parameter(_shard(down.detach(), 2, world, rank), requires_grad=down.requires_grad), 2
+    )
     bias = getattr(module, "gate_up_proj_bias", None)
     if isinstance(bias, nn.Parameter):
-        new.gate_up_proj_bias = _mark(nn.Parameter(_shard(bias.detach(), 1, world, rank, 2),
-                                                   requires_grad=bias.requires_grad), 1, 2)
+        new.gate_up_proj_bias = _mark(
+            nn.Parameter(_shard(bias.detach(), 1, world, rank, 2), requires_grad=bias.requires_grad), 1, 2
+        )
     return new
 
 
@@ -107,21 +122,34 @@ class ShardedRMSNorm(_KeepsShardTags, nn.Module):
         self.tp_size, self.tp_rank = tp_size(group), tp_rank(group)
         self.full_size = weight.size(0)
         if self.full_size % self.tp_size:
-            raise ValueError(f"ShardedRMSNorm: size {self.full_size} is not divisible by the tensor-parallel "
-                             f"size {self.tp_size}")
+            raise ValueError(
+                f"ShardedRMSNorm: size {self.full_size} is not divisible by the tensor-parallel "
+                f"size {self.tp_size}"
+            )
         self.variance_epsilon = eps
-        self.weight = _mark(nn.Parameter(_shard(weight.detach(), 0, self.tp_size, self.tp_rank),
-                                         requires_grad=weight.requires_grad), 0)
+        self.weight = _mark(
+            nn.Parameter(
+                _shard(weight.detach(), 0, self.tp_size, self.tp_rank), requires_grad=weight.requires_grad
+            ),
+            0,
+        )
 
     @classmethod
     def from_norm(cls, norm: nn.Module, name: str, *, group: ProcessGroup | None) -> ShardedRMSNorm:
         """From an RMSNorm module with a 1D ``weight`` and ``variance_epsilon`` (or ``eps``)."""
         weight = getattr(norm, "weight", None)
         eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
-        if not isinstance(weight, nn.Parameter) or weight.ndim != 1 or not isinstance(eps, float) \
-                or "RMSNorm" not in type(norm).__name__ or getattr(norm, "bias", None) is not None:
-            raise ValueError(f"{name}: style 'sharded_norm' needs an RMSNorm (a 1D weight times x / rms(x), "
-                             f"variance_epsilon or eps), got {type(norm).__name__}")
+        if (
+            not isinstance(weight, nn.Parameter)
+            or weight.ndim != 1
+            or not isinstance(eps, float)
+            or "RMSNorm" not in type(norm).__name__
+            or getattr(norm, "bias", None) is not None
+        ):
+            raise ValueError(
+                f"{name}: style 'sharded_norm' needs an RMSNorm (a 1D weight times x / rms(x), "
+                f"variance_epsilon or eps), got {type(norm).__name__}"
+            )
         return cls(weight, eps, group=group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

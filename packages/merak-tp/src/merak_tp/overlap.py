@@ -57,7 +57,12 @@ from merak_tp.layers import ColumnParallelLinear, RowParallelLinear
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "SequenceGather", "SequenceScatter", "TPRegion", "make_region", "make_sequence_gather", "make_sequence_scatter",
+    "SequenceGather",
+    "SequenceScatter",
+    "TPRegion",
+    "make_region",
+    "make_sequence_gather",
+    "make_sequence_scatter",
     "remove_region",
 ]
 
@@ -126,8 +131,10 @@ class _RegionSplit(torch.autograd.Function):
                 handle.wait()
                 _record("wait", "bwd", name, chunk)
         st.pending_bwd.clear()
-        parts = [g if g is not None else torch.zeros(shape, dtype=ctx.dtype, device=ctx.device)
-                 for g, shape in zip(grads, ctx.shapes, strict=True)]
+        parts = [
+            g if g is not None else torch.zeros(shape, dtype=ctx.dtype, device=ctx.device)
+            for g, shape in zip(grads, ctx.shapes, strict=True)
+        ]
         return torch.cat(parts, dim=0), None, None
 
 
@@ -192,14 +199,25 @@ class TPRegion(nn.Module):
         st = self._merak_region_state
         kinds = [k for k, _ in st.calls]
         first = out[0] if isinstance(out, (tuple, list)) and out else out
-        ok = (kinds.count("row") == 1 and kinds[-1] == "row" and first is st.calls[-1][1]
-              and all(not getattr(m, "gather_output", False) and not getattr(m, "sequence_parallel", False)
-                      for k, m in st.calls if k == "column"))
+        ok = (
+            kinds.count("row") == 1
+            and kinds[-1] == "row"
+            and first is st.calls[-1][1]
+            and all(
+                not getattr(m, "gather_output", False) and not getattr(m, "sequence_parallel", False)
+                for k, m in st.calls
+                if k == "column"
+            )
+        )
         st.deferrable = ok
         st.calls = []
         if not ok:
-            logger.info("TP region %s is not 'columns -> local -> one row layer -> output' (%s): it runs "
-                        "whole, with layer-level overlap only", st.name, kinds)
+            logger.info(
+                "TP region %s is not 'columns -> local -> one row layer -> output' (%s): it runs "
+                "whole, with layer-level overlap only",
+                st.name,
+                kinds,
+            )
 
     def _sub_pipelined(self, base_forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         st = self._merak_region_state
@@ -220,8 +238,10 @@ class TPRegion(nn.Module):
                 out = base_forward(x_j, *(r[j] for r in rest), **{n: v[j] for n, v in kw.items()})
                 first = out[0] if isinstance(out, (tuple, list)) and out else out
                 if not st.calls or st.calls[-1][0] != "row" or first is not st.calls[-1][1]:
-                    raise RuntimeError(f"TP region {st.name} changed shape after its first call; "
-                                       "the row layer's output is no longer the region's output")
+                    raise RuntimeError(
+                        f"TP region {st.name} changed shape after its first call; "
+                        "the row layer's output is no longer the region's output"
+                    )
                 outs.append(out)
         finally:
             st.mode, st.chunk, st.calls = None, 0, []
@@ -245,7 +265,10 @@ def _first_parameter(cls: type) -> str:
         return str(cached)
     base: Any = getattr(cls, "_merak_base_class", cls)
     params = list(inspect.signature(base.forward).parameters.values())[1:]
-    if not params or params[0].kind not in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY):
+    if not params or params[0].kind not in (
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+        inspect.Parameter.KEYWORD_ONLY,
+    ):
         raise TypeError(f"{base.__name__}.forward has no named first input; pass it positionally")
     cls._merak_first_input = params[0].name  # type: ignore[attr-defined]
     return params[0].name
@@ -293,8 +316,10 @@ class SequenceScatter(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if args:
-            args = (scatter_to_sequence_region(args[0], self._merak_scatter_group.group, self._merak_scatter_dim),
-                    *args[1:])
+            args = (
+                scatter_to_sequence_region(args[0], self._merak_scatter_group.group, self._merak_scatter_dim),
+                *args[1:],
+            )
         return super().forward(*args, **kwargs)
 
 
@@ -310,7 +335,10 @@ class SequenceGather(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if args:
-            args = (gather_from_tp_region(args[0], self._merak_scatter_group.group, self._merak_scatter_dim), *args[1:])
+            args = (
+                gather_from_tp_region(args[0], self._merak_scatter_group.group, self._merak_scatter_dim),
+                *args[1:],
+            )
         return super().forward(*args, **kwargs)
 
 
@@ -330,8 +358,14 @@ def _swap_class(module: nn.Module, mixin: type) -> None:
 
 
 def make_region(
-    module: nn.Module, *, group: ProcessGroup | None, chunks: int = 1, sequence_parallel: bool = False, sequence_dim: int = 1,
-    name: str = "region", rng_tracker: Any = None,
+    module: nn.Module,
+    *,
+    group: ProcessGroup | None,
+    chunks: int = 1,
+    sequence_parallel: bool = False,
+    sequence_dim: int = 1,
+    name: str = "region",
+    rng_tracker: Any = None,
 ) -> nn.Module:
     """Make ``module`` (columns -> local compute -> row layer) a TP region, in place.
 
@@ -342,8 +376,14 @@ def make_region(
     """
     if chunks < 1:
         raise ValueError(f"chunks must be >= 1, got {chunks}")
-    state = _RegionState(group_ref=_GroupRef(group), chunks=chunks, name=name, sequence_parallel=sequence_parallel,
-                         sequence_dim=sequence_dim, rng_tracker=rng_tracker)
+    state = _RegionState(
+        group_ref=_GroupRef(group),
+        chunks=chunks,
+        name=name,
+        sequence_parallel=sequence_parallel,
+        sequence_dim=sequence_dim,
+        rng_tracker=rng_tracker,
+    )
     for sub in module.modules():
         if isinstance(sub, (ColumnParallelLinear, RowParallelLinear)):
             sub._merak_region = state
@@ -352,7 +392,9 @@ def make_region(
     return module
 
 
-def make_sequence_scatter(module: nn.Module, *, group: ProcessGroup | None, sequence_dim: int = 1) -> nn.Module:
+def make_sequence_scatter(
+    module: nn.Module, *, group: ProcessGroup | None, sequence_dim: int = 1
+) -> nn.Module:
     """Split ``module``'s first input along ``sequence_dim`` on entry (start of sequence parallelism)."""
     _swap_class(module, SequenceScatter)
     module._merak_scatter_group = _GroupRef(group)  # type: ignore[assignment]
@@ -360,7 +402,9 @@ def make_sequence_scatter(module: nn.Module, *, group: ProcessGroup | None, sequ
     return module
 
 
-def make_sequence_gather(module: nn.Module, *, group: ProcessGroup | None, sequence_dim: int = 1) -> nn.Module:
+def make_sequence_gather(
+    module: nn.Module, *, group: ProcessGroup | None, sequence_dim: int = 1
+) -> nn.Module:
     """All-gather ``module``'s first input along ``sequence_dim`` on entry (end of sequence parallelism)."""
     _swap_class(module, SequenceGather)
     module._merak_scatter_group = _GroupRef(group)  # type: ignore[assignment]

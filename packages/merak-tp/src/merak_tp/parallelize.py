@@ -62,7 +62,11 @@ def _is_conv1d(module: nn.Module) -> bool:
     return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers") and hasattr(module, "nf")
 
 
-_NEEDS = {"vocab": "an nn.Embedding", "experts": "a transformers experts module", "sharded_norm": "an RMSNorm"}
+_NEEDS = {
+    "vocab": "an nn.Embedding",
+    "experts": "a transformers experts module",
+    "sharded_norm": "an RMSNorm",
+}
 
 
 def _kind(module: nn.Module, name: str, style: str, plan: TPPlan) -> str:
@@ -90,18 +94,33 @@ def _kind(module: nn.Module, name: str, style: str, plan: TPPlan) -> str:
             return "linear"
         base, what, fixes = "nn.Linear", "x @ weight.T + bias", "'linear'"
     if not isinstance(module, nn.Embedding if style == "vocab" else nn.Linear):
-        raise ValueError(f"{name}: style {style!r} needs an {base} (or transformers Conv1D, or a class the plan "
-                         f"declares in module_kinds), got {cls.__name__}; give {name!r} another style or "
-                         "leave it replicated")
+        raise ValueError(
+            f"{name}: style {style!r} needs an {base} (or transformers Conv1D, or a class the plan "
+            f"declares in module_kinds), got {cls.__name__}; give {name!r} another style or "
+            "leave it replicated"
+        )
     raise ValueError(
         f"{name}: {cls.__module__}.{cls.__qualname__} subclasses {base} but overrides forward, so replacing it "
         f"by a parallel layer could change the result. If its forward computes exactly {what}, declare it in "
         f"the plan: module_kinds={{{cls.__name__!r}: {fixes}}}; otherwise leave {name!r} replicated "
-        "(style 'replicate' or no pattern)")
+        "(style 'replicate' or no pattern)"
+    )
 
 
-def _build(module: nn.Module, name: str, style: str, kind: str, sections: Any, *, group: ProcessGroup | None, chunks: int,
-           sp: bool, in_region: bool, vocab_loss: bool, head_sp: bool) -> nn.Module:
+def _build(
+    module: nn.Module,
+    name: str,
+    style: str,
+    kind: str,
+    sections: Any,
+    *,
+    group: ProcessGroup | None,
+    chunks: int,
+    sp: bool,
+    in_region: bool,
+    vocab_loss: bool,
+    head_sp: bool,
+) -> nn.Module:
     if kind == "experts":
         return shard_experts(module, name, group=group)
     if kind == "sharded_norm":
@@ -110,19 +129,27 @@ def _build(module: nn.Module, name: str, style: str, kind: str, sections: Any, *
         if kind == "scaled_embedding":
             scale = getattr(module, "embed_scale", None)
             if not isinstance(scale, (torch.Tensor, float, int)):
-                raise ValueError(f"{name}: declared 'scaled_embedding' but {type(module).__name__} has no "
-                                 f"embed_scale (got {scale!r})")
+                raise ValueError(
+                    f"{name}: declared 'scaled_embedding' but {type(module).__name__} has no "
+                    f"embed_scale (got {scale!r})"
+                )
             return VocabParallelEmbedding.from_embedding(module, group=group, embed_scale=scale)  # type: ignore[arg-type]
         return VocabParallelEmbedding.from_embedding(module, group=group)  # type: ignore[arg-type]
     transposed = kind == "conv1d"
     if style in ("column", "column_qkv", "lm_head"):
         return ColumnParallelLinear.from_linear(
-            module, group=group, gather_output=style == "lm_head" and not vocab_loss,
-            sequence_parallel=sp and not in_region and (style != "lm_head" or head_sp), overlap_chunks=chunks,
-            sections=3 if style == "column_qkv" else sections, transposed=transposed)
+            module,
+            group=group,
+            gather_output=style == "lm_head" and not vocab_loss,
+            sequence_parallel=sp and not in_region and (style != "lm_head" or head_sp),
+            overlap_chunks=chunks,
+            sections=3 if style == "column_qkv" else sections,
+            transposed=transposed,
+        )
     if style == "row":
-        return RowParallelLinear.from_linear(module, group=group, sequence_parallel=sp, overlap_chunks=chunks,
-                                             transposed=transposed)
+        return RowParallelLinear.from_linear(
+            module, group=group, sequence_parallel=sp, overlap_chunks=chunks, transposed=transposed
+        )
     raise AssertionError(style)
 
 
@@ -152,7 +179,8 @@ def _check_patterns(model: nn.Module, plan: TPPlan, names: list[str]) -> None:
             raise ValueError(
                 f"TP plan {plan.name!r}: {where} pattern {pattern!r} matched no module of {type(model).__name__} "
                 f"(closest module names: {close or 'none'}); fix the pattern against model.named_modules() "
-                "('*' matches any text, dots included), or list it in the plan's optional patterns")
+                "('*' matches any text, dots included), or list it in the plan's optional patterns"
+            )
 
 
 def _attributes(named: dict[str, nn.Module], plan: TPPlan, tp: int) -> list[tuple[str, str, int]]:
@@ -165,12 +193,16 @@ def _attributes(named: dict[str, nn.Module], plan: TPPlan, tp: int) -> list[tupl
         for attr in plan.attributes[pattern]:
             value = getattr(module, attr, None)
             if not isinstance(value, int) or isinstance(value, bool):
-                raise ValueError(f"TP plan {plan.name!r}: attribute {attr!r} of {name} ({type(module).__name__}) "
-                                 f"is {value!r}, not an integer to divide by the TP size; fix the plan's "
-                                 f"attributes for pattern {pattern!r}")
+                raise ValueError(
+                    f"TP plan {plan.name!r}: attribute {attr!r} of {name} ({type(module).__name__}) "
+                    f"is {value!r}, not an integer to divide by the TP size; fix the plan's "
+                    f"attributes for pattern {pattern!r}"
+                )
             if value % tp:
-                raise ValueError(f"{name}.{attr}={value} is not divisible by the tensor-parallel size {tp}; "
-                                 f"choose a TP degree that divides {value}")
+                raise ValueError(
+                    f"{name}.{attr}={value} is not divisible by the tensor-parallel size {tp}; "
+                    f"choose a TP degree that divides {value}"
+                )
             out.append((name, attr, value // tp))
     return out
 
@@ -186,8 +218,10 @@ def _swap_in(model: nn.Module, replaced: list[tuple[str, nn.Module, nn.Module]])
             if id(old_p) in shard_of:
                 shared = shard_of[id(old_p)]
                 if shared.shape != new_p.shape or get_shard_spec(shared).dim != get_shard_spec(new_p).dim:
-                    raise ValueError(f"{name}.{pname} is tied to a parameter sharded differently "
-                                     f"({tuple(shared.shape)} vs {tuple(new_p.shape)}); shard both the same way")
+                    raise ValueError(
+                        f"{name}.{pname} is tied to a parameter sharded differently "
+                        f"({tuple(shared.shape)} vs {tuple(new_p.shape)}); shard both the same way"
+                    )
                 setattr(new, pname, shared)
             else:
                 shard_of[id(old_p)] = new_p
@@ -200,8 +234,14 @@ def _swap_in(model: nn.Module, replaced: list[tuple[str, nn.Module, nn.Module]])
 
 
 def parallelize(
-    model: nn.Module, plan: TPPlan | str | None = None, *, group: ProcessGroup | None, overlap_chunks: int = 1,
-    sequence_parallel: bool = False, vocab_parallel_loss: bool | None = None, rng_tracker: RNGTracker | None = None,
+    model: nn.Module,
+    plan: TPPlan | str | None = None,
+    *,
+    group: ProcessGroup | None,
+    overlap_chunks: int = 1,
+    sequence_parallel: bool = False,
+    vocab_parallel_loss: bool | None = None,
+    rng_tracker: RNGTracker | None = None,
 ) -> nn.Module:
     """Tensor-parallelize ``model`` in place over ``group`` and return it.
 
@@ -221,8 +261,13 @@ def parallelize(
     module, a matched module's forward is not one the plan knows (see [Note: stock
     forwards]), or a size is not divisible by the TP degree.
     """
-    plan = _resolve_plan(model, plan, overlap_chunks=overlap_chunks, sequence_parallel=sequence_parallel,
-                         rng_tracker=rng_tracker)
+    plan = _resolve_plan(
+        model,
+        plan,
+        overlap_chunks=overlap_chunks,
+        sequence_parallel=sequence_parallel,
+        rng_tracker=rng_tracker,
+    )
     vocab_loss = plan.vocab_parallel_loss if vocab_parallel_loss is None else vocab_parallel_loss
     tp = tp_size(group)
     named = dict(model.named_modules())
@@ -231,8 +276,16 @@ def parallelize(
         plan.check(model, tp)
     region_names = [n for n in named if _match(n, plan.regions) is not None]  # "" = the model itself
     new_attrs = _attributes(named, plan, tp)
-    replaced = _build_layers(model, named, plan, region_names, group=group, chunks=overlap_chunks,
-                             sp=sequence_parallel, vocab_loss=vocab_loss)
+    replaced = _build_layers(
+        model,
+        named,
+        plan,
+        region_names,
+        group=group,
+        chunks=overlap_chunks,
+        sp=sequence_parallel,
+        vocab_loss=vocab_loss,
+    )
     # Nothing in the model has changed so far; from here on it is converted.
     _swap_in(model, replaced)
     for name, attr, value in new_attrs:
@@ -243,38 +296,71 @@ def parallelize(
     for p in model.parameters():
         if not has_shard_spec(p):
             set_shard_spec(p, REPLICATED)
-    _apply_regions(model, plan, region_names, group=group, tp=tp, chunks=overlap_chunks, sp=sequence_parallel,
-                   rng_tracker=rng_tracker)
+    _apply_regions(
+        model,
+        plan,
+        region_names,
+        group=group,
+        tp=tp,
+        chunks=overlap_chunks,
+        sp=sequence_parallel,
+        rng_tracker=rng_tracker,
+    )
     model._merak_tp_plan = plan.name  # type: ignore[assignment]
-    logger.info("parallelized %s with plan %s over %d ranks (%d layers sharded, overlap_chunks=%d, "
-                "sequence_parallel=%s)", type(model).__name__, plan.name, tp, len(replaced), overlap_chunks,
-                sequence_parallel)
+    logger.info(
+        "parallelized %s with plan %s over %d ranks (%d layers sharded, overlap_chunks=%d, "
+        "sequence_parallel=%s)",
+        type(model).__name__,
+        plan.name,
+        tp,
+        len(replaced),
+        overlap_chunks,
+        sequence_parallel,
+    )
     return model
 
 
-def _resolve_plan(model: nn.Module, plan: TPPlan | str | None, *, overlap_chunks: int, sequence_parallel: bool,
-                  rng_tracker: RNGTracker | None) -> TPPlan:
+def _resolve_plan(
+    model: nn.Module,
+    plan: TPPlan | str | None,
+    *,
+    overlap_chunks: int,
+    sequence_parallel: bool,
+    rng_tracker: RNGTracker | None,
+) -> TPPlan:
     """Step 1: check the arguments and find the plan (``None``: the built-in plan of the model's type)."""
     if overlap_chunks < 1:
         raise ValueError(f"overlap_chunks={overlap_chunks}: expected an integer >= 1 (1 = no overlap)")
     if rng_tracker is not None and "tp" not in rng_tracker:
-        raise ValueError('rng_tracker has no "tp" state: call tracker.add("tp", merak_tp.tp_seed(seed, group)) '
-                         "before parallelize")
+        raise ValueError(
+            'rng_tracker has no "tp" state: call tracker.add("tp", merak_tp.tp_seed(seed, group)) '
+            "before parallelize"
+        )
     if plan is None:
         plan = plan_for_model(model)
     elif isinstance(plan, str):
         plan = get_plan(plan)
     if sequence_parallel and not plan.sequence_parallel:
         why = f": {plan.sequence_parallel_note}" if plan.sequence_parallel_note else ""
-        raise ValueError(f"TP plan {plan.name!r} (for {type(model).__name__}) does not support "
-                         f"sequence_parallel=True{why}; use sequence_parallel=False (training.sequence_parallel: "
-                         "false), tensor parallelism without it is exact")
+        raise ValueError(
+            f"TP plan {plan.name!r} (for {type(model).__name__}) does not support "
+            f"sequence_parallel=True{why}; use sequence_parallel=False (training.sequence_parallel: "
+            "false), tensor parallelism without it is exact"
+        )
     return plan
 
 
-def _build_layers(model: nn.Module, named: dict[str, nn.Module], plan: TPPlan, region_names: list[str], *,
-                  group: ProcessGroup | None, chunks: int, sp: bool,
-                  vocab_loss: bool) -> list[tuple[str, nn.Module, nn.Module]]:
+def _build_layers(
+    model: nn.Module,
+    named: dict[str, nn.Module],
+    plan: TPPlan,
+    region_names: list[str],
+    *,
+    group: ProcessGroup | None,
+    chunks: int,
+    sp: bool,
+    vocab_loss: bool,
+) -> list[tuple[str, nn.Module, nn.Module]]:
     """Step 2: every parallel layer, sliced from the existing weights; the model is not changed."""
     replaced: list[tuple[str, nn.Module, nn.Module]] = []
     for name, module in named.items():
@@ -286,22 +372,48 @@ def _build_layers(model: nn.Module, named: dict[str, nn.Module], plan: TPPlan, r
         spec = plan.sections.get(pattern)
         sections = 1 if spec is None else resolve_sections(spec, model, name)
         in_region = any(r == "" or name.startswith(r + ".") for r in region_names)
-        new = _build(module, name, style, kind, sections, group=group, chunks=chunks, sp=sp, in_region=in_region,
-                     vocab_loss=vocab_loss, head_sp=not plan.sequence_gather)
+        new = _build(
+            module,
+            name,
+            style,
+            kind,
+            sections,
+            group=group,
+            chunks=chunks,
+            sp=sp,
+            in_region=in_region,
+            vocab_loss=vocab_loss,
+            head_sp=not plan.sequence_gather,
+        )
         new._merak_name = name  # type: ignore[assignment]
         replaced.append((name, module, new))
     if not replaced:
-        raise ValueError(f"TP plan {plan.name!r} matched no module of {type(model).__name__}: check its "
-                         f"patterns {sorted(plan.layers)} against model.named_modules()")
+        raise ValueError(
+            f"TP plan {plan.name!r} matched no module of {type(model).__name__}: check its "
+            f"patterns {sorted(plan.layers)} against model.named_modules()"
+        )
     return replaced
 
 
-def _apply_regions(model: nn.Module, plan: TPPlan, region_names: list[str], *, group: ProcessGroup | None, tp: int, chunks: int,
-                   sp: bool, rng_tracker: RNGTracker | None) -> None:
+def _apply_regions(
+    model: nn.Module,
+    plan: TPPlan,
+    region_names: list[str],
+    *,
+    group: ProcessGroup | None,
+    tp: int,
+    chunks: int,
+    sp: bool,
+    rng_tracker: RNGTracker | None,
+) -> None:
     """Regions: overlap, sequence parallelism and the TP random stream; per-head modules' gradient sums."""
     named = dict(model.named_modules())
-    per_head = {id(p) for n, m in named.items() if n and (pattern := _match(n, plan.layers)) is not None
-                and plan.layers[pattern] == "per_head" for p in m.parameters()}
+    per_head = {
+        id(p)
+        for n, m in named.items()
+        if n and (pattern := _match(n, plan.layers)) is not None and plan.layers[pattern] == "per_head"
+        for p in m.parameters()
+    }
     if tp > 1:
         for p in model.parameters():
             if id(p) in per_head and p.requires_grad:
@@ -311,22 +423,31 @@ def _apply_regions(model: nn.Module, plan: TPPlan, region_names: list[str], *, g
             fork = rng_tracker if _match(name, plan.rng_regions) is not None else None
             if chunks == 1 and not sp and fork is None:
                 continue  # only the TP random stream asked for: regions without dropout stay as they are
-            make_region(named[name], group=group, chunks=chunks, sequence_parallel=sp, name=name, rng_tracker=fork)
+            make_region(
+                named[name], group=group, chunks=chunks, sequence_parallel=sp, name=name, rng_tracker=fork
+            )
     if not (sp and tp > 1):
         return
     scatter = [n for n in named if _match(n, plan.sequence_scatter) is not None]
     if not scatter:
-        raise ValueError(f"sequence_parallel=True but plan {plan.name!r} names no sequence_scatter module "
-                         f"matching the model (patterns {plan.sequence_scatter})")
+        raise ValueError(
+            f"sequence_parallel=True but plan {plan.name!r} names no sequence_scatter module "
+            f"matching the model (patterns {plan.sequence_scatter})"
+        )
     for name in scatter:
         make_sequence_scatter(named[name], group=group)
     for name in [n for n in named if _match(n, plan.sequence_gather) is not None]:
         make_sequence_gather(named[name], group=group)
-    full = {id(p) for n, m in named.items() if _match(n, plan.sequence_full) is not None for p in m.parameters()}
+    full = {
+        id(p) for n, m in named.items() if _match(n, plan.sequence_full) is not None for p in m.parameters()
+    }
     # A row layer's bias gradient is computed from the gathered output gradient: already full.
-    full |= {id(p) for m in named.values() if isinstance(m, (ColumnParallelLinear, RowParallelLinear,
-                                                             VocabParallelEmbedding))
-             for p in m.parameters()}
+    full |= {
+        id(p)
+        for m in named.values()
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding))
+        for p in m.parameters()
+    }
     full |= per_head  # inside a region (full sequence); summed over the heads above
     for p in model.parameters():
         spec = get_shard_spec(p)
@@ -350,8 +471,9 @@ def is_replicated(param: torch.Tensor) -> bool:
     return not get_shard_spec(param).sharded
 
 
-def gather_tensor(tensor: torch.Tensor, *, like: torch.Tensor | None = None,
-                  group: ProcessGroup | None) -> torch.Tensor:
+def gather_tensor(
+    tensor: torch.Tensor, *, like: torch.Tensor | None = None, group: ProcessGroup | None
+) -> torch.Tensor:
     """The full tensor from every rank's shard of ``tensor`` (shard layout read from ``like`` or itself).
 
     Works for a parameter, its ``.grad`` (pass the parameter as ``like``) or an

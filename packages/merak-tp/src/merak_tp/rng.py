@@ -108,8 +108,10 @@ class RNGTracker:
     def fork(self, name: str = "tp") -> Iterator[None]:
         """Run the block with state ``name`` as the default generator; the outer state is kept."""
         if name not in self:
-            raise ValueError(f"RNG state {name!r} is unknown: call tracker.add({name!r}, seed) first "
-                             f"(known: {sorted([*self._states, *self._derived])})")
+            raise ValueError(
+                f"RNG state {name!r} is unknown: call tracker.add({name!r}, seed) first "
+                f"(known: {sorted([*self._states, *self._derived])})"
+            )
         derived = name in self._derived
         inner = self._derive(name) if derived else self._states[name]
         outer = self._get_rng()
@@ -122,8 +124,15 @@ class RNGTracker:
             self._set_rng(outer)
 
 
-def sharded_dropout(x_local: torch.Tensor, p: float, *, group: ProcessGroup | None, dim: int = -1,
-                    generator: torch.Generator, training: bool = True) -> torch.Tensor:
+def sharded_dropout(
+    x_local: torch.Tensor,
+    p: float,
+    *,
+    group: ProcessGroup | None,
+    dim: int = -1,
+    generator: torch.Generator,
+    training: bool = True,
+) -> torch.Tensor:
     """Dropout of a tensor sharded along ``dim``, equal to the unsharded dropout's block.
 
     ``generator`` must be in the same state on every TP rank; the full mask is

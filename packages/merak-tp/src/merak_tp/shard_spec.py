@@ -109,8 +109,10 @@ class ShardSpec:
         sizes = section_sizes(self.sections, full.size(dim))
         parts = full.split(list(sizes), dim=dim) if len(sizes) > 1 else (full,)
         if any(size % world for size in sizes):
-            raise ValueError(f"sections {sizes} along dim {dim} of {tuple(full.shape)} are not all divisible by "
-                             f"the tensor-parallel size {world}")
+            raise ValueError(
+                f"sections {sizes} along dim {dim} of {tuple(full.shape)} are not all divisible by "
+                f"the tensor-parallel size {world}"
+            )
         local = [p.chunk(world, dim=dim)[rank] for p in parts]
         return local[0] if len(local) == 1 else torch.cat(local, dim=dim)
 

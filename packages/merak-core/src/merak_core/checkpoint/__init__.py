@@ -78,7 +78,21 @@ from merak_core.checkpoint.specs import TensorSpec, tensor_specs
 _Spec = TensorSpec  # the earlier private name
 
 __all__ = [
-    "FORMAT", "LATEST_FILE", "META_FILE", "CheckpointCorruptError", "CheckpointError", "CheckpointManager",
-    "CheckpointParts", "NonFiniteCheckpointError", "TensorSpec", "TrainState", "dcp_metadata", "describe_failure",
-    "is_corruption", "latest_candidates", "pointer_root", "read_checkpoint_meta", "tensor_specs",
+    "FORMAT",
+    "LATEST_FILE",
+    "META_FILE",
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointManager",
+    "CheckpointParts",
+    "NonFiniteCheckpointError",
+    "TensorSpec",
+    "TrainState",
+    "dcp_metadata",
+    "describe_failure",
+    "is_corruption",
+    "latest_candidates",
+    "pointer_root",
+    "read_checkpoint_meta",
+    "tensor_specs",
 ]

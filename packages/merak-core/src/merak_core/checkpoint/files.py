@@ -104,8 +104,11 @@ def pointer_root(path: str | os.PathLike[str]) -> Path | None:
     candidate = Path(path)
     if candidate.name == LATEST_FILE and not candidate.is_dir():
         return candidate.parent
-    if candidate.is_dir() and not (candidate / META_FILE).exists() and (
-            (candidate / LATEST_FILE).is_file() or _step_dirs(candidate)):
+    if (
+        candidate.is_dir()
+        and not (candidate / META_FILE).exists()
+        and ((candidate / LATEST_FILE).is_file() or _step_dirs(candidate))
+    ):
         return candidate
     return None
 
@@ -126,12 +129,15 @@ def read_checkpoint_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
             f"checkpoint {str(directory)!r} is partial or not a Merak checkpoint: {META_FILE} is missing"
         )
     if not (directory / ".metadata").is_file():
-        raise CheckpointCorruptError(f"checkpoint {str(directory)!r} is partial: DCP's .metadata file is missing")
+        raise CheckpointCorruptError(
+            f"checkpoint {str(directory)!r} is partial: DCP's .metadata file is missing"
+        )
     try:
         meta = json.loads(meta_path.read_text())
     except (OSError, ValueError) as exc:
         raise CheckpointCorruptError(
-            f"checkpoint {str(directory)!r} is corrupt: cannot read {META_FILE}: {exc}") from exc
+            f"checkpoint {str(directory)!r} is corrupt: cannot read {META_FILE}: {exc}"
+        ) from exc
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(
             f"checkpoint {str(directory)!r} has format {meta.get('format') if isinstance(meta, dict) else None!r}, "
@@ -145,7 +151,8 @@ def dcp_metadata(directory: Path) -> dict[str, Any]:
         return dict(dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata)
     except Exception as exc:  # noqa: BLE001 - any unreadable metadata is a corrupt checkpoint
         raise CheckpointCorruptError(
-            f"checkpoint {str(directory)!r} is corrupt: cannot read DCP metadata: {exc}") from exc
+            f"checkpoint {str(directory)!r} is corrupt: cannot read DCP metadata: {exc}"
+        ) from exc
 
 
 def describe_failure(exc: BaseException) -> str:
@@ -167,23 +174,34 @@ def is_corruption(exc: BaseException) -> bool:
     failures = getattr(exc, "failures", None)
     if not isinstance(failures, dict):
         return False
-    return any(isinstance(pair[0] if isinstance(pair, tuple) else pair, CheckpointCorruptError)
-               for pair in failures.values())
+    return any(
+        isinstance(pair[0] if isinstance(pair, tuple) else pair, CheckpointCorruptError)
+        for pair in failures.values()
+    )
 
 
-def _check_fingerprint(directory: Path, saved: Mapping[str, Any], mine: Mapping[str, tuple[int, ...]]) -> None:
+def _check_fingerprint(
+    directory: Path, saved: Mapping[str, Any], mine: Mapping[str, tuple[int, ...]]
+) -> None:
     """Refuse a checkpoint of another model (names or full shapes differ), naming each difference and the fix."""
     theirs = {name: tuple(shape) for name, shape in saved.items()}
     missing = sorted(set(mine) - set(theirs))
     extra = sorted(set(theirs) - set(mine))
-    shapes = sorted(f"parameter {n}: checkpoint {list(theirs[n])} vs model {list(mine[n])}"
-                    for n in set(mine) & set(theirs) if theirs[n] != tuple(mine[n]))
+    shapes = sorted(
+        f"parameter {n}: checkpoint {list(theirs[n])} vs model {list(mine[n])}"
+        for n in set(mine) & set(theirs)
+        if theirs[n] != tuple(mine[n])
+    )
     if missing or extra or shapes:
         detail = []
         if missing:
-            detail.append(f"parameters missing from the checkpoint: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+            detail.append(
+                f"parameters missing from the checkpoint: {missing[:8]}{' ...' if len(missing) > 8 else ''}"
+            )
         if extra:
-            detail.append(f"parameters the model does not have: {extra[:8]}{' ...' if len(extra) > 8 else ''}")
+            detail.append(
+                f"parameters the model does not have: {extra[:8]}{' ...' if len(extra) > 8 else ''}"
+            )
         if shapes:
             detail.append(f"shape mismatches: {shapes[:8]}{' ...' if len(shapes) > 8 else ''}")
         raise CheckpointError(

@@ -51,11 +51,18 @@ def file_checksum(path: Path) -> dict[str, Any]:
     return {"bytes": size, CHECKSUM: f"{crc:08x}"}
 
 
-def _mismatch(directory: Path, step: Any, name: str, expected: Mapping[str, Any], found: Mapping[str, Any]) -> str:
-    what = (f"has {found['bytes']} bytes, the manifest says {expected['bytes']}" if found["bytes"] != expected["bytes"]
-            else f"has {CHECKSUM} {found[CHECKSUM]}, the manifest says {expected[CHECKSUM]}")
-    return (f"checkpoint {str(directory)!r} (step {step}) is corrupt: file {name!r} {what} (changed or damaged "
-            "after the save): resume from an older checkpoint ('latest' skips corrupt ones)")
+def _mismatch(
+    directory: Path, step: Any, name: str, expected: Mapping[str, Any], found: Mapping[str, Any]
+) -> str:
+    what = (
+        f"has {found['bytes']} bytes, the manifest says {expected['bytes']}"
+        if found["bytes"] != expected["bytes"]
+        else f"has {CHECKSUM} {found[CHECKSUM]}, the manifest says {expected[CHECKSUM]}"
+    )
+    return (
+        f"checkpoint {str(directory)!r} (step {step}) is corrupt: file {name!r} {what} (changed or damaged "
+        "after the save): resume from an older checkpoint ('latest' skips corrupt ones)"
+    )
 
 
 def check_manifest(directory: Path, meta: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -63,15 +70,18 @@ def check_manifest(directory: Path, meta: Mapping[str, Any]) -> dict[str, Any] |
     files = meta.get("files")
     step = meta.get("step", "?")
     if files is None:
-        logger.info("checkpoint %s has no manifest of checksums (written by an older version): not verified",
-                    directory)
+        logger.info(
+            "checkpoint %s has no manifest of checksums (written by an older version): not verified",
+            directory,
+        )
         return None
     for name, expected in sorted(files.items()):
         path = directory / name
         if not path.is_file():
             raise CheckpointCorruptError(
                 f"checkpoint {str(directory)!r} (step {step}) is corrupt: file {name!r} listed in {META_FILE} "
-                "is missing: resume from an older checkpoint ('latest' skips corrupt ones)")
+                "is missing: resume from an older checkpoint ('latest' skips corrupt ones)"
+            )
         size = path.stat().st_size
         if size != expected["bytes"]:
             raise CheckpointCorruptError(_mismatch(directory, step, name, expected, {"bytes": size}))
@@ -120,7 +130,8 @@ class VerifyingReader(dcp.FileSystemReader):
                 if expected is None:
                     raise CheckpointCorruptError(
                         f"checkpoint {str(self.directory)!r} (step {self.step}) is corrupt: file {name!r} is not in "
-                        f"the manifest of {META_FILE}: resume from an older checkpoint")
+                        f"the manifest of {META_FILE}: resume from an older checkpoint"
+                    )
                 verify_file(self.directory, self.step, name, expected)
         return super().read_data(plan, planner)
 
@@ -139,4 +150,6 @@ def nonfinite_count(tensors: Iterable[torch.Tensor], device: torch.device) -> to
 
 def nonfinite_names(tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
     """The names of the floating tensors that hold NaN or inf (error path only)."""
-    return [n for n, t in tensors if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all())]
+    return [
+        n for n, t in tensors if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all())
+    ]

@@ -149,8 +149,10 @@ class CheckpointManager:
         try:
             dcp.save(state, storage_writer=writer)
         except (Exception, dcp.CheckpointException) as exc:
-            raise RuntimeError(f"rank {rank}: writing checkpoint {str(tmp)!r} failed (the previous checkpoint "
-                               f"is untouched): {describe_failure(exc)}") from exc
+            raise RuntimeError(
+                f"rank {rank}: writing checkpoint {str(tmp)!r} failed (the previous checkpoint "
+                f"is untouched): {describe_failure(exc)}"
+            ) from exc
         _barrier("checkpoint written")
         written: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(written, writer.written)
@@ -161,9 +163,18 @@ class CheckpointManager:
             files[".metadata"] = file_checksum(tmp / ".metadata")
             layout = parts.layout
             meta = {
-                "format": FORMAT, "step": step, "time": time.time(), "torch": torch.__version__,
-                "layout": {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "world_size": layout.world_size},
-                "zero_stage": parts.args.zero_stage, "training_arguments": parts.args.to_dict(),
+                "format": FORMAT,
+                "step": step,
+                "time": time.time(),
+                "torch": torch.__version__,
+                "layout": {
+                    "dp": layout.dp,
+                    "tp": layout.tp,
+                    "pp": layout.pp,
+                    "world_size": layout.world_size,
+                },
+                "zero_stage": parts.args.zero_stage,
+                "training_arguments": parts.args.to_dict(),
                 "pretrained": parts.pretrained,
                 "fingerprint": {name: list(shape) for name, shape in fingerprint.items()},
                 "files": dict(sorted(files.items())),
@@ -178,8 +189,9 @@ class CheckpointManager:
     def _local_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """(name, tensor) for this rank's parameters and optimizer states."""
         specs = tensor_specs(self.parts)
-        out: list[tuple[str, torch.Tensor]] = [(f"parameter {name}", local_tensor(p.detach()))
-                                               for name, (p, _) in specs.items()]
+        out: list[tuple[str, torch.Tensor]] = [
+            (f"parameter {name}", local_tensor(p.detach())) for name, (p, _) in specs.items()
+        ]
         names = {id(p): name for name, (p, _) in specs.items()}
         inner = _inner_optimizer(self.parts.optimizer)
         for p, values in inner.state.items():
@@ -199,8 +211,11 @@ class CheckpointManager:
         dist.all_gather_object(bad, nonfinite_names(tensors))
         named = [f"{name} (rank {rank})" for rank, names in enumerate(bad) for name in names]
         previous = latest_candidates(self.root)
-        kept = (f"the previous checkpoint {previous[0].name} and the 'latest' pointer are unchanged"
-                if previous else "no checkpoint was written")
+        kept = (
+            f"the previous checkpoint {previous[0].name} and the 'latest' pointer are unchanged"
+            if previous
+            else "no checkpoint was written"
+        )
         raise NonFiniteCheckpointError(
             f"step {step}: refusing to save checkpoint step_{step} under {str(self.root)!r}: "
             f"{int(count.item())} tensors hold NaN or inf, first {named[:4]}{' ...' if len(named) > 4 else ''}; "
@@ -254,7 +269,9 @@ class CheckpointManager:
         if dist.get_rank() == 0:
             groups = [{k: v for k, v in g.items() if k != "params"} for g in parts.optimizer.param_groups]
             train_state = {
-                "step": parts.train.global_step, "scheduler": parts.lr_scheduler.state_dict(), "param_groups": groups,
+                "step": parts.train.global_step,
+                "scheduler": parts.lr_scheduler.state_dict(),
+                "param_groups": groups,
                 "data": parts.train_loader.state_dict() if parts.train_loader is not None else None,
             }
             state["train_state"] = pickle.dumps(train_state)
@@ -313,9 +330,12 @@ class CheckpointManager:
                 if not is_latest:
                     raise
                 skipped.append(f"{directory.name}: {exc}")
-                _warn_rank0("resume %s: skipping checkpoint %s, it fails verification: %s", path, directory, exc)
+                _warn_rank0(
+                    "resume %s: skipping checkpoint %s, it fails verification: %s", path, directory, exc
+                )
         raise CheckpointCorruptError(
-            f"no checkpoint under {str(candidates[0].parent)!r} verifies; skipped: " + " | ".join(skipped))
+            f"no checkpoint under {str(candidates[0].parent)!r} verifies; skipped: " + " | ".join(skipped)
+        )
 
     def _load_one(self, directory: Path) -> int:
         meta = read_checkpoint_meta(directory)
@@ -326,7 +346,10 @@ class CheckpointManager:
         layout = parts.layout
         saved_layout = meta.get("layout", {})
         same_layout = (saved_layout.get("dp"), saved_layout.get("tp"), saved_layout.get("pp")) == (
-            layout.dp, layout.tp, layout.pp)
+            layout.dp,
+            layout.tp,
+            layout.pp,
+        )
         request, receivers, owned, optim_keys = self._load_request(available)
         rng_key = f"rng/rank_{dist.get_rank()}"
         if "train_state" not in available:
@@ -349,16 +372,27 @@ class CheckpointManager:
         if rng_key in request:
             set_rng_state(request[rng_key], parts)
         else:
-            logger.info("checkpoint layout %s differs from dp=%d tp=%d pp=%d: RNG states not restored",
-                        saved_layout, layout.dp, layout.tp, layout.pp)
+            logger.info(
+                "checkpoint layout %s differs from dp=%d tp=%d pp=%d: RNG states not restored",
+                saved_layout,
+                layout.dp,
+                layout.tp,
+                layout.pp,
+            )
         _barrier("checkpoint loaded")
         step = int(train_state["step"])
         parts.train.global_step = step
         logger.info("loaded checkpoint %s (step %d, saved under %s)", directory, step, saved_layout)
         return step
 
-    def _load_request(self, available: dict[str, Any]) -> tuple[
-            dict[str, Any], dict[str, tuple[torch.Tensor, TensorSpec]], list[tuple[nn.Parameter, str]], dict[str, list[str]]]:
+    def _load_request(
+        self, available: dict[str, Any]
+    ) -> tuple[
+        dict[str, Any],
+        dict[str, tuple[torch.Tensor, TensorSpec]],
+        list[tuple[nn.Parameter, str]],
+        dict[str, list[str]],
+    ]:
         """What to ask DCP for: (request, receiving buffers with their specs, owned params, state keys by name)."""
         parts = self.parts
         specs = tensor_specs(parts)
@@ -372,7 +406,7 @@ class CheckpointManager:
         optim_keys: dict[str, list[str]] = {}
         for key in available:
             if key.startswith("optim/"):
-                name, _, state_key = key[len("optim/"):].rpartition("/")
+                name, _, state_key = key[len("optim/") :].rpartition("/")
                 optim_keys.setdefault(name, []).append(state_key)
         owned: list[tuple[nn.Parameter, str]] = []
         for p, name in _named_optimizer_params(inner, specs):
@@ -393,8 +427,13 @@ class CheckpointManager:
                     request[key], receivers[key] = buf, (buf, TensorSpec.plain(buf))
         return request, receivers, owned, optim_keys
 
-    def _copy_loaded(self, receivers: dict[str, tuple[torch.Tensor, TensorSpec]], owned: list[tuple[nn.Parameter, str]],
-                     optim_keys: dict[str, list[str]], request: dict[str, Any]) -> None:
+    def _copy_loaded(
+        self,
+        receivers: dict[str, tuple[torch.Tensor, TensorSpec]],
+        owned: list[tuple[nn.Parameter, str]],
+        optim_keys: dict[str, list[str]],
+        request: dict[str, Any],
+    ) -> None:
         parts = self.parts
         inner = _inner_optimizer(parts.optimizer)
         group_of = {id(q): group for group in inner.param_groups for q in group["params"]}
@@ -410,20 +449,26 @@ class CheckpointManager:
                         buf, spec = receivers[key]
                         value = _from_loaded(spec, buf)
                         value = place_optimizer_state(value, state_key, p, group_of[id(p)])
-                        state[state_key] = shard_like(p, value) if value.shape == p.shape and value.ndim else value
+                        state[state_key] = (
+                            shard_like(p, value) if value.shape == p.shape and value.ndim else value
+                        )
                     elif key in request:
                         state[state_key] = pickle.loads(request[key])  # noqa: S301 - our own checkpoint
                 if state:
                     inner.state[p] = state
 
 
-def _named_optimizer_params(inner: torch.optim.Optimizer, specs: Mapping[str, Any]) -> list[tuple[nn.Parameter, str]]:
+def _named_optimizer_params(
+    inner: torch.optim.Optimizer, specs: Mapping[str, Any]
+) -> list[tuple[nn.Parameter, str]]:
     """The optimizer's parameters that this rank's model names, in the optimizer's order (save and load)."""
     names = {id(p): name for name, (p, _) in specs.items()}
     return [(p, names[id(p)]) for group in inner.param_groups for p in group["params"] if id(p) in names]
 
 
-def place_optimizer_state(value: torch.Tensor, key: str, param: torch.Tensor, group: Mapping[str, Any]) -> torch.Tensor:
+def place_optimizer_state(
+    value: torch.Tensor, key: str, param: torch.Tensor, group: Mapping[str, Any]
+) -> torch.Tensor:
     """Where ``Optimizer.load_state_dict`` would put a loaded state tensor, and in which dtype.
 
     [Note: optimizer state placement] The checkpoint writes states straight into
@@ -449,7 +494,10 @@ def _warn_if_dangling(root: Path, candidates: list[Path], warn: bool) -> list[Pa
         return candidates
     name = pointer.read_text().strip() if pointer.is_file() else ""
     if name and not (root / name).is_dir() and (not dist.is_initialized() or dist.get_rank() == 0):
-        instead = f"using the newest committed checkpoint, {candidates[0].name}" if candidates else "none is left"
-        logger.warning("the 'latest' pointer %s names %s, which does not exist (deleted?): %s", pointer, name,
-                       instead)
+        instead = (
+            f"using the newest committed checkpoint, {candidates[0].name}" if candidates else "none is left"
+        )
+        logger.warning(
+            "the 'latest' pointer %s names %s, which does not exist (deleted?): %s", pointer, name, instead
+        )
     return candidates

@@ -67,7 +67,9 @@ def tensor_specs(parts: CheckpointParts) -> dict[str, tuple[nn.Parameter, Tensor
     return out
 
 
-def _to_checkpoint(parts: CheckpointParts, tensor: torch.Tensor, spec: TensorSpec, like: nn.Parameter) -> torch.Tensor | None:
+def _to_checkpoint(
+    parts: CheckpointParts, tensor: torch.Tensor, spec: TensorSpec, like: nn.Parameter
+) -> torch.Tensor | None:
     """What this rank writes for ``tensor`` (a parameter or a state shaped like it); collective over TP.
 
     A ZeRO-2/3 tensor (sharded over DP) is gathered over DP first (collective there too), so every
@@ -85,11 +87,19 @@ def _to_checkpoint(parts: CheckpointParts, tensor: torch.Tensor, spec: TensorSpe
     from torch.distributed.tensor import DTensor, Shard
 
     local = spec.oriented(tensor.detach())
-    return DTensor.from_local(local, layout.mesh["tp"], [Shard(spec.dim)], run_check=False,
-                              shape=torch.Size(spec.full_shape), stride=_contiguous_stride(spec.full_shape))
+    return DTensor.from_local(
+        local,
+        layout.mesh["tp"],
+        [Shard(spec.dim)],
+        run_check=False,
+        shape=torch.Size(spec.full_shape),
+        stride=_contiguous_stride(spec.full_shape),
+    )
 
 
-def _load_target(parts: CheckpointParts, spec: TensorSpec, local: torch.Tensor, dtype: torch.dtype) -> tuple[Any, torch.Tensor]:
+def _load_target(
+    parts: CheckpointParts, spec: TensorSpec, local: torch.Tensor, dtype: torch.dtype
+) -> tuple[Any, torch.Tensor]:
     """(object DCP loads into, tensor that receives the full data) for a local tensor shaped like a param."""
     if spec.whole:
         # A whole tensor (replicated, or fused sections gathered) is staged in host memory and
@@ -100,8 +110,14 @@ def _load_target(parts: CheckpointParts, spec: TensorSpec, local: torch.Tensor, 
     from torch.distributed.tensor import DTensor, Shard
 
     buf = torch.empty(spec.oriented(local).shape, dtype=dtype, device=local.device)
-    dt = DTensor.from_local(buf, parts.layout.mesh["tp"], [Shard(spec.dim or 0)], run_check=False,
-                            shape=torch.Size(spec.full_shape), stride=_contiguous_stride(spec.full_shape))
+    dt = DTensor.from_local(
+        buf,
+        parts.layout.mesh["tp"],
+        [Shard(spec.dim or 0)],
+        run_check=False,
+        shape=torch.Size(spec.full_shape),
+        stride=_contiguous_stride(spec.full_shape),
+    )
     return dt, buf
 
 

@@ -43,9 +43,19 @@ logger = logging.getLogger(__name__)
 
 # TrainingArguments whose new values a resumed run uses (optimizer, LR schedule, length, clipping,
 # the non-finite policy).
-RESUMABLE_SETTINGS = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
-                      "lr_scheduler_type", "warmup_steps", "max_steps", "num_train_epochs", "max_grad_norm",
-                      "nonfinite")
+RESUMABLE_SETTINGS = (
+    "learning_rate",
+    "weight_decay",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_epsilon",
+    "lr_scheduler_type",
+    "warmup_steps",
+    "max_steps",
+    "num_train_epochs",
+    "max_grad_norm",
+    "nonfinite",
+)
 # Optimizer group options that follow from those settings (logged through the setting, not twice).
 _GROUP_KEYS_FROM_SETTINGS = {"lr", "initial_lr", "weight_decay", "betas", "eps"}
 
@@ -107,7 +117,9 @@ def setting_changes(saved_args: Mapping[str, Any], args: Any) -> list[str]:
     return out
 
 
-def _group_changes(saved_groups: Sequence[Mapping[str, Any]], groups: Sequence[Mapping[str, Any]]) -> list[str]:
+def _group_changes(
+    saved_groups: Sequence[Mapping[str, Any]], groups: Sequence[Mapping[str, Any]]
+) -> list[str]:
     out = []
     for i, (saved, group) in enumerate(zip(saved_groups, groups, strict=True)):
         for key in sorted(set(saved) & set(group) - _GROUP_KEYS_FROM_SETTINGS - {"params"}):
@@ -116,8 +128,9 @@ def _group_changes(saved_groups: Sequence[Mapping[str, Any]], groups: Sequence[M
     return out
 
 
-def restore_train_state(parts: CheckpointParts, directory: Path, state: Mapping[str, Any],
-                        saved_args: Mapping[str, Any]) -> None:
+def restore_train_state(
+    parts: CheckpointParts, directory: Path, state: Mapping[str, Any], saved_args: Mapping[str, Any]
+) -> None:
     """Data position and LR-schedule position; settings from the job file (see [Note: changed job file]).
 
     Raises before changing anything when the checkpoint cannot apply to this run.
@@ -148,7 +161,9 @@ def _restore_schedule(parts: CheckpointParts, saved: Mapping[str, Any]) -> None:
         scheduler.load_state_dict(dict(saved))
         return
     base_lrs = list(scheduler.base_lrs)
-    scheduler.__dict__.update({k: v for k, v in saved.items() if k not in ("base_lrs", "lr_lambdas", "_last_lr")})
+    scheduler.__dict__.update(
+        {k: v for k, v in saved.items() if k not in ("base_lrs", "lr_lambdas", "_last_lr")}
+    )
     lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(base_lrs, lambdas, strict=True)]
     optimizers = [parts.optimizer]
     inner = _inner_optimizer(parts.optimizer)

@@ -59,8 +59,22 @@ from merak_core.config.values import (
 )
 
 __all__ = [
-    "DTYPES", "KEY_ALIASES", "LAYOUTS", "LR_SCHEDULER_TYPES", "TrainingArguments", "build_lr_scheduler",
-    "MAX_SEED", "NONFINITE_POLICIES", "auto_conflict_message", "load_yaml", "lr_lambda", "parse_bytes",
-    "parse_overrides", "parse_recompute", "schedule_choices", "schedule_key",
-    "override_value", "split_override",
+    "DTYPES",
+    "KEY_ALIASES",
+    "LAYOUTS",
+    "LR_SCHEDULER_TYPES",
+    "TrainingArguments",
+    "build_lr_scheduler",
+    "MAX_SEED",
+    "NONFINITE_POLICIES",
+    "auto_conflict_message",
+    "load_yaml",
+    "lr_lambda",
+    "parse_bytes",
+    "parse_overrides",
+    "parse_recompute",
+    "schedule_choices",
+    "schedule_key",
+    "override_value",
+    "split_override",
 ]

@@ -158,19 +158,38 @@ class TrainingArguments:
     seconds per TP degree)."""
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.output_dir, str) and self.output_dir != "", "output_dir", self.output_dir,
-               "a non-empty directory path")
-        _check(self.export_hf_dir is None or (isinstance(self.export_hf_dir, str) and self.export_hf_dir != ""),
-               "export_hf_dir", self.export_hf_dir, "a directory path, or null for no export")
-        for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-                     "logging_steps", "tp", "pp", "overlap_chunks"):
+        _check(
+            isinstance(self.output_dir, str) and self.output_dir != "",
+            "output_dir",
+            self.output_dir,
+            "a non-empty directory path",
+        )
+        _check(
+            self.export_hf_dir is None or (isinstance(self.export_hf_dir, str) and self.export_hf_dir != ""),
+            "export_hf_dir",
+            self.export_hf_dir,
+            "a directory path, or null for no export",
+        )
+        for name in (
+            "per_device_train_batch_size",
+            "per_device_eval_batch_size",
+            "gradient_accumulation_steps",
+            "logging_steps",
+            "tp",
+            "pp",
+            "overlap_chunks",
+        ):
             _check_int(self, name, minimum=1)
         for name in ("warmup_steps", "seed", "dataloader_num_workers"):
             _check_int(self, name, minimum=0)
         _check(self.seed <= MAX_SEED, "seed", self.seed, f"an integer in [0, {MAX_SEED}] (2**32 - 1)")
         _check_float(self, "comm_timeout_s", minimum=0.0)
-        _check(self.comm_timeout_s > 0, "comm_timeout_s", self.comm_timeout_s,
-               "a positive number of seconds such as 600")
+        _check(
+            self.comm_timeout_s > 0,
+            "comm_timeout_s",
+            self.comm_timeout_s,
+            "a positive number of seconds such as 600",
+        )
         for name in ("eval_steps", "save_steps", "save_total_limit", "dp"):
             if getattr(self, name) is not None:
                 _check_int(self, name, minimum=1, hint="or null")
@@ -184,16 +203,31 @@ class TrainingArguments:
             _check_float(self, name, minimum=0.0)
             _check(getattr(self, name) < 1.0, name, getattr(self, name), "a number in [0, 1)")
         _check_float(self, "num_train_epochs", minimum=0.0)
-        _check(self.max_steps > 0 or self.num_train_epochs > 0, "num_train_epochs", self.num_train_epochs,
-               "a positive number of epochs when max_steps is -1")
-        _check(self.lr_scheduler_type in LR_SCHEDULER_TYPES, "lr_scheduler_type", self.lr_scheduler_type,
-               f"one of {LR_SCHEDULER_TYPES}")
+        _check(
+            self.max_steps > 0 or self.num_train_epochs > 0,
+            "num_train_epochs",
+            self.num_train_epochs,
+            "a positive number of epochs when max_steps is -1",
+        )
+        _check(
+            self.lr_scheduler_type in LR_SCHEDULER_TYPES,
+            "lr_scheduler_type",
+            self.lr_scheduler_type,
+            f"one of {LR_SCHEDULER_TYPES}",
+        )
         _check(isinstance(self.bf16, bool), "bf16", self.bf16, "true or false")
         _check(isinstance(self.plan_probe_tp, bool), "plan_probe_tp", self.plan_probe_tp, "true or false")
         _check(isinstance(self.tp_check, bool), "tp_check", self.tp_check, "true or false")
-        _check(isinstance(self.sequence_parallel, bool), "sequence_parallel", self.sequence_parallel, "true or false")
+        _check(
+            isinstance(self.sequence_parallel, bool),
+            "sequence_parallel",
+            self.sequence_parallel,
+            "true or false",
+        )
         _check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {tuple(DTYPES)}")
-        _check(self.nonfinite in NONFINITE_POLICIES, "nonfinite", self.nonfinite, f"one of {NONFINITE_POLICIES}")
+        _check(
+            self.nonfinite in NONFINITE_POLICIES, "nonfinite", self.nonfinite, f"one of {NONFINITE_POLICIES}"
+        )
         if self.dtype == "float16":
             raise ValueError(
                 "dtype='float16' trains without loss scaling, so small gradients underflow to 0 and large "
@@ -218,9 +252,13 @@ class TrainingArguments:
                 "recompute='full' / 'uniform:<fraction>'"
             )
         self._check_planner_fields()
-        _check(self.zero_stage in (0, 1, 2, 3) and not isinstance(self.zero_stage, bool), "zero_stage",
-               self.zero_stage, "0 (off), 1 (optimizer states sharded over DP), 2 (and gradients) or 3 (and "
-               "parameters; ZeRO-2/3 run on torch's FSDP2)")
+        _check(
+            self.zero_stage in (0, 1, 2, 3) and not isinstance(self.zero_stage, bool),
+            "zero_stage",
+            self.zero_stage,
+            "0 (off), 1 (optimizer states sharded over DP), 2 (and gradients) or 3 (and "
+            "parameters; ZeRO-2/3 run on torch's FSDP2)",
+        )
         from merak_core.fsdp import check_sharding_supported
 
         check_sharding_supported(self.zero_stage, self.schedule)
@@ -232,8 +270,12 @@ class TrainingArguments:
             except (ValueError, TypeError) as exc:
                 raise ValueError(f"tp_plan={self.tp_plan!r} is invalid: {exc}") from None
         elif isinstance(self.tp_plan, Mapping):
-            _check(all(isinstance(k, str) and isinstance(v, str) for k, v in self.tp_plan.items()), "tp_plan",
-                   self.tp_plan, "a mapping of module-name pattern to a style name (both strings)")
+            _check(
+                all(isinstance(k, str) and isinstance(v, str) for k, v in self.tp_plan.items()),
+                "tp_plan",
+                self.tp_plan,
+                "a mapping of module-name pattern to a style name (both strings)",
+            )
             import merak_tp
 
             bad = {k: v for k, v in self.tp_plan.items() if v not in merak_tp.STYLES}
@@ -241,8 +283,12 @@ class TrainingArguments:
         else:
             # A plan name is looked up once the job's modules are imported (they may register it):
             # by merak_core.job after the factories load, and by the Trainer.
-            _check(self.tp_plan is None or isinstance(self.tp_plan, str), "tp_plan", self.tp_plan,
-                   "null, 'auto', a plan name or a mapping")
+            _check(
+                self.tp_plan is None or isinstance(self.tp_plan, str),
+                "tp_plan",
+                self.tp_plan,
+                "null, 'auto', a plan name or a mapping",
+            )
 
     def _check_planner_fields(self) -> None:
         _check(self.layout in LAYOUTS, "layout", self.layout, f"one of {LAYOUTS}")
@@ -250,12 +296,19 @@ class TrainingArguments:
             self.memory_per_device = parse_bytes(self.memory_per_device)
         if self.plan_check_steps is not None:
             _check_int(self, "plan_check_steps", minimum=0, hint="(0: off) or null")
-            _check(self.plan_check_steps != 1, "plan_check_steps", 1,
-                   "0 (off) or >= 2 (a warm-up step, then at least one measured step)")
+            _check(
+                self.plan_check_steps != 1,
+                "plan_check_steps",
+                1,
+                "0 (off) or >= 2 (a warm-up step, then at least one measured step)",
+            )
         _check_float(self, "plan_error_threshold", minimum=0.0)
         if self.layout == "auto":
-            explicit = {n: v for n, v in (("dp", self.dp), ("tp", self.tp), ("pp", self.pp))
-                        if v != (None if n == "dp" else 1)}
+            explicit = {
+                n: v
+                for n, v in (("dp", self.dp), ("tp", self.tp), ("pp", self.pp))
+                if v != (None if n == "dp" else 1)
+            }
             if explicit:
                 raise ValueError(auto_conflict_message(sorted(explicit), explicit))
 
@@ -310,9 +363,13 @@ class TrainingArguments:
         body = tree.body[0].body  # type: ignore[attr-defined]
         out = {}
         for node, after in zip(body, body[1:], strict=False):
-            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                    and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
-                    and isinstance(after.value.value, str)):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            ):
                 out[node.target.id] = " ".join(after.value.value.split())
         return out
 
@@ -341,7 +398,9 @@ class TrainingArguments:
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, Mapping):
-            raise ValueError(f"{path}: expected a mapping of TrainingArguments fields, got {type(loaded).__name__}")
+            raise ValueError(
+                f"{path}: expected a mapping of TrainingArguments fields, got {type(loaded).__name__}"
+            )
         values: dict[str, Any] = {}
         for key, value in loaded.items():
             values[_canonical_key(str(key), str(path))] = value
@@ -375,9 +434,11 @@ def auto_conflict_message(names: Sequence[str], values: Mapping[str, Any]) -> st
     """The error for ``layout: auto`` together with explicit degrees (see [Note: layout auto])."""
     given = ", ".join(f"{n}={values[n]!r}" for n in names)
     unset = " ".join(f"training.{n}={'null' if n == 'dp' else 1}" for n in names)
-    return (f"layout='auto' lets the planner choose dp, tp and pp, but the job also sets {given}: remove "
-            f"{'/'.join(names)} from the training section (on the command line: {unset}), or set "
-            "layout: manual to keep your degrees")
+    return (
+        f"layout='auto' lets the planner choose dp, tp and pp, but the job also sets {given}: remove "
+        f"{'/'.join(names)} from the training section (on the command line: {unset}), or set "
+        "layout: manual to keep your degrees"
+    )
 
 
 def _check(ok: bool, name: str, value: Any, expected: str) -> None:
@@ -393,7 +454,12 @@ def _check_int(args: TrainingArguments, name: str, *, minimum: int, hint: str = 
 
 def _check_float(args: TrainingArguments, name: str, *, minimum: float) -> None:
     value = getattr(args, name)
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= minimum
+    ok = (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value >= minimum
+    )
     _check(ok, name, value, f"a number >= {minimum}")
     setattr(args, name, float(value))
 
@@ -429,7 +495,10 @@ def override_value(name: str, raw: str, *, source: str = "override") -> Any:
     text that is not YAML is a ValueError naming ``source``."""
     parsed = load_yaml(raw, source) if raw.strip() else ""
     members = _members(typing.get_type_hints(TrainingArguments)[name])
-    if isinstance(parsed, str) or (str in members and isinstance(parsed, (int, float, bool))
-                                   and not any(_convert(parsed, m) is not _NO for m in members if m is not str)):
+    if isinstance(parsed, str) or (
+        str in members
+        and isinstance(parsed, (int, float, bool))
+        and not any(_convert(parsed, m) is not _NO for m in members if m is not str)
+    ):
         parsed = raw.strip()  # e.g. output_dir=2024 stays the text the user typed
     return parsed

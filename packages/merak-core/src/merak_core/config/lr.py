@@ -10,11 +10,17 @@ import torch
 from merak_core.config.arguments import TrainingArguments
 
 
-def lr_lambda(args: TrainingArguments, num_training_steps: int | None = None) -> typing.Callable[[int], float]:
+def lr_lambda(
+    args: TrainingArguments, num_training_steps: int | None = None
+) -> typing.Callable[[int], float]:
     """The multiplier of ``learning_rate`` at each step (Hugging Face's formulas, warm-up for all types)."""
     warmup = args.warmup_steps
     kind = args.lr_scheduler_type
-    total = num_training_steps if num_training_steps is not None else (args.max_steps if args.max_steps > 0 else None)
+    total = (
+        num_training_steps
+        if num_training_steps is not None
+        else (args.max_steps if args.max_steps > 0 else None)
+    )
     if kind != "constant" and total is None:
         raise ValueError(
             f"lr_scheduler_type={kind!r} decays to 0 at the last step, but max_steps=-1: pass num_training_steps "

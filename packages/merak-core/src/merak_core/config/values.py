@@ -17,16 +17,34 @@ import torch
 
 LR_SCHEDULER_TYPES = ("constant", "linear", "cosine")
 NONFINITE_POLICIES = ("stop", "skip")
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
 MAX_SEED = 2**32 - 1
 """The largest ``seed``: seeds are offset per epoch and per TP rank and must stay valid for every generator."""
 LAYOUTS = ("manual", "auto")
 """``training.layout``: the job's degrees, or the planner's choice at start-up."""
-KEY_ALIASES = {"num_microbatches": "gradient_accumulation_steps", "micro_batch_size": "per_device_train_batch_size"}
+KEY_ALIASES = {
+    "num_microbatches": "gradient_accumulation_steps",
+    "micro_batch_size": "per_device_train_batch_size",
+}
 """Merak names accepted in YAML and overrides for the Hugging Face field they map to."""
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def parse_recompute(spec: str) -> tuple[str, float | None]:
@@ -36,7 +54,9 @@ def parse_recompute(spec: str) -> tuple[str, float | None]:
     1.0 for ``full``, 0.0 for ``none`` and None for ``stage_aware`` (chosen per stage).
     """
     if not isinstance(spec, str):
-        raise ValueError(f"recompute must be a string, got {spec!r}: use 'none', 'full', 'uniform:0.5' or 'stage_aware'")
+        raise ValueError(
+            f"recompute must be a string, got {spec!r}: use 'none', 'full', 'uniform:0.5' or 'stage_aware'"
+        )
     text = spec.strip().lower()
     if text == "none":
         return "none", 0.0
@@ -138,8 +158,10 @@ def load_yaml(text: str, source: str) -> Any:
                 continue
             seen.setdefault(key, line)
             if first is not None:
-                raise ValueError(f"{source}: line {line}: key {key!r} appears twice in one mapping (first at line "
-                                 f"{first}); YAML would keep only the last value, so remove one of them")
+                raise ValueError(
+                    f"{source}: line {line}: key {key!r} appears twice in one mapping (first at line "
+                    f"{first}); YAML would keep only the last value, so remove one of them"
+                )
         return loader.construct_mapping(node, deep=deep)
 
     StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, construct_mapping)
@@ -161,8 +183,12 @@ def _coerce(name: str, value: Any, annotation: Any, *, source: str) -> Any:
     optional = type(None) in members
     if value is None and optional:
         return None
-    if (optional and str not in members and isinstance(value, str)
-            and value.strip().lower() in ("none", "null")):
+    if (
+        optional
+        and str not in members
+        and isinstance(value, str)
+        and value.strip().lower() in ("none", "null")
+    ):
         return None
     for member in members:
         converted = _convert(value, member)

@@ -19,19 +19,36 @@ from merak_core.hf.export import DEFAULT_MAX_SHARD_BYTES, export_checkpoint
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("export", help="write a checkpoint as a Hugging Face folder (safetensors shards, index, "
-                                      "config.json, tokenizer)",
-                       description=__doc__.split("\n\n")[1] if __doc__ else None)
-    p.add_argument("checkpoint", help="step_<N> directory, .../checkpoints/latest, a checkpoints or output "
-                                      "directory, or 'latest'")
+    p = sub.add_parser(
+        "export",
+        help="write a checkpoint as a Hugging Face folder (safetensors shards, index, "
+        "config.json, tokenizer)",
+        description=__doc__.split("\n\n")[1] if __doc__ else None,
+    )
+    p.add_argument(
+        "checkpoint",
+        help="step_<N> directory, .../checkpoints/latest, a checkpoints or output directory, or 'latest'",
+    )
     p.add_argument("--to-hf", dest="to_hf", required=True, metavar="OUT", help="the folder to write")
-    p.add_argument("--pretrained", default=None, metavar="PATH",
-                   help="the Hugging Face folder whose config.json and tokenizer files to copy "
-                        "(default: the one the run started from)")
-    p.add_argument("--job", default=None, metavar="JOB.yaml",
-                   help="resolve 'latest' under this job's output_dir; its model.pretrained is the default folder")
-    p.add_argument("--max-shard-size", default=str(DEFAULT_MAX_SHARD_BYTES), metavar="SIZE",
-                   help="largest safetensors file, e.g. 5GB or 500MB (default 5GB)")
+    p.add_argument(
+        "--pretrained",
+        default=None,
+        metavar="PATH",
+        help="the Hugging Face folder whose config.json and tokenizer files to copy "
+        "(default: the one the run started from)",
+    )
+    p.add_argument(
+        "--job",
+        default=None,
+        metavar="JOB.yaml",
+        help="resolve 'latest' under this job's output_dir; its model.pretrained is the default folder",
+    )
+    p.add_argument(
+        "--max-shard-size",
+        default=str(DEFAULT_MAX_SHARD_BYTES),
+        metavar="SIZE",
+        help="largest safetensors file, e.g. 5GB or 500MB (default 5GB)",
+    )
 
 
 def resolve_checkpoint(text: str, output_dir: str | None = None) -> Path:
@@ -46,8 +63,10 @@ def resolve_checkpoint(text: str, output_dir: str | None = None) -> Path:
         path = Path("checkpoints") / "latest"
     if not path.exists() and not (path.name == "latest" and path.parent.is_dir()):
         where = f" under output_dir {output_dir!r}" if output_dir is not None else ""
-        raise ValueError(f"no checkpoint {text!r}{where} ({str(path)!r} does not exist): give a step_<N> directory, "
-                         "OUTPUT_DIR/checkpoints/latest, or 'latest' with --job JOB.yaml")
+        raise ValueError(
+            f"no checkpoint {text!r}{where} ({str(path)!r} does not exist): give a step_<N> directory, "
+            "OUTPUT_DIR/checkpoints/latest, or 'latest' with --job JOB.yaml"
+        )
     return path
 
 
@@ -63,5 +82,7 @@ def run(args: argparse.Namespace) -> int:
     checkpoint = resolve_checkpoint(args.checkpoint, output_dir)
     out = export_checkpoint(checkpoint, args.to_hf, pretrained=pretrained, max_shard_size=args.max_shard_size)
     files = sorted(p.name for p in out.iterdir())
-    print(f"merak export: wrote {out} ({len(files)} files: {', '.join(files[:8])}{' ...' if len(files) > 8 else ''})")
+    print(
+        f"merak export: wrote {out} ({len(files)} files: {', '.join(files[:8])}{' ...' if len(files) > 8 else ''})"
+    )
     return 0

@@ -95,13 +95,20 @@ def prepare_out_dir(out: Path) -> None:
     """Create ``out``, removing the weights and index a previous export left there (nothing else)."""
     out.mkdir(parents=True, exist_ok=True)
     for entry in out.iterdir():
-        if entry.is_file() and (_SHARD_RE.match(entry.name) or entry.name == INDEX_FILE
-                                or entry.name.endswith(".safetensors.tmp")):
+        if entry.is_file() and (
+            _SHARD_RE.match(entry.name) or entry.name == INDEX_FILE or entry.name.endswith(".safetensors.tmp")
+        ):
             entry.unlink()
 
 
-def write_metadata(out: Path, weight_map: dict[str, str], total_bytes: int, *, source: PretrainedFolder | None,
-                   dtype: torch.dtype | None) -> None:
+def write_metadata(
+    out: Path,
+    weight_map: dict[str, str],
+    total_bytes: int,
+    *,
+    source: PretrainedFolder | None,
+    dtype: torch.dtype | None,
+) -> None:
     """The index (for more than one shard), ``config.json`` (dtype updated) and the companion files."""
     if source is not None:
         for path in source.companion_files():
@@ -119,8 +126,13 @@ def write_metadata(out: Path, weight_map: dict[str, str], total_bytes: int, *, s
         os.replace(tmp, out / INDEX_FILE)
 
 
-def write_hf_folder(state: dict[str, torch.Tensor], out: str | os.PathLike[str], *,
-                    source: PretrainedFolder | None, max_shard_size: int | str = DEFAULT_MAX_SHARD_BYTES) -> Path:
+def write_hf_folder(
+    state: dict[str, torch.Tensor],
+    out: str | os.PathLike[str],
+    *,
+    source: PretrainedFolder | None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_BYTES,
+) -> Path:
     """Write a full state dict (logical names) as a Hugging Face folder, in this process alone."""
     out_dir = Path(out)
     prepare_out_dir(out_dir)
@@ -136,8 +148,9 @@ def write_hf_folder(state: dict[str, torch.Tensor], out: str | os.PathLike[str],
     return out_dir
 
 
-def resolve_source(pretrained: str | os.PathLike[str] | PretrainedFolder | None,
-                   recorded: str | None = None) -> PretrainedFolder | None:
+def resolve_source(
+    pretrained: str | os.PathLike[str] | PretrainedFolder | None, recorded: str | None = None
+) -> PretrainedFolder | None:
     """The pretrained folder whose config and tokenizer an export copies: given, else the recorded one."""
     if isinstance(pretrained, PretrainedFolder):
         return pretrained
@@ -153,9 +166,13 @@ def resolve_source(pretrained: str | os.PathLike[str] | PretrainedFolder | None,
     return None
 
 
-def export_checkpoint(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], *,
-                      pretrained: str | os.PathLike[str] | None = None,
-                      max_shard_size: int | str = DEFAULT_MAX_SHARD_BYTES) -> Path:
+def export_checkpoint(
+    checkpoint: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    pretrained: str | os.PathLike[str] | None = None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_BYTES,
+) -> Path:
     """A checkpoint directory or ``latest`` pointer as a Hugging Face folder (one process, verified)."""
     from merak_core.checkpoint.files import latest_candidates, pointer_root, read_checkpoint_meta
     from merak_core.weights import read_checkpoint_model
@@ -200,9 +217,13 @@ def _stage_tensors(trainer: Trainer) -> Iterable[tuple[str, torch.Tensor]]:
         yield name, tensor.cpu().contiguous()
 
 
-def export_hf(trainer: Trainer, out: str | os.PathLike[str], *,
-              pretrained: str | os.PathLike[str] | PretrainedFolder | None = None,
-              max_shard_size: int | str = DEFAULT_MAX_SHARD_BYTES) -> Path:
+def export_hf(
+    trainer: Trainer,
+    out: str | os.PathLike[str],
+    *,
+    pretrained: str | os.PathLike[str] | PretrainedFolder | None = None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_BYTES,
+) -> Path:
     """Export a live run as a Hugging Face folder (collective over the world; see [Note: export from a run]).
 
     ``pretrained``: the folder whose config and tokenizer files to copy (default: the one the
@@ -212,8 +233,10 @@ def export_hf(trainer: Trainer, out: str | os.PathLike[str], *,
 
     source = resolve_source(pretrained, getattr(trainer, "pretrained_path", None))
     if source is None:
-        raise ValueError("export_hf needs the config.json of the model: the run did not start from "
-                         "model.pretrained, so pass pretrained=PATH (a folder with config.json)")
+        raise ValueError(
+            "export_hf needs the config.json of the model: the run did not start from "
+            "model.pretrained, so pass pretrained=PATH (a folder with config.json)"
+        )
     max_bytes = parse_size(max_shard_size)
     layout = trainer.layout
     out_dir = Path(out)
@@ -223,7 +246,9 @@ def export_hf(trainer: Trainer, out: str | os.PathLike[str], *,
     writes = layout.dp_rank == 0
     tensors = dict(_stage_tensors(trainer)) if writes else {}
     keep = writes and layout.tp_rank == 0
-    groups = _chunks([(n, t.numel() * t.element_size()) for n, t in tensors.items()], max_bytes) if keep else []
+    groups = (
+        _chunks([(n, t.numel() * t.element_size()) for n, t in tensors.items()], max_bytes) if keep else []
+    )
     plan: list[Any] = [None] * dist.get_world_size()
     sizes = {n: t.numel() * t.element_size() for n, t in tensors.items()} if keep else {}
     dtype = next(iter(tensors.values())).dtype if keep and tensors else None
@@ -243,8 +268,13 @@ def export_hf(trainer: Trainer, out: str | os.PathLike[str], *,
     dist.barrier()
     if dist.get_rank() == 0:
         total_bytes = sum(sum(s.values()) for _, _, s, _ in stages)
-        write_metadata(out_dir, weight_map, total_bytes, source=source,
-                       dtype=next((d for *_, d in stages if d is not None), None))
+        write_metadata(
+            out_dir,
+            weight_map,
+            total_bytes,
+            source=source,
+            dtype=next((d for *_, d in stages if d is not None), None),
+        )
         logger.info("exported %d tensors in %d files to %s", len(weight_map), total, out_dir)
     dist.barrier()
     return out_dir

@@ -24,8 +24,15 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 COMPANION_FILES = (
-    "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-    "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "chat_template.jinja",
     "chat_template.json",
 )
 """Files a model folder carries besides the weights: copied as they are into an export."""
@@ -50,8 +57,10 @@ class PretrainedFolder:
         try:
             self.config: dict[str, Any] = json.loads(config_path.read_text())
         except (OSError, ValueError) as exc:
-            raise ValueError(f"model.pretrained: {str(config_path)!r} is not valid JSON ({exc}); "
-                             "write it again with save_pretrained") from exc
+            raise ValueError(
+                f"model.pretrained: {str(config_path)!r} is not valid JSON ({exc}); "
+                "write it again with save_pretrained"
+            ) from exc
         self.weight_map = _weight_map(self.path)
 
     @property
@@ -114,28 +123,38 @@ def _weight_map(folder: Path) -> dict[str, str]:
             index = json.loads(index_path.read_text())
             weight_map = dict(index["weight_map"])
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"model.pretrained: {str(index_path)!r} is not a safetensors index (a JSON object "
-                             f"with a 'weight_map'): {exc}; write the folder again with save_pretrained") from exc
+            raise ValueError(
+                f"model.pretrained: {str(index_path)!r} is not a safetensors index (a JSON object "
+                f"with a 'weight_map'): {exc}; write the folder again with save_pretrained"
+            ) from exc
         missing = sorted({f for f in weight_map.values() if not (folder / f).is_file()})
         if missing:
-            raise ValueError(f"model.pretrained: {str(index_path)!r} lists shard files that are not in the folder: "
-                             f"{missing[:4]}; copy the complete folder")
+            raise ValueError(
+                f"model.pretrained: {str(index_path)!r} lists shard files that are not in the folder: "
+                f"{missing[:4]}; copy the complete folder"
+            )
         return weight_map
     single = folder / WEIGHTS_FILE
     if single.is_file():
         try:
             from safetensors import safe_open
         except ImportError as exc:  # pragma: no cover - depends on the environment
-            raise ImportError("model.pretrained needs the safetensors package: "
-                              "pip install 'merak-core[transformers]'") from exc
+            raise ImportError(
+                "model.pretrained needs the safetensors package: pip install 'merak-core[transformers]'"
+            ) from exc
         try:
             with safe_open(str(single), framework="pt") as handle:
                 names = list(handle.keys())
         except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
-            raise ValueError(f"model.pretrained: {str(single)!r} is not a readable safetensors file "
-                             f"({type(exc).__name__}: {exc}); write it again with save_pretrained") from exc
+            raise ValueError(
+                f"model.pretrained: {str(single)!r} is not a readable safetensors file "
+                f"({type(exc).__name__}: {exc}); write it again with save_pretrained"
+            ) from exc
         return {name: WEIGHTS_FILE for name in names}
     found = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".safetensors"))
-    hint = (f" (it holds {found[:4]}: convert .bin weights with save_pretrained(..., safe_serialization=True))"
-            if found else "")
+    hint = (
+        f" (it holds {found[:4]}: convert .bin weights with save_pretrained(..., safe_serialization=True))"
+        if found
+        else ""
+    )
     raise ValueError(f"model.pretrained: {str(folder)!r} has neither {WEIGHTS_FILE} nor {INDEX_FILE}{hint}")

@@ -46,9 +46,13 @@ logger = logging.getLogger(__name__)
 ModelFactory = Callable[..., nn.Module]
 
 
-def pretrained_model(path: str | os.PathLike[str], *, factory: ModelFactory | None = None,
-                     factory_kwargs: Mapping[str, Any] | None = None,
-                     dtype: torch.dtype | None = None) -> nn.Module:
+def pretrained_model(
+    path: str | os.PathLike[str],
+    *,
+    factory: ModelFactory | None = None,
+    factory_kwargs: Mapping[str, Any] | None = None,
+    dtype: torch.dtype | None = None,
+) -> nn.Module:
     """The model a Hugging Face folder describes, on the meta device (no weight is read or allocated).
 
     Without ``factory`` the class is transformers' ``config.architectures[0]`` (falling back to
@@ -179,12 +183,18 @@ class PretrainedWeights:
         used = set(file_names.values())
         unused = sorted(available - used)
         if unused:
-            logger.warning("%s: %d tensors are not parameters of the model and are ignored, e.g. %s",
-                           folder.path, len(unused), unused[:4])
+            logger.warning(
+                "%s: %d tensors are not parameters of the model and are ignored, e.g. %s",
+                folder.path,
+                len(unused),
+                unused[:4],
+            )
         return cls(folder, file_names, unused)
 
     @staticmethod
-    def _check_shapes(folder: PretrainedFolder, params: dict[str, nn.Parameter], file_names: dict[str, str]) -> None:
+    def _check_shapes(
+        folder: PretrainedFolder, params: dict[str, nn.Parameter], file_names: dict[str, str]
+    ) -> None:
         with folder.reader() as reader:
             for name, file_name in file_names.items():
                 shape = tuple(reader.get_slice(file_name).get_shape())
@@ -207,16 +217,24 @@ class PretrainedWeights:
                 seen.add(id(p))
                 file_name = self.file_names.get(name)
                 if file_name is None:
-                    raise ValueError(f"parameter {name!r} of this rank's stage is not a parameter of the model "
-                                     "PretrainedWeights.match was given: match the model the stage was built from")
+                    raise ValueError(
+                        f"parameter {name!r} of this rank's stage is not a parameter of the model "
+                        "PretrainedWeights.match was given: match the model the stage was built from"
+                    )
                 part = read_local_shard(reader.get_slice(file_name), p, layout.tp, layout.tp_rank)
                 if tuple(part.shape) != tuple(p.shape):  # pragma: no cover - guarded by the shard tags
-                    raise AssertionError(f"{name}: read {tuple(part.shape)}, the local shard is {tuple(p.shape)}")
+                    raise AssertionError(
+                        f"{name}: read {tuple(part.shape)}, the local shard is {tuple(p.shape)}"
+                    )
                 p.copy_(part)
                 read += part.numel() * part.element_size()
                 del part
-        logger.info("rank read %.1f MB of pretrained weights for its %d parameters from %s",
-                    read / 1e6, len(seen), self.folder.path)
+        logger.info(
+            "rank read %.1f MB of pretrained weights for its %d parameters from %s",
+            read / 1e6,
+            len(seen),
+            self.folder.path,
+        )
         return read
 
 

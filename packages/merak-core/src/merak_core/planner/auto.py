@@ -48,8 +48,17 @@ from merak_core.planner import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_PLAN_CHECK_STEPS", "AutoLayout", "auto_layout", "build_plan_context", "compute_slots",
-           "default_memory_per_device", "plan_for_job", "profile_for_plan", "profile_inputs"]
+__all__ = [
+    "DEFAULT_PLAN_CHECK_STEPS",
+    "AutoLayout",
+    "auto_layout",
+    "build_plan_context",
+    "compute_slots",
+    "default_memory_per_device",
+    "plan_for_job",
+    "profile_for_plan",
+    "profile_inputs",
+]
 
 DEFAULT_PLAN_CHECK_STEPS = 5
 """``plan_check_steps`` of an auto layout when the job does not set it."""
@@ -93,18 +102,23 @@ def compute_slots(device: torch.device) -> int | None:
     return max(cores // max(torch.get_num_threads(), 1), 1)
 
 
-def profile_inputs(model: nn.Module, dataset: Any, num_samples: int,
-                   data_collator: Callable[[list[Any]], Any] | None = None) -> Any:
+def profile_inputs(
+    model: nn.Module, dataset: Any, num_samples: int, data_collator: Callable[[list[Any]], Any] | None = None
+) -> Any:
     """One batch of ``num_samples`` training samples as ``profile_model`` takes it (a tensor or keyword dict)."""
     from merak_core.data import split_inputs_labels
 
     collate = data_collator or torch.utils.data.default_collate
     samples = first_samples(dataset, num_samples)
     if not samples:
-        raise ValueError("layout='auto' profiles the model on training samples, but the training set is empty")
+        raise ValueError(
+            "layout='auto' profiles the model on training samples, but the training set is empty"
+        )
     inputs, _ = split_inputs_labels(collate(samples))
     params = list(inspect.signature(model.forward).parameters)
-    if isinstance(inputs, Mapping):  # by keyword when the keys are forward's parameters, else in order (as traced)
+    if isinstance(
+        inputs, Mapping
+    ):  # by keyword when the keys are forward's parameters, else in order (as traced)
         if all(k in params for k in inputs):
             return dict(inputs)
         inputs = list(inputs.values())
@@ -118,22 +132,31 @@ def profile_inputs(model: nn.Module, dataset: Any, num_samples: int,
 def _relax_vocab(profile: ModelProfile, model: nn.Module, tp_plan: Any) -> ModelProfile:
     """A user TP plan that shards no ``nn.Embedding`` puts no constraint on the vocabulary."""
     if isinstance(tp_plan, dict) and profile.vocab_size is not None and "base" not in tp_plan:
-        layers = tp_plan["layers"] if isinstance(tp_plan.get("layers"), dict) else tp_plan  # full form or flat
+        layers = (
+            tp_plan["layers"] if isinstance(tp_plan.get("layers"), dict) else tp_plan
+        )  # full form or flat
         embeddings = [name for name, m in model.named_modules() if isinstance(m, nn.Embedding)]
         if not any(fnmatch.fnmatch(name, pattern) for name in embeddings for pattern in layers):
             return dataclasses.replace(profile, vocab_size=None)
     return profile
 
 
-def _job_model_and_batch(args: TrainingArguments, model: nn.Module | Callable[[], nn.Module], dataset: Any,
-                         data_collator: Any, device: torch.device) -> tuple[nn.Module, Any]:
+def _job_model_and_batch(
+    args: TrainingArguments,
+    model: nn.Module | Callable[[], nn.Module],
+    dataset: Any,
+    data_collator: Any,
+    device: torch.device,
+) -> tuple[nn.Module, Any]:
     """A copy of the job's model on ``device`` and one microbatch of real training data for it."""
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(args.seed)
         if isinstance(model, nn.Module):
             if any(p.is_meta for p in model.parameters()):
-                raise ValueError("layout='auto' profiles the model, but it was built on the meta device "
-                                 "(empty_init): build it normally, or plan with `merak plan` and set dp/tp/pp")
+                raise ValueError(
+                    "layout='auto' profiles the model, but it was built on the meta device "
+                    "(empty_init): build it normally, or plan with `merak plan` and set dp/tp/pp"
+                )
             copy_ = copy.deepcopy(model)
         else:
             copy_ = model()
@@ -146,8 +169,15 @@ def _job_model_and_batch(args: TrainingArguments, model: nn.Module | Callable[[]
     return copy_, ({k: cast(v) for k, v in batch.items()} if isinstance(batch, Mapping) else cast(batch))
 
 
-def profile_for_plan(model: nn.Module, batch: Any, *, tp_plan: Any, bf16: bool = False,
-                     device: torch.device | None = None, cache_dir: str | None = None) -> ModelProfile:
+def profile_for_plan(
+    model: nn.Module,
+    batch: Any,
+    *,
+    tp_plan: Any,
+    bf16: bool = False,
+    device: torch.device | None = None,
+    cache_dir: str | None = None,
+) -> ModelProfile:
     """The profile the planner plans from: ``profile_model`` (under the run's autocast), the vocabulary
     unconstrained when the job's own TP plan shards no embedding. ``merak plan`` and ``layout: auto`` both use it."""
     with autocast(bf16, device if device is not None else torch.device("cpu")):
@@ -155,8 +185,9 @@ def profile_for_plan(model: nn.Module, batch: Any, *, tp_plan: Any, bf16: bool =
     return _relax_vocab(profile, model, tp_plan)
 
 
-def _cpu_compute_slots(args: TrainingArguments, built: tuple[nn.Module, Any] | None,
-                       device: torch.device) -> float | None:
+def _cpu_compute_slots(
+    args: TrainingArguments, built: tuple[nn.Module, Any] | None, device: torch.device
+) -> float | None:
     """CPU ranks: world size / how much slower the real model runs with every rank at once (collective).
 
     ``built`` is this rank's model copy and microbatch (None when building it failed). Falls back to
@@ -176,10 +207,16 @@ def _cpu_compute_slots(args: TrainingArguments, built: tuple[nn.Module, Any] | N
     return max(world / contention, 1.0)
 
 
-def _profile_and_measure(args: TrainingArguments, model: nn.Module | Callable[[], nn.Module], train_dataset: Any,
-                         data_collator: Any, device: torch.device | str | None, what: str,
-                         decide: Callable[[ModelProfile, Any, float, float | None], dict[str, Any]] | None = None,
-                         probe_tp: bool = False) -> tuple[dict[str, Any], Any]:
+def _profile_and_measure(
+    args: TrainingArguments,
+    model: nn.Module | Callable[[], nn.Module],
+    train_dataset: Any,
+    data_collator: Any,
+    device: torch.device | str | None,
+    what: str,
+    decide: Callable[[ModelProfile, Any, float, float | None], dict[str, Any]] | None = None,
+    probe_tp: bool = False,
+) -> tuple[dict[str, Any], Any]:
     """Rank 0 profiles, every rank measures communication, rank 0 ``decide``s; the payload on every rank.
 
     Errors on rank 0 (profiling, the planner's ValueError) are broadcast and raised on every rank as
@@ -204,7 +241,9 @@ def _profile_and_measure(args: TrainingArguments, model: nn.Module | Callable[[]
     built = None  # the copy is not needed any more
     comm = measure_comm()
     if probe_tp:
-        profile, error = _with_tp_scale(args, model, train_dataset, data_collator, profile, error, comm, slots)
+        profile, error = _with_tp_scale(
+            args, model, train_dataset, data_collator, profile, error, comm, slots
+        )
     payload: dict[str, Any] = {"error": error}
     if rank == 0 and not error:
         assert profile is not None
@@ -223,9 +262,16 @@ def _profile_and_measure(args: TrainingArguments, model: nn.Module | Callable[[]
     return payload, comm
 
 
-def _with_tp_scale(args: TrainingArguments, model: nn.Module | Callable[[], nn.Module], train_dataset: Any,
-                   data_collator: Any, profile: ModelProfile | None, error: str, comm: Any,
-                   slots: float | None) -> tuple[ModelProfile | None, str]:
+def _with_tp_scale(
+    args: TrainingArguments,
+    model: nn.Module | Callable[[], nn.Module],
+    train_dataset: Any,
+    data_collator: Any,
+    profile: ModelProfile | None,
+    error: str,
+    comm: Any,
+    slots: float | None,
+) -> tuple[ModelProfile | None, str]:
     """Every rank gets rank 0's profile; then the probe runs (collective) add ``tp_scale`` and
     ``overhead_scale`` to it. Skipped (on every rank alike) when profiling failed or for one rank.
     """
@@ -241,24 +287,43 @@ def _with_tp_scale(args: TrainingArguments, model: nn.Module | Callable[[], nn.M
     return result.apply(profile), error
 
 
-def build_plan_context(args: TrainingArguments, model: nn.Module | Callable[[], nn.Module], train_dataset: Any, *,
-                       data_collator: Callable[[list[Any]], Any] | None = None,
-                       device: torch.device | str | None = None, job_file: str | None = None,
-                       job_overrides: Sequence[str] = ()) -> PlanContext:
+def build_plan_context(
+    args: TrainingArguments,
+    model: nn.Module | Callable[[], nn.Module],
+    train_dataset: Any,
+    *,
+    data_collator: Callable[[list[Any]], Any] | None = None,
+    device: torch.device | str | None = None,
+    job_file: str | None = None,
+    job_overrides: Sequence[str] = (),
+) -> PlanContext:
     """The plan check's :class:`PlanContext` for a manual layout (collective: call on every rank).
 
     Rank 0 profiles a copy of ``model`` (or what the function builds) on one microbatch of
     ``train_dataset``; every rank measures communication on the world group.
     """
     payload, comm = _profile_and_measure(args, model, train_dataset, data_collator, device, "plan check")
-    return PlanContext(profile=payload["profile"], comm=comm, memory_per_device=payload["memory"],
-                       compute_slots=payload["slots"], zero_stage=args.zero_stage, job_file=job_file,
-                       job_overrides=tuple(job_overrides))
+    return PlanContext(
+        profile=payload["profile"],
+        comm=comm,
+        memory_per_device=payload["memory"],
+        compute_slots=payload["slots"],
+        zero_stage=args.zero_stage,
+        job_file=job_file,
+        job_overrides=tuple(job_overrides),
+    )
 
 
-def auto_layout(args: TrainingArguments, model: nn.Module | Callable[[], nn.Module], train_dataset: Any, *,
-                data_collator: Callable[[list[Any]], Any] | None = None, device: torch.device | str | None = None,
-                job_file: str | None = None, job_overrides: Sequence[str] = ()) -> AutoLayout:
+def auto_layout(
+    args: TrainingArguments,
+    model: nn.Module | Callable[[], nn.Module],
+    train_dataset: Any,
+    *,
+    data_collator: Callable[[list[Any]], Any] | None = None,
+    device: torch.device | str | None = None,
+    job_file: str | None = None,
+    job_overrides: Sequence[str] = (),
+) -> AutoLayout:
     """Choose the layout for ``layout: auto`` (collective: call on every rank; see the module docstring).
 
     ``model`` is the job's model (rank 0 profiles a deep copy) or a function that builds one.
@@ -267,7 +332,11 @@ def auto_layout(args: TrainingArguments, model: nn.Module | Callable[[], nn.Modu
     """
     if args.layout != "auto":
         raise ValueError(f"auto_layout: layout={args.layout!r}; expected 'auto' (set training.layout: auto)")
-    explicit = {n: v for n, v in (("dp", args.dp), ("tp", args.tp), ("pp", args.pp)) if v != (None if n == "dp" else 1)}
+    explicit = {
+        n: v
+        for n, v in (("dp", args.dp), ("tp", args.tp), ("pp", args.pp))
+        if v != (None if n == "dp" else 1)
+    }
     if explicit:
         raise ValueError(auto_conflict_message(sorted(explicit), explicit))
     if train_dataset is None:
@@ -277,38 +346,84 @@ def auto_layout(args: TrainingArguments, model: nn.Module | Callable[[], nn.Modu
 
     def decide(profile: ModelProfile, comm: Any, memory: float, slots: float | None) -> dict[str, Any]:
         try:
-            cands = plan(profile, world_size=world, memory_per_device=memory, global_batch_size=gbs, comm=comm,
-                         zero_stage=args.zero_stage, compute_slots=slots)
+            cands = plan(
+                profile,
+                world_size=world,
+                memory_per_device=memory,
+                global_batch_size=gbs,
+                comm=comm,
+                zero_stage=args.zero_stage,
+                compute_slots=slots,
+            )
         except ValueError as exc:
             raise ValueError(f"for {world} ranks, global batch {gbs}: {exc}") from None
-        return {"fields": cands[0].training_fields(), "chosen": cands[0], "table": format_plan(cands),
-                "count": len(cands)}
+        return {
+            "fields": cands[0].training_fields(),
+            "chosen": cands[0],
+            "table": format_plan(cands),
+            "count": len(cands),
+        }
 
-    payload, comm = _profile_and_measure(args, model, train_dataset, data_collator, device, "layout='auto'", decide,
-                                         probe_tp=args.plan_probe_tp)
+    payload, comm = _profile_and_measure(
+        args,
+        model,
+        train_dataset,
+        data_collator,
+        device,
+        "layout='auto'",
+        decide,
+        probe_tp=args.plan_probe_tp,
+    )
     checks = args.plan_check_steps if args.plan_check_steps is not None else DEFAULT_PLAN_CHECK_STEPS
     fields = dict(payload["fields"])
     new_args = dataclasses.replace(args, layout="manual", plan_check_steps=checks, **fields)
     if math.isfinite(payload["memory"]) and args.memory_per_device is None:
         new_args = dataclasses.replace(new_args, memory_per_device=int(payload["memory"]))
-    context = PlanContext(profile=payload["profile"], comm=comm, memory_per_device=payload["memory"],
-                          compute_slots=payload["slots"], zero_stage=args.zero_stage, job_file=job_file,
-                          job_overrides=tuple(job_overrides))
+    context = PlanContext(
+        profile=payload["profile"],
+        comm=comm,
+        memory_per_device=payload["memory"],
+        compute_slots=payload["slots"],
+        zero_stage=args.zero_stage,
+        job_file=job_file,
+        job_overrides=tuple(job_overrides),
+    )
     if dist.get_rank() == 0:
-        replaced = {k: getattr(args, k) for k in fields if k not in ("dp", "tp", "pp") and getattr(args, k) != fields[k]}
-        logger.info("layout auto: %d feasible configurations for %d ranks, %.4g MiB per device, global batch %d, "
-                    "compute slots %.3g (profile: %d layers on %s)\n%s", payload["count"], world,
-                    payload["memory"] / 2**20, gbs, payload["slots"], context.profile.num_layers,
-                    context.profile.device, payload["table"])
-        logger.info("layout auto: training with %s%s", " ".join(f"{k}={v}" for k, v in fields.items()),
-                    f" (replacing the job's {replaced})" if replaced else "")
+        replaced = {
+            k: getattr(args, k)
+            for k in fields
+            if k not in ("dp", "tp", "pp") and getattr(args, k) != fields[k]
+        }
+        logger.info(
+            "layout auto: %d feasible configurations for %d ranks, %.4g MiB per device, global batch %d, "
+            "compute slots %.3g (profile: %d layers on %s)\n%s",
+            payload["count"],
+            world,
+            payload["memory"] / 2**20,
+            gbs,
+            payload["slots"],
+            context.profile.num_layers,
+            context.profile.device,
+            payload["table"],
+        )
+        logger.info(
+            "layout auto: training with %s%s",
+            " ".join(f"{k}={v}" for k, v in fields.items()),
+            f" (replacing the job's {replaced})" if replaced else "",
+        )
     return AutoLayout(args=new_args, context=context, chosen=payload["chosen"], table=payload["table"])
 
 
-def plan_for_job(args: TrainingArguments, model: nn.Module | Callable[[], nn.Module], train_dataset: Any, *,
-                 data_collator: Callable[[list[Any]], Any] | None = None, device: torch.device | str | None = None,
-                 job_file: str | None = None, job_overrides: Sequence[str] = ()
-                 ) -> tuple[TrainingArguments, PlanContext | None]:
+def plan_for_job(
+    args: TrainingArguments,
+    model: nn.Module | Callable[[], nn.Module],
+    train_dataset: Any,
+    *,
+    data_collator: Callable[[list[Any]], Any] | None = None,
+    device: torch.device | str | None = None,
+    job_file: str | None = None,
+    job_overrides: Sequence[str] = (),
+) -> tuple[TrainingArguments, PlanContext | None]:
     """What the Trainer and ``merak train`` do first (collective): the arguments to train with and the check's context.
 
     ``layout: auto``: :func:`auto_layout`. A manual layout with ``plan_check_steps``: the same

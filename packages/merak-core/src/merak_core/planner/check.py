@@ -57,8 +57,14 @@ class PlanCheck:
     record of the check goes to ``sink`` (rank 0; e.g. the metrics file).
     """
 
-    def __init__(self, run: Any, context: PlanContext, steps: int, *,
-                 sink: Callable[[dict[str, Any]], None] | None = None) -> None:
+    def __init__(
+        self,
+        run: Any,
+        context: PlanContext,
+        steps: int,
+        *,
+        sink: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
         self.run, self.context, self.steps, self.sink = run, context, steps, sink
         self.comparison: PlanComparison | None = None
         """Rank 0, after the check: predicted against measured."""
@@ -75,21 +81,27 @@ class PlanCheck:
         self.done = False
 
     @classmethod
-    def for_run(cls, run: Any, context: PlanContext | None, *,
-                sink: Callable[[dict[str, Any]], None] | None = None) -> PlanCheck | None:
+    def for_run(
+        cls, run: Any, context: PlanContext | None, *, sink: Callable[[dict[str, Any]], None] | None = None
+    ) -> PlanCheck | None:
         """The check for ``run``'s ``plan_check_steps``, or None when it is off (no context, 0 steps, uniform)."""
         args = run.args
         steps = args.plan_check_steps or 0
         if context is None or steps == 0:
             if steps and dist.get_rank() == 0:
-                logger.info("plan check: plan_check_steps=%d but no profile to predict from: pass "
-                            "Trainer(plan_context=...) or use layout: auto", steps)
+                logger.info(
+                    "plan check: plan_check_steps=%d but no profile to predict from: pass "
+                    "Trainer(plan_context=...) or use layout: auto",
+                    steps,
+                )
             return None
         kind, _ = args.recompute_mode
         if kind == "uniform":
             if dist.get_rank() == 0:
-                logger.info("plan check: recompute=%r is not in the planner's model (none, full, stage_aware): off",
-                            args.recompute)
+                logger.info(
+                    "plan check: recompute=%r is not in the planner's model (none, full, stage_aware): off",
+                    args.recompute,
+                )
             return None
         return cls(run, context, steps, sink=sink)
 
@@ -103,8 +115,10 @@ class PlanCheck:
             warmup = 1 if self._end - self._start < 4 else 2
             self._first_measured = self._start + warmup + 1
             if self._end < self._first_measured:
-                logger.info("plan check: %d steps left, fewer than a warm-up step and a measured one: off",
-                            self._end - self._start)
+                logger.info(
+                    "plan check: %d steps left, fewer than a warm-up step and a measured one: off",
+                    self._end - self._start,
+                )
                 self.done = True
                 return False
             self._reset_memory()
@@ -195,11 +209,13 @@ class PlanCheck:
         try:
             costs = measured_costs(timings, run.schedule)
             measured = MeasuredStep(
-                step_time_s=statistics.median(self._step_s), pipeline_s=statistics.median(self._pipeline_s),
+                step_time_s=statistics.median(self._step_s),
+                pipeline_s=statistics.median(self._pipeline_s),
                 stage_forward_s=tuple(float(x) for x in costs.forward),
                 stage_backward_s=tuple(float(x) for x in costs.backward),
                 stage_peak_memory_bytes=tuple(None if v < 0 else float(v) for v in memory.tolist()),
-                steps=len(self._step_s))
+                steps=len(self._step_s),
+            )
             self._report(measured, step)
         except Exception as exc:  # noqa: BLE001 - the check must never stop training
             logger.warning("plan check failed: %s: %s", type(exc).__name__, exc)
@@ -210,26 +226,42 @@ class PlanCheck:
         run, args, ctx = self.run, self.run.args, self.context
         kind, _ = args.recompute_mode
         predicted = predict_current(
-            ctx, dp=run.layout.dp, tp=run.layout.tp, pp=run.layout.pp, schedule=run.schedule_name,
-            num_microbatches=args.num_microbatches, micro_batch_size=args.micro_batch_size, recompute=kind,
-            memory_budget=args.memory_budget if kind == "stage_aware" else None, virtual_stages=args.virtual_stages)
+            ctx,
+            dp=run.layout.dp,
+            tp=run.layout.tp,
+            pp=run.layout.pp,
+            schedule=run.schedule_name,
+            num_microbatches=args.num_microbatches,
+            micro_batch_size=args.micro_batch_size,
+            recompute=kind,
+            memory_budget=args.memory_budget if kind == "stage_aware" else None,
+            virtual_stages=args.virtual_stages,
+        )
         self.comparison = compare(predicted, measured)
         logger.info("%s", self.comparison.table())
         record: dict[str, Any] = {"step": step, **self.comparison.to_record()}
         error = self.comparison.step_time_error
         if needs_replan(self.comparison, args.plan_error_threshold):
-            self.replan = replan(ctx, predicted, measured,
-                                 global_batch_size=args.global_batch_size(run.layout.dp))
+            self.replan = replan(
+                ctx, predicted, measured, global_batch_size=args.global_batch_size(run.layout.dp)
+            )
             path = os.path.join(args.output_dir, "replanned.yaml")
             if self.replan.changed:
                 self._write_job(path, self.replan.best.training_fields())
             text = self.replan.message(job_path=path, has_checkpoints=bool(args.save_steps))
-            logger.warning("plan check: step-time error %+.1f%% is above plan_error_threshold=%g; %s",
-                           100 * error, args.plan_error_threshold, text)
+            logger.warning(
+                "plan check: step-time error %+.1f%% is above plan_error_threshold=%g; %s",
+                100 * error,
+                args.plan_error_threshold,
+                text,
+            )
             record.update(replanned=text, replanned_changed=self.replan.changed)
         else:
-            logger.info("plan check: step-time error %+.1f%% is within plan_error_threshold=%g",
-                        100 * error, args.plan_error_threshold)
+            logger.info(
+                "plan check: step-time error %+.1f%% is within plan_error_threshold=%g",
+                100 * error,
+                args.plan_error_threshold,
+            )
         if self.sink is not None:
             self.sink(record)
 

@@ -25,16 +25,31 @@ __all__ = ["ClusterSpec", "load_cluster", "shipped_clusters"]
 _SHIPPED = Path(__file__).parent / "clusters"
 
 _SCHEMA: dict[str, Any] = {
-    "name": str, "source": str, "devices_per_node": int,
-    "device": {"name": str, "peak_tflops": {"bf16": float, "fp32": float}, "memory_gb": float,
-               "memory_bandwidth_gb_s": float, "op_overhead_us": float},
+    "name": str,
+    "source": str,
+    "devices_per_node": int,
+    "device": {
+        "name": str,
+        "peak_tflops": {"bf16": float, "fp32": float},
+        "memory_gb": float,
+        "memory_bandwidth_gb_s": float,
+        "op_overhead_us": float,
+    },
     "intra_node": {"bandwidth_gb_s": float, "bidirectional": bool, "latency_us": float},
     "inter_node": {"nics_per_node": int, "nic_gbit_s": float, "latency_us": float},
     "efficiency": {"compute": float, "memory": float, "link": float},
     "usable_memory_fraction": float,
 }
-_OPTIONAL = {"source", "device.name", "device.op_overhead_us", "intra_node.bidirectional", "efficiency.memory", "efficiency.link",
-             "usable_memory_fraction", "inter_node"}
+_OPTIONAL = {
+    "source",
+    "device.name",
+    "device.op_overhead_us",
+    "intra_node.bidirectional",
+    "efficiency.memory",
+    "efficiency.link",
+    "usable_memory_fraction",
+    "inter_node",
+}
 _FRACTIONS = {"efficiency.compute", "efficiency.memory", "efficiency.link", "usable_memory_fraction"}
 
 
@@ -77,8 +92,11 @@ class ClusterSpec:
     """Where the numbers come from."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.devices_per_node, int) or isinstance(self.devices_per_node, bool) \
-                or self.devices_per_node < 1:
+        if (
+            not isinstance(self.devices_per_node, int)
+            or isinstance(self.devices_per_node, bool)
+            or self.devices_per_node < 1
+        ):
             raise ValueError(f"ClusterSpec.devices_per_node={self.devices_per_node!r}: expected an int >= 1")
         if not self.peak_flops or any(not (v > 0) for v in self.peak_flops.values()):
             raise ValueError(f"ClusterSpec.peak_flops={self.peak_flops!r}: expected FLOP/s > 0 per dtype")
@@ -96,7 +114,9 @@ class ClusterSpec:
     def flops(self, dtype: str = "bf16") -> float:
         """Sustained FLOP/s of one device in ``dtype`` (peak x compute efficiency)."""
         if dtype not in self.peak_flops:
-            raise ValueError(f"cluster {self.name!r} gives no peak for dtype {dtype!r}; it has {sorted(self.peak_flops)}")
+            raise ValueError(
+                f"cluster {self.name!r} gives no peak for dtype {dtype!r}; it has {sorted(self.peak_flops)}"
+            )
         return self.peak_flops[dtype] * self.compute_efficiency
 
     @property
@@ -131,16 +151,22 @@ class ClusterSpec:
             inter_lat = float(inter["latency_us"]) / 1e6
         try:
             return cls(
-                name=raw["name"], devices_per_node=per_node,
+                name=raw["name"],
+                devices_per_node=per_node,
                 peak_flops={k: float(v) * 1e12 for k, v in dev["peak_tflops"].items()},
-                memory_bytes=float(dev["memory_gb"]) * 1e9, memory_bandwidth=float(dev["memory_bandwidth_gb_s"]) * 1e9,
-                intra_node_bandwidth=intra_bw, intra_node_latency_s=float(intra["latency_us"]) / 1e6,
-                inter_node_bandwidth=inter_bw, inter_node_latency_s=inter_lat,
-                compute_efficiency=float(eff["compute"]), memory_efficiency=float(eff.get("memory", 0.8)),
+                memory_bytes=float(dev["memory_gb"]) * 1e9,
+                memory_bandwidth=float(dev["memory_bandwidth_gb_s"]) * 1e9,
+                intra_node_bandwidth=intra_bw,
+                intra_node_latency_s=float(intra["latency_us"]) / 1e6,
+                inter_node_bandwidth=inter_bw,
+                inter_node_latency_s=inter_lat,
+                compute_efficiency=float(eff["compute"]),
+                memory_efficiency=float(eff.get("memory", 0.8)),
                 link_efficiency=float(eff.get("link", 0.8)),
                 usable_memory_fraction=float(raw.get("usable_memory_fraction", 0.9)),
                 op_overhead_s=float(dev.get("op_overhead_us", 0.0)) / 1e6,
-                device_name=str(dev.get("name", "")), source=str(raw.get("source", "")),
+                device_name=str(dev.get("name", "")),
+                source=str(raw.get("source", "")),
             )
         except ValueError as exc:
             raise ValueError(f"{source}: {exc}") from None
@@ -153,7 +179,9 @@ def _check(raw: Any, schema: dict[str, Any], prefix: str, source: str) -> None:
         raise ValueError(f"{source}: {where} must be a mapping with keys {sorted(schema)}, got {raw!r}")
     for key in raw:
         if key not in schema:
-            raise ValueError(f"{source}: unknown key {prefix + str(key)!r}; valid keys here: {sorted(schema)}")
+            raise ValueError(
+                f"{source}: unknown key {prefix + str(key)!r}; valid keys here: {sorted(schema)}"
+            )
     for key, kind in schema.items():
         path = prefix + key
         if key not in raw:
@@ -186,8 +214,10 @@ def load_cluster(path_or_name: str | Path) -> ClusterSpec:
     if not path.is_file():
         shipped = shipped_clusters()
         if str(path_or_name) not in shipped:
-            raise ValueError(f"cluster {str(path_or_name)!r} is neither a file nor a shipped cluster; shipped: "
-                             f"{sorted(shipped)}")
+            raise ValueError(
+                f"cluster {str(path_or_name)!r} is neither a file nor a shipped cluster; shipped: "
+                f"{sorted(shipped)}"
+            )
         path = shipped[str(path_or_name)]
     try:
         raw = yaml.safe_load(path.read_text())

@@ -45,7 +45,15 @@ from torch import nn
 
 from merak_core.planner.cluster import ClusterSpec
 
-__all__ = ["LayerCost", "ModelCosts", "Precision", "StageCosts", "model_costs", "stage_costs", "trace_for_cluster"]
+__all__ = [
+    "LayerCost",
+    "ModelCosts",
+    "Precision",
+    "StageCosts",
+    "model_costs",
+    "stage_costs",
+    "trace_for_cluster",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,14 +141,20 @@ class ModelCosts:
     def _tied_across(self, bounds: Sequence[int]) -> dict[str, list[int]]:
         holders: dict[str, set[int]] = {}
         for s in range(len(bounds) - 1):
-            for layer in self.layers[bounds[s]:bounds[s + 1]]:
+            for layer in self.layers[bounds[s] : bounds[s + 1]]:
                 for n in layer.param_names:
                     holders.setdefault(n, set()).add(s)
         return {n: sorted(st) for n, st in holders.items() if len(st) > 1}
 
 
-def trace_for_cluster(model: nn.Module, example_inputs: Sequence[Any] | Mapping[str, Any], cluster: ClusterSpec, *,
-                      dtype: str = "bf16", num_shards: int | None = None) -> Any:
+def trace_for_cluster(
+    model: nn.Module,
+    example_inputs: Sequence[Any] | Mapping[str, Any],
+    cluster: ClusterSpec,
+    *,
+    dtype: str = "bf16",
+    num_shards: int | None = None,
+) -> Any:
     """Trace ``model`` (meta is fine), annotate costs at ``cluster``'s rates and shard it; a ``ShardedGraph``."""
     import merak_graph as mg
 
@@ -150,17 +164,30 @@ def trace_for_cluster(model: nn.Module, example_inputs: Sequence[Any] | Mapping[
         gm = mg.trace(model, example_inputs=inputs, method="fx")
     except mg.TraceError:
         gm = mg.trace(model, example_inputs=inputs, method="auto")
-    values = ([example_inputs[n] for n in gm.meta.get("merak_input_names", list(example_inputs))]  # type: ignore[call-overload]
-              if by_name else list(example_inputs))
-    rates = mg.CostModel(flops_per_s=cluster.flops(dtype),
-                         bytes_per_s=cluster.memory_bandwidth * cluster.memory_efficiency, backward_factor=2.0)
+    values = (
+        [example_inputs[n] for n in gm.meta.get("merak_input_names", list(example_inputs))]  # type: ignore[call-overload]
+        if by_name
+        else list(example_inputs)
+    )
+    rates = mg.CostModel(
+        flops_per_s=cluster.flops(dtype),
+        bytes_per_s=cluster.memory_bandwidth * cluster.memory_efficiency,
+        backward_factor=2.0,
+    )
     mg.annotate_costs(gm, values, cost_model=rates)
     count = num_shards if num_shards is not None else mg.natural_shard_count(gm)
     return mg.shard(gm, count, model=model)
 
 
-def model_costs(sharded: Any, model: nn.Module, *, dtype: str = "bf16", num_heads: int | None = None,
-                num_kv_heads: int | None = None, vocab_size: int | None = None) -> ModelCosts:
+def model_costs(
+    sharded: Any,
+    model: nn.Module,
+    *,
+    dtype: str = "bf16",
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+    vocab_size: int | None = None,
+) -> ModelCosts:
     """:class:`ModelCosts` of a :func:`trace_for_cluster` chain traced with one sample per microbatch."""
     canonical: dict[int, str] = {}
     numel: dict[str, int] = {}
@@ -171,16 +198,32 @@ def model_costs(sharded: Any, model: nn.Module, *, dtype: str = "bf16", num_head
     param_dtype = first.dtype if first is not None else torch.float32
     layers = []
     for s in sharded.shards:
-        names = tuple(sorted({canonical.get(id(p), n) for n, p in s.module.named_parameters(remove_duplicate=False)}))
+        names = tuple(
+            sorted({canonical.get(id(p), n) for n, p in s.module.named_parameters(remove_duplicate=False)})
+        )
         for n, p in s.module.named_parameters(remove_duplicate=False):
             numel.setdefault(canonical.get(id(p), n), p.numel())
-        layers.append(LayerCost(forward_s=s.time_s / 3.0, flops=float(s.flops), param_names=names,
-                                activation_bytes=float(s.activation_bytes),
-                                output_bytes=float(sum(b.nbytes for b in s.outputs)), num_ops=_count_ops(s.module)))
+        layers.append(
+            LayerCost(
+                forward_s=s.time_s / 3.0,
+                flops=float(s.flops),
+                param_names=names,
+                activation_bytes=float(s.activation_bytes),
+                output_bytes=float(sum(b.nbytes for b in s.outputs)),
+                num_ops=_count_ops(s.module),
+            )
+        )
     inner = [ly.output_bytes for ly in layers[:-1] if ly.output_bytes > 0] or [layers[-1].output_bytes]
-    return ModelCosts(layers=tuple(layers), param_numel=numel, precision=Precision.for_dtype(param_dtype),
-                      tp_message_bytes=float(statistics.median(inner)), dtype=dtype, num_heads=num_heads,
-                      num_kv_heads=num_kv_heads, vocab_size=vocab_size)
+    return ModelCosts(
+        layers=tuple(layers),
+        param_numel=numel,
+        precision=Precision.for_dtype(param_dtype),
+        tp_message_bytes=float(statistics.median(inner)),
+        dtype=dtype,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        vocab_size=vocab_size,
+    )
 
 
 def _count_ops(module: nn.Module) -> int:
@@ -248,9 +291,19 @@ def _tp_exposed(comm: float, compute: float, overlap: bool, chunks: int) -> floa
     return max(comm / chunks, comm - compute * (chunks - 1) / chunks)
 
 
-def stage_costs(costs: ModelCosts, cluster: ClusterSpec, *, bounds: Sequence[int], dp: int, tp: int,
-                micro_batch_size: int, zero_stage: int = 0, tp_overlap: bool = False,
-                tp_chunks: int = 2, num_ranks: int | None = None) -> StageCosts:
+def stage_costs(
+    costs: ModelCosts,
+    cluster: ClusterSpec,
+    *,
+    bounds: Sequence[int],
+    dp: int,
+    tp: int,
+    micro_batch_size: int,
+    zero_stage: int = 0,
+    tp_overlap: bool = False,
+    tp_chunks: int = 2,
+    num_ranks: int | None = None,
+) -> StageCosts:
     """Seconds and bytes per stage for layers split at ``bounds`` (see [Note: cluster model terms]).
 
     ``num_ranks``: pipeline ranks when they hold several stages each (virtual stages); default one
@@ -262,8 +315,10 @@ def stage_costs(costs: ModelCosts, cluster: ClusterSpec, *, bounds: Sequence[int
     one_ar = _ring_allreduce_s(b * costs.tp_message_bytes, tp_group, cluster)
     fwd, bwd, exposed, acts, static, params, out_b, in_b = [], [], [], [], [], [], [], []
     for s in range(pp):
-        layers = costs.layers[bounds[s]:bounds[s + 1]]
-        compute_f = b * sum(ly.forward_s for ly in layers) / tp + cluster.op_overhead_s * sum(ly.num_ops for ly in layers)
+        layers = costs.layers[bounds[s] : bounds[s + 1]]
+        compute_f = b * sum(ly.forward_s for ly in layers) / tp + cluster.op_overhead_s * sum(
+            ly.num_ops for ly in layers
+        )
         comm = one_ar * sum(ly.tp_allreduces for ly in layers) if tp > 1 else 0.0
         ex_f = _tp_exposed(comm, compute_f, tp_overlap, tp_chunks)
         ex_b = _tp_exposed(comm, 2 * compute_f, tp_overlap, tp_chunks)
@@ -278,14 +333,31 @@ def stage_costs(costs: ModelCosts, cluster: ClusterSpec, *, bounds: Sequence[int
         out_b.append(b * layers[-1].output_bytes)
         in_b.append(b * (costs.layers[bounds[s] - 1].output_bytes if bounds[s] > 0 else 0.0))
     latency, bandwidth = p2p_link(dp, tp, num_ranks if num_ranks is not None else pp, cluster)
-    return StageCosts(forward_s=fwd, backward_s=bwd, tp_exposed_s=exposed, activation_bytes=acts,
-                      static_bytes=static, params_per_device=params, boundary_bytes=out_b, input_bytes=in_b,
-                      p2p_latency_s=latency, p2p_bandwidth=bandwidth)
+    return StageCosts(
+        forward_s=fwd,
+        backward_s=bwd,
+        tp_exposed_s=exposed,
+        activation_bytes=acts,
+        static_bytes=static,
+        params_per_device=params,
+        boundary_bytes=out_b,
+        input_bytes=in_b,
+        p2p_latency_s=latency,
+        p2p_bandwidth=bandwidth,
+    )
 
 
-def step_overhead_s(costs: ModelCosts, cluster: ClusterSpec, stages: StageCosts, *, bounds: Sequence[int],
-                    dp: int, tp: int, zero_stage: int,
-                    stage_to_rank: Sequence[int] | None = None) -> tuple[float, float]:
+def step_overhead_s(
+    costs: ModelCosts,
+    cluster: ClusterSpec,
+    stages: StageCosts,
+    *,
+    bounds: Sequence[int],
+    dp: int,
+    tp: int,
+    zero_stage: int,
+    stage_to_rank: Sequence[int] | None = None,
+) -> tuple[float, float]:
     """(DP gradient all-reduce + tied-parameter all-reduce, optimizer step) seconds per step.
 
     ``stage_to_rank``: the pipeline rank of each stage (default: stage s on rank s).

@@ -63,24 +63,37 @@ def job_model(job: Any) -> JobModel:
             vocab = None
     first = next(iter(model.parameters()), None)
     dtype = "fp32" if first is None or first.dtype == torch.float32 else "bf16"
-    return JobModel(model=model, example_inputs=inputs if isinstance(inputs, Mapping) else (inputs,),
-                    num_heads=_find_attr(model, ("num_heads", "heads", "n_head", "num_attention_heads")),
-                    num_kv_heads=_find_attr(model, ("num_key_value_heads", "num_kv_heads", "n_kv_heads")),
-                    vocab_size=vocab, dtype=dtype)
+    return JobModel(
+        model=model,
+        example_inputs=inputs if isinstance(inputs, Mapping) else (inputs,),
+        num_heads=_find_attr(model, ("num_heads", "heads", "n_head", "num_attention_heads")),
+        num_kv_heads=_find_attr(model, ("num_key_value_heads", "num_kv_heads", "n_kv_heads")),
+        vocab_size=vocab,
+        dtype=dtype,
+    )
 
 
-def plan_job_on_cluster(jm: JobModel, cluster: ClusterSpec, *, num_nodes: int, global_batch_size: int,
-                        top: int = 10) -> tuple[str, Any]:
+def plan_job_on_cluster(
+    jm: JobModel, cluster: ClusterSpec, *, num_nodes: int, global_batch_size: int, top: int = 10
+) -> tuple[str, Any]:
     """The ranked table for ``jm`` on ``num_nodes`` nodes of ``cluster``; (text, best candidate)."""
     sharded = trace_for_cluster(jm.model, jm.example_inputs, cluster, dtype=jm.dtype)
-    costs = model_costs(sharded, jm.model, dtype=jm.dtype, num_heads=jm.num_heads, num_kv_heads=jm.num_kv_heads,
-                        vocab_size=jm.vocab_size)
+    costs = model_costs(
+        sharded,
+        jm.model,
+        dtype=jm.dtype,
+        num_heads=jm.num_heads,
+        num_kv_heads=jm.num_kv_heads,
+        vocab_size=jm.vocab_size,
+    )
     cands = plan_cluster(costs, cluster, num_nodes=num_nodes, global_batch_size=global_batch_size)
     world = num_nodes * cluster.devices_per_node
-    head = (f"{len(cands)} feasible configurations on {num_nodes} nodes x {cluster.devices_per_node} "
-            f"{cluster.device_name or 'devices'} ({world} ranks, cluster {cluster.name}), global batch "
-            f"{global_batch_size}; {costs.num_layers} layers (graph shards) priced from the meta-traced model "
-            f"at {cluster.flops(jm.dtype) / 1e12:.1f} TFLOP/s sustained ({jm.dtype})")
+    head = (
+        f"{len(cands)} feasible configurations on {num_nodes} nodes x {cluster.devices_per_node} "
+        f"{cluster.device_name or 'devices'} ({world} ranks, cluster {cluster.name}), global batch "
+        f"{global_batch_size}; {costs.num_layers} layers (graph shards) priced from the meta-traced model "
+        f"at {cluster.flops(jm.dtype) / 1e12:.1f} TFLOP/s sustained ({jm.dtype})"
+    )
     return head + "\n" + format_cluster_plan(cands, top=top), cands[0]
 
 
@@ -104,12 +117,29 @@ def dry_run_job(jm: JobModel, cluster: ClusterSpec, *, world_size: int, training
         schedule = "1f1b"
     recompute = t.recompute
     if recompute not in ("none", "full", "stage_aware"):
-        notes.append(f"recompute {recompute!r} is not priced by the cluster model: full recomputation was dry-run")
+        notes.append(
+            f"recompute {recompute!r} is not priced by the cluster model: full recomputation was dry-run"
+        )
         recompute = "full"
-    report = dry_run(jm.model, jm.example_inputs, cluster, world_size=world_size, dp=None, tp=t.tp, pp=t.pp,
-                     schedule=schedule, num_microbatches=t.gradient_accumulation_steps,
-                     micro_batch_size=t.per_device_train_batch_size, recompute=recompute, zero_stage=t.zero_stage,
-                     tp_overlap=t.overlap_chunks > 1, tp_chunks=max(t.overlap_chunks, 2), num_heads=jm.num_heads,
-                     num_kv_heads=jm.num_kv_heads, vocab_size=jm.vocab_size, dtype=jm.dtype)
+    report = dry_run(
+        jm.model,
+        jm.example_inputs,
+        cluster,
+        world_size=world_size,
+        dp=None,
+        tp=t.tp,
+        pp=t.pp,
+        schedule=schedule,
+        num_microbatches=t.gradient_accumulation_steps,
+        micro_batch_size=t.per_device_train_batch_size,
+        recompute=recompute,
+        zero_stage=t.zero_stage,
+        tp_overlap=t.overlap_chunks > 1,
+        tp_chunks=max(t.overlap_chunks, 2),
+        num_heads=jm.num_heads,
+        num_kv_heads=jm.num_kv_heads,
+        vocab_size=jm.vocab_size,
+        dtype=jm.dtype,
+    )
     report.problems[:0] = [DryRunProblem(0, None, "model", n, fatal=False) for n in notes]
     return report

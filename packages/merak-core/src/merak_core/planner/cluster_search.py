@@ -23,7 +23,14 @@ from merak_pipe import schedule_info
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CLUSTER_SCHEDULES", "PREDICTABLE_SCHEDULES", "ClusterCandidate", "format_cluster_plan", "plan_cluster", "predict_config"]
+__all__ = [
+    "CLUSTER_SCHEDULES",
+    "PREDICTABLE_SCHEDULES",
+    "ClusterCandidate",
+    "format_cluster_plan",
+    "plan_cluster",
+    "predict_config",
+]
 
 CLUSTER_SCHEDULES = ("1f1b", "shifted_critical_path")
 """Schedules the cluster search tries by default (the Trainer runs them). ``interleaved_1f1b`` (virtual
@@ -72,15 +79,23 @@ class ClusterCandidate:
 
     def training_fields(self) -> dict[str, Any]:
         """The job file's ``training`` fields for this choice."""
-        out: dict[str, Any] = {"dp": self.dp, "tp": self.tp, "pp": self.pp, "schedule": self.schedule,
-                               "per_device_train_batch_size": self.micro_batch_size,
-                               "gradient_accumulation_steps": self.num_microbatches, "recompute": self.recompute,
-                               "zero_stage": self.zero_stage}
+        out: dict[str, Any] = {
+            "dp": self.dp,
+            "tp": self.tp,
+            "pp": self.pp,
+            "schedule": self.schedule,
+            "per_device_train_batch_size": self.micro_batch_size,
+            "gradient_accumulation_steps": self.num_microbatches,
+            "recompute": self.recompute,
+            "zero_stage": self.zero_stage,
+        }
         if self.recompute == "stage_aware":
             out["memory_budget"] = int(self.memory_limit_bytes)
         if self.virtual_stages > 1:
-            raise ValueError(f"{self.layout} {self.schedule} with {self.virtual_stages} stages per rank: the Trainer "
-                             "runs one stage per rank; choose a configuration without virtual stages")
+            raise ValueError(
+                f"{self.layout} {self.schedule} with {self.virtual_stages} stages per rank: the Trainer "
+                "runs one stage per rank; choose a configuration without virtual stages"
+            )
         return out
 
 
@@ -91,11 +106,24 @@ def _bounds(sizes: Sequence[int]) -> list[int]:
     return out
 
 
-def predict_config(costs: ModelCosts, cluster: ClusterSpec, *, dp: int, tp: int, pp: int, schedule: str,
-                   num_microbatches: int, micro_batch_size: int, recompute: str = "none", zero_stage: int = 0,
-                   tp_overlap: bool = False, tp_chunks: int = 2, virtual_stages: int = 2,
-                   stage_layers: Sequence[int] | None = None,
-                   memo: dict[Any, Any] | None = None) -> ClusterCandidate | None:
+def predict_config(
+    costs: ModelCosts,
+    cluster: ClusterSpec,
+    *,
+    dp: int,
+    tp: int,
+    pp: int,
+    schedule: str,
+    num_microbatches: int,
+    micro_batch_size: int,
+    recompute: str = "none",
+    zero_stage: int = 0,
+    tp_overlap: bool = False,
+    tp_chunks: int = 2,
+    virtual_stages: int = 2,
+    stage_layers: Sequence[int] | None = None,
+    memo: dict[Any, Any] | None = None,
+) -> ClusterCandidate | None:
     """Predict one configuration (fitting or not); None when stage-aware recomputation cannot fit.
 
     ``memo`` (a dict kept across calls on the same costs and cluster) reuses built schedules and
@@ -110,14 +138,29 @@ def predict_config(costs: ModelCosts, cluster: ClusterSpec, *, dp: int, tp: int,
         raise ValueError(f"recompute {recompute!r} is not one of {RECOMPUTE_MODES}")
     v = virtual_stages if schedule == "interleaved_1f1b" and pp > 1 else 1
     if v < 1 or v * pp > costs.num_layers:
-        raise ValueError(f"virtual_stages={virtual_stages} with pp={pp}: expected 1 <= pp * virtual_stages <= "
-                         f"{costs.num_layers} layers")
+        raise ValueError(
+            f"virtual_stages={virtual_stages} with pp={pp}: expected 1 <= pp * virtual_stages <= "
+            f"{costs.num_layers} layers"
+        )
     num_stages = pp * v
-    sizes = (list(stage_layers) if stage_layers is not None
-             else split_layers([ly.forward_s for ly in costs.layers], num_stages))
+    sizes = (
+        list(stage_layers)
+        if stage_layers is not None
+        else split_layers([ly.forward_s for ly in costs.layers], num_stages)
+    )
     bounds = _bounds(sizes)
-    st = stage_costs(costs, cluster, bounds=bounds, dp=dp, tp=tp, micro_batch_size=micro_batch_size,
-                     zero_stage=zero_stage, tp_overlap=tp_overlap, tp_chunks=tp_chunks, num_ranks=pp)
+    st = stage_costs(
+        costs,
+        cluster,
+        bounds=bounds,
+        dp=dp,
+        tp=tp,
+        micro_batch_size=micro_batch_size,
+        zero_stage=zero_stage,
+        tp_overlap=tp_overlap,
+        tp_chunks=tp_chunks,
+        num_ranks=pp,
+    )
     limit = cluster.usable_memory_bytes
     name = schedule_info(schedule).name if pp > 1 else "1f1b"
     m = num_microbatches
@@ -128,45 +171,85 @@ def predict_config(costs: ModelCosts, cluster: ClusterSpec, *, dp: int, tp: int,
     def schedule_of(rplan: Any) -> Any:
         key = ("schedule", name, num_stages, pp, m, rplan)
         if key not in memo:
-            memo[key] = build_schedule(name, num_stages=num_stages, num_microbatches=m, recompute=rplan, check=check,
-                                       **options)
+            memo[key] = build_schedule(
+                name, num_stages=num_stages, num_microbatches=m, recompute=rplan, check=check, **options
+            )
         return memo[key]
 
     if recompute == "stage_aware" and pp > 1:
         try:
-            plan = stage_aware_plan(layer_activation_bytes=st.activation_bytes, memory_budget=limit,
-                                    static_bytes=st.static_bytes, schedule=schedule_of(None),
-                                    input_bytes=st.input_bytes)
+            plan = stage_aware_plan(
+                layer_activation_bytes=st.activation_bytes,
+                memory_budget=limit,
+                static_bytes=st.static_bytes,
+                schedule=schedule_of(None),
+                input_bytes=st.input_bytes,
+            )
         except ValueError:
             return None
     elif recompute == "full":
         plan = RecomputePlan.full(num_stages)
     else:
         plan = RecomputePlan.none(num_stages)
-    sim_costs = CostModel(forward=st.forward_s, backward=st.backward_s, recompute=st.forward_s,
-                          p2p_latency=st.p2p_latency_s, p2p_bandwidth=st.p2p_bandwidth,
-                          boundary_bytes=st.boundary_bytes, activation_bytes=[sum(a) for a in st.activation_bytes],
-                          input_bytes=st.input_bytes)
-    sim_key = ("sim", name, num_stages, pp, m, plan, tuple(st.forward_s), tuple(st.backward_s), tuple(st.input_bytes),
-               st.p2p_latency_s, st.p2p_bandwidth, tuple(sum(a) for a in st.activation_bytes))
+    sim_costs = CostModel(
+        forward=st.forward_s,
+        backward=st.backward_s,
+        recompute=st.forward_s,
+        p2p_latency=st.p2p_latency_s,
+        p2p_bandwidth=st.p2p_bandwidth,
+        boundary_bytes=st.boundary_bytes,
+        activation_bytes=[sum(a) for a in st.activation_bytes],
+        input_bytes=st.input_bytes,
+    )
+    sim_key = (
+        "sim",
+        name,
+        num_stages,
+        pp,
+        m,
+        plan,
+        tuple(st.forward_s),
+        tuple(st.backward_s),
+        tuple(st.input_bytes),
+        st.p2p_latency_s,
+        st.p2p_bandwidth,
+        tuple(sum(a) for a in st.activation_bytes),
+    )
     if sim_key not in memo:
         memo[sim_key] = simulate(schedule_of(plan), sim_costs)
     result = memo[sim_key]
     placement = list(result.schedule.stage_to_rank)
-    dp_s, opt_s = step_overhead_s(costs, cluster, st, bounds=bounds, dp=dp, tp=tp, zero_stage=zero_stage,
-                                  stage_to_rank=placement)
-    static = [sum(b for b, r in zip(st.static_bytes, placement, strict=True) if r == rank) for rank in range(pp)]
+    dp_s, opt_s = step_overhead_s(
+        costs, cluster, st, bounds=bounds, dp=dp, tp=tp, zero_stage=zero_stage, stage_to_rank=placement
+    )
+    static = [
+        sum(b for b, r in zip(st.static_bytes, placement, strict=True) if r == rank) for rank in range(pp)
+    ]
     memory = tuple(s + a for s, a in zip(static, result.peak_memory_per_rank, strict=True))
     stride = dp * tp
     return ClusterCandidate(
-        dp=dp, tp=tp, pp=pp, schedule=schedule if pp > 1 else "1f1b", num_microbatches=m,
-        micro_batch_size=micro_batch_size, recompute=recompute, recompute_fractions=tuple(plan.fractions),
-        zero_stage=zero_stage, tp_overlap=tp_overlap and tp > 1, stage_layers=tuple(sizes),
-        step_time_s=result.makespan + dp_s + opt_s, pipeline_s=result.makespan, dp_allreduce_s=dp_s,
-        optimizer_s=opt_s, stage_memory_bytes=memory, stage_static_bytes=tuple(static),
-        memory_limit_bytes=limit, virtual_stages=v,
-        pipeline_crosses_nodes=any(cluster.node_of(s * stride) != cluster.node_of((s + 1) * stride)
-                                   for s in range(pp - 1)),
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        schedule=schedule if pp > 1 else "1f1b",
+        num_microbatches=m,
+        micro_batch_size=micro_batch_size,
+        recompute=recompute,
+        recompute_fractions=tuple(plan.fractions),
+        zero_stage=zero_stage,
+        tp_overlap=tp_overlap and tp > 1,
+        stage_layers=tuple(sizes),
+        step_time_s=result.makespan + dp_s + opt_s,
+        pipeline_s=result.makespan,
+        dp_allreduce_s=dp_s,
+        optimizer_s=opt_s,
+        stage_memory_bytes=memory,
+        stage_static_bytes=tuple(static),
+        memory_limit_bytes=limit,
+        virtual_stages=v,
+        pipeline_crosses_nodes=any(
+            cluster.node_of(s * stride) != cluster.node_of((s + 1) * stride) for s in range(pp - 1)
+        ),
         dp_crosses_nodes=cluster.node_of(0) != cluster.node_of((dp - 1) * tp),
     )
 
@@ -187,28 +270,42 @@ def _layouts(costs: ModelCosts, cluster: ClusterSpec, world: int, gbs: int) -> l
     return out
 
 
-def plan_cluster(costs: ModelCosts, cluster: ClusterSpec, *, num_nodes: int, global_batch_size: int,
-                 schedules: Sequence[str] = CLUSTER_SCHEDULES, recompute_modes: Sequence[str] = RECOMPUTE_MODES,
-                 zero_stages: Sequence[int] = (0, 1), tp_overlaps: Sequence[bool] = (False, True),
-                 max_microbatches: int = 128, layouts: Sequence[tuple[int, int, int]] | None = None,
-                 virtual_stages: Sequence[int] = (2,)) -> list[ClusterCandidate]:
+def plan_cluster(
+    costs: ModelCosts,
+    cluster: ClusterSpec,
+    *,
+    num_nodes: int,
+    global_batch_size: int,
+    schedules: Sequence[str] = CLUSTER_SCHEDULES,
+    recompute_modes: Sequence[str] = RECOMPUTE_MODES,
+    zero_stages: Sequence[int] = (0, 1),
+    tp_overlaps: Sequence[bool] = (False, True),
+    max_microbatches: int = 128,
+    layouts: Sequence[tuple[int, int, int]] | None = None,
+    virtual_stages: Sequence[int] = (2,),
+) -> list[ClusterCandidate]:
     """Every configuration that fits the device memory on ``num_nodes`` nodes, best predicted first.
 
     ``layouts`` restricts the (dp, tp, pp) tried; ``virtual_stages`` are the stages per rank tried
     with ``interleaved_1f1b`` when ``schedules`` holds it. Raises ValueError when no layout suits the model
     or nothing fits (naming the least memory any configuration needs).
     """
-    for label, v in (("num_nodes", num_nodes), ("global_batch_size", global_batch_size),
-                     ("max_microbatches", max_microbatches)):
+    for label, v in (
+        ("num_nodes", num_nodes),
+        ("global_batch_size", global_batch_size),
+        ("max_microbatches", max_microbatches),
+    ):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"plan_cluster: {label}={v!r}; expected an int >= 1")
     world = num_nodes * cluster.devices_per_node
     grid = list(layouts) if layouts is not None else _layouts(costs, cluster, world, global_batch_size)
     if not grid:
-        raise ValueError(f"plan_cluster: no (dp, tp, pp) with dp*tp*pp={world} suits this model: tp must divide "
-                         f"the {cluster.devices_per_node} devices per node, heads={costs.num_heads}, kv heads="
-                         f"{costs.num_kv_heads}, vocab={costs.vocab_size}; pp <= {costs.num_layers} layers; dp "
-                         f"must divide global_batch_size={global_batch_size}")
+        raise ValueError(
+            f"plan_cluster: no (dp, tp, pp) with dp*tp*pp={world} suits this model: tp must divide "
+            f"the {cluster.devices_per_node} devices per node, heads={costs.num_heads}, kv heads="
+            f"{costs.num_kv_heads}, vocab={costs.vocab_size}; pp <= {costs.num_layers} layers; dp "
+            f"must divide global_batch_size={global_batch_size}"
+        )
     out: list[ClusterCandidate] = []
     least = math.inf
     memo: dict[Any, Any] = {}
@@ -219,20 +316,36 @@ def plan_cluster(costs: ModelCosts, cluster: ClusterSpec, *, num_nodes: int, glo
         for m in _divisors(per_dp):
             if m < pp or m > max_microbatches:
                 continue
-            runs = [(sched, 1) for sched in (schedules if pp > 1 else ("1f1b",)) if sched != "interleaved_1f1b"]
+            runs = [
+                (sched, 1) for sched in (schedules if pp > 1 else ("1f1b",)) if sched != "interleaved_1f1b"
+            ]
             if pp > 1 and "interleaved_1f1b" in schedules:
-                runs += [("interleaved_1f1b", v) for v in virtual_stages if v > 1 and pp * v <= costs.num_layers]
+                runs += [
+                    ("interleaved_1f1b", v) for v in virtual_stages if v > 1 and pp * v <= costs.num_layers
+                ]
             for sched, v in runs:
                 if pp * v not in sizes_by_stages:
                     sizes_by_stages[pp * v] = split_layers(forward, pp * v)
                 for zero in zero_stages:
-                    for overlap in (tp_overlaps if tp > 1 else (False,)):
+                    for overlap in tp_overlaps if tp > 1 else (False,):
                         seen: set[tuple[float, ...]] = set()
                         for mode in recompute_modes:
-                            c = predict_config(costs, cluster, dp=dp, tp=tp, pp=pp, schedule=sched,
-                                               num_microbatches=m, micro_batch_size=per_dp // m, recompute=mode,
-                                               zero_stage=zero, tp_overlap=overlap, virtual_stages=v,
-                                               stage_layers=sizes_by_stages[pp * v], memo=memo)
+                            c = predict_config(
+                                costs,
+                                cluster,
+                                dp=dp,
+                                tp=tp,
+                                pp=pp,
+                                schedule=sched,
+                                num_microbatches=m,
+                                micro_batch_size=per_dp // m,
+                                recompute=mode,
+                                zero_stage=zero,
+                                tp_overlap=overlap,
+                                virtual_stages=v,
+                                stage_layers=sizes_by_stages[pp * v],
+                                memo=memo,
+                            )
                             if c is None or c.recompute_fractions in seen:
                                 continue
                             seen.add(c.recompute_fractions)
@@ -240,11 +353,23 @@ def plan_cluster(costs: ModelCosts, cluster: ClusterSpec, *, num_nodes: int, glo
                             if c.fits:
                                 out.append(c)
     if not out:
-        raise ValueError(f"plan_cluster: nothing fits the usable {cluster.usable_memory_bytes / 1e9:.1f} GB per "
-                         f"device of {cluster.name}; the smallest configuration needs {least / 1e9:.1f} GB: add "
-                         "nodes, allow ZeRO-1 or recomputation, or shrink the batch")
-    out.sort(key=lambda c: (c.step_time_s, c.tp, c.layout, c.schedule, c.num_microbatches, c.recompute,
-                            c.zero_stage, c.tp_overlap))
+        raise ValueError(
+            f"plan_cluster: nothing fits the usable {cluster.usable_memory_bytes / 1e9:.1f} GB per "
+            f"device of {cluster.name}; the smallest configuration needs {least / 1e9:.1f} GB: add "
+            "nodes, allow ZeRO-1 or recomputation, or shrink the batch"
+        )
+    out.sort(
+        key=lambda c: (
+            c.step_time_s,
+            c.tp,
+            c.layout,
+            c.schedule,
+            c.num_microbatches,
+            c.recompute,
+            c.zero_stage,
+            c.tp_overlap,
+        )
+    )
     return out
 
 
@@ -254,17 +379,25 @@ def _bytes(n: float) -> str:
 
 def format_cluster_plan(cands: Sequence[ClusterCandidate], top: int = 10) -> str:
     """A ranked table with per-stage memory per device (G = 1e9 bytes, M = 1e6)."""
-    lines = [f"{'#':>3} {'layout':<14} {'schedule':<22} {'m':>4} {'mbs':>4} {'zero':>4} {'tp-ovl':>6} "
-             f"{'recompute':<24} {'step ms':>10}  memory per stage (usable)"]
+    lines = [
+        f"{'#':>3} {'layout':<14} {'schedule':<22} {'m':>4} {'mbs':>4} {'zero':>4} {'tp-ovl':>6} "
+        f"{'recompute':<24} {'step ms':>10}  memory per stage (usable)"
+    ]
     for i, c in enumerate(cands[:top], 1):
-        rc = c.recompute if c.recompute != "stage_aware" else "sa:" + ",".join(f"{f:.2f}" for f in c.recompute_fractions)
+        rc = (
+            c.recompute
+            if c.recompute != "stage_aware"
+            else "sa:" + ",".join(f"{f:.2f}" for f in c.recompute_fractions)
+        )
         if len(rc) > 24:
             rc = rc[:21] + "..."
         mem = ",".join(_bytes(b) for b in c.stage_memory_bytes)
         if len(c.stage_memory_bytes) > 8:
             mem = f"max {_bytes(max(c.stage_memory_bytes))} over {len(c.stage_memory_bytes)} stages"
         sched = c.schedule if c.virtual_stages == 1 else f"{c.schedule} v{c.virtual_stages}"
-        lines.append(f"{i:>3} {c.layout:<14} {sched:<22} {c.num_microbatches:>4} {c.micro_batch_size:>4} "
-                     f"{c.zero_stage:>4} {'yes' if c.tp_overlap else 'no':>6} {rc:<24} {c.step_time_s * 1e3:>10.3f}  "
-                     f"{mem} ({_bytes(c.memory_limit_bytes)})")
+        lines.append(
+            f"{i:>3} {c.layout:<14} {sched:<22} {c.num_microbatches:>4} {c.micro_batch_size:>4} "
+            f"{c.zero_stage:>4} {'yes' if c.tp_overlap else 'no':>6} {rc:<24} {c.step_time_s * 1e3:>10.3f}  "
+            f"{mem} ({_bytes(c.memory_limit_bytes)})"
+        )
     return "\n".join(lines)

@@ -45,8 +45,10 @@ class CommModel:
         for n, points in dict(self.allreduce_by_group).items():  # JSON gives string keys and lists
             pairs = sorted((float(x), float(t)) for x, t in points)
             if int(n) < 2 or not pairs or any(not (x >= 0 and t >= 0) for x, t in pairs):
-                raise ValueError(f"CommModel.allreduce_by_group[{n!r}]={points!r}: expected a group size >= 2 and "
-                                 "a non-empty list of (bytes >= 0, seconds >= 0)")
+                raise ValueError(
+                    f"CommModel.allreduce_by_group[{n!r}]={points!r}: expected a group size >= 2 and "
+                    "a non-empty list of (bytes >= 0, seconds >= 0)"
+                )
             table[int(n)] = pairs
         self.allreduce_by_group = table
         for name in ("p2p_latency_s", "allreduce_latency_s", "sync_wait_s"):
@@ -54,7 +56,9 @@ class CommModel:
                 raise ValueError(f"CommModel.{name}={getattr(self, name)!r}: expected seconds >= 0")
         for name in ("p2p_bandwidth", "allreduce_bandwidth"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"CommModel.{name}={getattr(self, name)!r}: expected bytes/s > 0 (math.inf: free)")
+                raise ValueError(
+                    f"CommModel.{name}={getattr(self, name)!r}: expected bytes/s > 0 (math.inf: free)"
+                )
 
     def allreduce_s(self, nbytes: float, group_size: int) -> float:
         """All-reduce time of ``nbytes`` over ``group_size`` ranks; 0 for one rank.
@@ -70,8 +74,14 @@ class CommModel:
         return 2 * (n - 1) * self.allreduce_latency_s + 2 * (n - 1) / n * nbytes / self.allreduce_bandwidth
 
 
-def measure_comm(group: Any = None, *, small_bytes: int = 1024, large_bytes: int = 1 << 20,
-                 repeats: int = 5, device: torch.device | None = None) -> CommModel:
+def measure_comm(
+    group: Any = None,
+    *,
+    small_bytes: int = 1024,
+    large_bytes: int = 1 << 20,
+    repeats: int = 5,
+    device: torch.device | None = None,
+) -> CommModel:
     """Measure a :class:`CommModel` with the real collectives of ``group`` (default: the world).
 
     Every rank of the group must call it. Point-to-point: ranks 0 and 1 of the group ping-pong a
@@ -86,8 +96,10 @@ def measure_comm(group: Any = None, *, small_bytes: int = 1024, large_bytes: int
     from merak_core.layout import collective_device
 
     if not 0 < small_bytes < large_bytes or repeats < 1:
-        raise ValueError(f"measure_comm: small_bytes={small_bytes}, large_bytes={large_bytes}, repeats={repeats}; "
-                         "expected 0 < small_bytes < large_bytes and repeats >= 1")
+        raise ValueError(
+            f"measure_comm: small_bytes={small_bytes}, large_bytes={large_bytes}, repeats={repeats}; "
+            "expected 0 < small_bytes < large_bytes and repeats >= 1"
+        )
     n = dist.get_world_size(group)
     if n < 2:
         return CommModel()
@@ -120,12 +132,24 @@ def measure_comm(group: Any = None, *, small_bytes: int = 1024, large_bytes: int
     values = torch.tensor([p_lat, p_bw, r_lat, r_bw], dtype=torch.float64, device=dev)
     dist.broadcast(values, peer0, group=group)
     p_lat, p_bw, r_lat, r_bw = (float(v) for v in values)
-    logger.info("planner: measured p2p %.3g s + bytes / %.3g B/s; all-reduce step %.3g s, link %.3g B/s over %d ranks",
-                p_lat, p_bw, r_lat, r_bw, n)
+    logger.info(
+        "planner: measured p2p %.3g s + bytes / %.3g B/s; all-reduce step %.3g s, link %.3g B/s over %d ranks",
+        p_lat,
+        p_bw,
+        r_lat,
+        r_bw,
+        n,
+    )
     table = _allreduce_table(max(3 * repeats, 15), dev) if group is None else {}
     wait = _sync_wait(repeats, dev) if group is None else 0.0
-    return CommModel(p2p_latency_s=p_lat, p2p_bandwidth=p_bw, allreduce_latency_s=r_lat, allreduce_bandwidth=r_bw,
-                     allreduce_by_group=table, sync_wait_s=wait)
+    return CommModel(
+        p2p_latency_s=p_lat,
+        p2p_bandwidth=p_bw,
+        allreduce_latency_s=r_lat,
+        allreduce_bandwidth=r_bw,
+        allreduce_by_group=table,
+        sync_wait_s=wait,
+    )
 
 
 def _sync_wait(repeats: int, device: torch.device, *, iterations: int = 20, width: int = 192) -> float:
@@ -162,8 +186,11 @@ def _sync_wait(repeats: int, device: torch.device, *, iterations: int = 20, widt
     plain = statistics.median(run(False) for _ in range(repeats))
     synced = statistics.median(run(True) for _ in range(repeats))
     dist.barrier()
-    idle = torch.tensor([_mean_call(lambda: dist.all_reduce(flag, group=mine), repeats, device) if mine is not None
-                         else 0.0], dtype=torch.float64, device=device)
+    idle = torch.tensor(
+        [_mean_call(lambda: dist.all_reduce(flag, group=mine), repeats, device) if mine is not None else 0.0],
+        dtype=torch.float64,
+        device=device,
+    )
     dist.all_reduce(idle, op=dist.ReduceOp.MAX)
     for g in pairs:
         if g is not None:
@@ -221,8 +248,11 @@ def _allreduce_table(repeats: int, device: torch.device) -> dict[int, list[tuple
         for nbytes in ALLREDUCE_SIZES:
             buf = torch.zeros(max(nbytes // 4, 1), device=device)
             dist.barrier()
-            seconds = torch.tensor([_mean_call(lambda buf=buf, g=mine: dist.all_reduce(buf, group=g), repeats, device)],
-                                   dtype=torch.float64, device=device)
+            seconds = torch.tensor(
+                [_mean_call(lambda buf=buf, g=mine: dist.all_reduce(buf, group=g), repeats, device)],
+                dtype=torch.float64,
+                device=device,
+            )
             dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
             # A larger message never costs less (measured dips are noise or an algorithm switch).
             points.append((float(nbytes), max(float(seconds), points[-1][1] if points else 0.0)))

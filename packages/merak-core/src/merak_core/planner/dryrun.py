@@ -94,24 +94,32 @@ class DryRunReport:
         return self.first_failure is None
 
     def summary(self, show_ranks: int = 8) -> str:
-        lines = [f"dry run: {self.world_size} ranks on {self.cluster}"
-                 + (f", dp={self.degrees[0]} tp={self.degrees[1]} pp={self.degrees[2]}" if self.degrees else "")]
+        lines = [
+            f"dry run: {self.world_size} ranks on {self.cluster}"
+            + (f", dp={self.degrees[0]} tp={self.degrees[1]} pp={self.degrees[2]}" if self.degrees else "")
+        ]
         if self.ranks:
-            lines.append(f"  built {len(self.ranks)} ranks' groups ({self.groups_backend}), partition, schedules and "
-                         "memory")
+            lines.append(
+                f"  built {len(self.ranks)} ranks' groups ({self.groups_backend}), partition, schedules and "
+                "memory"
+            )
             firsts = {p.stage: p.rank for p in reversed(self.ranks)}  # the first rank of each stage
             picks = sorted({*sorted(firsts.values())[:show_ranks], len(self.ranks) - 1})
             for r in picks:
                 p = self.ranks[r]
                 sched = p.schedule if len(p.schedule) <= 60 else p.schedule[:57] + "..."
-                lines.append(f"  rank {p.rank:>5} node {p.node:>4} stage {p.stage:>3} dp_rank {p.dp_rank:>4} tp_rank "
-                             f"{p.tp_rank:>2} recompute {p.recompute_fraction:.2f} memory {_bytes(p.memory_bytes)}"
-                             f"  [{sched}]")
+                lines.append(
+                    f"  rank {p.rank:>5} node {p.node:>4} stage {p.stage:>3} dp_rank {p.dp_rank:>4} tp_rank "
+                    f"{p.tp_rank:>2} recompute {p.recompute_fraction:.2f} memory {_bytes(p.memory_bytes)}"
+                    f"  [{sched}]"
+                )
         if self.prediction is not None:
             c = self.prediction
-            lines.append(f"  predicted step {c.step_time_s * 1e3:.3f} ms (pipeline {c.pipeline_s * 1e3:.3f} ms, DP "
-                         f"{c.dp_allreduce_s * 1e3:.3f} ms); memory per stage: "
-                         f"{','.join(_bytes(b) for b in c.stage_memory_bytes)} of {_bytes(c.memory_limit_bytes)} usable")
+            lines.append(
+                f"  predicted step {c.step_time_s * 1e3:.3f} ms (pipeline {c.pipeline_s * 1e3:.3f} ms, DP "
+                f"{c.dp_allreduce_s * 1e3:.3f} ms); memory per stage: "
+                f"{','.join(_bytes(b) for b in c.stage_memory_bytes)} of {_bytes(c.memory_limit_bytes)} usable"
+            )
         for prob in self.problems:
             lines.append(f"  {prob}")
         first = self.first_failure
@@ -120,9 +128,16 @@ class DryRunReport:
         return "\n".join(lines)
 
 
-def _check_layout(world_size: int, dp: int | None, tp: int, pp: int, cluster: ClusterSpec,
-                  heads: int | None, kv_heads: int | None, vocab: int | None) -> tuple[tuple[int, int, int] | None,
-                                                                                          list[DryRunProblem]]:
+def _check_layout(
+    world_size: int,
+    dp: int | None,
+    tp: int,
+    pp: int,
+    cluster: ClusterSpec,
+    heads: int | None,
+    kv_heads: int | None,
+    vocab: int | None,
+) -> tuple[tuple[int, int, int] | None, list[DryRunProblem]]:
     from merak_core.layout import resolve_degrees
 
     try:
@@ -132,15 +147,36 @@ def _check_layout(world_size: int, dp: int | None, tp: int, pp: int, cluster: Cl
     problems = []
     for label, v in (("heads", heads), ("kv heads", kv_heads), ("vocabulary", vocab)):
         if v is not None and v % tp:
-            problems.append(DryRunProblem(0, 0, "layout", f"tp={tp} does not divide the model's {label}={v}: choose "
-                                          f"tp among the divisors of {v}"))
+            problems.append(
+                DryRunProblem(
+                    0,
+                    0,
+                    "layout",
+                    f"tp={tp} does not divide the model's {label}={v}: choose tp among the divisors of {v}",
+                )
+            )
     if world_size % cluster.devices_per_node:
-        problems.append(DryRunProblem(0, None, "layout", f"{world_size} ranks fill {world_size // cluster.devices_per_node}"
-                                      f" nodes of {cluster.devices_per_node} and part of another", fatal=False))
+        problems.append(
+            DryRunProblem(
+                0,
+                None,
+                "layout",
+                f"{world_size} ranks fill {world_size // cluster.devices_per_node}"
+                f" nodes of {cluster.devices_per_node} and part of another",
+                fatal=False,
+            )
+        )
     if cluster.devices_per_node % tp:
-        problems.append(DryRunProblem(0, 0, "layout", f"tp={tp} does not divide the {cluster.devices_per_node} devices "
-                                      "per node: TP groups straddle nodes and their all-reduces cross the network",
-                                      fatal=False))
+        problems.append(
+            DryRunProblem(
+                0,
+                0,
+                "layout",
+                f"tp={tp} does not divide the {cluster.devices_per_node} devices "
+                "per node: TP groups straddle nodes and their all-reduces cross the network",
+                fatal=False,
+            )
+        )
     return degrees, problems
 
 
@@ -148,9 +184,11 @@ def _computed_groups(rank: int, dp: int, tp: int, pp: int) -> _Groups:
     from merak_core.layout import coords_of, rank_of
 
     p, d, t = coords_of(rank, dp=dp, tp=tp)
-    return (tuple(rank_of(p, x, t, dp=dp, tp=tp) for x in range(dp)),
-            tuple(rank_of(p, d, x, dp=dp, tp=tp) for x in range(tp)),
-            tuple(rank_of(x, d, t, dp=dp, tp=tp) for x in range(pp)))
+    return (
+        tuple(rank_of(p, x, t, dp=dp, tp=tp) for x in range(dp)),
+        tuple(rank_of(p, d, x, dp=dp, tp=tp) for x in range(tp)),
+        tuple(rank_of(x, d, t, dp=dp, tp=tp) for x in range(pp)),
+    )
 
 
 def _sample_ranks(world_size: int, dp: int, tp: int, pp: int, limit: int) -> list[int]:
@@ -164,8 +202,9 @@ def _sample_ranks(world_size: int, dp: int, tp: int, pp: int, limit: int) -> lis
     return sorted(picks)
 
 
-def _build_groups(world_size: int, dp: int, tp: int, pp: int,
-                  ranks: Sequence[int]) -> tuple[dict[int, _Groups], str]:
+def _build_groups(
+    world_size: int, dp: int, tp: int, pp: int, ranks: Sequence[int]
+) -> tuple[dict[int, _Groups], str]:
     """The (dp, tp, pp) group ranks of ``ranks``, as the real layout code builds them over a fake process group.
 
     [Note: dry-run groups] Every rank creates every group (``new_group`` is collective), so building
@@ -180,8 +219,10 @@ def _build_groups(world_size: int, dp: int, tp: int, pp: int,
 
     fake = _compat.fake_process_group_store()
     if fake is None or dist.is_initialized():
-        return ({r: _computed_groups(r, dp, tp, pp) for r in range(world_size)},
-                "computed from the rank formula (no fake process group available)")
+        return (
+            {r: _computed_groups(r, dp, tp, pp) for r in range(world_size)},
+            "computed from the rank formula (no fake process group available)",
+        )
     out = {}
     previous = logging.getLogger("merak_core.layout").level
     logging.getLogger("merak_core.layout").setLevel(logging.WARNING)
@@ -190,17 +231,21 @@ def _build_groups(world_size: int, dp: int, tp: int, pp: int,
             dist.init_process_group("fake", rank=r, world_size=world_size, store=fake())
             try:
                 lay = ParallelLayout.build(dp, tp, pp, device="cpu")
-                out[r] = (tuple(dist.get_process_group_ranks(lay.dp_group)),
-                          tuple(dist.get_process_group_ranks(lay.tp_group)),
-                          tuple(dist.get_process_group_ranks(lay.pp_group)))
+                out[r] = (
+                    tuple(dist.get_process_group_ranks(lay.dp_group)),
+                    tuple(dist.get_process_group_ranks(lay.tp_group)),
+                    tuple(dist.get_process_group_ranks(lay.pp_group)),
+                )
             finally:
                 dist.destroy_process_group()
     finally:
         logging.getLogger("merak_core.layout").setLevel(previous)
     for r, built in out.items():
         if built != _computed_groups(r, dp, tp, pp):
-            raise RuntimeError(f"rank {r}: the layout built groups {built} but the rank formula gives "
-                               f"{_computed_groups(r, dp, tp, pp)}")
+            raise RuntimeError(
+                f"rank {r}: the layout built groups {built} but the rank formula gives "
+                f"{_computed_groups(r, dp, tp, pp)}"
+            )
     how = "torch fake process group"
     if len(out) < world_size:
         how += f" for {len(out)} sampled ranks, the rest from the rank formula they match"
@@ -209,11 +254,28 @@ def _build_groups(world_size: int, dp: int, tp: int, pp: int,
     return out, how
 
 
-def dry_run(model: nn.Module, example_inputs: Sequence[Any] | Mapping[str, Any], cluster: ClusterSpec, *, world_size: int,
-            dp: int | None = None, tp: int = 1, pp: int = 1, schedule: str = "1f1b", num_microbatches: int = 1,
-            micro_batch_size: int = 1, recompute: str = "none", zero_stage: int = 0, tp_overlap: bool = False,
-            tp_chunks: int = 2, fake_pg_ranks: int = 64, num_heads: int | None = None,
-            num_kv_heads: int | None = None, vocab_size: int | None = None, dtype: str = "bf16") -> DryRunReport:
+def dry_run(
+    model: nn.Module,
+    example_inputs: Sequence[Any] | Mapping[str, Any],
+    cluster: ClusterSpec,
+    *,
+    world_size: int,
+    dp: int | None = None,
+    tp: int = 1,
+    pp: int = 1,
+    schedule: str = "1f1b",
+    num_microbatches: int = 1,
+    micro_batch_size: int = 1,
+    recompute: str = "none",
+    zero_stage: int = 0,
+    tp_overlap: bool = False,
+    tp_chunks: int = 2,
+    fake_pg_ranks: int = 64,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+    vocab_size: int | None = None,
+    dtype: str = "bf16",
+) -> DryRunReport:
     """Build what each of ``world_size`` ranks would build for this job; never raises for a bad job.
 
     ``model`` is best built on the meta device (``merak_graph.empty_init()``); ``example_inputs``
@@ -231,13 +293,27 @@ def dry_run(model: nn.Module, example_inputs: Sequence[Any] | Mapping[str, Any],
         return report
     dp, tp, pp = degrees
     if schedule == "interleaved_1f1b":
-        report.problems.append(DryRunProblem(0, None, "schedule", "interleaved_1f1b (several stages per rank) is "
-                                             "refused by the Trainer, which runs one stage per rank: use 1f1b or "
-                                             "shifted_critical_path"))
+        report.problems.append(
+            DryRunProblem(
+                0,
+                None,
+                "schedule",
+                "interleaved_1f1b (several stages per rank) is "
+                "refused by the Trainer, which runs one stage per rank: use 1f1b or "
+                "shifted_critical_path",
+            )
+        )
         return report
     if num_microbatches < pp:
-        report.problems.append(DryRunProblem(0, None, "schedule", f"num_microbatches={num_microbatches} < pp={pp}: "
-                                             "every stage needs a microbatch; raise gradient_accumulation_steps"))
+        report.problems.append(
+            DryRunProblem(
+                0,
+                None,
+                "schedule",
+                f"num_microbatches={num_microbatches} < pp={pp}: "
+                "every stage needs a microbatch; raise gradient_accumulation_steps",
+            )
+        )
         return report
     sharded = trace_for_cluster(model, example_inputs, cluster, dtype=dtype)
     report.seconds["trace"] = time.perf_counter() - t0
@@ -246,30 +322,67 @@ def dry_run(model: nn.Module, example_inputs: Sequence[Any] | Mapping[str, Any],
     except mg.PartitionError as exc:
         report.problems.append(DryRunProblem(0, None, "partition", str(exc)))
         return report
-    costs = model_costs(sharded, model, dtype=dtype, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                        vocab_size=vocab_size)
+    costs = model_costs(
+        sharded, model, dtype=dtype, num_heads=num_heads, num_kv_heads=num_kv_heads, vocab_size=vocab_size
+    )
     sizes = [part.bounds[s + 1] - part.bounds[s] for s in range(pp)]
     t1 = time.perf_counter()
-    cand = predict_config(costs, cluster, dp=dp, tp=tp, pp=pp, schedule=schedule, num_microbatches=num_microbatches,
-                          micro_batch_size=micro_batch_size, recompute=recompute, zero_stage=zero_stage,
-                          tp_overlap=tp_overlap, tp_chunks=tp_chunks, stage_layers=sizes)
+    cand = predict_config(
+        costs,
+        cluster,
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        schedule=schedule,
+        num_microbatches=num_microbatches,
+        micro_batch_size=micro_batch_size,
+        recompute=recompute,
+        zero_stage=zero_stage,
+        tp_overlap=tp_overlap,
+        tp_chunks=tp_chunks,
+        stage_layers=sizes,
+    )
     if cand is None:  # stage-aware recomputation cannot fit: report with full recomputation
-        report.problems.append(DryRunProblem(0, 0, "memory", "stage-aware recomputation cannot fit the device even "
-                                             "recomputing everything (see the memory per stage)"))
-        cand = predict_config(costs, cluster, dp=dp, tp=tp, pp=pp, schedule=schedule,
-                              num_microbatches=num_microbatches, micro_batch_size=micro_batch_size, recompute="full",
-                              zero_stage=zero_stage, tp_overlap=tp_overlap, tp_chunks=tp_chunks, stage_layers=sizes)
+        report.problems.append(
+            DryRunProblem(
+                0,
+                0,
+                "memory",
+                "stage-aware recomputation cannot fit the device even "
+                "recomputing everything (see the memory per stage)",
+            )
+        )
+        cand = predict_config(
+            costs,
+            cluster,
+            dp=dp,
+            tp=tp,
+            pp=pp,
+            schedule=schedule,
+            num_microbatches=num_microbatches,
+            micro_batch_size=micro_batch_size,
+            recompute="full",
+            zero_stage=zero_stage,
+            tp_overlap=tp_overlap,
+            tp_chunks=tp_chunks,
+            stage_layers=sizes,
+        )
     assert cand is not None
     report.prediction = cand
     from merak_pipe import RecomputePlan
 
-    sched = build_schedule(schedule if pp > 1 else "1f1b", num_stages=pp,
-                           num_microbatches=num_microbatches, recompute=RecomputePlan(cand.recompute_fractions))
+    sched = build_schedule(
+        schedule if pp > 1 else "1f1b",
+        num_stages=pp,
+        num_microbatches=num_microbatches,
+        recompute=RecomputePlan(cand.recompute_fractions),
+    )
     per_stage_actions = [" ".join(str(a) for a in sched.actions[sched.stage_to_rank[s]]) for s in range(pp)]
     report.seconds["partition+schedule"] = time.perf_counter() - t1
     t2 = time.perf_counter()
-    groups, report.groups_backend = _build_groups(world_size, dp, tp, pp,
-                                                  _sample_ranks(world_size, dp, tp, pp, fake_pg_ranks))
+    groups, report.groups_backend = _build_groups(
+        world_size, dp, tp, pp, _sample_ranks(world_size, dp, tp, pp, fake_pg_ranks)
+    )
     report.seconds["groups"] = time.perf_counter() - t2
     shared = {s.name: sorted({st for st, _ in s.stages}) for s in part.shared_parameters}
     _rank_plans(report, cluster, groups, cand, per_stage_actions, shared, costs.param_numel, tp)
@@ -277,9 +390,16 @@ def dry_run(model: nn.Module, example_inputs: Sequence[Any] | Mapping[str, Any],
     return report
 
 
-def _rank_plans(report: DryRunReport, cluster: ClusterSpec, groups: dict[int, _Groups],
-                cand: ClusterCandidate, actions: list[str], shared: dict[str, list[int]], numel: dict[str, int],
-                tp: int) -> None:
+def _rank_plans(
+    report: DryRunReport,
+    cluster: ClusterSpec,
+    groups: dict[int, _Groups],
+    cand: ClusterCandidate,
+    actions: list[str],
+    shared: dict[str, list[int]],
+    numel: dict[str, int],
+    tp: int,
+) -> None:
     from merak_core.layout import coords_of
 
     dp = cand.dp
@@ -290,22 +410,47 @@ def _rank_plans(report: DryRunReport, cluster: ClusterSpec, groups: dict[int, _G
         dpg, tpg, ppg = groups[r]
         ties = {name: tuple(ppg[s] for s in stages) for name, stages in shared.items() if stage in stages}
         mem = cand.stage_memory_bytes[stage]
-        report.ranks.append(RankPlan(rank=r, node=cluster.node_of(r), stage=stage, dp_rank=dp_rank, tp_rank=tp_rank,
-                                     dp_group=dpg, tp_group=tpg, pp_group=ppg, schedule=actions[stage],
-                                     recompute_fraction=cand.recompute_fractions[stage], shared_groups=ties,
-                                     memory_bytes=mem))
+        report.ranks.append(
+            RankPlan(
+                rank=r,
+                node=cluster.node_of(r),
+                stage=stage,
+                dp_rank=dp_rank,
+                tp_rank=tp_rank,
+                dp_group=dpg,
+                tp_group=tpg,
+                pp_group=ppg,
+                schedule=actions[stage],
+                recompute_fraction=cand.recompute_fractions[stage],
+                shared_groups=ties,
+                memory_bytes=mem,
+            )
+        )
         if mem > limit:
-            report.problems.append(DryRunProblem(
-                r, stage, "memory", f"stage {stage} needs {mem / 1e9:.2f} GB per device (weights, gradients and "
-                f"optimizer {cand.stage_static_bytes[stage] / 1e9:.2f} GB + activations) but {cluster.device_name or 'the device'} "
-                f"has {limit / 1e9:.2f} GB usable: raise pp or tp, use ZeRO-1, recomputation or fewer microbatches "
-                "in flight"))
+            report.problems.append(
+                DryRunProblem(
+                    r,
+                    stage,
+                    "memory",
+                    f"stage {stage} needs {mem / 1e9:.2f} GB per device (weights, gradients and "
+                    f"optimizer {cand.stage_static_bytes[stage] / 1e9:.2f} GB + activations) but {cluster.device_name or 'the device'} "
+                    f"has {limit / 1e9:.2f} GB usable: raise pp or tp, use ZeRO-1, recomputation or fewer microbatches "
+                    "in flight",
+                )
+            )
             limit = float("inf")  # one memory problem per job: the lowest rank
         for name, ranks in ties.items():
             nodes = sorted({cluster.node_of(x) for x in ranks})
             if len(nodes) > 1 and name not in reported_tie:
                 reported_tie.add(name)
-                report.problems.append(DryRunProblem(
-                    r, stage, "shared-parameter", f"{name!r} is tied across stages {sorted(shared[name])} on nodes "
-                    f"{nodes} (ranks {list(ranks)}): its gradient ({numel[name] / tp * 4 / 1e6:.1f} MB per rank) is "
-                    "all-reduced over the network every step", fatal=False))
+                report.problems.append(
+                    DryRunProblem(
+                        r,
+                        stage,
+                        "shared-parameter",
+                        f"{name!r} is tied across stages {sorted(shared[name])} on nodes "
+                        f"{nodes} (ranks {list(ranks)}): its gradient ({numel[name] / tp * 4 / 1e6:.1f} MB per rank) is "
+                        "all-reduced over the network every step",
+                        fatal=False,
+                    )
+                )

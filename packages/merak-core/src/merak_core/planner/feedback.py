@@ -31,8 +31,15 @@ from merak_core.planner.search import Candidate, plan, predict
 from merak_pipe import schedule_info
 
 __all__ = [
-    "MeasuredStep", "PlanComparison", "PlanContext", "Replan", "compare", "correct_profile", "needs_replan",
-    "predict_current", "replan",
+    "MeasuredStep",
+    "PlanComparison",
+    "PlanContext",
+    "Replan",
+    "compare",
+    "correct_profile",
+    "needs_replan",
+    "predict_current",
+    "replan",
 ]
 
 _MS = 1e3
@@ -64,13 +71,19 @@ class PlanContext:
 
     def __post_init__(self) -> None:
         if not self.memory_per_device > 0:
-            raise ValueError(f"PlanContext.memory_per_device={self.memory_per_device!r}: expected bytes > 0 "
-                             "(math.inf: no limit)")
-        if self.compute_slots is not None and (isinstance(self.compute_slots, bool)
-                                               or not isinstance(self.compute_slots, (int, float))
-                                               or not 1 <= self.compute_slots < math.inf):
-            raise ValueError(f"PlanContext.compute_slots={self.compute_slots!r}: expected a number >= 1 or None "
-                             "(every rank has its own device)")
+            raise ValueError(
+                f"PlanContext.memory_per_device={self.memory_per_device!r}: expected bytes > 0 "
+                "(math.inf: no limit)"
+            )
+        if self.compute_slots is not None and (
+            isinstance(self.compute_slots, bool)
+            or not isinstance(self.compute_slots, (int, float))
+            or not 1 <= self.compute_slots < math.inf
+        ):
+            raise ValueError(
+                f"PlanContext.compute_slots={self.compute_slots!r}: expected a number >= 1 or None "
+                "(every rank has its own device)"
+            )
         if self.zero_stage not in (0, 1):
             raise ValueError(f"PlanContext.zero_stage={self.zero_stage!r}: expected 0 or 1")
 
@@ -99,14 +112,18 @@ class MeasuredStep:
                 raise ValueError(f"MeasuredStep.{name}={v!r}: expected finite seconds > 0")
         n = len(self.stage_forward_s)
         if n < 1 or len(self.stage_backward_s) != n:
-            raise ValueError(f"MeasuredStep: {n} forward and {len(self.stage_backward_s)} backward stage times; "
-                             "expected one of each per stage (at least one stage)")
+            raise ValueError(
+                f"MeasuredStep: {n} forward and {len(self.stage_backward_s)} backward stage times; "
+                "expected one of each per stage (at least one stage)"
+            )
         for v in (*self.stage_forward_s, *self.stage_backward_s):
             if not (v >= 0 and math.isfinite(v)):
                 raise ValueError(f"MeasuredStep: stage time {v!r}; expected finite seconds >= 0")
         if self.stage_peak_memory_bytes and len(self.stage_peak_memory_bytes) != n:
-            raise ValueError(f"MeasuredStep.stage_peak_memory_bytes has {len(self.stage_peak_memory_bytes)} values "
-                             f"for {n} stages: give one per stage (None where unavailable) or none")
+            raise ValueError(
+                f"MeasuredStep.stage_peak_memory_bytes has {len(self.stage_peak_memory_bytes)} values "
+                f"for {n} stages: give one per stage (None where unavailable) or none"
+            )
 
     @property
     def outside_pipeline_s(self) -> float:
@@ -146,18 +163,25 @@ class PlanComparison:
 
     def table(self) -> str:
         c = self.candidate
-        lines = [f"plan check over {self.measured.steps} steps: {_describe(c)}",
-                 f"{'':<34} {'predicted':>11} {'measured':>11} {'error':>8}"]
+        lines = [
+            f"plan check over {self.measured.steps} steps: {_describe(c)}",
+            f"{'':<34} {'predicted':>11} {'measured':>11} {'error':>8}",
+        ]
         for r in self.rows:
             scale = _MS if r.unit == "ms" else 1 / _MIB
             meas = "n/a" if r.measured is None else f"{r.measured * scale:.3f}"
             err = "n/a" if r.error is None else f"{100 * r.error:+.1f}%"
-            lines.append(f"{r.name + ' (' + r.unit + ')':<34} {r.predicted * scale:>11.3f} {meas:>11} {err:>8}")
+            lines.append(
+                f"{r.name + ' (' + r.unit + ')':<34} {r.predicted * scale:>11.3f} {meas:>11} {err:>8}"
+            )
         return "\n".join(lines)
 
     def to_record(self) -> dict[str, Any]:
         """Flat numbers for metrics.jsonl (seconds and bytes; errors as fractions; None: n/a)."""
-        out: dict[str, Any] = {"plan_check": _describe(self.candidate), "plan_check_steps": self.measured.steps}
+        out: dict[str, Any] = {
+            "plan_check": _describe(self.candidate),
+            "plan_check_steps": self.measured.steps,
+        }
         for r in self.rows:
             key = r.name.replace(" ", "_")
             suffix = "_s" if r.unit == "ms" else "_bytes"
@@ -168,7 +192,11 @@ class PlanComparison:
 
 
 def _describe(c: Candidate) -> str:
-    rc = c.recompute if c.recompute != "stage_aware" else "sa:" + ",".join(f"{f:.2f}" for f in c.recompute_fractions)
+    rc = (
+        c.recompute
+        if c.recompute != "stage_aware"
+        else "sa:" + ",".join(f"{f:.2f}" for f in c.recompute_fractions)
+    )
     return f"{c.layout} {c.schedule} m={c.num_microbatches} mbs={c.micro_batch_size} recompute={rc}"
 
 
@@ -176,39 +204,80 @@ def _config(c: Candidate) -> tuple[Any, ...]:
     return (c.dp, c.tp, c.pp, c.schedule, c.num_microbatches, c.micro_batch_size, c.recompute)
 
 
-def predict_current(ctx: PlanContext, *, dp: int, tp: int, pp: int, schedule: str, num_microbatches: int,
-                    micro_batch_size: int, recompute: str = "none", memory_budget: float | None = None,
-                    profile: ModelProfile | None = None, virtual_stages: int = 1) -> Candidate:
+def predict_current(
+    ctx: PlanContext,
+    *,
+    dp: int,
+    tp: int,
+    pp: int,
+    schedule: str,
+    num_microbatches: int,
+    micro_batch_size: int,
+    recompute: str = "none",
+    memory_budget: float | None = None,
+    profile: ModelProfile | None = None,
+    virtual_stages: int = 1,
+) -> Candidate:
     """:func:`~merak_core.planner.predict` of one configuration with the context's machine.
 
     ``schedule`` may be spelled with hyphens; ``memory_budget`` is the stage-aware budget (default:
     the context's memory per device); ``profile`` replaces the context's.
     """
-    return predict(profile or ctx.profile, dp=dp, tp=tp, pp=pp, schedule=schedule_info(schedule).key,
-                   num_microbatches=num_microbatches, micro_batch_size=micro_batch_size, recompute=recompute,
-                   comm=ctx.comm, zero_stage=ctx.zero_stage, optimizer_state_factor=ctx.optimizer_state_factor,
-                   memory_per_device=float(memory_budget) if memory_budget is not None else ctx.memory_per_device,
-                   compute_slots=ctx.compute_slots, virtual_stages=virtual_stages)
+    return predict(
+        profile or ctx.profile,
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        schedule=schedule_info(schedule).key,
+        num_microbatches=num_microbatches,
+        micro_batch_size=micro_batch_size,
+        recompute=recompute,
+        comm=ctx.comm,
+        zero_stage=ctx.zero_stage,
+        optimizer_state_factor=ctx.optimizer_state_factor,
+        memory_per_device=float(memory_budget) if memory_budget is not None else ctx.memory_per_device,
+        compute_slots=ctx.compute_slots,
+        virtual_stages=virtual_stages,
+    )
 
 
 def _repredict(ctx: PlanContext, c: Candidate, profile: ModelProfile) -> Candidate:
     budget = c.memory_per_device if c.recompute == "stage_aware" and c.memory_per_device > 0 else None
-    return predict_current(ctx, dp=c.dp, tp=c.tp, pp=c.pp, schedule=c.schedule, num_microbatches=c.num_microbatches,
-                           micro_batch_size=c.micro_batch_size, recompute=c.recompute, memory_budget=budget,
-                           profile=profile, virtual_stages=c.virtual_stages)
+    return predict_current(
+        ctx,
+        dp=c.dp,
+        tp=c.tp,
+        pp=c.pp,
+        schedule=c.schedule,
+        num_microbatches=c.num_microbatches,
+        micro_batch_size=c.micro_batch_size,
+        recompute=c.recompute,
+        memory_budget=budget,
+        profile=profile,
+        virtual_stages=c.virtual_stages,
+    )
 
 
 def compare(predicted: Candidate, measured: MeasuredStep) -> PlanComparison:
     """Rows: step time, pipeline, outside the pipeline, then per stage F, B (per microbatch) and peak memory."""
     num_stages = len(predicted.stage_forward_s)  # pp * virtual stages
     if len(measured.stage_forward_s) != num_stages:
-        raise ValueError(f"compare: the measurement has {len(measured.stage_forward_s)} stages but the prediction "
-                         f"{predicted.layout} has pp={predicted.pp}"
-                         + (f" x {predicted.virtual_stages} virtual stages" if predicted.virtual_stages > 1 else "")
-                         + ": measure the configuration that was predicted")
-    rows = [_Row("step time", "ms", predicted.step_time_s, measured.step_time_s),
-            _Row("pipeline", "ms", predicted.pipeline_s, measured.pipeline_s),
-            _Row("outside pipeline", "ms", predicted.step_time_s - predicted.pipeline_s, measured.outside_pipeline_s)]
+        raise ValueError(
+            f"compare: the measurement has {len(measured.stage_forward_s)} stages but the prediction "
+            f"{predicted.layout} has pp={predicted.pp}"
+            + (f" x {predicted.virtual_stages} virtual stages" if predicted.virtual_stages > 1 else "")
+            + ": measure the configuration that was predicted"
+        )
+    rows = [
+        _Row("step time", "ms", predicted.step_time_s, measured.step_time_s),
+        _Row("pipeline", "ms", predicted.pipeline_s, measured.pipeline_s),
+        _Row(
+            "outside pipeline",
+            "ms",
+            predicted.step_time_s - predicted.pipeline_s,
+            measured.outside_pipeline_s,
+        ),
+    ]
     for s in range(num_stages):
         rows.append(_Row(f"stage {s} F", "ms", predicted.stage_forward_s[s], measured.stage_forward_s[s]))
         rows.append(_Row(f"stage {s} B", "ms", predicted.stage_backward_s[s], measured.stage_backward_s[s]))
@@ -228,8 +297,12 @@ def needs_replan(comparison: PlanComparison, threshold: float) -> bool:
     return abs(comparison.step_time_error) > threshold
 
 
-def _scaled(profile: ModelProfile, fwd: Sequence[float], bwd: Sequence[float], g: float = 1.0) -> ModelProfile:
-    return dataclasses.replace(profile, layer_forward_s=[g * f for f in fwd], layer_backward_s=[g * b for b in bwd])
+def _scaled(
+    profile: ModelProfile, fwd: Sequence[float], bwd: Sequence[float], g: float = 1.0
+) -> ModelProfile:
+    return dataclasses.replace(
+        profile, layer_forward_s=[g * f for f in fwd], layer_backward_s=[g * b for b in bwd]
+    )
 
 
 def _clamp(k: float) -> float:
@@ -261,17 +334,19 @@ def correct_profile(ctx: PlanContext, predicted: Candidate, measured: MeasuredSt
     """
     prof = ctx.profile
     if len(measured.stage_forward_s) != predicted.pp or len(predicted.stage_layers) != predicted.pp:
-        raise ValueError(f"correct_profile: the measurement has {len(measured.stage_forward_s)} stages but "
-                         f"{predicted.layout} has pp={predicted.pp}")
+        raise ValueError(
+            f"correct_profile: the measurement has {len(measured.stage_forward_s)} stages but "
+            f"{predicted.layout} has pp={predicted.pp}"
+        )
     base = _repredict(ctx, predicted, prof)
     double = _repredict(ctx, predicted, _scaled(prof, prof.layer_forward_s, prof.layer_backward_s, 2.0))
     fwd, bwd = list(prof.layer_forward_s), list(prof.layer_backward_s)
     start = 0
     for s, n in enumerate(predicted.stage_layers):
-        for one, two, meas, layers in ((base.stage_forward_s[s], double.stage_forward_s[s],
-                                        measured.stage_forward_s[s], fwd),
-                                       (base.stage_backward_s[s], double.stage_backward_s[s],
-                                        measured.stage_backward_s[s], bwd)):
+        for one, two, meas, layers in (
+            (base.stage_forward_s[s], double.stage_forward_s[s], measured.stage_forward_s[s], fwd),
+            (base.stage_backward_s[s], double.stage_backward_s[s], measured.stage_backward_s[s], bwd),
+        ):
             var = two - one
             k = _clamp((meas - (one - var)) / var) if var > 0 else 1.0
             for i in range(start, start + n):
@@ -301,7 +376,9 @@ def correct_profile(ctx: PlanContext, predicted: Candidate, measured: MeasuredSt
     return _scaled(out, fwd, bwd, g)
 
 
-def _correct_overhead(ctx: PlanContext, predicted: Candidate, prof: ModelProfile, outside_s: float) -> ModelProfile:
+def _correct_overhead(
+    ctx: PlanContext, predicted: Candidate, prof: ModelProfile, outside_s: float
+) -> ModelProfile:
     """Set ``optimizer_s_per_byte`` so that the predicted time outside the pipeline equals ``outside_s``."""
     delta = 1e-9
     zero = _repredict(ctx, predicted, dataclasses.replace(prof, optimizer_s_per_byte=0.0))
@@ -335,8 +412,10 @@ class Replan:
     @property
     def changed(self) -> bool:
         """Whether the best configuration differs from the running one and is ``min_gain`` faster."""
-        return (_config(self.best) != _config(self.current)
-                and self.best.step_time_s < (1 - self.min_gain) * self.current.step_time_s)
+        return (
+            _config(self.best) != _config(self.current)
+            and self.best.step_time_s < (1 - self.min_gain) * self.current.step_time_s
+        )
 
     def message(self, *, job_path: str | None = None, has_checkpoints: bool = True) -> str:
         """What the run logs: the new best against the current, and how to switch.
@@ -345,25 +424,37 @@ class Replan:
         ``output_dir/replanned.yaml``); None: the message asks for a job file with the fields.
         """
         b, c = self.best, self.current
-        text = (f"re-planned from measured costs: best is now {_describe(b)} (predicted {b.step_time_s * _MS:.3f} ms) "
-                f"vs the current {_describe(c)} (predicted {c.step_time_s * _MS:.3f} ms)")
+        text = (
+            f"re-planned from measured costs: best is now {_describe(b)} (predicted {b.step_time_s * _MS:.3f} ms) "
+            f"vs the current {_describe(c)} (predicted {c.step_time_s * _MS:.3f} ms)"
+        )
         if self.error:
             return text + f"; the re-plan found nothing else that fits: {self.error}"
         if not self.changed:
-            return text + (f"; the current configuration stays the best (nothing predicted {100 * self.min_gain:.0f}% "
-                           "faster): nothing to change")
+            return text + (
+                f"; the current configuration stays the best (nothing predicted {100 * self.min_gain:.0f}% "
+                "faster): nothing to change"
+            )
         fields = " ".join(f"{k}={v}" for k, v in b.training_fields().items())
         where = job_path or "NEW.yaml"
-        text += (f"; to switch, set training: {fields} ({'written to ' + where if job_path else 'in a job file'}) "
-                 f"and run `merak train {where} --resume latest`: it restarts from the last checkpoint in the new "
-                 "layout (checkpoints reshard)")
+        text += (
+            f"; to switch, set training: {fields} ({'written to ' + where if job_path else 'in a job file'}) "
+            f"and run `merak train {where} --resume latest`: it restarts from the last checkpoint in the new "
+            "layout (checkpoints reshard)"
+        )
         if not has_checkpoints:
             text += "; this run saves no checkpoints (set save_steps), so it would start from scratch"
         return text
 
 
-def replan(ctx: PlanContext, predicted: Candidate, measured: MeasuredStep, *, global_batch_size: int | None = None,
-           max_microbatches: int = 64) -> Replan:
+def replan(
+    ctx: PlanContext,
+    predicted: Candidate,
+    measured: MeasuredStep,
+    *,
+    global_batch_size: int | None = None,
+    max_microbatches: int = 64,
+) -> Replan:
     """Correct the profile from ``measured`` (:func:`correct_profile`) and plan again for the same ranks and batch.
 
     ``global_batch_size`` defaults to the predicted configuration's (dp x microbatches x micro batch size).
@@ -373,10 +464,17 @@ def replan(ctx: PlanContext, predicted: Candidate, measured: MeasuredStep, *, gl
     corrected = correct_profile(ctx, predicted, measured)
     current = _repredict(ctx, predicted, corrected)
     try:
-        cands = plan(corrected, world_size=predicted.dp * predicted.tp * predicted.pp,
-                     memory_per_device=ctx.memory_per_device, global_batch_size=global_batch_size, comm=ctx.comm,
-                     zero_stage=ctx.zero_stage, optimizer_state_factor=ctx.optimizer_state_factor,
-                     max_microbatches=max_microbatches, compute_slots=ctx.compute_slots)
+        cands = plan(
+            corrected,
+            world_size=predicted.dp * predicted.tp * predicted.pp,
+            memory_per_device=ctx.memory_per_device,
+            global_batch_size=global_batch_size,
+            comm=ctx.comm,
+            zero_stage=ctx.zero_stage,
+            optimizer_state_factor=ctx.optimizer_state_factor,
+            max_microbatches=max_microbatches,
+            compute_slots=ctx.compute_slots,
+        )
     except ValueError as exc:
         return Replan(current=current, candidates=(), profile=corrected, error=str(exc))
     return Replan(current=current, candidates=tuple(cands), profile=corrected)

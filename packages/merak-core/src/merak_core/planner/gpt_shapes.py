@@ -53,11 +53,15 @@ class DecoderShape:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"DecoderShape.{name}={v!r}: expected an int >= 1")
         if self.hidden % self.num_heads:
-            raise ValueError(f"DecoderShape: hidden={self.hidden} is not a multiple of num_heads={self.num_heads}")
+            raise ValueError(
+                f"DecoderShape: hidden={self.hidden} is not a multiple of num_heads={self.num_heads}"
+            )
         kv = self.kv_heads
         if kv < 1 or self.num_heads % kv:
-            raise ValueError(f"DecoderShape.num_kv_heads={self.num_kv_heads!r}: expected a divisor of num_heads="
-                             f"{self.num_heads}")
+            raise ValueError(
+                f"DecoderShape.num_kv_heads={self.num_kv_heads!r}: expected a divisor of num_heads="
+                f"{self.num_heads}"
+            )
 
     @property
     def kv_heads(self) -> int:
@@ -88,8 +92,17 @@ PAPER_MODELS: dict[str, DecoderShape] = {
 }
 
 REFERENCE_MODELS: dict[str, DecoderShape] = {
-    "llama-70b": DecoderShape(num_layers=80, hidden=8192, num_heads=64, num_kv_heads=8, vocab_size=32000,
-                              seq_len=4096, ffn_hidden=28672, gated_mlp=True, tie_embeddings=False),
+    "llama-70b": DecoderShape(
+        num_layers=80,
+        hidden=8192,
+        num_heads=64,
+        num_kv_heads=8,
+        vocab_size=32000,
+        seq_len=4096,
+        ffn_hidden=28672,
+        gated_mlp=True,
+        tie_embeddings=False,
+    ),
     "gpt-20b": PAPER_MODELS["gpt-20b"],
 }
 
@@ -108,7 +121,9 @@ class _Attention(nn.Module):
         q = q.view(b, t, -1, self.head_dim).transpose(1, 2)
         k = k.view(b, t, -1, self.head_dim).transpose(1, 2)
         v = v.view(b, t, -1, self.head_dim).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.num_heads)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.num_heads
+        )
         return self.proj(y.transpose(1, 2).reshape(b, t, h))
 
 

@@ -39,8 +39,15 @@ from merak_core.planner.profile import ModelProfile
 from merak_pipe import schedule_info
 
 __all__ = [
-    "ZERO_STAGES", "SavedActivationMeter", "StageMemory", "compare_stage_memory", "cuda_peak_bytes", "measure_held_bytes",
-    "model_state_bytes", "predict_stage_memory", "relative_errors",
+    "ZERO_STAGES",
+    "SavedActivationMeter",
+    "StageMemory",
+    "compare_stage_memory",
+    "cuda_peak_bytes",
+    "measure_held_bytes",
+    "model_state_bytes",
+    "predict_stage_memory",
+    "relative_errors",
 ]
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -68,8 +75,14 @@ class StageMemory:
         return self.state_bytes + self.activation_bytes
 
 
-def model_state_bytes(param_bytes: float, *, zero_stage: int, dp: int, optimizer_state_factor: float = 2.0,
-                      largest_unit_bytes: float = 0.0) -> tuple[float, float, float]:
+def model_state_bytes(
+    param_bytes: float,
+    *,
+    zero_stage: int,
+    dp: int,
+    optimizer_state_factor: float = 2.0,
+    largest_unit_bytes: float = 0.0,
+) -> tuple[float, float, float]:
     """(parameter, gradient, optimizer-state) bytes a rank holds for ``param_bytes`` of its stage at the peak.
 
     ``optimizer_state_factor``: optimizer-state bytes per parameter byte (2 for Adam's moments in the
@@ -127,17 +140,24 @@ def predict_stage_memory(
 
     num_stages = len(stage_layers)
     if num_stages < 1 or sum(stage_layers) != profile.num_layers or min(stage_layers) < 1:
-        raise ValueError(f"stage_layers={list(stage_layers)} must be >= 1 layer per stage and sum to the profile's "
-                         f"{profile.num_layers} layers")
+        raise ValueError(
+            f"stage_layers={list(stage_layers)} must be >= 1 layer per stage and sum to the profile's "
+            f"{profile.num_layers} layers"
+        )
     if virtual_stages < 1 or num_stages % virtual_stages:
         raise ValueError(f"virtual_stages={virtual_stages} must divide the {num_stages} stages")
     name = schedule_info(schedule).name
     fractions = list(recompute_fractions) if recompute_fractions is not None else [0.0] * num_stages
     if len(fractions) != num_stages:
         raise ValueError(f"recompute_fractions has {len(fractions)} values for {num_stages} stages")
-    sched = build_schedule(name, num_stages=num_stages, num_microbatches=num_microbatches,
-                           num_ranks=num_stages // virtual_stages,
-                           recompute=RecomputePlan(tuple(float(f) for f in fractions)), check=False)
+    sched = build_schedule(
+        name,
+        num_stages=num_stages,
+        num_microbatches=num_microbatches,
+        num_ranks=num_stages // virtual_stages,
+        recompute=RecomputePlan(tuple(float(f) for f in fractions)),
+        check=False,
+    )
     placement = sched.stage_to_rank
     ranges = _stage_ranges(stage_layers)
     b = micro_batch_size
@@ -154,10 +174,23 @@ def predict_stage_memory(
         elif _holds_other_copy(s, placement, ranges, profile.num_layers):
             params -= profile.shared_param_bytes  # the rank's other stage holds the one local copy
         unit = max((profile.layer_param_bytes[i] for i in r), default=0.0) / tp
-        p, g, o = model_state_bytes(params / tp, zero_stage=zero_stage, dp=dp,
-                                    optimizer_state_factor=optimizer_state_factor, largest_unit_bytes=unit)
-        out.append(StageMemory(stage=s, rank=placement[s], param_bytes=p, grad_bytes=g, optimizer_bytes=o,
-                               activation_bytes=float(peaks[s])))
+        p, g, o = model_state_bytes(
+            params / tp,
+            zero_stage=zero_stage,
+            dp=dp,
+            optimizer_state_factor=optimizer_state_factor,
+            largest_unit_bytes=unit,
+        )
+        out.append(
+            StageMemory(
+                stage=s,
+                rank=placement[s],
+                param_bytes=p,
+                grad_bytes=g,
+                optimizer_bytes=o,
+                activation_bytes=float(peaks[s]),
+            )
+        )
     return out
 
 
@@ -203,7 +236,9 @@ class SavedActivationMeter:
         self._unit_param_keys: set[int] = set()
         """The running unit's parameters as registered now: under ZeRO-2/3 (FSDP2) the gathered ones."""
         self._current = min(self.stage_modules)
-        self._counts: dict[int, dict[int, list[int]]] = {s: {} for s in self.stage_modules}  # key -> [refs, bytes]
+        self._counts: dict[int, dict[int, list[int]]] = {
+            s: {} for s in self.stage_modules
+        }  # key -> [refs, bytes]
         self.live = dict.fromkeys(self.stage_modules, 0)
         self.peak = dict.fromkeys(self.stage_modules, 0)
         self.rank_peak = 0
@@ -216,12 +251,18 @@ class SavedActivationMeter:
             # Runs after FSDP2's pre-forward hook (registered earlier), which swapped in the gathered
             # parameters: autograd saving them is not an activation either.
             self._unit_param_keys = {_storage_key(p) for p in module.parameters()}
+
         return hook
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         key = _storage_key(tensor)
-        if (key in self._param_keys or key in self._unit_param_keys or tensor.device.type == "meta"
-                or isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter)):
+        if (
+            key in self._param_keys
+            or key in self._unit_param_keys
+            or tensor.device.type == "meta"
+            or isinstance(tensor, nn.Parameter)
+            or isinstance(tensor._base, nn.Parameter)
+        ):
             return tensor
         stage = self._current
         entry = self._counts[stage].get(key)
@@ -296,7 +337,9 @@ def _optimizer_states(optimizer: Any) -> Mapping[Any, Any]:
     return (inner if inner is not None else optimizer).state
 
 
-def measure_held_bytes(stage_modules: Mapping[int, nn.Module], optimizer: Any = None) -> dict[int, tuple[int, int, int]]:
+def measure_held_bytes(
+    stage_modules: Mapping[int, nn.Module], optimizer: Any = None
+) -> dict[int, tuple[int, int, int]]:
     """Per stage: (parameter, gradient, optimizer-state) bytes held now, each storage once.
 
     A parameter held by two stages of the rank (one object) counts on the lower stage. Call it
@@ -329,7 +372,9 @@ def cuda_peak_bytes(device: torch.device) -> Iterator[dict[str, int]]:
     ``reset_peak_memory_stats``) and ``start_bytes``.
     """
     if device.type != "cuda":
-        raise ValueError(f"cuda_peak_bytes measures a CUDA device; got {device} (use SavedActivationMeter on CPU)")
+        raise ValueError(
+            f"cuda_peak_bytes measures a CUDA device; got {device} (use SavedActivationMeter on CPU)"
+        )
     result: dict[str, int] = {}
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
@@ -354,15 +399,23 @@ def relative_errors(predicted: Sequence[StageMemory], measured: Sequence[StageMe
 def compare_stage_memory(predicted: Sequence[StageMemory], measured: Sequence[StageMemory]) -> str:
     """A per-stage table of predicted against measured bytes, and the median and largest error."""
     by_stage = {m.stage: m for m in measured}
-    lines = [f"{'stage':>5} {'rank':>4} {'pred MiB':>9} {'meas MiB':>9} {'error':>7}  "
-             "(params/grads/optimizer/activations, predicted | measured, MiB)"]
+    lines = [
+        f"{'stage':>5} {'rank':>4} {'pred MiB':>9} {'meas MiB':>9} {'error':>7}  "
+        "(params/grads/optimizer/activations, predicted | measured, MiB)"
+    ]
     errors = relative_errors(predicted, measured)
-    mib = 2.0 ** 20
+    mib = 2.0**20
+
+    def parts(x: Any) -> str:
+        return "/".join(
+            f"{v / mib:.3f}" for v in (x.param_bytes, x.grad_bytes, x.optimizer_bytes, x.activation_bytes)
+        )
+
     for p, err in zip(predicted, errors, strict=True):
         m = by_stage[p.stage]
-        parts = lambda x: "/".join(f"{v / mib:.3f}" for v in (x.param_bytes, x.grad_bytes, x.optimizer_bytes,  # noqa: E731
-                                                                   x.activation_bytes))
-        lines.append(f"{p.stage:>5} {p.rank:>4} {p.total_bytes / mib:>9.3f} {m.total_bytes / mib:>9.3f} "
-                     f"{100 * err:>6.1f}%  {parts(p)} | {parts(m)}")
+        lines.append(
+            f"{p.stage:>5} {p.rank:>4} {p.total_bytes / mib:>9.3f} {m.total_bytes / mib:>9.3f} "
+            f"{100 * err:>6.1f}%  {parts(p)} | {parts(m)}"
+        )
     lines.append(f"median error {100 * statistics.median(errors):.1f}%, max {100 * max(errors):.1f}%")
     return "\n".join(lines)

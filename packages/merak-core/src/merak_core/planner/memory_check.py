@@ -28,8 +28,14 @@ from merak_core.planner.memory import SavedActivationMeter, StageMemory, cuda_pe
 __all__ = ["gather_stages", "measure_step", "pipeline_step_fn"]
 
 
-def measure_step(stage_modules: Mapping[int, nn.Module], stage_to_rank: Sequence[int], run_step: Callable[[], Any],
-                 *, optimizer: Any = None, device: torch.device | None = None) -> tuple[list[StageMemory], int | None]:
+def measure_step(
+    stage_modules: Mapping[int, nn.Module],
+    stage_to_rank: Sequence[int],
+    run_step: Callable[[], Any],
+    *,
+    optimizer: Any = None,
+    device: torch.device | None = None,
+) -> tuple[list[StageMemory], int | None]:
     """Run ``run_step()`` once under the meter; (this rank's stages, the CUDA allocator's peak or None).
 
     Gradients are read right after the step, so ``run_step`` must leave them in place (a Trainer
@@ -45,16 +51,31 @@ def measure_step(stage_modules: Mapping[int, nn.Module], stage_to_rank: Sequence
         with meter.measuring():
             run_step()
     held = measure_held_bytes(stage_modules, optimizer)
-    out = [StageMemory(stage=s, rank=int(stage_to_rank[s]), param_bytes=float(held[s][0]),
-                       grad_bytes=float(held[s][1]), optimizer_bytes=float(held[s][2]),
-                       activation_bytes=float(meter.peak[s]))
-           for s in sorted(stage_modules)]
+    out = [
+        StageMemory(
+            stage=s,
+            rank=int(stage_to_rank[s]),
+            param_bytes=float(held[s][0]),
+            grad_bytes=float(held[s][1]),
+            optimizer_bytes=float(held[s][2]),
+            activation_bytes=float(meter.peak[s]),
+        )
+        for s in sorted(stage_modules)
+    ]
     return out, cuda_peak
 
 
-def pipeline_step_fn(stage_modules: Mapping[int, nn.Module], schedule: Any, *, loss_fn: Callable[[Any, Any], Any],
-                     group: Any, inputs: Any, labels: Any, shared_parameters: Sequence[Any] = (),
-                     device: torch.device | str = "cpu") -> Callable[[], Any]:
+def pipeline_step_fn(
+    stage_modules: Mapping[int, nn.Module],
+    schedule: Any,
+    *,
+    loss_fn: Callable[[Any, Any], Any],
+    group: Any,
+    inputs: Any,
+    labels: Any,
+    shared_parameters: Sequence[Any] = (),
+    device: torch.device | str = "cpu",
+) -> Callable[[], Any]:
     """A function running one pipeline step of ``schedule`` over this rank's ``stage_modules``.
 
     ``schedule`` is a merak-pipe schedule whose stages and placement match the modules (e.g. another
@@ -67,17 +88,28 @@ def pipeline_step_fn(stage_modules: Mapping[int, nn.Module], schedule: Any, *, l
         (module,) = stage_modules.values()
 
         def single() -> None:
-            chunks = zip(_split(inputs, schedule.num_microbatches), _split(labels, schedule.num_microbatches),
-                         strict=True)
+            chunks = zip(
+                _split(inputs, schedule.num_microbatches),
+                _split(labels, schedule.num_microbatches),
+                strict=True,
+            )
             for x, y in chunks:
-                out = module(*x) if isinstance(x, tuple) else module(**x) if isinstance(x, dict) else module(x)
+                out = (
+                    module(*x) if isinstance(x, tuple) else module(**x) if isinstance(x, dict) else module(x)
+                )
                 (loss_fn(out, y) / schedule.num_microbatches).backward()
+
         return single
-    stages = [PipelineStage(m, stage_index=s, num_stages=schedule.num_stages, group=group, device=device)
-              for s, m in sorted(stage_modules.items())]
-    runner = PipelineRunner(stages, schedule, loss_fn=loss_fn, group=group, shared_parameters=list(shared_parameters))
-    return lambda: runner.step(inputs if runner.holds_first_stage else None,
-                               labels if runner.holds_last_stage else None)
+    stages = [
+        PipelineStage(m, stage_index=s, num_stages=schedule.num_stages, group=group, device=device)
+        for s, m in sorted(stage_modules.items())
+    ]
+    runner = PipelineRunner(
+        stages, schedule, loss_fn=loss_fn, group=group, shared_parameters=list(shared_parameters)
+    )
+    return lambda: runner.step(
+        inputs if runner.holds_first_stage else None, labels if runner.holds_last_stage else None
+    )
 
 
 def _split(value: Any, parts: int) -> list[Any]:

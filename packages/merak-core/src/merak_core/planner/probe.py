@@ -55,10 +55,18 @@ class ProbeResult:
         return dataclasses.replace(profile, tp_scale=dict(self.tp_scale), overhead_scale=self.overhead_scale)
 
 
-def measure_tp_scale(args: TrainingArguments, model: nn.Module | Callable[[], nn.Module], train_dataset: Any,
-                     profile: ModelProfile, comm: CommModel, compute_slots: float | None, *,
-                     data_collator: Callable[[list[Any]], Any] | None = None, steps: int = 5,
-                     degrees: list[int] | None = None) -> ProbeResult:
+def measure_tp_scale(
+    args: TrainingArguments,
+    model: nn.Module | Callable[[], nn.Module],
+    train_dataset: Any,
+    profile: ModelProfile,
+    comm: CommModel,
+    compute_slots: float | None,
+    *,
+    data_collator: Callable[[list[Any]], Any] | None = None,
+    steps: int = 5,
+    degrees: list[int] | None = None,
+) -> ProbeResult:
     """Measured / predicted times of the pure DP x TP layouts (collective; every rank gets the same).
 
     ``degrees`` defaults to 1 and every k >= 2 that divides the world size and the model's heads,
@@ -68,55 +76,112 @@ def measure_tp_scale(args: TrainingArguments, model: nn.Module | Callable[[], nn
     from merak_core.layout import ParallelLayout
 
     if steps < 3:
-        raise ValueError(f"measure_tp_scale: steps={steps}; expected >= 3 (one warm-up step and two measured)")
+        raise ValueError(
+            f"measure_tp_scale: steps={steps}; expected >= 3 (one warm-up step and two measured)"
+        )
     world = dist.get_world_size()
-    ks = degrees if degrees is not None else [k for k in range(1, world + 1)
-                                              if world % k == 0 and profile.tp_allowed(k)]
+    ks = (
+        degrees
+        if degrees is not None
+        else [k for k in range(1, world + 1) if world % k == 0 and profile.tp_allowed(k)]
+    )
     base = dataclasses.replace(profile, tp_scale={}, overhead_scale=1.0)
     micro = args.per_device_train_batch_size
     scale: dict[int, float] = {}
     rest: list[float] = []
     for k in ks:
         probe = dataclasses.replace(
-            args, layout="manual", dp=world // k, tp=k, pp=1, gradient_accumulation_steps=1, max_steps=steps,
-            schedule="1f1b", recompute="none", memory_budget=None,
-            save_steps=None, eval_steps=None, plan_check_steps=0, logging_steps=10**9)
+            args,
+            layout="manual",
+            dp=world // k,
+            tp=k,
+            pp=1,
+            gradient_accumulation_steps=1,
+            max_steps=steps,
+            schedule="1f1b",
+            recompute="none",
+            memory_budget=None,
+            save_steps=None,
+            eval_steps=None,
+            plan_check_steps=0,
+            logging_steps=10**9,
+        )
         layout = ParallelLayout.build(world // k, k, 1)
         with torch.random.fork_rng():
             copy_ = model() if not isinstance(model, nn.Module) else copy.deepcopy(model)
             pipeline, step = _times(copy_, probe, layout, train_dataset, data_collator, steps)
-        measured = torch.tensor([statistics.median(pipeline[1:]), statistics.median(step[1:])],
-                                dtype=torch.float64, device=layout.device)
+        measured = torch.tensor(
+            [statistics.median(pipeline[1:]), statistics.median(step[1:])],
+            dtype=torch.float64,
+            device=layout.device,
+        )
         dist.all_reduce(measured, op=dist.ReduceOp.MAX)
-        predicted = predict(base, dp=world // k, tp=k, pp=1, schedule="1f1b", num_microbatches=1,
-                            micro_batch_size=micro, comm=comm, compute_slots=compute_slots)
+        predicted = predict(
+            base,
+            dp=world // k,
+            tp=k,
+            pp=1,
+            schedule="1f1b",
+            num_microbatches=1,
+            micro_batch_size=micro,
+            comm=comm,
+            compute_slots=compute_slots,
+        )
         pipe_s, step_s = (float(x) for x in measured)
         scale[k] = pipe_s / predicted.pipeline_s
         outside = predicted.step_time_s - predicted.pipeline_s
         if outside > 0:
             rest.append(max(step_s - pipe_s, 0.0) / outside)
         if dist.get_rank() == 0:
-            logger.info("probe dp%d-tp%d, microbatch %d: pipeline %.2f ms measured / %.2f ms modelled (x%.2f); "
-                        "outside the pipeline %.2f / %.2f ms", world // k, k, micro, pipe_s * 1e3,
-                        predicted.pipeline_s * 1e3, scale[k], (step_s - pipe_s) * 1e3, outside * 1e3)
+            logger.info(
+                "probe dp%d-tp%d, microbatch %d: pipeline %.2f ms measured / %.2f ms modelled (x%.2f); "
+                "outside the pipeline %.2f / %.2f ms",
+                world // k,
+                k,
+                micro,
+                pipe_s * 1e3,
+                predicted.pipeline_s * 1e3,
+                scale[k],
+                (step_s - pipe_s) * 1e3,
+                outside * 1e3,
+            )
     return ProbeResult(tp_scale=scale, overhead_scale=statistics.median(rest) if rest else 1.0)
 
 
-def _times(model: nn.Module, args: TrainingArguments, layout: Any, train_dataset: Any,
-           data_collator: Callable[[list[Any]], Any] | None, steps: int) -> tuple[list[float], list[float]]:
+def _times(
+    model: nn.Module,
+    args: TrainingArguments,
+    layout: Any,
+    train_dataset: Any,
+    data_collator: Callable[[list[Any]], Any] | None,
+    steps: int,
+) -> tuple[list[float], list[float]]:
     """Train ``steps`` steps of ``model`` with the step engine; each step's pipeline and whole seconds."""
     from merak_core import bootstrap
     from merak_core.data import StageAwareDataLoader
     from merak_core.engine import ParallelEngine, default_loss
 
     device = bootstrap.run_device(layout)
-    loader = StageAwareDataLoader(train_dataset, batch_size=args.micro_batch_size * args.num_microbatches,
-                                  layout=layout, collate_fn=data_collator, seed=args.seed, shuffle=True,
-                                  num_workers=args.dataloader_num_workers)
+    loader = StageAwareDataLoader(
+        train_dataset,
+        batch_size=args.micro_batch_size * args.num_microbatches,
+        layout=layout,
+        collate_fn=data_collator,
+        seed=args.seed,
+        shuffle=True,
+        num_workers=args.dataloader_num_workers,
+    )
     inputs, labels = bootstrap.example_batch(train_dataset, data_collator, args.micro_batch_size)
     composed = bootstrap.compose(model, args, layout, device, example_inputs=inputs)
-    engine = ParallelEngine(composed, layout, args, device=device, loss_fn=default_loss, num_training_steps=steps,
-                            example_labels=labels)
+    engine = ParallelEngine(
+        composed,
+        layout,
+        args,
+        device=device,
+        loss_fn=default_loss,
+        num_training_steps=steps,
+        example_labels=labels,
+    )
     pipeline: list[float] = []
     whole: list[float] = []
     batches = iter(loader)
@@ -127,7 +192,9 @@ def _times(model: nn.Module, args: TrainingArguments, layout: Any, train_dataset
             batches = iter(loader)
             batch = next(batches)
         start = time.perf_counter()
-        result = engine.step(batch.inputs, batch.labels, step=number)  # a Python float loss: the device finished
+        result = engine.step(
+            batch.inputs, batch.labels, step=number
+        )  # a Python float loss: the device finished
         whole.append(time.perf_counter() - start)
         pipeline.append(result.pipeline_s)
     return pipeline, whole

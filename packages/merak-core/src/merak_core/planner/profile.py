@@ -76,12 +76,16 @@ class ModelProfile:
     def __post_init__(self) -> None:
         n = len(self.layer_forward_s)
         if n < 1:
-            raise ValueError("ModelProfile.layer_forward_s is empty: expected one value per layer (at least one)")
+            raise ValueError(
+                "ModelProfile.layer_forward_s is empty: expected one value per layer (at least one)"
+            )
         for name in ("layer_backward_s", "layer_activation_bytes", "layer_param_bytes"):
             values = getattr(self, name)
             if len(values) != n:
-                raise ValueError(f"ModelProfile.{name} has {len(values)} values but layer_forward_s has {n}: "
-                                 "give one value per layer")
+                raise ValueError(
+                    f"ModelProfile.{name} has {len(values)} values but layer_forward_s has {n}: "
+                    "give one value per layer"
+                )
         for name in ("layer_forward_s", "layer_backward_s", "layer_activation_bytes", "layer_param_bytes"):
             for v in getattr(self, name):
                 if not v >= 0 or math.isinf(v):
@@ -89,21 +93,31 @@ class ModelProfile:
         scales = {}
         for k, v in dict(self.tp_scale).items():  # JSON gives string keys
             if int(k) < 1 or not (float(v) > 0 and math.isfinite(float(v))):
-                raise ValueError(f"ModelProfile.tp_scale[{k!r}]={v!r}: expected a TP degree >= 1 and a finite factor > 0")
+                raise ValueError(
+                    f"ModelProfile.tp_scale[{k!r}]={v!r}: expected a TP degree >= 1 and a finite factor > 0"
+                )
             scales[int(k)] = float(v)
         self.tp_scale = scales
         if not (self.overhead_scale > 0 and math.isfinite(self.overhead_scale)):
-            raise ValueError(f"ModelProfile.overhead_scale={self.overhead_scale!r}: expected a finite factor > 0")
+            raise ValueError(
+                f"ModelProfile.overhead_scale={self.overhead_scale!r}: expected a finite factor > 0"
+            )
         if not self.optimizer_s_per_byte >= 0 or math.isinf(self.optimizer_s_per_byte):
-            raise ValueError(f"ModelProfile.optimizer_s_per_byte={self.optimizer_s_per_byte}: expected finite seconds >= 0")
+            raise ValueError(
+                f"ModelProfile.optimizer_s_per_byte={self.optimizer_s_per_byte}: expected finite seconds >= 0"
+            )
         if not self.microbatch_overhead_s >= 0:
-            raise ValueError(f"ModelProfile.microbatch_overhead_s={self.microbatch_overhead_s}: expected seconds >= 0")
+            raise ValueError(
+                f"ModelProfile.microbatch_overhead_s={self.microbatch_overhead_s}: expected seconds >= 0"
+            )
         if self.boundary_bytes < 0:
             raise ValueError(f"ModelProfile.boundary_bytes={self.boundary_bytes}: expected >= 0")
         for name in ("num_heads", "num_kv_heads", "vocab_size"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
-                raise ValueError(f"ModelProfile.{name}={v!r}: expected a positive int or None (no constraint)")
+                raise ValueError(
+                    f"ModelProfile.{name}={v!r}: expected a positive int or None (no constraint)"
+                )
 
     @property
     def num_layers(self) -> int:
@@ -196,8 +210,13 @@ def _step_seconds(model: nn.Module, sample: torch.Tensor | Mapping[str, torch.Te
     return _timed(lambda: _forward_backward(model, sample), repeats, _device_of(sample))
 
 
-def measure_contention(model: nn.Module, sample: torch.Tensor | Mapping[str, torch.Tensor], *,
-                       seconds: float = 0.5, rounds: int = 3) -> float:
+def measure_contention(
+    model: nn.Module,
+    sample: torch.Tensor | Mapping[str, torch.Tensor],
+    *,
+    seconds: float = 0.5,
+    rounds: int = 3,
+) -> float:
     """How much slower the model's forward and backward run when every rank runs it at once (collective).
 
     Rank 0 runs ``model(sample)`` forward and backward alone for ``seconds`` (the others wait),
@@ -213,8 +232,10 @@ def measure_contention(model: nn.Module, sample: torch.Tensor | Mapping[str, tor
     import torch.distributed as dist
 
     if not seconds > 0 or rounds < 1:
-        raise ValueError(f"measure_contention: seconds={seconds!r}, rounds={rounds!r}; expected seconds > 0 and "
-                         "rounds >= 1")
+        raise ValueError(
+            f"measure_contention: seconds={seconds!r}, rounds={rounds!r}; expected seconds > 0 and "
+            "rounds >= 1"
+        )
     from merak_core.layout import collective_device
 
     first = sample if isinstance(sample, torch.Tensor) else next(iter(sample.values()))
@@ -275,8 +296,11 @@ def profile_model(
     first = sample if isinstance(sample, torch.Tensor) else next(iter(sample.values()))
     batch = int(first.shape[0])
     device = str(first.device)
-    shapes = tuple(sample.shape) if isinstance(sample, torch.Tensor) else tuple(
-        (k, tuple(v.shape)) for k, v in sorted(sample.items()))
+    shapes = (
+        tuple(sample.shape)
+        if isinstance(sample, torch.Tensor)
+        else tuple((k, tuple(v.shape)) for k, v in sorted(sample.items()))
+    )
     key = model_fingerprint(model, shapes)
     path = Path(cache_dir) / f"{key}-{device.replace(':', '_')}.json" if cache_dir is not None else None
     if path is not None and path.is_file():
@@ -288,8 +312,15 @@ def profile_model(
     # the rank that profiles diverge from the others.
     with torch.random.fork_rng(devices=[first.device] if first.device.type == "cuda" else []):
         try:
-            prof = _measure(model, sample, layers if layers is not None else _find_layers(model), repeats,
-                            batch, key, device)
+            prof = _measure(
+                model,
+                sample,
+                layers if layers is not None else _find_layers(model),
+                repeats,
+                batch,
+                key,
+                device,
+            )
             prof = dataclasses.replace(prof, optimizer_s_per_byte=_optimizer_s_per_byte(model, repeats))
         finally:
             model.zero_grad(set_to_none=True)
@@ -321,8 +352,15 @@ def _optimizer_s_per_byte(model: nn.Module, repeats: int) -> float:
     return seconds / max(nbytes, 1)
 
 
-def _measure(model: nn.Module, sample: torch.Tensor | Mapping[str, torch.Tensor], layers: nn.ModuleList,
-             repeats: int, batch: int, key: str, device: str) -> ModelProfile:
+def _measure(
+    model: nn.Module,
+    sample: torch.Tensor | Mapping[str, torch.Tensor],
+    layers: nn.ModuleList,
+    repeats: int,
+    batch: int,
+    key: str,
+    device: str,
+) -> ModelProfile:
     n = len(layers)
     fwd = [0.0] * n
     act = [0.0] * n
@@ -358,11 +396,13 @@ def _measure(model: nn.Module, sample: torch.Tensor | Mapping[str, torch.Tensor]
 
     def outside_module(m: nn.Module, _a: Any) -> None:  # a module outside the layers: its weights' place
         if current[0] < 0:
-            (used_after if after[0] else used_before).update(p.untyped_storage().data_ptr()
-                                                             for p in m.parameters(recurse=False))
+            (used_after if after[0] else used_before).update(
+                p.untyped_storage().data_ptr() for p in m.parameters(recurse=False)
+            )
 
     handles = []
     for i, layer in enumerate(layers):
+
         def pre(_m: nn.Module, _a: Any, i: int = i) -> None:
             current[0] = i
             starts[i] = _now(dev)
@@ -445,10 +485,18 @@ def _measure(model: nn.Module, sample: torch.Tensor | Mapping[str, torch.Tensor]
     heads = _find_attr(model, ("num_heads", "heads", "n_head", "num_attention_heads"))
     kv = _find_attr(model, ("num_key_value_heads", "num_kv_heads", "n_kv_heads"))
     prof = ModelProfile(
-        layer_forward_s=[f / batch for f in per_layer_f], layer_backward_s=[b / batch for b in per_layer_b],
-        layer_activation_bytes=[a / batch for a in act], layer_param_bytes=params, shared_param_bytes=shared,
-        boundary_bytes=out_bytes[0] / batch, num_heads=heads, num_kv_heads=kv, vocab_size=vocab,
-        fingerprint=key, device=device)
+        layer_forward_s=[f / batch for f in per_layer_f],
+        layer_backward_s=[b / batch for b in per_layer_b],
+        layer_activation_bytes=[a / batch for a in act],
+        layer_param_bytes=params,
+        shared_param_bytes=shared,
+        boundary_bytes=out_bytes[0] / batch,
+        num_heads=heads,
+        num_kv_heads=kv,
+        vocab_size=vocab,
+        fingerprint=key,
+        device=device,
+    )
     if batch > 1:  # time(b) = overhead + b * per_sample: a one-sample run gives the overhead
         one = sample[:1] if isinstance(sample, torch.Tensor) else {k: v[:1] for k, v in sample.items()}
         t_one = _step_seconds(model, one, repeats)
@@ -457,7 +505,9 @@ def _measure(model: nn.Module, sample: torch.Tensor | Mapping[str, torch.Tensor]
         if per_sample > 0:
             scale = per_sample / ((total_f + total_b) / batch)
             prof = dataclasses.replace(
-                prof, microbatch_overhead_s=overhead,
+                prof,
+                microbatch_overhead_s=overhead,
                 layer_forward_s=[f * scale for f in prof.layer_forward_s],
-                layer_backward_s=[b * scale for b in prof.layer_backward_s])
+                layer_backward_s=[b * scale for b in prof.layer_backward_s],
+            )
     return prof

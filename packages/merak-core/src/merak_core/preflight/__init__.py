@@ -33,9 +33,20 @@ from merak_core.preflight.files import check_output_dir, check_resume
 from merak_core.preflight.model import _where, build_meta_model, check_model_kwargs
 from merak_core.preflight.tp_plan import check_tp_plan
 
-__all__ = ["SHAPE_SCAN_SAMPLES", "PreflightError", "PreflightReport", "build_meta_model", "check_batch",
-           "check_dataset", "check_model_kwargs", "check_output_dir", "check_resume", "check_tp_plan",
-           "first_batch", "preflight"]
+__all__ = [
+    "SHAPE_SCAN_SAMPLES",
+    "PreflightError",
+    "PreflightReport",
+    "build_meta_model",
+    "check_batch",
+    "check_dataset",
+    "check_model_kwargs",
+    "check_output_dir",
+    "check_resume",
+    "check_tp_plan",
+    "first_batch",
+    "preflight",
+]
 
 
 def preflight(job: JobConfig, *, tp: int | None = None, resume: str | None = None) -> PreflightReport:
@@ -60,7 +71,9 @@ def preflight(job: JobConfig, *, tp: int | None = None, resume: str | None = Non
         except ValueError as exc:
             raise PreflightError(str(exc)) from None
         report.checks.append(f"{t.pp * t.virtual_stages} virtual stages fit the model's layers")
-    plan = check_tp_plan(model, t.tp_plan, t.tp if tp is None and t.layout != "auto" else tp, t.overlap_chunks)
+    plan = check_tp_plan(
+        model, t.tp_plan, t.tp if tp is None and t.layout != "auto" else tp, t.overlap_chunks
+    )
     if plan is not None:
         report.checks.append(f"TP plan {plan} resolves")
     if t.sequence_parallel and ((t.tp if tp is None else tp) or 0) > 1:
@@ -78,11 +91,15 @@ def preflight(job: JobConfig, *, tp: int | None = None, resume: str | None = Non
     except ValueError:
         raise
     except Exception as exc:  # noqa: BLE001 - reported with the factory and the kwargs
-        raise PreflightError(f"data.factory {job.data.spec!r} failed with kwargs {job.data.kwargs}: "
-                             f"{type(exc).__name__}: {exc}{_where(exc)}") from None
+        raise PreflightError(
+            f"data.factory {job.data.spec!r} failed with kwargs {job.data.kwargs}: "
+            f"{type(exc).__name__}: {exc}{_where(exc)}"
+        ) from None
     collate = job.optional("collate")
-    for what, dataset, batch_size in (("training", train, t.per_device_train_batch_size),
-                                      ("evaluation", evaluation, t.per_device_eval_batch_size)):
+    for what, dataset, batch_size in (
+        ("training", train, t.per_device_train_batch_size),
+        ("evaluation", evaluation, t.per_device_eval_batch_size),
+    ):
         if dataset is None:
             continue
         check_dataset(dataset, what)

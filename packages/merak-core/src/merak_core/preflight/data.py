@@ -21,12 +21,18 @@ def check_dataset(dataset: Any, what: str) -> int | None:
     if isinstance(dataset, IterableDataset):
         return None
     if isinstance(dataset, Mapping):
-        raise PreflightError(f"data.factory returned a dict with keys {sorted(map(str, dataset))} as the {what} set: "
-                             "return a dataset, or the pair (train_dataset, eval_dataset)")
-    if isinstance(dataset, (str, bytes)) or not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
-        raise PreflightError(f"data.factory returned {type(dataset).__name__} ({_short(dataset)}) as the {what} set: "
-                             "return a dataset (a torch.utils.data.Dataset, a list of samples, or an "
-                             "IterableDataset), or the pair (train_dataset, eval_dataset)")
+        raise PreflightError(
+            f"data.factory returned a dict with keys {sorted(map(str, dataset))} as the {what} set: "
+            "return a dataset, or the pair (train_dataset, eval_dataset)"
+        )
+    if isinstance(dataset, (str, bytes)) or not (
+        hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")
+    ):
+        raise PreflightError(
+            f"data.factory returned {type(dataset).__name__} ({_short(dataset)}) as the {what} set: "
+            "return a dataset (a torch.utils.data.Dataset, a list of samples, or an "
+            "IterableDataset), or the pair (train_dataset, eval_dataset)"
+        )
     size = len(dataset)
     if size == 0:
         raise PreflightError(f"the {what} set from data.factory is empty: it needs at least one sample")
@@ -60,10 +66,12 @@ def _ragged(dataset: Any, count: int, what: str) -> str | None:
         shapes = _shapes(dataset[index])
         for path, shape in first.items():
             if path in shapes and shapes[path] != shape:
-                return (f"samples 0 and {index} of the {what} set have different shapes at {path}: "
-                        f"{list(shape)} vs {list(shapes[path])}, so they cannot be stacked into a batch. Pad the "
-                        "samples to one length in the dataset, or give the job a collate function that pads "
-                        "(collate: file.py:function, e.g. with torch.nn.utils.rnn.pad_sequence)")
+                return (
+                    f"samples 0 and {index} of the {what} set have different shapes at {path}: "
+                    f"{list(shape)} vs {list(shapes[path])}, so they cannot be stacked into a batch. Pad the "
+                    "samples to one length in the dataset, or give the job a collate function that pads "
+                    "(collate: file.py:function, e.g. with torch.nn.utils.rnn.pad_sequence)"
+                )
     return None
 
 
@@ -89,9 +97,15 @@ def first_batch(dataset: Any, collate: Callable[[list[Any]], Any] | None, batch_
     try:
         return (collate or default_collate)(samples)
     except Exception as exc:  # noqa: BLE001 - named with the data set and the fix
-        who = "the job's collate function" if collate is not None else "the default collate (torch default_collate)"
-        raise PreflightError(f"{who} cannot build a batch from the first {len(samples)} samples of the {what} set: "
-                             f"{type(exc).__name__}: {exc}. Fix the samples or the collate function") from None
+        who = (
+            "the job's collate function"
+            if collate is not None
+            else "the default collate (torch default_collate)"
+        )
+        raise PreflightError(
+            f"{who} cannot build a batch from the first {len(samples)} samples of the {what} set: "
+            f"{type(exc).__name__}: {exc}. Fix the samples or the collate function"
+        ) from None
 
 
 def _input_embedding(model: nn.Module) -> nn.Embedding | None:
@@ -126,9 +140,11 @@ def check_batch(model: nn.Module, inputs: Any, labels: Any, *, default_loss: boo
         if emb is None:
             break
         if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-            raise PreflightError(f"batch {key} has dtype {ids.dtype}, but the model looks them up in an embedding "
-                                 f"(num_embeddings={emb.num_embeddings}): return integer token ids (torch.long) "
-                                 "from the dataset or the collate function")
+            raise PreflightError(
+                f"batch {key} has dtype {ids.dtype}, but the model looks them up in an embedding "
+                f"(num_embeddings={emb.num_embeddings}): return integer token ids (torch.long) "
+                "from the dataset or the collate function"
+            )
         if ids.numel():
             top, low = int(ids.max()), int(ids.min())
             if top >= emb.num_embeddings or low < 0:
@@ -137,28 +153,36 @@ def check_batch(model: nn.Module, inputs: Any, labels: Any, *, default_loss: boo
                 raise PreflightError(
                     f"batch {key} holds token id {value} (sample {_bad_row(ids, bad)} of the first batch), outside "
                     f"the model's vocabulary of {emb.num_embeddings} (ids 0..{emb.num_embeddings - 1}); fix the "
-                    "tokenizer or the data, or build the model with a vocabulary that covers every id")
+                    "tokenizer or the data, or build the model with a vocabulary that covers every id"
+                )
     if not default_loss or not isinstance(labels, torch.Tensor):
         return
     if labels.is_floating_point() or labels.dtype == torch.bool:
-        raise PreflightError(f"labels have dtype {labels.dtype}, but the default loss (cross-entropy) needs integer "
-                             "class ids (torch.long): convert them in the dataset or the collate function, or set "
-                             "'loss: file.py:function' for another loss (e.g. mean squared error)")
+        raise PreflightError(
+            f"labels have dtype {labels.dtype}, but the default loss (cross-entropy) needs integer "
+            "class ids (torch.long): convert them in the dataset or the collate function, or set "
+            "'loss: file.py:function' for another loss (e.g. mean squared error)"
+        )
     if labels.dtype != torch.long:
-        raise PreflightError(f"labels have dtype {labels.dtype}, but the default loss (cross-entropy) needs torch.long "
-                             "(int64) class ids: convert them with .long() in the dataset or the collate function")
+        raise PreflightError(
+            f"labels have dtype {labels.dtype}, but the default loss (cross-entropy) needs torch.long "
+            "(int64) class ids: convert them with .long() in the dataset or the collate function"
+        )
     classes = _output_classes(model, inputs)
     if classes is not None and labels.numel():
         bad = ((labels >= classes) | (labels < 0)) & (labels != -100)
         if bool(bad.any()):
             value = int(labels[bad].flatten()[0])
-            raise PreflightError(f"labels hold class id {value} (sample {_bad_row(labels, bad)} of the first batch), "
-                                 f"outside the model's {classes} outputs (ids 0..{classes - 1}, or -100 to ignore a "
-                                 "position); fix the labels or the model's output size")
+            raise PreflightError(
+                f"labels hold class id {value} (sample {_bad_row(labels, bad)} of the first batch), "
+                f"outside the model's {classes} outputs (ids 0..{classes - 1}, or -100 to ignore a "
+                "position); fix the labels or the model's output size"
+            )
 
 
 def _output_classes(model: nn.Module, inputs: Any) -> int | None:
     """The size of the model's last output dim, from a forward on the meta device (None if that fails)."""
+
     def meta(x: Any) -> Any:
         return x.to("meta") if isinstance(x, torch.Tensor) else x
 

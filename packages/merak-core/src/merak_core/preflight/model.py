@@ -43,7 +43,9 @@ def _fits(value: Any, annotation: Any) -> bool | None:
 
 
 def _type_text(annotation: Any) -> str:
-    return " or ".join("null" if m is type(None) else getattr(m, "__name__", str(m)) for m in _members(annotation))
+    return " or ".join(
+        "null" if m is type(None) else getattr(m, "__name__", str(m)) for m in _members(annotation)
+    )
 
 
 def check_model_kwargs(fn: Callable[..., Any], kwargs: Mapping[str, Any], section: str = "model") -> None:
@@ -55,15 +57,20 @@ def check_model_kwargs(fn: Callable[..., Any], kwargs: Mapping[str, Any], sectio
         return
     params = sig.parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    named = [n for n, p in params.items() if p.kind in (inspect.Parameter.KEYWORD_ONLY,
-                                                        inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    named = [
+        n
+        for n, p in params.items()
+        if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ]
     name = getattr(fn, "__qualname__", repr(fn))
     for key, value in kwargs.items():
         if key not in params:
             if takes_any:
                 continue
-            raise PreflightError(f"{section}.kwargs.{key}: {name}() takes no argument {key!r}"
-                                 f"{_suggest(str(key), named)}; its arguments are {named}")
+            raise PreflightError(
+                f"{section}.kwargs.{key}: {name}() takes no argument {key!r}"
+                f"{_suggest(str(key), named)}; its arguments are {named}"
+            )
         param = params[key]
         if key in hints:
             ok, expected = _fits(value, hints[key]), _type_text(hints[key])
@@ -74,8 +81,10 @@ def check_model_kwargs(fn: Callable[..., Any], kwargs: Mapping[str, Any], sectio
         else:
             ok = None
         if ok is False:
-            raise PreflightError(f"{section}.kwargs.{key}={value!r} has the wrong type for {name}(): expected "
-                                 f"{expected}, got {type(value).__name__}; fix {section}.kwargs.{key} in the job file")
+            raise PreflightError(
+                f"{section}.kwargs.{key}={value!r} has the wrong type for {name}(): expected "
+                f"{expected}, got {type(value).__name__}; fix {section}.kwargs.{key} in the job file"
+            )
 
 
 def build_meta_model(job: JobConfig) -> nn.Module:
@@ -92,14 +101,20 @@ def build_meta_model(job: JobConfig) -> nn.Module:
     except Exception as exc:  # noqa: BLE001 - reported with the factory and the kwargs
         culprit = _culprit(fn, job.model.kwargs)
         if culprit is not None:
-            raise PreflightError(f"model.kwargs.{culprit}={job.model.kwargs[culprit]!r} breaks model.factory "
-                                 f"{job.model.spec!r} (it builds with the factory's default for {culprit!r}): "
-                                 f"{type(exc).__name__}: {exc}{_where(exc)}; fix model.kwargs.{culprit}") from None
-        raise PreflightError(f"model.factory {job.model.spec!r} failed with kwargs {job.model.kwargs}: "
-                             f"{type(exc).__name__}: {exc}{_where(exc)}") from None
+            raise PreflightError(
+                f"model.kwargs.{culprit}={job.model.kwargs[culprit]!r} breaks model.factory "
+                f"{job.model.spec!r} (it builds with the factory's default for {culprit!r}): "
+                f"{type(exc).__name__}: {exc}{_where(exc)}; fix model.kwargs.{culprit}"
+            ) from None
+        raise PreflightError(
+            f"model.factory {job.model.spec!r} failed with kwargs {job.model.kwargs}: "
+            f"{type(exc).__name__}: {exc}{_where(exc)}"
+        ) from None
     if not isinstance(model, nn.Module):
-        raise PreflightError(f"model.factory {job.model.spec!r} returned {type(model).__name__}, not a torch.nn.Module; "
-                             "return the model")
+        raise PreflightError(
+            f"model.factory {job.model.spec!r} returned {type(model).__name__}, not a torch.nn.Module; "
+            "return the model"
+        )
     return model
 
 
@@ -114,8 +129,10 @@ def _pretrained_meta_model(job: JobConfig) -> nn.Module:
     except ValueError as exc:
         raise PreflightError(str(exc)) from None
     except Exception as exc:  # noqa: BLE001 - reported with the folder
-        raise PreflightError(f"model.pretrained {folder!r}: building the model from its config.json failed: "
-                             f"{type(exc).__name__}: {exc}{_where(exc)}") from None
+        raise PreflightError(
+            f"model.pretrained {folder!r}: building the model from its config.json failed: "
+            f"{type(exc).__name__}: {exc}{_where(exc)}"
+        ) from None
     try:
         PretrainedWeights.match(model, folder)  # names and shapes, from the file headers
     except ValueError as exc:

@@ -98,7 +98,8 @@ def _check_patterns(model: nn.Module, plan: Any, named: dict[str, nn.Module]) ->
             raise PreflightError(
                 f"training.tp_plan: {where} pattern {pattern!r} matches no module of {type(model).__name__} "
                 f"(closest module names: {close or 'none'}); fix the pattern against model.named_modules() "
-                "('*' matches any text, dots included)")
+                "('*' matches any text, dots included)"
+            )
 
 
 def _check_divisible(model: nn.Module, plan: Any, tp: int, name: str, module: nn.Module) -> None:
@@ -115,13 +116,16 @@ def _check_divisible(model: nn.Module, plan: Any, tp: int, name: str, module: nn
                         f"training.tp={tp} does not divide {name}.{what}={size}"
                         f"{f' (a section of {part})' if part != size else ''}, sharded by style {style!r} of "
                         f"tp_plan pattern {pattern!r}; choose a TP degree that divides {part}, or leave "
-                        f"{name!r} replicated")
+                        f"{name!r} replicated"
+                    )
     attr_pattern = _match(name, getattr(plan, "attributes", {}))
     for attr in getattr(plan, "attributes", {}).get(attr_pattern, ()) if attr_pattern else ():
         value = getattr(module, attr, None)
         if isinstance(value, int) and not isinstance(value, bool) and value % tp:
-            raise PreflightError(f"training.tp={tp} does not divide {name}.{attr}={value} (TP plan "
-                                 f"{plan.name!r}); choose a TP degree that divides {value}")
+            raise PreflightError(
+                f"training.tp={tp} does not divide {name}.{attr}={value} (TP plan "
+                f"{plan.name!r}); choose a TP degree that divides {value}"
+            )
 
 
 def _parallelize_on_fake_group(model: nn.Module, plan: Any, tp: int, overlap_chunks: int) -> None:
@@ -144,7 +148,9 @@ def _parallelize_on_fake_group(model: nn.Module, plan: Any, tp: int, overlap_chu
         return
     dist.init_process_group("fake", rank=0, world_size=tp, store=store())
     try:
-        merak_tp.parallelize(copy.deepcopy(model), plan, group=dist.group.WORLD, overlap_chunks=overlap_chunks)
+        merak_tp.parallelize(
+            copy.deepcopy(model), plan, group=dist.group.WORLD, overlap_chunks=overlap_chunks
+        )
     except ValueError as exc:
         raise PreflightError(f"training.tp={tp}, tp_plan {plan.name!r}: {exc}") from None
     finally:

@@ -62,25 +62,46 @@ from merak_core.textdata.tokenizer import LoadedTokenizer, load_tokenizer
 logger = logging.getLogger(__name__)
 
 
-def build_text_datasets(spec: TextDataSpec, *, local_rank: int | None = None,
-                        source: str = "data") -> tuple[TokenSamples, TokenSamples | None]:
+def build_text_datasets(
+    spec: TextDataSpec, *, local_rank: int | None = None, source: str = "data"
+) -> tuple[TokenSamples, TokenSamples | None]:
     """``(train, eval)`` of ``spec`` (eval is None without ``eval_fraction``); see the module docstring.
 
     ``local_rank`` (default: ``LOCAL_RANK``, 0 outside torchrun) decides who tokenizes a missing cache.
     """
     tokenizer = load_tokenizer(spec.tokenizer, eos_token=spec.eos_token)
     cache = ensure_cache(spec, tokenizer, local_rank=local_rank)
-    train, evaluation = split_samples(cache, seq_len=spec.seq_len, packing=spec.packing,
-                                      eval_fraction=spec.eval_fraction, source=source)
+    train, evaluation = split_samples(
+        cache, seq_len=spec.seq_len, packing=spec.packing, eval_fraction=spec.eval_fraction, source=source
+    )
     if int(os.environ.get("RANK", "0") or 0) == 0:
-        logger.info("data: %s%s from %d records, %d tokens (%s cache %s)", train.describe(),
-                    f", {evaluation.describe()}" if evaluation is not None else "", cache.num_records,
-                    int(cache.meta["num_tokens"]), "built" if cache.built else "reused", cache.path)
+        logger.info(
+            "data: %s%s from %d records, %d tokens (%s cache %s)",
+            train.describe(),
+            f", {evaluation.describe()}" if evaluation is not None else "",
+            cache.num_records,
+            int(cache.meta["num_tokens"]),
+            "built" if cache.built else "reused",
+            cache.path,
+        )
     return train, evaluation
 
 
 __all__ = [
-    "FORMATS", "IGNORE_INDEX", "LoadedTokenizer", "TextDataSpec", "TokenCache", "TokenCacheError", "TokenSamples",
-    "build_text_datasets", "cache_key", "default_cache_dir", "ensure_cache", "first_record", "iter_records",
-    "load_tokenizer", "num_samples", "split_samples",
+    "FORMATS",
+    "IGNORE_INDEX",
+    "LoadedTokenizer",
+    "TextDataSpec",
+    "TokenCache",
+    "TokenCacheError",
+    "TokenSamples",
+    "build_text_datasets",
+    "cache_key",
+    "default_cache_dir",
+    "ensure_cache",
+    "first_record",
+    "iter_records",
+    "load_tokenizer",
+    "num_samples",
+    "split_samples",
 ]

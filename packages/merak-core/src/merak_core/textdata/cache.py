@@ -77,11 +77,17 @@ class TokenCache:
         self.meta: dict[str, Any] = json.loads((self.path / "meta.json").read_text())
         dtype = np.dtype(self.meta["dtype"])
         n = int(self.meta["num_tokens"])
-        self.tokens = np.memmap(self.path / "tokens.bin", dtype=dtype, mode="r", shape=(n,)) if n else \
-            np.zeros(0, dtype=dtype)
+        self.tokens = (
+            np.memmap(self.path / "tokens.bin", dtype=dtype, mode="r", shape=(n,))
+            if n
+            else np.zeros(0, dtype=dtype)
+        )
         self.offsets = np.load(self.path / "offsets.npy", mmap_mode="r")
-        self.loss_mask = (np.memmap(self.path / "loss_mask.bin", dtype=np.uint8, mode="r", shape=(n,))
-                          if self.meta["sft"] and n else None)
+        self.loss_mask = (
+            np.memmap(self.path / "loss_mask.bin", dtype=np.uint8, mode="r", shape=(n,))
+            if self.meta["sft"] and n
+            else None
+        )
 
     @property
     def key(self) -> str:
@@ -94,9 +100,16 @@ class TokenCache:
 
 def cache_key(spec: TextDataSpec, tokenizer: LoadedTokenizer) -> str:
     """The cache folder name of ``spec`` tokenized by ``tokenizer`` (see [Note: token cache])."""
-    parts = {"cache_format": CACHE_FORMAT, "data": content_hash(spec.path), "tokenizer": tokenizer.fingerprint,
-             "format": spec.format, "fields": list(spec.fields), "sample_by": spec.sample_by,
-             "add_eos": spec.add_eos, "split": spec.split if spec.format == "hf_dataset" else None}
+    parts = {
+        "cache_format": CACHE_FORMAT,
+        "data": content_hash(spec.path),
+        "tokenizer": tokenizer.fingerprint,
+        "format": spec.format,
+        "fields": list(spec.fields),
+        "sample_by": spec.sample_by,
+        "add_eos": spec.add_eos,
+        "split": spec.split if spec.format == "hf_dataset" else None,
+    }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
 
 
@@ -108,7 +121,9 @@ def _run_tag() -> str:
     return f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}:{os.environ.get('TORCHELASTIC_RESTART_COUNT', '')}"
 
 
-def ensure_cache(spec: TextDataSpec, tokenizer: LoadedTokenizer, *, local_rank: int | None = None) -> TokenCache:
+def ensure_cache(
+    spec: TextDataSpec, tokenizer: LoadedTokenizer, *, local_rank: int | None = None
+) -> TokenCache:
     """The cache of ``spec``: reused when complete, else built (local rank 0) or waited for (the others)."""
     root = Path(spec.resolved_cache_dir())
     key = cache_key(spec, tokenizer)
@@ -121,8 +136,10 @@ def ensure_cache(spec: TextDataSpec, tokenizer: LoadedTokenizer, *, local_rank: 
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise TokenCacheError(f"data.cache_dir={str(root)!r} cannot be created ({exc.strerror}); set data.cache_dir "
-                              "to a writable folder") from None
+        raise TokenCacheError(
+            f"data.cache_dir={str(root)!r} cannot be created ({exc.strerror}); set data.cache_dir "
+            "to a writable folder"
+        ) from None
     with _flock(root / f"{key}.lock", spec.cache_timeout_s, final):
         if (final / "meta.json").is_file():  # another node sharing the folder built it meanwhile
             return TokenCache(final, built=False)
@@ -158,7 +175,8 @@ class _flock:
                     raise TokenCacheError(
                         f"another process has held the token cache lock {str(self.path)!r} for more than "
                         f"data.cache_timeout_s={self.timeout_s:g} s without finishing {str(self.final)!r}: it "
-                        "may still be tokenizing (raise data.cache_timeout_s) or hang (stop it)") from None
+                        "may still be tokenizing (raise data.cache_timeout_s) or hang (stop it)"
+                    ) from None
                 time.sleep(_POLL_S)
 
     def __exit__(self, *exc: object) -> None:
@@ -180,13 +198,16 @@ def _wait_for(final: Path, spec: TextDataSpec, rank: int) -> TokenCache:
             except (OSError, json.JSONDecodeError):
                 info = {}
             if info.get("run") == tag:
-                raise TokenCacheError(f"local rank {rank}: local rank 0 failed to build the token cache "
-                                      f"{str(final)!r}: {info.get('error')}")
+                raise TokenCacheError(
+                    f"local rank {rank}: local rank 0 failed to build the token cache "
+                    f"{str(final)!r}: {info.get('error')}"
+                )
         time.sleep(_POLL_S)
     raise TokenCacheError(
         f"local rank {rank} waited data.cache_timeout_s={spec.cache_timeout_s:g} s for the token cache "
         f"{str(final)!r}, which local rank 0 of this node builds, and it did not appear: see local rank 0's log for "
-        "its error, or raise data.cache_timeout_s when tokenizing takes longer")
+        "its error, or raise data.cache_timeout_s when tokenizing takes longer"
+    )
 
 
 def _encoded(spec: TextDataSpec, tokenizer: LoadedTokenizer) -> Iterator[tuple[list[int], int]]:
@@ -216,8 +237,11 @@ def _encoded(spec: TextDataSpec, tokenizer: LoadedTokenizer) -> Iterator[tuple[l
 def _build(final: Path, key: str, spec: TextDataSpec, tokenizer: LoadedTokenizer) -> None:
     start = time.perf_counter()
     if spec.add_eos and tokenizer.eos_id is None:
-        logger.warning("data: the tokenizer %r names no end-of-sequence token, so records are joined without a "
-                       "separator; set data.eos_token (or data.add_eos: false to silence this)", spec.tokenizer)
+        logger.warning(
+            "data: the tokenizer %r names no end-of-sequence token, so records are joined without a "
+            "separator; set data.eos_token (or data.add_eos: false to silence this)",
+            spec.tokenizer,
+        )
     dtype = np.uint16 if tokenizer.vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
     tmp = final.parent / f"{final.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -228,12 +252,19 @@ def _build(final: Path, key: str, spec: TextDataSpec, tokenizer: LoadedTokenizer
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     os.replace(tmp, final)
-    logger.info("data: tokenized %d records of %r into %d tokens in %.1f s (cache %s)", meta["num_records"],
-                spec.path, meta["num_tokens"], meta["build_s"], final)
+    logger.info(
+        "data: tokenized %d records of %r into %d tokens in %.1f s (cache %s)",
+        meta["num_records"],
+        spec.path,
+        meta["num_tokens"],
+        meta["build_s"],
+        final,
+    )
 
 
-def _write(tmp: Path, key: str, spec: TextDataSpec, tokenizer: LoadedTokenizer, dtype: Any,
-           start: float) -> dict[str, Any]:
+def _write(
+    tmp: Path, key: str, spec: TextDataSpec, tokenizer: LoadedTokenizer, dtype: Any, start: float
+) -> dict[str, Any]:
     offsets = array("q", [0])
     with open(tmp / "tokens.bin", "wb") as tokens, open(tmp / "loss_mask.bin", "wb") as mask:
         for ids, prompt_len in _encoded(spec, tokenizer):
@@ -246,10 +277,20 @@ def _write(tmp: Path, key: str, spec: TextDataSpec, tokenizer: LoadedTokenizer, 
     if not spec.sft:
         (tmp / "loss_mask.bin").unlink()
     np.save(tmp / "offsets.npy", np.frombuffer(offsets, dtype=np.int64))
-    meta = {"cache_format": CACHE_FORMAT, "key": key, "dtype": np.dtype(dtype).name, "num_tokens": offsets[-1],
-            "num_records": len(offsets) - 1, "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id,
-            "pad_id": tokenizer.pad_id, "sft": spec.sft, "source": spec.path, "tokenizer": spec.tokenizer,
-            "build_s": round(time.perf_counter() - start, 3)}
+    meta = {
+        "cache_format": CACHE_FORMAT,
+        "key": key,
+        "dtype": np.dtype(dtype).name,
+        "num_tokens": offsets[-1],
+        "num_records": len(offsets) - 1,
+        "vocab_size": tokenizer.vocab_size,
+        "eos_id": tokenizer.eos_id,
+        "pad_id": tokenizer.pad_id,
+        "sft": spec.sft,
+        "source": spec.path,
+        "tokenizer": spec.tokenizer,
+        "build_s": round(time.perf_counter() - start, 3),
+    }
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     return meta
 

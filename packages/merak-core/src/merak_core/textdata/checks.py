@@ -26,18 +26,24 @@ def check_text_data(spec: TextDataSpec) -> str:
     """Check ``spec`` as described in the module docstring; returns what was checked, for the launch log."""
     if spec.format == "hf_dataset":
         if not os.path.isdir(spec.path):
-            raise ValueError(f"data.path={spec.path!r} is not a folder: format hf_dataset reads a dataset saved "
-                             "with save_to_disk; point data.path at that folder")
+            raise ValueError(
+                f"data.path={spec.path!r} is not a folder: format hf_dataset reads a dataset saved "
+                "with save_to_disk; point data.path at that folder"
+            )
     elif not os.path.isfile(spec.path):
-        raise ValueError(f"data.path={spec.path!r} does not exist (or is not a file); point data.path at the "
-                         f"{spec.format} file (relative paths are taken from the job file's folder)")
+        raise ValueError(
+            f"data.path={spec.path!r} does not exist (or is not a file); point data.path at the "
+            f"{spec.format} file (relative paths are taken from the job file's folder)"
+        )
     module, extra = _EXTRAS.get(spec.format, (None, None))
     if module is not None and importlib.util.find_spec(module) is None:
         raise ValueError(f"data.format={spec.format!r} needs {module}: pip install 'merak-core[{extra}]'")
     tokenizer = load_tokenizer(spec.tokenizer, eos_token=spec.eos_token)
     first_record(spec)
-    return (f"text data {spec.format} {spec.path!r} (first record read), tokenizer {spec.tokenizer!r} "
-            f"(vocabulary {tokenizer.vocab_size})")
+    return (
+        f"text data {spec.format} {spec.path!r} (first record read), tokenizer {spec.tokenizer!r} "
+        f"(vocabulary {tokenizer.vocab_size})"
+    )
 
 
 __all__ = ["check_text_data"]

@@ -58,7 +58,9 @@ def first_record(spec: TextDataSpec) -> Record:
     """The first record (raises ``ValueError`` naming the key and the fix when there is none or a field is missing)."""
     for record in iter_records(spec):
         return record
-    raise ValueError(f"data.path={spec.path!r} holds no records ({spec.format}); point data.path at a non-empty file")
+    raise ValueError(
+        f"data.path={spec.path!r} holds no records ({spec.format}); point data.path at a non-empty file"
+    )
 
 
 def _text_records(path: str, sample_by: str) -> Iterator[str]:
@@ -93,8 +95,10 @@ def _jsonl_rows(path: str) -> Iterator[tuple[str, Any]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"data.path={path!r} line {number} is not JSON ({exc.msg}): each line of a jsonl "
-                                 "file must hold one JSON object") from None
+                raise ValueError(
+                    f"data.path={path!r} line {number} is not JSON ({exc.msg}): each line of a jsonl "
+                    "file must hold one JSON object"
+                ) from None
             yield f"line {number}", row
 
 
@@ -102,8 +106,9 @@ def _parquet_rows(path: str, fields: tuple[str, ...]) -> Iterator[tuple[str, Any
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise ValueError("data.format='parquet' needs pyarrow: pip install 'merak-core[parquet]' (or pyarrow)"
-                         ) from None
+        raise ValueError(
+            "data.format='parquet' needs pyarrow: pip install 'merak-core[parquet]' (or pyarrow)"
+        ) from None
     parquet = pq.ParquetFile(path)
     names = parquet.schema_arrow.names
     missing = [f for f in fields if f not in names]
@@ -120,13 +125,16 @@ def _hf_rows(spec: TextDataSpec) -> Iterator[tuple[str, Any]]:
     try:
         import datasets
     except ImportError:
-        raise ValueError("data.format='hf_dataset' needs the datasets package: pip install 'merak-core[datasets]'"
-                         ) from None
+        raise ValueError(
+            "data.format='hf_dataset' needs the datasets package: pip install 'merak-core[datasets]'"
+        ) from None
     loaded = datasets.load_from_disk(spec.path)
     if isinstance(loaded, datasets.DatasetDict):
         if spec.split not in loaded:
-            raise ValueError(f"data.split={spec.split!r}: the dataset at {spec.path!r} has splits "
-                             f"{sorted(loaded)}; set data.split to one of them")
+            raise ValueError(
+                f"data.split={spec.split!r}: the dataset at {spec.path!r} has splits "
+                f"{sorted(loaded)}; set data.split to one of them"
+            )
         loaded = loaded[spec.split]
     missing = [f for f in spec.fields if f not in loaded.column_names]
     if missing:
@@ -137,25 +145,36 @@ def _hf_rows(spec: TextDataSpec) -> Iterator[tuple[str, Any]]:
 
 def _record(spec: TextDataSpec, row: Any, where: str) -> Record:
     if not isinstance(row, Mapping):
-        raise ValueError(f"data.path={spec.path!r} {where} is a {type(row).__name__}, not an object with field "
-                         f"{spec.fields[0]!r}")
+        raise ValueError(
+            f"data.path={spec.path!r} {where} is a {type(row).__name__}, not an object with field "
+            f"{spec.fields[0]!r}"
+        )
     values = []
     for name in spec.fields:
         if name not in row:
-            key = "prompt_field" if spec.sft and name == spec.prompt_field else (
-                "response_field" if spec.sft else "text_field")
-            raise ValueError(f"data.{key}={name!r}: {where} of {spec.path!r} has no field {name!r} (it has "
-                             f"{sorted(row)}); set data.{key} to the field that holds the text")
+            key = (
+                "prompt_field"
+                if spec.sft and name == spec.prompt_field
+                else ("response_field" if spec.sft else "text_field")
+            )
+            raise ValueError(
+                f"data.{key}={name!r}: {where} of {spec.path!r} has no field {name!r} (it has "
+                f"{sorted(row)}); set data.{key} to the field that holds the text"
+            )
         value = row[name]
         if not isinstance(value, str):
-            raise ValueError(f"data.path={spec.path!r} {where}: field {name!r} is a {type(value).__name__}, not text")
+            raise ValueError(
+                f"data.path={spec.path!r} {where}: field {name!r} is a {type(value).__name__}, not text"
+            )
         values.append(value)
     return (values[0], values[1]) if spec.sft else values[0]
 
 
 def _missing_field(path: str, what: str, name: str, names: list[str]) -> str:
-    return (f"data.text_field (or prompt/response_field)={name!r}: {path!r} has no {what} {name!r} (it has "
-            f"{sorted(names)}); set the field to the {what} that holds the text")
+    return (
+        f"data.text_field (or prompt/response_field)={name!r}: {path!r} has no {what} {name!r} (it has "
+        f"{sorted(names)}); set the field to the {what} that holds the text"
+    )
 
 
 def describe_source(spec: TextDataSpec) -> str:

@@ -44,8 +44,9 @@ class TokenSamples(Dataset[dict[str, torch.Tensor]]):
     Items are ``{"input_ids": int64[seq_len], "labels": int64[seq_len]}``.
     """
 
-    def __init__(self, cache: TokenCache, *, seq_len: int, packing: bool, first: int, count: int,
-                 split: str) -> None:
+    def __init__(
+        self, cache: TokenCache, *, seq_len: int, packing: bool, first: int, count: int, split: str
+    ) -> None:
         self.cache = cache
         self.seq_len = seq_len
         self.packing = packing
@@ -79,7 +80,7 @@ class TokenSamples(Dataset[dict[str, torch.Tensor]]):
         tokens = np.asarray(self.cache.tokens[start:stop], dtype=np.int64)
         labels = tokens[1:].copy()
         if self.cache.loss_mask is not None:
-            labels[np.asarray(self.cache.loss_mask[start + 1:stop]) == 0] = IGNORE_INDEX
+            labels[np.asarray(self.cache.loss_mask[start + 1 : stop]) == 0] = IGNORE_INDEX
         inputs = tokens[:-1]
         pad = self.seq_len - len(inputs)
         if pad:
@@ -93,8 +94,10 @@ class TokenSamples(Dataset[dict[str, torch.Tensor]]):
         return f"{self.cache.key}:seq_len={self.seq_len}:packing={self.packing}:{self.split}[{self.first}+{self.count}]"
 
     def describe(self) -> str:
-        return (f"{self.count} {self.split} samples of {self.seq_len} tokens "
-                f"({'packed' if self.packing else 'one record each'})")
+        return (
+            f"{self.count} {self.split} samples of {self.seq_len} tokens "
+            f"({'packed' if self.packing else 'one record each'})"
+        )
 
 
 def _labelled_records(cache: TokenCache) -> np.ndarray:
@@ -109,8 +112,9 @@ def num_samples(cache: TokenCache, *, seq_len: int, packing: bool) -> int:
     return int(len(_labelled_records(cache)))
 
 
-def split_samples(cache: TokenCache, *, seq_len: int, packing: bool, eval_fraction: float,
-                  source: str = "data") -> tuple[TokenSamples, TokenSamples | None]:
+def split_samples(
+    cache: TokenCache, *, seq_len: int, packing: bool, eval_fraction: float, source: str = "data"
+) -> tuple[TokenSamples, TokenSamples | None]:
     """The training set and (``eval_fraction > 0``) the eval set: the last samples."""
     total = num_samples(cache, seq_len=seq_len, packing=packing)
     held = math.ceil(eval_fraction * total) if eval_fraction > 0 else 0
@@ -119,10 +123,14 @@ def split_samples(cache: TokenCache, *, seq_len: int, packing: bool, eval_fracti
         raise ValueError(
             f"{source}: the data gives {total} samples of seq_len={seq_len} ({tokens} tokens, "
             f"{cache.num_records} records, packing={packing}), {held} held out by eval_fraction={eval_fraction}, "
-            "so no training sample is left: add text, lower data.seq_len or data.eval_fraction")
+            "so no training sample is left: add text, lower data.seq_len or data.eval_fraction"
+        )
     train = TokenSamples(cache, seq_len=seq_len, packing=packing, first=0, count=total - held, split="train")
-    evaluation = (TokenSamples(cache, seq_len=seq_len, packing=packing, first=total - held, count=held, split="eval")
-                  if held else None)
+    evaluation = (
+        TokenSamples(cache, seq_len=seq_len, packing=packing, first=total - held, count=held, split="eval")
+        if held
+        else None
+    )
     return train, evaluation
 
 

@@ -67,22 +67,48 @@ class TextDataSpec:
     def __post_init__(self) -> None:
         _check(self.format in FORMATS, "format", self.format, f"one of {FORMATS}")
         _check(isinstance(self.path, str) and self.path != "", "path", self.path, "the path of the data file")
-        _check(isinstance(self.tokenizer, str) and self.tokenizer != "", "tokenizer", self.tokenizer,
-               "a tokenizer.json file or a folder holding one")
-        _check(isinstance(self.seq_len, int) and not isinstance(self.seq_len, bool) and self.seq_len > 0,
-               "seq_len", self.seq_len, "a positive integer (tokens per sample)")
-        _check(isinstance(self.eval_fraction, (int, float)) and not isinstance(self.eval_fraction, bool)
-               and 0.0 <= self.eval_fraction < 1.0, "eval_fraction", self.eval_fraction, "a number in [0, 1)")
+        _check(
+            isinstance(self.tokenizer, str) and self.tokenizer != "",
+            "tokenizer",
+            self.tokenizer,
+            "a tokenizer.json file or a folder holding one",
+        )
+        _check(
+            isinstance(self.seq_len, int) and not isinstance(self.seq_len, bool) and self.seq_len > 0,
+            "seq_len",
+            self.seq_len,
+            "a positive integer (tokens per sample)",
+        )
+        _check(
+            isinstance(self.eval_fraction, (int, float))
+            and not isinstance(self.eval_fraction, bool)
+            and 0.0 <= self.eval_fraction < 1.0,
+            "eval_fraction",
+            self.eval_fraction,
+            "a number in [0, 1)",
+        )
         _check(self.sample_by in SAMPLE_BY, "sample_by", self.sample_by, f"one of {SAMPLE_BY}")
         for name in ("packing", "add_eos"):
             _check(isinstance(getattr(self, name), bool), name, getattr(self, name), "true or false")
-        _check((self.prompt_field is None) == (self.response_field is None), "prompt_field",
-               self.prompt_field, "set together with data.response_field (both or neither)")
+        _check(
+            (self.prompt_field is None) == (self.response_field is None),
+            "prompt_field",
+            self.prompt_field,
+            "set together with data.response_field (both or neither)",
+        )
         if self.sft:
-            _check(self.format != "text", "format", self.format,
-                   "jsonl, parquet or hf_dataset: prompt/response records need fields")
-        _check(isinstance(self.cache_timeout_s, (int, float)) and self.cache_timeout_s > 0, "cache_timeout_s",
-               self.cache_timeout_s, "a positive number of seconds")
+            _check(
+                self.format != "text",
+                "format",
+                self.format,
+                "jsonl, parquet or hf_dataset: prompt/response records need fields",
+            )
+        _check(
+            isinstance(self.cache_timeout_s, (int, float)) and self.cache_timeout_s > 0,
+            "cache_timeout_s",
+            self.cache_timeout_s,
+            "a positive number of seconds",
+        )
 
     @property
     def sft(self) -> bool:
@@ -102,8 +128,9 @@ class TextDataSpec:
         return self.cache_dir if self.cache_dir is not None else default_cache_dir()
 
     @classmethod
-    def from_mapping(cls, section: Mapping[str, Any], *, base_dir: str | Path = ".",
-                     source: str = "job") -> TextDataSpec:
+    def from_mapping(
+        cls, section: Mapping[str, Any], *, base_dir: str | Path = ".", source: str = "job"
+    ) -> TextDataSpec:
         """The spec of a job file's ``data:`` mapping; relative paths are taken from ``base_dir``.
 
         Raises ``ValueError`` naming ``data.<key>``, the value and the fix.
@@ -116,9 +143,11 @@ class TextDataSpec:
                 raise ValueError(f"{source}: unknown key data.{key}{hint}; text data takes {names}")
         for key in ("format", "path", "tokenizer", "seq_len"):
             if section.get(key) is None:
-                raise ValueError(f"{source}: data.{key} is missing; text data needs format, path, tokenizer and "
-                                 "seq_len (e.g. 'data: {format: jsonl, path: train.jsonl, tokenizer: tok/, "
-                                 "seq_len: 512}')")
+                raise ValueError(
+                    f"{source}: data.{key} is missing; text data needs format, path, tokenizer and "
+                    "seq_len (e.g. 'data: {format: jsonl, path: train.jsonl, tokenizer: tok/, "
+                    "seq_len: 512}')"
+                )
         values = dict(section)
         for key in ("path", "tokenizer", "cache_dir"):
             if isinstance(values.get(key), str):

@@ -46,8 +46,13 @@ class LoadedTokenizer:
 def _files(path: Path) -> list[Path]:
     if path.is_file():
         return [path]
-    return sorted(p for p in path.iterdir() if p.is_file() and (p.name.startswith("tokenizer") or p.suffix in (
-        ".json", ".txt", ".model")) and p.name not in ("config.json", "generation_config.json"))
+    return sorted(
+        p
+        for p in path.iterdir()
+        if p.is_file()
+        and (p.name.startswith("tokenizer") or p.suffix in (".json", ".txt", ".model"))
+        and p.name not in ("config.json", "generation_config.json")
+    )
 
 
 def _named_token(folder: Path, name: str) -> str | None:
@@ -70,8 +75,10 @@ def load_tokenizer(path: str, *, eos_token: str | None = None) -> LoadedTokenize
     """The tokenizer at ``path`` (raises ``ValueError`` naming ``data.tokenizer`` and the fix)."""
     p = Path(path)
     if not p.exists():
-        raise ValueError(f"data.tokenizer={path!r} does not exist; point it at a tokenizer.json file or a "
-                         "tokenizer folder (save_pretrained)")
+        raise ValueError(
+            f"data.tokenizer={path!r} does not exist; point it at a tokenizer.json file or a "
+            "tokenizer folder (save_pretrained)"
+        )
     folder = p.parent if p.is_file() else p
     json_file = p if p.is_file() else p / "tokenizer.json"
     fast = json_file.is_file()
@@ -85,15 +92,19 @@ def load_tokenizer(path: str, *, eos_token: str | None = None) -> LoadedTokenize
             try:
                 from transformers import AutoTokenizer
             except ImportError:
-                raise ValueError(f"data.tokenizer={path!r} holds no tokenizer.json, and loading another tokenizer "
-                                 "needs transformers: pip install 'merak-core[transformers]', or save the "
-                                 "tokenizer with a tokenizer.json") from None
+                raise ValueError(
+                    f"data.tokenizer={path!r} holds no tokenizer.json, and loading another tokenizer "
+                    "needs transformers: pip install 'merak-core[transformers]', or save the "
+                    "tokenizer with a tokenizer.json"
+                ) from None
             backend = AutoTokenizer.from_pretrained(str(p))
     except ValueError:
         raise
     except Exception as exc:  # noqa: BLE001 - any loader failure is a bad tokenizer path for the user
-        raise ValueError(f"data.tokenizer={path!r} does not load ({type(exc).__name__}: {exc}); point it at a "
-                         "valid tokenizer.json or tokenizer folder") from None
+        raise ValueError(
+            f"data.tokenizer={path!r} does not load ({type(exc).__name__}: {exc}); point it at a "
+            "valid tokenizer.json or tokenizer folder"
+        ) from None
     eos = eos_token if eos_token is not None else _named_token(folder, "eos_token")
     pad = _named_token(folder, "pad_token")
     eos_id = _token_id(backend, fast, eos, "eos_token") if eos is not None else None
@@ -103,16 +114,25 @@ def load_tokenizer(path: str, *, eos_token: str | None = None) -> LoadedTokenize
     for file in _files(p):
         digest.update(file.name.encode() + b"\0" + file.read_bytes())
     digest.update(f"eos={eos_id}".encode())
-    return LoadedTokenizer(backend=backend, fast=fast, eos_id=eos_id,
-                           pad_id=pad_id if pad_id is not None else (eos_id if eos_id is not None else 0),
-                           vocab_size=int(vocab), fingerprint=digest.hexdigest())
+    return LoadedTokenizer(
+        backend=backend,
+        fast=fast,
+        eos_id=eos_id,
+        pad_id=pad_id if pad_id is not None else (eos_id if eos_id is not None else 0),
+        vocab_size=int(vocab),
+        fingerprint=digest.hexdigest(),
+    )
 
 
 def _token_id(backend: Any, fast: bool, token: str, key: str) -> int:
     tid = backend.token_to_id(token) if fast else backend.convert_tokens_to_ids(token)
-    if tid is None or (not fast and tid == getattr(backend, "unk_token_id", None) and token != backend.unk_token):
-        raise ValueError(f"the {key} {token!r} is not in the vocabulary of the tokenizer; set data.eos_token to a "
-                         "token the tokenizer has")
+    if tid is None or (
+        not fast and tid == getattr(backend, "unk_token_id", None) and token != backend.unk_token
+    ):
+        raise ValueError(
+            f"the {key} {token!r} is not in the vocabulary of the tokenizer; set data.eos_token to a "
+            "token the tokenizer has"
+        )
     return int(tid)
 
 

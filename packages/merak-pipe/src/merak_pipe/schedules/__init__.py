@@ -35,8 +35,15 @@ from merak_pipe.schedules.shifted import shifted_critical_path
 from merak_pipe.schedules.zero_bubble import zb_h1
 from merak_pipe.schedules.zero_bubble_v import zb_v
 
-__all__ = ["ScheduleGenerator", "ScheduleInfo", "available_schedules", "build_schedule", "register_schedule",
-           "schedule_info", "schedule_infos"]
+__all__ = [
+    "ScheduleGenerator",
+    "ScheduleInfo",
+    "available_schedules",
+    "build_schedule",
+    "register_schedule",
+    "schedule_info",
+    "schedule_infos",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -80,8 +87,11 @@ def build_schedule(
         unknown = sorted(set(options) - set(params))
         if unknown and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
             own = [p for p in params if p not in ("num_stages", "num_microbatches", "num_ranks", "recompute")]
-            takers = [i.name for i in sorted(schedule_infos(), key=lambda i: i.name)
-                      if set(unknown) <= set(inspect.signature(i.generator).parameters)]
+            takers = [
+                i.name
+                for i in sorted(schedule_infos(), key=lambda i: i.name)
+                if set(unknown) <= set(inspect.signature(i.generator).parameters)
+            ]
             raise TypeError(
                 f"schedule {name!r} takes no option {', '.join(map(repr, unknown))} (its options: {own}): "
                 + (f"use a schedule that does, {takers}, or drop it" if takers else "drop it")

@@ -9,7 +9,11 @@ __all__ = ["gpipe"]
 
 
 def gpipe(
-    *, num_stages: int, num_microbatches: int, num_ranks: int | None = None, recompute: RecomputePlan | None = None
+    *,
+    num_stages: int,
+    num_microbatches: int,
+    num_ranks: int | None = None,
+    recompute: RecomputePlan | None = None,
 ) -> Schedule:
     """All forwards in microbatch order, then all backwards in microbatch order."""
     stage_to_rank = one_stage_per_rank("gpipe", num_stages, num_ranks)

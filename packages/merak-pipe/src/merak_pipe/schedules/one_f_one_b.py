@@ -13,7 +13,11 @@ __all__ = ["one_f_one_b"]
 
 
 def one_f_one_b(
-    *, num_stages: int, num_microbatches: int, num_ranks: int | None = None, recompute: RecomputePlan | None = None
+    *,
+    num_stages: int,
+    num_microbatches: int,
+    num_ranks: int | None = None,
+    recompute: RecomputePlan | None = None,
 ) -> Schedule:
     """The 1F1B schedule, one stage per rank."""
     stage_to_rank = one_stage_per_rank("1f1b", num_stages, num_ranks)

@@ -18,8 +18,14 @@ from dataclasses import dataclass, field
 
 from merak_pipe.ir import Schedule
 
-__all__ = ["ScheduleGenerator", "ScheduleInfo", "available_schedules", "register_schedule", "schedule_info",
-           "schedule_infos"]
+__all__ = [
+    "ScheduleGenerator",
+    "ScheduleInfo",
+    "available_schedules",
+    "register_schedule",
+    "schedule_info",
+    "schedule_infos",
+]
 
 ScheduleGenerator = Callable[..., Schedule]
 
@@ -46,8 +52,9 @@ class ScheduleInfo:
         if not self.name or not isinstance(self.name, str):
             raise ValueError(f"schedule name {self.name!r} must be a non-empty string")
         if not callable(self.generator):
-            raise ValueError(f"schedule generator for {self.name!r} must be callable, got "
-                             f"{type(self.generator).__name__}")
+            raise ValueError(
+                f"schedule generator for {self.name!r} must be callable, got {type(self.generator).__name__}"
+            )
         if not self.key:
             object.__setattr__(self, "key", self.name)
         object.__setattr__(self, "spellings", frozenset({self.name, self.key, *self.aliases}))
@@ -61,9 +68,16 @@ class ScheduleInfo:
 _REGISTRY: dict[str, ScheduleInfo] = {}
 
 
-def register_schedule(name: str, fn: ScheduleGenerator, *, key: str = "", aliases: tuple[str, ...] = (),
-                      stages_per_rank: int | None = 1, split_backward: bool = False,
-                      overwrite: bool = False) -> ScheduleInfo:
+def register_schedule(
+    name: str,
+    fn: ScheduleGenerator,
+    *,
+    key: str = "",
+    aliases: tuple[str, ...] = (),
+    stages_per_rank: int | None = 1,
+    split_backward: bool = False,
+    overwrite: bool = False,
+) -> ScheduleInfo:
     """Register ``fn`` under ``name`` (and ``key``, ``aliases``) so ``build_schedule(name, ...)`` calls it.
 
     ``fn`` is called as ``fn(num_stages=..., num_microbatches=..., num_ranks=..., recompute=..., **options)``
@@ -71,8 +85,14 @@ def register_schedule(name: str, fn: ScheduleGenerator, *, key: str = "", aliase
     compute-only :class:`Schedule`. A spelling already taken by another schedule is an error unless
     ``overwrite`` (then that schedule is replaced).
     """
-    info = ScheduleInfo(name=name, generator=fn, key=key, aliases=tuple(aliases), stages_per_rank=stages_per_rank,
-                        split_backward=split_backward)
+    info = ScheduleInfo(
+        name=name,
+        generator=fn,
+        key=key,
+        aliases=tuple(aliases),
+        stages_per_rank=stages_per_rank,
+        split_backward=split_backward,
+    )
     clashes = sorted({other.name for other in _REGISTRY.values() if other.spellings & info.spellings})
     if clashes and not overwrite:
         raise ValueError(

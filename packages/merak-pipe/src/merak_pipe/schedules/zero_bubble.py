@@ -16,7 +16,11 @@ __all__ = ["zb_h1"]
 
 
 def zb_h1(
-    *, num_stages: int, num_microbatches: int, num_ranks: int | None = None, recompute: RecomputePlan | None = None
+    *,
+    num_stages: int,
+    num_microbatches: int,
+    num_ranks: int | None = None,
+    recompute: RecomputePlan | None = None,
 ) -> Schedule:
     """ZB-H1, one stage per rank."""
     stage_to_rank = one_stage_per_rank("zb-h1", num_stages, num_ranks)

@@ -30,13 +30,17 @@ def v_stage_to_rank(num_ranks: int) -> tuple[int, ...]:
 
 def _ranks(num_stages: int, num_ranks: int | None, virtual_stages: int | None) -> int:
     if virtual_stages not in (None, 2):
-        raise ValueError(f"zb-v places exactly 2 stages per rank: virtual_stages={virtual_stages!r}; use 2 "
-                         "(or interleaved-1f1b for other counts)")
+        raise ValueError(
+            f"zb-v places exactly 2 stages per rank: virtual_stages={virtual_stages!r}; use 2 "
+            "(or interleaved-1f1b for other counts)"
+        )
     if num_stages % 2 or num_stages < 2:
         raise ValueError(f"zb-v needs an even num_stages (2 per rank), got {num_stages}")
     if num_ranks is not None and num_ranks * 2 != num_stages:
-        raise ValueError(f"zb-v: num_stages={num_stages} must be 2 * num_ranks={num_ranks}; give "
-                         f"num_stages={2 * num_ranks}")
+        raise ValueError(
+            f"zb-v: num_stages={num_stages} must be 2 * num_ranks={num_ranks}; give "
+            f"num_stages={2 * num_ranks}"
+        )
     return num_stages // 2
 
 
@@ -120,5 +124,12 @@ def zb_v(
                 count += 1
         tick += 1
         assert tick <= 4 * total + 8, "zb-v list schedule made no progress"  # internal invariant
-    return Schedule("zb-v", num_stages, num_microbatches, state.to_rank, state.actions, recompute=recompute,
-                    options={"virtual_stages": 2})
+    return Schedule(
+        "zb-v",
+        num_stages,
+        num_microbatches,
+        state.to_rank,
+        state.actions,
+        recompute=recompute,
+        options={"virtual_stages": 2},
+    )

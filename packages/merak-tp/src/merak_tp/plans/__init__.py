@@ -18,5 +18,15 @@ from merak_tp.plans._plan import (
     trace_leaf_names,
 )
 
-__all__ = ["MODULE_KINDS", "STYLES", "TPPlan", "get_plan", "list_plans", "plan_for_model", "plan_from_mapping",
-           "register_plan", "resolve_sections", "trace_leaf_names"]
+__all__ = [
+    "MODULE_KINDS",
+    "STYLES",
+    "TPPlan",
+    "get_plan",
+    "list_plans",
+    "plan_for_model",
+    "plan_from_mapping",
+    "register_plan",
+    "resolve_sections",
+    "trace_leaf_names",
+]

@@ -42,10 +42,29 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["MODULE_KINDS", "STYLES", "TPPlan", "get_plan", "list_plans", "plan_for_model", "plan_from_mapping",
-           "register_plan", "trace_leaf_names"]
+__all__ = [
+    "MODULE_KINDS",
+    "STYLES",
+    "TPPlan",
+    "get_plan",
+    "list_plans",
+    "plan_for_model",
+    "plan_from_mapping",
+    "register_plan",
+    "trace_leaf_names",
+]
 
-STYLES = ("column", "column_qkv", "row", "vocab", "lm_head", "experts", "sharded_norm", "per_head", "replicate")
+STYLES = (
+    "column",
+    "column_qkv",
+    "row",
+    "vocab",
+    "lm_head",
+    "experts",
+    "sharded_norm",
+    "per_head",
+    "replicate",
+)
 
 MODULE_KINDS = ("linear", "embedding", "scaled_embedding")
 """What a plan may declare a module class to be, when its forward is not the stock one:
@@ -116,13 +135,24 @@ class TPPlan:
             raise ValueError(f"TPPlan {self.name!r}: unknown styles {bad}; expected one of {STYLES}")
         kinds = {c: k for c, k in self.module_kinds.items() if k not in MODULE_KINDS}
         if kinds:
-            raise ValueError(f"TPPlan {self.name!r}: unknown module kinds {kinds}; expected one of {MODULE_KINDS}")
+            raise ValueError(
+                f"TPPlan {self.name!r}: unknown module kinds {kinds}; expected one of {MODULE_KINDS}"
+            )
         for pattern in self.sections:
             if self.layers.get(pattern) not in ("column", "lm_head"):
-                raise ValueError(f"TPPlan {self.name!r}: sections for {pattern!r}, which is not a 'column' pattern "
-                                 "of layers; give the sections under the same pattern as the column style")
-        for what in ("regions", "sequence_scatter", "sequence_gather", "sequence_full", "rng_regions", "optional",
-                     "trace_leaves"):
+                raise ValueError(
+                    f"TPPlan {self.name!r}: sections for {pattern!r}, which is not a 'column' pattern "
+                    "of layers; give the sections under the same pattern as the column style"
+                )
+        for what in (
+            "regions",
+            "sequence_scatter",
+            "sequence_gather",
+            "sequence_full",
+            "rng_regions",
+            "optional",
+            "trace_leaves",
+        ):
             value = getattr(self, what)
             if isinstance(value, str) or not all(isinstance(v, str) for v in value):
                 raise ValueError(f"TPPlan {self.name!r}: {what}={value!r} must be a tuple of pattern strings")
@@ -137,8 +167,13 @@ _BY_TYPE: dict[str, str] = {}
 _BY_CLASS: dict[type, str] = {}
 
 
-def register_plan(plan: TPPlan, *, model_types: tuple[str, ...] = (), classes: tuple[type, ...] = (),
-                  overwrite: bool = False) -> TPPlan:
+def register_plan(
+    plan: TPPlan,
+    *,
+    model_types: tuple[str, ...] = (),
+    classes: tuple[type, ...] = (),
+    overwrite: bool = False,
+) -> TPPlan:
     """Register ``plan`` under its name; the default for transformers ``model_type``s and for ``classes``.
 
     ``classes`` match by identity (a subclass of a registered class matches too), never by name.
@@ -172,8 +207,10 @@ def get_plan(name: str) -> TPPlan:
     if name not in _PLANS:
         close = difflib.get_close_matches(name, list(_PLANS), n=3)
         hint = f" (closest: {close})" if close else ""
-        raise ValueError(f"unknown TP plan {name!r}{hint}; registered plans: {sorted(_PLANS)}. A plan defined "
-                         "in your code is registered with merak_tp.register_plan(...) when its module is imported")
+        raise ValueError(
+            f"unknown TP plan {name!r}{hint}; registered plans: {sorted(_PLANS)}. A plan defined "
+            "in your code is registered with merak_tp.register_plan(...) when its module is imported"
+        )
     return _PLANS[name]
 
 
@@ -210,8 +247,11 @@ def trace_leaf_names(model: nn.Module, plan: TPPlan | None = None) -> list[str]:
             return []
     names: list[str] = []
     for name, _ in model.named_modules():
-        if name and any(fnmatch.fnmatchcase(name, p) for p in plan.trace_leaves) \
-                and not any(name.startswith(n + ".") for n in names):
+        if (
+            name
+            and any(fnmatch.fnmatchcase(name, p) for p in plan.trace_leaves)
+            and not any(name.startswith(n + ".") for n in names)
+        ):
             names.append(name)
     return names
 
@@ -219,8 +259,21 @@ def trace_leaf_names(model: nn.Module, plan: TPPlan | None = None) -> list[str]:
 # --------------------------------------------------------------------------- plans as plain data
 
 _MAPPING_KEYS = {
-    "name", "layers", "sections", "attributes", "module_kinds", "regions", "sequence_scatter", "sequence_gather",
-    "sequence_full", "rng_regions", "optional", "sequence_parallel", "vocab_parallel_loss", "base", "trace_leaves",
+    "name",
+    "layers",
+    "sections",
+    "attributes",
+    "module_kinds",
+    "regions",
+    "sequence_scatter",
+    "sequence_gather",
+    "sequence_full",
+    "rng_regions",
+    "optional",
+    "sequence_parallel",
+    "vocab_parallel_loss",
+    "base",
+    "trace_leaves",
 }
 
 
@@ -237,15 +290,18 @@ def _sections_value(pattern: str, value: Any) -> SectionSpec:
         raise ValueError(f"tp_plan sections[{pattern!r}]={value!r}: expected a count, sizes or an expression")
     if isinstance(value, int):
         return value
-    if isinstance(value, (list, tuple)) and all(isinstance(v, (int, str)) and not isinstance(v, bool)
-                                                for v in value):
+    if isinstance(value, (list, tuple)) and all(
+        isinstance(v, (int, str)) and not isinstance(v, bool) for v in value
+    ):
         if all(isinstance(v, int) for v in value):
             return tuple(value)
         return ", ".join(str(v) for v in value)
     if isinstance(value, str):
         return value
-    raise ValueError(f"tp_plan sections[{pattern!r}]={value!r}: expected a count (3), sizes ([64, 16, 16]) or "
-                     "config expressions (['num_attention_heads*head_dim', 'num_key_value_heads*head_dim', ...])")
+    raise ValueError(
+        f"tp_plan sections[{pattern!r}]={value!r}: expected a count (3), sizes ([64, 16, 16]) or "
+        "config expressions (['num_attention_heads*head_dim', 'num_key_value_heads*head_dim', ...])"
+    )
 
 
 def plan_from_mapping(data: Mapping[str, Any], *, name: str = "user", check_only: bool = False) -> TPPlan:
@@ -266,13 +322,21 @@ def plan_from_mapping(data: Mapping[str, Any], *, name: str = "user", check_only
     unknown = sorted(set(data) - _MAPPING_KEYS)
     if unknown:
         close = {k: difflib.get_close_matches(k, sorted(_MAPPING_KEYS), n=1) for k in unknown}
-        raise ValueError(f"tp_plan: unknown keys {unknown} (closest: {close}); expected keys from "
-                         f"{sorted(_MAPPING_KEYS)}")
+        raise ValueError(
+            f"tp_plan: unknown keys {unknown} (closest: {close}); expected keys from {sorted(_MAPPING_KEYS)}"
+        )
     fields = _base_fields(data, check_only)
     fields["name"] = str(data.get("name", name))
     fields.update(_mapping_fields(data))
-    for key in ("regions", "sequence_scatter", "sequence_gather", "sequence_full", "rng_regions", "optional",
-                "trace_leaves"):
+    for key in (
+        "regions",
+        "sequence_scatter",
+        "sequence_gather",
+        "sequence_full",
+        "rng_regions",
+        "optional",
+        "trace_leaves",
+    ):
         if key in data:
             fields[key] = _tuple_of_str(key, data[key])
     for key in ("sequence_parallel", "vocab_parallel_loss"):
@@ -303,25 +367,33 @@ def _mapping_fields(data: Mapping[str, Any]) -> dict[str, Any]:
     fields: dict[str, Any] = {}
     if "layers" in data:
         layers = data["layers"]
-        if not isinstance(layers, Mapping) or not all(isinstance(k, str) and isinstance(v, str)
-                                                      for k, v in layers.items()):
-            raise ValueError(f"tp_plan layers={layers!r}: expected a mapping of module-name pattern to a style name "
-                             f"(one of {STYLES})")
+        if not isinstance(layers, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in layers.items()
+        ):
+            raise ValueError(
+                f"tp_plan layers={layers!r}: expected a mapping of module-name pattern to a style name "
+                f"(one of {STYLES})"
+            )
         fields["layers"] = dict(layers)
     if "sections" in data:
         if not isinstance(data["sections"], Mapping):
-            raise ValueError(f"tp_plan sections={data['sections']!r}: expected a mapping of pattern to sections")
+            raise ValueError(
+                f"tp_plan sections={data['sections']!r}: expected a mapping of pattern to sections"
+            )
         fields["sections"] = {str(k): _sections_value(str(k), v) for k, v in data["sections"].items()}
     if "attributes" in data:
         attrs = data["attributes"]
         if not isinstance(attrs, Mapping):
-            raise ValueError(f"tp_plan attributes={attrs!r}: expected a mapping of pattern to attribute names")
+            raise ValueError(
+                f"tp_plan attributes={attrs!r}: expected a mapping of pattern to attribute names"
+            )
         fields["attributes"] = {str(k): _tuple_of_str(f"attributes[{k!r}]", v) for k, v in attrs.items()}
     if "module_kinds" in data:
         kinds = data["module_kinds"]
         if not isinstance(kinds, Mapping) or not all(isinstance(v, str) for v in kinds.values()):
-            raise ValueError(f"tp_plan module_kinds={kinds!r}: expected a mapping of class name to one of "
-                             f"{MODULE_KINDS}")
+            raise ValueError(
+                f"tp_plan module_kinds={kinds!r}: expected a mapping of class name to one of {MODULE_KINDS}"
+            )
         fields["module_kinds"] = dict(kinds)
     return fields
 
@@ -346,8 +418,10 @@ def resolve_sections(spec: SectionSpec, model: nn.Module, name: str) -> int | tu
             if factor == "head_dim" and got is None and isinstance(heads, int):
                 got = getattr(config, "hidden_size", 0) // heads  # configs that leave it implicit
             if not isinstance(got, int) or isinstance(got, bool):
-                raise ValueError(f"{name}: sections {spec!r}: model.config.{factor} is {got!r}, expected an integer "
-                                 "(sections expressions multiply integer attributes of model.config)")
+                raise ValueError(
+                    f"{name}: sections {spec!r}: model.config.{factor} is {got!r}, expected an integer "
+                    "(sections expressions multiply integer attributes of model.config)"
+                )
             value *= got
         sizes.append(value)
     return tuple(sizes)
