@@ -12,83 +12,27 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from merak_core.fsdp import ShardedDataParallel, default_reshard_after_forward, fsdp_units
 from merak_core.layout import ParallelLayout
 from tests.support.compare import assert_grads_match
 from tests.support.dist import run_on_ranks
+from tests.support.tied_pipeline import (
+    DP,
+    MICRO,
+    PER_RANK,
+    PP,
+    Block,
+    Embed,
+    TiedHead,
+    global_batch,
+    reference_grads,
+    stage_weights,
+    tied_loss,
+)
 
 merak_pipe = pytest.importorskip("merak_pipe")
-
-VOCAB, HIDDEN, SEQ = 11, 6, 5
-DP, PP, MICRO, PER_RANK = 2, 2, 2, 4
-
-
-class _Embed(nn.Module):
-    def __init__(self, weight: torch.Tensor) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(weight.clone())
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
-
-
-class _Block(nn.Module):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor) -> None:
-        super().__init__()
-        self.linear = nn.Linear(HIDDEN, HIDDEN).double()
-        with torch.no_grad():
-            self.linear.weight.copy_(weight)
-            self.linear.bias.copy_(bias)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h + torch.tanh(self.linear(h))
-
-
-class _TiedHead(nn.Module):
-    def __init__(self, weight: torch.Tensor) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(weight.clone())
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h @ self.weight.t()
-
-
-def _weights() -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(21)
-    w = {"embed.weight": torch.randn(VOCAB, HIDDEN, generator=g, dtype=torch.float64)}
-    for i in range(2):
-        w[f"block{i}.weight"] = torch.randn(HIDDEN, HIDDEN, generator=g, dtype=torch.float64) * 0.3
-        w[f"block{i}.bias"] = torch.randn(HIDDEN, generator=g, dtype=torch.float64) * 0.1
-    return w
-
-
-def _batch() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(5)
-    n = DP * PER_RANK
-    return torch.randint(0, VOCAB, (n, SEQ), generator=g), torch.randint(0, VOCAB, (n, SEQ), generator=g)
-
-
-def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
-
-
-def _reference() -> dict[str, torch.Tensor]:
-    w = _weights()
-    stage0 = nn.Sequential(_Embed(w["embed.weight"]), _Block(w["block0.weight"], w["block0.bias"]))
-    block1 = _Block(w["block1.weight"], w["block1.bias"])
-    ids, labels = _batch()
-    embed = stage0[0].weight
-    _loss(block1(stage0(ids)) @ embed.t(), labels).backward()
-    return {
-        "embed.weight": embed.grad,
-        "block0.weight": stage0[1].linear.weight.grad,
-        "block0.bias": stage0[1].linear.bias.grad,
-        "block1.weight": block1.linear.weight.grad,
-        "block1.bias": block1.linear.bias.grad,
-    }
 
 
 def _pipeline_step(
@@ -98,9 +42,9 @@ def _pipeline_step(
     from merak_pipe.shared import shared_parameter_groups, shared_parameters_list
 
     layout = ParallelLayout.build(DP, 1, PP, device="cpu")
-    w = _weights()
+    w = stage_weights()
     if layout.is_first_stage:
-        module = nn.Sequential(_Embed(w["embed.weight"]), _Block(w["block0.weight"], w["block0.bias"]))
+        module = nn.Sequential(Embed(w["embed.weight"]), Block(w["block0.weight"], w["block0.bias"]))
         names = {
             "embed.weight": (0, "weight"),
             "block0.weight": (1, "linear.weight"),
@@ -108,7 +52,7 @@ def _pipeline_step(
         }
         tied = module[0].weight
     else:
-        module = nn.Sequential(_Block(w["block1.weight"], w["block1.bias"]), _TiedHead(w["embed.weight"]))
+        module = nn.Sequential(Block(w["block1.weight"], w["block1.bias"]), TiedHead(w["embed.weight"]))
         names = {
             "embed.weight": (1, "weight"),
             "block1.weight": (0, "linear.weight"),
@@ -128,9 +72,9 @@ def _pipeline_step(
     stage = PipelineStage(module, stage_index=layout.pp_rank, num_stages=PP, group=layout.pp_group)
     plan = RecomputePlan.full(PP) if recompute else None
     schedule = build_schedule(schedule_name, num_stages=PP, num_microbatches=MICRO, recompute=plan)
-    runner = PipelineRunner([stage], schedule, loss_fn=_loss, group=layout.pp_group, shared_parameters=[])
+    runner = PipelineRunner([stage], schedule, loss_fn=tied_loss, group=layout.pp_group, shared_parameters=[])
 
-    ids, labels = _batch()
+    ids, labels = global_batch()
     rows = slice(layout.dp_rank * PER_RANK, (layout.dp_rank + 1) * PER_RANK)
     sharded.prepare_step(MICRO)
     runner.step(ids[rows] if layout.is_first_stage else None, labels[rows] if layout.is_last_stage else None)
@@ -158,7 +102,7 @@ def test_sharded_gradients_inside_a_pipeline_step(
     zero_stage: int, schedule_name: str, recompute: bool
 ) -> None:
     results = run_on_ranks(DP * PP, _pipeline_step, zero_stage, schedule_name, recompute)
-    ref = _reference()
+    ref = reference_grads()
     for pp_rank, grads, halves in results:
         assert halves, f"stage {pp_rank}: the parameters are not sharded over DP"
         assert_grads_match(grads, {n: g for n, g in ref.items() if n in grads})
