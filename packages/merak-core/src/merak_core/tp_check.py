@@ -254,6 +254,7 @@ def check_sequence_parallel(model: nn.Module, tp_plan: Any) -> None:
     """
     plan = resolve_plan(model, tp_plan)
     if plan.sequence_parallel:
+        _refuse_sequence_sharded_dropout(model, plan)
         return
     family = getattr(getattr(model, "config", None), "model_type", None)
     what = f"{type(model).__name__} (model_type {family!r})" if family else type(model).__name__
@@ -264,6 +265,34 @@ def check_sequence_parallel(model: nn.Module, tp_plan: Any) -> None:
         "without it is exact), or give a training.tp_plan with sequence_scatter/sequence_full "
         "patterns and sequence_parallel: true"
     )
+
+
+def _refuse_sequence_sharded_dropout(model: nn.Module, plan: Any) -> None:
+    """Under sequence parallelism, dropout outside the plan's ``rng_regions`` acts on a rank's block of
+    the sequence but draws from the generator every TP rank shares: each block would get the same
+    mask. Refused (before any process group) rather than trained with correlated masks."""
+    import fnmatch
+
+    def in_rng_region(name: str) -> bool:
+        parts = name.split(".")
+        prefixes = (".".join(parts[:i]) for i in range(1, len(parts)))
+        return any(
+            fnmatch.fnmatchcase(prefix, pattern) for prefix in prefixes for pattern in plan.rng_regions
+        )
+
+    bad = [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Dropout) and module.p > 0 and not in_rng_region(name)
+    ]
+    if bad:
+        shown = ", ".join(repr(n) for n in bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+        raise ValueError(
+            f"training.sequence_parallel=true with dropout on sequence-sharded activations ({shown}, "
+            f"outside the TP plan {plan.name!r}'s rng_regions): every TP rank would draw the same mask "
+            "for its block of the sequence. Set those dropout probabilities to 0 (e.g. the model "
+            "config's resid_pdrop / hidden_dropout) or training.sequence_parallel: false"
+        )
 
 
 def check_before_training(
