@@ -519,11 +519,13 @@ def stage_index_out_of_range(ctx: CaseContext) -> None:
 # ----------------------------------------------------------------------------- the Trainer (on ranks)
 
 
-def trainer_interleaved_schedule(ctx: CaseContext) -> None:
+def trainer_two_stages_per_rank_schedule_without_virtual_stages(ctx: CaseContext) -> None:
+    # ZB-V places two stages on every pipeline rank; the default virtual_stages=1 cannot run it.
+    # (interleaved_1f1b takes any v, v=1 included, since the Trainer has virtual stages.)
     from merak_core import Trainer, init
 
     layout = init(pp=2, device="cpu")
-    args = _args(ctx, pp=2, schedule="interleaved_1f1b")
+    args = _args(ctx, pp=2, schedule="zb_v")
     with ctx.guard():
         Trainer(_gpt(), args, _Tokens(16), layout=layout)
 

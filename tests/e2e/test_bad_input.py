@@ -359,9 +359,11 @@ ROWS = [
     ),
     # ------------------------------------------------------------------ the Trainer
     _row(
-        cases.trainer_interleaved_schedule,
+        cases.trainer_two_stages_per_rank_schedule_without_virtual_stages,
         ValueError,
-        _all("schedule='interleaved_1f1b'", "use 1f1b, gpipe"),
+        _all(
+            "schedule 'zb_v' runs 2 stage(s) per pipeline rank but virtual_stages=1", "set virtual_stages=2"
+        ),
         ranks=2,
     ),
     _row(
