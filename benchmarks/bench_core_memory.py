@@ -32,14 +32,12 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _ranks import init_rank, machine_line, run_ranks  # noqa: E402
 from bench_core_3d import TP_PLAN, Tokens, build_model, lm_loss  # noqa: E402
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -130,10 +128,7 @@ def _measure_stage(cfg: dict[str, Any], layout: Any, zero_stage: int, data: Any)
 
 
 def _worker(rank: int, world: int, store_path: str, cfg: dict[str, Any], queue: Any) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=1800))
+    init_rank(rank, world, store_path, timeout_s=1800)
     from merak_core import ParallelLayout
 
     dp, tp, pp = cfg["layout"]
@@ -167,20 +162,7 @@ def _worker(rank: int, world: int, store_path: str, cfg: dict[str, Any], queue: 
 
 def run(cfg: dict[str, Any]) -> list[dict[Any, Any]]:
     world = cfg["layout"][0] * cfg["layout"][1] * cfg["layout"][2]
-    ctx = mp.get_context("fork")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [
-            ctx.Process(target=_worker, args=(r, world, os.path.join(tmp, "store"), cfg, queue))
-            for r in range(world)
-        ]
-        for p in procs:
-            p.start()
-        out = queue.get(timeout=7200)
-        for p in procs:
-            p.join(timeout=120)
-            if p.exitcode not in (0, None):
-                raise RuntimeError(f"a benchmark rank exited with {p.exitcode}")
+    out: list[dict[Any, Any]] = run_ranks(_worker, world, cfg, timeout_s=7200)
     return out
 
 
@@ -248,10 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     numel = sum(p.numel() for p in build_model(cfg).parameters())
-    print(
-        f"torch {torch.__version__}, gloo, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, "
-        f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}"
-    )
+    print(f"{machine_line()}, load average {os.getloadavg()[0]:.1f}")
     print(
         f"model: GPT {cfg['depth']} layers x width {cfg['width']}, vocab {cfg['vocab']}, seq {cfg['seq']}, "
         f"{numel / 1e6:.1f}M parameters (float32), AdamW; {cfg['num_microbatches']} microbatches of "
