@@ -1,0 +1,121 @@
+"""The ``merak`` command: its parser and the dispatch to each subcommand's module.
+
+Only this module (and the per-rank entry point) configures logging; the libraries never touch
+the root logger.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from merak_core import __version__
+from merak_core.cli import check, plan, train
+from merak_core.exitcodes import BAD_INPUT, PREEMPTED
+
+__all__ = ["main"]
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="merak", description="Automated 3D-parallel training for PyTorch.")
+    parser.add_argument("--version", action="version", version=f"merak {__version__}")
+    parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    train.add_parser(sub)
+    plan.add_parser(sub)
+    check.add_plans_parser(sub)
+    check.add_check_parser(sub)
+    from merak_core.hf.cli import add_parser as _add_export
+
+    _add_export(sub)
+    from merak_core.eval_job import add_parser as _add_eval
+
+    _add_eval(sub)
+    return parser
+
+
+class _StoppedBeforeLaunch(BaseException):
+    """SIGINT or SIGTERM while ``merak train`` checks the job (the signal's name is the message).
+
+    A ``BaseException``, like ``KeyboardInterrupt``: the checks report a factory's ``Exception`` as bad input.
+    """
+
+
+@contextlib.contextmanager
+def _stop_before_launch() -> Iterator[None]:
+    """Turn SIGINT/SIGTERM into :class:`_StoppedBeforeLaunch` (torchrun's supervisor installs its own meanwhile)."""
+
+    def stop(signum: int, frame: Any) -> None:
+        raise _StoppedBeforeLaunch(signal.Signals(signum).name)
+
+    if threading.current_thread() is not threading.main_thread():  # only the main thread has handlers
+        yield
+        return
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    except KeyboardInterrupt:  # a SIGINT handler of someone else's
+        raise _StoppedBeforeLaunch("SIGINT") from None
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.command is None:
+        parser.print_help()
+        return 0
+    if args.command == "train":
+        try:
+            with _stop_before_launch():
+                return train.run(args)
+        except ValueError as exc:  # a bad job file or override: one clear line, no traceback
+            print(f"merak train: error: {exc}", file=sys.stderr)
+            return BAD_INPUT
+        except _StoppedBeforeLaunch as exc:  # SIGINT/SIGTERM before torchrun started (while checking the job)
+            print(
+                f"merak train: stopped by {exc} before the job started (nothing was launched)",
+                file=sys.stderr,
+            )
+            return PREEMPTED
+    if args.command == "plan":
+        try:
+            return plan.run(args)
+        except ValueError as exc:
+            print(f"merak plan: error: {exc}", file=sys.stderr)
+            return 2
+    if args.command == "plans":
+        return check.run_plans(args)
+    if args.command == "check":
+        try:
+            return check.run_check(args)
+        except ValueError as exc:
+            print(f"merak check: error: {exc}", file=sys.stderr)
+            return BAD_INPUT
+    if args.command == "export":
+        from merak_core.hf.cli import run as _export
+
+        try:
+            return _export(args)
+        except ValueError as exc:  # CheckpointError included
+            print(f"merak export: error: {exc}", file=sys.stderr)
+            return BAD_INPUT
+    if args.command == "eval":
+        from merak_core.eval_job import run as _eval
+
+        try:
+            return _eval(args)
+        except ValueError as exc:
+            print(f"merak eval: error: {exc}", file=sys.stderr)
+            return BAD_INPUT
+    parser.error(f"unknown command {args.command!r}")
+    return 2

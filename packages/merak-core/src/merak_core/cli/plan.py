@@ -1,0 +1,184 @@
+"""``merak plan CONFIG.yaml``: the planner's ranked configurations for a job, here or on a described cluster.
+
+Without ``--cluster`` the job's model is profiled on this machine (one forward and backward on a
+batch of the training set) and :func:`merak_core.planner.plan` ranks the layouts; ``--write-config``
+writes the job with the best one. ``--cluster FILE --nodes N`` prices the meta-traced model on a
+described cluster instead, and ``--dry-run-ranks N`` builds what each of N ranks would build
+(:mod:`merak_core.planner.cluster_job`; ``merak train`` takes the same flags).
+
+Not done here: the planning itself (``planner/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+__all__ = ["add_cluster_flags", "add_parser", "cluster_command", "run"]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="rank (dp, tp, pp) layouts, schedules, microbatches and recomputation for a job",
+        description="Profile the job's model on this machine (one forward and backward on a batch of the training "
+        "set), then print the planner's ranked configurations and why the first wins.",
+    )
+    p.add_argument("config", help="YAML job file")
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides of the job file")
+    p.add_argument(
+        "--world-size", type=int, default=None, help="number of ranks (devices); required unless --cluster"
+    )
+    p.add_argument(
+        "--memory-per-device",
+        default=None,
+        help="memory of one device, bytes or e.g. 8GiB (default: the job's training.memory_per_device)",
+    )
+    p.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=None,
+        help="samples per optimizer step (default: the job's micro batch x accumulation x dp, "
+        "dp = world size / (tp*pp) when not set)",
+    )
+    p.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
+    p.add_argument(
+        "--profile-batch",
+        type=int,
+        default=None,
+        help="samples in the profiling batch (default: micro batch)",
+    )
+    p.add_argument(
+        "--profile-cache", default=None, help="directory of cached profiles (JSON by model and device)"
+    )
+    p.add_argument(
+        "--compute-slots",
+        type=float,
+        default=None,
+        help="ranks that can compute at once when the ranks share a host's cores (CPU processes: the "
+        "cores, or fewer for small models; `layout: auto` measures it); default: a device per rank",
+    )
+    p.add_argument(
+        "--write-config", default=None, metavar="OUT.yaml", help="write the job with the best configuration"
+    )
+    add_cluster_flags(p, plan=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from merak_core.config import parse_bytes
+    from merak_core.job import JobConfig, write_job
+    from merak_core.planner import format_plan, plan
+    from merak_core.planner.auto import profile_for_plan, profile_inputs
+
+    job = JobConfig.from_yaml(args.config, args.overrides)
+    if args.cluster is not None or args.dry_run_ranks is not None:
+        return cluster_command(args, job)
+    t = job.training
+    if args.memory_per_device is None and t.memory_per_device is None:
+        raise ValueError(
+            "--memory-per-device is not given and the job sets no training.memory_per_device: "
+            "pass e.g. --memory-per-device 8GiB"
+        )
+    memory = parse_bytes(
+        args.memory_per_device if args.memory_per_device is not None else int(t.memory_per_device or 0)
+    )
+    if args.world_size is None or args.world_size < 1:
+        raise ValueError(
+            f"--world-size={args.world_size}: expected a number of ranks >= 1 (or plan for a cluster "
+            "with --cluster FILE --nodes N)"
+        )
+    gbs = args.global_batch_size
+    if gbs is None:
+        dp = t.dp if t.dp is not None else max(args.world_size // (t.tp * t.pp), 1)
+        gbs = t.per_device_train_batch_size * t.gradient_accumulation_steps * dp
+    torch.manual_seed(t.seed)
+    model = job.build_model()
+    train, _ = job.build_datasets()
+    batch = profile_inputs(
+        model, train, args.profile_batch or t.per_device_train_batch_size, job.optional("collate")
+    )
+    profile = profile_for_plan(model, batch, tp_plan=t.tp_plan, cache_dir=args.profile_cache)
+    cands = plan(
+        profile,
+        world_size=args.world_size,
+        memory_per_device=memory,
+        global_batch_size=gbs,
+        zero_stage=t.zero_stage,
+        compute_slots=args.compute_slots,
+    )
+    print(
+        f"{len(cands)} feasible configurations for {args.world_size} ranks, {memory} bytes per device, "
+        f"global batch {gbs} (profile: {profile.num_layers} layers on {profile.device})"
+    )
+    print(format_plan(cands, top=args.top))
+    if args.write_config:
+        write_job(args.config, args.write_config, cands[0].training_fields(), overrides=args.overrides)
+        print(f"wrote {args.write_config}")
+    return 0
+
+
+def add_cluster_flags(p: argparse.ArgumentParser, *, plan: bool) -> None:
+    """Planning for a described cluster and dry runs at N ranks (merak_core.planner.cluster_job)."""
+    p.add_argument(
+        "--cluster",
+        default=None,
+        metavar="FILE|NAME",
+        help="a cluster description (YAML) or a shipped one (a100-80gb-8x, h100-sxm-8x, h200-8x): price "
+        "the meta-traced model on it instead of profiling here" + ("" if plan else " (dry run)"),
+    )
+    p.add_argument(
+        "--dry-run-ranks",
+        type=int,
+        default=None,
+        metavar="N",
+        help="build, in this process, what each of N ranks would build (groups, stages, schedule, "
+        "recomputation, tied-parameter groups, memory against the cluster's device); dp = N/(tp*pp)",
+    )
+    if plan:
+        p.add_argument("--nodes", type=int, default=None, help="nodes of the --cluster to plan for")
+        p.add_argument(
+            "--dry-run",
+            action="store_true",
+            help="with --cluster and --nodes: dry-run the job's layout on every rank of those nodes",
+        )
+
+
+def cluster_command(args: argparse.Namespace, job: Any) -> int:
+    """``--cluster FILE --nodes N`` (ranked plan) and ``--dry-run-ranks N`` / ``--dry-run`` (dry run)."""
+    from merak_core.planner.cluster import load_cluster
+    from merak_core.planner.cluster_job import dry_run_job, job_model, plan_job_on_cluster
+
+    cluster = load_cluster(args.cluster if args.cluster is not None else "h100-sxm-8x")
+    nodes = getattr(args, "nodes", None)
+    ranks = args.dry_run_ranks
+    if ranks is None and getattr(args, "dry_run", False):
+        if nodes is None:
+            raise ValueError("merak plan --dry-run needs --cluster FILE --nodes N (or --dry-run-ranks N)")
+        ranks = nodes * cluster.devices_per_node
+    if ranks is None and nodes is None:
+        raise ValueError("--cluster needs --nodes N (how many nodes to plan for) or --dry-run-ranks N")
+    for name, v in (("--nodes", nodes), ("--dry-run-ranks", ranks)):
+        if v is not None and v < 1:
+            raise ValueError(f"{name}={v}: expected >= 1")
+    jm = job_model(job)
+    if args.cluster is None:
+        print(f"cluster: {cluster.name} (the default; pass --cluster FILE for another)")
+    if ranks is not None:
+        report = dry_run_job(jm, cluster, world_size=ranks, training=job.training)
+        print(report.summary())
+        return 0 if report.ok else 1
+    assert nodes is not None  # checked above
+    t = job.training
+    gbs = args.global_batch_size or t.per_device_train_batch_size * t.gradient_accumulation_steps * max(
+        nodes * cluster.devices_per_node // (t.tp * t.pp), 1
+    )
+    text, best = plan_job_on_cluster(jm, cluster, num_nodes=nodes, global_batch_size=gbs, top=args.top)
+    print(text)
+    if args.write_config:
+        from merak_core.job import write_job
+
+        write_job(args.config, args.write_config, best.training_fields(), overrides=args.overrides)
+        print(f"wrote {args.write_config}")
+    return 0

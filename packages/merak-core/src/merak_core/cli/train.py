@@ -1,0 +1,255 @@
+"""``merak train CONFIG.yaml [section.key=value ...]``: check the job, then start it through torchrun.
+
+One process per rank (``python -m torch.distributed.run``), single node by default, the usual
+multi-node flags passed through. Merak has no launcher of its own; each rank then runs
+:mod:`merak_core.launch`. The job is checked here once, before any process starts
+(:mod:`merak_core.preflight`); the output folder is locked for the run; signals reach torchrun
+and a stopped or failed job says how to resume it.
+
+Not done here: what each rank does (``launch.py``), supervising torchrun (``supervise.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shlex
+import sys
+from typing import Any
+
+from merak_core.cli.plan import add_cluster_flags, cluster_command
+
+__all__ = ["add_parser", "run", "torchrun_command"]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train",
+        help="train a model described by a YAML job file",
+        description="Launch a training job with torchrun. Overrides are 'section.key=value' "
+        "(e.g. training.max_steps=50 training.dp=2).",
+    )
+    p.add_argument("config", help="YAML job file (see examples/addition/config.yaml)")
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides of the job file")
+    p.add_argument(
+        "--nproc-per-node", type=int, default=None, help="processes on this node (default: dp*tp*pp / nnodes)"
+    )
+    p.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
+    p.add_argument("--node-rank", type=int, default=None, help="this node's rank (static rendezvous)")
+    p.add_argument("--rdzv-endpoint", default=None, help="host:port of the c10d rendezvous (multi-node)")
+    p.add_argument("--rdzv-id", default="merak", help="rendezvous job id (default 'merak')")
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="torchrun restarts after a failure; the job resumes from its last checkpoint",
+    )
+    p.add_argument(
+        "--resume",
+        default=None,
+        metavar="PATH|latest|auto",
+        help="resume from a checkpoint directory, the latest one in output_dir, or 'auto' (latest if "
+        "there is one, else start fresh); torchrun restarts resume with 'auto' by themselves",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="seconds a collective or pipeline transfer waits for a peer before the step fails "
+        "(sets training.comm_timeout_s; default: the job's, 600)",
+    )
+    p.add_argument(
+        "--dry-run", action="store_true", help="check the job, print the torchrun command and exit"
+    )
+    p.add_argument(
+        "--no-check",
+        action="store_true",
+        help="skip the checks before launch (building the model on the meta device, a first batch)",
+    )
+    add_cluster_flags(p, plan=False)
+
+
+def torchrun_command(args: argparse.Namespace, world_size: int | None) -> list[str]:
+    """The ``python -m torch.distributed.run ...`` command line for ``merak train``.
+
+    ``world_size`` is dp*tp*pp from the job, or None when dp is inferred (then
+    ``--nproc-per-node`` decides).
+    """
+    if args.nnodes < 1:
+        raise SystemExit(f"merak train: --nnodes must be >= 1, got {args.nnodes}")
+    nproc = args.nproc_per_node
+    if world_size is None:
+        if nproc is None:
+            raise SystemExit("merak train: training.dp is not set (inferred), so pass --nproc-per-node")
+        world_size = nproc * args.nnodes
+    if nproc is None:
+        if world_size % args.nnodes:
+            raise SystemExit(
+                f"merak train: dp*tp*pp={world_size} ranks do not split evenly over --nnodes={args.nnodes}; "
+                f"pass --nproc-per-node or change the degrees"
+            )
+        nproc = world_size // args.nnodes
+    if nproc * args.nnodes != world_size:
+        raise SystemExit(
+            f"merak train: --nproc-per-node={nproc} x --nnodes={args.nnodes} = {nproc * args.nnodes} "
+            f"processes, but the job's dp*tp*pp = {world_size}: make them equal"
+        )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        f"--max-restarts={args.max_restarts}",
+    ]
+    if args.nnodes == 1 and args.rdzv_endpoint is None:
+        cmd.append("--standalone")
+    else:
+        if args.rdzv_endpoint is None:
+            raise SystemExit("merak train: --nnodes > 1 needs --rdzv-endpoint HOST:PORT")
+        cmd += [
+            f"--nnodes={args.nnodes}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={args.rdzv_endpoint}",
+            f"--rdzv-id={args.rdzv_id}",
+        ]
+        if args.node_rank is not None:
+            cmd.append(f"--node-rank={args.node_rank}")
+    cmd += ["-m", "merak_core.launch", args.config, *args.overrides]
+    if args.resume:
+        cmd += ["--resume", args.resume]
+    return cmd
+
+
+def run(args: argparse.Namespace) -> int:
+    from merak_core.job import JobConfig
+
+    if args.timeout is not None:  # one more override, so the ranks read the same value from the job
+        args.overrides = [*args.overrides, f"training.comm_timeout_s={args.timeout!r}"]
+    job = JobConfig.from_yaml(args.config, args.overrides)  # validates before any process starts
+    if args.dry_run_ranks is not None:
+        return cluster_command(args, job)
+    t = job.training
+    if t.layout == "auto" and args.nproc_per_node is None:
+        raise ValueError(
+            "training.layout is 'auto', so the job does not say how many ranks to start: pass "
+            "--nproc-per-node (and --nnodes for several nodes)"
+        )
+    cmd = torchrun_command(args, None if t.dp is None else t.dp * t.tp * t.pp)
+    if (
+        t.dp is None and t.layout != "auto"
+    ):  # inferred: tp*pp must divide the process count now, not on every rank
+        from merak_core.layout import resolve_degrees
+
+        resolve_degrees(args.nproc_per_node * args.nnodes, None, t.tp, t.pp)
+    if not args.no_check:
+        from merak_core.preflight import preflight
+
+        report = preflight(
+            job, resume=args.resume
+        )  # once, here: a mistake is reported once, not by every rank after launch
+        logging.getLogger("merak").info("job checked: %s", report)
+    if args.dry_run:
+        if t.layout == "auto":
+            print(_auto_dry_run(args, t))
+        print(shlex.join(cmd))
+        return 0
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    with _output_dir_lock(args, t.output_dir) as lock:
+        logging.getLogger("merak").info("launching: %s", shlex.join(cmd))
+        return _supervise(args, cmd, env, lock, t.output_dir)
+
+
+def _output_dir_lock(args: argparse.Namespace, output_dir: str) -> Any:
+    """The lock of ``output_dir`` (see [Note: output_dir lock]).
+
+    On several nodes only ``--node-rank 0`` takes it: the nodes of one job may share the directory,
+    and without a node rank (an elastic rendezvous) no node knows that it is the first.
+    """
+    import contextlib
+
+    from merak_core.outdir_lock import OutputDirLock, OutputDirLocked
+
+    if args.nnodes > 1 and args.node_rank != 0:
+        return contextlib.nullcontext(None)
+    try:
+        return OutputDirLock.acquire(
+            output_dir, command=shlex.join(["merak", "train", args.config, *args.overrides])
+        )
+    except OutputDirLocked as exc:
+        raise ValueError(str(exc)) from None
+
+
+def _supervise(
+    args: argparse.Namespace, cmd: list[str], env: dict[str, str], lock: Any, output_dir: str
+) -> int:
+    """Run torchrun with signals forwarded (see [Note: signal forwarding]); how to continue when stopped or failed."""
+    from merak_core.signals import restart_command
+    from merak_core.supervise import failure_line, run_torchrun
+
+    outcome = run_torchrun(
+        cmd,
+        env=env,
+        pass_fds=(lock.fd,) if lock is not None else (),
+        on_start=(lambda pid: lock.note(torchrun_pid=pid)) if lock is not None else None,
+    )
+    command = restart_command(
+        args.config, _resume_overrides(args.overrides), os.path.join(output_dir, "checkpoints")
+    )
+    resumable = command.endswith("--resume latest")
+    if outcome.preempted:
+        hidden = f" ({outcome.hidden_lines} lines of shutdown output hidden)" if outcome.hidden_lines else ""
+        again = (
+            "Resume it from its last checkpoint with"
+            if resumable
+            else "Nothing was saved (no checkpoint yet); start it again with"
+        )
+        print(
+            f"merak train: the job was stopped by a signal{hidden}. {again}:\n  {command}",
+            file=sys.stderr,
+            flush=True,
+        )
+    failed = failure_line(outcome, args.max_restarts)
+    if failed is not None:
+        after = f"; once fixed, resume from the last checkpoint with: {command}" if resumable else ""
+        print(failed + after, file=sys.stderr, flush=True)
+    return outcome.exit_status
+
+
+def _resume_overrides(overrides: list[str]) -> list[str]:
+    return [o for o in overrides if not o.startswith("training.comm_timeout_s=")] if overrides else []
+
+
+def _auto_dry_run(args: argparse.Namespace, t: Any) -> str:
+    """What ``layout: auto`` will do when the job starts (``merak train --dry-run``)."""
+    world = args.nproc_per_node * args.nnodes
+    gbs = t.per_device_train_batch_size * t.gradient_accumulation_steps * world
+    memory = (
+        f"{t.memory_per_device} bytes"
+        if t.memory_per_device is not None
+        else "the device's memory (CUDA: total memory; CPU: RAM / ranks on the node)"
+    )
+    checks = t.plan_check_steps if t.plan_check_steps is not None else 5
+    memory_flag = (
+        f" --memory-per-device {t.memory_per_device}"
+        if t.memory_per_device is not None
+        else " --memory-per-device <bytes>"
+    )
+    return "\n".join(
+        [
+            f"layout: auto -- when the job starts, on {world} ranks:",
+            "  1. rank 0 profiles the model on one microbatch of the training set; every rank measures p2p and "
+            "all-reduce costs;",
+            f"  2. rank 0 plans dp*tp*pp={world}, schedule, microbatches and recompute for a global batch of {gbs} "
+            f"(per_device_train_batch_size {t.per_device_train_batch_size} x gradient_accumulation_steps "
+            f"{t.gradient_accumulation_steps} x {world} ranks), {memory}, CPU ranks sharing cores counted;",
+            "  3. every rank trains with the first choice (the ranked table is logged);",
+            f"  4. after {checks} steps (plan_check_steps; 0: off) predicted and measured step time, per-stage F/B and "
+            f"peak memory are compared; above {100 * t.plan_error_threshold:g}% error it re-plans from the measured "
+            "costs and, when another configuration is predicted faster, writes output_dir/replanned.yaml.",
+            f"  To see the ranking now: merak plan {shlex.join([args.config, *args.overrides])} --world-size {world}"
+            f"{memory_flag}",
+        ]
+    )
