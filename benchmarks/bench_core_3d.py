@@ -30,18 +30,16 @@ packages/merak-core/src python benchmarks/bench_core_3d.py [--quick] [--layout 2
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
 import time
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from _ranks import init_rank, machine_line, rotated, run_ranks
 from torch import nn
 
 TP_PLAN = {
@@ -227,10 +225,7 @@ def _local(grad: Any) -> torch.Tensor:
 
 
 def _worker(rank: int, world: int, store_path: str, cfg: dict[str, Any], queue: Any) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=600))
+    init_rank(rank, world, store_path, timeout_s=600)
     from merak_core import ParallelLayout, Trainer
     from merak_core.config import TrainingArguments
 
@@ -265,7 +260,7 @@ def _worker(rank: int, world: int, store_path: str, cfg: dict[str, Any], queue: 
     batches = iter(trainer.train_loader)
     for step in range(cfg["warmup"] + cfg["steps"]):
         batch = next(batches)
-        order = ("merak", "torch") if step % 2 == 0 else ("torch", "merak")
+        order = rotated(("merak", "torch"), step)
         losses = {}
         for mode in order:
             dist.barrier()
@@ -305,20 +300,7 @@ def _worker(rank: int, world: int, store_path: str, cfg: dict[str, Any], queue: 
 
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
     world = cfg["layout"][0] * cfg["layout"][1] * cfg["layout"][2]
-    ctx = mp.get_context("fork")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [
-            ctx.Process(target=_worker, args=(r, world, os.path.join(tmp, "store"), cfg, queue))
-            for r in range(world)
-        ]
-        for p in procs:
-            p.start()
-        out = queue.get(timeout=3600)
-        for p in procs:
-            p.join(timeout=120)
-            if p.exitcode not in (0, None):
-                raise RuntimeError(f"a benchmark rank exited with {p.exitcode}")
+    out: dict[str, Any] = run_ranks(_worker, world, cfg, timeout_s=3600)
     return out
 
 
@@ -359,9 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     cfg["layout"] = layout
     dp, tp, pp = layout
-    print(
-        f"torch {torch.__version__}, gloo, {os.cpu_count()} CPUs, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}"
-    )
+    print(machine_line())
     print(
         f"model: GPT {cfg['depth']} layers x width {cfg['width']}, {cfg['heads']} heads, vocab {cfg['vocab']}, "
         f"seq {cfg['seq']}; global batch {dp * cfg['num_microbatches'] * cfg['micro_batch']} sequences "

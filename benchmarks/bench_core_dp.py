@@ -23,17 +23,14 @@ Run::
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
-import tempfile
 import time
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _ranks import init_rank, machine_line, rotated, run_ranks
 from torch import nn
 
 MODES = ("no_sync", "per_param", "bucketed", "overlapped", "ddp")
@@ -48,12 +45,9 @@ def _model(width: int, depth: int) -> nn.Module:
 
 
 def _worker(rank: int, world: int, store_path: str, cfg: dict[str, Any], queue: Any) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
     from merak_core.data_parallel import DataParallelGradSync, allreduce_gradients_per_parameter
 
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    init_rank(rank, world, store_path, timeout_s=300)
     bucket_bytes = int(cfg["bucket_mb"] * 2**20)
     micro = cfg["num_microbatches"]
     g = torch.Generator().manual_seed(100 + rank)
@@ -72,7 +66,7 @@ def _worker(rank: int, world: int, store_path: str, cfg: dict[str, Any], queue: 
             syncs[mode] = DataParallelGradSync(models[mode], None, bucket_size_bytes=bucket_bytes)
     times: dict[str, list[float]] = {mode: [] for mode in MODES}
     for step in range(cfg["warmup"] + cfg["steps"]):
-        for mode in MODES[step % len(MODES) :] + MODES[: step % len(MODES)]:  # rotate: no position bias
+        for mode in rotated(MODES, step):  # no position bias
             model, runner, sync = models[mode], runners[mode], syncs.get(mode)
             model.zero_grad(set_to_none=True)
             dist.barrier()
@@ -112,20 +106,7 @@ def _worker(rank: int, world: int, store_path: str, cfg: dict[str, Any], queue: 
 
 
 def run(world: int, cfg: dict[str, Any]) -> dict[str, Any]:
-    ctx = mp.get_context("fork")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [
-            ctx.Process(target=_worker, args=(r, world, os.path.join(tmp, "store"), cfg, queue))
-            for r in range(world)
-        ]
-        for p in procs:
-            p.start()
-        out = queue.get(timeout=1800)
-        for p in procs:
-            p.join(timeout=60)
-            if p.exitcode not in (0, None):
-                raise RuntimeError(f"a benchmark rank exited with {p.exitcode}")
+    out: dict[str, Any] = run_ranks(_worker, world, cfg, timeout_s=1800, join_s=60)
     return out
 
 
@@ -145,9 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps is not None:
         cfg["steps"] = args.steps
     worlds = [int(w) for w in (args.worlds or ("2" if args.quick else "2,4")).split(",")]
-    print(
-        f"torch {torch.__version__}, gloo, {os.cpu_count()} CPUs, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}"
-    )
+    print(machine_line())
     print(
         f"model: {cfg['depth']} x (Linear {cfg['width']} + GELU + LayerNorm), batch {cfg['batch']} per microbatch, "
         f"{cfg['num_microbatches']} microbatches, bucket {cfg['bucket_mb']} MiB (ours and DDP), "

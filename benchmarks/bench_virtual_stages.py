@@ -27,13 +27,12 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _ranks import init_rank, rotated, run_ranks
 from torch.utils.data import Dataset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,15 +100,7 @@ def _halved(costs: Any, pp: int, v: int) -> Any:
 
 
 def _worker(rank: int, world: int, store_path: str, cfg: dict[str, Any], queue: Any) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        store=dist.FileStore(store_path, world),
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=900),
-    )
+    init_rank(rank, world, store_path, timeout_s=900)
     from merak_pipe.timing import gather_timings, measured_costs
 
     modes = {
@@ -121,8 +112,7 @@ def _worker(rank: int, world: int, store_path: str, cfg: dict[str, Any], queue: 
     rows: list[dict[str, float]] = []
     for step in range(cfg["warmup"] + cfg["rounds"]):
         row: dict[str, float] = {}
-        names = list(modes)
-        for mode in names[step % len(names) :] + names[: step % len(names)]:  # rotate who goes first
+        for mode in rotated(list(modes), step):  # who goes first changes every round
             trainer = modes[mode]
             batch = next(loaders[mode])
             dist.barrier()
@@ -151,20 +141,7 @@ def _worker(rank: int, world: int, store_path: str, cfg: dict[str, Any], queue: 
 
 
 def run(cfg: dict[str, Any], pp: int) -> list[dict[str, float]]:
-    ctx = mp.get_context("fork")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [
-            ctx.Process(target=_worker, args=(r, pp, os.path.join(tmp, "store"), cfg, queue))
-            for r in range(pp)
-        ]
-        for p in procs:
-            p.start()
-        rows = queue.get(timeout=3600)
-        for p in procs:
-            p.join(timeout=120)
-            if p.exitcode not in (0, None):
-                raise RuntimeError(f"a benchmark rank exited with {p.exitcode}")
+    rows: list[dict[str, float]] = run_ranks(_worker, pp, cfg, timeout_s=3600)
     return rows
 
 
