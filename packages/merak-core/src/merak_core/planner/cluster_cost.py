@@ -19,12 +19,36 @@ per-layer :class:`LayerCost` for one sample; :func:`predict_config` prices one c
   (between nodes when a pipeline neighbour lives on another node), latency + bytes / bandwidth;
 - the schedule and its bubble come from :func:`merak_pipe.simulate`;
 - per step: the ring all-reduce of the largest stage's gradients over the DP group (ZeRO-1: a
-  reduce-scatter and an all-gather, the same bytes on the wire), not overlapped; the all-reduce
-  of parameters tied across stages; the optimizer step at the memory bandwidth.
-Memory per stage: parameters, gradients and optimizer states (:class:`Precision`; optimizer
-states divided by dp under ZeRO-1) plus the simulated activation peak of the schedule, where a
-layer's activations are the bytes of every tensor its nodes produce (an upper bound on what
-autograd keeps), divided by tp.
+  reduce-scatter and an all-gather, the same bytes on the wire; ZeRO-2: a reduce-scatter of the
+  gradients and one all-gather of the parameters; ZeRO-3: the reduce-scatter, its all-gathers are
+  per microbatch, below), not overlapped; the all-reduce of parameters tied across stages; the
+  gradient-norm and loss all-reduces (latency); the optimizer step at the memory bandwidth plus
+  ``STEP_OPS_PER_TENSOR`` operators per parameter tensor at ``op_overhead_s`` ([Note: per-tensor
+  step operators]);
+- ZeRO-3 (dp > 1): every microbatch's forward all-gathers the stage's parameters over DP, and its
+  backward again, except on the last stage of a pipeline (see :mod:`merak_core.fsdp`, [Note:
+  reshard after forward per stage]); not overlapped.
+Memory per stage: parameters, gradients and optimizer states (:class:`Precision`) under the ZeRO
+stage by the rule of :func:`merak_core.planner.memory.model_state_bytes` ([Note: cluster ZeRO
+memory]) plus the simulated activation peak of the schedule, where a layer's activations are the
+bytes of every tensor its nodes produce (an upper bound on what autograd keeps), divided by tp.
+
+[Note: cluster ZeRO memory] One rule for both planners: ZeRO-1, 2 and 3 divide the optimizer
+states by dp; ZeRO-2 also holds the gathered parameters next to their shard from the first
+forward to the step's reduce-scatter, ZeRO-3 holds its shard and one gathered unit (here the
+stage's largest layer, divided by tp; the last stage of a pipeline holds them as ZeRO-2); both
+hold the accumulated gradients unsharded within the step. At dp = 1 every stage holds what
+ZeRO-0 holds. The parameter terms are in ``Precision.weight_bytes``, the gradients in
+``grad_bytes`` and the optimizer states in ``optimizer_bytes``.
+
+[Note: per-tensor step operators] Besides its bytes, the optimizer step runs a fixed number of
+small operators per parameter tensor, whatever its size: AdamW's multi-tensor step on CPU falls
+back to one operator per tensor for each of its ~16 list operations, the gradient norm and the
+clipping add ~3, the gradients' reset 1. Measured on this project's 2-core CPU with the demo
+(68 tensors, ``benchmarks/bench_cluster_plan.py steps``): AdamW 16 and clipping 3 operator
+overheads per tensor. With a small model this is most of the time outside the pipeline; a GPU
+file with ``op_overhead_us`` 0 leaves it out. ZeRO-1 runs the optimizer on the tensors a rank
+owns (about 1/dp of them); FSDP2 (ZeRO-2/3) on a shard of every tensor.
 
 Deliberately not modelled: kernel efficiency that varies with matrix size, smaller GEMMs of
 sub-microbatches, overlap of the DP all-reduce with the backward, network contention between
@@ -43,9 +67,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from merak_core.fsdp import default_reshard_after_forward
 from merak_core.planner.cluster import ClusterSpec
+from merak_core.planner.memory import ZERO_STAGES, model_state_bytes
+
+STEP_OPS_PER_TENSOR = 20
+"""Operators the optimizer step runs per parameter tensor: AdamW 16, norm and clipping 3, reset 1
+([Note: per-tensor step operators])."""
 
 __all__ = [
+    "STEP_OPS_PER_TENSOR",
     "LayerCost",
     "ModelCosts",
     "Precision",
@@ -130,6 +161,14 @@ class ModelCosts:
             names = {n for layer in self.layers[lo:hi] for n in layer.param_names}
             self._cache[key] = sum(self.param_numel[n] for n in names)
         return int(self._cache[key])
+
+    def stage_tensors(self, lo: int, hi: int) -> int:
+        """Parameter tensors held by the stage of layers [lo, hi) (a tied parameter once per stage)."""
+        return len({n for layer in self.layers[lo:hi] for n in layer.param_names})
+
+    def largest_layer_params(self, lo: int, hi: int) -> int:
+        """Parameters of the largest layer of the stage [lo, hi) (ZeRO-3's gathered unit)."""
+        return max((sum(self.param_numel[n] for n in ly.param_names) for ly in self.layers[lo:hi]), default=0)
 
     def tied_across(self, bounds: Sequence[int]) -> dict[str, list[int]]:
         """Parameters held by more than one stage: name -> stages holding it."""
@@ -256,12 +295,53 @@ class StageCosts:
     p2p_bandwidth: float
 
 
-def _ring_allreduce_s(nbytes: float, ranks: Sequence[int], cluster: ClusterSpec) -> float:
+def _ring_s(nbytes: float, ranks: Sequence[int], cluster: ClusterSpec, passes: int) -> float:
+    """A ring collective over ``ranks`` of ``nbytes`` in all: ``passes`` = 2 for an all-reduce, 1 for a
+    reduce-scatter or an all-gather (each pass: n - 1 steps of latency + bytes / n)."""
     n = len(ranks)
     if n <= 1 or nbytes <= 0:
         return 0.0
     bandwidth, latency = cluster.link(list(ranks))
-    return 2 * (n - 1) * latency + 2 * (n - 1) / n * nbytes / bandwidth
+    return passes * ((n - 1) * latency + (n - 1) / n * nbytes / bandwidth)
+
+
+def _ring_allreduce_s(nbytes: float, ranks: Sequence[int], cluster: ClusterSpec) -> float:
+    return _ring_s(nbytes, ranks, cluster, 2)
+
+
+def state_bytes(
+    numel: float,
+    precision: Precision,
+    *,
+    zero_stage: int,
+    dp: int,
+    unit_numel: float = 0.0,
+    stage_index: int = 0,
+    num_stages: int = 1,
+) -> float:
+    """Weights + gradients + optimizer states one device holds at its peak for ``numel`` parameters of
+    one stage ([Note: cluster ZeRO memory]; ``unit_numel``: ZeRO-3's gathered unit)."""
+    w = precision.weight_bytes
+    if zero_stage == 3 and not default_reshard_after_forward(
+        3, stage_index=stage_index, num_stages=num_stages
+    ):
+        zero_stage = 2  # the last stage keeps its units gathered from forward to backward: ZeRO-2's memory
+    weights, grads, optimizer = model_state_bytes(
+        numel * w,
+        zero_stage=zero_stage,
+        dp=dp,
+        optimizer_state_factor=precision.optimizer_bytes / w,
+        largest_unit_bytes=unit_numel * w,
+    )
+    return weights + grads * precision.grad_bytes / w + optimizer
+
+
+def _zero3_gathers_s(
+    numel: float, precision: Precision, cluster: ClusterSpec, *, dp: int, tp: int, backward_too: bool
+) -> tuple[float, float]:
+    """(forward, backward) seconds of ZeRO-3's all-gathers of one stage's parameters per microbatch."""
+    one = _ring_s(numel * precision.weight_bytes, dp_ranks(dp, tp), cluster, 1)
+    return one, (one if backward_too else 0.0)
 
 
 def tp_ranks(dp: int, tp: int) -> list[int]:
@@ -309,6 +389,8 @@ def stage_costs(
     ``num_ranks``: pipeline ranks when they hold several stages each (virtual stages); default one
     stage per rank.
     """
+    if zero_stage not in ZERO_STAGES:
+        raise ValueError(f"zero_stage={zero_stage!r}; expected one of {ZERO_STAGES}")
     b, pp = micro_batch_size, len(bounds) - 1
     prec = costs.precision
     tp_group = tp_ranks(dp, tp)
@@ -322,14 +404,20 @@ def stage_costs(
         comm = one_ar * sum(ly.tp_allreduces for ly in layers) if tp > 1 else 0.0
         ex_f = _tp_exposed(comm, compute_f, tp_overlap, tp_chunks)
         ex_b = _tp_exposed(comm, 2 * compute_f, tp_overlap, tp_chunks)
-        fwd.append(compute_f + ex_f)
-        bwd.append(2 * compute_f + ex_b)
+        n = costs.stage_params(bounds[s], bounds[s + 1]) / tp
+        gather_f = gather_b = 0.0
+        if zero_stage == 3:
+            again = default_reshard_after_forward(3, stage_index=s, num_stages=pp)
+            gather_f, gather_b = _zero3_gathers_s(n, prec, cluster, dp=dp, tp=tp, backward_too=again)
+        fwd.append(compute_f + ex_f + gather_f)
+        bwd.append(2 * compute_f + ex_b + gather_b)
         exposed.append(ex_f + ex_b)
         acts.append([b * ly.activation_bytes / tp for ly in layers])
-        n = costs.stage_params(bounds[s], bounds[s + 1]) / tp
         params.append(n)
-        opt_div = dp if zero_stage == 1 else 1
-        static.append(n * (prec.weight_bytes + prec.grad_bytes) + n * prec.optimizer_bytes / opt_div)
+        unit = costs.largest_layer_params(bounds[s], bounds[s + 1]) / tp
+        static.append(
+            state_bytes(n, prec, zero_stage=zero_stage, dp=dp, unit_numel=unit, stage_index=s, num_stages=pp)
+        )
         out_b.append(b * layers[-1].output_bytes)
         in_b.append(b * (costs.layers[bounds[s] - 1].output_bytes if bounds[s] > 0 else 0.0))
     latency, bandwidth = p2p_link(dp, tp, num_ranks if num_ranks is not None else pp, cluster)
@@ -358,24 +446,49 @@ def step_overhead_s(
     zero_stage: int,
     stage_to_rank: Sequence[int] | None = None,
 ) -> tuple[float, float]:
-    """(DP gradient all-reduce + tied-parameter all-reduce, optimizer step) seconds per step.
+    """(DP gradient sync + tied-parameter all-reduce, the rest: optimizer step with clipping and the
+    gradient-norm and loss all-reduces) seconds per step (see [Note: cluster model terms]).
 
     ``stage_to_rank``: the pipeline rank of each stage (default: stage s on rank s).
     """
     prec = costs.precision
     placement = list(stage_to_rank) if stage_to_rank is not None else list(range(len(bounds) - 1))
     per_rank: dict[int, float] = {}
+    tensors: dict[int, int] = {}
     for s, n in enumerate(stages.params_per_device):
         per_rank[placement[s]] = per_rank.get(placement[s], 0.0) + n
+        tensors[placement[s]] = tensors.get(placement[s], 0) + costs.stage_tensors(bounds[s], bounds[s + 1])
     largest = max(per_rank.values())
-    dp_s = _ring_allreduce_s(largest * prec.grad_bytes, dp_ranks(dp, tp), cluster)
+    group = dp_ranks(dp, tp)
+    if zero_stage <= 1:
+        dp_s = _ring_allreduce_s(largest * prec.grad_bytes, group, cluster)
+    else:  # FSDP2: the step's reduce-scatter; ZeRO-2 also gathers the parameters once per step
+        dp_s = _ring_s(largest * prec.grad_bytes, group, cluster, 1)
+        if zero_stage == 2:
+            dp_s += _ring_s(largest * prec.weight_bytes, group, cluster, 1)
     stride = dp * tp
     tied = 0.0
     for name, held in costs.tied_across(bounds).items():
         ranks = sorted({placement[s] * stride for s in held})
         tied += _ring_allreduce_s(costs.param_numel[name] / tp * prec.grad_bytes, ranks, cluster)
-    opt_div = dp if zero_stage == 1 else 1
+    pp = max(placement) + 1
+    flags = _small_allreduce_s(list(range(tp)), cluster) + _small_allreduce_s(
+        [r * stride for r in range(pp)], cluster
+    )  # the gradient norm over TP and PP
+    flags += _small_allreduce_s(list(range(stride * pp)), cluster)  # the loss and step flags over all ranks
+    opt_div = dp if zero_stage >= 1 else 1
     # Adam reads and writes master weights, moments and gradients, writes the 16-bit weights.
     touched = largest / opt_div * (2 * prec.optimizer_bytes + prec.grad_bytes + prec.weight_bytes)
     optimizer = touched / (cluster.memory_bandwidth * cluster.memory_efficiency)
-    return dp_s + tied, optimizer
+    owned = max(tensors.values()) / (dp if zero_stage == 1 else 1)  # ZeRO-1 owns whole tensors
+    optimizer += owned * STEP_OPS_PER_TENSOR * cluster.op_overhead_s
+    return dp_s + tied, optimizer + flags
+
+
+def _small_allreduce_s(ranks: Sequence[int], cluster: ClusterSpec) -> float:
+    """A few bytes all-reduced over ``ranks``: latency only, over a tree (2 log2 n hops), as
+    collective libraries do for tiny messages (a ring would pay 2 (n - 1))."""
+    n = len(ranks)
+    if n <= 1:
+        return 0.0
+    return 2 * math.ceil(math.log2(n)) * cluster.link(list(ranks))[1]

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from merak_core.planner.comm import CommModel
+from merak_core.planner.memory import ZERO_STAGES
 from merak_core.planner.profile import ModelProfile
 from merak_core.planner.search import Candidate, plan, predict
 from merak_pipe import schedule_info
@@ -61,7 +62,7 @@ class PlanContext:
     compute_slots: float | None = None
     """Ranks that can compute at once on one host (CPU: cores / threads per rank); None: a device each."""
     zero_stage: int = 0
-    """The job's ZeRO stage (0 or 1)."""
+    """The job's ZeRO stage (0 to 3, as :func:`~merak_core.planner.predict` prices them)."""
     optimizer_state_factor: float = 2.0
     """Optimizer-state bytes per parameter byte (2 for AdamW)."""
     job_file: str | None = None
@@ -84,8 +85,8 @@ class PlanContext:
                 f"PlanContext.compute_slots={self.compute_slots!r}: expected a number >= 1 or None "
                 "(every rank has its own device)"
             )
-        if self.zero_stage not in (0, 1):
-            raise ValueError(f"PlanContext.zero_stage={self.zero_stage!r}: expected 0 or 1")
+        if self.zero_stage not in ZERO_STAGES:
+            raise ValueError(f"PlanContext.zero_stage={self.zero_stage!r}: expected one of {ZERO_STAGES}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,162 @@
+"""The cluster cost model's ZeRO stages, per-step terms and the plan check's ZeRO stages (pure, one process)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from merak_core.planner.cluster import load_cluster
+from merak_core.planner.cluster_cost import (
+    STEP_OPS_PER_TENSOR,
+    Precision,
+    model_costs,
+    stage_costs,
+    state_bytes,
+    step_overhead_s,
+    trace_for_cluster,
+)
+from merak_core.planner.gpt_shapes import DecoderShape, build_decoder, decoder_inputs
+from merak_core.planner.memory import model_state_bytes
+
+SMALL = DecoderShape(num_layers=2, hidden=32, num_heads=4, vocab_size=64, seq_len=8)
+
+
+@pytest.fixture(scope="module")
+def costs():
+    model = build_decoder(SMALL)
+    return model_costs(trace_for_cluster(model, decoder_inputs(SMALL), load_cluster("h100-sxm-8x")), model)
+
+
+def _stages(costs, cluster, zero_stage, *, dp=4, bounds=None):
+    bounds = bounds or [0, costs.num_layers // 2, costs.num_layers]
+    return bounds, stage_costs(
+        costs, cluster, bounds=bounds, dp=dp, tp=1, micro_batch_size=1, zero_stage=zero_stage
+    )
+
+
+def test_zero_memory_per_stage_follows_one_rule(costs):
+    """bf16 weights (2 B), fp32 gradients (4 B), 12 B of optimizer states per parameter, dp = 4:
+    ZeRO-0 18 B; ZeRO-1 6 + 12/4; ZeRO-2 also holds the gathered weights beside their shard
+    (2 + 2/4 + 4 + 12/4); ZeRO-3 its shard and one gathered layer, except on the last stage of a
+    pipeline, which holds them as ZeRO-2. (ZeRO-2/3 were priced as ZeRO-0 before.)"""
+    cluster = load_cluster("h100-sxm-8x")
+    bounds = [0, costs.num_layers // 2, costs.num_layers]
+    n = [costs.stage_params(bounds[s], bounds[s + 1]) for s in range(2)]
+    unit = costs.largest_layer_params(bounds[0], bounds[1])
+    assert 0 < unit < n[0]
+    expected = {
+        0: [18.0 * x for x in n],
+        1: [9.0 * x for x in n],
+        2: [9.5 * x for x in n],
+        3: [0.5 * n[0] + 2 * unit + 7 * n[0], 9.5 * n[1]],
+    }
+    for zero, want in expected.items():
+        _, st = _stages(costs, cluster, zero, bounds=bounds)
+        assert st.static_bytes == pytest.approx(want, rel=1e-12), zero
+    # The profile planner's rule, in its own units (weights of 2 B, optimizer factor 6).
+    for zero in range(4):
+        p, g, o = model_state_bytes(2.0 * n[1], zero_stage=zero, dp=4, optimizer_state_factor=6.0)
+        if zero < 3:
+            assert state_bytes(n[1], Precision(), zero_stage=zero, dp=4) == pytest.approx(p + 2 * g + o)
+    # One DP rank: nothing is sharded, every stage holds ZeRO-0's bytes.
+    for zero in range(4):
+        _, st = _stages(costs, cluster, zero, dp=1, bounds=bounds)
+        assert st.static_bytes == pytest.approx(expected[0], rel=1e-12)
+
+
+def test_zero_stage_out_of_range_is_refused(costs):
+    with pytest.raises(ValueError, match=r"zero_stage=4; expected one of \(0, 1, 2, 3\)"):
+        _stages(costs, load_cluster("h100-sxm-8x"), 4)
+
+
+def test_zero_communication_reduce_scatter_gathers_and_sharded_optimizer(costs):
+    """Over 4 ranks of one node: ZeRO-0/1 all-reduce the gradients (2 ring passes of 4 B per
+    parameter); ZeRO-2 reduce-scatters them and all-gathers the 2-byte weights once (one pass
+    each); ZeRO-3 reduce-scatters per step and all-gathers per microbatch in the forward, and in
+    the backward on every stage but the pipeline's last. ZeRO-1/2/3 run the optimizer on 1/dp."""
+    cluster = load_cluster("h100-sxm-8x")
+    bw, lat = cluster.intra_node_bandwidth * cluster.link_efficiency, cluster.intra_node_latency_s
+
+    def one_pass(nbytes):
+        return 3 * lat + 3 / 4 * nbytes / bw
+
+    sync, rest = {}, {}
+    for zero in range(4):
+        bounds, st = _stages(costs, cluster, zero)
+        sync[zero], rest[zero] = step_overhead_s(
+            costs, cluster, st, bounds=bounds, dp=4, tp=1, zero_stage=zero
+        )
+    largest = max(st.params_per_device)
+    tied = costs.tied_across(bounds)  # the tied embedding: stages 0 and 1, ranks 0 and 4 of the node
+    assert list(tied.values()) == [[0, 1]]
+    tied_s = sum(2 * lat + costs.param_numel[name] * 4 / bw for name in tied)
+    sync = {zero: s - tied_s for zero, s in sync.items()}
+    assert sync[0] == pytest.approx(2 * one_pass(4 * largest), rel=1e-9) == sync[1]
+    assert sync[2] == pytest.approx(one_pass(4 * largest) + one_pass(2 * largest), rel=1e-9)
+    assert sync[3] == pytest.approx(one_pass(4 * largest), rel=1e-9)
+    no_latency = dataclasses.replace(cluster, intra_node_latency_s=0.0, inter_node_latency_s=0.0)
+    for zero in range(4):  # the optimizer alone (no all-reduce latencies)
+        bounds, st = _stages(costs, no_latency, zero)
+        rest[zero] = step_overhead_s(costs, no_latency, st, bounds=bounds, dp=4, tp=1, zero_stage=zero)[1]
+    assert rest[1] == pytest.approx(rest[2]) == pytest.approx(rest[3]) == pytest.approx(rest[0] / 4)
+    _, z2 = _stages(costs, cluster, 2)
+    _, z3 = _stages(costs, cluster, 3)
+    n0, n1 = z3.params_per_device
+    assert z3.forward_s[0] - z2.forward_s[0] == pytest.approx(one_pass(2 * n0), rel=1e-9)
+    assert z3.backward_s[0] - z2.backward_s[0] == pytest.approx(one_pass(2 * n0), rel=1e-9)
+    assert z3.forward_s[1] - z2.forward_s[1] == pytest.approx(one_pass(2 * n1), rel=1e-9)
+    assert z3.backward_s[1] == z2.backward_s[1]  # the last stage keeps its parameters gathered
+
+
+def test_per_tensor_step_operators_and_small_allreduces(costs):
+    """The step's fixed terms: STEP_OPS_PER_TENSOR operators per parameter tensor at the file's
+    op_overhead_s (ZeRO-1: the tensors a rank owns, 1/dp), and the gradient-norm (PP group) and loss
+    (all ranks) all-reduces at 2 log2(n) latencies each."""
+    base = load_cluster("h100-sxm-8x")
+    slow = dataclasses.replace(base, op_overhead_s=1e-5)
+    bounds = [0, costs.num_layers // 2, costs.num_layers]
+    tensors = max(
+        len({n for ly in costs.layers[bounds[s] : bounds[s + 1]] for n in ly.param_names}) for s in range(2)
+    )
+    assert tensors == max(costs.stage_tensors(bounds[s], bounds[s + 1]) for s in range(2)) > 10
+
+    def rest(cluster, zero, dp):
+        st = stage_costs(costs, cluster, bounds=bounds, dp=dp, tp=1, micro_batch_size=1, zero_stage=zero)
+        return step_overhead_s(costs, cluster, st, bounds=bounds, dp=dp, tp=1, zero_stage=zero)[1]
+
+    assert rest(slow, 0, 2) - rest(base, 0, 2) == pytest.approx(
+        tensors * STEP_OPS_PER_TENSOR * 1e-5, rel=1e-9
+    )
+    assert rest(slow, 1, 2) - rest(base, 1, 2) == pytest.approx(
+        tensors * STEP_OPS_PER_TENSOR * 1e-5 / 2, rel=1e-9
+    )
+    # dp=1 x pp=2: the norm over the 2 pipeline ranks and the loss over the same 2 ranks: 2 x 2 hops.
+    st = stage_costs(costs, base, bounds=bounds, dp=1, tp=1, micro_batch_size=1)
+    _, one = step_overhead_s(costs, base, st, bounds=bounds, dp=1, tp=1, zero_stage=0)
+    no_latency = dataclasses.replace(base, intra_node_latency_s=0.0, inter_node_latency_s=0.0)
+    st0 = stage_costs(costs, no_latency, bounds=bounds, dp=1, tp=1, micro_batch_size=1)
+    _, zero_lat = step_overhead_s(costs, no_latency, st0, bounds=bounds, dp=1, tp=1, zero_stage=0)
+    assert one - zero_lat == pytest.approx(4 * base.intra_node_latency_s, rel=1e-9)
+
+
+def test_plan_context_takes_every_zero_stage_the_planner_prices():
+    """The plan check's context accepted ZeRO 0 and 1 only, so a ZeRO-2/3 job could not be checked."""
+    from merak_core.planner import ModelProfile, PlanContext, predict_current
+
+    profile = ModelProfile(
+        layer_forward_s=[1e-3] * 4,
+        layer_backward_s=[2e-3] * 4,
+        layer_activation_bytes=[1e6] * 4,
+        layer_param_bytes=[4e6] * 4,
+        boundary_bytes=1e4,
+        num_heads=4,
+    )
+    peaks = {}
+    for zero in range(4):
+        ctx = PlanContext(profile=profile, zero_stage=zero)
+        c = predict_current(ctx, dp=2, tp=1, pp=2, schedule="1f1b", num_microbatches=2, micro_batch_size=1)
+        peaks[zero] = c.peak_memory_bytes
+    assert peaks[1][0] < peaks[0][0] and peaks[2][0] > peaks[1][0]
+    with pytest.raises(ValueError, match=r"PlanContext.zero_stage=4: expected one of \(0, 1, 2, 3\)"):
+        PlanContext(profile=profile, zero_stage=4)
