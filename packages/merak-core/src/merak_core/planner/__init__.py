@@ -21,7 +21,10 @@ output per layer in forward and two in backward; the DP all-reduce is not overla
 pipeline. Backward time is measured as a whole and spread over layers in proportion to forward.
 """
 
+from merak_core.planner.candidate import Candidate, format_plan, why_best
+from merak_core.planner.choices import PLANNER_SCHEDULES, RECOMPUTE_MODES
 from merak_core.planner.comm import CommModel, measure_comm
+from merak_core.planner.contention import measure_contention
 from merak_core.planner.feedback import (
     MeasuredStep,
     PlanComparison,
@@ -33,17 +36,10 @@ from merak_core.planner.feedback import (
     predict_current,
     replan,
 )
-from merak_core.planner.profile import ModelProfile, measure_contention, model_fingerprint, profile_model
-from merak_core.planner.search import (
-    PLANNER_SCHEDULES,
-    RECOMPUTE_MODES,
-    Candidate,
-    format_plan,
-    plan,
-    predict,
-    split_layers,
-    why_best,
-)
+from merak_core.planner.model_profile import ModelProfile
+from merak_core.planner.pricing import split_layers
+from merak_core.planner.profile import model_fingerprint, profile_model
+from merak_core.planner.search import plan, predict
 
 __all__ = [
     "PLANNER_SCHEDULES",

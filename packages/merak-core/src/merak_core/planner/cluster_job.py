@@ -8,7 +8,6 @@ and vocabulary are read from the model (the attributes the profiler reads) to co
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -47,27 +46,22 @@ def _to_meta(x: Any) -> Any:
 def job_model(job: Any) -> JobModel:
     """Build ``job``'s model on the meta device and one sample of its inputs (meta tensors)."""
     import merak_graph as mg
-    from merak_core.autoplan import profile_inputs
-    from merak_core.planner.profile import _find_attr
+    from merak_core.planner.auto import profile_inputs
+    from merak_core.planner.profile import tp_constraints
 
     torch.manual_seed(job.training.seed)
     with mg.empty_init():
         model = job.build_model()
     train, _ = job.build_datasets()
     inputs = _to_meta(profile_inputs(model, train, 1, job.optional("collate")))
-    vocab = next((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)), None)
-    plan = job.training.tp_plan
-    if isinstance(plan, dict):  # a user TP plan that shards no embedding puts no constraint on the vocabulary
-        embeddings = [name for name, m in model.named_modules() if isinstance(m, nn.Embedding)]
-        if not any(fnmatch.fnmatch(name, pattern) for name in embeddings for pattern in plan):
-            vocab = None
+    heads, kv_heads, vocab = tp_constraints(model, job.training.tp_plan)
     first = next(iter(model.parameters()), None)
     dtype = "fp32" if first is None or first.dtype == torch.float32 else "bf16"
     return JobModel(
         model=model,
         example_inputs=inputs if isinstance(inputs, Mapping) else (inputs,),
-        num_heads=_find_attr(model, ("num_heads", "heads", "n_head", "num_attention_heads")),
-        num_kv_heads=_find_attr(model, ("num_key_value_heads", "num_kv_heads", "n_kv_heads")),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
         vocab_size=vocab,
         dtype=dtype,
     )
@@ -104,7 +98,7 @@ def dry_run_job(jm: JobModel, cluster: ClusterSpec, *, world_size: int, training
     recompute, ZeRO stage and overlap_chunks are used; what the cluster model does not price (an
     interleaved schedule, uniform recomputation) is replaced by its nearest priced choice and said so.
     """
-    from merak_core.planner.cluster_search import PREDICTABLE_SCHEDULES
+    from merak_core.planner.choices import PREDICTABLE_SCHEDULES
     from merak_core.planner.dryrun import DryRunProblem
 
     t = training
@@ -112,7 +106,7 @@ def dry_run_job(jm: JobModel, cluster: ClusterSpec, *, world_size: int, training
     schedule = t.schedule
     if schedule == "auto":
         schedule = "shifted_critical_path" if t.memory_budget is not None else "1f1b"
-    if schedule not in PREDICTABLE_SCHEDULES and schedule != "interleaved_1f1b":
+    if schedule not in PREDICTABLE_SCHEDULES:
         notes.append(f"schedule {schedule!r} is not priced by the cluster model: 1f1b was dry-run instead")
         schedule = "1f1b"
     recompute = t.recompute

@@ -16,9 +16,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from merak_core.planner.choices import CLUSTER_SCHEDULES, PREDICTABLE_SCHEDULES, RECOMPUTE_MODES
 from merak_core.planner.cluster import ClusterSpec
 from merak_core.planner.cluster_cost import ModelCosts, stage_costs, step_overhead_s
-from merak_core.planner.search import RECOMPUTE_MODES, split_layers
+from merak_core.planner.pricing import split_layers
 from merak_pipe import schedule_info
 
 logger = logging.getLogger(__name__)
@@ -31,12 +32,6 @@ __all__ = [
     "plan_cluster",
     "predict_config",
 ]
-
-CLUSTER_SCHEDULES = ("1f1b", "shifted_critical_path")
-"""Schedules the cluster search tries by default (the Trainer runs them). ``interleaved_1f1b`` (virtual
-stages) can be searched too, as a what-if: merak-pipe simulates it, the Trainer does not run it yet."""
-PREDICTABLE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "shifted_critical_path", "zb_h1")
-"""Schedules :func:`predict_config` prices (``interleaved_1f1b`` with ``virtual_stages`` per rank)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,8 +122,9 @@ def predict_config(
     """Predict one configuration (fitting or not); None when stage-aware recomputation cannot fit.
 
     ``memo`` (a dict kept across calls on the same costs and cluster) reuses built schedules and
-    simulations; with it, schedules are not re-validated. ``virtual_stages`` applies to
-    ``interleaved_1f1b`` only (pp * virtual_stages stages, stage s on pipeline rank s % pp).
+    simulations; with it, schedules are not re-validated. ``virtual_stages`` applies to the
+    schedules with several stages per rank whose count an option chooses (``interleaved_1f1b``:
+    pp * virtual_stages stages, stage s on pipeline rank s % pp); ZB-V always runs two.
     """
     from merak_pipe import CostModel, RecomputePlan, build_schedule, simulate, stage_aware_plan
 
@@ -136,7 +132,8 @@ def predict_config(
         raise ValueError(f"schedule {schedule!r} is not one of {PREDICTABLE_SCHEDULES}")
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute {recompute!r} is not one of {RECOMPUTE_MODES}")
-    v = virtual_stages if schedule == "interleaved_1f1b" and pp > 1 else 1
+    info = schedule_info(schedule)
+    v = (info.stages_per_rank or virtual_stages) if pp > 1 and not info.one_stage_per_rank else 1
     if v < 1 or v * pp > costs.num_layers:
         raise ValueError(
             f"virtual_stages={virtual_stages} with pp={pp}: expected 1 <= pp * virtual_stages <= "
@@ -270,6 +267,24 @@ def _layouts(costs: ModelCosts, cluster: ClusterSpec, world: int, gbs: int) -> l
     return out
 
 
+def _cluster_runs(
+    pp: int, schedules: Sequence[str], virtual_stages: Sequence[int], num_layers: int
+) -> list[tuple[str, int]]:
+    """(schedule, stages per rank) pairs to try at ``pp``: the one-stage schedules of ``schedules``,
+    and those with several stages per rank at each v of ``virtual_stages`` they run (the registry's
+    ``stages_per_rank``) with pp * v <= layers."""
+    if pp == 1:
+        return [("1f1b", 1)]
+    runs = [(sched, 1) for sched in schedules if schedule_info(sched).one_stage_per_rank]
+    for sched in schedules:
+        needs = schedule_info(sched).stages_per_rank
+        if needs != 1:
+            runs += [
+                (sched, v) for v in virtual_stages if v > 1 and needs in (None, v) and pp * v <= num_layers
+            ]
+    return runs
+
+
 def plan_cluster(
     costs: ModelCosts,
     cluster: ClusterSpec,
@@ -287,8 +302,9 @@ def plan_cluster(
     """Every configuration that fits the device memory on ``num_nodes`` nodes, best predicted first.
 
     ``layouts`` restricts the (dp, tp, pp) tried; ``virtual_stages`` are the stages per rank tried
-    with ``interleaved_1f1b`` when ``schedules`` holds it. Raises ValueError when no layout suits the model
-    or nothing fits (naming the least memory any configuration needs).
+    with the schedules of ``schedules`` that run several (``interleaved_1f1b``; ``zb_v`` at 2).
+    Raises ValueError when no layout suits the model or nothing fits (naming the least memory any
+    configuration needs).
     """
     for label, v in (
         ("num_nodes", num_nodes),
@@ -316,13 +332,7 @@ def plan_cluster(
         for m in _divisors(per_dp):
             if m < pp or m > max_microbatches:
                 continue
-            runs = [
-                (sched, 1) for sched in (schedules if pp > 1 else ("1f1b",)) if sched != "interleaved_1f1b"
-            ]
-            if pp > 1 and "interleaved_1f1b" in schedules:
-                runs += [
-                    ("interleaved_1f1b", v) for v in virtual_stages if v > 1 and pp * v <= costs.num_layers
-                ]
+            runs = _cluster_runs(pp, schedules, virtual_stages, costs.num_layers)
             for sched, v in runs:
                 if pp * v not in sizes_by_stages:
                     sizes_by_stages[pp * v] = split_layers(forward, pp * v)

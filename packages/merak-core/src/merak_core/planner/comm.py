@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from merak_core.planner.profile import _now, _timed
+from merak_core.planner.clock import now, timed
 
 logger = logging.getLogger(__name__)
 
@@ -118,9 +118,9 @@ def measure_comm(
                 dist.recv(buf, peer0, group=group)
                 dist.send(buf, peer0, group=group)
 
-        one_way = _timed(ping, repeats, dev) / 2
+        one_way = timed(ping, repeats, dev) / 2
         dist.barrier(group=group)
-        reduce_s = _timed(lambda buf=buf: dist.all_reduce(buf, group=group), repeats, dev)
+        reduce_s = timed(lambda buf=buf: dist.all_reduce(buf, group=group), repeats, dev)
         results.append((one_way, reduce_s))
     (p_small, r_small), (p_large, r_large) = results
     delta = float(large_bytes - small_bytes)
@@ -173,12 +173,12 @@ def _sync_wait(repeats: int, device: torch.device, *, iterations: int = 20, widt
 
     def run(sync: bool) -> float:
         dist.barrier()
-        start = _now(device)
+        start = now(device)
         for _ in range(iterations):
             a @ a
             if sync and mine is not None:
                 dist.all_reduce(flag, group=mine)
-        seconds = torch.tensor([(_now(device) - start) / iterations], dtype=torch.float64, device=device)
+        seconds = torch.tensor([(now(device) - start) / iterations], dtype=torch.float64, device=device)
         dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
         return float(seconds)
 
@@ -221,10 +221,10 @@ def _mean_call(fn: Any, repeats: int, device: torch.device | None = None) -> flo
     pays the mean over its many calls."""
     for _ in range(2):
         fn()
-    start = _now(device)
+    start = now(device)
     for _ in range(repeats):
         fn()
-    return (_now(device) - start) / repeats
+    return (now(device) - start) / repeats
 
 
 def _allreduce_table(repeats: int, device: torch.device) -> dict[int, list[tuple[float, float]]]:

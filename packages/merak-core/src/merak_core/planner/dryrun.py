@@ -284,7 +284,7 @@ def dry_run(
     ``world_size`` is not larger; see [Note: dry-run groups]).
     """
     import merak_graph as mg
-    from merak_pipe import build_schedule
+    from merak_pipe import build_schedule, schedule_info
 
     t0 = time.perf_counter()
     degrees, problems = _check_layout(world_size, dp, tp, pp, cluster, num_heads, num_kv_heads, vocab_size)
@@ -292,15 +292,14 @@ def dry_run(
     if degrees is None:
         return report
     dp, tp, pp = degrees
-    if schedule == "interleaved_1f1b":
+    if not schedule_info(schedule).one_stage_per_rank:
         report.problems.append(
             DryRunProblem(
                 0,
                 None,
                 "schedule",
-                "interleaved_1f1b (several stages per rank) is "
-                "refused by the Trainer, which runs one stage per rank: use 1f1b or "
-                "shifted_critical_path",
+                f"{schedule} (several stages per rank) is not dry-run: the dry run builds one stage per "
+                "rank; use 1f1b or shifted_critical_path",
             )
         )
         return report

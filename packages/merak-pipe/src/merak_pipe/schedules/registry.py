@@ -1,9 +1,10 @@
 """The schedule registry: every schedule's name, spellings and capabilities, read by everyone.
 
 A :class:`ScheduleInfo` says what a schedule is (its generator) and what a caller needs to know
-before building it: the names it answers to, how many stages it places on one rank, and whether
-its backward is split into input- and weight-gradient parts. Job files, the planner and the CLI
-look schedules up here (:func:`schedule_info`) instead of keeping lists of their own.
+before building it: the names it answers to, how many stages it places on one rank, whether
+its backward is split into input- and weight-gradient parts, and whether the simulator predicts
+it. Job files, the planner and the CLI look schedules up here (:func:`schedule_info`) instead
+of keeping lists of their own.
 
 [Note: schedule spellings] A schedule has one canonical ``name`` (hyphens, as merak-pipe prints
 it: ``shifted-critical-path``) and one ``key``, the identifier spelling job files and the planner
@@ -46,6 +47,8 @@ class ScheduleInfo:
     """Pipeline stages on one rank; None when an option chooses it (``virtual_stages``)."""
     split_backward: bool = False
     """The backward runs as separate input-gradient and weight-gradient actions (I and W)."""
+    simulated: bool = True
+    """:func:`merak_pipe.simulate` predicts its step time and memory (planners rank only these)."""
     spellings: frozenset[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -64,6 +67,10 @@ class ScheduleInfo:
         """Exactly one stage per rank (what a rank holding one model part can run)."""
         return self.stages_per_rank == 1
 
+    def runs_stages_per_rank(self, count: int) -> bool:
+        """Whether the schedule can place ``count`` stages on every rank (any count when an option chooses it)."""
+        return self.stages_per_rank is None or self.stages_per_rank == count
+
 
 _REGISTRY: dict[str, ScheduleInfo] = {}
 
@@ -76,6 +83,7 @@ def register_schedule(
     aliases: tuple[str, ...] = (),
     stages_per_rank: int | None = 1,
     split_backward: bool = False,
+    simulated: bool = True,
     overwrite: bool = False,
 ) -> ScheduleInfo:
     """Register ``fn`` under ``name`` (and ``key``, ``aliases``) so ``build_schedule(name, ...)`` calls it.
@@ -92,6 +100,7 @@ def register_schedule(
         aliases=tuple(aliases),
         stages_per_rank=stages_per_rank,
         split_backward=split_backward,
+        simulated=simulated,
     )
     clashes = sorted({other.name for other in _REGISTRY.values() if other.spellings & info.spellings})
     if clashes and not overwrite:

@@ -1,0 +1,65 @@
+"""What the planners choose among: schedules, read from merak-pipe's registry, and recomputation modes.
+
+Every schedule list of the planner (the profiled search in :mod:`.search`, the cluster search in
+:mod:`.cluster_search`, the dry run) is derived here from :func:`merak_pipe.schedule_infos` and its
+capabilities (stages per rank, whether the simulator predicts it), in the registry's order and
+with the config spelling (``ScheduleInfo.key``). A schedule registered later with those
+capabilities joins the searches without an edit here.
+
+Not done here: pricing a schedule (:mod:`.pricing`, :mod:`.cluster_cost`) or choosing one.
+"""
+
+from __future__ import annotations
+
+from merak_pipe import ScheduleInfo, build_schedule, in_flight_counts, schedule_info, schedule_infos
+
+__all__ = [
+    "CLUSTER_SCHEDULES",
+    "PLANNER_SCHEDULES",
+    "PREDICTABLE_SCHEDULES",
+    "RECOMPUTE_MODES",
+    "VIRTUAL_STAGE_SCHEDULES",
+    "schedule_order",
+    "virtual_stage_schedules",
+]
+
+PLANNER_SCHEDULES = tuple(info.key for info in schedule_infos() if info.one_stage_per_rank and info.simulated)
+"""Schedules the Trainer runs with one stage per rank and the simulator predicts (config spelling)."""
+VIRTUAL_STAGE_SCHEDULES = tuple(
+    info.key for info in schedule_infos() if not info.one_stage_per_rank and info.simulated
+)
+"""Schedules with several stages per rank (``virtual_stages``), planned when the search is given v > 1."""
+RECOMPUTE_MODES = ("none", "full", "stage_aware")
+PREDICTABLE_SCHEDULES = PLANNER_SCHEDULES + VIRTUAL_STAGE_SCHEDULES
+"""Every schedule the planners can price (the simulator predicts it), one stage per rank first."""
+
+
+def _bounded_in_flight(info: ScheduleInfo) -> bool:
+    """Whether no stage holds every microbatch at once (two stages, eight microbatches): GPipe's
+    memory grows with the microbatches, 1F1B-like schedules' does not."""
+    num_microbatches = 8
+    sched = build_schedule(info.name, num_stages=2, num_ranks=2, num_microbatches=num_microbatches)
+    return max(in_flight_counts(sched)) < num_microbatches
+
+
+CLUSTER_SCHEDULES = tuple(
+    info.key
+    for info in schedule_infos()
+    if info.one_stage_per_rank and info.simulated and not info.split_backward and _bounded_in_flight(info)
+)
+"""Schedules the cluster search tries by default: one stage per rank, one backward action per
+microbatch (the cluster cost model prices a stage's backward whole) and activations that do not
+grow with the microbatch count (GPipe's do: never better than 1F1B there, only larger)."""
+
+
+def schedule_order(schedule: str) -> int:
+    """Position of ``schedule`` (any spelling) among :data:`PREDICTABLE_SCHEDULES`, for stable ranking."""
+    return PREDICTABLE_SCHEDULES.index(schedule_info(schedule).key)
+
+
+def virtual_stage_schedules(virtual_stages: int) -> tuple[str, ...]:
+    """The schedules of :data:`VIRTUAL_STAGE_SCHEDULES` that run ``virtual_stages`` stages per rank
+    (the registry's ``stages_per_rank``: None means any count)."""
+    return tuple(
+        key for key in VIRTUAL_STAGE_SCHEDULES if schedule_info(key).stages_per_rank in (None, virtual_stages)
+    )

@@ -1,0 +1,255 @@
+"""Pricing one configuration from a profile: its stages' costs and memory, then the simulated pipeline.
+
+:func:`split_layers` cuts the layers into contiguous stages balancing forward time; a
+:class:`LayoutCosts` holds what one (dp, tp, pp) and stage count fix (per-stage seconds and bytes of
+one sample, held state, the DP all-reduce, the optimizer); :func:`price` adds a schedule,
+microbatches and recomputation, simulates the pipeline with :func:`merak_pipe.simulate` and
+returns a :class:`~merak_core.planner.candidate.Candidate`. Held state per stage is
+:func:`merak_core.planner.memory.model_state_bytes` under the ZeRO stage in use.
+
+See the package docstring (:mod:`merak_core.planner`) for the cost model and its limits. Not done
+here: which configurations to try (:mod:`.search`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from merak_core.planner.candidate import Candidate
+from merak_core.planner.comm import CommModel
+from merak_core.planner.memory import model_state_bytes
+from merak_core.planner.model_profile import ModelProfile
+from merak_pipe import schedule_info
+
+__all__ = ["LayoutCosts", "layout_costs", "price", "split_layers"]
+
+
+def split_layers(costs: Sequence[float], num_stages: int) -> list[int]:
+    """Contiguous split of ``costs`` into ``num_stages`` non-empty parts minimising the largest sum.
+
+    Ties go to the earliest cut; returns layers per stage.
+    """
+    n = len(costs)
+    if not 1 <= num_stages <= n:
+        raise ValueError(f"num_stages={num_stages}: expected 1..{n} (one layer at least per stage)")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = math.inf
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, num_stages + 1):
+        for j in range(s, n - (num_stages - s) + 1):
+            for i in range(s - 1, j):
+                v = max(best[s - 1][i], prefix[j] - prefix[i])
+                if v < best[s][j] - 1e-15 * max(1.0, abs(v)):
+                    best[s][j], cut[s][j] = v, i
+    sizes, j = [], n
+    for s in range(num_stages, 0, -1):
+        i = cut[s][j]
+        sizes.append(j - i)
+        j = i
+    return sizes[::-1]
+
+
+@dataclass(frozen=True)
+class LayoutCosts:
+    """What one (dp, tp, pp) fixes, whatever the schedule and microbatches."""
+
+    dp: int
+    tp: int
+    pp: int
+    sizes: list[int]
+    fwd1: list[float]  # per stage, one sample, divided by tp
+    bwd1: list[float]
+    act1: list[list[float]]  # per stage, per layer, one sample, divided by tp
+    layers: list[int]  # layers per stage (len of each stage range)
+    static: list[float]  # weights + grads + optimizer states per stage
+    dp_allreduce_s: float
+    optimizer_s: float  # optimizer step over this rank's parameters (uncontended)
+    step_comm_s: float  # the gradient-norm and loss all-reduces over every rank
+    zero_stage: int = 0
+    optimizer_state_factor: float = 2.0
+
+
+def layout_costs(
+    profile: ModelProfile,
+    comm: CommModel,
+    dp: int,
+    tp: int,
+    pp: int,
+    zero_stage: int,
+    optimizer_state_factor: float,
+    virtual_stages: int = 1,
+) -> LayoutCosts:
+    num_stages = pp * virtual_stages
+    sizes = split_layers(profile.layer_forward_s, num_stages)
+    bounds = [sum(sizes[:s]) for s in range(num_stages + 1)]
+    stage = [range(bounds[s], bounds[s + 1]) for s in range(num_stages)]
+    params = [sum(profile.layer_param_bytes[i] for i in r) / tp for r in stage]
+    if pp == 1:  # one stage holds the first and the last layer: a tied embedding once
+        params[0] -= profile.shared_param_bytes / tp
+    opt_div = dp if zero_stage >= 1 else 1
+    static = [
+        sum(
+            model_state_bytes(
+                p,
+                zero_stage=zero_stage,
+                dp=dp,
+                optimizer_state_factor=optimizer_state_factor,
+                largest_unit_bytes=max(profile.layer_param_bytes[i] for i in r) / tp,
+            )
+        )
+        for p, r in zip(params, stage, strict=True)
+    ]
+    world = dp * tp * pp
+    # Per step outside the pipeline: the optimizer over this rank's parameters (its share under
+    # ZeRO-1), the gradient-norm all-reduce and the loss all-reduce over every rank.
+    # A rank holds every pp-th stage (round-robin; a V holds the same amount up to rounding).
+    rank_params = [sum(params[s] for s in range(num_stages) if s % pp == r) for r in range(pp)]
+    optimizer = max(rank_params) / opt_div * profile.optimizer_s_per_byte
+    return LayoutCosts(
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        sizes=sizes,
+        fwd1=[sum(profile.layer_forward_s[i] for i in r) / tp for r in stage],
+        bwd1=[sum(profile.layer_backward_s[i] for i in r) / tp for r in stage],
+        act1=[[profile.layer_activation_bytes[i] / tp for i in r] for r in stage],
+        layers=[len(r) for r in stage],
+        static=static,
+        dp_allreduce_s=max(comm.allreduce_s(p, dp) for p in rank_params) + _wait(comm, dp),
+        optimizer_s=optimizer,
+        step_comm_s=2 * (comm.allreduce_s(8.0, world) + _wait(comm, world)),
+        zero_stage=zero_stage,
+        optimizer_state_factor=optimizer_state_factor,
+    )
+
+
+def _wait(comm: CommModel, group_size: int) -> float:
+    """The scheduling wait of one synchronising collective over ``group_size`` ranks (none alone)."""
+    return comm.sync_wait_s if group_size > 1 else 0.0
+
+
+def _contended(seconds: float, busy_ranks: int, compute_slots: float | None) -> float:
+    """Time of work that ``busy_ranks`` ranks do at once on ``compute_slots`` cores (None: a device each)."""
+    if compute_slots is None or busy_ranks <= compute_slots:
+        return seconds
+    return seconds * busy_ranks / compute_slots
+
+
+def price(
+    profile: ModelProfile,
+    comm: CommModel,
+    lay: LayoutCosts,
+    *,
+    schedule: str,
+    num_microbatches: int,
+    micro_batch_size: int,
+    recompute: str,
+    memory_per_device: float,
+    compute_slots: float | None,
+) -> Candidate | None:
+    """Predict one configuration; None when stage-aware recomputation cannot fit the memory."""
+    from merak_pipe import CostModel, build_schedule, simulate, stage_aware_plan
+    from merak_pipe.recompute import RecomputePlan
+
+    pp, m, b = lay.pp, num_microbatches, micro_batch_size
+    num_stages = len(lay.sizes)  # pp * virtual stages
+    tp_comm = [
+        2 * n * (comm.allreduce_s(b * profile.boundary_bytes, lay.tp) + _wait(comm, lay.tp))
+        for n in lay.layers
+    ]
+    # The fixed per-microbatch cost (operator dispatch) belongs to the layers' operators: each stage
+    # pays its share (by layer count), and a TP shard runs every operator of its layers.
+    half = [profile.microbatch_overhead_s / 2 * n / profile.num_layers for n in lay.layers]
+    world = lay.dp * lay.tp * pp
+    # [Note: compute slots] Ranks that share cores (CPU processes) slow each other's compute down
+    # by world / compute_slots, on the critical path too: the replicas of a stage (DP, TP) run and
+    # wait at the same moments, so one pipeline's idle time is rarely another's compute time.
+    # Waiting for communication is not CPU work and is not slowed down.
+    slow = world / compute_slots if compute_slots is not None and world > compute_slots else 1.0
+    k = profile.tp_scale.get(lay.tp, 1.0)  # measured against modelled at this TP degree (1: not measured)
+    fwd = [((h + b * f) * slow + c) * k for h, f, c in zip(half, lay.fwd1, tp_comm, strict=True)]
+    bwd = [((h + b * x) * slow + c) * k for h, x, c in zip(half, lay.bwd1, tp_comm, strict=True)]
+    costs = CostModel(
+        forward=fwd,
+        backward=bwd,
+        recompute=fwd,
+        p2p_latency=comm.p2p_latency_s + comm.sync_wait_s if pp > 1 else 0.0,
+        p2p_bandwidth=comm.p2p_bandwidth,
+        boundary_bytes=b * profile.boundary_bytes,
+        activation_bytes=[b * sum(a) for a in lay.act1],
+        input_bytes=b * profile.boundary_bytes,
+    )
+    name = schedule_info(schedule).name
+    if recompute == "stage_aware":
+        if pp < 2:
+            return None
+        base = build_schedule(name, num_stages=num_stages, num_ranks=pp, num_microbatches=m)
+        try:
+            rplan = stage_aware_plan(
+                layer_activation_bytes=[[b * a for a in layer] for layer in lay.act1],
+                memory_budget=float(memory_per_device),
+                static_bytes=lay.static,
+                schedule=base,
+                input_bytes=b * profile.boundary_bytes,
+            )
+        except ValueError:
+            return None
+    elif recompute == "full":
+        rplan = RecomputePlan.full(num_stages)
+    else:
+        rplan = RecomputePlan.none(num_stages)
+    fractions = tuple(float(rplan[s]) for s in range(num_stages))
+    sched = build_schedule(name, num_stages=num_stages, num_ranks=pp, num_microbatches=m, recompute=rplan)
+    result = simulate(sched, costs)
+    static = _held_once(profile, lay, sched.stage_to_rank)
+    peak = tuple(st + a for st, a in zip(static, result.peak_memory, strict=True))
+    device = tuple(
+        sum(st for st, r in zip(static, sched.stage_to_rank, strict=True) if r == rank)
+        + result.peak_memory_per_rank[rank]
+        for rank in range(pp)
+    )
+    pipeline = result.makespan
+    overhead = (_contended(lay.optimizer_s, world, compute_slots) + lay.step_comm_s) * profile.overhead_scale
+    dp_allreduce = lay.dp_allreduce_s * profile.overhead_scale
+    return Candidate(
+        dp=lay.dp,
+        tp=lay.tp,
+        pp=pp,
+        schedule=schedule,
+        num_microbatches=m,
+        micro_batch_size=b,
+        recompute=recompute,
+        recompute_fractions=fractions,
+        stage_layers=tuple(lay.sizes),
+        step_time_s=pipeline + dp_allreduce + overhead,
+        pipeline_s=pipeline,
+        dp_allreduce_s=dp_allreduce,
+        peak_memory_bytes=peak,
+        memory_per_device=float(memory_per_device),
+        stage_forward_s=tuple(fwd),
+        stage_backward_s=tuple(bwd),
+        overhead_s=overhead,
+        virtual_stages=num_stages // pp,
+        device_peak_bytes=device,
+    )
+
+
+def _held_once(profile: ModelProfile, lay: LayoutCosts, stage_to_rank: Sequence[int]) -> list[float]:
+    """Static bytes per stage, less the tied copy on the last stage when the first stage's rank holds it
+    too (ZB-V: one local parameter; see merak_core.planner.memory)."""
+    static = list(lay.static)
+    last = len(static) - 1
+    if last > 0 and stage_to_rank[0] == stage_to_rank[last] and profile.shared_param_bytes:
+        p = profile.shared_param_bytes / lay.tp
+        static[last] -= sum(
+            model_state_bytes(
+                p, zero_stage=lay.zero_stage, dp=lay.dp, optimizer_state_factor=lay.optimizer_state_factor
+            )
+        )
+    return static
