@@ -33,15 +33,12 @@ Not done here: the per-component configs of the libraries (the trainer derives
 them from these fields) and any check against the world size (``init`` does that).
 
 Modules: ``values`` (allowed values, reading YAML, sizes and recompute specs, type coercion),
-``arguments`` (the dataclass, its checks, overrides), ``lr`` (learning-rate schedules).
+``arguments`` (the dataclass, reading it from mappings and overrides), ``checks`` (its fields'
+checks, section by section), ``lr`` (learning-rate schedules).
 """
 
-from merak_core.config.arguments import (
-    TrainingArguments,
-    auto_conflict_message,
-    override_value,
-    parse_overrides,
-)
+from merak_core.config.arguments import TrainingArguments, override_value, parse_overrides
+from merak_core.config.checks import auto_conflict_message
 from merak_core.config.lr import build_lr_scheduler, lr_lambda
 from merak_core.config.values import (
     DTYPES,

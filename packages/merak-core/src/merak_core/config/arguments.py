@@ -1,6 +1,7 @@
-"""``TrainingArguments``: the fields of a run, their checks, and building them from mappings and overrides.
+"""``TrainingArguments``: the fields of a run, and building them from mappings and overrides.
 
-See :mod:`merak_core.config` for [Note: batch sizes] and [Note: layout auto].
+See :mod:`merak_core.config` for [Note: batch sizes] and [Note: layout auto]; the fields' checks
+are in ``checks.py`` (run by ``__post_init__``).
 """
 
 from __future__ import annotations
@@ -10,36 +11,30 @@ import dataclasses
 import datetime
 import difflib
 import inspect
-import math
 import textwrap
 import typing
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from merak_core.config.checks import auto_conflict_message, check_arguments
 from merak_core.config.values import (
     _NO,
     DTYPES,
     KEY_ALIASES,
-    LAYOUTS,
-    LR_SCHEDULER_TYPES,
-    MAX_SEED,
-    NONFINITE_POLICIES,
     _coerce,
     _convert,
     _members,
     _yaml,
     load_yaml,
-    parse_bytes,
     parse_recompute,
-    schedule_choices,
-    schedule_key,
     split_override,
 )
-from merak_core.virtual_stages import check_virtual_stages
+
+__all__ = ["TrainingArguments", "auto_conflict_message", "override_value", "parse_overrides"]
 
 
 @dataclass(kw_only=True)
@@ -158,159 +153,7 @@ class TrainingArguments:
     seconds per TP degree)."""
 
     def __post_init__(self) -> None:
-        _check(
-            isinstance(self.output_dir, str) and self.output_dir != "",
-            "output_dir",
-            self.output_dir,
-            "a non-empty directory path",
-        )
-        _check(
-            self.export_hf_dir is None or (isinstance(self.export_hf_dir, str) and self.export_hf_dir != ""),
-            "export_hf_dir",
-            self.export_hf_dir,
-            "a directory path, or null for no export",
-        )
-        for name in (
-            "per_device_train_batch_size",
-            "per_device_eval_batch_size",
-            "gradient_accumulation_steps",
-            "logging_steps",
-            "tp",
-            "pp",
-            "overlap_chunks",
-        ):
-            _check_int(self, name, minimum=1)
-        for name in ("warmup_steps", "seed", "dataloader_num_workers"):
-            _check_int(self, name, minimum=0)
-        _check(self.seed <= MAX_SEED, "seed", self.seed, f"an integer in [0, {MAX_SEED}] (2**32 - 1)")
-        _check_float(self, "comm_timeout_s", minimum=0.0)
-        _check(
-            self.comm_timeout_s > 0,
-            "comm_timeout_s",
-            self.comm_timeout_s,
-            "a positive number of seconds such as 600",
-        )
-        for name in ("eval_steps", "save_steps", "save_total_limit", "dp"):
-            if getattr(self, name) is not None:
-                _check_int(self, name, minimum=1, hint="or null")
-        _check_int(self, "max_steps", minimum=-1)
-        _check(self.max_steps != 0, "max_steps", 0, "-1 (train num_train_epochs) or a positive step count")
-        for name in ("learning_rate", "weight_decay", "max_grad_norm"):
-            _check_float(self, name, minimum=0.0)
-        _check_float(self, "adam_epsilon", minimum=0.0)
-        _check(self.adam_epsilon > 0, "adam_epsilon", self.adam_epsilon, "a positive number such as 1e-8")
-        for name in ("adam_beta1", "adam_beta2"):
-            _check_float(self, name, minimum=0.0)
-            _check(getattr(self, name) < 1.0, name, getattr(self, name), "a number in [0, 1)")
-        _check_float(self, "num_train_epochs", minimum=0.0)
-        _check(
-            self.max_steps > 0 or self.num_train_epochs > 0,
-            "num_train_epochs",
-            self.num_train_epochs,
-            "a positive number of epochs when max_steps is -1",
-        )
-        _check(
-            self.lr_scheduler_type in LR_SCHEDULER_TYPES,
-            "lr_scheduler_type",
-            self.lr_scheduler_type,
-            f"one of {LR_SCHEDULER_TYPES}",
-        )
-        _check(isinstance(self.bf16, bool), "bf16", self.bf16, "true or false")
-        _check(isinstance(self.plan_probe_tp, bool), "plan_probe_tp", self.plan_probe_tp, "true or false")
-        _check(isinstance(self.tp_check, bool), "tp_check", self.tp_check, "true or false")
-        _check(
-            isinstance(self.sequence_parallel, bool),
-            "sequence_parallel",
-            self.sequence_parallel,
-            "true or false",
-        )
-        _check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {tuple(DTYPES)}")
-        _check(
-            self.nonfinite in NONFINITE_POLICIES, "nonfinite", self.nonfinite, f"one of {NONFINITE_POLICIES}"
-        )
-        if self.dtype == "float16":
-            raise ValueError(
-                "dtype='float16' trains without loss scaling, so small gradients underflow to 0 and large "
-                "activations overflow to inf/NaN: use bf16: true (bfloat16 autocast over float32 parameters) "
-                "or dtype: bfloat16"
-            )
-        if self.bf16 and self.dtype != "float32":
-            raise ValueError(
-                f"bf16=True with dtype={self.dtype!r}: mixed precision keeps float32 parameters, so set "
-                "dtype='float32' (or bf16=False to train in a low-precision dtype directly)"
-            )
-        self.schedule = schedule_key(self.schedule)
-        _check(self.schedule in schedule_choices(), "schedule", self.schedule, f"one of {schedule_choices()}")
-        check_virtual_stages(self.schedule, self.pp, self.virtual_stages)
-        parse_recompute(self.recompute)
-        if self.memory_budget is not None:
-            self.memory_budget = parse_bytes(self.memory_budget)
-        if self.recompute.strip().lower() == "stage_aware" and (self.memory_budget is None or self.pp < 2):
-            raise ValueError(
-                f"recompute='stage_aware' chooses per-stage fractions from a memory budget, but pp={self.pp} and "
-                f"memory_budget={self.memory_budget}: set pp >= 2 and memory_budget (e.g. '12GiB'), or use "
-                "recompute='full' / 'uniform:<fraction>'"
-            )
-        self._check_planner_fields()
-        _check(
-            self.zero_stage in (0, 1, 2, 3) and not isinstance(self.zero_stage, bool),
-            "zero_stage",
-            self.zero_stage,
-            "0 (off), 1 (optimizer states sharded over DP), 2 (and gradients) or 3 (and "
-            "parameters; ZeRO-2/3 run on torch's FSDP2)",
-        )
-        from merak_core.fsdp import check_sharding_supported
-
-        check_sharding_supported(self.zero_stage, self.schedule)
-        if isinstance(self.tp_plan, Mapping) and ("layers" in self.tp_plan or "base" in self.tp_plan):
-            import merak_tp
-
-            try:  # the full plan vocabulary (merak_tp.plan_from_mapping); a base plan may come from the job
-                merak_tp.plan_from_mapping(self.tp_plan, check_only=True)
-            except (ValueError, TypeError) as exc:
-                raise ValueError(f"tp_plan={self.tp_plan!r} is invalid: {exc}") from None
-        elif isinstance(self.tp_plan, Mapping):
-            _check(
-                all(isinstance(k, str) and isinstance(v, str) for k, v in self.tp_plan.items()),
-                "tp_plan",
-                self.tp_plan,
-                "a mapping of module-name pattern to a style name (both strings)",
-            )
-            import merak_tp
-
-            bad = {k: v for k, v in self.tp_plan.items() if v not in merak_tp.STYLES}
-            _check(not bad, "tp_plan", self.tp_plan, f"styles from {merak_tp.STYLES} (unknown: {bad})")
-        else:
-            # A plan name is looked up once the job's modules are imported (they may register it):
-            # by merak_core.job after the factories load, and by the Trainer.
-            _check(
-                self.tp_plan is None or isinstance(self.tp_plan, str),
-                "tp_plan",
-                self.tp_plan,
-                "null, 'auto', a plan name or a mapping",
-            )
-
-    def _check_planner_fields(self) -> None:
-        _check(self.layout in LAYOUTS, "layout", self.layout, f"one of {LAYOUTS}")
-        if self.memory_per_device is not None:
-            self.memory_per_device = parse_bytes(self.memory_per_device)
-        if self.plan_check_steps is not None:
-            _check_int(self, "plan_check_steps", minimum=0, hint="(0: off) or null")
-            _check(
-                self.plan_check_steps != 1,
-                "plan_check_steps",
-                1,
-                "0 (off) or >= 2 (a warm-up step, then at least one measured step)",
-            )
-        _check_float(self, "plan_error_threshold", minimum=0.0)
-        if self.layout == "auto":
-            explicit = {
-                n: v
-                for n, v in (("dp", self.dp), ("tp", self.tp), ("pp", self.pp))
-                if v != (None if n == "dp" else 1)
-            }
-            if explicit:
-                raise ValueError(auto_conflict_message(sorted(explicit), explicit))
+        check_arguments(self)  # config/checks.py, section by section
 
     # ------------------------------------------------------------ derived values
 
@@ -428,40 +271,6 @@ class TrainingArguments:
 
 
 # ---------------------------------------------------------------------------- helpers
-
-
-def auto_conflict_message(names: Sequence[str], values: Mapping[str, Any]) -> str:
-    """The error for ``layout: auto`` together with explicit degrees (see [Note: layout auto])."""
-    given = ", ".join(f"{n}={values[n]!r}" for n in names)
-    unset = " ".join(f"training.{n}={'null' if n == 'dp' else 1}" for n in names)
-    return (
-        f"layout='auto' lets the planner choose dp, tp and pp, but the job also sets {given}: remove "
-        f"{'/'.join(names)} from the training section (on the command line: {unset}), or set "
-        "layout: manual to keep your degrees"
-    )
-
-
-def _check(ok: bool, name: str, value: Any, expected: str) -> None:
-    if not ok:
-        raise ValueError(f"{name}={value!r} is invalid: expected {expected}; set {name} accordingly")
-
-
-def _check_int(args: TrainingArguments, name: str, *, minimum: int, hint: str = "") -> None:
-    value = getattr(args, name)
-    ok = isinstance(value, int) and not isinstance(value, bool) and value >= minimum
-    _check(ok, name, value, f"an integer >= {minimum}{' ' + hint if hint else ''}")
-
-
-def _check_float(args: TrainingArguments, name: str, *, minimum: float) -> None:
-    value = getattr(args, name)
-    ok = (
-        isinstance(value, (int, float))
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and value >= minimum
-    )
-    _check(ok, name, value, f"a number >= {minimum}")
-    setattr(args, name, float(value))
 
 
 def _canonical_key(key: str, source: str) -> str:
