@@ -18,7 +18,7 @@ from torch import nn
 
 from merak_graph.empty import _copy_stash, is_meta_module, materialize
 from merak_graph.errors import InputMismatchError
-from merak_graph.sharding import BoundaryValue, Shard, ShardedGraph
+from merak_graph.sharding import BoundaryValue, Shard, ShardedGraph, _attribute_candidates
 from merak_graph.stage import StageModule, retarget_devices
 
 __all__ = ["Partition", "SharedParameter", "StageInfo"]
@@ -222,17 +222,9 @@ class Partition:
 
 
 def _get_tensor(gm: fx.GraphModule, model: nn.Module | None, name: str) -> torch.Tensor:
-    for source in (model, gm):
-        if source is None:
-            continue
-        try:
-            *prefix, last = name.split(".")
-            owner = source.get_submodule(".".join(prefix)) if prefix else source
-            value = getattr(owner, last)
-            if isinstance(value, torch.Tensor):
-                return value
-        except AttributeError:
-            continue
+    for value, _, _ in _attribute_candidates(gm, model, name):
+        if isinstance(value, torch.Tensor):
+            return value
     raise KeyError(name)
 
 

@@ -21,7 +21,7 @@ Not done here: assigning shards to stages (see ``partitioning``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -300,17 +300,25 @@ def _install(root: nn.Module, path: str, value: Any, persistent: bool = True) ->
         setattr(mod, last, value)
 
 
-def _resolve(gm: fx.GraphModule, model: nn.Module | None, target: str) -> tuple[Any, bool]:
-    """The object at ``target``, preferring the original model's (same identity); and its persistence."""
+def _attribute_candidates(
+    gm: fx.GraphModule, model: nn.Module | None, target: str
+) -> Iterator[tuple[Any, nn.Module, str]]:
+    """``(object, owner, attribute name)`` at dotted ``target`` in the original model, then in ``gm``."""
+    *prefix, last = target.split(".")
     for source in (model, gm):
         if source is None:
             continue
         try:
-            *prefix, last = target.split(".")
             owner = source.get_submodule(".".join(prefix)) if prefix else source
             obj = getattr(owner, last)
         except AttributeError:
             continue
+        yield obj, owner, last
+
+
+def _resolve(gm: fx.GraphModule, model: nn.Module | None, target: str) -> tuple[Any, bool]:
+    """The object at ``target``, preferring the original model's (same identity); and its persistence."""
+    for obj, owner, last in _attribute_candidates(gm, model, target):
         persistent = last not in getattr(owner, "_non_persistent_buffers_set", set())
         return obj, persistent
     raise RuntimeError(f"graph attribute {target!r} not found on the model")
