@@ -84,35 +84,38 @@ class _Leaf:
 def flatten_boundary(value: Any) -> tuple[Any, list[torch.Tensor]]:
     """Split a boundary value into (spec, tensors); see [Note: boundary values]."""
     tensors: list[torch.Tensor] = []
-
-    def walk(v: Any) -> Any:
-        if isinstance(v, torch.Tensor):
-            meta = TensorMeta(tuple(v.shape), v.dtype, bool(v.requires_grad))
-            tensors.append(v)
-            return _Leaf(len(tensors) - 1, meta)
-        if isinstance(v, tuple):
-            return ("tuple", tuple(walk(x) for x in v))
-        if isinstance(v, list):
-            return ("list", tuple(walk(x) for x in v))
-        if isinstance(v, dict):
-            for key in v:
-                if not isinstance(key, str):
-                    raise TypeError(
-                        f"stage boundary dict key {key!r} is a {type(key).__name__}; "
-                        "use string keys (a dict boundary is passed as keyword arguments)"
-                    )
-            return ("dict", tuple((k, walk(x)) for k, x in v.items()))
-        if isinstance(v, _CONSTANT_TYPES):
-            return ("const", v)
-        raise TypeError(
-            f"stage boundary holds a {type(v).__name__}; a boundary may hold tensors, tuples, lists, "
-            "dicts with string keys and int/float/bool/str/None constants"
-        )
-
-    spec = walk(value)
+    # A module-level walk, not a nested recursive function: that one refers to itself through its
+    # closure, a reference cycle that keeps ``tensors`` (stage outputs, and through their grad_fn a
+    # graph retained for a split backward) alive until the cyclic garbage collector runs.
+    spec = _flatten_into(value, tensors)
     if len(tensors) > _MAX_TENSORS:
         raise ValueError(f"stage boundary holds {len(tensors)} tensors; at most {_MAX_TENSORS} are supported")
     return spec, tensors
+
+
+def _flatten_into(v: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(v, torch.Tensor):
+        meta = TensorMeta(tuple(v.shape), v.dtype, bool(v.requires_grad))
+        tensors.append(v)
+        return _Leaf(len(tensors) - 1, meta)
+    if isinstance(v, tuple):
+        return ("tuple", tuple(_flatten_into(x, tensors) for x in v))
+    if isinstance(v, list):
+        return ("list", tuple(_flatten_into(x, tensors) for x in v))
+    if isinstance(v, dict):
+        for key in v:
+            if not isinstance(key, str):
+                raise TypeError(
+                    f"stage boundary dict key {key!r} is a {type(key).__name__}; "
+                    "use string keys (a dict boundary is passed as keyword arguments)"
+                )
+        return ("dict", tuple((k, _flatten_into(x, tensors)) for k, x in v.items()))
+    if isinstance(v, _CONSTANT_TYPES):
+        return ("const", v)
+    raise TypeError(
+        f"stage boundary holds a {type(v).__name__}; a boundary may hold tensors, tuples, lists, "
+        "dicts with string keys and int/float/bool/str/None constants"
+    )
 
 
 def unflatten_boundary(spec: Any, tensors: Sequence[torch.Tensor]) -> Any:
