@@ -108,6 +108,42 @@ def _release_groups(dist: Any) -> None:
             pass
 
 
+# Imported once in the parent before it forks, so that no rank of any pool pays for them again: a
+# rank that imported merak-core (torch.distributed.checkpoint, torch.export and its sympy) itself
+# spent ~5 s of CPU on it, each time a pool was started or rebuilt after a failing test. Modules
+# that are not installed (a library's own session installs only that library) are skipped.
+PRELOAD = (
+    "torch.distributed.checkpoint",
+    "torch.export",
+    "merak_pipe",
+    "merak_graph",
+    "merak_tp",
+    "merak_core",
+    "merak_core.trainer",
+)
+
+
+_PRELOADED = False
+
+
+def _preload() -> None:
+    """Import ``PRELOAD`` and run one tiny ``torch.export`` (its first call imports and sets up more)."""
+    global _PRELOADED
+    if _PRELOADED:
+        return
+    _PRELOADED = True
+    import importlib
+
+    import torch
+
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+    torch.export.export(torch.nn.Linear(2, 2), (torch.zeros(1, 2),))
+
+
 class WorkerPool:
     """``world_size`` forked gloo ranks that run test bodies on request."""
 
@@ -117,6 +153,7 @@ class WorkerPool:
         self.world_size = world_size
         self._tmpdir = tempfile.mkdtemp(prefix=f"merak-pool{world_size}-")
         store_path = os.path.join(self._tmpdir, "store")
+        _preload()
         ctx = mp.get_context("fork")
         self._conns: list[Connection] = []
         self._procs: list[Any] = []
