@@ -173,12 +173,16 @@ def test_zero1_divides_optimizer_states_by_dp(small_costs):
     assert z1.stage_static_bytes[0] == pytest.approx(n * (2 + 4 + 12 / 4))
 
 
-def test_tp_overlap_hides_communication_but_never_compute(small_costs):
+def test_tp_overlap_hides_communication_but_never_compute():
     cluster = load_cluster("h100-sxm-8x")
-    bounds = [0, small_costs.num_layers]
-    plain = stage_costs(small_costs, cluster, bounds=bounds, dp=1, tp=4, micro_batch_size=8)
-    over = stage_costs(small_costs, cluster, bounds=bounds, dp=1, tp=4, micro_batch_size=8, tp_overlap=True)
-    compute = 8 * sum(ly.forward_s for ly in small_costs.layers) / 4
+    big = DecoderShape(num_layers=2, hidden=2048, num_heads=16, vocab_size=1024, seq_len=512)
+    model = build_decoder(big)
+    costs = model_costs(trace_for_cluster(model, decoder_inputs(big), cluster), model)
+    bounds = [0, costs.num_layers]
+    # 16 x 512 tokens: bandwidth-bound all-reduces (a latency-bound case: test_cluster_terms.py)
+    plain = stage_costs(costs, cluster, bounds=bounds, dp=1, tp=4, micro_batch_size=16)
+    over = stage_costs(costs, cluster, bounds=bounds, dp=1, tp=4, micro_batch_size=16, tp_overlap=True)
+    compute = 16 * sum(ly.forward_s for ly in costs.layers) / 4
     assert plain.forward_s[0] > over.forward_s[0] >= compute
     assert plain.tp_exposed_s[0] > over.tp_exposed_s[0] > 0
 

@@ -160,3 +160,26 @@ def test_plan_context_takes_every_zero_stage_the_planner_prices():
     assert peaks[1][0] < peaks[0][0] and peaks[2][0] > peaks[1][0]
     with pytest.raises(ValueError, match=r"PlanContext.zero_stage=4: expected one of \(0, 1, 2, 3\)"):
         PlanContext(profile=profile, zero_stage=4)
+
+
+def test_sub_pipelined_tp_pays_latency_and_operators_per_chunk(costs):
+    """k chunks run k all-reduces of 1/k of the bytes and the TP blocks' operators k times; with a
+    latency-bound all-reduce (this small model) overlapping costs more than it hides. (It was
+    priced as the same one all-reduce, partly hidden: always a gain.)"""
+    cluster = dataclasses.replace(load_cluster("h100-sxm-8x"), op_overhead_s=2e-6)
+    bounds = [0, costs.num_layers]
+    kw = dict(bounds=bounds, dp=1, tp=2, micro_batch_size=1)
+    plain = stage_costs(costs, cluster, **kw)
+    over = stage_costs(costs, cluster, tp_overlap=True, tp_chunks=2, **kw)
+    bw, lat = cluster.intra_node_bandwidth * cluster.link_efficiency, cluster.intra_node_latency_s
+    blocks = sum(1 for ly in costs.layers if ly.param_names)
+    message = costs.tp_message_bytes
+    assert plain.tp_exposed_s[0] == pytest.approx(2 * blocks * (2 * lat + message / bw), rel=1e-9)
+    chunked = blocks * 2 * (2 * lat + message / 2 / bw)
+    compute_f = plain.forward_s[0] - plain.tp_exposed_s[0] / 2
+    compute_k = compute_f + sum(ly.num_ops for ly in costs.layers if ly.param_names) * 2e-6
+    assert over.forward_s[0] == pytest.approx(compute_k + max(chunked / 2, chunked - compute_k / 2), rel=1e-9)
+    assert over.backward_s[0] == pytest.approx(
+        2 * compute_k + max(chunked / 2, chunked - compute_k), rel=1e-9
+    )
+    assert over.forward_s[0] > plain.forward_s[0] and over.backward_s[0] > plain.backward_s[0]

@@ -12,8 +12,11 @@ per-layer :class:`LayerCost` for one sample; :func:`predict_config` prices one c
   operator the stage runs (not divided by tp, not scaled by b); backward: 2x that;
 - TP: one all-reduce of the residual stream (b x ``tp_message_bytes``) per shard holding
   parameters, in forward and in backward, over the TP group's link (a node's NVLink when tp
-  fits a node). Sub-pipelined TP (``tp_overlap``) splits the microbatch in ``tp_chunks``: only
-  ``max(comm / k, comm - compute (k - 1) / k)`` stays exposed;
+  fits a node). Sub-pipelined TP (``tp_overlap``) splits the microbatch in ``k = tp_chunks``:
+  each TP block then runs k all-reduces of 1/k of the bytes (k times the latency) and k times
+  its operators (k times their fixed overhead), and only ``max(comm / k, comm - compute (k - 1)
+  / k)`` of that communication stays exposed: with latency-bound all-reduces it costs more than
+  it hides;
 - recomputation reruns the forward (compute and its TP all-reduces);
 - pipeline messages carry the stage's output over the link between the two stages' ranks
   (between nodes when a pipeline neighbour lives on another node), latency + bytes / bandwidth;
@@ -57,7 +60,6 @@ rings that share a NIC, sequence parallelism.
 
 from __future__ import annotations
 
-import math
 import operator
 import statistics
 from collections.abc import Mapping, Sequence
@@ -69,6 +71,16 @@ from torch import nn
 
 from merak_core.fsdp import default_reshard_after_forward
 from merak_core.planner.cluster import ClusterSpec
+from merak_core.planner.cluster_collectives import (
+    dp_ranks,
+    exposed_tp_s,
+    p2p_link,
+    ring_allreduce_s,
+    ring_s,
+    small_allreduce_s,
+    tp_ranks,
+    zero3_gathers_s,
+)
 from merak_core.planner.memory import ZERO_STAGES, model_state_bytes
 
 STEP_OPS_PER_TENSOR = 20
@@ -295,20 +307,6 @@ class StageCosts:
     p2p_bandwidth: float
 
 
-def _ring_s(nbytes: float, ranks: Sequence[int], cluster: ClusterSpec, passes: int) -> float:
-    """A ring collective over ``ranks`` of ``nbytes`` in all: ``passes`` = 2 for an all-reduce, 1 for a
-    reduce-scatter or an all-gather (each pass: n - 1 steps of latency + bytes / n)."""
-    n = len(ranks)
-    if n <= 1 or nbytes <= 0:
-        return 0.0
-    bandwidth, latency = cluster.link(list(ranks))
-    return passes * ((n - 1) * latency + (n - 1) / n * nbytes / bandwidth)
-
-
-def _ring_allreduce_s(nbytes: float, ranks: Sequence[int], cluster: ClusterSpec) -> float:
-    return _ring_s(nbytes, ranks, cluster, 2)
-
-
 def state_bytes(
     numel: float,
     precision: Precision,
@@ -336,41 +334,6 @@ def state_bytes(
     return weights + grads * precision.grad_bytes / w + optimizer
 
 
-def _zero3_gathers_s(
-    numel: float, precision: Precision, cluster: ClusterSpec, *, dp: int, tp: int, backward_too: bool
-) -> tuple[float, float]:
-    """(forward, backward) seconds of ZeRO-3's all-gathers of one stage's parameters per microbatch."""
-    one = _ring_s(numel * precision.weight_bytes, dp_ranks(dp, tp), cluster, 1)
-    return one, (one if backward_too else 0.0)
-
-
-def tp_ranks(dp: int, tp: int) -> list[int]:
-    """The first TP group under [Note: rank order] (TP fastest)."""
-    del dp
-    return list(range(tp))
-
-
-def dp_ranks(dp: int, tp: int) -> list[int]:
-    """The first DP group (same pp and tp coordinates)."""
-    return [d * tp for d in range(dp)]
-
-
-def p2p_link(dp: int, tp: int, pp: int, cluster: ClusterSpec) -> tuple[float, float]:
-    """(latency, bandwidth) of the slowest link between neighbouring stages of one pipeline."""
-    if pp < 2:
-        return 0.0, math.inf
-    stride = dp * tp
-    worst = max(range(pp - 1), key=lambda s: cluster.node_of(s * stride) != cluster.node_of((s + 1) * stride))
-    bandwidth, latency = cluster.link([worst * stride, (worst + 1) * stride])
-    return latency, bandwidth
-
-
-def _tp_exposed(comm: float, compute: float, overlap: bool, chunks: int) -> float:
-    if not overlap or chunks < 2 or comm <= 0:
-        return comm
-    return max(comm / chunks, comm - compute * (chunks - 1) / chunks)
-
-
 def stage_costs(
     costs: ModelCosts,
     cluster: ClusterSpec,
@@ -394,21 +357,24 @@ def stage_costs(
     b, pp = micro_batch_size, len(bounds) - 1
     prec = costs.precision
     tp_group = tp_ranks(dp, tp)
-    one_ar = _ring_allreduce_s(b * costs.tp_message_bytes, tp_group, cluster)
+    chunks = tp_chunks if tp_overlap and tp > 1 and tp_chunks >= 2 else 1
+    # Sub-pipelined TP: every TP block runs its operators and its all-reduce once per chunk.
+    one_ar = chunks * ring_allreduce_s(b * costs.tp_message_bytes / chunks, tp_group, cluster)
     fwd, bwd, exposed, acts, static, params, out_b, in_b = [], [], [], [], [], [], [], []
     for s in range(pp):
         layers = costs.layers[bounds[s] : bounds[s + 1]]
-        compute_f = b * sum(ly.forward_s for ly in layers) / tp + cluster.op_overhead_s * sum(
-            ly.num_ops for ly in layers
-        )
+        ops = sum(ly.num_ops * (chunks if ly.tp_allreduces else 1) for ly in layers)
+        compute_f = b * sum(ly.forward_s for ly in layers) / tp + cluster.op_overhead_s * ops
         comm = one_ar * sum(ly.tp_allreduces for ly in layers) if tp > 1 else 0.0
-        ex_f = _tp_exposed(comm, compute_f, tp_overlap, tp_chunks)
-        ex_b = _tp_exposed(comm, 2 * compute_f, tp_overlap, tp_chunks)
+        ex_f = exposed_tp_s(comm, compute_f, tp_overlap, tp_chunks)
+        ex_b = exposed_tp_s(comm, 2 * compute_f, tp_overlap, tp_chunks)
         n = costs.stage_params(bounds[s], bounds[s + 1]) / tp
         gather_f = gather_b = 0.0
         if zero_stage == 3:
             again = default_reshard_after_forward(3, stage_index=s, num_stages=pp)
-            gather_f, gather_b = _zero3_gathers_s(n, prec, cluster, dp=dp, tp=tp, backward_too=again)
+            gather_f, gather_b = zero3_gathers_s(
+                n, prec.weight_bytes, cluster, dp=dp, tp=tp, backward_too=again
+            )
         fwd.append(compute_f + ex_f + gather_f)
         bwd.append(2 * compute_f + ex_b + gather_b)
         exposed.append(ex_f + ex_b)
@@ -461,21 +427,21 @@ def step_overhead_s(
     largest = max(per_rank.values())
     group = dp_ranks(dp, tp)
     if zero_stage <= 1:
-        dp_s = _ring_allreduce_s(largest * prec.grad_bytes, group, cluster)
+        dp_s = ring_allreduce_s(largest * prec.grad_bytes, group, cluster)
     else:  # FSDP2: the step's reduce-scatter; ZeRO-2 also gathers the parameters once per step
-        dp_s = _ring_s(largest * prec.grad_bytes, group, cluster, 1)
+        dp_s = ring_s(largest * prec.grad_bytes, group, cluster, 1)
         if zero_stage == 2:
-            dp_s += _ring_s(largest * prec.weight_bytes, group, cluster, 1)
+            dp_s += ring_s(largest * prec.weight_bytes, group, cluster, 1)
     stride = dp * tp
     tied = 0.0
     for name, held in costs.tied_across(bounds).items():
         ranks = sorted({placement[s] * stride for s in held})
-        tied += _ring_allreduce_s(costs.param_numel[name] / tp * prec.grad_bytes, ranks, cluster)
+        tied += ring_allreduce_s(costs.param_numel[name] / tp * prec.grad_bytes, ranks, cluster)
     pp = max(placement) + 1
-    flags = _small_allreduce_s(list(range(tp)), cluster) + _small_allreduce_s(
+    flags = small_allreduce_s(list(range(tp)), cluster) + small_allreduce_s(
         [r * stride for r in range(pp)], cluster
     )  # the gradient norm over TP and PP
-    flags += _small_allreduce_s(list(range(stride * pp)), cluster)  # the loss and step flags over all ranks
+    flags += small_allreduce_s(list(range(stride * pp)), cluster)  # the loss and step flags over all ranks
     opt_div = dp if zero_stage >= 1 else 1
     # Adam reads and writes master weights, moments and gradients, writes the 16-bit weights.
     touched = largest / opt_div * (2 * prec.optimizer_bytes + prec.grad_bytes + prec.weight_bytes)
@@ -483,12 +449,3 @@ def step_overhead_s(
     owned = max(tensors.values()) / (dp if zero_stage == 1 else 1)  # ZeRO-1 owns whole tensors
     optimizer += owned * STEP_OPS_PER_TENSOR * cluster.op_overhead_s
     return dp_s + tied, optimizer + flags
-
-
-def _small_allreduce_s(ranks: Sequence[int], cluster: ClusterSpec) -> float:
-    """A few bytes all-reduced over ``ranks``: latency only, over a tree (2 log2 n hops), as
-    collective libraries do for tiny messages (a ring would pay 2 (n - 1))."""
-    n = len(ranks)
-    if n <= 1:
-        return 0.0
-    return 2 * math.ceil(math.log2(n)) * cluster.link(list(ranks))[1]
