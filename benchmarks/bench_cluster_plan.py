@@ -17,11 +17,20 @@ techniques at the baseline's layout. Prints a Markdown table with the ratios bes
 pp = 1, 2, 4 is timed (forward + backward, one thread, median of 5) at micro batch 16 and 64 in
 this one process, against the cluster model's prediction for that stage.
 
+``steps``: whole steps. This machine as a measured cluster file (2 devices: the 2 cores), and the
+demo trained with the real Trainer on the fork pool's gloo ranks at every layout of 1 or 2 ranks
+(schedules, recomputation, TP overlap), a few steps per round over several rounds; the cluster
+model's predicted step time beside the contention-corrected measured one, the median and largest
+error, Spearman's rank correlation and whether the model picks the fastest layout (see
+``benchmarks/_cluster_steps.py``). ``--save FILE`` keeps the measurements, ``--measured FILE``
+predicts them again (after a change to the model) without training.
+
 Run (single process)::
 
     OMP_NUM_THREADS=1 python benchmarks/bench_cluster_plan.py dryrun
     OMP_NUM_THREADS=1 python benchmarks/bench_cluster_plan.py paper [--cluster a100-80gb-8x]
     OMP_NUM_THREADS=1 python benchmarks/bench_cluster_plan.py cpu
+    OMP_NUM_THREADS=1 python benchmarks/bench_cluster_plan.py steps [--quick] [--save FILE | --measured FILE]
 """
 
 from __future__ import annotations
@@ -289,9 +298,17 @@ def main() -> None:
     p.add_argument("--max-microbatches", type=int, default=128)
     p.add_argument("--memory-gb", type=float, default=None, help="override the device memory (GB)")
     sub.add_parser("cpu")
+    s = sub.add_parser("steps")
+    s.add_argument("--quick", action="store_true", help="fewer configurations, rounds and steps")
+    s.add_argument("--save", help="write the measurements (and the cluster file) to this JSON file")
+    s.add_argument("--measured", help="predict again for measurements saved with --save (no training)")
     args = parser.parse_args()
     if args.what == "cpu":
         bench_cpu()
+    elif args.what == "steps":
+        from _cluster_steps import run
+
+        run(args.quick, measured=args.measured, save=args.save)
     elif args.what == "dryrun":
         bench_dryrun(args.cluster, [int(x) for x in args.sizes.split(",")])
     else:

@@ -1,0 +1,490 @@
+"""The ``steps`` mode of bench_cluster_plan.py: whole step times of the demo's 1- and 2-rank layouts,
+predicted by the cluster cost model for this machine described as a cluster, against training them.
+
+This machine as a cluster (:func:`cluster_file`): one node of 2 devices (the 2 cores, one thread each).
+Measured first, on this machine, in CPU time: the sustained fp32 FLOP/s of a GEMM of the demo's
+shapes, the bandwidth of a large element-wise add, the fixed cost per operator (a chain of tiny ops,
+forward and backward), and the link: gloo send/recv ping-pong between 2 pool ranks (4 B and 4 MiB,
+median trips, corrected like the steps: [Note: contention-free step time]).
+The result is written as a cluster file and read back with ``load_cluster``.
+
+Each configuration (:data:`CONFIGS`: every dp x tp x pp with product 1 or 2, the cluster search's
+schedules, recomputation none / full, TP overlap) trains the demo (examples/addition, global
+batch 64) with the real Trainer on the fork pool's gloo ranks, a few steps after a warm-up; every
+round runs every configuration once, in a rotated order, so that load changes hit all alike.
+
+[Note: contention-free step time] The machine is shared: with a load average of 5-30 on 2 cores,
+the wall time of a step measures the other processes. Each rank reads, around every step, every
+thread's ``/proc/self/task/*/schedstat``: nanoseconds on a CPU (run) and nanoseconds runnable but
+waiting for one (queued). When a rank is runnable it gets the CPU a fraction ``share = run / (run
++ queued)`` of the time; the idle waits of a step (bubble, waiting for the other rank's message)
+are waits for the other rank's runnable time, stretched by the same factor. So the step the ranks
+would take alone is ``wall x share``, with ``share`` over both ranks' threads in that step, and
+``wall`` the slowest rank's. On one rank this is exactly its CPU time. We also report the busiest
+rank's CPU time (``cpu``: no bubble, no idle wait), a lower bound. What this does not undo: caches
+and memory bandwidth shared with the other processes, and uneven load within one step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "examples/addition/config.yaml"
+GLOBAL_BATCH = 64
+NOMINAL_PEAK_TFLOPS = 0.134
+"""2.1 GHz x 2 AVX-512 FMA units x 16 fp32 lanes x 2 FLOPs: this machine's nominal fp32 peak per core."""
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    dp: int
+    tp: int
+    pp: int
+    schedule: str
+    num_microbatches: int
+    recompute: str = "none"
+    tp_overlap: bool = False
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def micro_batch_size(self) -> int:
+        return GLOBAL_BATCH // (self.dp * self.num_microbatches)
+
+    @property
+    def label(self) -> str:
+        extra = " tp-overlap" if self.tp_overlap else ""
+        return f"dp{self.dp}-tp{self.tp}-pp{self.pp} {self.schedule} m={self.num_microbatches} {self.recompute}{extra}"
+
+    def overrides(self) -> list[str]:
+        return [
+            f"training.dp={self.dp}",
+            f"training.tp={self.tp}",
+            f"training.pp={self.pp}",
+            f"training.schedule={self.schedule}",
+            f"training.per_device_train_batch_size={self.micro_batch_size}",
+            f"training.gradient_accumulation_steps={self.num_microbatches}",
+            f"training.recompute={self.recompute}",
+            f"training.overlap_chunks={2 if self.tp_overlap else 1}",
+        ]
+
+
+def _configs(quick: bool) -> list[StepConfig]:
+    out = []
+    for recompute in ("none", "full"):
+        out += [
+            StepConfig(1, 1, 1, "1f1b", 4, recompute),
+            StepConfig(2, 1, 1, "1f1b", 2, recompute),
+            StepConfig(1, 2, 1, "1f1b", 4, recompute),
+            StepConfig(1, 1, 2, "1f1b", 4, recompute),
+            StepConfig(1, 1, 2, "shifted_critical_path", 4, recompute),
+        ]
+    out.append(StepConfig(1, 2, 1, "1f1b", 4, "none", tp_overlap=True))
+    if not quick:  # the bubble's weight: fewer and more microbatches at pp=2
+        out += [StepConfig(1, 1, 2, "1f1b", 2), StepConfig(1, 1, 2, "1f1b", 8)]
+    return out
+
+
+# ---------------------------------------------------------------------------- per-thread scheduler times
+
+
+def sched_ns() -> tuple[int, int, int]:
+    """(ns on a CPU, ns runnable but queued) of the calling thread, and ns on a CPU of every thread
+    of this process (gloo's I/O threads do part of the communication)."""
+    me = threading.get_native_id()
+    run = queued = total = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                r, q, _ = f.read().split()
+        except (OSError, ValueError):
+            continue  # the thread ended
+        total += int(r)
+        if int(tid) == me:
+            run, queued = int(r), int(q)
+    return run, queued, total
+
+
+def sched_delta(before: tuple[int, int, int], after: tuple[int, int, int]) -> tuple[float, float, float]:
+    """Seconds (run, queued, run of all threads) between two :func:`sched_ns` readings."""
+    return tuple((a - b) / 1e9 for a, b in zip(after, before, strict=True))  # type: ignore[return-value]
+
+
+def corrected(walls: list[float], runs: list[float], queued: list[float]) -> float:
+    """The step time without the other processes: the slowest rank's wall x the calling threads'
+    share of a CPU while runnable (see [Note: contention-free step time])."""
+    busy = sum(runs)
+    return max(walls) * (busy / (busy + sum(queued)) if busy > 0 else 1.0)
+
+
+# ---------------------------------------------------------------------------- calibration
+
+
+def _thread_median(fn: Any, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.thread_time()
+        fn()
+        times.append(time.thread_time() - t0)
+    return statistics.median(times)
+
+
+def _measure_flops() -> float:
+    """fp32 FLOP/s of the demo's GEMMs (256 tokens x 64 -> 256 and back) on this thread."""
+    a, w1, w2 = torch.randn(256, 64), torch.randn(64, 256), torch.randn(256, 64)
+
+    def gemms() -> None:
+        for _ in range(50):
+            torch.mm(torch.mm(a, w1), w2)
+
+    return 50 * 2 * (2 * 256 * 64 * 256) / _thread_median(gemms, 7)
+
+
+def _measure_bandwidth() -> float:
+    """Bytes/s of a large element-wise add (two reads and a write of 16 MiB each) on this thread."""
+    x, y, z = torch.randn(4 << 20), torch.randn(4 << 20), torch.empty(4 << 20)
+    return 3 * x.nbytes / _thread_median(lambda: torch.add(x, y, out=z), 9)
+
+
+def _ping_body(sizes: list[int], repeats: int) -> list[tuple[float, float, float]]:
+    """Round trips of send/recv between ranks 0 and 1: per size (median wall, run, queued) of one trip."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    out = []
+    for n in sizes:
+        buf = torch.zeros(max(n // 4, 1))
+        rows = []
+        for i in range(repeats + 2):
+            dist.barrier()
+            s0, t0 = sched_ns(), time.perf_counter()
+            if rank == 0:
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+            else:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+            wall = time.perf_counter() - t0
+            run, queued, _ = sched_delta(s0, sched_ns())
+            if i >= 2:
+                rows.append((wall, run, queued))
+        out.append(tuple(statistics.median(r[k] for r in rows) for k in range(3)))
+    return out
+
+
+def _measure_link(quick: bool) -> tuple[float, float]:
+    """(one-way latency s, bandwidth bytes/s) of gloo between two pool ranks, contention-corrected."""
+    from tests.support.dist import run_on_ranks
+
+    sizes = [4, 4 << 20]
+    per_rank = run_on_ranks(2, _ping_body, sizes, 10 if quick else 30)
+    trips = [corrected(*zip(*[per_rank[r][i] for r in range(2)], strict=True)) for i in range(len(sizes))]
+    latency = trips[0] / 2
+    if trips[1] <= trips[0]:
+        raise RuntimeError(
+            f"a 4 MiB round trip ({trips[1] * 1e6:.0f} us) was not slower than 4 B ({trips[0] * 1e6:.0f} us)"
+        )
+    return latency, sizes[1] / ((trips[1] - trips[0]) / 2)
+
+
+def measure_compute() -> dict[str, float]:
+    """This core's GEMM FLOP/s, element-wise bytes/s and microseconds per operator (one thread, CPU time)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_cluster_plan import measure_op_overhead_us
+
+    torch.set_num_threads(1)
+    return {"flops": _measure_flops(), "bandwidth": _measure_bandwidth(), "op_us": measure_op_overhead_us()}
+
+
+def cluster_file(rates: list[dict[str, float]], latency: float, link: float) -> dict[str, Any]:
+    """This machine as a cluster file's mapping: the medians of the rounds' compute rates and the link."""
+    flops, bandwidth, op_us = (
+        statistics.median(r[k] for r in rates) for k in ("flops", "bandwidth", "op_us")
+    )
+    return {
+        "name": "cpu-2core-measured",
+        "source": (
+            f"this machine, measured by bench_cluster_plan.py steps (CPU time, medians of {len(rates)} rounds): "
+            f"GEMM {flops / 1e9:.1f} GFLOP/s, add {bandwidth / 1e9:.1f} GB/s, {op_us:.2f} us per op; gloo "
+            f"p2p {latency * 1e6:.0f} us + {link / 1e9:.2f} GB/s (contention-corrected)"
+        ),
+        "devices_per_node": 2,
+        "device": {
+            "name": "cpu-core",
+            "peak_tflops": {"bf16": NOMINAL_PEAK_TFLOPS, "fp32": NOMINAL_PEAK_TFLOPS},
+            "memory_gb": 4,
+            "memory_bandwidth_gb_s": round(bandwidth / 1e9, 3),
+            "op_overhead_us": round(op_us, 3),
+        },
+        "intra_node": {"bandwidth_gb_s": round(link / 1e9, 4), "latency_us": round(latency * 1e6, 2)},
+        "efficiency": {
+            "compute": round(min(flops / (NOMINAL_PEAK_TFLOPS * 1e12), 1.0), 4),
+            "memory": 1.0,
+            "link": 1.0,
+        },
+        "usable_memory_fraction": 0.9,
+    }
+
+
+# ---------------------------------------------------------------------------- training one configuration
+
+
+def _train_body(overrides: list[str], steps: int, warm: int, out_dir: str) -> dict[str, Any]:
+    """Train the demo for ``steps`` steps; per measured step this rank's (wall, main thread's run and
+    queued, all threads' run) seconds, and the logical parameter names of this rank's stage."""
+    import torch.distributed as dist
+
+    from merak_core import Trainer, init
+    from merak_core.job import JobConfig
+
+    job = JobConfig.from_yaml(
+        CONFIG,
+        overrides
+        + [
+            f"training.max_steps={steps}",
+            "training.eval_steps=null",
+            "training.logging_steps=1000",
+            f"training.output_dir={out_dir}",
+            "data.kwargs.train_size=4096",
+        ],
+    )
+    t = job.training
+    layout = init(dp=t.dp, tp=t.tp, pp=t.pp)
+    torch.manual_seed(t.seed)
+    model = job.build_model()
+    train_data, _ = job.build_datasets()
+    trainer = Trainer(
+        model,
+        t,
+        train_data,
+        None,
+        loss_fn=job.optional("loss"),
+        data_collator=job.optional("collate"),
+        layout=layout,
+    )
+    rows: list[tuple[float, ...]] = []
+    inner = trainer.training_step
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        s0, t0 = sched_ns(), time.perf_counter()
+        out = inner(*args, **kwargs)
+        wall = time.perf_counter() - t0
+        rows.append((wall, *sched_delta(s0, sched_ns())))
+        return out
+
+    trainer.training_step = timed  # type: ignore[method-assign]
+    trainer.train()
+    names = sorted(set(trainer.model.logical_names.values()))
+    dist.barrier()
+    return {"rows": rows[warm:], "names": names}
+
+
+def measure(config: StepConfig, steps: int, warm: int) -> dict[str, Any]:
+    """Per measured step: the contention-free step time (``free``), the busiest rank's CPU time
+    (``cpu``) and the slowest rank's wall time (``wall``); the names of stage 0's parameters."""
+    from tests.support.dist import run_on_ranks
+
+    with tempfile.TemporaryDirectory() as tmp:
+        per_rank = run_on_ranks(config.world, _train_body, config.overrides(), steps, warm, tmp)
+    out: dict[str, Any] = {"free": [], "cpu": [], "wall": [], "names": per_rank[0]["names"]}
+    for i in range(len(per_rank[0]["rows"])):
+        walls, runs, queued, busy = zip(*[r["rows"][i] for r in per_rank], strict=True)
+        out["free"].append(corrected(list(walls), list(runs), list(queued)))
+        out["cpu"].append(max(busy))
+        out["wall"].append(max(walls))
+    return out
+
+
+def load_average() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
+
+
+# ---------------------------------------------------------------------------- predictions and the report
+
+
+def _stage_layers(costs: Any, stage0_names: list[str], forward: list[float]) -> list[int]:
+    """The cluster chain cut like the Trainer's pp=2 partition: the cut whose first stage holds the
+    same parameters as the Trainer's stage 0 (ties: the most balanced forward)."""
+    wanted = set(stage0_names)
+    best: tuple[int, float, int] | None = None
+    for k in range(1, costs.num_layers):
+        held = {n for ly in costs.layers[:k] for n in ly.param_names}
+        key = (len(held ^ wanted), abs(sum(forward[:k]) - sum(forward[k:])), k)
+        best = key if best is None or key < best else best
+    assert best is not None
+    return [best[2], costs.num_layers - best[2]]
+
+
+def predict_all(
+    cluster: Any, configs: list[StepConfig], stage0_names: list[str] | None
+) -> dict[StepConfig, Any]:
+    """The cluster model's :class:`ClusterCandidate` for every configuration (the demo, fp32, real weights)."""
+    from examples.addition.model import build_model
+    from merak_core.planner.cluster_cost import model_costs, trace_for_cluster
+    from merak_core.planner.cluster_search import predict_config
+
+    torch.manual_seed(0)
+    model = build_model(depth=4, width=64, heads=4, vocab_size=13, context=16)
+    sharded = trace_for_cluster(model, (torch.randint(0, 13, (1, 16)),), cluster, dtype="fp32")
+    costs = model_costs(sharded, model, dtype="fp32")
+    forward = [ly.forward_s for ly in costs.layers]
+    out = {}
+    for c in configs:
+        cut = _stage_layers(costs, stage0_names, forward) if c.pp == 2 and stage0_names else None
+        out[c] = predict_config(
+            costs,
+            cluster,
+            dp=c.dp,
+            tp=c.tp,
+            pp=c.pp,
+            schedule=c.schedule,
+            num_microbatches=c.num_microbatches,
+            micro_batch_size=c.micro_batch_size,
+            recompute=c.recompute,
+            tp_overlap=c.tp_overlap,
+            stage_layers=cut if c.pp > 1 else None,
+        )
+    return out
+
+
+def _ranks(x: list[float]) -> list[float]:
+    """Ranks with ties averaged."""
+    order = sorted(range(len(x)), key=lambda i: x[i])
+    r = [0.0] * len(x)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and x[order[j + 1]] == x[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            r[order[k]] = (i + j) / 2
+        i = j + 1
+    return r
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    ra, rb = _ranks(a), _ranks(b)
+    ma, mb = statistics.mean(ra), statistics.mean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb, strict=True))
+    va = sum((x - ma) ** 2 for x in ra) ** 0.5
+    vb = sum((y - mb) ** 2 for y in rb) ** 0.5
+    return cov / (va * vb) if va > 0 and vb > 0 else float("nan")
+
+
+def _measure_rounds(
+    configs: list[StepConfig], rounds: int, steps: int, warm: int
+) -> tuple[dict[StepConfig, Any], list[dict[str, float]]]:
+    """Every configuration once per round, in an order rotated each round, after this round's
+    measurement of the core's compute rates (so the calibration sees the same load as the runs)."""
+    got: dict[StepConfig, dict[str, list[Any]]] = {
+        c: {"free": [], "cpu": [], "wall": [], "names": []} for c in configs
+    }
+    rates = []
+    for r in range(rounds):
+        rates.append(measure_compute())
+        shift = r * max(len(configs) // rounds, 1) % len(configs)
+        for c in configs[shift:] + configs[:shift]:
+            m = measure(c, steps, warm)
+            for key in ("free", "cpu", "wall"):
+                got[c][key].append(statistics.median(m[key]))
+            got[c]["names"] = m["names"]
+            print(
+                f"<!-- round {r + 1} {c.label}: {statistics.median(m['free']) * 1e3:.1f} ms -->", flush=True
+            )
+    return got, rates
+
+
+def _measure(quick: bool) -> dict[str, Any]:
+    """Everything measured: the link, the compute rates, every configuration's step times."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    before = load_average()
+    latency, link = _measure_link(quick)
+    configs = _configs(quick)
+    rounds, steps, warm = (2, 6, 2) if quick else (3, 10, 3)
+    got, rates = _measure_rounds(configs, rounds, steps, warm)
+    return {
+        "commit": commit.stdout.strip(),
+        "load_before": before,
+        "load_after": load_average(),
+        "cluster": cluster_file(rates, latency, link),
+        "rows": [{"config": dataclasses.asdict(c), **got[c]} for c in configs],
+    }
+
+
+def run(quick: bool, measured: str | None = None, save: str | None = None) -> None:
+    """Measure (or read ``measured``, a JSON this function saved), predict, print the table."""
+    import json
+
+    import yaml
+
+    from merak_core.planner.cluster import load_cluster
+
+    sys.path.insert(0, str(ROOT))
+    torch.set_num_threads(1)
+    data = json.loads(Path(measured).read_text()) if measured else _measure(quick)
+    if save:
+        Path(save).write_text(json.dumps(data, indent=1))
+    configs = [StepConfig(**row["config"]) for row in data["rows"]]
+    got = {c: row for c, row in zip(configs, data["rows"], strict=True)}
+    print(
+        f"measured at commit {data['commit']}; load before: {data['load_before']}; after: {data['load_after']}"
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "cpu-2core.yaml"
+        path.write_text(yaml.safe_dump(data["cluster"], sort_keys=False))
+        print(f"\ncluster file:\n```yaml\n{path.read_text()}```\n")
+        cluster = load_cluster(path)
+    names = next((got[c]["names"] for c in configs if c.pp == 2), None)
+    pred = predict_all(cluster, configs, names)
+    _report(configs, got, pred)
+
+
+def _report(configs: list[StepConfig], got: dict[StepConfig, Any], pred: dict[StepConfig, Any]) -> None:
+    print(
+        "| layout | schedule | m x mbs | recompute | predicted ms | of which pipeline / DP all-reduce / optimizer "
+        "| measured ms | rounds min-max | busiest rank CPU ms | raw wall ms | error |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    errors, p_s, m_s = [], [], []
+    for c in configs:
+        p = pred[c]
+        meas = statistics.median(got[c]["free"])
+        err = (p.step_time_s - meas) / meas
+        errors.append(abs(err))
+        p_s.append(p.step_time_s)
+        m_s.append(meas)
+        layout = f"dp{c.dp}-tp{c.tp}-pp{c.pp}" + (" tp-overlap" if c.tp_overlap else "")
+        print(
+            f"| {layout} | {c.schedule} | {c.num_microbatches} x {c.micro_batch_size} | {c.recompute} "
+            f"| {p.step_time_s * 1e3:.1f} | {p.pipeline_s * 1e3:.1f} / {p.dp_allreduce_s * 1e3:.1f} / "
+            f"{p.optimizer_s * 1e3:.1f} | {meas * 1e3:.1f} | {min(got[c]['free']) * 1e3:.1f}-"
+            f"{max(got[c]['free']) * 1e3:.1f} | {statistics.median(got[c]['cpu']) * 1e3:.1f} "
+            f"| {statistics.median(got[c]['wall']) * 1e3:.1f} | {100 * err:+.0f}% |"
+        )
+    two = [i for i, c in enumerate(configs) if c.world == 2]
+    pick = min(two, key=lambda i: p_s[i])
+    fastest = min(two, key=lambda i: m_s[i])
+    print(
+        f"\nmedian |error| {100 * statistics.median(errors):.0f}%, max {100 * max(errors):.0f}%; Spearman "
+        f"(predicted vs measured) {spearman(p_s, m_s):.2f} over all rows, "
+        f"{spearman([p_s[i] for i in two], [m_s[i] for i in two]):.2f} over the 2-rank rows; the model's pick "
+        f"on 2 devices: {configs[pick].label} ({m_s[pick] * 1e3:.1f} ms measured, "
+        f"{100 * (m_s[pick] / m_s[fastest] - 1):.0f}% slower than the measured fastest, {configs[fastest].label}, "
+        f"{m_s[fastest] * 1e3:.1f} ms)"
+    )
