@@ -1,17 +1,18 @@
-"""``merak train`` over two torchrun "nodes" on loopback gives the losses of one 8-rank node.
+"""``merak train`` over two torchrun "nodes" on loopback gives the losses of one 4-rank node.
 
 The multi-node path is torch's own: each node runs ``merak train ... --nnodes 2
 --node-rank i --rdzv-endpoint 127.0.0.1:PORT``, which starts torchrun with a c10d
-rendezvous; the two agents meet at the endpoint, agree on global ranks 0-7 and
-start 4 workers each. The same job also runs as one node of 8 processes
+rendezvous; the two agents meet at the endpoint, agree on global ranks 0-3 and
+start 2 workers each (tensor parallelism inside a node, the pipeline across the two). The same
+job also runs as one node of 4 processes
 (``merak train`` with its single-node default). Both write ``metrics.jsonl``
 (global rank 0); the per-step losses and the final evaluation loss must agree
 to float64 round-off, and every step must be there.
 
 A tiny job keeps it fast: the demo's model and task (examples/addition) with 2
-layers, a 2x2x2 layout, 4 steps. The job file and the factories are written into
-the test's temporary directory; the three ``merak`` commands (the 8-rank node
-and the two 4-rank nodes) run at the same time, each in its own process group,
+layers, a 1x2x2 layout (dp x tp x pp), 4 steps. The job file and the factories are written into
+the test's temporary directory; the three ``merak`` commands (the 4-rank node
+and the two 2-rank nodes) run at the same time, each in its own process group,
 and are killed if they outlive ``TIMEOUT_S``.
 """
 
@@ -39,7 +40,7 @@ data: {factory: factories.py:build_datasets}
 metrics: factories.py:exact_match
 training:
   output_dir: out
-  dp: 2
+  dp: 1
   tp: 2
   pp: 2
   dtype: float64
@@ -150,6 +151,7 @@ def _metrics(output_dir: Path) -> tuple[list[float], dict[str, float]]:
     return losses, evals[0]
 
 
+@pytest.mark.slow
 def test_two_nodes_on_loopback_match_one_node(tmp_path: Path) -> None:
     job = tmp_path / "job.yaml"
     job.write_text(JOB % {"steps": STEPS})
@@ -166,14 +168,14 @@ def test_two_nodes_on_loopback_match_one_node(tmp_path: Path) -> None:
     }
     _wait(procs, logs)
 
-    # Each node started 4 workers that joined one 8-rank world through the c10d rendezvous.
+    # Each node started 2 workers that joined one 4-rank world through the c10d rendezvous.
     for name in ("node0", "node1"):
         text = logs[name].read_text()
-        assert "--nproc-per-node=4" in text and "--nnodes=2" in text and "--rdzv-backend=c10d" in text, text[
+        assert "--nproc-per-node=2" in text and "--nnodes=2" in text and "--rdzv-backend=c10d" in text, text[
             -2000:
         ]
     summary = json.loads((tmp_path / "two_nodes" / "summary.json").read_text())
-    assert summary["steps"] == STEPS and "/8 dp=2 tp=2 pp=2" in summary["layout"], summary
+    assert summary["steps"] == STEPS and "/4 dp=1 tp=2 pp=2" in summary["layout"], summary
 
     one_losses, one_eval = _metrics(tmp_path / "one_node")
     two_losses, two_eval = _metrics(tmp_path / "two_nodes")
