@@ -22,11 +22,13 @@ CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))
 # One ruff for everyone: the formatter's output changes between releases.
 RUFF = "ruff==0.17.6"
 TEST_DEPS = ("pytest>=8", "hypothesis>=6.100", "pytest-xdist>=3.5")
-# Two pytest workers per machine of two cores, at most four: much of the suite waits (subprocesses
-# starting, timeouts that a fault test must see expire, one rank blocked on another), and a second
-# worker can fill that time. ``-- -n 0`` runs in one process (a later ``-n`` wins).
+# One pytest worker per core, at most four: much of the suite waits (subprocesses starting,
+# timeouts that a fault test must see expire, one rank blocked on another), and a second worker
+# can fill that time. ``loadgroup``: the ``slow`` tests (merak train / torchrun jobs) run one after
+# another on one worker, never two jobs at once (see [Note: subprocess tests in one line] in
+# tests/conftest.py). ``-- -n 0`` runs in one process (a later ``-n`` wins).
 # ``--durations``: the slowest tests of each run, to see where CI's minutes go.
-WORKERS = ("-n", "auto", "--maxprocesses", "4", "--dist", "worksteal", "--durations=20")
+WORKERS = ("-n", "auto", "--maxprocesses", "4", "--dist", "loadgroup", "--durations=20")
 LIBRARIES = ("pipe", "graph", "tp")
 EXTRAS_FOR_TESTS = ("graph", "tp")  # libraries whose package session installs their [transformers] extra
 ALL_PACKAGES = ("packages/merak-pipe", "packages/merak-graph", "packages/merak-tp", "packages/merak-core")

@@ -31,7 +31,23 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: starts subprocesses (merak train / torchrun); seconds per test")
 
 
+# [Note: subprocess tests in one line]
+# A ``slow`` test starts ``merak train`` / torchrun, whose ranks import torch and merak-core and build
+# their model from nothing. Two such jobs side by side on a 2-core machine slowed each other several
+# times over (test_signals[rank1]: 26 s alone, 218 s next to another 8-rank job) and made their
+# timeouts fire. So the ``slow`` tests form one pytest-xdist group (``--dist loadgroup``: one worker
+# runs them one after another) and come first in the collection, so that this worker starts them at
+# once while the others run the in-pool tests; the run ends when both lines end.
+SUBPROCESS_GROUP = "subprocess-jobs"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    slow = [item for item in items if item.get_closest_marker("slow") is not None]
+    if slow:
+        for item in slow:
+            item.add_marker(pytest.mark.xdist_group(SUBPROCESS_GROUP))
+        ids = {id(item) for item in slow}
+        items[:] = slow + [item for item in items if id(item) not in ids]
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="no CUDA device on this machine")

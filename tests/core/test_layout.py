@@ -216,6 +216,7 @@ def _torchrun(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return out
 
 
+@pytest.mark.slow
 def test_init_under_torchrun(tmp_path: Path) -> None:
     out = _torchrun(tmp_path, "none", "2")
     assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-4000:])

@@ -55,6 +55,7 @@ def test_rank_dying_mid_step_fails_the_others_with_naming_errors() -> None:
     )
 
 
+@pytest.mark.slow
 def test_merak_train_restarts_and_resumes_after_a_rank_kills_itself(tmp_path: Path) -> None:
     # dp=2 (no pipeline: no tracing, the cheapest torchrun job); both ranks compute the loss.
     kwargs = layout_kwargs(2, 1, 1, output_dir=str(tmp_path / "out"), max_steps=4, save_steps=2)
