@@ -7,7 +7,10 @@ single-process reference for that layout's global batch. The same run's plan che
 threshold 0 so that it always re-plans) must produce a predicted/measured table whose errors are
 computed from its numbers, a metrics.jsonl record and a re-plan message.
 
-Then a manual layout's check (the Trainer profiles first) on 2 ranks, and ``merak train`` with
+On 2 ranks, with a profile whose pipeline bubble dominates (the machine's measurements replaced
+by the defaults so the plan decides), ``layout: auto`` chooses two stages per rank, as
+:func:`~merak_core.planner.plan` ranks them, and trains like one process (losses and every
+parameter). Then a manual layout's check (the Trainer profiles first) on 2 ranks, and ``merak train`` with
 ``layout: auto`` through torchrun on 2 processes (the launch path: plan, train, check, job file).
 """
 
@@ -27,6 +30,7 @@ import pytest
 import yaml
 
 from tests.e2e._trainer_support import TokenDataset, build_model, make_args, reference_training
+from tests.support.compare import assert_tensors_close
 from tests.support.dist import run_on_ranks
 from tests.support.models import REFERENCE_MODELS
 
@@ -64,6 +68,7 @@ def _auto_body(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
                 "per_device_train_batch_size",
                 "gradient_accumulation_steps",
                 "recompute",
+                "virtual_stages",
             )
         },
         "layout": (trainer.layout.dp, trainer.layout.tp, trainer.layout.pp),
@@ -87,6 +92,7 @@ def _auto_body(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
 
 def test_layout_auto_chooses_plans_first_candidate_and_trains_like_one_process():
     from merak_core.planner import plan
+    from merak_core.planner.choices import AUTO_VIRTUAL_STAGES
 
     results = run_on_ranks(WORLD, _auto_body, "gpt", KWARGS)
     fields = results[0]["fields"]
@@ -101,6 +107,7 @@ def test_layout_auto_chooses_plans_first_candidate_and_trains_like_one_process()
         global_batch_size=gbs,
         comm=r0["comm"],
         compute_slots=r0["slots"],
+        virtual_stages=AUTO_VIRTUAL_STAGES,
     )[0]
     expected = best.training_fields()
     expected.pop("memory_budget", None)
@@ -122,12 +129,13 @@ def test_layout_auto_chooses_plans_first_candidate_and_trains_like_one_process()
     assert comparison is not None and comparison.measured.steps == 2
     rows = {row.name: row for row in comparison.rows}
     assert {"step time", "pipeline", "outside pipeline"} <= set(rows)
-    for s in range(fields["pp"]):
+    for s in range(fields["pp"] * fields["virtual_stages"]):
         for what in ("F", "B"):
             row = rows[f"stage {s} {what}"]
             assert math.isfinite(row.predicted) and row.predicted > 0 and row.measured > 0
             assert row.error == pytest.approx((row.predicted - row.measured) / row.measured, rel=1e-12)
-        mem = rows[f"stage {s} peak memory"]
+    for r in range(fields["pp"]):  # memory per pipeline rank (its virtual stages together)
+        mem = rows[f"{'stage' if fields['virtual_stages'] == 1 else 'rank'} {r} peak memory"]
         assert mem.measured is None or mem.measured > 0
     step = rows["step time"]
     assert comparison.step_time_error == pytest.approx((step.predicted - step.measured) / step.measured)
@@ -144,6 +152,99 @@ def test_layout_auto_chooses_plans_first_candidate_and_trains_like_one_process()
     outside = lambda c: c.step_time_s - c.pipeline_s  # noqa: E731
     assert abs(outside(corr) - meas.outside_pipeline_s) <= abs(outside(pred) - meas.outside_pipeline_s) + 1e-9
     assert os.path.exists(os.path.join(r0["output_dir"], "replanned.yaml")) == replanned.changed
+
+
+def _auto_virtual_body(kwargs: dict[str, Any], profile: Any) -> dict[str, Any]:
+    """``layout: auto`` with the profile replaced by ``profile`` and the machine's measurements by the
+    defaults (no contention, ``CommModel()``), so that the plan, not this machine's load, decides;
+    the choice and the training run are real."""
+    import torch.distributed as dist
+
+    from merak_core import Trainer
+    from merak_core.planner import CommModel, auto
+    from tests.e2e.test_virtual_stages import build
+
+    saved = auto.profile_for_plan, auto.measure_contention, auto.measure_comm
+    auto.profile_for_plan = lambda *a, **k: profile
+    auto.measure_contention = lambda *a, **k: 1.0
+    auto.measure_comm = lambda *a, **k: CommModel()
+    try:
+        model = build("gpt", profile.num_layers)
+        trainer = Trainer(
+            model,
+            make_args(layout="auto", **kwargs),
+            TokenDataset(64, model.config.vocab_size),
+            loss_fn=REFERENCE_MODELS["gpt"].loss,
+        )
+        history = trainer.train()
+    finally:
+        auto.profile_for_plan, auto.measure_contention, auto.measure_comm = saved
+    state = trainer.full_state_dict()  # collective
+    t = trainer.args
+    return {
+        "fields": {k: getattr(t, k) for k in ("dp", "tp", "pp", "schedule", "virtual_stages")},
+        "batch": (t.per_device_train_batch_size, t.gradient_accumulation_steps),
+        "stages": sorted(trainer.model.stage_modules),
+        "losses": [h["loss"] for h in history],
+        "state": state if dist.get_rank() == 0 else None,
+    }
+
+
+def test_layout_auto_chooses_virtual_stages_where_predicted_faster_and_trains_like_one_process():
+    # Four layers whose weights fit one device only when split in two (no dp=2), one head (no tp=2) and
+    # a bubble that dominates: two stages per rank are predicted faster than one (tests/core/
+    # test_planner_virtual_stages.py checks that ranking without processes).
+    from merak_core.planner import CommModel, ModelProfile, plan
+    from merak_core.planner.choices import AUTO_VIRTUAL_STAGES, VIRTUAL_STAGE_SCHEDULES
+    from tests.e2e.test_virtual_stages import _reference
+
+    profile = ModelProfile(
+        layer_forward_s=[1e-2] * 4,
+        layer_backward_s=[2e-2] * 4,
+        layer_activation_bytes=[1e3] * 4,
+        layer_param_bytes=[1e8] * 4,
+        boundary_bytes=1e3,
+        num_heads=1,
+    )
+    kwargs = dict(
+        max_steps=3,
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=2,
+        memory_per_device=int(1.3e9),
+        plan_probe_tp=False,
+        plan_check_steps=0,
+    )
+    results = run_on_ranks(2, _auto_virtual_body, kwargs, profile)
+    r0 = results[0]
+    assert all(r["fields"] == r0["fields"] and r["batch"] == r0["batch"] for r in results)
+    fields = r0["fields"]
+    assert (fields["dp"], fields["tp"], fields["pp"], fields["virtual_stages"]) == (1, 1, 2, 2)
+    assert fields["schedule"] in VIRTUAL_STAGE_SCHEDULES
+    best = plan(  # what the run planned from: 2 ranks, no contention (2 compute slots), the job's batch
+        profile,
+        world_size=2,
+        memory_per_device=kwargs["memory_per_device"],
+        global_batch_size=4,
+        comm=CommModel(),
+        compute_slots=2.0,
+        virtual_stages=AUTO_VIRTUAL_STAGES,
+    )[0]
+    expected = best.training_fields()
+    assert {
+        **fields,
+        "per_device_train_batch_size": r0["batch"][0],
+        "gradient_accumulation_steps": r0["batch"][1],
+    } == {k: expected[k] for k in (*fields, "per_device_train_batch_size", "gradient_accumulation_steps")}
+    assert [len(r["stages"]) for r in results] == [2, 2]  # two of the four stages on each rank
+    mbs, accum = r0["batch"]
+    ref_losses, ref_state = _reference(
+        "gpt", 4, {**kwargs, "per_device_train_batch_size": mbs, "gradient_accumulation_steps": accum}
+    )
+    for r in results:
+        assert r["losses"] == pytest.approx(ref_losses, rel=1e-9, abs=1e-12)
+    assert sorted(r0["state"]) == sorted(ref_state)
+    for key, ref in ref_state.items():
+        assert_tensors_close(r0["state"][key], ref, name=f"auto v=2 param {key}", rtol=1e-8, atol=1e-10)
 
 
 def _manual_check_body(kwargs: dict[str, Any]) -> Any:

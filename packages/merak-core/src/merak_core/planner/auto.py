@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import fnmatch
 import inspect
 import logging
 import math
@@ -45,6 +44,8 @@ from merak_core.planner import (
     plan,
     profile_model,
 )
+from merak_core.planner.choices import AUTO_VIRTUAL_STAGES
+from merak_core.planner.profile import tp_constraints
 
 logger = logging.getLogger(__name__)
 
@@ -130,14 +131,10 @@ def profile_inputs(
 
 
 def _relax_vocab(profile: ModelProfile, model: nn.Module, tp_plan: Any) -> ModelProfile:
-    """A user TP plan that shards no ``nn.Embedding`` puts no constraint on the vocabulary."""
-    if isinstance(tp_plan, dict) and profile.vocab_size is not None and "base" not in tp_plan:
-        layers = (
-            tp_plan["layers"] if isinstance(tp_plan.get("layers"), dict) else tp_plan
-        )  # full form or flat
-        embeddings = [name for name, m in model.named_modules() if isinstance(m, nn.Embedding)]
-        if not any(fnmatch.fnmatch(name, pattern) for name in embeddings for pattern in layers):
-            return dataclasses.replace(profile, vocab_size=None)
+    """A user TP plan that shards no ``nn.Embedding`` puts no constraint on the vocabulary
+    (:func:`~merak_core.planner.profile.tp_constraints`)."""
+    if profile.vocab_size is not None and tp_constraints(model, tp_plan)[2] is None:
+        return dataclasses.replace(profile, vocab_size=None)
     return profile
 
 
@@ -303,12 +300,24 @@ def build_plan_context(
     ``train_dataset``; every rank measures communication on the world group.
     """
     payload, comm = _profile_and_measure(args, model, train_dataset, data_collator, device, "plan check")
+    return _context(args, payload, comm, job_file, job_overrides)
+
+
+def _context(
+    args: TrainingArguments,
+    payload: Mapping[str, Any],
+    comm: Any,
+    job_file: str | None,
+    job_overrides: Sequence[str],
+) -> PlanContext:
+    """The plan check's context from what :func:`_profile_and_measure` agreed on every rank."""
     return PlanContext(
         profile=payload["profile"],
         comm=comm,
         memory_per_device=payload["memory"],
         compute_slots=payload["slots"],
         zero_stage=args.zero_stage,
+        virtual_stages=AUTO_VIRTUAL_STAGES,
         job_file=job_file,
         job_overrides=tuple(job_overrides),
     )
@@ -354,6 +363,7 @@ def auto_layout(
                 comm=comm,
                 zero_stage=args.zero_stage,
                 compute_slots=slots,
+                virtual_stages=AUTO_VIRTUAL_STAGES,
             )
         except ValueError as exc:
             raise ValueError(f"for {world} ranks, global batch {gbs}: {exc}") from None
@@ -379,15 +389,7 @@ def auto_layout(
     new_args = dataclasses.replace(args, layout="manual", plan_check_steps=checks, **fields)
     if math.isfinite(payload["memory"]) and args.memory_per_device is None:
         new_args = dataclasses.replace(new_args, memory_per_device=int(payload["memory"]))
-    context = PlanContext(
-        profile=payload["profile"],
-        comm=comm,
-        memory_per_device=payload["memory"],
-        compute_slots=payload["slots"],
-        zero_stage=args.zero_stage,
-        job_file=job_file,
-        job_overrides=tuple(job_overrides),
-    )
+    context = _context(args, payload, comm, job_file, job_overrides)
     if dist.get_rank() == 0:
         replaced = {
             k: getattr(args, k)

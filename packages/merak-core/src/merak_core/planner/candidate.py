@@ -14,7 +14,7 @@ from typing import Any
 
 from merak_core.planner.choices import RECOMPUTE_MODES, schedule_order
 
-__all__ = ["Candidate", "format_plan", "sort_key", "why_best"]
+__all__ = ["Candidate", "format_plan", "recompute_label", "sort_key", "training_fields", "why_best"]
 
 
 @dataclass(frozen=True)
@@ -54,22 +54,32 @@ class Candidate:
     def layout(self) -> str:
         return f"dp{self.dp}-tp{self.tp}-pp{self.pp}"
 
+    @property
+    def schedule_label(self) -> str:
+        """The schedule, with ``v=N`` when it runs N > 1 stages per pipeline rank."""
+        return self.schedule + (f" v={self.virtual_stages}" if self.virtual_stages > 1 else "")
+
     def training_fields(self) -> dict[str, Any]:
         """The job file's ``training`` fields for this choice."""
-        out: dict[str, Any] = {
-            "dp": self.dp,
-            "tp": self.tp,
-            "pp": self.pp,
-            "schedule": self.schedule,
-            "per_device_train_batch_size": self.micro_batch_size,
-            "gradient_accumulation_steps": self.num_microbatches,
-            "recompute": self.recompute,
-        }
-        if self.recompute == "stage_aware":
-            out["memory_budget"] = int(self.memory_per_device)
-        if self.virtual_stages > 1:
-            out["virtual_stages"] = self.virtual_stages
-        return out
+        return training_fields(self, memory_budget=self.memory_per_device)
+
+
+def training_fields(c: Any, *, memory_budget: float) -> dict[str, Any]:
+    """The job file's ``training`` fields of a planned configuration ``c`` (a :class:`Candidate` or a
+    cluster candidate: the same attribute names); ``memory_budget`` goes with stage-aware recomputation."""
+    out: dict[str, Any] = {
+        "dp": c.dp,
+        "tp": c.tp,
+        "pp": c.pp,
+        "schedule": c.schedule,
+        "per_device_train_batch_size": c.micro_batch_size,
+        "gradient_accumulation_steps": c.num_microbatches,
+        "recompute": c.recompute,
+        "virtual_stages": c.virtual_stages,
+    }
+    if c.recompute == "stage_aware":
+        out["memory_budget"] = int(memory_budget)
+    return out
 
 
 def sort_key(c: Candidate) -> tuple[Any, ...]:
@@ -91,17 +101,24 @@ def why_best(cands: Sequence[Candidate]) -> str:
         return ""
     top = cands[0]
     text = (
-        f"{top.layout} {top.schedule} m={top.num_microbatches} recompute={top.recompute}: predicted "
+        f"{top.layout} {top.schedule_label} m={top.num_microbatches} recompute={top.recompute}: predicted "
         f"{top.step_time_s * 1e3:.3f} ms (pipeline {top.pipeline_s * 1e3:.3f} ms + DP all-reduce "
         f"{top.dp_allreduce_s * 1e3:.3f} ms + optimizer/clip/loss {top.overhead_s * 1e3:.3f} ms), peak {max(top.peak_memory_bytes) / 2**20:.1f} MiB"
     )
     other = next((c for c in cands[1:] if c.layout != top.layout), None)
     if other is not None:
         gain = 100 * (other.step_time_s / top.step_time_s - 1) if top.step_time_s > 0 else 0.0
-        text += f"; {gain:.1f}% faster than the best other layout ({other.layout}, {other.schedule})"
+        text += f"; {gain:.1f}% faster than the best other layout ({other.layout}, {other.schedule_label})"
     else:
         text += "; the only layout that fits"
     return text
+
+
+def recompute_label(c: Any) -> str:
+    """The recompute mode of a planned configuration ``c``; stage-aware with its per-stage fractions."""
+    if c.recompute != "stage_aware":
+        return str(c.recompute)
+    return "sa:" + ",".join(f"{f:.2f}" for f in c.recompute_fractions)
 
 
 def format_plan(cands: Sequence[Candidate], top: int = 10) -> str:
@@ -111,15 +128,10 @@ def format_plan(cands: Sequence[Candidate], top: int = 10) -> str:
         f"{'step ms':>9}  peak MiB per stage"
     ]
     for i, c in enumerate(cands[:top], 1):
-        rc = (
-            c.recompute
-            if c.recompute != "stage_aware"
-            else "sa:" + ",".join(f"{f:.2f}" for f in c.recompute_fractions)
-        )
+        rc = recompute_label(c)
         peaks = ",".join(f"{p / 2**20:.1f}" for p in c.peak_memory_bytes)
-        sched = c.schedule + (f" v={c.virtual_stages}" if c.virtual_stages > 1 else "")
         lines.append(
-            f"{i:>3} {c.layout:<14} {sched:<22} {c.num_microbatches:>3} {c.micro_batch_size:>4} "
+            f"{i:>3} {c.layout:<14} {c.schedule_label:<22} {c.num_microbatches:>3} {c.micro_batch_size:>4} "
             f"{rc:<28} {c.step_time_s * 1e3:>9.3f}  {peaks}"
         )
     lines.append("why: " + why_best(cands))

@@ -1,4 +1,4 @@
-"""What the planners choose among: schedules, read from merak-pipe's registry, and recomputation modes.
+"""What the planners choose among: layouts, schedules (from merak-pipe's registry) and recomputation modes.
 
 Every schedule list of the planner (the profiled search in :mod:`.search`, the cluster search in
 :mod:`.cluster_search`, the dry run) is derived here from :func:`merak_pipe.schedule_infos` and its
@@ -11,14 +11,19 @@ Not done here: pricing a schedule (:mod:`.pricing`, :mod:`.cluster_cost`) or cho
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from merak_pipe import ScheduleInfo, build_schedule, in_flight_counts, schedule_info, schedule_infos
 
 __all__ = [
+    "AUTO_VIRTUAL_STAGES",
     "CLUSTER_SCHEDULES",
     "PLANNER_SCHEDULES",
     "PREDICTABLE_SCHEDULES",
     "RECOMPUTE_MODES",
     "VIRTUAL_STAGE_SCHEDULES",
+    "divisors",
+    "layouts",
     "schedule_order",
     "virtual_stage_schedules",
 ]
@@ -30,6 +35,10 @@ VIRTUAL_STAGE_SCHEDULES = tuple(
 )
 """Schedules with several stages per rank (``virtual_stages``), planned when the search is given v > 1."""
 RECOMPUTE_MODES = ("none", "full", "stage_aware")
+AUTO_VIRTUAL_STAGES = (1, 2)
+"""Stages per pipeline rank that ``layout: auto`` and the plan check's re-plan try: one, and two
+(interleaved-1F1B, ZB-V) where the layers divide (see [Note: virtual stages in the search] in
+:mod:`.search`). More per rank halve the bubble again but double the point-to-point messages."""
 PREDICTABLE_SCHEDULES = PLANNER_SCHEDULES + VIRTUAL_STAGE_SCHEDULES
 """Every schedule the planners can price (the simulator predicts it), one stage per rank first."""
 
@@ -59,7 +68,29 @@ def schedule_order(schedule: str) -> int:
 
 def virtual_stage_schedules(virtual_stages: int) -> tuple[str, ...]:
     """The schedules of :data:`VIRTUAL_STAGE_SCHEDULES` that run ``virtual_stages`` stages per rank
-    (the registry's ``stages_per_rank``: None means any count)."""
+    (the registry's ``runs_stages_per_rank``)."""
     return tuple(
-        key for key in VIRTUAL_STAGE_SCHEDULES if schedule_info(key).stages_per_rank in (None, virtual_stages)
+        key for key in VIRTUAL_STAGE_SCHEDULES if schedule_info(key).runs_stages_per_rank(virtual_stages)
     )
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n``, ascending."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(
+    world_size: int, *, num_layers: int, global_batch_size: int, tp_allowed: Callable[[int], bool]
+) -> list[tuple[int, int, int]]:
+    """Every (dp, tp, pp) with dp * tp * pp = ``world_size`` that a model allows: ``tp_allowed(tp)``
+    (it divides heads, kv heads, vocabulary; on a cluster, the devices per node), pp <= ``num_layers``,
+    dp divides ``global_batch_size``. Ordered by tp, then pp."""
+    out = []
+    for tp in divisors(world_size):
+        if not tp_allowed(tp):
+            continue
+        for pp in divisors(world_size // tp):
+            dp = world_size // (tp * pp)
+            if pp <= num_layers and global_batch_size % dp == 0:
+                out.append((dp, tp, pp))
+    return out

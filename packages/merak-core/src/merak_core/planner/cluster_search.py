@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from merak_core.planner import choices
+from merak_core.planner.candidate import recompute_label, training_fields
 from merak_core.planner.choices import CLUSTER_SCHEDULES, PREDICTABLE_SCHEDULES, RECOMPUTE_MODES
 from merak_core.planner.cluster import ClusterSpec
 from merak_core.planner.cluster_cost import ModelCosts, stage_costs, step_overhead_s
@@ -74,24 +76,12 @@ class ClusterCandidate:
 
     def training_fields(self) -> dict[str, Any]:
         """The job file's ``training`` fields for this choice."""
-        out: dict[str, Any] = {
-            "dp": self.dp,
-            "tp": self.tp,
-            "pp": self.pp,
-            "schedule": self.schedule,
-            "per_device_train_batch_size": self.micro_batch_size,
-            "gradient_accumulation_steps": self.num_microbatches,
-            "recompute": self.recompute,
-            "zero_stage": self.zero_stage,
-        }
-        if self.recompute == "stage_aware":
-            out["memory_budget"] = int(self.memory_limit_bytes)
         if self.virtual_stages > 1:
             raise ValueError(
                 f"{self.layout} {self.schedule} with {self.virtual_stages} stages per rank: the Trainer "
                 "runs one stage per rank; choose a configuration without virtual stages"
             )
-        return out
+        return {**training_fields(self, memory_budget=self.memory_limit_bytes), "zero_stage": self.zero_stage}
 
 
 def _bounds(sizes: Sequence[int]) -> list[int]:
@@ -251,36 +241,22 @@ def predict_config(
     )
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _layouts(costs: ModelCosts, cluster: ClusterSpec, world: int, gbs: int) -> list[tuple[int, int, int]]:
-    out = []
-    for tp in _divisors(world):
-        if cluster.devices_per_node % tp or not costs.tp_allowed(tp):
-            continue
-        for pp in _divisors(world // tp):
-            dp = world // (tp * pp)
-            if pp <= costs.num_layers and gbs % dp == 0:
-                out.append((dp, tp, pp))
-    return out
-
-
 def _cluster_runs(
     pp: int, schedules: Sequence[str], virtual_stages: Sequence[int], num_layers: int
 ) -> list[tuple[str, int]]:
     """(schedule, stages per rank) pairs to try at ``pp``: the one-stage schedules of ``schedules``,
     and those with several stages per rank at each v of ``virtual_stages`` they run (the registry's
-    ``stages_per_rank``) with pp * v <= layers."""
+    ``runs_stages_per_rank``) with pp * v <= layers."""
     if pp == 1:
         return [("1f1b", 1)]
     runs = [(sched, 1) for sched in schedules if schedule_info(sched).one_stage_per_rank]
     for sched in schedules:
-        needs = schedule_info(sched).stages_per_rank
-        if needs != 1:
+        info = schedule_info(sched)
+        if not info.one_stage_per_rank:
             runs += [
-                (sched, v) for v in virtual_stages if v > 1 and needs in (None, v) and pp * v <= num_layers
+                (sched, v)
+                for v in virtual_stages
+                if v > 1 and info.runs_stages_per_rank(v) and pp * v <= num_layers
             ]
     return runs
 
@@ -314,7 +290,16 @@ def plan_cluster(
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"plan_cluster: {label}={v!r}; expected an int >= 1")
     world = num_nodes * cluster.devices_per_node
-    grid = list(layouts) if layouts is not None else _layouts(costs, cluster, world, global_batch_size)
+    grid = (
+        list(layouts)
+        if layouts is not None
+        else choices.layouts(
+            world,
+            num_layers=costs.num_layers,
+            global_batch_size=global_batch_size,
+            tp_allowed=lambda tp: cluster.devices_per_node % tp == 0 and costs.tp_allowed(tp),
+        )
+    )
     if not grid:
         raise ValueError(
             f"plan_cluster: no (dp, tp, pp) with dp*tp*pp={world} suits this model: tp must divide "
@@ -329,7 +314,7 @@ def plan_cluster(
     forward = [ly.forward_s for ly in costs.layers]
     for dp, tp, pp in grid:
         per_dp = global_batch_size // dp
-        for m in _divisors(per_dp):
+        for m in choices.divisors(per_dp):
             if m < pp or m > max_microbatches:
                 continue
             runs = _cluster_runs(pp, schedules, virtual_stages, costs.num_layers)
@@ -394,11 +379,7 @@ def format_cluster_plan(cands: Sequence[ClusterCandidate], top: int = 10) -> str
         f"{'recompute':<24} {'step ms':>10}  memory per stage (usable)"
     ]
     for i, c in enumerate(cands[:top], 1):
-        rc = (
-            c.recompute
-            if c.recompute != "stage_aware"
-            else "sa:" + ",".join(f"{f:.2f}" for f in c.recompute_fractions)
-        )
+        rc = recompute_label(c)
         if len(rc) > 24:
             rc = rc[:21] + "..."
         mem = ",".join(_bytes(b) for b in c.stage_memory_bytes)

@@ -326,21 +326,19 @@ def dry_run(
     )
     sizes = [part.bounds[s + 1] - part.bounds[s] for s in range(pp)]
     t1 = time.perf_counter()
-    cand = predict_config(
-        costs,
-        cluster,
+    config: dict[str, Any] = dict(
         dp=dp,
         tp=tp,
         pp=pp,
         schedule=schedule,
         num_microbatches=num_microbatches,
         micro_batch_size=micro_batch_size,
-        recompute=recompute,
         zero_stage=zero_stage,
         tp_overlap=tp_overlap,
         tp_chunks=tp_chunks,
         stage_layers=sizes,
     )
+    cand = predict_config(costs, cluster, recompute=recompute, **config)
     if cand is None:  # stage-aware recomputation cannot fit: report with full recomputation
         report.problems.append(
             DryRunProblem(
@@ -351,21 +349,7 @@ def dry_run(
                 "recomputing everything (see the memory per stage)",
             )
         )
-        cand = predict_config(
-            costs,
-            cluster,
-            dp=dp,
-            tp=tp,
-            pp=pp,
-            schedule=schedule,
-            num_microbatches=num_microbatches,
-            micro_batch_size=micro_batch_size,
-            recompute="full",
-            zero_stage=zero_stage,
-            tp_overlap=tp_overlap,
-            tp_chunks=tp_chunks,
-            stage_layers=sizes,
-        )
+        cand = predict_config(costs, cluster, recompute="full", **config)
     assert cand is not None
     report.prediction = cand
     from merak_pipe import RecomputePlan

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from merak_core.planner.candidate import recompute_label
 from merak_core.planner.comm import CommModel
 from merak_core.planner.memory import ZERO_STAGES
 from merak_core.planner.profile import ModelProfile
@@ -65,6 +66,8 @@ class PlanContext:
     """The job's ZeRO stage (0 to 3, as :func:`~merak_core.planner.predict` prices them)."""
     optimizer_state_factor: float = 2.0
     """Optimizer-state bytes per parameter byte (2 for AdamW)."""
+    virtual_stages: tuple[int, ...] = (1,)
+    """Stages per pipeline rank the re-plan tries (:func:`~merak_core.planner.plan`'s ``virtual_stages``)."""
     job_file: str | None = None
     """The job file the run came from; the re-plan writes a copy with the suggested fields."""
     job_overrides: tuple[str, ...] = ()
@@ -193,16 +196,21 @@ class PlanComparison:
 
 
 def _describe(c: Candidate) -> str:
-    rc = (
-        c.recompute
-        if c.recompute != "stage_aware"
-        else "sa:" + ",".join(f"{f:.2f}" for f in c.recompute_fractions)
-    )
-    return f"{c.layout} {c.schedule} m={c.num_microbatches} mbs={c.micro_batch_size} recompute={rc}"
+    rc = recompute_label(c)
+    return f"{c.layout} {c.schedule_label} m={c.num_microbatches} mbs={c.micro_batch_size} recompute={rc}"
 
 
 def _config(c: Candidate) -> tuple[Any, ...]:
-    return (c.dp, c.tp, c.pp, c.schedule, c.num_microbatches, c.micro_batch_size, c.recompute)
+    return (
+        c.dp,
+        c.tp,
+        c.pp,
+        c.schedule,
+        c.virtual_stages,
+        c.num_microbatches,
+        c.micro_batch_size,
+        c.recompute,
+    )
 
 
 def predict_current(
@@ -475,6 +483,7 @@ def replan(
             optimizer_state_factor=ctx.optimizer_state_factor,
             max_microbatches=max_microbatches,
             compute_slots=ctx.compute_slots,
+            virtual_stages=ctx.virtual_stages,
         )
     except ValueError as exc:
         return Replan(current=current, candidates=(), profile=corrected, error=str(exc))

@@ -26,6 +26,8 @@ from merak_core.planner.choices import (
     PLANNER_SCHEDULES,
     RECOMPUTE_MODES,
     VIRTUAL_STAGE_SCHEDULES,
+    divisors,
+    layouts,
     virtual_stage_schedules,
 )
 from merak_core.planner.comm import CommModel
@@ -45,10 +47,6 @@ __all__ = [
     "virtual_stage_counts",
     "why_best",
 ]
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _check_common(memory_per_device: float, zero_stage: int, compute_slots: float | None) -> None:
@@ -219,21 +217,26 @@ def plan(
     )
     out: list[Candidate] = []
     least_needed = math.inf
-    layouts = _layouts(profile, world_size, global_batch_size)
-    if not layouts:
+    grid = layouts(
+        world_size,
+        num_layers=profile.num_layers,
+        global_batch_size=global_batch_size,
+        tp_allowed=profile.tp_allowed,
+    )
+    if not grid:
         raise ValueError(
             f"plan: no (dp, tp, pp) with dp*tp*pp={world_size} suits this model: tp must divide heads="
             f"{profile.num_heads}, kv heads={profile.num_kv_heads}, vocab={profile.vocab_size}; pp <= layers="
             f"{profile.num_layers}; dp must divide global_batch_size={global_batch_size}. Change world_size or the "
             "batch size"
         )
-    for dp, tp, pp in layouts:
+    for dp, tp, pp in grid:
         lays = {
             v: layout_costs(profile, comm, dp, tp, pp, zero_stage, optimizer_state_factor, v)
             for v in virtual_stage_counts(profile.num_layers, pp, virtual_stages)
         }
         per_dp = global_batch_size // dp
-        for m in _divisors(per_dp):
+        for m in divisors(per_dp):
             if m > max_microbatches or m < pp:  # the Trainer needs a microbatch per stage at least
                 continue
             for sched, v in _runs(pp, schedules, lays):
@@ -257,20 +260,6 @@ def plan(
             f"{least_needed:.6g} bytes per device: raise the memory, add devices or shrink the batch"
         )
     out.sort(key=sort_key)
-    return out
-
-
-def _layouts(profile: ModelProfile, world_size: int, global_batch_size: int) -> list[tuple[int, int, int]]:
-    """Every (dp, tp, pp) with dp*tp*pp = world_size that the model allows: tp divides heads, kv heads
-    and vocabulary, pp <= layers, dp divides the global batch."""
-    out = []
-    for tp in _divisors(world_size):
-        if not profile.tp_allowed(tp):
-            continue
-        for pp in _divisors(world_size // tp):
-            dp = world_size // (tp * pp)
-            if pp <= profile.num_layers and global_batch_size % dp == 0:
-                out.append((dp, tp, pp))
     return out
 
 
