@@ -71,8 +71,9 @@ from merak_core.checkpoint.files import (
     pointer_root,
     read_checkpoint_meta,
 )
-from merak_core.checkpoint.manager import CheckpointManager, NonFiniteCheckpointError
+from merak_core.checkpoint.manager import CheckpointManager
 from merak_core.checkpoint.parts import CheckpointParts, TrainState
+from merak_core.checkpoint.save import NonFiniteCheckpointError
 from merak_core.checkpoint.specs import TensorSpec, tensor_specs
 
 _Spec = TensorSpec  # the earlier private name

@@ -6,7 +6,7 @@ the manifest of checksums, see ``integrity.py``); ``checkpoints/latest`` names t
 newest committed directory. Everything here is local to one process (no
 collectives), so every rank reaches the same verdict on the same files.
 
-Not done here: what the DCP files hold (``manager.py``), checksums (``integrity.py``).
+Not done here: what the DCP files hold (``save.py``, ``load.py``), checksums (``integrity.py``).
 """
 
 from __future__ import annotations

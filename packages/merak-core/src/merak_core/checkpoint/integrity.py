@@ -19,7 +19,7 @@ parameters or optimizer states hold NaN or inf: every rank reduces its tensors'
 ``isfinite`` flags to one count, and one all-reduce of that count decides on
 every rank before anything is written (see :func:`nonfinite_count`).
 
-Not done here: which tensors are saved (``manager.py``), the directory layout (``files.py``).
+Not done here: which tensors are saved (``save.py``), the directory layout (``files.py``).
 """
 
 from __future__ import annotations

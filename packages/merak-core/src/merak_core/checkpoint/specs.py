@@ -6,11 +6,12 @@ parameter (several sections) is gathered over TP and written whole, replicated
 parameters are plain tensors. Optimizer states shaped like their parameter follow
 the parameter's spec; other states (AdamW's 0-d ``step``) are plain tensors.
 
-Not done here: reading or writing files (``manager.py``), verification (``integrity.py``).
+Not done here: reading or writing files (``save.py``, ``load.py``), verification (``integrity.py``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -134,3 +135,11 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
         stride.append(acc)
         acc *= max(1, size)
     return tuple(reversed(stride))
+
+
+def named_optimizer_params(
+    inner: torch.optim.Optimizer, specs: Mapping[str, Any]
+) -> list[tuple[nn.Parameter, str]]:
+    """The optimizer's parameters that this rank's model names, in the optimizer's order (save and load)."""
+    names = {id(p): name for name, (p, _) in specs.items()}
+    return [(p, names[id(p)]) for group in inner.param_groups for p in group["params"] if id(p) in names]

@@ -19,7 +19,7 @@ setting that differs from the checkpoint's is logged once on rank 0
 (model shapes, the vocabulary, the data order) are refused before anything is
 changed, by the fingerprint and data-position checks.
 
-Not done here: tensors (``manager.py``).
+Not done here: tensors (``save.py``, ``load.py``).
 """
 
 from __future__ import annotations

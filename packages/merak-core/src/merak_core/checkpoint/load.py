@@ -1,0 +1,240 @@
+"""Loading a checkpoint: which directory a path means, verifying it, and restoring every part of a run.
+
+See [Note: latest] and [Note: checkpoint keys] in :mod:`merak_core.checkpoint`: any layout reads
+any checkpoint, each rank asking DCP for its own blocks of the full logical tensors; the manifest's
+checksums and the model fingerprint are checked before a tensor is copied.
+
+Not done here: the fallback from a corrupt ``latest`` to an older checkpoint (``manager.py``),
+saving (``save.py``), shard specs (``specs.py``), files and pointers (``files.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from merak_core.checkpoint.files import (
+    LATEST_FILE,
+    CheckpointCorruptError,
+    CheckpointError,
+    _check_fingerprint,
+    dcp_metadata,
+    describe_failure,
+    is_corruption,
+    latest_candidates,
+    pointer_root,
+    read_checkpoint_meta,
+)
+from merak_core.checkpoint.integrity import VerifyingReader, check_manifest
+from merak_core.checkpoint.ranks import barrier
+from merak_core.checkpoint.specs import (
+    TensorSpec,
+    _from_loaded,
+    _load_target,
+    named_optimizer_params,
+    tensor_specs,
+)
+from merak_core.checkpoint.state import _inner_optimizer, restore_train_state, set_rng_state
+from merak_core.fsdp import copy_into_shard_, shard_like
+
+if TYPE_CHECKING:
+    from merak_core.checkpoint.parts import CheckpointParts
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["checkpoint_candidates", "load_checkpoint", "place_optimizer_state"]
+
+
+def checkpoint_candidates(
+    home: Path, path: str | os.PathLike[str], *, warn: bool = False
+) -> tuple[list[Path], bool]:
+    """(directories to try in order, whether ``path`` meant 'the latest good one'); ``warn``: about a dangling pointer.
+
+    ``home``: the run's checkpoints directory, where ``latest``, ``auto`` and bare names are looked up.
+    """
+    text = str(path)
+    if text in ("latest", "auto"):
+        return _warn_if_dangling(home, latest_candidates(home), warn), True
+    root = pointer_root(text)
+    if root is None and not Path(text).exists() and (home / text).exists():
+        root = pointer_root(home / text)
+        if root is None:
+            return [home / text], False
+    if root is not None:
+        return _warn_if_dangling(root, latest_candidates(root), warn), True
+    return [Path(text)], False
+
+
+def load_checkpoint(
+    parts: CheckpointParts, directory: Path, fingerprint: Callable[[], dict[str, tuple[int, ...]]]
+) -> int:
+    """Restore ``parts`` from the checkpoint ``directory`` (any layout); its step.
+
+    Verified first (manifest, then ``fingerprint()``, the model's, against the saved one): a checkpoint
+    that fails raises :class:`CheckpointCorruptError` or :class:`CheckpointError` before any tensor is
+    copied. Collective.
+    """
+    meta = read_checkpoint_meta(directory)
+    manifest = check_manifest(directory, meta)
+    _check_fingerprint(directory, meta.get("fingerprint", {}), fingerprint())
+    available = dcp_metadata(directory)
+    layout = parts.layout
+    saved_layout = meta.get("layout", {})
+    same_layout = (saved_layout.get("dp"), saved_layout.get("tp"), saved_layout.get("pp")) == (
+        layout.dp,
+        layout.tp,
+        layout.pp,
+    )
+    request, receivers, owned, optim_keys = _load_request(parts, available)
+    rng_key = f"rng/rank_{dist.get_rank()}"
+    if "train_state" not in available:
+        raise CheckpointError(f"checkpoint {str(directory)!r} is corrupt: it has no 'train_state' entry")
+    request["train_state"] = b""
+    if same_layout and rng_key in available:
+        request[rng_key] = b""
+    try:
+        dcp.load(request, storage_reader=VerifyingReader(str(directory), manifest, meta.get("step")))
+    except (Exception, dcp.CheckpointException) as exc:
+        kind = CheckpointCorruptError if is_corruption(exc) else CheckpointError
+        raise kind(
+            f"rank {dist.get_rank()}: checkpoint {str(directory)!r} is corrupt or unreadable: "
+            f"{describe_failure(exc)}"
+        ) from exc
+    train_state = pickle.loads(request["train_state"])  # noqa: S301 - our own checkpoint
+    # Checks first: fails before any tensor is copied.
+    restore_train_state(parts, directory, train_state, meta.get("training_arguments", {}))
+    _copy_loaded(parts, receivers, owned, optim_keys, request)
+    if rng_key in request:
+        set_rng_state(request[rng_key], parts)
+    else:
+        logger.info(
+            "checkpoint layout %s differs from dp=%d tp=%d pp=%d: RNG states not restored",
+            saved_layout,
+            layout.dp,
+            layout.tp,
+            layout.pp,
+        )
+    barrier("checkpoint loaded")
+    step = int(train_state["step"])
+    parts.train.global_step = step
+    logger.info("loaded checkpoint %s (step %d, saved under %s)", directory, step, saved_layout)
+    return step
+
+
+def _load_request(
+    parts: CheckpointParts, available: dict[str, Any]
+) -> tuple[
+    dict[str, Any],
+    dict[str, tuple[torch.Tensor, TensorSpec]],
+    list[tuple[nn.Parameter, str]],
+    dict[str, list[str]],
+]:
+    """What to ask DCP for: (request, receiving buffers with their specs, owned params, state keys by name)."""
+    specs = tensor_specs(parts)
+    request: dict[str, Any] = {}
+    receivers: dict[str, tuple[torch.Tensor, TensorSpec]] = {}
+    for name, (p, spec) in specs.items():
+        key = f"model/{name}"
+        target, buf = _load_target(parts, spec, p, p.dtype)
+        request[key], receivers[key] = target, (buf, spec)
+    inner = _inner_optimizer(parts.optimizer)
+    optim_keys: dict[str, list[str]] = {}
+    for key in available:
+        if key.startswith("optim/"):
+            name, _, state_key = key[len("optim/") :].rpartition("/")
+            optim_keys.setdefault(name, []).append(state_key)
+    owned: list[tuple[nn.Parameter, str]] = []
+    for p, name in named_optimizer_params(inner, specs):
+        owned.append((p, name))
+        param_spec = specs[name][1]
+        for state_key in optim_keys.get(name, []):
+            key = f"optim/{name}/{state_key}"
+            md = available[key]
+            if not isinstance(md, TensorStorageMetadata):
+                request[key] = b""  # a pickled non-tensor state
+                continue
+            dtype = md.properties.dtype
+            if tuple(md.size) == param_spec.full_shape and len(md.size) > 0:
+                target, buf = _load_target(parts, param_spec, p, dtype)
+                request[key], receivers[key] = target, (buf, param_spec)
+            else:  # e.g. AdamW's 0-d step: a plain tensor, stored as it is
+                buf = torch.empty(tuple(md.size), dtype=dtype, device="cpu")
+                request[key], receivers[key] = buf, (buf, TensorSpec.plain(buf))
+    return request, receivers, owned, optim_keys
+
+
+def _copy_loaded(
+    parts: CheckpointParts,
+    receivers: dict[str, tuple[torch.Tensor, TensorSpec]],
+    owned: list[tuple[nn.Parameter, str]],
+    optim_keys: dict[str, list[str]],
+    request: dict[str, Any],
+) -> None:
+    inner = _inner_optimizer(parts.optimizer)
+    group_of = {id(q): group for group in inner.param_groups for q in group["params"]}
+    with torch.no_grad():
+        for name, (p, _) in tensor_specs(parts).items():
+            buf, spec = receivers[f"model/{name}"]
+            copy_into_shard_(p, _from_loaded(spec, buf))  # ZeRO-2/3: this DP rank's part
+        for p, name in owned:
+            state = {}
+            for state_key in optim_keys.get(name, []):
+                key = f"optim/{name}/{state_key}"
+                if key in receivers:
+                    buf, spec = receivers[key]
+                    value = _from_loaded(spec, buf)
+                    value = place_optimizer_state(value, state_key, p, group_of[id(p)])
+                    state[state_key] = (
+                        shard_like(p, value) if value.shape == p.shape and value.ndim else value
+                    )
+                elif key in request:
+                    state[state_key] = pickle.loads(request[key])  # noqa: S301 - our own checkpoint
+            if state:
+                inner.state[p] = state
+
+
+def place_optimizer_state(
+    value: torch.Tensor, key: str, param: torch.Tensor, group: Mapping[str, Any]
+) -> torch.Tensor:
+    """Where ``Optimizer.load_state_dict`` would put a loaded state tensor, and in which dtype.
+
+    [Note: optimizer state placement] The checkpoint writes states straight into
+    ``optimizer.state`` (the layouts' shards are assembled here, not by torch), so it must
+    follow torch's own rule: AdamW's ``step`` stays a CPU tensor unless the group is
+    ``fused`` or ``capturable``, where the kernels read it on the parameter's device as
+    float32 (a CPU ``step`` fails the first fused CUDA step after a resume); every other
+    floating state takes the parameter's device and dtype.
+    """
+    if key == "step":
+        if group.get("fused") or group.get("capturable"):
+            return value.to(dtype=torch.float32, device=param.device)
+        return value
+    if value.is_floating_point() and param.is_floating_point():
+        return value.to(dtype=param.dtype, device=param.device)
+    return value.to(device=param.device)
+
+
+def _warn_if_dangling(root: Path, candidates: list[Path], warn: bool) -> list[Path]:
+    """Warn (rank 0, if ``warn``) when ``root/latest`` names a directory that is gone; ``candidates`` unchanged."""
+    pointer = root / LATEST_FILE
+    if not warn:
+        return candidates
+    name = pointer.read_text().strip() if pointer.is_file() else ""
+    if name and not (root / name).is_dir() and (not dist.is_initialized() or dist.get_rank() == 0):
+        instead = (
+            f"using the newest committed checkpoint, {candidates[0].name}" if candidates else "none is left"
+        )
+        logger.warning(
+            "the 'latest' pointer %s names %s, which does not exist (deleted?): %s", pointer, name, instead
+        )
+    return candidates
