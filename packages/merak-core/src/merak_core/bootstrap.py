@@ -10,6 +10,7 @@ and the CLI. Process groups and devices themselves are created by :mod:`merak_co
 - :func:`autocast` — the one bf16 autocast context of a step, an evaluation or a profile;
 - :func:`first_samples` / :func:`example_batch` — the first samples of a dataset (for tracing and
   profiling), one microbatch of them split into inputs and labels;
+- :func:`pretrained_start` — the model and the matched weights of a run started from a Hugging Face folder;
 - :func:`compose` — the model in the run's dtype, its TP plan checked, composed for this rank.
 
 Not done here: the step itself (``engine.py``) and the loop (``trainer.py``).
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -37,6 +39,7 @@ __all__ = [
     "example_batch",
     "first_samples",
     "is_meta",
+    "pretrained_start",
     "process_group",
     "run_device",
     "run_layout",
@@ -61,7 +64,11 @@ def is_meta(model: nn.Module) -> bool:
 
 
 def check_layout(args: TrainingArguments, layout: ParallelLayout) -> None:
-    """ValueError when ``args``' degrees disagree with ``layout``'s."""
+    """ValueError when ``args``' degrees disagree with ``layout``'s, or its microbatches cannot fill the pipeline.
+
+    (Whether the schedule runs ``args.virtual_stages`` stages per rank is checked with the arguments
+    themselves and where the stages are placed, :mod:`merak_core.virtual_stages`.)
+    """
     for name in ("tp", "pp"):
         if getattr(args, name) != getattr(layout, name):
             raise ValueError(
@@ -72,6 +79,12 @@ def check_layout(args: TrainingArguments, layout: ParallelLayout) -> None:
         raise ValueError(
             f"TrainingArguments.dp={args.dp} but the layout has dp={layout.dp}: build both from "
             "the same degrees, or set dp=None to take the layout's"
+        )
+    num_micro = args.num_microbatches
+    if layout.pp > 1 and num_micro < layout.pp:
+        raise ValueError(
+            f"gradient_accumulation_steps={num_micro} microbatches is fewer than pp={layout.pp} stages: "
+            f"the pipeline would idle; use at least {layout.pp} microbatches"
         )
 
 
@@ -177,3 +190,30 @@ def compose(
         stage_to_rank=stage_placement(args.schedule, layout.pp, args.virtual_stages),
         sequence_parallel=args.sequence_parallel and layout.tp > 1,
     )
+
+
+def pretrained_start(
+    model: nn.Module | None,
+    args: TrainingArguments,
+    pretrained: str | os.PathLike[str] | None,
+    init_fn: Callable[[nn.Module], Any] | None,
+) -> tuple[nn.Module, Any, Any]:
+    """(model, matched weights or None, init_fn) for ``Trainer(..., pretrained=PATH)``.
+
+    The folder is matched to the model by name and shape here, on every rank alike, before any
+    collective; a meta model is cast to the run's dtype and materialised without initialisation
+    (every parameter is then loaded).
+    """
+    if pretrained is None:
+        if model is None:
+            raise ValueError(
+                "Trainer needs a model, or pretrained=PATH (a Hugging Face folder) to build it from"
+            )
+        return model, None, init_fn
+    from merak_core.hf import PretrainedWeights, pretrained_model, skip_init
+
+    if model is None:
+        model = pretrained_model(pretrained, dtype=args.torch_dtype)
+    elif is_meta(model):
+        model.to(dtype=args.torch_dtype)
+    return model, PretrainedWeights.match(model, pretrained), init_fn or skip_init

@@ -32,8 +32,9 @@ non-finite gradient, a stop signal), see :mod:`merak_core.nonfinite` and :mod:`m
 ``skip`` drops the update; a signal ends training after the same step on every rank, with a
 preemption checkpoint.
 
-Not done here: the loop, evaluation cadence, metrics and checkpoints (``trainer.py``), process
-groups, devices and preparing the model (``bootstrap.py``).
+Not done here: building the runner, the DP sync and the optimizer (``engine_setup.py``), the loop,
+evaluation cadence, metrics and checkpoints (``trainer.py``), process groups, devices and preparing
+the model (``bootstrap.py``).
 """
 
 from __future__ import annotations
@@ -42,13 +43,12 @@ import contextlib
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 
 from merak_core import nonfinite
 from merak_core.bootstrap import autocast
@@ -56,17 +56,32 @@ from merak_core.clip import global_grad_norm, scale_gradients_
 from merak_core.compose import ParallelModel
 from merak_core.config import TrainingArguments, build_lr_scheduler
 from merak_core.data_parallel import DataParallelGradSync
+from merak_core.engine_setup import (
+    OptimizerFactory,
+    build_dp_sync,
+    build_optimizer,
+    build_runner,
+    check_loss_fn,
+    schedule_name,
+    shard_parallel_model,
+)
 from merak_core.fsdp import SHARDED_ZERO_STAGES, ShardedDataParallel
 from merak_core.layout import ParallelLayout
 from merak_core.stall import Heartbeat
-from merak_core.virtual_stages import check_virtual_stages
 from merak_core.zero import ZeroOptimizer
-from merak_graph import PARAM_MEMORY_FACTOR
-from merak_pipe import PipelineCommError, schedule_info
+from merak_pipe import PipelineCommError
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
-__all__ = ["LossFn", "ParallelEngine", "StepResult", "TrainingStepError", "default_loss", "schedule_name"]
+__all__ = [
+    "LossFn",
+    "ParallelEngine",
+    "StepResult",
+    "TrainingStepError",
+    "default_loss",
+    "schedule_name",
+    "shard_parallel_model",
+]
 
 
 class TrainingStepError(RuntimeError):
@@ -107,46 +122,13 @@ def default_loss(output: Any, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(flat, labels.reshape(-1), ignore_index=-100)
 
 
-def schedule_name(args: TrainingArguments) -> str:
-    """The merak-pipe schedule for ``args.schedule`` (``auto``: shifted critical path with a budget, else 1F1B)."""
-    name = args.schedule
-    if name == "auto":
-        name = "shifted-critical-path" if args.memory_budget is not None else "1f1b"
-    return schedule_info(name).name
-
-
-def _decay_groups(named: Sequence[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict[str, Any]]:
-    """AdamW groups: matrices decay, biases and norm weights (1-D) do not."""
-    seen: set[int] = set()
-    decay: list[nn.Parameter] = []
-    no_decay: list[nn.Parameter] = []
-    for _, p in named:
-        if id(p) in seen or not p.requires_grad:
-            continue
-        seen.add(id(p))
-        (decay if p.ndim >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def check_schedule(args: TrainingArguments, layout: ParallelLayout) -> str:
-    """The schedule's merak-pipe name; ValueError for what the engine cannot run on this layout."""
-    name = schedule_name(args)
-    check_virtual_stages(name, layout.pp, args.virtual_stages)  # stages per rank: what the schedule places
-    num_micro = args.num_microbatches
-    if layout.pp > 1 and num_micro < layout.pp:
-        raise ValueError(
-            f"gradient_accumulation_steps={num_micro} microbatches is fewer than pp={layout.pp} stages: "
-            f"the pipeline would idle; use at least {layout.pp} microbatches"
-        )
-    return name
-
-
 class ParallelEngine:
     """One optimizer step of ``model`` over ``layout`` (see the module docstring).
 
     Args:
         model: the composed model of this rank (:func:`merak_core.compose.build_parallel_model`).
-        layout: the parallel layout the model was composed for.
+        layout: the parallel layout the model was composed for (``args`` checked against it:
+            :func:`merak_core.bootstrap.check_layout`).
         args: the run's :class:`TrainingArguments`.
         device: this rank's device.
         loss_fn: ``loss_fn(output, labels) -> scalar``.
@@ -165,158 +147,37 @@ class ParallelEngine:
         loss_fn: LossFn,
         num_training_steps: int,
         example_labels: Any = None,
-        optimizer_factory: Callable[[list[dict[str, Any]]], torch.optim.Optimizer] | None = None,
+        optimizer_factory: OptimizerFactory | None = None,
     ) -> None:
         self.model, self.layout, self.args, self.device, self.loss_fn = model, layout, args, device, loss_fn
-        self.schedule_name = check_schedule(args, layout)
+        self.schedule_name = schedule_name(args)
         self.sharded: ShardedDataParallel | None = None
         if args.zero_stage in SHARDED_ZERO_STAGES and layout.dp > 1:
             # ZeRO-2/3: FSDP2 over the DP axis replaces the parameters (merak_core.fsdp).
             self.sharded, self.model = shard_parallel_model(model, zero_stage=args.zero_stage, device=device)
-        self._check_loss_fn(example_labels)
-        self.runner = self._build_runner()
+        check_loss_fn(self.model, loss_fn, example_labels)
+        self.runner = build_runner(
+            self.model,
+            layout,
+            args,
+            schedule_name=self.schedule_name,
+            device=device,
+            loss_fn=loss_fn,
+            sharded=self.sharded is not None,
+        )
         named = self.model.named_parameters()
         self.params = [p for _, p in named]
-        # Shared (tied) parameters get their cross-stage sum after the backward: reduce them last.
-        self.dp_sync: DataParallelGradSync | ShardedDataParallel | None = (
-            self.sharded
-            if self.sharded is not None
-            else DataParallelGradSync(
-                self.model.module,
-                layout.dp_group,
-                deferred_params=[p for p, _ in self.model.shared_parameters],
-            )
-            if layout.dp > 1
-            else None
+        self.dp_sync: DataParallelGradSync | ShardedDataParallel | None = build_dp_sync(
+            self.model, layout, self.sharded
         )
-        groups = _decay_groups(named, args.weight_decay)
-        factory = optimizer_factory or self._adamw
-        self.optimizer: torch.optim.Optimizer = (
-            ZeroOptimizer(groups, factory, group=layout.dp_group)
-            if args.zero_stage == 1 and layout.dp > 1
-            else factory(groups)
+        self.optimizer: torch.optim.Optimizer = build_optimizer(
+            named, layout, args, device=device, factory=optimizer_factory
         )
         self.lr_scheduler = build_lr_scheduler(self.optimizer, args, num_training_steps)
         self.heartbeat: Heartbeat | None = None
         """The running loop's heartbeat: a failed step names the ranks that stopped answering it."""
         self.last_pipeline_s = 0.0
         self.last_grad_norm: float | None = None
-
-    # ------------------------------------------------------------------ set-up
-
-    def _adamw(self, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
-        a = self.args
-        # Fused kernels on CUDA; the multi-tensor path on CPU (bit-identical to the per-parameter loop).
-        fused = self.device.type == "cuda"
-        return torch.optim.AdamW(
-            groups,
-            lr=a.learning_rate,
-            betas=(a.adam_beta1, a.adam_beta2),
-            eps=a.adam_epsilon,
-            weight_decay=a.weight_decay,
-            foreach=not fused,
-            fused=fused,
-        )
-
-    def _check_loss_fn(self, labels: Any) -> None:
-        """With pp > 1, try ``loss_fn`` on meta tensors shaped like the model's output and one microbatch of labels.
-
-        Every rank does it, so labels the loss cannot take fail here, on all ranks, instead of in the
-        last stage alone while the other stages wait for its gradients until the timeout. Only a model
-        whose output is one tensor is checked; errors caused by the meta device itself are ignored.
-        """
-        part = self.model.partition
-        if part is None or not isinstance(labels, torch.Tensor) or len(part.stage_info[-1].outputs) != 1:
-            return
-        out = part.stage_info[-1].outputs[0]
-        if out.dtype is None:
-            return
-        output = torch.empty(out.shape, dtype=out.dtype, device="meta")
-        try:
-            self.loss_fn(output, labels.to("meta"))
-        except (AttributeError, KeyError, TypeError, NotImplementedError):
-            return  # the output is not a plain tensor for this loss, or the loss needs real values
-        except Exception as exc:  # noqa: BLE001 - any other failure is the labels' or the loss's
-            if "meta" in str(exc):
-                return
-            raise ValueError(
-                f"loss_fn cannot take the model's output (shape {list(out.shape)}, {out.dtype}) with labels of "
-                f"shape {list(labels.shape)} and dtype {labels.dtype}: {type(exc).__name__}: {exc}. Fix the labels "
-                "the dataset or collate function returns (e.g. integer class ids for cross-entropy) or the loss_fn"
-            ) from exc
-
-    def _build_runner(self) -> Any:
-        from merak_pipe import PipelineRunner, PipelineStage, build_schedule
-
-        layout, args = self.layout, self.args
-        recompute = self._recompute_plan()
-        num_stages = self.model.num_stages  # pp * virtual_stages
-        schedule = build_schedule(
-            self.schedule_name,
-            num_stages=num_stages,
-            num_ranks=layout.pp,
-            num_microbatches=args.num_microbatches,
-            recompute=recompute,
-        )
-        modules = self.model.stage_modules or {layout.pp_rank: self.model.module}
-        stages = [
-            PipelineStage(
-                module, stage_index=s, num_stages=num_stages, group=layout.pp_group, device=self.device
-            )
-            for s, module in sorted(modules.items())
-        ]
-        return PipelineRunner(
-            stages,
-            schedule,
-            loss_fn=self.loss_fn,
-            group=layout.pp_group,
-            # ZeRO-2/3 sums the shared copies on the gradient shards (ShardedDataParallel.finish)
-            shared_parameters=self.model.shared_parameters if self.sharded is None else [],
-            timeout=layout.timeout,
-        )
-
-    def _recompute_plan(self) -> Any:
-        from merak_pipe import RecomputePlan
-
-        mode, fraction = self.args.recompute_mode
-        pp = self.model.num_stages
-        if mode == "none":
-            return None
-        if mode == "full":
-            return RecomputePlan.full(pp)
-        if mode == "uniform":
-            return RecomputePlan.uniform(pp, float(fraction or 0.0))
-        return self._stage_aware_plan()
-
-    def _stage_aware_plan(self) -> Any:
-        from merak_pipe import build_schedule, stage_aware_plan
-
-        part = self.model.partition
-        if part is None or self.args.memory_budget is None:
-            raise ValueError(
-                "recompute='stage_aware' needs pp > 1 and memory_budget (bytes per rank, e.g. '2GiB'): "
-                f"got pp={self.layout.pp}, memory_budget={self.args.memory_budget}"
-            )
-        layer_bytes = []
-        for info in part.stage_info:
-            lo, hi = info.shard_range
-            n = max(1, hi - lo)
-            layer_bytes.append([info.activation_bytes / n] * n)
-        probe = build_schedule(
-            self.schedule_name,
-            num_stages=self.model.num_stages,
-            num_ranks=self.layout.pp,
-            num_microbatches=self.args.num_microbatches,
-        )
-        static = [
-            info.param_bytes * PARAM_MEMORY_FACTOR for info in part.stage_info
-        ]  # as the partitioner counts
-        return stage_aware_plan(
-            layer_activation_bytes=layer_bytes,
-            memory_budget=float(self.args.memory_budget),
-            static_bytes=static,
-            schedule=probe,
-        )
 
     # ------------------------------------------------------------------ inputs
 
@@ -494,31 +355,3 @@ class ParallelEngine:
         labels = labels.to(self.device) if labels is not None else None
         with self.autocast():
             return self.runner.evaluate(self.stage_inputs(inputs), labels, return_outputs=return_outputs)
-
-
-def shard_parallel_model(
-    model: ParallelModel,
-    *,
-    zero_stage: int,
-    device: torch.device,
-) -> tuple[ShardedDataParallel, ParallelModel]:
-    """Shard this rank's part of ``model`` over its DP group; the sharded object and the updated model.
-
-    The returned :class:`~merak_core.compose.ParallelModel` is ``model`` with its shared-parameter
-    lists pointing at the sharded parameters (the modules are sharded in place). Give the pipeline
-    runner no shared parameters: :meth:`ShardedDataParallel.finish` sums their copies.
-    """
-    layout = model.layout
-    stages = dict(model.stage_modules) or {layout.pp_rank if layout.pp > 1 else 0: model.module}
-    sharded = ShardedDataParallel(
-        stages,
-        layout.dp_group,
-        zero_stage=zero_stage,
-        device_type=device.type,
-        num_stages=model.num_stages,
-        shared_parameters=model.shared_parameters,
-    )
-    owner = {sharded.param_map.get(id(p), p): stage for p, stage in model.shared_owner.items()}
-    return sharded, dataclasses.replace(
-        model, shared_parameters=sharded.shared_parameters, shared_owner=owner
-    )

@@ -9,7 +9,8 @@
 The Trainer is the loop: it prepares the run (:mod:`merak_core.bootstrap`: the layout, the device,
 the composed model), hands each global batch to the step engine (:class:`merak_core.engine.ParallelEngine`:
 one optimizer step, see [Note: loss scaling], [Note: failures] and [Note: non-finite steps and
-signals] there), and keeps the cadence of evaluation, metrics and checkpoints.
+signals] there), and keeps the cadence of evaluation, metrics and checkpoints
+(:class:`merak_core.cadence.Cadence` says after which steps).
 
 [Note: plan check] With ``layout: auto`` the Trainer first lets the planner choose the layout
 (collective, :func:`merak_core.planner.auto.plan_for_job`); with ``plan_check_steps`` it records
@@ -37,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from merak_core import bootstrap
+from merak_core.cadence import Cadence, count_tokens, step_record
 from merak_core.checkpoint import CheckpointManager
 from merak_core.checkpoint.parts import CheckpointParts, TrainState
 from merak_core.compose import ParallelModel, gather_full_state_dict
@@ -47,7 +49,6 @@ from merak_core.engine import (
     ParallelEngine,
     StepResult,
     TrainingStepError,
-    check_schedule,
     default_loss,
     schedule_name,
 )
@@ -108,7 +109,7 @@ class Trainer:
         plan_context: PlanContext | None = None,
         pretrained: str | os.PathLike[str] | None = None,
     ) -> None:
-        model, weights, init_fn = _pretrained_start(model, args, pretrained, init_fn)
+        model, weights, init_fn = bootstrap.pretrained_start(model, args, pretrained, init_fn)
         self.pretrained_path = None if pretrained is None else str(Path(pretrained).resolve())
         """The Hugging Face folder the run started from (recorded in checkpoints for ``merak export``)."""
         if args.layout == "auto" or (args.plan_check_steps and plan_context is None):
@@ -133,7 +134,6 @@ class Trainer:
         self.data_collator = data_collator
         self.train_dataset = train_dataset
         self.eval_dataset = eval_dataset
-        check_schedule(args, self.layout)
         self.train_loader = (
             StageAwareDataLoader(
                 train_dataset,
@@ -317,16 +317,7 @@ class Trainer:
             raise ValueError("Trainer.train() needs a train_dataset")
         total = self.num_training_steps()
         args = self.args
-        if args.save_steps and self.global_step == 0:
-            earlier = self.checkpoints.checkpoints()
-            if earlier:
-                from merak_core.checkpoint import CheckpointError
-
-                raise CheckpointError(
-                    f"output_dir {args.output_dir!r} already holds checkpoints {[p.name for p in earlier]} of an "
-                    f"earlier run, which this run (not resumed, save_steps={args.save_steps}) would overwrite: "
-                    "resume it with trainer.resume('latest') (merak train --resume latest), or choose a new output_dir"
-                )
+        self.checkpoints.check_fresh_start()  # a new run must not overwrite an earlier run's checkpoints
         if self.global_step >= total and dist.get_rank() == 0:  # e.g. a finished job resumed: nothing to do
             logger.warning(
                 "nothing to train: the run is already at step %d of %d, the job is finished (raise "
@@ -335,6 +326,7 @@ class Trainer:
                 total,
             )
         self.metrics.start(total, resumed_step=self.global_step)
+        cadence = Cadence.of(args, evaluates=self.eval_dataset is not None)
         heartbeat = Heartbeat.for_timeout(
             dist.get_rank(),
             dist.get_world_size(),
@@ -344,14 +336,14 @@ class Trainer:
         self.engine.heartbeat = heartbeat
         try:
             with self._stop, heartbeat:
-                self._train_loop(self.train_loader, total)
+                self._train_loop(self.train_loader, total, cadence)
         finally:
             self.engine.heartbeat = None
-        if self.eval_dataset is not None and (not args.eval_steps or self.global_step % args.eval_steps):
+        if cadence.final_eval_due(self.global_step):
             self.last_eval = self.evaluate()
             self.metrics.log({"step": self.global_step, **self.last_eval})
-        if args.save_steps and self.global_step % args.save_steps:
-            self.checkpoints.save()  # the final state, unless the last step just saved it
+        if cadence.final_save_due(self.global_step):
+            self.checkpoints.save()
         if args.export_hf_dir is not None:
             from merak_core.hf import export_hf
 
@@ -359,8 +351,7 @@ class Trainer:
         self.metrics.finish()
         return self.history
 
-    def _train_loop(self, loader: StageAwareDataLoader, total: int) -> None:
-        args = self.args
+    def _train_loop(self, loader: StageAwareDataLoader, total: int, cadence: Cadence) -> None:
         iterator = iter(loader)  # resumes at the loader's restored position
         window_start, window_tokens = time.perf_counter(), 0
         first_step = self.global_step + 1
@@ -376,30 +367,28 @@ class Trainer:
             step_time = time.perf_counter() - step_start
             if self.plan_check is not None:
                 self.plan_check.after_step(self.global_step, self.last_result, step_time)
-            window_tokens += _count_tokens(batch.inputs) * self.layout.dp
-            record: dict[str, Any] = {
-                "step": self.global_step,
-                "loss": loss,
-                "lr": float(self.lr_scheduler.get_last_lr()[0]),
-                "step_time_s": step_time,
-            }
-            if self.last_grad_norm is not None:  # before clipping; computed when max_grad_norm > 0
-                record["grad_norm"] = self.last_grad_norm
-            if self.last_step_skipped:
-                record.update(skipped=True, skipped_steps=self.skipped_steps)
+            window_tokens += count_tokens(batch.inputs) * self.layout.dp
+            record = step_record(
+                step=self.global_step,
+                loss=loss,
+                lr=float(self.lr_scheduler.get_last_lr()[0]),
+                step_time_s=step_time,
+                grad_norm=self.last_grad_norm,
+                skipped_steps=self.skipped_steps if self.last_step_skipped else None,
+            )
             self.history.append(record)
             step = self.global_step
-            if step % args.logging_steps == 0 or step in (total, first_step) or self.last_step_skipped:
+            if cadence.log_due(step, first=first_step, total=total, skipped=self.last_step_skipped):
                 elapsed = time.perf_counter() - window_start
                 record["tokens_per_s"] = window_tokens / elapsed if elapsed > 0 else 0.0
                 self.metrics.log(record)
                 window_start, window_tokens = time.perf_counter(), 0
             saved = None
-            if args.save_steps and step % args.save_steps == 0:
+            if cadence.save_due(step):
                 saved = self.checkpoints.save()
             if self.stop_agreed:
                 self._preempt(saved)
-            if args.eval_steps and self.eval_dataset is not None and step % args.eval_steps == 0:
+            if cadence.eval_due(step):
                 self.last_eval = self.evaluate()
                 self.metrics.log({"step": step, **self.last_eval})
 
@@ -463,44 +452,3 @@ class Trainer:
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The unsharded parameters by logical name on global rank 0 (None elsewhere); collective."""
         return gather_full_state_dict(self.model)
-
-
-def _count_tokens(inputs: Any) -> int:
-    if inputs is None:
-        return 0
-    if isinstance(inputs, Mapping):
-        inputs = next(iter(inputs.values()))
-    if isinstance(inputs, (tuple, list)):
-        inputs = inputs[0]
-    return (
-        int(inputs.numel())
-        if isinstance(inputs, torch.Tensor) and not inputs.is_floating_point()
-        else int(inputs.shape[0])
-    )
-
-
-def _pretrained_start(
-    model: nn.Module | None,
-    args: TrainingArguments,
-    pretrained: str | os.PathLike[str] | None,
-    init_fn: Callable[[nn.Module], Any] | None,
-) -> tuple[nn.Module, Any, Any]:
-    """(model, matched weights or None, init_fn) for ``Trainer(..., pretrained=PATH)``.
-
-    The folder is matched to the model by name and shape here, on every rank alike, before any
-    collective; a meta model is cast to the run's dtype and materialised without initialisation
-    (every parameter is then loaded).
-    """
-    if pretrained is None:
-        if model is None:
-            raise ValueError(
-                "Trainer needs a model, or pretrained=PATH (a Hugging Face folder) to build it from"
-            )
-        return model, None, init_fn
-    from merak_core.hf import PretrainedWeights, pretrained_model, skip_init
-
-    if model is None:
-        model = pretrained_model(pretrained, dtype=args.torch_dtype)
-    elif bootstrap.is_meta(model):
-        model.to(dtype=args.torch_dtype)
-    return model, PretrainedWeights.match(model, pretrained), init_fn or skip_init

@@ -1,11 +1,12 @@
 """Virtual pipeline stages: whether a schedule runs v stages per rank (the registry says), and where.
 
 ``training.virtual_stages: v`` cuts the model into ``pp * v`` stages; the schedule places them on
-the ``pp`` pipeline ranks (interleaved-1F1B round-robin, stage s on rank s % pp; ZB-V in a V, rank
-r holding stages r and 2pp - 1 - r). :func:`check_virtual_stages` refuses a combination the
-schedule cannot run (the value, the expectation, the fix), in the launching process (the job
-file's arguments) and again where the Trainer builds its pipeline; :func:`stage_placement` gives
-the schedule's placement, which :func:`merak_core.compose.build_parallel_model` partitions by.
+the ``pp`` pipeline ranks (its generator decides: interleaved-1F1B round-robin, ZB-V in a V). How
+many stages a schedule places on a rank is merak-pipe's registry's fact (``ScheduleInfo.stages_per_rank``);
+nothing here lists schedules. :func:`check_virtual_stages` refuses a combination the schedule cannot
+run (the value, the expectation, the fix): for the job's arguments, in the launching process, and in
+:func:`stage_placement`, which gives the schedule's placement that
+:func:`merak_core.compose.build_parallel_model` partitions by.
 
 Not done here: partitioning (``compose``) and running the schedule (``engine``).
 """
@@ -17,18 +18,29 @@ from typing import Any
 __all__ = ["check_layer_count", "check_virtual_stages", "stage_placement", "stage_data_roles"]
 
 
-def _stages_per_rank(schedule: str) -> int | None:
-    """What the schedule registry says (``auto`` resolves to a one-stage-per-rank schedule)."""
+def _schedule(schedule: str) -> Any:
+    """The registry's :class:`merak_pipe.ScheduleInfo` of ``schedule``; None for ``auto`` (a one-stage-per-rank
+    schedule chosen at start-up)."""
     from merak_pipe import schedule_info
 
-    if schedule.strip().lower() == "auto":
-        return 1
-    return schedule_info(schedule.strip().lower()).stages_per_rank
+    key = schedule.strip().lower()
+    return None if key == "auto" else schedule_info(key)
+
+
+def _schedules_running(count: int) -> list[str]:
+    """The registered schedules that place several stages on a rank and can place ``count`` (by key)."""
+    from merak_pipe import schedule_infos
+
+    return [
+        info.key
+        for info in schedule_infos()
+        if not info.one_stage_per_rank and info.runs_stages_per_rank(count)
+    ]
 
 
 def check_virtual_stages(schedule: str, pp: int, virtual_stages: int) -> None:
     """ValueError unless ``schedule`` (merak-pipe name or config key; ``auto`` is one stage per rank)
-    runs ``virtual_stages`` stages per pipeline rank at ``pp``."""
+    runs ``virtual_stages`` stages per pipeline rank at ``pp`` (the registry's ``stages_per_rank``)."""
     if not isinstance(virtual_stages, int) or isinstance(virtual_stages, bool) or virtual_stages < 1:
         raise ValueError(
             f"virtual_stages={virtual_stages!r}; expected an int >= 1 (pipeline stages per rank)"
@@ -37,26 +49,29 @@ def check_virtual_stages(schedule: str, pp: int, virtual_stages: int) -> None:
         raise ValueError(
             f"virtual_stages={virtual_stages} needs a pipeline, but pp={pp}: set pp >= 2 or virtual_stages=1"
         )
-    needs = _stages_per_rank(schedule)
-    if needs is not None and virtual_stages != needs:
-        if needs == 1:
-            fix = "use schedule interleaved_1f1b (any v) or zb_v (v=2), or virtual_stages=1"
-        else:
-            fix = f"set virtual_stages={needs} or use schedule interleaved_1f1b"
-        raise ValueError(
-            f"schedule {schedule!r} runs {needs} stage(s) per pipeline rank but virtual_stages="
-            f"{virtual_stages}: {fix}"
-        )
+    info = _schedule(schedule)
+    if info.runs_stages_per_rank(virtual_stages) if info is not None else virtual_stages == 1:
+        return
+    needs = 1 if info is None else info.stages_per_rank
+    others = " or ".join(_schedules_running(virtual_stages)) or "a registered one that places them"
+    if needs == 1:
+        fix = f"use schedule {others} (they run {virtual_stages} stages per rank), or virtual_stages=1"
+    else:
+        fix = f"set virtual_stages={needs} or use schedule {others}"
+    raise ValueError(
+        f"schedule {schedule!r} runs {needs} stage(s) per pipeline rank but virtual_stages={virtual_stages}: {fix}"
+    )
 
 
 def stage_placement(schedule: str, pp: int, virtual_stages: int = 1) -> tuple[int, ...]:
     """The pipeline rank of each of the ``pp * virtual_stages`` stages, as ``schedule`` places them."""
     check_virtual_stages(schedule, pp, virtual_stages)
-    if _stages_per_rank(schedule) == 1:
+    info = _schedule(schedule)
+    if info is None or info.one_stage_per_rank:
         return tuple(range(pp))
-    from merak_pipe import build_schedule, schedule_info
+    from merak_pipe import build_schedule
 
-    name = schedule_info(schedule.strip().lower()).name
+    name = info.name
     return build_schedule(
         name, num_stages=pp * virtual_stages, num_microbatches=pp, num_ranks=pp, check=False
     ).stage_to_rank
