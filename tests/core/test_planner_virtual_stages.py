@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 
 from merak_core.planner import CommModel, ModelProfile, plan, predict
-from merak_core.planner.choices import AUTO_VIRTUAL_STAGES, VIRTUAL_STAGE_SCHEDULES
+from merak_core.planner.choices import AUTO_VIRTUAL_STAGES, VIRTUAL_STAGE_SCHEDULES, searched_virtual_stages
 from merak_core.planner.search import virtual_stage_counts
 
 MEMORY = 1.6e9  # the four layers' state (4 x 1e8 x 4 bytes per parameter byte) does not fit: no dp=2
@@ -74,6 +74,12 @@ def test_two_stages_per_rank_win_where_the_bubble_dominates_and_match_predict():
 def test_one_stage_per_rank_wins_when_messages_are_expensive():
     best = _plan(_profile(), comm=CommModel(p2p_latency_s=0.05))[0]
     assert best.virtual_stages == 1
+
+
+def test_layout_auto_searches_virtual_stages_only_with_a_device_per_rank():
+    # [Note: virtual stages on shared cores]: measured slower there than the simulator predicts
+    assert searched_virtual_stages(None) == AUTO_VIRTUAL_STAGES == (1, 2)
+    assert searched_virtual_stages(2.0) == (1,)
 
 
 def test_layers_that_do_not_divide_into_pp_times_v_stages_are_not_tried():

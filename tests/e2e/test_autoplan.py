@@ -7,8 +7,8 @@ single-process reference for that layout's global batch. The same run's plan che
 threshold 0 so that it always re-plans) must produce a predicted/measured table whose errors are
 computed from its numbers, a metrics.jsonl record and a re-plan message.
 
-On 2 ranks, with a profile whose pipeline bubble dominates (the machine's measurements replaced
-by the defaults so the plan decides), ``layout: auto`` chooses two stages per rank, as
+On 2 ranks, with a profile whose pipeline bubble dominates and a device per rank (the machine's
+measurements replaced so the plan decides), ``layout: auto`` chooses two stages per rank, as
 :func:`~merak_core.planner.plan` ranks them, and trains like one process (losses and every
 parameter). Then a manual layout's check (the Trainer profiles first) on 2 ranks, and ``merak train`` with
 ``layout: auto`` through torchrun on 2 processes (the launch path: plan, train, check, job file).
@@ -92,7 +92,7 @@ def _auto_body(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
 
 def test_layout_auto_chooses_plans_first_candidate_and_trains_like_one_process():
     from merak_core.planner import plan
-    from merak_core.planner.choices import AUTO_VIRTUAL_STAGES
+    from merak_core.planner.choices import searched_virtual_stages
 
     results = run_on_ranks(WORLD, _auto_body, "gpt", KWARGS)
     fields = results[0]["fields"]
@@ -107,7 +107,7 @@ def test_layout_auto_chooses_plans_first_candidate_and_trains_like_one_process()
         global_batch_size=gbs,
         comm=r0["comm"],
         compute_slots=r0["slots"],
-        virtual_stages=AUTO_VIRTUAL_STAGES,
+        virtual_stages=searched_virtual_stages(r0["slots"]),
     )[0]
     expected = best.training_fields()
     expected.pop("memory_budget", None)
@@ -155,18 +155,18 @@ def test_layout_auto_chooses_plans_first_candidate_and_trains_like_one_process()
 
 
 def _auto_virtual_body(kwargs: dict[str, Any], profile: Any) -> dict[str, Any]:
-    """``layout: auto`` with the profile replaced by ``profile`` and the machine's measurements by the
-    defaults (no contention, ``CommModel()``), so that the plan, not this machine's load, decides;
-    the choice and the training run are real."""
+    """``layout: auto`` with the profile replaced by ``profile`` and the machine's measurements by what
+    a device per rank gives (no compute slots) and the default ``CommModel()``, so that the plan, not
+    this machine's load, decides; the choice and the training run are real."""
     import torch.distributed as dist
 
     from merak_core import Trainer
     from merak_core.planner import CommModel, auto
     from tests.e2e.test_virtual_stages import build
 
-    saved = auto.profile_for_plan, auto.measure_contention, auto.measure_comm
+    saved = auto.profile_for_plan, auto._cpu_compute_slots, auto.measure_comm
     auto.profile_for_plan = lambda *a, **k: profile
-    auto.measure_contention = lambda *a, **k: 1.0
+    auto._cpu_compute_slots = lambda *a, **k: None
     auto.measure_comm = lambda *a, **k: CommModel()
     try:
         model = build("gpt", profile.num_layers)
@@ -178,7 +178,7 @@ def _auto_virtual_body(kwargs: dict[str, Any], profile: Any) -> dict[str, Any]:
         )
         history = trainer.train()
     finally:
-        auto.profile_for_plan, auto.measure_contention, auto.measure_comm = saved
+        auto.profile_for_plan, auto._cpu_compute_slots, auto.measure_comm = saved
     state = trainer.full_state_dict()  # collective
     t = trainer.args
     return {
@@ -220,13 +220,12 @@ def test_layout_auto_chooses_virtual_stages_where_predicted_faster_and_trains_li
     fields = r0["fields"]
     assert (fields["dp"], fields["tp"], fields["pp"], fields["virtual_stages"]) == (1, 1, 2, 2)
     assert fields["schedule"] in VIRTUAL_STAGE_SCHEDULES
-    best = plan(  # what the run planned from: 2 ranks, no contention (2 compute slots), the job's batch
+    best = plan(  # what the run planned from: 2 ranks with a device each, the job's batch
         profile,
         world_size=2,
         memory_per_device=kwargs["memory_per_device"],
         global_batch_size=4,
         comm=CommModel(),
-        compute_slots=2.0,
         virtual_stages=AUTO_VIRTUAL_STAGES,
     )[0]
     expected = best.training_fields()

@@ -44,7 +44,7 @@ from merak_core.planner import (
     plan,
     profile_model,
 )
-from merak_core.planner.choices import AUTO_VIRTUAL_STAGES
+from merak_core.planner.choices import searched_virtual_stages
 from merak_core.planner.profile import tp_constraints
 
 logger = logging.getLogger(__name__)
@@ -317,7 +317,7 @@ def _context(
         memory_per_device=payload["memory"],
         compute_slots=payload["slots"],
         zero_stage=args.zero_stage,
-        virtual_stages=AUTO_VIRTUAL_STAGES,
+        virtual_stages=searched_virtual_stages(payload["slots"]),
         job_file=job_file,
         job_overrides=tuple(job_overrides),
     )
@@ -363,7 +363,7 @@ def auto_layout(
                 comm=comm,
                 zero_stage=args.zero_stage,
                 compute_slots=slots,
-                virtual_stages=AUTO_VIRTUAL_STAGES,
+                virtual_stages=searched_virtual_stages(slots),
             )
         except ValueError as exc:
             raise ValueError(f"for {world} ranks, global batch {gbs}: {exc}") from None

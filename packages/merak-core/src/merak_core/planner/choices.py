@@ -25,6 +25,7 @@ __all__ = [
     "divisors",
     "layouts",
     "schedule_order",
+    "searched_virtual_stages",
     "virtual_stage_schedules",
 ]
 
@@ -36,9 +37,10 @@ VIRTUAL_STAGE_SCHEDULES = tuple(
 """Schedules with several stages per rank (``virtual_stages``), planned when the search is given v > 1."""
 RECOMPUTE_MODES = ("none", "full", "stage_aware")
 AUTO_VIRTUAL_STAGES = (1, 2)
-"""Stages per pipeline rank that ``layout: auto`` and the plan check's re-plan try: one, and two
-(interleaved-1F1B, ZB-V) where the layers divide (see [Note: virtual stages in the search] in
-:mod:`.search`). More per rank halve the bubble again but double the point-to-point messages."""
+"""Stages per pipeline rank that ``layout: auto`` and the plan check's re-plan try when every rank has
+a device of its own (:func:`searched_virtual_stages`): one, and two (interleaved-1F1B, ZB-V) where the
+layers divide (see [Note: virtual stages in the search] in :mod:`.search`). More per rank would halve
+the bubble again but double the point-to-point messages."""
 PREDICTABLE_SCHEDULES = PLANNER_SCHEDULES + VIRTUAL_STAGE_SCHEDULES
 """Every schedule the planners can price (the simulator predicts it), one stage per rank first."""
 
@@ -64,6 +66,19 @@ grow with the microbatch count (GPipe's do: never better than 1F1B there, only l
 def schedule_order(schedule: str) -> int:
     """Position of ``schedule`` (any spelling) among :data:`PREDICTABLE_SCHEDULES`, for stable ranking."""
     return PREDICTABLE_SCHEDULES.index(schedule_info(schedule).key)
+
+
+def searched_virtual_stages(compute_slots: float | None) -> tuple[int, ...]:
+    """The ``virtual_stages`` that ``layout: auto`` searches: :data:`AUTO_VIRTUAL_STAGES` with a device
+    per rank (``compute_slots`` None), one stage per rank when ranks share a host's cores.
+
+    [Note: virtual stages on shared cores] CPU ranks sharing cores run interleaved-1F1B 15-38% and
+    ZB-V 26-141% slower than 1F1B, measured in the Trainer (``benchmarks/bench_virtual_stages.py``,
+    docs/virtual_stages.md), where the simulator predicts them 4-13% faster: every extra action pays
+    a fixed cost (dispatch, bookkeeping, the local hand-over) that the per-layer costs do not hold.
+    Until the cost model prices that, the search does not offer them there.
+    """
+    return AUTO_VIRTUAL_STAGES if compute_slots is None else (1,)
 
 
 def virtual_stage_schedules(virtual_stages: int) -> tuple[str, ...]:
