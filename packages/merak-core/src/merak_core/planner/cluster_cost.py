@@ -42,7 +42,9 @@ forward to the step's reduce-scatter, ZeRO-3 holds its shard and one gathered un
 stage's largest layer, divided by tp; the last stage of a pipeline holds them as ZeRO-2); both
 hold the accumulated gradients unsharded within the step. At dp = 1 every stage holds what
 ZeRO-0 holds. The parameter terms are in ``Precision.weight_bytes``, the gradients in
-``grad_bytes`` and the optimizer states in ``optimizer_bytes``.
+``grad_bytes`` and the optimizer states in ``optimizer_bytes``. With 16-bit weights the shard
+counted beside the optimizer states (whose 12 B hold an fp32 master copy) over-counts 2 / dp
+bytes per parameter: the one rule is kept rather than special-cased.
 
 [Note: per-tensor step operators] Besides its bytes, the optimizer step runs a fixed number of
 small operators per parameter tensor, whatever its size: AdamW's multi-tensor step on CPU falls
