@@ -16,7 +16,7 @@ from torch import nn
 
 from merak_core.checkpoint import _Spec
 from merak_core.weights import _read_shard
-from merak_tp.layers import _shard
+from merak_tp._tp_module import _shard
 from merak_tp.shard_spec import ShardSpec, set_shard_spec
 
 

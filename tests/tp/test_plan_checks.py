@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import merak_tp
-from merak_tp.layers import _shard
+from merak_tp._tp_module import _shard
 from tests.support.dist import run_on_ranks
 from tests.support.models import GPT, DecoderConfig
 from tests.tp._bodies import tp_group

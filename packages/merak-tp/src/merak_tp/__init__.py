@@ -16,7 +16,8 @@ from merak_tp.collectives import (
     scatter_to_sequence_region,
     scatter_to_tp_region,
 )
-from merak_tp.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from merak_tp.embedding import VocabParallelEmbedding
+from merak_tp.linear import ColumnParallelLinear, RowParallelLinear
 from merak_tp.loss import vocab_parallel_cross_entropy
 from merak_tp.moe_norm import ShardedRMSNorm, TPExperts, shard_experts
 from merak_tp.overlap import (

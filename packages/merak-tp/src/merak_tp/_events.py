@@ -20,6 +20,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from torch.distributed import ProcessGroup
+
 _RECORDER: contextvars.ContextVar[list[tuple[str, ...]] | None] = contextvars.ContextVar(
     "merak_tp_recorder", default=None
 )
@@ -53,7 +55,7 @@ class _GroupRef:
 
     __slots__ = ("group",)
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: ProcessGroup | None) -> None:
         self.group = group
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _GroupRef:
@@ -85,5 +87,5 @@ class _RegionState:
     calls: list[tuple[str, Any]] = field(default_factory=list)
 
     @property
-    def group(self) -> Any:
+    def group(self) -> ProcessGroup | None:
         return self.group_ref.group

@@ -16,7 +16,7 @@ function                       forward              backward
 
 Splits are contiguous equal blocks in rank order; a size that the group size
 does not divide raises ``ValueError``. Not here: the chunked (overlapped)
-linear functions, which live in ``layers.py`` / ``overlap.py``.
+linear functions, which live in ``_linear_fns.py`` / ``overlap.py``.
 
 [Note: autocast in backward] Every autograd function of merak-tp wraps its
 ``forward`` in :func:`amp_forward` and its ``backward`` in :func:`amp_backward`:
@@ -177,56 +177,30 @@ class _ReduceFromRegion(torch.autograd.Function):
         return grad, None
 
 
-class _ScatterToRegion(torch.autograd.Function):
-    @staticmethod
+_DimOp = Callable[[torch.Tensor, int, ProcessGroup | None], torch.Tensor]
+
+
+def _mirrored(name: str, forward_op: _DimOp, backward_op: _DimOp) -> type[torch.autograd.Function]:
+    """An autograd function along one dim: ``forward_op`` forward, its mirror ``backward_op`` backward."""
+
     @amp_forward
     def forward(ctx: Any, x: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.Tensor:
         ctx.dim, ctx.group = dim, group
-        return _split(x, dim, group)
+        return forward_op(x, dim, group)
 
-    @staticmethod
     @amp_backward
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        return _all_gather(grad, ctx.dim, ctx.group), None, None
+        return backward_op(grad, ctx.dim, ctx.group), None, None
+
+    namespace = {"forward": staticmethod(forward), "backward": staticmethod(backward), "__module__": __name__}
+    return type(name, (torch.autograd.Function,), namespace)
 
 
-class _GatherFromRegion(torch.autograd.Function):
-    @staticmethod
-    @amp_forward
-    def forward(ctx: Any, x: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.Tensor:
-        ctx.dim, ctx.group = dim, group
-        return _all_gather(x, dim, group)
-
-    @staticmethod
-    @amp_backward
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        return _split(grad, ctx.dim, ctx.group), None, None
-
-
-class _GatherFromSequence(torch.autograd.Function):
-    @staticmethod
-    @amp_forward
-    def forward(ctx: Any, x: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.Tensor:
-        ctx.dim, ctx.group = dim, group
-        return _all_gather(x, dim, group)
-
-    @staticmethod
-    @amp_backward
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
-
-
-class _ReduceScatterToSequence(torch.autograd.Function):
-    @staticmethod
-    @amp_forward
-    def forward(ctx: Any, x: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.Tensor:
-        ctx.dim, ctx.group = dim, group
-        return _reduce_scatter(x, dim, group)
-
-    @staticmethod
-    @amp_backward
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        return _all_gather(grad, ctx.dim, ctx.group), None, None
+# forward op, backward op: each pair is the other's mirror.
+_ScatterToRegion = _mirrored("_ScatterToRegion", _split, _all_gather)
+_GatherFromRegion = _mirrored("_GatherFromRegion", _all_gather, _split)
+_GatherFromSequence = _mirrored("_GatherFromSequence", _all_gather, _reduce_scatter)
+_ReduceScatterToSequence = _mirrored("_ReduceScatterToSequence", _reduce_scatter, _all_gather)
 
 
 def copy_to_tp_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:

@@ -25,8 +25,8 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from merak_tp._events import _GroupRef
+from merak_tp._tp_module import _shard_param, _TPModule
 from merak_tp.collectives import copy_to_tp_region, reduce_from_tp_region, tp_rank, tp_size
-from merak_tp.layers import _KeepsShardTags, _mark, _shard
 
 __all__ = ["ShardedRMSNorm", "TPExperts", "shard_experts"]
 
@@ -95,21 +95,15 @@ def shard_experts(module: nn.Module, name: str, *, group: ProcessGroup | None) -
     for key in ("_parameters", "_buffers", "_modules"):
         new.__dict__[key] = dict(module.__dict__[key])
     new._merak_tp_group_ref = _GroupRef(group)  # type: ignore[attr-defined]
-    new.gate_up_proj = _mark(
-        nn.Parameter(_shard(gate_up.detach(), 1, world, rank, 2), requires_grad=gate_up.requires_grad), 1, 2
-    )
-    new.down_proj = _mark(
-        nn.Parameter(_shard(down.detach(), 2, world, rank), requires_grad=down.requires_grad), 2
-    )
+    new.gate_up_proj = _shard_param(gate_up, 1, world, rank, 2)
+    new.down_proj = _shard_param(down, 2, world, rank)
     bias = getattr(module, "gate_up_proj_bias", None)
     if isinstance(bias, nn.Parameter):
-        new.gate_up_proj_bias = _mark(
-            nn.Parameter(_shard(bias.detach(), 1, world, rank, 2), requires_grad=bias.requires_grad), 1, 2
-        )
+        new.gate_up_proj_bias = _shard_param(bias, 1, world, rank, 2)
     return new
 
 
-class ShardedRMSNorm(_KeepsShardTags, nn.Module):
+class ShardedRMSNorm(_TPModule):
     """RMSNorm over features split across the TP ranks (weight split like them), computed in float32.
 
     ``y = w * x / sqrt(mean(x^2) + eps)`` where the mean runs over the *full* feature dim:
@@ -118,8 +112,7 @@ class ShardedRMSNorm(_KeepsShardTags, nn.Module):
 
     def __init__(self, weight: torch.Tensor, eps: float, *, group: ProcessGroup | None) -> None:
         super().__init__()
-        self._group_ref = _GroupRef(group)
-        self.tp_size, self.tp_rank = tp_size(group), tp_rank(group)
+        self._bind_group(group)
         self.full_size = weight.size(0)
         if self.full_size % self.tp_size:
             raise ValueError(
@@ -127,12 +120,7 @@ class ShardedRMSNorm(_KeepsShardTags, nn.Module):
                 f"size {self.tp_size}"
             )
         self.variance_epsilon = eps
-        self.weight = _mark(
-            nn.Parameter(
-                _shard(weight.detach(), 0, self.tp_size, self.tp_rank), requires_grad=weight.requires_grad
-            ),
-            0,
-        )
+        self.weight = _shard_param(weight, 0, self.tp_size, self.tp_rank)
 
     @classmethod
     def from_norm(cls, norm: nn.Module, name: str, *, group: ProcessGroup | None) -> ShardedRMSNorm:
@@ -157,8 +145,7 @@ class ShardedRMSNorm(_KeepsShardTags, nn.Module):
         h = x.to(torch.float32)
         sq = h.pow(2).sum(-1, keepdim=True)
         if self.tp_size > 1:
-            group = self._group_ref.group
-            sq = copy_to_tp_region(reduce_from_tp_region(sq, group), group)
+            sq = copy_to_tp_region(reduce_from_tp_region(sq, self.group), self.group)
         h = h * torch.rsqrt(sq / self.full_size + self.variance_epsilon)
         return (self.weight * h).to(dtype)
 

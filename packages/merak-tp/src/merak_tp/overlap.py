@@ -52,7 +52,7 @@ from merak_tp.collectives import (
     gather_from_tp_region,
     scatter_to_sequence_region,
 )
-from merak_tp.layers import ColumnParallelLinear, RowParallelLinear
+from merak_tp.linear import ColumnParallelLinear, RowParallelLinear
 
 logger = logging.getLogger(__name__)
 
@@ -392,24 +392,27 @@ def make_region(
     return module
 
 
+def _sequence_boundary(
+    module: nn.Module, mixin: type, group: ProcessGroup | None, sequence_dim: int
+) -> nn.Module:
+    _swap_class(module, mixin)
+    module._merak_scatter_group = _GroupRef(group)  # type: ignore[assignment]
+    module._merak_scatter_dim = sequence_dim  # type: ignore[assignment]
+    return module
+
+
 def make_sequence_scatter(
     module: nn.Module, *, group: ProcessGroup | None, sequence_dim: int = 1
 ) -> nn.Module:
     """Split ``module``'s first input along ``sequence_dim`` on entry (start of sequence parallelism)."""
-    _swap_class(module, SequenceScatter)
-    module._merak_scatter_group = _GroupRef(group)  # type: ignore[assignment]
-    module._merak_scatter_dim = sequence_dim  # type: ignore[assignment]
-    return module
+    return _sequence_boundary(module, SequenceScatter, group, sequence_dim)
 
 
 def make_sequence_gather(
     module: nn.Module, *, group: ProcessGroup | None, sequence_dim: int = 1
 ) -> nn.Module:
     """All-gather ``module``'s first input along ``sequence_dim`` on entry (end of sequence parallelism)."""
-    _swap_class(module, SequenceGather)
-    module._merak_scatter_group = _GroupRef(group)  # type: ignore[assignment]
-    module._merak_scatter_dim = sequence_dim  # type: ignore[assignment]
-    return module
+    return _sequence_boundary(module, SequenceGather, group, sequence_dim)
 
 
 def remove_region(module: nn.Module) -> nn.Module:

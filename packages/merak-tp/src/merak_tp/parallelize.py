@@ -38,7 +38,8 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from merak_tp.collectives import tp_size
-from merak_tp.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from merak_tp.embedding import VocabParallelEmbedding
+from merak_tp.linear import ColumnParallelLinear, RowParallelLinear
 from merak_tp.moe_norm import ShardedRMSNorm, shard_experts
 from merak_tp.overlap import make_region, make_sequence_gather, make_sequence_scatter
 from merak_tp.plans import TPPlan, get_plan, plan_for_model, resolve_sections

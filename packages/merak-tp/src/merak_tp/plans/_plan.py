@@ -42,18 +42,6 @@ from typing import Any
 
 from torch import nn
 
-__all__ = [
-    "MODULE_KINDS",
-    "STYLES",
-    "TPPlan",
-    "get_plan",
-    "list_plans",
-    "plan_for_model",
-    "plan_from_mapping",
-    "register_plan",
-    "trace_leaf_names",
-]
-
 STYLES = (
     "column",
     "column_qkv",
@@ -70,6 +58,17 @@ MODULE_KINDS = ("linear", "embedding", "scaled_embedding")
 """What a plan may declare a module class to be, when its forward is not the stock one:
 ``linear`` (computes ``x W^T + b``), ``embedding`` (a plain lookup), ``scaled_embedding``
 (a lookup times the module's ``embed_scale``)."""
+
+_PATTERN_TUPLES = (
+    "regions",
+    "sequence_scatter",
+    "sequence_gather",
+    "sequence_full",
+    "rng_regions",
+    "optional",
+    "trace_leaves",
+)
+"""The plan fields that are tuples of module-name patterns."""
 
 SectionSpec = int | tuple[int, ...] | str | Callable[[nn.Module], tuple[int, ...]]
 """Sections of a fused column layer: an equal count, the full sizes, an expression over
@@ -144,15 +143,7 @@ class TPPlan:
                     f"TPPlan {self.name!r}: sections for {pattern!r}, which is not a 'column' pattern "
                     "of layers; give the sections under the same pattern as the column style"
                 )
-        for what in (
-            "regions",
-            "sequence_scatter",
-            "sequence_gather",
-            "sequence_full",
-            "rng_regions",
-            "optional",
-            "trace_leaves",
-        ):
+        for what in _PATTERN_TUPLES:
             value = getattr(self, what)
             if isinstance(value, str) or not all(isinstance(v, str) for v in value):
                 raise ValueError(f"TPPlan {self.name!r}: {what}={value!r} must be a tuple of pattern strings")
@@ -264,16 +255,10 @@ _MAPPING_KEYS = {
     "sections",
     "attributes",
     "module_kinds",
-    "regions",
-    "sequence_scatter",
-    "sequence_gather",
-    "sequence_full",
-    "rng_regions",
-    "optional",
+    *_PATTERN_TUPLES,
     "sequence_parallel",
     "vocab_parallel_loss",
     "base",
-    "trace_leaves",
 }
 
 
@@ -328,15 +313,7 @@ def plan_from_mapping(data: Mapping[str, Any], *, name: str = "user", check_only
     fields = _base_fields(data, check_only)
     fields["name"] = str(data.get("name", name))
     fields.update(_mapping_fields(data))
-    for key in (
-        "regions",
-        "sequence_scatter",
-        "sequence_gather",
-        "sequence_full",
-        "rng_regions",
-        "optional",
-        "trace_leaves",
-    ):
+    for key in _PATTERN_TUPLES:
         if key in data:
             fields[key] = _tuple_of_str(key, data[key])
     for key in ("sequence_parallel", "vocab_parallel_loss"):
