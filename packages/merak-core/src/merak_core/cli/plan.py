@@ -71,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
     from merak_core.job import JobConfig, write_job
     from merak_core.planner import format_plan, plan
     from merak_core.planner.auto import profile_for_plan, profile_inputs
+    from merak_core.planner.choices import searched_virtual_stages
 
     job = JobConfig.from_yaml(args.config, args.overrides)
     if args.cluster is not None or args.dry_run_ranks is not None:
@@ -107,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
         global_batch_size=gbs,
         zero_stage=t.zero_stage,
         compute_slots=args.compute_slots,
+        virtual_stages=searched_virtual_stages(args.compute_slots),  # what layout: auto searches
     )
     print(
         f"{len(cands)} feasible configurations for {args.world_size} ranks, {memory} bytes per device, "
