@@ -11,7 +11,11 @@ ZeRO stage. Per rank it reports, in bytes:
   gradient reduce-scatter (gathered parameters, unsharded accumulated gradients), from
   :meth:`merak_core.fsdp.ShardedDataParallel.unsharded_bytes`;
 - ``activations``: the peak of the bytes autograd saves for backward during the step
-  (:class:`merak_core.planner.memory.SavedActivationMeter`, saved-tensor hooks).
+  (:class:`merak_core.planner.memory.SavedActivationMeter`, saved-tensor hooks);
+- ``predicted`` against ``measured`` state at the step's peak: the planner's
+  :func:`merak_core.planner.memory.model_state_bytes` for the rank's stage and ZeRO stage, against
+  the shards plus the most FSDP2 held gathered during the step (sampled as units run) and the
+  unsharded gradients before the reduce-scatter.
 
 Step time: the median of the timed steps per ZeRO stage, and its ratio to ZeRO-1's in the same run.
 The ZeRO stages run one after the other (one Trainer alive at a time, so memory stays low), in two
@@ -80,13 +84,18 @@ def _sharded(trainer: Any) -> Any:
 
 
 def _measure_stage(cfg: dict[str, Any], layout: Any, zero_stage: int, data: Any) -> dict[str, Any]:
-    """One ZeRO stage on this rank: step times, held bytes after a step, in-step and activation peaks."""
+    """One ZeRO stage on this rank: step times, held bytes after a step, in-step and activation peaks,
+    and the planner's prediction of the state at the peak."""
     from merak_core.planner.memory import SavedActivationMeter, measure_held_bytes
 
     trainer = _trainer(cfg, layout, zero_stage, data)
     module = trainer.model.module
     sharded = _sharded(trainer)
-    in_step = {"params": 0, "grads": 0}
+    in_step = {"params": 0, "grads": 0, "gathered_peak": 0}
+
+    def sample_gathered() -> None:  # whenever a unit starts its forward or backward reads a saved tensor
+        in_step["gathered_peak"] = max(in_step["gathered_peak"], sharded.unsharded_bytes()[0])
+
     if sharded is not None:
         finish = sharded.finish
 
@@ -98,7 +107,9 @@ def _measure_stage(cfg: dict[str, Any], layout: Any, zero_stage: int, data: Any)
         sharded.finish = finish_and_record
     batches = iter(trainer.train_loader)
     times = []
-    meter = SavedActivationMeter({layout.pp_rank: module})
+    meter = SavedActivationMeter(
+        {layout.pp_rank: module}, on_access=sample_gathered if sharded is not None else None
+    )
     for step in range(cfg["warmup"] + cfg["steps"]):
         batch = next(batches)
         dist.barrier()
@@ -121,10 +132,42 @@ def _measure_stage(cfg: dict[str, Any], layout: Any, zero_stage: int, data: Any)
         "in_step_params": in_step["params"],
         "in_step_grads": in_step["grads"],
         "activations": meter.peak[layout.pp_rank],
+        "in_step_params_peak": in_step["gathered_peak"],
+        "predicted": _predicted_state(module, layout, zero_stage),
     }
     del trainer, module, meter
     gc.collect()
     return out
+
+
+def _predicted_state(module: Any, layout: Any, zero_stage: int) -> tuple[float, float, float]:
+    """The planner's (parameter, gradient, optimizer) bytes at the step's peak for this rank's stage
+    (:func:`merak_core.planner.memory.model_state_bytes`), from its unsharded parameter bytes and its
+    largest FSDP unit (a DTensor's numel is the whole tensor's)."""
+    from merak_core.fsdp import fsdp_units
+    from merak_core.planner.memory import model_state_bytes
+
+    def nbytes(m: Any) -> int:
+        return sum(p.numel() * p.element_size() for p in m.parameters())
+
+    return model_state_bytes(
+        nbytes(module),
+        zero_stage=zero_stage,
+        dp=layout.dp,
+        largest_unit_bytes=max(nbytes(u) for u in fsdp_units(module)),
+        stage_index=layout.pp_rank,
+        num_stages=layout.pp,
+    )
+
+
+def _measured_state(r: dict[str, Any]) -> tuple[float, float, float]:
+    """What the prediction counts, measured: shards plus the most gathered during the step, the
+    unsharded gradients before the reduce-scatter (or the held ones), the optimizer states."""
+    return (
+        r["params"] + r["in_step_params_peak"],
+        max(r["grads"], r["in_step_grads"]),
+        r["optimizer"],
+    )
 
 
 def _worker(rank: int, world: int, store_path: str, cfg: dict[str, Any], queue: Any) -> None:
@@ -197,6 +240,22 @@ def report(cfg: dict[str, Any], ranks: list[dict[Any, Any]]) -> None:
         ratio = max(h / b for h, b in zip(held, base, strict=True))
         times = statistics.median(rank[z]["time"] / rank[1]["time"] for rank in ranks)
         print(f"| {z} | {_mib(max(held))} | {ratio:.3f} | {times:.2f} |", flush=True)
+    print(
+        "\nState at the step's peak, predicted (merak_core.planner.memory.model_state_bytes) against "
+        "measured (shards + most gathered during the step, unsharded gradients before the reduce-scatter), "
+        "MiB params/grads/optimizer:\n"
+    )
+    print("| ZeRO | rank (pp,dp,tp) | predicted | measured | error of the sum |")
+    print("|---|---|---|---|---|")
+    for z in ZERO_STAGES:
+        for rank in ranks:
+            pred, meas = rank[z]["predicted"], _measured_state(rank[z])
+            err = (sum(pred) - sum(meas)) / sum(meas)
+            print(
+                f"| {z} | {rank['coords']} | {'/'.join(_mib(x) for x in pred)} | "
+                f"{'/'.join(_mib(x) for x in meas)} | {100 * err:+.1f}% |",
+                flush=True,
+            )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -65,7 +65,7 @@ from merak_core.engine_setup import (
     schedule_name,
     shard_parallel_model,
 )
-from merak_core.fsdp import SHARDED_ZERO_STAGES, ShardedDataParallel
+from merak_core.fsdp import SHARDED_ZERO_STAGES, ShardedDataParallel, warn_nothing_to_shard
 from merak_core.layout import ParallelLayout
 from merak_core.stall import Heartbeat
 from merak_core.zero import ZeroOptimizer
@@ -152,6 +152,7 @@ class ParallelEngine:
         self.model, self.layout, self.args, self.device, self.loss_fn = model, layout, args, device, loss_fn
         self.schedule_name = schedule_name(args)
         self.sharded: ShardedDataParallel | None = None
+        warn_nothing_to_shard(args.zero_stage, layout.dp)  # ZeRO-1/2/3 at dp=1 run as ZeRO-0
         if args.zero_stage in SHARDED_ZERO_STAGES and layout.dp > 1:
             # ZeRO-2/3: FSDP2 over the DP axis replaces the parameters (merak_core.fsdp).
             self.sharded, self.model = shard_parallel_model(model, zero_stage=args.zero_stage, device=device)

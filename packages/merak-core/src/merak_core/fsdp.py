@@ -84,6 +84,36 @@ def default_reshard_after_forward(zero_stage: int, *, stage_index: int, num_stag
     return num_stages == 1 or stage_index < num_stages - 1
 
 
+_WARNED_NOTHING_TO_SHARD: set[int] = set()
+
+
+def nothing_to_shard_message(zero_stage: int, dp: int) -> str | None:
+    """The warning for a ZeRO stage that has no DP axis to shard over (``dp == 1``), else None (pure).
+
+    ZeRO-1/2/3 shard over the DP ranks; with one there is nothing to shard, so the run holds and
+    computes exactly what ZeRO-0 does (same numbers, same memory). That is allowed (one job file can
+    serve several layouts, and ``layout: auto`` may choose dp=1), but not silently.
+    """
+    if zero_stage in (0, None) or dp != 1:
+        return None
+    return (
+        f"zero_stage={zero_stage} with dp=1: there is only one data-parallel rank, so nothing is sharded "
+        "and the run holds whole parameters, gradients and optimizer states, exactly as zero_stage 0 "
+        "(the numbers are the same). Set dp >= 2 to shard, or zero_stage: 0 to say what runs"
+    )
+
+
+def warn_nothing_to_shard(zero_stage: int, dp: int) -> None:
+    """Log :func:`nothing_to_shard_message` once per process and ZeRO stage (on global rank 0 when a
+    process group exists); nothing when there is something to shard."""
+    message = nothing_to_shard_message(zero_stage, dp)
+    if message is None or zero_stage in _WARNED_NOTHING_TO_SHARD:
+        return
+    _WARNED_NOTHING_TO_SHARD.add(zero_stage)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        logger.warning("%s", message)
+
+
 def check_sharding_supported(zero_stage: int, schedule_name: str) -> None:
     """Refuse what ZeRO-2/3 cannot run exactly, before any collective (pure; the config check calls it).
 
@@ -184,6 +214,8 @@ class ShardedDataParallel:
         before = {id(p): p for module in stages.values() for p in module.parameters()}
         names_before = [dict(module.named_parameters(remove_duplicate=False)) for module in stages.values()]
         self.roots: list[Any] = []
+        self.root_stages: list[int] = []
+        """The pipeline stage index of each of :attr:`roots`."""
         self._reshard_between: list[bool] = []
         for index in sorted(units):
             reshard = self.reshard_after_forward[index]
@@ -192,6 +224,7 @@ class ShardedDataParallel:
                     fully_shard(block, mesh=self.mesh, reshard_after_forward=reshard)
                 fully_shard(unit, mesh=self.mesh, reshard_after_forward=reshard)
                 self.roots.append(unit)
+                self.root_stages.append(index)
                 # Between microbatches ZeRO-3 gives the memory back; ZeRO-2 keeps the gather for the step.
                 self._reshard_between.append(zero_stage == 3 and reshard)
         self.param_map: dict[int, nn.Parameter] = {}
@@ -273,11 +306,16 @@ class ShardedDataParallel:
         [Note: one gradient sync per step] describe (read it right before :meth:`finish` for the
         step's largest value). For memory measurements (``benchmarks/bench_core_memory.py``).
         """
-        params = grads = 0
-        for root in self.roots:
+        by_stage = self.unsharded_bytes_by_stage()
+        return sum(p for p, _ in by_stage.values()), sum(g for _, g in by_stage.values())
+
+    def unsharded_bytes_by_stage(self) -> dict[int, tuple[int, int]]:
+        """:meth:`unsharded_bytes` per pipeline stage index of this rank."""
+        out = dict.fromkeys(sorted(set(self.root_stages)), (0, 0))
+        for root, stage in zip(self.roots, self.root_stages, strict=True):
             p, g = _compat.fsdp_unsharded_bytes(root)
-            params, grads = params + p, grads + g
-        return params, grads
+            out[stage] = (out[stage][0] + p, out[stage][1] + g)
+        return out
 
     def reshard(self) -> None:
         """Free gathered parameters (e.g. after an evaluation that ran forwards only)."""
@@ -373,5 +411,7 @@ __all__ = [
     "full_local_tensor",
     "is_sharded",
     "local_tensor",
+    "nothing_to_shard_message",
     "shard_like",
+    "warn_nothing_to_shard",
 ]

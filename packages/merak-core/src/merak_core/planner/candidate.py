@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from merak_core.planner.choices import RECOMPUTE_MODES, schedule_order
+from merak_core.planner.memory import usable_memory
 
 __all__ = ["Candidate", "format_plan", "recompute_label", "sort_key", "training_fields", "why_best"]
 
@@ -61,7 +62,7 @@ class Candidate:
 
     def training_fields(self) -> dict[str, Any]:
         """The job file's ``training`` fields for this choice."""
-        return training_fields(self, memory_budget=self.memory_per_device)
+        return training_fields(self, memory_budget=usable_memory(self.memory_per_device))
 
 
 def training_fields(c: Any, *, memory_budget: float) -> dict[str, Any]:

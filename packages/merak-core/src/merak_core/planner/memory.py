@@ -8,12 +8,13 @@ stage keeps its input and a ``1 - f`` share per microbatch and re-creates ``f`` 
 at a time). :func:`predict_stage_memory` computes it from a :class:`ModelProfile` for a layout;
 the planner uses the same terms to reject what does not fit ``memory_per_device``.
 
-Measured (:class:`SavedActivationMeter`, :func:`measure_held_bytes`): on any device, the bytes of
-the tensors autograd saves, counted per stage with ``torch.autograd.graph.saved_tensors_hooks``
-(one count per storage, parameters excluded; a tensor stops counting when autograd drops it), plus
-the parameter, gradient and optimizer-state bytes the rank holds after a step. On CUDA,
-:func:`cuda_peak_bytes` reads the allocator's peak for the whole rank instead (several stages of
-one rank are not told apart there).
+Measured (:mod:`merak_core.planner.memory_meter`, re-exported here: :class:`SavedActivationMeter`,
+:func:`measure_held_bytes`, :func:`cuda_peak_bytes`): the bytes of the tensors autograd saves, per
+stage, plus the parameter, gradient and optimizer-state bytes the rank holds;
+:func:`merak_core.planner.memory_check.measure_step` runs one step under them (ZeRO-2/3 included).
+
+The planner keeps a margin below ``memory_per_device`` for what the prediction misses
+([Note: memory margin]).
 
 [Note: peak as a sum] The predicted and the measured peak are both the held state plus the
 activation peak. Gradients only appear with the first backward, when activations start to be
@@ -27,18 +28,18 @@ of communication buffers, and CPU offload.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-from torch import nn
-
+from merak_core.fsdp import default_reshard_after_forward, warn_nothing_to_shard
+from merak_core.planner.memory_meter import SavedActivationMeter, cuda_peak_bytes, measure_held_bytes
 from merak_core.planner.profile import ModelProfile
 from merak_pipe import schedule_info
 
 __all__ = [
+    "MEMORY_MARGIN",
+    "WEIGHT_GRAD_FRACTION",
     "ZERO_STAGES",
     "SavedActivationMeter",
     "StageMemory",
@@ -48,6 +49,7 @@ __all__ = [
     "model_state_bytes",
     "predict_stage_memory",
     "relative_errors",
+    "usable_memory",
 ]
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -75,6 +77,30 @@ class StageMemory:
         return self.state_bytes + self.activation_bytes
 
 
+WEIGHT_GRAD_FRACTION = 1.0
+"""[Note: kept between I and W] The share of a microbatch's activations a split-backward schedule
+(``zb_h1``, ``zb_v``) keeps from its input-gradient action ``I`` to its weight-gradient action ``W``.
+merak-pipe's ``I`` runs ``torch.autograd.grad`` with the graph retained, so autograd frees none of
+the saved tensors before ``W``: 1, not the simulator's default of one half (with one half, ZB-V's
+first stage at pp=2 was predicted at two microbatches where it holds three)."""
+
+MEMORY_MARGIN = 0.15
+"""[Note: memory margin] The planner keeps a configuration only when its predicted peak is at most
+``(1 - MEMORY_MARGIN) * memory_per_device`` (:func:`usable_memory`), so that a measured peak up to
+``MEMORY_MARGIN`` above the prediction still fits. What it covers, as measured by
+``tests/core/test_memory_model.py``: the largest under-estimate there is 11.4%, at tp=2 on GPT-2,
+because the model divides every parameter and activation by tp while layer norms, the biases of
+row-parallel layers and the inputs of column-parallel layers are held whole by every TP rank (at
+tp=1 the largest is 0.4%). It also leaves room for what neither the prediction nor the CPU
+measurement counts: temporaries inside one operator, communication buffers, the gradients a
+split-backward ``I`` keeps for its ``W`` (not saved tensors), the allocator's fragmentation."""
+
+
+def usable_memory(memory_per_device: float) -> float:
+    """The bytes of ``memory_per_device`` a predicted peak may use ([Note: memory margin])."""
+    return float(memory_per_device) * (1.0 - MEMORY_MARGIN)
+
+
 def model_state_bytes(
     param_bytes: float,
     *,
@@ -82,6 +108,8 @@ def model_state_bytes(
     dp: int,
     optimizer_state_factor: float = 2.0,
     largest_unit_bytes: float = 0.0,
+    stage_index: int = 0,
+    num_stages: int = 1,
 ) -> tuple[float, float, float]:
     """(parameter, gradient, optimizer-state) bytes a rank holds for ``param_bytes`` of its stage at the peak.
 
@@ -91,7 +119,10 @@ def model_state_bytes(
     step they hold the accumulated gradients unsharded until the one reduce-scatter after the last
     backward ([Note: one gradient sync per step] there); ZeRO-2 keeps each unit's parameters gathered
     from its first forward to that reduce-scatter, ZeRO-3 gathers one unit (``largest_unit_bytes``)
-    at a time on top of its shards.
+    at a time on top of its shards, except on the stage that does not reshard after forward (the
+    last of ``num_stages > 1``, [Note: reshard after forward per stage]), which holds them as ZeRO-2.
+    At ``dp == 1`` there is nothing to shard: every ZeRO stage holds what ZeRO-0 holds (the Trainer
+    says so when it starts, :func:`merak_core.fsdp.warn_nothing_to_shard`).
     """
     if zero_stage not in ZERO_STAGES:
         raise ValueError(f"zero_stage={zero_stage!r}; expected one of {ZERO_STAGES}")
@@ -102,7 +133,9 @@ def model_state_bytes(
     if zero_stage <= 1 or dp == 1:
         return p, p, optimizer
     shard = p / dp
-    if zero_stage == 2:
+    if zero_stage == 2 or not default_reshard_after_forward(
+        zero_stage, stage_index=stage_index, num_stages=num_stages
+    ):
         return shard + p, p, optimizer
     return shard + min(float(largest_unit_bytes), p), p, optimizer
 
@@ -146,6 +179,7 @@ def predict_stage_memory(
         )
     if virtual_stages < 1 or num_stages % virtual_stages:
         raise ValueError(f"virtual_stages={virtual_stages} must divide the {num_stages} stages")
+    warn_nothing_to_shard(zero_stage, dp)
     name = schedule_info(schedule).name
     fractions = list(recompute_fractions) if recompute_fractions is not None else [0.0] * num_stages
     if len(fractions) != num_stages:
@@ -163,7 +197,14 @@ def predict_stage_memory(
     b = micro_batch_size
     acts = [b * sum(profile.layer_activation_bytes[i] for i in r) / tp for r in ranges]
     boundary = b * profile.boundary_bytes  # the residual stream is not sharded by TP
-    costs = CostModel(forward=1.0, backward=2.0, recompute=1.0, activation_bytes=acts, input_bytes=boundary)
+    costs = CostModel(
+        forward=1.0,
+        backward=2.0,
+        recompute=1.0,
+        activation_bytes=acts,
+        input_bytes=boundary,
+        weight_grad_fraction=WEIGHT_GRAD_FRACTION,
+    )
     peaks = simulate(sched, costs).peak_memory
     out = []
     for s, r in enumerate(ranges):
@@ -180,6 +221,8 @@ def predict_stage_memory(
             dp=dp,
             optimizer_state_factor=optimizer_state_factor,
             largest_unit_bytes=unit,
+            stage_index=s,
+            num_stages=num_stages,
         )
         out.append(
             StageMemory(
@@ -200,190 +243,6 @@ def _holds_other_copy(s: int, placement: Sequence[int], ranges: Sequence[range],
     if num_layers - 1 not in ranges[s]:
         return False
     return any(placement[t] == placement[s] and 0 in ranges[t] for t in range(s))
-
-
-# ---------------------------------------------------------------------------------------------- measured
-
-
-class _Saved:
-    """What the pack hook gives autograd: the tensor, and a release of its count when autograd drops it."""
-
-    __slots__ = ("meter", "stage", "key", "tensor", "__weakref__")
-
-    def __init__(self, meter: SavedActivationMeter, stage: int, key: int, tensor: torch.Tensor) -> None:
-        self.meter, self.stage, self.key, self.tensor = meter, stage, key, tensor
-
-    def __del__(self) -> None:
-        self.meter._release(self.stage, self.key)
-
-
-class SavedActivationMeter:
-    """Counts the bytes autograd saves for backward, per stage: live now and the peak so far.
-
-    ``stage_modules`` maps a stage index to its module; an ``nn.Sequential`` stage is run unit by
-    unit by merak-pipe, so every unit gets a forward pre-hook that makes its stage the current one
-    (the loss, computed after the last unit, counts on the last stage). A storage saved twice counts
-    once; parameters (and views of them) are not activations and do not count. Use as a context
-    manager around the step; tensors saved inside a stage's checkpointed segment are dropped by that
-    segment's own hook and never reach this one, a recompute's saved tensors do.
-    """
-
-    def __init__(self, stage_modules: Mapping[int, nn.Module]) -> None:
-        if not stage_modules:
-            raise ValueError("SavedActivationMeter needs at least one stage module")
-        self.stage_modules = dict(stage_modules)
-        self._param_keys = {_storage_key(p) for m in self.stage_modules.values() for p in m.parameters()}
-        self._unit_param_keys: set[int] = set()
-        """The running unit's parameters as registered now: under ZeRO-2/3 (FSDP2) the gathered ones."""
-        self._current = min(self.stage_modules)
-        self._counts: dict[int, dict[int, list[int]]] = {
-            s: {} for s in self.stage_modules
-        }  # key -> [refs, bytes]
-        self.live = dict.fromkeys(self.stage_modules, 0)
-        self.peak = dict.fromkeys(self.stage_modules, 0)
-        self.rank_peak = 0
-        self._handles: list[Any] = []
-        self._open: Any = None
-
-    def _enter_stage(self, stage: int) -> Any:
-        def hook(module: nn.Module, _args: Any) -> None:
-            self._current = stage
-            # Runs after FSDP2's pre-forward hook (registered earlier), which swapped in the gathered
-            # parameters: autograd saving them is not an activation either.
-            self._unit_param_keys = {_storage_key(p) for p in module.parameters()}
-
-        return hook
-
-    def _pack(self, tensor: torch.Tensor) -> Any:
-        key = _storage_key(tensor)
-        if (
-            key in self._param_keys
-            or key in self._unit_param_keys
-            or tensor.device.type == "meta"
-            or isinstance(tensor, nn.Parameter)
-            or isinstance(tensor._base, nn.Parameter)
-        ):
-            return tensor
-        stage = self._current
-        entry = self._counts[stage].get(key)
-        if entry is None:
-            nbytes = tensor.untyped_storage().nbytes()
-            self._counts[stage][key] = [1, nbytes]
-            self.live[stage] += nbytes
-            self.peak[stage] = max(self.peak[stage], self.live[stage])
-            self.rank_peak = max(self.rank_peak, sum(self.live.values()))
-        else:
-            entry[0] += 1
-        # Held detached: a saved output that kept its grad_fn would close a cycle through autograd's
-        # graph (node -> saved value -> tensor -> node) that Python's GC cannot see, and a graph kept
-        # for a split backward (retain_graph) would then never be freed.
-        return _Saved(self, stage, key, tensor.detach())
-
-    @staticmethod
-    def _unpack(packed: Any) -> torch.Tensor:
-        return packed.tensor if isinstance(packed, _Saved) else packed
-
-    def _release(self, stage: int, key: int) -> None:
-        entry = self._counts[stage].get(key)
-        if entry is None:
-            return
-        entry[0] -= 1
-        if entry[0] == 0:
-            self.live[stage] -= entry[1]
-            del self._counts[stage][key]
-
-    def start(self) -> None:
-        """Begin counting (as entering :meth:`measuring`); :meth:`stop` ends it. For callers that see the
-        step's start and end in two places (the plan check)."""
-        self._open = self.measuring()
-        self._open.__enter__()
-
-    def stop(self) -> None:
-        opened, self._open = self._open, None
-        if opened is not None:
-            opened.__exit__(None, None, None)
-
-    @contextmanager
-    def measuring(self) -> Iterator[SavedActivationMeter]:
-        """Count inside this context (hooks on the stage units and the saved-tensor hooks)."""
-        for stage, module in self.stage_modules.items():
-            units = list(module) if isinstance(module, nn.Sequential) and len(module) else [module]
-            for unit in units:
-                self._handles.append(unit.register_forward_pre_hook(self._enter_stage(stage)))
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                yield self
-        finally:
-            for handle in self._handles:
-                handle.remove()
-            self._handles.clear()
-
-
-def _storage_key(tensor: torch.Tensor) -> int:
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-    try:
-        return int(local.untyped_storage().data_ptr())
-    except (RuntimeError, NotImplementedError):
-        return id(local)
-
-
-def _local_bytes(tensor: torch.Tensor) -> int:
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-    return int(local.numel() * local.element_size())
-
-
-def _optimizer_states(optimizer: Any) -> Mapping[Any, Any]:
-    inner = getattr(optimizer, "inner", None)  # ZeRO-1 wraps the optimizer of the owned shard
-    return (inner if inner is not None else optimizer).state
-
-
-def measure_held_bytes(
-    stage_modules: Mapping[int, nn.Module], optimizer: Any = None
-) -> dict[int, tuple[int, int, int]]:
-    """Per stage: (parameter, gradient, optimizer-state) bytes held now, each storage once.
-
-    A parameter held by two stages of the rank (one object) counts on the lower stage. Call it
-    after a step (before gradients are cleared). DTensor (FSDP2) parameters count their local shard.
-    """
-    states = _optimizer_states(optimizer) if optimizer is not None else {}
-    seen: set[int] = set()
-    out: dict[int, tuple[int, int, int]] = {}
-    for stage in sorted(stage_modules):
-        p_bytes = g_bytes = o_bytes = 0
-        for p in stage_modules[stage].parameters():
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            p_bytes += _local_bytes(p)
-            if p.grad is not None:
-                g_bytes += _local_bytes(p.grad)
-            for value in states.get(p, {}).values():
-                if isinstance(value, torch.Tensor):
-                    o_bytes += _local_bytes(value)
-        out[stage] = (p_bytes, g_bytes, o_bytes)
-    return out
-
-
-@contextmanager
-def cuda_peak_bytes(device: torch.device) -> Iterator[dict[str, int]]:
-    """On CUDA: the allocator's peak over the context, above what was allocated at its start.
-
-    Yields a dict filled on exit with ``peak_bytes`` (``torch.cuda.max_memory_allocated`` after
-    ``reset_peak_memory_stats``) and ``start_bytes``.
-    """
-    if device.type != "cuda":
-        raise ValueError(
-            f"cuda_peak_bytes measures a CUDA device; got {device} (use SavedActivationMeter on CPU)"
-        )
-    result: dict[str, int] = {}
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    result["start_bytes"] = torch.cuda.memory_allocated(device)
-    try:
-        yield result
-    finally:
-        torch.cuda.synchronize(device)
-        result["peak_bytes"] = torch.cuda.max_memory_allocated(device)
 
 
 def relative_errors(predicted: Sequence[StageMemory], measured: Sequence[StageMemory]) -> list[float]:

@@ -23,7 +23,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from merak_core.planner.memory import SavedActivationMeter, StageMemory, cuda_peak_bytes, measure_held_bytes
+from merak_core.fsdp import ShardedDataParallel
+from merak_core.planner.memory import StageMemory
+from merak_core.planner.memory_meter import SavedActivationMeter, cuda_peak_bytes, measure_held_bytes
 
 __all__ = ["gather_stages", "measure_step", "pipeline_step_fn"]
 
@@ -35,14 +37,33 @@ def measure_step(
     *,
     optimizer: Any = None,
     device: torch.device | None = None,
+    sharded: ShardedDataParallel | None = None,
+    num_backwards: int = 1,
 ) -> tuple[list[StageMemory], int | None]:
     """Run ``run_step()`` once under the meter; (this rank's stages, the CUDA allocator's peak or None).
 
     Gradients are read right after the step, so ``run_step`` must leave them in place (a Trainer
     step does: it clears them at the start of the next one).
+
+    ``sharded`` (ZeRO-2/3, the engine's :class:`~merak_core.fsdp.ShardedDataParallel`): ``run_step``
+    is then a pipeline step without the gradient sync (:func:`pipeline_step_fn`); this arms the sync
+    for ``num_backwards`` backwards, runs it, and calls ``finish()`` (the reduce-scatter) after it.
+    A stage's parameter bytes are then its shards plus the most FSDP2 held gathered during the step
+    (sampled whenever a unit starts its forward or backward reads a saved tensor), its gradient bytes
+    the unsharded gradients held right before the reduce-scatter: the terms of
+    :func:`~merak_core.planner.memory.model_state_bytes`.
     """
-    meter = SavedActivationMeter(stage_modules)
+    gathered = dict.fromkeys(stage_modules, 0)
+
+    def sample() -> None:
+        assert sharded is not None
+        for stage, (params, _) in sharded.unsharded_bytes_by_stage().items():
+            gathered[stage] = max(gathered.get(stage, 0), params)
+
+    meter = SavedActivationMeter(stage_modules, on_access=sample if sharded is not None else None)
     cuda_peak: int | None = None
+    if sharded is not None:
+        sharded.prepare_step(num_backwards)
     if device is not None and device.type == "cuda":
         with cuda_peak_bytes(device) as stats, meter.measuring():
             run_step()
@@ -50,13 +71,18 @@ def measure_step(
     else:
         with meter.measuring():
             run_step()
+    unsharded_grads = dict.fromkeys(stage_modules, 0)
+    if sharded is not None:
+        sample()
+        unsharded_grads.update({s: g for s, (_, g) in sharded.unsharded_bytes_by_stage().items()})
+        sharded.finish()
     held = measure_held_bytes(stage_modules, optimizer)
     out = [
         StageMemory(
             stage=s,
             rank=int(stage_to_rank[s]),
-            param_bytes=float(held[s][0]),
-            grad_bytes=float(held[s][1]),
+            param_bytes=float(held[s][0] + gathered[s]),
+            grad_bytes=float(max(held[s][1], unsharded_grads[s])),
             optimizer_bytes=float(held[s][2]),
             activation_bytes=float(meter.peak[s]),
         )

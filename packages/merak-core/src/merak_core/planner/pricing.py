@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from merak_core.planner.candidate import Candidate
 from merak_core.planner.comm import CommModel
-from merak_core.planner.memory import model_state_bytes
+from merak_core.planner.memory import WEIGHT_GRAD_FRACTION, model_state_bytes, usable_memory
 from merak_core.planner.model_profile import ModelProfile
 from merak_pipe import schedule_info
 
@@ -101,9 +101,11 @@ def layout_costs(
                 dp=dp,
                 optimizer_state_factor=optimizer_state_factor,
                 largest_unit_bytes=max(profile.layer_param_bytes[i] for i in r) / tp,
+                stage_index=s,
+                num_stages=num_stages,
             )
         )
-        for p, r in zip(params, stage, strict=True)
+        for s, (p, r) in enumerate(zip(params, stage, strict=True))
     ]
     world = dp * tp * pp
     # Per step outside the pipeline: the optimizer over this rank's parameters (its share under
@@ -184,6 +186,7 @@ def price(
         boundary_bytes=b * profile.boundary_bytes,
         activation_bytes=[b * sum(a) for a in lay.act1],
         input_bytes=b * profile.boundary_bytes,
+        weight_grad_fraction=WEIGHT_GRAD_FRACTION,
     )
     name = schedule_info(schedule).name
     if recompute == "stage_aware":
@@ -193,7 +196,7 @@ def price(
         try:
             rplan = stage_aware_plan(
                 layer_activation_bytes=[[b * a for a in layer] for layer in lay.act1],
-                memory_budget=float(memory_per_device),
+                memory_budget=usable_memory(memory_per_device),  # [Note: memory margin]
                 static_bytes=lay.static,
                 schedule=base,
                 input_bytes=b * profile.boundary_bytes,
@@ -249,7 +252,12 @@ def _held_once(profile: ModelProfile, lay: LayoutCosts, stage_to_rank: Sequence[
         p = profile.shared_param_bytes / lay.tp
         static[last] -= sum(
             model_state_bytes(
-                p, zero_stage=lay.zero_stage, dp=lay.dp, optimizer_state_factor=lay.optimizer_state_factor
+                p,
+                zero_stage=lay.zero_stage,
+                dp=lay.dp,
+                optimizer_state_factor=lay.optimizer_state_factor,
+                stage_index=last,
+                num_stages=len(static),
             )
         )
     return static

@@ -31,7 +31,7 @@ from merak_core.planner.choices import (
     virtual_stage_schedules,
 )
 from merak_core.planner.comm import CommModel
-from merak_core.planner.memory import ZERO_STAGES
+from merak_core.planner.memory import MEMORY_MARGIN, ZERO_STAGES, usable_memory
 from merak_core.planner.model_profile import ModelProfile
 from merak_core.planner.pricing import LayoutCosts, layout_costs, price, split_layers
 
@@ -252,12 +252,14 @@ def plan(
                     compute_slots=compute_slots,
                 ):
                     least_needed = min(least_needed, max(cand.device_peak_bytes))
-                    if max(cand.device_peak_bytes) <= memory_per_device:
+                    # [Note: memory margin] in planner.memory
+                    if max(cand.device_peak_bytes) <= usable_memory(memory_per_device):
                         out.append(cand)
     if not out:
         raise ValueError(
             f"plan: nothing fits in memory_per_device={memory_per_device:.6g} bytes; the smallest configuration needs "
-            f"{least_needed:.6g} bytes per device: raise the memory, add devices or shrink the batch"
+            f"{least_needed / (1 - MEMORY_MARGIN):.6g} bytes per device (a predicted peak of {least_needed:.6g} and "
+            f"the planner's {MEMORY_MARGIN:.0%} margin): raise the memory, add devices or shrink the batch"
         )
     out.sort(key=sort_key)
     return out
