@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _data import Tokens
 from _ranks import init_rank, machine_line, rotated, run_ranks
 from torch import nn
 
@@ -125,17 +126,6 @@ class HandStage(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return self.head(self.norm(x)) if self.last else x
-
-
-class Tokens(torch.utils.data.Dataset):
-    def __init__(self, size: int, vocab: int, seq: int) -> None:
-        self.ids = torch.randint(0, vocab, (size, seq + 1), generator=torch.Generator().manual_seed(0))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i, :-1], "labels": self.ids[i, 1:]}
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

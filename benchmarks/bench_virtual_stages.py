@@ -32,22 +32,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _data import Tokens
 from _ranks import init_rank, rotated, run_ranks
-from torch.utils.data import Dataset
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "addition"))
-
-
-class Tokens(Dataset):
-    def __init__(self, size: int, vocab: int, seq: int) -> None:
-        self.ids = torch.randint(0, vocab, (size, seq + 1), generator=torch.Generator().manual_seed(0))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i, :-1], "labels": self.ids[i, 1:]}
 
 
 def _trainer(cfg: dict[str, Any], pp: int, schedule: str, v: int) -> Any:
