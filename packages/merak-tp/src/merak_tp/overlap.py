@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -308,38 +309,34 @@ def _cat_outputs(outs: list[Any]) -> Any:
     raise TypeError(f"cannot concatenate region outputs of type {type(first).__name__}")
 
 
-class SequenceScatter(nn.Module):
-    """Marker base: the module's first input is split along the sequence on entry."""
+class _SequenceBoundary(nn.Module):
+    """The module's first input crosses a sequence-parallel boundary (``_merak_enter``) on entry."""
 
     _merak_scatter_group: _GroupRef
     _merak_scatter_dim: int
+    _merak_enter: Callable[[torch.Tensor, ProcessGroup | None, int], torch.Tensor]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if args:
-            args = (
-                scatter_to_sequence_region(args[0], self._merak_scatter_group.group, self._merak_scatter_dim),
-                *args[1:],
-            )
+            group, dim = self._merak_scatter_group.group, self._merak_scatter_dim
+            args = (type(self)._merak_enter(args[0], group, dim), *args[1:])
         return super().forward(*args, **kwargs)
 
 
-class SequenceGather(nn.Module):
+class SequenceScatter(_SequenceBoundary):
+    """Marker base: the module's first input is split along the sequence on entry."""
+
+    _merak_enter = staticmethod(scatter_to_sequence_region)
+
+
+class SequenceGather(_SequenceBoundary):
     """Marker base: the module's first input leaves sequence parallelism (all-gathered on entry).
 
     Everything from this module on runs on the full sequence, replicated; its gradient
     arrives identical on every rank, so the backward keeps this rank's block (no sum).
     """
 
-    _merak_scatter_group: _GroupRef
-    _merak_scatter_dim: int
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if args:
-            args = (
-                gather_from_tp_region(args[0], self._merak_scatter_group.group, self._merak_scatter_dim),
-                *args[1:],
-            )
-        return super().forward(*args, **kwargs)
+    _merak_enter = staticmethod(gather_from_tp_region)
 
 
 _CLASS_CACHE: dict[tuple[type, type], type] = {}
