@@ -338,6 +338,7 @@ def build_datasets():
 """
 
 
+@pytest.mark.slow
 def test_merak_train_with_layout_auto(tmp_path: Path):
     """``merak train`` (torchrun, 2 processes): launch plans, trains the choice, checks and names the job file."""
     (tmp_path / "job.yaml").write_text(JOB)
