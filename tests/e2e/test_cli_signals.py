@@ -75,14 +75,36 @@ def _start(tmp: Path) -> tuple[subprocess.Popen[str], Path]:
     deadline = time.monotonic() + START_TIMEOUT_S
     while not all((pids / f"step.rank{r}").exists() for r in (0, 1)):  # both ranks are in a training step
         if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            out, err = proc.communicate()
+            out, err = _kill_job(proc, pids)
             pytest.fail(
                 f"the job did not reach a training step (status {proc.returncode}):\n{out[-2000:]}\n"
                 f"{err[-4000:]}"
             )
         time.sleep(0.5)
     return proc, pids
+
+
+def _kill_job(proc: subprocess.Popen[str], pids: Path) -> tuple[str, str]:
+    """Kill the CLI and what it started (torchrun's process group, the ranks), then read its output.
+
+    ``communicate()`` alone would wait for ever: torchrun and the ranks hold the CLI's stdout and
+    stderr pipes open after the CLI itself is gone.
+    """
+    proc.kill()
+    for path in pids.glob("*.pid"):
+        try:
+            os.kill(int(path.read_text()), signal.SIGKILL)
+        except (ValueError, OSError):
+            pass
+    try:
+        holder = json.loads((pids.parent / "out" / LOCK_NAME).read_text())
+        os.killpg(int(holder["torchrun_pid"]), signal.SIGKILL)
+    except (OSError, ValueError, KeyError):
+        pass
+    try:
+        return proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        return "", "(the job's output could not be read: a process still holds its pipes)"
 
 
 def _alive(pid: int) -> bool:
@@ -99,13 +121,12 @@ def _job_pids(tmp: Path, pids: Path) -> list[int]:
     return [int((pids / f"rank{r}.pid").read_text()) for r in (0, 1)] + [int(holder["torchrun_pid"])]
 
 
-def _stop(proc: subprocess.Popen[str], signum: int) -> tuple[str, str]:
+def _stop(proc: subprocess.Popen[str], pids: Path, signum: int) -> tuple[str, str]:
     proc.send_signal(signum)
     try:
         out, err = proc.communicate(timeout=120)
     except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
+        out, err = _kill_job(proc, pids)
         pytest.fail(f"merak train did not stop within 120 s of the signal:\n{err[-4000:]}")
     return out, err
 
@@ -128,7 +149,7 @@ def test_sigterm_to_merak_train_stops_every_rank_and_a_second_job_is_refused(
         f"{job_pids[2]})" in capsys.readouterr().err
     )
 
-    out, err = _stop(proc, signal.SIGTERM)
+    out, err = _stop(proc, pids, signal.SIGTERM)
     assert proc.returncode == PREEMPTED, err[-4000:]
     assert "merak train: SIGTERM received, stopping the job" in err
     assert f"merak train {tmp_path / 'job.yaml'} --resume latest" in err
@@ -159,7 +180,7 @@ def test_second_job_error_names_the_holder(tmp_path: Path, capsys: pytest.Captur
 def test_ctrl_c_prints_a_few_lines_and_how_to_resume(tmp_path: Path) -> None:
     proc, pids = _start(tmp_path)
     job_pids = _job_pids(tmp_path, pids)
-    out, err = _stop(proc, signal.SIGINT)
+    out, err = _stop(proc, pids, signal.SIGINT)
     assert proc.returncode == PREEMPTED, err[-4000:]
     after = err.split("merak train: SIGINT received, stopping the job", 1)[1].splitlines()[1:]
     assert len(after) <= 8, "\n".join(after)
