@@ -118,12 +118,12 @@ def package(session: nox.Session, library: str) -> None:
         "sys.exit(f'other Merak packages are installed: {present}' if present else 0)",
         *others,
     )
-    # Import the installed copy, not the source tree, and only this package's tests.
+    # Import the installed copy, not the source tree, and only this package's tests. The test
+    # harness's own tests (tests/support_tests) run once, in the ``tests`` session.
     session.run(
         "pytest",
         *WORKERS,
         f"tests/{library}",
-        "tests/support_tests",
         "tests/test_boundaries.py",
         "-p",
         "no:cacheprovider",
