@@ -301,8 +301,13 @@ def test_virtual_stages_shrink_the_bubble_and_sum_memory_per_rank(small_costs):
     assert inter.stage_static_bytes == pytest.approx(
         (per_stage[0] + per_stage[2], per_stage[1] + per_stage[3])
     )
-    with pytest.raises(ValueError, match="one stage per rank"):
-        inter.training_fields()
+    # The job file's fields carry the virtual stages, and the Trainer's arguments take them.
+    fields = inter.training_fields()
+    assert fields["virtual_stages"] == 2 and fields["schedule"] == "interleaved_1f1b", fields
+    from merak_core import TrainingArguments
+
+    args = TrainingArguments(**fields)
+    assert (args.virtual_stages, args.schedule, args.pp) == (2, "interleaved_1f1b", inter.pp)
     searched = plan_cluster(
         small_costs,
         cluster,

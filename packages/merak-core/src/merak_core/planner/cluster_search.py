@@ -75,12 +75,8 @@ class ClusterCandidate:
         return max(self.stage_memory_bytes) <= self.memory_limit_bytes
 
     def training_fields(self) -> dict[str, Any]:
-        """The job file's ``training`` fields for this choice."""
-        if self.virtual_stages > 1:
-            raise ValueError(
-                f"{self.layout} {self.schedule} with {self.virtual_stages} stages per rank: the Trainer "
-                "runs one stage per rank; choose a configuration without virtual stages"
-            )
+        """The job file's ``training`` fields for this choice (``virtual_stages`` included: the Trainer
+        runs several stages per rank)."""
         return {**training_fields(self, memory_budget=self.memory_limit_bytes), "zero_stage": self.zero_stage}
 
 
