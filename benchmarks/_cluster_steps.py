@@ -135,31 +135,25 @@ def corrected(walls: list[float], runs: list[float], queued: list[float]) -> flo
 # ---------------------------------------------------------------------------- calibration
 
 
-def _thread_median(fn: Any, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.thread_time()
-        fn()
-        times.append(time.thread_time() - t0)
-    return statistics.median(times)
-
-
 def _measure_flops() -> float:
     """fp32 FLOP/s of the demo's GEMMs (256 tokens x 64 -> 256 and back) on this thread."""
+    from bench_cluster_plan import thread_median_s
+
     a, w1, w2 = torch.randn(256, 64), torch.randn(64, 256), torch.randn(256, 64)
 
     def gemms() -> None:
         for _ in range(50):
             torch.mm(torch.mm(a, w1), w2)
 
-    return 50 * 2 * (2 * 256 * 64 * 256) / _thread_median(gemms, 7)
+    return 50 * 2 * (2 * 256 * 64 * 256) / thread_median_s(gemms, 7)
 
 
 def _measure_bandwidth() -> float:
     """Bytes/s of a large element-wise add (two reads and a write of 16 MiB each) on this thread."""
+    from bench_cluster_plan import thread_median_s
+
     x, y, z = torch.randn(4 << 20), torch.randn(4 << 20), torch.empty(4 << 20)
-    return 3 * x.nbytes / _thread_median(lambda: torch.add(x, y, out=z), 9)
+    return 3 * x.nbytes / thread_median_s(lambda: torch.add(x, y, out=z), 9)
 
 
 def _ping_body(sizes: list[int], repeats: int) -> list[tuple[float, float, float]]:

@@ -178,7 +178,7 @@ CPU_CLUSTER = {
 }
 
 
-def _median_s(fn, repeats: int = 5) -> float:
+def thread_median_s(fn, repeats: int = 5) -> float:
     """Median CPU seconds of ``fn`` on this thread (one torch thread: all its work runs here).
 
     CPU time, not wall time: on a shared machine the wall time of a single-threaded kernel
@@ -213,7 +213,7 @@ def measure_op_overhead_us(num_ops: int = 200, repeats: int = 9) -> float:
             y = torch.tanh(y)
         y.backward()
 
-    return _median_s(chain, repeats) / (3 * num_ops) * 1e6
+    return thread_median_s(chain, repeats) / (3 * num_ops) * 1e6
 
 
 def bench_cpu() -> None:
@@ -261,7 +261,7 @@ def bench_cpu() -> None:
                     outs = out if isinstance(out, tuple) else (out,)
                     sum(o.float().sum() for o in outs if o.is_floating_point()).backward()
 
-                measured = _median_s(step)
+                measured = thread_median_s(step)
                 lo, hi = part.bounds[s], part.bounds[s + 1]
                 roofline = 3 * mbs * sum(ly.forward_s for ly in costs.layers[lo:hi])
                 overhead = 3 * cluster.op_overhead_s * sum(ly.num_ops for ly in costs.layers[lo:hi])

@@ -30,7 +30,7 @@ from merak_core.config.values import (
 )
 from merak_core.virtual_stages import check_virtual_stages
 
-__all__ = ["auto_conflict_message", "check_arguments"]
+__all__ = ["auto_conflict_message", "check_arguments", "check_no_explicit_degrees"]
 
 
 def check_arguments(args: Any) -> None:
@@ -156,13 +156,7 @@ def _check_planner(args: Any) -> None:
         )
     _check_float(args, "plan_error_threshold", minimum=0.0)
     if args.layout == "auto":
-        explicit = {
-            n: v
-            for n, v in (("dp", args.dp), ("tp", args.tp), ("pp", args.pp))
-            if v != (None if n == "dp" else 1)
-        }
-        if explicit:
-            raise ValueError(auto_conflict_message(sorted(explicit), explicit))
+        check_no_explicit_degrees(args)
 
 
 def _check_sharding(args: Any) -> None:
@@ -208,6 +202,17 @@ def _check_tp_plan(args: Any) -> None:
             args.tp_plan,
             "null, 'auto', a plan name or a mapping",
         )
+
+
+def check_no_explicit_degrees(args: Any) -> None:
+    """``layout: auto`` chooses dp, tp and pp: refuse any of them set away from its default."""
+    explicit = {
+        n: v
+        for n, v in (("dp", args.dp), ("tp", args.tp), ("pp", args.pp))
+        if v != (None if n == "dp" else 1)
+    }
+    if explicit:
+        raise ValueError(auto_conflict_message(sorted(explicit), explicit))
 
 
 def auto_conflict_message(names: Sequence[str], values: Mapping[str, Any]) -> str:

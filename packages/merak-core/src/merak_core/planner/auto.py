@@ -33,7 +33,8 @@ import torch.distributed as dist
 from torch import nn
 
 from merak_core.bootstrap import autocast, first_samples, process_group
-from merak_core.config import TrainingArguments, auto_conflict_message
+from merak_core.config import TrainingArguments
+from merak_core.config.checks import check_no_explicit_degrees
 from merak_core.planner import (
     Candidate,
     ModelProfile,
@@ -341,13 +342,7 @@ def auto_layout(
     """
     if args.layout != "auto":
         raise ValueError(f"auto_layout: layout={args.layout!r}; expected 'auto' (set training.layout: auto)")
-    explicit = {
-        n: v
-        for n, v in (("dp", args.dp), ("tp", args.tp), ("pp", args.pp))
-        if v != (None if n == "dp" else 1)
-    }
-    if explicit:
-        raise ValueError(auto_conflict_message(sorted(explicit), explicit))
+    check_no_explicit_degrees(args)  # also checked when args were made; they may have changed since
     if train_dataset is None:
         raise ValueError("layout='auto' profiles the model on the training set: pass train_dataset")
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
