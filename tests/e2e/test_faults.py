@@ -41,6 +41,9 @@ def test_rank_dying_mid_step_fails_the_others_with_naming_errors() -> None:
     for rank in (0, 1, 2):
         assert f"SURVIVOR rank {rank} failed" in sections[rank], sections.get(rank, text)
         assert f"rank {rank} (pp_rank" in sections[rank] and "step 2:" in sections[rank]
+        # The heartbeat check names the dead rank, though its last beat was fresh when the peers failed.
+        assert "rank 3 (pp_rank 1, dp_rank 1, tp_rank 0): dead (the process is gone)" in sections[rank]
+        assert "every other rank still beats" not in sections[rank]
     # Rank 3's pipeline peer names the pipeline transfer it waited on and the pipeline's global ranks.
     assert re.search(r"PipelineCommError|PipelineTimeoutError", sections[1]), sections[1]
     assert "pipeline step over global ranks [1, 3]" in sections[1]
