@@ -6,7 +6,8 @@ with v = 2 at pp = 2 and pp = 4, for both reference models with pp * v layers: 3
 the losses and every parameter by name equal the single-process run. A run with v = 2 saved at
 step 2 and resumed by a fresh Trainer equals the uninterrupted run bit for bit. Settings the
 Trainer cannot run (a schedule with one stage per rank, fewer layers than stages) are refused
-before any step with the value, the expectation and the fix.
+before any step with the value, the expectation and the fix. Blocks kept in an ``nn.ModuleDict``
+(torchtitan's Llama, nanoGPT variants keyed by ``str(i)``) count as layers like an ``nn.ModuleList``'s.
 """
 
 from __future__ import annotations
@@ -23,8 +24,26 @@ from tests.support.dist import run_on_ranks
 from tests.support.models import GPT, REFERENCE_MODELS, DecoderConfig, Llama
 
 
+class KeyedGPT(GPT):
+    """The reference GPT with its blocks in an ``nn.ModuleDict`` keyed by ``str(i)`` (torchtitan's layout):
+    the same parameters, names and initial values as :class:`GPT`."""
+
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__(cfg)
+        self.blocks = torch.nn.ModuleDict({str(i): block for i, block in enumerate(self.blocks)})
+
+    def forward(self, input_ids_bt: torch.Tensor) -> torch.Tensor:
+        pos_t = torch.arange(input_ids_bt.size(1), device=input_ids_bt.device)
+        x_bth = self.drop(self.wte(input_ids_bt) + self.wpe(pos_t))
+        for block in self.blocks.values():
+            x_bth = block(x_bth)
+        return self.lm_head(self.ln_f(x_bth))
+
+
 def build(name: str, layers: int) -> torch.nn.Module:
     torch.manual_seed(0)
+    if name == "keyed_gpt":
+        return KeyedGPT(DecoderConfig(num_layers=layers)).double()
     if name == "llama":
         return Llama(DecoderConfig(num_heads=8, num_kv_heads=4, num_layers=layers)).double()
     return GPT(DecoderConfig(num_layers=layers)).double()
@@ -37,9 +56,8 @@ def train_body(name: str, layers: int, kwargs: dict[str, Any]) -> tuple[list[flo
 
     args = make_args(**kwargs)
     model = build(name, layers)
-    trainer = Trainer(
-        model, args, TokenDataset(64, model.config.vocab_size), loss_fn=REFERENCE_MODELS[name].loss
-    )
+    loss = REFERENCE_MODELS["gpt" if name == "keyed_gpt" else name].loss
+    trainer = Trainer(model, args, TokenDataset(64, model.config.vocab_size), loss_fn=loss)
     history = trainer.train()
     state = trainer.full_state_dict()
     stages = sorted(trainer.model.stage_modules)
@@ -50,7 +68,7 @@ def _reference(name: str, layers: int, kwargs: dict[str, Any]) -> tuple[list[flo
     args = make_args(**kwargs)
     model = build(name, layers)
     data = TokenDataset(64, model.config.vocab_size)
-    loss = REFERENCE_MODELS[name].loss
+    loss = REFERENCE_MODELS["gpt" if name == "keyed_gpt" else name].loss
     losses = reference_steps(
         model, data, args, kwargs.get("dp", 1), lambda batch: loss(model(batch["input_ids"]), batch["labels"])
     )
@@ -62,6 +80,7 @@ CASES = [
     ("llama", "zb_v", 2),
     ("gpt", "zb_v", 4),
     ("llama", "interleaved_1f1b", 4),
+    ("keyed_gpt", "interleaved_1f1b", 2),  # blocks in an nn.ModuleDict
 ]
 
 
@@ -167,3 +186,31 @@ def too_few_layers_body() -> str:
 def test_fewer_layers_than_stages_is_refused_before_any_step() -> None:
     message = run_on_ranks(2, too_few_layers_body)[0]
     assert "2 layers" in message and "pp * virtual_stages = 8" in message, message
+
+
+def test_blocks_in_a_module_dict_are_counted() -> None:
+    """torchtitan keeps its blocks in ``layers: nn.ModuleDict`` keyed by ``str(i)``; nanoGPT's ``transformer``
+    dict of named parts holds a block list: the blocks are counted, never the named parts."""
+    from merak_core.virtual_stages import block_count, check_layer_count
+
+    keyed = build("keyed_gpt", 4)
+    assert block_count(keyed) == 4
+    check_layer_count(keyed, 2, 2)  # 4 stages, 4 blocks
+    with pytest.raises(ValueError, match="but it has 4 layers"):
+        check_layer_count(keyed, 2, 4)
+
+    class NanoGPT(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            cfg = DecoderConfig(num_layers=2)
+            self.transformer = torch.nn.ModuleDict(
+                dict(
+                    wte=torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size),
+                    wpe=torch.nn.Embedding(cfg.max_seq_len, cfg.hidden_size),
+                    drop=torch.nn.Dropout(0.0),
+                    h=torch.nn.ModuleList(GPT(cfg).blocks),
+                    ln_f=torch.nn.LayerNorm(cfg.hidden_size),
+                )
+            )
+
+    assert block_count(NanoGPT()) == 2

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["check_layer_count", "check_virtual_stages", "stage_placement", "stage_data_roles"]
+__all__ = ["block_count", "check_layer_count", "check_virtual_stages", "stage_placement", "stage_data_roles"]
 
 
 def _schedule(schedule: str) -> Any:
@@ -77,22 +77,39 @@ def stage_placement(schedule: str, pp: int, virtual_stages: int = 1) -> tuple[in
     ).stage_to_rank
 
 
-def check_layer_count(model: Any, pp: int, virtual_stages: int) -> None:
-    """ValueError when the model has fewer layers (its longest ``nn.ModuleList``) than ``pp * virtual_stages``
-    stages: every virtual stage must hold at least one layer."""
-    if virtual_stages == 1:
-        return
+def block_count(model: Any) -> int:
+    """The model's repeated blocks, as the partitioner cuts between them: the longest ``nn.ModuleList``, or
+    the most entries of one class in an ``nn.ModuleDict`` (blocks keyed by name, e.g. ``str(i)`` as in
+    torchtitan's Llama); 0 for a model with neither.
+
+    A dict of a model's named parts (nanoGPT's ``transformer``: embeddings, the block list, the final norm)
+    counts its largest group of one class only, so the parts are not taken for layers."""
+    from collections import Counter
+
     from torch import nn
 
-    lists = [len(m) for m in model.modules() if isinstance(m, nn.ModuleList)]
-    layers = max(lists, default=0)
+    counts = [0]
+    for m in model.modules():
+        if isinstance(m, nn.ModuleList):
+            counts.append(len(m))
+        elif isinstance(m, nn.ModuleDict) and len(m):
+            counts.append(max(Counter(type(block) for block in m.values()).values()))
+    return max(counts)
+
+
+def check_layer_count(model: Any, pp: int, virtual_stages: int) -> None:
+    """ValueError when the model has fewer blocks (:func:`block_count`) than ``pp * virtual_stages``
+    stages: every virtual stage must hold at least one block."""
+    if virtual_stages == 1:
+        return
+    layers = block_count(model)
     stages = pp * virtual_stages
     if layers < stages:
         most = max(1, layers // pp)
         raise ValueError(
             f"virtual_stages={virtual_stages} at pp={pp} cuts the model into pp * virtual_stages = {stages} stages, "
-            f"but it has {layers} layers (its longest nn.ModuleList): every stage needs a layer at least; use "
-            f"virtual_stages <= {most}"
+            f"but it has {layers} layers (its blocks: the longest nn.ModuleList, or the most blocks of one "
+            f"class in an nn.ModuleDict): every stage needs a layer at least; use virtual_stages <= {most}"
             + (f" or pp <= {layers // virtual_stages}" if layers >= virtual_stages else "")
         )
 
