@@ -6,7 +6,8 @@ job's model on this machine and prints the planner's ranked configurations
 
 ``merak train CONFIG.yaml [section.key=value ...]`` starts the job through
 torchrun (``torch.distributed.run``): one process per rank, single node by
-default, the usual multi-node flags passed through. Merak has no launcher of
+default, the usual multi-node flags passed through (``--slurm`` derives them from
+Slurm's variables, :mod:`merak_core.cli.slurm`). Merak has no launcher of
 its own; each rank then runs :mod:`merak_core.launch`.
 
 ``merak plans`` lists the registered TP plans; ``merak check CONFIG.yaml`` compares
@@ -17,7 +18,7 @@ every module the job's TP plan shards with the unsharded module (:mod:`merak_cor
 Only :mod:`merak_core.cli.main` (and the per-rank entry point) configures logging; the
 libraries never touch the root logger.
 
-Modules: ``main`` (the parser, logging, the dispatch), ``train``, ``plan`` (with the cluster
+Modules: ``main`` (the parser, logging, the dispatch), ``train`` (with ``slurm``), ``plan`` (with the cluster
 flags and dry runs), ``check`` (``plans`` and ``check``); ``export`` lives in
 :mod:`merak_core.hf.cli` and ``eval`` in :mod:`merak_core.eval_job`.
 """

@@ -16,6 +16,7 @@ import logging
 import os
 import shlex
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 from merak_core.cli.plan import add_cluster_flags, cluster_command
@@ -38,7 +39,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
     p.add_argument("--node-rank", type=int, default=None, help="this node's rank (static rendezvous)")
     p.add_argument("--rdzv-endpoint", default=None, help="host:port of the c10d rendezvous (multi-node)")
-    p.add_argument("--rdzv-id", default="merak", help="rendezvous job id (default 'merak')")
+    p.add_argument(
+        "--rdzv-id",
+        default=None,
+        help="rendezvous job id (default 'merak'; with --slurm, slurm-$SLURM_JOB_ID)",
+    )
+    p.add_argument(
+        "--slurm",
+        action="store_true",
+        help="one node of a Slurm job (srun --ntasks-per-node=1): --nnodes, --node-rank, --rdzv-endpoint "
+        "and --rdzv-id from the SLURM_* variables (see examples/slurm)",
+    )
     p.add_argument(
         "--max-restarts",
         type=int,
@@ -112,7 +123,7 @@ def torchrun_command(args: argparse.Namespace, world_size: int | None) -> list[s
             f"--nnodes={args.nnodes}",
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={args.rdzv_endpoint}",
-            f"--rdzv-id={args.rdzv_id}",
+            f"--rdzv-id={args.rdzv_id or 'merak'}",
         ]
         if args.node_rank is not None:
             cmd.append(f"--node-rank={args.node_rank}")
@@ -127,6 +138,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.timeout is not None:  # one more override, so the ranks read the same value from the job
         args.overrides = [*args.overrides, f"training.comm_timeout_s={args.timeout!r}"]
+    if getattr(args, "slurm", False):
+        _from_slurm(args, os.environ)
     job = JobConfig.from_yaml(args.config, args.overrides)  # validates before any process starts
     if args.dry_run_ranks is not None:
         return cluster_command(args, job)
@@ -160,6 +173,24 @@ def run(args: argparse.Namespace) -> int:
     with _output_dir_lock(args, t.output_dir) as lock:
         logging.getLogger("merak").info("launching: %s", shlex.join(cmd))
         return _supervise(args, cmd, env, lock, t.output_dir)
+
+
+def _from_slurm(args: argparse.Namespace, env: Mapping[str, str]) -> None:
+    """Set the multi-node flags of ``args`` from Slurm's variables (``--slurm``; :mod:`merak_core.cli.slurm`)."""
+    from merak_core.cli.slurm import slurm_node
+
+    node = slurm_node(env, rdzv_endpoint=args.rdzv_endpoint)
+    given = {"--nnodes": (args.nnodes, 1, node.nnodes), "--node-rank": (args.node_rank, None, node.node_rank)}
+    for flag, (value, default, derived) in given.items():
+        if value not in (default, derived):
+            raise ValueError(
+                f"{flag} {value} contradicts Slurm's {derived}: drop {flag} (--slurm derives it)"
+            )
+    args.nnodes, args.node_rank, args.rdzv_endpoint = node.nnodes, node.node_rank, node.rdzv_endpoint
+    args.rdzv_id = args.rdzv_id or node.rdzv_id
+    logging.getLogger("merak").info(
+        "Slurm node %d of %d: %s", node.node_rank, node.nnodes, " ".join(node.flags())
+    )
 
 
 def _output_dir_lock(args: argparse.Namespace, output_dir: str) -> Any:
