@@ -5,7 +5,8 @@ Ctrl-C). Each time ``merak train`` forwards the signal to torchrun, waits, exits
 ``exitcodes.PREEMPTED`` and prints the command to resume; afterwards no process of the job is
 left (checked by the pids the ranks wrote and torchrun's pid from the lock file). A Ctrl-C
 prints a few lines, no traceback. While the first job runs, a second ``merak train`` on the
-same ``output_dir`` is refused with the first one's host and pid. The lock's other cases (a
+same ``output_dir`` is refused with the first one's host and pid. A SIGKILL of ``merak train``
+alone (nothing forwarded) stops torchrun and both ranks all the same, and frees the lock. The lock's other cases (a
 stale lock of a dead job, a lock held in this process) need no job.
 """
 
@@ -158,6 +159,31 @@ def test_sigterm_to_merak_train_stops_every_rank_and_a_second_job_is_refused(
         time.sleep(0.2)
     assert [p for p in job_pids if _alive(p)] == [], "processes of the job outlived merak train"
     assert (tmp_path / "out" / LOCK_NAME).read_text() == "", "the lock is released (its description cleared)"
+
+
+STOP_BOUND_S = 60.0  # torchrun's SIGTERM stops the ranks after their step (and save); loaded machine
+
+
+@pytest.mark.slow
+def test_sigkill_of_merak_train_stops_torchrun_and_every_rank_and_frees_the_lock(tmp_path: Path) -> None:
+    """``merak train`` killed by SIGKILL (it can forward nothing): no process of its job trains on."""
+    proc, pids = _start(tmp_path)
+    try:
+        job_pids = _job_pids(tmp_path, pids)
+        proc.kill()  # the CLI's pid only, not its children
+        proc.wait()
+        deadline = time.monotonic() + STOP_BOUND_S
+        while any(_alive(p) for p in job_pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert [p for p in job_pids if _alive(p)] == [], (
+            "torchrun or ranks outlived the SIGKILLed merak train"
+        )
+        with OutputDirLock.acquire(
+            tmp_path / "out", command="merak train again.yaml"
+        ) as lock:  # a new job may start
+            assert lock.stale is not None and lock.stale["pid"] == proc.pid  # the dead job's description
+    finally:
+        _kill_job(proc, pids)
 
 
 def test_second_job_error_names_the_holder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

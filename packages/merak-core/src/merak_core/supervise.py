@@ -15,13 +15,19 @@ Exit status: torchrun's, except :data:`merak_core.exitcodes.PREEMPTED` when the 
 stopped by a signal (sent to ``merak train``, to torchrun or to the ranks, which then exit with
 that code) before it finished.
 
-Not done here: a SIGKILL of ``merak train`` itself cannot be forwarded. torchrun, in its own
-session, then runs on with a closed stderr (it keeps the output_dir lock, see [Note: output_dir
-lock]) until it or its ranks next write to it.
+[Note: parent death] A SIGKILL of ``merak train`` itself cannot be forwarded, and torchrun, in a
+session of its own, would train on, holding the output_dir lock (see [Note: output_dir lock]). So
+on Linux torchrun is started with a parent-death signal (``prctl(PR_SET_PDEATHSIG, SIGTERM)``, set
+in the child between fork and exec): when ``merak train`` dies, however it died, the kernel sends
+torchrun SIGTERM, and torchrun stops its ranks as after a forwarded SIGTERM (they finish the step,
+save and exit), then exits and with it goes the lock. A child that finds its parent already gone
+before the signal is armed exits at once. Elsewhere (no ``prctl``) the job outlives a killed
+``merak train``.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import signal
@@ -142,6 +148,32 @@ def _kill_tree(pid: int) -> None:
         pass
 
 
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def _parent_death_signal() -> Any:
+    """A ``preexec_fn`` that gives the child SIGTERM when this process dies (see [Note: parent death]).
+
+    None where Linux's ``prctl`` is not available. The C function is looked up here, before the
+    fork, so that the child only calls it.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def arm() -> None:
+        if prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+            return  # not armed: the child runs as it would without (nothing to report from here)
+        if os.getppid() != parent:  # the parent died before the signal was armed
+            os._exit(128 + int(signal.SIGTERM))
+
+    return arm
+
+
 def _pump(stream: IO[str], out: IO[str], outcome: JobOutcome, stopping: threading.Event) -> None:
     filt = _ShutdownFilter()
     in_root_cause, root_rank = False, None
@@ -248,6 +280,7 @@ def run_torchrun(
             errors="replace",
             bufsize=1,
             pass_fds=tuple(pass_fds),
+            preexec_fn=_parent_death_signal(),
         )
     except BaseException:
         for s, handler in previous.items():
