@@ -46,7 +46,27 @@ def test_resumed_writer_keeps_the_history_up_to_the_resumed_step(tmp_path: Path)
         (5, 5.0),
         (6, 6.0),
     ]
-    assert second.summary() == {"first_loss": 9.0, "final_loss": 6.0, "skipped_steps": 0}
+    assert second.summary() == {
+        "first_loss": 9.0,
+        "first_loss_step": 1,
+        "final_loss": 6.0,
+        "skipped_steps": 0,
+    }
+    # A skipped first step (NaN loss, null in the file) does not make the first loss NaN: the first finite one.
+    skipped = MetricsWriter(str(tmp_path / "skipped"), enabled=True)
+    skipped.start(3)
+    skipped.log({"step": 1, "loss": float("nan"), "skipped": True, "skipped_steps": 1})
+    skipped.log({"step": 2, "loss": 5.0})
+    skipped.log({"step": 3, "loss": 4.0})
+    assert skipped.summary() == {
+        "first_loss": 5.0,
+        "first_loss_step": 2,
+        "final_loss": 4.0,
+        "skipped_steps": 1,
+    }
+    resumed = MetricsWriter(str(tmp_path / "skipped"), enabled=True)
+    resumed.start(3, resumed_step=2)  # the records read back from metrics.jsonl: the skipped loss is null
+    assert resumed.summary()["first_loss"] == 5.0 and resumed.summary()["first_loss_step"] == 2
     # The plot of the whole run, when the optional matplotlib (the ``plot`` extra) is installed.
     drawn = importlib.util.find_spec("matplotlib") is not None
     assert second.finish() == (str(tmp_path / "loss.png") if drawn else None)

@@ -224,6 +224,116 @@ def test_skip_drops_exactly_the_bad_step(layout: tuple[int, int], tmp_path: Any)
     assert [r["step"] for r in records if "loss" in r] == [1, BAD_STEP, 4]
 
 
+class _PoisonSteps:
+    """A loss that is NaN in every microbatch of the steps in ``steps`` (all steps when None); LM loss otherwise."""
+
+    def __init__(self, steps: set[int] | None, num_micro: int) -> None:
+        self.steps, self.num_micro, self.calls = steps, num_micro, 0
+
+    def __call__(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss = lm_loss(output, labels)
+        if output.is_meta or not torch.is_grad_enabled():  # evaluation (no_grad) is left alone
+            return loss
+        self.calls += 1
+        if self.steps is None or (self.calls - 1) // self.num_micro + 1 in self.steps:
+            return loss * float("nan")
+        return loss
+
+
+def skip_limit_body(out: str, poisoned: list[int] | None, max_steps: int, limit: int) -> dict[str, Any]:
+    """dp=2, ``nonfinite: skip`` with the limit ``limit``, NaN at the steps ``poisoned`` (None: all), a save
+    every step: the error (or None), the step reached and the committed checkpoints."""
+    from pathlib import Path
+
+    from merak_core import Trainer
+    from merak_core.nonfinite import NonFiniteError
+
+    args = make_args(
+        **layout_kwargs(2, 1, 1, max_steps=max_steps, nonfinite="skip", save_steps=1, output_dir=out),
+        nonfinite_max_consecutive_skips=limit,
+    )
+    model = build_model("gpt")
+    loss_fn = _PoisonSteps(None if poisoned is None else set(poisoned), args.gradient_accumulation_steps)
+    trainer = Trainer(model, args, TokenDataset(64, model.config.vocab_size), loss_fn=loss_fn)
+    error = None
+    try:
+        trainer.train()
+    except NonFiniteError as exc:
+        error = str(exc)
+    dist.barrier()
+    saved = sorted(p.name for p in (Path(out) / "checkpoints").glob("step_*"))
+    return {"error": error, "step": trainer.global_step, "saved": saved, "skipped": trainer.skipped_steps}
+
+
+def test_skip_limit_stops_the_run_as_stop_would(tmp_path: Any) -> None:
+    """Steps 2, 3 skipped, 4 applied (the count restarts), 5 and 6 skipped: step 7 is one too many for a limit of 2."""
+    results = run_on_ranks(2, skip_limit_body, str(tmp_path), [2, 3, 5, 6, 7, 8], 9, 2)
+    first = results[0]
+    assert all(r["error"] == first["error"] for r in results), [r["error"] for r in results]
+    assert first["error"] is not None and first["error"].startswith(
+        "step 7: non-finite training step (loss nan"
+    ), first
+    assert "The 2 steps before it were skipped already (nonfinite: skip)" in first["error"]
+    assert "training.nonfinite_max_consecutive_skips=2" in first["error"]
+    assert "raise nonfinite_max_consecutive_skips (0: no limit)" in first["error"]
+    assert first["step"] == 6 and first["skipped"] == 4
+    assert first["saved"] == [f"step_{s}" for s in range(1, 7)]  # nothing of step 7
+
+
+def test_every_step_skipped_fails_and_saves_nothing_at_the_end(tmp_path: Any) -> None:
+    """Fewer steps than the limit, every one of them skipped: the run fails at its end (no final save)."""
+    results = run_on_ranks(2, skip_limit_body, str(tmp_path), None, 3, 5)
+    first = results[0]
+    assert all(r["error"] == first["error"] for r in results)
+    assert first["error"] is not None and first["error"].startswith(
+        "steps 1..3: every one of the 3 steps of this run was non-finite and skipped (nonfinite: skip)"
+    ), first["error"]
+    assert "training.nonfinite_max_consecutive_skips=5" in first["error"]
+    # No limit (0): the run is the user's to judge.
+    again = run_on_ranks(2, skip_limit_body, str(tmp_path / "nolimit"), None, 3, 0)[0]
+    assert again["error"] is None and again["skipped"] == 3
+
+
+def _nan_when_evaluating(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The LM loss in training; NaN in evaluation (no_grad), as for a model whose eval outputs are NaN."""
+    loss = lm_loss(output, labels)
+    return loss if output.is_meta or torch.is_grad_enabled() else loss * float("nan")
+
+
+def nan_eval_body(out: str) -> dict[str, Any]:
+    """dp=2, an evaluation and a save due at step 2 of 4, the eval loss NaN (the weights finite)."""
+    from pathlib import Path
+
+    from merak_core import Trainer
+    from merak_core.nonfinite import NonFiniteError
+
+    args = make_args(**layout_kwargs(2, 1, 1, max_steps=4, eval_steps=2, save_steps=2, output_dir=out))
+    model = build_model("gpt")
+    data, eval_data = TokenDataset(64, model.config.vocab_size), TokenDataset(8, model.config.vocab_size)
+    trainer = Trainer(model, args, data, eval_data, loss_fn=_nan_when_evaluating)
+    error = None
+    try:
+        trainer.train()
+    except NonFiniteError as exc:
+        error = str(exc)
+    dist.barrier()
+    finite = all(bool(torch.isfinite(p).all()) for p in trainer.params)
+    saved = sorted(p.name for p in (Path(out) / "checkpoints").glob("step_*"))
+    return {"error": error, "saved": saved, "params_finite": finite}
+
+
+def test_nan_evaluation_fails_the_run_before_its_checkpoint(tmp_path: Any) -> None:
+    results = run_on_ranks(2, nan_eval_body, str(tmp_path))
+    first = results[0]
+    assert all(r["error"] == first["error"] for r in results)
+    assert first["params_finite"]
+    assert first["error"] is not None and first["error"].startswith("step 2: the evaluation loss is nan"), (
+        first
+    )
+    assert "no checkpoint of it is committed" in first["error"]
+    assert first["saved"] == []
+
+
 def test_float16_is_refused_with_the_fix() -> None:
     from merak_core.config import TrainingArguments
 

@@ -179,6 +179,8 @@ class ParallelEngine:
         """The running loop's heartbeat: a failed step names the ranks that stopped answering it."""
         self.last_pipeline_s = 0.0
         self.last_grad_norm: float | None = None
+        self.consecutive_skips = 0
+        """Steps skipped in a row just before the next one (``nonfinite: skip``; reset by an applied step)."""
 
     # ------------------------------------------------------------------ inputs
 
@@ -279,15 +281,20 @@ class ParallelEngine:
             timings=timings,
         )
         if result.skipped:
-            if self.args.nonfinite == nonfinite.STOP:
+            limit = self.args.nonfinite_max_consecutive_skips
+            over_limit = 0 < limit <= self.consecutive_skips
+            if self.args.nonfinite == nonfinite.STOP or over_limit:
                 raise nonfinite.nonfinite_error(
                     step=step,
                     loss=loss_value,
                     grad_norm=self.last_grad_norm,
                     named=self.model.named_parameters(),
                     layout=self.layout,
+                    skip_limit=limit if self.args.nonfinite != nonfinite.STOP else None,
                 )
+            self.consecutive_skips += 1
             return result
+        self.consecutive_skips = 0
         if norm is not None:
             scale_gradients_(self.params, self.args.max_grad_norm, norm)
         zero = isinstance(self.optimizer, ZeroOptimizer)

@@ -248,6 +248,7 @@ def _train(trainer: Any, layout: Any, targs: Any, args: argparse.Namespace) -> i
             "layout": layout.describe(),
             "steps": trainer.global_step,
             "first_loss": whole["first_loss"],
+            "first_loss_step": whole["first_loss_step"],
             "final_loss": history[-1]["loss"] if history else whole["final_loss"],
             "skipped_steps": whole["skipped_steps"],
             **final,

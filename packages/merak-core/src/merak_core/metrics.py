@@ -171,10 +171,16 @@ class MetricsWriter:
         return path
 
     def summary(self) -> dict[str, Any]:
-        """First and last training loss of the whole run (every segment), and the skipped non-finite steps."""
+        """First and last training loss of the whole run (every segment), and the skipped non-finite steps.
+
+        ``first_loss`` is the loss of the first logged step whose loss is finite (``first_loss_step``): a
+        skipped first step does not make it NaN.
+        """
         losses = [r for r in self.records if "loss" in r]
+        finite = [r for r in losses if isinstance(r["loss"], (int, float)) and math.isfinite(r["loss"])]
         return {
-            "first_loss": losses[0]["loss"] if losses else None,
+            "first_loss": finite[0]["loss"] if finite else None,
+            "first_loss_step": finite[0]["step"] if finite else None,
             "final_loss": losses[-1]["loss"] if losses else None,
             "skipped_steps": sum(1 for r in losses if r.get("skipped")),
         }

@@ -64,12 +64,20 @@ def first_nonfinite_gradient(named: Sequence[tuple[str, nn.Parameter]]) -> tuple
 
 
 def nonfinite_error(
-    *, step: int, loss: float, grad_norm: float | None, named: Sequence[tuple[str, nn.Parameter]], layout: Any
+    *,
+    step: int,
+    loss: float,
+    grad_norm: float | None,
+    named: Sequence[tuple[str, nn.Parameter]],
+    layout: Any,
+    skip_limit: int | None = None,
 ) -> NonFiniteError:
     """The ``stop`` policy's error, identical on every rank (collective: gathers each rank's first bad gradient).
 
     The first non-finite gradient is the one of the lowest pipeline stage that has one, in that
     stage's parameter order (the model's order), found on its TP rank 0 when possible.
+    ``skip_limit``: the ``skip`` policy stops here because the ``skip_limit`` steps before this one
+    were skipped already (``nonfinite_max_consecutive_skips``); the message says so.
     """
     mine = first_nonfinite_gradient(named)
     entry = None if mine is None else (layout.pp_rank, layout.tp_rank, layout.dp_rank, layout.rank, *mine)
@@ -87,10 +95,40 @@ def nonfinite_error(
         where = "every gradient is finite (the loss alone is not)"
     else:
         where = "every gradient is finite, but the sum of their squares overflowed"
+    fixes = "Lower learning_rate, clip gradients (max_grad_norm), train in float32 or bf16"
+    if skip_limit is None:
+        tail = f"The step was not applied and no checkpoint was written for it. {fixes}, or set nonfinite: skip to drop such steps"
+    else:
+        tail = (
+            f"The {skip_limit} steps before it were skipped already (nonfinite: skip), the most "
+            f"training.nonfinite_max_consecutive_skips={skip_limit} allows in a row, so the run stops as "
+            f"nonfinite: stop would: the step was not applied and no checkpoint was written for it. {fixes}, check "
+            "the data, or raise nonfinite_max_consecutive_skips (0: no limit)"
+        )
     return NonFiniteError(
-        f"step {step}: non-finite training step (loss {loss!r}, gradient norm {norm}); {where}. The step was not "
-        "applied and no checkpoint was written for it. Lower learning_rate, clip gradients (max_grad_norm), train "
-        "in float32 or bf16, or set nonfinite: skip to drop such steps"
+        f"step {step}: non-finite training step (loss {loss!r}, gradient norm {norm}); {where}. {tail}"
+    )
+
+
+def all_skipped_error(*, first_step: int, last_step: int, limit: int) -> NonFiniteError:
+    """The ``skip`` policy's error when every step of a run segment was skipped (no update was applied)."""
+    count = last_step - first_step + 1
+    return NonFiniteError(
+        f"steps {first_step}..{last_step}: every one of the {count} steps of this run was non-finite and skipped "
+        "(nonfinite: skip), so no update was applied; the run fails instead of ending as if it had trained, and "
+        "nothing of this run is saved or exported at its end. Lower learning_rate, clip gradients (max_grad_norm), "
+        f"train in float32 or bf16, or check the model and the data (training.nonfinite_max_consecutive_skips="
+        f"{limit} stops a longer run at the first step past that many skips in a row)"
+    )
+
+
+def eval_error(*, step: int, loss: float) -> NonFiniteError:
+    """A training run's evaluation gave a NaN or infinite loss: the run fails before it saves that state."""
+    return NonFiniteError(
+        f"step {step}: the evaluation loss is {loss!r}: the model's outputs on the eval set are not finite (or no "
+        "eval label is counted: every one is -100), so this state is not a good one; the run stops here and no "
+        "checkpoint of it is committed (the earlier ones are kept). Resume from an earlier checkpoint with a lower "
+        "learning_rate or gradient clipping (max_grad_norm), or fix the eval data"
     )
 
 
@@ -109,6 +147,8 @@ __all__ = [
     "SKIP",
     "STOP",
     "NonFiniteError",
+    "all_skipped_error",
+    "eval_error",
     "first_nonfinite_gradient",
     "json_safe",
     "local_grads_nonfinite",

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from merak_core import bootstrap
+from merak_core import bootstrap, nonfinite
 from merak_core.cadence import Cadence, count_tokens, step_record
 from merak_core.checkpoint import CheckpointManager
 from merak_core.checkpoint.parts import CheckpointParts, TrainState
@@ -334,14 +334,15 @@ class Trainer:
             describe=self._describe_rank,
         )
         self.engine.heartbeat = heartbeat
+        start_step = self.global_step
         try:
             with self._stop, heartbeat:
                 self._train_loop(self.train_loader, total, cadence)
         finally:
             self.engine.heartbeat = None
+        self._check_some_step_applied(start_step)
         if cadence.final_eval_due(self.global_step):
-            self.last_eval = self.evaluate()
-            self.metrics.log({"step": self.global_step, **self.last_eval})
+            self._evaluate_in_training(self.global_step)
         if cadence.final_save_due(self.global_step):
             self.checkpoints.save()
         if args.export_hf_dir is not None:
@@ -383,14 +384,35 @@ class Trainer:
                 record["tokens_per_s"] = window_tokens / elapsed if elapsed > 0 else 0.0
                 self.metrics.log(record)
                 window_start, window_tokens = time.perf_counter(), 0
+            if cadence.eval_due(step) and not self.stop_agreed:
+                self._evaluate_in_training(step)  # before the save: a non-finite evaluation commits nothing
             saved = None
             if cadence.save_due(step):
                 saved = self.checkpoints.save()
             if self.stop_agreed:
                 self._preempt(saved)
-            if cadence.eval_due(step):
-                self.last_eval = self.evaluate()
-                self.metrics.log({"step": step, **self.last_eval})
+
+    def _check_some_step_applied(self, start_step: int) -> None:
+        """``nonfinite: skip``: a run segment whose every step was skipped fails (nothing of it is saved)."""
+        ran = self.global_step - start_step
+        limit = self.args.nonfinite_max_consecutive_skips
+        if (
+            self.args.nonfinite == nonfinite.SKIP
+            and limit > 0
+            and ran > 0
+            and self.engine.consecutive_skips >= ran
+        ):
+            raise nonfinite.all_skipped_error(
+                first_step=start_step + 1, last_step=self.global_step, limit=limit
+            )
+
+    def _evaluate_in_training(self, step: int) -> None:
+        """An evaluation of the training cadence, logged; a non-finite eval loss fails the run (every rank)."""
+        self.last_eval = self.evaluate()
+        self.metrics.log({"step": step, **self.last_eval})
+        loss = self.last_eval.get("eval_loss")
+        if loss is not None and not math.isfinite(loss):
+            raise nonfinite.eval_error(step=step, loss=loss)
 
     def _preempt(self, saved: Any) -> None:
         """Every rank: write the preemption checkpoint (unless this step just saved one) and raise."""

@@ -55,6 +55,7 @@ RESUMABLE_SETTINGS = (
     "num_train_epochs",
     "max_grad_norm",
     "nonfinite",
+    "nonfinite_max_consecutive_skips",
 )
 # Optimizer group options that follow from those settings (logged through the setting, not twice).
 _GROUP_KEYS_FROM_SETTINGS = {"lr", "initial_lr", "weight_decay", "betas", "eps"}

@@ -94,6 +94,9 @@ class TrainingArguments:
     """A step whose loss or gradient norm is NaN or infinite: ``stop`` raises an error naming the step, the
     loss, the gradient norm and the first non-finite gradient; ``skip`` drops the step (no optimizer update,
     the learning-rate schedule does not advance) and counts it in the metrics (``skipped_steps``)."""
+    nonfinite_max_consecutive_skips: int = 5
+    """With ``nonfinite: skip``: at most this many steps in a row are skipped; the next non-finite step stops the
+    run as ``nonfinite: stop`` would, and a run whose every step was skipped fails at its end. 0: no limit."""
     comm_timeout_s: float = 600.0
     """Seconds a collective or pipeline transfer may wait for a peer before the step fails
     (every process group of the layout); ``merak train --timeout`` sets it too."""

@@ -112,6 +112,7 @@ def _check_run(args: Any) -> None:
     )
     _check(args.dtype in DTYPES, "dtype", args.dtype, f"one of {tuple(DTYPES)}")
     _check(args.nonfinite in NONFINITE_POLICIES, "nonfinite", args.nonfinite, f"one of {NONFINITE_POLICIES}")
+    _check_int(args, "nonfinite_max_consecutive_skips", minimum=0, hint="(0: no limit)")
     if args.dtype == "float16":
         raise ValueError(
             "dtype='float16' trains without loss scaling, so small gradients underflow to 0 and large "
