@@ -30,11 +30,13 @@ from torch import nn
 from merak_core.compose import ParallelModel, build_parallel_model
 from merak_core.config import TrainingArguments
 from merak_core.layout import ParallelLayout, ensure_process_group, init, select_device
+from merak_core.lora import LoraConfig
 from merak_core.virtual_stages import stage_placement
 
 __all__ = [
     "autocast",
     "check_layout",
+    "check_lora",
     "compose",
     "example_batch",
     "first_samples",
@@ -160,8 +162,10 @@ def compose(
     *,
     example_inputs: Mapping[str, Any] | Sequence[Any] | Any,
     init_fn: Callable[[nn.Module], Any] | None = None,
+    lora: LoraConfig | None = None,
 ) -> ParallelModel:
-    """``model`` in ``args.torch_dtype``, its TP plan checked (``tp_check``), composed for this rank."""
+    """``model`` in ``args.torch_dtype``, its TP plan checked (``tp_check``), composed for this rank
+    (with ``lora``: adapters on its targets, the rest frozen; the caller fills the adapters)."""
     if not is_meta(model):
         model.to(dtype=args.torch_dtype)
     if args.tp_check and layout.tp > 1:
@@ -189,7 +193,22 @@ def compose(
         rng_tracker=tp_rng,
         stage_to_rank=stage_placement(args.schedule, layout.pp, args.virtual_stages),
         sequence_parallel=args.sequence_parallel and layout.tp > 1,
+        lora=lora,
     )
+
+
+def check_lora(
+    model: nn.Module, args: TrainingArguments, layout: ParallelLayout | None, lora: LoraConfig
+) -> None:
+    """ValueError before any process group: ``lora``'s targets against ``model`` (unsharded) and the
+    run options LoRA does not compute exactly yet (:func:`merak_core.lora.check_lora_arguments`)."""
+    from merak_core.lora import check_lora_arguments
+    from merak_core.lora.apply import check_targets
+
+    tp = layout.tp if layout is not None else args.tp
+    dp = layout.dp if layout is not None else args.dp
+    check_lora_arguments(tp=tp, dp=dp, args=args, config=lora)
+    check_targets(model, lora)
 
 
 def pretrained_start(

@@ -34,6 +34,7 @@ from torch import nn
 
 from merak_core.fsdp import full_local_tensor
 from merak_core.layout import ParallelLayout
+from merak_core.lora import LoraConfig
 from merak_core.virtual_stages import check_layer_count
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,8 @@ class ParallelModel:
     """Pipeline rank of every stage (``pp > 1``): ``pp * v`` entries with virtual stages."""
     stage_modules: dict[int, nn.Module] = field(default_factory=dict)
     """Stage index -> this rank's module of that stage (``pp > 1``)."""
+    lora: LoraConfig | None = None
+    """The LoRA adapters' config when only adapters train (:mod:`merak_core.lora`)."""
 
     @property
     def num_stages(self) -> int:
@@ -174,8 +177,12 @@ def build_parallel_model(
     rng_tracker: Any = None,
     stage_to_rank: Sequence[int] | None = None,
     sequence_parallel: bool = False,
+    lora: LoraConfig | None = None,
 ) -> ParallelModel:
     """Apply TP, partition into ``layout.pp`` stages and keep this rank's stage.
+
+    ``lora``: wrap its target modules with adapters after TP and before tracing, and freeze every
+    other parameter (:mod:`merak_core.lora`; the adapters are left for the caller to fill).
 
     ``stage_to_rank``: virtual stages, e.g. a schedule's ``stage_to_rank`` (``pp * v`` entries,
     ``v`` per pipeline rank: round-robin for interleaved-1F1B, a V for ZB-V); the model is cut
@@ -204,6 +211,10 @@ def build_parallel_model(
         rng_tracker=rng_tracker,
         sequence_parallel=sequence_parallel,
     )
+    if lora is not None:
+        from merak_core.lora.apply import apply_lora
+
+        apply_lora(model, lora)
     if layout.pp == 1:
         from merak_graph import is_meta_module, materialize
 
@@ -211,13 +222,18 @@ def build_parallel_model(
             materialize(model, device=device, init_fn=init_fn)
         model.to(device)
         logical = {name: _canonical_name(canonical, p, name) for name, p in model.named_parameters()}
-        return ParallelModel(
+        pm = ParallelModel(
             module=model, layout=layout, logical_names=logical, input_keys=keys, by_keyword=by_keyword
         )
+        return _with_lora(pm, lora)
 
     import merak_graph
 
     leaves = _trace_leaves(model, layout, tp_plan)
+    if lora is not None:
+        from merak_core.lora.layer import LoraLinear
+
+        leaves = (*leaves, LoraLinear)  # opaque: its TP collectives stay inside (merak_core.lora.layer)
     placement = tuple(stage_to_rank) if stage_to_rank is not None else tuple(range(layout.pp))
     _check_placement(placement, layout.pp)
     check_layer_count(model, layout.pp, len(placement) // layout.pp)
@@ -244,6 +260,22 @@ def build_parallel_model(
     if by_keyword:
         keys = list(part.input_names)
     pm.input_keys = keys
+    return _with_lora(pm, lora)
+
+
+def _with_lora(pm: ParallelModel, lora: LoraConfig | None) -> ParallelModel:
+    """With LoRA: logical names without the wrappers' ``base_layer`` ([Note: LoRA logical names]),
+    only adapters trainable, and shared (tied) parameters left out of the cross-stage gradient sum
+    when frozen (they get no gradient)."""
+    if lora is None:
+        return pm
+    from merak_core.lora.apply import freeze_base, logical_name
+
+    pm.logical_names = {local: logical_name(name) for local, name in pm.logical_names.items()}
+    pm.lora = lora
+    freeze_base(pm.named_parameters())
+    pm.shared_parameters = [(p, g) for p, g in pm.shared_parameters if p.requires_grad]
+    pm.shared_owner = {p: s for p, s in pm.shared_owner.items() if p.requires_grad}
     return pm
 
 

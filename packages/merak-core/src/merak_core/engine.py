@@ -353,7 +353,7 @@ class ParallelEngine:
 
     def _fill_missing_grads(self) -> None:
         for p in self.params:
-            if p.grad is None:
+            if p.grad is None and p.requires_grad:  # frozen (LoRA's base weights): no gradient buffer
                 p.grad = torch.zeros_like(p)
 
     # ------------------------------------------------------------------ evaluation

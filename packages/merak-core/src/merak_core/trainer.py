@@ -54,6 +54,7 @@ from merak_core.engine import (
 )
 from merak_core.evaluation import evaluate_loader, shapes_specialised
 from merak_core.layout import ParallelLayout
+from merak_core.lora import LoraConfig
 from merak_core.metrics import MetricsWriter
 from merak_core.planner import PlanContext
 from merak_core.signals import StopRequest, TrainingPreempted
@@ -89,6 +90,8 @@ class Trainer:
             from; ``model=None`` builds the model from its ``config.json`` on the meta device. Each rank
             reads only its TP slices of its own stage (:mod:`merak_core.hf`); ``export_hf_dir`` and
             ``merak export`` copy the folder's config and tokenizer files.
+        lora: train low-rank adapters on the frozen model (:mod:`merak_core.lora`); ``export_hf_dir``
+            then writes a PEFT adapter folder.
     """
 
     def __init__(
@@ -108,6 +111,7 @@ class Trainer:
         device: torch.device | str | None = None,
         plan_context: PlanContext | None = None,
         pretrained: str | os.PathLike[str] | None = None,
+        lora: LoraConfig | None = None,
     ) -> None:
         model, weights, init_fn = bootstrap.pretrained_start(model, args, pretrained, init_fn)
         self.pretrained_path = None if pretrained is None else str(Path(pretrained).resolve())
@@ -122,6 +126,8 @@ class Trainer:
             args, plan_context = plan_for_job(
                 args, model, train_dataset, data_collator=data_collator, device=device
             )
+        if lora is not None:  # from the model and the arguments alone, before any process group
+            bootstrap.check_lora(model, args, layout, lora)
         if args.sequence_parallel and (layout.tp if layout is not None else args.tp) > 1:
             from merak_core.tp_check import check_sequence_parallel
 
@@ -155,10 +161,14 @@ class Trainer:
                 args.micro_batch_size,
             )
         composed = bootstrap.compose(
-            model, args, self.layout, self.device, example_inputs=example_inputs, init_fn=init_fn
+            model, args, self.layout, self.device, example_inputs=example_inputs, init_fn=init_fn, lora=lora
         )
         if weights is not None:
             weights.load_into(composed)  # this rank's slices, before the optimizer sees the parameters
+        if lora is not None:
+            from merak_core.hf.adapters import start_adapters
+
+            start_adapters(composed, lora, seed=args.seed)  # drawn like PEFT, or read from lora.from_dir
         self.engine = ParallelEngine(
             composed,
             self.layout,
@@ -348,7 +358,12 @@ class Trainer:
         if args.export_hf_dir is not None:
             from merak_core.hf import export_hf
 
-            export_hf(self, args.export_hf_dir)  # from the live parameters: checkpoints or not
+            if self.model.lora is not None:
+                from merak_core.hf.adapters import export_adapters
+
+                export_adapters(self.model, args.export_hf_dir, base=self.pretrained_path)  # a PEFT folder
+            else:
+                export_hf(self, args.export_hf_dir)  # from the live parameters: checkpoints or not
         self.metrics.finish()
         return self.history
 

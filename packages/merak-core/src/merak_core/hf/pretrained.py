@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from merak_core.hf.folder import PretrainedFolder
+from merak_core.lora.apply import is_adapter_name
 
 if TYPE_CHECKING:
     from merak_core.compose import ParallelModel
@@ -216,6 +217,8 @@ class PretrainedWeights:
                     continue
                 seen.add(id(p))
                 file_name = self.file_names.get(name)
+                if file_name is None and pm.lora is not None and is_adapter_name(name):
+                    continue  # a LoRA adapter: not in the base folder (merak_core.hf.adapters fills it)
                 if file_name is None:
                     raise ValueError(
                         f"parameter {name!r} of this rank's stage is not a parameter of the model "

@@ -1,0 +1,166 @@
+"""PEFT adapter folders in and out: ``adapter_config.json`` + ``adapter_model.safetensors``.
+
+A LoRA run (:mod:`merak_core.lora`) exports its adapters as the folder ``peft.PeftModel.from_pretrained``
+loads, and ``model.lora.from`` starts a run from such a folder. The format is written and read
+here with ``json`` and ``safetensors`` alone (``peft`` is not needed): tensor keys are
+``base_model.model.<module path>.lora_A.weight`` / ``.lora_B.weight`` (A ``r x in``, B ``out x r``,
+the layout of :class:`merak_core.lora.layer.LoraLinear`), one file, no shards.
+
+Not done here: the adapters' math and sharding (``merak_core.lora``), full-model folders
+(``export.py`` and ``pretrained.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from merak_core.hf.pretrained import read_local_shard
+from merak_core.lora import LoraConfig
+from merak_core.lora.apply import is_adapter_name
+from merak_core.lora.init import initialise_adapters
+
+if TYPE_CHECKING:
+    from merak_core.compose import ParallelModel
+
+logger = logging.getLogger(__name__)
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+KEY_PREFIX = "base_model.model."
+
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "export_adapters", "read_adapter_config", "start_adapters"]
+
+
+def read_adapter_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The ``adapter_config.json`` of a PEFT LoRA folder; ValueError naming what is missing or wrong."""
+    folder = Path(path)
+    config_file, weights = folder / ADAPTER_CONFIG, folder / ADAPTER_WEIGHTS
+    if not config_file.is_file() or not weights.is_file():
+        raise ValueError(
+            f"model.lora.from={str(folder)!r} is not a PEFT adapter folder: it needs {ADAPTER_CONFIG} and "
+            f"{ADAPTER_WEIGHTS} (as PeftModel.save_pretrained writes them)"
+        )
+    config = json.loads(config_file.read_text())
+    if config.get("peft_type") != "LORA":
+        raise ValueError(
+            f"model.lora.from={str(folder)!r}: peft_type is {config.get('peft_type')!r}, expected 'LORA'"
+        )
+    return dict(config)
+
+
+def check_adapter_folder(config: LoraConfig) -> None:
+    """``lora.from_dir`` holds a LoRA adapter of the same rank and scale (ValueError otherwise)."""
+    if config.from_dir is None:
+        return
+    saved = read_adapter_config(config.from_dir)
+    theirs = (saved.get("r"), float(saved.get("lora_alpha", 8)), bool(saved.get("use_rslora", False)))
+    if theirs[:2] != (config.r, config.alpha) or theirs[2]:
+        raise ValueError(
+            f"model.lora.from={config.from_dir!r} holds r={theirs[0]}, lora_alpha={theirs[1]:g}"
+            f"{', use_rslora' if theirs[2] else ''}; model.lora has r={config.r}, alpha={config.alpha:g}: "
+            "set model.lora's r and alpha to the folder's"
+        )
+
+
+@torch.no_grad()
+def start_adapters(pm: ParallelModel, config: LoraConfig, *, seed: int) -> None:
+    """Fill this rank's adapters: from ``config.from_dir`` (its TP slices), else drawn (``lora.init``)."""
+    layout = pm.layout
+    named = [(n, p) for n, p in pm.named_parameters() if is_adapter_name(n)]
+    if config.from_dir is None:
+        initialise_adapters(named, tp=layout.tp, tp_rank=layout.tp_rank, seed=seed)
+        return
+    check_adapter_folder(config)
+    from safetensors import safe_open
+
+    with safe_open(str(Path(config.from_dir) / ADAPTER_WEIGHTS), framework="pt") as reader:
+        keys = set(reader.keys())
+        for name, p in named:
+            key = KEY_PREFIX + name
+            if key not in keys:
+                raise ValueError(
+                    f"model.lora.from={config.from_dir!r} has no tensor {key!r}: the folder's adapters are on "
+                    f"other modules (it holds e.g. {sorted(keys)[:3]}); set model.lora.target_modules to its"
+                )
+            part = read_local_shard(reader.get_slice(key), p, layout.tp, layout.tp_rank)
+            if tuple(part.shape) != tuple(p.shape):
+                raise ValueError(
+                    f"model.lora.from={config.from_dir!r}: {key!r} gives this rank a block of shape "
+                    f"{list(part.shape)}, the adapter's is {list(p.shape)}: the folder was trained on "
+                    "another model"
+                )
+            p.copy_(part)
+
+
+def _gathered_adapters(pm: ParallelModel) -> dict[str, torch.Tensor]:
+    """Every adapter of the model, whole, on global rank 0 (empty elsewhere); collective over the world."""
+    from merak_tp.shard_spec import get_shard_spec
+
+    layout = pm.layout
+    local: dict[str, torch.Tensor] = {}
+    for name, p in pm.named_parameters():
+        if not is_adapter_name(name) or name in local:
+            continue
+        tensor = get_shard_spec(p).gather(p.detach(), layout.tp_group) if layout.tp > 1 else p.detach()
+        local[name] = tensor.cpu().contiguous()
+    contribute = layout.dp_rank == 0 and layout.tp_rank == 0
+    parts: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(local if contribute else {}, parts, dst=0)
+    full: dict[str, torch.Tensor] = {}
+    for part in parts or []:
+        full.update(part)
+    return dict(sorted(full.items()))
+
+
+def adapter_config(config: LoraConfig, modules: list[str], *, base: str | None) -> dict[str, Any]:
+    """The ``adapter_config.json`` PEFT writes for these adapters (``target_modules``: the wrapped modules)."""
+    alpha: float | int = int(config.alpha) if float(config.alpha).is_integer() else config.alpha
+    return {
+        "peft_type": "LORA",
+        "task_type": None,
+        "base_model_name_or_path": base,
+        "r": config.r,
+        "lora_alpha": alpha,
+        "lora_dropout": config.dropout,
+        "target_modules": config.target_modules if not config.all_linear else modules,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "use_rslora": False,
+        "use_dora": False,
+        "layers_to_transform": None,
+        "layers_pattern": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+    }
+
+
+def export_adapters(pm: ParallelModel, out: str | os.PathLike[str], *, base: str | None = None) -> Path:
+    """Write the run's adapters as a PEFT folder (collective over the world; rank 0 writes)."""
+    if pm.lora is None:
+        raise ValueError("export_adapters needs a model composed with LoRA (Trainer(..., lora=...))")
+    from safetensors.torch import save_file
+
+    tensors = _gathered_adapters(pm)
+    out_dir = Path(out)
+    if dist.get_rank() == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        modules = sorted({name.rsplit(".", 2)[0] for name in tensors})
+        keyed = {KEY_PREFIX + name: t for name, t in tensors.items()}
+        tmp = out_dir / (ADAPTER_WEIGHTS + ".tmp")
+        save_file(keyed, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, out_dir / ADAPTER_WEIGHTS)
+        config = adapter_config(pm.lora, modules, base=base)
+        (out_dir / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        logger.info("wrote %d adapter tensors to %s (a PEFT LoRA folder)", len(keyed), out_dir)
+    dist.barrier()
+    return out_dir

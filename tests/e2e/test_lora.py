@@ -1,0 +1,164 @@
+"""LoRA fine-tuning at 3D layouts against a single-process PEFT reference (float64), and PEFT out.
+
+A tiny float64 GPT-2 (``Conv1D``, fused ``c_attn``, tied embeddings) or Llama (grouped-query
+attention) is saved with ``save_pretrained``; the reference is ``peft.get_peft_model`` on
+``from_pretrained`` of that folder with the same ``LoraConfig``. Its initial adapters are saved
+with ``save_pretrained`` and Merak starts from them (``lora.from``), so both runs start equal; B
+is zero at first (the first loss is the base model's), so only the steps make the comparison
+meaningful. After 3 AdamW steps over the same microbatches:
+
+- the losses and every adapter (Merak's PEFT export, ``adapter_model.safetensors``) equal PEFT's;
+- the base weights are bit-unchanged on every rank, have no gradient and no optimizer state, and
+  the DP gradient sync holds adapters only;
+- ``PeftModel.from_pretrained(base, export)`` loads the export unchanged and its loss on the eval
+  blocks equals Merak's eval loss (so the exported adapters give Merak's outputs).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.e2e._pretrained_support import Blocks, lm_loss, make_folder, token_stream
+from tests.e2e._trainer_support import make_args, reference_steps
+from tests.support.compare import assert_tensors_close
+from tests.support.dist import run_on_ranks
+
+pytestmark = pytest.mark.transformers
+
+TRAIN_BLOCKS, EVAL_BLOCKS = 32, 8
+TARGETS = {
+    "gpt2": ["c_attn", "c_proj", "c_fc"],
+    "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+}
+
+
+def _datasets(folder: Path, text: Path) -> tuple[Blocks, Blocks]:
+    ids = token_stream(text, folder / "tokenizer.json")
+    return Blocks(ids, count=TRAIN_BLOCKS), Blocks(ids, start=TRAIN_BLOCKS, count=EVAL_BLOCKS)
+
+
+def lora_on_ranks(
+    folder: str, text: str, out: str, args_kwargs: dict[str, Any], lora_kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """Rank body: LoRA from the folder and ``lora_kwargs`` (a ``from`` adapter), 3 steps, PEFT export."""
+    from merak_core import Trainer
+    from merak_core.lora import LoraConfig
+    from merak_core.lora.apply import is_adapter_name
+
+    args = make_args(
+        **args_kwargs, output_dir=str(Path(out) / "run"), export_hf_dir=str(Path(out) / "adapter")
+    )
+    train, evaluation = _datasets(Path(folder), Path(text))
+    trainer = Trainer(
+        None, args, train, evaluation, loss_fn=lm_loss, pretrained=folder, lora=LoraConfig(**lora_kwargs)
+    )
+    named = trainer.model.named_parameters()
+    base = {n: p.detach().clone() for n, p in named if not is_adapter_name(n)}
+    history = trainer.train()
+    frozen = [p for n, p in named if not is_adapter_name(n)]
+    adapters = [p for n, p in named if is_adapter_name(n)]
+    state_params = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    synced = [] if trainer.dp_sync is None else [p for b in trainer.dp_sync.buckets for p in b.params]
+    return {
+        "losses": [h["loss"] for h in history],
+        "eval_loss": trainer.last_eval["eval_loss"],
+        "base_unchanged": all(torch.equal(base[n], p) for n, p in named if n in base),
+        "frozen_clean": all(
+            not p.requires_grad and p.grad is None and id(p) not in state_params for p in frozen
+        ),
+        "adapters_trained": bool(adapters)
+        and all(p.requires_grad and id(p) in state_params for p in adapters),
+        "synced_adapters_only": all(p.requires_grad for p in synced)
+        and (trainer.dp_sync is None or bool(synced)),
+        "optimizer_state": len(trainer.optimizer.state),
+        "num_adapters": len(adapters),
+    }
+
+
+def peft_reference(
+    folder: Path, text: Path, targets: list[str], args_kwargs: dict[str, Any], dp: int, adapter0: Path
+) -> tuple[Any, list[float]]:
+    """PEFT's LoRA on ``from_pretrained(folder)`` (float64); saves its initial adapters to ``adapter0``;
+    trains 3 steps as the Trainer does. Returns (the PEFT model, its losses)."""
+    import peft
+    import transformers as tf
+
+    torch.manual_seed(123)
+    base = tf.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float64)
+    model = peft.get_peft_model(
+        base, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets)
+    )
+    model.save_pretrained(str(adapter0))
+    train, _ = _datasets(folder, text)
+
+    def microbatch_loss(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return lm_loss(
+            model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]), batch["labels"]
+        )
+
+    losses = reference_steps(model, train, make_args(**args_kwargs), dp, microbatch_loss)
+    return model, losses
+
+
+def _eval_loss(model: Any, folder: Path, text: Path) -> float:
+    _, evaluation = _datasets(folder, text)
+    batch = torch.utils.data.default_collate([evaluation[i] for i in range(len(evaluation))])
+    with torch.no_grad():
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    return float(lm_loss(out, batch["labels"]))
+
+
+@pytest.mark.parametrize(
+    ("name", "layout"),
+    [("gpt2", (1, 2, 1)), ("llama", (1, 1, 2)), ("gpt2", (2, 1, 1)), ("llama", (1, 2, 2))],
+    ids=["gpt2-tp2", "llama-pp2", "gpt2-dp2-zero1", "llama-tp2_pp2"],
+)
+def test_lora_matches_peft(name: str, layout: tuple[int, int, int]) -> None:
+    peft = pytest.importorskip("peft")
+    tf = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    dp, tp, pp = layout
+    root = Path(tempfile.mkdtemp(prefix="merak-lora-"))
+    folder, text = make_folder(name, root)
+    kwargs: dict[str, Any] = dict(
+        dp=dp, tp=tp, pp=pp, gradient_accumulation_steps=2, per_device_eval_batch_size=2
+    )
+    if dp > 1:
+        kwargs["zero_stage"] = 1
+    ref_model, ref_losses = peft_reference(folder, text, TARGETS[name], kwargs, dp, root / "adapter0")
+    lora = {"r": 4, "alpha": 8, "target_modules": TARGETS[name], "from_dir": str(root / "adapter0")}
+    results = run_on_ranks(
+        dp * tp * pp, lora_on_ranks, str(folder), str(text), str(root / "out"), kwargs, lora
+    )
+
+    for rank, r in enumerate(results):
+        assert r["base_unchanged"] and r["frozen_clean"] and r["adapters_trained"], (rank, r)
+        assert r["synced_adapters_only"], (rank, r)
+        assert r["optimizer_state"] <= r["num_adapters"], (rank, r)
+    losses = results[-1]["losses"]  # the last stage's ranks know it; every rank reports the global mean
+    assert losses == pytest.approx(ref_losses, rel=1e-10, abs=1e-12)
+
+    exported = root / "out" / "adapter"
+    config = json.loads((exported / "adapter_config.json").read_text())
+    assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 4, 8)
+    mine = load_file(str(exported / "adapter_model.safetensors"))
+    ref_state = peft.get_peft_model_state_dict(ref_model)
+    assert sorted(mine) == sorted(ref_state)
+    for key, ref in ref_state.items():
+        assert_tensors_close(mine[key], ref, rtol=1e-9, atol=1e-11, name=key)
+    assert any(float(t.abs().max()) > 0 for k, t in mine.items() if "lora_B" in k)  # the steps moved B
+
+    # PEFT loads the export unchanged; its eval loss is Merak's.
+    base = tf.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float64)
+    loaded = peft.PeftModel.from_pretrained(base, str(exported))
+    loaded_state = peft.get_peft_model_state_dict(loaded)
+    for key, tensor in mine.items():
+        assert torch.equal(loaded_state[key], tensor), key
+    assert _eval_loss(loaded, folder, text) == pytest.approx(results[0]["eval_loss"], rel=1e-10)
