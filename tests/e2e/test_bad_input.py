@@ -35,6 +35,7 @@ from merak_graph import InputMismatchError, PartitionError, TraceError
 from tests.e2e import _bad_input_cases as cases
 from tests.e2e import _bad_input_ckpt_cases as ckpt_cases
 from tests.e2e import _bad_input_config_cases as config_cases
+from tests.e2e import _bad_input_lora_cases as lora_cases
 from tests.e2e._bad_input_support import CaseContext, CliExit, reraise_agreed, run_case_on_rank
 from tests.support.dist import run_on_ranks
 
@@ -455,6 +456,39 @@ ROWS = [
         CheckpointError,
         _all("already holds checkpoints", "step_1", "trainer.resume('latest')", "new output_dir"),
         ranks=2,
+    ),
+    # ------------------------------------------------------------------ LoRA
+    _row(
+        lora_cases.lora_targets_match_nothing,
+        CliExit,
+        _all(
+            "exit 2",
+            "model.lora.target_modules=['qproj', 'o_proj']",
+            "matches no module",
+            "nearest: ['q_proj'",
+            "list some of them",
+        ),
+    ),
+    _row(
+        lora_cases.lora_rank_not_positive,
+        CliExit,
+        _all("exit 2", "model.lora.r=0", "must be a positive integer", "e.g. r: 8"),
+    ),
+    _row(
+        lora_cases.lora_target_not_a_linear,
+        CliExit,
+        _all("exit 2", "selects 'embed', a Embedding", "LoRA wraps linear layers only", "remove the entry"),
+    ),
+    _row(
+        lora_cases.lora_with_sequence_parallel,
+        CliExit,
+        _all("exit 2", "model.lora with training.sequence_parallel=true", "set sequence_parallel: false"),
+    ),
+    _row(lora_cases.lora_unknown_key, CliExit, _all("exit 2", "unknown key model.lora.rank", "valid:")),
+    _row(
+        lora_cases.trainer_lora_targets_match_nothing,
+        ValueError,
+        _all("model.lora.target_modules=['q_proj']", "matches no module", "all-linear"),
     ),
 ]
 

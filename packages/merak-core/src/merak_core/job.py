@@ -39,12 +39,13 @@ from typing import Any
 import yaml
 
 from merak_core.config import KEY_ALIASES, TrainingArguments, load_yaml, override_value, split_override
+from merak_core.lora import LoraConfig, check_lora_arguments
 from merak_core.textdata.job import FACTORY as TEXT_FACTORY
 from merak_core.textdata.job import is_text_section, text_factory_kwargs
 
 SECTIONS = ("model", "data", "loss", "metrics", "collate", "training")
 FACTORY_KEYS = ("factory", "kwargs")
-MODEL_KEYS = (*FACTORY_KEYS, "pretrained")
+MODEL_KEYS = (*FACTORY_KEYS, "pretrained", "lora")
 
 
 def load_callable(spec: str, *, base_dir: str | Path = ".", what: str = "callable") -> Callable[..., Any]:
@@ -92,6 +93,8 @@ class Factory:
     kwargs: dict[str, Any] = field(default_factory=dict)
     pretrained: str | None = None
     """``model.pretrained``: the Hugging Face folder the weights come from (resolved against the job file)."""
+    lora: LoraConfig | None = None
+    """``model.lora``: train low-rank adapters on the frozen model (:mod:`merak_core.lora`)."""
 
     def load(self, base_dir: str | Path, what: str) -> Callable[..., Any]:
         if self.spec is None:
@@ -174,6 +177,8 @@ class JobConfig:
             PretrainedFolder(job.model.pretrained)  # a bad folder fails here, with its path and the fix
         job.data.load(base_dir, "data.factory")
         _check_tp_plan_name(training.tp_plan, source)  # the factories may have registered it
+        if job.model.lora is not None:
+            _check_lora(job.model.lora, training, source)
         for name in ("loss", "metrics", "collate"):
             if getattr(job, name) is not None:
                 load_callable(getattr(job, name), base_dir=base_dir, what=name)
@@ -290,7 +295,23 @@ def _factory(section: Any, name: str, source: str, base_dir: str = ".") -> Facto
                 f"{type(pretrained).__name__} {pretrained!r}"
             )
         pretrained = str(Path(base_dir) / Path(pretrained).expanduser())
-    return Factory(section.get("factory"), dict(kwargs), pretrained=pretrained)
+    lora = section.get("lora")
+    if lora is not None:
+        lora = LoraConfig.from_mapping(lora, base_dir=base_dir, source=source)
+    return Factory(section.get("factory"), dict(kwargs), pretrained=pretrained, lora=lora)
+
+
+def _check_lora(lora: LoraConfig, training: TrainingArguments, source: str) -> None:
+    """``model.lora`` against the training options (and its ``from`` folder), before any process starts."""
+    from merak_core.hf.adapters import check_adapter_folder
+
+    auto = training.layout == "auto"
+    try:
+        tp, dp = (None, None) if auto else (training.tp, training.dp)
+        check_lora_arguments(tp=tp, dp=dp, args=training, config=lora)
+        check_adapter_folder(lora)
+    except ValueError as exc:
+        raise ValueError(f"{source}: {exc}") from None
 
 
 def _apply_override(raw: dict[str, Any], item: str) -> None:

@@ -210,6 +210,7 @@ def _set_up(args: argparse.Namespace, where: dict[str, str]) -> tuple[Any, Any, 
         layout=layout,
         plan_context=plan_context,
         pretrained=job.model.pretrained,
+        lora=job.model.lora,
     )
     resume = resume_target(args.resume)
     if resume is not None:

@@ -65,6 +65,9 @@ def preflight(job: JobConfig, *, tp: int | None = None, resume: str | None = Non
     report.checks.append(f"output_dir {t.output_dir} writable")
     model = build_meta_model(job)
     report.checks.append(f"model {type(model).__name__} builds")
+    from merak_core.preflight.lora import check_lora_targets
+
+    report.checks.extend(check_lora_targets(model, job.model.lora))
     if t.virtual_stages > 1:
         try:
             check_layer_count(model, t.pp, t.virtual_stages)
