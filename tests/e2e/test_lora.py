@@ -162,3 +162,58 @@ def test_lora_matches_peft(name: str, layout: tuple[int, int, int]) -> None:
     for key, tensor in mine.items():
         assert torch.equal(loaded_state[key], tensor), key
     assert _eval_loss(loaded, folder, text) == pytest.approx(results[0]["eval_loss"], rel=1e-10)
+
+
+def lora_resume_on_ranks(folder: str, text: str, out: str, args_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Rank body: a model built by a factory (real weights) with adapters drawn by Merak; 3 steps with a
+    checkpoint at step 2; a second Trainer resumed from it runs step 3. Both final states on rank 0."""
+    import torch.distributed as dist
+    import transformers as tf
+
+    from merak_core import Trainer
+    from merak_core.lora import LoraConfig
+
+    train, _ = _datasets(Path(folder), Path(text))
+    lora = LoraConfig(r=4, alpha=8, target_modules="all-linear")
+    states, losses = [], []
+    for resume in (False, True):
+        args = make_args(**args_kwargs, output_dir=str(Path(out) / ("b" if resume else "a")), save_steps=2)
+        model = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64)  # a factory's model
+        trainer = Trainer(model, args, train, loss_fn=lm_loss, lora=lora)
+        if resume:
+            dist.barrier()
+            trainer.resume(str(Path(out) / "a" / "checkpoints" / "step_2"))
+            assert trainer.global_step == 2, trainer.global_step
+        history = trainer.train()
+        losses.append([h["loss"] for h in history])
+        states.append(trainer.full_state_dict())
+    return {"losses": losses, "states": states if dist.get_rank() == 0 else None}
+
+
+def test_lora_default_init_and_resume() -> None:
+    """Adapters drawn by Merak (B = 0: the first loss is the base model's, PEFT's first loss); a resumed run
+    continues bit-identically from the checkpoint (adapters and their optimizer state restored)."""
+    pytest.importorskip("peft")
+    root = Path(tempfile.mkdtemp(prefix="merak-lora-resume-"))
+    folder, text = make_folder("gpt2", root)
+    kwargs: dict[str, Any] = dict(dp=1, tp=1, pp=2, gradient_accumulation_steps=2)
+    _, ref_losses = peft_reference(folder, text, ["c_attn", "c_proj", "c_fc"], kwargs, 1, root / "adapter0")
+    results = run_on_ranks(2, lora_resume_on_ranks, str(folder), str(text), str(root / "out"), kwargs)
+    (first, resumed), (full, after_resume) = results[0]["losses"], results[0]["states"]
+    assert first[0] == pytest.approx(ref_losses[0], rel=1e-12)  # B = 0: the base model's loss
+    assert first[1:] != pytest.approx(ref_losses[1:], rel=1e-6)  # Merak drew other A than PEFT's seed did
+    assert resumed == [first[2]]
+    assert sorted(full) == sorted(after_resume)
+    adapters = [k for k in full if k.endswith((".lora_A.weight", ".lora_B.weight"))]
+    assert len(adapters) == 2 * 2 * 4  # c_attn, attn.c_proj, c_fc, mlp.c_proj per layer (lm_head left out)
+    for key, tensor in full.items():
+        assert torch.equal(tensor, after_resume[key]), key
+    base = tf_state(folder)
+    for key, tensor in base.items():  # frozen: unchanged (tied lm_head is wte)
+        assert torch.equal(full[key], tensor), key
+
+
+def tf_state(folder: Path) -> dict[str, torch.Tensor]:
+    from tests.e2e._pretrained_support import read_folder
+
+    return read_folder(folder)

@@ -14,7 +14,11 @@ found in one process, in seconds, and reported once with the key, the value and 
 - the data factory returns datasets (not an int or a dict), a first batch collates (ragged
   samples are named by index, with a collator hint), and on that batch the input ids lie inside
   the input embedding's vocabulary, the labels of the default cross-entropy loss are int64 class
-  ids (or -100) inside the model's output size, and ``input_ids``-like inputs are integers.
+  ids (or -100) inside the model's output size, and ``input_ids``-like inputs are integers;
+- the sizes (:mod:`~merak_core.preflight.sizes`): microbatches against ``pp``, attention heads
+  against ``tp``, the training set against one global batch, the first batch against the model's
+  position table, and that batch counts a label; the metrics function runs on that batch
+  (:mod:`~merak_core.preflight.metrics`).
 
 Not checked here: anything that needs the process group or the real weights (the loss on real
 values, memory), samples after the first few batches, and layouts chosen by ``layout: auto``
@@ -26,12 +30,22 @@ Modules: ``files`` (output_dir, --resume), ``model`` (factory arguments, the met
 
 from __future__ import annotations
 
+from typing import Any
+
 from merak_core.job import JobConfig
 from merak_core.preflight.base import PreflightError, PreflightReport
 from merak_core.preflight.data import SHAPE_SCAN_SAMPLES, check_batch, check_dataset, first_batch
 from merak_core.preflight.files import check_output_dir, check_resume
+from merak_core.preflight.metrics import check_metrics
 from merak_core.preflight.model import _where, build_meta_model, check_model_kwargs
-from merak_core.preflight.tp_plan import check_tp_plan
+from merak_core.preflight.sizes import (
+    check_attention_heads,
+    check_global_batch,
+    check_labels_counted,
+    check_microbatches,
+    check_positions,
+)
+from merak_core.preflight.tp_plan import _resolve_plan, check_tp_plan
 
 __all__ = [
     "SHAPE_SCAN_SAMPLES",
@@ -63,6 +77,7 @@ def preflight(job: JobConfig, *, tp: int | None = None, resume: str | None = Non
     check_output_dir(t.output_dir)
     check_resume(resume, t.output_dir)
     report.checks.append(f"output_dir {t.output_dir} writable")
+    check_microbatches(t)
     model = build_meta_model(job)
     report.checks.append(f"model {type(model).__name__} builds")
     from merak_core.preflight.lora import check_lora_targets
@@ -74,10 +89,10 @@ def preflight(job: JobConfig, *, tp: int | None = None, resume: str | None = Non
         except ValueError as exc:
             raise PreflightError(str(exc)) from None
         report.checks.append(f"{t.pp * t.virtual_stages} virtual stages fit the model's layers")
-    plan = check_tp_plan(
-        model, t.tp_plan, t.tp if tp is None and t.layout != "auto" else tp, t.overlap_chunks
-    )
+    tp_degree = t.tp if tp is None and t.layout != "auto" else tp
+    plan = check_tp_plan(model, t.tp_plan, tp_degree, t.overlap_chunks)
     if plan is not None:
+        check_attention_heads(model, _resolve_plan(model, t.tp_plan), tp_degree)
         report.checks.append(f"TP plan {plan} resolves")
     if t.sequence_parallel and ((t.tp if tp is None else tp) or 0) > 1:
         from merak_core.tp_check import check_sequence_parallel
@@ -99,18 +114,27 @@ def preflight(job: JobConfig, *, tp: int | None = None, resume: str | None = Non
             f"{type(exc).__name__}: {exc}{_where(exc)}"
         ) from None
     collate = job.optional("collate")
+    first: dict[str, Any] = {}
     for what, dataset, batch_size in (
         ("training", train, t.per_device_train_batch_size),
         ("evaluation", evaluation, t.per_device_eval_batch_size),
     ):
         if dataset is None:
             continue
-        check_dataset(dataset, what)
+        size = check_dataset(dataset, what)
+        if what == "training" and t.layout != "auto":  # auto chooses the batch split on the ranks
+            check_global_batch(size, t, t.dp)
         batch = first_batch(dataset, collate, batch_size, what)
         try:
             inputs, labels = split_inputs_labels(batch)
         except ValueError as exc:
             raise PreflightError(f"the first {what} batch: {exc}") from None
         check_batch(model, inputs, labels, default_loss=job.loss is None)
+        check_positions(model, inputs, job, what)
+        check_labels_counted(labels, what)
+        first[what] = (inputs, labels)
         report.checks.append(f"first {what} batch collates")
+    if job.metrics is not None and "evaluation" in first:
+        check_metrics(job, model, *first["evaluation"])
+        report.checks.append(f"metrics {job.metrics} runs")
     return report

@@ -1,0 +1,219 @@
+"""Mistakes of a job file that ``merak train`` refuses before torchrun starts (rows of the bad-input table).
+
+Each case writes a job file whose factories live in this module (``tests.e2e._bad_input_launch_cases:<fn>``)
+and runs ``merak train JOB --dry-run`` in the test process under the no-collective guard (the TP
+check's fake process group allowed). :func:`_train_dry_run` raises :class:`CliExit` with the exit
+status and the one error line; a failure printed over several lines, or an error that tells the
+user to set a ``training.<key>`` that ``TrainingArguments`` does not have, fails the row instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from torch.utils.data import Dataset
+
+from tests.e2e._bad_input_support import CaseContext, CliExit
+
+HERE = "tests.e2e._bad_input_launch_cases"
+
+# ----------------------------------------------------------------------------- factories of the jobs
+
+
+def hf_llama(heads: int = 4, kv_heads: int = 4, hidden: int = 16, vocab: int = 16) -> Any:
+    """A tiny transformers Llama (its head counts live in its config only)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=32,
+    )
+    return LlamaForCausalLM(config)
+
+
+def hf_gpt2(positions: int = 16, vocab: int = 16) -> Any:
+    """A tiny transformers GPT-2: a learned position table of ``positions`` rows."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=vocab, n_embd=8, n_layer=2, n_head=2, n_positions=positions, bos_token_id=0, eos_token_id=0
+    )
+    return GPT2LMHeadModel(config)
+
+
+class Tokens(Dataset):
+    """``size`` sequences of ``seq_len`` token ids with next-token labels (``ignore_all``: every label -100)."""
+
+    def __init__(self, size: int, seq_len: int, vocab: int, ignore_all: bool) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, vocab, (size, seq_len + 1), generator=g)
+        self.ignore_all = ignore_all
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        labels = self.ids[i, 1:].clone()
+        if self.ignore_all:
+            labels[:] = -100
+        return {"input_ids": self.ids[i, :-1].clone(), "labels": labels}
+
+
+def tokens(size: int = 32, seq_len: int = 6, vocab: int = 16, ignore_all: bool = False) -> Any:
+    return Tokens(size, seq_len, vocab, ignore_all), Tokens(8, seq_len, vocab, False)
+
+
+def accuracy_as_float(logits: torch.Tensor, labels: torch.Tensor) -> Any:
+    """A metrics function that reduces to a Python float (``.item()`` of a batch): it raises."""
+    return {"accuracy": (logits.argmax(-1) == labels).float().mean(dim=1).item()}
+
+
+def accuracy_not_a_tensor(logits: torch.Tensor, labels: torch.Tensor) -> Any:
+    """A metrics function that returns Python numbers instead of per-example tensors."""
+    return {"accuracy": float((logits.argmax(-1) == labels).float().mean())}
+
+
+def accuracy(logits: torch.Tensor, labels: torch.Tensor) -> Any:
+    """A correct metrics function: per-example token accuracy."""
+    return {"accuracy": (logits.argmax(-1) == labels).float().mean(dim=-1)}
+
+
+ATTENTION_PLAN = {
+    "model.layers.*.self_attn.q_proj": "column",
+    "model.layers.*.self_attn.k_proj": "column",
+    "model.layers.*.self_attn.v_proj": "column",
+    "model.layers.*.self_attn.o_proj": "row",
+}
+"""A hand-written TP plan that shards Llama's attention (it names no head count to fix)."""
+
+# ----------------------------------------------------------------------------- running merak train
+
+
+def write_job(ctx: CaseContext, *, model: dict, data: dict | None = None, **sections: Any) -> Path:
+    """A job file in ``ctx.tmp``: ``model``/``data`` sections, ``training`` merged over small defaults."""
+    training = {
+        "output_dir": str(ctx.tmp / "out"),
+        "dp": 1,
+        "per_device_train_batch_size": 2,
+        "max_steps": 2,
+        **sections.pop("training", {}),
+    }
+    raw = {"model": model, "data": data or {"factory": f"{HERE}:tokens"}, **sections, "training": training}
+    path = ctx.tmp / "job.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def _check_keys(line: str) -> None:
+    """Every ``training.<key>`` an error names is a TrainingArguments field (the fix must exist)."""
+    from merak_core import TrainingArguments
+
+    fields = {f.name for f in dataclasses.fields(TrainingArguments)}
+    unknown = sorted(set(re.findall(r"training\.([a-z_]+)", line)) - fields)
+    assert not unknown, f"the error names training keys that do not exist: {unknown}: {line}"
+
+
+def train_dry_run(ctx: CaseContext, job: Path, *argv: str) -> None:
+    """``merak train JOB ARGV --dry-run`` here; a refusal becomes :class:`CliExit` ("exit N: LINE")."""
+    from merak_core.cli import main
+
+    err = io.StringIO()
+    with (
+        ctx.guard(allow=("init_process_group",)),  # the TP check's fake group
+        contextlib.redirect_stderr(err),
+        contextlib.redirect_stdout(io.StringIO()),
+    ):
+        try:
+            status = main(["--log-level", "WARNING", "train", str(job), *argv, "--dry-run"])
+        except SystemExit as exc:
+            status = exc.code if isinstance(exc.code, int) else 2
+    lines = [line for line in err.getvalue().splitlines() if line.strip()]
+    if status:
+        assert len(lines) == 1, f"not one line (exit {status}):\n{err.getvalue()}"
+        _check_keys(lines[0])
+        raise CliExit(f"exit {status}: {lines[0]}")
+
+
+# ----------------------------------------------------------------------------- the cases: sizes
+
+
+def launch_microbatches_fewer_than_pp(ctx: CaseContext) -> None:
+    job = write_job(
+        ctx,
+        model={"factory": f"{HERE}:hf_llama"},
+        training={"pp": 2, "gradient_accumulation_steps": 1},
+    )
+    train_dry_run(ctx, job)
+
+
+def launch_heads_not_divisible_by_tp(ctx: CaseContext) -> None:
+    job = write_job(
+        ctx,
+        model={"factory": f"{HERE}:hf_llama", "kwargs": {"heads": 3, "kv_heads": 3, "hidden": 12}},
+        training={"tp": 2, "tp_plan": ATTENTION_PLAN},
+    )
+    train_dry_run(ctx, job)
+
+
+def launch_kv_heads_not_divisible_by_tp(ctx: CaseContext) -> None:
+    job = write_job(
+        ctx,
+        model={"factory": f"{HERE}:hf_llama", "kwargs": {"heads": 4, "kv_heads": 1}},
+        training={"tp": 2, "tp_plan": ATTENTION_PLAN},
+    )
+    train_dry_run(ctx, job)
+
+
+def launch_dataset_smaller_than_global_batch(ctx: CaseContext) -> None:
+    job = write_job(
+        ctx,
+        model={"factory": f"{HERE}:hf_llama"},
+        data={"factory": f"{HERE}:tokens", "kwargs": {"size": 10}},
+        training={"per_device_train_batch_size": 4, "gradient_accumulation_steps": 4},
+    )
+    train_dry_run(ctx, job)
+
+
+def launch_seq_len_beyond_positions(ctx: CaseContext) -> None:
+    job = write_job(
+        ctx,
+        model={"factory": f"{HERE}:hf_gpt2", "kwargs": {"positions": 4}},
+        data={"factory": f"{HERE}:tokens", "kwargs": {"seq_len": 6}},
+    )
+    train_dry_run(ctx, job)
+
+
+def launch_every_label_ignored(ctx: CaseContext) -> None:
+    job = write_job(
+        ctx,
+        model={"factory": f"{HERE}:hf_llama"},
+        data={"factory": f"{HERE}:tokens", "kwargs": {"ignore_all": True}},
+    )
+    train_dry_run(ctx, job)
+
+
+# ----------------------------------------------------------------------------- the cases: metrics
+
+
+def launch_metrics_raises(ctx: CaseContext) -> None:
+    job = write_job(ctx, model={"factory": f"{HERE}:hf_llama"}, metrics=f"{HERE}:accuracy_as_float")
+    train_dry_run(ctx, job)
+
+
+def launch_metrics_returns_numbers(ctx: CaseContext) -> None:
+    job = write_job(ctx, model={"factory": f"{HERE}:hf_llama"}, metrics=f"{HERE}:accuracy_not_a_tensor")
+    train_dry_run(ctx, job)

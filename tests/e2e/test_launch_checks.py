@@ -1,0 +1,50 @@
+"""The launch checks of sizes and functions accept correct jobs (their refusals are rows of test_bad_input.py).
+
+Each job sits next to a mistake of the table: the same model and data with the value right, so a
+check that refuses too much fails here. Runs ``merak train --dry-run`` in this process.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.e2e._bad_input_launch_cases import ATTENTION_PLAN, HERE, train_dry_run, write_job
+from tests.e2e._bad_input_support import CaseContext
+
+LLAMA = {"factory": f"{HERE}:hf_llama"}
+
+GOOD = {
+    "microbatches_equal_pp": dict(model=LLAMA, training={"pp": 2, "gradient_accumulation_steps": 2}),
+    "attention_plan_whole_heads": dict(
+        model={**LLAMA, "kwargs": {"heads": 4, "kv_heads": 2}},
+        training={"tp": 2, "tp_plan": ATTENTION_PLAN},
+    ),
+    "mlp_plan_odd_heads": dict(  # attention replicated: its 3 heads need not divide tp
+        model={**LLAMA, "kwargs": {"heads": 3, "kv_heads": 3, "hidden": 12}},
+        training={
+            "tp": 2,
+            "tp_plan": {"model.layers.*.mlp.up_proj": "column", "model.layers.*.mlp.down_proj": "row"},
+        },
+    ),
+    "dataset_of_one_global_batch": dict(
+        model=LLAMA,
+        data={"factory": f"{HERE}:tokens", "kwargs": {"size": 16}},
+        training={"per_device_train_batch_size": 4, "gradient_accumulation_steps": 4},
+    ),
+    "seq_len_equal_positions": dict(
+        model={"factory": f"{HERE}:hf_gpt2", "kwargs": {"positions": 6}},
+        data={"factory": f"{HERE}:tokens", "kwargs": {"seq_len": 6}},
+    ),
+    "rotary_model_beyond_max_positions": dict(  # rotary positions take any length
+        model=LLAMA, data={"factory": f"{HERE}:tokens", "kwargs": {"seq_len": 40}}
+    ),
+    "per_example_metrics": dict(model=LLAMA, metrics=f"{HERE}:accuracy"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GOOD))
+def test_launch_checks_accept_a_correct_job(name: str, tmp_path: Path) -> None:
+    ctx = CaseContext(tmp_path)
+    train_dry_run(ctx, write_job(ctx, **GOOD[name]))  # raises CliExit on a refusal
