@@ -35,6 +35,7 @@ from merak_graph import InputMismatchError, PartitionError, TraceError
 from tests.e2e import _bad_input_cases as cases
 from tests.e2e import _bad_input_ckpt_cases as ckpt_cases
 from tests.e2e import _bad_input_config_cases as config_cases
+from tests.e2e import _bad_input_launch_cases as launch_cases
 from tests.e2e import _bad_input_lora_cases as lora_cases
 from tests.e2e._bad_input_support import CaseContext, CliExit, reraise_agreed, run_case_on_rank
 from tests.support.dist import run_on_ranks
@@ -357,6 +358,72 @@ ROWS = [
         config_cases.lr_decay_without_total_steps,
         ValueError,
         _all("lr_scheduler_type='cosine'", "max_steps=-1", "pass num_training_steps"),
+    ),
+    # ------------------------------------------------------------------ merak train, before torchrun (one line, exit 2)
+    _row(
+        launch_cases.launch_microbatches_fewer_than_pp,
+        CliExit,
+        _all(
+            "exit 2",
+            "training.gradient_accumulation_steps=1",
+            "training.pp=2",
+            "set training.gradient_accumulation_steps=2",
+        ),
+    ),
+    _row(
+        launch_cases.launch_heads_not_divisible_by_tp,
+        CliExit,
+        _all("exit 2", "training.tp=2", "num_attention_heads=3", "choose a TP degree that divides 3"),
+    ),
+    _row(
+        launch_cases.launch_kv_heads_not_divisible_by_tp,
+        CliExit,
+        _all("exit 2", "training.tp=2", "num_key_value_heads=1", "choose a TP degree that divides 1"),
+    ),
+    _row(
+        launch_cases.launch_dataset_smaller_than_global_batch,
+        CliExit,
+        _all(
+            "exit 2",
+            "10 samples",
+            "global batch of 16",
+            "training.per_device_train_batch_size=4",
+            "training.gradient_accumulation_steps=4",
+            "at most 10",
+        ),
+    ),
+    _row(
+        launch_cases.launch_seq_len_beyond_positions,
+        CliExit,
+        _all(
+            "exit 2",
+            "data.kwargs.seq_len=6",
+            "4 positions",
+            "transformer.wpe.num_embeddings",
+            "set data.kwargs.seq_len to at most 4",
+        ),
+    ),
+    _row(
+        launch_cases.launch_every_label_ignored,
+        CliExit,
+        _all("exit 2", "every label of the first training batch is -100", "label masking"),
+    ),
+    _row(
+        launch_cases.launch_metrics_raises,
+        CliExit,
+        _all(
+            "exit 2",
+            "metrics 'tests.e2e._bad_input_launch_cases:accuracy_as_float' fails",
+            "cannot be converted to Scalar",
+            "_bad_input_launch_cases.py:",
+        ),
+    ),
+    _row(
+        launch_cases.launch_metrics_returns_numbers,
+        CliExit,
+        _all(
+            "exit 2", "accuracy_not_a_tensor", "non-tensor values {'accuracy': 'float'}", "per-example values"
+        ),
     ),
     # ------------------------------------------------------------------ the Trainer
     _row(
