@@ -92,6 +92,7 @@ def tests(session: nox.Session) -> None:
     """
     # tensorboard, pyarrow, datasets: the optional extras whose tests (event files, parquet, saved datasets) run here.
     _install_all(session, *TEST_DEPS, "transformers>=5", "safetensors", "tensorboard", "pyarrow", "datasets")
+    session.install(*CONSTRAINTS, "peft")  # the LoRA tests' single-process reference (tests/e2e/test_lora.py)
     selection = ["tests", *(f"--ignore=tests/{name}" for name in LIBRARIES)]
     named_paths = any(os.path.exists(arg.split("::")[0]) for arg in session.posargs)
     args = list(session.posargs) if named_paths else [*selection, *session.posargs]

@@ -12,6 +12,7 @@ from merak_core.data import StageAwareDataLoader, StageBatch, split_inputs_label
 from merak_core.data_parallel import DataParallelGradSync
 from merak_core.job import JobConfig
 from merak_core.layout import ParallelLayout, init, resolve_degrees
+from merak_core.lora import LoraConfig
 from merak_core.planner import Candidate, CommModel, ModelProfile, plan, profile_model
 from merak_core.trainer import Trainer, default_loss
 from merak_core.weights import export_full_state_dict, load_full_state_dict
@@ -27,6 +28,7 @@ __all__ = [
     "CheckpointManager",
     "DataParallelGradSync",
     "JobConfig",
+    "LoraConfig",
     "ParallelLayout",
     "ParallelModel",
     "StageAwareDataLoader",
