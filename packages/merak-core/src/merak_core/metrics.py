@@ -9,8 +9,9 @@
   step it resumed from and appends after them (records of later steps, from the interrupted
   segment, are dropped first), so the file, the plot and :meth:`MetricsWriter.summary` cover the
   whole run;
-- TensorBoard event files when the ``tensorboard`` package is installed (the
-  ``tensorboard`` extra; :mod:`merak_core.tensorboard`);
+- the same scalars to the reporters of ``training.report_to`` (:mod:`merak_core.reporting`):
+  TensorBoard event files by default when the ``tensorboard`` package is installed (the
+  ``tensorboard`` extra), Weights & Biases (the ``wandb`` extra);
 - ``loss.png`` at the end: the loss curve (needs matplotlib, the ``plot`` extra;
   without it the run says so and skips the picture).
 
@@ -27,10 +28,10 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from merak_core import tensorboard
+from merak_core import reporting
 from merak_core.nonfinite import json_safe
 
 logger = logging.getLogger(__name__)
@@ -42,13 +43,23 @@ class MetricsWriter:
     """Rank-0 sink for training records (no-op on other ranks)."""
 
     def __init__(
-        self, output_dir: str, *, enabled: bool, clock: Callable[[], float] = time.monotonic
+        self,
+        output_dir: str,
+        *,
+        enabled: bool,
+        clock: Callable[[], float] = time.monotonic,
+        report_to: Sequence[str] | None = None,
+        run_config: Mapping[str, Any] | None = None,
     ) -> None:
+        """``report_to``: the run's ``training.report_to`` (see [Note: report_to]); ``run_config``: the
+        arguments a reporter records with the run (W&B's ``config``)."""
         self.output_dir = output_dir
         self.enabled = enabled
         self.total = 0
         self.records: list[dict[str, Any]] = []
-        self._tb: Any = None
+        self._reporters: list[reporting.Reporter] = []
+        self._report_to = report_to
+        self._run_config = run_config
         self._clock = clock
         self._anchor: tuple[float, int] | None = None
         self.path = os.path.join(output_dir, "metrics.jsonl")
@@ -67,7 +78,9 @@ class MetricsWriter:
                 f.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
         os.replace(tmp, self.path)
         self._anchor = None
-        self._tb = tensorboard.open_writer(self.output_dir, resumed_step=resumed_step)
+        self._reporters = reporting.open_reporters(
+            self.output_dir, self._report_to, resumed_step=resumed_step, config=self._run_config
+        )
 
     def _earlier_records(self, resumed_step: int) -> list[dict[str, Any]]:
         """The records of ``metrics.jsonl`` at steps up to ``resumed_step`` (a torn last line is skipped)."""
@@ -90,8 +103,8 @@ class MetricsWriter:
         self.records.append(dict(record))
         with open(self.path, "a") as f:
             f.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
-        if self._tb is not None:
-            tensorboard.write_record(self._tb, record)
+        for reporter in self._reporters:
+            reporter.write(record)
         print(self._line(record), flush=True)
 
     def append(self, record: dict[str, Any]) -> None:
@@ -137,8 +150,9 @@ class MetricsWriter:
         """Close TensorBoard and draw ``loss.png``; returns its path (None when not drawn)."""
         if not self.enabled:
             return None
-        if self._tb is not None:
-            self._tb.close()
+        for reporter in self._reporters:
+            reporter.close()
+        self._reporters = []
         points = [
             (r["step"], r["loss"])
             for r in self.records

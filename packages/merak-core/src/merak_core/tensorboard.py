@@ -7,8 +7,8 @@ Training records are written under ``train/<key>`` (``train/loss``, ``train/lr``
 ``purge_step`` one past the resumed step, so TensorBoard hides what the interrupted segment
 logged after the checkpoint, as ``metrics.jsonl`` drops it (one curve per run).
 
-Without the package nothing is written and :func:`open_writer` returns None (the run logs once
-how to get the files).
+Without the package nothing is written and :func:`open_writer` returns None; the run says so once
+at its start (``training.report_to``, :mod:`merak_core.reporting`).
 """
 
 from __future__ import annotations
@@ -54,15 +54,26 @@ def tag(key: str, *, evaluation: bool) -> str:
     return f"train/{key}"
 
 
-def write_record(writer: Any, record: Mapping[str, Any]) -> None:
-    """Every number of ``record`` (not ``step``, flags or None) as a scalar at ``record["step"]``."""
-    step = int(record.get("step", 0))
+def scalars(record: Mapping[str, Any]) -> dict[str, float]:
+    """The scalars of a record by tag: every number (not ``step``, flags or None); non-finite ones only for a loss.
+
+    What every reporter of ``training.report_to`` logs at ``record["step"]`` (:mod:`merak_core.reporting`).
+    """
     evaluation = "loss" not in record
+    out = {}
     for key, value in record.items():
         if key == "step" or isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
         if math.isfinite(value) or key.endswith("loss"):
-            writer.add_scalar(tag(key, evaluation=evaluation), float(value), step)
+            out[tag(key, evaluation=evaluation)] = float(value)
+    return out
 
 
-__all__ = ["SUBDIR", "available", "open_writer", "tag", "write_record"]
+def write_record(writer: Any, record: Mapping[str, Any]) -> None:
+    """:func:`scalars` of ``record`` as TensorBoard scalars at ``record["step"]``."""
+    step = int(record.get("step", 0))
+    for key, value in scalars(record).items():
+        writer.add_scalar(key, value, step)
+
+
+__all__ = ["SUBDIR", "available", "open_writer", "scalars", "tag", "write_record"]

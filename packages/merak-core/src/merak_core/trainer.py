@@ -187,7 +187,9 @@ class Trainer:
         self._stop = StopRequest()
         self.history: list[dict[str, float]] = []
         self.last_eval: dict[str, float] = {}
-        self.metrics = MetricsWriter(args.output_dir, enabled=dist.get_rank() == 0)
+        self.metrics = MetricsWriter(
+            args.output_dir, enabled=dist.get_rank() == 0, report_to=args.report_to, run_config=args.to_dict()
+        )
         e = self.engine
         self.checkpoint_parts = CheckpointParts(
             args=args,

@@ -72,6 +72,10 @@ class TrainingArguments:
     """Epochs to run when ``max_steps`` is -1 (fractions allowed)."""
     logging_steps: int = 10
     """Log loss, tokens/s and step time every this many steps."""
+    report_to: str | list[str] | None = None
+    """Where the logged scalars go besides ``metrics.jsonl``: ``tensorboard``, ``wandb`` (a name or a list),
+    ``all`` (every one installed) or ``none``; None: TensorBoard when installed, else a warning at start
+    (see [Note: report_to] in :mod:`merak_core.reporting`). Rank 0 only; W&B honours ``WANDB_MODE``."""
     eval_steps: int | None = None
     """Evaluate every this many steps; None: only at the end (when an eval dataset is given)."""
     save_steps: int | None = None

@@ -28,6 +28,7 @@ from merak_core.config.values import (
     schedule_choices,
     schedule_key,
 )
+from merak_core.reporting import check_report_to
 from merak_core.virtual_stages import check_virtual_stages
 
 __all__ = ["auto_conflict_message", "check_arguments", "check_no_explicit_degrees"]
@@ -36,6 +37,7 @@ __all__ = ["auto_conflict_message", "check_arguments", "check_no_explicit_degree
 def check_arguments(args: Any) -> None:
     """ValueError naming the first invalid field of ``args`` (a ``TrainingArguments``); normalises some values."""
     _check_run(args)
+    args.report_to = check_report_to(args.report_to)  # merak_core.reporting: the names and the wandb extra
     _check_pipeline(args)
     _check_planner(args)
     _check_sharding(args)

@@ -230,6 +230,8 @@ def _convert(value: Any, member: Any) -> Any:
         return value if isinstance(value, str) else _NO
     if typing.get_origin(member) is dict:
         return dict(value) if isinstance(value, Mapping) else _NO
+    if typing.get_origin(member) is list:
+        return list(value) if isinstance(value, (list, tuple)) else _NO
     return value if isinstance(value, member) else _NO
 
 
@@ -238,4 +240,6 @@ def _type_name(member: Any) -> str:
         return "null"
     if typing.get_origin(member) is dict:
         return "a mapping"
+    if typing.get_origin(member) is list:
+        return "a list"
     return getattr(member, "__name__", str(member))

@@ -1,0 +1,205 @@
+"""``training.report_to``: the allowed values, the default's TensorBoard and its warning, W&B offline read back.
+
+The W&B tests use the real ``wandb`` package in offline mode (``WANDB_MODE=offline``, no network)
+and read the run file it wrote (``output_dir/wandb/offline-run-*/run-*.wandb``: LevelDB-style log
+records of W&B's protobuf ``Record``); they are skipped where ``wandb`` is not installed (the
+``wandb`` extra; the nox ``tests`` session installs it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from merak_core import TrainingArguments, reporting, tensorboard
+from merak_core.cli.main import main
+from merak_core.metrics import MetricsWriter
+
+REPO = Path(__file__).resolve().parents[2]
+RECORDS = [
+    *(
+        {"step": s, "loss": 2.0 / s, "lr": 1e-3 * s, "grad_norm": 0.5 + s, "skipped": False}
+        for s in (1, 2, 3)
+    ),
+    {"step": 3, "eval_loss": 0.75, "eval_accuracy": 0.5},
+    {"step": 4, "loss": float("nan"), "lr": 4e-3, "grad_norm": None, "skipped": True},
+]
+
+
+@pytest.mark.parametrize(
+    ("value", "normalised"),
+    [
+        (None, None),
+        ("wandb", ["wandb"]),
+        (["tensorboard", "wandb", "wandb"], ["tensorboard", "wandb"]),
+        ("TensorBoard", ["tensorboard"]),
+        ("none", []),
+        ([], []),
+        ("all", ["all"]),
+    ],
+)
+def test_report_to_values(value: Any, normalised: list[str] | None) -> None:
+    pytest.importorskip("wandb")
+    assert TrainingArguments(report_to=value).report_to == normalised
+
+
+@pytest.mark.parametrize(
+    "value", ["mlflow", ["tensorboard", "mlflow"], ["none", "wandb"], ["all", "tensorboard"]]
+)
+def test_a_bad_report_to_is_refused_naming_the_allowed_values(value: Any) -> None:
+    with pytest.raises(
+        ValueError, match=r"report_to=.* is invalid.*expected one of \('tensorboard', 'wandb'\)"
+    ):
+        TrainingArguments(report_to=value)
+
+
+def test_a_bad_report_to_in_a_job_is_refused_before_torchrun(capsys: pytest.CaptureFixture[str]) -> None:
+    job = str(REPO / "examples" / "addition" / "config.yaml")
+    assert main(["train", job, "training.report_to=[tensorboard,mlflow]", "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(
+        "merak train: error: report_to=['tensorboard', 'mlflow'] is invalid ('mlflow' is not"
+    ), err
+    assert "'all' (every one installed) or 'none'" in err and len(err.splitlines()) == 1, err
+
+
+def test_wandb_without_its_package_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed: find_spec returns None
+    with pytest.raises(
+        ValueError, match=r"the wandb package is not installed: pip install 'merak-core\[wandb\]'"
+    ):
+        TrainingArguments(report_to=["tensorboard", "wandb"])
+    assert TrainingArguments(report_to="all").report_to == ["all"]  # 'all': whatever is installed
+
+
+@pytest.mark.parametrize(
+    ("report_to", "warned"), [(None, True), (["tensorboard"], True), ([], False), (["all"], False)]
+)
+def test_without_tensorboard_the_run_says_so_once_at_start(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    report_to: list[str] | None,
+    warned: bool,
+) -> None:
+    monkeypatch.setattr(tensorboard, "available", lambda: False)
+    monkeypatch.setitem(sys.modules, "wandb", None)  # 'all' finds nothing else either
+    writer = MetricsWriter(str(tmp_path), enabled=True, report_to=report_to)
+    with caplog.at_level(logging.WARNING, logger="merak_core.reporting"):
+        writer.start(4)
+        for record in RECORDS:
+            writer.log(record)
+        writer.finish()
+    lines = [r.getMessage() for r in caplog.records if r.name == "merak_core.reporting"]
+    assert lines == (
+        [
+            "TensorBoard is not installed, so this run writes no TensorBoard events: "
+            "pip install 'merak-core[tensorboard]', or set training.report_to: none"
+        ]
+        if warned
+        else []
+    )
+    assert not (tmp_path / "tensorboard").exists() and (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.fixture
+def wandb_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    pytest.importorskip("wandb")
+    home = tmp_path / "wandb_home"
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_PROJECT", "merak-test")
+    for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
+        monkeypatch.setenv(name, str(home / name.lower()))
+    return tmp_path / "out"
+
+
+def _wandb_history(output_dir: Path) -> tuple[dict[int, dict[str, float]], dict[str, Any]]:
+    """Per step, the scalars of the one offline W&B run under ``output_dir``, and its config."""
+    from wandb.proto import wandb_internal_pb2
+
+    runs = list((output_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1, runs
+    data, records, pos, chunk = runs[0].read_bytes(), [], 7, b""  # 7: the file's header (":W&B", version)
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a chunk header is padding
+            pos += 32768 - pos % 32768
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a full record, or the last chunk of one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(chunk)
+            records.append(record)
+            chunk = b""
+    history: dict[int, dict[str, float]] = {}
+    config: dict[str, Any] = {}
+    for record in records:
+        if record.WhichOneof("record_type") == "history":
+            items = {
+                item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                for item in record.history.item
+            }
+            history.setdefault(int(items["_step"]), {}).update(
+                {k: float(v) for k, v in items.items() if not k.startswith("_")}
+            )
+        if record.WhichOneof("record_type") == "run":
+            config = {
+                item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                for item in record.run.config.update
+            }
+    return history, config
+
+
+def test_wandb_offline_receives_the_scalars_tensorboard_gets(wandb_offline: Path) -> None:
+    writer = MetricsWriter(
+        str(wandb_offline),
+        enabled=True,
+        report_to=["tensorboard", "wandb"],
+        run_config={"learning_rate": 1e-3},
+    )
+    writer.start(4)
+    for record in RECORDS:
+        writer.log(record)
+    writer.finish()
+
+    expected: dict[int, dict[str, float]] = {}
+    for record in RECORDS:
+        expected.setdefault(record["step"], {}).update(tensorboard.scalars(record))
+    history, config = _wandb_history(wandb_offline)
+    assert history.keys() == expected.keys()
+    for step, values in expected.items():
+        got = history[step]
+        assert got.keys() == values.keys(), (step, got)
+        assert all(got[k] == v or (v != v and got[k] != got[k]) for k, v in values.items()), (
+            step,
+            got,
+            values,
+        )
+    assert history[3]["eval/accuracy"] == 0.5 and history[1]["train/loss"] == 2.0
+    assert config["learning_rate"] == 1e-3, config  # the run's arguments, as W&B's config
+    assert list((wandb_offline / "tensorboard").glob("events.out.tfevents.*"))  # both, side by side
+
+
+def test_wandb_alone_writes_no_tensorboard_and_other_ranks_nothing(wandb_offline: Path) -> None:
+    writer = MetricsWriter(str(wandb_offline), enabled=True, report_to=reporting.check_report_to("wandb"))
+    writer.start(2)
+    writer.log(RECORDS[0])
+    writer.finish()
+    history, _ = _wandb_history(wandb_offline)
+    assert history == {1: tensorboard.scalars(RECORDS[0])}
+    assert not (wandb_offline / "tensorboard").exists()
+
+    quiet = wandb_offline.parent / "rank1"
+    other = MetricsWriter(str(quiet), enabled=False, report_to=["tensorboard", "wandb"])  # not global rank 0
+    other.start(2)
+    other.log(RECORDS[0])
+    other.finish()
+    assert not quiet.exists()
