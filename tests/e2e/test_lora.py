@@ -35,7 +35,41 @@ TRAIN_BLOCKS, EVAL_BLOCKS = 32, 8
 TARGETS = {
     "gpt2": ["c_attn", "c_proj", "c_fc"],
     "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
 }
+
+
+def _folder(name: str, root: Path) -> tuple[Path, Path]:
+    """A tiny float64 model folder with a tokenizer: GPT-2 and Llama from the shared helpers; Phi-3 (fused
+    grouped-query ``qkv_proj`` and ``gate_up_proj``) here."""
+    if name != "phi3":
+        return make_folder(name, root)
+    import transformers as tf
+
+    from tests.e2e._pretrained_support import VOCAB, build_tokenizer, write_text
+
+    torch.manual_seed(0)
+    cfg = tf.Phi3Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attention_dropout=0.0,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    folder = root / name
+    tf.Phi3ForCausalLM(cfg).double().save_pretrained(str(folder))
+    text = write_text(root / "train.txt")
+    build_tokenizer(text, folder)
+    return folder, text
 
 
 def _datasets(folder: Path, text: Path) -> tuple[Blocks, Blocks]:
@@ -116,8 +150,14 @@ def _eval_loss(model: Any, folder: Path, text: Path) -> float:
 
 @pytest.mark.parametrize(
     ("name", "layout"),
-    [("gpt2", (1, 2, 1)), ("llama", (1, 1, 2)), ("gpt2", (2, 1, 1)), ("llama", (1, 2, 2))],
-    ids=["gpt2-tp2", "llama-pp2", "gpt2-dp2-zero1", "llama-tp2_pp2"],
+    [
+        ("gpt2", (1, 2, 1)),
+        ("llama", (1, 1, 2)),
+        ("gpt2", (2, 1, 1)),
+        ("llama", (1, 2, 2)),
+        ("phi3", (1, 2, 1)),
+    ],
+    ids=["gpt2-tp2", "llama-pp2", "gpt2-dp2-zero1", "llama-tp2_pp2", "phi3-tp2"],
 )
 def test_lora_matches_peft(name: str, layout: tuple[int, int, int]) -> None:
     peft = pytest.importorskip("peft")
@@ -126,7 +166,7 @@ def test_lora_matches_peft(name: str, layout: tuple[int, int, int]) -> None:
 
     dp, tp, pp = layout
     root = Path(tempfile.mkdtemp(prefix="merak-lora-"))
-    folder, text = make_folder(name, root)
+    folder, text = _folder(name, root)
     kwargs: dict[str, Any] = dict(
         dp=dp, tp=tp, pp=pp, gradient_accumulation_steps=2, per_device_eval_batch_size=2
     )
