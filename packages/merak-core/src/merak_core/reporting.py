@@ -118,11 +118,12 @@ class _Wandb:
     def __init__(self, output_dir: str, config: Mapping[str, Any] | None) -> None:
         import wandb
 
+        mode: Any = os.environ.get("WANDB_MODE") or None  # wandb checks the value (online, offline, disabled)
         self.run = wandb.init(
             project=os.environ.get("WANDB_PROJECT") or "merak",
             dir=output_dir,
             config=dict(config) if config is not None else None,
-            mode=os.environ.get("WANDB_MODE") or None,
+            mode=mode,
         )
 
     def write(self, record: Mapping[str, Any]) -> None:
