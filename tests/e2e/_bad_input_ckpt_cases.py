@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tests.e2e._bad_input_cases import _Pairs
+from tests.e2e._bad_input_cases import _merak, _Pairs, _write_job
 from tests.e2e._bad_input_support import CaseContext
 
 #
@@ -156,3 +156,59 @@ def ckpt_new_run_into_old_output_dir(ctx: CaseContext) -> None:
     again = _ckpt_trainer(str(out), layout=trainer.layout)  # a fresh run, no resume: step_1 exists already
     with _nothing_changes(out / "checkpoints"), ctx.guard():
         again.train()
+
+
+# ----------------------------------------------------------------------------- exports
+
+
+def ckpt_export_with_another_models_config(ctx: CaseContext) -> None:
+    """``merak export CKPT --pretrained OTHER``: the classifier's checkpoint beside a GPT-2's config.json."""
+    import torch.distributed as dist
+
+    from tests.e2e._pretrained_support import save_tiny_model
+
+    out, _ = _saved_run(ctx)
+    if dist.get_rank() == 0:
+        save_tiny_model("gpt2", ctx.tmp / "gpt2")
+    dist.barrier()
+    target = ctx.tmp / f"hf_rank{dist.get_rank()}"
+    argv = [
+        "export",
+        str(out / "checkpoints" / "latest"),
+        "--to-hf",
+        str(target),
+        "--pretrained",
+        str(ctx.tmp / "gpt2"),
+    ]
+    try:
+        with _nothing_changes(out / "checkpoints"):
+            _merak(ctx, argv)
+    finally:
+        assert not target.exists(), f"the refused export wrote {sorted(p.name for p in target.iterdir())}"
+
+
+def ckpt_export_onto_a_file(ctx: CaseContext) -> None:
+    """``merak export CKPT --to-hf FILE``: a real checkpoint, an existing file where the folder should go."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    from merak_core.weights import read_checkpoint_model
+
+    out, _ = _saved_run(ctx)
+    latest = str(out / "checkpoints" / "latest")
+    folder = ctx.tmp / f"folder_rank{dist.get_rank()}"  # a folder of this model (not a transformers one)
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "merak_test_classifier"}')
+    save_file(read_checkpoint_model(latest), str(folder / "model.safetensors"))
+    target = ctx.tmp / f"model_rank{dist.get_rank()}.safetensors"
+    target.write_bytes(b"not a folder")
+    try:
+        _merak(ctx, ["export", latest, "--to-hf", str(target), "--pretrained", str(folder)])
+    finally:
+        assert target.read_bytes() == b"not a folder"
+
+
+def cli_dry_run_export_hf_dir_is_a_file(ctx: CaseContext) -> None:
+    (ctx.tmp / "hf").write_text("a file")
+    job = _write_job(ctx, f"dp: 1\n  tp: 1\n  pp: 1\n  export_hf_dir: {ctx.tmp / 'hf'}")
+    _merak(ctx, ["train", str(job), "--dry-run"])

@@ -20,6 +20,7 @@ times) and that a failed resume left the trainer's parameters as they were.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 from collections.abc import Callable
@@ -523,6 +524,35 @@ ROWS = [
         CheckpointError,
         _all("already holds checkpoints", "step_1", "trainer.resume('latest')", "new output_dir"),
         ranks=2,
+    ),
+    # ------------------------------------------------------------------ exports
+    _row(
+        ckpt_cases.ckpt_export_with_another_models_config,
+        CliExit,
+        _all(
+            "exit 2",
+            "does not hold the model",
+            "(GPT2LMHeadModel)",
+            "tensors are not in that model, e.g. ['0.bias', '0.weight', '2.bias']",
+            "nothing was written",
+            "Pass --pretrained the folder the checkpoint's run started from",
+        ),
+        ranks=2,
+        marks=(
+            pytest.mark.transformers,
+            pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers"),
+        ),
+    ),
+    _row(
+        ckpt_cases.ckpt_export_onto_a_file,
+        CliExit,
+        _all("exit 2", "--to-hf", ".safetensors' is an existing file", "give a new or existing folder"),
+        ranks=2,
+    ),
+    _row(
+        ckpt_cases.cli_dry_run_export_hf_dir_is_a_file,
+        CliExit,
+        _all("exit 2", "training.export_hf_dir", "is an existing file", "an export writes a folder"),
     ),
     # ------------------------------------------------------------------ LoRA
     _row(

@@ -145,3 +145,38 @@ def test_write_hf_folder_round_trips_and_copies_the_tokenizer(tmp_path: Path) ->
     # A second export into the same folder as one file leaves no stale shard behind.
     write_hf_folder(state, out, source=PretrainedFolder(source))
     assert sorted(p.name for p in out.glob("model*")) == ["model.safetensors"]
+
+
+def test_a_state_is_checked_against_the_model_of_the_config(tmp_path: Path) -> None:
+    """``merak export --pretrained``: names and shapes against the model config.json builds, before writing."""
+    pytest.importorskip("transformers")
+    from merak_core.hf import PretrainedFolder
+    from merak_core.hf.export import check_state_fits
+
+    gpt2 = PretrainedFolder(save_tiny_model("gpt2", tmp_path / "gpt2"))
+    llama = PretrainedFolder(save_tiny_model("llama", tmp_path / "llama"))
+    state = read_folder(gpt2.path)
+    check_state_fits(
+        state, gpt2, checkpoint="ckpt"
+    )  # the folder's own tensors: the tied lm_head is one of them
+    with pytest.raises(ValueError) as info:
+        check_state_fits(state, llama, checkpoint="ckpt")
+    message = str(info.value)
+    assert message.startswith(
+        f"checkpoint 'ckpt' does not hold the model {str(llama.path / 'config.json')!r}"
+    )
+    assert "(LlamaForCausalLM)" in message and "28 of its 28 tensors are not in that model" in message
+    assert "of the model's parameters are not in the checkpoint, e.g. ['lm_head.weight'" in message
+    # The same names at another width: the first shape that differs is named.
+    config = json.loads((gpt2.path / "config.json").read_text())
+    wider = tmp_path / "wider"
+    wider.mkdir()
+    (wider / "config.json").write_text(json.dumps({**config, "n_embd": 64}))
+    for name in ("model.safetensors",):
+        (wider / name).write_bytes((gpt2.path / name).read_bytes())
+    with pytest.raises(
+        ValueError,
+        match=r"shapes differ, e\.g\. 'transformer\.h\.0\.attn\.c_attn\.bias' is \[96\] in "
+        r"the checkpoint, \[192\] in the model",
+    ):
+        check_state_fits(state, PretrainedFolder(wider), checkpoint="ckpt")

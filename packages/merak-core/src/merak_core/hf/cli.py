@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from merak_core.hf.export import DEFAULT_MAX_SHARD_BYTES, export_checkpoint
+from merak_core.hf.export import DEFAULT_MAX_SHARD_BYTES, check_out_dir, export_checkpoint
 
 
 def add_parser(sub: Any) -> None:
@@ -71,6 +71,7 @@ def resolve_checkpoint(text: str, output_dir: str | None = None) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_out_dir(args.to_hf, what="--to-hf")  # first: nothing is read for an export that cannot be written
     pretrained = args.pretrained
     output_dir = None
     if args.job is not None:

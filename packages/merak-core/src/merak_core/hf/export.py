@@ -91,6 +91,24 @@ def _save_shard(tensors: dict[str, torch.Tensor], path: Path) -> None:
     os.replace(tmp, path)
 
 
+def check_out_dir(out: str | os.PathLike[str], *, what: str) -> None:
+    """An export writes a folder: refuse ``out`` when it, or a path it would be created under, is a file.
+
+    ``what`` names the setting in the error (``--to-hf``, ``training.export_hf_dir``). Pure: called before
+    anything is read or written (and by the launch checks for ``export_hf_dir``).
+    """
+    path = Path(out)
+    probe = path
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        where = "is an existing file" if probe == path else f"cannot be created: {str(probe)!r} is a file"
+        raise ValueError(
+            f"{what} {str(out)!r} {where}, and an export writes a folder (safetensors weights, config.json, "
+            "tokenizer files): give a new or existing folder"
+        )
+
+
 def prepare_out_dir(out: Path) -> None:
     """Create ``out``, removing the weights and index a previous export left there (nothing else)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -166,6 +184,59 @@ def resolve_source(
     return None
 
 
+def _config_tensors(source: PretrainedFolder) -> tuple[dict[str, tuple[int, ...]], list[list[str]], str]:
+    """(name -> shape for every name of every parameter, the names of each parameter, the model's class name)
+    of the model ``source``'s ``config.json`` builds on the meta device; for a config transformers cannot build
+    (a model outside transformers), the tensors of the folder's own weights files."""
+    from merak_core.hf.pretrained import pretrained_model
+
+    try:
+        model = pretrained_model(source.path)
+    except (ImportError, ValueError, KeyError, TypeError, OSError):
+        with source.reader() as reader:
+            shapes = {n: tuple(reader.get_slice(n).get_shape()) for n in source.tensor_names}
+        return shapes, [[n] for n in shapes], f"the tensors of its weights files, {len(shapes)}"
+    aliases: dict[int, list[str]] = {}
+    shapes = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+        shapes[name] = tuple(p.shape)
+    return shapes, list(aliases.values()), type(model).__name__
+
+
+def check_state_fits(state: dict[str, torch.Tensor], source: PretrainedFolder, *, checkpoint: str) -> None:
+    """Every tensor of ``state`` is a parameter of the model ``source``'s ``config.json`` describes, with its shape,
+    and every parameter of that model is in ``state`` (one name of a tied one); else one ``ValueError``."""
+    shapes, groups, model = _config_tensors(source)
+    unknown = sorted(n for n in state if n not in shapes)
+    missing = sorted(names[0] for names in groups if not any(n in state for n in names))
+    differ = [
+        (n, list(t.shape), list(shapes[n]))
+        for n, t in state.items()
+        if n in shapes and tuple(t.shape) != shapes[n]
+    ]
+    problems = []
+    if unknown:
+        problems.append(
+            f"{len(unknown)} of its {len(state)} tensors are not in that model, e.g. {unknown[:3]}"
+        )
+    if missing:
+        problems.append(
+            f"{len(missing)} of the model's parameters are not in the checkpoint, e.g. {missing[:3]}"
+        )
+    if differ:
+        name, got, want = differ[0]
+        problems.append(
+            f"{len(differ)} shapes differ, e.g. {name!r} is {got} in the checkpoint, {want} in the model"
+        )
+    if problems:
+        raise ValueError(
+            f"checkpoint {checkpoint!r} does not hold the model {str(source.path / CONFIG_FILE)!r} describes "
+            f"({model}): {'; '.join(problems)}; nothing was written. Pass --pretrained the folder the checkpoint's "
+            "run started from (the config.json of this model)"
+        )
+
+
 def export_checkpoint(
     checkpoint: str | os.PathLike[str],
     out: str | os.PathLike[str],
@@ -177,6 +248,7 @@ def export_checkpoint(
     from merak_core.checkpoint.files import latest_candidates, pointer_root, read_checkpoint_meta
     from merak_core.weights import read_checkpoint_model
 
+    check_out_dir(out, what="--to-hf")
     state = read_checkpoint_model(checkpoint)
     root = pointer_root(checkpoint)
     directory = Path(checkpoint) if root is None else latest_candidates(root)[0]
@@ -188,6 +260,7 @@ def export_checkpoint(
             "model.pretrained): pass --pretrained PATH, a folder with the config.json (and tokenizer) of "
             "this model, so that from_pretrained can build it"
         )
+    check_state_fits(state, source, checkpoint=str(checkpoint))
     return write_hf_folder(state, out, source=source, max_shard_size=max_shard_size)
 
 
@@ -238,6 +311,7 @@ def export_hf(
             "model.pretrained, so pass pretrained=PATH (a folder with config.json)"
         )
     max_bytes = parse_size(max_shard_size)
+    check_out_dir(out, what="the export folder")
     layout = trainer.layout
     out_dir = Path(out)
     if dist.get_rank() == 0:

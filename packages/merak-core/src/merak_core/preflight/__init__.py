@@ -35,7 +35,7 @@ from typing import Any
 from merak_core.job import JobConfig
 from merak_core.preflight.base import PreflightError, PreflightReport
 from merak_core.preflight.data import SHAPE_SCAN_SAMPLES, check_batch, check_dataset, first_batch
-from merak_core.preflight.files import check_output_dir, check_resume
+from merak_core.preflight.files import check_export_dir, check_output_dir, check_resume
 from merak_core.preflight.metrics import check_metrics
 from merak_core.preflight.model import _where, build_meta_model, check_model_kwargs
 from merak_core.preflight.sizes import (
@@ -75,6 +75,7 @@ def preflight(job: JobConfig, *, tp: int | None = None, resume: str | None = Non
     t = job.training
     report = PreflightReport()
     check_output_dir(t.output_dir)
+    check_export_dir(t.export_hf_dir)
     check_resume(resume, t.output_dir)
     report.checks.append(f"output_dir {t.output_dir} writable")
     check_microbatches(t)

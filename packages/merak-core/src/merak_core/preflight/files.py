@@ -1,4 +1,4 @@
-"""Preflight: ``output_dir`` and ``--resume``."""
+"""Preflight: ``output_dir``, ``export_hf_dir`` and ``--resume``."""
 
 from __future__ import annotations
 
@@ -35,6 +35,18 @@ def check_output_dir(output_dir: str) -> None:
             f"training.output_dir={output_dir!r} {what} ({exc.strerror}); choose a writable "
             "directory (training.output_dir=...) or fix its permissions"
         ) from None
+
+
+def check_export_dir(export_hf_dir: str | None) -> None:
+    """``export_hf_dir`` can be a folder (the export at the end of training would find a file there)."""
+    if export_hf_dir is None:
+        return
+    from merak_core.hf.export import check_out_dir
+
+    try:
+        check_out_dir(export_hf_dir, what="training.export_hf_dir")
+    except ValueError as exc:
+        raise PreflightError(str(exc)) from None
 
 
 def check_resume(resume: str | None, output_dir: str) -> None:
