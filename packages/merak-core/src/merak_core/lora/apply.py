@@ -117,13 +117,12 @@ def _adapters(base: nn.Module, kind: Kind, r: int) -> tuple[nn.Parameter, nn.Par
     from merak_tp.shard_spec import REPLICATED, ShardSpec, get_shard_spec, set_shard_spec
 
     weight: torch.Tensor = base.weight  # type: ignore[assignment]
-    kw = {"dtype": weight.dtype, "device": weight.device}
     if _is_conv1d(base):
         in_features, out_features = weight.shape
     else:
         out_features, in_features = weight.shape  # local shapes: sharded dims are this rank's block
-    a = nn.Parameter(torch.empty(r, in_features, **kw))
-    b = nn.Parameter(torch.empty(out_features, r, **kw))
+    a = nn.Parameter(torch.empty(r, in_features, dtype=weight.dtype, device=weight.device))
+    b = nn.Parameter(torch.empty(out_features, r, dtype=weight.dtype, device=weight.device))
     spec = get_shard_spec(weight)
     if kind == "column":  # W split on dim 0 (out): B the same, with the same sections
         set_shard_spec(a, REPLICATED)

@@ -90,17 +90,21 @@ class LoraLinear(nn.Module):
         if self.kind == "row" and not getattr(self.base_layer, "input_is_parallel", True):
             from merak_tp import scatter_to_tp_region
 
-            x = scatter_to_tp_region(x, self.base_layer.group, -1)
+            x = scatter_to_tp_region(x, self._tp_group(), -1)
         h = nn.functional.linear(x, self.lora_A.weight)
         if self.kind == "column":
             from merak_tp import copy_to_tp_region
 
-            h = copy_to_tp_region(h, self.base_layer.group)  # all-reduce of dh in backward
+            h = copy_to_tp_region(h, self._tp_group())  # all-reduce of dh in backward
         elif self.kind == "row":
             from merak_tp import reduce_from_tp_region
 
-            h = reduce_from_tp_region(h, self.base_layer.group)  # sum of the partial A_r x_r
+            h = reduce_from_tp_region(h, self._tp_group())  # sum of the partial A_r x_r
         return y + nn.functional.linear(h, self.lora_B.weight) * self.scaling
+
+    def _tp_group(self) -> Any:
+        """The base layer's TP process group (a merak-tp layer's ``group``)."""
+        return getattr(self.base_layer, "group", None)
 
     def extra_repr(self) -> str:
         return f"kind={self.kind}, r={self.lora_A.weight.shape[0]}, scaling={self.scaling:g}"
