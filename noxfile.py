@@ -176,44 +176,18 @@ def demo(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def gpu(session: nox.Session) -> None:
-    """The GPU check: tests marked ``gpu`` (tests/gpu/) on CUDA; fails on any failure or without CUDA.
+    """The GPU check, a thin wrapper: ``python -m tests.gpu.run --out gpu-check`` with the sources on PYTHONPATH.
 
-    Not in the default sessions. The CPU-pinned ``constraints.txt`` cannot give a CUDA torch, so
-    this session makes no environment of its own: it uses the ``python`` on PATH (activate the
-    environment of your GPU image, whose torch is a CUDA build) and installs the Merak packages
-    into it, editable, with pip (torch is already there, so pip keeps it). On one GPU it runs the
-    single-rank checks (a few minutes); with more GPUs visible, also the torchrun checks.
+    Not in the default sessions. It installs nothing and makes no environment: it runs the
+    ``python`` on PATH (the GPU image's, whose torch is a CUDA build) on the repository's sources,
+    exactly what a machine without nox runs (docs/devices.md gives the one-line command). Arguments
+    after ``--`` go to the check (``--only``, ``--nproc``, ``--threads``, ``--out``); the report is
+    written to ``gpu-check/gpu_check.json`` and ``.md`` unless ``--out`` says otherwise.
     """
-    editable = [arg for pkg in ALL_PACKAGES for arg in ("-e", pkg)]
-    session.run(
-        "python", "-m", "pip", "install", "--quiet", *editable, *TEST_DEPS, "safetensors", external=True
-    )
-    session.run(
-        "python",
-        "-c",
-        "import sys, torch; ok = torch.cuda.is_available(); "
-        "print(f'torch {torch.__version__}, CUDA {torch.version.cuda}, devices: {torch.cuda.device_count()}'); "
-        "sys.exit(0 if ok else 'nox -s gpu needs a CUDA build of torch and a visible GPU "
-        "(torch.cuda.is_available() is False)')",
-        external=True,
-    )
-    # The CPU float32 references use the host's cores; GPU work needs no OMP limit.
-    threads = str(min(os.cpu_count() or 1, 16))
-    env = {**ENV, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
-    session.run(
-        "python",
-        "-m",
-        "pytest",
-        "tests/gpu",
-        "-m",
-        "gpu",
-        "-p",
-        "no:cacheprovider",
-        "-rA",
-        *session.posargs,
-        env=env,
-        external=True,
-    )
+    sources = [str(ROOT / pkg / "src") for pkg in ALL_PACKAGES] + [str(ROOT)]
+    env = {**ENV, "PYTHONPATH": os.pathsep.join(sources)}
+    out = [] if "--out" in session.posargs else ["--out", str(ROOT / "gpu-check")]
+    session.run("python", "-m", "tests.gpu.run", *out, *session.posargs, env=env, external=True)
 
 
 @nox.session

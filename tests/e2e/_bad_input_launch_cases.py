@@ -217,3 +217,47 @@ def launch_metrics_raises(ctx: CaseContext) -> None:
 def launch_metrics_returns_numbers(ctx: CaseContext) -> None:
     job = write_job(ctx, model={"factory": f"{HERE}:hf_llama"}, metrics=f"{HERE}:accuracy_not_a_tensor")
     train_dry_run(ctx, job)
+
+
+# ----------------------------------------------------------------------------- the cases: broken files
+
+
+def _factory_file(ctx: CaseContext, body: bytes) -> dict:
+    (ctx.tmp / "model_file.py").write_bytes(body)
+    return {"factory": "model_file.py:build_model"}
+
+
+def launch_factory_syntax_error(ctx: CaseContext) -> None:
+    model = _factory_file(ctx, b"import torch\n\ndef build_model(:\n    return torch.nn.Linear(4, 2)\n")
+    train_dry_run(ctx, write_job(ctx, model=model))
+
+
+def launch_factory_import_error(ctx: CaseContext) -> None:
+    model = _factory_file(
+        ctx, b"import torch\nimport not_a_module_xyz\n\ndef build_model():\n    return None\n"
+    )
+    train_dry_run(ctx, write_job(ctx, model=model))
+
+
+def launch_job_file_not_utf8(ctx: CaseContext) -> None:
+    job = write_job(ctx, model={"factory": f"{HERE}:hf_llama"})
+    lines = job.read_bytes().splitlines(keepends=True)
+    lines.insert(2, b"# caf\xe9 au lait\n")  # Latin-1, as an editor on another system may save it
+    job.write_bytes(b"".join(lines))
+    train_dry_run(ctx, job)
+
+
+def launch_text_data_not_utf8(ctx: CaseContext) -> None:
+    from tests.support.text import make_tokenizer, sentences
+
+    texts = [f'{{"text": "{t}"}}\n'.encode() for t in sentences(8)]
+    texts[4] = b'{"text": "na\xefve caf\xe9"}\n'  # line 5: Latin-1 bytes
+    (ctx.tmp / "train.jsonl").write_bytes(b"".join(texts))
+    data = {
+        "format": "jsonl",
+        "path": "train.jsonl",
+        "tokenizer": str(make_tokenizer(ctx.tmp / "tokenizer")),
+        "seq_len": 4,
+        "cache_dir": str(ctx.tmp / "cache"),
+    }
+    train_dry_run(ctx, write_job(ctx, model={"factory": f"{HERE}:hf_llama"}, data=data))

@@ -426,6 +426,51 @@ ROWS = [
             "exit 2", "accuracy_not_a_tensor", "non-tensor values {'accuracy': 'float'}", "per-example values"
         ),
     ),
+    _row(
+        launch_cases.launch_factory_syntax_error,
+        CliExit,
+        _all(
+            "exit 2",
+            "model.factory: importing",
+            "model_file.py",
+            "SyntaxError",
+            "model_file.py:3",
+            "fix the file",
+        ),
+    ),
+    _row(
+        launch_cases.launch_factory_import_error,
+        CliExit,
+        _all(
+            "exit 2",
+            "model.factory: importing",
+            "No module named 'not_a_module_xyz'",
+            "model_file.py:2",
+            "install 'not_a_module_xyz'",
+        ),
+    ),
+    _row(
+        launch_cases.launch_job_file_not_utf8,
+        CliExit,
+        _all(
+            "exit 2",
+            "job file",
+            "job.yaml' line 3, column 6",
+            "byte 0xe9 is not UTF-8",
+            "save the file as UTF-8",
+        ),
+    ),
+    _row(
+        launch_cases.launch_text_data_not_utf8,
+        CliExit,
+        _all(
+            "exit 2",
+            "data.path",
+            "train.jsonl' line 5, column 13",
+            "byte 0xef is not UTF-8",
+            "save the file as UTF-8",
+        ),
+    ),
     # ------------------------------------------------------------------ the Trainer
     _row(
         cases.trainer_two_stages_per_rank_schedule_without_virtual_stages,

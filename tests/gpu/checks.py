@@ -19,7 +19,8 @@ Single-rank checks (the default process group has one rank):
 
 Multi-rank checks (every rank calls them; the GPU session runs them under torchrun):
 
-- :func:`multi_pipeline` — the Trainer at pp = 2 and 4 with every schedule (``full``: boundaries of
+- :func:`multi_pipeline` — the Trainer at pp = 2 and 4 with every schedule, the virtual-stage ones at
+  ``virtual_stages=2`` (``full``: boundaries of
   16 MiB) against the single-device reference steps;
 - :func:`multi_tp_overlap` — TP at 2/4/8 with ``overlap_chunks`` 1, 2, 4: the same outputs, and the
   sub-pipelined speedup (``full``: a Llama block at hidden 4096);
@@ -476,7 +477,9 @@ def _reference_losses(model: nn.Module, data: Any, args: Any, dp: int, device: t
     return reference_steps(model, data, args, dp, microbatch_loss)
 
 
-ALL_SCHEDULES = ("gpipe", "1f1b", "zb_h1", "shifted_critical_path")
+ALL_SCHEDULES = ("gpipe", "1f1b", "zb_h1", "shifted_critical_path", "interleaved_1f1b", "zb_v")
+VIRTUAL_SCHEDULES = ("interleaved_1f1b", "zb_v")
+"""Schedules run with two stages per pipeline rank (``virtual_stages=2``)."""
 
 
 def multi_pipeline(
@@ -499,12 +502,13 @@ def multi_pipeline(
         for schedule in schedules:
             from tests.support.models import DecoderConfig, Llama
 
+            virtual = 2 if schedule in VIRTUAL_SCHEDULES else 1
             torch.manual_seed(0)
             cfg = (
                 DecoderConfig(
                     vocab_size=32000,
                     hidden_size=hidden,
-                    num_layers=4,
+                    num_layers=4 * virtual,
                     num_heads=16,
                     num_kv_heads=4,
                     intermediate_size=5504,
@@ -514,7 +518,7 @@ def multi_pipeline(
                 else DecoderConfig(
                     vocab_size=96,
                     hidden_size=hidden,
-                    num_layers=4,
+                    num_layers=4 * virtual,
                     num_heads=4,
                     num_kv_heads=2,
                     intermediate_size=64,
@@ -528,6 +532,7 @@ def multi_pipeline(
                 pp=pp,
                 dp=world // pp,
                 schedule=schedule,
+                virtual_stages=virtual,
                 gradient_accumulation_steps=2 * pp,
                 per_device_train_batch_size=micro,
                 max_steps=2,

@@ -21,11 +21,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("check")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--size", default="full", choices=("full", "tiny"))
+    parser.add_argument(
+        "--threads", type=int, default=0, help="CPU threads for the CPU references (default: every core)"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")
 
     import torch
     import torch.distributed as dist
+
+    # Whatever OMP_NUM_THREADS this process inherited (the test suite sets 1): the CPU float32
+    # references of a full-size check need the host's cores.
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
 
     from merak_core.layout import ensure_process_group
     from tests.gpu import checks
@@ -43,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     result = fn(str(device), args.size)
     result["seconds"] = time.perf_counter() - start
     result["torch"] = torch.__version__
+    result["threads"] = torch.get_num_threads()
     if dist.get_rank() == 0:
         print(
             "MERAK_GPU_RESULT "
@@ -54,5 +62,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "4")
     sys.exit(main())

@@ -24,7 +24,7 @@ def test_throughput_numbers_on_cpu() -> None:
     assert result["llama_tokens_per_s"] > 0 and result["llama_mfu"] is None
 
 
-@pytest.mark.parametrize(("world", "pp", "schedule"), [(2, 2, "1f1b"), (4, 4, "zb_h1")])
+@pytest.mark.parametrize(("world", "pp", "schedule"), [(2, 2, "1f1b"), (4, 4, "zb_h1"), (2, 2, "zb_v")])
 def test_pipeline_check_on_cpu(world: int, pp: int, schedule: str) -> None:
     results = run_on_ranks(
         world, checks.multi_pipeline, "cpu", "tiny", degrees=(pp,), schedules=(schedule,), timeout_s=600

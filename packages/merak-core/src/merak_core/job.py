@@ -31,6 +31,7 @@ import difflib
 import importlib
 import importlib.util
 import sys
+import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,7 @@ from typing import Any
 import yaml
 
 from merak_core.config import KEY_ALIASES, TrainingArguments, load_yaml, override_value, split_override
+from merak_core.config.values import read_utf8
 from merak_core.lora import LoraConfig, check_lora_arguments
 from merak_core.textdata.job import FACTORY as TEXT_FACTORY
 from merak_core.textdata.job import is_text_section, text_factory_kwargs
@@ -67,12 +69,22 @@ def load_callable(spec: str, *, base_dir: str | Path = ".", what: str = "callabl
             module = importlib.util.module_from_spec(loader_spec)
             sys.modules[module_name] = module
             sys.path.insert(0, str(path.parent))
-            loader_spec.loader.exec_module(module)
+            try:
+                loader_spec.loader.exec_module(module)
+            except Exception as exc:  # noqa: BLE001 - a broken file: one line naming it, not a traceback
+                del sys.modules[module_name]  # the next attempt imports the fixed file again
+                raise ValueError(
+                    f"{what}: importing {str(path)!r} (from {spec!r}) failed: {_import_error(exc)}"
+                ) from None
     else:
         try:
             module = importlib.import_module(target)
         except ImportError as exc:
             raise ValueError(f"{what}: cannot import module {target!r} (from {spec!r}): {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - e.g. a syntax error in the module
+            raise ValueError(
+                f"{what}: importing module {target!r} (from {spec!r}) failed: {_import_error(exc)}"
+            ) from None
     try:
         fn = getattr(module, name)
     except AttributeError:
@@ -83,6 +95,17 @@ def load_callable(spec: str, *, base_dir: str | Path = ".", what: str = "callabl
     if not callable(fn):
         raise ValueError(f"{what}: {spec!r} is not callable")
     return fn
+
+
+def _import_error(exc: BaseException) -> str:
+    """A failed import in one line: the error, the file and line it names, and what to fix."""
+    if isinstance(exc, SyntaxError):
+        return f"{type(exc).__name__}: {exc.msg} (at {exc.filename}:{exc.lineno}); fix the file"
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<")]
+    where = f" (at {frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line})" if frames else ""
+    if isinstance(exc, ModuleNotFoundError) and exc.name:
+        return f"{type(exc).__name__}: {exc}{where}; install {exc.name!r} or fix the import"
+    return f"{type(exc).__name__}: {exc}{where}; fix the file"
 
 
 @dataclass(frozen=True)
@@ -119,7 +142,7 @@ class JobConfig:
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"job file {str(path)!r} does not exist")
-        raw = load_yaml(path.read_text(), str(path)) or {}
+        raw = load_yaml(read_utf8(path, "job file"), str(path)) or {}
         if not isinstance(raw, dict):
             raise ValueError(f"job file {str(path)!r} must hold a mapping with sections {SECTIONS}")
         for item in overrides:

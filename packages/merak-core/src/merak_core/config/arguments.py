@@ -31,6 +31,7 @@ from merak_core.config.values import (
     _yaml,
     load_yaml,
     parse_recompute,
+    read_utf8,
     split_override,
 )
 
@@ -243,7 +244,7 @@ class TrainingArguments:
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: Iterable[str] = ()) -> TrainingArguments:
         """Load a YAML mapping of field names, then apply ``key=value`` overrides (later wins)."""
-        text = Path(path).read_text()
+        text = read_utf8(path, "config file")
         loaded = load_yaml(text, str(path))
         if loaded is None:
             loaded = {}

@@ -7,10 +7,12 @@ nothing that knows :class:`~merak_core.config.TrainingArguments`.
 from __future__ import annotations
 
 import math
+import os
 import re
 import types
 import typing
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -132,6 +134,27 @@ def _yaml() -> Any:
     except ImportError as err:  # pragma: no cover - pyyaml is a dependency of merak-core
         raise ImportError("reading/writing YAML configs needs PyYAML: pip install pyyaml") from err
     return yaml
+
+
+def read_utf8(path: str | os.PathLike[str], what: str) -> str:
+    """The text of a UTF-8 file; other bytes are a ``ValueError`` naming ``what``, the file, the line and the column."""
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(not_utf8_message(what, path, data, exc)) from None
+
+
+def not_utf8_message(
+    what: str, path: str | os.PathLike[str], data: bytes, exc: UnicodeDecodeError, line: int = 1
+) -> str:
+    """What :func:`read_utf8` says of bytes ``data`` (line ``line`` onwards of ``path``) that are not UTF-8."""
+    line += data.count(b"\n", 0, exc.start)
+    column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+    return (
+        f"{what} {str(path)!r} line {line}, column {column}: byte 0x{data[exc.start]:02x} is not UTF-8 "
+        f"({exc.reason}); save the file as UTF-8"
+    )
 
 
 def load_yaml(text: str, source: str) -> Any:

@@ -18,6 +18,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from merak_core.config.values import not_utf8_message
 from merak_core.textdata.spec import TextDataSpec
 
 Record = str | tuple[str, str]
@@ -63,7 +64,25 @@ def first_record(spec: TextDataSpec) -> Record:
     )
 
 
+def _not_utf8(path: str) -> ValueError:
+    """The first line of ``path`` that is not UTF-8, named with its column and the fix."""
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                return ValueError(not_utf8_message("data.path", path, raw, exc, line=number))
+    return ValueError(f"data.path={path!r} is not UTF-8 text; save the file as UTF-8")
+
+
 def _text_records(path: str, sample_by: str) -> Iterator[str]:
+    try:
+        yield from _text_records_utf8(path, sample_by)
+    except UnicodeDecodeError:
+        raise _not_utf8(path) from None
+
+
+def _text_records_utf8(path: str, sample_by: str) -> Iterator[str]:
     with open(path, encoding="utf-8") as f:
         if sample_by == "document":
             text = f.read()
@@ -88,6 +107,13 @@ def _text_records(path: str, sample_by: str) -> Iterator[str]:
 
 
 def _jsonl_rows(path: str) -> Iterator[tuple[str, Any]]:
+    try:
+        yield from _jsonl_rows_utf8(path)
+    except UnicodeDecodeError:
+        raise _not_utf8(path) from None
+
+
+def _jsonl_rows_utf8(path: str) -> Iterator[tuple[str, Any]]:
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():

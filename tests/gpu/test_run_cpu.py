@@ -1,0 +1,62 @@
+"""The GPU check's entry (``python -m tests.gpu.run``) started as on the GPU machine: sources on PYTHONPATH only.
+
+How "nothing installed" is made honest here: the child runs with ``python -S``, so ``site`` does not
+run and no ``.pth`` file of the environment is read; the editable installs of the four Merak
+packages are ``.pth`` files, so they are invisible. torch and the other third-party packages come
+from the environment's ``site-packages`` folder, put on ``PYTHONPATH`` beside the four ``src``
+folders and the repository root, as a GPU image's own packages would be. The report says where
+each Merak package was imported from (asserted: the ``src`` folders) and that nox was never
+imported. ``OMP_NUM_THREADS=1`` is passed in (what the test suite sets): the check must still give
+its CPU work every core.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import site
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.gpu.run import ROOT, SOURCES, markdown
+
+pytestmark = pytest.mark.slow
+
+
+def test_gpu_check_runs_from_the_sources_with_python_path_only(tmp_path: Path) -> None:
+    path = [*map(str, SOURCES), str(ROOT), *site.getsitepackages()]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(PYTHONPATH=os.pathsep.join(path), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    out = tmp_path / "out"
+    command = [sys.executable, "-S", "-m", "tests.gpu.run", "--out", str(out), "--device", "cpu"]
+    proc = subprocess.run(
+        [*command, "--only", "pipeline_v"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert report["format"] == 1 and report["passed"] and not report["nox_imported"]
+    for name, folder in report["imports"].items():
+        assert Path(folder).parent in SOURCES, f"{name} imported from {folder}, not from the sources"
+    (check,) = report["checks"]
+    assert check["check"] == "pipeline_v" and check["status"] == "passed" and check["world"] == 1
+    assert check["result"]["threads"] == os.cpu_count() == check["threads"]  # not the inherited 1
+    assert check["result"]["pipeline_grads_checked"] > 0
+    assert (out / "gpu_check.md").read_text() == markdown(report)
+
+
+def test_gpu_check_refuses_without_cuda(tmp_path: Path) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.gpu.run", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "needs CUDA" in proc.stderr
