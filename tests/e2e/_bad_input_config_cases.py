@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tests.e2e._bad_input_cases import _args, _write_job
+from tests.e2e._bad_input_cases import _args, _Pairs, _write_job
 from tests.e2e._bad_input_support import CaseContext
 
 # ----------------------------------------------------------------------------- configuration files
@@ -94,6 +94,25 @@ def job_factory_not_a_spec(ctx: CaseContext) -> None:
     job = _write_job(ctx, model="model.build_model")
     with ctx.guard():
         JobConfig.from_yaml(job)
+
+
+def job_data_labels_unknown_value(ctx: CaseContext) -> None:
+    from merak_core.job import JobConfig
+
+    job = _write_job(ctx)
+    with ctx.guard():
+        JobConfig.from_yaml(job, ["data.labels=hf"])
+
+
+def trainer_unshifted_labels_on_class_ids(ctx: CaseContext) -> None:
+    # labels: unshifted shifts token labels [batch, seq]; class ids [batch] cannot be shifted.
+    from merak_core import Trainer, init
+
+    layout = init(device="cpu")
+    args = _args(ctx, labels="unshifted")
+    torch.manual_seed(0)
+    with ctx.guard():
+        Trainer(nn.Linear(4, 3).double(), args, _Pairs(16), layout=layout)
 
 
 # ----------------------------------------------------------------------------- training fields

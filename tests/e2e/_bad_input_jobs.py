@@ -56,7 +56,8 @@ def build_failing() -> nn.Module:
 
 
 class Tokens(Dataset):
-    """Token sequences with next-token labels; options make one sample or the dtypes wrong."""
+    """Token sequences with next-token labels; options make one sample or the dtypes wrong (``hf_labels``:
+    labels = input_ids, the transformers convention, the last two of sample 1 ignored)."""
 
     def __init__(
         self,
@@ -68,6 +69,7 @@ class Tokens(Dataset):
         max_id: int | None = None,
         float_ids: bool = False,
         bad_label: int | None = None,
+        hf_labels: bool = False,
     ) -> None:
         g = torch.Generator().manual_seed(0)
         self.ids = torch.randint(0, vocab, (size, SEQ + 1), generator=g)
@@ -77,6 +79,7 @@ class Tokens(Dataset):
         self.label_dtype = getattr(torch, label_dtype)
         self.float_ids = float_ids
         self.bad_label = bad_label
+        self.hf_labels = hf_labels
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -84,6 +87,10 @@ class Tokens(Dataset):
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         row = self.ids[i, :-2] if i == self.ragged_at else self.ids[i]
         ids, labels = row[:-1].clone(), row[1:].clone()
+        if self.hf_labels:
+            labels = ids.clone()
+            if i == 1:
+                labels[-2:] = -100
         if self.bad_label is not None and i == 2:
             labels[0] = self.bad_label
         return {"input_ids": ids.float() if self.float_ids else ids, "labels": labels.to(self.label_dtype)}

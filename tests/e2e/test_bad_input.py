@@ -342,6 +342,11 @@ ROWS = [
         ValueError,
         _all("'model.build_model'", "'file.py:function' or 'package.module:function'"),
     ),
+    _row(
+        config_cases.job_data_labels_unknown_value,
+        ValueError,
+        _all("data.labels='hf' is invalid", "expected 'shifted'", "or 'unshifted'"),
+    ),
     # ------------------------------------------------------------------ training fields
     _row(
         config_cases.args_negative_learning_rate,
@@ -484,6 +489,12 @@ ROWS = [
         cases.trainer_fewer_microbatches_than_stages,
         ValueError,
         _all("gradient_accumulation_steps=1", "fewer than pp=2 stages", "at least 2 microbatches"),
+        ranks=2,
+    ),
+    _row(
+        config_cases.trainer_unshifted_labels_on_class_ids,
+        ValueError,
+        _all("labels: unshifted (data.labels)", "1-d torch.int64 tensor of shape [2]", "data.labels: shifted"),
         ranks=2,
     ),
     _row(

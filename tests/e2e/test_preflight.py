@@ -258,6 +258,22 @@ CASES = {
     "negative_token_id": Case(
         ("batch input_ids holds token id -3 (sample 1 of the first batch)",), data={"kwargs": {"max_id": -3}}
     ),
+    "labels_equal_input_ids_under_shifted": Case(
+        (
+            "the first training batch has labels equal to its input_ids at every labelled position",
+            "the model would learn to copy its input",
+            "set data.labels: unshifted",
+        ),
+        data={"kwargs": {"hf_labels": True}},
+    ),
+    "data_labels_unknown_value": Case(
+        ("data.labels='transformers' is invalid", "expected 'shifted'", "or 'unshifted'"),
+        data={"labels": "transformers"},
+    ),
+    "labels_under_training": Case(
+        ("training.labels='unshifted'", "write 'data.labels: unshifted' instead"),
+        training={"labels": "unshifted"},
+    ),
     "label_beyond_outputs": Case(
         (
             "labels hold class id 99 (sample 2 of the first batch)",
@@ -298,6 +314,14 @@ def test_good_job_passes_every_check(tmp_path: Path) -> None:
     import torch.distributed as dist
 
     assert not dist.is_initialized(), "the TP check's fake process group is gone"
+
+
+def test_transformers_labels_pass_with_data_labels_unshifted(tmp_path: Path) -> None:
+    """labels = input_ids is refused under the default ``data.labels: shifted`` (a row above) and accepted,
+    shifted as the ranks shift them, under ``unshifted``."""
+    case = Case((), data={"kwargs": {"hf_labels": True}, "labels": "unshifted"})
+    status, err = _merak_dry_run(_job(case, tmp_path), ())
+    assert status == 0, err
 
 
 @pytest.mark.slow

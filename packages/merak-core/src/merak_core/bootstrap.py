@@ -113,14 +113,15 @@ def first_samples(dataset: Any, count: int) -> list[Any]:
 
 
 def example_batch(
-    dataset: Any, collate: Callable[[list[Any]], Any] | None, batch_size: int
+    dataset: Any, collate: Callable[[list[Any]], Any] | None, batch_size: int, *, labels: str = "shifted"
 ) -> tuple[Any, Any]:
-    """The first ``batch_size`` samples of ``dataset``, collated and split into ``(inputs, labels)``."""
+    """The first ``batch_size`` samples of ``dataset``, collated and split into ``(inputs, labels)`` under the
+    label convention ``labels`` (``TrainingArguments.labels``)."""
     if dataset is None:
         raise ValueError(
             "Trainer needs a train_dataset, an eval_dataset or example_inputs to trace the model"
         )
-    from merak_core.data import split_inputs_labels
+    from merak_core.data import label_split
 
     samples = first_samples(dataset, batch_size)
     if len(samples) < batch_size:
@@ -128,7 +129,7 @@ def example_batch(
             f"the dataset has {len(samples)} samples, fewer than one microbatch of {batch_size} "
             "(per_device_train_batch_size): use a smaller microbatch or more samples"
         )
-    return split_inputs_labels((collate or torch.utils.data.default_collate)(samples))
+    return label_split(labels)((collate or torch.utils.data.default_collate)(samples))
 
 
 def _check_tp_plan(

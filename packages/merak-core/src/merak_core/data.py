@@ -25,6 +25,19 @@ The position (epoch, batches consumed in it) is kept in the loader:
 iterating continues where the last iteration stopped, an epoch advances when its
 batches are exhausted, and ``state_dict``/``load_state_dict`` resume exactly.
 
+[Note: unshifted labels] With ``labels: unshifted`` (the job file's ``data.labels``) a batch's labels
+follow the transformers convention, ``labels = input_ids`` (-100 where ignored), and the loss must
+shift them. :func:`shift_labels` does it where the labels are read, on the whole batch of this rank:
+``labels[..., 1:]`` padded at the end with -100, exactly as transformers' ``ForCausalLMLoss`` pads and
+shifts before its cross-entropy over every position of the logits. So output t is compared with
+label t + 1, the last position is ignored, and each microbatch's default loss (the mean over its
+labels other than -100) is transformers' loss of that microbatch. The shift is along the sequence,
+rows stay rows: the microbatch split (along the batch), DP shards (whole samples), the pipeline
+(labels on the last stage only) and TP (the loss sees the whole logits; sequence parallelism gathers
+the sequence before the head) all get the same shifted rows as one process, so every layout that is
+exact for shifted labels is exact for unshifted ones, with the same loss normalisation ([Note: loss
+scaling] in ``engine.py``). Metrics get the shifted labels too.
+
 Not done here: moving batches to a device, splitting into microbatches (the
 trainer does both), and sample-level shuffling of iterable datasets.
 """
@@ -40,6 +53,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate
 
 from merak_core.config import TrainingArguments
+from merak_core.dataset_fingerprint import dataset_fingerprint
 from merak_core.layout import ParallelLayout
 
 logger = logging.getLogger(__name__)
@@ -83,6 +97,47 @@ def split_inputs_labels(batch: Any) -> tuple[Any, Any]:
 
 
 _default_split = split_inputs_labels
+
+IGNORE_INDEX = -100
+
+
+def shift_labels(labels: Any) -> torch.Tensor:
+    """transformers-convention labels made position-aligned (see [Note: unshifted labels]): ``labels[..., 1:]``
+    padded with -100 at the end. ValueError unless ``labels`` are integer token labels ``[batch, seq]``."""
+    if (
+        not isinstance(labels, torch.Tensor)
+        or labels.dim() < 2
+        or labels.is_floating_point()
+        or labels.is_complex()
+        or labels.dtype == torch.bool
+    ):
+        what = (
+            f"a {labels.dim()}-d {labels.dtype} tensor of shape {list(labels.shape)}"
+            if isinstance(labels, torch.Tensor)
+            else type(labels).__name__
+        )
+        raise ValueError(
+            f"labels: unshifted (data.labels) shifts token labels [batch, seq] by one position, but the labels "
+            f"are {what}: return integer token labels (labels = input_ids, -100 to ignore), or set "
+            "data.labels: shifted for labels already aligned with the outputs"
+        )
+    return torch.nn.functional.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def label_split(labels: str, split: SplitFn | None = None) -> SplitFn:
+    """The split of a batch into ``(inputs, labels)`` under the label convention ``labels`` (``shifted``:
+    ``split`` itself; ``unshifted``: the labels shifted by :func:`shift_labels`)."""
+    base = split or _default_split
+    if labels == "shifted":
+        return base
+    if labels != "unshifted":
+        raise ValueError(f"labels={labels!r} is invalid: expected 'shifted' or 'unshifted'")
+
+    def split_and_shift(batch: Any) -> tuple[Any, Any]:
+        inputs, raw = base(batch)
+        return inputs, shift_labels(raw)
+
+    return split_and_shift
 
 
 class _BatchIndices:
@@ -167,6 +222,8 @@ class StageAwareDataLoader:
         self.iterable = isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__")
         self._epoch = 0
         self._consumed = 0
+        self._fingerprint: str | None = None
+        self._fingerprinted = False
         if not self.iterable:
             n = len(dataset)
             if self.drop_last and n < self.global_batch_size:
@@ -192,7 +249,8 @@ class StageAwareDataLoader:
         Training: ``batch_size = per_device_train_batch_size * gradient_accumulation_steps``
         per DP rank (the pipeline splits it into ``num_microbatches``), shuffled with
         ``args.seed``, incomplete last batch dropped. Evaluation: ``per_device_eval_batch_size``,
-        dataset order, last batch padded by wrap-around.
+        dataset order, last batch padded by wrap-around. ``args.labels`` chooses the label convention
+        (see [Note: unshifted labels]).
         """
         if evaluation:
             batch_size, shuffle, drop_last = args.per_device_eval_batch_size, False, False
@@ -207,7 +265,7 @@ class StageAwareDataLoader:
             shuffle=shuffle,
             seed=args.seed,
             drop_last=drop_last,
-            split_inputs_labels=split_inputs_labels,
+            split_inputs_labels=label_split(args.labels, split_inputs_labels),
             num_workers=args.dataloader_num_workers,
         )
 
@@ -347,8 +405,9 @@ class StageAwareDataLoader:
     def state_dict(self) -> dict[str, Any]:
         """The position: epoch and batches consumed in it (plus what must match on resume).
 
-        A dataset with a ``fingerprint`` (text data: its token cache and cutting) records it, so a
-        resume over other data is refused instead of repeating or skipping samples.
+        The training set's fingerprint (text data: its token cache and cutting; a map-style dataset: its
+        length and a hash of a few samples, :mod:`merak_core.dataset_fingerprint`) is recorded, so a resume
+        over other data is refused instead of repeating or skipping samples.
         """
         return {
             "epoch": self._epoch,
@@ -356,8 +415,14 @@ class StageAwareDataLoader:
             "seed": self.seed,
             "global_batch_size": self.global_batch_size,
             "shuffle": self.shuffle,
-            "dataset": getattr(self.dataset, "fingerprint", None),
+            "dataset": self.dataset_fingerprint(),
         }
+
+    def dataset_fingerprint(self) -> str | None:
+        """The fingerprint of the dataset (computed once: it reads a few samples); None for an iterable one."""
+        if not self._fingerprinted:
+            self._fingerprint, self._fingerprinted = dataset_fingerprint(self.dataset), True
+        return self._fingerprint
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume at a saved position: the next batch is the one after the last one handed out."""
@@ -371,8 +436,19 @@ class StageAwareDataLoader:
                     f"data loader state was saved with {key}={state[key]!r} but this loader has {key}={mine!r}: "
                     "resume with the same seed, shuffle and dp_size*batch_size, or start a new epoch"
                 )
-        mine_data = getattr(self.dataset, "fingerprint", None)
-        if state.get("dataset") is not None and mine_data is not None and state["dataset"] != mine_data:
+        mine_data = self.dataset_fingerprint() if state.get("dataset") is not None else None
+        if (
+            mine_data is not None
+            and state["dataset"] != mine_data
+            and getattr(self.dataset, "fingerprint", None) is None
+        ):
+            raise ValueError(
+                f"data loader state was saved over a training set of {state['dataset']!r} but this loader reads "
+                f"{mine_data!r}: the training set changed (its size or its samples), so the saved position would "
+                "repeat or skip samples and the run would not continue the checkpoint's; resume with the same data "
+                "(the data factory and its kwargs), or start a new run (a new output_dir) from the checkpoint's weights"
+            )
+        if mine_data is not None and state["dataset"] != mine_data:
             raise ValueError(
                 f"data loader state was saved over the samples {state['dataset']!r} but this loader reads "
                 f"{mine_data!r}: the data, the tokenizer or the cutting (seq_len, packing, eval_fraction) changed, "
@@ -393,4 +469,11 @@ def _nothing(count: int | None) -> Iterator[None]:
             yield None
 
 
-__all__ = ["StageAwareDataLoader", "StageBatch", "split_inputs_labels"]
+__all__ = [
+    "IGNORE_INDEX",
+    "StageAwareDataLoader",
+    "StageBatch",
+    "label_split",
+    "shift_labels",
+    "split_inputs_labels",
+]

@@ -10,6 +10,8 @@
     data:
       factory: data.py:build_datasets    # returns (train_dataset, eval_dataset) or train_dataset
       kwargs: {num_digits: 2}
+      labels: shifted                    # shifted (default): label t is the target of output t;
+                                         # unshifted: labels = input_ids (transformers), Merak shifts them
                                          # or text: {format: jsonl, path: ..., tokenizer: ..., seq_len: ...}
                                          # (merak_core.textdata lists the keys)
     loss: null                           # FILE.py:function(output, labels) -> scalar; null: cross-entropy
@@ -39,7 +41,14 @@ from typing import Any
 
 import yaml
 
-from merak_core.config import KEY_ALIASES, TrainingArguments, load_yaml, override_value, split_override
+from merak_core.config import (
+    KEY_ALIASES,
+    LABEL_CONVENTIONS,
+    TrainingArguments,
+    load_yaml,
+    override_value,
+    split_override,
+)
 from merak_core.config.values import read_utf8
 from merak_core.lora import LoraConfig, check_lora_arguments
 from merak_core.textdata.job import FACTORY as TEXT_FACTORY
@@ -47,6 +56,7 @@ from merak_core.textdata.job import is_text_section, text_factory_kwargs
 
 SECTIONS = ("model", "data", "loss", "metrics", "collate", "training")
 FACTORY_KEYS = ("factory", "kwargs")
+DATA_KEYS = (*FACTORY_KEYS, "labels")
 MODEL_KEYS = (*FACTORY_KEYS, "pretrained", "lora")
 
 
@@ -159,15 +169,14 @@ class JobConfig:
         for required in ("model", "data"):
             if required not in raw:
                 raise ValueError(f"{source}: the '{required}' section is missing (it needs a 'factory')")
-        factories = {
-            name: _factory(raw[name], name, source, base_dir)
-            for name in ("model", "data")
-            if not (name == "data" and is_text_section(raw[name]))
-        }
-        if "data" not in factories:  # text data: the built-in factory (merak_core.textdata.job)
+        data, labels = _data_labels(raw["data"], source)
+        factories = {"model": _factory(raw["model"], "model", source, base_dir)}
+        if is_text_section(data):  # text data: the built-in factory (merak_core.textdata.job)
             factories["data"] = Factory(
-                TEXT_FACTORY, text_factory_kwargs(raw["data"], base_dir=base_dir, source=source)
+                TEXT_FACTORY, text_factory_kwargs(data, base_dir=base_dir, source=source)
             )
+        else:
+            factories["data"] = _factory(data, "data", source, base_dir)
         section = raw.get("training")
         if section is not None and not isinstance(section, dict):
             raise ValueError(
@@ -182,7 +191,15 @@ class JobConfig:
                     f"{source}: '{name}' must be 'file.py:function' or 'package.module:function', got "
                     f"{type(value).__name__} {value!r}"
                 )
-        training = TrainingArguments.from_dict(section or {}, source=f"{source}: training")
+        if isinstance(section, dict) and "labels" in section:
+            raise ValueError(
+                f"{source}: training.labels={section['labels']!r}: the label convention is a key of the data "
+                f"section: write 'data.labels: {section['labels']}' instead"
+            )
+        training = TrainingArguments.from_dict(
+            {**(section or {}), **({} if labels is None else {"labels": labels})},
+            source=f"{source}: training",
+        )
         job = cls(
             model=factories["model"],
             data=factories["data"],
@@ -293,10 +310,29 @@ def _check_tp_plan_name(tp_plan: Any, source: str) -> None:
         ) from None
 
 
+def _data_labels(section: Any, source: str) -> tuple[Any, str | None]:
+    """The data section without ``labels``, and ``data.labels`` (None when not given), checked."""
+    if not isinstance(section, dict) or "labels" not in section:
+        return section, None
+    value = section["labels"]
+    if not isinstance(value, str) or value not in LABEL_CONVENTIONS:
+        raise ValueError(
+            f"{source}: data.labels={value!r} is invalid: expected 'shifted' (label t is the target of output t, "
+            "the default) or 'unshifted' (labels = input_ids, the transformers convention: Merak shifts them)"
+        )
+    rest = {k: v for k, v in section.items() if k != "labels"}
+    if value == "unshifted" and is_text_section(rest):
+        raise ValueError(
+            f"{source}: data.labels=unshifted with text data (data.format): text samples come with their labels "
+            "shifted already; remove data.labels"
+        )
+    return rest, value
+
+
 def _factory(section: Any, name: str, source: str, base_dir: str = ".") -> Factory:
     if isinstance(section, str):
         return Factory(section)
-    keys = MODEL_KEYS if name == "model" else FACTORY_KEYS
+    keys = MODEL_KEYS if name == "model" else DATA_KEYS
     if not isinstance(section, dict) or not (
         "factory" in section or (name == "model" and "pretrained" in section)
     ):

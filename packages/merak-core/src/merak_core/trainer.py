@@ -43,7 +43,7 @@ from merak_core.checkpoint import CheckpointManager
 from merak_core.checkpoint.parts import CheckpointParts, TrainState
 from merak_core.compose import ParallelModel, gather_full_state_dict
 from merak_core.config import TrainingArguments
-from merak_core.data import StageAwareDataLoader
+from merak_core.data import StageAwareDataLoader, label_split
 from merak_core.engine import (
     LossFn,
     ParallelEngine,
@@ -146,6 +146,7 @@ class Trainer:
                 batch_size=args.micro_batch_size * args.num_microbatches,
                 **stage_data_roles(args, self.layout),
                 collate_fn=data_collator,
+                split_inputs_labels=label_split(args.labels),
                 seed=args.seed,
                 shuffle=True,
                 num_workers=args.dataloader_num_workers,
@@ -159,6 +160,7 @@ class Trainer:
                 train_dataset if train_dataset is not None else eval_dataset,
                 data_collator,
                 args.micro_batch_size,
+                labels=args.labels,  # every rank checks them, before any collective
             )
         composed = bootstrap.compose(
             model, args, self.layout, self.device, example_inputs=example_inputs, init_fn=init_fn, lora=lora
@@ -458,6 +460,7 @@ class Trainer:
             batch_size=self._eval_micro_batch_size() * num_micro,
             **stage_data_roles(self.args, self.layout),
             collate_fn=self.data_collator,
+            split_inputs_labels=label_split(self.args.labels),
             shuffle=False,
             seed=self.args.seed,
             drop_last=False,

@@ -43,6 +43,7 @@ from merak_core.config.lr import build_lr_scheduler, lr_lambda
 from merak_core.config.values import (
     DTYPES,
     KEY_ALIASES,
+    LABEL_CONVENTIONS,
     LAYOUTS,
     LR_SCHEDULER_TYPES,
     MAX_SEED,
@@ -58,6 +59,7 @@ from merak_core.config.values import (
 __all__ = [
     "DTYPES",
     "KEY_ALIASES",
+    "LABEL_CONVENTIONS",
     "LAYOUTS",
     "LR_SCHEDULER_TYPES",
     "TrainingArguments",

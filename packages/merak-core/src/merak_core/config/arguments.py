@@ -95,6 +95,11 @@ class TrainingArguments:
     """Parameter dtype: ``float32``, ``float64``, ``bfloat16`` or ``float16``."""
     dataloader_num_workers: int = 0
     """Worker processes of the data loader on the ranks that read data."""
+    labels: str = "shifted"
+    """How the labels line up with the inputs (a job file sets it as ``data.labels``): ``shifted``, label t is
+    the target of output t (the loss compares them position by position); ``unshifted``, the transformers
+    convention (``labels = input_ids``, the model's loss shifts): Merak shifts the labels as it reads them,
+    ``labels[..., 1:]`` padded with -100, so output t predicts label t + 1 as in transformers' causal-LM loss."""
     nonfinite: str = "stop"
     """A step whose loss or gradient norm is NaN or infinite: ``stop`` raises an error naming the step, the
     loss, the gradient norm and the first non-finite gradient; ``skip`` drops the step (no optimizer update,

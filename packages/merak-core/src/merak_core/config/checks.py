@@ -19,6 +19,7 @@ from typing import Any
 
 from merak_core.config.values import (
     DTYPES,
+    LABEL_CONVENTIONS,
     LAYOUTS,
     LR_SCHEDULER_TYPES,
     MAX_SEED,
@@ -106,6 +107,7 @@ def _check_run(args: Any) -> None:
     _check(isinstance(args.bf16, bool), "bf16", args.bf16, "true or false")
     _check(isinstance(args.plan_probe_tp, bool), "plan_probe_tp", args.plan_probe_tp, "true or false")
     _check(isinstance(args.tp_check, bool), "tp_check", args.tp_check, "true or false")
+    _check(args.labels in LABEL_CONVENTIONS, "labels", args.labels, f"one of {LABEL_CONVENTIONS}")
     _check(
         isinstance(args.sequence_parallel, bool),
         "sequence_parallel",

@@ -19,6 +19,8 @@ import torch
 
 LR_SCHEDULER_TYPES = ("constant", "linear", "cosine")
 NONFINITE_POLICIES = ("stop", "skip")
+LABEL_CONVENTIONS = ("shifted", "unshifted")
+"""``training.labels`` (the job file's ``data.labels``): how a batch's labels line up with its inputs."""
 DTYPES = {
     "float32": torch.float32,
     "float64": torch.float64,

@@ -34,7 +34,13 @@ from typing import Any
 
 from merak_core.job import JobConfig
 from merak_core.preflight.base import PreflightError, PreflightReport
-from merak_core.preflight.data import SHAPE_SCAN_SAMPLES, check_batch, check_dataset, first_batch
+from merak_core.preflight.data import (
+    SHAPE_SCAN_SAMPLES,
+    check_batch,
+    check_dataset,
+    check_labels_not_inputs,
+    first_batch,
+)
 from merak_core.preflight.files import check_export_dir, check_output_dir, check_resume
 from merak_core.preflight.metrics import check_metrics
 from merak_core.preflight.model import _where, build_meta_model, check_model_kwargs
@@ -69,7 +75,7 @@ def preflight(job: JobConfig, *, tp: int | None = None, resume: str | None = Non
     ``tp``: the TP degree the job will run with (default ``job.training.tp``; None when the
     planner chooses it). ``resume``: the ``--resume`` argument.
     """
-    from merak_core.data import split_inputs_labels
+    from merak_core.data import label_split
     from merak_core.virtual_stages import check_layer_count
 
     t = job.training
@@ -127,10 +133,12 @@ def preflight(job: JobConfig, *, tp: int | None = None, resume: str | None = Non
             check_global_batch(size, t, t.dp)
         batch = first_batch(dataset, collate, batch_size, what)
         try:
-            inputs, labels = split_inputs_labels(batch)
+            inputs, labels = label_split(t.labels)(batch)  # unshifted: shifted here, as the ranks do
         except ValueError as exc:
             raise PreflightError(f"the first {what} batch: {exc}") from None
         check_batch(model, inputs, labels, default_loss=job.loss is None)
+        if t.labels == "shifted" and job.loss is None:
+            check_labels_not_inputs(inputs, labels, what)
         check_positions(model, inputs, job, what)
         check_labels_counted(labels, what)
         first[what] = (inputs, labels)

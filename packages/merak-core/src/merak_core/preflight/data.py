@@ -200,3 +200,22 @@ def _output_classes(model: nn.Module, inputs: Any) -> int | None:
     if isinstance(logits, (tuple, list)) and logits:
         logits = logits[0]
     return int(logits.shape[-1]) if isinstance(logits, torch.Tensor) and logits.dim() >= 1 else None
+
+
+def check_labels_not_inputs(inputs: Any, labels: Any, what: str) -> None:
+    """Under ``data.labels: shifted`` (label t is the target of output t), refuse a first batch whose labels
+    equal its input ids wherever a label counts: the transformers convention (``labels = input_ids``, the
+    loss shifts them), which trained unshifted teaches the model to copy its input."""
+    ids = _id_tensors(inputs)
+    if len(ids) != 1 or not isinstance(labels, torch.Tensor):
+        return
+    (key, tokens), counted = next(iter(ids.items())), labels != -100
+    if tokens.shape != labels.shape or labels.dim() < 2 or labels.shape[-1] < 2 or not bool(counted.any()):
+        return
+    if bool((labels[counted] == tokens[counted]).all()):
+        raise PreflightError(
+            f"the first {what} batch has labels equal to its {key} at every labelled position, the transformers "
+            "convention (labels = input_ids, the loss shifts them), but labels are read as already shifted (label t "
+            "is the target of output t), so the model would learn to copy its input: set data.labels: unshifted "
+            "(Merak then shifts them), or give labels[t] = input_ids[t + 1] in the data"
+        )
