@@ -48,3 +48,33 @@ GOOD = {
 def test_launch_checks_accept_a_correct_job(name: str, tmp_path: Path) -> None:
     ctx = CaseContext(tmp_path)
     train_dry_run(ctx, write_job(ctx, **GOOD[name]))  # raises CliExit on a refusal
+
+
+def test_overrides_after_the_options_are_overrides(tmp_path: Path) -> None:
+    """``merak train JOB --dry-run training.max_steps=5``: the override reaches the job (and the ranks' command)."""
+    import contextlib
+    import io
+
+    from merak_core.cli import main
+
+    ctx = CaseContext(tmp_path)
+    job = write_job(ctx, model=LLAMA)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = main(
+            [
+                "--log-level",
+                "WARNING",
+                "train",
+                str(job),
+                "training.seed=3",
+                "--dry-run",
+                "training.max_steps=5",
+            ]
+        )
+    assert status == 0
+    assert out.getvalue().split()[-2:] == ["training.seed=3", "training.max_steps=5"]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exc:
+        main(["train", str(job), "--dry-run", "--max-step", "5"])  # not an override: still a usage error
+    assert exc.value.code == 2 and "unrecognized arguments: --max-step 5" in err.getvalue()

@@ -67,9 +67,25 @@ def _stop_before_launch() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parse ``argv``; ``section.key=value`` overrides after the options are overrides too.
+
+    argparse fills a command's ``overrides`` only from the words right after the job file, so
+    ``merak train JOB --dry-run training.max_steps=5`` would stop at the override; here such
+    words join ``overrides`` in their order. Anything else unknown is the usual usage error.
+    """
+    args, extra = parser.parse_known_args(argv)
+    overrides = [w for w in extra if "=" in w and not w.startswith("-")]
+    if extra and (len(overrides) < len(extra) or not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if overrides:
+        args.overrides = [*args.overrides, *overrides]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _build_parser()
-    args = parser.parse_args(argv)
+    args = _parse(parser, argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.command is None:
         parser.print_help()
