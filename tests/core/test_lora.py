@@ -159,3 +159,14 @@ def test_initial_adapters_are_the_same_at_every_tp_split() -> None:
         assert b.eq(0).all()
         blocks.append(a.detach())
     assert torch.equal(torch.cat(blocks, dim=1), full_a)
+
+
+def test_merge_needs_a_lora_checkpoint() -> None:
+    from merak_core.hf.adapters import checkpoint_lora
+
+    with pytest.raises(ValueError, match=r"--merge: checkpoint 'ck' is not a LoRA run's .* drop --merge"):
+        checkpoint_lora({"lora": None}, merge=True, checkpoint="ck")
+    assert checkpoint_lora({}, merge=False, checkpoint="ck") is None
+    assert checkpoint_lora({"lora": {"r": 2, "alpha": 4.0}}, merge=True, checkpoint="ck") == LoraConfig(
+        r=2, alpha=4
+    )

@@ -251,6 +251,38 @@ def test_lora_default_init_and_resume() -> None:
     base = tf_state(folder)
     for key, tensor in base.items():  # frozen: unchanged (tied lm_head is wte)
         assert torch.equal(full[key], tensor), key
+    _check_checkpoint_exports(root, folder, full)
+
+
+def _check_checkpoint_exports(root: Path, folder: Path, full: dict[str, torch.Tensor]) -> None:
+    """``merak export`` of the LoRA checkpoint: a PEFT folder holding the run's adapters; with ``--merge`` the
+    whole model with ``W + (alpha / r) B A`` (``Conv1D`` weights stored (in, out)), whose logits are PEFT's."""
+    import peft
+    import transformers as tf
+    from safetensors.torch import load_file
+
+    from merak_core.cli import main
+
+    checkpoint = str(root / "out" / "a" / "checkpoints" / "latest")
+    assert main(["export", checkpoint, "--to-hf", str(root / "peft")]) == 0
+    exported = load_file(str(root / "peft" / "adapter_model.safetensors"))
+    adapters = {k: t for k, t in full.items() if k.endswith((".lora_A.weight", ".lora_B.weight"))}
+    assert sorted(exported) == sorted("base_model.model." + k for k in adapters)
+    for key, tensor in adapters.items():
+        assert torch.equal(exported["base_model.model." + key], tensor), key
+    merge = ["export", checkpoint, "--to-hf", str(root / "merged"), "--merge", "--pretrained", str(folder)]
+    assert main(merge) == 0  # the run's model came from a factory: the config.json is given
+    merged = tf.AutoModelForCausalLM.from_pretrained(str(root / "merged"), dtype=torch.float64).eval()
+    base_model = tf.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float64)
+    with_adapters = peft.PeftModel.from_pretrained(base_model, str(root / "peft")).eval()
+    w = "transformer.h.0.attn.c_proj"  # a square Conv1D: only the orientation tells (in, out) from (out, in)
+    expected = full[w + ".weight"] + 2.0 * (full[w + ".lora_B.weight"] @ full[w + ".lora_A.weight"]).t()
+    torch.testing.assert_close(
+        dict(merged.named_parameters())[w + ".weight"], expected, rtol=1e-12, atol=1e-12
+    )
+    ids = torch.randint(0, 90, (2, 8), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, with_adapters(ids).logits, rtol=1e-10, atol=1e-10)
 
 
 def tf_state(folder: Path) -> dict[str, torch.Tensor]:

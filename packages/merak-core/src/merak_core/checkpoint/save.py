@@ -104,6 +104,7 @@ def save_checkpoint(parts: CheckpointParts, root: Path, fingerprint: dict[str, t
             "zero_stage": parts.args.zero_stage,
             "training_arguments": parts.args.to_dict(),
             "pretrained": parts.pretrained,
+            "lora": None if parts.model.lora is None else dict(vars(parts.model.lora)),
             "fingerprint": {name: list(shape) for name, shape in fingerprint.items()},
             "files": dict(sorted(files.items())),
         }

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from merak_core.hf.pretrained import read_local_shard
 from merak_core.lora import LoraConfig
@@ -35,7 +36,15 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 KEY_PREFIX = "base_model.model."
 
-__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "export_adapters", "read_adapter_config", "start_adapters"]
+__all__ = [
+    "ADAPTER_CONFIG",
+    "ADAPTER_WEIGHTS",
+    "export_adapters",
+    "merge_adapters",
+    "read_adapter_config",
+    "start_adapters",
+    "write_adapter_folder",
+]
 
 
 def read_adapter_config(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -144,23 +153,65 @@ def adapter_config(config: LoraConfig, modules: list[str], *, base: str | None) 
     }
 
 
+def write_adapter_folder(
+    tensors: dict[str, torch.Tensor], config: LoraConfig, out: str | os.PathLike[str], *, base: str | None
+) -> Path:
+    """Write ``tensors`` (every adapter, whole, by logical name) as a PEFT folder, in this process."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    adapters = {name: t for name, t in tensors.items() if is_adapter_name(name)}
+    modules = sorted({name.rsplit(".", 2)[0] for name in adapters})
+    keyed = {KEY_PREFIX + name: t.contiguous() for name, t in sorted(adapters.items())}
+    tmp = out_dir / (ADAPTER_WEIGHTS + ".tmp")
+    save_file(keyed, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, out_dir / ADAPTER_WEIGHTS)
+    text = json.dumps(adapter_config(config, modules, base=base), indent=2, sort_keys=True)
+    (out_dir / ADAPTER_CONFIG).write_text(text + "\n")
+    logger.info("wrote %d adapter tensors to %s (a PEFT LoRA folder)", len(keyed), out_dir)
+    return out_dir
+
+
 def export_adapters(pm: ParallelModel, out: str | os.PathLike[str], *, base: str | None = None) -> Path:
     """Write the run's adapters as a PEFT folder (collective over the world; rank 0 writes)."""
     if pm.lora is None:
         raise ValueError("export_adapters needs a model composed with LoRA (Trainer(..., lora=...))")
-    from safetensors.torch import save_file
-
     tensors = _gathered_adapters(pm)
-    out_dir = Path(out)
     if dist.get_rank() == 0:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        modules = sorted({name.rsplit(".", 2)[0] for name in tensors})
-        keyed = {KEY_PREFIX + name: t for name, t in tensors.items()}
-        tmp = out_dir / (ADAPTER_WEIGHTS + ".tmp")
-        save_file(keyed, str(tmp), metadata={"format": "pt"})
-        os.replace(tmp, out_dir / ADAPTER_WEIGHTS)
-        config = adapter_config(pm.lora, modules, base=base)
-        (out_dir / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        logger.info("wrote %d adapter tensors to %s (a PEFT LoRA folder)", len(keyed), out_dir)
+        write_adapter_folder(tensors, pm.lora, out, base=base)
     dist.barrier()
-    return out_dir
+    return Path(out)
+
+
+def merge_adapters(
+    state: dict[str, torch.Tensor], config: LoraConfig, model: nn.Module
+) -> dict[str, torch.Tensor]:
+    """``state`` (a LoRA run's logical tensors) with each adapted weight replaced by ``W + scaling * B A``
+    and the adapters dropped. ``model`` (meta is fine) says which weights are ``Conv1D``s, stored (in, out)."""
+    merged = {name: t for name, t in state.items() if not is_adapter_name(name)}
+    for name in state:
+        if not name.endswith(".lora_A.weight"):
+            continue
+        path = name.removesuffix(".lora_A.weight")
+        a, b = state[name], state[path + ".lora_B.weight"]
+        weight = merged[path + ".weight"]
+        delta = (b.double() @ a.double()) * config.scaling  # (out, in)
+        if type(model.get_submodule(path)).__name__ == "Conv1D":
+            delta = delta.t()
+        merged[path + ".weight"] = (weight.double() + delta).to(weight.dtype)
+    return merged
+
+
+def checkpoint_lora(meta: dict[str, Any], *, merge: bool, checkpoint: str) -> LoraConfig | None:
+    """The LoRA config a checkpoint's metadata records (None for a full fine-tune; ValueError for ``merge``
+    without LoRA)."""
+    raw = meta.get("lora")
+    if raw is None:
+        if merge:
+            raise ValueError(
+                f"--merge: checkpoint {checkpoint!r} is not a LoRA run's (it holds every weight, nothing to "
+                "merge): drop --merge"
+            )
+        return None
+    return LoraConfig(**raw)

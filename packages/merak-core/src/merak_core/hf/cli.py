@@ -44,6 +44,12 @@ def add_parser(sub: Any) -> None:
         help="resolve 'latest' under this job's output_dir; its model.pretrained is the default folder",
     )
     p.add_argument(
+        "--merge",
+        action="store_true",
+        help="a LoRA run's checkpoint: write the whole model with the adapters merged into their weights "
+        "(default: a PEFT adapter folder)",
+    )
+    p.add_argument(
         "--max-shard-size",
         default=str(DEFAULT_MAX_SHARD_BYTES),
         metavar="SIZE",
@@ -81,7 +87,9 @@ def run(args: argparse.Namespace) -> int:
         output_dir = job.training.output_dir
         pretrained = pretrained or job.model.pretrained
     checkpoint = resolve_checkpoint(args.checkpoint, output_dir)
-    out = export_checkpoint(checkpoint, args.to_hf, pretrained=pretrained, max_shard_size=args.max_shard_size)
+    out = export_checkpoint(
+        checkpoint, args.to_hf, pretrained=pretrained, max_shard_size=args.max_shard_size, merge=args.merge
+    )
     files = sorted(p.name for p in out.iterdir())
     print(
         f"merak export: wrote {out} ({len(files)} files: {', '.join(files[:8])}{' ...' if len(files) > 8 else ''})"

@@ -243,16 +243,26 @@ def export_checkpoint(
     *,
     pretrained: str | os.PathLike[str] | None = None,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_BYTES,
+    merge: bool = False,
 ) -> Path:
-    """A checkpoint directory or ``latest`` pointer as a Hugging Face folder (one process, verified)."""
+    """A checkpoint directory or ``latest`` pointer as a Hugging Face folder (one process, verified).
+
+    A LoRA run's checkpoint is written as a PEFT adapter folder, or with ``merge`` as the whole model
+    with the adapters merged into their weights (``W + alpha / r * B A``, :mod:`merak_core.hf.adapters`).
+    """
     from merak_core.checkpoint.files import latest_candidates, pointer_root, read_checkpoint_meta
+    from merak_core.hf.adapters import checkpoint_lora, merge_adapters, write_adapter_folder
     from merak_core.weights import read_checkpoint_model
 
     check_out_dir(out, what="--to-hf")
     state = read_checkpoint_model(checkpoint)
     root = pointer_root(checkpoint)
     directory = Path(checkpoint) if root is None else latest_candidates(root)[0]
-    recorded = read_checkpoint_meta(directory).get("pretrained")
+    meta = read_checkpoint_meta(directory)
+    recorded = meta.get("pretrained")
+    lora = checkpoint_lora(meta, merge=merge, checkpoint=str(checkpoint))
+    if lora is not None and not merge:
+        return write_adapter_folder(state, lora, out, base=recorded)
     source = resolve_source(pretrained, recorded)
     if source is None:
         raise ValueError(
@@ -260,6 +270,10 @@ def export_checkpoint(
             "model.pretrained): pass --pretrained PATH, a folder with the config.json (and tokenizer) of "
             "this model, so that from_pretrained can build it"
         )
+    if lora is not None:
+        from merak_core.hf.pretrained import pretrained_model
+
+        state = merge_adapters(state, lora, pretrained_model(source.path))
     check_state_fits(state, source, checkpoint=str(checkpoint))
     return write_hf_folder(state, out, source=source, max_shard_size=max_shard_size)
 
