@@ -159,3 +159,74 @@ def test_safetensors_reads_only_the_stage_tensors(tmp_path) -> None:  # type: ig
         values = s(*values)
         values = values if i == 2 or isinstance(values, tuple) else (values,)
     assert_tensors_close(values.detach(), ref(*inputs).detach(), name="logits")
+
+
+class _Scaled(nn.Module):
+    """A module whose constructor computes a non-persistent buffer (as Gemma's scaled embedding)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 3))
+        self.register_buffer("scale", torch.tensor(2.5), persistent=False)
+
+
+class _Swapped(nn.Module):
+    """What a tensor-parallel layer does to a meta module: a new object copying its (meta) buffer."""
+
+    def __init__(self, original: _Scaled) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty_like(original.weight))
+        self.register_buffer("scale", original.scale.detach().clone(), persistent=False)
+
+
+def test_replaced_module_adopts_the_constructor_value_of_its_buffer() -> None:
+    """[Note: replaced modules] Without adopt_constructor_buffers the swapped module had no value for its
+    buffer; materialize left it as uninitialised memory (issue 24, Gemma's embedding scale at tp=2)."""
+    from merak_graph import adopt_constructor_buffers, constructor_buffers
+
+    with empty_init():
+        model = nn.Sequential(_Scaled())
+    remembered = constructor_buffers(model)
+    assert set(remembered) == {"0.scale"} and float(remembered["0.scale"]) == 2.5
+    model[0] = _Swapped(model[0])
+    assert adopt_constructor_buffers(model, remembered) == ["0.scale"]
+    materialize(model, device="cpu", init_fn=lambda m: None)
+    assert float(model[0].scale) == 2.5
+
+
+def test_a_buffer_nothing_gives_a_value_is_refused() -> None:
+    """[Note: unset buffers] No state dict entry, no remembered value, an initialiser that leaves it: an
+    error naming the buffer, not uninitialised memory."""
+    with empty_init():
+        model = nn.Sequential(_Scaled())
+    model[0] = _Swapped(model[0])
+    with pytest.raises(ValueError, match=r"buffer '0.scale' of _Swapped has no value after materialisation"):
+        materialize(model, device="cpu", init_fn=lambda m: None)
+    with empty_init():
+        model = nn.Sequential(_Scaled())
+    model[0] = _Swapped(model[0])
+
+    def init(m: nn.Module) -> None:
+        if isinstance(m, _Swapped):
+            m.scale.fill_(3.0)
+
+    materialize(model, device="cpu", init_fn=init)  # an initialiser that sets it is enough
+    assert float(model[0].scale) == 3.0
+
+
+def test_materialised_and_stage_parameters_keep_their_gradient_hooks() -> None:
+    """[Note: gradient hooks] A hook registered on a meta parameter (TP's gradient sum of a replicated
+    weight) runs on the parameter materialisation makes in its place, and on a built stage's copy."""
+    with empty_init():
+        model = GPT()
+    for p in model.parameters():
+        p.register_hook(lambda g: torch.zeros_like(g))
+    x = REFERENCE_MODELS["gpt"].make_inputs(2, 8, 0)
+    part = partition(model, 2, example_inputs=tuple(t.to("meta") for t in x), input_names=("input_ids",))
+    stage = part.build_stage(1, device="cpu", init_fn=init_like_gpt2)
+    materialize(model, device="cpu", init_fn=init_like_gpt2)
+    for module in (model, stage):
+        params = [p for p in module.parameters() if p.requires_grad]
+        (sum((p * p).sum() for p in params)).backward()  # type: ignore[union-attr]
+        for p in params:
+            assert p.grad is not None and not p.grad.any()

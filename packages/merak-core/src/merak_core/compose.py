@@ -136,9 +136,14 @@ def apply_tensor_parallel(
     """
     if layout.tp == 1:
         return model
+    import merak_graph
     import merak_tp
 
-    return merak_tp.parallelize(
+    # A meta model's TP layers copy the buffers of the modules they replace still on meta (e.g. Gemma's
+    # embedding scale): they take the constructor values remembered for the originals
+    # ([Note: replaced modules] in merak_graph.empty), else materialisation has none to give them.
+    remembered = merak_graph.constructor_buffers(model)
+    model = merak_tp.parallelize(
         model,
         _tp_plan(plan),
         group=layout.tp_group,
@@ -146,6 +151,8 @@ def apply_tensor_parallel(
         rng_tracker=rng_tracker,
         sequence_parallel=sequence_parallel,
     )
+    merak_graph.adopt_constructor_buffers(model, remembered)
+    return model
 
 
 def _trace_leaves(model: nn.Module, layout: ParallelLayout, plan: Any) -> tuple[Any, ...]:

@@ -8,7 +8,13 @@ shards at small boundaries and assigns contiguous shards to stages;
 """
 
 from merak_graph.costs import CostModel, NodeCost, ValueSpec, annotate_costs, graph_cost_summary
-from merak_graph.empty import empty_init, is_meta_module, materialize
+from merak_graph.empty import (
+    adopt_constructor_buffers,
+    constructor_buffers,
+    empty_init,
+    is_meta_module,
+    materialize,
+)
 from merak_graph.errors import InputMismatchError, PartitionError, TraceError
 from merak_graph.partitioning import (
     PARAM_MEMORY_FACTOR,
@@ -43,7 +49,9 @@ __all__ = [
     "TraceError",
     "ValueSpec",
     "__version__",
+    "adopt_constructor_buffers",
     "annotate_costs",
+    "constructor_buffers",
     "empty_init",
     "graph_cost_summary",
     "is_meta_module",

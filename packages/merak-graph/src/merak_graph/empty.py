@@ -5,7 +5,12 @@ any module constructor lands on the meta device, whatever the module type (the
 constructor still runs normally, so ties such as ``lm_head.weight =
 wte.weight`` survive). Constructors that compute a buffer's value (rotary
 tables, position ids) would lose it on meta, so a small buffer's real value is
-remembered on the CPU and restored by ``materialize``.
+remembered on the CPU and restored by ``materialize``. [Note: replaced modules] The value is
+remembered per module: a module put in another's place after construction (a tensor-parallel
+layer copying the original's meta buffers) starts with none, until
+``adopt_constructor_buffers`` hands it the value recorded under the same name
+(``constructor_buffers`` of the model before the swap). A parameter made in a meta one's
+place keeps its gradient hooks ([Note: gradient hooks]).
 
 ``materialize(module, device=...)`` gives every meta tensor of ``module`` real
 storage on ``device`` and fills it, in order of preference, from a state dict,
@@ -13,6 +18,7 @@ from a safetensors file (reading only the tensors this module holds), from the
 remembered constructor value of a buffer, or from the modules' own
 initialisers (``init_fn(module)`` such as a transformers model's
 ``_init_weights``, else ``module.reset_parameters()``). Tied tensors stay tied.
+A buffer none of these gives a value is an error, never uninitialised memory.
 
 Deliberately not done: sharded (multi-file) safetensors indexes are read one
 file at a time by the caller; random initialisation does not reproduce the
@@ -30,7 +36,13 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["empty_init", "materialize", "is_meta_module"]
+__all__ = [
+    "adopt_constructor_buffers",
+    "constructor_buffers",
+    "empty_init",
+    "is_meta_module",
+    "materialize",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +103,38 @@ def stashed_buffer_value(module: nn.Module, name: str) -> torch.Tensor | None:
     return _BUFFER_VALUES.get(module, {}).get(name)
 
 
+def constructor_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The values constructors gave the buffers of ``module`` under ``empty_init``, by qualified name."""
+    out: dict[str, torch.Tensor] = {}
+    for prefix, mod in module.named_modules(remove_duplicate=False):
+        for name, value in _BUFFER_VALUES.get(mod, {}).items():
+            out.setdefault(f"{prefix}.{name}" if prefix else name, value)
+    return out
+
+
+def adopt_constructor_buffers(module: nn.Module, values: Mapping[str, torch.Tensor]) -> list[str]:
+    """Give meta buffers of ``module`` that have no remembered value the one ``values`` holds for their name.
+
+    ``values`` comes from :func:`constructor_buffers` of the same model before some of its modules were
+    replaced ([Note: replaced modules]); a buffer takes a value only if it is still on the meta device
+    and has the recorded shape. Returns the qualified names that took one.
+    """
+    adopted = []
+    for qualified, value in values.items():
+        owner_name, _, name = qualified.rpartition(".")
+        try:
+            owner = module.get_submodule(owner_name) if owner_name else module
+        except AttributeError:
+            continue
+        buf = owner._buffers.get(name)
+        stash = _BUFFER_VALUES.get(owner, {})
+        if buf is None or not buf.is_meta or name in stash or tuple(buf.shape) != tuple(value.shape):
+            continue
+        _BUFFER_VALUES.setdefault(owner, {})[name] = value
+        adopted.append(qualified)
+    return adopted
+
+
 def _copy_stash(src: nn.Module, dst: nn.Module) -> None:
     if src in _BUFFER_VALUES:
         _BUFFER_VALUES[dst] = dict(_BUFFER_VALUES[src])
@@ -144,6 +188,7 @@ def materialize(
     loaded: set[int] = set()  # ids of new tensors filled from a checkpoint or stash
     needs_init: dict[int, nn.Module] = {}  # id(module) -> module whose own tensors need init
     missing: list[str] = []
+    unset_buffers: list[tuple[nn.Module, str, str]] = []  # buffers only an initialiser can fill
 
     for mod_name, mod in module.named_modules(remove_duplicate=False):
         for kind in ("_parameters", "_buffers"):
@@ -159,26 +204,14 @@ def materialize(
                 value = _lookup(key, state_dict, reader)
                 if value is None and kind == "_buffers":
                     value = stashed_buffer_value(mod, name)
-                new_data = torch.empty(old.shape, dtype=old.dtype, device=device)
-                if value is not None:
-                    if tuple(value.shape) != tuple(old.shape):
-                        raise ValueError(
-                            f"tensor {key!r} has shape {tuple(value.shape)} in the checkpoint but "
-                            f"{tuple(old.shape)} in the model: load a checkpoint of this model configuration"
-                        )
-                    with torch.no_grad():
-                        new_data.copy_(value)
-                else:
+                new = _real_tensor(old, value, key, device)
+                if value is None:
                     needs_init[id(mod)] = mod
                     if kind == "_parameters":
                         missing.append(key)
-                new: torch.Tensor
-                if kind == "_parameters":
-                    new = type(old)(new_data, requires_grad=old.requires_grad)
-                    new.__dict__.update(old.__dict__)
+                    elif _fill_sentinel(new):
+                        unset_buffers.append((mod, name, key))
                 else:
-                    new = new_data
-                if value is not None:
                     loaded.add(id(new))
                 replaced[id(old)] = new
                 table[name] = new
@@ -189,9 +222,70 @@ def materialize(
         )
     for mod in needs_init.values():
         _initialise(mod, init_fn, loaded)
+    _check_buffers_set(unset_buffers)
     if reader is not None:
         logger.debug("materialize read %d tensors from %s", len(reader.read), safetensors_path)
     return module
+
+
+def _real_tensor(
+    old: torch.Tensor, value: torch.Tensor | None, key: str, device: torch.device
+) -> torch.Tensor:
+    """The tensor on ``device`` that replaces meta ``old`` (a parameter stays one), holding ``value`` if given."""
+    new_data = torch.empty(old.shape, dtype=old.dtype, device=device)
+    if value is not None:
+        if tuple(value.shape) != tuple(old.shape):
+            raise ValueError(
+                f"tensor {key!r} has shape {tuple(value.shape)} in the checkpoint but "
+                f"{tuple(old.shape)} in the model: load a checkpoint of this model configuration"
+            )
+        with torch.no_grad():
+            new_data.copy_(value)
+    if not isinstance(old, nn.Parameter):
+        return new_data
+    new = type(old)(new_data, requires_grad=old.requires_grad)
+    new.__dict__.update(old.__dict__)
+    _keep_grad_hooks(old, new)
+    return new
+
+
+def _keep_grad_hooks(old: torch.Tensor, new: torch.Tensor) -> None:
+    """[Note: gradient hooks] ``new`` replaces ``old``: it runs the gradient hooks registered on ``old``.
+
+    Layers put hooks on their parameters (a tensor-parallel replicated weight whose gradient is
+    summed over its group); a tensor made in another's place (materialisation, a stage's copy)
+    would otherwise drop them without a word.
+    """
+    hooks = getattr(old, "_backward_hooks", None)
+    if hooks and old.requires_grad:
+        new._backward_hooks = hooks
+
+
+def _fill_sentinel(t: torch.Tensor) -> bool:
+    """Fill a buffer no source gives a value with a marker an initialiser overwrites (False: no marker fits)."""
+    if t.numel() == 0 or t.dtype == torch.bool or t.is_complex():
+        return False
+    with torch.no_grad():
+        t.fill_(float("nan") if t.is_floating_point() else torch.iinfo(t.dtype).min)
+    return True
+
+
+def _check_buffers_set(unset: list[tuple[nn.Module, str, str]]) -> None:
+    """[Note: unset buffers] A buffer still holding its marker after initialisation has no value: refuse it."""
+    for mod, name, key in unset:
+        t = mod._buffers.get(name)
+        if t is None or t.is_meta:
+            continue
+        marker = float("nan") if t.is_floating_point() else torch.iinfo(t.dtype).min
+        left = bool(torch.isnan(t).all()) if t.is_floating_point() else bool((t == marker).all())
+        if left:
+            raise ValueError(
+                f"buffer {key!r} of {type(mod).__name__} has no value after materialisation: it is not in the "
+                "state dict / file, no constructor value was remembered for it under empty_init (a module "
+                "put in its original's place after construction needs adopt_constructor_buffers), and the "
+                "module's initialiser (init_fn or reset_parameters) did not set it; pass its value, or an "
+                "init_fn that sets it"
+            )
 
 
 def _lookup(

@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from merak_graph.empty import _copy_stash, is_meta_module, materialize
+from merak_graph.empty import _copy_stash, _keep_grad_hooks, is_meta_module, materialize
 from merak_graph.errors import InputMismatchError
 from merak_graph.sharding import BoundaryValue, Shard, ShardedGraph, _attribute_candidates
 from merak_graph.stage import StageModule, retarget_devices
@@ -130,7 +130,11 @@ class Partition:
         if not 0 <= stage_index < self.num_stages:
             raise ValueError(f"stage_index={stage_index} is out of range for {self.num_stages} stages")
         device = torch.device(device)
-        stage = copy.deepcopy(self.stages[stage_index])
+        memo: dict[int, Any] = {}
+        stage = copy.deepcopy(self.stages[stage_index], memo)
+        for p in self.stages[stage_index].parameters():
+            if id(p) in memo:  # a copied parameter runs its original's gradient hooks
+                _keep_grad_hooks(p, memo[id(p)])
         names = {**self._buffer_names[stage_index], **self._names[stage_index]}
         # Every local name (ties included) -> original name.
         full_map = _all_local_names(stage, self.stages[stage_index], names)

@@ -93,6 +93,25 @@ def _transformers_model(folder: PretrainedFolder) -> nn.Module:
     return cls._from_config(config)  # type: ignore[no-any-return]
 
 
+def _converted_layout(model: nn.Module) -> str:
+    """A note when transformers converts this model's tensors on load (renamed or merged: the legacy
+    layout ``save_pretrained`` writes back, e.g. GPT-NeoX's ``embed_out``, per-expert MoE weights)."""
+    config = getattr(model, "config", None)
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except ImportError:
+        return ""
+    keys = (type(model).__name__, getattr(config, "model_type", None))
+    if not any(k and get_checkpoint_conversion_mapping(k) for k in keys):
+        return ""
+    return (
+        f". transformers converts the tensors of {keys[0]} (model_type {keys[1]!r}) when it loads them "
+        "(renamed or merged, e.g. per-expert weights fused): model.pretrained reads tensors under the "
+        "model's own names and does not convert that layout yet: save the folder under those names "
+        "(transformers' save_pretrained(DIR, save_original_format=False), or merak export)"
+    )
+
+
 @dataclass(frozen=True)
 class _Layout:
     """How a local (possibly TP-sharded) parameter is cut from the file's tensor."""
@@ -178,7 +197,7 @@ class PretrainedWeights:
             raise ValueError(
                 f"model.pretrained: {str(folder.path)!r} lacks {len(missing)} of the model's parameters, e.g. "
                 f"{sorted(missing)[:6]}; the folder must hold the weights of this architecture (its tensors "
-                f"are named like {folder.tensor_names[:3]})"
+                f"are named like {folder.tensor_names[:3]}){_converted_layout(model)}"
             )
         cls._check_shapes(folder, {names[0]: params[key] for key, names in aliases.items()}, file_names)
         used = set(file_names.values())
