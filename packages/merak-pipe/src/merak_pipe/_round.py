@@ -84,5 +84,6 @@ class _Round:
     """(stage, microbatch) -> its output gradients, handed back by the next stage on this rank."""
     marks: list[tuple[Action, Any, Any, Any, float]] = field(default_factory=list)
     """Per action: (action, start, ready, end, implicit recompute seconds), with ``record_timing``."""
-    recv_buffers: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
-    """Pooled receive buffers handed back to the transport at the end of a training round."""
+    held: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
+    """(stage, microbatch) -> the receive buffers it consumed, not yet handed back to the transport
+    ([Note: buffer lifetime] in ``comm.py``)."""

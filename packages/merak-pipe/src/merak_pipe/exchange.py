@@ -36,8 +36,13 @@ class BoundaryExchange:
         self._last_recv_spec: dict[int, Any] = {}
         self.reset_round()
 
-    def reset_round(self) -> None:
-        """Forget this round's messages (called at the start of every round)."""
+    def reset_round(
+        self, settles: dict[tuple[str, int, int], tuple[tuple[str, int, int], ...]] | None = None
+    ) -> None:
+        """Forget this round's messages (called at the start of every round). ``settles``: for each
+        message received, the sends it proves matched ([Note: settled sends] in ``p2p_order.py``)."""
+        self._settles = settles or {}
+        self._sent: dict[tuple[str, int, int], _Pending] = {}
         self.out_spec: dict[int, Any] = {}
         """Sending stage -> spec of its outputs this round."""
         self.in_spec: dict[int, Any] = {}
@@ -69,7 +74,9 @@ class BoundaryExchange:
                 f"pipeline rank {self.rank}: {action} needs the outputs of stage {stage - 1}, but no "
                 f"{stage}RECV_F{microbatch} was issued before it; lower the schedule with merak_pipe.lower()"
             )
-        return self.in_spec[stage], self.transport.finish(pending)
+        tensors = self.transport.finish(pending)
+        self._settle((DATA_F, stage - 1, microbatch))
+        return self.in_spec[stage], tensors
 
     def take_output_grads(self, stage: int, microbatch: int, action: Action) -> list[torch.Tensor]:
         """The gradients received for the outputs of ``stage``; waits for them."""
@@ -79,7 +86,16 @@ class BoundaryExchange:
                 f"pipeline rank {self.rank}: {action} needs the gradients from stage {stage + 1}, but no "
                 f"{stage}RECV_B{microbatch} was issued before it; lower the schedule with merak_pipe.lower()"
             )
-        return self.transport.finish(pending)
+        grads = self.transport.finish(pending)
+        self._settle((DATA_B, stage + 1, microbatch))
+        return grads
+
+    def _settle(self, message: tuple[str, int, int]) -> None:
+        """``message`` arrived: wait on the sends it proves matched, and let them go."""
+        for sent in self._settles.get(message, ()):
+            pending = self._sent.pop(sent, None)
+            if pending is not None:
+                self.transport.complete_send(pending)
 
     def leftovers(self) -> list[str]:
         """What was produced for another rank but never sent."""
@@ -101,6 +117,7 @@ class BoundaryExchange:
         pendings = self.transport.issue([tr for _, tr in chosen])
         for (op, _), pending in zip(chosen, pendings, strict=True):
             if op.send:
+                self._sent[op.message] = pending
                 continue
             if op.kind == DATA_F:
                 self._fwd_recv[(op.stage + 1, op.microbatch)] = pending
@@ -112,10 +129,12 @@ class BoundaryExchange:
                 spec = self.transport.read_spec(pending)
                 self.in_spec[op.stage + 1] = spec
                 self._last_recv_spec[op.stage + 1] = spec
+                self._settle(op.message)
         return [op.action for op, _ in chosen if op.kind in (DATA_F, DATA_B)]
 
     def _read_header(self, op: P2POp, pending: _Pending) -> None:
         changed, nbytes = self.transport.read_header(pending)
+        self._settle(op.message)
         self._header[op.stage] = (changed, nbytes)
         receiver = op.stage + 1
         if not changed:

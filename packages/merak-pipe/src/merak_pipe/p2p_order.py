@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from merak_pipe._p2p_replay import Replay
 from merak_pipe.ir import Action, ActionKind, Schedule
 
-__all__ = ["P2POp", "Step", "Unit", "issue_order", "issue_orders", "round_actions"]
+__all__ = ["P2POp", "Step", "Unit", "issue_order", "issue_orders", "round_actions", "settled_sends"]
 
 # Message kinds: forward data, backward data, shape header, pickled spec.
 DATA_F, DATA_B, HEADER, SPEC = "F", "B", "H", "S"
@@ -170,3 +170,33 @@ def issue_orders(schedule: Schedule, *, forward_only: bool = False) -> dict[int,
 def issue_order(schedule: Schedule, rank: int, *, forward_only: bool = False) -> list[Step]:
     """The steps ``rank`` runs for one round of the lowered ``schedule``."""
     return issue_orders(schedule, forward_only=forward_only)[rank]
+
+
+Message = tuple[str, int, int]
+
+
+def settled_sends(orders: dict[int, list[Step]], rank: int) -> dict[Message, tuple[Message, ...]]:
+    """For each message ``rank`` receives: which of its own sends to that peer it proves matched.
+
+    [Note: settled sends]
+    A peer sends a message only after it has issued every unit before it, so once that message
+    has arrived, every send of ``rank`` whose receive the peer posted in that unit or earlier is
+    matched, and waiting on it cannot block. The runtime waits on those sends then and lets their
+    tensors go ([Note: buffer lifetime] in ``comm.py``): on gloo a Work learns that it completed
+    only when it is waited. A send is named once, by the first message that proves it (messages
+    are keyed by :attr:`P2POp.message`).
+    """
+    out: dict[Message, tuple[Message, ...]] = {}
+    for peer, steps in orders.items():
+        if peer == rank:
+            continue
+        posted: list[Message] = []
+        for step in steps:
+            if not isinstance(step, tuple):
+                continue
+            posted += [op.message for op in step if not op.send and op.peer == rank]
+            for op in step:
+                if op.send and op.peer == rank:
+                    out[op.message] = tuple(posted)
+                    posted = []
+    return out

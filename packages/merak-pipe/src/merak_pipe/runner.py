@@ -45,7 +45,7 @@ from merak_pipe.comm import (
 )
 from merak_pipe.exchange import BoundaryExchange
 from merak_pipe.ir import Action, ActionKind, Schedule
-from merak_pipe.p2p_order import Step, issue_orders
+from merak_pipe.p2p_order import Step, issue_orders, settled_sends
 from merak_pipe.stage import PipelineStage
 from merak_pipe.timing import ActionTiming, RoundClock
 
@@ -162,10 +162,15 @@ class PipelineRunner:
         from merak_pipe.nccl_check import check_nccl
 
         check_nccl(schedule)
-        self._plans: dict[bool, list[Step]] = {
-            training: issue_orders(schedule, forward_only=not training)[self.rank]
-            for training in (True, False)
+        orders = {training: issue_orders(schedule, forward_only=not training) for training in (True, False)}
+        self._plans: dict[bool, list[Step]] = {training: orders[training][self.rank] for training in orders}
+        # Where host waits are the only way to learn that a send completed (gloo), sends are waited
+        # once a message from the peer proves them matched; on CUDA their Work reports it.
+        self._settles = {
+            training: settled_sends(orders[training], self.rank) if self.transport.host_waits else {}
+            for training in orders
         }
+        self._local_runs = _local_runs(schedule)
         self._clock = RoundClock(self.device)
         self._step_marks: tuple[Any, Any] | None = None
         self._round = _Round(index=0, training=True)
@@ -216,7 +221,7 @@ class PipelineRunner:
 
     def _reset_round(self, *, training: bool) -> None:
         self._round = _Round(index=self._round.index + 1, training=training)
-        self.exchange.reset_round()
+        self.exchange.reset_round(self._settles[training])
 
     def _check_inputs(self, inputs: Any, labels: Any) -> None:
         m = self.num_microbatches
@@ -241,6 +246,7 @@ class PipelineRunner:
             for step in self._plans[training]:
                 if isinstance(step, Action):
                     self._run_compute(step)
+                    self._let_go(step)
                 elif self.record_timing:
                     start_unit = self._clock.mark()
                     issued = self.exchange.run_unit(step)
@@ -257,10 +263,9 @@ class PipelineRunner:
             self.transport.clear_pool()
             raise
         finally:
-            if training:
-                for buffers in self._round.recv_buffers.values():
-                    self.transport.release(buffers)
-            self._round.recv_buffers.clear()
+            for buffers in self._round.held.values():
+                (self.transport.release if training else self.transport.discard)(buffers)
+            self._round.held.clear()
         self._step_marks = (start, self._clock.mark())
         if self.record_timing:
             self.timings = self._resolve_marks()
@@ -313,8 +318,7 @@ class PipelineRunner:
         leaves = []
         for t, meta in zip(tensors, spec_metas(spec), strict=True):
             leaves.append(t.requires_grad_(meta.requires_grad and self._round.training))
-        if self._round.training:
-            self._round.recv_buffers.setdefault((s, m), []).extend(tensors)
+        self._round.held.setdefault((s, m), []).extend(tensors)
         return unflatten_boundary(spec, leaves)
 
     def _output_grads(self, s: int, m: int, action: Action) -> list[torch.Tensor] | None:
@@ -328,7 +332,7 @@ class PipelineRunner:
                 )
             return grads
         grads = self.exchange.take_output_grads(s, m, action)
-        self._round.recv_buffers.setdefault((s, m), []).extend(grads)
+        self._round.held.setdefault((s, m), []).extend(grads)
         return grads
 
     def _run_compute(self, action: Action) -> None:
@@ -367,6 +371,22 @@ class PipelineRunner:
         if clock is not None:
             implicit = stage.recompute_seconds - recompute_before if kind is not ActionKind.RECOMPUTE else 0.0
             self._round.marks.append((action, start, ready, clock.mark(), implicit))
+
+    def _let_go(self, action: Action) -> None:
+        """After a compute action: drop completed sends, and hand back the buffers received for its
+        microbatch once no stage of its local run holds that microbatch ([Note: buffer lifetime]:
+        stages of one rank next to each other hand values over as they are, so a value received by
+        one may live on in its neighbour)."""
+        self.transport.reap_sends()
+        m, run = action.microbatch, self._local_runs[action.stage]
+        keys = [(s, m) for s in run if (s, m) in self._round.held]
+        if not keys:
+            return
+        if self._round.training and any(self.stages[s].holds(m) for s in run):
+            return
+        let_go = self.transport.release if self._round.training else self.transport.discard
+        for key in keys:
+            let_go(self._round.held.pop(key))
 
     def _forward(self, stage: PipelineStage, s: int, m: int, value: Any) -> None:
         args, kwargs = _as_call(value)
@@ -464,6 +484,19 @@ def _common_device(stages: Sequence[PipelineStage], device: torch.device | str |
             "use one device per rank (pass device= to every PipelineStage)"
         )
     return next(iter(devices))
+
+
+def _local_runs(schedule: Schedule) -> dict[int, tuple[int, ...]]:
+    """Stage -> the run of consecutive stages on its rank that it belongs to (itself alone, mostly)."""
+    runs: dict[int, tuple[int, ...]] = {}
+    run: list[int] = []
+    for s in range(schedule.num_stages):
+        if run and schedule.rank_of(s) != schedule.rank_of(run[-1]):
+            runs.update(dict.fromkeys(run, tuple(run)))
+            run = []
+        run.append(s)
+    runs.update(dict.fromkeys(run, tuple(run)))
+    return runs
 
 
 def _differs(a: torch.device, b: torch.device) -> bool:

@@ -204,6 +204,10 @@ class PipelineStage:
         """Drop every microbatch state (end of a step, or after a failure)."""
         self._states.clear()
 
+    def holds(self, microbatch: int) -> bool:
+        """True while ``microbatch`` has autograd state here (from its F to its B, or to its W)."""
+        return microbatch in self._states
+
     def pending_microbatches(self) -> list[int]:
         """Microbatches whose backward has not finished yet."""
         return sorted(self._states)
