@@ -374,7 +374,6 @@ class Trainer:
     def _train_loop(self, loader: StageAwareDataLoader, total: int, cadence: Cadence) -> None:
         iterator = iter(loader)  # resumes at the loader's restored position
         window_start, window_tokens = time.perf_counter(), 0
-        first_step = self.global_step + 1
         while self.global_step < total:
             try:
                 batch = next(iterator)
@@ -398,7 +397,8 @@ class Trainer:
             )
             self.history.append(record)
             step = self.global_step
-            if cadence.log_due(step, first=first_step, total=total, skipped=self.last_step_skipped):
+            # first=1: the run's first step, not a resumed segment's (one run's cadence, resumed or not)
+            if cadence.log_due(step, first=1, total=total, skipped=self.last_step_skipped):
                 elapsed = time.perf_counter() - window_start
                 record["tokens_per_s"] = window_tokens / elapsed if elapsed > 0 else 0.0
                 self.metrics.log(record)
