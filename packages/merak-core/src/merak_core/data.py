@@ -33,10 +33,12 @@ shifts before its cross-entropy over every position of the logits. So output t i
 label t + 1, the last position is ignored, and each microbatch's default loss (the mean over its
 labels other than -100) is transformers' loss of that microbatch. The shift is along the sequence,
 rows stay rows: the microbatch split (along the batch), DP shards (whole samples), the pipeline
-(labels on the last stage only) and TP (the loss sees the whole logits; sequence parallelism gathers
-the sequence before the head) all get the same shifted rows as one process, so every layout that is
-exact for shifted labels is exact for unshifted ones, with the same loss normalisation ([Note: loss
-scaling] in ``engine.py``). Metrics get the shifted labels too.
+(labels on the last stage only) and TP (the loss sees the whole logits, or with a vocab-parallel loss,
+``merak_tp.vocab_parallel_cross_entropy``, the same -100 rule over vocab-sharded logits; sequence
+parallelism gathers the sequence before the head) all get the same shifted rows as one process, so every
+layout that is exact for shifted labels is exact for unshifted ones, with the same loss normalisation
+([Note: loss scaling] in ``engine.py``: the mean over microbatches of each one's token mean, as the
+single-process references of the tests compute it). Metrics get the shifted labels too.
 
 Not done here: moving batches to a device, splitting into microbatches (the
 trainer does both), and sample-level shuffling of iterable datasets.
