@@ -129,6 +129,11 @@ def _check_keys(line: str) -> None:
 
 def train_dry_run(ctx: CaseContext, job: Path, *argv: str) -> None:
     """``merak train JOB ARGV --dry-run`` here; a refusal becomes :class:`CliExit` ("exit N: LINE")."""
+    run_cli(ctx, "train", str(job), *argv, "--dry-run")
+
+
+def run_cli(ctx: CaseContext, *argv: str) -> None:
+    """``merak ARGV`` here; a refusal becomes :class:`CliExit` ("exit N: LINE")."""
     from merak_core.cli import main
 
     err = io.StringIO()
@@ -138,7 +143,7 @@ def train_dry_run(ctx: CaseContext, job: Path, *argv: str) -> None:
         contextlib.redirect_stdout(io.StringIO()),
     ):
         try:
-            status = main(["--log-level", "WARNING", "train", str(job), *argv, "--dry-run"])
+            status = main(["--log-level", "WARNING", *argv])
         except SystemExit as exc:
             status = exc.code if isinstance(exc.code, int) else 2
     lines = [line for line in err.getvalue().splitlines() if line.strip()]
@@ -261,3 +266,12 @@ def launch_text_data_not_utf8(ctx: CaseContext) -> None:
         "cache_dir": str(ctx.tmp / "cache"),
     }
     train_dry_run(ctx, write_job(ctx, model={"factory": f"{HERE}:hf_llama"}, data=data))
+
+
+# ----------------------------------------------------------------------------- the cases: merak plan
+
+
+def plan_without_memory_per_device(ctx: CaseContext) -> None:
+    # The model factory fails when called: the refusal must come before the model is built and profiled.
+    job = write_job(ctx, model={"factory": "tests.e2e._bad_input_jobs:build_failing"})
+    run_cli(ctx, "plan", str(job), "--world-size", "2")

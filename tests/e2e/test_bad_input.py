@@ -476,6 +476,16 @@ ROWS = [
             "save the file as UTF-8",
         ),
     ),
+    _row(
+        launch_cases.plan_without_memory_per_device,
+        CliExit,
+        _all(
+            "exit 2",
+            "merak plan: error: --memory-per-device is not given",
+            "training.memory_per_device",
+            "--memory-per-device 8GiB",
+        ),
+    ),
     # ------------------------------------------------------------------ the Trainer
     _row(
         cases.trainer_two_stages_per_rank_schedule_without_virtual_stages,
