@@ -24,7 +24,9 @@ from tests.e2e._bad_input_support import CaseContext
 # the trainer's parameters are untouched.
 
 
-def _ckpt_trainer(output_dir: str, *, hidden: int = 8, batch: int = 2, layout: Any = None) -> Any:
+def _ckpt_trainer(
+    output_dir: str, *, hidden: int = 8, batch: int = 2, layout: Any = None, data: Any = None
+) -> Any:
     from merak_core import Trainer, TrainingArguments, init
 
     layout = layout if layout is not None else init(dp=2, device="cpu")
@@ -39,7 +41,7 @@ def _ckpt_trainer(output_dir: str, *, hidden: int = 8, batch: int = 2, layout: A
     )
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, hidden), nn.Tanh(), nn.Linear(hidden, 3))
-    return Trainer(model, args, _Pairs(), layout=layout)
+    return Trainer(model, args, _Pairs() if data is None else data, layout=layout)
 
 
 def _snapshot(root: Path) -> dict[str, tuple[int, bytes]]:
@@ -147,6 +149,14 @@ def ckpt_resume_other_batch_size(ctx: CaseContext) -> None:
     out, trainer = _saved_run(ctx)
     other = _ckpt_trainer(str(out), batch=4, layout=trainer.layout)
     # Runs through DCP's own collectives (metadata, then the read); the error must leave the trainer as it was.
+    with _nothing_changes(out / "checkpoints", other):
+        other.resume("latest")
+
+
+def ckpt_resume_other_dataset(ctx: CaseContext) -> None:
+    """A factory's training set of another size (24 samples, not 16): the saved position means nothing there."""
+    out, trainer = _saved_run(ctx)
+    other = _ckpt_trainer(str(out), layout=trainer.layout, data=_Pairs(24))
     with _nothing_changes(out / "checkpoints", other):
         other.resume("latest")
 

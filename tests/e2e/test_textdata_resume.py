@@ -26,6 +26,11 @@ class Recorder(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.inner)
 
+    @property
+    def fingerprint(self) -> str:
+        """The text samples' own (else the checkpoint's fingerprint would read samples and note them as seen)."""
+        return str(self.inner.fingerprint)
+
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         self.seen.append(self.inner.sample_id(index))
         return self.inner[index]

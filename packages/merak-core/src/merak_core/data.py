@@ -55,6 +55,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate
 
 from merak_core.config import TrainingArguments
+from merak_core.dataset_fingerprint import dataset_fingerprint
 from merak_core.layout import ParallelLayout
 
 logger = logging.getLogger(__name__)
@@ -223,6 +224,8 @@ class StageAwareDataLoader:
         self.iterable = isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__")
         self._epoch = 0
         self._consumed = 0
+        self._fingerprint: str | None = None
+        self._fingerprinted = False
         if not self.iterable:
             n = len(dataset)
             if self.drop_last and n < self.global_batch_size:
@@ -404,8 +407,9 @@ class StageAwareDataLoader:
     def state_dict(self) -> dict[str, Any]:
         """The position: epoch and batches consumed in it (plus what must match on resume).
 
-        A dataset with a ``fingerprint`` (text data: its token cache and cutting) records it, so a
-        resume over other data is refused instead of repeating or skipping samples.
+        The training set's fingerprint (text data: its token cache and cutting; a map-style dataset: its
+        length and a hash of a few samples, :mod:`merak_core.dataset_fingerprint`) is recorded, so a resume
+        over other data is refused instead of repeating or skipping samples.
         """
         return {
             "epoch": self._epoch,
@@ -413,8 +417,14 @@ class StageAwareDataLoader:
             "seed": self.seed,
             "global_batch_size": self.global_batch_size,
             "shuffle": self.shuffle,
-            "dataset": getattr(self.dataset, "fingerprint", None),
+            "dataset": self.dataset_fingerprint(),
         }
+
+    def dataset_fingerprint(self) -> str | None:
+        """The fingerprint of the dataset (computed once: it reads a few samples); None for an iterable one."""
+        if not self._fingerprinted:
+            self._fingerprint, self._fingerprinted = dataset_fingerprint(self.dataset), True
+        return self._fingerprint
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume at a saved position: the next batch is the one after the last one handed out."""
@@ -428,8 +438,19 @@ class StageAwareDataLoader:
                     f"data loader state was saved with {key}={state[key]!r} but this loader has {key}={mine!r}: "
                     "resume with the same seed, shuffle and dp_size*batch_size, or start a new epoch"
                 )
-        mine_data = getattr(self.dataset, "fingerprint", None)
-        if state.get("dataset") is not None and mine_data is not None and state["dataset"] != mine_data:
+        mine_data = self.dataset_fingerprint() if state.get("dataset") is not None else None
+        if (
+            mine_data is not None
+            and state["dataset"] != mine_data
+            and getattr(self.dataset, "fingerprint", None) is None
+        ):
+            raise ValueError(
+                f"data loader state was saved over a training set of {state['dataset']!r} but this loader reads "
+                f"{mine_data!r}: the training set changed (its size or its samples), so the saved position would "
+                "repeat or skip samples and the run would not continue the checkpoint's; resume with the same data "
+                "(the data factory and its kwargs), or start a new run (a new output_dir) from the checkpoint's weights"
+            )
+        if mine_data is not None and state["dataset"] != mine_data:
             raise ValueError(
                 f"data loader state was saved over the samples {state['dataset']!r} but this loader reads "
                 f"{mine_data!r}: the data, the tokenizer or the cutting (seq_len, packing, eval_fraction) changed, "
