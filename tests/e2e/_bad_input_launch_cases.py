@@ -275,3 +275,12 @@ def plan_without_memory_per_device(ctx: CaseContext) -> None:
     # The model factory fails when called: the refusal must come before the model is built and profiled.
     job = write_job(ctx, model={"factory": "tests.e2e._bad_input_jobs:build_failing"})
     run_cli(ctx, "plan", str(job), "--world-size", "2")
+
+
+def plan_cluster_for_a_dtype_without_a_peak(ctx: CaseContext) -> None:
+    # A cluster file gives bf16 and fp32 peaks; a float64 job was priced at the bf16 one (its parameters were
+    # not float32). Refused before the model is built (the factory fails if called).
+    job = write_job(
+        ctx, model={"factory": "tests.e2e._bad_input_jobs:build_failing"}, training={"dtype": "float64"}
+    )
+    run_cli(ctx, "plan", str(job), "--cluster", "h100-sxm-8x", "--nodes", "1")

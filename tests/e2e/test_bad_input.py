@@ -486,6 +486,11 @@ ROWS = [
             "--memory-per-device 8GiB",
         ),
     ),
+    _row(
+        launch_cases.plan_cluster_for_a_dtype_without_a_peak,
+        CliExit,
+        _all("exit 2", "training.dtype='float64'", "peaks for bf16 and fp32 only", "training.dtype=float32"),
+    ),
     # ------------------------------------------------------------------ the Trainer
     _row(
         cases.trainer_two_stages_per_rank_schedule_without_virtual_stages,

@@ -1,7 +1,7 @@
 """``merak plan CONFIG.yaml``: the planner's ranked configurations for a job, here or on a described cluster.
 
 Without ``--cluster`` the job's model is profiled on this machine (one forward and backward on a
-batch of the training set) and :func:`merak_core.planner.plan` ranks the layouts; ``--write-config``
+batch of the training set, in the job's dtype and under its bf16 autocast, as ``layout: auto``) and :func:`merak_core.planner.plan` ranks the layouts; ``--write-config``
 writes the job with the best one. ``--cluster FILE --nodes N`` prices the meta-traced model on a
 described cluster instead, and ``--dry-run-ranks N`` builds what each of N ranks would build
 (:mod:`merak_core.planner.cluster_job`; ``merak train`` takes the same flags).
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     from merak_core.config import parse_bytes
     from merak_core.job import JobConfig, write_job
     from merak_core.planner import format_plan, plan
-    from merak_core.planner.auto import profile_for_plan, profile_inputs
+    from merak_core.planner.auto import cast_floats, profile_for_plan, profile_inputs
     from merak_core.planner.choices import searched_virtual_stages
 
     job = JobConfig.from_yaml(args.config, args.overrides)
@@ -95,12 +95,13 @@ def run(args: argparse.Namespace) -> int:
         dp = t.dp if t.dp is not None else max(args.world_size // (t.tp * t.pp), 1)
         gbs = t.per_device_train_batch_size * t.gradient_accumulation_steps * dp
     torch.manual_seed(t.seed)
-    model = job.build_model()
+    model = job.build_model().to(dtype=t.torch_dtype)  # profiled as the job trains: its dtype, its autocast
     train, _ = job.build_datasets()
     batch = profile_inputs(
         model, train, args.profile_batch or t.per_device_train_batch_size, job.optional("collate")
     )
-    profile = profile_for_plan(model, batch, tp_plan=t.tp_plan, cache_dir=args.profile_cache)
+    batch = cast_floats(batch, t.torch_dtype)
+    profile = profile_for_plan(model, batch, tp_plan=t.tp_plan, bf16=t.bf16, cache_dir=args.profile_cache)
     cands = plan(
         profile,
         world_size=args.world_size,

@@ -55,6 +55,7 @@ __all__ = [
     "AutoLayout",
     "auto_layout",
     "build_plan_context",
+    "cast_floats",
     "compute_slots",
     "default_memory_per_device",
     "plan_for_job",
@@ -161,10 +162,16 @@ def _job_model_and_batch(
         copy_ = copy_.to(device=device, dtype=args.torch_dtype)
         batch = profile_inputs(copy_, dataset, max(2, args.per_device_train_batch_size), data_collator)
 
-    def cast(t: torch.Tensor) -> torch.Tensor:
-        return t.to(device=device, dtype=args.torch_dtype) if t.is_floating_point() else t.to(device)
+    return copy_, cast_floats(batch, args.torch_dtype, device)
 
-    return copy_, ({k: cast(v) for k, v in batch.items()} if isinstance(batch, Mapping) else cast(batch))
+
+def cast_floats(batch: Any, dtype: torch.dtype, device: torch.device | str | None = None) -> Any:
+    """A profiling batch (a tensor or a dict of them) with its floating tensors in the run's ``dtype``."""
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device)
+
+    return {k: cast(v) for k, v in batch.items()} if isinstance(batch, Mapping) else cast(batch)
 
 
 def profile_for_plan(

@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-__all__ = ["ClusterSpec", "load_cluster", "shipped_clusters"]
+__all__ = ["ClusterSpec", "compute_dtype", "load_cluster", "shipped_clusters"]
 
 _SHIPPED = Path(__file__).parent / "clusters"
 
@@ -51,6 +51,29 @@ _OPTIONAL = {
     "inter_node",
 }
 _FRACTIONS = {"efficiency.compute", "efficiency.memory", "efficiency.link", "usable_memory_fraction"}
+
+
+_PEAK_KEYS = {"bfloat16": "bf16", "float32": "fp32"}
+"""A job's parameter dtype (``training.dtype``) -> the ``peak_tflops`` key it computes at."""
+
+
+def compute_dtype(*, dtype: str, bf16: bool) -> str:
+    """The ``peak_tflops`` key a job's compute runs at, from its ``training.dtype`` and ``training.bf16``.
+
+    ``bf16: true`` (bfloat16 autocast over float32 parameters) and ``dtype: bfloat16`` compute in
+    bfloat16; float32 parameters without autocast in fp32. The model's own parameters do not tell:
+    a job's model is built in float32 whatever it trains in. Other dtypes have no peak in a
+    cluster description and are refused, naming the key.
+    """
+    if bf16:
+        return "bf16"
+    if dtype not in _PEAK_KEYS:
+        raise ValueError(
+            f"training.dtype={dtype!r}: a cluster description gives peaks for bf16 and fp32 only, so a "
+            f"{dtype} job cannot be priced on it; plan it as training.dtype=float32 or bfloat16 (an override "
+            "on the command line)"
+        )
+    return _PEAK_KEYS[dtype]
 
 
 @dataclass(frozen=True, kw_only=True)

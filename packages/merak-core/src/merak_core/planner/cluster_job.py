@@ -2,8 +2,11 @@
 ``merak plan --cluster FILE --nodes N`` and ``--dry-run-ranks N``).
 
 The job's model factory runs under ``merak_graph.empty_init()`` (no weights allocated, whatever
-the size); one training sample gives the input shapes, moved to the meta device. Heads, kv heads
-and vocabulary are read from the model (the attributes the profiler reads) to constrain tp.
+the size) and is cast to the job's ``training.dtype`` as the Trainer casts it; one training sample
+gives the input shapes, moved to the meta device. Compute is priced at the peak of the job's
+compute dtype (``compute_dtype``: ``training.bf16`` or ``dtype: bfloat16`` at the bf16 peak), never
+read from the model's parameters. Heads, kv heads and vocabulary are read from the model (the
+attributes the profiler reads) to constrain tp.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from merak_core.planner.cluster import ClusterSpec
+from merak_core.planner.cluster import ClusterSpec, compute_dtype
 from merak_core.planner.cluster_cost import model_costs, trace_for_cluster
 from merak_core.planner.cluster_search import format_cluster_plan, plan_cluster
 from merak_core.planner.dryrun import DryRunReport, dry_run
@@ -33,13 +36,15 @@ class JobModel:
     num_kv_heads: int | None
     vocab_size: int | None
     dtype: str
+    """The cluster's ``peak_tflops`` key the job computes at (:func:`compute_dtype`)."""
 
 
-def _to_meta(x: Any) -> Any:
+def _to_meta(x: Any, dtype: torch.dtype) -> Any:
+    """One sample on the meta device, floating tensors in the job's ``dtype`` (as the Trainer feeds them)."""
     if isinstance(x, torch.Tensor):
-        return x[:1].to("meta")
+        return x[:1].to("meta", dtype=dtype if x.is_floating_point() else x.dtype)
     if isinstance(x, Mapping):
-        return {k: _to_meta(v) for k, v in x.items()}
+        return {k: _to_meta(v, dtype) for k, v in x.items()}
     return x
 
 
@@ -49,14 +54,14 @@ def job_model(job: Any) -> JobModel:
     from merak_core.planner.auto import profile_inputs
     from merak_core.planner.profile import tp_constraints
 
-    torch.manual_seed(job.training.seed)
+    t = job.training
+    dtype = compute_dtype(dtype=t.dtype, bf16=t.bf16)
+    torch.manual_seed(t.seed)
     with mg.empty_init():
-        model = job.build_model()
+        model = job.build_model().to(dtype=t.torch_dtype)
     train, _ = job.build_datasets()
-    inputs = _to_meta(profile_inputs(model, train, 1, job.optional("collate")))
-    heads, kv_heads, vocab = tp_constraints(model, job.training.tp_plan)
-    first = next(iter(model.parameters()), None)
-    dtype = "fp32" if first is None or first.dtype == torch.float32 else "bf16"
+    inputs = _to_meta(profile_inputs(model, train, 1, job.optional("collate")), t.torch_dtype)
+    heads, kv_heads, vocab = tp_constraints(model, t.tp_plan)
     return JobModel(
         model=model,
         example_inputs=inputs if isinstance(inputs, Mapping) else (inputs,),
