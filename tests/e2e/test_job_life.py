@@ -26,10 +26,12 @@ def test_a_full_disk_during_a_save_keeps_latest_and_names_the_error(tmp_path: Pa
     for rank, res in enumerate(results):
         assert res["error"] == (
             f"RuntimeError: rank {rank}: writing checkpoint {str(tmp)!r} failed (the previous "
-            "checkpoint is untouched): rank 1: OSError: [Errno 28] No space left on device"
+            "checkpoint is untouched, the partial directory removed): rank 1: OSError: [Errno 28] No space left "
+            "on device"
         )
     root = tmp_path / "run" / "checkpoints"
     assert (root / "latest").read_text() == "step_2\n" and not (root / "step_4").exists()
+    assert not tmp.exists(), "a full disk keeps no partial step_4.tmp filling it"
     resumed = run_on_ranks(2, life.resume_body, kwargs)[0]
     assert resumed["resumed_step"] == 2 and resumed["warnings"] == []
     assert resumed["losses"] == {s: reference["losses"][s] for s in (3, 4)}  # bit for bit

@@ -77,9 +77,13 @@ def save_checkpoint(parts: CheckpointParts, root: Path, fingerprint: dict[str, t
     try:
         dcp.save(state, storage_writer=writer)
     except (Exception, dcp.CheckpointException) as exc:
+        # DCP raises on every rank once every rank's writes are over: rank 0 removes the partial directory
+        # (a full disk must not keep the partial files filling it).
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise RuntimeError(
             f"rank {rank}: writing checkpoint {str(tmp)!r} failed (the previous checkpoint "
-            f"is untouched): {describe_failure(exc)}"
+            f"is untouched, the partial directory removed): {describe_failure(exc)}"
         ) from exc
     barrier("checkpoint written")
     written: list[Any] = [None] * dist.get_world_size()
@@ -108,7 +112,14 @@ def save_checkpoint(parts: CheckpointParts, root: Path, fingerprint: dict[str, t
             "fingerprint": {name: list(shape) for name, shape in fingerprint.items()},
             "files": dict(sorted(files.items())),
         }
-        _atomic_write(tmp / META_FILE, json.dumps(meta, indent=1, default=str))
+        try:
+            _atomic_write(tmp / META_FILE, json.dumps(meta, indent=1, default=str))
+        except OSError as exc:  # e.g. the disk filled up with the last file
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise RuntimeError(
+                f"rank 0: writing {META_FILE} of checkpoint {str(tmp)!r} failed (the previous checkpoint is "
+                f"untouched, the partial directory removed): {describe_failure(exc)}"
+            ) from exc
         _commit(root, tmp, final)
         _prune(root, parts.args.save_total_limit)
     barrier("checkpoint committed")
