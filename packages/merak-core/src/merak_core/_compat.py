@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,7 +25,7 @@ def group_to_global_rank(group: ProcessGroup, group_rank: int) -> int:
 def broadcast_from_group_rank(
     tensor: torch.Tensor, group_src: int, group: ProcessGroup | None, *, async_op: bool
 ) -> dist.Work | None:
-    """``dist.broadcast`` with the source given as a rank of ``group`` (any torch >= 2.4)."""
+    """``dist.broadcast`` with the source given as a rank of ``group`` (with or without ``group_src=``)."""
     if _BROADCAST_HAS_GROUP_SRC:
         return dist.broadcast(tensor, group=group, group_src=group_src, async_op=async_op)
     src = group_src if group is None else group_to_global_rank(group, group_src)
@@ -61,39 +62,119 @@ def fake_process_group_store() -> type | None:
     return FakeStore
 
 
+def _fsdp_state(root: torch.nn.Module) -> Any:
+    """FSDP2's state object of the ``fully_shard`` root ``root`` (the entry of the private reads below)."""
+    from torch.distributed.fsdp import fully_shard
+
+    return fully_shard.state(root)  # type: ignore[attr-defined]
+
+
+def _fsdp_private_groups(root: torch.nn.Module) -> tuple[Any, list[Any]] | None:
+    """(root state, every parameter group under ``root``) read from FSDP2's private state, or None when
+    this torch lays that state out otherwise (an attribute missing or renamed).
+
+    Every private name :func:`fsdp_reduce_gradients` and :func:`fsdp_unsharded_bytes` read is probed
+    here, so a torch without one of them takes the public paths for both, never half of each.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    try:
+        # The FSDP2 modules under ``root`` (public), in the order FSDP2 lists their states itself.
+        states = [_fsdp_state(module) for module in root.modules() if isinstance(module, FSDPModule)]
+        state = states[0]
+        groups = [group for sub in states for group in sub._fsdp_param_groups]
+        if not callable(state._root_post_backward_final_callback):
+            return None
+        for group in groups:
+            if not callable(group.post_backward):
+                return None
+            for fsdp_param in group.fsdp_params:
+                fsdp_param.all_gather_outputs  # noqa: B018  (probe)
+                fsdp_param.unsharded_accumulated_grad  # noqa: B018  (probe)
+    except (AttributeError, TypeError, IndexError):
+        return None
+    return state, groups
+
+
+def fsdp_can_defer_reduce(root: torch.nn.Module) -> bool:
+    """True when :func:`fsdp_reduce_gradients` can run on this torch (FSDP2's private state is as expected).
+
+    When False, a caller keeps FSDP2's gradient sync on for every backward instead (public API: one
+    reduce-scatter per backward, the same sum; more communication, no unsharded gradients between
+    backwards), see [Note: one gradient sync per step] in ``merak_core.fsdp``.
+    """
+    return _fsdp_private_groups(root) is not None
+
+
 def fsdp_reduce_gradients(root: torch.nn.Module) -> None:
     """Run FSDP2's post-backward of every parameter group under ``root`` now, then its end-of-backward callback.
 
     For gradients accumulated with ``set_requires_gradient_sync(False)`` over backwards that the
     caller drives (pipeline microbatches): the same calls torch.distributed.pipelining makes for
-    its REDUCE_GRAD action. Private FSDP2 state; the only place merak-core touches it.
+    its REDUCE_GRAD action. Private FSDP2 state: callers check :func:`fsdp_can_defer_reduce` before
+    the step's backwards and otherwise sync every backward; this refuses rather than guess.
     """
-    from torch.distributed.fsdp import fully_shard
-
-    state = fully_shard.state(root)  # type: ignore[attr-defined]
-    for sub_state in state._state_ctx.all_states:
-        for param_group in sub_state._fsdp_param_groups:
-            param_group.post_backward()
+    found = _fsdp_private_groups(root)
+    if found is None:
+        raise RuntimeError(
+            f"torch {torch.__version__}: FSDP2's private post-backward state is not where merak-core reads it; "
+            "the deferred gradient reduce-scatter cannot run. Arm the step only after fsdp_can_defer_reduce() "
+            "said True (ShardedDataParallel does: it syncs every backward otherwise)"
+        )
+    state, groups = found
+    for param_group in groups:
+        param_group.post_backward()
     state._root_post_backward_final_callback()
+
+
+def _private_unsharded_bytes(groups: list[Any]) -> tuple[int, int]:
+    params = grads = 0
+    for param_group in groups:
+        for fsdp_param in param_group.fsdp_params:
+            for tensor in fsdp_param.all_gather_outputs:
+                params += tensor.untyped_storage().nbytes()
+            # Created at the first all-gather: absent before it (nothing gathered, no gradient).
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            for grad in (getattr(unsharded, "grad", None), fsdp_param.unsharded_accumulated_grad):
+                if grad is not None:
+                    grads += grad.numel() * grad.element_size()
+    return params, grads
+
+
+def _public_unsharded_bytes(root: torch.nn.Module) -> tuple[int, int]:
+    """What :func:`fsdp_unsharded_bytes` counts, from the parameters ``root`` has registered now.
+
+    While a unit is gathered FSDP2 registers its unsharded parameters (plain tensors, views of the
+    all-gather output) in place of the sharded DTensors, with the unsharded gradients on them; a
+    resharded unit registers DTensors again. Exact when no unsharded gradient outlives its unit's
+    gathering, which holds when every backward syncs (the fallback of :func:`fsdp_can_defer_reduce`);
+    an all-gather prefetched for a unit that has not registered its result yet is not seen.
+    """
+    from torch.distributed.tensor import DTensor
+
+    params = grads = 0
+    storages: set[int] = set()
+    for param in root.parameters():
+        if isinstance(param, DTensor):
+            continue
+        storage = param.untyped_storage()
+        if storage.nbytes() > 0 and storage.data_ptr() not in storages:
+            storages.add(storage.data_ptr())
+            params += storage.nbytes()
+        if param.grad is not None:
+            grads += param.grad.numel() * param.grad.element_size()
+    return params, grads
 
 
 def fsdp_unsharded_bytes(root: torch.nn.Module) -> tuple[int, int]:
     """(gathered parameter bytes, unsharded gradient bytes) FSDP2 holds now for the groups under ``root``.
 
     Storages FSDP2 has freed (resharded parameters) count 0; an accumulated gradient counts once.
-    Private FSDP2 state, read for memory measurements only.
+    Read from FSDP2's private state where it is as expected, else from the registered parameters
+    (:func:`_public_unsharded_bytes`, the same numbers when every backward syncs, which is what
+    runs then). For memory measurements only.
     """
-    from torch.distributed.fsdp import fully_shard
-
-    state = fully_shard.state(root)  # type: ignore[attr-defined]
-    params = grads = 0
-    for sub_state in state._state_ctx.all_states:
-        for param_group in sub_state._fsdp_param_groups:
-            for fsdp_param in param_group.fsdp_params:
-                for tensor in getattr(fsdp_param, "all_gather_outputs", []):
-                    params += tensor.untyped_storage().nbytes()
-                unsharded = getattr(fsdp_param, "_unsharded_param", None)
-                for grad in (getattr(unsharded, "grad", None), fsdp_param.unsharded_accumulated_grad):
-                    if grad is not None:
-                        grads += grad.numel() * grad.element_size()
-    return params, grads
+    found = _fsdp_private_groups(root)
+    if found is None:
+        return _public_unsharded_bytes(root)
+    return _private_unsharded_bytes(found[1])

@@ -33,7 +33,12 @@ parameter group's post-backward with the sync on (one reduce-scatter per unit pe
 and FSDP2's end-of-backward callback. A pipeline schedule drives the backwards of its
 microbatches itself, so this does not depend on which backward is the last. The price:
 unsharded gradients are held during the step (a reduce-scatter per microbatch would keep
-them sharded for ``num_microbatches`` times the communication).
+them sharded for ``num_microbatches`` times the communication). Running the post-backward
+on demand reads FSDP2's private state (``_compat.fsdp_reduce_gradients``); on a torch
+where that state is laid out otherwise (``_compat.fsdp_can_defer_reduce`` False) every
+backward syncs instead, through the public API: one reduce-scatter per unit per
+backward, accumulated into the sharded gradients (the same sum, in another order: equal
+within float rounding), and :meth:`finish` only reshards.
 
 [Note: reshard after forward per stage] Under 1F1B stage ``s`` of ``S`` holds ``S - s``
 microbatches of activations at its peak, so the first stage's peak is the pipeline's.
@@ -233,6 +238,9 @@ class ShardedDataParallel:
             self.param_map.update(_new_parameters(module, names))
         assert all(key in self.param_map for key in before), "a parameter was not sharded"
         self.shared_parameters = [(self.param_map.get(id(p), p), g) for p, g in shared_parameters]
+        self.deferred_reduce = all(_compat.fsdp_can_defer_reduce(root) for root in self.roots)
+        """True: one reduce-scatter per unit per step (see [Note: one gradient sync per step]);
+        False (a torch whose FSDP2 state merak cannot drive): one per unit per backward."""
         self._armed = False
         logger.debug(
             "ZeRO-%d over %d DP ranks: %d FSDP units, reshard_after_forward=%s",
@@ -262,8 +270,9 @@ class ShardedDataParallel:
                 "the sharded gradient sync is already armed: call finish() before arming it again"
             )
         for root, reshard in zip(self.roots, self._reshard_between, strict=True):
-            root.set_is_last_backward(False)
-            root.set_requires_gradient_sync(False)
+            # Without the deferred reduce, every backward syncs and waits for its own reduce-scatter.
+            root.set_is_last_backward(not self.deferred_reduce)
+            root.set_requires_gradient_sync(not self.deferred_reduce)
             root.set_reshard_after_backward(reshard)
         self._armed = True
 
@@ -276,7 +285,10 @@ class ShardedDataParallel:
                 root.set_is_last_backward(True)
                 root.set_requires_gradient_sync(True)
                 root.set_reshard_after_backward(True)
-                _compat.fsdp_reduce_gradients(root)
+                if self.deferred_reduce:
+                    _compat.fsdp_reduce_gradients(root)
+                else:
+                    root.reshard()  # the gradients were reduced by each backward
         finally:
             self._armed = False
         self._sum_shared_gradients()
