@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from merak_core import bootstrap, nonfinite
+from merak_core.batch_ids import IdRanges, sample_namer
 from merak_core.cadence import Cadence, count_tokens, step_record
 from merak_core.checkpoint import CheckpointManager
 from merak_core.checkpoint.parts import CheckpointParts, TrainState
@@ -136,6 +137,7 @@ class Trainer:
         self.layout = bootstrap.run_layout(args, layout, device)
         self.device = bootstrap.run_device(self.layout, device)
         self.loss_fn = loss_fn or default_loss
+        self.id_ranges = IdRanges.of(model, default_loss=loss_fn is None)  # the whole model's sizes
         self.compute_metrics = compute_metrics
         self.data_collator = data_collator
         self.train_dataset = train_dataset
@@ -380,6 +382,7 @@ class Trainer:
             except StopIteration:
                 iterator = iter(loader)
                 continue
+            self.id_ranges.check(batch.inputs, batch.labels, self.global_step + 1, sample_namer(loader))
             timed = self.plan_check is not None and self.plan_check.before_step(self.global_step, total)
             step_start = time.perf_counter()
             loss = self.training_step(batch.inputs, batch.labels, record_timing=timed)
