@@ -87,7 +87,7 @@ def test_init_single_process_without_launcher() -> None:
         "lay = init(device='cpu')\n"
         "assert (lay.dp, lay.tp, lay.pp, lay.rank) == (1, 1, 1, 0), lay\n"
         "assert lay.is_first_stage and lay.is_last_stage\n"
-        "assert lay.mesh.mesh_dim_names == ('pp', 'dp', 'tp')\n"
+        "assert lay.mesh.mesh_dim_names == ('pp', 'dp', 'cp', 'tp')\n"
         "print('OK', dist.get_backend())\n"
     )
     env = {

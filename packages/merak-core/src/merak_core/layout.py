@@ -1,21 +1,25 @@
-"""The parallel layout: dp/tp/pp degrees, this rank's coordinates, the device mesh and groups.
+"""The parallel layout: dp/cp/tp/pp degrees, this rank's coordinates, the device mesh and groups.
 
 One :class:`ParallelLayout` is built once per job (by :func:`init` from torchrun's
 environment, or by :meth:`ParallelLayout.build` when the default process group
 already exists) and then passed explicitly to everything that communicates; there
 is no module-level parallel state.
 
-[Note: rank order] Global ranks are laid out on a 3-D mesh of shape
-``(pp, dp, tp)`` in C order: TP is the fastest-varying axis (ranks ``r`` and
-``r + 1`` are TP peers, so a TP group sits on one node / NVLink island), PP the
+[Note: rank order] Global ranks are laid out on a 4-D mesh of shape
+``(pp, dp, cp, tp)`` in C order: TP is the fastest-varying axis (ranks ``r`` and
+``r + 1`` are TP peers, so a TP group sits on one node / NVLink island), then
+context parallel (CP, also within a node by default), then DP, PP the
 outermost::
 
-    rank = (pp_rank * dp + dp_rank) * tp + tp_rank
+    rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
 
-The process groups are created with ``dist.new_group`` (every rank creates every
-group, in the same order, each with an explicit timeout) and wrapped into a
-``torch.distributed.device_mesh.DeviceMesh`` with axes named ``"pp"``, ``"dp"``,
-``"tp"``, so DTensor-based code can use ``layout.mesh["tp"]``.
+At ``cp=1`` this is ``(pp_rank * dp + dp_rank) * tp + tp_rank``, the 3-D order
+every earlier layout used. The process groups are created with
+``dist.new_group`` (every rank creates every group, in the same order, each with
+an explicit timeout) and wrapped into a ``torch.distributed.device_mesh.DeviceMesh``
+with axes named ``"pp"``, ``"dp"``, ``"cp"``, ``"tp"``, so DTensor-based code can
+use ``layout.mesh["tp"]``. CP ranks hold the same parameters (like DP replicas),
+so the gradient sync runs over ``dp_cp_group`` (same pp and tp coordinates).
 
 Not done here: placing models, building pipelines, or choosing degrees (the
 planner does that); the layout only validates and describes them.
@@ -37,55 +41,72 @@ from merak_core import _compat
 
 logger = logging.getLogger(__name__)
 
-MESH_AXES: tuple[str, str, str] = ("pp", "dp", "tp")
+MESH_AXES: tuple[str, str, str, str] = ("pp", "dp", "cp", "tp")
 """Names of the device-mesh axes, outermost first."""
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 
-def resolve_degrees(world_size: int, dp: int | None = None, tp: int = 1, pp: int = 1) -> tuple[int, int, int]:
-    """Validate ``dp*tp*pp == world_size`` (inferring ``dp`` when it is None); return ``(dp, tp, pp)``.
+def resolve_degrees(
+    world_size: int, dp: int | None = None, tp: int = 1, pp: int = 1, *, cp: int = 1
+) -> tuple[int, int, int]:
+    """Validate ``dp*cp*tp*pp == world_size`` (inferring ``dp`` when it is None); return ``(dp, tp, pp)``.
 
     A pure function: no process group is touched, so a bad layout fails before any collective.
+    ``cp`` is keyword-only (the context-parallel degree, default 1) so every 3-degree caller is unchanged.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"WORLD_SIZE must be a positive integer, got {world_size!r}")
-    for name, value in (("tp", tp), ("pp", pp)):
+    for name, value in (("tp", tp), ("pp", pp), ("cp", cp)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}; pass e.g. {name}=1")
+    others = tp * pp * cp
+    names = "tp*pp" if cp == 1 else "cp*tp*pp"
+    values = f"{tp}*{pp}" if cp == 1 else f"{cp}*{tp}*{pp}"
     if dp is None:
-        if world_size % (tp * pp):
+        if world_size % others:
             raise ValueError(
-                f"tp*pp={tp}*{pp}={tp * pp} does not divide WORLD_SIZE={world_size}, so dp cannot be "
-                f"inferred: choose tp and pp whose product divides {world_size}"
+                f"{names}={values}={others} does not divide WORLD_SIZE={world_size}, so dp cannot be "
+                f"inferred: choose {names.replace('*', ', ', names.count('*') - 1).replace('*', ' and ')} "
+                f"whose product divides {world_size}"
             )
-        dp = world_size // (tp * pp)
+        dp = world_size // others
     elif isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
         raise ValueError(f"dp must be a positive integer or None (inferred), got {dp!r}")
-    if dp * tp * pp != world_size:
+    if dp * others != world_size:
         raise ValueError(
-            f"dp*tp*pp must equal WORLD_SIZE={world_size} (got {dp}*{tp}*{pp}={dp * tp * pp}): "
-            f"change the degrees, pass dp=None to infer it, or launch {dp * tp * pp} processes"
+            f"dp*{names} must equal WORLD_SIZE={world_size} (got {dp}*{values}={dp * others}): "
+            f"change the degrees, pass dp=None to infer it, or launch {dp * others} processes"
         )
     return dp, tp, pp
 
 
-def rank_of(pp_rank: int, dp_rank: int, tp_rank: int, *, dp: int, tp: int) -> int:
-    """Global rank at mesh coordinates ``(pp_rank, dp_rank, tp_rank)`` (see [Note: rank order])."""
-    return (pp_rank * dp + dp_rank) * tp + tp_rank
+def rank_of(
+    pp_rank: int, dp_rank: int, tp_rank: int, *, dp: int, tp: int, cp: int = 1, cp_rank: int = 0
+) -> int:
+    """Global rank at mesh coordinates ``(pp_rank, dp_rank, cp_rank, tp_rank)`` (see [Note: rank order])."""
+    return ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
 
 
-def coords_of(rank: int, *, dp: int, tp: int) -> tuple[int, int, int]:
-    """Mesh coordinates ``(pp_rank, dp_rank, tp_rank)`` of global ``rank`` (see [Note: rank order])."""
+def coords_of(rank: int, *, dp: int, tp: int, cp: int = 1) -> tuple[int, int, int]:
+    """Mesh coordinates ``(pp_rank, dp_rank, tp_rank)`` of global ``rank`` (see [Note: rank order]).
+
+    The CP coordinate is :func:`cp_rank_of`; kept apart so 3-D callers read the same triple.
+    """
     tp_rank = rank % tp
-    dp_rank = (rank // tp) % dp
-    pp_rank = rank // (tp * dp)
+    dp_rank = (rank // (tp * cp)) % dp
+    pp_rank = rank // (tp * cp * dp)
     return pp_rank, dp_rank, tp_rank
+
+
+def cp_rank_of(rank: int, *, tp: int, cp: int) -> int:
+    """The context-parallel coordinate of global ``rank`` (see [Note: rank order])."""
+    return (rank // tp) % cp
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class ParallelLayout:
-    """Degrees, this rank's coordinates, the device mesh and the DP/TP/PP process groups."""
+    """Degrees, this rank's coordinates, the device mesh and the DP/CP/TP/PP process groups."""
 
     dp: int
     """Data-parallel degree (replicas)."""
@@ -96,36 +117,53 @@ class ParallelLayout:
     rank: int
     """This process's rank in the default process group."""
     world_size: int
-    """Number of processes; always ``dp * tp * pp``."""
+    """Number of processes; always ``dp * cp * tp * pp``."""
     device: torch.device
     """The device this rank computes on (:func:`select_device`: ``cuda:LOCAL_RANK % visible GPUs`` or ``cpu``)."""
     mesh: DeviceMesh = field(repr=False)
-    """3-D device mesh with axes ``("pp", "dp", "tp")``."""
+    """4-D device mesh with axes ``("pp", "dp", "cp", "tp")``."""
     dp_group: ProcessGroup = field(repr=False)
-    """This rank's data-parallel group (same pp and tp coordinates)."""
+    """This rank's data-parallel group (same pp, cp and tp coordinates)."""
     tp_group: ProcessGroup = field(repr=False)
-    """This rank's tensor-parallel group (same pp and dp coordinates)."""
+    """This rank's tensor-parallel group (same pp, dp and cp coordinates)."""
     pp_group: ProcessGroup = field(repr=False)
-    """This rank's pipeline group (same dp and tp coordinates), ordered by stage."""
+    """This rank's pipeline group (same dp, cp and tp coordinates), ordered by stage."""
     timeout: timedelta = DEFAULT_TIMEOUT
     """Timeout of every group this layout created."""
+    cp: int = 1
+    """Context-parallel degree (ranks that split one sample's sequence)."""
+    cp_group: ProcessGroup | None = field(default=None, repr=False)
+    """This rank's context-parallel group (same pp, dp and tp coordinates); a one-rank group at cp=1."""
+    dp_cp_group: ProcessGroup | None = field(default=None, repr=False)
+    """The ranks holding the same parameters (same pp and tp): DP x CP, the gradient-sync group. None
+    means ``dp_group`` (cp=1)."""
+
+    @property
+    def grad_sync_group(self) -> ProcessGroup:
+        """The group gradients are averaged over: DP, times CP when cp > 1 (CP ranks are replicas for the parameters)."""
+        return self.dp_cp_group if self.dp_cp_group is not None else self.dp_group
 
     # ------------------------------------------------------------------ coordinates
 
     @property
     def pp_rank(self) -> int:
         """This rank's pipeline stage index."""
-        return coords_of(self.rank, dp=self.dp, tp=self.tp)[0]
+        return coords_of(self.rank, dp=self.dp, tp=self.tp, cp=self.cp)[0]
 
     @property
     def dp_rank(self) -> int:
         """This rank's index in its DP group."""
-        return coords_of(self.rank, dp=self.dp, tp=self.tp)[1]
+        return coords_of(self.rank, dp=self.dp, tp=self.tp, cp=self.cp)[1]
 
     @property
     def tp_rank(self) -> int:
         """This rank's index in its TP group."""
-        return coords_of(self.rank, dp=self.dp, tp=self.tp)[2]
+        return coords_of(self.rank, dp=self.dp, tp=self.tp, cp=self.cp)[2]
+
+    @property
+    def cp_rank(self) -> int:
+        """This rank's index in its CP group (which part of each sample's sequence it holds)."""
+        return cp_rank_of(self.rank, tp=self.tp, cp=self.cp)
 
     @property
     def is_first_stage(self) -> bool:
@@ -137,27 +175,34 @@ class ParallelLayout:
         """True on the last pipeline stage (the ranks that read labels and compute the loss)."""
         return self.pp_rank == self.pp - 1
 
-    def rank_of(self, *, pp: int, dp: int, tp: int) -> int:
-        """Global rank at mesh coordinates (pp, dp, tp)."""
-        for name, value, size in (("pp", pp, self.pp), ("dp", dp, self.dp), ("tp", tp, self.tp)):
+    def rank_of(self, *, pp: int, dp: int, tp: int, cp: int | None = None) -> int:
+        """Global rank at mesh coordinates (pp, dp, cp, tp); ``cp=None``: this rank's cp coordinate."""
+        cp_coord = self.cp_rank if cp is None else cp
+        checks = (("pp", pp, self.pp), ("dp", dp, self.dp), ("cp", cp_coord, self.cp), ("tp", tp, self.tp))
+        for name, value, size in checks:
             if not 0 <= value < size:
                 raise ValueError(f"{name} coordinate {value} is outside [0, {size}) for layout {self}")
-        return rank_of(pp, dp, tp, dp=self.dp, tp=self.tp)
+        return rank_of(pp, dp, tp, dp=self.dp, tp=self.tp, cp=self.cp, cp_rank=cp_coord)
 
     def coords_of(self, rank: int) -> tuple[int, int, int]:
-        """Mesh coordinates ``(pp, dp, tp)`` of global ``rank``."""
+        """Mesh coordinates ``(pp, dp, tp)`` of global ``rank`` (its cp coordinate: :func:`cp_rank_of`)."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside [0, {self.world_size})")
-        return coords_of(rank, dp=self.dp, tp=self.tp)
+        return coords_of(rank, dp=self.dp, tp=self.tp, cp=self.cp)
 
     def stage_rank(self, stage: int) -> int:
-        """Global rank of pipeline stage ``stage`` in this rank's pipeline (same dp, tp)."""
+        """Global rank of pipeline stage ``stage`` in this rank's pipeline (same dp, cp, tp)."""
         return self.rank_of(pp=stage, dp=self.dp_rank, tp=self.tp_rank)
 
     @property
     def dp_ranks(self) -> list[int]:
         """Global ranks of this rank's DP group, in group-rank order."""
         return [self.rank_of(pp=self.pp_rank, dp=d, tp=self.tp_rank) for d in range(self.dp)]
+
+    @property
+    def cp_ranks(self) -> list[int]:
+        """Global ranks of this rank's CP group, in group-rank order (sequence-shard order)."""
+        return [self.rank_of(pp=self.pp_rank, dp=self.dp_rank, tp=self.tp_rank, cp=c) for c in range(self.cp)]
 
     @property
     def tp_ranks(self) -> list[int]:
@@ -171,9 +216,15 @@ class ParallelLayout:
 
     def describe(self) -> str:
         """One line for logs: degrees and this rank's coordinates."""
+        if self.cp == 1:
+            return (
+                f"rank {self.rank}/{self.world_size} dp={self.dp} tp={self.tp} pp={self.pp} "
+                f"(pp_rank={self.pp_rank}, dp_rank={self.dp_rank}, tp_rank={self.tp_rank}) on {self.device}"
+            )
         return (
-            f"rank {self.rank}/{self.world_size} dp={self.dp} tp={self.tp} pp={self.pp} "
-            f"(pp_rank={self.pp_rank}, dp_rank={self.dp_rank}, tp_rank={self.tp_rank}) on {self.device}"
+            f"rank {self.rank}/{self.world_size} dp={self.dp} cp={self.cp} tp={self.tp} pp={self.pp} "
+            f"(pp_rank={self.pp_rank}, dp_rank={self.dp_rank}, cp_rank={self.cp_rank}, "
+            f"tp_rank={self.tp_rank}) on {self.device}"
         )
 
     # ------------------------------------------------------------------ construction
@@ -185,13 +236,16 @@ class ParallelLayout:
         tp: int = 1,
         pp: int = 1,
         *,
+        cp: int = 1,
         device: torch.device | str | None = None,
         timeout: timedelta = DEFAULT_TIMEOUT,
     ) -> ParallelLayout:
         """Build the layout over an already initialised default process group.
 
         Collective: every rank must call it with the same degrees. Degrees are
-        validated against the world size before any group is created.
+        validated against the world size before any group is created. The groups
+        are created axis by axis in ``MESH_AXES`` order, then (cp > 1 only) the
+        DP x CP gradient-sync groups.
         """
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -199,12 +253,12 @@ class ParallelLayout:
                 "merak_core.init(...) instead, or torch.distributed.init_process_group first"
             )
         world_size = dist.get_world_size()
-        dp, tp, pp = resolve_degrees(world_size, dp, tp, pp)
+        dp, tp, pp = resolve_degrees(world_size, dp, tp, pp, cp=cp)
         rank = dist.get_rank()
         dev = select_device(device)
         _use_device(dev)
-        grid = torch.arange(world_size, dtype=torch.int).reshape(pp, dp, tp)
-        mine = coords_of(rank, dp=dp, tp=tp)
+        grid = torch.arange(world_size, dtype=torch.int).reshape(pp, dp, cp, tp)
+        mine = coords_of(rank, dp=dp, tp=tp, cp=cp)
         # Every rank creates every group in the same order (new_group is collective).
         groups: dict[str, ProcessGroup] = {}
         for axis_index, axis in enumerate(MESH_AXES):
@@ -215,13 +269,15 @@ class ParallelLayout:
                 group = _compat.new_group(ranks, timeout, None)
                 if rank in ranks:
                     groups[axis] = group
+        dp_cp_group = _dp_cp_groups(grid, rank, timeout) if cp > 1 else None
         mesh = DeviceMesh.from_group(
-            [groups["pp"], groups["dp"], groups["tp"]], dev.type, mesh=grid, mesh_dim_names=MESH_AXES
+            [groups[axis] for axis in MESH_AXES], dev.type, mesh=grid, mesh_dim_names=MESH_AXES
         )
         layout = cls(
             dp=dp,
             tp=tp,
             pp=pp,
+            cp=cp,
             rank=rank,
             world_size=world_size,
             device=dev,
@@ -229,6 +285,8 @@ class ParallelLayout:
             dp_group=groups["dp"],
             tp_group=groups["tp"],
             pp_group=groups["pp"],
+            cp_group=groups["cp"],
+            dp_cp_group=dp_cp_group,
             timeout=timeout,
         )
         assert (layout.pp_rank, layout.dp_rank, layout.tp_rank) == mine
@@ -245,7 +303,10 @@ class ParallelLayout:
         device: torch.device | str | None = None,
         timeout: timedelta = DEFAULT_TIMEOUT,
     ) -> ParallelLayout:
-        """Wrap groups someone else created; checks they follow [Note: rank order]."""
+        """Wrap groups someone else created (a cp=1 layout); checks they follow [Note: rank order].
+
+        Collective: the size-1 CP groups are created here.
+        """
         dp, tp, pp = (dist.get_world_size(g) for g in (dp_group, tp_group, pp_group))
         world_size = dist.get_world_size()
         resolve_degrees(world_size, dp, tp, pp)
@@ -266,9 +327,16 @@ class ParallelLayout:
                 )
         dev = select_device(device)
         _use_device(dev)
-        grid = torch.arange(world_size, dtype=torch.int).reshape(pp, dp, tp)
+        grid = torch.arange(world_size, dtype=torch.int).reshape(pp, dp, 1, tp)
+        # cp=1: every rank is its own CP group (new_group is collective: all ranks create all of them).
+        cp_group = None
+        for r in range(world_size):
+            group = _compat.new_group([r], timeout, None)
+            if r == rank:
+                cp_group = group
+        assert cp_group is not None
         mesh = DeviceMesh.from_group(
-            [pp_group, dp_group, tp_group], dev.type, mesh=grid, mesh_dim_names=MESH_AXES
+            [pp_group, dp_group, cp_group, tp_group], dev.type, mesh=grid, mesh_dim_names=MESH_AXES
         )
         return cls(
             dp=dp,
@@ -281,8 +349,22 @@ class ParallelLayout:
             dp_group=dp_group,
             tp_group=tp_group,
             pp_group=pp_group,
+            cp_group=cp_group,
             timeout=timeout,
         )
+
+
+def _dp_cp_groups(grid: torch.Tensor, rank: int, timeout: timedelta) -> ProcessGroup:
+    """Create every DP x CP group (same pp and tp coordinates; collective); return this rank's."""
+    pp, dp, cp, tp = grid.shape
+    mine = None
+    for ranks_t in grid.permute(0, 3, 1, 2).reshape(pp * tp, dp * cp):
+        ranks = [int(r) for r in ranks_t]
+        group = _compat.new_group(ranks, timeout, None)
+        if rank in ranks:
+            mine = group
+    assert mine is not None
+    return mine
 
 
 def _env_int(name: str, default: int | None) -> int | None:
@@ -302,6 +384,7 @@ def init(
     tp: int = 1,
     pp: int = 1,
     *,
+    cp: int = 1,
     backend: str | None = None,
     device: torch.device | str | None = None,
     timeout: timedelta = DEFAULT_TIMEOUT,
@@ -309,20 +392,20 @@ def init(
     """Initialise distributed training and return the :class:`ParallelLayout`.
 
     Reads torchrun's ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` (a plain
-    ``python script.py`` is one rank), validates ``dp*tp*pp == WORLD_SIZE``
+    ``python script.py`` is one rank), validates ``dp*cp*tp*pp == WORLD_SIZE``
     (``dp=None`` infers it) before any collective, initialises the default
     process group if nobody did (:func:`ensure_process_group`: the device from
     :func:`select_device`, ``nccl`` for a CUDA device, ``gloo`` otherwise, eager
     initialisation on CUDA), then builds every group with ``timeout``.
     """
     if dist.is_initialized():
-        resolve_degrees(dist.get_world_size(), dp, tp, pp)
-        return ParallelLayout.build(dp, tp, pp, device=device, timeout=timeout)
+        resolve_degrees(dist.get_world_size(), dp, tp, pp, cp=cp)
+        return ParallelLayout.build(dp, tp, pp, cp=cp, device=device, timeout=timeout)
     world_size = _env_int("WORLD_SIZE", 1)
     assert world_size is not None
-    resolve_degrees(world_size, dp, tp, pp)
+    resolve_degrees(world_size, dp, tp, pp, cp=cp)
     dev = ensure_process_group(device, backend=backend, timeout=timeout)
-    return ParallelLayout.build(dp, tp, pp, device=dev, timeout=timeout)
+    return ParallelLayout.build(dp, tp, pp, cp=cp, device=dev, timeout=timeout)
 
 
 # ---------------------------------------------------------------------------- devices
@@ -454,6 +537,7 @@ __all__ = [
     "ParallelLayout",
     "collective_device",
     "coords_of",
+    "cp_rank_of",
     "default_backend",
     "ensure_process_group",
     "init",
