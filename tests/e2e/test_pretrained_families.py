@@ -80,13 +80,13 @@ ARGS = dict(dp=1, tp=2, pp=1, gradient_accumulation_steps=1, max_steps=1, max_gr
 """One step, unclipped: the gradients the Trainer leaves on its parameters are the batch's own."""
 
 
-def pretrained_on_ranks(name: str, folder: str, pp: int = 1) -> tuple[float, Any]:
+def pretrained_on_ranks(name: str, folder: str, pp: int = 1, **extra: Any) -> tuple[float, Any]:
     """Rank body: the Trainer from the folder at tp=2, one step; (loss, (this stage's full gradients,
     transposed names))."""
     import merak_tp
     from merak_core import Trainer
 
-    args = make_args(**{**ARGS, "pp": pp, "gradient_accumulation_steps": pp})
+    args = make_args(**{**ARGS, "pp": pp, "gradient_accumulation_steps": pp, **extra})
     trainer = Trainer(None, args, Batches(name), loss_fn=lm_loss, pretrained=folder)
     (loss,) = [h["loss"] for h in trainer.train() if "loss" in h]
     grads, transposed = {}, set()
@@ -144,10 +144,18 @@ def save_family(name: str) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("name", F.FAMILIES)
-def test_pretrained_folder_at_tp2_equals_transformers(name: str) -> None:
+@pytest.mark.parametrize(
+    ("name", "extra"),
+    [
+        *((name, {}) for name in F.FAMILIES),
+        # the regions' sums of sequence-sharded gradients are hooks on the (meta) parameters too
+        ("gemma3_text", {"sequence_parallel": True, "overlap_chunks": 2}),
+    ],
+    ids=[*F.FAMILIES, "gemma3_text-sp-overlap"],
+)
+def test_pretrained_folder_at_tp2_equals_transformers(name: str, extra: dict[str, Any]) -> None:
     folder = save_family(name)
-    loss, (grads, transposed) = run_on_ranks(2, pretrained_on_ranks, name, str(folder))[0]
+    loss, (grads, transposed) = run_on_ranks(2, pretrained_on_ranks, name, str(folder), 1, **extra)[0]
 
     assert loss == pytest.approx(transformers_loss(name, folder), rel=1e-6)
     ref = reference_grads(name, folder)
