@@ -123,6 +123,9 @@ def test_merak_train_exports_and_merak_export_latest_agrees(tmp_path: Path) -> N
     )
     assert exported.returncode == 0, exported.stderr[-3000:]
     at_end, from_checkpoint = read_folder(tmp_path / "hf"), read_folder(tmp_path / "from_ckpt")
+    # One format: the run at pp=2 and merak export write the same files (one model.safetensors here).
+    shards = [sorted(p.name for p in (tmp_path / d).glob("model*")) for d in ("hf", "from_ckpt")]
+    assert shards[0] == shards[1] == ["model.safetensors"], shards
     original = read_folder(tmp_path / "gpt2")
     assert sorted(at_end) == sorted(from_checkpoint) == sorted(original)
     assert all(torch.equal(at_end[k], from_checkpoint[k]) for k in at_end)

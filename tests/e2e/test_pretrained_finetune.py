@@ -96,6 +96,15 @@ def transformers_eval_loss(folder: Path, text: Path, tokenizer_folder: Path) -> 
         return float(model(input_ids=blocks, labels=blocks).loss)
 
 
+def _files(folder: Path) -> tuple[set[str], dict[str, str] | None]:
+    """The weight files of an exported folder and its index's weight map (None: one file, no index)."""
+    import json
+
+    index = folder / "model.safetensors.index.json"
+    weight_map = json.loads(index.read_text())["weight_map"] if index.is_file() else None
+    return {p.name for p in folder.glob("model*.safetensors")}, weight_map
+
+
 @pytest.mark.parametrize(
     ("name", "layout", "save_steps"),
     [("gpt2", (2, 2, 2), None), ("llama", (1, 2, 4), 3)],
@@ -130,6 +139,11 @@ def test_pretrained_finetune_and_export(
         assert step0[key].dtype == ref.dtype and torch.equal(step0[key], ref), key
     exported = root / "out" / "step3"
     assert (root / "out" / "step0" / "model.safetensors.index.json").is_file()
+    # One format: the run's export cuts the same files as the one-process writer of the same tensors.
+    from merak_core.hf import PretrainedFolder, write_hf_folder
+
+    alone = write_hf_folder(step0, root / "alone", source=PretrainedFolder(folder), max_shard_size="40KB")
+    assert _files(alone) == _files(root / "out" / "step0")
     assert (exported / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()
     assert (exported / "generation_config.json").is_file()
 
@@ -153,6 +167,7 @@ def test_pretrained_finetune_and_export(
         from_checkpoint, final = read_folder(again), read_folder(exported)
         assert sorted(from_checkpoint) == sorted(final)
         assert all(torch.equal(from_checkpoint[k], final[k]) for k in final)
+        assert _files(again) == _files(exported) == ({"model.safetensors"}, None)  # one file, as merak export
 
     # (c) transformers' loss on the eval text equals Merak's eval loss (every rank reports the same).
     eval_losses = [r[2] for r in results]

@@ -13,12 +13,15 @@ copied as they are. Tensor names are the model's logical names (a tied parameter
 the name the original folder used; see [Note: pretrained tensor names]); ``Conv1D`` weights
 are written in their own ``(in, out)`` layout.
 
-[Note: export from a run] A live run is exported without gathering the model on one rank:
-on every stage, DP rank 0's TP group gathers the stage's TP shards (one tensor at a time) and
-its TP rank 0 writes that stage's shards; a parameter held by several stages (tied
-embeddings) is written by the first. Rank 0 then writes the index, ``config.json`` and the
-companion files last, so a folder with an index is complete. It assumes ``OUT`` is on a file
-system every writing rank sees (as checkpoints do).
+[Note: export from a run] A live run is exported without gathering the model on one rank at
+once: on every stage, DP rank 0's TP group gathers the stage's TP shards (one tensor at a time)
+and its TP rank 0 keeps them; a parameter held by several stages (tied embeddings) is kept by the
+first. The files are cut by one rule for both exports (:func:`shard_groups`: natural name order,
+consecutive runs under ``max_shard_size``), so a run's export and its checkpoint's are the same
+files; global rank 0 writes them one after the other, each stage sending it that file's tensors
+(rank 0 holds at most one file of other stages' tensors beside its own stage's). Rank 0 then
+writes the index, ``config.json`` and the companion files last, so a folder with an index is
+complete.
 
 Not done here: reading folders (``folder.py``), choosing when to export (the trainer).
 """
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -77,6 +81,21 @@ def _chunks(sizes: Sequence[tuple[str, int]], max_bytes: int) -> list[list[str]]
     if current:
         groups.append(current)
     return groups
+
+
+def _natural_key(name: str) -> list[Any]:
+    """``h.2`` before ``h.10``: names compared part by part, numbers as numbers."""
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", name)]
+
+
+def shard_groups(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
+    """The tensor names of each file: in natural name order, consecutive runs under ``max_bytes``.
+
+    One rule for both exports (a checkpoint in one process, a live run over its stages), so that the
+    same model and ``max_shard_size`` give the same files whichever wrote them.
+    """
+    names = sorted(sizes, key=_natural_key)
+    return _chunks([(n, sizes[n]) for n in names], max_bytes)
 
 
 def _shard_name(index: int, total: int) -> str:
@@ -154,15 +173,15 @@ def write_hf_folder(
     """Write a full state dict (logical names) as a Hugging Face folder, in this process alone."""
     out_dir = Path(out)
     prepare_out_dir(out_dir)
-    sizes = [(name, t.numel() * t.element_size()) for name, t in state.items()]
-    groups = _chunks(sizes, parse_size(max_shard_size))
+    sizes = {name: t.numel() * t.element_size() for name, t in state.items()}
+    groups = shard_groups(sizes, parse_size(max_shard_size))
     weight_map: dict[str, str] = {}
     for i, names in enumerate(groups):
         file_name = _shard_name(i, len(groups))
         _save_shard({n: state[n] for n in names}, out_dir / file_name)
         weight_map.update(dict.fromkeys(names, file_name))
     dtype = next(iter(state.values())).dtype if state else None
-    write_metadata(out_dir, weight_map, sum(s for _, s in sizes), source=source, dtype=dtype)
+    write_metadata(out_dir, weight_map, sum(sizes.values()), source=source, dtype=dtype)
     return out_dir
 
 
@@ -304,6 +323,35 @@ def _stage_tensors(trainer: Trainer) -> Iterable[tuple[str, torch.Tensor]]:
         yield name, tensor.cpu().contiguous()
 
 
+def _gather_and_write(
+    names: list[str],
+    owners: dict[str, tuple[int, tuple[int, ...], torch.dtype]],
+    tensors: dict[str, torch.Tensor],
+    path: Path,
+    *,
+    device: torch.device,
+) -> None:
+    """Rank 0 writes one file of ``names``; each other stage's writer sends it its tensors, in file order."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    if rank != 0:
+        for name in names:
+            if owners[name][0] == rank:
+                dist.send(tensors[name].to(device), dst=0)  # device tensors: NCCL moves no CPU tensor
+        return
+    shard = {}
+    for name in names:
+        owner, shape, dtype = owners[name]
+        if owner == 0:
+            shard[name] = tensors[name]
+        else:
+            buffer = torch.empty(shape, dtype=dtype, device=device)
+            dist.recv(buffer, src=owner)
+            shard[name] = buffer.cpu()
+    _save_shard(shard, path)
+
+
 def export_hf(
     trainer: Trainer,
     out: str | os.PathLike[str],
@@ -331,38 +379,31 @@ def export_hf(
     if dist.get_rank() == 0:
         prepare_out_dir(out_dir)
     dist.barrier()
-    writes = layout.dp_rank == 0
-    tensors = dict(_stage_tensors(trainer)) if writes else {}
-    keep = writes and layout.tp_rank == 0
-    groups = (
-        _chunks([(n, t.numel() * t.element_size()) for n, t in tensors.items()], max_bytes) if keep else []
-    )
+    tensors = dict(_stage_tensors(trainer)) if layout.dp_rank == 0 else {}
+    if layout.tp_rank != 0:
+        tensors = {}  # the stage's tensors are sent from its DP rank 0, TP rank 0 alone
+    mine = {n: (tuple(t.shape), t.dtype) for n, t in tensors.items()}
     plan: list[Any] = [None] * dist.get_world_size()
-    sizes = {n: t.numel() * t.element_size() for n, t in tensors.items()} if keep else {}
-    dtype = next(iter(tensors.values())).dtype if keep and tensors else None
-    dist.all_gather_object(plan, (layout.pp_rank, groups, sizes, dtype) if keep else None)
-    stages = sorted((entry for entry in plan if entry is not None), key=lambda e: e[0])
-    total = sum(len(groups_) for _, groups_, _, _ in stages)
+    dist.all_gather_object(plan, (dist.get_rank(), mine) if tensors else None)
+    owners: dict[str, tuple[int, tuple[int, ...], torch.dtype]] = {}
+    for entry in plan:
+        if entry is not None:
+            for name, (shape, dtype) in entry[1].items():
+                owners.setdefault(name, (entry[0], shape, dtype))
+    sizes = {n: math.prod(shape) * dtype.itemsize for n, (_, shape, dtype) in owners.items()}
+    groups = shard_groups(sizes, max_bytes)
     weight_map: dict[str, str] = {}
-    index = 0
-    for stage_index, stage_groups, _, _ in stages:
-        for names in stage_groups:
-            file_name = _shard_name(index, total)
-            weight_map.update(dict.fromkeys(names, file_name))
-            if keep and stage_index == layout.pp_rank:
-                _save_shard({n: tensors[n] for n in names}, out_dir / file_name)
-            index += 1
+    for index, names in enumerate(groups):
+        file_name = _shard_name(index, len(groups))
+        weight_map.update(dict.fromkeys(names, file_name))
+        _gather_and_write(names, owners, tensors, out_dir / file_name, device=trainer.device)
     del tensors
     dist.barrier()
     if dist.get_rank() == 0:
-        total_bytes = sum(sum(s.values()) for _, _, s, _ in stages)
+        dtypes = [dtype for _, _, dtype in owners.values()]
         write_metadata(
-            out_dir,
-            weight_map,
-            total_bytes,
-            source=source,
-            dtype=next((d for *_, d in stages if d is not None), None),
+            out_dir, weight_map, sum(sizes.values()), source=source, dtype=dtypes[0] if dtypes else None
         )
-        logger.info("exported %d tensors in %d files to %s", len(weight_map), total, out_dir)
+        logger.info("exported %d tensors in %d files to %s", len(weight_map), len(groups), out_dir)
     dist.barrier()
     return out_dir
