@@ -10,6 +10,7 @@ from merak_core.compose import ParallelModel, build_parallel_model, gather_full_
 from merak_core.config import TrainingArguments, build_lr_scheduler, parse_bytes, parse_recompute
 from merak_core.data import StageAwareDataLoader, StageBatch, split_inputs_labels
 from merak_core.data_parallel import DataParallelGradSync
+from merak_core.generation import generate
 from merak_core.job import JobConfig
 from merak_core.layout import ParallelLayout, init, resolve_degrees
 from merak_core.lora import LoraConfig
@@ -42,6 +43,7 @@ __all__ = [
     "clip_grad_norm_",
     "default_loss",
     "export_full_state_dict",
+    "generate",
     "gather_full_state_dict",
     "global_grad_norm",
     "init",

@@ -40,6 +40,18 @@ from merak_core.virtual_stages import check_layer_count
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class ModelSource:
+    """What the composed model was built from, for rebuilding a stage's eager layers (generation
+    under pipeline parallelism, :mod:`merak_core.generation`): the model's class and config (a
+    transformers model's ``config``, else None) and the TP options it was sharded with."""
+
+    model_class: type
+    config: Any
+    tp_plan: Any
+    sequence_parallel: bool
+
+
 @dataclass
 class ParallelModel:
     """This rank's part of the model, with the names and groups needed to train it."""
@@ -67,6 +79,8 @@ class ParallelModel:
     """Stage index -> this rank's module of that stage (``pp > 1``)."""
     lora: LoraConfig | None = None
     """The LoRA adapters' config when only adapters train (:mod:`merak_core.lora`)."""
+    source: ModelSource | None = None
+    """The model's class, config and TP options (:class:`ModelSource`)."""
 
     @property
     def num_stages(self) -> int:
@@ -201,6 +215,7 @@ def build_parallel_model(
     must agree, and the shared-parameter groups are created collectively.
     """
     canonical = _canonical_names(model)
+    source = ModelSource(type(model), getattr(model, "config", None), tp_plan, sequence_parallel)
     keys = input_order(model, example_inputs)
     by_keyword = isinstance(example_inputs, Mapping) and _all_forward_params(model, list(example_inputs))
     named_inputs = dict(example_inputs) if isinstance(example_inputs, Mapping) else None
@@ -230,7 +245,12 @@ def build_parallel_model(
         model.to(device)
         logical = {name: _canonical_name(canonical, p, name) for name, p in model.named_parameters()}
         pm = ParallelModel(
-            module=model, layout=layout, logical_names=logical, input_keys=keys, by_keyword=by_keyword
+            module=model,
+            layout=layout,
+            logical_names=logical,
+            input_keys=keys,
+            by_keyword=by_keyword,
+            source=source,
         )
         return _with_lora(pm, lora)
 
@@ -267,6 +287,7 @@ def build_parallel_model(
     if by_keyword:
         keys = list(part.input_names)
     pm.input_keys = keys
+    pm.source = source
     return _with_lora(pm, lora)
 
 

@@ -54,6 +54,7 @@ from merak_core.engine import (
     schedule_name,
 )
 from merak_core.evaluation import evaluate_loader, shapes_specialised
+from merak_core.generation.run_api import GenerateMixin
 from merak_core.layout import ParallelLayout
 from merak_core.lora import LoraConfig
 from merak_core.metrics import MetricsWriter
@@ -69,7 +70,7 @@ MetricsFn = Callable[[torch.Tensor, torch.Tensor], Mapping[str, torch.Tensor]]
 __all__ = ["LossFn", "MetricsFn", "Trainer", "TrainingStepError", "default_loss", "schedule_name"]
 
 
-class Trainer:
+class Trainer(GenerateMixin):
     """Train ``model`` with the 3D layout in ``args`` (see the module docstring).
 
     Args:

@@ -1,0 +1,13 @@
+"""Text generation on the training layout: KV-cached decoding with TP-sharded caches and pipelined
+microbatches (docs/generation.md).
+
+Owns: the decoding loop and its pipeline messages (``decode``), the eager forward each rank runs
+(``decoders``: the TP-sharded model itself, or a pipeline stage's layers rebuilt on its parameters),
+token choice (``sampling``). May import ``merak_core.compose`` (the composed model) and the three
+libraries; never the Trainer.
+"""
+
+from merak_core.generation.decode import generate
+from merak_core.generation.sampling import SamplingOptions
+
+__all__ = ["SamplingOptions", "generate"]

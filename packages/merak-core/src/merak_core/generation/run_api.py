@@ -1,0 +1,65 @@
+"""``Trainer.generate``: decoding on a run's composed model (the Trainer takes it as a base class).
+
+It reads only the run's composed model and arguments (``self.model``, ``self.args``); it never
+imports the Trainer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from merak_core.generation.decode import generate
+
+
+class GenerateMixin:
+    """The Trainer's ``generate`` (docs/generation.md)."""
+
+    args: Any
+
+    @property
+    def model(self) -> Any:
+        """The run's composed model (the Trainer's ``ParallelModel``)."""
+        raise NotImplementedError
+
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        max_new_tokens: int,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        eos_token_id: int | Sequence[int] | None = None,
+        pad_token_id: int | None = None,
+        seed: int | None = None,
+        num_microbatches: int | None = None,
+    ) -> torch.Tensor:
+        """Continue the left-padded prompts on this run's layout; collective, every rank gets the sequences
+        (:func:`merak_core.generation.generate`; ``num_microbatches`` defaults to the run's under pp > 1)."""
+        zero_stage = getattr(self.args, "zero_stage", 0)
+        if zero_stage >= 3:
+            raise ValueError(
+                f"generation with zero_stage={zero_stage} is not supported (the parameters are sharded over dp): "
+                "load the checkpoint with zero_stage <= 2 to generate"
+            )
+        if num_microbatches is None and self.model.layout.pp > 1:
+            num_microbatches = min(int(self.args.num_microbatches), int(input_ids.shape[0]))
+        return generate(
+            self.model,
+            input_ids,
+            attention_mask,
+            max_new_tokens=max_new_tokens,
+            do_sample=do_sample,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+            seed=seed,
+            num_microbatches=num_microbatches,
+        )

@@ -1,0 +1,139 @@
+"""Generation on the training layout against transformers' own ``generate`` (float64 tiny models).
+
+A tiny GPT-2 (tied embeddings, Conv1D, fused q/k/v) and Llama (grouped-query attention) are saved
+with ``save_pretrained``; Merak starts from the folder at tp2, pp2 (two microbatches) and tp2·pp2
+and decodes a batch of left-padded prompts of different lengths. Greedy decoding must give exactly
+the tokens of ``AutoModelForCausalLM.from_pretrained(folder).generate(do_sample=False)``, with an
+EOS (chosen from the reference's own output) that ends one row early and pads it. Seeded sampling
+must give the same tokens on every rank, the same again on a second call, and the tokens of the
+same sampler run on the single-process model (``merak_core.generation.decode`` at pp=1).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from tests.e2e._pretrained_support import VOCAB, Blocks, lm_loss, make_folder, token_stream
+from tests.e2e._trainer_support import make_args
+from tests.support.dist import run_on_ranks
+
+pytestmark = pytest.mark.transformers
+
+LENGTHS = [5, 3, 7, 2]
+PAD = 0
+NEW = 6
+SAMPLING = dict(do_sample=True, temperature=1.5, top_k=20, top_p=0.95, seed=5)
+
+
+def _prompts() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    width = max(LENGTHS)
+    ids = torch.full((len(LENGTHS), width), PAD, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(LENGTHS):
+        ids[row, width - n :] = torch.randint(1, VOCAB, (n,), generator=gen)
+        mask[row, width - n :] = 1
+    return ids, mask
+
+
+def _reference(folder: Path) -> Any:
+    import transformers as tf
+
+    return tf.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float64).eval()
+
+
+def _hf_greedy(model: Any, eos: int | None) -> torch.Tensor:
+    ids, mask = _prompts()
+    with torch.no_grad():
+        return model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=NEW,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=PAD,
+            use_cache=True,
+        )
+
+
+def _eos_ending_one_row(model: Any) -> int:
+    """A token that some row emits after its first new token (so it ends early) and some row never emits."""
+    free = _hf_greedy(model, None)[:, max(LENGTHS) :].tolist()
+    for row, tokens in enumerate(free):
+        for j in range(1, NEW - 1):
+            token = tokens[j]
+            if token not in tokens[:j] and any(
+                token not in other for r, other in enumerate(free) if r != row
+            ):
+                return token
+    raise AssertionError(f"no token ends exactly some rows early in {free}: change the prompts' seed")
+
+
+def _sampled_reference(model: Any) -> torch.Tensor:
+    """The same sampler on the single-process model (the pp=1 decoding loop around the plain model)."""
+    from merak_core.generation.decode import _decode_loop
+    from merak_core.generation.decoders import WholeModelDecoder
+    from merak_core.generation.sampling import SamplingOptions, row_generators
+
+    ids, mask = _prompts()
+    opts = SamplingOptions(**SAMPLING)
+    decoder = WholeModelDecoder(model, model.config, model.config.vocab_size)
+    gens = row_generators(opts.seed, ids.shape[0], torch.device("cpu"))
+    fake = SimpleNamespace(layout=SimpleNamespace(pp=1))
+    with torch.no_grad():
+        return _decode_loop(fake, decoder, ids, mask, [slice(0, ids.shape[0])], opts, gens, [], PAD, NEW)
+
+
+def generate_on_ranks(folder: str, text: str, layout: dict[str, int], eos: int) -> dict[str, Any]:
+    """Rank body: a Trainer from the folder at ``layout``; greedy with ``eos``, then seeded sampling twice."""
+    from merak_core import Trainer
+
+    args = make_args(
+        **layout, gradient_accumulation_steps=2, output_dir=tempfile.mkdtemp(prefix="merak-gen-")
+    )
+    data = Blocks(token_stream(Path(text), Path(folder) / "tokenizer.json"), count=8)
+    trainer = Trainer(None, args, data, loss_fn=lm_loss, pretrained=folder)
+    ids, mask = _prompts()
+    greedy = trainer.generate(ids, mask, max_new_tokens=NEW, eos_token_id=eos, pad_token_id=PAD)
+    sampled = [
+        trainer.generate(ids, mask, max_new_tokens=NEW, pad_token_id=PAD, **SAMPLING) for _ in range(2)
+    ]
+    return {"greedy": greedy.tolist(), "sampled": [s.tolist() for s in sampled]}
+
+
+LAYOUTS = {
+    "tp2": dict(dp=1, tp=2, pp=1),
+    "pp2": dict(dp=1, tp=1, pp=2),
+    "tp2pp2": dict(dp=1, tp=2, pp=2),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_generation_equals_transformers(name: str, layout: str) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        folder, text = make_folder(name, tmp)
+        model = _reference(folder)
+        eos = _eos_ending_one_row(model)
+        expected = _hf_greedy(model, eos)
+        ended = (expected[:, -1] == PAD).tolist()
+        assert any(ended) and not all(ended) and expected.shape[1] == max(LENGTHS) + NEW, expected
+        sampled_ref = _sampled_reference(model)
+        kwargs = LAYOUTS[layout]
+        world = kwargs["tp"] * kwargs["pp"]
+        results = run_on_ranks(world, generate_on_ranks, str(folder), str(text), kwargs, eos)
+    for rank, result in enumerate(results):
+        assert result["greedy"] == expected.tolist(), f"rank {rank}"
+        assert result["sampled"][0] == result["sampled"][1], (
+            f"rank {rank}: seeded sampling is not reproducible"
+        )
+        assert result["sampled"][0] == results[0]["sampled"][0], (
+            f"rank {rank} sampled other tokens than rank 0"
+        )
+        assert result["sampled"][0] == sampled_ref.tolist(), f"rank {rank}"
