@@ -61,32 +61,36 @@ def _update(digest: Any, value: Any) -> None:
         digest.update(f"<{type(value).__module__}.{type(value).__qualname__}>".encode())
 
 
+def _numpy_random() -> Any:
+    """``numpy.random``, or None without NumPy."""
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy is optional
+        return None
+    return np.random
+
+
 @contextlib.contextmanager
 def _seeded_streams() -> Iterator[None]:
     """Every global random stream seeded inside, each restored as it was on exit."""
     python = random.getstate()
-    try:
-        import numpy as np
-
-        numpy_state: Any = np.random.get_state()
-    except ImportError:  # pragma: no cover - numpy is optional
-        np, numpy_state = None, None
+    numpy_random = _numpy_random()
+    numpy_state = numpy_random.get_state() if numpy_random is not None else None
     with torch.random.fork_rng(devices=[]):
         try:
             yield
         finally:
             random.setstate(python)
-            if np is not None:
-                np.random.set_state(numpy_state)
+            if numpy_random is not None:
+                numpy_random.set_state(numpy_state)
 
 
 def _reseed() -> None:
     torch.manual_seed(_SEED)
     random.seed(_SEED)
-    with contextlib.suppress(ImportError):
-        import numpy as np
-
-        np.random.seed(_SEED)
+    numpy_random = _numpy_random()
+    if numpy_random is not None:
+        numpy_random.seed(_SEED)
 
 
 def sample_indices(length: int) -> list[int]:
