@@ -149,31 +149,47 @@ def _eval_loss(model: Any, folder: Path, text: Path) -> float:
 
 
 @pytest.mark.parametrize(
-    ("name", "layout"),
+    ("name", "layout", "options"),
     [
-        ("gpt2", (1, 2, 1)),
-        ("llama", (1, 1, 2)),
-        ("gpt2", (2, 1, 1)),
-        ("llama", (1, 2, 2)),
-        ("phi3", (1, 2, 1)),
+        ("gpt2", (1, 2, 1), {}),
+        ("llama", (1, 1, 2), {}),
+        ("gpt2", (2, 1, 1), {"zero_stage": 1}),
+        ("llama", (1, 2, 2), {}),
+        ("phi3", (1, 2, 1), {}),
+        ("llama", (1, 2, 1), {"sequence_parallel": True}),
+        ("gpt2", (1, 2, 2), {"sequence_parallel": True}),
+        ("llama", (1, 2, 1), {"overlap_chunks": 2}),
+        ("phi3", (1, 2, 1), {"sequence_parallel": True, "overlap_chunks": 2}),
+        ("llama", (1, 2, 1), {"overlap_chunks": 2, "targets": ["q_proj", "v_proj", "up_proj"]}),
     ],
-    ids=["gpt2-tp2", "llama-pp2", "gpt2-dp2-zero1", "llama-tp2_pp2", "phi3-tp2"],
+    ids=[
+        "gpt2-tp2",
+        "llama-pp2",
+        "gpt2-dp2-zero1",
+        "llama-tp2_pp2",
+        "phi3-tp2",
+        "llama-tp2-sp",
+        "gpt2-tp2_pp2-sp",
+        "llama-tp2-overlap2",
+        "phi3-tp2-sp-overlap2",
+        "llama-tp2-overlap2-blocks",  # row layers unwrapped: the regions run sub-pipelined (block mode)
+    ],
 )
-def test_lora_matches_peft(name: str, layout: tuple[int, int, int]) -> None:
+def test_lora_matches_peft(name: str, layout: tuple[int, int, int], options: dict[str, Any]) -> None:
     peft = pytest.importorskip("peft")
     tf = pytest.importorskip("transformers")
     from safetensors.torch import load_file
 
     dp, tp, pp = layout
+    options = dict(options)
+    targets = options.pop("targets", TARGETS[name])
     root = Path(tempfile.mkdtemp(prefix="merak-lora-"))
     folder, text = _folder(name, root)
     kwargs: dict[str, Any] = dict(
-        dp=dp, tp=tp, pp=pp, gradient_accumulation_steps=2, per_device_eval_batch_size=2
+        dp=dp, tp=tp, pp=pp, gradient_accumulation_steps=2, per_device_eval_batch_size=2, **options
     )
-    if dp > 1:
-        kwargs["zero_stage"] = 1
-    ref_model, ref_losses = peft_reference(folder, text, TARGETS[name], kwargs, dp, root / "adapter0")
-    lora = {"r": 4, "alpha": 8, "target_modules": TARGETS[name], "from_dir": str(root / "adapter0")}
+    ref_model, ref_losses = peft_reference(folder, text, targets, kwargs, dp, root / "adapter0")
+    lora = {"r": 4, "alpha": 8, "target_modules": targets, "from_dir": str(root / "adapter0")}
     results = run_on_ranks(
         dp * tp * pp, lora_on_ranks, str(folder), str(text), str(root / "out"), kwargs, lora
     )

@@ -91,6 +91,7 @@ def evaluate_job(job: Any, checkpoint: str, *, split: str = "eval") -> dict[str,
         data_collator=job.optional("collate"),
         compute_metrics=job.optional("metrics"),
         layout=layout,
+        lora=job.model.lora,  # a LoRA run's checkpoint holds the adapters too
     )
     step = trainer.resume(checkpoint)
     metrics = trainer.evaluate()

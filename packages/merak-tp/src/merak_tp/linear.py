@@ -201,16 +201,31 @@ class ColumnParallelLinear(_ParallelLinear):
             layer.bias = _shard_param(bias, 0, world, rank, sections)
         return layer
 
+    def input_reduction(self) -> str:
+        """Who sums this layer's input gradient over the TP group in the current forward.
+
+        ``"layer"``: this layer's all-reduce; ``"sequence"``: the input arrives split along the
+        sequence and this layer's all-gather reduce-scatters the gradient back; ``"region"``: the
+        enclosing region, once for all its layers (block-level overlap, sequence-parallel regions);
+        ``"none"``: tp = 1. For code that adds its own path on the same input (LoRA adapters): its
+        input-gradient term must be summed the same way.
+        """
+        region = self._merak_region
+        mode = region.mode if region is not None else None
+        if self.tp_size == 1:
+            return "none"
+        if self.sequence_parallel:
+            return "sequence"
+        return "region" if mode in ("block", "sp") else "layer"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         region = self._merak_region
         mode = region.mode if region is not None else None
         chunks = 1 if mode == "block" else self.overlap_chunks
-        reduce_input_grad = self.tp_size > 1
-        if self.sequence_parallel and self.tp_size > 1:
+        reduction = self.input_reduction()
+        if reduction == "sequence":
             x = gather_from_sequence_region(x, self.group, self.sequence_dim)
-            reduce_input_grad = False
-        elif mode in ("block", "sp"):
-            reduce_input_grad = False  # the region reduces the input gradient once for all its layers
+        reduce_input_grad = reduction == "layer"  # "region": the region reduces it once for all its layers
         chunk = region.chunk if region is not None and mode == "block" else 0
         name = getattr(self, "_merak_name", "column")
         y = _ColumnLinearFn.apply(
@@ -305,6 +320,12 @@ class RowParallelLinear(_ParallelLinear):
         if bias is not None:
             layer.bias = _mark(bias if isinstance(bias, nn.Parameter) else nn.Parameter(bias.detach()), None)
         return layer
+
+    def output_deferred(self) -> bool:
+        """Whether the current forward leaves the output's reduction in flight for the enclosing region
+        (block-level overlap): the output is then a partial sum that only the region completes."""
+        region = self._merak_region
+        return self.tp_size > 1 and region is not None and region.mode == "block"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

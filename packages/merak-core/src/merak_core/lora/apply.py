@@ -154,10 +154,6 @@ def apply_lora(model: nn.Module, config: LoraConfig) -> list[str]:
                 f"model.lora: {name!r} is a column-parallel linear that gathers its output; LoRA "
                 "cannot wrap it yet: remove it from target_modules"
             )
-        if getattr(base, "sequence_parallel", False):
-            raise ValueError(
-                f"model.lora: {name!r} runs sequence-parallel; set training.sequence_parallel: false"
-            )
         a, b = _adapters(base, kind, config.r)
         wrapper = LoraLinear(base, a, b, kind=kind, scaling=config.scaling, dropout=config.dropout)
         parent_name, _, leaf = name.rpartition(".")

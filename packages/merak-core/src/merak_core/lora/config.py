@@ -117,16 +117,6 @@ def check_lora_arguments(*, tp: int | None, dp: int | None, args: Any, config: L
     Each refusal names the option and the fix: such a run would otherwise train silently wrong.
     """
     tp_many = tp is None or tp > 1
-    if args.sequence_parallel and tp_many:
-        raise ValueError(
-            "model.lora with training.sequence_parallel=true is not supported yet (the adapters' "
-            "gradients under sequence parallelism are untested): set sequence_parallel: false"
-        )
-    if args.overlap_chunks > 1 and tp_many:
-        raise ValueError(
-            f"model.lora with training.overlap_chunks={args.overlap_chunks} (sub-pipelined TP) is not "
-            "supported yet: set overlap_chunks: 1"
-        )
     if args.zero_stage in (2, 3) and (dp is None or dp > 1):
         raise ValueError(
             f"model.lora with training.zero_stage={args.zero_stage} is not supported yet (ZeRO-2/3 would "

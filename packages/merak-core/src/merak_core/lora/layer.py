@@ -21,8 +21,24 @@ collective each needs is on the r-wide intermediate ``h = A x`` (tokens x r, sma
 - a replicated base (an ``nn.Linear`` or ``Conv1D`` the TP plan does not shard, or tp = 1): both
   adapters replicated, no collective.
 
-Not done here: sequence parallelism and sub-pipelined regions (their input-gradient reductions
-differ; ``check_lora_arguments`` refuses them), choosing the targets (``apply.py``).
+[Note: adapters under sequence parallelism] Whoever sums the base layer's input-gradient terms
+sums the adapter's too (``ColumnParallelLinear.input_reduction``):
+
+- ``"layer"`` (plain TP): as above, dh is all-reduced beside the base's own all-reduce;
+- ``"region"`` (a sequence-parallel region, or a sub-pipelined block): the region sums the input
+  gradients of all its column layers once, so the adapter leaves its term ``dh_r A`` partial like
+  the base's, and A's gradient ``dh_r^T x`` (one term per rank) is summed over TP instead;
+- ``"sequence"`` (x arrives split along the sequence): ``h = A x_r`` on this rank's tokens is
+  all-gathered along the sequence (r wide instead of x's width; its backward reduce-scatter sums
+  dh), and A's gradient, made from this rank's tokens only, is summed over TP.
+
+A row-parallel base under sequence parallelism reduce-scatters its output along the sequence:
+``A_r x_r`` is reduce-scattered the same way, so ``B h`` covers this rank's tokens, and B's
+gradient (from those tokens only) is summed over TP. A row layer whose output reduction a region
+defers (block-level overlap) cannot be wrapped: the wrapper's sum makes the region's output
+something other than the row layer's, so the region never defers it (checked at run time).
+
+Not done here: choosing the targets (``apply.py``).
 """
 
 from __future__ import annotations
@@ -87,20 +103,52 @@ class LoraLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_layer(x)
         x = self.lora_dropout(x)
-        if self.kind == "row" and not getattr(self.base_layer, "input_is_parallel", True):
-            from merak_tp import scatter_to_tp_region
+        if self.kind == "column":
+            h = self._column_h(x)
+        elif self.kind == "row":
+            h = self._row_h(x)
+            if getattr(self.base_layer, "sequence_parallel", False):
+                # [Note: adapters under sequence parallelism]: h holds this rank's tokens only
+                return y + nn.functional.linear(h, self._summed(self.lora_B.weight)) * self.scaling
+        else:
+            h = nn.functional.linear(x, self.lora_A.weight)
+        return y + nn.functional.linear(h, self.lora_B.weight) * self.scaling
 
+    def _column_h(self, x: torch.Tensor) -> torch.Tensor:
+        """``h = A x`` beside a column-parallel base, its gradients summed as the base's input gradient is."""
+        from merak_tp import copy_to_tp_region, gather_from_sequence_region
+
+        reduction = self.base_layer.input_reduction()  # type: ignore[operator]
+        if reduction == "sequence":  # x is this rank's tokens: gather the r-wide h instead of x
+            h = nn.functional.linear(x, self._summed(self.lora_A.weight))
+            return gather_from_sequence_region(h, self._tp_group(), self.base_layer.sequence_dim)  # type: ignore[arg-type]
+        if reduction == "region":  # the region sums the input-gradient terms: A's gradient is summed here
+            return nn.functional.linear(x, self._summed(self.lora_A.weight))
+        h = nn.functional.linear(x, self.lora_A.weight)
+        return copy_to_tp_region(h, self._tp_group()) if reduction == "layer" else h  # dh all-reduced
+
+    def _row_h(self, x: torch.Tensor) -> torch.Tensor:
+        """``h = A x`` beside a row-parallel base: the partial ``A_r x_r`` summed (and, under sequence
+        parallelism, scattered along the sequence like the base's output)."""
+        from merak_tp import reduce_from_tp_region, reduce_scatter_to_sequence_region, scatter_to_tp_region
+
+        base: Any = self.base_layer
+        if base.output_deferred():
+            raise RuntimeError(
+                f"{type(self).__name__}: the row layer's output reduction is deferred to its region"
+            )
+        if not base.input_is_parallel:
             x = scatter_to_tp_region(x, self._tp_group(), -1)
         h = nn.functional.linear(x, self.lora_A.weight)
-        if self.kind == "column":
-            from merak_tp import copy_to_tp_region
+        if base.sequence_parallel:
+            return reduce_scatter_to_sequence_region(h, self._tp_group(), base.sequence_dim)
+        return reduce_from_tp_region(h, self._tp_group())
 
-            h = copy_to_tp_region(h, self._tp_group())  # all-reduce of dh in backward
-        elif self.kind == "row":
-            from merak_tp import reduce_from_tp_region
+    def _summed(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` whose gradient is summed over the TP group (each rank computes one term of it)."""
+        from merak_tp import copy_to_tp_region
 
-            h = reduce_from_tp_region(h, self._tp_group())  # sum of the partial A_r x_r
-        return y + nn.functional.linear(h, self.lora_B.weight) * self.scaling
+        return copy_to_tp_region(weight, self._tp_group())
 
     def _tp_group(self) -> Any:
         """The base layer's TP process group (a merak-tp layer's ``group``)."""
