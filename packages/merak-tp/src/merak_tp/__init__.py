@@ -16,6 +16,7 @@ from merak_tp.collectives import (
     scatter_to_sequence_region,
     scatter_to_tp_region,
 )
+from merak_tp.context import ring_attention, shard_positions, ulysses_attention
 from merak_tp.embedding import VocabParallelEmbedding
 from merak_tp.linear import ColumnParallelLinear, RowParallelLinear
 from merak_tp.loss import vocab_parallel_cross_entropy
@@ -94,12 +95,15 @@ __all__ = [
     "reduce_scatter_to_sequence_region",
     "register_plan",
     "remove_region",
+    "ring_attention",
     "scatter_to_sequence_region",
     "scatter_to_tp_region",
     "set_shard_spec",
     "shard_experts",
+    "shard_positions",
     "sharded_dropout",
     "tp_seed",
     "trace_leaf_names",
+    "ulysses_attention",
     "vocab_parallel_cross_entropy",
 ]

@@ -1,0 +1,288 @@
+"""Attention over a context-parallel (CP) group: ring attention and Ulysses, exact in forward and backward.
+
+Each rank of a CP group holds ``S / cp`` tokens of every sample (``S`` the global sequence length) and
+computes queries, keys and values for them. Attention is the one operator that needs the other ranks'
+keys and values; the two functions here compute exactly what one process computes over the whole
+sequence, for the local queries, and are differentiable (the backward moves the gradients back the
+way the forward moved the data). Both take the CP process group as an argument.
+
+Shape legend: ``b`` batch, ``h`` query heads, ``g`` key/value heads (grouped-query attention: ``h``
+a multiple of ``g``), ``s`` local sequence, ``d`` head dim. Inputs are ``q_bhsd``, ``k_bgsd``,
+``v_bgsd``; the output is ``o_bhsd`` in the query's dtype.
+
+``ulysses_attention``: an all-to-all turns the sequence-split ``(b, h, s, d)`` into a head-split
+``(b, h/cp, S, d)`` (and ``g/cp`` key/value heads), attention runs over the whole sequence for those
+heads, and a second all-to-all turns the result back. The local tokens must be the contiguous block
+``cp_rank`` of the sequence (:func:`shard_positions` with ``balanced=False``); ``cp`` must divide
+both head counts.
+
+``ring_attention``: the key/value block of every rank passes around the ring (send to ``rank + 1``,
+receive from ``rank - 1``, one ``batch_isend_irecv`` per step, the same issue order on every rank);
+each block's attention is merged into the result by the online softmax (log-sum-exp), in float32
+or wider. Causal attention cuts the sequence into ``2 * cp`` chunks; rank ``r`` holds chunks ``r``
+and ``2cp - 1 - r`` (:func:`shard_positions` with ``balanced=True``), so that every rank does the
+same work: its own block (causal), then from each earlier rank's block the first chunk for all
+local queries, and from each later rank's block everything for its second chunk. Without a causal
+mask any contiguous split works and every block is whole.
+
+[Note: ring backward] The backward is exact by construction: each step's key/value pass is an
+autograd function whose backward passes the gradient the other way round the ring (send to
+``rank - 1``, receive from ``rank + 1``), and each block's attention is recomputed in the backward
+(``torch.utils.checkpoint``), so a rank keeps the received key/value blocks and the per-block
+log-sum-exp, never a block's score matrix. Autograd runs the backward of the identical graph on
+every rank in the same order, so the reverse passes pair up. Not done: overlapping a pass with the
+previous block's compute (the pass waits before the block is computed).
+
+Not here: choosing the mode, splitting the data, positions for rotary embeddings and wiring into
+a model (merak-core); attention masks other than causal, dropout inside attention, sliding windows.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed import ProcessGroup
+from torch.utils.checkpoint import checkpoint
+
+from merak_tp.collectives import amp_backward, amp_forward
+
+__all__ = ["ring_attention", "shard_positions", "ulysses_attention"]
+
+
+def shard_positions(seq_len: int, cp: int, cp_rank: int, *, balanced: bool) -> torch.Tensor:
+    """Global positions of the tokens rank ``cp_rank`` holds, in local order (a 1-D long tensor).
+
+    ``balanced``: chunks ``cp_rank`` and ``2cp - 1 - cp_rank`` of ``2 * cp`` equal chunks (ring attention
+    with a causal mask); else the contiguous block ``cp_rank`` of ``cp``. ``ValueError`` when the
+    chunks are not whole, naming the length to use.
+    """
+    parts = 2 * cp if balanced else cp
+    if seq_len % parts:
+        fit = seq_len - seq_len % parts
+        raise ValueError(
+            f"sequence length {seq_len} does not divide into {parts} equal chunks "
+            f"({'2*cp' if balanced else 'cp'} with cp={cp}): use a sequence length that is a multiple of "
+            f"{parts} (e.g. {fit or parts})"
+        )
+    chunk = seq_len // parts
+    if not balanced:
+        return torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk)
+    first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk)
+    second_index = 2 * cp - 1 - cp_rank
+    second = torch.arange(second_index * chunk, (second_index + 1) * chunk)
+    return torch.cat([first, second])
+
+
+# ---------------------------------------------------------------------------- Ulysses
+
+
+def _all_to_all(x: torch.Tensor, group: ProcessGroup, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    """Split ``x`` along ``scatter_dim`` into ``cp`` blocks, block ``j`` to rank ``j``; concatenate what
+    arrives along ``gather_dim`` in rank order."""
+    size = dist.get_world_size(group)
+    send = torch.stack(x.chunk(size, dim=scatter_dim)).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return torch.cat(recv.unbind(0), dim=gather_dim)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    """Forward: sequence-split -> head-split (all-to-all); backward: the mirror all-to-all."""
+
+    @staticmethod
+    @amp_forward
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _all_to_all(x, group, scatter_dim=1, gather_dim=2)
+
+    @staticmethod
+    @amp_backward
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_to_all(grad, ctx.group, scatter_dim=2, gather_dim=1), None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    """Forward: head-split -> sequence-split (all-to-all); backward: the mirror all-to-all."""
+
+    @staticmethod
+    @amp_forward
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _all_to_all(x, group, scatter_dim=2, gather_dim=1)
+
+    @staticmethod
+    @amp_backward
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_to_all(grad, ctx.group, scatter_dim=1, gather_dim=2), None
+
+
+def _check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: int) -> None:
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} are not (b, h, s, d)")
+    if heads % kv_heads:
+        raise ValueError(f"query heads {heads} are not a multiple of key/value heads {kv_heads}")
+    if heads % cp or kv_heads % cp:
+        raise ValueError(
+            f"cp_mode='ulysses' splits the heads over cp={cp} ranks, but this attention has {heads} query "
+            f"and {kv_heads} key/value heads per rank (after TP): use cp_mode='ring', or a cp dividing both"
+        )
+
+
+def ulysses_attention(
+    q_bhsd: torch.Tensor,
+    k_bgsd: torch.Tensor,
+    v_bgsd: torch.Tensor,
+    group: ProcessGroup,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Exact attention of the local (contiguous) tokens over the whole sequence of the CP ``group``."""
+    cp = dist.get_world_size(group)
+    _check_heads(q_bhsd, k_bgsd, v_bgsd, cp)
+    if cp == 1:
+        return _sdpa(q_bhsd, k_bgsd, v_bgsd, causal=causal, scale=scale)
+    q = _SeqToHeads.apply(q_bhsd, group)
+    k = _SeqToHeads.apply(k_bgsd, group)
+    v = _SeqToHeads.apply(v_bgsd, group)
+    out = _sdpa(q, k, v, causal=causal, scale=scale)
+    return _HeadsToSeq.apply(out, group)
+
+
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float | None
+) -> torch.Tensor:
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+
+
+# ---------------------------------------------------------------------------- ring
+
+
+def _pass_along(kv: torch.Tensor, group: ProcessGroup, step: int) -> torch.Tensor:
+    """Send ``kv`` ``step`` places forward round the ring; return what arrives from ``step`` places back."""
+    size = dist.get_world_size(group)
+    me = dist.get_group_rank(group, dist.get_rank())
+    to = dist.get_global_rank(group, (me + step) % size)
+    frm = dist.get_global_rank(group, (me - step) % size)
+    recv = torch.empty_like(kv)
+    ops = [dist.P2POp(dist.isend, kv, to, group), dist.P2POp(dist.irecv, recv, frm, group)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return recv
+
+
+class _RingPass(torch.autograd.Function):
+    """Forward: pass the key/value block one rank on; backward: its gradient one rank back (see [Note: ring backward])."""
+
+    @staticmethod
+    @amp_forward
+    def forward(ctx: Any, kv: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _pass_along(kv.contiguous(), group, 1)
+
+    @staticmethod
+    @amp_backward
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _pass_along(grad.contiguous(), ctx.group, -1), None
+
+
+def _block(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block's attention in the compute dtype: ``(out_bhsd, lse_bhs)``, out normalised within the block."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v)
+    return out, lse
+
+
+def _merge(
+    acc: tuple[torch.Tensor, torch.Tensor] | None, new: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Online-softmax merge of two partial results over disjoint key sets."""
+    if acc is None:
+        return new
+    out_a, lse_a = acc
+    out_b, lse_b = new
+    lse = torch.logaddexp(lse_a, lse_b)
+    out = out_a * torch.exp(lse_a - lse).unsqueeze(-1) + out_b * torch.exp(lse_b - lse).unsqueeze(-1)
+    return out, lse
+
+
+def _checkpointed_block(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if not torch.is_grad_enabled():
+        return _block(q, k, v, scale, mask)
+    result = checkpoint(_block, q, k, v, scale, mask, use_reentrant=False)
+    return result[0], result[1]
+
+
+def ring_attention(
+    q_bhsd: torch.Tensor,
+    k_bgsd: torch.Tensor,
+    v_bgsd: torch.Tensor,
+    group: ProcessGroup,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Exact attention of the local tokens over the whole sequence of the CP ``group`` (ring, online softmax).
+
+    With ``causal`` the local tokens must be the two balanced chunks :func:`shard_positions` gives
+    (``balanced=True``); without, a contiguous block.
+    """
+    cp = dist.get_world_size(group)
+    if q_bhsd.shape[1] % k_bgsd.shape[1] or k_bgsd.shape != v_bgsd.shape:
+        raise ValueError(
+            f"q {tuple(q_bhsd.shape)} and k/v {tuple(k_bgsd.shape)}/{tuple(v_bgsd.shape)} do not fit"
+        )
+    s = q_bhsd.shape[2]
+    if causal and s % 2:
+        raise ValueError(f"causal ring attention needs two equal chunks per rank, got {s} local tokens")
+    scale = 1.0 / math.sqrt(q_bhsd.shape[-1]) if scale is None else scale
+    compute = torch.promote_types(q_bhsd.dtype, torch.float32)
+    q = q_bhsd.to(compute)
+    kv = torch.stack([k_bgsd, v_bgsd]).to(compute)
+    me = dist.get_group_rank(group, dist.get_rank())
+    half = s // 2
+    # Partial results for the first and second local chunk (causal) or all local queries (not).
+    first: tuple[torch.Tensor, torch.Tensor] | None = None
+    second: tuple[torch.Tensor, torch.Tensor] | None = None
+    for step in range(cp):
+        if step > 0:
+            kv = _RingPass.apply(kv, group)
+        source = (me - step) % cp
+        k, v = kv[0], kv[1]
+        if not causal:
+            first = _merge(first, _checkpointed_block(q, k, v, scale, None))
+        elif source == me:
+            pos = torch.arange(s, device=q.device)
+            mask = pos[:, None] >= pos[None, :]  # local order is global order within each rank's two chunks
+            out, lse = _checkpointed_block(q, k, v, scale, mask)
+            first = _merge(first, (out[:, :, :half], lse[:, :, :half]))
+            second = _merge(second, (out[:, :, half:], lse[:, :, half:]))
+        elif source < me:
+            out, lse = _checkpointed_block(q, k[:, :, :half], v[:, :, :half], scale, None)
+            first = _merge(first, (out[:, :, :half], lse[:, :, :half]))
+            second = _merge(second, (out[:, :, half:], lse[:, :, half:]))
+        else:
+            second = _merge(second, _checkpointed_block(q[:, :, half:], k, v, scale, None))
+    assert first is not None
+    out = first[0] if second is None else torch.cat([first[0], second[0]], dim=2)
+    return out.to(q_bhsd.dtype)
