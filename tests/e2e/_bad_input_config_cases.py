@@ -123,6 +123,11 @@ def args_negative_learning_rate(ctx: CaseContext) -> None:
         _args(ctx, learning_rate=-3e-4)
 
 
+def args_nonfinite_skip_limit_negative(ctx: CaseContext) -> None:
+    with ctx.guard():
+        _args(ctx, nonfinite="skip", nonfinite_max_consecutive_skips=-1)
+
+
 def args_bf16_with_float64(ctx: CaseContext) -> None:
     with ctx.guard():
         _args(ctx, bf16=True, dtype="float64")

@@ -354,6 +354,11 @@ ROWS = [
         _all("learning_rate=-0.0003", ">= 0.0", "set learning_rate"),
     ),
     _row(
+        config_cases.args_nonfinite_skip_limit_negative,
+        ValueError,
+        _all("nonfinite_max_consecutive_skips=-1", "an integer >= 0 (0: no limit)", "set nonfinite_max"),
+    ),
+    _row(
         config_cases.args_bf16_with_float64,
         ValueError,
         _all("bf16=True with dtype='float64'", "set dtype='float32'"),
