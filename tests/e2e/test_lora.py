@@ -161,6 +161,8 @@ def _eval_loss(model: Any, folder: Path, text: Path) -> float:
         ("llama", (1, 2, 1), {"overlap_chunks": 2}),
         ("phi3", (1, 2, 1), {"sequence_parallel": True, "overlap_chunks": 2}),
         ("llama", (1, 2, 1), {"overlap_chunks": 2, "targets": ["q_proj", "v_proj", "up_proj"]}),
+        ("gpt2", (2, 1, 2), {"recompute": "full"}),
+        ("llama", (2, 2, 2), {"sequence_parallel": True}),
     ],
     ids=[
         "gpt2-tp2",
@@ -173,6 +175,8 @@ def _eval_loss(model: Any, folder: Path, text: Path) -> float:
         "llama-tp2-overlap2",
         "phi3-tp2-sp-overlap2",
         "llama-tp2-overlap2-blocks",  # row layers unwrapped: the regions run sub-pipelined (block mode)
+        "gpt2-dp2_pp2-recompute",
+        "llama-2x2x2-sp",
     ],
 )
 def test_lora_matches_peft(name: str, layout: tuple[int, int, int], options: dict[str, Any]) -> None:
