@@ -42,14 +42,35 @@ def new_group(ranks: list[int], timeout: timedelta, backend: str | None) -> Proc
 
 
 def default_store() -> dist.Store | None:
-    """The key-value store of the default process group (None when torch does not expose it)."""
+    """The key-value store of the default process group; None when there is none to reach.
+
+    torch's accessor is private; where it is missing, the store torchrun serves (``MASTER_ADDR``,
+    ``MASTER_PORT``: the env:// rendezvous every launch by ``merak train`` uses) is reached as a
+    client under the prefix ``merak`` (:func:`_env_store`).
+    """
     getter = getattr(dist.distributed_c10d, "_get_default_store", None)
     if getter is None:
-        return None
+        return _env_store()
     try:
         return getter()
     except (RuntimeError, ValueError):
         return None
+
+
+def _env_store() -> dist.Store | None:
+    """A client of the env:// rendezvous store, keys under the prefix ``merak``; None without one (or unreachable)."""
+    import os
+
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not dist.is_initialized() or not host or not port or not port.isdigit():
+        return None
+    try:
+        client = dist.TCPStore(
+            host, int(port), is_master=False, timeout=timedelta(seconds=30), wait_for_workers=False
+        )
+    except (RuntimeError, ValueError, OSError):
+        return None
+    return dist.PrefixStore("merak", client)
 
 
 def fake_process_group_store() -> type | None:
