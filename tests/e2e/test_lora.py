@@ -37,36 +37,32 @@ TARGETS = {
     "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
     "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
 }
+TARGETS["llama4"] = TARGETS["llama"]
 
 
 def _folder(name: str, root: Path) -> tuple[Path, Path]:
     """A tiny float64 model folder with a tokenizer: GPT-2 and Llama from the shared helpers; Phi-3 (fused
-    grouped-query ``qkv_proj`` and ``gate_up_proj``) here."""
-    if name != "phi3":
+    grouped-query ``qkv_proj`` and ``gate_up_proj``) and a four-layer Llama here."""
+    if name not in ("phi3", "llama4"):
         return make_folder(name, root)
     import transformers as tf
 
     from tests.e2e._pretrained_support import VOCAB, build_tokenizer, write_text
 
     torch.manual_seed(0)
-    cfg = tf.Phi3Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attention_dropout=0.0,
-        use_cache=False,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
+    sizes = dict(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2
     )
+    common = dict(max_position_embeddings=64, use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    if name == "llama4":  # four layers: enough for two virtual stages on each of two pipeline ranks
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**sizes, **common, num_hidden_layers=4))
+    else:
+        cfg = tf.Phi3Config(
+            **sizes, **common, num_hidden_layers=2, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0
+        )
+        model = tf.Phi3ForCausalLM(cfg)
     folder = root / name
-    tf.Phi3ForCausalLM(cfg).double().save_pretrained(str(folder))
+    model.double().save_pretrained(str(folder))
     text = write_text(root / "train.txt")
     build_tokenizer(text, folder)
     return folder, text
@@ -163,6 +159,7 @@ def _eval_loss(model: Any, folder: Path, text: Path) -> float:
         ("llama", (1, 2, 1), {"overlap_chunks": 2, "targets": ["q_proj", "v_proj", "up_proj"]}),
         ("gpt2", (2, 1, 2), {"recompute": "full"}),
         ("llama", (2, 2, 2), {"sequence_parallel": True}),
+        ("llama4", (1, 1, 2), {"virtual_stages": 2, "schedule": "zb_v"}),
     ],
     ids=[
         "gpt2-tp2",
@@ -177,6 +174,7 @@ def _eval_loss(model: Any, folder: Path, text: Path) -> float:
         "llama-tp2-overlap2-blocks",  # row layers unwrapped: the regions run sub-pipelined (block mode)
         "gpt2-dp2_pp2-recompute",
         "llama-2x2x2-sp",
+        "llama-pp2-zbv",  # two virtual stages per rank, split backward (frozen weights get no W step)
     ],
 )
 def test_lora_matches_peft(name: str, layout: tuple[int, int, int], options: dict[str, Any]) -> None:
