@@ -37,6 +37,9 @@ def _build_parser() -> argparse.ArgumentParser:
     from merak_core.eval_job import add_parser as _add_eval
 
     _add_eval(sub)
+    from merak_core.generate_job import add_parser as _add_generate
+
+    _add_generate(sub)
     return parser
 
 
@@ -83,6 +86,22 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.
     return args
 
 
+_LAZY = {"export": "merak_core.hf.cli", "eval": "merak_core.eval_job", "generate": "merak_core.generate_job"}
+"""Subcommands whose module is imported only when run: command -> module with ``run(args)``."""
+
+
+def _run_lazy(args: argparse.Namespace) -> int:
+    """Run ``args.command`` from its module; a ``ValueError`` (CheckpointError included) is one line, exit 2."""
+    import importlib
+
+    module = importlib.import_module(_LAZY[args.command])
+    try:
+        return int(module.run(args))
+    except ValueError as exc:
+        print(f"merak {args.command}: error: {exc}", file=sys.stderr)
+        return BAD_INPUT
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _build_parser()
     args = _parse(parser, argv)
@@ -117,21 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             print(f"merak check: error: {exc}", file=sys.stderr)
             return BAD_INPUT
-    if args.command == "export":
-        from merak_core.hf.cli import run as _export
-
-        try:
-            return _export(args)
-        except ValueError as exc:  # CheckpointError included
-            print(f"merak export: error: {exc}", file=sys.stderr)
-            return BAD_INPUT
-    if args.command == "eval":
-        from merak_core.eval_job import run as _eval
-
-        try:
-            return _eval(args)
-        except ValueError as exc:
-            print(f"merak eval: error: {exc}", file=sys.stderr)
-            return BAD_INPUT
+    if args.command in _LAZY:
+        return _run_lazy(args)
     parser.error(f"unknown command {args.command!r}")
     return 2

@@ -1,0 +1,179 @@
+"""``merak generate``: a checkpoint of a fine-tuning job (a GPT-2 folder, text data) continues prompts
+on the job's layout exactly as transformers' ``generate`` does with the same weights, and the command
+refuses, before torchrun and in one line (exit 2), what it cannot run.
+
+In-pool (2 ranks, pp=2): one training step saves a checkpoint; the ranks' body of ``merak generate``
+(:func:`merak_core.generate_job.generate_job`) then runs at pp=2 and, from the same checkpoint, at
+tp=2; the reference is a transformers GPT-2 holding the checkpoint's weights (float64), fed the
+same left-padded prompts. The refusals go through ``merak generate --dry-run`` in this process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from tests.e2e._pretrained_support import make_folder
+from tests.support.dist import run_on_ranks
+
+pytestmark = pytest.mark.transformers
+
+PROMPTS = ["the model reads", "a tensor", "every rank reads its own stage of the"]
+NEW = 5
+
+
+def _job(tmp: Path, **training: Any) -> Path:
+    raw = {
+        "model": {"pretrained": "gpt2"},
+        "data": {
+            "format": "text",
+            "path": "train.txt",
+            "tokenizer": "gpt2",
+            "seq_len": 8,
+            "eval_fraction": 0.1,
+            "cache_dir": str(tmp / "cache"),
+            "add_eos": False,
+        },
+        "training": {
+            "output_dir": str(tmp / "out"),
+            "dp": 1,
+            "tp": 1,
+            "pp": 2,
+            "per_device_train_batch_size": 2,
+            "per_device_eval_batch_size": 2,
+            "gradient_accumulation_steps": 2,
+            "max_steps": 1,
+            "save_steps": 1,
+            "learning_rate": 1e-2,
+            "dtype": "float64",
+            "logging_steps": 1,
+            **training,
+        },
+    }
+    path = tmp / "job.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def _train_then_generate(job_path: str, tokenizer: str) -> dict[str, Any]:
+    from merak_core import Trainer, init
+    from merak_core.generate_job import generate_job
+    from merak_core.job import JobConfig
+
+    job = JobConfig.from_yaml(job_path)
+    t = job.training
+    train, evaluation = job.build_datasets()
+    layout = init(dp=t.dp, tp=t.tp, pp=t.pp)
+    torch.manual_seed(t.seed)
+    trainer = Trainer(job.build_model(), t, train, evaluation, layout=layout, pretrained=job.model.pretrained)
+    trainer.train()  # saves step 1
+    state = trainer.full_state_dict()
+    greedy = {"max_new_tokens": NEW, "do_sample": False}
+    same = generate_job(job, "latest", PROMPTS, greedy, tokenizer=tokenizer, batch_size=2)
+    tp2 = JobConfig.from_yaml(job_path, ["training.tp=2", "training.pp=1"])
+    other = generate_job(tp2, "latest", PROMPTS, greedy, tokenizer=tokenizer, batch_size=3)
+    return {"state": state, "same": same, "other": other}
+
+
+def _reference(folder: Path, state: dict[str, torch.Tensor]) -> list[list[int]]:
+    """transformers' greedy generate with the checkpoint's weights on the left-padded prompts."""
+    import transformers as tf
+    from tokenizers import Tokenizer
+
+    model = tf.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float64).eval()
+    model.load_state_dict(state, strict=False)  # lm_head.weight is wte.weight
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    ids = [tok.encode(p).ids for p in PROMPTS]
+    width = max(map(len, ids))
+    input_ids = torch.zeros((len(ids), width), dtype=torch.long)
+    mask = torch.zeros_like(input_ids)
+    for row, tokens in enumerate(ids):
+        input_ids[row, width - len(tokens) :] = torch.tensor(tokens)
+        mask[row, width - len(tokens) :] = 1
+    eos = model.config.eos_token_id
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=mask,
+            max_new_tokens=NEW,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=0,
+        )
+    rows = []
+    for row in out[:, width:].tolist():
+        rows.append(row[: row.index(eos)] if eos in row else row)
+    return rows
+
+
+def _generate(*argv: str) -> tuple[int, str, str]:
+    from merak_core.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+        try:
+            status = main(["--log-level", "WARNING", "generate", *argv])
+        except SystemExit as exc:
+            status = exc.code if isinstance(exc.code, int) else 2
+    return status, out.getvalue(), err.getvalue()
+
+
+def test_generate_from_a_checkpoint_equals_transformers_and_refuses_before_launch(tmp_path: Path) -> None:
+    folder, _ = make_folder("gpt2", tmp_path)
+    job = _job(tmp_path)
+    status, _, err = _generate(str(job), "--prompt", "the model", "--dry-run")
+    assert status == 2 and "holds no checkpoint" in err and err.count("\n") == 1, err
+
+    results = run_on_ranks(2, _train_then_generate, str(job), str(folder))
+    expected = _reference(folder, results[0]["state"])
+    for rank, result in enumerate(results):
+        for key in ("same", "other"):
+            assert [r["prompt"] for r in result[key]] == PROMPTS
+            assert [r["tokens"] for r in result[key]] == expected, f"rank {rank} {key}"
+    assert any(len(row) == NEW for row in expected)
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    status, out, err = _generate(
+        str(job), "--prompts", str(prompts), "--seed", "3", "--top-p", "0.9", "--dry-run"
+    )
+    assert status == 0, err
+    assert "merak_core.generate_job" in out and "--top-p 0.9" in out and "--nproc-per-node=2" in out
+    refusals = {
+        ("training.tp=3", "training.pp=1"): "3",  # 4 heads do not divide over 3 TP ranks
+        ("training.virtual_stages=2", "training.schedule=interleaved_1f1b"): "training.virtual_stages=2",
+        ("--checkpoint", "step_9"): "no such checkpoint",
+        ("--tokenizer", str(tmp_path / "none.json")): "does not exist",
+        ("--temperature", "-1"): "temperature",
+    }
+    for extra, needle in refusals.items():
+        status, _, err = _generate(str(job), "--prompt", "the", "--dry-run", *extra)
+        assert status == 2 and needle in err and err.count("\n") == 1, (extra, err)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "no prompt key"}\n')
+    status, _, err = _generate(str(job), "--prompts", str(bad), "--dry-run")
+    assert status == 2 and "line 1" in err, err
+
+
+def test_the_tokenizer_comes_from_the_job(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from merak_core.generate_job import tokenizer_path
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    job = SimpleNamespace(
+        data=SimpleNamespace(spec="tests:data", kwargs={}), model=SimpleNamespace(pretrained=str(folder))
+    )
+    with pytest.raises(ValueError, match="names no tokenizer.*--tokenizer PATH"):
+        tokenizer_path(job, None)
+    (folder / "tokenizer.json").write_text("{}")
+    assert tokenizer_path(job, None) == str(folder)
+    assert tokenizer_path(job, "x.json") == "x.json"
