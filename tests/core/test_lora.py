@@ -100,13 +100,15 @@ def test_targets_are_peft_targets(name: str, targets: str | list[str]) -> None:
 
 
 @pytest.mark.transformers
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
-def test_layer_matches_peft_at_tp1(name: str) -> None:
-    """Same adapters (B nonzero): the same output and the same adapter gradients as PEFT, in float64."""
+def test_layer_matches_peft_at_tp1(name: str, dtype: torch.dtype) -> None:
+    """Same adapters (B nonzero): the same output and the same adapter gradients as PEFT, in float64; in
+    bfloat16 the adapters are float32 as PEFT keeps them (its autocast_adapter_dtype), and the outputs equal."""
     peft = pytest.importorskip("peft")
     targets = ["c_attn", "c_fc"] if name == "gpt2" else ["q_proj", "gate_proj", "o_proj"]
     reference = peft.get_peft_model(
-        _tiny(name).double(), peft.LoraConfig(r=3, lora_alpha=6, target_modules=targets)
+        _tiny(name).to(dtype), peft.LoraConfig(r=3, lora_alpha=6, target_modules=targets)
     )
     ref_adapters = {
         k.removeprefix("base_model.model.").replace(".default", ""): p
@@ -116,15 +118,20 @@ def test_layer_matches_peft_at_tp1(name: str) -> None:
     with torch.no_grad():
         for p in ref_adapters.values():
             p.normal_(0, 0.1)  # B nonzero, so the adapters change the output
-    model = _tiny(name).double()
+    model = _tiny(name).to(dtype)
     apply_lora(model, LoraConfig(r=3, alpha=6, target_modules=targets))
     ours = {logical_name(n): p for n, p in model.named_parameters() if p.requires_grad}
     assert sorted(ours) == sorted(ref_adapters)
+    wide = torch.float32 if dtype == torch.bfloat16 else dtype
+    assert all(p.dtype == wide == ref_adapters[k].dtype for k, p in ours.items())
     with torch.no_grad():
         for k, p in ours.items():
             p.copy_(ref_adapters[k])
     ids = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(1))
     out, ref = model(input_ids=ids).logits, reference(input_ids=ids).logits
+    if dtype == torch.bfloat16:
+        assert out.dtype == torch.bfloat16 and torch.equal(out, ref)
+        return
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
     out.square().sum().backward()
     ref.square().sum().backward()

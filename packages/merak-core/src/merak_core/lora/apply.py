@@ -121,8 +121,10 @@ def _adapters(base: nn.Module, kind: Kind, r: int) -> tuple[nn.Parameter, nn.Par
         in_features, out_features = weight.shape
     else:
         out_features, in_features = weight.shape  # local shapes: sharded dims are this rank's block
-    a = nn.Parameter(torch.empty(r, in_features, dtype=weight.dtype, device=weight.device))
-    b = nn.Parameter(torch.empty(out_features, r, dtype=weight.dtype, device=weight.device))
+    # PEFT's default (autocast_adapter_dtype): float32 adapters beside 16-bit weights.
+    dtype = torch.float32 if weight.dtype in (torch.bfloat16, torch.float16) else weight.dtype
+    a = nn.Parameter(torch.empty(r, in_features, dtype=dtype, device=weight.device))
+    b = nn.Parameter(torch.empty(out_features, r, dtype=dtype, device=weight.device))
     spec = get_shard_spec(weight)
     if kind == "column":  # W split on dim 0 (out): B the same, with the same sections
         set_shard_spec(a, REPLICATED)

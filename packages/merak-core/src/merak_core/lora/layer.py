@@ -102,17 +102,19 @@ class LoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_layer(x)
-        x = self.lora_dropout(x)
+        # As PEFT: the adapter runs in its own dtype (float32 beside 16-bit weights), the sum in the
+        # wider one, rounded to the base's output dtype once.
+        x = self.lora_dropout(x).to(self.lora_A.weight.dtype)
+        b = self.lora_B.weight
         if self.kind == "column":
             h = self._column_h(x)
         elif self.kind == "row":
             h = self._row_h(x)
             if getattr(self.base_layer, "sequence_parallel", False):
-                # [Note: adapters under sequence parallelism]: h holds this rank's tokens only
-                return y + nn.functional.linear(h, self._summed(self.lora_B.weight)) * self.scaling
+                b = self._summed(b)  # [Note: adapters under sequence parallelism]: h holds this rank's tokens
         else:
             h = nn.functional.linear(x, self.lora_A.weight)
-        return y + nn.functional.linear(h, self.lora_B.weight) * self.scaling
+        return (y + nn.functional.linear(h, b) * self.scaling).to(y.dtype)
 
     def _column_h(self, x: torch.Tensor) -> torch.Tensor:
         """``h = A x`` beside a column-parallel base, its gradients summed as the base's input gradient is."""
