@@ -270,8 +270,12 @@ CASES = {
         ("data.labels='transformers' is invalid", "expected 'shifted'", "or 'unshifted'"),
         data={"labels": "transformers"},
     ),
-    "labels_under_training": Case(
-        ("training.labels='unshifted'", "write 'data.labels: unshifted' instead"),
+    "labels_under_training_disagree": Case(
+        (
+            "training.labels='unshifted' disagrees with data.labels='shifted'",
+            "write it once, as 'data.labels'",
+        ),
+        data={"labels": "shifted"},
         training={"labels": "unshifted"},
     ),
     "label_beyond_outputs": Case(

@@ -131,8 +131,15 @@ def test_job_file_data_labels_is_parsed_and_checked(tmp_path: Path) -> None:
         ValueError, match="data.labels='shift' is invalid: expected 'shifted' .* or 'unshifted'"
     ):
         JobConfig.from_yaml(_job(tmp_path, "{factory: job_fns.py:data, labels: shift}"))
-    with pytest.raises(ValueError, match="training.labels='unshifted'.*write 'data.labels: unshifted'"):
-        JobConfig.from_yaml(_job(tmp_path, "{factory: job_fns.py:data}", ", labels: unshifted"))
+    # ``training.labels`` is what TrainingArguments.to_yaml writes: the same setting, unless it disagrees.
+    job = JobConfig.from_yaml(_job(tmp_path, "{factory: job_fns.py:data}", ", labels: unshifted"))
+    assert job.training.labels == "unshifted"
+    path = _job(tmp_path, "{factory: job_fns.py:data, labels: unshifted}", ", labels: unshifted")
+    assert JobConfig.from_yaml(path).training.labels == "unshifted"
+    with pytest.raises(ValueError, match="training.labels='unshifted' disagrees with data.labels='shifted'"):
+        JobConfig.from_yaml(
+            _job(tmp_path, "{factory: job_fns.py:data, labels: shifted}", ", labels: unshifted")
+        )
     text = "{format: text, path: c.txt, tokenizer: t/, seq_len: 4, labels: unshifted}"
     with pytest.raises(ValueError, match="data.labels=unshifted with text data.*remove data.labels"):
         JobConfig.from_yaml(_job(tmp_path, text))

@@ -191,10 +191,12 @@ class JobConfig:
                     f"{source}: '{name}' must be 'file.py:function' or 'package.module:function', got "
                     f"{type(value).__name__} {value!r}"
                 )
-        if isinstance(section, dict) and "labels" in section:
+        # ``training.labels`` is what ``TrainingArguments.to_yaml`` writes: the same setting as
+        # ``data.labels``, accepted where the two do not disagree.
+        if isinstance(section, dict) and "labels" in section and labels not in (None, section["labels"]):
             raise ValueError(
-                f"{source}: training.labels={section['labels']!r}: the label convention is a key of the data "
-                f"section: write 'data.labels: {section['labels']}' instead"
+                f"{source}: training.labels={section['labels']!r} disagrees with data.labels={labels!r}: the "
+                "label convention is a key of the data section: write it once, as 'data.labels'"
             )
         training = TrainingArguments.from_dict(
             {**(section or {}), **({} if labels is None else {"labels": labels})},
