@@ -17,14 +17,22 @@ Attention modules keep separate ``q_proj``/``k_proj``/``v_proj``/``o_proj``
 linears and expose ``num_heads``/``num_kv_heads``/``head_dim`` so tensor
 parallel plans can shard them and fix the per-rank head counts.
 
+Context parallel: inside ``merak_tp.context_parallel(...)`` (Merak's trainer
+enters it at cp > 1) attention goes through the hook ``merak_tp.cp_attention``
+and the Llama's rotary positions through ``merak_tp.cp_positions`` (the global
+positions of the local tokens); outside it (and without merak-tp installed)
+the code below runs exactly as before.
+
 Shape legend: b batch, t tokens, h hidden, v vocabulary, n heads, d head dim.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +57,13 @@ class DecoderConfig:
 
 
 # --------------------------------------------------------------------------- attention
+
+_CP: Any = importlib.import_module("merak_tp.context") if importlib.util.find_spec("merak_tp") else None
+
+
+def _cp_active() -> bool:
+    """Whether a context-parallel context is active (the hook of merak_tp.context)."""
+    return _CP is not None and _CP.active_context() is not None
 
 
 class Attention(nn.Module):
@@ -88,6 +103,9 @@ class Attention(nn.Module):
             assert cos_td is not None and sin_td is not None
             q = apply_rotary(q, cos_td, sin_td)
             k = apply_rotary(k, cos_td, sin_td)
+        if _cp_active() and mask_b11t is None:
+            y = _CP.cp_attention(q, k, v, causal=self.causal)
+            return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
         rep = self.num_heads // self.num_kv_heads
         if rep > 1:
             k = k.repeat_interleave(rep, dim=1)
@@ -215,6 +233,9 @@ class LlamaBlock(nn.Module):
 class Llama(nn.Module):
     """Llama style decoder with grouped-query attention (num_kv_heads < num_heads)."""
 
+    supports_context_parallel = True
+    """Its attention and rotary positions use merak_tp's context-parallel hook (module docstring)."""
+
     def __init__(self, cfg: DecoderConfig | None = None) -> None:
         super().__init__()
         cfg = cfg or DecoderConfig(num_kv_heads=2)
@@ -230,9 +251,13 @@ class Llama(nn.Module):
     def forward(self, input_ids_bt: torch.Tensor) -> torch.Tensor:
         t = input_ids_bt.size(1)
         x_bth = self.embed_tokens(input_ids_bt)
-        # torch.narrow, not slicing: fx can trace a buffer narrowed by a traced length.
-        cos_td = torch.narrow(self.rope_cos, 0, 0, t).to(x_bth.dtype)
-        sin_td = torch.narrow(self.rope_sin, 0, 0, t).to(x_bth.dtype)
+        if _cp_active():  # context parallel: the global positions of the local tokens
+            pos = _CP.cp_positions(t, self.rope_cos.device)
+            cos_td, sin_td = self.rope_cos[pos].to(x_bth.dtype), self.rope_sin[pos].to(x_bth.dtype)
+        else:
+            # torch.narrow, not slicing: fx can trace a buffer narrowed by a traced length.
+            cos_td = torch.narrow(self.rope_cos, 0, 0, t).to(x_bth.dtype)
+            sin_td = torch.narrow(self.rope_sin, 0, 0, t).to(x_bth.dtype)
         for layer in self.layers:
             x_bth = layer(x_bth, cos_td, sin_td)
         return self.lm_head(self.norm(x_bth))

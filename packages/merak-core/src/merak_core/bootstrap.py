@@ -71,7 +71,7 @@ def check_layout(args: TrainingArguments, layout: ParallelLayout) -> None:
     (Whether the schedule runs ``args.virtual_stages`` stages per rank is checked with the arguments
     themselves and where the stages are placed, :mod:`merak_core.virtual_stages`.)
     """
-    for name in ("tp", "pp"):
+    for name in ("tp", "pp", "cp"):
         if getattr(args, name) != getattr(layout, name):
             raise ValueError(
                 f"TrainingArguments.{name}={getattr(args, name)} but the layout has "
@@ -95,7 +95,9 @@ def run_layout(
 ) -> ParallelLayout:
     """``layout``, or :func:`merak_core.init` from ``args``' degrees; checked against ``args``."""
     if layout is None:
-        layout = init(dp=args.dp, tp=args.tp, pp=args.pp, device=device, timeout=args.comm_timeout)
+        layout = init(
+            dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, device=device, timeout=args.comm_timeout
+        )
     check_layout(args, layout)
     return layout
 

@@ -317,7 +317,7 @@ class ParallelEngine:
         value[nonfinite.STOP_REQUESTED] = float(stop)
         dist.all_reduce(value)
         return (
-            float(value[nonfinite.LOSS]) / self.layout.dp,
+            float(value[nonfinite.LOSS]) / (self.layout.dp * self.layout.cp),  # [Note: cp loss]
             bool(value[nonfinite.NONFINITE] > 0),
             bool(value[nonfinite.STOP_REQUESTED] > 0),
         )

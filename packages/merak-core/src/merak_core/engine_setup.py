@@ -178,11 +178,12 @@ def build_dp_sync(
     """The DP gradient sync: the ZeRO-2/3 sharding, else bucketed all-reduces (None without DP)."""
     if sharded is not None:
         return sharded
-    if layout.dp == 1:
+    if layout.dp * layout.cp == 1:
         return None
     # Shared (tied) parameters get their cross-stage sum after the backward: reduce them last.
+    # CP ranks hold the same parameters: the sync averages over DP x CP (merak_core.context_parallel).
     return DataParallelGradSync(
-        model.module, layout.dp_group, deferred_params=[p for p, _ in model.shared_parameters]
+        model.module, layout.grad_sync_group, deferred_params=[p for p, _ in model.shared_parameters]
     )
 
 

@@ -25,6 +25,7 @@ Not done here: the step (``engine.py``), start-up (``bootstrap.py``), tracing an
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -44,6 +45,7 @@ from merak_core.checkpoint import CheckpointManager
 from merak_core.checkpoint.parts import CheckpointParts, TrainState
 from merak_core.compose import ParallelModel, gather_full_state_dict
 from merak_core.config import TrainingArguments
+from merak_core.context_parallel import check_cp_model, cp_run_for
 from merak_core.data import StageAwareDataLoader, label_split
 from merak_core.engine import (
     LossFn,
@@ -130,6 +132,10 @@ class Trainer(GenerateMixin):
             )
         if lora is not None:  # from the model and the arguments alone, before any process group
             bootstrap.check_lora(model, args, layout, lora)
+        if args.cp > 1:  # before any process group (merak_core.context_parallel)
+            check_cp_model(
+                model, args, lora=lora, loss_fn_given=loss_fn is not None, eval_dataset=eval_dataset
+            )
         if args.sequence_parallel and (layout.tp if layout is not None else args.tp) > 1:
             from merak_core.tp_check import check_sequence_parallel
 
@@ -137,7 +143,8 @@ class Trainer(GenerateMixin):
         self.args = args
         self.layout = bootstrap.run_layout(args, layout, device)
         self.device = bootstrap.run_device(self.layout, device)
-        self.loss_fn = loss_fn or default_loss
+        self.cp_run = None if self.layout.cp == 1 else cp_run_for(model, self.layout, args.cp_mode)
+        self.loss_fn = self.cp_run.loss if self.cp_run is not None else (loss_fn or default_loss)
         self.id_ranges = IdRanges.of(model, default_loss=loss_fn is None)  # the whole model's sizes
         self.compute_metrics = compute_metrics
         self.data_collator = data_collator
@@ -165,6 +172,8 @@ class Trainer(GenerateMixin):
                 args.micro_batch_size,
                 labels=args.labels,  # every rank checks them, before any collective
             )
+        if self.cp_run is not None:  # the model is composed on this rank's tokens
+            example_inputs, example_labels = self.cp_run.split(example_inputs, example_labels)
         composed = bootstrap.compose(
             model, args, self.layout, self.device, example_inputs=example_inputs, init_fn=init_fn, lora=lora
         )
@@ -301,9 +310,14 @@ class Trainer(GenerateMixin):
         is ``last_result``.
         """
         step = self.global_step + 1
-        result = self.engine.step(
-            inputs, labels, step=step, stop_requested=self._stop.requested, record_timing=record_timing
-        )
+        cp_context = contextlib.nullcontext()
+        if self.cp_run is not None:  # this rank's tokens of the batch; attention over the cp group
+            inputs, labels = self.cp_run.split(inputs, labels)
+            cp_context = self.cp_run.active()
+        with cp_context:
+            result = self.engine.step(
+                inputs, labels, step=step, stop_requested=self._stop.requested, record_timing=record_timing
+            )
         self.last_result = result
         self.stop_agreed = result.stop_agreed
         self.last_step_skipped = result.skipped

@@ -16,7 +16,16 @@ from merak_tp.collectives import (
     scatter_to_sequence_region,
     scatter_to_tp_region,
 )
-from merak_tp.context import ring_attention, shard_positions, ulysses_attention
+from merak_tp.context import (
+    ContextParallel,
+    active_context,
+    context_parallel,
+    cp_attention,
+    cp_positions,
+    ring_attention,
+    shard_positions,
+    ulysses_attention,
+)
 from merak_tp.embedding import VocabParallelEmbedding
 from merak_tp.linear import ColumnParallelLinear, RowParallelLinear
 from merak_tp.loss import vocab_parallel_cross_entropy
@@ -64,6 +73,7 @@ __all__ = [
     "STYLES",
     "TP_LEAF_MODULES",
     "ColumnParallelLinear",
+    "ContextParallel",
     "RNGTracker",
     "RowParallelLinear",
     "SequenceGather",
@@ -75,7 +85,11 @@ __all__ = [
     "TPRegion",
     "VocabParallelEmbedding",
     "__version__",
+    "active_context",
+    "context_parallel",
     "copy_to_tp_region",
+    "cp_attention",
+    "cp_positions",
     "gather_from_sequence_region",
     "gather_from_tp_region",
     "gather_tensor",

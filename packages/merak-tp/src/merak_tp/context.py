@@ -33,13 +33,25 @@ log-sum-exp, never a block's score matrix. Autograd runs the backward of the ide
 every rank in the same order, so the reverse passes pair up. Not done: overlapping a pass with the
 previous block's compute (the pass waits before the block is computed).
 
-Not here: choosing the mode, splitting the data, positions for rotary embeddings and wiring into
-a model (merak-core); attention masks other than causal, dropout inside attention, sliding windows.
+[Note: attention hook] A model whose attention should run over the CP group calls
+:func:`cp_attention` (and, for rotary embeddings, :func:`cp_positions`) while
+:func:`active_context` is set, i.e. inside ``with context_parallel(ContextParallel(group, mode))``:
+Merak's trainer enters that context around every step at cp > 1, so the model's code needs no
+group. Outside the context a model keeps its own single-process attention. The plain-PyTorch
+reference models of the tests use exactly this hook; transformers models are routed through their
+attention-function registry by merak-core instead.
+
+Not here: choosing the mode, splitting the data and wiring into a model (merak-core); attention
+masks other than causal, dropout inside attention, sliding windows.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,7 +62,20 @@ from torch.utils.checkpoint import checkpoint
 
 from merak_tp.collectives import amp_backward, amp_forward
 
-__all__ = ["ring_attention", "shard_positions", "ulysses_attention"]
+__all__ = [
+    "CP_MODES",
+    "ContextParallel",
+    "active_context",
+    "context_parallel",
+    "cp_attention",
+    "cp_positions",
+    "ring_attention",
+    "shard_positions",
+    "ulysses_attention",
+]
+
+CP_MODES: tuple[str, str] = ("ring", "ulysses")
+"""The attention modes over a CP group."""
 
 
 def shard_positions(seq_len: int, cp: int, cp_rank: int, *, balanced: bool) -> torch.Tensor:
@@ -286,3 +311,87 @@ def ring_attention(
     assert first is not None
     out = first[0] if second is None else torch.cat([first[0], second[0]], dim=2)
     return out.to(q_bhsd.dtype)
+
+
+# ---------------------------------------------------------------------------- the hook
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """A CP group and its attention mode: what :func:`cp_attention` consults (see [Note: attention hook])."""
+
+    group: ProcessGroup
+    mode: str = "ring"
+
+    def __post_init__(self) -> None:
+        if self.mode not in CP_MODES:
+            raise ValueError(f"cp_mode={self.mode!r} is not one of {CP_MODES}: set cp_mode to one of them")
+
+    @property
+    def size(self) -> int:
+        """The CP degree."""
+        return dist.get_world_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        """This rank's index in the CP group."""
+        return dist.get_group_rank(self.group, dist.get_rank())
+
+    @property
+    def balanced(self) -> bool:
+        """Whether the local tokens are the load-balanced chunk pair (ring) or a contiguous block (Ulysses)."""
+        return self.mode == "ring"
+
+    def positions(self, seq_len: int) -> torch.Tensor:
+        """Global positions of this rank's tokens of a ``seq_len``-token sequence (:func:`shard_positions`)."""
+        return shard_positions(seq_len, self.size, self.rank, balanced=self.balanced)
+
+    def attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float | None
+    ) -> torch.Tensor:
+        """This mode's attention over the group."""
+        fn = ring_attention if self.mode == "ring" else ulysses_attention
+        return fn(q, k, v, self.group, causal=causal, scale=scale)
+
+
+_ACTIVE: contextvars.ContextVar[ContextParallel | None] = contextvars.ContextVar("merak_cp", default=None)
+
+
+@contextlib.contextmanager
+def context_parallel(cp: ContextParallel | None) -> Iterator[None]:
+    """Make ``cp`` the context :func:`cp_attention` and :func:`cp_positions` consult (None: none)."""
+    token = _ACTIVE.set(cp)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active_context() -> ContextParallel | None:
+    """The context set by :func:`context_parallel`, or None."""
+    return _ACTIVE.get()
+
+
+def cp_attention(
+    q_bhsd: torch.Tensor,
+    k_bgsd: torch.Tensor,
+    v_bgsd: torch.Tensor,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attention of the local tokens over the active CP group's whole sequence (see [Note: attention hook])."""
+    cp = active_context()
+    if cp is None:
+        raise RuntimeError(
+            "cp_attention was called outside context_parallel(...): check active_context() first"
+        )
+    return cp.attention(q_bhsd, k_bgsd, v_bgsd, causal=causal, scale=scale)
+
+
+def cp_positions(local_len: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Global positions of the ``local_len`` local tokens in the active context (``arange`` without one)."""
+    cp = active_context()
+    if cp is None:
+        return torch.arange(local_len, device=device)
+    return cp.positions(local_len * cp.size).to(device)

@@ -149,13 +149,13 @@ def run(args: argparse.Namespace) -> int:
             "training.layout is 'auto', so the job does not say how many ranks to start: pass "
             "--nproc-per-node (and --nnodes for several nodes)"
         )
-    cmd = torchrun_command(args, None if t.dp is None else t.dp * t.tp * t.pp)
+    cmd = torchrun_command(args, None if t.dp is None else t.dp * t.cp * t.tp * t.pp)
     if (
         t.dp is None and t.layout != "auto"
     ):  # inferred: tp*pp must divide the process count now, not on every rank
         from merak_core.layout import resolve_degrees
 
-        resolve_degrees(args.nproc_per_node * args.nnodes, None, t.tp, t.pp)
+        resolve_degrees(args.nproc_per_node * args.nnodes, None, t.tp, t.pp, cp=t.cp)
     if not args.no_check:
         from merak_core.preflight import preflight
 

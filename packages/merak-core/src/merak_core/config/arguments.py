@@ -118,6 +118,13 @@ class TrainingArguments:
     """Tensor-parallel degree."""
     pp: int = 1
     """Pipeline-parallel degree (stages)."""
+    cp: int = 1
+    """Context-parallel degree: each rank holds ``seq_len / cp`` tokens of every sample and attention runs over
+    the cp group (``cp_mode``); 1: off. See docs/context_parallel.md for what it composes with."""
+    cp_mode: str = "ring"
+    """Attention over the cp group: ``ring`` (key/value blocks passed round the group, causal load balance by
+    ``2 * cp`` chunks) or ``ulysses`` (all-to-all between sequence and heads; cp must divide the heads per TP
+    rank)."""
     virtual_stages: int = 1
     """Pipeline stages per pipeline rank: the model is cut into ``pp * virtual_stages`` stages, placed by the
     schedule (``interleaved_1f1b``: round-robin, any v; ``zb_v``: in a V, v = 2). 1: one stage per rank."""

@@ -43,6 +43,9 @@ def check_arguments(args: Any) -> None:
     _check_planner(args)
     _check_sharding(args)
     _check_tp_plan(args)
+    from merak_core.context_parallel import check_cp_arguments
+
+    check_cp_arguments(args)  # cp, cp_mode, and what cp > 1 refuses
 
 
 def _check_run(args: Any) -> None:
