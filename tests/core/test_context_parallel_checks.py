@@ -1,0 +1,114 @@
+"""What training.cp > 1 refuses, by name and with the fix, before any process group; the batch split."""
+
+from __future__ import annotations
+
+import tempfile
+from typing import Any
+
+import pytest
+import torch
+
+from merak_core.context_parallel import check_cp_model
+from tests.support.models import GPT, DecoderConfig, Llama
+
+
+def _args(**kw: Any) -> Any:
+    from merak_core import TrainingArguments
+
+    return TrainingArguments(output_dir=tempfile.mkdtemp(prefix="merak-cpcheck-"), **kw)
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"cp": 0}, r"cp=0 is invalid: expected an integer >= 1"),
+        (
+            {"cp": 2, "cp_mode": "zigzag"},
+            r"cp_mode='zigzag' is invalid: expected one of \('ring', 'ulysses'\)",
+        ),
+        ({"cp": 2, "pp": 2}, r"cp=2 with pp=2 is not supported .*set pp=1"),
+        (
+            {"cp": 2, "pp": 2, "virtual_stages": 2, "schedule": "interleaved_1f1b"},
+            r"cp=2 with pp=2",
+        ),
+        (
+            {"cp": 2, "tp": 2, "sequence_parallel": True},
+            r"cp=2 with sequence_parallel=True .*sequence_parallel=false",
+        ),
+        ({"cp": 2, "zero_stage": 2}, r"cp=2 with zero_stage=2 .*zero_stage 0 or 1"),
+        ({"cp": 2, "zero_stage": 3}, r"cp=2 with zero_stage=3"),
+    ],
+)
+def test_arguments_refused(kw: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        _args(**kw)
+
+
+def test_job_file_key_is_checked_when_read() -> None:
+    from merak_core import TrainingArguments
+
+    args = TrainingArguments.from_dict({"output_dir": tempfile.mkdtemp(), "cp": 2, "cp_mode": "ulysses"})
+    assert (args.cp, args.cp_mode) == (2, "ulysses")
+    with pytest.raises(ValueError, match="cp=2 with zero_stage=3"):
+        TrainingArguments.from_dict({"output_dir": tempfile.mkdtemp(), "cp": 2, "zero_stage": 3})
+
+
+def test_model_refusals() -> None:
+    llama = Llama(DecoderConfig(num_layers=1, num_heads=4, num_kv_heads=2))
+    check_cp_model(llama, _args(cp=2))  # the hook is declared: accepted
+    with pytest.raises(
+        ValueError, match=r"cp=2: GPT is neither a transformers model .*merak_tp.cp_attention"
+    ):
+        check_cp_model(GPT(DecoderConfig(num_layers=1)), _args(cp=2))
+    with pytest.raises(ValueError, match=r"cp=2 with LoRA"):
+        check_cp_model(llama, _args(cp=2), lora=object())
+    with pytest.raises(ValueError, match=r"custom loss_fn.*drop loss_fn"):
+        check_cp_model(llama, _args(cp=2), loss_fn_given=True)
+    with pytest.raises(ValueError, match=r"eval_dataset"):
+        check_cp_model(llama, _args(cp=2), eval_dataset=[1])
+    # 2 kv heads over tp=2 leave 1 per rank: ulysses at cp=2 cannot split it.
+    with pytest.raises(
+        ValueError, match=r"cp_mode='ulysses' with cp=2: .*2 query and 1 key/value heads per TP rank"
+    ):
+        check_cp_model(llama, _args(cp=2, tp=2, cp_mode="ulysses"))
+    check_cp_model(llama, _args(cp=2, tp=2, cp_mode="ring"))
+
+
+class _FakeGroupRun:
+    """ContextParallelRun.split without a process group: the positions of rank 1 of 2."""
+
+    def __new__(cls, mode: str, hf: bool) -> Any:
+        from merak_core.context_parallel import ContextParallelRun
+        from merak_tp.context import shard_positions
+
+        run = object.__new__(ContextParallelRun)
+
+        class _Ctx:
+            def positions(self, seq_len: int) -> torch.Tensor:
+                return shard_positions(seq_len, 2, 1, balanced=mode == "ring")
+
+        run.context = _Ctx()  # type: ignore[assignment]
+        run.position_ids = hf
+        return run
+
+
+def test_split_takes_this_ranks_tokens_and_refuses_padding() -> None:
+    ids = torch.arange(32).reshape(2, 16)
+    run = _FakeGroupRun("ring", hf=True)
+    inputs, labels = run.split({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, ids + 100)
+    assert inputs["input_ids"][0].tolist() == list(range(4, 12))
+    assert inputs["position_ids"][1].tolist() == list(range(4, 12))
+    assert "attention_mask" not in inputs and labels[0].tolist() == list(range(104, 112))
+    inputs, _ = _FakeGroupRun("ulysses", hf=False).split(ids, None)
+    assert inputs[0].tolist() == list(range(8, 16))
+    mask = torch.ones_like(ids)
+    mask[0, -3:] = 0
+    with pytest.raises(ValueError, match="padding attention_mask"):
+        run.split({"input_ids": ids, "attention_mask": mask}, None)
+    packed = torch.cat([torch.arange(8), torch.arange(8)]).expand(2, -1)
+    with pytest.raises(ValueError, match="position_ids that restart"):
+        run.split({"input_ids": ids, "position_ids": packed}, None)
+    with pytest.raises(
+        ValueError, match=r"sequence length 10 does not divide into 4 equal chunks .*multiple of 4"
+    ):
+        run.split(torch.zeros(2, 10, dtype=torch.long), None)
