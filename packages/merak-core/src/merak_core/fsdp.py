@@ -73,6 +73,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from merak_core import _compat
+from merak_tp.parallelize import grad_sum_groups
 from merak_tp.shard_spec import get_shard_spec, has_shard_spec, set_shard_spec
 
 logger = logging.getLogger(__name__)
@@ -238,6 +239,9 @@ class ShardedDataParallel:
             self.param_map.update(_new_parameters(module, names))
         assert all(key in self.param_map for key in before), "a parameter was not sharded"
         self.shared_parameters = [(self.param_map.get(id(p), p), g) for p, g in shared_parameters]
+        self.tp_summed = [(self.param_map[key], g) for key, p in before.items() for g in grad_sum_groups(p)]
+        """Sharded parameters whose gradient is summed over a TP group after the reduce-scatter: merak-tp's
+        hooks on the originals never run under FSDP2 ([Note: gradient sum hooks] in merak_tp.parallelize)."""
         self.deferred_reduce = all(_compat.fsdp_can_defer_reduce(root) for root in self.roots)
         """True: one reduce-scatter per unit per step (see [Note: one gradient sync per step]);
         False (a torch whose FSDP2 state merak cannot drive): one per unit per backward."""
@@ -294,9 +298,10 @@ class ShardedDataParallel:
         self._sum_shared_gradients()
 
     def _sum_shared_gradients(self) -> None:
-        """Each copy is sharded the same way over DP, so the sum of the shards is the shard of the sum."""
+        """Each copy is sharded the same way over DP, so the sum of the shards is the shard of the sum (the
+        same for the TP ranks' partial gradients of :attr:`tp_summed`)."""
         pending = []
-        for param, group in self.shared_parameters:
+        for param, group in [*self.shared_parameters, *self.tp_summed]:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             local = local_tensor(param.grad)

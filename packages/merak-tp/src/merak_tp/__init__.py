@@ -39,7 +39,7 @@ from merak_tp.overlap import (
     make_sequence_scatter,
     remove_region,
 )
-from merak_tp.parallelize import gather_tensor, is_replicated, parallelize
+from merak_tp.parallelize import gather_tensor, grad_sum_groups, is_replicated, parallelize
 from merak_tp.plans import (
     MODULE_KINDS,
     STYLES,
@@ -93,6 +93,7 @@ __all__ = [
     "gather_from_sequence_region",
     "gather_from_tp_region",
     "gather_tensor",
+    "grad_sum_groups",
     "get_plan",
     "get_shard_spec",
     "has_shard_spec",

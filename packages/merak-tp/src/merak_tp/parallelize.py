@@ -48,7 +48,7 @@ from merak_tp.shard_spec import REPLICATED, get_shard_spec, has_shard_spec, set_
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["gather_tensor", "is_replicated", "parallelize"]
+__all__ = ["gather_tensor", "grad_sum_groups", "is_replicated", "parallelize"]
 
 
 def _match(name: str, patterns: Any) -> str | None:
@@ -464,7 +464,21 @@ def _make_sum_hook(group: ProcessGroup | None) -> Callable[[torch.Tensor], torch
         dist.all_reduce(out, group=group)
         return out
 
+    hook.merak_tp_sum_group = group  # type: ignore[attr-defined]  # see grad_sum_groups
     return hook
+
+
+def grad_sum_groups(param: torch.Tensor) -> list[ProcessGroup | None]:
+    """The groups whose sum ``parallelize`` completes ``param``'s gradient with, by a hook on ``param``.
+
+    [Note: gradient sum hooks] A replicated weight applied to this rank's heads only (per-head norms) or
+    to its tokens only (sequence parallelism) gets a partial gradient; a hook on the parameter
+    all-reduces it over the TP group. A wrapper that feeds the gradients of replacement parameters
+    itself (FSDP2's sharded parameters) never runs the hook: it must do these sums (they commute with
+    its own reduce-scatter).
+    """
+    hooks = getattr(param, "_backward_hooks", None) or {}
+    return [h.merak_tp_sum_group for h in hooks.values() if hasattr(h, "merak_tp_sum_group")]
 
 
 def is_replicated(param: torch.Tensor) -> bool:
