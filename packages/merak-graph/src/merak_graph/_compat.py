@@ -6,31 +6,43 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._pytree import (  # private torch API (pytree helpers)
-    tree_flatten,
-    tree_flatten_with_path,
-    tree_unflatten,
-)
+
+
+def _load_pytree() -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
+    """(tree_flatten, tree_flatten_with_path, tree_unflatten): torch's private pytree helpers (the
+    structures torch.export and transformers use), else merak_graph's own for tuples, lists, dicts
+    and named tuples (``_pytree_fallback``)."""
+    try:
+        from torch.utils._pytree import (
+            tree_flatten,
+            tree_flatten_with_path,
+            tree_unflatten,
+        )  # private torch API
+    except ImportError:
+        from merak_graph._pytree_fallback import tree_flatten, tree_flatten_with_path, tree_unflatten
+    return tree_flatten, tree_flatten_with_path, tree_unflatten
+
+
+tree_flatten, tree_flatten_with_path, tree_unflatten = _load_pytree()
 
 __all__ = ["flop_formula", "is_export_guard_node", "tree_flatten", "tree_flatten_with_path", "tree_unflatten"]
 
 
-def _flop_registry() -> dict[Any, Callable[..., int]]:
+def _flop_registry() -> dict[Any, Callable[..., int]] | None:
+    """torch's table of flop formulas by aten overload packet, or None where this torch has none."""
     try:
-        from torch.utils.flop_counter import flop_registry  # private module attribute
+        from torch.utils.flop_counter import flop_registry  # undocumented module attribute
 
-        return dict(flop_registry)
-    except ImportError:  # pragma: no cover - very old torch
-        return {}
-
-
-_REGISTRY = _flop_registry()
+        return flop_registry
+    except ImportError:
+        return None
 
 
 def flop_formula(func: Any) -> Callable[..., int] | None:
     """The flop formula torch registers for an aten overload packet, or None."""
+    registry = _flop_registry() or {}
     packet = getattr(func, "overloadpacket", func)
-    return _REGISTRY.get(packet)
+    return registry.get(packet)
 
 
 _ASSERT_TARGETS: set[Any] = set()
@@ -49,23 +61,62 @@ def is_export_guard_node(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and node.target in _ASSERT_TARGETS and not node.users
 
 
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402  (private torch API)
+_REGISTRY_MODES: dict[type, type] = {}
 
 
-class FlopCountingMode(TorchDispatchMode):
-    """Adds up the flops of every aten op dispatched under it (works on meta tensors)."""
+def _registry_mode_class() -> type | None:
+    """A dispatch mode adding up ``flop_formula`` of every aten op (private base class), or None."""
+    try:
+        from torch.utils._python_dispatch import TorchDispatchMode  # private torch API
+    except ImportError:
+        return None
+    if TorchDispatchMode not in _REGISTRY_MODES:
+
+        class _RegistryMode(TorchDispatchMode):  # type: ignore[misc,valid-type]
+            def __init__(self, registry: dict[Any, Callable[..., int]]) -> None:
+                super().__init__()
+                self.registry = registry
+                self.flops = 0
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                kwargs = kwargs or {}
+                out = func(*args, **kwargs)
+                formula = self.registry.get(getattr(func, "overloadpacket", func))
+                if formula is not None:
+                    self.flops += int(formula(*args, **kwargs, out_val=out))
+                return out
+
+        _REGISTRY_MODES[TorchDispatchMode] = _RegistryMode
+    return _REGISTRY_MODES[TorchDispatchMode]
+
+
+class FlopCountingMode:
+    """Adds up the flops of every aten op dispatched under it (works on meta tensors): ``flops``.
+
+    Over torch's private dispatch-mode base and flop table where both exist; else through the public
+    ``torch.utils.flop_counter.FlopCounterMode`` (the same formulas; it also counts the parts of an op
+    without a formula that it can decompose).
+    """
 
     def __init__(self) -> None:
-        super().__init__()
         self.flops = 0
+        registry, mode_class = _flop_registry(), _registry_mode_class()
+        self._mode: Any
+        if registry is not None and mode_class is not None:
+            self._mode = mode_class(registry)
+        else:
+            from torch.utils.flop_counter import FlopCounterMode
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        formula = flop_formula(func)
-        if formula is not None:
-            self.flops += int(formula(*args, **kwargs, out_val=out))
-        return out
+            self._mode = FlopCounterMode(display=False)
+
+    def __enter__(self) -> FlopCountingMode:
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._mode.__exit__(*exc)
+        total = getattr(self._mode, "flops", None)
+        self.flops = int(self._mode.get_total_flops() if total is None else total)
 
 
 __all__ += ["FlopCountingMode"]
@@ -143,10 +194,23 @@ def export_compiling_state() -> Iterator[None]:
     An eager run under it takes the code path the export will take: libraries such as
     transformers then skip the value-dependent checks (``mask.all()``) that meta tensors cannot answer.
     """
-    from torch._export.utils import _compiling_state_context  # private torch API
-
-    with _compiling_state_context():
+    try:
+        from torch._export.utils import _compiling_state_context  # private torch API
+    except ImportError:
+        _compiling_state_context = None
+    if _compiling_state_context is not None:
+        with _compiling_state_context():
+            yield
+        return
+    # Without it: torch.compiler's public predicates answer True (for callers that look them up
+    # when they ask, as transformers does; a function bound at import time is not reached).
+    originals = torch.compiler.is_compiling, torch.compiler.is_exporting
+    torch.compiler.is_compiling = lambda: True  # type: ignore[assignment]
+    torch.compiler.is_exporting = lambda: True  # type: ignore[assignment]
+    try:
         yield
+    finally:
+        torch.compiler.is_compiling, torch.compiler.is_exporting = originals  # type: ignore[assignment]
 
 
 __all__ += ["export_compiling_state"]
