@@ -38,6 +38,7 @@ from tests.e2e import _bad_input_ckpt_cases as ckpt_cases
 from tests.e2e import _bad_input_config_cases as config_cases
 from tests.e2e import _bad_input_launch_cases as launch_cases
 from tests.e2e import _bad_input_lora_cases as lora_cases
+from tests.e2e import _bad_input_model_cases as model_cases
 from tests.e2e._bad_input_support import CaseContext, CliExit, reraise_agreed, run_case_on_rank
 from tests.support.dist import run_on_ranks
 
@@ -497,6 +498,18 @@ ROWS = [
         _all("exit 2", "training.dtype='float64'", "peaks for bf16 and fp32 only", "training.dtype=float32"),
     ),
     # ------------------------------------------------------------------ the Trainer
+    _row(
+        model_cases.trainer_pp_untraceable_model,
+        ValueError,
+        _all("pp=2", "cannot be traced", "in module 'gate' (Gate)", "trace_leaves: ['gate']", "(pp=1)"),
+        ranks=2,
+    ),
+    _row(
+        model_cases.trainer_batch_key_matches_no_parameter,
+        ValueError,
+        _all("'maks' matches no parameter of Masked.forward", "did you mean 'mask'", "rename or drop"),
+        ranks=2,
+    ),
     _row(
         cases.trainer_two_stages_per_rank_schedule_without_virtual_stages,
         ValueError,

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from merak_core.forward_inputs import _all_forward_params, input_order, untraceable_message
 from merak_core.fsdp import full_local_tensor
 from merak_core.layout import ParallelLayout
 from merak_core.lora import LoraConfig
@@ -91,34 +92,6 @@ class ParallelModel:
         """(logical name, parameter) for every distinct local parameter."""
         by_local = dict(self.module.named_parameters())
         return [(self.logical_names[name], p) for name, p in by_local.items()]
-
-
-def input_order(model: nn.Module, example_inputs: Mapping[str, Any] | Sequence[Any]) -> list[str] | None:
-    """The keys of dict inputs in the order the model takes them positionally (None for a tuple).
-
-    Keys that are ``forward`` parameters are ordered by the signature; otherwise the
-    dict's own order is kept (e.g. a dataset's ``input_ids`` for ``forward(self, tokens)``).
-    """
-    if not isinstance(example_inputs, Mapping):
-        return None
-    import inspect
-
-    params = [
-        p.name
-        for p in inspect.signature(model.forward).parameters.values()
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]
-    keys = list(example_inputs)
-    if all(k in params for k in keys):
-        return sorted(keys, key=params.index)
-    return keys
-
-
-def _all_forward_params(model: nn.Module, keys: list[str]) -> bool:
-    import inspect
-
-    params = inspect.signature(model.forward).parameters
-    return bool(keys) and all(k in params for k in keys)
 
 
 def _tp_plan(plan: Any) -> Any:
@@ -276,6 +249,8 @@ def build_parallel_model(
             split_points=split_points,
             trace_method="auto",
         )
+    except merak_graph.TraceError as exc:
+        raise ValueError(untraceable_message(model, exc, layout.pp)) from None
     except merak_graph.PartitionError as exc:
         if len(placement) == layout.pp:
             raise

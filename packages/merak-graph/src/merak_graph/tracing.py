@@ -29,11 +29,14 @@ returning a tensor, the leaves of a ``ModelOutput`` otherwise; see
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
 import linecache
 import logging
+import sys
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -180,6 +183,32 @@ def _trace_fx(
     return gm
 
 
+EXPORT_LOGGERS = ("torch.export", "torch._export", "torch.fx.experimental.symbolic_shapes")
+"""torch loggers that report a failed export at length (the error says it in a few lines)."""
+
+
+@contextlib.contextmanager
+def _quiet_export() -> Iterator[None]:
+    """Keep a failing ``torch.export`` from printing its partial graph and warnings.
+
+    [Note: quiet export] On an error, torch.export prints the partial graph to stderr (thousands of
+    lines for a transformer, from every rank) and its loggers add warnings, before the fx fallback
+    runs and :class:`TraceError` reports both tracers in a few lines. Here stderr is held back while
+    export runs and written out only when it succeeds; the export loggers report errors only.
+    """
+    held = io.StringIO()
+    levels = {name: logging.getLogger(name).level for name in EXPORT_LOGGERS}
+    for name in EXPORT_LOGGERS:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    try:
+        with contextlib.redirect_stderr(held):
+            yield
+    finally:
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
+    sys.stderr.write(held.getvalue())  # only after a success (an exception skips this line)
+
+
 def _trace_export(
     model: nn.Module,
     names: list[str],
@@ -200,12 +229,13 @@ def _trace_export(
         kwargs = {**dict(zip(names, values, strict=True)), **dict(static_kwargs)}
     else:
         args, kwargs = tuple(values), dict(static_kwargs)
-    if leaf_modules:
-        from merak_graph._leaf_export import export_with_leaves
+    with _quiet_export():
+        if leaf_modules:
+            from merak_graph._leaf_export import export_with_leaves
 
-        gm = export_with_leaves(model, args, kwargs, _leaf_predicate(model, leaf_modules))
-    else:
-        gm = torch.export.export(model, args, kwargs=kwargs, strict=False).module()
+            gm = export_with_leaves(model, args, kwargs, _leaf_predicate(model, leaf_modules))
+        else:
+            gm = torch.export.export(model, args, kwargs=kwargs, strict=False).module()
     assert isinstance(gm, fx.GraphModule)
     for node in list(gm.graph.nodes):
         if is_export_guard_node(node):
@@ -324,24 +354,29 @@ def trace(
 
 def _trace_error(model: nn.Module, errors: list[tuple[str, BaseException]]) -> TraceError:
     lines = [f"could not trace {type(model).__name__}:"]
-    culprit: str | None = None
+    culprit: tuple[str | None, str | None] | None = (
+        None  # (qualified name, class) of the first located module
+    )
     for how, exc in errors:
         where, mod_name, mod_cls = _locate(model, exc)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         lines.append(f"  {how}: {type(exc).__name__}: {first[:300]}")
         if where:
             lines.append(f"    in module {mod_name!r} ({mod_cls}) at {where}")
-            culprit = culprit or mod_cls
+            culprit = culprit or (mod_name, mod_cls)
     if culprit:
         lines.append(
-            f"Fix: make that module opaque with trace(..., leaf_modules=({culprit},), method='fx'), "
+            f"Fix: make that module opaque with trace(..., leaf_modules=({culprit[1]},), method='fx'), "
             "or partition with explicit split_points=[...] around it."
         )
     else:
         lines.append(
             "Fix: pass leaf_modules=(...) for the module that breaks tracing, or explicit split_points."
         )
-    return TraceError("\n".join(lines))
+    error = TraceError("\n".join(lines))
+    if culprit:
+        error.module_name, error.module_class = culprit
+    return error
 
 
 def _locate(model: nn.Module, exc: BaseException) -> tuple[str | None, str | None, str | None]:
