@@ -137,6 +137,14 @@ class ParallelLayout:
     dp_cp_group: ProcessGroup | None = field(default=None, repr=False)
     """The ranks holding the same parameters (same pp and tp): DP x CP, the gradient-sync group. None
     means ``dp_group`` (cp=1)."""
+    ep: int = 1
+    """Expert-parallel degree, carved out of dp (see [Note: expert-parallel groups]); 1: off."""
+    ep_group: ProcessGroup | None = field(default=None, repr=False)
+    """This rank's expert-parallel group: the ``ep`` DP ranks ``dp_rank // ep * ep + j`` of its stage/tp/cp
+    coordinate, between which tokens travel to their experts. None at ep=1."""
+    expert_replica_group: ProcessGroup | None = field(default=None, repr=False)
+    """The ``dp / ep`` ranks holding the same experts (same ep rank in every DP block of ``ep``): the expert
+    gradients' sync group. None at ep=1."""
 
     @property
     def grad_sync_group(self) -> ProcessGroup:
@@ -164,6 +172,25 @@ class ParallelLayout:
     def cp_rank(self) -> int:
         """This rank's index in its CP group (which part of each sample's sequence it holds)."""
         return cp_rank_of(self.rank, tp=self.tp, cp=self.cp)
+
+    @property
+    def ep_rank(self) -> int:
+        """This rank's index in its EP group (which block of ``experts / ep`` experts it holds)."""
+        return self.dp_rank % self.ep
+
+    @property
+    def ep_ranks(self) -> list[int]:
+        """Global ranks of this rank's EP group, in group-rank order (see [Note: expert-parallel groups])."""
+        first = self.dp_rank - self.ep_rank
+        return [self.rank_of(pp=self.pp_rank, dp=first + j, tp=self.tp_rank) for j in range(self.ep)]
+
+    @property
+    def expert_replica_ranks(self) -> list[int]:
+        """Global ranks holding this rank's experts (same ep rank, every DP block), in DP order."""
+        return [
+            self.rank_of(pp=self.pp_rank, dp=b * self.ep + self.ep_rank, tp=self.tp_rank)
+            for b in range(self.dp // self.ep)
+        ]
 
     @property
     def is_first_stage(self) -> bool:
@@ -216,6 +243,12 @@ class ParallelLayout:
 
     def describe(self) -> str:
         """One line for logs: degrees and this rank's coordinates."""
+        if self.ep > 1:
+            return (
+                f"rank {self.rank}/{self.world_size} dp={self.dp} (ep={self.ep}) cp={self.cp} tp={self.tp} "
+                f"pp={self.pp} (pp_rank={self.pp_rank}, dp_rank={self.dp_rank}, ep_rank={self.ep_rank}, "
+                f"cp_rank={self.cp_rank}, tp_rank={self.tp_rank}) on {self.device}"
+            )
         if self.cp == 1:
             return (
                 f"rank {self.rank}/{self.world_size} dp={self.dp} tp={self.tp} pp={self.pp} "
@@ -237,6 +270,7 @@ class ParallelLayout:
         pp: int = 1,
         *,
         cp: int = 1,
+        ep: int = 1,
         device: torch.device | str | None = None,
         timeout: timedelta = DEFAULT_TIMEOUT,
     ) -> ParallelLayout:
@@ -254,6 +288,7 @@ class ParallelLayout:
             )
         world_size = dist.get_world_size()
         dp, tp, pp = resolve_degrees(world_size, dp, tp, pp, cp=cp)
+        check_ep(dp, ep)
         rank = dist.get_rank()
         dev = select_device(device)
         _use_device(dev)
@@ -270,6 +305,7 @@ class ParallelLayout:
                 if rank in ranks:
                     groups[axis] = group
         dp_cp_group = _dp_cp_groups(grid, rank, timeout) if cp > 1 else None
+        ep_group, replica_group = _ep_groups(grid, rank, ep, timeout) if ep > 1 else (None, None)
         mesh = DeviceMesh.from_group(
             [groups[axis] for axis in MESH_AXES], dev.type, mesh=grid, mesh_dim_names=MESH_AXES
         )
@@ -287,6 +323,9 @@ class ParallelLayout:
             pp_group=groups["pp"],
             cp_group=groups["cp"],
             dp_cp_group=dp_cp_group,
+            ep=ep,
+            ep_group=ep_group,
+            expert_replica_group=replica_group,
             timeout=timeout,
         )
         assert (layout.pp_rank, layout.dp_rank, layout.tp_rank) == mine
@@ -367,6 +406,42 @@ def _dp_cp_groups(grid: torch.Tensor, rank: int, timeout: timedelta) -> ProcessG
     return mine
 
 
+# [Note: expert-parallel groups] EP ranks are DP ranks of one stage/cp/tp coordinate: the DP axis is
+# cut into dp / ep blocks of ep consecutive DP indices. The ep ranks of a block form an EP group
+# (they exchange tokens; ep rank = dp_rank % ep holds experts [ep_rank * E / ep, (ep_rank + 1) * E / ep));
+# the ranks with the same ep rank in every block hold the same experts: the expert-replica group
+# (dp / ep ranks) over which expert gradients are summed. Dense parameters stay replicated over DP.
+
+
+def check_ep(dp: int, ep: int) -> None:
+    """ValueError unless ``ep`` is a positive integer dividing ``dp`` (pure: before any collective)."""
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        raise ValueError(f"ep must be a positive integer, got {ep!r}; pass e.g. ep=1 (no expert parallelism)")
+    if dp % ep:
+        raise ValueError(
+            f"ep={ep} does not divide dp={dp}: expert-parallel ranks are carved out of the data-parallel ranks "
+            f"of a stage, so choose an ep dividing {dp} (or launch dp = a multiple of {ep})"
+        )
+
+
+def _ep_groups(
+    grid: torch.Tensor, rank: int, ep: int, timeout: timedelta
+) -> tuple[ProcessGroup, ProcessGroup]:
+    """Create every EP group, then every expert-replica group (collective); return this rank's two."""
+    pp, dp, cp, tp = grid.shape
+    # (pp, cp, tp, blocks, ep): the last axis is an EP group, the blocks axis an expert-replica group.
+    blocks = grid.permute(0, 2, 3, 1).reshape(pp, cp, tp, dp // ep, ep)
+    mine: list[ProcessGroup] = []
+    for rows in (blocks.reshape(-1, ep), blocks.transpose(-1, -2).reshape(-1, dp // ep)):
+        for ranks_t in rows:
+            ranks = [int(r) for r in ranks_t]
+            group = _compat.new_group(ranks, timeout, None)
+            if rank in ranks:
+                mine.append(group)
+    assert len(mine) == 2
+    return mine[0], mine[1]
+
+
 def _env_int(name: str, default: int | None) -> int | None:
     raw = os.environ.get(name)
     if raw is None or raw == "":
@@ -385,6 +460,7 @@ def init(
     pp: int = 1,
     *,
     cp: int = 1,
+    ep: int = 1,
     backend: str | None = None,
     device: torch.device | str | None = None,
     timeout: timedelta = DEFAULT_TIMEOUT,
@@ -399,13 +475,13 @@ def init(
     initialisation on CUDA), then builds every group with ``timeout``.
     """
     if dist.is_initialized():
-        resolve_degrees(dist.get_world_size(), dp, tp, pp, cp=cp)
-        return ParallelLayout.build(dp, tp, pp, cp=cp, device=device, timeout=timeout)
+        check_ep(resolve_degrees(dist.get_world_size(), dp, tp, pp, cp=cp)[0], ep)
+        return ParallelLayout.build(dp, tp, pp, cp=cp, ep=ep, device=device, timeout=timeout)
     world_size = _env_int("WORLD_SIZE", 1)
     assert world_size is not None
-    resolve_degrees(world_size, dp, tp, pp, cp=cp)
+    check_ep(resolve_degrees(world_size, dp, tp, pp, cp=cp)[0], ep)
     dev = ensure_process_group(device, backend=backend, timeout=timeout)
-    return ParallelLayout.build(dp, tp, pp, cp=cp, device=dev, timeout=timeout)
+    return ParallelLayout.build(dp, tp, pp, cp=cp, ep=ep, device=dev, timeout=timeout)
 
 
 # ---------------------------------------------------------------------------- devices
@@ -535,6 +611,7 @@ def ensure_process_group(
 __all__ = [
     "MESH_AXES",
     "ParallelLayout",
+    "check_ep",
     "collective_device",
     "coords_of",
     "cp_rank_of",

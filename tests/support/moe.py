@@ -1,0 +1,128 @@
+"""A tiny mixture-of-experts Llama in plain PyTorch: the reference model of the expert-parallel tests.
+
+``MoEBlock`` follows merak_core's MoE block protocol (docs/expert_parallel.md): ``num_experts``,
+``experts`` (an ``nn.ModuleList`` of SwiGLU experts) and ``run_experts(x_nh, weights_nk, experts_nk)``,
+the dropless weighted sum over each token's chosen experts. Its ``forward`` routes as Mixtral does:
+softmax over the router's logits, the top-k experts, their weights normalised to sum to one.
+Every expert runs, on zero rows when no token chose it, so its gradient is zeros (not None) on one
+process as under expert parallelism. No auxiliary loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests.support.models import Attention, DecoderConfig, RMSNorm, rotary_tables
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoEConfig:
+    """Sizes of the tiny MoE Llama."""
+
+    vocab_size: int = 96
+    hidden_size: int = 32
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    expert_size: int = 16
+    num_experts: int = 4
+    top_k: int = 2
+    max_seq_len: int = 64
+
+
+class Expert(nn.Module):
+    """One SwiGLU expert."""
+
+    def __init__(self, hidden: int, inner: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inner, bias=False)
+        self.up_proj = nn.Linear(hidden, inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x_nh: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x_nh)) * self.up_proj(x_nh))
+
+
+class MoEBlock(nn.Module):
+    """Top-k softmax routing over ``num_experts`` SwiGLU experts, dropless."""
+
+    def __init__(self, hidden: int, inner: int, num_experts: int, top_k: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.router = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = nn.ModuleList(Expert(hidden, inner) for _ in range(num_experts))
+
+    def route(self, x_nh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Normalised top-k weights and the chosen experts' indices, both ``[n, k]``."""
+        probs_ne = F.softmax(self.router(x_nh), dim=-1)
+        weights_nk, experts_nk = probs_ne.topk(self.top_k, dim=-1)
+        return weights_nk / weights_nk.sum(-1, keepdim=True), experts_nk
+
+    def run_experts(
+        self, x_nh: torch.Tensor, weights_nk: torch.Tensor, experts_nk: torch.Tensor
+    ) -> torch.Tensor:
+        out_nh = torch.zeros_like(x_nh)
+        for e, expert in enumerate(self.experts):
+            tokens, slots = (experts_nk == e).nonzero(as_tuple=True)
+            y_nh = expert(x_nh.index_select(0, tokens)) * weights_nk[tokens, slots].unsqueeze(-1)
+            out_nh = out_nh.index_add(0, tokens, y_nh)
+        return out_nh
+
+    def forward(self, x_bth: torch.Tensor) -> torch.Tensor:
+        b, t, h = x_bth.shape
+        x_nh = x_bth.reshape(b * t, h)
+        weights_nk, experts_nk = self.route(x_nh)
+        return self.run_experts(x_nh, weights_nk, experts_nk).reshape(b, t, h)
+
+
+class MoELlamaBlock(nn.Module):
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        attn_cfg = DecoderConfig(
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            num_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads,
+            max_seq_len=cfg.max_seq_len,
+        )
+        self.input_layernorm = RMSNorm(cfg.hidden_size)
+        self.self_attn = Attention(attn_cfg, causal=True, bias=False, rotary=True)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size)
+        self.moe = MoEBlock(cfg.hidden_size, cfg.expert_size, cfg.num_experts, cfg.top_k)
+
+    def forward(self, x_bth: torch.Tensor, cos_td: torch.Tensor, sin_td: torch.Tensor) -> torch.Tensor:
+        x_bth = x_bth + self.self_attn(self.input_layernorm(x_bth), None, cos_td, sin_td)
+        return x_bth + self.moe(self.post_attention_layernorm(x_bth))
+
+
+class MoELlama(nn.Module):
+    """Llama-style decoder whose MLPs are ``MoEBlock``s."""
+
+    def __init__(self, cfg: MoEConfig | None = None) -> None:
+        super().__init__()
+        cfg = cfg or MoEConfig()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(MoELlamaBlock(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        cos, sin = rotary_tables(cfg.max_seq_len, cfg.hidden_size // cfg.num_heads)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, input_ids_bt: torch.Tensor) -> torch.Tensor:
+        t = input_ids_bt.size(1)
+        x_bth = self.embed_tokens(input_ids_bt)
+        cos_td = torch.narrow(self.rope_cos, 0, 0, t).to(x_bth.dtype)
+        sin_td = torch.narrow(self.rope_sin, 0, 0, t).to(x_bth.dtype)
+        for layer in self.layers:
+            x_bth = layer(x_bth, cos_td, sin_td)
+        return self.lm_head(self.norm(x_bth))
+
+
+__all__ = ["Expert", "MoEBlock", "MoEConfig", "MoELlama", "MoELlamaBlock"]
