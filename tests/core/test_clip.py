@@ -11,6 +11,7 @@ the single-process reference.
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import pytest
 import torch
@@ -155,3 +156,61 @@ def test_single_process_equals_torch() -> None:
     for name, p in params:
         if p.grad is not None:
             assert_tensors_close(p.grad, ref_grads[name], name=name)
+
+
+def _mixed_params() -> list[nn.Parameter]:
+    """Gradients of three dtypes (one norm kernel each), large enough to clip."""
+    g = torch.Generator().manual_seed(3)
+    params = []
+    for i, dtype in enumerate([torch.float32, torch.bfloat16, torch.float64, torch.float32, torch.bfloat16]):
+        p = nn.Parameter(torch.zeros(5 + i, 3, dtype=dtype))
+        p.grad = (torch.randn(5 + i, 3, generator=g) * 4).to(dtype)
+        params.append(p)
+    return params
+
+
+def _clip_counting_kernels(
+    max_norm: float, norm_type: float
+) -> tuple[torch.Tensor, list[torch.Tensor], Counter]:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: Counter = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.ops[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    params = _mixed_params()
+    with Count() as count:
+        total = clip_grad_norm_(params, max_norm, norm_type=norm_type)
+    return total, [p.grad for p in params], count.ops
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
+def test_clipping_runs_one_kernel_per_dtype_and_equals_the_per_parameter_loop(
+    monkeypatch: pytest.MonkeyPatch, norm_type: float
+) -> None:
+    total, grads, ops = _clip_counting_kernels(0.5, norm_type)
+    # Five gradients of three dtypes: three norm kernels and three scaling kernels, none per parameter.
+    assert ops["_foreach_norm"] == 3 and ops["_foreach_mul_"] == 3, ops
+    assert ops["linalg_vector_norm"] == 0 and ops["mul_"] == 0, ops
+    # Without torch's multi-tensor kernels (removed): the per-parameter loop, the same clipping.
+    monkeypatch.delattr(torch, "_foreach_norm")
+    monkeypatch.delattr(torch, "_foreach_mul_")
+    loop_total, loop_grads, loop_ops = _clip_counting_kernels(0.5, norm_type)
+    assert loop_ops["linalg_vector_norm"] == 5 and loop_ops["mul_"] == 5, loop_ops
+    assert total.dtype == loop_total.dtype == torch.float64
+    assert_tensors_close(total, loop_total, name="norm", rtol=1e-6, atol=0)
+    assert total.item() > 0.5  # it clipped
+    for i, (got, ref) in enumerate(zip(grads, loop_grads, strict=True)):
+        assert got.dtype == ref.dtype
+        assert_tensors_close(
+            got.double(),
+            ref.double(),
+            name=f"grad {i} ({got.dtype})",
+            rtol=1e-2 if got.dtype == torch.bfloat16 else 1e-6,
+            atol=0,
+        )

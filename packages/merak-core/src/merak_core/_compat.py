@@ -199,3 +199,28 @@ def fsdp_unsharded_bytes(root: torch.nn.Module) -> tuple[int, int]:
     if found is None:
         return _public_unsharded_bytes(root)
     return _private_unsharded_bytes(found[1])
+
+
+def foreach_norm(tensors: list[torch.Tensor], norm_type: float, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Each tensor's ``norm_type``-norm, computed in ``dtype`` (tensors of one device and dtype).
+
+    torch's multi-tensor kernel (``torch._foreach_norm``: private by name, stable, what
+    ``torch.nn.utils.clip_grad_norm_`` uses) where present, else one ``vector_norm`` per tensor.
+    """
+    multi = getattr(torch, "_foreach_norm", None)
+    if multi is not None:
+        return list(multi(tensors, norm_type, dtype=dtype))
+    return [torch.linalg.vector_norm(t, norm_type, dtype=dtype) for t in tensors]
+
+
+def foreach_mul_(tensors: list[torch.Tensor], scale: torch.Tensor) -> None:
+    """Multiply every tensor in place by the 0-d ``scale`` (same device and dtype as the tensors).
+
+    ``torch._foreach_mul_`` where present, else one ``mul_`` per tensor (the same products).
+    """
+    multi = getattr(torch, "_foreach_mul_", None)
+    if multi is not None:
+        multi(tensors, scale)
+        return
+    for t in tensors:
+        t.mul_(scale)

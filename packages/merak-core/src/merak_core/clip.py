@@ -18,7 +18,9 @@ single-process) model, so every logical parameter must be counted exactly once:
   are added over that mesh's group too.
 
 Then every local gradient is scaled by ``min(1, max_norm / (norm + 1e-6))``,
-exactly as ``torch.nn.utils.clip_grad_norm_`` does.
+exactly as ``torch.nn.utils.clip_grad_norm_`` does. Norms and scaling run as multi-tensor
+kernels, one per device and dtype (``torch._foreach_norm`` / ``_foreach_mul_`` through
+``merak_core._compat``), not a few kernels per parameter.
 
 Not done here: synchronising shared parameters' gradients (the trainer does it
 before clipping) or clipping per parameter group.
@@ -35,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from merak_core import _compat
 from merak_core.fsdp import is_sharded, local_tensor
 from merak_core.layout import ParallelLayout
 from merak_tp.shard_spec import get_shard_spec
@@ -91,16 +94,7 @@ def global_grad_norm(
         grads.append(p.grad.detach())
     dp_sharded = _sharded_group([p.grad for p in params if p.grad is not None])  # before the TP/PP filter
     grads = [local_tensor(g) for g in grads]
-    device = _device_of(params, layout)
-    # Per-tensor norms in the gradient's precision (at least float32), accumulated and
-    # reduced in float64 so every rank reduces the same dtype whatever its stage holds.
-    local = torch.zeros((), dtype=torch.float64, device=device)
-    for g in grads:
-        part = torch.linalg.vector_norm(g, norm_type, dtype=torch.promote_types(g.dtype, torch.float32))
-        if math.isinf(norm_type):
-            local = torch.maximum(local, part.to(torch.float64))
-        else:
-            local += part.to(torch.float64) ** norm_type
+    local = _local_norm_term(grads, norm_type, _device_of(params, layout))
     op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
     for group in (tp_group, pp_group, dp_sharded):
         if group is not None and dist.get_world_size(group) > 1:
@@ -153,9 +147,35 @@ def scale_gradients_(parameters: Iterable[torch.Tensor], max_norm: float, total_
     For callers that computed ``total_norm`` with :func:`global_grad_norm` and checked it first.
     """
     coef = torch.clamp(max_norm / (total_norm + _EPS), max=1.0)
-    for p in _unique(parameters):
-        if p.grad is not None:
-            local_tensor(p.grad.detach()).mul_(coef.to(p.grad.dtype))
+    grads = [local_tensor(p.grad.detach()) for p in _unique(parameters) if p.grad is not None]
+    for (device, dtype), group in _by_device_and_dtype(grads).items():
+        _compat.foreach_mul_(group, coef.to(device=device, dtype=dtype))
+
+
+def _by_device_and_dtype(
+    tensors: list[torch.Tensor],
+) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return groups
+
+
+def _local_norm_term(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+    """This rank's part of the global norm: the sum of ``|g|_p ** p`` over ``grads`` (the max for inf).
+
+    Per-tensor norms in the gradient's precision (at least float32), one multi-tensor kernel per
+    device and dtype (``_compat.foreach_norm``); combined and returned in float64 on ``device`` so
+    every rank reduces the same dtype whatever its stage holds.
+    """
+    parts = [
+        torch.stack(_compat.foreach_norm(group, norm_type, torch.promote_types(dtype, torch.float32)))
+        for (_, dtype), group in _by_device_and_dtype(grads).items()
+    ]
+    if not parts:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    norms = torch.cat([part.to(device=device, dtype=torch.float64) for part in parts])
+    return norms.max() if math.isinf(norm_type) else (norms**norm_type).sum()
 
 
 def _sharded_group(grads: list[torch.Tensor]) -> ProcessGroup | None:
