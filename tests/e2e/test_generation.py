@@ -63,10 +63,10 @@ def _hf_greedy(model: Any, eos: int | None) -> torch.Tensor:
 
 
 def _eos_ending_one_row(model: Any) -> int:
-    """A token that some row emits after its first new token (so it ends early) and some row never emits."""
+    """A token that some row emits before its last new token (so it ends early) and some row never emits."""
     free = _hf_greedy(model, None)[:, max(LENGTHS) :].tolist()
     for row, tokens in enumerate(free):
-        for j in range(1, NEW - 1):
+        for j in range(NEW - 1):
             token = tokens[j]
             if token not in tokens[:j] and any(
                 token not in other for r, other in enumerate(free) if r != row
