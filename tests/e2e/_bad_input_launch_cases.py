@@ -284,3 +284,23 @@ def plan_cluster_for_a_dtype_without_a_peak(ctx: CaseContext) -> None:
         ctx, model={"factory": "tests.e2e._bad_input_jobs:build_failing"}, training={"dtype": "float64"}
     )
     run_cli(ctx, "plan", str(job), "--cluster", "h100-sxm-8x", "--nodes", "1")
+
+
+# ----------------------------------------------------------------------------- the cases: forward
+
+
+MODELS = "tests.e2e._bad_input_model_cases"
+
+
+def launch_batch_key_matches_no_parameter(ctx: CaseContext) -> None:
+    job = write_job(
+        ctx,
+        model={"factory": f"{MODELS}:Masked"},
+        data={"factory": f"{MODELS}:features", "kwargs": {"keys": ["x", "maks"]}},
+    )
+    train_dry_run(ctx, job)
+
+
+def launch_dict_output_without_logits(ctx: CaseContext) -> None:
+    job = write_job(ctx, model={"factory": f"{MODELS}:Scored"}, data={"factory": f"{MODELS}:features"})
+    train_dry_run(ctx, job)

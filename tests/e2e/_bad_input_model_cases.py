@@ -125,3 +125,26 @@ def gated_first_losses(tmp: str, pp: int) -> list[float] | None:
     args = _args(Path(tmp), pp=pp, tp_plan=plan)
     history = Trainer(Gated().double(), args, Features(), layout=layout).train()
     return [h["loss"] for h in history] if dist.get_rank() == 0 else None
+
+
+# ----------------------------------------------------------------------------- factories of the launch rows
+
+
+class Scored(nn.Module):
+    """Returns ``{"scores": ...}`` (``as_tuple``: ``(scores, hidden)``) instead of logits."""
+
+    def __init__(self, as_tuple: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.hidden = nn.Linear(4, 8)
+        self.out = nn.Linear(8, 3)
+        self.as_tuple = as_tuple
+
+    def forward(self, input: torch.Tensor) -> Any:  # noqa: A002 - the batch key
+        hidden = torch.tanh(self.hidden(input))
+        scores = self.out(hidden)
+        return (scores, hidden) if self.as_tuple else {"scores": scores}
+
+
+def features(keys: tuple[str, ...] = ("input",)) -> Any:
+    return Features(tuple(keys))

@@ -497,6 +497,25 @@ ROWS = [
         CliExit,
         _all("exit 2", "training.dtype='float64'", "peaks for bf16 and fp32 only", "training.dtype=float32"),
     ),
+    _row(
+        launch_cases.launch_batch_key_matches_no_parameter,
+        CliExit,
+        _all(
+            "exit 2",
+            "first training batch",
+            "'maks' matches no parameter of Masked.forward",
+            "did you mean 'mask'",
+        ),
+    ),
+    _row(
+        launch_cases.launch_dict_output_without_logits,
+        CliExit,
+        _all(
+            "exit 2",
+            "Scored.forward returns a dict with keys ['scores'] and no 'logits'",
+            "loss: file.py:function",
+        ),
+    ),
     # ------------------------------------------------------------------ the Trainer
     _row(
         model_cases.trainer_pp_untraceable_model,

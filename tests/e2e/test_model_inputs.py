@@ -30,3 +30,34 @@ def test_a_failed_trace_prints_nothing_and_names_the_module(capfd: pytest.Captur
     assert out == "" and err == "", (out + err)[:2000]
     assert (info.value.module_name, info.value.module_class) == ("gate", "Gate")
     assert len(str(info.value).splitlines()) <= 6
+
+
+def test_a_tuple_output_is_read_at_its_first_element_and_the_launch_log_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from tests.e2e._bad_input_launch_cases import MODELS, train_dry_run, write_job
+    from tests.e2e._bad_input_support import CaseContext
+
+    ctx = CaseContext(tmp_path)
+    job = write_job(
+        ctx,
+        model={"factory": f"{MODELS}:Scored", "kwargs": {"as_tuple": True}},
+        data={"factory": f"{MODELS}:features"},
+    )
+    with caplog.at_level("WARNING", logger="merak_core.preflight"):
+        train_dry_run(ctx, job)  # accepted
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "Scored.forward returns a tuple of 2 values [[2, 3], [2, 8]]" in said and "output[0]" in said
+    assert "'loss: file.py:function'" in said
+
+
+def test_the_default_loss_reads_logits_or_the_first_element_and_refuses_a_dict_without_logits() -> None:
+    from merak_core.engine import default_loss
+
+    logits = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
+    labels = torch.tensor([0, 2, 1, 2])
+    expected = torch.nn.functional.cross_entropy(logits, labels)
+    assert torch.equal(default_loss((logits, torch.zeros(4, 8)), labels), expected)
+    assert torch.equal(default_loss({"logits": logits}, labels), expected)
+    with pytest.raises(ValueError, match=r"dict with keys \['scores'\] and no 'logits'.*loss_fn"):
+        default_loss({"scores": logits}, labels)

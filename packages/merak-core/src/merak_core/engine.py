@@ -107,15 +107,25 @@ class StepResult:
 
 
 def default_loss(output: Any, labels: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy for classifiers (``[b, c]`` vs ``[b]``) and LMs (``[b, t, v]`` vs ``[b, t]``, -100 ignored)."""
+    """Cross-entropy for classifiers (``[b, c]`` vs ``[b]``) and LMs (``[b, t, v]`` vs ``[b, t]``, -100 ignored).
+
+    The logits are ``output`` itself, its ``logits`` (a ``ModelOutput`` or a dict), or the first element
+    of a tuple; a dict without ``logits`` is a ``ValueError`` (pass a ``loss_fn`` that reads it).
+    """
     if isinstance(output, Mapping) and "logits" in output:
         logits = output[
             "logits"
         ]  # a ModelOutput, or its rows as a plain dict (evaluation of a partial batch)
+    elif isinstance(output, Mapping) and not hasattr(output, "logits"):
+        raise ValueError(
+            f"the model returns a dict with keys {sorted(map(str, output))} and no 'logits', so the default "
+            "loss (cross-entropy over the logits) has nothing to read: return the logits under 'logits', or "
+            "pass a loss_fn that reads this dict (a job's 'loss: file.py:function')"
+        )
     else:
         logits = getattr(output, "logits", output)
     if isinstance(logits, (tuple, list)):
-        logits = logits[0]
+        logits = logits[0]  # a tuple output: its first element is the logits (the launch log says so)
     flat = logits.reshape(-1, logits.size(-1))
     if flat.dtype in (torch.float16, torch.bfloat16):
         flat = flat.float()  # low-precision logits: the softmax in float32; float64 stays float64

@@ -18,7 +18,9 @@ found in one process, in seconds, and reported once with the key, the value and 
 - the sizes (:mod:`~merak_core.preflight.sizes`): microbatches against ``pp``, attention heads
   against ``tp``, the training set against one global batch, the first batch against the model's
   position table, and that batch counts a label; the metrics function runs on that batch
-  (:mod:`~merak_core.preflight.metrics`).
+  (:mod:`~merak_core.preflight.metrics`);
+- the first batch against ``forward`` (:mod:`~merak_core.preflight.forward`): its input keys name
+  parameters, and the default loss finds logits in the output.
 
 Not checked here: anything that needs the process group or the real weights (the loss on real
 values, memory), samples after the first few batches, and layouts chosen by ``layout: auto``
@@ -42,6 +44,7 @@ from merak_core.preflight.data import (
     first_batch,
 )
 from merak_core.preflight.files import check_export_dir, check_output_dir, check_resume
+from merak_core.preflight.forward import check_default_loss_output, check_input_keys
 from merak_core.preflight.metrics import check_metrics
 from merak_core.preflight.model import _where, build_meta_model, check_model_kwargs
 from merak_core.preflight.sizes import (
@@ -139,8 +142,11 @@ def preflight(job: JobConfig, *, tp: int | None = None, resume: str | None = Non
         check_batch(model, inputs, labels, default_loss=job.loss is None)
         if t.labels == "shifted" and job.loss is None:
             check_labels_not_inputs(inputs, labels, what)
+        check_input_keys(model, inputs, what)
         check_positions(model, inputs, job, what)
         check_labels_counted(labels, what)
+        if what == "training" and job.loss is None:
+            check_default_loss_output(model, inputs)
         first[what] = (inputs, labels)
         report.checks.append(f"first {what} batch collates")
     if job.metrics is not None and "evaluation" in first:

@@ -19,25 +19,13 @@ import torch
 from torch import nn
 
 from merak_core.preflight.base import PreflightError
+from merak_core.preflight.forward import meta_output
 from merak_core.preflight.model import _where
 
 
 def meta_logits(model: nn.Module, inputs: Any) -> torch.Tensor | None:
     """What evaluation hands the metrics function, as a meta tensor (None when the model cannot run on meta)."""
-
-    def meta(x: Any) -> Any:
-        return x.to("meta") if isinstance(x, torch.Tensor) else x
-
-    try:
-        with torch.no_grad():
-            if isinstance(inputs, Mapping):
-                out = model(**{k: meta(v) for k, v in inputs.items()})
-            elif isinstance(inputs, (list, tuple)):
-                out = model(*[meta(v) for v in inputs])
-            else:
-                out = model(meta(inputs))
-    except Exception:  # noqa: BLE001 - not every model runs on meta tensors; the ranks run it then
-        return None
+    out = meta_output(model, inputs)
     if isinstance(out, Mapping) and "logits" in out:
         out = out["logits"]
     logits = getattr(out, "logits", out)
