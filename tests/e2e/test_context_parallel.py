@@ -4,8 +4,8 @@ One Trainer step (SGD, lr 1, no clipping or decay, so each parameter's change is
 the reference Llama (grouped-query attention, rotary) and a tiny transformers Llama (GQA, attention
 routed through transformers' registry), at cp=2 in both modes and at cp=2 x tp=2, against the
 same model trained by one process on the whole sequences: the loss and every parameter's gradient.
-The labels ignore a different number of tokens in each sample and each half of the sequence, so
-the token-count weighting across cp ranks matters.
+Each sample ignores 4 labels (so a DP shard's token mean is the batch's), at places that give the
+cp ranks different token counts, so the token-count weighting across cp ranks matters.
 """
 
 from __future__ import annotations
@@ -22,10 +22,12 @@ from tests.support.dist import run_on_ranks
 from tests.support.models import DecoderConfig, Llama
 
 SEQ, VOCAB, BATCH = 16, 96, 4
+IGNORED = ((0, 1, 2, 3), (12, 13, 14, 15), (6, 7, 8, 9), (0, 1, 2, 5))
+"""The label positions (-100) of each sample."""
 
 
 class Tokens(Dataset):
-    """``BATCH`` random sequences; sample i ignores its first ``1 + 3 * i`` labels (-100)."""
+    """``BATCH`` random sequences; sample i ignores the labels at ``IGNORED[i]``."""
 
     def __init__(self) -> None:
         g = torch.Generator().manual_seed(3)
@@ -36,7 +38,7 @@ class Tokens(Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         labels = self.ids[i, 1:].clone()
-        labels[: 1 + 3 * i] = -100
+        labels[list(IGNORED[i])] = -100
         return {"input_ids": self.ids[i, :-1], "labels": labels}
 
 
@@ -128,3 +130,8 @@ def test_cp2_equals_one_process(kind: str, mode: str) -> None:
 @pytest.mark.parametrize("kind", ["reference", "transformers"])
 def test_cp2_tp2_ring_equals_one_process(kind: str) -> None:
     _check(kind, run_on_ranks(4, _train, kind, {"cp": 2, "tp": 2, "cp_mode": "ring"}))
+
+
+def test_dp2_cp2_zero1_equals_one_process() -> None:
+    overrides = {"cp": 2, "dp": 2, "zero_stage": 1, "per_device_train_batch_size": BATCH // 2}
+    _check("reference", run_on_ranks(4, _train, "reference", overrides))
