@@ -71,7 +71,7 @@ def check_layout(args: TrainingArguments, layout: ParallelLayout) -> None:
     (Whether the schedule runs ``args.virtual_stages`` stages per rank is checked with the arguments
     themselves and where the stages are placed, :mod:`merak_core.virtual_stages`.)
     """
-    for name in ("tp", "pp", "cp"):
+    for name in ("tp", "pp", "cp", "ep"):
         if getattr(args, name) != getattr(layout, name):
             raise ValueError(
                 f"TrainingArguments.{name}={getattr(args, name)} but the layout has "
@@ -96,7 +96,13 @@ def run_layout(
     """``layout``, or :func:`merak_core.init` from ``args``' degrees; checked against ``args``."""
     if layout is None:
         layout = init(
-            dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, device=device, timeout=args.comm_timeout
+            dp=args.dp,
+            tp=args.tp,
+            pp=args.pp,
+            cp=args.cp,
+            ep=args.ep,
+            device=device,
+            timeout=args.comm_timeout,
         )
     check_layout(args, layout)
     return layout

@@ -198,6 +198,11 @@ def build_parallel_model(
         example_inputs, torch.Tensor
     ):  # one input (e.g. an (inputs, labels) dataset), not a sequence
         example_inputs = (example_inputs,)
+    ep_leaves: list[type] = []
+    if layout.ep > 1:  # this rank's experts only, before TP (merak_core.expert_parallel)
+        from merak_core.expert_parallel import apply_expert_parallel
+
+        ep_leaves = apply_expert_parallel(model, layout)
     model = apply_tensor_parallel(
         model,
         layout,
@@ -229,7 +234,7 @@ def build_parallel_model(
 
     import merak_graph
 
-    leaves = _trace_leaves(model, layout, tp_plan)
+    leaves = (*_trace_leaves(model, layout, tp_plan), *ep_leaves)  # an EP block's dispatch stays whole
     if lora is not None:
         from merak_core.lora.layer import LoraLinear
 
@@ -463,7 +468,8 @@ def gather_full_state_dict(pm: ParallelModel, *, dst: int = 0) -> dict[str, torc
         if spec.transposed:
             tensor = tensor.t()  # stored in Linear layout (e.g. transformers Conv1D): give the original back
         local[name] = tensor.cpu().contiguous()
-    contribute = layout.dp_rank == 0 and layout.tp_rank == 0
+    # Experts are sharded over the first EP group's DP ranks (dense parameters: the same on each).
+    contribute = layout.dp_rank < layout.ep and layout.tp_rank == 0
     gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == dst else None
     dist.gather_object(local if contribute else {}, gathered, dst=dst)
     if gathered is None:

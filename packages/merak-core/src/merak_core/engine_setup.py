@@ -180,6 +180,12 @@ def build_dp_sync(
         return sharded
     if layout.dp * layout.cp == 1:
         return None
+    if layout.ep > 1:  # dense over DP, experts over their replica group (merak_core.expert_parallel)
+        from merak_core.expert_parallel import ExpertParallelGradSync
+
+        return ExpertParallelGradSync(
+            model.module, layout, deferred_params=[p for p, _ in model.shared_parameters]
+        )  # type: ignore[return-value]  # the same interface
     # Shared (tied) parameters get their cross-stage sum after the backward: reduce them last.
     # CP ranks hold the same parameters: the sync averages over DP x CP (merak_core.context_parallel).
     return DataParallelGradSync(

@@ -136,6 +136,10 @@ class Trainer(GenerateMixin):
             check_cp_model(
                 model, args, lora=lora, loss_fn_given=loss_fn is not None, eval_dataset=eval_dataset
             )
+        if args.ep > 1:  # before any process group (merak_core.expert_parallel)
+            from merak_core.expert_parallel import check_ep_model
+
+            check_ep_model(model, args, lora=lora)
         if args.sequence_parallel and (layout.tp if layout is not None else args.tp) > 1:
             from merak_core.tp_check import check_sequence_parallel
 

@@ -13,19 +13,31 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-_all_gather_single: Any = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single: Any = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+def _collective(new_name: str, old_name: str) -> Any:
+    """torch.distributed's collective under its new name, else under the old one (looked up per call)."""
+    fn = getattr(dist, new_name, None) or getattr(dist, old_name, None)
+    if fn is None:
+        raise RuntimeError(
+            f"torch {torch.__version__} has neither torch.distributed.{new_name} nor {old_name}: "
+            "merak-tp needs one of them (torch >= 2.11)"
+        )
+    return fn
 
 
 def all_gather_dim0(
     out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup | None, async_op: bool = False
 ) -> dist.Work | None:
     """All-gather ``inp`` from every rank of ``group`` into ``out`` along dim 0."""
-    return _all_gather_single(out, inp, group=group, async_op=async_op)
+    return _collective("all_gather_single", "all_gather_into_tensor")(
+        out, inp, group=group, async_op=async_op
+    )
 
 
 def reduce_scatter_dim0(
     out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup | None, async_op: bool = False
 ) -> dist.Work | None:
     """Sum ``inp`` over ``group`` and keep this rank's dim-0 slice in ``out``."""
-    return _reduce_scatter_single(out, inp, group=group, async_op=async_op)
+    return _collective("reduce_scatter_single", "reduce_scatter_tensor")(
+        out, inp, group=group, async_op=async_op
+    )

@@ -125,6 +125,9 @@ class TrainingArguments:
     """Attention over the cp group: ``ring`` (key/value blocks passed round the group, causal load balance by
     ``2 * cp`` chunks) or ``ulysses`` (all-to-all between sequence and heads; cp must divide the heads per TP
     rank)."""
+    ep: int = 1
+    """Expert-parallel degree, carved out of dp (ep must divide dp): each MoE block's experts are split over ep
+    ranks (``experts / ep`` each) and tokens travel to them by all-to-all; 1: off. See docs/expert_parallel.md."""
     virtual_stages: int = 1
     """Pipeline stages per pipeline rank: the model is cut into ``pp * virtual_stages`` stages, placed by the
     schedule (``interleaved_1f1b``: round-robin, any v; ``zb_v``: in a V, v = 2). 1: one stage per rank."""

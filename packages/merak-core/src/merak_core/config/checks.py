@@ -46,6 +46,9 @@ def check_arguments(args: Any) -> None:
     from merak_core.context_parallel import check_cp_arguments
 
     check_cp_arguments(args)  # cp, cp_mode, and what cp > 1 refuses
+    from merak_core.expert_parallel import check_ep_arguments
+
+    check_ep_arguments(args)  # ep, and what ep > 1 refuses
 
 
 def _check_run(args: Any) -> None:
