@@ -130,14 +130,14 @@ def _args(**kw: object) -> SimpleNamespace:
     ],
 )
 def test_refusals(overrides: dict[str, object], lora: object, words: str) -> None:
-    from merak_core.expert_parallel import check_ep_args
+    from merak_core.expert_parallel import check_ep_model
 
     with pytest.raises(ValueError, match=words):
-        check_ep_args(_block(), _args(**overrides), lora=lora)
+        check_ep_model(_block(), _args(**overrides), lora=lora)
 
 
 def test_refuses_a_model_without_moe_block() -> None:
-    from merak_core.expert_parallel import check_ep_args
+    from merak_core.expert_parallel import check_ep_model
 
     with pytest.raises(ValueError, match="no mixture-of-experts block"):
-        check_ep_args(torch.nn.Linear(2, 2), _args())
+        check_ep_model(torch.nn.Linear(2, 2), _args())

@@ -31,7 +31,7 @@ brings each rank's token gradients home). The expert-replica groups hold the oth
 so the expert gradient is summed over the replica group (dp / ep ranks) and divided by dp: each
 expert's gradient is the one-process gradient over every token of the global batch that visited it.
 
-Refused (before any process group, :func:`check_ep_args`): ep with ZeRO-2/3, virtual stages, LoRA,
+Refused (before any process group: :func:`check_ep_arguments`, :func:`check_ep_model`): ep with ZeRO-2/3, virtual stages, LoRA,
 cp > 1, gradient clipping (the norm would count an expert's gradient once per EP block), and a
 model without a block following [Note: the MoE block protocol].
 """
@@ -52,7 +52,8 @@ from merak_tp.all_to_all import all_to_all_uneven, exchange_counts
 __all__ = [
     "ExpertParallelGradSync",
     "apply_expert_parallel",
-    "check_ep_args",
+    "check_ep_arguments",
+    "check_ep_model",
     "dispatch",
     "expert_parameters",
     "is_moe_block",
@@ -79,9 +80,11 @@ def moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, m) for name, m in model.named_modules() if is_moe_block(m)]
 
 
-def check_ep_args(model: nn.Module, args: Any, *, lora: Any = None) -> None:
-    """ValueError for a job Merak cannot run exactly at ``args.ep`` (pure: before any process group)."""
+def check_ep_arguments(args: Any) -> None:
+    """``ep`` of a ``TrainingArguments``; ValueError for a combination not made exact at ep > 1 (pure)."""
     ep = args.ep
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        raise ValueError(f"ep={ep!r} is invalid: expected an integer >= 1 (1: no expert parallelism)")
     if ep == 1:
         return
     if args.dp is not None:
@@ -89,7 +92,6 @@ def check_ep_args(model: nn.Module, args: Any, *, lora: Any = None) -> None:
     refusals = (
         (args.zero_stage >= 2, f"zero_stage={args.zero_stage}", "set zero_stage: 0 or 1"),
         (args.virtual_stages > 1, f"virtual_stages={args.virtual_stages}", "set virtual_stages: 1"),
-        (lora is not None, "LoRA (model.lora)", "train the adapters with ep: 1"),
         (args.cp > 1, f"cp={args.cp}", "set cp: 1"),
         (
             args.max_grad_norm > 0,
@@ -100,6 +102,18 @@ def check_ep_args(model: nn.Module, args: Any, *, lora: Any = None) -> None:
     for refused, what, fix in refusals:
         if refused:
             raise ValueError(f"ep={ep} with {what} is not supported (not proved exact): {fix}, or set ep: 1")
+
+
+def check_ep_model(model: nn.Module, args: Any, *, lora: Any = None) -> None:
+    """ValueError when ``model`` cannot run at ``args.ep`` (pure: before any process group)."""
+    ep = args.ep
+    if ep == 1:
+        return
+    check_ep_arguments(args)
+    if lora is not None:
+        raise ValueError(
+            f"ep={ep} with LoRA (model.lora) is not supported (not proved exact): train the adapters with ep: 1"
+        )
     blocks = moe_blocks(model)
     if not blocks:
         raise ValueError(

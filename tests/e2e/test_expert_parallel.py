@@ -1,0 +1,112 @@
+"""Expert-parallel training (training.ep) of the reference MoE Llama against one process in float64.
+
+Two Trainer steps (SGD, no clipping or decay) of a tiny MoE Llama (4 experts, top-2 softmax routing,
+weights normalised) at dp=2 x ep=2 (2 ranks) and dp=2 x ep=2 x pp=2 (4 ranks), against the same model
+trained by one process on the whole batch: both steps' losses and every parameter (dense and expert)
+after the two steps, so both steps' gradients, the second with the routing the first step changed.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+
+from tests.support.dist import run_on_ranks
+from tests.support.moe import MoEConfig, MoELlama
+
+SEQ, VOCAB, BATCH, LR, STEPS = 8, 96, 4, 0.5, 2
+
+
+class Tokens(Dataset):
+    """``BATCH`` random sequences (every label counts: the DP ranks' losses are means over equal counts)."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(3)
+        self.ids = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+
+    def __len__(self) -> int:
+        return BATCH
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i, :-1], "labels": self.ids[i, 1:].clone()}
+
+
+def _model() -> MoELlama:
+    torch.manual_seed(0)
+    return MoELlama(MoEConfig(vocab_size=VOCAB)).double()
+
+
+def _args(**overrides: Any) -> Any:
+    from merak_core import TrainingArguments
+
+    values: dict[str, Any] = dict(
+        output_dir=tempfile.mkdtemp(prefix="merak-ep-"),
+        per_device_train_batch_size=BATCH // 2,
+        gradient_accumulation_steps=1,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        max_steps=STEPS,
+        max_grad_norm=0.0,
+        weight_decay=0.0,
+        logging_steps=1,
+        dtype="float64",
+        seed=7,
+    )
+    values.update(overrides)
+    return TrainingArguments(**values)
+
+
+def _sgd(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(groups, lr=LR)
+
+
+def _train(overrides: dict[str, Any]) -> tuple[list[float], dict[str, torch.Tensor] | None]:
+    import torch.distributed as dist
+
+    from merak_core import Trainer
+
+    trainer = Trainer(_model(), _args(**overrides), Tokens(), optimizer_factory=_sgd)
+    history = trainer.train()
+    state = trainer.full_state_dict()
+    return [h["loss"] for h in history if "loss" in h], state if dist.get_rank() == 0 else None
+
+
+def _reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = _model()
+    data = Tokens()
+    ids = torch.stack([data[i]["input_ids"] for i in range(BATCH)])
+    labels = torch.stack([data[i]["labels"] for i in range(BATCH)])
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(ids).reshape(-1, VOCAB), labels.reshape(-1))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _check(results: list[tuple[list[float], Any]]) -> None:
+    losses, params = _reference()
+    state = results[0][1]
+    assert state is not None
+    assert set(state) == set(params)
+    for got_losses, _ in results:
+        assert got_losses == pytest.approx(losses, rel=1e-12)
+    for name, value in params.items():
+        torch.testing.assert_close(state[name], value, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_dp2_ep2_equals_one_process() -> None:
+    _check(run_on_ranks(2, _train, {"ep": 2}))
+
+
+def test_dp2_ep2_pp2_equals_one_process() -> None:
+    overrides = {"ep": 2, "pp": 2, "per_device_train_batch_size": 1, "gradient_accumulation_steps": 2}
+    _check(run_on_ranks(4, _train, overrides))
