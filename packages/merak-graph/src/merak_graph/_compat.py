@@ -12,15 +12,12 @@ def _load_pytree() -> tuple[Callable[..., Any], Callable[..., Any], Callable[...
     """(tree_flatten, tree_flatten_with_path, tree_unflatten): torch's private pytree helpers (the
     structures torch.export and transformers use), else merak_graph's own for tuples, lists, dicts
     and named tuples (``_pytree_fallback``)."""
+    module: Any
     try:
-        from torch.utils._pytree import (
-            tree_flatten,
-            tree_flatten_with_path,
-            tree_unflatten,
-        )  # private torch API
+        import torch.utils._pytree as module  # private torch API
     except ImportError:
-        from merak_graph._pytree_fallback import tree_flatten, tree_flatten_with_path, tree_unflatten
-    return tree_flatten, tree_flatten_with_path, tree_unflatten
+        import merak_graph._pytree_fallback as module
+    return module.tree_flatten, module.tree_flatten_with_path, module.tree_unflatten
 
 
 tree_flatten, tree_flatten_with_path, tree_unflatten = _load_pytree()
@@ -194,12 +191,13 @@ def export_compiling_state() -> Iterator[None]:
     An eager run under it takes the code path the export will take: libraries such as
     transformers then skip the value-dependent checks (``mask.all()``) that meta tensors cannot answer.
     """
+    context: Any
     try:
-        from torch._export.utils import _compiling_state_context  # private torch API
+        from torch._export.utils import _compiling_state_context as context  # private torch API
     except ImportError:
-        _compiling_state_context = None
-    if _compiling_state_context is not None:
-        with _compiling_state_context():
+        context = None
+    if context is not None:
+        with context():
             yield
         return
     # Without it: torch.compiler's public predicates answer True (for callers that look them up
