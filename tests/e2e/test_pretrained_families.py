@@ -129,15 +129,16 @@ def reference_grads(name: str, folder: Path) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-CONVERTED = ("gpt_neox", "mixtral", "qwen3_moe")
-"""Families whose tensors ``save_pretrained`` writes in a legacy layout by default (GPT-NeoX's head as
-``embed_out``, Mixtral's and Qwen3-MoE's experts one by one) that transformers converts on load."""
+MERGED = ("mixtral", "qwen3_moe")
+"""Families whose tensors ``save_pretrained`` writes in a legacy layout that transformers merges on load
+(the experts one by one): refused, so their folders are saved under the model's own names. GPT-NeoX's
+legacy folder (the head as ``embed_out``, a rename) is loaded as transformers writes it."""
 
 
 def save_family(name: str) -> Path:
     """The family's folder; mixture-of-experts configs name their (float64-capable) eager experts."""
     folder = Path(tempfile.mkdtemp(prefix=f"merak-pretrained-{name}-"))
-    F.build_family(name).save_pretrained(str(folder), save_original_format=name not in CONVERTED)
+    F.build_family(name).save_pretrained(str(folder), save_original_format=name not in MERGED)
     if name in F.MOE:  # transformers does not save the choice: its default kernel takes no float64
         config = json.loads((folder / "config.json").read_text())
         (folder / "config.json").write_text(json.dumps({**config, "experts_implementation": "eager"}))
@@ -172,9 +173,9 @@ def test_pretrained_folder_at_tp2_equals_transformers(name: str, extra: dict[str
         )
 
 
-@pytest.mark.parametrize("name", CONVERTED)
+@pytest.mark.parametrize("name", MERGED)
 def test_legacy_layout_is_refused_with_the_way_to_save_it(name: str) -> None:
-    """Not converted yet: refused before any process group, naming the conversion and the save that avoids it."""
+    """Not merged yet: refused before any process group, naming the conversion and the save that avoids it."""
     from merak_core.hf import PretrainedWeights, pretrained_model
 
     folder = Path(tempfile.mkdtemp(prefix=f"merak-legacy-{name}-"))

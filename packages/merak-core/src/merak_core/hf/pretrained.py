@@ -19,6 +19,10 @@ through every alias of a tied parameter (``lm_head.weight`` and ``transformer.wt
 one tensor; the folder holds one of them), and ``Conv1D`` weights (GPT-2, stored ``(in, out)``)
 are sliced in the file's orientation and transposed into the TP layer's ``(out, in)``; both
 come from the ``ShardSpec`` merak-tp puts on every parameter (``merak_tp.get_shard_spec``).
+[Note: legacy layouts] transformers writes some families' tensors in an older layout and converts
+them when it loads them: a tensor it only renames (GPT-NeoX's ``embed_out.weight`` is
+``lm_head.weight``) is found under its old name; one it merges (Mixtral's and Qwen3-MoE's experts,
+stored one by one, fused into one tensor) is refused, naming the save that avoids it.
 
 Not done here: reading folders (``folder.py``), writing them (``export.py``). Persistent
 buffers are not read from the folder: they keep the values the model's constructor computes
@@ -93,6 +97,22 @@ def _transformers_model(folder: PretrainedFolder) -> nn.Module:
     return cls._from_config(config)  # type: ignore[no-any-return]
 
 
+def _renamed_tensors(model: nn.Module, names: set[str]) -> dict[str, str]:
+    """{name transformers loads a folder tensor under: the folder's name} for the tensors its checkpoint
+    conversion for ``model`` only renames (GPT-NeoX's ``embed_out`` is ``lm_head``): a renamed tensor is
+    the same tensor, sliced as any other. Tensors it merges or splits are not listed ([Note: legacy
+    layouts])."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, apply_renamings
+
+        renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+        renamed = {name: apply_renamings(name, renamings) for name in names} if renamings else {}
+    except Exception:  # noqa: BLE001 - no transformers, a model outside it, another version's API: no renames
+        return {}
+    return {new: name for name, new in renamed.items() if new != name and new not in names}
+
+
 def _converted_layout(model: nn.Module) -> str:
     """A note when transformers converts this model's tensors on load (renamed or merged: the legacy
     layout ``save_pretrained`` writes back, e.g. GPT-NeoX's ``embed_out``, per-expert MoE weights)."""
@@ -105,10 +125,10 @@ def _converted_layout(model: nn.Module) -> str:
     if not any(k and get_checkpoint_conversion_mapping(k) for k in keys):
         return ""
     return (
-        f". transformers converts the tensors of {keys[0]} (model_type {keys[1]!r}) when it loads them "
-        "(renamed or merged, e.g. per-expert weights fused): model.pretrained reads tensors under the "
-        "model's own names and does not convert that layout yet: save the folder under those names "
-        "(transformers' save_pretrained(DIR, save_original_format=False), or merak export)"
+        f". transformers converts the tensors of {keys[0]} (model_type {keys[1]!r}) when it loads them: "
+        "model.pretrained follows its renames but does not merge tensors yet (e.g. per-expert weights "
+        "fused into one): save the folder under the model's own names (transformers' "
+        "save_pretrained(DIR, save_original_format=False), or merak export)"
     )
 
 
@@ -180,6 +200,7 @@ class PretrainedWeights:
         """
         folder = path if isinstance(path, PretrainedFolder) else PretrainedFolder(path)
         available = set(folder.weight_map)
+        renamed = _renamed_tensors(model, available)
         aliases: dict[int, list[str]] = {}
         params: dict[int, nn.Parameter] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
@@ -188,7 +209,9 @@ class PretrainedWeights:
         file_names: dict[str, str] = {}
         missing: list[str] = []
         for names in aliases.values():
-            found = next((n for n in names if n in available), None)
+            found = next((n for n in names if n in available), None) or next(
+                (renamed[n] for n in names if n in renamed), None
+            )
             if found is None:
                 missing.append(names[0])
             else:

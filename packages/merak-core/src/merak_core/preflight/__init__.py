@@ -148,6 +148,7 @@ def preflight(job: JobConfig, *, tp: int | None = None, resume: str | None = Non
         if what == "training" and job.loss is None:
             check_default_loss_output(model, inputs)
         first[what] = (inputs, labels)
+        check_cp_first_batch(inputs, labels, t, what)  # its length, padding and positions at cp > 1
         report.checks.append(f"first {what} batch collates")
     if job.metrics is not None and "evaluation" in first:
         check_metrics(job, model, *first["evaluation"])
