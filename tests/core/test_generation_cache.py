@@ -122,3 +122,19 @@ def test_microbatches_cover_the_rows() -> None:
     assert _microbatches(5, 1, None) == [slice(0, 5)]
     with pytest.raises(ValueError, match="num_microbatches=6"):
         _microbatches(5, 2, 6)
+
+
+@pytest.mark.parametrize(("stages", "microbatches"), [(2, 1), (2, 3), (3, 2), (4, 5)])
+def test_decode_round_is_merak_pipes_validated_forward_round(stages: int, microbatches: int) -> None:
+    """Each rank: for every microbatch in order, receive (after the first stage), forward, send (before the
+    last); decode_round validated it under NCCL's rules (merak_pipe.validate raises otherwise)."""
+    from merak_core.generation.decode import decode_round
+
+    rounds = decode_round(stages, microbatches)
+    for stage in range(stages):
+        expected = []
+        for m in range(microbatches):
+            expected += [f"{stage}RECV_F{m}"] if stage > 0 else []
+            expected += [f"{stage}F{m}"]
+            expected += [f"{stage}SEND_F{m}"] if stage < stages - 1 else []
+        assert [str(a) for a in rounds[stage]] == expected

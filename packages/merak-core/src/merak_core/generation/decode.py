@@ -3,7 +3,9 @@
 Shapes: ``b`` batch rows, ``t`` tokens, ``h`` hidden size, ``v`` vocabulary.
 
 [Note: decoding under pipeline parallelism] The batch's rows are split into microbatches; each
-stage keeps one cache per microbatch. In a step, every stage runs the microbatches in order:
+stage keeps one cache per microbatch. A step is the forward-only round of merak-pipe's GPipe
+schedule, lowered and validated under NCCL's rules (:func:`decode_round`), which this module
+interprets: every stage runs the microbatches in order:
 receive the hidden states of microbatch ``m`` from the previous stage (the first stage embeds its
 tokens instead), run its layers, send the result to the next stage; the last stage chooses the
 tokens of ``m``. Stage ``s`` works on microbatch ``m`` while stage ``s - 1`` works on ``m + 1``.
@@ -25,6 +27,7 @@ Not done here: rebuilding the eager layers (:mod:`merak_core.generation.decoders
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -187,6 +190,24 @@ def _hidden_spec(model: ParallelModel) -> tuple[int, torch.dtype]:
     return int(getattr(config, "hidden_size", 0)), params[0].dtype
 
 
+@functools.lru_cache(maxsize=16)
+def decode_round(num_stages: int, num_microbatches: int) -> dict[int, list[Any]]:
+    """Each pipeline rank's actions in one decode step ([Note: decoding under pipeline parallelism]).
+
+    The forward-only round of merak-pipe's GPipe schedule (every stage runs ``F`` of the microbatches in
+    order), lowered (``RECV_F`` before the ``F`` that needs it, ``SEND_F`` after the one that makes it) and
+    validated with the NCCL rules (``merak_pipe.validate(..., nccl=True)`` replays the evaluation round's
+    issue order too). Pipeline rank ``s`` holds stage ``s``.
+    """
+    import merak_pipe
+    from merak_pipe import ActionKind
+
+    schedule = merak_pipe.build_schedule("gpipe", num_stages=num_stages, num_microbatches=num_microbatches)
+    lowered = merak_pipe.validate(merak_pipe.lower(schedule), channel_order=True, nccl=True)
+    keep = (ActionKind.FORWARD, ActionKind.SEND_F, ActionKind.RECV_F)
+    return {rank: [a for a in lowered.actions[rank] if a.kind in keep] for rank in range(num_stages)}
+
+
 def _run_step(
     model: ParallelModel,
     decoder: Any,
@@ -198,22 +219,34 @@ def _run_step(
     choose: Any,
 ) -> torch.Tensor:
     """One forward of every microbatch through this rank's stage; the step's tokens on every rank."""
-    pp = model.layout.pp
     tokens_b = torch.zeros(inputs_bt.shape[0], dtype=torch.long, device=inputs_bt.device)
-    peers = _Peers(model) if pp > 1 else None
-    width, dtype = _hidden_spec(model) if pp > 1 else (0, torch.float32)
-    for m, rows in enumerate(chunks):
-        x = inputs_bt[rows]
-        if peers is not None and peers.prev is not None:
-            x = torch.empty((x.shape[0], x.shape[1], width), dtype=dtype, device=x.device)
-            dist.recv(x, src=peers.prev, group=peers.group)
-        out = decoder(x, mask_bt[rows], pos_bt[rows], caches[m])
-        if peers is not None and peers.next is not None:
-            dist.send(out.contiguous(), dst=peers.next, group=peers.group)
-        if decoder.last:
-            tokens_b[rows] = choose(out, rows)
-    if peers is not None:
-        dist.broadcast(tokens_b, src=peers.last, group=peers.group)
+    if model.layout.pp == 1:
+        tokens_b[chunks[0]] = choose(decoder(inputs_bt, mask_bt, pos_bt, caches[0]), chunks[0])
+        return tokens_b
+    from merak_pipe import ActionKind
+
+    peers = _Peers(model)
+    width, dtype = _hidden_spec(model)
+    received: dict[int, torch.Tensor] = {}
+    outputs: dict[int, torch.Tensor] = {}
+    for action in decode_round(model.layout.pp, len(chunks))[model.layout.pp_rank]:
+        m = action.microbatch
+        rows = chunks[m]
+        if action.kind is ActionKind.RECV_F:
+            received[m] = torch.empty(
+                (rows.stop - rows.start, inputs_bt.shape[1], width), dtype=dtype, device=inputs_bt.device
+            )
+            dist.recv(received[m], src=peers.prev, group=peers.group)
+        elif action.kind is ActionKind.SEND_F:
+            dist.send(outputs.pop(m).contiguous(), dst=peers.next, group=peers.group)
+        else:
+            x = inputs_bt[rows] if decoder.first else received.pop(m)
+            out = decoder(x, mask_bt[rows], pos_bt[rows], caches[m])
+            if decoder.last:
+                tokens_b[rows] = choose(out, rows)
+            else:
+                outputs[m] = out
+    dist.broadcast(tokens_b, src=peers.last, group=peers.group)
     return tokens_b
 
 

@@ -93,6 +93,9 @@ def preflight(job: JobConfig, *, tp: int | None = None, resume: str | None = Non
     from merak_core.preflight.lora import check_lora_targets
 
     report.checks.extend(check_lora_targets(model, job.model.lora))
+    from merak_core.preflight.context_parallel import check_cp_first_batch, check_cp_job
+
+    report.checks.extend(check_cp_job(job, model))  # training.cp > 1: the model, LoRA, the loss
     if t.virtual_stages > 1:
         try:
             check_layer_count(model, t.pp, t.virtual_stages)
