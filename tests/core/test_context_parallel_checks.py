@@ -74,32 +74,30 @@ def test_model_refusals() -> None:
     check_cp_model(llama, _args(cp=2, tp=2, cp_mode="ring"))
 
 
-class _FakeGroupRun:
-    """ContextParallelRun.split without a process group: the positions of rank 1 of 2."""
+class _Rank1Of2:
+    """``split_batch`` as rank 1 of a cp=2 group does it, without a process group."""
 
-    def __new__(cls, mode: str, hf: bool) -> Any:
-        from merak_core.context_parallel import ContextParallelRun
+    def __init__(self, mode: str, hf: bool) -> None:
+        self.mode, self.hf = mode, hf
+
+    def split(self, inputs: Any, labels: Any) -> tuple[Any, Any]:
+        from merak_core.context_parallel import split_batch
         from merak_tp.context import shard_positions
 
-        run = object.__new__(ContextParallelRun)
+        def positions(n: int) -> torch.Tensor:
+            return shard_positions(n, 2, 1, balanced=self.mode == "ring")
 
-        class _Ctx:
-            def positions(self, seq_len: int) -> torch.Tensor:
-                return shard_positions(seq_len, 2, 1, balanced=mode == "ring")
-
-        run.context = _Ctx()  # type: ignore[assignment]
-        run.position_ids = hf
-        return run
+        return split_batch(inputs, labels, positions, position_ids=self.hf)
 
 
 def test_split_takes_this_ranks_tokens_and_refuses_padding() -> None:
     ids = torch.arange(32).reshape(2, 16)
-    run = _FakeGroupRun("ring", hf=True)
+    run = _Rank1Of2("ring", hf=True)
     inputs, labels = run.split({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, ids + 100)
     assert inputs["input_ids"][0].tolist() == list(range(4, 12))
     assert inputs["position_ids"][1].tolist() == list(range(4, 12))
     assert "attention_mask" not in inputs and labels[0].tolist() == list(range(104, 112))
-    inputs, _ = _FakeGroupRun("ulysses", hf=False).split(ids, None)
+    inputs, _ = _Rank1Of2("ulysses", hf=False).split(ids, None)
     assert inputs[0].tolist() == list(range(8, 16))
     mask = torch.ones_like(ids)
     mask[0, -3:] = 0

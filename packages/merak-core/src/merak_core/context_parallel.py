@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -39,15 +39,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from merak_tp.context import CP_MODES, ContextParallel, active_context, context_parallel
+from merak_tp.context import CP_MODES, ContextParallel, active_context, context_parallel, shard_positions
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "ContextParallelRun",
     "check_cp_arguments",
+    "check_cp_batch",
     "check_cp_model",
     "cp_run_for",
     "route_attention",
+    "split_batch",
 ]
 
 ATTN_IMPLEMENTATION = "merak_cp"
@@ -205,42 +207,7 @@ class ContextParallelRun:
 
     def split(self, inputs: Any, labels: Any) -> tuple[Any, Any]:
         """This rank's tokens of a batch read whole by every CP rank (refusals are the same on every rank)."""
-        seq_len = _seq_len(inputs if inputs is not None else labels)
-        pos = self.context.positions(seq_len)
-        out_inputs = None if inputs is None else self._split_inputs(inputs, pos, seq_len)
-        out_labels = None if labels is None else _slice(labels, pos, seq_len, "labels")
-        return out_inputs, out_labels
-
-    def _split_inputs(self, inputs: Any, pos: torch.Tensor, seq_len: int) -> Any:
-        if isinstance(inputs, torch.Tensor):
-            local = _slice(inputs, pos, seq_len, "inputs")
-            if not self.position_ids:
-                return local
-            inputs = {"input_ids": inputs}
-        if not isinstance(inputs, Mapping):
-            raise ValueError(f"cp > 1 splits tensor or dict batches along dim 1, got {type(inputs).__name__}")
-        out: dict[str, Any] = {}
-        for key, value in inputs.items():
-            if key == "attention_mask":
-                if value is not None and not bool(torch.all(value != 0)):
-                    raise ValueError(
-                        "cp > 1 with a padding attention_mask (some entries 0) is not exact: train on "
-                        "sequences without padding (pack them to data.seq_len), or cp=1"
-                    )
-                continue  # all ones: causal attention needs no mask
-            if key == "position_ids" and value is not None:
-                whole = torch.arange(seq_len, device=value.device).expand_as(value)
-                if not torch.equal(value, whole):
-                    raise ValueError(
-                        "cp > 1 with position_ids that restart (packed documents) is not exact: drop "
-                        "position_ids from the batch, or cp=1"
-                    )
-                continue
-            out[key] = _slice(value, pos, seq_len, key) if isinstance(value, torch.Tensor) else value
-        if self.position_ids:
-            first = next(v for v in out.values() if isinstance(v, torch.Tensor))
-            out["position_ids"] = pos.to(first.device).expand(first.shape[0], -1)
-        return out
+        return split_batch(inputs, labels, self.context.positions, position_ids=self.position_ids)
 
     def loss(self, output: Any, labels: torch.Tensor) -> torch.Tensor:
         """The token cross-entropy of the local tokens, scaled as [Note: cp loss] says."""
@@ -256,6 +223,59 @@ class ContextParallelRun:
         count = (flat_labels != -100).sum().to(total.dtype)
         dist.all_reduce(count, group=self.context.group)
         return total * self.context.size / count
+
+
+def split_batch(
+    inputs: Any, labels: Any, positions: Callable[[int], torch.Tensor], *, position_ids: bool
+) -> tuple[Any, Any]:
+    """The tokens at ``positions(seq_len)`` of a batch (dim 1 of every tensor); ValueError for what cp > 1
+    cannot split exactly (a padding mask, restarting position ids, a length not dividing into chunks).
+
+    ``position_ids``: add the global positions as ``position_ids`` (transformers models).
+    """
+    seq_len = _seq_len(inputs if inputs is not None else labels)
+    pos = positions(seq_len)
+    out_inputs = None if inputs is None else _split_inputs(inputs, pos, seq_len, position_ids)
+    out_labels = None if labels is None else _slice(labels, pos, seq_len, "labels")
+    return out_inputs, out_labels
+
+
+def _split_inputs(inputs: Any, pos: torch.Tensor, seq_len: int, position_ids: bool) -> Any:
+    if isinstance(inputs, torch.Tensor):
+        if not position_ids:
+            return _slice(inputs, pos, seq_len, "inputs")
+        inputs = {"input_ids": inputs}
+    if not isinstance(inputs, Mapping):
+        raise ValueError(f"cp > 1 splits tensor or dict batches along dim 1, got {type(inputs).__name__}")
+    out: dict[str, Any] = {}
+    for key, value in inputs.items():
+        if key == "attention_mask":
+            if value is not None and not bool(torch.all(value != 0)):
+                raise ValueError(
+                    "cp > 1 with a padding attention_mask (some entries 0) is not exact: train on "
+                    "sequences without padding (pack them to data.seq_len), or cp=1"
+                )
+            continue  # all ones: causal attention needs no mask
+        if key == "position_ids" and value is not None:
+            whole = torch.arange(seq_len, device=value.device).expand_as(value)
+            if not torch.equal(value, whole):
+                raise ValueError(
+                    "cp > 1 with position_ids that restart (packed documents) is not exact: drop "
+                    "position_ids from the batch, or cp=1"
+                )
+            continue
+        out[key] = _slice(value, pos, seq_len, key) if isinstance(value, torch.Tensor) else value
+    if position_ids:
+        first = next(v for v in out.values() if isinstance(v, torch.Tensor))
+        out["position_ids"] = pos.to(first.device).expand(first.shape[0], -1)
+    return out
+
+
+def check_cp_batch(inputs: Any, labels: Any, cp: int, mode: str) -> None:
+    """The split's refusals on a first batch, without a process group (the launch checks)."""
+    split_batch(
+        inputs, labels, lambda n: shard_positions(n, cp, 0, balanced=mode == "ring"), position_ids=False
+    )
 
 
 def cp_run_for(model: nn.Module, layout: Any, mode: str) -> ContextParallelRun:
