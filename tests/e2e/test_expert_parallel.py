@@ -110,3 +110,43 @@ def test_dp2_ep2_equals_one_process() -> None:
 def test_dp2_ep2_pp2_equals_one_process() -> None:
     overrides = {"ep": 2, "pp": 2, "per_device_train_batch_size": 1, "gradient_accumulation_steps": 2}
     _check(run_on_ranks(4, _train, overrides))
+
+
+def _resume_pair(resume_ep: int) -> dict[str, Any]:
+    """3 AdamW steps at ep=2 saving every step; a fresh Trainer at ``resume_ep`` resumes step_1, trains to 3."""
+    import torch.distributed as dist
+
+    from merak_core import Trainer
+
+    out_dir = tempfile.mkdtemp(prefix="merak-ep-resume-") if dist.get_rank() == 0 else ""
+    shared = [out_dir]
+    dist.broadcast_object_list(shared, src=0)
+    common = dict(output_dir=shared[0], max_steps=3, save_steps=1, learning_rate=0.01)
+    full = Trainer(_model(), _args(ep=2, **common), Tokens())
+    full_losses = [h["loss"] for h in full.train() if "loss" in h]
+    full_state = full.full_state_dict()
+    dist.barrier()
+    resumed = Trainer(_model(), _args(ep=resume_ep, **common), Tokens())
+    step = resumed.resume("step_1")
+    losses = [h["loss"] for h in resumed.train() if "loss" in h]
+    final_state = resumed.full_state_dict()
+    return {"step": step, "full": (full_losses, full_state), "resumed": (losses, final_state)}
+
+
+@pytest.mark.parametrize("resume_ep", [2, 1])
+def test_resume_at_another_ep(resume_ep: int) -> None:
+    """Experts are saved by their global names: a checkpoint of ep=2 resumes at ep=2 bit for bit, at ep=1
+    (the same two ranks, every expert on each) to rounding."""
+    got = run_on_ranks(2, _resume_pair, resume_ep)[0]
+    assert got["step"] == 1
+    full_losses, full_state = got["full"]
+    losses, final_state = got["resumed"]
+    assert len(full_losses) == 3 and len(losses) == 2
+    exact = resume_ep == 2
+    assert losses == (full_losses[1:] if exact else pytest.approx(full_losses[1:], rel=1e-12))
+    assert set(final_state) == set(full_state)
+    for name, value in full_state.items():
+        if exact:
+            assert torch.equal(final_state[name], value), name
+        else:
+            torch.testing.assert_close(final_state[name], value, rtol=1e-10, atol=1e-12, msg=name)

@@ -90,7 +90,7 @@ def check_ep_arguments(args: Any) -> None:
     if args.dp is not None:
         check_ep(args.dp, ep)
     refusals = (
-        (args.zero_stage >= 2, f"zero_stage={args.zero_stage}", "set zero_stage: 0 or 1"),
+        (args.zero_stage >= 1, f"zero_stage={args.zero_stage}", "set zero_stage: 0"),
         (args.virtual_stages > 1, f"virtual_stages={args.virtual_stages}", "set virtual_stages: 1"),
         (args.cp > 1, f"cp={args.cp}", "set cp: 1"),
         (

@@ -103,9 +103,12 @@ def _renamed_tensors(model: nn.Module, names: set[str]) -> dict[str, str]:
     the same tensor, sliced as any other. Tensors it merges or splits are not listed ([Note: legacy
     layouts])."""
     try:
+        from transformers import PreTrainedModel
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightRenaming, apply_renamings
 
+        if not isinstance(model, PreTrainedModel):
+            return {}
         renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
         renamed = {name: apply_renamings(name, renamings) for name in names} if renamings else {}
     except Exception:  # noqa: BLE001 - no transformers, a model outside it, another version's API: no renames
