@@ -108,6 +108,11 @@ def dry_run_job(jm: JobModel, cluster: ClusterSpec, *, world_size: int, training
 
     t = training
     notes = []
+    if getattr(t, "cp", 1) > 1:
+        raise ValueError(
+            f"training.cp={t.cp}: the dry run and the cluster model do not model context parallelism yet "
+            "(its groups, its communication, activations divided by cp): dry-run the job at cp=1"
+        )
     schedule = t.schedule
     if schedule == "auto":
         schedule = "shifted_critical_path" if t.memory_budget is not None else "1f1b"
@@ -139,6 +144,7 @@ def dry_run_job(jm: JobModel, cluster: ClusterSpec, *, world_size: int, training
         num_kv_heads=jm.num_kv_heads,
         vocab_size=jm.vocab_size,
         dtype=jm.dtype,
+        ep=t.ep,
     )
     report.problems[:0] = [DryRunProblem(0, None, "model", n, fatal=False) for n in notes]
     return report

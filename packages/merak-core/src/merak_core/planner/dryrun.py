@@ -54,6 +54,12 @@ class RankPlan:
     shared_groups: dict[str, tuple[int, ...]]
     """Tied parameter -> the ranks its gradient is all-reduced over (this rank included)."""
     memory_bytes: float
+    ep_rank: int = 0
+    """This rank's index in its expert-parallel group (0 at ep=1)."""
+    ep_group: tuple[int, ...] = ()
+    """The ranks between which this rank's tokens travel to their experts (empty at ep=1)."""
+    expert_replica_group: tuple[int, ...] = ()
+    """The ranks holding this rank's experts, over which their gradients are summed (empty at ep=1)."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +89,7 @@ class DryRunReport:
     prediction: ClusterCandidate | None = None
     seconds: dict[str, float] = field(default_factory=dict)
     groups_backend: str = ""
+    ep: int = 1
 
     @property
     def first_failure(self) -> DryRunProblem | None:
@@ -97,6 +104,7 @@ class DryRunReport:
         lines = [
             f"dry run: {self.world_size} ranks on {self.cluster}"
             + (f", dp={self.degrees[0]} tp={self.degrees[1]} pp={self.degrees[2]}" if self.degrees else "")
+            + (f" ep={self.ep} (of dp)" if self.ep > 1 else "")
         ]
         if self.ranks:
             lines.append(
@@ -110,7 +118,8 @@ class DryRunReport:
                 sched = p.schedule if len(p.schedule) <= 60 else p.schedule[:57] + "..."
                 lines.append(
                     f"  rank {p.rank:>5} node {p.node:>4} stage {p.stage:>3} dp_rank {p.dp_rank:>4} tp_rank "
-                    f"{p.tp_rank:>2} recompute {p.recompute_fraction:.2f} memory {_bytes(p.memory_bytes)}"
+                    f"{p.tp_rank:>2}" + (f" ep_rank {p.ep_rank:>2}" if self.ep > 1 else "") + " "
+                    f"recompute {p.recompute_fraction:.2f} memory {_bytes(p.memory_bytes)}"
                     f"  [{sched}]"
                 )
         if self.prediction is not None:
@@ -275,6 +284,7 @@ def dry_run(
     num_kv_heads: int | None = None,
     vocab_size: int | None = None,
     dtype: str = "bf16",
+    ep: int = 1,
 ) -> DryRunReport:
     """Build what each of ``world_size`` ranks would build for this job; never raises for a bad job.
 
@@ -288,8 +298,17 @@ def dry_run(
 
     t0 = time.perf_counter()
     degrees, problems = _check_layout(world_size, dp, tp, pp, cluster, num_heads, num_kv_heads, vocab_size)
-    report = DryRunReport(world_size=world_size, degrees=degrees, cluster=cluster.name, problems=problems)
+    report = DryRunReport(
+        world_size=world_size, degrees=degrees, cluster=cluster.name, problems=problems, ep=ep
+    )
     if degrees is None:
+        return report
+    from merak_core.layout import check_ep
+
+    try:
+        check_ep(degrees[0], ep)
+    except ValueError as exc:
+        report.problems.append(DryRunProblem(0, None, "layout", str(exc)))
         return report
     dp, tp, pp = degrees
     if not schedule_info(schedule).one_stage_per_rank:
@@ -369,8 +388,29 @@ def dry_run(
     report.seconds["groups"] = time.perf_counter() - t2
     shared = {s.name: sorted({st for st, _ in s.stages}) for s in part.shared_parameters}
     _rank_plans(report, cluster, groups, cand, per_stage_actions, shared, costs.param_numel, tp)
+    if ep > 1:
+        _add_ep_groups(report, dp, tp, ep)
     report.seconds["total"] = time.perf_counter() - t0
     return report
+
+
+def _add_ep_groups(report: DryRunReport, dp: int, tp: int, ep: int) -> None:
+    """Each rank's EP and expert-replica groups, from the layout's rank formula ([Note: expert-parallel groups])."""
+    import dataclasses
+
+    from merak_core.layout import coords_of, rank_of
+
+    for i, plan in enumerate(report.ranks):
+        stage, dp_rank, tp_rank = coords_of(plan.rank, dp=dp, tp=tp)
+        first = dp_rank - dp_rank % ep
+        report.ranks[i] = dataclasses.replace(
+            plan,
+            ep_rank=dp_rank % ep,
+            ep_group=tuple(rank_of(stage, first + j, tp_rank, dp=dp, tp=tp) for j in range(ep)),
+            expert_replica_group=tuple(
+                rank_of(stage, b * ep + dp_rank % ep, tp_rank, dp=dp, tp=tp) for b in range(dp // ep)
+            ),
+        )
 
 
 def _rank_plans(

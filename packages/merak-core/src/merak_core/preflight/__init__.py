@@ -96,6 +96,9 @@ def preflight(job: JobConfig, *, tp: int | None = None, resume: str | None = Non
     from merak_core.preflight.context_parallel import check_cp_first_batch, check_cp_job
 
     report.checks.extend(check_cp_job(job, model))  # training.cp > 1: the model, LoRA, the loss
+    from merak_core.preflight.expert_parallel import check_ep_job
+
+    report.checks.extend(check_ep_job(job, model))  # training.ep > 1: the model's MoE blocks, LoRA
     if t.virtual_stages > 1:
         try:
             check_layer_count(model, t.pp, t.virtual_stages)

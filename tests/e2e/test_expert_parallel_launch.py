@@ -1,0 +1,130 @@
+"""``merak train`` refuses a job at training.ep > 1 that the ranks would refuse, before torchrun (one line, exit 2);
+and the dry run shows each rank's EP and expert-replica groups."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from torch.utils.data import Dataset
+
+from merak_core.exitcodes import BAD_INPUT
+from tests.e2e._bad_input_support import no_collectives
+from tests.support.models import DecoderConfig, Llama
+from tests.support.moe import MoEConfig, MoELlama
+
+HERE = "tests.e2e.test_expert_parallel_launch"
+
+
+def build_moe() -> torch.nn.Module:
+    return MoELlama(MoEConfig(num_layers=1))
+
+
+def build_dense() -> torch.nn.Module:
+    return Llama(DecoderConfig(num_layers=1, num_heads=4, num_kv_heads=2))
+
+
+class _Tokens(Dataset):
+    def __init__(self) -> None:
+        self.ids = torch.randint(0, 90, (16, 9), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i, :-1], "labels": self.ids[i, 1:]}
+
+
+def tokens() -> Any:
+    return _Tokens()
+
+
+def _dry_run(tmp: Path, model: str, training: dict[str, Any]) -> tuple[int, str]:
+    from merak_core.cli import main
+
+    job = tmp / "job.yaml"
+    training = {
+        "output_dir": str(tmp / "out"),
+        "per_device_train_batch_size": 2,
+        "max_steps": 1,
+        "max_grad_norm": 0.0,
+        **training,
+    }
+    spec = {
+        "model": {"factory": f"{HERE}:{model}"},
+        "data": {"factory": f"{HERE}:tokens"},
+        "training": training,
+    }
+    job.write_text(yaml.safe_dump(spec))
+    err = io.StringIO()
+    with (
+        no_collectives(allow=("init_process_group",)),
+        contextlib.redirect_stderr(err),
+        contextlib.redirect_stdout(io.StringIO()),
+    ):
+        try:
+            status = main(["--log-level", "WARNING", "train", str(job), "--nproc-per-node", "2", "--dry-run"])
+        except SystemExit as exc:
+            status = exc.code if isinstance(exc.code, int) else 2
+    return status, err.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("model", "training", "words"),
+    [
+        ("build_dense", {"ep": 2}, ("ep=2 but Llama has no mixture-of-experts block", "Set ep: 1")),
+        ("build_moe", {"ep": 2, "zero_stage": 1}, ("ep=2 with zero_stage=1", "set zero_stage: 0")),
+        ("build_moe", {"ep": 2, "max_grad_norm": 1.0}, ("ep=2 with max_grad_norm=1.0",)),
+        (
+            "build_moe",
+            {"ep": 2, "dp": 1, "pp": 2, "gradient_accumulation_steps": 2},
+            ("ep=2 does not divide dp=1",),
+        ),
+    ],
+)
+def test_refused_before_torchrun(
+    tmp_path: Path, model: str, training: dict[str, Any], words: tuple[str, ...]
+) -> None:
+    status, err = _dry_run(tmp_path, model, training)
+    assert status == BAD_INPUT, err
+    assert len(err.strip().splitlines()) == 1, err
+    for w in words:
+        assert w in err, (w, err)
+
+
+def test_good_ep_job_passes_the_checks(tmp_path: Path) -> None:
+    status, err = _dry_run(tmp_path, "build_moe", {"ep": 2})
+    assert status == 0, err
+
+
+def test_dry_run_shows_ep_groups() -> None:
+    from merak_core.layout import rank_of
+    from merak_core.planner.cluster import load_cluster
+    from merak_core.planner.dryrun import dry_run
+    from merak_core.planner.gpt_shapes import DecoderShape, build_decoder, decoder_inputs
+
+    shape = DecoderShape(num_layers=4, hidden=64, num_heads=4, vocab_size=128, seq_len=16)
+    report = dry_run(
+        build_decoder(shape), decoder_inputs(shape), load_cluster("h100-sxm-8x"), world_size=16, tp=2, pp=2,
+        num_microbatches=4, num_heads=4, vocab_size=128, ep=2,
+    )  # fmt: skip
+    assert report.ok, report.summary()
+    assert "ep=2 (of dp)" in report.summary() and "ep_rank" in report.summary()
+    for p in report.ranks:
+        first = p.dp_rank - p.dp_rank % 2
+        assert p.ep_rank == p.dp_rank % 2
+        assert p.ep_group == tuple(rank_of(p.stage, first + j, p.tp_rank, dp=4, tp=2) for j in range(2))
+        assert p.expert_replica_group == tuple(
+            rank_of(p.stage, b * 2 + p.ep_rank, p.tp_rank, dp=4, tp=2) for b in range(2)
+        )
+        assert p.rank in p.ep_group and p.rank in p.expert_replica_group
+    bad = dry_run(
+        build_decoder(shape), decoder_inputs(shape), load_cluster("h100-sxm-8x"), world_size=12, tp=2, pp=2,
+        num_microbatches=4, num_heads=4, vocab_size=128, ep=2,
+    )  # fmt: skip
+    assert bad.first_failure is not None and "ep=2 does not divide dp=3" in bad.first_failure.message
