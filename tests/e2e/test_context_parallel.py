@@ -1,8 +1,8 @@
 """Context parallel training (training.cp) against one process in float64.
 
 One Trainer step (SGD, lr 1, no clipping or decay, so each parameter's change is its gradient) of
-the reference Llama (grouped-query attention, rotary) and a tiny transformers Llama (GQA, attention
-routed through transformers' registry), at cp=2 in both modes and at cp=2 x tp=2, against the
+the reference Llama (grouped-query attention, rotary) and tiny transformers Llama and Qwen2 models
+(GQA, attention routed through transformers' registry), at cp=2 in both modes and at cp=2 x tp=2, against the
 same model trained by one process on the whole sequences: the loss and every parameter's gradient.
 Each sample ignores 4 labels (so a DP shard's token mean is the batch's), at places that give the
 cp ranks different token counts, so the token-count weighting across cp ranks matters.
@@ -46,9 +46,9 @@ def _model(kind: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if kind == "reference":
         return Llama(DecoderConfig(num_layers=2, num_heads=4, num_kv_heads=2)).double()
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
-    cfg = LlamaConfig(
+    sizes = dict(
         vocab_size=VOCAB,
         hidden_size=32,
         intermediate_size=64,
@@ -58,7 +58,9 @@ def _model(kind: str) -> torch.nn.Module:
         max_position_embeddings=64,
         use_cache=False,
     )
-    return LlamaForCausalLM(cfg).double()
+    if kind == "qwen2":  # q/k/v biases
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**sizes)).double()
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes)).double()
 
 
 def _args(**overrides: Any) -> Any:
@@ -121,7 +123,7 @@ def _check(kind: str, results: list[tuple[float, Any]]) -> None:
         torch.testing.assert_close(before[name] - state[name], grad, rtol=1e-9, atol=1e-11, msg=name)
 
 
-@pytest.mark.parametrize("kind", ["reference", "transformers"])
+@pytest.mark.parametrize("kind", ["reference", "transformers", "qwen2"])
 @pytest.mark.parametrize("mode", ["ring", "ulysses"])
 def test_cp2_equals_one_process(kind: str, mode: str) -> None:
     _check(kind, run_on_ranks(2, _train, kind, {"cp": 2, "cp_mode": mode}))
