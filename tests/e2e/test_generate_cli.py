@@ -150,6 +150,7 @@ def test_generate_from_a_checkpoint_equals_transformers_and_refuses_before_launc
         ("training.tp=3", "training.pp=1"): "3",  # 4 heads do not divide over 3 TP ranks
         ("training.virtual_stages=2", "training.schedule=interleaved_1f1b"): "training.virtual_stages=2",
         ("--checkpoint", "step_9"): "no such checkpoint",
+        ("training.overlap_chunks=2", "training.tp=2", "training.pp=1"): "training.overlap_chunks=2",
         ("--tokenizer", str(tmp_path / "none.json")): "does not exist",
         ("--temperature", "-1"): "temperature",
     }
@@ -177,3 +178,55 @@ def test_the_tokenizer_comes_from_the_job(tmp_path: Path) -> None:
     (folder / "tokenizer.json").write_text("{}")
     assert tokenizer_path(job, None) == str(folder)
     assert tokenizer_path(job, "x.json") == "x.json"
+
+
+def _train_only(job_path: str) -> dict[str, torch.Tensor] | None:
+    from merak_core import Trainer, init
+    from merak_core.job import JobConfig
+
+    job = JobConfig.from_yaml(job_path)
+    t = job.training
+    train, evaluation = job.build_datasets()
+    layout = init(dp=t.dp, tp=t.tp, pp=t.pp)
+    torch.manual_seed(t.seed)
+    trainer = Trainer(job.build_model(), t, train, evaluation, layout=layout, pretrained=job.model.pretrained)
+    trainer.train()  # saves step 1
+    return trainer.full_state_dict()
+
+
+@pytest.mark.slow
+def test_merak_generate_through_torchrun(tmp_path: Path) -> None:
+    """The real command: torchrun with the job's 2 ranks (pp=2) writes JSONL records equal to transformers'
+    generate with the checkpoint's weights, and prints the continuation of one --prompt."""
+    import os
+    import subprocess
+    import sys
+
+    folder, _ = make_folder("gpt2", tmp_path)
+    job = _job(tmp_path)
+    state = run_on_ranks(2, _train_only, str(job))[0]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    base = [sys.executable, "-m", "merak_core.cli", "--log-level", "WARNING", "generate", str(job)]
+    out = tmp_path / "samples.jsonl"
+    run = subprocess.run(
+        [*base, "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", str(NEW)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["prompt"] for r in records] == PROMPTS
+    assert [r["tokens"] for r in records] == _reference(folder, state)
+    single = subprocess.run(
+        [*base, "--prompt", PROMPTS[0], "--max-new-tokens", str(NEW)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert single.returncode == 0, single.stderr[-3000:]
+    assert single.stdout.strip().splitlines()[-1] == PROMPTS[0] + records[0]["text"]

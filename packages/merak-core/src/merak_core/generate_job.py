@@ -93,6 +93,7 @@ def tokenizer_path(job: Any, explicit: str | None) -> str:
 def check_layout(job: Any) -> int:
     """The world size, after the refusals generation makes before any process starts."""
     from merak_core.generation.decoders import FAMILIES
+    from merak_core.generation.run_api import check_run_options
     from merak_core.preflight import build_meta_model, check_tp_plan
     from merak_core.preflight.sizes import check_attention_heads
     from merak_core.preflight.tp_plan import _resolve_plan
@@ -112,10 +113,6 @@ def check_layout(job: Any) -> int:
             t.sequence_parallel and t.tp > 1,
             "use training.sequence_parallel=false",
         ),
-        "training.zero_stage": (
-            t.zero_stage >= 3,
-            "use training.zero_stage=0 (the checkpoint loads at any setting)",
-        ),
         "model.lora": (
             job.model.lora is not None and t.pp > 1,
             "generate a LoRA checkpoint at training.pp=1",
@@ -126,6 +123,10 @@ def check_layout(job: Any) -> int:
             raise ValueError(
                 f"{CMD}: {key}={getattr(t, key.split('.')[1], 'set')!r} is not supported for generation: {fix}"
             )
+    try:
+        check_run_options(t, t.pp)  # the Trainer's own refusals (zero_stage, overlap_chunks), here
+    except ValueError as exc:
+        raise ValueError(f"{CMD}: training.{exc}") from None
     model = build_meta_model(job)
     if check_tp_plan(model, t.tp_plan, t.tp, t.overlap_chunks) is not None:
         check_attention_heads(model, _resolve_plan(model, t.tp_plan), t.tp)

@@ -14,6 +14,22 @@ import torch
 from merak_core.generation.decode import generate
 
 
+def check_run_options(args: Any, pp: int) -> None:
+    """Refuse the run options generation does not compute exactly yet (naming the key and the fix)."""
+    zero_stage = getattr(args, "zero_stage", 0)
+    if zero_stage >= 2:
+        raise ValueError(
+            f"zero_stage={zero_stage}: generation is not supported (the parameters are sharded over dp): "
+            "generate with zero_stage <= 1 (a checkpoint loads at any setting)"
+        )
+    chunks = getattr(args, "overlap_chunks", 1)
+    if chunks > 1 and pp == 1:
+        raise ValueError(
+            f"overlap_chunks={chunks}: generation at pp=1 is not supported (the TP layers split each batch "
+            "into sub-batches): generate with overlap_chunks=1"
+        )
+
+
 class GenerateMixin:
     """The Trainer's ``generate`` (docs/generation.md)."""
 
@@ -41,12 +57,7 @@ class GenerateMixin:
     ) -> torch.Tensor:
         """Continue the left-padded prompts on this run's layout; collective, every rank gets the sequences
         (:func:`merak_core.generation.generate`; ``num_microbatches`` defaults to the run's under pp > 1)."""
-        zero_stage = getattr(self.args, "zero_stage", 0)
-        if zero_stage >= 3:
-            raise ValueError(
-                f"generation with zero_stage={zero_stage} is not supported (the parameters are sharded over dp): "
-                "load the checkpoint with zero_stage <= 2 to generate"
-            )
+        check_run_options(self.args, self.model.layout.pp)
         if num_microbatches is None and self.model.layout.pp > 1:
             num_microbatches = min(int(self.args.num_microbatches), int(input_ids.shape[0]))
         return generate(
