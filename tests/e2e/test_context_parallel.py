@@ -137,3 +137,36 @@ def test_cp2_tp2_ring_equals_one_process(kind: str) -> None:
 def test_dp2_cp2_zero1_equals_one_process() -> None:
     overrides = {"cp": 2, "dp": 2, "zero_stage": 1, "per_device_train_batch_size": BATCH // 2}
     _check("reference", run_on_ranks(4, _train, "reference", overrides))
+
+
+def _train_from(
+    kind: str, overrides: dict[str, Any], resume: str | None
+) -> tuple[dict[int, float], dict[str, torch.Tensor] | None]:
+    import torch.distributed as dist
+
+    from merak_core import Trainer
+
+    trainer = Trainer(_model(kind), _args(**overrides), Tokens(), optimizer_factory=_sgd)
+    if resume is not None:
+        trainer.resume(resume)
+    losses = {int(h["step"]): h["loss"] for h in trainer.train()}
+    state = trainer.full_state_dict()
+    return losses, state if dist.get_rank() == 0 else None
+
+
+def test_resume_a_cp2_checkpoint_at_cp1(tmp_path: Any) -> None:
+    saved = {
+        "output_dir": str(tmp_path / "cp2"),
+        "max_steps": 2,
+        "save_steps": 1,
+        "lr_scheduler_type": "linear",
+    }
+    run_on_ranks(2, _train_from, "reference", {**saved, "cp": 2}, None)
+    resumed, resumed_state = run_on_ranks(1, _train_from, "reference", saved, "step_1")[0]
+    whole = {"output_dir": str(tmp_path / "whole"), "max_steps": 2, "lr_scheduler_type": "linear"}
+    losses, state = run_on_ranks(1, _train_from, "reference", whole, None)[0]
+    assert list(resumed) == [2]
+    assert resumed[2] == pytest.approx(losses[2], rel=1e-12)
+    assert resumed_state is not None and state is not None
+    for name, value in state.items():
+        torch.testing.assert_close(resumed_state[name], value, rtol=1e-10, atol=1e-12, msg=name)
