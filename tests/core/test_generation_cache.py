@@ -3,6 +3,8 @@ without a cache, token choice (top-k/top-p filtering, seeded row streams) and th
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -138,3 +140,52 @@ def test_decode_round_is_merak_pipes_validated_forward_round(stages: int, microb
             expected += [f"{stage}F{m}"]
             expected += [f"{stage}SEND_F{m}"] if stage < stages - 1 else []
         assert [str(a) for a in rounds[stage]] == expected
+
+
+def _fake_model(**fields):
+    from types import SimpleNamespace
+
+    from merak_core.compose import ModelSource
+
+    source = ModelSource(object, fields.pop("config", None), None, fields.pop("sequence_parallel", False))
+    base = dict(source=source, stage_modules={}, layout=SimpleNamespace(pp=1), lora=None)
+    return SimpleNamespace(**{**base, **fields})
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        (dict(sequence_parallel=True), "sequence_parallel=true is not supported"),
+        (dict(stage_modules={0: None, 2: None}), r"virtual stages \(this rank holds stages \[0, 2\]\)"),
+        (dict(layout=SimpleNamespace(pp=2), lora=object()), "LoRA model under pipeline parallelism"),
+    ],
+)
+def test_layouts_generation_refuses(fields: dict, match: str) -> None:
+    from merak_core.generation.decode import _refuse_unsupported
+
+    with pytest.raises(ValueError, match=match):
+        _refuse_unsupported(_fake_model(**fields))
+
+
+def test_pipeline_stages_of_other_families_are_refused() -> None:
+    from types import SimpleNamespace
+
+    from merak_core.generation.decoders import FAMILIES, _stage_layers, family_of
+
+    config = SimpleNamespace(model_type="gpt_neox")
+    with pytest.raises(ValueError, match="this model's type is 'gpt_neox': generate at pp=1"):
+        family_of(_fake_model(config=config))
+    with pytest.raises(ValueError, match=r"holds decoder layers \[1, 3\]"):
+        _stage_layers(["model.layers.1.mlp.weight", "model.layers.3.mlp.weight"], FAMILIES["llama"])
+    assert _stage_layers(["model.layers.2.a", "model.layers.3.b", "lm_head.weight"], FAMILIES["llama"]) == [
+        2,
+        3,
+    ]
+
+
+def test_vocab_sharded_logits_are_refused() -> None:
+    from merak_core.generation.decoders import check_vocab
+
+    with pytest.raises(ValueError, match="vocab-sharded"):
+        check_vocab(torch.zeros(2, 25), 50)
+    check_vocab(torch.zeros(2, 50), 50)
