@@ -498,6 +498,17 @@ ROWS = [
         _all("exit 2", "training.dtype='float64'", "peaks for bf16 and fp32 only", "training.dtype=float32"),
     ),
     _row(
+        launch_cases.launch_pretrained_folder_with_merged_legacy_tensors,
+        CliExit,
+        _all(
+            "exit 2",
+            "lacks 4 of the model's parameters",
+            "experts.gate_up_proj",
+            "transformers converts the tensors of MixtralForCausalLM",
+            "save_original_format=False",
+        ),
+    ),
+    _row(
         launch_cases.launch_batch_key_matches_no_parameter,
         CliExit,
         _all(
