@@ -144,3 +144,37 @@ def test_leaf_export_with_the_fallback_pytree(monkeypatch: pytest.MonkeyPatch) -
     gm = trace(model, example_inputs=(x,), leaf_modules=(WithNone, Nested), method="export")
     assert {str(n.target) for n in gm.graph.nodes if n.op == "call_module"} >= {"first", "second"}
     assert_tensors_close(gm(x), model(x), name="traced output", rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("table", ["torch", "missing"])
+def test_gradient_hooks_carried_with_or_without_torchs_hook_table(
+    monkeypatch: pytest.MonkeyPatch, table: str
+) -> None:
+    """[Note: gradient hooks] a hook recorded on a meta parameter (as merak-tp's register_grad_hook does)
+    runs exactly once on the materialised parameter and on a built stage's copy, whether torch's private
+    hook table is read or missing (a renamed attribute)."""
+    from merak_graph import empty_init, materialize, partition
+    from tests.support.models import GPT, REFERENCE_MODELS, init_like_gpt2
+
+    if table == "missing":
+        monkeypatch.setattr(_compat, "_TENSOR_HOOKS", "_renamed_backward_hooks")
+    with empty_init():
+        model = GPT()
+
+    def plus_one(g: torch.Tensor) -> torch.Tensor:
+        return g + 1
+
+    for p in model.parameters():
+        p.register_hook(plus_one)
+        p.__dict__.setdefault(_compat.RECORDED_GRAD_HOOKS, []).append(plus_one)
+    x = REFERENCE_MODELS["gpt"].make_inputs(2, 8, 0)
+    part = partition(model, 2, example_inputs=tuple(t.to("meta") for t in x), input_names=("input_ids",))
+    stage = part.build_stage(1, device="cpu", init_fn=init_like_gpt2)
+    materialize(model, device="cpu", init_fn=init_like_gpt2)
+    for module in (model, stage):
+        params = [p for p in module.parameters() if p.requires_grad]
+        assert params
+        (sum((p * p).sum() for p in params)).backward()  # type: ignore[union-attr]
+        for p in params:
+            assert p.grad is not None
+            assert torch.equal(p.grad, 2 * p.detach() + 1), "the hook ran not exactly once"

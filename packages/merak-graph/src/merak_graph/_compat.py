@@ -212,3 +212,33 @@ def export_compiling_state() -> Iterator[None]:
 
 
 __all__ += ["export_compiling_state"]
+
+
+# --------------------------------------------------------------------------- gradient hooks of a tensor
+
+_TENSOR_HOOKS = "_backward_hooks"  # torch's private table of the hooks ``register_hook`` put on a tensor
+RECORDED_GRAD_HOOKS = "_merak_grad_hooks"
+"""A parameter's attribute listing hooks registered with a record (merak-tp's ``register_grad_hook``
+writes it under this name): what :func:`carry_grad_hooks` re-registers where torch's table is missing."""
+
+
+def carry_grad_hooks(old: torch.Tensor, new: torch.Tensor) -> None:
+    """``new`` takes ``old``'s place: it runs the gradient hooks registered on ``old``.
+
+    torch's hook table where it exists (every hook, however registered); else the hooks recorded on
+    ``old`` (:data:`RECORDED_GRAD_HOOKS`) are registered on ``new`` through the public ``register_hook``.
+    """
+    if not old.requires_grad:
+        return
+    try:
+        hooks = getattr(old, _TENSOR_HOOKS)
+    except AttributeError:
+        for hook in old.__dict__.get(RECORDED_GRAD_HOOKS, ()):
+            new.register_hook(hook)
+        new.__dict__[RECORDED_GRAD_HOOKS] = list(old.__dict__.get(RECORDED_GRAD_HOOKS, ()))
+        return
+    if hooks:
+        setattr(new, _TENSOR_HOOKS, hooks)
+
+
+__all__ += ["RECORDED_GRAD_HOOKS", "carry_grad_hooks"]

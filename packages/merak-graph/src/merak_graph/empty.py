@@ -36,6 +36,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from merak_graph._compat import carry_grad_hooks
+
 __all__ = [
     "adopt_constructor_buffers",
     "constructor_buffers",
@@ -254,11 +256,10 @@ def _keep_grad_hooks(old: torch.Tensor, new: torch.Tensor) -> None:
 
     Layers put hooks on their parameters (a tensor-parallel replicated weight whose gradient is
     summed over its group); a tensor made in another's place (materialisation, a stage's copy)
-    would otherwise drop them without a word.
+    would otherwise drop them without a word. Through ``_compat.carry_grad_hooks`` (torch's private
+    hook table; where it is missing, the hooks recorded on ``old``).
     """
-    hooks = getattr(old, "_backward_hooks", None)
-    if hooks and old.requires_grad:
-        new._backward_hooks = hooks
+    carry_grad_hooks(old, new)
 
 
 def _fill_sentinel(t: torch.Tensor) -> bool:

@@ -41,3 +41,14 @@ def reduce_scatter_dim0(
     return _collective("reduce_scatter_single", "reduce_scatter_tensor")(
         out, inp, group=group, async_op=async_op
     )
+
+
+def register_grad_hook(param: torch.Tensor, hook: Any) -> None:
+    """``param.register_hook(hook)``, also recorded in ``param._merak_grad_hooks``.
+
+    merak-graph makes tensors in a parameter's place (materialising a meta model, building a stage's
+    copy) and carries its hooks over from torch's private hook table; where a torch lacks that table,
+    it re-registers the recorded ones (``merak_graph._compat.RECORDED_GRAD_HOOKS``, the same name).
+    """
+    param.register_hook(hook)
+    param.__dict__.setdefault("_merak_grad_hooks", []).append(hook)

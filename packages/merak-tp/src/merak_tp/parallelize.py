@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from merak_tp import _compat
 from merak_tp.collectives import tp_size
 from merak_tp.embedding import VocabParallelEmbedding
 from merak_tp.linear import ColumnParallelLinear, RowParallelLinear
@@ -418,7 +419,7 @@ def _apply_regions(
     if tp > 1:
         for p in model.parameters():
             if id(p) in per_head and p.requires_grad:
-                p.register_hook(_make_sum_hook(group))  # each rank applied it to its own heads only
+                _compat.register_grad_hook(p, _make_sum_hook(group))  # each rank applied it to its own heads only
     if (chunks > 1 or sp or rng_tracker is not None) and tp > 1:
         for name in region_names:
             fork = rng_tracker if _match(name, plan.rng_regions) is not None else None
@@ -454,7 +455,7 @@ def _apply_regions(
         spec = get_shard_spec(p)
         if not spec.sharded and id(p) not in full and p.requires_grad:
             set_shard_spec(p, spec.replace(sequence_partial=True))
-            p.register_hook(_make_sum_hook(group))
+            _compat.register_grad_hook(p, _make_sum_hook(group))
 
 
 def _make_sum_hook(group: ProcessGroup | None) -> Callable[[torch.Tensor], torch.Tensor]:
