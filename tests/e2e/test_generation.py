@@ -2,7 +2,7 @@
 
 A tiny GPT-2 (tied embeddings, Conv1D, fused q/k/v) and Llama (grouped-query attention) are saved
 with ``save_pretrained``; Merak starts from the folder at tp2, pp2 (two microbatches) and tp2·pp2
-and decodes a batch of left-padded prompts of different lengths. Greedy decoding must give exactly
+and decodes a batch of left-padded prompts of different lengths (Llama also at dp2·pp2: two replicas). Greedy decoding must give exactly
 the tokens of ``AutoModelForCausalLM.from_pretrained(folder).generate(do_sample=False)``, with an
 EOS (chosen from the reference's own output) that ends one row early and pads it. Seeded sampling
 must give the same tokens on every rank, the same again on a second call, and the tokens of the
@@ -111,11 +111,13 @@ LAYOUTS = {
     "tp2": dict(dp=1, tp=2, pp=1),
     "pp2": dict(dp=1, tp=1, pp=2),
     "tp2pp2": dict(dp=1, tp=2, pp=2),
+    "dp2pp2": dict(dp=2, tp=1, pp=2),
 }
+CASES = [(name, layout) for name in ("gpt2", "llama") for layout in LAYOUTS if layout != "dp2pp2"]
+CASES.append(("llama", "dp2pp2"))  # data-parallel replicas decode the same batch, each through its pipeline
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize(("name", "layout"), CASES, ids=[f"{n}-{lay}" for n, lay in CASES])
 def test_generation_equals_transformers(name: str, layout: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder, text = make_folder(name, tmp)
@@ -126,7 +128,7 @@ def test_generation_equals_transformers(name: str, layout: str) -> None:
         assert any(ended) and not all(ended) and expected.shape[1] == max(LENGTHS) + NEW, expected
         sampled_ref = _sampled_reference(model)
         kwargs = LAYOUTS[layout]
-        world = kwargs["tp"] * kwargs["pp"]
+        world = kwargs["dp"] * kwargs["tp"] * kwargs["pp"]
         results = run_on_ranks(world, generate_on_ranks, str(folder), str(text), kwargs, eos)
     for rank, result in enumerate(results):
         assert result["greedy"] == expected.tolist(), f"rank {rank}"
