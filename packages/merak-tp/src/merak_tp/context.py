@@ -30,8 +30,9 @@ autograd function whose backward passes the gradient the other way round the rin
 ``rank - 1``, receive from ``rank + 1``), and each block's attention is recomputed in the backward
 (``torch.utils.checkpoint``), so a rank keeps the received key/value blocks and the per-block
 log-sum-exp, never a block's score matrix. Autograd runs the backward of the identical graph on
-every rank in the same order, so the reverse passes pair up. Not done: overlapping a pass with the
-previous block's compute (the pass waits before the block is computed).
+every rank in the same order, so the reverse passes pair up. In the forward the pass of the next
+block is started before the current block is computed and waited for only before the next block is
+read (overlap of communication and compute); the backward's passes wait at once.
 
 [Note: attention hook] A model whose attention should run over the CP group calls
 :func:`cp_attention` (and, for rotary embeddings, :func:`cp_positions`) while
@@ -192,32 +193,54 @@ def _sdpa(
 # ---------------------------------------------------------------------------- ring
 
 
-def _pass_along(kv: torch.Tensor, group: ProcessGroup, step: int) -> torch.Tensor:
-    """Send ``kv`` ``step`` places forward round the ring; return what arrives from ``step`` places back."""
+def _start_pass(kv: torch.Tensor, group: ProcessGroup, step: int) -> tuple[torch.Tensor, list[Any]]:
+    """Start sending ``kv`` ``step`` places forward round the ring and receiving from ``step`` places
+    back (one batch, send then receive on every rank); the receive buffer and the batch's works."""
     size = dist.get_world_size(group)
     me = dist.get_group_rank(group, dist.get_rank())
     to = dist.get_global_rank(group, (me + step) % size)
     frm = dist.get_global_rank(group, (me - step) % size)
     recv = torch.empty_like(kv)
     ops = [dist.P2POp(dist.isend, kv, to, group), dist.P2POp(dist.irecv, recv, frm, group)]
-    for work in dist.batch_isend_irecv(ops):
+    return recv, list(dist.batch_isend_irecv(ops))
+
+
+def _pass_along(kv: torch.Tensor, group: ProcessGroup, step: int) -> torch.Tensor:
+    """:func:`_start_pass` and wait for it."""
+    recv, works = _start_pass(kv, group, step)
+    for work in works:
         work.wait()
     return recv
 
 
+class _PendingPass:
+    """The works of a pass started in a forward, waited for before the received block is read."""
+
+    def __init__(self) -> None:
+        self.works: list[Any] = []
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        self.works = []
+
+
 class _RingPass(torch.autograd.Function):
-    """Forward: pass the key/value block one rank on; backward: its gradient one rank back (see [Note: ring backward])."""
+    """Forward: pass the key/value block one rank on (started, waited by the caller through ``pending``:
+    the pass overlaps the current block's compute); backward: its gradient one rank back (see
+    [Note: ring backward])."""
 
     @staticmethod
     @amp_forward
-    def forward(ctx: Any, kv: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    def forward(ctx: Any, kv: torch.Tensor, group: ProcessGroup, pending: _PendingPass) -> torch.Tensor:
         ctx.group = group
-        return _pass_along(kv.contiguous(), group, 1)
+        recv, pending.works = _start_pass(kv, group, 1)
+        return recv
 
     @staticmethod
     @amp_backward
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _pass_along(grad.contiguous(), ctx.group, -1), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _pass_along(grad.contiguous(), ctx.group, -1), None, None
 
 
 def _block(
@@ -289,9 +312,11 @@ def ring_attention(
     # Partial results for the first and second local chunk (causal) or all local queries (not).
     first: tuple[torch.Tensor, torch.Tensor] | None = None
     second: tuple[torch.Tensor, torch.Tensor] | None = None
+    kv = kv.contiguous()
+    pending = _PendingPass()
     for step in range(cp):
-        if step > 0:
-            kv = _RingPass.apply(kv, group)
+        # The next block's pass runs while this block is computed; waited before it is read.
+        upcoming = _RingPass.apply(kv, group, pending) if step < cp - 1 else None
         source = (me - step) % cp
         k, v = kv[0], kv[1]
         if not causal:
@@ -308,6 +333,9 @@ def ring_attention(
             second = _merge(second, (out[:, :, half:], lse[:, :, half:]))
         else:
             second = _merge(second, _checkpointed_block(q[:, :, half:], k, v, scale, None))
+        if upcoming is not None:
+            pending.wait()
+            kv = upcoming
     assert first is not None
     out = first[0] if second is None else torch.cat([first[0], second[0]], dim=2)
     return out.to(q_bhsd.dtype)
