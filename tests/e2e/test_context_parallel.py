@@ -134,6 +134,10 @@ def test_cp2_tp2_ring_equals_one_process(kind: str) -> None:
     _check(kind, run_on_ranks(4, _train, kind, {"cp": 2, "tp": 2, "cp_mode": "ring"}))
 
 
+def test_cp4_ring_equals_one_process() -> None:
+    _check("reference", run_on_ranks(4, _train, "reference", {"cp": 4, "cp_mode": "ring"}))
+
+
 def test_dp2_cp2_zero1_equals_one_process() -> None:
     overrides = {"cp": 2, "dp": 2, "zero_stage": 1, "per_device_train_batch_size": BATCH // 2}
     _check("reference", run_on_ranks(4, _train, "reference", overrides))
