@@ -125,7 +125,6 @@ def _args(**kw: object) -> SimpleNamespace:
         ({"zero_stage": 3}, None, "zero_stage=3"),
         ({"virtual_stages": 2}, None, "virtual_stages=2"),
         ({"cp": 2}, None, "cp=2"),
-        ({"max_grad_norm": 1.0}, None, "max_grad_norm=1.0"),
         ({}, object(), "LoRA"),
         ({"ep": 3, "dp": 3}, None, "does not divide the 4 experts"),
     ],

@@ -76,7 +76,7 @@ def _train(overrides: dict[str, Any]) -> tuple[list[float], dict[str, torch.Tens
     return [h["loss"] for h in history if "loss" in h], state if dist.get_rank() == 0 else None
 
 
-def _reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+def _reference(max_norm: float = 0.0) -> tuple[list[float], dict[str, torch.Tensor]]:
     model = _model()
     data = Tokens()
     ids = torch.stack([data[i]["input_ids"] for i in range(BATCH)])
@@ -87,13 +87,15 @@ def _reference() -> tuple[list[float], dict[str, torch.Tensor]]:
         opt.zero_grad()
         loss = F.cross_entropy(model(ids).reshape(-1, VOCAB), labels.reshape(-1))
         loss.backward()
+        if max_norm > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         opt.step()
         losses.append(loss.item())
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _check(results: list[tuple[list[float], Any]]) -> None:
-    losses, params = _reference()
+def _check(results: list[tuple[list[float], Any]], max_norm: float = 0.0) -> None:
+    losses, params = _reference(max_norm)
     state = results[0][1]
     assert state is not None
     assert set(state) == set(params)
@@ -105,6 +107,11 @@ def _check(results: list[tuple[list[float], Any]]) -> None:
 
 def test_dp2_ep2_equals_one_process() -> None:
     _check(run_on_ranks(2, _train, {"ep": 2}))
+
+
+def test_dp2_ep2_clipped_equals_one_process() -> None:
+    """Clipping at a norm below the gradient's: each expert's term is counted once (summed over the EP group)."""
+    _check(run_on_ranks(2, _train, {"ep": 2, "max_grad_norm": 0.05}), max_norm=0.05)
 
 
 def test_dp2_ep2_pp2_equals_one_process() -> None:

@@ -63,8 +63,12 @@ def global_grad_norm(
     pp_group: ProcessGroup | None = None,
     layout: ParallelLayout | None = None,
     shared_params: SharedParams | None = None,
+    expert_params: Iterable[torch.Tensor] = (),
 ) -> torch.Tensor:
     """The norm of the logical model's gradient (see the module docstring for the counting rules).
+
+    ``expert_params`` (with a ``layout`` at ep > 1): parameters sharded over the EP group (each rank
+    holds other experts, merak_core.expert_parallel); their terms are summed over ``layout.ep_group``.
 
     Collective over ``tp_group`` and ``pp_group`` (or ``layout``'s groups); a group of
     ``None`` without a layout means that axis has size 1. ``shared_params`` maps a
@@ -83,6 +87,7 @@ def global_grad_norm(
     shared = {id(p): stage for p, stage in (shared_params or {}).items()}
     params = _unique(parameters)
     grads = []
+    kept: list[torch.Tensor] = []  # the parameter of each entry of grads
     for p in params:
         if p.grad is None:
             continue
@@ -92,10 +97,20 @@ def global_grad_norm(
         if owner is not None and owner != pp_rank:
             continue  # shared across stages: counted on its owner stage
         grads.append(p.grad.detach())
+        kept.append(p)
     dp_sharded = _sharded_group([p.grad for p in params if p.grad is not None])  # before the TP/PP filter
     grads = [local_tensor(g) for g in grads]
-    local = _local_norm_term(grads, norm_type, _device_of(params, layout))
     op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+    experts = {id(p) for p in expert_params} if layout is not None and layout.ep > 1 else set()
+    if experts:  # every rank of an EP group holds the same blocks: all of them or none reduce here
+        expert_grads = [g for p, g in zip(kept, grads, strict=True) if id(p) in experts]
+        grads = [g for p, g in zip(kept, grads, strict=True) if id(p) not in experts]
+        expert_term = _local_norm_term(expert_grads, norm_type, _device_of(params, layout))
+        assert layout is not None and layout.ep_group is not None
+        dist.all_reduce(expert_term, op=op, group=layout.ep_group)
+    local = _local_norm_term(grads, norm_type, _device_of(params, layout))
+    if experts:
+        local = torch.maximum(local, expert_term) if math.isinf(norm_type) else local + expert_term
     for group in (tp_group, pp_group, dp_sharded):
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(local, op=op, group=group)

@@ -65,6 +65,7 @@ from merak_core.engine_setup import (
     schedule_name,
     shard_parallel_model,
 )
+from merak_core.expert_parallel import expert_parameters
 from merak_core.fsdp import SHARDED_ZERO_STAGES, ShardedDataParallel, warn_nothing_to_shard
 from merak_core.layout import ParallelLayout
 from merak_core.stall import Heartbeat
@@ -178,6 +179,8 @@ class ParallelEngine:
         )
         named = self.model.named_parameters()
         self.params = [p for _, p in named]
+        self.expert_params = expert_parameters(self.model.module) if layout.ep > 1 else []
+        """Parameters sharded over the EP group (merak_core.expert_parallel): the norm sums them over it."""
         self.dp_sync: DataParallelGradSync | ShardedDataParallel | None = build_dp_sync(
             self.model, layout, self.sharded
         )
@@ -275,7 +278,12 @@ class ParallelEngine:
                 f"and {layout.pp_ranks})",
                 step,
             ):
-                norm = global_grad_norm(self.params, layout=layout, shared_params=self.model.shared_owner)
+                norm = global_grad_norm(
+                    self.params,
+                    layout=layout,
+                    shared_params=self.model.shared_owner,
+                    expert_params=self.expert_params,
+                )
             bad = not bool(torch.isfinite(norm))
         else:
             bad = nonfinite.local_grads_nonfinite(self.params)

@@ -31,14 +31,14 @@ brings each rank's token gradients home). The expert-replica groups hold the oth
 so the expert gradient is summed over the replica group (dp / ep ranks) and divided by dp: each
 expert's gradient is the one-process gradient over every token of the global batch that visited it.
 
-Refused (before any process group: :func:`check_ep_arguments`, :func:`check_ep_model`): ep with ZeRO-2/3, virtual stages, LoRA,
-cp > 1, gradient clipping (the norm would count an expert's gradient once per EP block), and a
-model without a block following [Note: the MoE block protocol].
+Gradient clipping counts each expert once: its term of the norm is summed over the EP group
+(:func:`merak_core.clip.global_grad_norm`, ``expert_params``). Refused (before any process group:
+:func:`check_ep_arguments`, :func:`check_ep_model`): ep with ZeRO-1/2/3, virtual stages, LoRA, cp > 1,
+and a model without a block following [Note: the MoE block protocol].
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -93,11 +93,6 @@ def check_ep_arguments(args: Any) -> None:
         (args.zero_stage >= 1, f"zero_stage={args.zero_stage}", "set zero_stage: 0"),
         (args.virtual_stages > 1, f"virtual_stages={args.virtual_stages}", "set virtual_stages: 1"),
         (args.cp > 1, f"cp={args.cp}", "set cp: 1"),
-        (
-            args.max_grad_norm > 0,
-            f"max_grad_norm={args.max_grad_norm}",
-            "set max_grad_norm: 0 (gradient clipping does not count sharded experts yet)",
-        ),
     )
     for refused, what, fix in refusals:
         if refused:
@@ -229,11 +224,14 @@ def apply_expert_parallel(model: nn.Module, layout: ParallelLayout) -> list[type
     return classes
 
 
-def expert_parameters(model: nn.Module) -> Iterator[nn.Parameter]:
+def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The parameters of the experts :func:`apply_expert_parallel` kept (sharded over EP)."""
-    for block in model.modules():
-        if isinstance(block, ExpertParallelBlock):
-            yield from block.experts.parameters()
+    return [
+        p
+        for block in model.modules()
+        if isinstance(block, ExpertParallelBlock)
+        for p in block.experts.parameters()
+    ]
 
 
 # ---------------------------------------------------------------------------- gradient sync
