@@ -178,3 +178,41 @@ def test_gradient_hooks_carried_with_or_without_torchs_hook_table(
         for p in params:
             assert p.grad is not None
             assert torch.equal(p.grad, 2 * p.detach() + 1), "the hook ran not exactly once"
+
+
+class _Buffers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.register_buffer("kept", torch.full((4,), 2.0))
+        self.register_buffer("scratch", torch.full((4,), 3.0), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x) * self.kept) + self.scratch
+
+
+@pytest.mark.parametrize("table", ["torch", "missing"])
+def test_buffer_persistence_with_or_without_the_private_set(
+    monkeypatch: pytest.MonkeyPatch, table: str
+) -> None:
+    """Shards keep a non-persistent buffer out of their state dict, whether nn.Module's private set of
+    non-persistent names is read or missing (renamed): the state dict decides then."""
+    from merak_graph import shard
+
+    if table == "missing":
+        monkeypatch.setattr(_compat, "_NON_PERSISTENT", "_renamed_non_persistent")
+    model = _Buffers()
+    assert [_compat.is_persistent(model, n) for n in ("kept", "scratch", "a", "missing")] == [
+        True,
+        False,
+        True,
+        True,
+    ]
+    x = torch.randn(3, 4)
+    sharded = shard(trace(model, example_inputs=(x,)), 2, example_inputs=(x,), model=model)
+    keys = {k.rsplit(".", 1)[-1] for s in sharded.shards for k in s.module.state_dict()}
+    buffers = {n.rsplit(".", 1)[-1] for s in sharded.shards for n, _ in s.module.named_buffers()}
+    assert "scratch" in buffers and "scratch" not in keys
+    assert "kept" in keys
+    assert_tensors_close(sharded.run(x), model(x), name="sharded output", rtol=0, atol=0)

@@ -242,3 +242,23 @@ def carry_grad_hooks(old: torch.Tensor, new: torch.Tensor) -> None:
 
 
 __all__ += ["RECORDED_GRAD_HOOKS", "carry_grad_hooks"]
+
+
+# --------------------------------------------------------------------------- buffer persistence
+
+_NON_PERSISTENT = "_non_persistent_buffers_set"  # nn.Module's private set of non-persistent buffer names
+
+
+def is_persistent(owner: torch.nn.Module, name: str) -> bool:
+    """False only for a buffer of ``owner`` registered with ``persistent=False`` (a parameter, a persistent
+    buffer or any other attribute: True). nn.Module's private set where it exists; else whether the
+    buffer is in ``owner``'s state dict (public, slower: the state dict of ``owner``'s whole subtree)."""
+    names = getattr(owner, _NON_PERSISTENT, None)
+    if isinstance(names, set):
+        return name not in names
+    if name not in dict(owner.named_buffers(recurse=False)):
+        return True
+    return name in owner.state_dict(keep_vars=True)
+
+
+__all__ += ["is_persistent"]

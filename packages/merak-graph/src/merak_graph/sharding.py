@@ -29,6 +29,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from merak_graph._compat import is_persistent
 from merak_graph.costs import NodeCost, ValueSpec, annotate_costs
 from merak_graph.errors import PartitionError
 
@@ -319,8 +320,7 @@ def _attribute_candidates(
 def _resolve(gm: fx.GraphModule, model: nn.Module | None, target: str) -> tuple[Any, bool]:
     """The object at ``target``, preferring the original model's (same identity); and its persistence."""
     for obj, owner, last in _attribute_candidates(gm, model, target):
-        persistent = last not in getattr(owner, "_non_persistent_buffers_set", set())
-        return obj, persistent
+        return obj, is_persistent(owner, last)
     raise RuntimeError(f"graph attribute {target!r} not found on the model")
 
 
@@ -379,7 +379,7 @@ def _build_shard_module(
         if not persistent:
             *prefix, name = target.split(".")
             owner = sm.get_submodule(".".join(prefix)) if prefix else sm
-            owner._non_persistent_buffers_set.add(name)
+            owner.register_buffer(name, owner.get_buffer(name), persistent=False)
     return sm, inputs, outputs
 
 
