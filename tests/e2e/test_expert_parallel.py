@@ -157,3 +157,13 @@ def test_resume_at_another_ep(resume_ep: int) -> None:
             assert torch.equal(final_state[name], value), name
         else:
             torch.testing.assert_close(final_state[name], value, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_dp2_ep2_tp2_equals_one_process() -> None:
+    """Attention, embedding and head TP-sharded, experts whole on each EP rank (the EP groups within a TP rank)."""
+    _check(run_on_ranks(4, _train, {"ep": 2, "tp": 2, "max_grad_norm": 0.05}), max_norm=0.05)
+
+
+def test_dp4_ep4_equals_one_process() -> None:
+    """One expert per rank; four ranks' tokens meet at each."""
+    _check(run_on_ranks(4, _train, {"ep": 4, "per_device_train_batch_size": 1}))

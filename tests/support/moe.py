@@ -10,6 +10,7 @@ process as under expert parallelism. No auxiliary loss.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -126,3 +127,28 @@ class MoELlama(nn.Module):
 
 
 __all__ = ["Expert", "MoEBlock", "MoEConfig", "MoELlama", "MoELlamaBlock"]
+
+
+def _register_tp_plan() -> None:
+    """TP for the MoE Llama: attention, embedding and head sharded; the MoE blocks whole (their experts go to EP)."""
+    import merak_tp
+
+    plan = merak_tp.TPPlan(
+        name="moe_llama",
+        layers={
+            "layers.*.self_attn.q_proj": "column",
+            "layers.*.self_attn.k_proj": "column",
+            "layers.*.self_attn.v_proj": "column",
+            "layers.*.self_attn.o_proj": "row",
+            "embed_tokens": "vocab",
+            "lm_head": "lm_head",
+        },
+        attributes={"layers.*.self_attn": ("num_heads", "num_kv_heads")},
+        regions=("layers.*.self_attn",),
+        rng_regions=("layers.*.self_attn",),
+    )
+    merak_tp.register_plan(plan, classes=(MoELlama,), overwrite=True)
+
+
+if importlib.util.find_spec("merak_tp") is not None:
+    _register_tp_plan()
