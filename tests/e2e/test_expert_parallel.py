@@ -167,3 +167,15 @@ def test_dp2_ep2_tp2_equals_one_process() -> None:
 def test_dp4_ep4_equals_one_process() -> None:
     """One expert per rank; four ranks' tokens meet at each."""
     _check(run_on_ranks(4, _train, {"ep": 4, "per_device_train_batch_size": 1}))
+
+
+def test_dp2_ep2_pp2_recompute_equals_one_process() -> None:
+    """Full recomputation: each stage's forward (its dispatch and all-to-alls) runs again in backward."""
+    overrides = {
+        "ep": 2,
+        "pp": 2,
+        "per_device_train_batch_size": 1,
+        "gradient_accumulation_steps": 2,
+        "recompute": "full",
+    }
+    _check(run_on_ranks(4, _train, overrides))
