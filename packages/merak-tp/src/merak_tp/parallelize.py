@@ -478,8 +478,8 @@ def grad_sum_groups(param: torch.Tensor) -> list[ProcessGroup | None]:
     itself (FSDP2's sharded parameters) never runs the hook: it must do these sums (they commute with
     its own reduce-scatter).
     """
-    hooks = getattr(param, "_backward_hooks", None) or {}
-    return [h.merak_tp_sum_group for h in hooks.values() if hasattr(h, "merak_tp_sum_group")]
+    hooks = param.__dict__.get("_merak_grad_hooks", ())  # recorded by _compat.register_grad_hook
+    return [h.merak_tp_sum_group for h in hooks if hasattr(h, "merak_tp_sum_group")]
 
 
 def is_replicated(param: torch.Tensor) -> bool:
