@@ -112,7 +112,58 @@ def test_default_loss_reads_the_logits_of_a_model_output_cut_into_rows() -> None
     labels = torch.randint(0, 7, (4, 3))
     out = modeling_outputs.CausalLMOutput(logits=logits)
     part = rows(out, 0, 2)
-    assert isinstance(part, dict) and not hasattr(part, "logits")
+    assert type(part) is modeling_outputs.CausalLMOutput  # rows keep the output's kind
+    plain = rows(dict(out), 0, 2)  # a model returning a plain dict
+    assert type(plain) is dict and not hasattr(plain, "logits")
     expected = torch.nn.functional.cross_entropy(logits[:2].reshape(-1, 7), labels[:2].reshape(-1))
     torch.testing.assert_close(default_loss(part, labels[:2]), expected, rtol=0, atol=0)
+    torch.testing.assert_close(default_loss(plain, labels[:2]), expected, rtol=0, atol=0)
     torch.testing.assert_close(default_loss(out, labels), default_loss(logits, labels), rtol=0, atol=0)
+
+
+def logits_loss(output: Any, labels: torch.Tensor) -> torch.Tensor:
+    """A user's loss for a transformers model: reads ``output.logits`` (as its full batches give it)."""
+    logits = output.logits
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1))
+
+
+def hf_eval_body(size: int) -> dict[str, float]:
+    from merak_core import Trainer
+    from tests.e2e.test_transformers import VOCAB, build_hf_model
+
+    args = make_args(**layout_kwargs(1, 1, 1, per_device_eval_batch_size=2, max_steps=1))
+    trainer = Trainer(
+        build_hf_model("gpt2"),
+        args,
+        TokenDataset(8, VOCAB),
+        TokenDataset(size, VOCAB, seed=1),
+        loss_fn=logits_loss,
+        compute_metrics=token_accuracy,
+    )
+    return trainer.evaluate()
+
+
+def test_custom_loss_of_a_transformers_model_on_an_eval_set_smaller_than_a_batch() -> None:
+    # pp=1: the model returns a ModelOutput; a partial batch is cut into microbatch rows, which must
+    # reach the user's loss as the full batches do (it got a plain dict: AttributeError 'dict' object
+    # has no attribute 'logits').
+    pytest.importorskip("transformers")
+    from tests.e2e.test_transformers import VOCAB, build_hf_model
+
+    size = 3  # one eval batch is 2 per microbatch x 2 microbatches
+    got = run_on_ranks(1, hf_eval_body, size)[0]
+    model = build_hf_model("gpt2")
+    data = TokenDataset(size, VOCAB, seed=1)
+    losses, accuracies = [], []
+    with torch.no_grad():
+        for i in range(size):
+            batch = torch.utils.data.default_collate([data[i]])
+            logits = model(batch["input_ids"]).logits
+            losses.append(
+                float(
+                    torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), batch["labels"].reshape(-1))
+                )
+            )
+            accuracies.append(float(token_accuracy(logits, batch["labels"])["accuracy"][0]))
+    assert got["eval_loss"] == pytest.approx(sum(losses) / size, rel=1e-12), got
+    assert got["eval_accuracy"] == pytest.approx(sum(accuracies) / size, rel=1e-12), got

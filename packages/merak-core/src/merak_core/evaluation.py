@@ -39,13 +39,21 @@ logger = logging.getLogger(__name__)
 
 
 def rows(value: Any, lo: int, hi: int) -> Any:
-    """Rows ``[lo, hi)`` (dim 0) of every tensor in ``value`` (a tensor, tuple/list or mapping of them)."""
+    """Rows ``[lo, hi)`` (dim 0) of every tensor in ``value`` (a tensor, tuple/list or mapping of them),
+    in a container of the same kind: a transformers ``ModelOutput`` stays one, so a ``loss_fn`` reading
+    ``output.logits`` gets the rows of a padded batch as it gets a full batch."""
     if isinstance(value, torch.Tensor):
         return value[lo:hi]
     if isinstance(value, (tuple, list)):
         return type(value)(rows(v, lo, hi) for v in value)
     if isinstance(value, Mapping):
-        return {k: rows(v, lo, hi) for k, v in value.items()}
+        cut = {k: rows(v, lo, hi) for k, v in value.items()}
+        if type(value) is dict:
+            return cut
+        try:  # a ModelOutput (a dataclass of its keys) or another mapping built from keywords
+            return type(value)(**cut)
+        except TypeError:
+            return cut
     return value
 
 
@@ -119,7 +127,7 @@ def evaluate_loader(
         else:
             sums.add_loss(float(loss), total)
         if compute_metrics is not None and real > 0:
-            if isinstance(outputs, Mapping) and "logits" in outputs:  # a ModelOutput rebuilt as a dict
+            if isinstance(outputs, Mapping) and "logits" in outputs:  # a ModelOutput or a dict
                 outputs = outputs["logits"]
             logits = typing.cast(torch.Tensor, getattr(outputs, "logits", outputs))
             values = compute_metrics(logits, labels)

@@ -60,8 +60,18 @@ def _concat(values: list[Any]) -> Any:
     if isinstance(first, (tuple, list)):
         return type(first)(_concat([v[i] for v in values]) for i in range(len(first)))
     if isinstance(first, dict):
-        return {k: _concat([v[k] for v in values]) for k in first}
+        joined = {k: _concat([v[k] for v in values]) for k in first}
+        return joined if type(first) is dict else _same_kind(first, joined)
     return first
+
+
+def _same_kind(like: dict[Any, Any], values: dict[Any, Any]) -> dict[Any, Any]:
+    """``values`` in a mapping of ``like``'s class (a transformers ``ModelOutput`` stays one, so the
+    outputs of an evaluation read as each microbatch's did); a plain dict when that class takes no keywords."""
+    try:
+        return type(like)(**values)
+    except TypeError:
+        return values
 
 
 @dataclass
