@@ -139,6 +139,7 @@ class StageDecoder:
         self.base = model.get_submodule(family.base)
         self.cache_key = cache_keyword(self.base)
         self.vocab_size = getattr(config, "vocab_size", None)
+        self.keep_last = "logits_to_keep" in inspect.signature(model.forward).parameters
 
     def new_cache(self) -> Any:
         return new_cache(self.config)
@@ -155,6 +156,8 @@ class StageDecoder:
         kwargs["input_ids" if self.first else "inputs_embeds"] = x
         if not self.last:
             return self.base(**kwargs).last_hidden_state
+        if self.keep_last:  # as transformers' generate: the LM head on the last position only
+            kwargs["logits_to_keep"] = 1
         logits = _logits(self.model(**kwargs))[:, -1, :]
         check_vocab(logits, self.vocab_size)
         return logits
