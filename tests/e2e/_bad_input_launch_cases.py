@@ -27,7 +27,9 @@ HERE = "tests.e2e._bad_input_launch_cases"
 # ----------------------------------------------------------------------------- factories of the jobs
 
 
-def hf_llama(heads: int = 4, kv_heads: int = 4, hidden: int = 16, vocab: int = 16) -> Any:
+def hf_llama(
+    heads: int = 4, kv_heads: int = 4, hidden: int = 16, vocab: int = 16, use_cache: bool = True
+) -> Any:
     """A tiny transformers Llama (its head counts live in its config only)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -40,6 +42,7 @@ def hf_llama(heads: int = 4, kv_heads: int = 4, hidden: int = 16, vocab: int = 1
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         max_position_embeddings=32,
+        use_cache=use_cache,
     )
     return LlamaForCausalLM(config)
 
@@ -303,6 +306,23 @@ def launch_batch_key_matches_no_parameter(ctx: CaseContext) -> None:
 
 def launch_dict_output_without_logits(ctx: CaseContext) -> None:
     job = write_job(ctx, model={"factory": f"{MODELS}:Scored"}, data={"factory": f"{MODELS}:features"})
+    train_dry_run(ctx, job)
+
+
+def launch_pp_model_returning_a_kv_cache(ctx: CaseContext) -> None:
+    job = write_job(
+        ctx, model={"factory": f"{HERE}:hf_llama"}, training={"pp": 2, "gradient_accumulation_steps": 2}
+    )
+    train_dry_run(ctx, job)
+
+
+def launch_pp_untraceable_model(ctx: CaseContext) -> None:
+    job = write_job(
+        ctx,
+        model={"factory": f"{MODELS}:Gated"},
+        data={"factory": f"{MODELS}:features"},
+        training={"pp": 2, "gradient_accumulation_steps": 2},
+    )
     train_dry_run(ctx, job)
 
 

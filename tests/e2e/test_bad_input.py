@@ -527,6 +527,24 @@ ROWS = [
             "loss: file.py:function",
         ),
     ),
+    _row(
+        launch_cases.launch_pp_untraceable_model,
+        CliExit,
+        _all(
+            "exit 2",
+            "training.pp=2",
+            "cannot be traced",
+            "in module 'gate' (Gate)",
+            "_bad_input_model_cases.py:",
+            "trace_leaves: ['gate']",
+            "(pp=1)",
+        ),
+    ),
+    _row(
+        launch_cases.launch_pp_model_returning_a_kv_cache,
+        CliExit,
+        _all("exit 2", "training.pp=2", "LlamaForCausalLM", "KV cache", "use_cache=False", "(pp=1)"),
+    ),
     # ------------------------------------------------------------------ the Trainer
     _row(
         model_cases.trainer_pp_untraceable_model,

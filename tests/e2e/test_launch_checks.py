@@ -16,7 +16,9 @@ from tests.e2e._bad_input_support import CaseContext
 LLAMA = {"factory": f"{HERE}:hf_llama"}
 
 GOOD = {
-    "microbatches_equal_pp": dict(model=LLAMA, training={"pp": 2, "gradient_accumulation_steps": 2}),
+    "microbatches_equal_pp": dict(
+        model={**LLAMA, "kwargs": {"use_cache": False}}, training={"pp": 2, "gradient_accumulation_steps": 2}
+    ),
     "attention_plan_whole_heads": dict(
         model={**LLAMA, "kwargs": {"heads": 4, "kv_heads": 2}},
         training={"tp": 2, "tp_plan": ATTENTION_PLAN},
@@ -41,6 +43,15 @@ GOOD = {
         model=LLAMA, data={"factory": f"{HERE}:tokens", "kwargs": {"seq_len": 40}}
     ),
     "per_example_metrics": dict(model=LLAMA, metrics=f"{HERE}:accuracy"),
+    "untraceable_module_kept_whole": dict(  # the fix the refusal suggests
+        model={"factory": "tests.e2e._bad_input_model_cases:Gated"},
+        data={"factory": "tests.e2e._bad_input_model_cases:features"},
+        training={
+            "pp": 2,
+            "gradient_accumulation_steps": 2,
+            "tp_plan": {"layers": {}, "trace_leaves": ["gate"]},
+        },
+    ),
 }
 
 

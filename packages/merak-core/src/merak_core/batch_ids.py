@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch import nn
@@ -91,7 +91,7 @@ class IdRanges:
                 )
 
 
-def _is_ids(t: Any) -> bool:
+def _is_ids(t: Any) -> TypeGuard[torch.Tensor]:
     return (
         isinstance(t, torch.Tensor)
         and t.dim() >= 1

@@ -62,6 +62,13 @@ def untraceable_message(model: nn.Module, exc: Any, pp: int) -> str:
     """One paragraph for a model the pipeline cannot trace: both tracers' errors, the module, the fix."""
     lines = [line.strip() for line in str(exc).splitlines()[1:] if not line.startswith("Fix:")]
     name = getattr(exc, "module_name", None)
+    if getattr(getattr(model, "config", None), "use_cache", False) and "Cache" in str(exc):
+        return (
+            f"pp={pp}: the pipeline cuts {type(model).__name__} into stages by tracing it into a graph, and "
+            f"with use_cache=True its forward returns a KV cache object, which no stage can pass on: build "
+            "the model with use_cache=False (model.config.use_cache = False in the factory), or train "
+            "without a pipeline (pp=1)"
+        )
     keep = (
         f"keep module {name!r} whole inside one stage (training.tp_plan: {{layers: {{}}, trace_leaves: "
         f"[{name!r}]}} in a job file; merak_graph.trace(..., leaf_modules=...) by hand), or "

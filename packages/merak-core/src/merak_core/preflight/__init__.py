@@ -44,7 +44,7 @@ from merak_core.preflight.data import (
     first_batch,
 )
 from merak_core.preflight.files import check_export_dir, check_output_dir, check_resume
-from merak_core.preflight.forward import check_default_loss_output, check_input_keys
+from merak_core.preflight.forward import check_default_loss_output, check_input_keys, check_traceable
 from merak_core.preflight.metrics import check_metrics
 from merak_core.preflight.model import _where, build_meta_model, check_model_kwargs
 from merak_core.preflight.sizes import (
@@ -145,14 +145,7 @@ def preflight(job: JobConfig, *, tp: int | None = None, resume: str | None = Non
             inputs, labels = label_split(t.labels)(batch)  # unshifted: shifted here, as the ranks do
         except ValueError as exc:
             raise PreflightError(f"the first {what} batch: {exc}") from None
-        check_batch(model, inputs, labels, default_loss=job.loss is None)
-        if t.labels == "shifted" and job.loss is None:
-            check_labels_not_inputs(inputs, labels, what)
-        check_input_keys(model, inputs, what)
-        check_positions(model, inputs, job, what)
-        check_labels_counted(labels, what)
-        if what == "training" and job.loss is None:
-            check_default_loss_output(model, inputs)
+        _check_against_model(job, model, inputs, labels, what, report)
         first[what] = (inputs, labels)
         check_cp_first_batch(inputs, labels, t, what)  # its length, padding and positions at cp > 1
         report.checks.append(f"first {what} batch collates")
@@ -160,3 +153,20 @@ def preflight(job: JobConfig, *, tp: int | None = None, resume: str | None = Non
         check_metrics(job, model, *first["evaluation"])
         report.checks.append(f"metrics {job.metrics} runs")
     return report
+
+
+def _check_against_model(
+    job: JobConfig, model: Any, inputs: Any, labels: Any, what: str, report: PreflightReport
+) -> None:
+    """The first batch of the ``what`` set against the model: ids, labels, forward, positions, tracing."""
+    t = job.training
+    check_batch(model, inputs, labels, default_loss=job.loss is None)
+    if t.labels == "shifted" and job.loss is None:
+        check_labels_not_inputs(inputs, labels, what)
+    check_input_keys(model, inputs, what)
+    check_positions(model, inputs, job, what)
+    check_labels_counted(labels, what)
+    if what == "training" and job.loss is None:
+        check_default_loss_output(model, inputs)
+    if what == "training" and check_traceable(model, inputs, t):
+        report.checks.append(f"the model traces for pp={t.pp}")

@@ -72,3 +72,37 @@ def check_default_loss_output(model: nn.Module, inputs: Any) -> None:
             len(out),
             shapes,
         )
+
+
+def check_traceable(model: nn.Module, inputs: Any, args: Any) -> bool:
+    """``pp > 1`` at ``tp = 1``: the model traces as the ranks trace it to cut stages; whether it was checked.
+
+    The inputs go by keyword when every key is a ``forward`` parameter, else by position, and the
+    TP plan's ``trace_leaves`` stay whole, as in :func:`merak_core.compose.build_parallel_model`.
+    With ``tp > 1`` the ranks trace the TP-sharded model (its TP layers opaque), which is not built
+    here, and a failure that names the meta device is left to the ranks (they may trace real values).
+    """
+    import types
+    import typing
+
+    import merak_graph
+    from merak_core.compose import _trace_leaves
+    from merak_core.forward_inputs import _all_forward_params, input_order, untraceable_message
+
+    if args.pp <= 1 or args.tp != 1 or args.layout == "auto":
+        return False
+    if isinstance(inputs, Mapping):
+        if _all_forward_params(model, list(inputs)):
+            example: Any = dict(inputs)
+        else:
+            example = tuple(inputs[k] for k in input_order(model, inputs) or ())
+    else:
+        example = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    leaves = _trace_leaves(model, typing.cast(Any, types.SimpleNamespace(tp=1)), args.tp_plan)  # tp=1: no TP
+    try:
+        merak_graph.trace(model, example_inputs=example, leaf_modules=leaves)
+    except merak_graph.TraceError as exc:
+        if "meta" in str(exc):
+            return False
+        raise PreflightError(f"training.{untraceable_message(model, exc, args.pp)}") from None
+    return True
