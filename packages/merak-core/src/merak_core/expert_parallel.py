@@ -214,13 +214,14 @@ def apply_expert_parallel(model: nn.Module, layout: ParallelLayout) -> list[type
     assert layout.ep_group is not None, "apply_expert_parallel needs a layout with ep > 1"
     classes: list[type] = []
     for _name, block in moe_blocks(model):
-        num_local = block.num_experts // layout.ep
+        moe: Any = block  # follows the protocol (is_moe_block)
+        num_local = moe.num_experts // layout.ep
         first = layout.ep_rank * num_local
-        experts = list(block.experts.values() if isinstance(block.experts, nn.ModuleDict) else block.experts)
-        block.experts = nn.ModuleDict({str(first + i): experts[first + i] for i in range(num_local)})
-        block.__class__ = _ep_class(type(block))
-        block._merak_ep_group = layout.ep_group
-        classes.append(type(block))
+        experts = list(moe.experts.values() if isinstance(moe.experts, nn.ModuleDict) else moe.experts)
+        moe.experts = nn.ModuleDict({str(first + i): experts[first + i] for i in range(num_local)})
+        moe.__class__ = _ep_class(type(moe))
+        moe._merak_ep_group = layout.ep_group
+        classes.append(type(moe))
     return classes
 
 
