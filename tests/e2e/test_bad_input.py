@@ -583,7 +583,12 @@ ROWS = [
     _row(
         cases.trainer_dataset_smaller_than_global_batch,
         ValueError,
-        _all("5 samples", "global batch of 8", "smaller batch"),
+        _all(
+            "5 samples",
+            "global batch of 8",
+            "smaller batch",
+            "per_device_train_batch_size x gradient_accumulation_steps x dp",
+        ),
         ranks=2,
     ),
     _row(

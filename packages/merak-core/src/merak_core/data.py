@@ -231,8 +231,9 @@ class StageAwareDataLoader:
             if self.drop_last and n < self.global_batch_size:
                 raise ValueError(
                     f"the dataset has {n} samples, fewer than one global batch of {self.global_batch_size} "
-                    f"(dp_size={dp_size} x batch_size={batch_size}) with drop_last=True: use a smaller batch "
-                    "or drop_last=False"
+                    f"(dp_size={dp_size} x batch_size={batch_size}) with drop_last=True: use a smaller batch (the "
+                    "Trainer's is per_device_train_batch_size x gradient_accumulation_steps x dp), more samples, or "
+                    "drop_last=False"
                 )
 
     @classmethod
