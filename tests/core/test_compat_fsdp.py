@@ -2,7 +2,7 @@
 
 ``merak_core._compat`` drives FSDP2's post-backward on demand (one reduce-scatter per step) and
 counts the unsharded bytes FSDP2 holds, both from private state. Here one private attribute at a
-time is made to vanish (``_compat._fsdp_state`` hands out a view of FSDP2's state objects that
+time (the parameter-group list's two spellings together) is made to vanish (``_compat._fsdp_state`` hands out a view of FSDP2's state objects that
 raises ``AttributeError`` for that name, as a torch without it or with it renamed would; FSDP2
 itself keeps working). The step must then take the public path (every backward syncs) and give
 the single-process float64 gradients, the same as the private path, inside a real dp=2 x pp=2
@@ -41,7 +41,7 @@ pytest.importorskip("merak_pipe")
 
 # Every private name _compat reads, at each level of FSDP2's state (state, parameter group, parameter).
 PRIVATE_NAMES = (
-    "_fsdp_param_groups",
+    "_fsdp_param_groups,_fsdp_param_group",
     "_root_post_backward_final_callback",
     "post_backward",
     "fsdp_params",
@@ -51,19 +51,19 @@ PRIVATE_NAMES = (
 
 
 class _Hiding:
-    """A view of one of FSDP2's state objects without the attribute ``hidden`` (others pass through)."""
+    """A view of one of FSDP2's state objects without the attributes ``hidden`` (others pass through)."""
 
-    def __init__(self, target: Any, hidden: str) -> None:
+    def __init__(self, target: Any, hidden: tuple[str, ...]) -> None:
         object.__setattr__(self, "_hiding_target", target)
-        object.__setattr__(self, "_hiding_name", hidden)
+        object.__setattr__(self, "_hiding_names", hidden)
 
     def __getattr__(self, name: str) -> Any:
-        if name == self._hiding_name:
+        if name in self._hiding_names:
             raise AttributeError(f"{type(self._hiding_target).__name__!r} object has no attribute {name!r}")
-        return _hide_in(getattr(self._hiding_target, name), self._hiding_name)
+        return _hide_in(getattr(self._hiding_target, name), self._hiding_names)
 
 
-def _hide_in(value: Any, hidden: str) -> Any:
+def _hide_in(value: Any, hidden: tuple[str, ...]) -> Any:
     if isinstance(value, (list, tuple)):
         return [_hide_in(v, hidden) for v in value]
     if type(value).__module__.startswith("torch.distributed.fsdp"):
@@ -100,12 +100,13 @@ def _sample(
 
 
 def _step(zero_stage: int, schedule_name: str, hidden: str | None) -> dict[str, Any]:
+    """One pipeline step with the comma-separated private names ``hidden`` out of _compat's sight."""
     from merak_pipe import PipelineRunner, PipelineStage, build_schedule
     from merak_pipe.shared import shared_parameter_groups, shared_parameters_list
 
     real_state = _compat._fsdp_state
     if hidden is not None:
-        _compat._fsdp_state = lambda root: _Hiding(real_state(root), hidden)  # type: ignore[assignment]
+        _compat._fsdp_state = lambda root: _Hiding(real_state(root), tuple(hidden.split(",")))  # type: ignore[assignment]
     try:
         layout = ParallelLayout.build(DP, 1, PP, device="cpu")
         module, names, tied = _stage_module(layout)
@@ -185,3 +186,14 @@ def test_reduce_gradients_refuses_without_the_private_state(monkeypatch: pytest.
         RuntimeError, match=r"torch .*FSDP2's private post-backward state.*fsdp_can_defer_reduce"
     ):
         _compat.fsdp_reduce_gradients(unit)
+
+
+def test_one_group_per_state_torch_keeps_the_deferred_reduce() -> None:
+    """A torch whose FSDP2 states hold one parameter group (``_fsdp_param_group``, no list) still gets one
+    reduce-scatter per step, with the single-process gradients."""
+    results = run_on_ranks(DP * PP, _step, 3, "1f1b", "_fsdp_param_groups")
+    assert all(r["deferred"] for r in results)
+    assert_grads_match(_merged(results), reference_grads())
+    for rank, r in enumerate(results):
+        for counted, held in r["samples"]:
+            assert counted == held, f"rank {rank}: counted {counted} bytes, FSDP2 holds {held}"

@@ -103,7 +103,7 @@ def _fsdp_private_groups(root: torch.nn.Module) -> tuple[Any, list[Any]] | None:
         # The FSDP2 modules under ``root`` (public), in the order FSDP2 lists their states itself.
         states = [_fsdp_state(module) for module in root.modules() if isinstance(module, FSDPModule)]
         state = states[0]
-        groups = [group for sub in states for group in sub._fsdp_param_groups]
+        groups = [group for sub in states for group in _param_groups_of(sub)]
         if not callable(state._root_post_backward_final_callback):
             return None
         for group in groups:
@@ -115,6 +115,15 @@ def _fsdp_private_groups(root: torch.nn.Module) -> tuple[Any, list[Any]] | None:
     except (AttributeError, TypeError, IndexError):
         return None
     return state, groups
+
+
+def _param_groups_of(state: Any) -> list[Any]:
+    """The parameter groups of one FSDP2 state: a list where torch supports several per state, else the one."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = state._fsdp_param_group  # torch with one group per state; AttributeError when neither exists
+    return [] if group is None else [group]
 
 
 def fsdp_can_defer_reduce(root: torch.nn.Module) -> bool:
