@@ -141,3 +141,32 @@ def test_refuses_a_model_without_moe_block() -> None:
 
     with pytest.raises(ValueError, match="no mixture-of-experts block"):
         check_ep_model(torch.nn.Linear(2, 2), _args())
+
+
+def test_refuses_a_transformers_moe_block_by_name() -> None:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from merak_core.expert_parallel import check_ep_model
+
+    cfg = MixtralConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_local_experts=4,
+    )
+    with pytest.raises(ValueError, match=r"MixtralSparseMoeBlock at 'model.layers.0.mlp'.*set ep: 1"):
+        check_ep_model(MixtralForCausalLM(cfg), _args())
+
+
+def test_refuses_a_block_with_a_router_aux_loss() -> None:
+    from merak_core.expert_parallel import check_ep_model
+
+    block = _block()
+    block.router_aux_loss_coef = 0.01
+    with pytest.raises(ValueError, match=r"router auxiliary loss \(router_aux_loss_coef=0.01\)"):
+        check_ep_model(block, _args())
+    block.router_aux_loss_coef = 0.0
+    check_ep_model(block, _args())

@@ -8,7 +8,9 @@ of every MoE block; the dense parameters stay replicated over DP.
 
 - ``num_experts: int`` and ``experts: nn.ModuleList`` (``num_experts`` modules, each ``y_nh = e(x_nh)``);
 - ``run_experts(x_nh, weights_nk, experts_nk) -> y_nh``: the sum over each token's ``k`` chosen experts of
-  ``weight * expert(x)``, every token kept (dropless). The block's ``forward`` routes as the model defines
+  ``weight * expert(x)``, every token kept (dropless);
+- optionally ``router_aux_loss_coef``: a block that adds a router auxiliary loss from its own tokens says
+  so (non-zero) and is refused at ep > 1 (that loss would not be the one-process loss of the global batch). The block's ``forward`` routes as the model defines
   it (top-k, scoring, normalisation, shared experts, auxiliary losses) and calls ``run_experts``.
 
 :func:`apply_expert_parallel` keeps this rank's experts (an ``nn.ModuleDict`` keyed by the global expert
@@ -109,17 +111,38 @@ def check_ep_model(model: nn.Module, args: Any, *, lora: Any = None) -> None:
         raise ValueError(
             f"ep={ep} with LoRA (model.lora) is not supported (not proved exact): train the adapters with ep: 1"
         )
+    _refuse_foreign_moe(model, ep)
     blocks = moe_blocks(model)
     if not blocks:
         raise ValueError(
             f"ep={ep} but {type(model).__name__} has no mixture-of-experts block Merak can shard: it needs "
-            f"{_PROTOCOL}. Set ep: 1 (transformers' own MoE blocks are not replaced yet)"
+            f"{_PROTOCOL}. Set ep: 1"
         )
     for name, block in blocks:
+        if getattr(block, "router_aux_loss_coef", 0):
+            raise ValueError(
+                f"ep={ep}: {name!r} adds a router auxiliary loss (router_aux_loss_coef="
+                f"{block.router_aux_loss_coef}) from its own tokens, which is not the one-process loss of the "
+                "global batch under expert parallelism: set its router_aux_loss_coef to 0, or ep: 1"
+            )
         if block.num_experts % ep:
             raise ValueError(
                 f"ep={ep} does not divide the {block.num_experts} experts of {name!r}: choose an ep dividing "
                 f"{block.num_experts}"
+            )
+
+
+def _refuse_foreign_moe(model: nn.Module, ep: int) -> None:
+    """ValueError naming the first MoE block that does not follow the protocol (e.g. a transformers one)."""
+    for name, module in model.named_modules():
+        cls = type(module).__name__
+        if ("moe" in cls.lower() or cls.endswith("Experts")) and not is_moe_block(module):
+            if any(is_moe_block(m) for m in module.modules()):
+                continue  # a layer holding a protocol block
+            raise ValueError(
+                f"ep={ep}: {cls} at {name!r} is a mixture-of-experts block Merak cannot replace yet (transformers' "
+                f"own MoE blocks, fused 3-D expert weights, are not sharded over EP): set ep: 1 and split the "
+                f"experts over TP (tp > 1), or give the model blocks following the protocol ({_PROTOCOL})"
             )
 
 
