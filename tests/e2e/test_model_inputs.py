@@ -61,3 +61,20 @@ def test_the_default_loss_reads_logits_or_the_first_element_and_refuses_a_dict_w
     assert torch.equal(default_loss({"logits": logits}, labels), expected)
     with pytest.raises(ValueError, match=r"dict with keys \['scores'\] and no 'logits'.*loss_fn"):
         default_loss({"scores": logits}, labels)
+
+
+def test_input_order_by_name_and_the_single_input_of_another_name() -> None:
+    from merak_core.forward_inputs import input_order
+
+    class KeywordOnly(torch.nn.Module):
+        def forward(self, x: torch.Tensor, *, mask: torch.Tensor | None = None) -> torch.Tensor:
+            return x
+
+    x = torch.zeros(2, 4)
+    assert input_order(cases.Masked(), {"mask": x, "x": x}) == ["x", "mask"]  # the signature's order
+    assert input_order(cases.Masked(), {"features": x}) == ["features"]  # one input: by position
+    assert input_order(KeywordOnly(), {"x": x, "mask": x}) == ["x", "mask"]  # keyword-only: by name
+    with pytest.raises(
+        ValueError, match=r"'maks' matches no parameter of Masked.forward \(did you mean 'mask'"
+    ):
+        input_order(cases.Masked(), {"x": x, "maks": x})

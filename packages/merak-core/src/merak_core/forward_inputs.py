@@ -29,22 +29,20 @@ def input_order(model: nn.Module, example_inputs: Mapping[str, Any] | Sequence[A
         return None
     import inspect
 
-    params = [
-        p.name
-        for p in inspect.signature(model.forward).parameters.values()
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]
+    signature = inspect.signature(model.forward).parameters
+    params = [p.name for p in signature.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     keys = list(example_inputs)
     if all(k in params for k in keys):
         return sorted(keys, key=params.index)
-    if len(keys) > 1:  # which key feeds which parameter cannot be told: never guess by position
+    named = [n for n, p in signature.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    unknown = [k for k in keys if k not in named]
+    if len(keys) > 1 and unknown:  # which key feeds which parameter cannot be told: never guess by position
         import difflib
 
-        unknown = next(k for k in keys if k not in params)
-        close = difflib.get_close_matches(str(unknown), params, n=1)
+        close = difflib.get_close_matches(str(unknown[0]), named, n=1)
         raise ValueError(
-            f"the batch's input {unknown!r} matches no parameter of {type(model).__name__}.forward"
-            f"{f' (did you mean {close[0]!r}?)' if close else ''}; its parameters are {params}. Inputs are "
+            f"the batch's input {unknown[0]!r} matches no parameter of {type(model).__name__}.forward"
+            f"{f' (did you mean {close[0]!r}?)' if close else ''}; its parameters are {named}. Inputs are "
             "passed by name: rename or drop that key in the dataset or the collate function (a batch "
             "with a single input may feed a parameter of another name)"
         )
