@@ -26,10 +26,9 @@ def _args(**kw: Any) -> Any:
             {"cp": 2, "cp_mode": "zigzag"},
             r"cp_mode='zigzag' is invalid: expected one of \('ring', 'ulysses'\)",
         ),
-        ({"cp": 2, "pp": 2}, r"cp=2 with pp=2 is not supported .*set pp=1"),
         (
             {"cp": 2, "pp": 2, "virtual_stages": 2, "schedule": "interleaved_1f1b"},
-            r"cp=2 with pp=2",
+            r"cp=2 with virtual_stages=2 is not supported .*set virtual_stages=1",
         ),
         (
             {"cp": 2, "tp": 2, "sequence_parallel": True},
@@ -72,6 +71,8 @@ def test_model_refusals() -> None:
     ):
         check_cp_model(llama, _args(cp=2, tp=2, cp_mode="ulysses"))
     check_cp_model(llama, _args(cp=2, tp=2, cp_mode="ring"))
+    with pytest.raises(ValueError, match=r"cp=2 with pp=2: Llama is not a transformers model.*use pp=1"):
+        check_cp_model(llama, _args(cp=2, pp=2))
 
 
 class _Rank1Of2:

@@ -134,6 +134,18 @@ def test_cp2_tp2_ring_equals_one_process(kind: str) -> None:
     _check(kind, run_on_ranks(4, _train, kind, {"cp": 2, "tp": 2, "cp_mode": "ring"}))
 
 
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+def test_cp2_pp2_equals_one_process(mode: str) -> None:
+    overrides = {
+        "cp": 2,
+        "pp": 2,
+        "cp_mode": mode,
+        "per_device_train_batch_size": 2,
+        "gradient_accumulation_steps": 2,
+    }
+    _check("transformers", run_on_ranks(4, _train, "transformers", overrides))
+
+
 def test_cp4_ring_equals_one_process() -> None:
     _check("reference", run_on_ranks(4, _train, "reference", {"cp": 4, "cp_mode": "ring"}))
 

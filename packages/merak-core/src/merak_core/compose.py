@@ -235,6 +235,10 @@ def build_parallel_model(
     import merak_graph
 
     leaves = (*_trace_leaves(model, layout, tp_plan), *ep_leaves)  # an EP block's dispatch stays whole
+    if layout.cp > 1:  # attention runs over the cp group at run time (merak_core.context_parallel)
+        from merak_core.context_parallel import attention_leaf_classes
+
+        leaves = (*leaves, *attention_leaf_classes(model))
     if lora is not None:
         from merak_core.lora.layer import LoraLinear
 

@@ -22,9 +22,13 @@ ranks is the one-process loss, and the gradients, averaged over DP x CP by the g
 (``layout.grad_sync_group``: CP ranks are replicas for the parameters), are the one-process gradients.
 The engine averages the reported loss over ``dp * cp`` ranks for the same reason.
 
-Not done here (refused instead): cp with pp > 1, virtual stages, sequence parallelism, ZeRO-2/3, LoRA,
-padding masks or restarting position ids (packed documents), evaluation, a custom ``loss_fn``,
-``layout: auto``.
+At pp > 1 the pipeline tracer keeps a transformers model's attention modules whole
+(:func:`attention_leaf_classes`, added to the leaves by ``compose``), so their attention function runs
+at run time in the CP context; stage boundaries carry the local tokens.
+
+Not done here (refused instead): virtual stages, sequence parallelism, ZeRO-2/3, LoRA, a handwritten
+model at pp > 1, padding masks or restarting position ids (packed documents), evaluation, a custom
+``loss_fn``, ``layout: auto``.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from merak_tp.context import CP_MODES, ContextParallel, active_context, context_
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "ContextParallelRun",
+    "attention_leaf_classes",
     "check_cp_arguments",
     "check_cp_batch",
     "check_cp_model",
@@ -56,7 +61,6 @@ ATTN_IMPLEMENTATION = "merak_cp"
 """The name of Merak's attention function in transformers' attention-function registry."""
 
 _REFUSED_ARGS: tuple[tuple[str, Any, str], ...] = (
-    ("pp", lambda a: a.pp > 1, "pp=1 (the pipeline tracer would trace through the CP attention)"),
     ("virtual_stages", lambda a: a.virtual_stages > 1, "virtual_stages=1"),
     ("sequence_parallel", lambda a: a.sequence_parallel and a.tp > 1, "sequence_parallel=false"),
     ("zero_stage", lambda a: a.zero_stage in (2, 3), "zero_stage 0 or 1"),
@@ -111,6 +115,11 @@ def check_cp_model(
             "through transformers' attention-function registry) nor a model that calls merak_tp.cp_attention "
             "and merak_tp.cp_positions (set supports_context_parallel = True on its class once it does): use "
             "that hook in its attention and positions, or cp=1"
+        )
+    if args.pp > 1 and not is_transformers_model(model):
+        raise ValueError(
+            f"cp={cp} with pp={args.pp}: {type(model).__name__} is not a transformers model; a handwritten "
+            "model's positions are computed in the traced graph, outside the cp hook: use pp=1, or cp=1"
         )
     if lora is not None:
         raise ValueError(f"cp={cp} with LoRA is not supported yet: train LoRA with cp=1")
@@ -172,6 +181,17 @@ def _hf_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
+def attention_leaf_classes(model: nn.Module) -> tuple[type, ...]:
+    """The attention module classes of a transformers model, kept whole by the pipeline tracer at cp > 1:
+    their attention function then runs at run time, in the CP context, instead of being traced."""
+    found: list[type] = []
+    for module in model.modules():
+        is_attention = all(hasattr(module, a) for a in ("is_causal", "layer_idx", "config"))
+        if is_attention and type(module) not in found:
+            found.append(type(module))
+    return tuple(found)
+
+
 def route_attention(model: nn.Module) -> None:
     """Make a transformers model's attention Merak's (registry name :data:`ATTN_IMPLEMENTATION`)."""
     if not is_transformers_model(model):
@@ -221,7 +241,8 @@ class ContextParallelRun:
         flat_labels = labels.reshape(-1)
         total = F.cross_entropy(flat, flat_labels, ignore_index=-100, reduction="sum")
         count = (flat_labels != -100).sum().to(total.dtype)
-        dist.all_reduce(count, group=self.context.group)
+        if count.device.type != "meta":  # the pipeline's loss check tries the loss on meta tensors
+            dist.all_reduce(count, group=self.context.group)
         return total * self.context.size / count
 
 
