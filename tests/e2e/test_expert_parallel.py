@@ -179,3 +179,11 @@ def test_dp2_ep2_pp2_recompute_equals_one_process() -> None:
         "recompute": "full",
     }
     _check(run_on_ranks(4, _train, overrides))
+
+
+def test_dp4_ep2_equals_one_process() -> None:
+    """Two EP groups: each expert's gradient is summed over its replica group (2 ranks) and divided by dp=4."""
+    _check(
+        run_on_ranks(4, _train, {"ep": 2, "per_device_train_batch_size": 1, "max_grad_norm": 0.05}),
+        max_norm=0.05,
+    )
