@@ -170,3 +170,11 @@ def test_refuses_a_block_with_a_router_aux_loss() -> None:
         check_ep_model(block, _args())
     block.router_aux_loss_coef = 0.0
     check_ep_model(block, _args())
+
+
+def test_generation_refused_at_ep2() -> None:
+    from merak_core.generation.run_api import check_run_options
+
+    with pytest.raises(ValueError, match="ep=2: generation is not supported.*generate with ep: 1"):
+        check_run_options(_args(), pp=1)
+    check_run_options(_args(ep=1), pp=1)

@@ -22,6 +22,12 @@ def check_run_options(args: Any, pp: int) -> None:
             f"zero_stage={zero_stage}: generation is not supported (the parameters are sharded over dp): "
             "generate with zero_stage <= 1 (a checkpoint loads at any setting)"
         )
+    ep = getattr(args, "ep", 1)
+    if ep > 1:
+        raise ValueError(
+            f"ep={ep}: generation is not supported (each decoding step's expert all-to-all needs every rank of "
+            "the EP group, whose prompts stop at different steps): generate with ep: 1 (a checkpoint loads at any ep)"
+        )
     chunks = getattr(args, "overlap_chunks", 1)
     if chunks > 1 and pp == 1:
         raise ValueError(
