@@ -379,7 +379,8 @@ def export_hf(
     if dist.get_rank() == 0:
         prepare_out_dir(out_dir)
     dist.barrier()
-    tensors = dict(_stage_tensors(trainer)) if layout.dp_rank == 0 else {}
+    # Experts are sharded over the first EP group's DP ranks (merak_core.expert_parallel); dense tensors: DP rank 0's.
+    tensors = dict(_stage_tensors(trainer)) if layout.dp_rank < layout.ep else {}
     if layout.tp_rank != 0:
         tensors = {}  # the stage's tensors are sent from its DP rank 0, TP rank 0 alone
     mine = {n: (tuple(t.shape), t.dtype) for n, t in tensors.items()}
