@@ -189,3 +189,15 @@ def test_vocab_sharded_logits_are_refused() -> None:
     with pytest.raises(ValueError, match="vocab-sharded"):
         check_vocab(torch.zeros(2, 25), 50)
     check_vocab(torch.zeros(2, 50), 50)
+
+
+def test_past_the_position_table_is_refused() -> None:
+    from merak_core.generation.decode import _check_positions
+
+    model = _fake_model(config=SimpleNamespace(n_positions=10))
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    _check_positions(model, mask, 7)  # positions 0..9 are fed: the 7th new token is only returned
+    with pytest.raises(
+        ValueError, match=r"longest prompt \(4 tokens\) plus max_new_tokens=8 .*n_positions=10"
+    ):
+        _check_positions(model, mask, 8)

@@ -68,6 +68,7 @@ def generate(
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
     _refuse_unsupported(model)
+    _check_positions(model, mask_bt, max_new_tokens)
     eos = _eos_set(eos_token_id)
     pad = pad_token_id if pad_token_id is not None else (min(eos) if eos else 0)
     chunks = _microbatches(ids_bt.shape[0], layout.pp, num_microbatches)
@@ -132,6 +133,19 @@ def _refuse_unsupported(model: ParallelModel) -> None:
         raise ValueError(
             "generation of a LoRA model under pipeline parallelism is not supported: generate at pp=1, or "
             "from the export with the adapters merged (merak export --merge)"
+        )
+
+
+def _check_positions(model: ParallelModel, mask_bt: torch.Tensor, max_new_tokens: int) -> None:
+    """A model with a learned position table (``config.n_positions``, GPT-2) cannot go past it: refused
+    here, before any message (an embedding lookup out of range would fail on one stage only)."""
+    table = getattr(None if model.source is None else model.source.config, "n_positions", None)
+    longest = int(mask_bt.sum(dim=1).max())
+    if isinstance(table, int) and longest + max_new_tokens - 1 > table:  # the last new token is not fed
+        raise ValueError(
+            f"the longest prompt ({longest} tokens) plus max_new_tokens={max_new_tokens} exceeds the model's "
+            f"position table (n_positions={table}): shorten the prompts or lower max_new_tokens to "
+            f"{max(table - longest + 1, 0)}"
         )
 
 
