@@ -134,12 +134,13 @@ def test_cp2_tp2_ring_equals_one_process(kind: str) -> None:
     _check(kind, run_on_ranks(4, _train, kind, {"cp": 2, "tp": 2, "cp_mode": "ring"}))
 
 
-@pytest.mark.parametrize("mode", ["ring", "ulysses"])
-def test_cp2_pp2_equals_one_process(mode: str) -> None:
+@pytest.mark.parametrize(("mode", "recompute"), [("ring", "none"), ("ulysses", "none"), ("ring", "full")])
+def test_cp2_pp2_equals_one_process(mode: str, recompute: str) -> None:
     overrides = {
         "cp": 2,
         "pp": 2,
         "cp_mode": mode,
+        "recompute": recompute,
         "per_device_train_batch_size": 2,
         "gradient_accumulation_steps": 2,
     }
