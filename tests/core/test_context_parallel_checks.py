@@ -27,10 +27,6 @@ def _args(**kw: Any) -> Any:
             r"cp_mode='zigzag' is invalid: expected one of \('ring', 'ulysses'\)",
         ),
         (
-            {"cp": 2, "pp": 2, "virtual_stages": 2, "schedule": "interleaved_1f1b"},
-            r"cp=2 with virtual_stages=2 is not supported .*set virtual_stages=1",
-        ),
-        (
             {"cp": 2, "tp": 2, "sequence_parallel": True},
             r"cp=2 with sequence_parallel=True .*sequence_parallel=false",
         ),

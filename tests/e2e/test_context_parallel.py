@@ -43,7 +43,9 @@ class Tokens(Dataset):
 
 
 def _model(kind: str) -> torch.nn.Module:
+    """``kind``: reference, transformers (Llama), transformers4 (Llama, 4 layers), qwen2."""
     torch.manual_seed(0)
+    layers = 4 if kind == "transformers4" else 2
     if kind == "reference":
         return Llama(DecoderConfig(num_layers=2, num_heads=4, num_kv_heads=2)).double()
     import transformers
@@ -52,7 +54,7 @@ def _model(kind: str) -> torch.nn.Module:
         vocab_size=VOCAB,
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=64,
@@ -145,6 +147,18 @@ def test_cp2_pp2_equals_one_process(mode: str, recompute: str) -> None:
         "gradient_accumulation_steps": 2,
     }
     _check("transformers", run_on_ranks(4, _train, "transformers", overrides))
+
+
+def test_cp2_pp2_virtual_stages_equals_one_process() -> None:
+    overrides = {
+        "cp": 2,
+        "pp": 2,
+        "virtual_stages": 2,
+        "schedule": "interleaved_1f1b",
+        "per_device_train_batch_size": 2,
+        "gradient_accumulation_steps": 2,
+    }
+    _check("transformers4", run_on_ranks(4, _train, "transformers4", overrides))
 
 
 def test_cp4_ring_equals_one_process() -> None:
