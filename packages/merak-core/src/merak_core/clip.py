@@ -64,6 +64,7 @@ def global_grad_norm(
     layout: ParallelLayout | None = None,
     shared_params: SharedParams | None = None,
     expert_params: Iterable[torch.Tensor] = (),
+    grad_shard_group: ProcessGroup | None = None,
 ) -> torch.Tensor:
     """The norm of the logical model's gradient (see the module docstring for the counting rules).
 
@@ -73,7 +74,9 @@ def global_grad_norm(
     Collective over ``tp_group`` and ``pp_group`` (or ``layout``'s groups); a group of
     ``None`` without a layout means that axis has size 1. ``shared_params`` maps a
     parameter held by several pipeline stages to the stage index (rank in
-    ``pp_group``) whose copy is counted.
+    ``pp_group``) whose copy is counted. ``grad_shard_group``: each of its ranks holds the gradients
+    of a disjoint subset of the parameters (ZeRO-1's reduce-scatter), the others are ``None``:
+    the terms are summed over it too.
     """
     if layout is not None:
         if tp_group is not None or pp_group is not None:
@@ -111,7 +114,7 @@ def global_grad_norm(
     local = _local_norm_term(grads, norm_type, _device_of(params, layout))
     if experts:
         local = torch.maximum(local, expert_term) if math.isinf(norm_type) else local + expert_term
-    for group in (tp_group, pp_group, dp_sharded):
+    for group in (tp_group, pp_group, dp_sharded or grad_shard_group):
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(local, op=op, group=group)
     return local if math.isinf(norm_type) else local ** (1.0 / norm_type)

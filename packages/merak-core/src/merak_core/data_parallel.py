@@ -43,9 +43,18 @@ pass them as ``deferred_params``. They sit in their own buckets, last, and are r
 by ``finish`` from their final gradient (both reductions are sums, so the order
 DP-then-PP or PP-then-DP gives the same average).
 
+[Note: ZeRO-1 reduce-scatter] With ``shard_gradients=True`` each bucket is reduce-scattered:
+its parameters are owned whole by DP ranks and laid out owner by owner in equal padded
+segments (:mod:`merak_core.zero_layout`), so rank ``r`` receives the average of the ones it
+owns; after ``finish`` the others have no gradient (their unreduced local values are
+dropped). :class:`~merak_core.zero.ZeroOptimizer` steps the shard and all-gathers the
+parameters with the same layout: ``2 (dp-1)/dp`` of the gradient bytes per rank and step.
+At dp=2 the sums equal the all-reduce's bit for bit; at dp > 2 the backend may add the
+ranks' terms in another order (float rounding).
+
 Not done here: the sync of parameters shared across pipeline stages (tied
 embeddings; that is a PP-group all-reduce the trainer composes), and sharding of
-gradients (ZeRO-2).
+gradients beyond one step (ZeRO-2, :mod:`merak_core.fsdp`).
 """
 
 from __future__ import annotations
@@ -59,6 +68,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
+
+from merak_core.zero_layout import lay_out_by_owner, reduce_scatter_dim0
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +90,9 @@ class _Bucket:
     work: dist.Work | None = None
     ready: list[bool] = field(default_factory=list)
     fires: list[int] = field(default_factory=list)
+    owners: list[int] = field(default_factory=list)  # [Note: ZeRO-1 reduce-scatter]: each param's DP rank
+    shard_numel: int = 0  # elements of each owner's padded segment (numel = shard_numel * dp)
+    shard: torch.Tensor | None = None
 
 
 class DataParallelGradSync:
@@ -95,6 +109,9 @@ class DataParallelGradSync:
         average: divide the sum by the DP size (the default); ``False`` keeps the sum.
         deferred_params: parameters whose gradients change after their last backward and
             before :meth:`finish` (see [Note: deferred parameters]); reduced by ``finish``.
+        shard_gradients: reduce-scatter each bucket to the DP rank owning its parameters instead of
+            all-reducing it (ZeRO-1, see [Note: ZeRO-1 reduce-scatter]); pass the sync to
+            :class:`~merak_core.zero.ZeroOptimizer`, which all-gathers the updated parameters.
 
     Usage with gradient accumulation (``num_microbatches`` backwards per step)::
 
@@ -120,6 +137,7 @@ class DataParallelGradSync:
         reduce_dtype: torch.dtype | None = None,
         average: bool = True,
         deferred_params: Iterable[nn.Parameter] = (),
+        shard_gradients: bool = False,
     ) -> None:
         if (
             isinstance(bucket_size_bytes, bool)
@@ -152,6 +170,11 @@ class DataParallelGradSync:
                 "grad): pass parameters of the same module"
             )
         self.buckets = self._build_buckets()
+        self.shards_gradients = shard_gradients and self.world_size > 1  # ZeRO-1: reduce-scatter
+        self.dp_rank = dist.get_rank(group)
+        if self.shards_gradients:
+            for bucket in self.buckets:
+                _place_by_owner(bucket, self.world_size)
         self._where: dict[int, tuple[int, int]] = {}
         for bucket in self.buckets:
             for slot, p in enumerate(bucket.params):
@@ -200,6 +223,12 @@ class DataParallelGradSync:
         for bucket in buckets:
             bucket.ready = [False] * len(bucket.params)
         return buckets
+
+    def owner_of(self, param: torch.Tensor) -> int:
+        """The DP rank that receives ``param``'s averaged gradient (``shard_gradients``; else this rank)."""
+        bucket_index, slot = self._where[id(param)]
+        bucket = self.buckets[bucket_index]
+        return bucket.owners[slot] if self.shards_gradients else self.dp_rank
 
     def bucket_names(self) -> list[list[str]]:
         """Parameter names per bucket, in launch order (for logs and tests)."""
@@ -308,7 +337,9 @@ class DataParallelGradSync:
         if self.world_size == 1:
             return
         if bucket.buffer is None:
-            bucket.buffer = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)
+            # Sharded buckets: zeros in the padding of each owner's segment.
+            alloc = torch.zeros if self.shards_gradients else torch.empty
+            bucket.buffer = alloc(bucket.numel, dtype=bucket.dtype, device=bucket.device)
         p = bucket.params[slot]
         view = bucket.buffer.narrow(0, bucket.offsets[slot], p.numel())
         if p.grad is None:
@@ -332,6 +363,10 @@ class DataParallelGradSync:
             if self.average and self._collective_averages(bucket.device)
             else dist.ReduceOp.SUM
         )
+        if self.shards_gradients:  # [Note: ZeRO-1 reduce-scatter]
+            bucket.shard = torch.empty(bucket.shard_numel, dtype=bucket.dtype, device=bucket.device)
+            bucket.work = reduce_scatter_dim0(bucket.shard, bucket.buffer, self.group, op=op)
+            return
         bucket.work = dist.all_reduce(bucket.buffer, op=op, group=self.group, async_op=True)
 
     def _collective_averages(self, device: torch.device) -> bool:
@@ -382,6 +417,9 @@ class DataParallelGradSync:
                 "backwards/steps"
             ) from err
         bucket.work = None
+        if self.shards_gradients:
+            self._write_back_shard(bucket)
+            return
         if self.average and not self._collective_averages(bucket.device):
             bucket.buffer.div_(self.world_size)
         # [Note: reduction precision and memory]: the buffer is this step's only; no copy when the dtype matches.
@@ -395,6 +433,21 @@ class DataParallelGradSync:
                 p.grad.copy_(view)
         bucket.buffer = None
 
+    def _write_back_shard(self, bucket: _Bucket) -> None:
+        """Owned parameters get their averaged gradient from this rank's segment; the others none."""
+        assert bucket.shard is not None
+        if self.average and not self._collective_averages(bucket.device):
+            bucket.shard.div_(self.world_size)
+        start = self.dp_rank * bucket.shard_numel
+        for p, offset, owner in zip(bucket.params, bucket.offsets, bucket.owners, strict=True):
+            if owner != self.dp_rank:
+                p.grad = None  # its local, unreduced gradient must not reach the norm or the optimizer
+                continue
+            view = bucket.shard.narrow(0, offset - start, p.numel()).view_as(p)
+            p.grad = view if view.dtype == p.dtype else view.to(p.dtype)
+        bucket.buffer = None
+        bucket.shard = None
+
     def _abort(self) -> None:
         """After a failed backward: wait for launched work so no collective is left dangling."""
         for bucket in self.buckets:
@@ -403,6 +456,15 @@ class DataParallelGradSync:
                     bucket.work.wait()
                 bucket.work = None
         self._armed = False
+
+
+def _place_by_owner(bucket: _Bucket, world_size: int) -> None:
+    """Reorder the bucket owner by owner, segments padded (see [Note: ZeRO-1 reduce-scatter])."""
+    placed = lay_out_by_owner([p.numel() for p in bucket.params], world_size)
+    bucket.params = [bucket.params[i] for i in placed.order]
+    bucket.owners, bucket.offsets = placed.owners, placed.offsets
+    bucket.shard_numel = placed.segment_numel
+    bucket.numel = placed.segment_numel * world_size
 
 
 def _default_reduce_dtype(dtype: torch.dtype) -> torch.dtype:

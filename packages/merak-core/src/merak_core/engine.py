@@ -166,7 +166,13 @@ class ParallelEngine:
         warn_nothing_to_shard(args.zero_stage, layout.dp)  # ZeRO-1/2/3 at dp=1 run as ZeRO-0
         if args.zero_stage in SHARDED_ZERO_STAGES and layout.dp > 1:
             # ZeRO-2/3: FSDP2 over the DP axis replaces the parameters (merak_core.fsdp).
-            self.sharded, self.model = shard_parallel_model(model, zero_stage=args.zero_stage, device=device)
+            # bf16: FSDP2 gathers bf16 parameters, reduces float32 ([Note: bf16 parameter gathers] in fsdp).
+            self.sharded, self.model = shard_parallel_model(
+                model,
+                zero_stage=args.zero_stage,
+                device=device,
+                param_dtype=torch.bfloat16 if args.bf16 else None,
+            )
         check_loss_fn(self.model, loss_fn, example_labels)
         self.runner = build_runner(
             self.model,
@@ -182,10 +188,13 @@ class ParallelEngine:
         self.expert_params = expert_parameters(self.model.module) if layout.ep > 1 else []
         """Parameters sharded over the EP group (merak_core.expert_parallel): the norm sums them over it."""
         self.dp_sync: DataParallelGradSync | ShardedDataParallel | None = build_dp_sync(
-            self.model, layout, self.sharded
+            self.model, layout, self.sharded, zero_stage=args.zero_stage
         )
+        zero1 = self.dp_sync if isinstance(self.dp_sync, DataParallelGradSync) else None
+        self.grad_shard_group = layout.dp_group if zero1 is not None and zero1.shards_gradients else None
+        """ZeRO-1 reduce-scatter: each rank holds its owned parameters' gradients only (the norm sums over it)."""
         self.optimizer: torch.optim.Optimizer = build_optimizer(
-            named, layout, args, device=device, factory=optimizer_factory
+            named, layout, args, device=device, factory=optimizer_factory, grad_sync=zero1
         )
         self.lr_scheduler = build_lr_scheduler(self.optimizer, args, num_training_steps)
         self.heartbeat: Heartbeat | None = None
@@ -267,7 +276,11 @@ class ParallelEngine:
                 self.last_pipeline_s = time.perf_counter() - start
         timings = tuple(self.runner.timings) if record_timing else ()
         if self.dp_sync is not None:
-            what = "all-reduce" if self.sharded is None else f"reduce-scatter (ZeRO-{self.args.zero_stage})"
+            what = (
+                "all-reduce"
+                if self.sharded is None and self.grad_shard_group is None
+                else f"reduce-scatter (ZeRO-{self.args.zero_stage})"
+            )
             with self._phase(f"DP gradient {what} over global ranks {layout.dp_ranks}", step):
                 self.dp_sync.finish()
         self._fill_missing_grads()
@@ -283,6 +296,7 @@ class ParallelEngine:
                     layout=layout,
                     shared_params=self.model.shared_owner,
                     expert_params=self.expert_params,
+                    grad_shard_group=self.grad_shard_group,
                 )
             bad = not bool(torch.isfinite(norm))
         else:
@@ -317,7 +331,8 @@ class ParallelEngine:
             scale_gradients_(self.params, self.args.max_grad_norm, norm)
         zero = isinstance(self.optimizer, ZeroOptimizer)
         with self._phase(
-            f"optimizer step (ZeRO-1 broadcasts over global ranks {layout.dp_ranks})"
+            f"optimizer step (ZeRO-1 {'all-gathers' if self.grad_shard_group else 'broadcasts'} over global "
+            f"ranks {layout.dp_ranks})"
             if zero
             else "optimizer step (local, no communication)",
             step,
@@ -370,6 +385,8 @@ class ParallelEngine:
         return self.heartbeat.diagnosis()
 
     def _fill_missing_grads(self) -> None:
+        if self.grad_shard_group is not None:
+            return  # ZeRO-1 reduce-scatter: the sync gave every owned parameter a gradient, the others none
         for p in self.params:
             if p.grad is None and p.requires_grad:  # frozen (LoRA's base weights): no gradient buffer
                 p.grad = torch.zeros_like(p)

@@ -173,9 +173,14 @@ def check_loss_fn(model: ParallelModel, loss_fn: Callable[[Any, Any], torch.Tens
 
 
 def build_dp_sync(
-    model: ParallelModel, layout: ParallelLayout, sharded: ShardedDataParallel | None
+    model: ParallelModel, layout: ParallelLayout, sharded: ShardedDataParallel | None, *, zero_stage: int = 0
 ) -> DataParallelGradSync | ShardedDataParallel | None:
-    """The DP gradient sync: the ZeRO-2/3 sharding, else bucketed all-reduces (None without DP)."""
+    """The DP gradient sync: the ZeRO-2/3 sharding, else bucketed all-reduces (None without DP).
+
+    ZeRO-1 at dp > 1 (cp = 1): the buckets are reduce-scattered to their owners
+    ([Note: ZeRO-1 reduce-scatter] in :mod:`merak_core.data_parallel`); give the sync to
+    :func:`build_optimizer`.
+    """
     if sharded is not None:
         return sharded
     if layout.dp * layout.cp == 1:
@@ -189,7 +194,10 @@ def build_dp_sync(
     # Shared (tied) parameters get their cross-stage sum after the backward: reduce them last.
     # CP ranks hold the same parameters: the sync averages over DP x CP (merak_core.context_parallel).
     return DataParallelGradSync(
-        model.module, layout.grad_sync_group, deferred_params=[p for p, _ in model.shared_parameters]
+        model.module,
+        layout.grad_sync_group,
+        deferred_params=[p for p, _ in model.shared_parameters],
+        shard_gradients=zero_stage == 1 and layout.dp > 1 and layout.cp == 1,
     )
 
 
@@ -200,12 +208,16 @@ def build_optimizer(
     *,
     device: torch.device,
     factory: OptimizerFactory | None = None,
+    grad_sync: DataParallelGradSync | None = None,
 ) -> torch.optim.Optimizer:
-    """``factory`` (default: AdamW from ``args``) over the decay groups; ZeRO-1 shards it over DP."""
+    """``factory`` (default: AdamW from ``args``) over the decay groups; ZeRO-1 shards it over DP.
+
+    ``grad_sync``: the DP sync, which under ZeRO-1 reduce-scatters to the parameters' owners.
+    """
     groups = _decay_groups(named, args.weight_decay)
     make = factory or (lambda g: _adamw(g, args, device))
     if args.zero_stage == 1 and layout.dp > 1:
-        return ZeroOptimizer(groups, make, group=layout.dp_group)
+        return ZeroOptimizer(groups, make, group=layout.dp_group, grad_sync=grad_sync)
     return make(groups)
 
 
@@ -241,6 +253,7 @@ def shard_parallel_model(
     *,
     zero_stage: int,
     device: torch.device,
+    param_dtype: torch.dtype | None = None,
 ) -> tuple[ShardedDataParallel, ParallelModel]:
     """Shard this rank's part of ``model`` over its DP group; the sharded object and the updated model.
 
@@ -257,6 +270,7 @@ def shard_parallel_model(
         device_type=device.type,
         num_stages=model.num_stages,
         shared_parameters=model.shared_parameters,
+        param_dtype=param_dtype,
     )
     owner = {sharded.param_map.get(id(p), p): stage for p, stage in model.shared_owner.items()}
     return sharded, dataclasses.replace(

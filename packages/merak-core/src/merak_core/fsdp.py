@@ -55,9 +55,20 @@ FSDP2 root (``fully_shard(unit)``); a whole model (``pp == 1``) is sharded per t
 block (each element of an ``nn.ModuleList``) and then at the root. A parameter used by two
 units of one stage cannot be sharded per unit and is refused.
 
+[Note: bf16 parameter gathers] Training in bf16 (autocast) with float32 master weights,
+``param_dtype=torch.bfloat16`` gives every unit FSDP2's
+``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``: the shards are cast
+to bf16 before the all-gather (half the bytes of a float32 gather, and no float32 copy of
+the unsharded parameters), forward and backward use the bf16 parameters, gradients are
+accumulated and reduce-scattered in float32 and the optimizer updates float32 shards. The
+matmuls see the same bf16 weights autocast would have made; other ops (embeddings,
+hand-written norms, additions) now see bf16 weights and may produce bf16 activations
+where autocast kept float32: the results differ from the float32-gather path within bf16
+rounding. Inputs are not cast (``cast_forward_inputs=False``): what flows between stages
+is what the stage computes.
+
 Not done here: ZeRO-1 (:mod:`merak_core.zero`), the replicated all-reduce
-(:mod:`merak_core.data_parallel`), mixed-precision policies (parameters are gathered and
-gradients reduced in the parameter dtype), CPU offload.
+(:mod:`merak_core.data_parallel`), CPU offload.
 """
 
 from __future__ import annotations
@@ -175,6 +186,8 @@ class ShardedDataParallel:
         shared_parameters: ``[(param, group)]`` parameters held by several stages, summed over
             ``group`` after the reduce-scatter (the pipeline runner must then not sum them).
         reshard_after_forward: override [Note: reshard after forward per stage].
+        param_dtype: the dtype parameters are all-gathered and computed in (``torch.bfloat16`` under
+            bf16 training, see [Note: bf16 parameter gathers]); ``None``: the parameters' own dtype.
     """
 
     def __init__(
@@ -187,8 +200,9 @@ class ShardedDataParallel:
         num_stages: int = 1,
         shared_parameters: Sequence[tuple[nn.Parameter, ProcessGroup | None]] = (),
         reshard_after_forward: bool | None = None,
+        param_dtype: torch.dtype | None = None,
     ) -> None:
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         if zero_stage not in SHARDED_ZERO_STAGES:
             raise ValueError(
@@ -197,6 +211,17 @@ class ShardedDataParallel:
             )
         if not stages:
             raise ValueError("ShardedDataParallel needs at least one stage module")
+        if param_dtype is not None and not param_dtype.is_floating_point:
+            raise ValueError(f"param_dtype must be a floating dtype (e.g. torch.bfloat16), got {param_dtype}")
+        # [Note: bf16 parameter gathers]
+        policy = (
+            MixedPrecisionPolicy(
+                param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
+            )
+            if param_dtype is not None
+            else MixedPrecisionPolicy()
+        )
+        self.param_dtype = param_dtype
         self.zero_stage = zero_stage
         self.dp_group = dp_group
         self.dp_size = dist.get_world_size(dp_group)
@@ -227,8 +252,8 @@ class ShardedDataParallel:
             reshard = self.reshard_after_forward[index]
             for unit in units[index]:
                 for block in _blocks(unit) if not isinstance(stages[index], nn.Sequential) else []:
-                    fully_shard(block, mesh=self.mesh, reshard_after_forward=reshard)
-                fully_shard(unit, mesh=self.mesh, reshard_after_forward=reshard)
+                    fully_shard(block, mesh=self.mesh, reshard_after_forward=reshard, mp_policy=policy)
+                fully_shard(unit, mesh=self.mesh, reshard_after_forward=reshard, mp_policy=policy)
                 self.roots.append(unit)
                 self.root_stages.append(index)
                 # Between microbatches ZeRO-3 gives the memory back; ZeRO-2 keeps the gather for the step.

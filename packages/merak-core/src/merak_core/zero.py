@@ -5,8 +5,16 @@ owned by exactly one DP rank (whole parameters, assigned greedily by size so the
 shards are balanced, deterministically on every rank); each rank builds the user's
 optimizer, through a factory, over the parameters it owns only, so Adam moments
 etc. exist once per DP group instead of once per rank. ``step()`` updates the
-owned parameters and then broadcasts each rank's updated parameters (packed into
-one flat buffer per owner and dtype) to the rest of the group.
+owned parameters and then sends them to the rest of the group:
+
+- with ``grad_sync`` (a :class:`~merak_core.data_parallel.DataParallelGradSync` built with
+  ``shard_gradients=True``, as the Trainer does): ownership is the sync's, whose buckets
+  reduce-scattered each parameter's averaged gradient to its owner only; the updated
+  parameters return by one ``all_gather_into_tensor`` per bucket and dtype, in the same
+  owner-by-owner padded layout (:mod:`merak_core.zero_layout`). A rank sends
+  ``2 (dp-1)/dp`` of the gradient bytes per step, half of an all-reduce plus broadcasts;
+- without it (gradients all-reduced by the caller): one broadcast per owner and dtype of
+  a flat buffer packing that owner's parameters.
 
 The math is the unsharded optimizer's: an element-wise optimizer (SGD, Adam,
 AdamW, ...) gives bit-identical parameters, because each parameter sees exactly
@@ -28,7 +36,7 @@ statistic would not be).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -38,28 +46,13 @@ from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
 from merak_core import _compat
+from merak_core.data_parallel import DataParallelGradSync
+from merak_core.zero_layout import OwnerLayout, all_gather_dim0, lay_out_by_owner, partition_parameters
 
 logger = logging.getLogger(__name__)
 
 ParamGroups = list[dict[str, Any]]
 OptimizerFactory = Callable[[ParamGroups], Optimizer]
-
-
-def partition_parameters(numels: Sequence[int], num_shards: int) -> list[int]:
-    """Owner shard of each parameter: greedy largest-first onto the least-loaded shard.
-
-    Pure and deterministic (ties go to the lower index), so every rank computes the
-    same partition.
-    """
-    if num_shards < 1:
-        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
-    loads = [0] * num_shards
-    owners = [0] * len(numels)
-    for index in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
-        shard = min(range(num_shards), key=lambda s: (loads[s], s))
-        owners[index] = shard
-        loads[shard] += numels[index]
-    return owners
 
 
 class ZeroOptimizer(Optimizer):
@@ -72,6 +65,8 @@ class ZeroOptimizer(Optimizer):
             and order of groups, only owned parameters, possibly empty), e.g.
             ``lambda groups: torch.optim.AdamW(groups, lr=1e-3)``.
         group: the DP process group (``layout.dp_group``); ``None`` = default group.
+        grad_sync: the DP gradient sync over the same group built with ``shard_gradients=True``:
+            its parameter ownership is used and the step all-gathers (see the module docstring).
     """
 
     def __init__(
@@ -80,6 +75,7 @@ class ZeroOptimizer(Optimizer):
         optimizer_factory: OptimizerFactory,
         *,
         group: ProcessGroup | None = None,
+        grad_sync: DataParallelGradSync | None = None,
     ) -> None:
         groups = _normalise_groups(params)
         self.group = group
@@ -88,7 +84,8 @@ class ZeroOptimizer(Optimizer):
         self._all_params = [p for g in groups for p in g["params"]]
         if len({id(p) for p in self._all_params}) != len(self._all_params):
             raise ValueError("a parameter appears twice in the parameter groups given to ZeroOptimizer")
-        self.owners = partition_parameters([p.numel() for p in self._all_params], self.dp_size)
+        self._sync = grad_sync if grad_sync is not None and grad_sync.shards_gradients else None
+        self.owners = self._owners()
         owner_of = {id(p): o for p, o in zip(self._all_params, self.owners, strict=True)}
         local_groups = [
             {
@@ -110,6 +107,7 @@ class ZeroOptimizer(Optimizer):
         ]
         super().__init__(full_groups, dict(self.inner.defaults))
         self._buckets = self._plan_broadcast()
+        self._gather = self._plan_gather()
         owned = sum(
             p.numel() for p, o in zip(self._all_params, self.owners, strict=True) if o == self.dp_rank
         )
@@ -121,7 +119,42 @@ class ZeroOptimizer(Optimizer):
             sum(p.numel() for p in self._all_params),
         )
 
+    def _owners(self) -> list[int]:
+        if self._sync is None:
+            return partition_parameters([p.numel() for p in self._all_params], self.dp_size)
+        if self._sync.world_size != self.dp_size:
+            raise ValueError(
+                f"grad_sync runs over {self._sync.world_size} ranks but the optimizer's group has {self.dp_size}: "
+                "build both over the DP group"
+            )
+        try:
+            return [self._sync.owner_of(p) for p in self._all_params]
+        except KeyError:
+            raise ValueError(
+                "a parameter given to ZeroOptimizer is not synchronised by grad_sync: build the sync over "
+                "the same (trainable) parameters"
+            ) from None
+
     # ------------------------------------------------------------------ step
+
+    def _plan_gather(self) -> list[tuple[list[nn.Parameter], OwnerLayout]]:
+        """Per sync bucket and parameter dtype: the parameters in owner-by-owner padded layout."""
+        if self._sync is None:
+            return []
+        in_optimizer = {id(p) for p in self._all_params}
+        plan = []
+        for bucket in self._sync.buckets:
+            by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+            for p in bucket.params:
+                if id(p) in in_optimizer:
+                    by_dtype.setdefault(p.dtype, []).append(p)
+            for dtype in sorted(by_dtype, key=str):
+                ps = by_dtype[dtype]
+                placed = lay_out_by_owner(
+                    [p.numel() for p in ps], self.dp_size, [self._sync.owner_of(p) for p in ps]
+                )
+                plan.append(([ps[i] for i in placed.order], placed))
+        return plan
 
     def _plan_broadcast(self) -> list[tuple[int, list[nn.Parameter]]]:
         """(owner, parameters) per flat broadcast buffer: one per owner, dtype and device."""
@@ -148,8 +181,35 @@ class ZeroOptimizer(Optimizer):
                 loss = self.inner.step(closure)
         else:
             loss = self.inner.step()
-        self._broadcast_parameters()
+        if self._sync is not None:
+            self._all_gather_parameters()
+        else:
+            self._broadcast_parameters()
         return loss
+
+    def _all_gather_parameters(self) -> None:
+        pending = []
+        for params, placed in self._gather:
+            p0 = params[0]
+            mine = torch.zeros(placed.segment_numel, dtype=p0.dtype, device=p0.device)  # zero padding
+            start = self.dp_rank * placed.segment_numel
+            for p, offset, owner in zip(params, placed.offsets, placed.owners, strict=True):
+                if owner == self.dp_rank:
+                    mine.narrow(0, offset - start, p.numel()).copy_(p.detach().reshape(-1))
+            flat = torch.empty(placed.segment_numel * self.dp_size, dtype=p0.dtype, device=p0.device)
+            pending.append((params, placed, flat, all_gather_dim0(flat, mine, self.group)))
+        for params, placed, flat, work in pending:
+            assert work is not None
+            try:
+                work.wait()
+            except Exception as err:
+                raise RuntimeError(
+                    f"rank {dist.get_rank()}: ZeRO-1 all-gather of {len(params)} updated parameters failed: "
+                    f"{err}. A peer probably died or skipped optimizer.step()"
+                ) from err
+            for p, offset, owner in zip(params, placed.offsets, placed.owners, strict=True):
+                if owner != self.dp_rank:
+                    p.detach().copy_(flat.narrow(0, offset, p.numel()).view_as(p))
 
     def _broadcast_parameters(self) -> None:
         if self.dp_size == 1:
