@@ -195,6 +195,7 @@ def _set_up(args: argparse.Namespace, where: dict[str, str]) -> tuple[Any, Any, 
         data_collator=job.optional("collate"),
         job_file=args.config,
         job_overrides=args.overrides,
+        lora=job.model.lora,
     )
     layout = init(dp=targs.dp, tp=targs.tp, pp=targs.pp, cp=targs.cp, timeout=targs.comm_timeout)
     torch.manual_seed(targs.seed)

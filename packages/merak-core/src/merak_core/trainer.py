@@ -128,7 +128,7 @@ class Trainer(GenerateMixin):
             from merak_core.planner.auto import plan_for_job  # collective: see [Note: layout auto] in config
 
             args, plan_context = plan_for_job(
-                args, model, train_dataset, data_collator=data_collator, device=device
+                args, model, train_dataset, data_collator=data_collator, device=device, lora=lora
             )
         if lora is not None:  # from the model and the arguments alone, before any process group
             bootstrap.check_lora(model, args, layout, lora)

@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     from merak_core.config import parse_bytes
     from merak_core.job import JobConfig, write_job
     from merak_core.planner import format_plan, plan
-    from merak_core.planner.auto import cast_floats, profile_for_plan, profile_inputs
+    from merak_core.planner.auto import cast_floats, profile_for_plan, profile_inputs, with_adapters
     from merak_core.planner.choices import searched_virtual_stages
 
     job = JobConfig.from_yaml(args.config, args.overrides)
@@ -96,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
         gbs = t.per_device_train_batch_size * t.gradient_accumulation_steps * dp
     torch.manual_seed(t.seed)
     model = job.build_model().to(dtype=t.torch_dtype)  # profiled as the job trains: its dtype, its autocast
+    if job.model.lora is not None:  # the adapters train, the rest is frozen: weights only in the plan
+        with_adapters(model, job.model.lora, seed=t.seed)
     train, _ = job.build_datasets()
     batch = profile_inputs(
         model, train, args.profile_batch or t.per_device_train_batch_size, job.optional("collate")

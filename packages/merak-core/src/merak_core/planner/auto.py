@@ -61,6 +61,7 @@ __all__ = [
     "plan_for_job",
     "profile_for_plan",
     "profile_inputs",
+    "with_adapters",
 ]
 
 DEFAULT_PLAN_CHECK_STEPS = 5
@@ -146,8 +147,10 @@ def _job_model_and_batch(
     dataset: Any,
     data_collator: Any,
     device: torch.device,
+    lora: Any = None,
 ) -> tuple[nn.Module, Any]:
-    """A copy of the job's model on ``device`` and one microbatch of real training data for it."""
+    """A copy of the job's model on ``device`` (with ``lora``: its adapters, the rest frozen) and one
+    microbatch of real training data for it."""
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(args.seed)
         if isinstance(model, nn.Module):
@@ -160,9 +163,25 @@ def _job_model_and_batch(
         else:
             copy_ = model()
         copy_ = copy_.to(device=device, dtype=args.torch_dtype)
+        if lora is not None:
+            with_adapters(copy_, lora, seed=args.seed)
         batch = profile_inputs(copy_, dataset, max(2, args.per_device_train_batch_size), data_collator)
 
     return copy_, cast_floats(batch, args.torch_dtype, device)
+
+
+def with_adapters(model: nn.Module, lora: Any, *, seed: int = 0) -> nn.Module:
+    """``model`` (unsharded, in place) with ``lora``'s adapters at their first values and every other
+    parameter frozen, as the run trains it: the profile then counts the frozen weights as weights only
+    ([Note: frozen weights] in :mod:`merak_core.planner.memory`)."""
+    from merak_core.lora.apply import apply_lora, logical_name
+    from merak_core.lora.init import initialise_adapters
+
+    apply_lora(model, lora)
+    initialise_adapters(
+        ((logical_name(n), p) for n, p in model.named_parameters()), tp=1, tp_rank=0, seed=seed
+    )
+    return model
 
 
 def cast_floats(batch: Any, dtype: torch.dtype, device: torch.device | str | None = None) -> Any:
@@ -221,6 +240,7 @@ def _profile_and_measure(
     what: str,
     decide: Callable[[ModelProfile, Any, float, float | None], dict[str, Any]] | None = None,
     probe_tp: bool = False,
+    lora: Any = None,
 ) -> tuple[dict[str, Any], Any]:
     """Rank 0 profiles, every rank measures communication, rank 0 ``decide``s; the payload on every rank.
 
@@ -235,7 +255,7 @@ def _profile_and_measure(
     error = ""
     built: tuple[nn.Module, Any] | None = None
     try:  # one copy of the model per rank: rank 0 profiles it, every rank times it for the contention
-        built = _job_model_and_batch(args, model, train_dataset, data_collator, dev)
+        built = _job_model_and_batch(args, model, train_dataset, data_collator, dev, lora)
         if rank == 0:
             profile = profile_for_plan(*built, tp_plan=args.tp_plan, bf16=args.bf16, device=dev)
     except Exception as exc:  # noqa: BLE001 - reported on every rank below, so none waits forever
@@ -301,13 +321,16 @@ def build_plan_context(
     device: torch.device | str | None = None,
     job_file: str | None = None,
     job_overrides: Sequence[str] = (),
+    lora: Any = None,
 ) -> PlanContext:
     """The plan check's :class:`PlanContext` for a manual layout (collective: call on every rank).
 
-    Rank 0 profiles a copy of ``model`` (or what the function builds) on one microbatch of
-    ``train_dataset``; every rank measures communication on the world group.
+    Rank 0 profiles a copy of ``model`` (or what the function builds; with ``lora`` its adapters) on one
+    microbatch of ``train_dataset``; every rank measures communication on the world group.
     """
-    payload, comm = _profile_and_measure(args, model, train_dataset, data_collator, device, "plan check")
+    payload, comm = _profile_and_measure(
+        args, model, train_dataset, data_collator, device, "plan check", lora=lora
+    )
     return _context(args, payload, comm, job_file, job_overrides)
 
 
@@ -340,10 +363,13 @@ def auto_layout(
     device: torch.device | str | None = None,
     job_file: str | None = None,
     job_overrides: Sequence[str] = (),
+    lora: Any = None,
 ) -> AutoLayout:
     """Choose the layout for ``layout: auto`` (collective: call on every rank; see the module docstring).
 
-    ``model`` is the job's model (rank 0 profiles a deep copy) or a function that builds one.
+    ``model`` is the job's model (rank 0 profiles a deep copy) or a function that builds one; with
+    ``lora`` (a :class:`~merak_core.LoraConfig`) the copy gets the adapters and its frozen weights
+    are planned as weights only.
     Raises ValueError before any collective when ``args`` is not an auto layout or sets dp/tp/pp,
     and on every rank when nothing fits (the planner's message).
     """
@@ -385,6 +411,7 @@ def auto_layout(
         "layout='auto'",
         decide,
         probe_tp=args.plan_probe_tp,
+        lora=lora,
     )
     checks = args.plan_check_steps if args.plan_check_steps is not None else DEFAULT_PLAN_CHECK_STEPS
     fields = dict(payload["fields"])
@@ -427,6 +454,7 @@ def plan_for_job(
     device: torch.device | str | None = None,
     job_file: str | None = None,
     job_overrides: Sequence[str] = (),
+    lora: Any = None,
 ) -> tuple[TrainingArguments, PlanContext | None]:
     """What the Trainer and ``merak train`` do first (collective): the arguments to train with and the check's context.
 
@@ -434,7 +462,9 @@ def plan_for_job(
     arguments and :func:`build_plan_context` (when that fails, on every rank alike, a warning and
     no check). Otherwise the arguments unchanged and no context (nothing is communicated).
     """
-    kw = dict(data_collator=data_collator, device=device, job_file=job_file, job_overrides=job_overrides)
+    kw = dict(
+        data_collator=data_collator, device=device, job_file=job_file, job_overrides=job_overrides, lora=lora
+    )
     if args.layout == "auto":
         auto = auto_layout(args, model, train_dataset, **kw)  # type: ignore[arg-type]
         return auto.args, auto.context

@@ -16,6 +16,12 @@ stage, plus the parameter, gradient and optimizer-state bytes the rank holds;
 The planner keeps a margin below ``memory_per_device`` for what the prediction misses
 ([Note: memory margin]).
 
+[Note: frozen weights] A frozen parameter (a LoRA run's base weights, ``requires_grad=False``) is
+held as a weight only: autograd gives it no gradient, the optimizer no state, and ZeRO has no
+gradient or state of it to shard. The profile says which bytes train
+(``ModelProfile.layer_trainable_bytes``, measured from ``requires_grad``); the gradient and
+optimizer terms, the DP gradient all-reduce and the optimizer's time count those bytes alone.
+
 [Note: peak as a sum] The predicted and the measured peak are both the held state plus the
 activation peak. Gradients only appear with the first backward, when activations start to be
 freed, so the true simultaneous peak (the allocator's) can be lower than this sum; never higher,
@@ -110,8 +116,13 @@ def model_state_bytes(
     largest_unit_bytes: float = 0.0,
     stage_index: int = 0,
     num_stages: int = 1,
+    trainable_bytes: float | None = None,
 ) -> tuple[float, float, float]:
     """(parameter, gradient, optimizer-state) bytes a rank holds for ``param_bytes`` of its stage at the peak.
+
+    ``trainable_bytes``: the part of ``param_bytes`` that trains (None: all of it). Frozen weights (a
+    LoRA run's base) are weights only: no gradient, no optimizer state, nothing for ZeRO to shard
+    ([Note: frozen weights]).
 
     ``optimizer_state_factor``: optimizer-state bytes per parameter byte (2 for Adam's moments in the
     parameter dtype). ZeRO-1 shards the optimizer states over ``dp``; ZeRO-2 and ZeRO-3 (FSDP2, see
@@ -129,15 +140,21 @@ def model_state_bytes(
     if not isinstance(dp, int) or dp < 1:
         raise ValueError(f"dp={dp!r}; expected an int >= 1")
     p = float(param_bytes)
-    optimizer = p * optimizer_state_factor / (dp if zero_stage >= 1 else 1)
+    t = p if trainable_bytes is None else float(trainable_bytes)
+    if not 0.0 <= t <= p * (1 + 1e-9):  # (sums of the same bytes in another order may differ in the last bit)
+        raise ValueError(
+            f"trainable_bytes={trainable_bytes!r}; expected 0 <= trainable_bytes <= param_bytes={p}"
+        )
+    t = min(t, p)
+    optimizer = t * optimizer_state_factor / (dp if zero_stage >= 1 else 1)
     if zero_stage <= 1 or dp == 1:
-        return p, p, optimizer
+        return p, t, optimizer
     shard = p / dp
     if zero_stage == 2 or not default_reshard_after_forward(
         zero_stage, stage_index=stage_index, num_stages=num_stages
     ):
-        return shard + p, p, optimizer
-    return shard + min(float(largest_unit_bytes), p), p, optimizer
+        return shard + p, t, optimizer
+    return shard + min(float(largest_unit_bytes), p), t, optimizer
 
 
 def _stage_ranges(stage_layers: Sequence[int]) -> list[range]:
@@ -207,13 +224,15 @@ def predict_stage_memory(
     )
     peaks = simulate(sched, costs).peak_memory
     out = []
+    trainable_per_layer = profile.trainable_bytes
     for s, r in enumerate(ranges):
         params = sum(profile.layer_param_bytes[i] for i in r)
+        trainable = sum(trainable_per_layer[i] for i in r)
         first_and_last = 0 in r and profile.num_layers - 1 in r
-        if first_and_last:
+        if first_and_last or _holds_other_copy(s, placement, ranges, profile.num_layers):
+            # one local copy of the tied parameter (on this stage, or the rank's other stage holds it)
             params -= profile.shared_param_bytes
-        elif _holds_other_copy(s, placement, ranges, profile.num_layers):
-            params -= profile.shared_param_bytes  # the rank's other stage holds the one local copy
+            trainable -= profile.shared_trainable
         unit = max((profile.layer_param_bytes[i] for i in r), default=0.0) / tp
         p, g, o = model_state_bytes(
             params / tp,
@@ -223,6 +242,7 @@ def predict_stage_memory(
             largest_unit_bytes=unit,
             stage_index=s,
             num_stages=num_stages,
+            trainable_bytes=trainable / tp,
         )
         out.append(
             StageMemory(

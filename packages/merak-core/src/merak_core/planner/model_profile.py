@@ -33,6 +33,12 @@ class ModelProfile:
     shared_param_bytes: float = 0.0
     """Bytes of parameters counted in both the first and the last layer (a tied embedding and head):
     a stage holding both layers holds them once."""
+    layer_trainable_bytes: list[float] | None = None
+    """Bytes of each layer's parameters that train (a LoRA run: its adapters), the rest frozen: weights
+    only, no gradient, no optimizer state ([Note: frozen weights] in :mod:`.memory`). None: every
+    parameter trains."""
+    shared_trainable_bytes: float = 0.0
+    """The trainable part of ``shared_param_bytes`` when ``layer_trainable_bytes`` is given."""
     microbatch_overhead_s: float = 0.0
     """Fixed seconds per microbatch and stage (forward + backward) that do not grow with the batch."""
     boundary_bytes: float = 0.0
@@ -75,6 +81,7 @@ class ModelProfile:
             for v in getattr(self, name):
                 if not v >= 0 or math.isinf(v):
                     raise ValueError(f"ModelProfile.{name} holds {v!r}: expected finite values >= 0")
+        self._check_trainable(n)
         scales = {}
         for k, v in dict(self.tp_scale).items():  # JSON gives string keys
             if int(k) < 1 or not (float(v) > 0 and math.isfinite(float(v))):
@@ -104,9 +111,42 @@ class ModelProfile:
                     f"ModelProfile.{name}={v!r}: expected a positive int or None (no constraint)"
                 )
 
+    def _check_trainable(self, n: int) -> None:
+        if self.layer_trainable_bytes is None:
+            return
+        self.layer_trainable_bytes = [float(v) for v in self.layer_trainable_bytes]
+        if len(self.layer_trainable_bytes) != n:
+            raise ValueError(
+                f"ModelProfile.layer_trainable_bytes has {len(self.layer_trainable_bytes)} values but "
+                f"layer_forward_s has {n}: give one value per layer (or None: every parameter trains)"
+            )
+        for i, (t, p) in enumerate(zip(self.layer_trainable_bytes, self.layer_param_bytes, strict=True)):
+            if not 0 <= t <= p:
+                raise ValueError(
+                    f"ModelProfile.layer_trainable_bytes[{i}]={t!r}: expected 0 <= value <= "
+                    f"layer_param_bytes[{i}]={p!r}"
+                )
+        if not 0 <= self.shared_trainable_bytes <= self.shared_param_bytes:
+            raise ValueError(
+                f"ModelProfile.shared_trainable_bytes={self.shared_trainable_bytes!r}: expected 0 <= value "
+                f"<= shared_param_bytes={self.shared_param_bytes!r}"
+            )
+
     @property
     def num_layers(self) -> int:
         return len(self.layer_forward_s)
+
+    @property
+    def trainable_bytes(self) -> list[float]:
+        """Bytes of each layer's trainable parameters (every parameter's without ``layer_trainable_bytes``)."""
+        if self.layer_trainable_bytes is None:
+            return list(self.layer_param_bytes)
+        return list(self.layer_trainable_bytes)
+
+    @property
+    def shared_trainable(self) -> float:
+        """Trainable bytes of the shared (tied) parameters."""
+        return self.shared_param_bytes if self.layer_trainable_bytes is None else self.shared_trainable_bytes
 
     def tp_allowed(self, tp: int) -> bool:
         """Whether ``tp`` divides heads, kv heads and vocabulary."""

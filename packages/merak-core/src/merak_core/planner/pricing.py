@@ -67,7 +67,9 @@ class LayoutCosts:
     bwd1: list[float]
     act1: list[list[float]]  # per stage, per layer, one sample, divided by tp
     layers: list[int]  # layers per stage (len of each stage range)
-    static: list[float]  # weights + grads + optimizer states per stage
+    static: list[
+        float
+    ]  # weights + grads + optimizer states per stage (grads and states of trainable weights)
     dp_allreduce_s: float
     optimizer_s: float  # optimizer step over this rank's parameters (uncontended)
     step_comm_s: float  # the gradient-norm and loss all-reduces over every rank
@@ -90,8 +92,11 @@ def layout_costs(
     bounds = [sum(sizes[:s]) for s in range(num_stages + 1)]
     stage = [range(bounds[s], bounds[s + 1]) for s in range(num_stages)]
     params = [sum(profile.layer_param_bytes[i] for i in r) / tp for r in stage]
+    per_layer = profile.trainable_bytes  # [Note: frozen weights] in merak_core.planner.memory
+    trainable = [sum(per_layer[i] for i in r) / tp for r in stage]
     if pp == 1:  # one stage holds the first and the last layer: a tied embedding once
         params[0] -= profile.shared_param_bytes / tp
+        trainable[0] -= profile.shared_trainable / tp
     opt_div = dp if zero_stage >= 1 else 1
     static = [
         sum(
@@ -103,15 +108,16 @@ def layout_costs(
                 largest_unit_bytes=max(profile.layer_param_bytes[i] for i in r) / tp,
                 stage_index=s,
                 num_stages=num_stages,
+                trainable_bytes=t,
             )
         )
-        for s, (p, r) in enumerate(zip(params, stage, strict=True))
+        for s, (p, t, r) in enumerate(zip(params, trainable, stage, strict=True))
     ]
     world = dp * tp * pp
-    # Per step outside the pipeline: the optimizer over this rank's parameters (its share under
-    # ZeRO-1), the gradient-norm all-reduce and the loss all-reduce over every rank.
+    # Per step outside the pipeline: the optimizer over this rank's trainable parameters (its share
+    # under ZeRO-1), the gradient-norm all-reduce and the loss all-reduce over every rank.
     # A rank holds every pp-th stage (round-robin; a V holds the same amount up to rounding).
-    rank_params = [sum(params[s] for s in range(num_stages) if s % pp == r) for r in range(pp)]
+    rank_params = [sum(trainable[s] for s in range(num_stages) if s % pp == r) for r in range(pp)]
     optimizer = max(rank_params) / opt_div * profile.optimizer_s_per_byte
     return LayoutCosts(
         dp=dp,
@@ -258,6 +264,7 @@ def _held_once(profile: ModelProfile, lay: LayoutCosts, stage_to_rank: Sequence[
                 optimizer_state_factor=lay.optimizer_state_factor,
                 stage_index=last,
                 num_stages=len(static),
+                trainable_bytes=profile.shared_trainable / lay.tp,
             )
         )
     return static

@@ -37,12 +37,13 @@ _KV_HEAD_NAMES = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
 
 
 def model_fingerprint(model: nn.Module, sample_shape: Sequence[Any]) -> str:
-    """A hash of the module tree (class names, parameter names, shapes, dtypes) and the sample shape."""
+    """A hash of the module tree (class names, parameter names, shapes, dtypes, which are frozen) and the sample shape."""
     h = hashlib.sha256()
     for name, mod in model.named_modules():
         h.update(f"{name}:{type(mod).__name__};".encode())
     for name, p in model.named_parameters():
-        h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
+        frozen = "" if p.requires_grad else ":frozen"  # a frozen weight holds no gradient, no optimizer state
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype}{frozen};".encode())
     h.update(repr(tuple(sample_shape)).encode())
     return h.hexdigest()[:16]
 
@@ -263,19 +264,28 @@ def _recorded_run(model: nn.Module, sample: Any, rec: _Recorder) -> tuple[float,
 
 
 def _layer_params(
-    model: nn.Module, layers: nn.ModuleList, used_before: set[int], used_after: set[int]
+    model: nn.Module,
+    layers: nn.ModuleList,
+    used_before: set[int],
+    used_after: set[int],
+    *,
+    trainable_only: bool = False,
 ) -> tuple[list[float], float]:
-    """Parameter bytes per layer with the parameters outside the layers placed, and the shared bytes.
+    """Parameter bytes per layer with the parameters outside the layers placed, and the shared bytes
+    (``trainable_only``: of the parameters with ``requires_grad``).
 
     A parameter used only after the last layer (final norm, untied head) is the last layer's; one
     used before and after (a tied embedding) is held by both; the rest is the first layer's.
     """
     n = len(layers)
-    params = [float(sum(p.numel() * p.element_size() for p in layer.parameters())) for layer in layers]
+    counted = (lambda p: p.requires_grad) if trainable_only else (lambda p: True)
+    params = [
+        float(sum(p.numel() * p.element_size() for p in layer.parameters() if counted(p))) for layer in layers
+    ]
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
     shared = 0.0
     for p in model.parameters():
-        if id(p) in in_layers:
+        if id(p) in in_layers or not counted(p):
             continue
         nbytes = float(p.numel() * p.element_size())
         late = p.untyped_storage().data_ptr() in used_after
@@ -325,6 +335,10 @@ def _measure(
     act[0] += rec.outside_act[0]
     act[-1] += rec.outside_act[1]
     params, shared = _layer_params(model, layers, rec.used_before, rec.used_after)
+    trainable, shared_trainable = _layer_params(
+        model, layers, rec.used_before, rec.used_after, trainable_only=True
+    )
+    frozen_some = trainable != params or shared_trainable != shared  # a LoRA run: [Note: frozen weights]
     heads, kv, vocab = tp_constraints(model)
     prof = ModelProfile(
         layer_forward_s=[f / batch for f in per_layer_f],
@@ -332,6 +346,8 @@ def _measure(
         layer_activation_bytes=[a / batch for a in act],
         layer_param_bytes=params,
         shared_param_bytes=shared,
+        layer_trainable_bytes=trainable if frozen_some else None,
+        shared_trainable_bytes=shared_trainable if frozen_some else 0.0,
         boundary_bytes=rec.out_bytes / batch,
         num_heads=heads,
         num_kv_heads=kv,
