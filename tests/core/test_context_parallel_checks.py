@@ -26,10 +26,6 @@ def _args(**kw: Any) -> Any:
             {"cp": 2, "cp_mode": "zigzag"},
             r"cp_mode='zigzag' is invalid: expected one of \('ring', 'ulysses'\)",
         ),
-        (
-            {"cp": 2, "tp": 2, "sequence_parallel": True},
-            r"cp=2 with sequence_parallel=True .*sequence_parallel=false",
-        ),
         ({"cp": 2, "zero_stage": 2}, r"cp=2 with zero_stage=2 .*zero_stage 0 or 1"),
         ({"cp": 2, "zero_stage": 3}, r"cp=2 with zero_stage=3"),
     ],

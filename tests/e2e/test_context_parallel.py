@@ -131,9 +131,12 @@ def test_cp2_equals_one_process(kind: str, mode: str) -> None:
     _check(kind, run_on_ranks(2, _train, kind, {"cp": 2, "cp_mode": mode}))
 
 
-@pytest.mark.parametrize("kind", ["reference", "transformers"])
-def test_cp2_tp2_ring_equals_one_process(kind: str) -> None:
-    _check(kind, run_on_ranks(4, _train, kind, {"cp": 2, "tp": 2, "cp_mode": "ring"}))
+@pytest.mark.parametrize(
+    ("kind", "sequence_parallel"), [("reference", False), ("transformers", False), ("transformers", True)]
+)
+def test_cp2_tp2_ring_equals_one_process(kind: str, sequence_parallel: bool) -> None:
+    overrides = {"cp": 2, "tp": 2, "cp_mode": "ring", "sequence_parallel": sequence_parallel}
+    _check(kind, run_on_ranks(4, _train, kind, overrides))
 
 
 @pytest.mark.parametrize(("mode", "recompute"), [("ring", "none"), ("ulysses", "none"), ("ring", "full")])

@@ -26,7 +26,7 @@ At pp > 1 the pipeline tracer keeps a transformers model's attention modules who
 (:func:`attention_leaf_classes`, added to the leaves by ``compose``), so their attention function runs
 at run time in the CP context; stage boundaries carry the local tokens.
 
-Not done here (refused instead): sequence parallelism, ZeRO-2/3, LoRA, a handwritten
+Not done here (refused instead): ZeRO-2/3, LoRA, a handwritten
 model at pp > 1, padding masks or restarting position ids (packed documents), evaluation, a custom
 ``loss_fn``, ``layout: auto``.
 """
@@ -61,7 +61,6 @@ ATTN_IMPLEMENTATION = "merak_cp"
 """The name of Merak's attention function in transformers' attention-function registry."""
 
 _REFUSED_ARGS: tuple[tuple[str, Any, str], ...] = (
-    ("sequence_parallel", lambda a: a.sequence_parallel and a.tp > 1, "sequence_parallel=false"),
     ("zero_stage", lambda a: a.zero_stage in (2, 3), "zero_stage 0 or 1"),
     ("layout", lambda a: a.layout == "auto", "layout: manual with explicit degrees"),
 )
