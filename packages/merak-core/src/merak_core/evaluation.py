@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import traceback
 import typing
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -105,6 +106,9 @@ def evaluate_loader(
     from merak_core.engine import default_loss
 
     sums = EvalSums()
+    failure: str | None = (
+        None  # the metrics function's error: the pass goes on (the pipeline needs it), then all raise
+    )
     for batch in loader:
         partial = batch.num_real is not None
         by_token = (
@@ -126,17 +130,18 @@ def evaluate_loader(
             )
         else:
             sums.add_loss(float(loss), total)
-        if compute_metrics is not None and real > 0:
+        if compute_metrics is not None and real > 0 and failure is None:
             if isinstance(outputs, Mapping) and "logits" in outputs:  # a ModelOutput or a dict
                 outputs = outputs["logits"]
             logits = typing.cast(torch.Tensor, getattr(outputs, "logits", outputs))
-            values = compute_metrics(logits, labels)
-            if isinstance(values, torch.Tensor):
-                values = {"metric": values}
-            sums.add_metrics(values, real)
+            values, failure = _call_metrics(compute_metrics, logits, labels)
+            if values is not None:
+                sums.add_metrics(values, real)
     if tp_rank != 0:  # TP ranks of a stage hold the same values: count them once
         sums = _zeroed(sums)
-    names = agree_names(sorted(sums.metrics))
+    names, failure = agree_names(sorted(sums.metrics), failure)
+    if failure is not None:
+        raise ValueError(failure)  # on every rank, with the last stage's words
     vec = torch.tensor(
         [sums.loss, sums.loss_count, sums.metric_count] + [sums.metrics.get(n, 0.0) for n in names],
         dtype=torch.float64,
@@ -149,11 +154,37 @@ def evaluate_loader(
     return out
 
 
-def agree_names(names: list[str]) -> list[str]:
-    """Metric names are only known on last-stage ranks: share them so every rank reduces the same vector."""
+def agree_names(names: list[str], failure: str | None = None) -> tuple[list[str], str | None]:
+    """Metric names (and a metrics function's failure) are only known on last-stage ranks: share them, so
+    every rank reduces the same vector, or raises the same error."""
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, names)
-    return max(gathered, key=len)
+    dist.all_gather_object(gathered, (names, failure))
+    failures = [f for _, f in gathered if f is not None]
+    return max((n for n, _ in gathered), key=len), (failures[0] if failures else None)
+
+
+def _call_metrics(
+    fn: Callable[[torch.Tensor, torch.Tensor], Any], logits: torch.Tensor, labels: torch.Tensor
+) -> tuple[Mapping[str, torch.Tensor] | None, str | None]:
+    """``fn``'s per-example values as a mapping, or the error (naming ``fn``) that ends the evaluation."""
+    name = getattr(fn, "__qualname__", None) or repr(fn)
+    shapes = f"logits {list(logits.shape)}, labels {list(labels.shape)}"
+    try:
+        values = fn(logits, labels)
+    except Exception as exc:  # noqa: BLE001 - reported once, by every rank, with the function's name
+        frames = traceback.extract_tb(exc.__traceback__)
+        where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+        return None, (
+            f"compute_metrics {name} failed in evaluation ({shapes}): {type(exc).__name__}: {exc}{where}; "
+            "fix the function: it gets (logits, labels) and returns per-example values"
+        )
+    named = {"metric": values} if isinstance(values, torch.Tensor) else values
+    if not isinstance(named, Mapping) or not all(isinstance(v, torch.Tensor) for v in named.values()):
+        return None, (
+            f"compute_metrics {name} returned {type(values).__name__} in evaluation ({shapes}): return a tensor "
+            "of per-example values, or a dict of name -> such tensors"
+        )
+    return named, None
 
 
 def shapes_specialised(module: torch.nn.Module, device: torch.device, args: Any) -> bool:
