@@ -69,6 +69,7 @@ from merak_core.expert_parallel import expert_parameters
 from merak_core.fsdp import SHARDED_ZERO_STAGES, ShardedDataParallel, warn_nothing_to_shard
 from merak_core.layout import ParallelLayout
 from merak_core.stall import Heartbeat
+from merak_core.watchdog import StepWatchdog
 from merak_core.zero import ZeroOptimizer
 from merak_pipe import PipelineCommError
 
@@ -198,6 +199,12 @@ class ParallelEngine:
         )
         self.lr_scheduler = build_lr_scheduler(self.optimizer, args, num_training_steps)
         self.heartbeat: Heartbeat | None = None
+        self.watchdog = StepWatchdog(
+            timeout_s=layout.timeout.total_seconds(),
+            who=f"rank {layout.rank} (pp_rank {layout.pp_rank}, dp_rank {layout.dp_rank}, tp_rank {layout.tp_rank})",
+            diagnose=self._stall_diagnosis,
+        )
+        """Logs where this rank waits before the timeout ends the job ([Note: step watchdog] in merak_core.watchdog)."""
         """The running loop's heartbeat: a failed step names the ranks that stopped answering it."""
         self.last_pipeline_s = 0.0
         self.last_grad_norm: float | None = None
@@ -265,7 +272,9 @@ class ParallelEngine:
             # become final (each parameter's gradient accumulates once per microbatch).
             self.dp_sync.prepare_step(self.args.num_microbatches)
         with self._phase(
-            f"pipeline step over global ranks {layout.pp_ranks} (pipeline rank i = the i-th)", step
+            f"pipeline step over global ranks {layout.pp_ranks} (pipeline rank i = the i-th)",
+            step,
+            where=getattr(self.runner, "describe_position", None),
         ):
             with self.autocast():
                 self.runner.record_timing = record_timing
@@ -356,15 +365,18 @@ class ParallelEngine:
         )
 
     @contextlib.contextmanager
-    def _phase(self, what: str, step: int) -> Iterator[None]:
+    def _phase(self, what: str, step: int, *, where: Callable[[], str] | None = None) -> Iterator[None]:
         """Re-raise a communication failure with this rank, its coordinates, the step and what it waited on.
+
+        The watchdog logs the same before the timeout (``where``: this rank's pipeline position).
 
         See [Note: failures]: a pipeline error keeps its class (``PipelineCommError``); any
         other ``RuntimeError`` (gloo/NCCL errors and timeouts) becomes :class:`TrainingStepError`.
         ``ValueError`` (bad input) passes through unchanged.
         """
         try:
-            yield
+            with self.watchdog.watch(what, step, where or _no_position):
+                yield
         except RuntimeError as exc:
             layout = self.layout
             where = (
@@ -398,3 +410,7 @@ class ParallelEngine:
         labels = labels.to(self.device) if labels is not None else None
         with self.autocast():
             return self.runner.evaluate(self.stage_inputs(inputs), labels, return_outputs=return_outputs)
+
+
+def _no_position() -> str:
+    return ""

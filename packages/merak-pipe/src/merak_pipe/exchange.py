@@ -20,7 +20,7 @@ import torch
 
 from merak_pipe.comm import P2PTransport, PipelineCommError, Transfer, _Pending, spec_metas
 from merak_pipe.ir import Action
-from merak_pipe.p2p_order import DATA_B, DATA_F, HEADER, SPEC, P2POp
+from merak_pipe.p2p_order import DATA_B, DATA_F, HEADER, SPEC, P2POp, Step
 
 __all__ = ["BoundaryExchange"]
 
@@ -31,6 +31,9 @@ class BoundaryExchange:
     def __init__(self, transport: P2PTransport) -> None:
         self.transport = transport
         self.rank = transport.rank
+        self.position: Step | None = None
+        """The compute action or p2p unit this rank runs now (set by the runner and :meth:`run_unit`;
+        read from another thread by watchdogs, :func:`merak_pipe.p2p_order.describe_step`)."""
         # Specs that persist across rounds (for the "spec changed" header).
         self._last_sent_spec: dict[int, Any] = {}
         self._last_recv_spec: dict[int, Any] = {}
@@ -41,6 +44,7 @@ class BoundaryExchange:
     ) -> None:
         """Forget this round's messages (called at the start of every round). ``settles``: for each
         message received, the sends it proves matched ([Note: settled sends] in ``p2p_order.py``)."""
+        self.position = None
         self._settles = settles or {}
         self._sent: dict[tuple[str, int, int], _Pending] = {}
         self.out_spec: dict[int, Any] = {}
@@ -111,6 +115,7 @@ class BoundaryExchange:
     def run_unit(self, unit: tuple[P2POp, ...]) -> list[Action]:
         """Issue one unit as one batch; read received control messages at once. Returns the
         SEND/RECV actions whose data messages it issued."""
+        self.position = unit
         chosen = [(op, tr) for op in unit if (tr := self._transfer(op)) is not None]
         if not chosen:
             return []

@@ -74,6 +74,17 @@ Unit = tuple[P2POp, ...]
 Step = Action | Unit
 
 
+def describe_step(step: Step | None) -> str:
+    """Where a rank is in its round, for a message: stage, action and microbatch of ``step``."""
+    if step is None:
+        return "no pipeline action yet this round"
+    if isinstance(step, Action):
+        return f"stage {step.stage}, action {step}, microbatch {step.microbatch}"
+    action = step[0].action
+    ops = "; ".join(str(op) for op in step)
+    return f"stage {action.stage}, action {action}, microbatch {action.microbatch} (p2p unit: {ops})"
+
+
 def round_actions(actions: Sequence[Action], *, forward_only: bool) -> list[Action]:
     """The actions a round runs: all of them, or (evaluation) only F, SEND_F and RECV_F."""
     if not forward_only:

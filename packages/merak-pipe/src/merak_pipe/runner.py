@@ -45,7 +45,7 @@ from merak_pipe.comm import (
 )
 from merak_pipe.exchange import BoundaryExchange
 from merak_pipe.ir import Action, ActionKind, Schedule
-from merak_pipe.p2p_order import Step, issue_orders, settled_sends
+from merak_pipe.p2p_order import Step, describe_step, issue_orders, settled_sends
 from merak_pipe.stage import PipelineStage
 from merak_pipe.timing import ActionTiming, RoundClock
 
@@ -197,6 +197,10 @@ class PipelineRunner:
         start, end = self._step_marks
         return self._clock.seconds(end) - self._clock.seconds(start)
 
+    def describe_position(self) -> str:
+        """Stage, action and microbatch this rank runs now (safe to call from another thread)."""
+        return describe_step(self.exchange.position)
+
     def step(self, inputs: Any = None, labels: Any = None) -> torch.Tensor | None:
         """One training step: forward and backward of every microbatch; returns the loss on the last stage."""
         self._run_round(inputs, labels, training=True)
@@ -336,6 +340,7 @@ class PipelineRunner:
         return grads
 
     def _run_compute(self, action: Action) -> None:
+        self.exchange.position = action  # read by watchdogs: describe_position()
         stage = self._stage(action)
         s, m, kind = action.stage, action.microbatch, action.kind
         recompute_before = stage.recompute_seconds

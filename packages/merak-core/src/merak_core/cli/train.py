@@ -21,7 +21,7 @@ from typing import Any
 
 from merak_core.cli.plan import add_cluster_flags, cluster_command
 
-__all__ = ["add_parser", "run", "torchrun_command"]
+__all__ = ["add_parser", "nccl_flight_recorder_env", "run", "torchrun_command"]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -170,9 +170,26 @@ def run(args: argparse.Namespace) -> int:
         return 0
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(nccl_flight_recorder_env(t.output_dir, env))
     with _output_dir_lock(args, t.output_dir) as lock:
         logging.getLogger("merak").info("launching: %s", shlex.join(cmd))
         return _supervise(args, cmd, env, lock, t.output_dir)
+
+
+def nccl_flight_recorder_env(output_dir: str, env: Mapping[str, str]) -> dict[str, str]:
+    """NCCL's flight recorder for the ranks when they will run NCCL (CUDA on this node; the user's values win).
+
+    The dumps go to ``<output_dir>/nccl_flight_recorder/`` (created here), see
+    :func:`merak_core.watchdog.flight_recorder_env`.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    from merak_core.watchdog import flight_recorder_env
+
+    os.makedirs(os.path.join(output_dir, "nccl_flight_recorder"), exist_ok=True)
+    return flight_recorder_env(output_dir, env)
 
 
 def _from_slurm(args: argparse.Namespace, env: Mapping[str, str]) -> None:
