@@ -314,7 +314,7 @@ class Trainer(GenerateMixin):
         is ``last_result``.
         """
         step = self.global_step + 1
-        cp_context = contextlib.nullcontext()
+        cp_context: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
         if self.cp_run is not None:  # this rank's tokens of the batch; attention over the cp group
             inputs, labels = self.cp_run.split(inputs, labels)
             cp_context = self.cp_run.active()
