@@ -387,3 +387,38 @@ def test_merak_train_with_layout_auto(tmp_path: Path):
             and Path(raw["model"]["factory"].split(":")[0]).is_absolute()
         )
         assert f"merak train {written} --resume latest" in check[0]["replanned"]
+
+
+def _auto_lora_body() -> dict[str, Any]:
+    from merak_core import LoraConfig, Trainer
+
+    args = make_args(
+        layout="auto",
+        max_steps=1,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=1,
+        memory_per_device="1GiB",
+        plan_check_steps=0,
+    )
+    model = build_model("gpt")
+    lora = LoraConfig(r=2, alpha=4, target_modules=["q_proj", "v_proj"])
+    trainer = Trainer(
+        model,
+        args,
+        TokenDataset(16, model.config.vocab_size),
+        loss_fn=REFERENCE_MODELS["gpt"].loss,
+        lora=lora,
+    )
+    history = trainer.train()
+    return {"profile": trainer.plan_context.profile, "losses": [h["loss"] for h in history]}
+
+
+def test_layout_auto_profiles_a_lora_job_with_its_adapters():
+    # The Trainer hands model.lora to the planner: the profile counts the frozen weights as weights only.
+    results = run_on_ranks(2, _auto_lora_body)
+    prof = results[0]["profile"]
+    model = build_model("gpt")
+    per_block = 2 * 2 * 2 * model.config.hidden_size * 8  # q and v: A (2 x h) and B (h x 2), float64
+    assert prof.layer_trainable_bytes is not None and prof.shared_trainable_bytes == 0.0
+    assert prof.layer_trainable_bytes == [float(per_block)] * prof.num_layers
+    assert all(math.isfinite(x) for x in results[0]["losses"])
