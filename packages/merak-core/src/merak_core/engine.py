@@ -274,7 +274,7 @@ class ParallelEngine:
         with self._phase(
             f"pipeline step over global ranks {layout.pp_ranks} (pipeline rank i = the i-th)",
             step,
-            where=getattr(self.runner, "describe_position", None),
+            position=getattr(self.runner, "describe_position", None),
         ):
             with self.autocast():
                 self.runner.record_timing = record_timing
@@ -365,17 +365,17 @@ class ParallelEngine:
         )
 
     @contextlib.contextmanager
-    def _phase(self, what: str, step: int, *, where: Callable[[], str] | None = None) -> Iterator[None]:
+    def _phase(self, what: str, step: int, *, position: Callable[[], str] | None = None) -> Iterator[None]:
         """Re-raise a communication failure with this rank, its coordinates, the step and what it waited on.
 
-        The watchdog logs the same before the timeout (``where``: this rank's pipeline position).
+        The watchdog logs the same before the timeout (``position``: this rank's pipeline position).
 
         See [Note: failures]: a pipeline error keeps its class (``PipelineCommError``); any
         other ``RuntimeError`` (gloo/NCCL errors and timeouts) becomes :class:`TrainingStepError`.
         ``ValueError`` (bad input) passes through unchanged.
         """
         try:
-            with self.watchdog.watch(what, step, where or _no_position):
+            with self.watchdog.watch(what, step, position or _no_position):
                 yield
         except RuntimeError as exc:
             layout = self.layout
