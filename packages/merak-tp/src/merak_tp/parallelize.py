@@ -419,7 +419,9 @@ def _apply_regions(
     if tp > 1:
         for p in model.parameters():
             if id(p) in per_head and p.requires_grad:
-                _compat.register_grad_hook(p, _make_sum_hook(group))  # each rank applied it to its own heads only
+                _compat.register_grad_hook(
+                    p, _make_sum_hook(group)
+                )  # each rank applied it to its own heads only
     if (chunks > 1 or sp or rng_tracker is not None) and tp > 1:
         for name in region_names:
             fork = rng_tracker if _match(name, plan.rng_regions) is not None else None
