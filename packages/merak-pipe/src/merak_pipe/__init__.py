@@ -8,6 +8,7 @@ schedule over torch.distributed lives in ``stage.py`` / ``runner.py``.
 
 from __future__ import annotations
 
+from merak_pipe.action_profile import ActionProfile, ProfiledSpan, gather_spans
 from merak_pipe.comm import PipelineCommError, PipelineTimeoutError
 from merak_pipe.csv_io import from_csv, to_csv
 from merak_pipe.ir import Action, ActionKind, RecomputePlan, Schedule, ScheduleError, format_table
@@ -40,12 +41,14 @@ __version__ = "0.1.0"
 __all__ = [
     "Action",
     "ActionKind",
+    "ActionProfile",
     "ActionTiming",
     "CostModel",
     "PipelineCommError",
     "PipelineRunner",
     "PipelineStage",
     "PipelineTimeoutError",
+    "ProfiledSpan",
     "RecomputePlan",
     "Schedule",
     "ScheduleError",
@@ -59,6 +62,7 @@ __all__ = [
     "closed_form_plan",
     "format_table",
     "from_csv",
+    "gather_spans",
     "gather_timings",
     "in_flight_counts",
     "lower",

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import Any
 
@@ -34,7 +35,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from merak_pipe._placement import _common_device, _local_runs
 from merak_pipe._round import _as_call, _concat, _Round, _split_batch
+from merak_pipe.action_profile import ActionProfile, profiling
 from merak_pipe.comm import (
     P2PTransport,
     PipelineCommError,
@@ -174,6 +177,7 @@ class PipelineRunner:
         self._clock = RoundClock(self.device)
         self._step_marks: tuple[Any, Any] | None = None
         self._round = _Round(index=0, training=True)
+        self._profile: ActionProfile | None = None
 
     # ------------------------------------------------------------------ public API
 
@@ -197,6 +201,12 @@ class PipelineRunner:
         start, end = self._step_marks
         return self._clock.seconds(end) - self._clock.seconds(start)
 
+    def profiling(self, *, torch_ops: bool = True) -> AbstractContextManager[ActionProfile]:
+        """Profile every ``step``/``evaluate`` inside the ``with`` block: per action of this rank's
+        issue order, host time, time blocked in waits and (``torch_ops``) time inside torch
+        operators (:mod:`merak_pipe.action_profile`; off, it costs one check per round)."""
+        return profiling(self, torch_ops=torch_ops)
+
     def describe_position(self) -> str:
         """Stage, action and microbatch this rank runs now (safe to call from another thread)."""
         return describe_step(self.exchange.position)
@@ -204,7 +214,10 @@ class PipelineRunner:
     def step(self, inputs: Any = None, labels: Any = None) -> torch.Tensor | None:
         """One training step: forward and backward of every microbatch; returns the loss on the last stage."""
         self._run_round(inputs, labels, training=True)
-        self._sync_shared_parameters()
+        if self._profile is None:
+            self._sync_shared_parameters()
+        else:
+            self._profile.timed("shared grads", self._sync_shared_parameters, self._round.index)
         if self._step_marks is not None:
             self._step_marks = (self._step_marks[0], self._clock.mark())
         return self._round_loss()
@@ -247,18 +260,10 @@ class PipelineRunner:
         self._clock.start_round(anchor=self.record_timing)
         start = self._clock.mark()
         try:
-            for step in self._plans[training]:
-                if isinstance(step, Action):
-                    self._run_compute(step)
-                    self._let_go(step)
-                elif self.record_timing:
-                    start_unit = self._clock.mark()
-                    issued = self.exchange.run_unit(step)
-                    end_unit = self._clock.mark()
-                    self._round.marks += [(a, start_unit, start_unit, end_unit, 0.0) for a in issued]
-                else:
-                    self.exchange.run_unit(step)
-            self.transport.wait_sends()
+            if self._profile is None:
+                self._run_plan(self._plans[training])
+            else:
+                self._profile.run_round(self, self._plans[training], self._round.index)
             self._check_round_complete()
         except BaseException:
             for stage in self.stages.values():
@@ -273,6 +278,20 @@ class PipelineRunner:
         self._step_marks = (start, self._clock.mark())
         if self.record_timing:
             self.timings = self._resolve_marks()
+
+    def _run_plan(self, plan: list[Step]) -> None:
+        for step in plan:
+            if isinstance(step, Action):
+                self._run_compute(step)
+                self._let_go(step)
+            elif self.record_timing:
+                start_unit = self._clock.mark()
+                issued = self.exchange.run_unit(step)
+                end_unit = self._clock.mark()
+                self._round.marks += [(a, start_unit, start_unit, end_unit, 0.0) for a in issued]
+            else:
+                self.exchange.run_unit(step)
+        self.transport.wait_sends()
 
     def _check_round_complete(self) -> None:
         leftovers = self.exchange.leftovers()
@@ -468,44 +487,6 @@ class PipelineRunner:
             )
             for a, start, ready, end, recompute in self._round.marks
         ]
-
-
-def _common_device(stages: Sequence[PipelineStage], device: torch.device | str | None) -> torch.device:
-    """The one device of this rank's stages and messages; refuses a disagreement."""
-    devices = {torch.device(s.device) for s in stages}
-    if device is not None:
-        wanted = torch.device(device)
-        if wanted.type == "cuda" and wanted.index is None:
-            wanted = torch.device("cuda", torch.cuda.current_device())
-        if any(_differs(d, wanted) for d in devices):
-            raise ValueError(
-                f"PipelineRunner(device={wanted}) but the stages are on {sorted(map(str, devices))}; "
-                "build every PipelineStage with the same device as the runner"
-            )
-        return wanted
-    if len(devices) != 1:
-        raise ValueError(
-            f"this rank's PipelineStages are on several devices {sorted(map(str, devices))}; "
-            "use one device per rank (pass device= to every PipelineStage)"
-        )
-    return next(iter(devices))
-
-
-def _local_runs(schedule: Schedule) -> dict[int, tuple[int, ...]]:
-    """Stage -> the run of consecutive stages on its rank that it belongs to (itself alone, mostly)."""
-    runs: dict[int, tuple[int, ...]] = {}
-    run: list[int] = []
-    for s in range(schedule.num_stages):
-        if run and schedule.rank_of(s) != schedule.rank_of(run[-1]):
-            runs.update(dict.fromkeys(run, tuple(run)))
-            run = []
-        run.append(s)
-    runs.update(dict.fromkeys(run, tuple(run)))
-    return runs
-
-
-def _differs(a: torch.device, b: torch.device) -> bool:
-    return a.type != b.type or (a.index is not None and b.index is not None and a.index != b.index)
 
 
 def _describe(spec: Any) -> str:

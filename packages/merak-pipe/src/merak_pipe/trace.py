@@ -16,7 +16,7 @@ from merak_pipe.ir import ActionKind
 if TYPE_CHECKING:
     from merak_pipe.sim import SimResult
 
-__all__ = ["chrome_trace", "plot_timeline"]
+__all__ = ["chrome_trace", "plot_timeline", "trace_document"]
 
 _COLORS = {
     ActionKind.FORWARD: "#4C72B0",
@@ -32,19 +32,45 @@ _NAMES = {
     ActionKind.BACKWARD_WEIGHT: "backward_weight",
     ActionKind.RECOMPUTE: "recompute",
 }
+KIND_CATEGORY: dict[ActionKind, str] = {
+    **_NAMES,
+    ActionKind.SEND_F: "send",
+    ActionKind.SEND_B: "send",
+    ActionKind.RECV_F: "recv",
+    ActionKind.RECV_B: "recv",
+}
+"""The trace category (``cat``) of each action kind; a measured profile uses the same ones."""
+
+
+def trace_document(
+    title: str,
+    ranks: list[int] | range,
+    slices: list[dict[str, object]],
+    other: dict[str, object],
+    path: str | os.PathLike[str] | None = None,
+) -> dict[str, object]:
+    """The one layout of every pipeline trace Merak writes: process 0 named ``title``, one thread
+    per rank, then ``slices`` (``ph`` X/C events with ``tid`` = rank); written to ``path`` if given.
+    A simulated schedule (:func:`chrome_trace`) and a measured profile
+    (:meth:`merak_pipe.action_profile.ActionProfile.chrome_trace`) thus open side by side."""
+    events: list[dict[str, object]] = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": title}}]
+    for rank in ranks:
+        events.append(
+            {"name": "thread_name", "ph": "M", "pid": 0, "tid": rank, "args": {"name": f"rank {rank}"}}
+        )
+    events.extend(slices)
+    trace: dict[str, object] = {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
+    if path is not None:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(trace, f)
+    return trace
 
 
 def chrome_trace(
     result: SimResult, path: str | os.PathLike[str] | None = None, *, us_per_unit: float = 1000.0
 ) -> dict[str, object]:
     """Build (and write to ``path`` if given) the trace; simulated time is scaled by ``us_per_unit``."""
-    events: list[dict[str, object]] = [
-        {"name": "process_name", "ph": "M", "pid": 0, "args": {"name": f"pipeline: {result.schedule.name}"}}
-    ]
-    for rank in range(result.schedule.num_ranks):
-        events.append(
-            {"name": "thread_name", "ph": "M", "pid": 0, "tid": rank, "args": {"name": f"rank {rank}"}}
-        )
+    events: list[dict[str, object]] = []
     for t in result.timeline:
         if not t.action.kind.is_compute:
             continue
@@ -71,15 +97,13 @@ def chrome_trace(
                     "args": {"bytes": value},
                 }
             )
-    trace: dict[str, object] = {
-        "traceEvents": events,
-        "displayTimeUnit": "ms",
-        "otherData": {"makespan": result.makespan, "schedule": result.schedule.name},
-    }
-    if path is not None:
-        with open(path, "w") as f:
-            json.dump(trace, f)
-    return trace
+    return trace_document(
+        f"pipeline: {result.schedule.name}",
+        range(result.schedule.num_ranks),
+        events,
+        {"makespan": result.makespan, "schedule": result.schedule.name},
+        path,
+    )
 
 
 def plot_timeline(result: SimResult, path: str | os.PathLike[str]) -> None:
