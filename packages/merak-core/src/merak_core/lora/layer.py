@@ -105,7 +105,7 @@ class LoraLinear(nn.Module):
         # As PEFT: the adapter runs in its own dtype (float32 beside 16-bit weights), the sum in the
         # wider one, rounded to the base's output dtype once.
         x = self.lora_dropout(x).to(self.lora_A.weight.dtype)
-        b = self.lora_B.weight
+        b: torch.Tensor = self.lora_B.weight
         if self.kind == "column":
             h = self._column_h(x)
         elif self.kind == "row":
