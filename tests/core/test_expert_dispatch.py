@@ -178,3 +178,12 @@ def test_generation_refused_at_ep2() -> None:
     with pytest.raises(ValueError, match="ep=2: generation is not supported.*generate with ep: 1"):
         check_run_options(_args(), pp=1)
     check_run_options(_args(ep=1), pp=1)
+
+
+def test_refuses_a_block_whose_expert_count_disagrees() -> None:
+    from merak_core.expert_parallel import check_ep_model
+
+    block = _block()
+    block.num_experts = 6
+    with pytest.raises(ValueError, match="num_experts=6 but holds 4 experts"):
+        check_ep_model(block, _args())

@@ -125,6 +125,11 @@ def check_ep_model(model: nn.Module, args: Any, *, lora: Any = None) -> None:
                 f"{block.router_aux_loss_coef}) from its own tokens, which is not the one-process loss of the "
                 "global batch under expert parallelism: set its router_aux_loss_coef to 0, or ep: 1"
             )
+        if len(block.experts) != block.num_experts:
+            raise ValueError(
+                f"ep={ep}: {name!r} says num_experts={block.num_experts} but holds {len(block.experts)} experts: "
+                "make them agree (one module per expert)"
+            )
         if block.num_experts % ep:
             raise ValueError(
                 f"ep={ep} does not divide the {block.num_experts} experts of {name!r}: choose an ep dividing "
