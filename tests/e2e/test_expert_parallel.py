@@ -36,9 +36,9 @@ class Tokens(Dataset):
         return {"input_ids": self.ids[i, :-1], "labels": self.ids[i, 1:].clone()}
 
 
-def _model() -> MoELlama:
+def _model(routing: str = "mixtral") -> MoELlama:
     torch.manual_seed(0)
-    return MoELlama(MoEConfig(vocab_size=VOCAB)).double()
+    return MoELlama(MoEConfig(vocab_size=VOCAB, routing=routing)).double()
 
 
 def _args(**overrides: Any) -> Any:
@@ -65,19 +65,23 @@ def _sgd(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
     return torch.optim.SGD(groups, lr=LR)
 
 
-def _train(overrides: dict[str, Any]) -> tuple[list[float], dict[str, torch.Tensor] | None]:
+def _train(
+    overrides: dict[str, Any], routing: str = "mixtral"
+) -> tuple[list[float], dict[str, torch.Tensor] | None]:
     import torch.distributed as dist
 
     from merak_core import Trainer
 
-    trainer = Trainer(_model(), _args(**overrides), Tokens(), optimizer_factory=_sgd)
+    trainer = Trainer(_model(routing), _args(**overrides), Tokens(), optimizer_factory=_sgd)
     history = trainer.train()
     state = trainer.full_state_dict()
     return [h["loss"] for h in history if "loss" in h], state if dist.get_rank() == 0 else None
 
 
-def _reference(max_norm: float = 0.0) -> tuple[list[float], dict[str, torch.Tensor]]:
-    model = _model()
+def _reference(
+    max_norm: float = 0.0, routing: str = "mixtral"
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = _model(routing)
     data = Tokens()
     ids = torch.stack([data[i]["input_ids"] for i in range(BATCH)])
     labels = torch.stack([data[i]["labels"] for i in range(BATCH)])
@@ -94,8 +98,8 @@ def _reference(max_norm: float = 0.0) -> tuple[list[float], dict[str, torch.Tens
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _check(results: list[tuple[list[float], Any]], max_norm: float = 0.0) -> None:
-    losses, params = _reference(max_norm)
+def _check(results: list[tuple[list[float], Any]], max_norm: float = 0.0, routing: str = "mixtral") -> None:
+    losses, params = _reference(max_norm, routing)
     state = results[0][1]
     assert state is not None
     assert set(state) == set(params)
@@ -187,3 +191,9 @@ def test_dp4_ep2_equals_one_process() -> None:
         run_on_ranks(4, _train, {"ep": 2, "per_device_train_batch_size": 1, "max_grad_norm": 0.05}),
         max_norm=0.05,
     )
+
+
+def test_deepseek_routing_dp2_ep2_pp2_equals_one_process() -> None:
+    """DeepSeek-V3 routing (sigmoid, grouped, bias for the choice, scaled) with a shared expert, at dp2·ep2·pp2."""
+    overrides = {"ep": 2, "pp": 2, "per_device_train_batch_size": 1, "gradient_accumulation_steps": 2}
+    _check(run_on_ranks(4, _train, overrides, "deepseek"), routing="deepseek")

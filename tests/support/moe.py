@@ -33,6 +33,9 @@ class MoEConfig:
     num_experts: int = 4
     top_k: int = 2
     max_seq_len: int = 64
+    routing: str = "mixtral"
+    """``mixtral`` (softmax top-k, weights normalised) or ``deepseek`` (DeepSeek-V3: sigmoid scores, grouped
+    routing, a score-correction bias for the choice only, scaled weights, one shared expert)."""
 
 
 class Expert(nn.Module):
@@ -81,6 +84,38 @@ class MoEBlock(nn.Module):
         return self.run_experts(x_nh, weights_nk, experts_nk).reshape(b, t, h)
 
 
+class DeepSeekMoEBlock(MoEBlock):
+    """DeepSeek-V3 routing: sigmoid scores; experts in ``num_groups`` groups, a group scored by the sum of its
+    two best experts and the best ``top_groups`` groups kept; top-k among their experts by score plus a
+    correction bias (the choice only); the chosen scores normalised and scaled; plus a shared expert
+    every token visits (a dense module: replicated over DP, not dispatched)."""
+
+    def __init__(
+        self, hidden: int, inner: int, num_experts: int, top_k: int, num_groups: int = 2, top_groups: int = 1
+    ) -> None:
+        super().__init__(hidden, inner, num_experts, top_k)
+        self.num_groups, self.top_groups, self.scale = num_groups, top_groups, 2.5
+        self.register_buffer("score_bias", torch.linspace(-0.1, 0.1, num_experts))
+        self.shared_expert = Expert(hidden, inner)
+
+    def route(self, x_nh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores_ne = torch.sigmoid(self.router(x_nh))
+        choice_ne = scores_ne + self.score_bias.to(scores_ne.dtype)
+        n = x_nh.size(0)
+        per_group = choice_ne.view(n, self.num_groups, -1)
+        group_scores_ng = per_group.topk(2, dim=-1).values.sum(-1)
+        kept_ng = torch.zeros_like(group_scores_ng).scatter(
+            1, group_scores_ng.topk(self.top_groups, dim=-1).indices, 1.0
+        )
+        mask_ne = kept_ng.unsqueeze(-1).expand_as(per_group).reshape(n, -1)
+        experts_nk = choice_ne.masked_fill(mask_ne == 0, float("-inf")).topk(self.top_k, dim=-1).indices
+        weights_nk = scores_ne.gather(1, experts_nk)
+        return weights_nk / weights_nk.sum(-1, keepdim=True) * self.scale, experts_nk
+
+    def forward(self, x_bth: torch.Tensor) -> torch.Tensor:
+        return super().forward(x_bth) + self.shared_expert(x_bth)
+
+
 class MoELlamaBlock(nn.Module):
     def __init__(self, cfg: MoEConfig) -> None:
         super().__init__()
@@ -94,7 +129,8 @@ class MoELlamaBlock(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size)
         self.self_attn = Attention(attn_cfg, causal=True, bias=False, rotary=True)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size)
-        self.moe = MoEBlock(cfg.hidden_size, cfg.expert_size, cfg.num_experts, cfg.top_k)
+        block = DeepSeekMoEBlock if cfg.routing == "deepseek" else MoEBlock
+        self.moe = block(cfg.hidden_size, cfg.expert_size, cfg.num_experts, cfg.top_k)
 
     def forward(self, x_bth: torch.Tensor, cos_td: torch.Tensor, sin_td: torch.Tensor) -> torch.Tensor:
         x_bth = x_bth + self.self_attn(self.input_layernorm(x_bth), None, cos_td, sin_td)
@@ -126,7 +162,7 @@ class MoELlama(nn.Module):
         return self.lm_head(self.norm(x_bth))
 
 
-__all__ = ["Expert", "MoEBlock", "MoEConfig", "MoELlama", "MoELlamaBlock"]
+__all__ = ["DeepSeekMoEBlock", "Expert", "MoEBlock", "MoEConfig", "MoELlama", "MoELlamaBlock"]
 
 
 def _register_tp_plan() -> None:
