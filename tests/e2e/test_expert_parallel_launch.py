@@ -126,3 +126,44 @@ def test_dry_run_shows_ep_groups() -> None:
         num_microbatches=4, num_heads=4, vocab_size=128, ep=2,
     )  # fmt: skip
     assert bad.first_failure is not None and "ep=2 does not divide dp=3" in bad.first_failure.message
+
+
+@pytest.mark.slow
+def test_merak_train_runs_an_ep_job_under_torchrun(tmp_path: Path) -> None:
+    """The ranks' own set-up builds the layout with training.ep (it built ep=1 and refused the job); the
+    first step's loss is one process's on the whole first batch (the loader's order at seed 0)."""
+    import subprocess
+    import sys
+
+    from tests.e2e._fault_support import job_env
+
+    training = {
+        "output_dir": str(tmp_path / "out"),
+        "per_device_train_batch_size": 8,
+        "max_steps": 1,
+        "ep": 2,
+        "dtype": "float64",
+        "logging_steps": 1,
+        "seed": 0,
+    }
+    spec = {
+        "model": {"factory": f"{HERE}:build_moe"},
+        "data": {"factory": f"{HERE}:tokens"},
+        "training": training,
+    }
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(spec))
+    proc = subprocess.run(
+        [sys.executable, "-m", "merak_core.cli", "train", str(job), "--nproc-per-node", "2"],
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    torch.manual_seed(0)
+    model = build_moe().double()
+    ids = _Tokens().ids  # 16 samples: the global batch of 2 ranks x 8
+    logits = model(ids[:, :-1])
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1))
+    assert f"loss {float(loss):.4f}" in proc.stdout + proc.stderr, (float(loss), proc.stdout[-2000:])

@@ -80,7 +80,7 @@ def evaluate_job(job: Any, checkpoint: str, *, split: str = "eval") -> dict[str,
         )
     targs = dataclasses.replace(targs, plan_check_steps=0) if targs.plan_check_steps else targs
     data = pick_split(job.build_datasets(), split, "merak eval")
-    layout = init(dp=targs.dp, tp=targs.tp, pp=targs.pp, timeout=targs.comm_timeout)
+    layout = init(dp=targs.dp, tp=targs.tp, pp=targs.pp, ep=targs.ep, timeout=targs.comm_timeout)
     torch.manual_seed(targs.seed)
     trainer = Trainer(
         job.build_model(),

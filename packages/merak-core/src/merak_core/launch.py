@@ -197,7 +197,7 @@ def _set_up(args: argparse.Namespace, where: dict[str, str]) -> tuple[Any, Any, 
         job_overrides=args.overrides,
         lora=job.model.lora,
     )
-    layout = init(dp=targs.dp, tp=targs.tp, pp=targs.pp, cp=targs.cp, timeout=targs.comm_timeout)
+    layout = init(dp=targs.dp, tp=targs.tp, pp=targs.pp, cp=targs.cp, ep=targs.ep, timeout=targs.comm_timeout)
     torch.manual_seed(targs.seed)
     model = job.build_model()
     trainer = Trainer(
