@@ -125,6 +125,7 @@ def _args(**kw: object) -> SimpleNamespace:
         ({"zero_stage": 3}, None, "zero_stage=3"),
         ({"virtual_stages": 2}, None, "virtual_stages=2"),
         ({"cp": 2}, None, "cp=2"),
+        ({"layout": "auto", "dp": None}, None, "layout=auto"),
         ({}, object(), "LoRA"),
         ({"ep": 3, "dp": 3}, None, "does not divide the 4 experts"),
     ],

@@ -95,6 +95,11 @@ def check_ep_arguments(args: Any) -> None:
         (args.zero_stage >= 1, f"zero_stage={args.zero_stage}", "set zero_stage: 0"),
         (args.virtual_stages > 1, f"virtual_stages={args.virtual_stages}", "set virtual_stages: 1"),
         (args.cp > 1, f"cp={args.cp}", "set cp: 1"),
+        (
+            getattr(args, "layout", "manual") == "auto",
+            "layout=auto",
+            "set layout: manual with dp a multiple of ep (the planner does not choose ep yet)",
+        ),
     )
     for refused, what, fix in refusals:
         if refused:
