@@ -118,9 +118,11 @@ def test_dp2_ep2_clipped_equals_one_process() -> None:
     _check(run_on_ranks(2, _train, {"ep": 2, "max_grad_norm": 0.05}), max_norm=0.05)
 
 
-def test_dp2_ep2_pp2_equals_one_process() -> None:
+@pytest.mark.parametrize("schedule", ["auto", "zb_h1"])
+def test_dp2_ep2_pp2_equals_one_process(schedule: str) -> None:
+    """1F1B, and ZB-H1 (split backward: the all-to-alls' backward in the input-gradient pass)."""
     overrides = {"ep": 2, "pp": 2, "per_device_train_batch_size": 1, "gradient_accumulation_steps": 2}
-    _check(run_on_ranks(4, _train, overrides))
+    _check(run_on_ranks(4, _train, {**overrides, "schedule": schedule}))
 
 
 def _resume_pair(resume_ep: int) -> dict[str, Any]:
