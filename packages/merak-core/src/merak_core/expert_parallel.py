@@ -77,8 +77,8 @@ def is_moe_block(module: nn.Module) -> bool:
     )
 
 
-def moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The MoE blocks of ``model`` (name, module), in module order."""
+def moe_blocks(model: nn.Module) -> list[tuple[str, Any]]:
+    """The MoE blocks of ``model`` (name, module: a protocol block, typed Any), in module order."""
     return [(name, m) for name, m in model.named_modules() if is_moe_block(m)]
 
 
