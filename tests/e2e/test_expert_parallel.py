@@ -125,8 +125,8 @@ def test_dp2_ep2_pp2_equals_one_process(schedule: str) -> None:
     _check(run_on_ranks(4, _train, {**overrides, "schedule": schedule}))
 
 
-def _resume_pair(resume_ep: int) -> dict[str, Any]:
-    """3 AdamW steps at ep=2 saving every step; a fresh Trainer at ``resume_ep`` resumes step_1, trains to 3."""
+def _resume_pair(save_ep: int, resume_ep: int) -> dict[str, Any]:
+    """3 AdamW steps at ``save_ep`` saving every step; a fresh Trainer at ``resume_ep`` resumes step_1, trains to 3."""
     import torch.distributed as dist
 
     from merak_core import Trainer
@@ -135,7 +135,7 @@ def _resume_pair(resume_ep: int) -> dict[str, Any]:
     shared = [out_dir]
     dist.broadcast_object_list(shared, src=0)
     common = dict(output_dir=shared[0], max_steps=3, save_steps=1, learning_rate=0.01)
-    full = Trainer(_model(), _args(ep=2, **common), Tokens())
+    full = Trainer(_model(), _args(ep=save_ep, **common), Tokens())
     full_losses = [h["loss"] for h in full.train() if "loss" in h]
     full_state = full.full_state_dict()
     dist.barrier()
@@ -146,16 +146,16 @@ def _resume_pair(resume_ep: int) -> dict[str, Any]:
     return {"step": step, "full": (full_losses, full_state), "resumed": (losses, final_state)}
 
 
-@pytest.mark.parametrize("resume_ep", [2, 1])
-def test_resume_at_another_ep(resume_ep: int) -> None:
+@pytest.mark.parametrize(("save_ep", "resume_ep"), [(2, 2), (2, 1), (1, 2)])
+def test_resume_at_another_ep(save_ep: int, resume_ep: int) -> None:
     """Experts are saved by their global names: a checkpoint of ep=2 resumes at ep=2 bit for bit, at ep=1
-    (the same two ranks, every expert on each) to rounding."""
-    got = run_on_ranks(2, _resume_pair, resume_ep)[0]
+    (the same two ranks, every expert on each) to rounding, and one of ep=1 resumes at ep=2."""
+    got = run_on_ranks(2, _resume_pair, save_ep, resume_ep)[0]
     assert got["step"] == 1
     full_losses, full_state = got["full"]
     losses, final_state = got["resumed"]
     assert len(full_losses) == 3 and len(losses) == 2
-    exact = resume_ep == 2
+    exact = resume_ep == save_ep
     assert losses == (full_losses[1:] if exact else pytest.approx(full_losses[1:], rel=1e-12))
     assert set(final_state) == set(full_state)
     for name, value in full_state.items():
