@@ -12,6 +12,13 @@ Sections (``--section``; default all):
   recomputation, 8 microbatches, 2 and 4 stages (target: >= 5% faster at 2 stages).
 - ``sim``: measured step time against the simulator's prediction from the per-action costs
   measured in the same runs, for every built-in schedule (target: error <= 10%).
+- ``actions``: the runtime's fixed cost per action: the step time of every registered schedule
+  on tiny stages (one 16-wide linear layer each, so compute is negligible), profile off, divided
+  by the busiest rank's number of actions (compute and send/recv of the lowered schedule); then,
+  from steps run inside ``runner.profiling()``, the host time per span of each kind (and the part
+  of it neither waiting nor inside torch operators: the runtime's Python). The profiled steps
+  measure the profiler too ([Note: profile cost] in ``merak_pipe/action_profile.py``); the
+  fixed cost per action comes from the unprofiled steps.
 
 Each configuration starts fresh gloo processes (one per stage), warms up, then alternates the
 compared variants step by step (a barrier before every step) so that machine noise hits both
@@ -357,7 +364,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run)")
-    parser.add_argument("--section", choices=["torch", "shifted", "sim", "all"], default="all")
+    parser.add_argument("--section", choices=["torch", "shifted", "sim", "actions", "all"], default="all")
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument(
         "--rounds", type=int, default=None, help="measured steps per variant (default 20, 5 quick)"
@@ -424,6 +431,11 @@ def main() -> None:
                 f"{res['predicted']:.4f} | {100 * res['error']:+.1f}% | {100 * res['worst']:+.1f}% |",
                 flush=True,
             )
+
+    if args.section in ("actions", "all"):
+        from _pipe_actions import print_actions
+
+        print_actions(run_world, args.stages, warmup, rounds)
 
 
 if __name__ == "__main__":
