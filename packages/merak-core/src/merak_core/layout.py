@@ -22,7 +22,9 @@ use ``layout.mesh["tp"]``. CP ranks hold the same parameters (like DP replicas),
 so the gradient sync runs over ``dp_cp_group`` (same pp and tp coordinates).
 
 Not done here: placing models, building pipelines, or choosing degrees (the
-planner does that); the layout only validates and describes them.
+planner does that); the layout only validates and describes them. The rank formulas and the
+DP x CP / EP group construction live in :mod:`merak_core.rank_grid`, the device choice in
+:mod:`merak_core.devices`; the public names are re-exported here.
 """
 
 from __future__ import annotations
@@ -40,6 +42,24 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from merak_core import _compat
+from merak_core.devices import (
+    _env_int,
+    _use_device,
+    _wants_cuda,
+    collective_device,
+    default_backend,
+    local_rank,
+    select_device,
+)
+from merak_core.rank_grid import (
+    _dp_cp_groups,
+    _ep_groups,
+    check_ep,
+    coords_of,
+    cp_rank_of,
+    rank_of,
+    resolve_degrees,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -47,63 +67,6 @@ MESH_AXES: tuple[str, str, str, str] = ("pp", "dp", "cp", "tp")
 """Names of the device-mesh axes, outermost first."""
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
-
-
-def resolve_degrees(
-    world_size: int, dp: int | None = None, tp: int = 1, pp: int = 1, *, cp: int = 1
-) -> tuple[int, int, int]:
-    """Validate ``dp*cp*tp*pp == world_size`` (inferring ``dp`` when it is None); return ``(dp, tp, pp)``.
-
-    A pure function: no process group is touched, so a bad layout fails before any collective.
-    ``cp`` is keyword-only (the context-parallel degree, default 1) so every 3-degree caller is unchanged.
-    """
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"WORLD_SIZE must be a positive integer, got {world_size!r}")
-    for name, value in (("tp", tp), ("pp", pp), ("cp", cp)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}; pass e.g. {name}=1")
-    others = tp * pp * cp
-    names = "tp*pp" if cp == 1 else "cp*tp*pp"
-    values = f"{tp}*{pp}" if cp == 1 else f"{cp}*{tp}*{pp}"
-    if dp is None:
-        if world_size % others:
-            raise ValueError(
-                f"{names}={values}={others} does not divide WORLD_SIZE={world_size}, so dp cannot be "
-                f"inferred: choose {names.replace('*', ', ', names.count('*') - 1).replace('*', ' and ')} "
-                f"whose product divides {world_size}"
-            )
-        dp = world_size // others
-    elif isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
-        raise ValueError(f"dp must be a positive integer or None (inferred), got {dp!r}")
-    if dp * others != world_size:
-        raise ValueError(
-            f"dp*{names} must equal WORLD_SIZE={world_size} (got {dp}*{values}={dp * others}): "
-            f"change the degrees, pass dp=None to infer it, or launch {dp * others} processes"
-        )
-    return dp, tp, pp
-
-
-def rank_of(
-    pp_rank: int, dp_rank: int, tp_rank: int, *, dp: int, tp: int, cp: int = 1, cp_rank: int = 0
-) -> int:
-    """Global rank at mesh coordinates ``(pp_rank, dp_rank, cp_rank, tp_rank)`` (see [Note: rank order])."""
-    return ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
-
-
-def coords_of(rank: int, *, dp: int, tp: int, cp: int = 1) -> tuple[int, int, int]:
-    """Mesh coordinates ``(pp_rank, dp_rank, tp_rank)`` of global ``rank`` (see [Note: rank order]).
-
-    The CP coordinate is :func:`cp_rank_of`; kept apart so 3-D callers read the same triple.
-    """
-    tp_rank = rank % tp
-    dp_rank = (rank // (tp * cp)) % dp
-    pp_rank = rank // (tp * cp * dp)
-    return pp_rank, dp_rank, tp_rank
-
-
-def cp_rank_of(rank: int, *, tp: int, cp: int) -> int:
-    """The context-parallel coordinate of global ``rank`` (see [Note: rank order])."""
-    return (rank // tp) % cp
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -395,67 +358,6 @@ class ParallelLayout:
         )
 
 
-def _dp_cp_groups(grid: torch.Tensor, rank: int, timeout: timedelta) -> ProcessGroup:
-    """Create every DP x CP group (same pp and tp coordinates; collective); return this rank's."""
-    pp, dp, cp, tp = grid.shape
-    mine = None
-    for ranks_t in grid.permute(0, 3, 1, 2).reshape(pp * tp, dp * cp):
-        ranks = [int(r) for r in ranks_t]
-        group = _compat.new_group(ranks, timeout, None)
-        if rank in ranks:
-            mine = group
-    assert mine is not None
-    return mine
-
-
-# [Note: expert-parallel groups] EP ranks are DP ranks of one stage/cp/tp coordinate: the DP axis is
-# cut into dp / ep blocks of ep consecutive DP indices. The ep ranks of a block form an EP group
-# (they exchange tokens; ep rank = dp_rank % ep holds experts [ep_rank * E / ep, (ep_rank + 1) * E / ep));
-# the ranks with the same ep rank in every block hold the same experts: the expert-replica group
-# (dp / ep ranks) over which expert gradients are summed. Dense parameters stay replicated over DP.
-
-
-def check_ep(dp: int, ep: int) -> None:
-    """ValueError unless ``ep`` is a positive integer dividing ``dp`` (pure: before any collective)."""
-    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
-        raise ValueError(f"ep must be a positive integer, got {ep!r}; pass e.g. ep=1 (no expert parallelism)")
-    if dp % ep:
-        raise ValueError(
-            f"ep={ep} does not divide dp={dp}: expert-parallel ranks are carved out of the data-parallel ranks "
-            f"of a stage, so choose an ep dividing {dp} (or launch dp = a multiple of {ep})"
-        )
-
-
-def _ep_groups(
-    grid: torch.Tensor, rank: int, ep: int, timeout: timedelta
-) -> tuple[ProcessGroup, ProcessGroup]:
-    """Create every EP group, then every expert-replica group (collective); return this rank's two."""
-    pp, dp, cp, tp = grid.shape
-    # (pp, cp, tp, blocks, ep): the last axis is an EP group, the blocks axis an expert-replica group.
-    blocks = grid.permute(0, 2, 3, 1).reshape(pp, cp, tp, dp // ep, ep)
-    mine: list[ProcessGroup] = []
-    for rows in (blocks.reshape(-1, ep), blocks.transpose(-1, -2).reshape(-1, dp // ep)):
-        for ranks_t in rows:
-            ranks = [int(r) for r in ranks_t]
-            group = _compat.new_group(ranks, timeout, None)
-            if rank in ranks:
-                mine.append(group)
-    assert len(mine) == 2
-    return mine[0], mine[1]
-
-
-def _env_int(name: str, default: int | None) -> int | None:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(
-            f"environment variable {name}={raw!r} is not an integer; launch with torchrun"
-        ) from None
-
-
 def init(
     dp: int | None = None,
     tp: int = 1,
@@ -496,76 +398,6 @@ def init(
 # it is GPU 0 on every rank until someone calls set_device, and NCCL refuses two ranks on one
 # GPU. The default group is initialised eagerly (``device_id=``) on CUDA, so every
 # point-to-point op and collective of a group runs on one communicator.
-
-
-def _wants_cuda(backend: str) -> bool:
-    """Whether a backend string runs CUDA tensors through NCCL (``"nccl"``, ``"cpu:gloo,cuda:nccl"``)."""
-    text = backend.lower()
-    return "nccl" in text
-
-
-def local_rank() -> int:
-    """This process's index on its node: ``LOCAL_RANK``, else the default group's rank, else 0."""
-    value = _env_int("LOCAL_RANK", None)
-    if value is not None:
-        if value < 0:
-            raise ValueError(f"LOCAL_RANK={value} is negative; launch with torchrun")
-        return value
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return 0
-
-
-def select_device(device: torch.device | str | None = None, *, backend: str | None = None) -> torch.device:
-    """The device this rank computes on (see [Note: one device]); the only place that chooses one.
-
-    ``device``: ``"cpu"``, ``"cuda"`` (GPU ``local_rank() % device_count()``), ``"cuda:i"``
-    (that GPU, which must be visible), or None: CUDA when the backend runs NCCL (``backend``,
-    else the default group's, e.g. ``"nccl"`` or ``"cpu:gloo,cuda:nccl"``) and CUDA is
-    available, CPU for a gloo-only backend; with no backend and no group, CUDA when available.
-    Pure: no process group is touched and ``set_device`` is not called.
-    """
-    if device is None:
-        if backend is None and dist.is_available() and dist.is_initialized():
-            backend = str(dist.get_backend())
-        wanted_cuda = _wants_cuda(backend) if backend is not None else True
-        device = "cuda" if wanted_cuda and torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
-    if dev.type != "cuda":
-        return dev
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if count == 0:
-        raise ValueError(f"device={str(device)!r} was requested but CUDA is not available: pass device='cpu'")
-    if dev.index is None:
-        return torch.device("cuda", local_rank() % count)
-    if dev.index >= count:
-        raise ValueError(
-            f"device={str(device)!r}: this process sees {count} CUDA device(s) (indices 0..{count - 1}, "
-            "after CUDA_VISIBLE_DEVICES): pass device='cuda' to take LOCAL_RANK's device"
-        )
-    return dev
-
-
-def default_backend(device: torch.device) -> str:
-    """The process-group backend for ``device``: ``nccl`` on CUDA, ``gloo`` otherwise."""
-    return "nccl" if device.type == "cuda" else "gloo"
-
-
-def collective_device(group: ProcessGroup | None = None) -> torch.device:
-    """The device of the tensors ``group``'s collectives take: this rank's GPU for a NCCL backend, else CPU.
-
-    For code that makes its own small tensors to reduce or broadcast (flags, timings, metrics): an
-    NCCL group moves only tensors on the rank's own GPU.
-    """
-    backend = str(dist.get_backend(group))
-    if _wants_cuda(backend) and torch.cuda.is_available():
-        return select_device("cuda")
-    return torch.device("cpu")
-
-
-def _use_device(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
 
 
 def ensure_process_group(
