@@ -63,6 +63,7 @@ from merak_core.metrics import MetricsWriter
 from merak_core.planner import PlanContext
 from merak_core.signals import StopRequest, TrainingPreempted
 from merak_core.stall import Heartbeat
+from merak_core.trainer_views import EngineViews
 from merak_core.virtual_stages import stage_data_roles
 
 logger = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ MetricsFn = Callable[[torch.Tensor, torch.Tensor], Mapping[str, torch.Tensor]]
 __all__ = ["LossFn", "MetricsFn", "Trainer", "TrainingStepError", "default_loss", "schedule_name"]
 
 
-class Trainer(GenerateMixin):
+class Trainer(GenerateMixin, EngineViews):
     """Train ``model`` with the 3D layout in ``args`` (see the module docstring).
 
     Args:
@@ -233,62 +234,6 @@ class Trainer(GenerateMixin):
     def model(self) -> ParallelModel:
         """This rank's composed model."""
         return self.engine.model
-
-    @property
-    def runner(self) -> Any:
-        """The pipeline runner (:class:`merak_pipe.PipelineRunner`)."""
-        return self.engine.runner
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        return self.engine.optimizer
-
-    @property
-    def lr_scheduler(self) -> torch.optim.lr_scheduler.LambdaLR:
-        return self.engine.lr_scheduler
-
-    @property
-    def params(self) -> list[nn.Parameter]:
-        """This rank's parameters (each once)."""
-        return self.engine.params
-
-    @property
-    def dp_sync(self) -> Any:
-        return self.engine.dp_sync
-
-    @property
-    def schedule_name(self) -> str:
-        """The merak-pipe schedule the runner runs."""
-        return self.engine.schedule_name
-
-    @property
-    def last_pipeline_s(self) -> float:
-        """Seconds of the last step's pipeline part."""
-        return self.engine.last_pipeline_s
-
-    @property
-    def last_grad_norm(self) -> float | None:
-        """The last step's gradient norm before clipping (None when ``max_grad_norm`` is 0)."""
-        return self.engine.last_grad_norm
-
-    @property
-    def global_step(self) -> int:
-        """Optimizer steps done (the train state a checkpoint carries)."""
-        return self.train_state.global_step
-
-    @global_step.setter
-    def global_step(self, value: int) -> None:
-        self.train_state.global_step = value
-
-    @property
-    def rng_tracker(self) -> Any:
-        """A ``merak_tp.RNGTracker`` the model forks for dropout on TP-sharded activations, if any:
-        checkpoints save and restore its states per rank (see :mod:`merak_core.checkpoint.state`)."""
-        return self.checkpoint_parts.rng_tracker
-
-    @rng_tracker.setter
-    def rng_tracker(self, tracker: Any) -> None:
-        self.checkpoint_parts.rng_tracker = tracker
 
     # ------------------------------------------------------------------ sizes
 
