@@ -229,7 +229,7 @@ def test_place_stage_retargets_device_constants() -> None:
 
 def test_build_parallel_model_retargets_the_kept_stage() -> None:
     """The pp > 1 path with a real model moves ``part.stages[i]``: its constants follow (here to meta)."""
-    layout = types.SimpleNamespace(pp=2, tp=1, pp_rank=1, pp_group=None, timeout=None)
+    layout = types.SimpleNamespace(pp=2, tp=1, cp=1, ep=1, pp_rank=1, pp_group=None, timeout=None)
     pm = build_parallel_model(
         _WithPositions(),
         layout,

@@ -110,7 +110,8 @@ def test_without_tensorboard_the_run_says_so_once_at_start(
 
 @pytest.fixture
 def wandb_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    pytest.importorskip("wandb")
+    # A fresh wandb service per test: it reads the WANDB_* variables set below when it starts.
+    pytest.importorskip("wandb").teardown()
     home = tmp_path / "wandb_home"
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -122,8 +123,12 @@ def wandb_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def _wandb_history(output_dir: Path) -> tuple[dict[int, dict[str, float]], dict[str, Any]]:
     """Per step, the scalars of the one offline W&B run under ``output_dir``, and its config."""
+    import wandb
     from wandb.proto import wandb_internal_pb2
 
+    # The run's records reach its file through wandb's service process; ending the service waits for
+    # it to write everything (on the loaded CI machine the file could be read before it had).
+    wandb.teardown()
     runs = list((output_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1, runs
     data, records, pos, chunk = runs[0].read_bytes(), [], 7, b""  # 7: the file's header (":W&B", version)

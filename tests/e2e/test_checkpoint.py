@@ -183,10 +183,13 @@ def test_save_killed_midway_leaves_previous_checkpoint(tmp_path: Path) -> None:
         run_on_ranks(2, support.die_during_save_body, "gpt", kwargs, 1, 4)
     root = tmp_path / "checkpoints"
     assert (root / "step_2").is_dir() and not (root / "step_4").exists()
-    assert (root / "step_4.tmp").is_dir()  # the interrupted save, never committed
     assert (root / "latest").read_text().strip() == "step_2"
-    message = run_on_ranks(2, support.load_error_body, str(tmp_path / "x"), str(root / "step_4.tmp"))[0]
-    assert "is partial" in message and "step_4.tmp" in message
+    # The interrupted save is never committed. Rank 0's DCP write fails once its peer is gone and then
+    # removes the partial directory, unless the harness stops rank 0 first: either way nothing partial
+    # may be loaded as a checkpoint.
+    if (root / "step_4.tmp").is_dir():
+        message = run_on_ranks(2, support.load_error_body, str(tmp_path / "x"), str(root / "step_4.tmp"))[0]
+        assert "is partial" in message and "step_4.tmp" in message
     # The previous checkpoint still resumes; the run finishes like an uninterrupted one.
     resumed = run_on_ranks(2, support.train_body, "gpt", kwargs, "latest")
     reference = run_on_ranks(2, support.train_body, "gpt", dict(kwargs, output_dir=str(tmp_path / "ref")))
