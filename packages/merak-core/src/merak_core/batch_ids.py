@@ -26,7 +26,8 @@ IGNORE_INDEX = -100
 """The label the default loss ignores."""
 
 
-def _input_vocab(model: nn.Module) -> int | None:
+def input_embedding(model: nn.Module) -> nn.Embedding | None:
+    """The model's input embedding: ``get_input_embeddings()`` where it has one, else its first ``nn.Embedding``."""
     get = getattr(model, "get_input_embeddings", None)
     if callable(get):
         try:
@@ -34,9 +35,13 @@ def _input_vocab(model: nn.Module) -> int | None:
         except Exception:  # noqa: BLE001 - a model without one: look for the first embedding
             emb = None
         if isinstance(emb, nn.Embedding):
-            return int(emb.num_embeddings)
-    first = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
-    return None if first is None else int(first.num_embeddings)
+            return emb
+    return next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+
+
+def _input_vocab(model: nn.Module) -> int | None:
+    emb = input_embedding(model)
+    return None if emb is None else int(emb.num_embeddings)
 
 
 def _output_classes(model: nn.Module) -> int | None:

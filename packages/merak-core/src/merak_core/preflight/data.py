@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from merak_core.batch_ids import input_embedding
 from merak_core.preflight.base import PreflightError
 
 SHAPE_SCAN_SAMPLES = 64
@@ -108,18 +109,6 @@ def first_batch(dataset: Any, collate: Callable[[list[Any]], Any] | None, batch_
         ) from None
 
 
-def _input_embedding(model: nn.Module) -> nn.Embedding | None:
-    get = getattr(model, "get_input_embeddings", None)
-    if callable(get):
-        try:
-            emb = get()
-        except Exception:  # noqa: BLE001 - a model without one: look for the first embedding
-            emb = None
-        if isinstance(emb, nn.Embedding):
-            return emb
-    return next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
-
-
 def _id_tensors(inputs: Any) -> dict[str, torch.Tensor]:
     """Inputs that feed an embedding: ``input_ids`` of a dict, or a lone integer tensor."""
     if isinstance(inputs, Mapping):
@@ -135,7 +124,7 @@ def _bad_row(t: torch.Tensor, bad: torch.Tensor) -> int:
 
 def check_batch(model: nn.Module, inputs: Any, labels: Any, *, default_loss: bool) -> None:
     """Dtypes and id ranges of the first batch against the model (see the module docstring)."""
-    emb = _input_embedding(model)
+    emb = input_embedding(model)
     for key, ids in _id_tensors(inputs).items():
         if emb is None:
             break
