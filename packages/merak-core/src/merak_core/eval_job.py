@@ -186,11 +186,12 @@ def add_parser(sub: Any) -> None:
 
 def eval_command(args: argparse.Namespace) -> list[str]:
     """The torchrun command of ``merak eval`` (single node)."""
+    from merak_core.checkpoint.files import check_checkpoint_arg
     from merak_core.job import JobConfig
 
     job = JobConfig.from_yaml(args.config, args.overrides)
     t = job.training
-    _check_checkpoint(args.checkpoint, t.output_dir)
+    check_checkpoint_arg("merak eval", args.checkpoint, t.output_dir)
     pick_split(job.build_datasets(), args.split, "merak eval")  # text data: tokenized here, once
     world = args.nproc_per_node
     if world is None:
@@ -230,28 +231,6 @@ def run(args: argparse.Namespace) -> int:
     env.setdefault("OMP_NUM_THREADS", "1")
     logger.info("launching: %s", shlex.join(cmd))
     return subprocess.call(cmd, env=env)
-
-
-def _check_checkpoint(checkpoint: str, output_dir: str) -> None:
-    from merak_core.checkpoint.files import latest_candidates, pointer_root
-
-    root = Path(output_dir) / "checkpoints"
-    if checkpoint in ("latest", "auto"):
-        if not latest_candidates(root):
-            raise ValueError(
-                f"merak eval --checkpoint {checkpoint}: {str(root)!r} holds no checkpoint; train with "
-                "training.save_steps set, or pass --checkpoint PATH"
-            )
-        return
-    if (
-        pointer_root(checkpoint) is None
-        and not Path(checkpoint).exists()
-        and not (root / checkpoint).exists()
-    ):
-        raise ValueError(
-            f"merak eval --checkpoint {checkpoint!r}: no such checkpoint (neither that path nor "
-            f"{str(root / checkpoint)!r} exists); pass a step_<N> directory or 'latest'"
-        )
 
 
 if __name__ == "__main__":

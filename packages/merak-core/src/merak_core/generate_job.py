@@ -140,24 +140,9 @@ def check_layout(job: Any) -> int:
 
 
 def check_checkpoint(checkpoint: str, output_dir: str) -> None:
-    from merak_core.checkpoint.files import latest_candidates, pointer_root
+    from merak_core.checkpoint.files import check_checkpoint_arg
 
-    root = Path(output_dir) / "checkpoints"
-    if checkpoint in ("latest", "auto"):
-        if not latest_candidates(root):
-            raise ValueError(
-                f"{CMD} --checkpoint {checkpoint}: {str(root)!r} holds no checkpoint; train with "
-                "training.save_steps set, or pass --checkpoint PATH"
-            )
-    elif (
-        pointer_root(checkpoint) is None
-        and not Path(checkpoint).exists()
-        and not (root / checkpoint).exists()
-    ):
-        raise ValueError(
-            f"{CMD} --checkpoint {checkpoint!r}: no such checkpoint (neither that path nor "
-            f"{str(root / checkpoint)!r} exists); pass a step_<N> directory or 'latest'"
-        )
+    check_checkpoint_arg(CMD, checkpoint, output_dir)
 
 
 def sampling_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -212,3 +212,27 @@ def _check_fingerprint(
             "the job that wrote it, or start a new run in another output_dir and import only the matching "
             "weights with load_full_state_dict(..., strict=False)"
         )
+
+
+def check_checkpoint_arg(command: str, checkpoint: str, output_dir: str) -> None:
+    """Refuse a ``--checkpoint`` of ``command`` (``merak eval``, ``merak generate``) that names nothing.
+
+    ``latest``/``auto`` need a committed checkpoint under ``output_dir/checkpoints``; a path must exist,
+    as given or under that folder (or be a ``latest`` pointer). Checked before torchrun starts.
+    """
+    root = Path(output_dir) / "checkpoints"
+    if checkpoint in ("latest", "auto"):
+        if not latest_candidates(root):
+            raise ValueError(
+                f"{command} --checkpoint {checkpoint}: {str(root)!r} holds no checkpoint; train with "
+                "training.save_steps set, or pass --checkpoint PATH"
+            )
+    elif (
+        pointer_root(checkpoint) is None
+        and not Path(checkpoint).exists()
+        and not (root / checkpoint).exists()
+    ):
+        raise ValueError(
+            f"{command} --checkpoint {checkpoint!r}: no such checkpoint (neither that path nor "
+            f"{str(root / checkpoint)!r} exists); pass a step_<N> directory or 'latest'"
+        )
