@@ -178,12 +178,39 @@ def test_sigkill_of_merak_train_stops_torchrun_and_every_rank_and_frees_the_lock
         assert [p for p in job_pids if _alive(p)] == [], (
             "torchrun or ranks outlived the SIGKILLed merak train"
         )
-        with OutputDirLock.acquire(
-            tmp_path / "out", command="merak train again.yaml"
-        ) as lock:  # a new job may start
+        lock = _acquire_within(tmp_path / "out", deadline)  # a new job may start
+        with lock:
             assert lock.stale is not None and lock.stale["pid"] == proc.pid  # the dead job's description
     finally:
         _kill_job(proc, pids)
+
+
+def _acquire_within(output_dir: Path, deadline: float) -> OutputDirLock:
+    """The output_dir lock, taken once the dead job's last process lets it go (by ``deadline``).
+
+    A failure names every process that still has the lock file open (read from /proc), so an orphan
+    holding it says who it is.
+    """
+    while True:
+        try:
+            return OutputDirLock.acquire(output_dir, command="merak train again.yaml")
+        except OutputDirLocked:
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"the lock is still held; processes with it open: {_holders(output_dir / LOCK_NAME)}"
+                ) from None
+            time.sleep(0.2)
+
+
+def _holders(path: Path) -> list[str]:
+    found, target = [], os.path.realpath(path)
+    for proc_dir in Path("/proc").glob("[0-9]*"):
+        try:
+            if any(os.path.realpath(fd) == target for fd in (proc_dir / "fd").iterdir()):
+                found.append(f"{proc_dir.name}: {(proc_dir / 'cmdline').read_bytes()[:200]!r}")
+        except OSError:
+            continue
+    return found
 
 
 def test_second_job_error_names_the_holder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
