@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,8 +43,9 @@ import torch.distributed as dist
 from merak_pipe.ir import Action
 from merak_pipe.trace import KIND_CATEGORY, trace_document
 
-if TYPE_CHECKING:
-    from merak_pipe.runner import PipelineRunner
+# The runner is passed in (it imports this module): typed as Any so no import, not even under
+# TYPE_CHECKING, goes back to merak_pipe.runner.
+PipelineRunner = Any
 
 __all__ = ["ActionProfile", "ProfiledSpan", "gather_spans", "profiling"]
 
