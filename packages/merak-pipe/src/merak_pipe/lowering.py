@@ -11,7 +11,7 @@ Receives are posted in the order their messages are sent on each channel (ordere
 when a compute action needs a message, every earlier message of that channel that is not yet
 posted is posted first. With tagged messages (gloo) order does not matter, but NCCL matches
 sends and receives in issue order and ignores tags, so this keeps lowered schedules correct
-there too. Receives are non-blocking posts ([Note: p2p semantics] in ``_engine.py``), so posting
+there too. Receives are non-blocking posts ([Note: p2p semantics] in ``_dependencies.py``), so posting
 one early cannot deadlock; for one stage per rank it never happens (messages are consumed in
 the order they are sent). ``validate(schedule, channel_order=True)`` checks the property.
 """
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from merak_pipe._engine import paused_gc
+from merak_pipe._dependencies import paused_gc
 from merak_pipe.ir import Action, ActionKind, Schedule
 
 __all__ = ["lower", "strip_comms"]

@@ -2,7 +2,7 @@
 
 Each rank runs its actions in order; an action starts when its rank is free and every action it
 depends on has finished (plus a point-to-point delay when the dependency crosses ranks). The
-rules are those of the validator (``_engine.py``), so a schedule that validates simulates.
+rules are those of the validator (``_dependencies.py``), so a schedule that validates simulates.
 
 Costs (:class:`CostModel`, any consistent time unit) are per stage: F, B (without recompute),
 I and W (default: half of B each), and the time to recompute the whole stage's forward, scaled by
@@ -24,7 +24,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from merak_pipe._engine import _GRAD, _SENT_B, execute, paused_gc
+from merak_pipe._dependencies import _GRAD, _SENT_B, execute, paused_gc
 from merak_pipe.ir import Action, ActionKind, Schedule, ScheduleError
 from merak_pipe.validate import _check_structure, validate
 

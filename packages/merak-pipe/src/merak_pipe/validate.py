@@ -10,7 +10,7 @@ and the bad step marked:
 4. a lowered schedule has exactly one SEND and one RECV for each cross-rank edge and none else
    (and, with ``channel_order=True``, posts receives in the senders' order on each channel);
 5. executed in order (sends and receives posted asynchronously, a compute action waiting for
-   its received data: [Note: p2p semantics] in ``_engine.py``), every action runs: dependencies hold (F before R before B/I before W, a
+   its received data: [Note: p2p semantics] in ``_dependencies.py``), every action runs: dependencies hold (F before R before B/I before W, a
    stage's F after the previous stage's F, a B/I after the next stage's B/I) and nothing deadlocks;
 6. with ``nccl=True``, the runtime's issue order runs under NCCL's rules (``merak_pipe.nccl_check``).
 
@@ -19,7 +19,7 @@ It does not check costs or memory; that is the simulator's job.
 
 from __future__ import annotations
 
-from merak_pipe._engine import describe_event, execute, paused_gc
+from merak_pipe._dependencies import describe_event, execute, paused_gc
 from merak_pipe._schedule_errors import _fail
 from merak_pipe.ir import Action, ActionKind, Schedule
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 
-from merak_pipe._engine import paused_gc
+from merak_pipe._dependencies import paused_gc
 from merak_pipe.ir import Schedule
 from merak_pipe.recompute import RecomputePlan, as_plan
 from merak_pipe.schedules.gpipe import gpipe
