@@ -45,7 +45,7 @@ def _model(width: int, depth: int) -> nn.Module:
 
 
 def _worker(rank: int, world: int, store_path: str, cfg: dict[str, Any], queue: Any) -> None:
-    from merak_core.data_parallel import DataParallelGradSync, allreduce_gradients_per_parameter
+    from merak_core.parallel.data_parallel import DataParallelGradSync, allreduce_gradients_per_parameter
 
     init_rank(rank, world, store_path, timeout_s=300)
     bucket_bytes = int(cfg["bucket_mb"] * 2**20)

@@ -9,7 +9,7 @@ ZeRO stage. Per rank it reports, in bytes:
   (the planner's measurement, so the benchmark and the plan check count the same way);
 - ``in step``: for ZeRO-2/3, what FSDP2 holds on top of the shards right before the step's one
   gradient reduce-scatter (gathered parameters, unsharded accumulated gradients), from
-  :meth:`merak_core.fsdp.ShardedDataParallel.unsharded_bytes`;
+  :meth:`merak_core.parallel.fsdp.ShardedDataParallel.unsharded_bytes`;
 - ``activations``: the peak of the bytes autograd saves for backward during the step
   (:class:`merak_core.planner.memory.SavedActivationMeter`, saved-tensor hooks);
 - ``predicted`` against ``measured`` state at the step's peak: the planner's
@@ -74,7 +74,7 @@ def _trainer(cfg: dict[str, Any], layout: Any, zero_stage: int, data: Any) -> An
 
 
 def _sharded(trainer: Any) -> Any:
-    from merak_core.fsdp import ShardedDataParallel
+    from merak_core.parallel.fsdp import ShardedDataParallel
 
     for owner in (trainer, getattr(trainer, "engine", None)):
         sync = getattr(owner, "dp_sync", None) if owner is not None else None
@@ -144,7 +144,7 @@ def _predicted_state(module: Any, layout: Any, zero_stage: int) -> tuple[float, 
     """The planner's (parameter, gradient, optimizer) bytes at the step's peak for this rank's stage
     (:func:`merak_core.planner.memory.model_state_bytes`), from its unsharded parameter bytes and its
     largest FSDP unit (a DTensor's numel is the whole tensor's)."""
-    from merak_core.fsdp import fsdp_units
+    from merak_core.parallel.fsdp import fsdp_units
     from merak_core.planner.memory import model_state_bytes
 
     def nbytes(m: Any) -> int:

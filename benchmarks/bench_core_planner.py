@@ -55,9 +55,9 @@ def _profile_body(contended: bool) -> Any:
 
 
 def _probe_body(profile: Any, comm: Any, slots: float) -> Any:
-    """merak_core.tp_probe.measure_tp_scale on the demo job (every TP degree the world allows)."""
+    """merak_core.autoplan.probe.measure_tp_scale on the demo job (every TP degree the world allows)."""
+    from merak_core.autoplan.probe import measure_tp_scale
     from merak_core.job import JobConfig
-    from merak_core.tp_probe import measure_tp_scale
 
     job = JobConfig.from_yaml(
         CONFIG, ["data.kwargs.train_size=4096", "training.dp=null", "training.tp=1", "training.pp=1"]
@@ -149,7 +149,7 @@ def main() -> None:
         dest="probe_tp",
         action="store_false",
         help="plan without the TP probe (by default, as layout: auto does, short runs of the pure "
-        "DP x TP layouts first measure how much slower TP shards run: merak_core.tp_probe)",
+        "DP x TP layouts first measure how much slower TP shards run: merak_core.autoplan.probe)",
     )
     parser.add_argument(
         "--contended",

@@ -144,7 +144,7 @@ def _committed(out: Path) -> int:
 
 
 def _final_model(out: Path, steps: int) -> dict[str, Any]:
-    from merak_core.weights import read_checkpoint_model
+    from merak_core.checkpoint.weights import read_checkpoint_model
 
     return read_checkpoint_model(out / "checkpoints" / f"step_{steps}")
 

@@ -134,8 +134,8 @@ def _rank(
     import transformers as tf
 
     import merak_core
-    from merak_core.compose import build_parallel_model
     from merak_core.hf import PretrainedWeights, pretrained_model, skip_init
+    from merak_core.parallel.compose import build_parallel_model
 
     layout = merak_core.init(dp=1, tp=tp, pp=pp)
     example = {

@@ -15,7 +15,7 @@ import torch
 import yaml
 from torch import nn
 
-from merak_core.autoplan import auto_layout, compute_slots, default_memory_per_device, profile_inputs
+from merak_core.autoplan.auto import auto_layout, compute_slots, default_memory_per_device, profile_inputs
 from merak_core.config import TrainingArguments
 from merak_core.job import JobConfig, write_job
 from tests.e2e._bad_input_support import no_collectives
@@ -183,9 +183,9 @@ def test_plan_check_report_writes_the_replanned_job_and_a_metrics_record(tmp_pat
     import math
     from types import SimpleNamespace
 
-    from merak_core.autoplan import PlanCheck
-    from merak_core.metrics import MetricsWriter
+    from merak_core.autoplan.check import PlanCheck
     from merak_core.planner import CommModel, MeasuredStep, ModelProfile, PlanContext, predict_current
+    from merak_core.run.metrics import MetricsWriter
 
     free = CommModel(
         p2p_latency_s=0.0, p2p_bandwidth=math.inf, allreduce_latency_s=0.0, allreduce_bandwidth=math.inf

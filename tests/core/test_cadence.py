@@ -1,11 +1,11 @@
-"""The loop's cadence (merak_core.cadence): when the Trainer logs, saves and evaluates. Pure, no processes."""
+"""The loop's cadence (merak_core.run.cadence): when the Trainer logs, saves and evaluates. Pure, no processes."""
 
 from __future__ import annotations
 
 import torch
 
-from merak_core.cadence import Cadence, count_tokens, step_record
 from merak_core.config import TrainingArguments
+from merak_core.run.cadence import Cadence, count_tokens, step_record
 
 
 def _due(cadence: Cadence, total: int) -> dict[str, list[int]]:

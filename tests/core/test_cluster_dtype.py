@@ -12,11 +12,11 @@ import pathlib
 import pytest
 import yaml
 
+from merak_core.autoplan.cluster_job import job_model
 from merak_core.cli import main
 from merak_core.job import JobConfig
 from merak_core.planner.cluster import compute_dtype, load_cluster, shipped_clusters
 from merak_core.planner.cluster_cost import model_costs, stage_costs, trace_for_cluster
-from merak_core.planner.cluster_job import job_model
 
 DEMO = str(pathlib.Path(__file__).resolve().parents[2] / "examples/addition/config.yaml")
 PEAKS = {"bf16": 800.0, "fp32": 50.0}
@@ -86,7 +86,7 @@ def test_compute_dtype_of_a_job_and_a_dtype_without_a_peak() -> None:
 def test_local_plan_profiles_the_job_as_it_trains(monkeypatch: pytest.MonkeyPatch) -> None:
     """`merak plan` without --cluster profiles in the job's dtype and under its autocast, as `layout: auto`
     does (it profiled every job in float32 without autocast)."""
-    import merak_core.planner.auto as auto
+    import merak_core.autoplan.auto as auto
 
     seen: list[tuple[object, bool]] = []
 

@@ -16,9 +16,9 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from merak_core import _compat
+from merak_core.parallel import _compat
 from merak_core.planner.dryrun import _build_groups
-from merak_core.stall import Heartbeat
+from merak_core.run.stall import Heartbeat
 
 
 def test_heartbeat_store_without_the_private_accessor(monkeypatch: pytest.MonkeyPatch) -> None:

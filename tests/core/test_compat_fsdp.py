@@ -1,6 +1,6 @@
 """ZeRO-2/3 on a torch whose FSDP2 private state is not where merak-core reads it (issue 25, item 2).
 
-``merak_core._compat`` drives FSDP2's post-backward on demand (one reduce-scatter per step) and
+``merak_core.parallel._compat`` drives FSDP2's post-backward on demand (one reduce-scatter per step) and
 counts the unsharded bytes FSDP2 holds, both from private state. Here one private attribute at a
 time (the parameter-group list's two spellings together) is made to vanish (``_compat._fsdp_state`` hands out a view of FSDP2's state objects that
 raises ``AttributeError`` for that name, as a torch without it or with it renamed would; FSDP2
@@ -18,9 +18,9 @@ import pytest
 import torch
 from torch import nn
 
-from merak_core import _compat
-from merak_core.fsdp import ShardedDataParallel
-from merak_core.layout import ParallelLayout
+from merak_core.parallel import _compat
+from merak_core.parallel.fsdp import ShardedDataParallel
+from merak_core.parallel.layout import ParallelLayout
 from tests.support.compare import assert_grads_match, assert_tensors_close
 from tests.support.dist import run_on_ranks
 from tests.support.tied_pipeline import (

@@ -19,7 +19,7 @@ from merak_core.config import (
     parse_overrides,
     parse_recompute,
 )
-from merak_core.zero import ZeroOptimizer
+from merak_core.parallel.zero import ZeroOptimizer
 from tests.support.dist import run_on_ranks
 
 

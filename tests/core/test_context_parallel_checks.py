@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from merak_core.context_parallel import check_cp_model
+from merak_core.parallel.context_parallel import check_cp_model
 from tests.support.models import GPT, DecoderConfig, Llama
 
 
@@ -74,7 +74,7 @@ class _Rank1Of2:
         self.mode, self.hf = mode, hf
 
     def split(self, inputs: Any, labels: Any) -> tuple[Any, Any]:
-        from merak_core.context_parallel import split_batch
+        from merak_core.parallel.context_parallel import split_batch
         from merak_tp.context import shard_positions
 
         def positions(n: int) -> torch.Tensor:
@@ -108,7 +108,7 @@ def test_split_takes_this_ranks_tokens_and_refuses_padding() -> None:
 def test_dry_run_refuses_cp_it_does_not_model() -> None:
     from types import SimpleNamespace
 
-    from merak_core.planner.cluster_job import dry_run_job
+    from merak_core.autoplan.cluster_job import dry_run_job
 
     with pytest.raises(ValueError, match=r"training.cp=2: the dry run .* dry-run the job at cp=1"):
         dry_run_job(None, None, world_size=8, training=SimpleNamespace(cp=2))  # type: ignore[arg-type]

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from torch.utils.data import Dataset, IterableDataset
 
 from merak_core.config import TrainingArguments
-from merak_core.data import StageAwareDataLoader, StageBatch, split_inputs_labels
-from merak_core.layout import ParallelLayout
+from merak_core.data.loader import StageAwareDataLoader, StageBatch, split_inputs_labels
+from merak_core.parallel.layout import ParallelLayout
 from tests.support.dist import run_on_ranks
 
 

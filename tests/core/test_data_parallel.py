@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from merak_core.data_parallel import DataParallelGradSync, allreduce_gradients_per_parameter
+from merak_core.parallel.data_parallel import DataParallelGradSync, allreduce_gradients_per_parameter
 from tests.support.compare import assert_grads_match, assert_tensors_close
 from tests.support.dist import run_on_ranks
 from tests.support.models import REFERENCE_MODELS, build_reference
@@ -298,7 +298,7 @@ def test_notify_grad_ready_for_hand_accumulated_grads() -> None:
 def _peer_skips_step() -> str:
     from datetime import timedelta
 
-    from merak_core.layout import ParallelLayout
+    from merak_core.parallel.layout import ParallelLayout
 
     layout = ParallelLayout.build(2, 1, 1, device="cpu", timeout=timedelta(seconds=2))
     model = _Branchy()

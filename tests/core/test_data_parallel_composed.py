@@ -20,11 +20,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from merak_core.clip import clip_grad_norm_
 from merak_core.config import TrainingArguments, build_lr_scheduler
-from merak_core.data_parallel import DataParallelGradSync
-from merak_core.layout import ParallelLayout
-from merak_core.zero import ZeroOptimizer
+from merak_core.parallel.clip import clip_grad_norm_
+from merak_core.parallel.data_parallel import DataParallelGradSync
+from merak_core.parallel.layout import ParallelLayout
+from merak_core.parallel.zero import ZeroOptimizer
 from merak_tp.shard_spec import ShardSpec, set_shard_spec
 from tests.support.compare import assert_tensors_close
 from tests.support.dist import run_on_ranks

@@ -16,8 +16,8 @@ import pytest
 import torch
 from torch import nn
 
-from merak_core.data_parallel import DataParallelGradSync
-from merak_core.layout import ParallelLayout
+from merak_core.parallel.data_parallel import DataParallelGradSync
+from merak_core.parallel.layout import ParallelLayout
 from tests.support.compare import assert_grads_match
 from tests.support.dist import run_on_ranks
 from tests.support.tied_pipeline import (

@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
-from merak_core.data import StageAwareDataLoader
-from merak_core.dataset_fingerprint import dataset_fingerprint, sample_indices
+from merak_core.data.fingerprint import dataset_fingerprint, sample_indices
+from merak_core.data.loader import StageAwareDataLoader
 
 
 class _Rows(Dataset):

@@ -2,7 +2,7 @@
 
 No GPU is needed: ``torch.cuda.is_available`` / ``device_count`` are faked, ``set_device`` and
 ``init_process_group`` are recorded instead of called, so the rules of
-``merak_core.layout.select_device`` ([Note: one device]) are checked on any machine.
+``merak_core.parallel.layout.select_device`` ([Note: one device]) are checked on any machine.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
-import merak_core.layout as layout_mod
-from merak_core.compose import build_parallel_model, place_stage
-from merak_core.layout import collective_device, ensure_process_group, select_device
+import merak_core.parallel.layout as layout_mod
+from merak_core.parallel.compose import build_parallel_model, place_stage
+from merak_core.parallel.layout import collective_device, ensure_process_group, select_device
 
 
 @pytest.fixture
@@ -244,7 +244,7 @@ def test_build_parallel_model_retargets_the_kept_stage() -> None:
 
 
 def test_planner_memory_is_free_memory_less_a_margin(monkeypatch: pytest.MonkeyPatch) -> None:
-    from merak_core.autoplan import default_memory_per_device
+    from merak_core.autoplan.auto import default_memory_per_device
 
     gib = 1 << 30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (40 * gib, 80 * gib))

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from merak_core.data_parallel import DataParallelGradSync
+from merak_core.parallel.data_parallel import DataParallelGradSync
 from tests.support.dist import run_on_ranks
 
 

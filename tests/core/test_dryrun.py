@@ -6,7 +6,7 @@ import pytest
 import torch.distributed as dist
 import yaml
 
-from merak_core.layout import coords_of, rank_of
+from merak_core.parallel.layout import coords_of, rank_of
 from merak_core.planner.cluster import ClusterSpec, load_cluster, shipped_clusters
 from merak_core.planner.dryrun import dry_run
 from merak_core.planner.gpt_shapes import DecoderShape, build_decoder, decoder_inputs

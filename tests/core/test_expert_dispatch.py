@@ -1,4 +1,4 @@
-"""Expert-parallel dispatch (merak_core.expert_parallel.dispatch) at ep=2 against one process in float64.
+"""Expert-parallel dispatch (merak_core.parallel.expert_parallel.dispatch) at ep=2 against one process in float64.
 
 Each rank routes its own tokens by a fixed, uneven routing (rank 0 sends four times more rows to one
 expert than to another, expert 3 is chosen by no token at all, rank 1 sends nothing to rank 0's
@@ -50,8 +50,8 @@ def _rank_data(rank: int, case: str) -> tuple[torch.Tensor, torch.Tensor, torch.
 def _ep_worker(case: str) -> dict[str, torch.Tensor]:
     import torch.distributed as dist
 
-    from merak_core.expert_parallel import apply_expert_parallel
-    from merak_core.layout import ParallelLayout
+    from merak_core.parallel.expert_parallel import apply_expert_parallel
+    from merak_core.parallel.layout import ParallelLayout
 
     layout = ParallelLayout.build(dp=2, ep=2, device="cpu")
     assert layout.ep_ranks == [0, 1] and layout.expert_replica_ranks == [layout.rank]
@@ -91,7 +91,7 @@ def test_dispatch_ep2_equals_one_process(case: str) -> None:
 
 
 def _groups_worker() -> tuple[list[int], list[int], int]:
-    from merak_core.layout import ParallelLayout
+    from merak_core.parallel.layout import ParallelLayout
 
     layout = ParallelLayout.build(dp=4, ep=2, device="cpu")
     import torch.distributed as dist
@@ -131,14 +131,14 @@ def _args(**kw: object) -> SimpleNamespace:
     ],
 )
 def test_refusals(overrides: dict[str, object], lora: object, words: str) -> None:
-    from merak_core.expert_parallel import check_ep_model
+    from merak_core.parallel.expert_parallel import check_ep_model
 
     with pytest.raises(ValueError, match=words):
         check_ep_model(_block(), _args(**overrides), lora=lora)
 
 
 def test_refuses_a_model_without_moe_block() -> None:
-    from merak_core.expert_parallel import check_ep_model
+    from merak_core.parallel.expert_parallel import check_ep_model
 
     with pytest.raises(ValueError, match="no mixture-of-experts block"):
         check_ep_model(torch.nn.Linear(2, 2), _args())
@@ -147,7 +147,7 @@ def test_refuses_a_model_without_moe_block() -> None:
 def test_refuses_a_transformers_moe_block_by_name() -> None:
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    from merak_core.expert_parallel import check_ep_model
+    from merak_core.parallel.expert_parallel import check_ep_model
 
     cfg = MixtralConfig(
         vocab_size=32,
@@ -163,7 +163,7 @@ def test_refuses_a_transformers_moe_block_by_name() -> None:
 
 
 def test_refuses_a_block_with_a_router_aux_loss() -> None:
-    from merak_core.expert_parallel import check_ep_model
+    from merak_core.parallel.expert_parallel import check_ep_model
 
     block = _block()
     block.router_aux_loss_coef = 0.01
@@ -182,7 +182,7 @@ def test_generation_refused_at_ep2() -> None:
 
 
 def test_refuses_a_block_whose_expert_count_disagrees() -> None:
-    from merak_core.expert_parallel import check_ep_model
+    from merak_core.parallel.expert_parallel import check_ep_model
 
     block = _block()
     block.num_experts = 6

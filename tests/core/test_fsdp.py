@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from merak_core.fsdp import ShardedDataParallel, default_reshard_after_forward, fsdp_units
-from merak_core.layout import ParallelLayout
+from merak_core.parallel.fsdp import ShardedDataParallel, default_reshard_after_forward, fsdp_units
+from merak_core.parallel.layout import ParallelLayout
 from tests.support.compare import assert_grads_match
 from tests.support.dist import run_on_ranks
 from tests.support.tied_pipeline import (
@@ -127,7 +127,7 @@ def test_fsdp_units_are_the_stage_units_or_the_model() -> None:
 
 
 def test_split_backward_schedules_are_refused_before_any_collective() -> None:
-    from merak_core.fsdp import check_sharding_supported
+    from merak_core.parallel.fsdp import check_sharding_supported
 
     with pytest.raises(ValueError, match=r"zero_stage=3 with schedule='zb_h1'.*I/W.*1f1b"):
         check_sharding_supported(3, "zb_h1")

@@ -145,7 +145,7 @@ def test_decode_round_is_merak_pipes_validated_forward_round(stages: int, microb
 def _fake_model(**fields):
     from types import SimpleNamespace
 
-    from merak_core.compose import ModelSource
+    from merak_core.parallel.compose import ModelSource
 
     source = ModelSource(object, fields.pop("config", None), None, fields.pop("sequence_parallel", False))
     base = dict(source=source, stage_modules={}, layout=SimpleNamespace(pp=1), lora=None)

@@ -1,4 +1,4 @@
-"""The heartbeat check (merak_core.stall) in one process, over an in-memory store: which ranks a failed
+"""The heartbeat check (merak_core.run.stall) in one process, over an in-memory store: which ranks a failed
 collective names as dead or silent. A rank killed a moment ago has a fresh last beat; it must be named
 all the same, and a rank whose thread beats must be called alive.
 """
@@ -12,7 +12,7 @@ import time
 
 import torch.distributed as dist
 
-from merak_core.stall import _PREFIX, Heartbeat
+from merak_core.run.stall import _PREFIX, Heartbeat
 
 INTERVAL_S = 0.1
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from merak_core.layout import ParallelLayout, coords_of, init, rank_of, resolve_degrees
+from merak_core.parallel.layout import ParallelLayout, coords_of, init, rank_of, resolve_degrees
 from tests.support.dist import run_on_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -83,7 +83,7 @@ def test_init_validates_before_any_collective(monkeypatch: pytest.MonkeyPatch) -
 def test_init_single_process_without_launcher() -> None:
     code = (
         "import torch.distributed as dist\n"
-        "from merak_core.layout import init\n"
+        "from merak_core.parallel.layout import init\n"
         "lay = init(device='cpu')\n"
         "assert (lay.dp, lay.tp, lay.pp, lay.rank) == (1, 1, 1, 0), lay\n"
         "assert lay.is_first_stage and lay.is_last_stage\n"
@@ -178,7 +178,7 @@ _TORCHRUN_SCRIPT = """
 import sys
 import torch
 import torch.distributed as dist
-from merak_core.layout import init
+from merak_core.parallel.layout import init
 
 dp, tp = (None if sys.argv[1] == "none" else int(sys.argv[1])), int(sys.argv[2])
 lay = init(dp, tp, 1, device="cpu")

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from merak_core import LoraConfig
+from merak_core.autoplan.auto import with_adapters
 from merak_core.planner import ModelProfile, plan, profile_model
-from merak_core.planner.auto import with_adapters
 from merak_core.planner.memory import model_state_bytes, predict_stage_memory
 from tests.support.models import build_reference
 

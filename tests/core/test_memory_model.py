@@ -43,11 +43,11 @@ def test_model_state_bytes_per_zero_stage() -> None:
     p = 1000.0
     assert model_state_bytes(p, zero_stage=0, dp=4) == (p, p, 2 * p)
     assert model_state_bytes(p, zero_stage=1, dp=4) == (p, p, p / 2)
-    # FSDP2 (merak_core.fsdp): gradients unsharded within the step; ZeRO-2 keeps the gathered
+    # FSDP2 (merak_core.parallel.fsdp): gradients unsharded within the step; ZeRO-2 keeps the gathered
     # parameters too, ZeRO-3 one unit of them on top of its shards.
     assert model_state_bytes(p, zero_stage=2, dp=4) == (p / 4 + p, p, p / 2)
     assert model_state_bytes(p, zero_stage=3, dp=4, largest_unit_bytes=100.0) == (p / 4 + 100.0, p, p / 2)
-    # the last of several stages does not reshard after forward (merak_core.fsdp): held as ZeRO-2
+    # the last of several stages does not reshard after forward (merak_core.parallel.fsdp): held as ZeRO-2
     last = dict(largest_unit_bytes=100.0, stage_index=1, num_stages=2)
     assert model_state_bytes(p, zero_stage=3, dp=4, **last) == (p / 4 + p, p, p / 2)
     assert model_state_bytes(p, zero_stage=3, dp=4, **{**last, "stage_index": 0}) == (p / 4 + 100.0, p, p / 2)
@@ -147,7 +147,7 @@ MODELS = {"addition": _addition, "gpt2": _gpt2}
 
 
 def _batch(data: Any, size: int) -> tuple[Any, Any]:
-    from merak_core.data import split_inputs_labels
+    from merak_core.data.loader import split_inputs_labels
 
     return split_inputs_labels(torch.utils.data.default_collate([data[i] for i in range(size)]))
 
@@ -208,8 +208,8 @@ def memory_body(
     import torch.distributed as dist
 
     from merak_core import Trainer
+    from merak_core.autoplan.auto import with_adapters
     from merak_core.config import TrainingArguments
-    from merak_core.planner.auto import with_adapters
 
     model, data, loss_fn = MODELS[name]()
     inputs, labels = _batch(data, 4)
@@ -331,7 +331,7 @@ def under_estimates(rows: list[dict[str, Any]]) -> list[float]:
 
 @pytest.mark.parametrize("zero_stage", [2, 3])
 def test_predicted_memory_per_stage_matches_measured_under_zero_2_and_3(zero_stage: int) -> None:
-    """FSDP2 (merak_core.fsdp): the shards, the parameters gathered during the step and the unsharded
+    """FSDP2 (merak_core.parallel.fsdp): the shards, the parameters gathered during the step and the unsharded
     gradients held until the reduce-scatter, per stage, at dp=2 x pp=2 (tied embedding on both
     stages) and dp=4 x pp=1."""
     rows = run_on_ranks(

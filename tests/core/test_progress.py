@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from merak_core.metrics import MetricsWriter, format_duration
+from merak_core.run.metrics import MetricsWriter, format_duration
 
 
 class _Clock:

@@ -17,9 +17,10 @@ from typing import Any
 
 import pytest
 
-from merak_core import TrainingArguments, reporting, tensorboard
+from merak_core import TrainingArguments
 from merak_core.cli.main import main
-from merak_core.metrics import MetricsWriter
+from merak_core.run import reporting, tensorboard
+from merak_core.run.metrics import MetricsWriter
 
 REPO = Path(__file__).resolve().parents[2]
 RECORDS = [
@@ -91,12 +92,12 @@ def test_without_tensorboard_the_run_says_so_once_at_start(
     monkeypatch.setattr(tensorboard, "available", lambda: False)
     monkeypatch.setitem(sys.modules, "wandb", None)  # 'all' finds nothing else either
     writer = MetricsWriter(str(tmp_path), enabled=True, report_to=report_to)
-    with caplog.at_level(logging.WARNING, logger="merak_core.reporting"):
+    with caplog.at_level(logging.WARNING, logger="merak_core.run.reporting"):
         writer.start(4)
         for record in RECORDS:
             writer.log(record)
         writer.finish()
-    lines = [r.getMessage() for r in caplog.records if r.name == "merak_core.reporting"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "merak_core.run.reporting"]
     assert lines == (
         [
             "TensorBoard is not installed, so this run writes no TensorBoard events: "

@@ -1,5 +1,5 @@
-"""The default group that ``merak_core.layout.init`` creates is destroyed at exit (see [Note: teardown at
-exit] in merak_core.layout): no gloo worker thread is left to run into the interpreter's shutdown, where it
+"""The default group that ``merak_core.parallel.layout.init`` creates is destroyed at exit (see [Note: teardown at
+exit] in merak_core.parallel.layout): no gloo worker thread is left to run into the interpreter's shutdown, where it
 aborted about one bare-torchrun run in six. One process (a world of 1), the exit handler called by hand.
 """
 
@@ -13,14 +13,14 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from merak_core import layout as layout_module
+from merak_core.parallel import layout as layout_module
 
 
 @pytest.fixture
 def exit_handlers(
     monkeypatch: pytest.MonkeyPatch,
 ) -> Iterator[list[tuple[Callable[..., Any], tuple[Any, ...]]]]:
-    """The handlers merak_core.layout registers with atexit (kept here, not run at this process's exit)."""
+    """The handlers merak_core.parallel.layout registers with atexit (kept here, not run at this process's exit)."""
     if dist.is_initialized():
         pytest.skip("this process already has a default process group")
     monkeypatch.setenv("WORLD_SIZE", "1")

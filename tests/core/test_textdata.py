@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from merak_core.textdata import (
+from merak_core.data.text import (
     IGNORE_INDEX,
     TextDataSpec,
     TokenCacheError,
@@ -281,7 +281,7 @@ class _Recorder(torch.utils.data.Dataset):
 
 
 def test_dp_shards_are_disjoint_and_cover_each_epoch(tmp_path: Path, tok: Path) -> None:
-    from merak_core.data import StageAwareDataLoader
+    from merak_core.data.loader import StageAwareDataLoader
 
     (tmp_path / "a.txt").write_text("\n".join(sentences(60, seed=9)))
     train, _ = build_text_datasets(_spec(tmp_path, tok, tmp_path / "a.txt", seq_len=4))
@@ -340,7 +340,7 @@ def test_samples_pickle_as_the_cache_folder_not_the_tokens(tmp_path: Path, tok: 
 
 
 def test_the_saved_position_names_the_samples_and_other_data_is_refused(tmp_path: Path, tok: Path) -> None:
-    from merak_core.data import StageAwareDataLoader
+    from merak_core.data.loader import StageAwareDataLoader
 
     (tmp_path / "a.txt").write_text("\n".join(sentences(60, seed=13)))
     train, _ = build_text_datasets(_spec(tmp_path, tok, tmp_path / "a.txt", seq_len=4))

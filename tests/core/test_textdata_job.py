@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import yaml
 
+from merak_core.data.text import TokenSamples
+from merak_core.data.text.job import job_text_spec
 from merak_core.job import JobConfig
-from merak_core.textdata import TokenSamples
-from merak_core.textdata.job import job_text_spec
 from tests.support.text import make_tokenizer, sentences, write_jsonl
 
 
@@ -100,7 +100,7 @@ def test_launch_checks_name_the_key_and_the_fix(
     folder: Path, data: dict[str, Any], match: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from merak_core.cli import main
-    from merak_core.exitcodes import BAD_INPUT
+    from merak_core.run.exitcodes import BAD_INPUT
 
     raw = _raw(**data)
     raw["training"]["output_dir"] = str(folder / "out")
@@ -114,7 +114,7 @@ def test_launch_checks_name_the_key_and_the_fix(
 
 
 def test_the_launch_checks_catch_a_tokenizer_larger_than_the_model(folder: Path) -> None:
-    from merak_core.preflight import preflight
+    from merak_core.checks import preflight
 
     raw = _raw()
     raw["model"]["kwargs"] = {"vocab_size": 100}  # the tokenizer has 300 ids

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from merak_core.virtual_stages import check_virtual_stages, stage_placement
+from merak_core.parallel.virtual_stages import check_virtual_stages, stage_placement
 from merak_pipe import register_schedule, schedule_info
 from merak_pipe.schedules import _REGISTRY
 

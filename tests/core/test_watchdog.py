@@ -90,7 +90,7 @@ def test_flight_recorder_env_for_nccl_ranks(tmp_path: Path, monkeypatch: pytest.
     import torch
 
     from merak_core.cli.train import nccl_flight_recorder_env
-    from merak_core.watchdog import flight_recorder_env
+    from merak_core.run.watchdog import flight_recorder_env
 
     env = flight_recorder_env(str(tmp_path), {"TORCH_NCCL_TRACE_BUFFER_SIZE": "50"})
     assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in env  # the user's value wins

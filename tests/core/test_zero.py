@@ -19,8 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from merak_core.data_parallel import DataParallelGradSync
-from merak_core.zero import ZeroOptimizer, partition_parameters
+from merak_core.parallel.data_parallel import DataParallelGradSync
+from merak_core.parallel.zero import ZeroOptimizer, partition_parameters
 from tests.support.compare import assert_tensors_close
 from tests.support.dist import run_on_ranks
 from tests.support.models import REFERENCE_MODELS, build_reference

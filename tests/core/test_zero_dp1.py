@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from merak_core import fsdp
-from merak_core.fsdp import nothing_to_shard_message, warn_nothing_to_shard
+from merak_core.parallel import fsdp
+from merak_core.parallel.fsdp import nothing_to_shard_message, warn_nothing_to_shard
 from merak_core.planner import ModelProfile
 from merak_core.planner.memory import predict_stage_memory
 from tests.support.dist import run_on_ranks
@@ -44,13 +44,13 @@ def _captured(logger_name: str) -> tuple[logging.Handler, list[str]]:
 
 def test_warning_is_logged_once_per_zero_stage(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fsdp, "_WARNED_NOTHING_TO_SHARD", set())
-    handler, messages = _captured("merak_core.fsdp")
+    handler, messages = _captured("merak_core.parallel.fsdp")
     try:
         for _ in range(3):
             warn_nothing_to_shard(2, 1)
         warn_nothing_to_shard(2, 4)
     finally:
-        logging.getLogger("merak_core.fsdp").removeHandler(handler)
+        logging.getLogger("merak_core.parallel.fsdp").removeHandler(handler)
     assert messages == [nothing_to_shard_message(2, 1)]
 
 
@@ -65,11 +65,11 @@ def test_memory_prediction_at_dp1_is_zero0_and_says_so(monkeypatch: pytest.Monke
         boundary_bytes=10.0,
     )
     kw: dict[str, Any] = dict(stage_layers=[2, 2], schedule="1f1b", num_microbatches=4, micro_batch_size=1)
-    handler, messages = _captured("merak_core.fsdp")
+    handler, messages = _captured("merak_core.parallel.fsdp")
     try:
         zero3 = predict_stage_memory(prof, dp=1, zero_stage=3, **kw)
     finally:
-        logging.getLogger("merak_core.fsdp").removeHandler(handler)
+        logging.getLogger("merak_core.parallel.fsdp").removeHandler(handler)
     assert zero3 == predict_stage_memory(prof, dp=1, zero_stage=0, **kw)
     assert messages == [nothing_to_shard_message(3, 1)]
 

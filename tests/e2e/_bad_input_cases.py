@@ -174,7 +174,7 @@ def init_dp_zero(ctx: CaseContext) -> None:
 
 
 def init_tp_not_dividing_world(ctx: CaseContext) -> None:
-    from merak_core.layout import resolve_degrees
+    from merak_core.parallel.layout import resolve_degrees
 
     with ctx.guard():
         resolve_degrees(8, None, tp=3, pp=1)
@@ -685,7 +685,7 @@ def tuple_dataset_pp_first_loss(tmp: str) -> float | None:
 def tuple_dataset_reference_loss() -> float:
     """The same step in one process: mean of the default loss over the two microbatches of the first batch."""
     from merak_core import TrainingArguments
-    from merak_core.data import StageAwareDataLoader
+    from merak_core.data.loader import StageAwareDataLoader
     from merak_core.trainer import default_loss
 
     args = TrainingArguments(per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=1)

@@ -202,7 +202,7 @@ def ckpt_export_onto_a_file(ctx: CaseContext) -> None:
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    from merak_core.weights import read_checkpoint_model
+    from merak_core.checkpoint.weights import read_checkpoint_model
 
     out, _ = _saved_run(ctx)
     latest = str(out / "checkpoints" / "latest")

@@ -74,7 +74,7 @@ def train_body(
 
 def saved_state_body(path: str) -> dict[str, torch.Tensor]:
     """The model part of a checkpoint, read by one process (no collectives)."""
-    from merak_core.weights import read_checkpoint_model
+    from merak_core.checkpoint.weights import read_checkpoint_model
 
     return read_checkpoint_model(path)
 
@@ -101,7 +101,7 @@ def import_export_body(
     name: str, save_kwargs: dict[str, Any], load_kwargs: dict[str, Any], out_dir: str
 ) -> dict[str, Any]:
     """Export a trained model (.pt and .safetensors), import both into a fresh trainer of another layout."""
-    from merak_core.weights import export_full_state_dict, load_full_state_dict
+    from merak_core.checkpoint.weights import export_full_state_dict, load_full_state_dict
 
     trainer = make_trainer(name, save_kwargs)
     trainer.train()
@@ -391,7 +391,7 @@ def load_weights_from_checkpoint_body(
     name: str, kwargs: dict[str, Any], source: str
 ) -> dict[str, Any] | None:
     """A fresh trainer (another layout) takes only the model weights of ``source`` (a checkpoint or 'latest')."""
-    from merak_core.weights import load_full_state_dict
+    from merak_core.checkpoint.weights import load_full_state_dict
 
     trainer = make_trainer(name, kwargs)
     load_full_state_dict(trainer, source)

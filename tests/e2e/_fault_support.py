@@ -186,7 +186,7 @@ def preempt_body(
     layout: tuple[int, int, int], victim: int, signum: int, at_call: int, out: str, max_steps: int
 ) -> dict:
     """Train until rank ``victim`` signals itself during step ``at_call``; what every rank saw."""
-    from merak_core.signals import TrainingPreempted
+    from merak_core.run.signals import TrainingPreempted
 
     collate = SignalAtCollate(victim, signum, at_call)
     trainer = signal_trainer(layout, out, max_steps, collate)

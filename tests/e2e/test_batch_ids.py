@@ -1,7 +1,7 @@
 """A token id or label out of range after the first batch is named with the step, the sample and the value.
 
 The launch checks see the first batch only; later batches are checked on the loader's side (CPU)
-before they reach the model (:mod:`merak_core.batch_ids`). Pure tests of the check over a sharded,
+before they reach the model (:mod:`merak_core.data.batch_ids`). Pure tests of the check over a sharded,
 shuffled loader, and one Trainer run (one rank) whose bad sample arrives at step 3: before the check
 it failed inside the embedding with ``IndexError: index out of range in self``.
 """
@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from merak_core.batch_ids import IdRanges, sample_namer
-from merak_core.data import StageAwareDataLoader
+from merak_core.data.batch_ids import IdRanges, sample_namer
+from merak_core.data.loader import StageAwareDataLoader
 from tests.support.dist import run_on_ranks
 
 VOCAB, SEQ, SIZE, SEED = 16, 6, 16, 42

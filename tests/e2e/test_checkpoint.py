@@ -143,7 +143,7 @@ def test_import_export_round_trip(tmp_path: Path) -> None:
 
 
 def test_export_from_checkpoint_directory(tmp_path: Path) -> None:
-    from merak_core.weights import export_full_state_dict
+    from merak_core.checkpoint.weights import export_full_state_dict
 
     kwargs = support.layout_kwargs(1, 1, 2, output_dir=str(tmp_path), max_steps=2, save_steps=2)
     full = run_on_ranks(2, support.train_body, "gpt", kwargs)

@@ -64,7 +64,7 @@ def test_flipped_bytes_in_a_shard_name_the_file_and_step(tmp_path: Path) -> None
 def test_latest_pointer_path_in_export_skips_corrupt_checkpoints(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from merak_core.weights import export_full_state_dict, read_checkpoint_model
+    from merak_core.checkpoint.weights import export_full_state_dict, read_checkpoint_model
 
     _train(tmp_path)
     root = tmp_path / "checkpoints"
@@ -134,7 +134,7 @@ def test_weights_from_the_latest_pointer_into_another_layout(tmp_path: Path) -> 
     loaded = run_on_ranks(2, support.load_weights_from_checkpoint_body, "gpt", kwargs, str(root / "latest"))[
         0
     ]
-    from merak_core.weights import read_checkpoint_model
+    from merak_core.checkpoint.weights import read_checkpoint_model
 
     expected = read_checkpoint_model(root / "step_2")  # step 4 is corrupt: latest means step 2
     assert sorted(loaded) == sorted(expected) and all(torch.equal(loaded[k], expected[k]) for k in expected)

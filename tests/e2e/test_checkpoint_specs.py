@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from merak_core.checkpoint import _Spec
-from merak_core.weights import _read_shard
+from merak_core.checkpoint.weights import _read_shard
 from merak_tp._tp_module import _shard
 from merak_tp.shard_spec import ShardSpec, set_shard_spec
 

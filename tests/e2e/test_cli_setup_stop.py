@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from merak_core.exitcodes import PREEMPTED
+from merak_core.run.exitcodes import PREEMPTED
 from tests.e2e import _fault_support as faults
 
 

@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from merak_core.exitcodes import BAD_INPUT, PREEMPTED
-from merak_core.outdir_lock import LOCK_NAME, OutputDirLock, OutputDirLocked
+from merak_core.cli.outdir_lock import LOCK_NAME, OutputDirLock, OutputDirLocked
+from merak_core.run.exitcodes import BAD_INPUT, PREEMPTED
 
 REPO = Path(__file__).resolve().parents[2]
 JOBS = "tests.e2e._bad_input_jobs"
@@ -254,7 +254,7 @@ def test_stale_lock_of_a_dead_job_is_taken_over_with_a_warning(
     (out / LOCK_NAME).write_text(
         json.dumps({"host": "node7", "pid": 4194303, "started": 0.0, "command": "merak train old.yaml"})
     )
-    with caplog.at_level(logging.WARNING, logger="merak_core.outdir_lock"):
+    with caplog.at_level(logging.WARNING, logger="merak_core.cli.outdir_lock"):
         lock = OutputDirLock.acquire(out, command="merak train new.yaml")
     assert lock.stale is not None and lock.stale["pid"] == 4194303
     assert "taking over the lock of a job that is gone (host node7, pid 4194303, started " in caplog.text

@@ -12,7 +12,7 @@ import torch
 import yaml
 from torch.utils.data import Dataset
 
-from merak_core.exitcodes import BAD_INPUT
+from merak_core.run.exitcodes import BAD_INPUT
 from tests.e2e._bad_input_support import no_collectives
 from tests.support.models import DecoderConfig, Llama
 

@@ -59,7 +59,7 @@ def _job(tmp: Path) -> Path:
 
 def _reference(state: dict[str, torch.Tensor], evaluation: Any) -> dict[str, float]:
     """One process, one batch of every eval sample: the token-mean cross-entropy and the accuracy."""
-    from merak_core.engine import default_loss
+    from merak_core.run.engine import default_loss
     from tests.support.text import text_model, token_metrics
 
     model = text_model()
@@ -78,7 +78,7 @@ def _train_then_eval(job_path: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     from merak_core import Trainer, init
-    from merak_core.eval_job import evaluate_job
+    from merak_core.cli.eval_job import evaluate_job
     from merak_core.job import JobConfig
 
     job = JobConfig.from_yaml(job_path)
@@ -121,7 +121,7 @@ def test_eval_equals_a_single_process_evaluation_in_any_layout(trained: tuple[Pa
 def test_format_and_refusals(tmp_path: Path) -> None:
     import argparse
 
-    from merak_core.eval_job import eval_command, format_result, perplexity, pick_split
+    from merak_core.cli.eval_job import eval_command, format_result, perplexity, pick_split
 
     line = format_result(
         {

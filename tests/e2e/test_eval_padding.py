@@ -1,7 +1,7 @@
 """Evaluation counts every sample once: the last partial batch is padded and masked, an eval set smaller
 than one global batch works, and the metrics equal a single-process pass over every sample.
 
-[Note: eval weighting] (``merak_core.evaluation``): with a loss that averages over samples (every
+[Note: eval weighting] (``merak_core.run.evaluation``): with a loss that averages over samples (every
 TokenDataset sample has the same number of counted tokens, so the token mean of a microbatch is
 the mean of its samples' losses), ``eval_loss`` is the mean of the per-sample losses.
 """
@@ -104,8 +104,8 @@ def test_default_loss_reads_the_logits_of_a_model_output_cut_into_rows() -> None
     # into microbatch rows, which come back as a plain dict. The default loss must read its logits
     # (it raised AttributeError: 'dict' object has no attribute 'reshape' at the end of training).
     modeling_outputs = pytest.importorskip("transformers.modeling_outputs")
-    from merak_core.engine import default_loss
-    from merak_core.evaluation import rows
+    from merak_core.run.engine import default_loss
+    from merak_core.run.evaluation import rows
 
     torch.manual_seed(0)
     logits = torch.randn(4, 3, 7, dtype=torch.float64)

@@ -13,7 +13,7 @@ import torch
 import yaml
 from torch.utils.data import Dataset
 
-from merak_core.exitcodes import BAD_INPUT
+from merak_core.run.exitcodes import BAD_INPUT
 from tests.e2e._bad_input_support import no_collectives
 from tests.support.models import DecoderConfig, Llama
 from tests.support.moe import MoEConfig, MoELlama
@@ -101,7 +101,7 @@ def test_good_ep_job_passes_the_checks(tmp_path: Path) -> None:
 
 
 def test_dry_run_shows_ep_groups() -> None:
-    from merak_core.layout import rank_of
+    from merak_core.parallel.layout import rank_of
     from merak_core.planner.cluster import load_cluster
     from merak_core.planner.dryrun import dry_run
     from merak_core.planner.gpt_shapes import DecoderShape, build_decoder, decoder_inputs

@@ -76,7 +76,7 @@ def _dry_run(job: Path) -> tuple[int, str]:
 
 def test_a_bad_pretrained_folder_is_refused_before_launch(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
-    from merak_core.exitcodes import BAD_INPUT
+    from merak_core.run.exitcodes import BAD_INPUT
 
     make_folder("gpt2", tmp_path)
     raw = _job(tmp_path)

@@ -3,7 +3,7 @@ on the job's layout exactly as transformers' ``generate`` does with the same wei
 refuses, before torchrun and in one line (exit 2), what it cannot run.
 
 In-pool (2 ranks, pp=2): one training step saves a checkpoint; the ranks' body of ``merak generate``
-(:func:`merak_core.generate_job.generate_job`) then runs at pp=2 and, from the same checkpoint, at
+(:func:`merak_core.cli.generate_job.generate_job`) then runs at pp=2 and, from the same checkpoint, at
 tp=2; the reference is a transformers GPT-2 holding the checkpoint's weights (float64), fed the
 same left-padded prompts. The refusals go through ``merak generate --dry-run`` in this process.
 """
@@ -64,7 +64,7 @@ def _job(tmp: Path, **training: Any) -> Path:
 
 def _train_then_generate(job_path: str, tokenizer: str) -> dict[str, Any]:
     from merak_core import Trainer, init
-    from merak_core.generate_job import generate_job
+    from merak_core.cli.generate_job import generate_job
     from merak_core.job import JobConfig
 
     job = JobConfig.from_yaml(job_path)
@@ -145,7 +145,7 @@ def test_generate_from_a_checkpoint_equals_transformers_and_refuses_before_launc
         str(job), "--prompts", str(prompts), "--seed", "3", "--top-p", "0.9", "--dry-run"
     )
     assert status == 0, err
-    assert "merak_core.generate_job" in out and "--top-p 0.9" in out and "--nproc-per-node=2" in out
+    assert "merak_core.cli.generate_job" in out and "--top-p 0.9" in out and "--nproc-per-node=2" in out
     refusals = {
         ("training.tp=3", "training.pp=1"): "3",  # 4 heads do not divide over 3 TP ranks
         ("training.virtual_stages=2", "training.schedule=interleaved_1f1b"): "training.virtual_stages=2",
@@ -166,7 +166,7 @@ def test_generate_from_a_checkpoint_equals_transformers_and_refuses_before_launc
 def test_the_tokenizer_comes_from_the_job(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
-    from merak_core.generate_job import tokenizer_path
+    from merak_core.cli.generate_job import tokenizer_path
 
     folder = tmp_path / "model"
     folder.mkdir()

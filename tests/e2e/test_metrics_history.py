@@ -23,7 +23,7 @@ def _strict(path: Path) -> list[dict[str, Any]]:
 
 
 def test_resumed_writer_keeps_the_history_up_to_the_resumed_step(tmp_path: Path) -> None:
-    from merak_core.metrics import MetricsWriter
+    from merak_core.run.metrics import MetricsWriter
 
     first = MetricsWriter(str(tmp_path), enabled=True)
     first.start(6)
@@ -79,7 +79,7 @@ def test_resumed_writer_keeps_the_history_up_to_the_resumed_step(tmp_path: Path)
 
 
 def test_a_disabled_writer_touches_nothing(tmp_path: Path) -> None:
-    from merak_core.metrics import MetricsWriter
+    from merak_core.run.metrics import MetricsWriter
 
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
     quiet = MetricsWriter(str(tmp_path), enabled=False)

@@ -44,7 +44,7 @@ def test_a_tuple_output_is_read_at_its_first_element_and_the_launch_log_says_so(
         model={"factory": f"{MODELS}:Scored", "kwargs": {"as_tuple": True}},
         data={"factory": f"{MODELS}:features"},
     )
-    with caplog.at_level("WARNING", logger="merak_core.preflight"):
+    with caplog.at_level("WARNING", logger="merak_core.checks"):
         train_dry_run(ctx, job)  # accepted
     said = " ".join(r.getMessage() for r in caplog.records)
     assert "Scored.forward returns a tuple of 2 values [[2, 3], [2, 8]]" in said and "output[0]" in said
@@ -52,7 +52,7 @@ def test_a_tuple_output_is_read_at_its_first_element_and_the_launch_log_says_so(
 
 
 def test_the_default_loss_reads_logits_or_the_first_element_and_refuses_a_dict_without_logits() -> None:
-    from merak_core.engine import default_loss
+    from merak_core.run.engine import default_loss
 
     logits = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
     labels = torch.tensor([0, 2, 1, 2])
@@ -64,7 +64,7 @@ def test_the_default_loss_reads_logits_or_the_first_element_and_refuses_a_dict_w
 
 
 def test_input_order_by_name_and_the_single_input_of_another_name() -> None:
-    from merak_core.forward_inputs import input_order
+    from merak_core.parallel.forward_inputs import input_order
 
     class KeywordOnly(torch.nn.Module):
         def forward(self, x: torch.Tensor, *, mask: torch.Tensor | None = None) -> torch.Tensor:

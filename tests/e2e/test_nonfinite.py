@@ -54,7 +54,7 @@ class _PoisonAt:
 def lr_blowup_body(dp: int, pp: int) -> dict[str, Any]:
     """learning_rate=1e6 until a step is non-finite; the error and the state when it came."""
     from merak_core import Trainer
-    from merak_core.nonfinite import NonFiniteError
+    from merak_core.run.nonfinite import NonFiniteError
 
     args = make_args(
         **layout_kwargs(
@@ -106,7 +106,7 @@ def test_learning_rate_1e6_stops_naming_the_step(layout: tuple[int, int]) -> Non
 def poisoned_gradient_body(victim: str) -> str:
     """dp=2: an infinite gradient for parameter ``victim`` alone at step 2; the stop error's text."""
     from merak_core import Trainer
-    from merak_core.nonfinite import NonFiniteError
+    from merak_core.run.nonfinite import NonFiniteError
 
     args = make_args(**layout_kwargs(2, 1, 1, max_steps=3))
     model = build_model("gpt")
@@ -246,7 +246,7 @@ def skip_limit_body(out: str, poisoned: list[int] | None, max_steps: int, limit:
     from pathlib import Path
 
     from merak_core import Trainer
-    from merak_core.nonfinite import NonFiniteError
+    from merak_core.run.nonfinite import NonFiniteError
 
     args = make_args(
         **layout_kwargs(2, 1, 1, max_steps=max_steps, nonfinite="skip", save_steps=1, output_dir=out),
@@ -305,7 +305,7 @@ def nan_eval_body(out: str) -> dict[str, Any]:
     from pathlib import Path
 
     from merak_core import Trainer
-    from merak_core.nonfinite import NonFiniteError
+    from merak_core.run.nonfinite import NonFiniteError
 
     args = make_args(**layout_kwargs(2, 1, 1, max_steps=4, eval_steps=2, save_steps=2, output_dir=out))
     model = build_model("gpt")
@@ -342,7 +342,7 @@ def test_float16_is_refused_with_the_fix() -> None:
 
 
 def test_json_safe_writes_null_for_nonfinite() -> None:
-    from merak_core.nonfinite import json_safe
+    from merak_core.run.nonfinite import json_safe
 
     value = {"loss": float("nan"), "xs": [1.0, float("inf"), -float("inf")], "ok": 2.5, "name": "a"}
     assert json.dumps(json_safe(value), allow_nan=False) == (

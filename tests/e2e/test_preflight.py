@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from merak_core.exitcodes import BAD_INPUT
+from merak_core.run.exitcodes import BAD_INPUT
 from tests.e2e._bad_input_support import no_collectives
 
 REPO = Path(__file__).resolve().parents[2]
@@ -66,7 +66,7 @@ def _merak_dry_run(job: Path, argv: tuple[str, ...]) -> tuple[int, str]:
 
     err = io.StringIO()
     # The TP check initialises torch's fake process group in this process (see [Note: the plan as the
-    # ranks apply it] in merak_core/preflight.py); nothing else may touch torch.distributed.
+    # ranks apply it] in merak_core/checks.py); nothing else may touch torch.distributed.
     with (
         no_collectives(allow=("init_process_group",)),
         contextlib.redirect_stderr(err),

@@ -178,8 +178,8 @@ def test_pretrained_finetune_and_export(
 def load_at_pp1_on_ranks(folder: str) -> dict[str, torch.Tensor] | None:
     """Rank body: a meta GPT-2 at tp=2, pp=1 (no tracing) loaded from the folder; the full state dict on rank 0."""
     import merak_core
-    from merak_core.compose import build_parallel_model, gather_full_state_dict
     from merak_core.hf import PretrainedWeights, pretrained_model, skip_init
+    from merak_core.parallel.compose import build_parallel_model, gather_full_state_dict
 
     layout = merak_core.init(dp=1, tp=2, pp=1)
     model = pretrained_model(folder)

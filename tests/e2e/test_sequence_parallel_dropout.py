@@ -12,7 +12,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from merak_core.tp_check import check_sequence_parallel  # noqa: E402
+from merak_core.checks.tp_check import check_sequence_parallel  # noqa: E402
 
 
 def _gpt2(dropout: float) -> torch.nn.Module:

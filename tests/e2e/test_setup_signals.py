@@ -1,4 +1,4 @@
-"""Stop signals before training starts (see [Note: signals during set-up] in ``merak_core.signals``).
+"""Stop signals before training starts (see [Note: signals during set-up] in ``merak_core.run.signals``).
 
 A rank that is still setting up (importing, building the model, creating process groups, loading a
 checkpoint) has nothing to save: SIGTERM or SIGINT ends it at once with ``exitcodes.PREEMPTED`` and
@@ -20,15 +20,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from merak_core.exitcodes import PREEMPTED
-from merak_core.signals import SetupSignals, StopRequest, restart_command
+from merak_core.run.exitcodes import PREEMPTED
+from merak_core.run.signals import SetupSignals, StopRequest, restart_command
 from tests.e2e import _fault_support as faults
 
 BLOCKED = textwrap.dedent("""
     import sys
     from datetime import timedelta
     import torch.distributed as dist
-    from merak_core.signals import SetupSignals
+    from merak_core.run.signals import SetupSignals
 
     with SetupSignals(lambda name: f"[rank 0] stopped by {name} during set-up"):
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)

@@ -120,7 +120,7 @@ def _signal_mid_run(proc: subprocess.Popen[str], out: str, target: str) -> None:
 def test_sigterm_writes_a_preemption_checkpoint_and_the_resume_gives_the_uninterrupted_run(
     tmp_path: Path, target: str
 ) -> None:
-    from merak_core.exitcodes import PREEMPTED
+    from merak_core.run.exitcodes import PREEMPTED
 
     out = str(tmp_path / "out")
     kwargs = layout_kwargs(2, 1, 1, output_dir=out, max_steps=JOB_STEPS, logging_steps=1)

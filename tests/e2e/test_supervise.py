@@ -1,4 +1,4 @@
-"""``merak_core.supervise.run_torchrun`` with a stand-in for torchrun (a small Python child, no torch).
+"""``merak_core.cli.supervise.run_torchrun`` with a stand-in for torchrun (a small Python child, no torch).
 
 The child plays torchrun's part: it runs in its own session, gets the forwarded signal, prints
 what a stopping job prints (a rank's log line, tracebacks, torchrun's failure report) and exits.
@@ -19,15 +19,15 @@ from pathlib import Path
 
 import pytest
 
-from merak_core.exitcodes import PREEMPTED
-from merak_core.supervise import run_torchrun
+from merak_core.cli.supervise import run_torchrun
+from merak_core.run.exitcodes import PREEMPTED
 
 CHILD = textwrap.dedent("""
     import os, signal, sys, time
     ready = sys.argv[1]
 
     def stop(signum, frame):
-        sys.stderr.write("[rank 0] 12:00:00 merak_core.signals WARNING received %s: saving\\n"
+        sys.stderr.write("[rank 0] 12:00:00 merak_core.run.signals WARNING received %s: saving\\n"
                          % signal.Signals(signum).name)
         sys.stderr.write("Traceback (most recent call last):\\n  File \\"x.py\\", line 1, in <module>\\n"
                          "    step()\\nKeyboardInterrupt\\n")
@@ -83,7 +83,7 @@ def test_signal_is_forwarded_to_the_child_session_and_its_noise_hidden(tmp_path:
         "[rank 0] step 1 loss 2.0",
         "a line before the signal",  # before the signal everything is shown
         f"merak train: {name} received, stopping the job",
-        f"[rank 0] 12:00:00 merak_core.signals WARNING received {name}: saving",
+        f"[rank 0] 12:00:00 merak_core.run.signals WARNING received {name}: saving",
     ]
     assert outcome.hidden_lines == 6  # type: ignore[attr-defined]
     assert signal.getsignal(signum) is before, "the handlers are restored"
@@ -193,7 +193,7 @@ REPORT = textwrap.dedent("""
 def test_a_failed_job_is_summed_up_in_one_line_naming_the_root_cause(
     root_code: str, max_restarts: int, expected: str
 ) -> None:
-    from merak_core.supervise import failure_line
+    from merak_core.cli.supervise import failure_line
 
     err = io.StringIO()
     outcome = run_torchrun([sys.executable, "-c", REPORT, "75", root_code], err=err)
@@ -203,7 +203,7 @@ def test_a_failed_job_is_summed_up_in_one_line_naming_the_root_cause(
 
 
 def test_no_failure_line_for_a_finished_or_preempted_job() -> None:
-    from merak_core.supervise import JobOutcome, failure_line
+    from merak_core.cli.supervise import JobOutcome, failure_line
 
     done, stopped = JobOutcome(), JobOutcome()
     done.returncode, stopped.returncode, stopped.worker_exitcodes = 0, 1, [PREEMPTED, PREEMPTED]

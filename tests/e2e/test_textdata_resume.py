@@ -40,7 +40,7 @@ def _trainer(
     spec_kw: dict[str, Any], output_dir: str, max_steps: int, save_steps: int | None
 ) -> tuple[Any, Recorder]:
     from merak_core import Trainer, TrainingArguments, init
-    from merak_core.textdata import TextDataSpec, build_text_datasets
+    from merak_core.data.text import TextDataSpec, build_text_datasets
 
     train, _ = build_text_datasets(TextDataSpec(**spec_kw))
     data = Recorder(train)

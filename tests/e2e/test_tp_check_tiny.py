@@ -28,7 +28,7 @@ def full_configs() -> dict[str, object]:
 
 
 def test_tiny_config_keeps_the_family_and_its_attention_shape(full_configs: dict[str, object]) -> None:
-    from merak_core.tp_check_tiny import TINY_VOCAB, tiny_config, tiny_inputs
+    from merak_core.checks.tp_check_tiny import TINY_VOCAB, tiny_config, tiny_inputs
 
     for name, full in full_configs.items():
         tiny = tiny_config(full, tp=2)
@@ -52,7 +52,7 @@ def test_tiny_config_keeps_the_family_and_its_attention_shape(full_configs: dict
 def test_the_tiny_config_is_chosen_for_a_large_or_unfitting_model(full_configs: dict[str, object]) -> None:
     import transformers as tf
 
-    from merak_core.tp_check_tiny import choose_check_model
+    from merak_core.checks.tp_check_tiny import choose_check_model
     from merak_graph import empty_init
 
     with empty_init():
@@ -78,8 +78,8 @@ def test_tiny_check_passes_the_plan_and_flags_a_wrong_one(full_configs: dict[str
     import transformers as tf
 
     import merak_tp
-    from merak_core.tp_check import check_plan_numerics
-    from merak_core.tp_check_tiny import tiny_builder, tiny_config, tiny_inputs
+    from merak_core.checks.tp_check import check_plan_numerics
+    from merak_core.checks.tp_check_tiny import tiny_builder, tiny_config, tiny_inputs
 
     tiny = tiny_config(full_configs["phi3"], tp=2)
     tiny.num_key_value_heads = 2  # grouped-query: unequal q/k/v sections
@@ -137,7 +137,7 @@ def test_merak_check_refuses_real_sizes_the_plan_cannot_split(capsys: pytest.Cap
 def test_float32_inside_the_sharded_modules_sets_a_float32_tolerance() -> None:
     """OLMo 2's sharded q/k norms compute in float32 whatever the model's dtype: the check says so and
     accepts float32 rounding (1e-5) instead of flagging an exact plan; Llama stays at 1e-9."""
-    from merak_core.tp_check import (
+    from merak_core.checks.tp_check import (
         FLOAT32_TOLERANCE,
         FLOAT64_TOLERANCE,
         check_plan_numerics,

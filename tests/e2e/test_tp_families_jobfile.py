@@ -199,8 +199,8 @@ def test_trainer_tp_check_refuses_a_wrong_plan_before_training() -> None:
 def test_sequence_parallel_on_a_plan_without_it_is_refused_in_the_launching_process(tmp_path: Path) -> None:
     """``training.sequence_parallel: true`` with OPT (its layers flatten batch and sequence): the check before
     torchrun names the plan, the family, the reason and the key; Llama's plan passes."""
+    from merak_core.checks import PreflightError, preflight
     from merak_core.job import JobConfig
-    from merak_core.preflight import PreflightError, preflight
 
     job = JobConfig.from_yaml(_write_job(tmp_path, "opt", {"tp": 2, "sequence_parallel": True}))
     with pytest.raises(

@@ -1,4 +1,4 @@
-"""merak_core.tp_probe on 2 gloo ranks: one factor per probed layout and one for the time outside the
+"""merak_core.autoplan.probe on 2 gloo ranks: one factor per probed layout and one for the time outside the
 pipeline, the same on every rank, and the caller's model, random stream and folders left as they were."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from tests.support.dist import run_on_ranks
 
 
 def _probe_body() -> tuple[object, bool, bool, list[str]]:
+    from merak_core.autoplan.probe import measure_tp_scale
     from merak_core.planner import CommModel, ModelProfile
-    from merak_core.tp_probe import measure_tp_scale
 
     model = build_model("gpt")
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -59,8 +59,8 @@ def test_tp_probe_measures_one_factor_per_degree_and_leaves_the_caller_alone():
 
 
 def test_tp_probe_rejects_too_few_steps():
+    from merak_core.autoplan.probe import measure_tp_scale
     from merak_core.planner import CommModel, ModelProfile
-    from merak_core.tp_probe import measure_tp_scale
 
     profile = ModelProfile(
         layer_forward_s=[1.0], layer_backward_s=[1.0], layer_activation_bytes=[1.0], layer_param_bytes=[1.0]

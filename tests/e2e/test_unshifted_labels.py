@@ -2,7 +2,7 @@
 
 The data give ``labels = input_ids`` with right padding labelled -100, a different amount per sample,
 so the microbatches count different numbers of tokens. Under ``labels: unshifted`` Merak shifts the
-labels where it reads them ([Note: unshifted labels] in ``merak_core.data``), and then:
+labels where it reads them ([Note: unshifted labels] in ``merak_core.data.loader``), and then:
 
 - on one batch, its default loss and the gradient of the logits equal transformers' own
   ``ForCausalLMLoss`` bit for bit (float32), and the float64 formula ``logits[:, :-1]`` against
@@ -71,7 +71,7 @@ def test_shifted_in_the_data_path_is_transformers_causal_lm_loss() -> None:
     from transformers.loss.loss_utils import ForCausalLMLoss
 
     from merak_core import default_loss
-    from merak_core.data import shift_labels
+    from merak_core.data.loader import shift_labels
 
     vocab = 11
     g = torch.Generator().manual_seed(3)
@@ -98,7 +98,7 @@ def test_shifted_in_the_data_path_is_transformers_causal_lm_loss() -> None:
 
 
 def test_unshifted_labels_that_are_not_token_labels_are_refused() -> None:
-    from merak_core.data import label_split
+    from merak_core.data.loader import label_split
 
     split = label_split("unshifted")
     with pytest.raises(ValueError, match=r"1-d torch.int64 tensor of shape \[4\].*data.labels: shifted"):

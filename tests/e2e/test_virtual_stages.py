@@ -191,7 +191,7 @@ def test_fewer_layers_than_stages_is_refused_before_any_step() -> None:
 def test_blocks_in_a_module_dict_are_counted() -> None:
     """torchtitan keeps its blocks in ``layers: nn.ModuleDict`` keyed by ``str(i)``; nanoGPT's ``transformer``
     dict of named parts holds a block list: the blocks are counted, never the named parts."""
-    from merak_core.virtual_stages import block_count, check_layer_count
+    from merak_core.parallel.virtual_stages import block_count, check_layer_count
 
     keyed = build("keyed_gpt", 4)
     assert block_count(keyed) == 4

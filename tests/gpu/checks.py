@@ -311,7 +311,7 @@ def _close(what: str, got: torch.Tensor, want: torch.Tensor, rtol: float, atol: 
 def pipeline_v(device: str, size: str) -> dict[str, Any]:
     """Two local stages on one rank (interleaved 1F1B over one rank) against the unsplit model."""
     import merak_graph
-    from merak_core.compose import place_stage
+    from merak_core.parallel.compose import place_stage
     from merak_pipe import PipelineRunner, PipelineStage, build_schedule
 
     _no_tf32()

@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     # references of a full-size check need the host's cores.
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
 
-    from merak_core.layout import ensure_process_group
+    from merak_core.parallel.layout import ensure_process_group
     from tests.gpu import checks
 
     single = args.check in checks.SINGLE_CHECKS

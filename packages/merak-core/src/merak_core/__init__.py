@@ -5,19 +5,19 @@ trains an ordinary model with it. See the package README.
 """
 
 from merak_core.checkpoint import CheckpointError, CheckpointManager
-from merak_core.clip import clip_grad_norm_, global_grad_norm
-from merak_core.compose import ParallelModel, build_parallel_model, gather_full_state_dict
+from merak_core.checkpoint.weights import export_full_state_dict, load_full_state_dict
 from merak_core.config import TrainingArguments, build_lr_scheduler, parse_bytes, parse_recompute
-from merak_core.data import StageAwareDataLoader, StageBatch, split_inputs_labels
-from merak_core.data_parallel import DataParallelGradSync
+from merak_core.data.loader import StageAwareDataLoader, StageBatch, split_inputs_labels
 from merak_core.generation import generate
 from merak_core.job import JobConfig
-from merak_core.layout import ParallelLayout, init, resolve_degrees
 from merak_core.lora import LoraConfig
+from merak_core.parallel.clip import clip_grad_norm_, global_grad_norm
+from merak_core.parallel.compose import ParallelModel, build_parallel_model, gather_full_state_dict
+from merak_core.parallel.data_parallel import DataParallelGradSync
+from merak_core.parallel.layout import ParallelLayout, init, resolve_degrees
+from merak_core.parallel.zero import ZeroOptimizer, partition_parameters
 from merak_core.planner import Candidate, CommModel, ModelProfile, plan, profile_model
 from merak_core.trainer import Trainer, default_loss
-from merak_core.weights import export_full_state_dict, load_full_state_dict
-from merak_core.zero import ZeroOptimizer, partition_parameters
 
 __version__ = "0.1.0"
 

@@ -13,7 +13,7 @@
       labels: shifted                    # shifted (default): label t is the target of output t;
                                          # unshifted: labels = input_ids (transformers), Merak shifts them
                                          # or text: {format: jsonl, path: ..., tokenizer: ..., seq_len: ...}
-                                         # (merak_core.textdata lists the keys)
+                                         # (merak_core.data.text lists the keys)
     loss: null                           # FILE.py:function(output, labels) -> scalar; null: cross-entropy
     metrics: data.py:exact_match         # optional: fn(output, labels) -> per-example values
     collate: null                        # optional collate function
@@ -50,9 +50,9 @@ from merak_core.config import (
     split_override,
 )
 from merak_core.config.values import read_utf8
+from merak_core.data.text.job import FACTORY as TEXT_FACTORY
+from merak_core.data.text.job import is_text_section, text_factory_kwargs
 from merak_core.lora import LoraConfig, check_lora_arguments
-from merak_core.textdata.job import FACTORY as TEXT_FACTORY
-from merak_core.textdata.job import is_text_section, text_factory_kwargs
 
 SECTIONS = ("model", "data", "loss", "metrics", "collate", "training")
 FACTORY_KEYS = ("factory", "kwargs")
@@ -171,7 +171,7 @@ class JobConfig:
                 raise ValueError(f"{source}: the '{required}' section is missing (it needs a 'factory')")
         data, labels = _data_labels(raw["data"], source)
         factories = {"model": _factory(raw["model"], "model", source, base_dir)}
-        if is_text_section(data):  # text data: the built-in factory (merak_core.textdata.job)
+        if is_text_section(data):  # text data: the built-in factory (merak_core.data.text.job)
             factories["data"] = Factory(
                 TEXT_FACTORY, text_factory_kwargs(data, base_dir=base_dir, source=source)
             )

@@ -91,7 +91,7 @@ def init_restarted_process_group(timeout: timedelta | None = None) -> None:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     if attempt == 0 or dist.is_initialized() or "MASTER_ADDR" not in os.environ:
         return
-    from merak_core.layout import DEFAULT_TIMEOUT
+    from merak_core.parallel.layout import DEFAULT_TIMEOUT
 
     timeout = DEFAULT_TIMEOUT if timeout is None else timeout
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -104,7 +104,7 @@ def init_restarted_process_group(timeout: timedelta | None = None) -> None:
         timeout=timeout,
         multi_tenant=not agent_hosts_store,
     )
-    from merak_core.layout import default_backend, select_device
+    from merak_core.parallel.layout import default_backend, select_device
 
     dev = select_device()  # [Note: one device] in layout.py
     eager: dict[str, Any] = {}
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     if "OMP_NUM_THREADS" in os.environ:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
-    from merak_core.signals import SetupSignals
+    from merak_core.run.signals import SetupSignals
 
     # [Note: signals during set-up]: until training starts, a stop signal ends this rank at once.
     where: dict[str, str] = {}  # the job's output_dir, once the job file is read
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException:
         setup.restore()  # a failing rank: torchrun's SIGTERM ends it as usual
         raise
-    from merak_core.exitcodes import PREEMPTED
+    from merak_core.run.exitcodes import PREEMPTED
 
     if status != PREEMPTED:  # a preempted rank keeps ignoring signals while it exits
         setup.restore()
@@ -163,7 +163,7 @@ def _setup_stop_line(rank: int, signal_name: str, args: argparse.Namespace, outp
     """What a rank stopped during set-up prints: rank 0 how to continue, the others the fact."""
     if rank != 0:
         return f"[rank {rank}] merak: stopped by {signal_name} during set-up, before the first step"
-    from merak_core.signals import restart_command
+    from merak_core.run.signals import restart_command
 
     command = restart_command(
         args.config, args.overrides, os.path.join(output_dir, "checkpoints") if output_dir else None
@@ -186,7 +186,7 @@ def _set_up(args: argparse.Namespace, where: dict[str, str]) -> tuple[Any, Any, 
     train_data, eval_data = job.build_datasets()
     wait_for_every_rank(max(SETUP_TIMEOUT, targs.comm_timeout))  # [Note: arrival]
     init_restarted_process_group(targs.comm_timeout)
-    from merak_core.autoplan import plan_for_job  # layout: auto / the plan check's profile (collective)
+    from merak_core.autoplan.auto import plan_for_job  # layout: auto / the plan check's profile (collective)
 
     targs, plan_context = plan_for_job(
         targs,
@@ -221,9 +221,9 @@ def _set_up(args: argparse.Namespace, where: dict[str, str]) -> tuple[Any, Any, 
 
 def _train(trainer: Any, layout: Any, targs: Any, args: argparse.Namespace) -> int:
     """Train, then write the summary (rank 0); PREEMPTED when a signal stopped the job."""
-    from merak_core.exitcodes import PREEMPTED
-    from merak_core.nonfinite import json_safe
-    from merak_core.signals import STOP_SIGNALS, StopRequest, TrainingPreempted
+    from merak_core.run.exitcodes import PREEMPTED
+    from merak_core.run.nonfinite import json_safe
+    from merak_core.run.signals import STOP_SIGNALS, StopRequest, TrainingPreempted
 
     # A signal between two steps' checks is only recorded; once stopped, the rank ignores further ones
     # (torchrun sends SIGTERM to the ranks still running when the first exits) and exits with PREEMPTED.

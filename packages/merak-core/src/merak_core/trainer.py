@@ -6,16 +6,16 @@
     trainer.train()
     metrics = trainer.evaluate()
 
-The Trainer is the loop: it prepares the run (:mod:`merak_core.bootstrap`: the layout, the device,
-the composed model), hands each global batch to the step engine (:class:`merak_core.engine.ParallelEngine`:
+The Trainer is the loop: it prepares the run (:mod:`merak_core.run.bootstrap`: the layout, the device,
+the composed model), hands each global batch to the step engine (:class:`merak_core.run.engine.ParallelEngine`:
 one optimizer step, see [Note: loss scaling], [Note: failures] and [Note: non-finite steps and
 signals] there), and keeps the cadence of evaluation, metrics and checkpoints
-(:class:`merak_core.cadence.Cadence` says after which steps).
+(:class:`merak_core.run.cadence.Cadence` says after which steps).
 
 [Note: plan check] With ``layout: auto`` the Trainer first lets the planner choose the layout
-(collective, :func:`merak_core.planner.auto.plan_for_job`); with ``plan_check_steps`` it records
+(collective, :func:`merak_core.autoplan.auto.plan_for_job`); with ``plan_check_steps`` it records
 the runner's timings and the peak memory for a few steps and hands them to
-:class:`merak_core.planner.check.PlanCheck`, which logs predicted against measured and re-plans.
+:class:`merak_core.autoplan.check.PlanCheck`, which logs predicted against measured and re-plans.
 The steps themselves are unchanged (only the pipeline part is timed).
 
 Not done here: the step (``engine.py``), start-up (``bootstrap.py``), tracing and sharding
@@ -38,16 +38,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from merak_core import bootstrap, nonfinite
-from merak_core.batch_ids import IdRanges, sample_namer
-from merak_core.cadence import Cadence, count_tokens, step_record
 from merak_core.checkpoint import CheckpointManager
 from merak_core.checkpoint.parts import CheckpointParts, TrainState
-from merak_core.compose import ParallelModel, gather_full_state_dict
 from merak_core.config import TrainingArguments
-from merak_core.context_parallel import check_cp_model, cp_run_for
-from merak_core.data import StageAwareDataLoader, label_split
-from merak_core.engine import (
+from merak_core.data.batch_ids import IdRanges, sample_namer
+from merak_core.data.loader import StageAwareDataLoader, label_split
+from merak_core.generation.run_api import GenerateMixin
+from merak_core.lora import LoraConfig
+from merak_core.parallel.compose import ParallelModel, gather_full_state_dict
+from merak_core.parallel.context_parallel import check_cp_model, cp_run_for
+from merak_core.parallel.layout import ParallelLayout
+from merak_core.parallel.virtual_stages import stage_data_roles
+from merak_core.planner import PlanContext
+from merak_core.run import bootstrap, nonfinite
+from merak_core.run.cadence import Cadence, count_tokens, step_record
+from merak_core.run.engine import (
     LossFn,
     ParallelEngine,
     StepResult,
@@ -55,16 +60,11 @@ from merak_core.engine import (
     default_loss,
     schedule_name,
 )
-from merak_core.evaluation import evaluate_loader, shapes_specialised
-from merak_core.generation.run_api import GenerateMixin
-from merak_core.layout import ParallelLayout
-from merak_core.lora import LoraConfig
-from merak_core.metrics import MetricsWriter
-from merak_core.planner import PlanContext
-from merak_core.signals import StopRequest, TrainingPreempted
-from merak_core.stall import Heartbeat
-from merak_core.trainer_views import EngineViews
-from merak_core.virtual_stages import stage_data_roles
+from merak_core.run.evaluation import evaluate_loader, shapes_specialised
+from merak_core.run.metrics import MetricsWriter
+from merak_core.run.signals import StopRequest, TrainingPreempted
+from merak_core.run.stall import Heartbeat
+from merak_core.run.trainer_views import EngineViews
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class Trainer(GenerateMixin, EngineViews):
         init_fn: initialiser for a model built under ``empty_init()``.
         optimizer_factory: ``fn(param_groups) -> Optimizer`` (default: AdamW from ``args``).
         plan_context: the planner's profile and machine, for the plan check (``plan_check_steps``);
-            ``layout: auto`` builds it (:func:`merak_core.planner.auto.auto_layout` runs here first).
+            ``layout: auto`` builds it (:func:`merak_core.autoplan.auto.auto_layout` runs here first).
         pretrained: a Hugging Face folder (``config.json`` + safetensors) whose weights the model starts
             from; ``model=None`` builds the model from its ``config.json`` on the meta device. Each rank
             reads only its TP slices of its own stage (:mod:`merak_core.hf`); ``export_hf_dir`` and
@@ -126,23 +126,23 @@ class Trainer(GenerateMixin, EngineViews):
                 raise ValueError(
                     "layout='auto' chooses dp/tp/pp itself: do not pass layout= (or use layout: manual)"
                 )
-            from merak_core.planner.auto import plan_for_job  # collective: see [Note: layout auto] in config
+            from merak_core.autoplan.auto import plan_for_job  # collective: see [Note: layout auto] in config
 
             args, plan_context = plan_for_job(
                 args, model, train_dataset, data_collator=data_collator, device=device, lora=lora
             )
         if lora is not None:  # from the model and the arguments alone, before any process group
             bootstrap.check_lora(model, args, layout, lora)
-        if args.cp > 1:  # before any process group (merak_core.context_parallel)
+        if args.cp > 1:  # before any process group (merak_core.parallel.context_parallel)
             check_cp_model(
                 model, args, lora=lora, loss_fn_given=loss_fn is not None, eval_dataset=eval_dataset
             )
-        if args.ep > 1:  # before any process group (merak_core.expert_parallel)
-            from merak_core.expert_parallel import check_ep_model
+        if args.ep > 1:  # before any process group (merak_core.parallel.expert_parallel)
+            from merak_core.parallel.expert_parallel import check_ep_model
 
             check_ep_model(model, args, lora=lora)
         if args.sequence_parallel and (layout.tp if layout is not None else args.tp) > 1:
-            from merak_core.tp_check import check_sequence_parallel
+            from merak_core.checks.tp_check import check_sequence_parallel
 
             check_sequence_parallel(model, args.tp_plan)  # from the model alone, before any process group
         self.args = args
@@ -222,7 +222,7 @@ class Trainer(GenerateMixin, EngineViews):
             pretrained=self.pretrained_path,
         )
         self.checkpoints = CheckpointManager(self.checkpoint_parts)
-        from merak_core.planner.check import PlanCheck
+        from merak_core.autoplan.check import PlanCheck
 
         self.plan_context = plan_context
         self._eval_specialised: bool | None = None
@@ -253,8 +253,8 @@ class Trainer(GenerateMixin, EngineViews):
     def training_step(self, inputs: Any, labels: Any, *, record_timing: bool = False) -> float:
         """One optimizer step on this rank's part of a global batch; the global mean loss on every rank.
 
-        See :meth:`merak_core.engine.ParallelEngine.step`: ``nonfinite: stop`` raises
-        :class:`merak_core.nonfinite.NonFiniteError`; ``skip`` drops the update (``last_step_skipped``);
+        See :meth:`merak_core.run.engine.ParallelEngine.step`: ``nonfinite: stop`` raises
+        :class:`merak_core.run.nonfinite.NonFiniteError`; ``skip`` drops the update (``last_step_skipped``);
         a stop request on any rank sets ``stop_agreed`` after the update. The step's whole result
         is ``last_result``.
         """
@@ -291,7 +291,7 @@ class Trainer(GenerateMixin, EngineViews):
         """Run ``max_steps`` (or ``num_train_epochs``) optimizer steps; returns the logged history.
 
         SIGTERM or SIGINT on any rank stops every rank after the same step, with a preemption
-        checkpoint: :class:`merak_core.signals.TrainingPreempted` (see [Note: preemption]).
+        checkpoint: :class:`merak_core.run.signals.TrainingPreempted` (see [Note: preemption]).
         """
         if self.train_loader is None:
             raise ValueError("Trainer.train() needs a train_dataset")

@@ -12,7 +12,7 @@ exchanges the counts first (``exchange_counts``). Zero-row splits are allowed (a
 receives nothing still takes part). gloo (CPU) and NCCL (CUDA) both run uneven splits; on NCCL the
 tensors, the counts included, must be on the rank's GPU (DESIGN.md), which is where ``x`` lives.
 
-Not done here: choosing the splits (routing) or permuting rows (merak_core.expert_parallel).
+Not done here: choosing the splits (routing) or permuting rows (merak_core.parallel.expert_parallel).
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ from merak_core.checkpoint.specs import (
     tensor_specs,
 )
 from merak_core.checkpoint.state import _inner_optimizer, restore_train_state, set_rng_state
-from merak_core.fsdp import copy_into_shard_, shard_like
+from merak_core.parallel.fsdp import copy_into_shard_, shard_like
 
 if TYPE_CHECKING:
     from merak_core.checkpoint.parts import CheckpointParts

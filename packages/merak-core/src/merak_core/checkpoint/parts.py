@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from merak_core.compose import ParallelModel
     from merak_core.config import TrainingArguments
-    from merak_core.layout import ParallelLayout
+    from merak_core.parallel.compose import ParallelModel
+    from merak_core.parallel.layout import ParallelLayout
 
 __all__ = ["CheckpointParts", "TrainState"]
 
@@ -40,7 +40,7 @@ class CheckpointParts:
     lr_scheduler: Any
     """The optimizer's ``LambdaLR`` (its position is saved; its function comes from the run)."""
     train_loader: Any
-    """The data position: a :class:`~merak_core.data.StageAwareDataLoader`, or None without training data."""
+    """The data position: a :class:`~merak_core.data.loader.StageAwareDataLoader`, or None without training data."""
     train: TrainState
     rng_tracker: Any = None
     """A ``merak_tp.RNGTracker`` whose stored states are saved per rank, if any."""

@@ -38,7 +38,7 @@ from merak_core.checkpoint.integrity import RecordingWriter, file_checksum, nonf
 from merak_core.checkpoint.ranks import barrier
 from merak_core.checkpoint.specs import _to_checkpoint, named_optimizer_params, tensor_specs
 from merak_core.checkpoint.state import _inner_optimizer, rng_state
-from merak_core.fsdp import local_tensor
+from merak_core.parallel.fsdp import local_tensor
 
 if TYPE_CHECKING:
     from merak_core.checkpoint.parts import CheckpointParts

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from merak_core.fsdp import full_local_tensor
+from merak_core.parallel.fsdp import full_local_tensor
 
 if TYPE_CHECKING:
     from merak_core.checkpoint.parts import CheckpointParts

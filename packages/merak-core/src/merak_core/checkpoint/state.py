@@ -7,7 +7,7 @@ generators and, when the run has a ``rng_tracker`` (a
 is a *derived* one (each fork seeds from a draw of the default generator), so the
 default generator's state covers it. They are restored only under the same
 (dp, tp, pp) layout, where ranks correspond. The data order needs no stream: it
-is a function of the seed, the epoch and the position (see ``merak_core.data``).
+is a function of the seed, the epoch and the position (see ``merak_core.data.loader``).
 
 [Note: changed job file] On resume the job file wins for every optimizer and
 schedule setting: the optimizer groups keep the values the run was built with

@@ -11,16 +11,16 @@ Slurm's variables, :mod:`merak_core.cli.slurm`). Merak has no launcher of
 its own; each rank then runs :mod:`merak_core.launch`.
 
 ``merak plans`` lists the registered TP plans; ``merak check CONFIG.yaml`` compares
-every module the job's TP plan shards with the unsharded module (:mod:`merak_core.tp_check`).
-``merak export CHECKPOINT --to-hf OUT`` writes a checkpoint as a Hugging Face folder (:mod:`merak_core.hf.cli`).
-``merak eval CONFIG.yaml --checkpoint latest`` evaluates a checkpoint (:mod:`merak_core.eval_job`).
+every module the job's TP plan shards with the unsharded module (:mod:`merak_core.checks.tp_check`).
+``merak export CHECKPOINT --to-hf OUT`` writes a checkpoint as a Hugging Face folder (:mod:`merak_core.cli.export`).
+``merak eval CONFIG.yaml --checkpoint latest`` evaluates a checkpoint (:mod:`merak_core.cli.eval_job`).
 
 Only :mod:`merak_core.cli.main` (and the per-rank entry point) configures logging; the
 libraries never touch the root logger.
 
 Modules: ``main`` (the parser, logging, the dispatch), ``train`` (with ``slurm``), ``plan`` (with the cluster
 flags and dry runs), ``check`` (``plans`` and ``check``); ``export`` lives in
-:mod:`merak_core.hf.cli` and ``eval`` in :mod:`merak_core.eval_job`.
+:mod:`merak_core.cli.export` and ``eval`` in :mod:`merak_core.cli.eval_job`.
 """
 
 from merak_core.cli.main import main

@@ -1,6 +1,6 @@
 """``merak plans`` (the registered TP plans) and ``merak check CONFIG.yaml`` (the job's TP plan against the unsharded model).
 
-Not done here: the check itself (:mod:`merak_core.tp_check`, :mod:`merak_core.tp_check_job`).
+Not done here: the check itself (:mod:`merak_core.checks.tp_check`, :mod:`merak_core.checks.tp_check_job`).
 """
 
 from __future__ import annotations
@@ -67,9 +67,9 @@ def add_check_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_check(args: argparse.Namespace) -> int:
+    from merak_core.checks.tp_check import default_tolerance, format_report
+    from merak_core.checks.tp_check_job import check_job
     from merak_core.job import JobConfig
-    from merak_core.tp_check import default_tolerance, format_report
-    from merak_core.tp_check_job import check_job
 
     job = JobConfig.from_yaml(args.config, args.overrides)
     rows, checked = check_job(job, tp=args.tp, tiny=args.tiny, max_params=args.max_params)

@@ -17,7 +17,7 @@ from typing import Any
 
 from merak_core import __version__
 from merak_core.cli import check, plan, train
-from merak_core.exitcodes import BAD_INPUT, PREEMPTED
+from merak_core.run.exitcodes import BAD_INPUT, PREEMPTED
 
 __all__ = ["main"]
 
@@ -31,13 +31,13 @@ def _build_parser() -> argparse.ArgumentParser:
     plan.add_parser(sub)
     check.add_plans_parser(sub)
     check.add_check_parser(sub)
-    from merak_core.hf.cli import add_parser as _add_export
+    from merak_core.cli.export import add_parser as _add_export
 
     _add_export(sub)
-    from merak_core.eval_job import add_parser as _add_eval
+    from merak_core.cli.eval_job import add_parser as _add_eval
 
     _add_eval(sub)
-    from merak_core.generate_job import add_parser as _add_generate
+    from merak_core.cli.generate_job import add_parser as _add_generate
 
     _add_generate(sub)
     return parser
@@ -86,7 +86,11 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.
     return args
 
 
-_LAZY = {"export": "merak_core.hf.cli", "eval": "merak_core.eval_job", "generate": "merak_core.generate_job"}
+_LAZY = {
+    "export": "merak_core.cli.export",
+    "eval": "merak_core.cli.eval_job",
+    "generate": "merak_core.cli.generate_job",
+}
 """Subcommands whose module is imported only when run: command -> module with ``run(args)``."""
 
 

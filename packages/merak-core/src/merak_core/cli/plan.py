@@ -4,7 +4,7 @@ Without ``--cluster`` the job's model is profiled on this machine (one forward a
 batch of the training set, in the job's dtype and under its bf16 autocast, as ``layout: auto``) and :func:`merak_core.planner.plan` ranks the layouts; ``--write-config``
 writes the job with the best one. ``--cluster FILE --nodes N`` prices the meta-traced model on a
 described cluster instead, and ``--dry-run-ranks N`` builds what each of N ranks would build
-(:mod:`merak_core.planner.cluster_job`; ``merak train`` takes the same flags).
+(:mod:`merak_core.autoplan.cluster_job`; ``merak train`` takes the same flags).
 
 Not done here: the planning itself (``planner/``).
 """
@@ -67,10 +67,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from merak_core.autoplan.auto import cast_floats, profile_for_plan, profile_inputs, with_adapters
     from merak_core.config import parse_bytes
     from merak_core.job import JobConfig, write_job
     from merak_core.planner import format_plan, plan
-    from merak_core.planner.auto import cast_floats, profile_for_plan, profile_inputs, with_adapters
     from merak_core.planner.choices import searched_virtual_stages
 
     job = JobConfig.from_yaml(args.config, args.overrides)
@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_cluster_flags(p: argparse.ArgumentParser, *, plan: bool) -> None:
-    """Planning for a described cluster and dry runs at N ranks (merak_core.planner.cluster_job)."""
+    """Planning for a described cluster and dry runs at N ranks (merak_core.autoplan.cluster_job)."""
     p.add_argument(
         "--cluster",
         default=None,
@@ -152,8 +152,8 @@ def add_cluster_flags(p: argparse.ArgumentParser, *, plan: bool) -> None:
 
 def cluster_command(args: argparse.Namespace, job: Any) -> int:
     """``--cluster FILE --nodes N`` (ranked plan) and ``--dry-run-ranks N`` / ``--dry-run`` (dry run)."""
+    from merak_core.autoplan.cluster_job import dry_run_job, job_model, plan_job_on_cluster
     from merak_core.planner.cluster import load_cluster
-    from merak_core.planner.cluster_job import dry_run_job, job_model, plan_job_on_cluster
 
     cluster = load_cluster(args.cluster if args.cluster is not None else "h100-sxm-8x")
     nodes = getattr(args, "nodes", None)

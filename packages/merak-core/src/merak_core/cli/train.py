@@ -3,7 +3,7 @@
 One process per rank (``python -m torch.distributed.run``), single node by default, the usual
 multi-node flags passed through. Merak has no launcher of its own; each rank then runs
 :mod:`merak_core.launch`. The job is checked here once, before any process starts
-(:mod:`merak_core.preflight`); the output folder is locked for the run; signals reach torchrun
+(:mod:`merak_core.checks`); the output folder is locked for the run; signals reach torchrun
 and a stopped or failed job says how to resume it.
 
 Not done here: what each rank does (``launch.py``), supervising torchrun (``supervise.py``).
@@ -153,11 +153,11 @@ def run(args: argparse.Namespace) -> int:
     if (
         t.dp is None and t.layout != "auto"
     ):  # inferred: tp*pp must divide the process count now, not on every rank
-        from merak_core.layout import resolve_degrees
+        from merak_core.parallel.layout import resolve_degrees
 
         resolve_degrees(args.nproc_per_node * args.nnodes, None, t.tp, t.pp, cp=t.cp)
     if not args.no_check:
-        from merak_core.preflight import preflight
+        from merak_core.checks import preflight
 
         report = preflight(
             job, resume=args.resume
@@ -180,13 +180,13 @@ def nccl_flight_recorder_env(output_dir: str, env: Mapping[str, str]) -> dict[st
     """NCCL's flight recorder for the ranks when they will run NCCL (CUDA on this node; the user's values win).
 
     The dumps go to ``<output_dir>/nccl_flight_recorder/`` (created here), see
-    :func:`merak_core.watchdog.flight_recorder_env`.
+    :func:`merak_core.run.watchdog.flight_recorder_env`.
     """
     import torch
 
     if not torch.cuda.is_available():
         return {}
-    from merak_core.watchdog import flight_recorder_env
+    from merak_core.run.watchdog import flight_recorder_env
 
     os.makedirs(os.path.join(output_dir, "nccl_flight_recorder"), exist_ok=True)
     return flight_recorder_env(output_dir, env)
@@ -218,7 +218,7 @@ def _output_dir_lock(args: argparse.Namespace, output_dir: str) -> Any:
     """
     import contextlib
 
-    from merak_core.outdir_lock import OutputDirLock, OutputDirLocked
+    from merak_core.cli.outdir_lock import OutputDirLock, OutputDirLocked
 
     if args.nnodes > 1 and args.node_rank != 0:
         return contextlib.nullcontext(None)
@@ -234,8 +234,8 @@ def _supervise(
     args: argparse.Namespace, cmd: list[str], env: dict[str, str], lock: Any, output_dir: str
 ) -> int:
     """Run torchrun with signals forwarded (see [Note: signal forwarding]); how to continue when stopped or failed."""
-    from merak_core.signals import restart_command
-    from merak_core.supervise import failure_line, run_torchrun
+    from merak_core.cli.supervise import failure_line, run_torchrun
+    from merak_core.run.signals import restart_command
 
     outcome = run_torchrun(
         cmd,

@@ -76,7 +76,7 @@ class TrainingArguments:
     report_to: str | list[str] | None = None
     """Where the logged scalars go besides ``metrics.jsonl``: ``tensorboard``, ``wandb`` (a name or a list),
     ``all`` (every one installed) or ``none``; None: TensorBoard when installed, else a warning at start
-    (see [Note: report_to] in :mod:`merak_core.reporting`). Rank 0 only; W&B honours ``WANDB_MODE``."""
+    (see [Note: report_to] in :mod:`merak_core.run.reporting`). Rank 0 only; W&B honours ``WANDB_MODE``."""
     eval_steps: int | None = None
     """Evaluate every this many steps; None: only at the end (when an eval dataset is given)."""
     save_steps: int | None = None
@@ -146,7 +146,7 @@ class TrainingArguments:
     before training. No effect at tp=1."""
     zero_stage: int = 0
     """0: replicated optimizer states; 1: ZeRO-1, optimizer states sharded over DP; 2: ZeRO-2, gradients
-    too; 3: ZeRO-3, parameters too (2 and 3 with torch's FSDP2 over the DP axis, see merak_core.fsdp)."""
+    too; 3: ZeRO-3, parameters too (2 and 3 with torch's FSDP2 over the DP axis, see merak_core.parallel.fsdp)."""
     tp_plan: str | dict[str, Any] | None = None
     """TP plan: None/``auto`` for known model types, a plan name (built in, or registered by the job's
     modules), a mapping module pattern -> style, or the full plan vocabulary (``layers``, ``sections``,
@@ -172,7 +172,7 @@ class TrainingArguments:
     """Relative step-time error above which the plan check re-plans from the measured costs."""
     plan_probe_tp: bool = True
     """With ``layout: auto``: before planning, train a few steps of each pure DP x TP layout the world
-    allows to measure how much slower TP shards run than modelled (``merak_core.tp_probe``; a few
+    allows to measure how much slower TP shards run than modelled (``merak_core.autoplan.probe``; a few
     seconds per TP degree)."""
 
     def __post_init__(self) -> None:

@@ -29,8 +29,8 @@ from merak_core.config.values import (
     schedule_choices,
     schedule_key,
 )
-from merak_core.reporting import check_report_to
-from merak_core.virtual_stages import check_virtual_stages
+from merak_core.parallel.virtual_stages import check_virtual_stages
+from merak_core.run.reporting import check_report_to
 
 __all__ = ["auto_conflict_message", "check_arguments", "check_no_explicit_degrees"]
 
@@ -38,15 +38,17 @@ __all__ = ["auto_conflict_message", "check_arguments", "check_no_explicit_degree
 def check_arguments(args: Any) -> None:
     """ValueError naming the first invalid field of ``args`` (a ``TrainingArguments``); normalises some values."""
     _check_run(args)
-    args.report_to = check_report_to(args.report_to)  # merak_core.reporting: the names and the wandb extra
+    args.report_to = check_report_to(
+        args.report_to
+    )  # merak_core.run.reporting: the names and the wandb extra
     _check_pipeline(args)
     _check_planner(args)
     _check_sharding(args)
     _check_tp_plan(args)
-    from merak_core.context_parallel import check_cp_arguments
+    from merak_core.parallel.context_parallel import check_cp_arguments
 
     check_cp_arguments(args)  # cp, cp_mode, and what cp > 1 refuses
-    from merak_core.expert_parallel import check_ep_arguments
+    from merak_core.parallel.expert_parallel import check_ep_arguments
 
     check_ep_arguments(args)  # ep, and what ep > 1 refuses
 
@@ -179,7 +181,7 @@ def _check_sharding(args: Any) -> None:
         "0 (off), 1 (optimizer states sharded over DP), 2 (and gradients) or 3 (and "
         "parameters; ZeRO-2/3 run on torch's FSDP2)",
     )
-    from merak_core.fsdp import check_sharding_supported
+    from merak_core.parallel.fsdp import check_sharding_supported
 
     check_sharding_supported(args.zero_stage, args.schedule)
 

@@ -49,6 +49,6 @@ def build_lr_scheduler(
     """``LambdaLR`` for ``args.lr_scheduler_type`` with ``args.warmup_steps`` linear warm-up.
 
     ``num_training_steps`` defaults to ``args.max_steps``; it is required for the decaying
-    types when ``max_steps`` is -1. Works with :class:`merak_core.zero.ZeroOptimizer`.
+    types when ``max_steps`` is -1. Works with :class:`merak_core.parallel.zero.ZeroOptimizer`.
     """
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args, num_training_steps))

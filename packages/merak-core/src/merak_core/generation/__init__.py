@@ -3,7 +3,7 @@ microbatches (docs/generation.md).
 
 Owns: the decoding loop and its pipeline messages (``decode``), the eager forward each rank runs
 (``decoders``: the TP-sharded model itself, or a pipeline stage's layers rebuilt on its parameters),
-token choice (``sampling``). May import ``merak_core.compose`` (the composed model) and the three
+token choice (``sampling``). May import ``merak_core.parallel.compose`` (the composed model) and the three
 libraries; never the Trainer.
 """
 

@@ -34,9 +34,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from merak_core.compose import ParallelModel
 from merak_core.generation.decoders import StageDecoder, WholeModelDecoder, build_stage_decoder
 from merak_core.generation.sampling import SamplingOptions, next_tokens, row_generators
+from merak_core.parallel.compose import ParallelModel
 
 
 def generate(

@@ -28,7 +28,7 @@ from merak_core.lora.apply import is_adapter_name
 from merak_core.lora.init import initialise_adapters
 
 if TYPE_CHECKING:
-    from merak_core.compose import ParallelModel
+    from merak_core.parallel.compose import ParallelModel
 
 logger = logging.getLogger(__name__)
 

@@ -270,8 +270,8 @@ def export_checkpoint(
     with the adapters merged into their weights (``W + alpha / r * B A``, :mod:`merak_core.hf.adapters`).
     """
     from merak_core.checkpoint.files import latest_candidates, pointer_root, read_checkpoint_meta
+    from merak_core.checkpoint.weights import read_checkpoint_model
     from merak_core.hf.adapters import checkpoint_lora, merge_adapters, write_adapter_folder
-    from merak_core.weights import read_checkpoint_model
 
     check_out_dir(out, what="--to-hf")
     state = read_checkpoint_model(checkpoint)
@@ -379,7 +379,7 @@ def export_hf(
     if dist.get_rank() == 0:
         prepare_out_dir(out_dir)
     dist.barrier()
-    # Experts are sharded over the first EP group's DP ranks (merak_core.expert_parallel); dense tensors: DP rank 0's.
+    # Experts are sharded over the first EP group's DP ranks (merak_core.parallel.expert_parallel); dense tensors: DP rank 0's.
     tensors = dict(_stage_tensors(trainer)) if layout.dp_rank < layout.ep else {}
     if layout.tp_rank != 0:
         tensors = {}  # the stage's tensors are sent from its DP rank 0, TP rank 0 alone

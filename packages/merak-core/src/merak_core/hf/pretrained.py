@@ -44,7 +44,7 @@ from merak_core.hf.folder import PretrainedFolder
 from merak_core.lora.apply import is_adapter_name
 
 if TYPE_CHECKING:
-    from merak_core.compose import ParallelModel
+    from merak_core.parallel.compose import ParallelModel
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ per-layer :class:`LayerCost` for one sample; :func:`predict_config` prices one c
   ``STEP_OPS_PER_TENSOR`` operators per parameter tensor at ``op_overhead_s`` ([Note: per-tensor
   step operators]);
 - ZeRO-3 (dp > 1): every microbatch's forward all-gathers the stage's parameters over DP, and its
-  backward again, except on the last stage of a pipeline (see :mod:`merak_core.fsdp`, [Note:
+  backward again, except on the last stage of a pipeline (see :mod:`merak_core.parallel.fsdp`, [Note:
   reshard after forward per stage]); not overlapped.
 Memory per stage: parameters, gradients and optimizer states (:class:`Precision`) under the ZeRO
 stage by the rule of :func:`merak_core.planner.memory.model_state_bytes` ([Note: cluster ZeRO
@@ -71,7 +71,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from merak_core.fsdp import default_reshard_after_forward
+from merak_core.parallel.fsdp import default_reshard_after_forward
 from merak_core.planner.cluster import ClusterSpec
 from merak_core.planner.cluster_collectives import (
     dp_ranks,

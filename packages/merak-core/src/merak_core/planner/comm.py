@@ -93,7 +93,7 @@ def measure_comm(
     """
     import torch.distributed as dist
 
-    from merak_core.layout import collective_device
+    from merak_core.parallel.layout import collective_device
 
     if not 0 < small_bytes < large_bytes or repeats < 1:
         raise ValueError(

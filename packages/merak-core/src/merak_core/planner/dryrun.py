@@ -2,7 +2,7 @@
 which rank would fail first and why.
 
 :func:`dry_run` checks the layout (dp * tp * pp = N, tp dividing heads and vocabulary); ranks
-build their :class:`~merak_core.layout.ParallelLayout` over torch's fake process group (no
+build their :class:`~merak_core.parallel.layout.ParallelLayout` over torch's fake process group (no
 communication: a group records its ranks, collectives do nothing), so the real group code runs
 at 1024 ranks (every rank up to 64 ranks, a sample beyond: see [Note: dry-run groups]); it
 partitions the model on the meta device (merak-graph) and gives each rank its stage, its schedule (built and validated by merak-pipe), its recomputation plan, the groups of
@@ -147,7 +147,7 @@ def _check_layout(
     kv_heads: int | None,
     vocab: int | None,
 ) -> tuple[tuple[int, int, int] | None, list[DryRunProblem]]:
-    from merak_core.layout import resolve_degrees
+    from merak_core.parallel.layout import resolve_degrees
 
     try:
         degrees = resolve_degrees(world_size, dp, tp, pp)
@@ -190,7 +190,7 @@ def _check_layout(
 
 
 def _computed_groups(rank: int, dp: int, tp: int, pp: int) -> _Groups:
-    from merak_core.layout import coords_of, rank_of
+    from merak_core.parallel.layout import coords_of, rank_of
 
     p, d, t = coords_of(rank, dp=dp, tp=tp)
     return (
@@ -223,8 +223,8 @@ def _build_groups(
     """
     import torch.distributed as dist
 
-    from merak_core import _compat
-    from merak_core.layout import ParallelLayout
+    from merak_core.parallel import _compat
+    from merak_core.parallel.layout import ParallelLayout
 
     fake = _compat.fake_process_group_store()
     if fake is None or dist.is_initialized():
@@ -233,8 +233,8 @@ def _build_groups(
             "computed from the rank formula (no fake process group available)",
         )
     out = {}
-    previous = logging.getLogger("merak_core.layout").level
-    logging.getLogger("merak_core.layout").setLevel(logging.WARNING)
+    previous = logging.getLogger("merak_core.parallel.layout").level
+    logging.getLogger("merak_core.parallel.layout").setLevel(logging.WARNING)
     try:
         for r in ranks:
             dist.init_process_group("fake", rank=r, world_size=world_size, store=fake())
@@ -248,7 +248,7 @@ def _build_groups(
             finally:
                 dist.destroy_process_group()
     finally:
-        logging.getLogger("merak_core.layout").setLevel(previous)
+        logging.getLogger("merak_core.parallel.layout").setLevel(previous)
     for r, built in out.items():
         if built != _computed_groups(r, dp, tp, pp):
             raise RuntimeError(
@@ -303,7 +303,7 @@ def dry_run(
     )
     if degrees is None:
         return report
-    from merak_core.layout import check_ep
+    from merak_core.parallel.layout import check_ep
 
     try:
         check_ep(degrees[0], ep)
@@ -398,7 +398,7 @@ def _add_ep_groups(report: DryRunReport, dp: int, tp: int, ep: int) -> None:
     """Each rank's EP and expert-replica groups, from the layout's rank formula ([Note: expert-parallel groups])."""
     import dataclasses
 
-    from merak_core.layout import coords_of, rank_of
+    from merak_core.parallel.layout import coords_of, rank_of
 
     for i, plan in enumerate(report.ranks):
         stage, dp_rank, tp_rank = coords_of(plan.rank, dp=dp, tp=tp)
@@ -423,7 +423,7 @@ def _rank_plans(
     numel: dict[str, int],
     tp: int,
 ) -> None:
-    from merak_core.layout import coords_of
+    from merak_core.parallel.layout import coords_of
 
     dp = cand.dp
     limit = cluster.usable_memory_bytes

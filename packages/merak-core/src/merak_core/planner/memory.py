@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from merak_core.fsdp import default_reshard_after_forward, warn_nothing_to_shard
+from merak_core.parallel.fsdp import default_reshard_after_forward, warn_nothing_to_shard
 from merak_core.planner.memory_meter import SavedActivationMeter, cuda_peak_bytes, measure_held_bytes
 from merak_core.planner.profile import ModelProfile
 from merak_pipe import schedule_info
@@ -126,14 +126,14 @@ def model_state_bytes(
 
     ``optimizer_state_factor``: optimizer-state bytes per parameter byte (2 for Adam's moments in the
     parameter dtype). ZeRO-1 shards the optimizer states over ``dp``; ZeRO-2 and ZeRO-3 (FSDP2, see
-    :mod:`merak_core.fsdp`) also keep parameters and gradients sharded between steps, but within a
+    :mod:`merak_core.parallel.fsdp`) also keep parameters and gradients sharded between steps, but within a
     step they hold the accumulated gradients unsharded until the one reduce-scatter after the last
     backward ([Note: one gradient sync per step] there); ZeRO-2 keeps each unit's parameters gathered
     from its first forward to that reduce-scatter, ZeRO-3 gathers one unit (``largest_unit_bytes``)
     at a time on top of its shards, except on the stage that does not reshard after forward (the
     last of ``num_stages > 1``, [Note: reshard after forward per stage]), which holds them as ZeRO-2.
     At ``dp == 1`` there is nothing to shard: every ZeRO stage holds what ZeRO-0 holds (the Trainer
-    says so when it starts, :func:`merak_core.fsdp.warn_nothing_to_shard`).
+    says so when it starts, :func:`merak_core.parallel.fsdp.warn_nothing_to_shard`).
     """
     if zero_stage not in ZERO_STAGES:
         raise ValueError(f"zero_stage={zero_stage!r}; expected one of {ZERO_STAGES}")

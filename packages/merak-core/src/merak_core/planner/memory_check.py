@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from merak_core.fsdp import ShardedDataParallel
+from merak_core.parallel.fsdp import ShardedDataParallel
 from merak_core.planner.memory import StageMemory
 from merak_core.planner.memory_meter import SavedActivationMeter, cuda_peak_bytes, measure_held_bytes
 
@@ -45,7 +45,7 @@ def measure_step(
     Gradients are read right after the step, so ``run_step`` must leave them in place (a Trainer
     step does: it clears them at the start of the next one).
 
-    ``sharded`` (ZeRO-2/3, the engine's :class:`~merak_core.fsdp.ShardedDataParallel`): ``run_step``
+    ``sharded`` (ZeRO-2/3, the engine's :class:`~merak_core.parallel.fsdp.ShardedDataParallel`): ``run_step``
     is then a pipeline step without the gradient sync (:func:`pipeline_step_fn`); this arms the sync
     for ``num_backwards`` backwards, runs it, and calls ``finish()`` (the reduce-scatter) after it.
     A stage's parameter bytes are then its shards plus the most FSDP2 held gathered during the step

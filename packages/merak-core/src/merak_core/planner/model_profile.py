@@ -48,7 +48,7 @@ class ModelProfile:
     tp_scale: dict[int, float] = field(default_factory=dict)
     """Per TP degree (1 included: no TP): measured / modelled forward-and-backward time of the layers
     (compute and TP all-reduces), from short runs of the real model in the pure DP x TP layouts with
-    every rank busy (``merak_core.tp_probe``); 1 where absent. Small layers split over ranks do not
+    every rank busy (``merak_core.autoplan.probe``); 1 where absent. Small layers split over ranks do not
     run tp times faster on a CPU: this says how much slower they run."""
     overhead_scale: float = 1.0
     """Measured / modelled time outside the pipeline (DP all-reduce, optimizer, clipping, the per-step

@@ -1,0 +1,477 @@
+"""``layout: auto`` at start-up: profile the job's model, measure the machine, plan, and agree on every rank.
+
+:func:`auto_layout` runs on every rank after the default process group exists and before
+``init(dp, tp, pp)``: rank 0 profiles a copy of the job's model on one microbatch of the training
+set (:func:`~merak_core.planner.profile_model`), every rank takes part in
+:func:`~merak_core.planner.measure_comm` on the world group, rank 0 plans for the world size
+(:func:`~merak_core.planner.plan`, memory per device, the job's global batch, CPU cores shared by
+the ranks) and broadcasts the choice; every rank returns the same :class:`TrainingArguments` with
+dp, tp, pp, schedule, microbatches, recompute (and memory budget) set. See [Note: layout auto] in
+:mod:`merak_core.config` for which fields fix the global batch.
+
+:func:`plan_for_job` is what the Trainer and ``merak train`` call first: :func:`auto_layout` for
+``layout: auto``, :func:`build_plan_context` (profile + communication, no planning) for a manual
+layout with ``plan_check_steps``, nothing otherwise.
+
+Not done here: the plan check of a running job (:mod:`merak_core.autoplan.check`), the TP probe
+(:mod:`merak_core.autoplan.probe`).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import inspect
+import logging
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from merak_core.config import TrainingArguments
+from merak_core.config.checks import check_no_explicit_degrees
+from merak_core.planner import (
+    Candidate,
+    ModelProfile,
+    PlanContext,
+    format_plan,
+    measure_comm,
+    measure_contention,
+    plan,
+    profile_model,
+)
+from merak_core.planner.choices import searched_virtual_stages
+from merak_core.planner.profile import tp_constraints
+from merak_core.run.bootstrap import autocast, first_samples, process_group
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "DEFAULT_PLAN_CHECK_STEPS",
+    "AutoLayout",
+    "auto_layout",
+    "build_plan_context",
+    "cast_floats",
+    "compute_slots",
+    "default_memory_per_device",
+    "plan_for_job",
+    "profile_for_plan",
+    "profile_inputs",
+    "with_adapters",
+]
+
+DEFAULT_PLAN_CHECK_STEPS = 5
+"""``plan_check_steps`` of an auto layout when the job does not set it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoLayout:
+    """What :func:`auto_layout` chose, the same on every rank."""
+
+    args: TrainingArguments
+    """The job's arguments with the chosen fields (``layout`` becomes ``manual``: the degrees are set)."""
+    context: PlanContext
+    """Profile, communication model and machine the plan was made from (for the plan check)."""
+    chosen: Candidate
+    """The planner's first candidate."""
+    table: str
+    """The ranked table (:func:`~merak_core.planner.format_plan`) with why the first wins."""
+
+
+def default_memory_per_device(device: torch.device) -> int:
+    """CUDA: the device's free memory now less a margin; CPU: the machine's RAM divided by the ranks on this node.
+
+    On CUDA the free memory (``torch.cuda.mem_get_info``) already leaves out the CUDA context and
+    what other processes hold; the margin (8% of the device, at least 1 GiB) is for NCCL's buffers
+    and the caching allocator's fragmentation.
+    """
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        margin = max(int(0.08 * total), 1 << 30)
+        return max(int(free) - margin, 0)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or (dist.get_world_size() if dist.is_initialized() else 1))
+    return int(ram // max(local, 1))
+
+
+def compute_slots(device: torch.device) -> int | None:
+    """Ranks that can compute at once on this node: CPU cores // threads per rank on CPU; None on GPUs."""
+    if device.type == "cuda":
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(cores // max(torch.get_num_threads(), 1), 1)
+
+
+def profile_inputs(
+    model: nn.Module, dataset: Any, num_samples: int, data_collator: Callable[[list[Any]], Any] | None = None
+) -> Any:
+    """One batch of ``num_samples`` training samples as ``profile_model`` takes it (a tensor or keyword dict)."""
+    from merak_core.data.loader import split_inputs_labels
+
+    collate = data_collator or torch.utils.data.default_collate
+    samples = first_samples(dataset, num_samples)
+    if not samples:
+        raise ValueError(
+            "layout='auto' profiles the model on training samples, but the training set is empty"
+        )
+    inputs, _ = split_inputs_labels(collate(samples))
+    params = list(inspect.signature(model.forward).parameters)
+    if isinstance(
+        inputs, Mapping
+    ):  # by keyword when the keys are forward's parameters, else in order (as traced)
+        if all(k in params for k in inputs):
+            return dict(inputs)
+        inputs = list(inputs.values())
+    if isinstance(inputs, (tuple, list)):
+        if len(inputs) == 1:
+            return inputs[0]
+        return dict(zip(params, inputs, strict=False))
+    return inputs
+
+
+def _relax_vocab(profile: ModelProfile, model: nn.Module, tp_plan: Any) -> ModelProfile:
+    """A user TP plan that shards no ``nn.Embedding`` puts no constraint on the vocabulary
+    (:func:`~merak_core.planner.profile.tp_constraints`)."""
+    if profile.vocab_size is not None and tp_constraints(model, tp_plan)[2] is None:
+        return dataclasses.replace(profile, vocab_size=None)
+    return profile
+
+
+def _job_model_and_batch(
+    args: TrainingArguments,
+    model: nn.Module | Callable[[], nn.Module],
+    dataset: Any,
+    data_collator: Any,
+    device: torch.device,
+    lora: Any = None,
+) -> tuple[nn.Module, Any]:
+    """A copy of the job's model on ``device`` (with ``lora``: its adapters, the rest frozen) and one
+    microbatch of real training data for it."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(args.seed)
+        if isinstance(model, nn.Module):
+            if any(p.is_meta for p in model.parameters()):
+                raise ValueError(
+                    "layout='auto' profiles the model, but it was built on the meta device "
+                    "(empty_init): build it normally, or plan with `merak plan` and set dp/tp/pp"
+                )
+            copy_ = copy.deepcopy(model)
+        else:
+            copy_ = model()
+        copy_ = copy_.to(device=device, dtype=args.torch_dtype)
+        if lora is not None:
+            with_adapters(copy_, lora, seed=args.seed)
+        batch = profile_inputs(copy_, dataset, max(2, args.per_device_train_batch_size), data_collator)
+
+    return copy_, cast_floats(batch, args.torch_dtype, device)
+
+
+def with_adapters(model: nn.Module, lora: Any, *, seed: int = 0) -> nn.Module:
+    """``model`` (unsharded, in place) with ``lora``'s adapters at their first values and every other
+    parameter frozen, as the run trains it: the profile then counts the frozen weights as weights only
+    ([Note: frozen weights] in :mod:`merak_core.planner.memory`)."""
+    from merak_core.lora.apply import apply_lora, logical_name
+    from merak_core.lora.init import initialise_adapters
+
+    apply_lora(model, lora)
+    initialise_adapters(
+        ((logical_name(n), p) for n, p in model.named_parameters()), tp=1, tp_rank=0, seed=seed
+    )
+    return model
+
+
+def cast_floats(batch: Any, dtype: torch.dtype, device: torch.device | str | None = None) -> Any:
+    """A profiling batch (a tensor or a dict of them) with its floating tensors in the run's ``dtype``."""
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device)
+
+    return {k: cast(v) for k, v in batch.items()} if isinstance(batch, Mapping) else cast(batch)
+
+
+def profile_for_plan(
+    model: nn.Module,
+    batch: Any,
+    *,
+    tp_plan: Any,
+    bf16: bool = False,
+    device: torch.device | None = None,
+    cache_dir: str | None = None,
+) -> ModelProfile:
+    """The profile the planner plans from: ``profile_model`` (under the run's autocast), the vocabulary
+    unconstrained when the job's own TP plan shards no embedding. ``merak plan`` and ``layout: auto`` both use it."""
+    with autocast(bf16, device if device is not None else torch.device("cpu")):
+        profile = profile_model(model, batch, cache_dir=cache_dir)
+    return _relax_vocab(profile, model, tp_plan)
+
+
+def _cpu_compute_slots(
+    args: TrainingArguments, built: tuple[nn.Module, Any] | None, device: torch.device
+) -> float | None:
+    """CPU ranks: world size / how much slower the real model runs with every rank at once (collective).
+
+    ``built`` is this rank's model copy and microbatch (None when building it failed). Falls back to
+    cores // threads per rank when any rank has none (every rank then agrees, so none waits in the
+    measurement). GPUs: None (a device per rank).
+    """
+    slots = compute_slots(device)
+    world = dist.get_world_size()
+    if slots is None or world < 2:
+        return slots
+    flag = torch.tensor([1.0 if built is None else 0.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item() > 0 or built is None:
+        return slots
+    with autocast(args.bf16, device):
+        contention = measure_contention(*built)
+    return max(world / contention, 1.0)
+
+
+def _profile_and_measure(
+    args: TrainingArguments,
+    model: nn.Module | Callable[[], nn.Module],
+    train_dataset: Any,
+    data_collator: Any,
+    device: torch.device | str | None,
+    what: str,
+    decide: Callable[[ModelProfile, Any, float, float | None], dict[str, Any]] | None = None,
+    probe_tp: bool = False,
+    lora: Any = None,
+) -> tuple[dict[str, Any], Any]:
+    """Rank 0 profiles, every rank measures communication, rank 0 ``decide``s; the payload on every rank.
+
+    Errors on rank 0 (profiling, the planner's ValueError) are broadcast and raised on every rank as
+    ValueError, so no rank waits for one that failed.
+    """
+    if train_dataset is None:
+        raise ValueError(f"{what} profiles the model on the training set: pass train_dataset")
+    dev = process_group(device)
+    rank = dist.get_rank()
+    profile: ModelProfile | None = None
+    error = ""
+    built: tuple[nn.Module, Any] | None = None
+    try:  # one copy of the model per rank: rank 0 profiles it, every rank times it for the contention
+        built = _job_model_and_batch(args, model, train_dataset, data_collator, dev, lora)
+        if rank == 0:
+            profile = profile_for_plan(*built, tp_plan=args.tp_plan, bf16=args.bf16, device=dev)
+    except Exception as exc:  # noqa: BLE001 - reported on every rank below, so none waits forever
+        if rank == 0:
+            logger.exception("%s: profiling failed", what)
+            error = f"{what}: profiling the model failed: {type(exc).__name__}: {exc}"
+    slots = _cpu_compute_slots(args, built, dev)
+    built = None  # the copy is not needed any more
+    comm = measure_comm()
+    if probe_tp:
+        profile, error = _with_tp_scale(
+            args, model, train_dataset, data_collator, profile, error, comm, slots
+        )
+    payload: dict[str, Any] = {"error": error}
+    if rank == 0 and not error:
+        assert profile is not None
+        memory = float(args.memory_per_device or default_memory_per_device(dev))
+        payload.update(profile=profile, memory=memory, slots=slots)
+        if decide is not None:
+            try:
+                payload.update(decide(profile, comm, memory, slots))
+            except ValueError as exc:
+                payload["error"] = f"{what}: {exc}"
+    box = [payload]
+    dist.broadcast_object_list(box, src=0)
+    payload = box[0]
+    if payload["error"]:
+        raise ValueError(payload["error"])
+    return payload, comm
+
+
+def _with_tp_scale(
+    args: TrainingArguments,
+    model: nn.Module | Callable[[], nn.Module],
+    train_dataset: Any,
+    data_collator: Any,
+    profile: ModelProfile | None,
+    error: str,
+    comm: Any,
+    slots: float | None,
+) -> tuple[ModelProfile | None, str]:
+    """Every rank gets rank 0's profile; then the probe runs (collective) add ``tp_scale`` and
+    ``overhead_scale`` to it. Skipped (on every rank alike) when profiling failed or for one rank.
+    """
+    from merak_core.autoplan.probe import measure_tp_scale
+
+    box = [(profile, error)]
+    dist.broadcast_object_list(box, src=0)
+    profile, error = box[0]
+    world = dist.get_world_size()
+    if error or profile is None or world < 2:
+        return profile, error
+    result = measure_tp_scale(args, model, train_dataset, profile, comm, slots, data_collator=data_collator)
+    return result.apply(profile), error
+
+
+def build_plan_context(
+    args: TrainingArguments,
+    model: nn.Module | Callable[[], nn.Module],
+    train_dataset: Any,
+    *,
+    data_collator: Callable[[list[Any]], Any] | None = None,
+    device: torch.device | str | None = None,
+    job_file: str | None = None,
+    job_overrides: Sequence[str] = (),
+    lora: Any = None,
+) -> PlanContext:
+    """The plan check's :class:`PlanContext` for a manual layout (collective: call on every rank).
+
+    Rank 0 profiles a copy of ``model`` (or what the function builds; with ``lora`` its adapters) on one
+    microbatch of ``train_dataset``; every rank measures communication on the world group.
+    """
+    payload, comm = _profile_and_measure(
+        args, model, train_dataset, data_collator, device, "plan check", lora=lora
+    )
+    return _context(args, payload, comm, job_file, job_overrides)
+
+
+def _context(
+    args: TrainingArguments,
+    payload: Mapping[str, Any],
+    comm: Any,
+    job_file: str | None,
+    job_overrides: Sequence[str],
+) -> PlanContext:
+    """The plan check's context from what :func:`_profile_and_measure` agreed on every rank."""
+    return PlanContext(
+        profile=payload["profile"],
+        comm=comm,
+        memory_per_device=payload["memory"],
+        compute_slots=payload["slots"],
+        zero_stage=args.zero_stage,
+        virtual_stages=searched_virtual_stages(payload["slots"]),
+        job_file=job_file,
+        job_overrides=tuple(job_overrides),
+    )
+
+
+def auto_layout(
+    args: TrainingArguments,
+    model: nn.Module | Callable[[], nn.Module],
+    train_dataset: Any,
+    *,
+    data_collator: Callable[[list[Any]], Any] | None = None,
+    device: torch.device | str | None = None,
+    job_file: str | None = None,
+    job_overrides: Sequence[str] = (),
+    lora: Any = None,
+) -> AutoLayout:
+    """Choose the layout for ``layout: auto`` (collective: call on every rank; see the module docstring).
+
+    ``model`` is the job's model (rank 0 profiles a deep copy) or a function that builds one; with
+    ``lora`` (a :class:`~merak_core.LoraConfig`) the copy gets the adapters and its frozen weights
+    are planned as weights only.
+    Raises ValueError before any collective when ``args`` is not an auto layout or sets dp/tp/pp,
+    and on every rank when nothing fits (the planner's message).
+    """
+    if args.layout != "auto":
+        raise ValueError(f"auto_layout: layout={args.layout!r}; expected 'auto' (set training.layout: auto)")
+    check_no_explicit_degrees(args)  # also checked when args were made; they may have changed since
+    if train_dataset is None:
+        raise ValueError("layout='auto' profiles the model on the training set: pass train_dataset")
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    gbs = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
+
+    def decide(profile: ModelProfile, comm: Any, memory: float, slots: float | None) -> dict[str, Any]:
+        try:
+            cands = plan(
+                profile,
+                world_size=world,
+                memory_per_device=memory,
+                global_batch_size=gbs,
+                comm=comm,
+                zero_stage=args.zero_stage,
+                compute_slots=slots,
+                virtual_stages=searched_virtual_stages(slots),
+            )
+        except ValueError as exc:
+            raise ValueError(f"for {world} ranks, global batch {gbs}: {exc}") from None
+        return {
+            "fields": cands[0].training_fields(),
+            "chosen": cands[0],
+            "table": format_plan(cands),
+            "count": len(cands),
+        }
+
+    payload, comm = _profile_and_measure(
+        args,
+        model,
+        train_dataset,
+        data_collator,
+        device,
+        "layout='auto'",
+        decide,
+        probe_tp=args.plan_probe_tp,
+        lora=lora,
+    )
+    checks = args.plan_check_steps if args.plan_check_steps is not None else DEFAULT_PLAN_CHECK_STEPS
+    fields = dict(payload["fields"])
+    new_args = dataclasses.replace(args, layout="manual", plan_check_steps=checks, **fields)
+    if math.isfinite(payload["memory"]) and args.memory_per_device is None:
+        new_args = dataclasses.replace(new_args, memory_per_device=int(payload["memory"]))
+    context = _context(args, payload, comm, job_file, job_overrides)
+    if dist.get_rank() == 0:
+        replaced = {
+            k: getattr(args, k)
+            for k in fields
+            if k not in ("dp", "tp", "pp") and getattr(args, k) != fields[k]
+        }
+        logger.info(
+            "layout auto: %d feasible configurations for %d ranks, %.4g MiB per device, global batch %d, "
+            "compute slots %.3g (profile: %d layers on %s)\n%s",
+            payload["count"],
+            world,
+            payload["memory"] / 2**20,
+            gbs,
+            payload["slots"],
+            context.profile.num_layers,
+            context.profile.device,
+            payload["table"],
+        )
+        logger.info(
+            "layout auto: training with %s%s",
+            " ".join(f"{k}={v}" for k, v in fields.items()),
+            f" (replacing the job's {replaced})" if replaced else "",
+        )
+    return AutoLayout(args=new_args, context=context, chosen=payload["chosen"], table=payload["table"])
+
+
+def plan_for_job(
+    args: TrainingArguments,
+    model: nn.Module | Callable[[], nn.Module],
+    train_dataset: Any,
+    *,
+    data_collator: Callable[[list[Any]], Any] | None = None,
+    device: torch.device | str | None = None,
+    job_file: str | None = None,
+    job_overrides: Sequence[str] = (),
+    lora: Any = None,
+) -> tuple[TrainingArguments, PlanContext | None]:
+    """What the Trainer and ``merak train`` do first (collective): the arguments to train with and the check's context.
+
+    ``layout: auto``: :func:`auto_layout`. A manual layout with ``plan_check_steps``: the same
+    arguments and :func:`build_plan_context` (when that fails, on every rank alike, a warning and
+    no check). Otherwise the arguments unchanged and no context (nothing is communicated).
+    """
+    kw = dict(
+        data_collator=data_collator, device=device, job_file=job_file, job_overrides=job_overrides, lora=lora
+    )
+    if args.layout == "auto":
+        auto = auto_layout(args, model, train_dataset, **kw)  # type: ignore[arg-type]
+        return auto.args, auto.context
+    if not args.plan_check_steps:
+        return args, None
+    try:
+        return args, build_plan_context(args, model, train_dataset, **kw)  # type: ignore[arg-type]
+    except ValueError as exc:
+        logger.warning("plan check off: %s", exc)
+        return args, None

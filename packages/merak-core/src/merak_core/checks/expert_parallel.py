@@ -1,0 +1,23 @@
+"""``training.ep > 1`` against the job's model, before torchrun (merak_core.parallel.expert_parallel)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from merak_core.checks.base import PreflightError
+
+
+def check_ep_job(job: Any, model: nn.Module) -> list[str]:
+    """What was checked (nothing at ep=1); :class:`PreflightError` for a model or LoRA that ep > 1 refuses."""
+    from merak_core.parallel.expert_parallel import check_ep_model, moe_blocks
+
+    t = job.training
+    if t.ep == 1:
+        return []
+    try:
+        check_ep_model(model, t, lora=job.model.lora)
+    except ValueError as exc:
+        raise PreflightError(str(exc)) from None
+    return [f"ep={t.ep}: {len(moe_blocks(model))} MoE blocks, their experts split over {t.ep} ranks"]

@@ -1,0 +1,375 @@
+"""``merak generate JOB.yaml --checkpoint latest (--prompt TEXT | --prompts FILE.jsonl)``: text from a checkpoint.
+
+::
+
+    merak generate job.yaml --prompt "Once upon a time" --max-new-tokens 40
+    merak generate job.yaml training.tp=2 training.pp=1 --prompts prompts.jsonl --out samples.jsonl \\
+        --temperature 0.8 --top-p 0.95 --seed 0
+
+The command checks, in this process: the job file, the checkpoint, the prompts (a JSONL file of
+``{"prompt": "..."}`` records, or plain strings), the tokenizer (``--tokenizer``, else the job's
+``data.tokenizer``, else the ``model.pretrained`` folder's) and that the layout can generate
+(world = dp*tp*pp, the TP plan divides the heads, no virtual stages, sequence parallelism or
+ZeRO-3, a family :mod:`merak_core.generation` rebuilds under pp > 1); then it starts torchrun
+with the job's layout. Every rank builds the model as ``merak eval`` does, loads the checkpoint
+(any layout: checkpoints reshard) and runs :meth:`merak_core.Trainer.generate` on the prompts,
+left-padded, in batches of ``--batch-size``. Global rank 0 prints the continuation of a
+``--prompt``, or one JSON line per prompt (``prompt``, ``text``, ``tokens``), or writes them to
+``--out``. Greedy unless ``--temperature`` (> 0), ``--top-k`` or ``--top-p`` asks for sampling.
+
+Not done here: the decoding itself (:mod:`merak_core.generation`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+CMD = "merak generate"
+
+
+def read_prompts(prompt: str | None, prompts_file: str | None) -> list[str]:
+    """The prompts of ``--prompt`` or ``--prompts FILE.jsonl`` (``ValueError`` naming the line and the fix)."""
+    if (prompt is None) == (prompts_file is None):
+        raise ValueError(f"{CMD}: pass exactly one of --prompt TEXT and --prompts FILE.jsonl")
+    if prompt is not None:
+        return [prompt]
+    path = Path(str(prompts_file))
+    if not path.is_file():
+        raise ValueError(
+            f'{CMD} --prompts {str(path)!r}: no such file; pass a JSONL file of {{"prompt": ...}} lines'
+        )
+    out: list[str] = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{CMD} --prompts {str(path)!r} line {number} is not JSON ({exc})") from None
+        text = record.get("prompt") if isinstance(record, dict) else record
+        if not isinstance(text, str) or not text:
+            raise ValueError(
+                f"{CMD} --prompts {str(path)!r} line {number}: expected a non-empty string or "
+                f'{{"prompt": "..."}}, got {line[:80]!r}'
+            )
+        out.append(text)
+    if not out:
+        raise ValueError(f"{CMD} --prompts {str(path)!r} holds no prompt")
+    return out
+
+
+def tokenizer_path(job: Any, explicit: str | None) -> str:
+    """Where the prompts' tokenizer is: ``--tokenizer``, ``data.tokenizer``, or the pretrained folder's."""
+    from merak_core.data.text.job import job_text_spec
+
+    if explicit is not None:
+        return explicit
+    spec = job_text_spec(job)
+    if spec is not None:
+        return str(spec.tokenizer)
+    folder = job.model.pretrained
+    if folder is not None and any(
+        (Path(folder) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")
+    ):
+        return str(folder)
+    raise ValueError(
+        f"{CMD}: the job names no tokenizer (no text data's data.tokenizer, no tokenizer files in "
+        f"model.pretrained={folder!r}): pass --tokenizer PATH (a tokenizer.json or a tokenizer folder)"
+    )
+
+
+def check_layout(job: Any) -> int:
+    """The world size, after the refusals generation makes before any process starts."""
+    from merak_core.checks import build_meta_model, check_tp_plan
+    from merak_core.checks.sizes import check_attention_heads
+    from merak_core.checks.tp_plan import _resolve_plan
+    from merak_core.generation.decoders import FAMILIES
+    from merak_core.generation.run_api import check_run_options
+
+    t = job.training
+    if t.layout == "auto" or t.dp is None:
+        raise ValueError(
+            f"{CMD}: the job does not fix its layout (layout: auto or training.dp unset): pass "
+            "training.layout=manual training.dp=... training.tp=... training.pp=... (checkpoints reshard)"
+        )
+    refusals = {
+        "training.virtual_stages": (
+            t.virtual_stages > 1,
+            "generation runs one stage per rank: training.virtual_stages=1",
+        ),
+        "training.sequence_parallel": (
+            t.sequence_parallel and t.tp > 1,
+            "use training.sequence_parallel=false",
+        ),
+        "model.lora": (
+            job.model.lora is not None and t.pp > 1,
+            "generate a LoRA checkpoint at training.pp=1",
+        ),
+    }
+    for key, (bad, fix) in refusals.items():
+        if bad:
+            raise ValueError(
+                f"{CMD}: {key}={getattr(t, key.split('.')[1], 'set')!r} is not supported for generation: {fix}"
+            )
+    try:
+        check_run_options(t, t.pp)  # the Trainer's own refusals (zero_stage, overlap_chunks), here
+    except ValueError as exc:
+        raise ValueError(f"{CMD}: training.{exc}") from None
+    model = build_meta_model(job)
+    if check_tp_plan(model, t.tp_plan, t.tp, t.overlap_chunks) is not None:
+        check_attention_heads(model, _resolve_plan(model, t.tp_plan), t.tp)
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if t.pp > 1 and model_type not in FAMILIES:
+        raise ValueError(
+            f"{CMD}: training.pp={t.pp} with a {model_type or type(model).__name__!r} model: generation under "
+            f"pipeline parallelism supports {sorted(FAMILIES)}; pass training.pp=1 (and training.tp=... instead)"
+        )
+    return int(t.dp * t.tp * t.pp)
+
+
+def check_checkpoint(checkpoint: str, output_dir: str) -> None:
+    from merak_core.checkpoint.files import check_checkpoint_arg
+
+    check_checkpoint_arg(CMD, checkpoint, output_dir)
+
+
+def sampling_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``Trainer.generate``'s keyword arguments from the flags (greedy unless a sampling flag is given)."""
+    if args.temperature is not None and args.temperature < 0:
+        raise ValueError(f"{CMD}: --temperature {args.temperature} must be >= 0 (0: greedy)")
+    sample = (args.temperature is not None and args.temperature > 0) or args.top_k or args.top_p is not None
+    opts: dict[str, Any] = {"max_new_tokens": args.max_new_tokens, "do_sample": bool(sample)}
+    if sample:
+        opts.update(
+            temperature=args.temperature or 1.0,
+            top_k=args.top_k or 0,
+            top_p=1.0 if args.top_p is None else args.top_p,
+            seed=args.seed,
+        )
+    from merak_core.generation import SamplingOptions
+
+    SamplingOptions(**{k: v for k, v in opts.items() if k != "max_new_tokens"})  # bad values: refused here
+    if args.max_new_tokens < 1:
+        raise ValueError(f"{CMD}: --max-new-tokens {args.max_new_tokens} must be >= 1")
+    return opts
+
+
+# ---------------------------------------------------------------------------- per rank (torchrun)
+
+
+def _encode(tok: Any, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = tok.encode(prompts, special=True)
+    width = max(len(row) for row in ids)
+    input_ids = torch.full((len(ids), width), tok.pad_id, dtype=torch.long)
+    mask = torch.zeros_like(input_ids)
+    for row, tokens in enumerate(ids):
+        if tokens:
+            input_ids[row, width - len(tokens) :] = torch.tensor(tokens)
+            mask[row, width - len(tokens) :] = 1
+    return input_ids, mask
+
+
+def _continuations(tok: Any, sequences: torch.Tensor, width: int, eos: int | None) -> list[dict[str, Any]]:
+    out = []
+    for row in sequences[:, width:].tolist():
+        if eos is not None and eos in row:
+            row = row[: row.index(eos)]
+        out.append({"text": tok.backend.decode(row, skip_special_tokens=True), "tokens": row})
+    return out
+
+
+def generate_job(
+    job: Any, checkpoint: str, prompts: list[str], opts: dict[str, Any], *, tokenizer: str, batch_size: int
+) -> list[dict[str, Any]]:
+    """Every rank: the job's model with ``checkpoint``'s weights continues ``prompts``; collective."""
+    from merak_core import Trainer, init
+    from merak_core.data.text import load_tokenizer
+
+    targs = dataclasses.replace(job.training, plan_check_steps=0)
+    train, evaluation = job.build_datasets()
+    layout = init(dp=targs.dp, tp=targs.tp, pp=targs.pp, timeout=targs.comm_timeout)
+    torch.manual_seed(targs.seed)
+    trainer = Trainer(
+        job.build_model(),
+        targs,
+        None,
+        evaluation if evaluation is not None else train,
+        loss_fn=job.optional("loss"),
+        data_collator=job.optional("collate"),
+        layout=layout,
+        lora=job.model.lora,
+    )
+    trainer.resume(checkpoint)
+    tok = load_tokenizer(tokenizer)
+    config = trainer.model.source.config if trainer.model.source is not None else None
+    eos = tok.eos_id if tok.eos_id is not None else getattr(config, "eos_token_id", None)
+    records: list[dict[str, Any]] = []
+    for start in range(0, len(prompts), batch_size):
+        batch = prompts[start : start + batch_size]
+        ids, mask = _encode(tok, batch)
+        sequences = trainer.generate(ids, mask, eos_token_id=eos, pad_token_id=tok.pad_id, **opts)
+        for prompt, cont in zip(batch, _continuations(tok, sequences.cpu(), ids.shape[1], eos), strict=True):
+            records.append({"prompt": prompt, **cont})
+    return records
+
+
+def _write(records: list[dict[str, Any]], out: str | None, single: bool) -> None:
+    lines = [json.dumps(r, ensure_ascii=False) for r in records]
+    if out is not None:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    elif single:
+        print(records[0]["prompt"] + records[0]["text"], flush=True)
+    else:
+        print("\n".join(lines), flush=True)
+
+
+def worker_main(argv: list[str] | None = None) -> int:
+    """The per-rank entry point (``python -m merak_core.cli.generate_job``, started by ``merak generate``)."""
+    import torch.distributed as dist
+
+    parser = argparse.ArgumentParser(prog="merak_core.cli.generate_job")
+    _add_arguments(parser)
+    parser.add_argument("--tokenizer-path", required=True)
+    args = parser.parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"[rank {rank}] %(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    if "OMP_NUM_THREADS" in os.environ:
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    from merak_core.job import JobConfig
+
+    job = JobConfig.from_yaml(args.config, args.overrides)
+    prompts = read_prompts(args.prompt, args.prompts)
+    records = generate_job(
+        job,
+        args.checkpoint,
+        prompts,
+        sampling_options(args),
+        tokenizer=args.tokenizer_path,
+        batch_size=args.batch_size,
+    )
+    if dist.get_rank() == 0:
+        _write(records, args.out, single=args.prompt is not None)
+    dist.destroy_process_group()
+    return 0
+
+
+# ---------------------------------------------------------------------------- the command
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="YAML job file")
+    p.add_argument(
+        "overrides", nargs="*", help="section.key=value overrides of the job file (e.g. training.tp=2)"
+    )
+    p.add_argument(
+        "--checkpoint",
+        default="latest",
+        metavar="PATH|latest",
+        help="a step_<N> directory, or 'latest' (default)",
+    )
+    p.add_argument("--prompt", default=None, metavar="TEXT", help="one prompt; its continuation is printed")
+    p.add_argument(
+        "--prompts", default=None, metavar="FILE.jsonl", help='a JSONL file of {"prompt": ...} lines'
+    )
+    p.add_argument(
+        "--out", default=None, metavar="OUT.jsonl", help="write the JSONL records here (default: print)"
+    )
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to add at most (default 32)")
+    p.add_argument(
+        "--temperature", type=float, default=None, help="sample at this temperature (0 or unset: greedy)"
+    )
+    p.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens")
+    p.add_argument("--top-p", type=float, default=None, help="sample from the top-p probability mass")
+    p.add_argument(
+        "--seed", type=int, default=None, help="seed of the sampling streams (reproducible output)"
+    )
+    p.add_argument("--batch-size", type=int, default=8, help="prompts decoded together (default 8)")
+
+
+def add_parser(sub: Any) -> None:
+    """``merak generate`` in the ``merak`` command's subparsers."""
+    p = sub.add_parser(
+        "generate",
+        help="generate text from a checkpoint of a job on its layout",
+        description="Continue prompts with a checkpoint on the job's dp/tp/pp layout (torchrun): KV-cached "
+        "decoding, greedy or sampled; prints the text or writes JSONL.",
+    )
+    _add_arguments(p)
+    p.add_argument(
+        "--tokenizer", default=None, metavar="PATH", help="tokenizer.json or folder (default: the job's)"
+    )
+    p.add_argument("--dry-run", action="store_true", help="check, print the torchrun command and exit")
+
+
+def generate_command(args: argparse.Namespace) -> list[str]:
+    """The torchrun command of ``merak generate`` (single node), after every check."""
+    from merak_core.data.text import load_tokenizer
+    from merak_core.job import JobConfig
+
+    job = JobConfig.from_yaml(args.config, args.overrides)
+    check_checkpoint(args.checkpoint, job.training.output_dir)
+    read_prompts(args.prompt, args.prompts)
+    sampling_options(args)
+    if args.batch_size < 1:
+        raise ValueError(f"{CMD}: --batch-size {args.batch_size} must be >= 1")
+    tokenizer = tokenizer_path(job, args.tokenizer)
+    load_tokenizer(tokenizer)  # a bad path or file is refused here
+    world = check_layout(job)
+    job.build_datasets()  # the stages are traced on the job's data (text data: tokenized here, once)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
+    cmd += [
+        "-m",
+        "merak_core.cli.generate_job",
+        args.config,
+        *args.overrides,
+        "--checkpoint",
+        args.checkpoint,
+    ]
+    cmd += (
+        ["--prompt", args.prompt] if args.prompt is not None else ["--prompts", os.path.abspath(args.prompts)]
+    )
+    cmd += ["--tokenizer-path", os.path.abspath(tokenizer), "--max-new-tokens", str(args.max_new_tokens)]
+    cmd += ["--batch-size", str(args.batch_size)]
+    for flag, value in (
+        ("--temperature", args.temperature),
+        ("--top-k", args.top_k),
+        ("--top-p", args.top_p),
+        ("--seed", args.seed),
+    ):
+        if value is not None:
+            cmd += [flag, str(value)]
+    if args.out:
+        cmd += ["--out", os.path.abspath(args.out)]
+    return cmd
+
+
+def run(args: argparse.Namespace) -> int:
+    """``merak generate``: check here, then generate on torchrun's ranks; the exit status of torchrun."""
+    cmd = generate_command(args)
+    if args.dry_run:
+        print(shlex.join(cmd))
+        return 0
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    logger.info("launching: %s", shlex.join(cmd))
+    return subprocess.call(cmd, env=env)
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main())

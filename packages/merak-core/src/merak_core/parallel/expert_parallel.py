@@ -1,0 +1,330 @@
+"""Expert parallelism (``training.ep``): whole experts on the ranks of an EP group, tokens sent to them.
+
+The rank grid: EP ranks are DP ranks of one stage (:mod:`merak_core.parallel.layout`, [Note: expert-parallel
+groups]). Rank ``ep_rank`` of an EP group holds experts ``[ep_rank * E / ep, (ep_rank + 1) * E / ep)``
+of every MoE block; the dense parameters stay replicated over DP.
+
+[Note: the MoE block protocol] A model's MoE block is any module with
+
+- ``num_experts: int`` and ``experts: nn.ModuleList`` (``num_experts`` modules, each ``y_nh = e(x_nh)``);
+- ``run_experts(x_nh, weights_nk, experts_nk) -> y_nh``: the sum over each token's ``k`` chosen experts of
+  ``weight * expert(x)``, every token kept (dropless);
+- optionally ``router_aux_loss_coef``: a block that adds a router auxiliary loss from its own tokens says
+  so (non-zero) and is refused at ep > 1 (that loss would not be the one-process loss of the global batch). The block's ``forward`` routes as the model defines
+  it (top-k, scoring, normalisation, shared experts, auxiliary losses) and calls ``run_experts``.
+
+:func:`apply_expert_parallel` keeps this rank's experts (an ``nn.ModuleDict`` keyed by the global expert
+index, so parameter names are the one-process names, ``experts.5.w1.weight``) and swaps the block's class
+for a subclass whose ``run_experts`` is :func:`dispatch`: the routing and everything else are the
+model's own code.
+
+[Note: dropless dispatch] Per block and microbatch: the ``n * k`` (token, expert) pairs are sorted by
+expert (stable); the per-expert counts are exchanged over the EP group (``all_to_all_single`` of
+``E`` integers); the rows are sent with an uneven ``all_to_all_single`` (merak_tp.all_to_all,
+backward = the reverse exchange); the received rows are regrouped by local expert, each local expert
+runs once over all its rows, the results go back in received order, return by the reverse
+all-to-all, and are summed into their tokens with the routing weights. No row is dropped; an expert
+that receives no rows runs on none (its gradient is zero, as on one process).
+
+[Note: expert gradient normalisation] Each rank's loss is its share of the global loss, and the DP
+sync averages the dense gradients: ``g = (1/dp) * sum over DP ranks r of grad L_r``. After backward an
+expert's owner holds ``sum over the r of its EP group of grad_expert L_r`` (the reverse all-to-all
+brings each rank's token gradients home). The expert-replica groups hold the other EP blocks' sums,
+so the expert gradient is summed over the replica group (dp / ep ranks) and divided by dp: each
+expert's gradient is the one-process gradient over every token of the global batch that visited it.
+
+Gradient clipping counts each expert once: its term of the norm is summed over the EP group
+(:func:`merak_core.parallel.clip.global_grad_norm`, ``expert_params``). Refused (before any process group:
+:func:`check_ep_arguments`, :func:`check_ep_model`): ep with ZeRO-1/2/3, virtual stages, LoRA, cp > 1,
+and a model without a block following [Note: the MoE block protocol].
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from merak_core.parallel.data_parallel import DataParallelGradSync
+from merak_core.parallel.layout import ParallelLayout, check_ep
+from merak_tp.all_to_all import all_to_all_uneven, exchange_counts
+
+__all__ = [
+    "ExpertParallelGradSync",
+    "apply_expert_parallel",
+    "check_ep_arguments",
+    "check_ep_model",
+    "dispatch",
+    "expert_parameters",
+    "is_moe_block",
+    "moe_blocks",
+]
+
+_PROTOCOL = (
+    "a module with num_experts, experts (an nn.ModuleList) and run_experts(x_nh, weights_nk, experts_nk) "
+    "(docs/expert_parallel.md, 'the MoE block protocol')"
+)
+
+
+def is_moe_block(module: nn.Module) -> bool:
+    """Whether ``module`` follows [Note: the MoE block protocol]."""
+    return (
+        callable(getattr(module, "run_experts", None))
+        and isinstance(getattr(module, "num_experts", None), int)
+        and isinstance(getattr(module, "experts", None), nn.ModuleList | nn.ModuleDict)
+    )
+
+
+def moe_blocks(model: nn.Module) -> list[tuple[str, Any]]:
+    """The MoE blocks of ``model`` (name, module: a protocol block, typed Any), in module order."""
+    return [(name, m) for name, m in model.named_modules() if is_moe_block(m)]
+
+
+def check_ep_arguments(args: Any) -> None:
+    """``ep`` of a ``TrainingArguments``; ValueError for a combination not made exact at ep > 1 (pure)."""
+    ep = args.ep
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        raise ValueError(f"ep={ep!r} is invalid: expected an integer >= 1 (1: no expert parallelism)")
+    if ep == 1:
+        return
+    if args.dp is not None:
+        check_ep(args.dp, ep)
+    refusals = (
+        (args.zero_stage >= 1, f"zero_stage={args.zero_stage}", "set zero_stage: 0"),
+        (args.virtual_stages > 1, f"virtual_stages={args.virtual_stages}", "set virtual_stages: 1"),
+        (args.cp > 1, f"cp={args.cp}", "set cp: 1"),
+        (
+            getattr(args, "layout", "manual") == "auto",
+            "layout=auto",
+            "set layout: manual with dp a multiple of ep (the planner does not choose ep yet)",
+        ),
+    )
+    for refused, what, fix in refusals:
+        if refused:
+            raise ValueError(f"ep={ep} with {what} is not supported (not proved exact): {fix}, or set ep: 1")
+
+
+def check_ep_model(model: nn.Module, args: Any, *, lora: Any = None) -> None:
+    """ValueError when ``model`` cannot run at ``args.ep`` (pure: before any process group)."""
+    ep = args.ep
+    if ep == 1:
+        return
+    check_ep_arguments(args)
+    if lora is not None:
+        raise ValueError(
+            f"ep={ep} with LoRA (model.lora) is not supported (not proved exact): train the adapters with ep: 1"
+        )
+    _refuse_foreign_moe(model, ep)
+    blocks = moe_blocks(model)
+    if not blocks:
+        raise ValueError(
+            f"ep={ep} but {type(model).__name__} has no mixture-of-experts block Merak can shard: it needs "
+            f"{_PROTOCOL}. Set ep: 1"
+        )
+    for name, block in blocks:
+        if getattr(block, "router_aux_loss_coef", 0):
+            raise ValueError(
+                f"ep={ep}: {name!r} adds a router auxiliary loss (router_aux_loss_coef="
+                f"{block.router_aux_loss_coef}) from its own tokens, which is not the one-process loss of the "
+                "global batch under expert parallelism: set its router_aux_loss_coef to 0, or ep: 1"
+            )
+        if len(block.experts) != block.num_experts:
+            raise ValueError(
+                f"ep={ep}: {name!r} says num_experts={block.num_experts} but holds {len(block.experts)} experts: "
+                "make them agree (one module per expert)"
+            )
+        if block.num_experts % ep:
+            raise ValueError(
+                f"ep={ep} does not divide the {block.num_experts} experts of {name!r}: choose an ep dividing "
+                f"{block.num_experts}"
+            )
+
+
+def _refuse_foreign_moe(model: nn.Module, ep: int) -> None:
+    """ValueError naming the first MoE block that does not follow the protocol (e.g. a transformers one)."""
+    for name, module in model.named_modules():
+        cls = type(module).__name__
+        if ("moe" in cls.lower() or cls.endswith("Experts")) and not is_moe_block(module):
+            if any(is_moe_block(m) for m in module.modules()):
+                continue  # a layer holding a protocol block
+            raise ValueError(
+                f"ep={ep}: {cls} at {name!r} is a mixture-of-experts block Merak cannot replace yet (transformers' "
+                f"own MoE blocks, fused 3-D expert weights, are not sharded over EP): set ep: 1 and split the "
+                f"experts over TP (tp > 1), or give the model blocks following the protocol ({_PROTOCOL})"
+            )
+
+
+# ---------------------------------------------------------------------------- dispatch
+
+
+def _regroup_order(recv_counts_pl: torch.Tensor) -> torch.Tensor:
+    """Row order that turns received rows (by source rank, then local expert) into (local expert, source)."""
+    num_src, num_local = recv_counts_pl.shape
+    starts = torch.cumsum(recv_counts_pl.reshape(-1), 0) - recv_counts_pl.reshape(-1)
+    pieces = [
+        torch.arange(int(starts[s * num_local + e]), int(starts[s * num_local + e] + recv_counts_pl[s, e]))
+        for e in range(num_local)
+        for s in range(num_src)
+    ]
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+
+
+def dispatch(
+    x_nh: torch.Tensor,
+    weights_nk: torch.Tensor,
+    experts_nk: torch.Tensor,
+    local_experts: nn.ModuleDict,
+    num_experts: int,
+    group: ProcessGroup,
+) -> torch.Tensor:
+    """``sum_k weights[n, k] * expert[experts[n, k]](x[n])`` with the experts spread over ``group``.
+
+    ``local_experts`` holds this rank's ``num_experts / ep`` experts keyed by global index (consecutive,
+    starting at ``ep_rank * num_experts / ep``). Collective over ``group`` (see [Note: dropless dispatch]).
+    """
+    ep = torch.distributed.get_world_size(group)
+    num_local = num_experts // ep
+    n, k = experts_nk.shape
+    expert_f = experts_nk.reshape(-1)
+    order = torch.argsort(expert_f, stable=True)
+    token_of_row = torch.div(order, k, rounding_mode="floor")
+    rows_sh = x_nh.index_select(0, token_of_row)
+    counts_e = torch.bincount(expert_f, minlength=num_experts).to(x_nh.device)
+    recv_counts_pl = exchange_counts(counts_e, group).reshape(ep, num_local).cpu()
+    send_splits = counts_e.reshape(ep, num_local).sum(1).tolist()
+    recv_splits = recv_counts_pl.sum(1).tolist()
+    recv_sh = all_to_all_uneven(rows_sh, recv_splits, send_splits, group)
+    regroup = _regroup_order(recv_counts_pl).to(x_nh.device)
+    grouped_sh = recv_sh.index_select(0, regroup)
+    per_expert = recv_counts_pl.sum(0).tolist()
+    first = min(int(key) for key in local_experts.keys())
+    outs = [
+        local_experts[str(first + e)](chunk)
+        for e, chunk in enumerate(torch.split(grouped_sh, per_expert, dim=0))
+    ]
+    done_sh = torch.cat(outs, 0) if outs else grouped_sh
+    back_sh = done_sh.index_select(0, torch.argsort(regroup))  # received order again
+    home_sh = all_to_all_uneven(back_sh, send_splits, recv_splits, group)
+    weighted_sh = home_sh * weights_nk.reshape(-1).index_select(0, order).unsqueeze(-1).to(home_sh.dtype)
+    out_nh = torch.zeros((n, home_sh.size(-1)), dtype=home_sh.dtype, device=home_sh.device)
+    return out_nh.index_add(0, token_of_row, weighted_sh)
+
+
+class ExpertParallelBlock:
+    """Mixin put in front of an MoE block's class: ``run_experts`` dispatches over the EP group."""
+
+    _merak_ep_group: ProcessGroup
+    experts: nn.ModuleDict
+    num_experts: int
+
+    def run_experts(
+        self, x_nh: torch.Tensor, weights_nk: torch.Tensor, experts_nk: torch.Tensor
+    ) -> torch.Tensor:
+        return dispatch(x_nh, weights_nk, experts_nk, self.experts, self.num_experts, self._merak_ep_group)
+
+
+_SUBCLASSES: dict[type, type] = {}
+
+
+def _ep_class(cls: type) -> type:
+    if issubclass(cls, ExpertParallelBlock):
+        return cls
+    if cls not in _SUBCLASSES:
+        _SUBCLASSES[cls] = type(
+            f"EP{cls.__name__}", (ExpertParallelBlock, cls), {"__module__": cls.__module__}
+        )
+    return _SUBCLASSES[cls]
+
+
+def apply_expert_parallel(model: nn.Module, layout: ParallelLayout) -> list[type]:
+    """Keep this rank's experts in every MoE block (in place); the blocks' new classes (trace leaves).
+
+    Expert parameters keep their one-process names (the ``ModuleDict`` keys are global indices); the
+    swapped class is what :func:`expert_parameters` recognises.
+    """
+    assert layout.ep_group is not None, "apply_expert_parallel needs a layout with ep > 1"
+    classes: list[type] = []
+    for _name, block in moe_blocks(model):
+        moe: Any = block  # follows the protocol (is_moe_block)
+        num_local = moe.num_experts // layout.ep
+        first = layout.ep_rank * num_local
+        experts = list(moe.experts.values() if isinstance(moe.experts, nn.ModuleDict) else moe.experts)
+        moe.experts = nn.ModuleDict({str(first + i): experts[first + i] for i in range(num_local)})
+        moe.__class__ = _ep_class(type(moe))
+        moe._merak_ep_group = layout.ep_group
+        classes.append(type(moe))
+    return classes
+
+
+def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters of the experts :func:`apply_expert_parallel` kept (sharded over EP)."""
+    return [
+        p
+        for block in model.modules()
+        if isinstance(block, ExpertParallelBlock)
+        for p in block.experts.parameters()
+    ]
+
+
+# ---------------------------------------------------------------------------- gradient sync
+
+
+class ExpertParallelGradSync:
+    """The DP gradient sync of an EP model: dense gradients averaged over DP, experts' summed over their
+    replica group and divided by dp (see [Note: expert gradient normalisation]).
+
+    The same interface as :class:`merak_core.parallel.data_parallel.DataParallelGradSync` (what the engine calls).
+    """
+
+    def __init__(
+        self, module: nn.Module, layout: ParallelLayout, *, deferred_params: list[nn.Parameter]
+    ) -> None:
+        assert layout.expert_replica_group is not None
+        experts = {id(p): p for p in expert_parameters(module) if p.requires_grad}
+        dense = [p for p in module.parameters() if p.requires_grad and id(p) not in experts]
+        self.dp = layout.dp
+        self.ep = layout.ep
+        self.dense = DataParallelGradSync(dense, layout.grad_sync_group, deferred_params=deferred_params)
+        self.experts = (
+            DataParallelGradSync(list(experts.values()), layout.expert_replica_group) if experts else None
+        )
+        self._expert_params = list(experts.values())
+
+    def _parts(self) -> list[DataParallelGradSync]:
+        return [self.dense] if self.experts is None else [self.dense, self.experts]
+
+    @property
+    def armed(self) -> bool:
+        return self.dense.armed
+
+    def prepare_step(self, num_backwards: int) -> None:
+        for part in self._parts():
+            part.prepare_step(num_backwards)
+
+    def prepare_last_microbatch(self) -> None:
+        self.prepare_step(1)
+
+    def notify_grad_ready(self, params: Any) -> None:
+        experts = {id(p) for p in self._expert_params}
+        params = list(params)
+        self.dense.notify_grad_ready([p for p in params if id(p) not in experts])
+        if self.experts is not None:
+            self.experts.notify_grad_ready([p for p in params if id(p) in experts])
+
+    def finish(self) -> None:
+        for part in self._parts():
+            part.finish()
+        # The replica average divided by dp / ep; the one-process gradient needs 1 / dp.
+        for p in self._expert_params:
+            if p.grad is not None:
+                p.grad.div_(self.ep)
+
+    def sync(self) -> None:
+        self.prepare_last_microbatch()
+        self.finish()
+
+    def remove_hooks(self) -> None:
+        for part in self._parts():
+            part.remove_hooks()

@@ -1,0 +1,416 @@
+"""The parallel step: one optimizer step of a composed model over the 3D layout.
+
+:class:`ParallelEngine` owns what a step needs (the composed model, the pipeline runner, the DP
+gradient sync, the optimizer and the learning-rate schedule) and nothing about the loop around it.
+:meth:`ParallelEngine.step` runs one optimizer step on this rank's part of a global batch and
+returns a :class:`StepResult` (the global mean loss, the pipeline seconds, the gradient norm, the
+runner's timings when recorded, whether the update was skipped and whether a stop was agreed).
+
+One optimizer step: the data loader hands this rank its part of the global batch (inputs on the
+first stage, labels on the last, nothing in between); the pipeline runner splits it into
+``num_microbatches`` and runs the schedule (gradients accumulate, scaled to the full-batch mean;
+gradients of parameters shared across stages are summed over their copies); gradients are averaged
+over the DP group in buckets; the global gradient norm (over DP, TP and PP, each logical parameter
+counted once) is clipped; the optimizer (optionally ZeRO-1) steps; the learning-rate schedule
+advances.
+
+[Note: loss scaling] The loss of a step is the mean over microbatches and DP ranks of each
+microbatch's ``loss_fn`` value (for token losses: the mean over that microbatch's counted tokens).
+A single-process reference that splits the global batch into ``dp * num_microbatches`` equal chunks
+and averages their losses computes exactly the same gradient (see ``tests/e2e``).
+
+[Note: failures] Every group has the layout's timeout. When a peer dies or stalls, a step fails on
+every other rank within that timeout with an error that names the rank, its (pp, dp, tp)
+coordinates, the step and what it waited on: the pipeline runner's ``PipelineCommError`` (stage,
+action, microbatch, peer) gains the global ranks of the pipeline; other collectives raise
+:class:`TrainingStepError` naming the group's global ranks. Both add which ranks stopped answering
+the heartbeat (:mod:`merak_core.run.stall`): the stalled or dead peer by global rank and coordinates.
+
+[Note: non-finite steps and signals] The step's last all-reduce carries the loss and two flags (a
+non-finite gradient, a stop signal), see :mod:`merak_core.run.nonfinite` and :mod:`merak_core.run.signals`:
+``nonfinite: stop`` raises an error naming the step, the loss, the norm and the first bad gradient;
+``skip`` drops the update; a signal ends training after the same step on every rank, with a
+preemption checkpoint.
+
+Not done here: building the runner, the DP sync and the optimizer (``engine_setup.py``), the loop,
+evaluation cadence, metrics and checkpoints (``trainer.py``), process groups, devices and preparing
+the model (``bootstrap.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from merak_core.config import TrainingArguments, build_lr_scheduler
+from merak_core.parallel.clip import global_grad_norm, scale_gradients_
+from merak_core.parallel.compose import ParallelModel
+from merak_core.parallel.data_parallel import DataParallelGradSync
+from merak_core.parallel.expert_parallel import expert_parameters
+from merak_core.parallel.fsdp import SHARDED_ZERO_STAGES, ShardedDataParallel, warn_nothing_to_shard
+from merak_core.parallel.layout import ParallelLayout
+from merak_core.parallel.zero import ZeroOptimizer
+from merak_core.run import nonfinite
+from merak_core.run.bootstrap import autocast
+from merak_core.run.engine_setup import (
+    OptimizerFactory,
+    build_dp_sync,
+    build_optimizer,
+    build_runner,
+    check_loss_fn,
+    schedule_name,
+    shard_parallel_model,
+)
+from merak_core.run.stall import Heartbeat
+from merak_core.run.watchdog import StepWatchdog
+from merak_pipe import PipelineCommError
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+__all__ = [
+    "LossFn",
+    "ParallelEngine",
+    "StepResult",
+    "TrainingStepError",
+    "default_loss",
+    "schedule_name",
+    "shard_parallel_model",
+]
+
+
+class TrainingStepError(RuntimeError):
+    """A collective of a training step failed or timed out; the message names the rank, step and group."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step produced (the same ``loss``, ``skipped`` and ``stop_agreed`` on every rank)."""
+
+    loss: float
+    """The global mean loss of the step (see [Note: loss scaling])."""
+    pipeline_s: float
+    """Seconds of this rank's pipeline part (forward and backward of every microbatch)."""
+    grad_norm: float | None
+    """The global gradient norm before clipping (None when ``max_grad_norm`` is 0)."""
+    skipped: bool = False
+    """The loss or a gradient was not finite and the update was dropped (``nonfinite: skip``)."""
+    stop_agreed: bool = False
+    """Some rank got a stop signal: every rank stops after this step."""
+    timings: tuple[Any, ...] = ()
+    """The runner's per-action timings of this step (only with ``record_timing``)."""
+
+
+def default_loss(output: Any, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy for classifiers (``[b, c]`` vs ``[b]``) and LMs (``[b, t, v]`` vs ``[b, t]``, -100 ignored).
+
+    The logits are ``output`` itself, its ``logits`` (a ``ModelOutput`` or a dict), or the first element
+    of a tuple; a dict without ``logits`` is a ``ValueError`` (pass a ``loss_fn`` that reads it).
+    """
+    if isinstance(output, Mapping) and "logits" in output:
+        logits = output[
+            "logits"
+        ]  # a ModelOutput, or its rows as a plain dict (evaluation of a partial batch)
+    elif isinstance(output, Mapping) and not hasattr(output, "logits"):
+        raise ValueError(
+            f"the model returns a dict with keys {sorted(map(str, output))} and no 'logits', so the default "
+            "loss (cross-entropy over the logits) has nothing to read: return the logits under 'logits', or "
+            "pass a loss_fn that reads this dict (a job's 'loss: file.py:function')"
+        )
+    else:
+        logits = getattr(output, "logits", output)
+    if isinstance(logits, (tuple, list)):
+        logits = logits[0]  # a tuple output: its first element is the logits (the launch log says so)
+    flat = logits.reshape(-1, logits.size(-1))
+    if flat.dtype in (torch.float16, torch.bfloat16):
+        flat = flat.float()  # low-precision logits: the softmax in float32; float64 stays float64
+    return F.cross_entropy(flat, labels.reshape(-1), ignore_index=-100)
+
+
+class ParallelEngine:
+    """One optimizer step of ``model`` over ``layout`` (see the module docstring).
+
+    Args:
+        model: the composed model of this rank (:func:`merak_core.parallel.compose.build_parallel_model`).
+        layout: the parallel layout the model was composed for (``args`` checked against it:
+            :func:`merak_core.run.bootstrap.check_layout`).
+        args: the run's :class:`TrainingArguments`.
+        device: this rank's device.
+        loss_fn: ``loss_fn(output, labels) -> scalar``.
+        num_training_steps: the length of the learning-rate schedule.
+        example_labels: one microbatch of labels, to try ``loss_fn`` on before the first step.
+        optimizer_factory: ``fn(param_groups) -> Optimizer`` (default: AdamW from ``args``).
+    """
+
+    def __init__(
+        self,
+        model: ParallelModel,
+        layout: ParallelLayout,
+        args: TrainingArguments,
+        *,
+        device: torch.device,
+        loss_fn: LossFn,
+        num_training_steps: int,
+        example_labels: Any = None,
+        optimizer_factory: OptimizerFactory | None = None,
+    ) -> None:
+        self.model, self.layout, self.args, self.device, self.loss_fn = model, layout, args, device, loss_fn
+        self.schedule_name = schedule_name(args)
+        self.sharded: ShardedDataParallel | None = None
+        warn_nothing_to_shard(args.zero_stage, layout.dp)  # ZeRO-1/2/3 at dp=1 run as ZeRO-0
+        if args.zero_stage in SHARDED_ZERO_STAGES and layout.dp > 1:
+            # ZeRO-2/3: FSDP2 over the DP axis replaces the parameters (merak_core.parallel.fsdp).
+            # bf16: FSDP2 gathers bf16 parameters, reduces float32 ([Note: bf16 parameter gathers] in fsdp).
+            self.sharded, self.model = shard_parallel_model(
+                model,
+                zero_stage=args.zero_stage,
+                device=device,
+                param_dtype=torch.bfloat16 if args.bf16 else None,
+            )
+        check_loss_fn(self.model, loss_fn, example_labels)
+        self.runner = build_runner(
+            self.model,
+            layout,
+            args,
+            schedule_name=self.schedule_name,
+            device=device,
+            loss_fn=loss_fn,
+            sharded=self.sharded is not None,
+        )
+        named = self.model.named_parameters()
+        self.params = [p for _, p in named]
+        self.expert_params = expert_parameters(self.model.module) if layout.ep > 1 else []
+        """Parameters sharded over the EP group (merak_core.parallel.expert_parallel): the norm sums them over it."""
+        self.dp_sync: DataParallelGradSync | ShardedDataParallel | None = build_dp_sync(
+            self.model, layout, self.sharded, zero_stage=args.zero_stage
+        )
+        zero1 = self.dp_sync if isinstance(self.dp_sync, DataParallelGradSync) else None
+        self.grad_shard_group = layout.dp_group if zero1 is not None and zero1.shards_gradients else None
+        """ZeRO-1 reduce-scatter: each rank holds its owned parameters' gradients only (the norm sums over it)."""
+        self.optimizer: torch.optim.Optimizer = build_optimizer(
+            named, layout, args, device=device, factory=optimizer_factory, grad_sync=zero1
+        )
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, args, num_training_steps)
+        self.heartbeat: Heartbeat | None = None
+        self.watchdog = StepWatchdog(
+            timeout_s=layout.timeout.total_seconds(),
+            who=f"rank {layout.rank} (pp_rank {layout.pp_rank}, dp_rank {layout.dp_rank}, tp_rank {layout.tp_rank})",
+            diagnose=self._stall_diagnosis,
+        )
+        """Logs where this rank waits before the timeout ends the job ([Note: step watchdog] in merak_core.run.watchdog)."""
+        """The running loop's heartbeat: a failed step names the ranks that stopped answering it."""
+        self.last_pipeline_s = 0.0
+        self.last_grad_norm: float | None = None
+        self.consecutive_skips = 0
+        """Steps skipped in a row just before the next one (``nonfinite: skip``; reset by an applied step)."""
+
+    # ------------------------------------------------------------------ inputs
+
+    def stage_inputs(self, inputs: Any) -> Any:
+        """This stage's inputs on the device, in the order (or by the keywords) the model was traced with."""
+        if inputs is None:
+            return None
+        if isinstance(inputs, Mapping):
+            keys = self.model.input_keys
+            if keys is None or set(keys) != set(inputs):
+                raise ValueError(
+                    f"batch inputs have keys {sorted(inputs)} but the model was traced with "
+                    f"{keys}: every batch must carry the same input keys"
+                )
+            if self.model.by_keyword and self.layout.pp == 1:
+                return {k: inputs[k].to(self.device) for k in keys}
+            return tuple(inputs[k].to(self.device) for k in keys)
+        if isinstance(inputs, torch.Tensor):
+            return inputs.to(self.device)
+        return tuple(x.to(self.device) for x in inputs)
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """bf16 autocast on this device when ``args.bf16``, else nothing."""
+        return autocast(self.args.bf16, self.device)
+
+    # ------------------------------------------------------------------ the step
+
+    @property
+    def schedule(self) -> Any:
+        """The schedule the runner runs (a merak-pipe schedule: actions per stage)."""
+        return self.runner.schedule
+
+    def param_bytes(self) -> int:
+        """Bytes of this rank's parameters."""
+        return sum(p.numel() * p.element_size() for p in self.params)
+
+    def step(
+        self,
+        inputs: Any,
+        labels: Any,
+        *,
+        step: int,
+        stop_requested: bool = False,
+        record_timing: bool = False,
+    ) -> StepResult:
+        """Optimizer step number ``step`` on this rank's part of a global batch (collective).
+
+        ``record_timing``: the runner records every action's timing (``StepResult.timings``).
+        A non-finite loss or gradient norm, and a stop request on any rank, are known to every rank
+        after the step's last all-reduce (see [Note: step flags] in :mod:`merak_core.run.nonfinite`):
+        ``nonfinite: stop`` raises :class:`merak_core.run.nonfinite.NonFiniteError`; ``skip`` drops the
+        update (optimizer and learning-rate schedule unchanged, ``StepResult.skipped``).
+        """
+        for p in self.params:
+            p.grad = None
+        labels = labels.to(self.device) if isinstance(labels, torch.Tensor) else labels
+        layout = self.layout
+        if self.dp_sync is not None:
+            # Buckets are all-reduced during the backward of the last microbatch, as their gradients
+            # become final (each parameter's gradient accumulates once per microbatch).
+            self.dp_sync.prepare_step(self.args.num_microbatches)
+        with self._phase(
+            f"pipeline step over global ranks {layout.pp_ranks} (pipeline rank i = the i-th)",
+            step,
+            position=getattr(self.runner, "describe_position", None),
+        ):
+            with self.autocast():
+                self.runner.record_timing = record_timing
+                start = time.perf_counter()
+                loss = self.runner.step(self.stage_inputs(inputs), labels)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)  # the time of the GPU work, not of queuing it
+                self.last_pipeline_s = time.perf_counter() - start
+        timings = tuple(self.runner.timings) if record_timing else ()
+        if self.dp_sync is not None:
+            what = (
+                "all-reduce"
+                if self.sharded is None and self.grad_shard_group is None
+                else f"reduce-scatter (ZeRO-{self.args.zero_stage})"
+            )
+            with self._phase(f"DP gradient {what} over global ranks {layout.dp_ranks}", step):
+                self.dp_sync.finish()
+        self._fill_missing_grads()
+        norm = None
+        if self.args.max_grad_norm > 0:
+            with self._phase(
+                f"gradient-norm all-reduce over the TP and PP groups (global ranks {layout.tp_ranks} "
+                f"and {layout.pp_ranks})",
+                step,
+            ):
+                norm = global_grad_norm(
+                    self.params,
+                    layout=layout,
+                    shared_params=self.model.shared_owner,
+                    expert_params=self.expert_params,
+                    grad_shard_group=self.grad_shard_group,
+                )
+            bad = not bool(torch.isfinite(norm))
+        else:
+            bad = nonfinite.local_grads_nonfinite(self.params)
+        with self._phase("loss all-reduce over all ranks", step):
+            loss_value, any_bad, stop_agreed = self._reduce_step(loss, bad, stop_requested)
+        self.last_grad_norm = float(norm) if norm is not None else None
+        result = StepResult(
+            loss=loss_value,
+            pipeline_s=self.last_pipeline_s,
+            grad_norm=self.last_grad_norm,
+            skipped=any_bad or not math.isfinite(loss_value),
+            stop_agreed=stop_agreed,
+            timings=timings,
+        )
+        if result.skipped:
+            limit = self.args.nonfinite_max_consecutive_skips
+            over_limit = 0 < limit <= self.consecutive_skips
+            if self.args.nonfinite == nonfinite.STOP or over_limit:
+                raise nonfinite.nonfinite_error(
+                    step=step,
+                    loss=loss_value,
+                    grad_norm=self.last_grad_norm,
+                    named=self.model.named_parameters(),
+                    layout=self.layout,
+                    skip_limit=limit if self.args.nonfinite != nonfinite.STOP else None,
+                )
+            self.consecutive_skips += 1
+            return result
+        self.consecutive_skips = 0
+        if norm is not None:
+            scale_gradients_(self.params, self.args.max_grad_norm, norm)
+        zero = isinstance(self.optimizer, ZeroOptimizer)
+        with self._phase(
+            f"optimizer step (ZeRO-1 {'all-gathers' if self.grad_shard_group else 'broadcasts'} over global "
+            f"ranks {layout.dp_ranks})"
+            if zero
+            else "optimizer step (local, no communication)",
+            step,
+        ):
+            self.optimizer.step()
+        self.lr_scheduler.step()
+        return result
+
+    def _reduce_step(self, loss: torch.Tensor | None, bad: bool, stop: bool) -> tuple[float, bool, bool]:
+        """The step's loss averaged over DP, and whether any rank saw a non-finite gradient or a stop signal."""
+        value = torch.zeros(nonfinite.STEP_VECTOR_SIZE, dtype=torch.float64, device=self.device)
+        if loss is not None and self.layout.tp_rank == 0:
+            value[nonfinite.LOSS] += float(loss)
+        value[nonfinite.NONFINITE] = float(bad)
+        value[nonfinite.STOP_REQUESTED] = float(stop)
+        dist.all_reduce(value)
+        return (
+            float(value[nonfinite.LOSS]) / (self.layout.dp * self.layout.cp),  # [Note: cp loss]
+            bool(value[nonfinite.NONFINITE] > 0),
+            bool(value[nonfinite.STOP_REQUESTED] > 0),
+        )
+
+    @contextlib.contextmanager
+    def _phase(self, what: str, step: int, *, position: Callable[[], str] | None = None) -> Iterator[None]:
+        """Re-raise a communication failure with this rank, its coordinates, the step and what it waited on.
+
+        The watchdog logs the same before the timeout (``position``: this rank's pipeline position).
+
+        See [Note: failures]: a pipeline error keeps its class (``PipelineCommError``); any
+        other ``RuntimeError`` (gloo/NCCL errors and timeouts) becomes :class:`TrainingStepError`.
+        ``ValueError`` (bad input) passes through unchanged.
+        """
+        try:
+            with self.watchdog.watch(what, step, position or _no_position):
+                yield
+        except RuntimeError as exc:
+            layout = self.layout
+            where = (
+                f"rank {layout.rank} (pp_rank {layout.pp_rank}, dp_rank {layout.dp_rank}, "
+                f"tp_rank {layout.tp_rank}), step {step}: {what} failed "
+                f"(timeout {layout.timeout.total_seconds():g} s; {self._stall_diagnosis()})"
+            )
+            if isinstance(exc, PipelineCommError):  # PipelineTimeoutError included
+                raise type(exc)(f"{where}: {exc}") from exc
+            raise TrainingStepError(
+                f"{where}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            ) from exc
+
+    def _stall_diagnosis(self) -> str:
+        """Which ranks stopped answering (see [Note: heartbeats] in :mod:`merak_core.run.stall`)."""
+        if self.heartbeat is None:
+            return "a peer died or stalled?"
+        return self.heartbeat.diagnosis()
+
+    def _fill_missing_grads(self) -> None:
+        if self.grad_shard_group is not None:
+            return  # ZeRO-1 reduce-scatter: the sync gave every owned parameter a gradient, the others none
+        for p in self.params:
+            if p.grad is None and p.requires_grad:  # frozen (LoRA's base weights): no gradient buffer
+                p.grad = torch.zeros_like(p)
+
+    # ------------------------------------------------------------------ evaluation
+
+    def evaluate_batch(self, inputs: Any, labels: Any, *, return_outputs: bool) -> Any:
+        """The runner's forward-only pass over one batch (collective over the pipeline)."""
+        labels = labels.to(self.device) if labels is not None else None
+        with self.autocast():
+            return self.runner.evaluate(self.stage_inputs(inputs), labels, return_outputs=return_outputs)
+
+
+def _no_position() -> str:
+    return ""
