@@ -15,7 +15,14 @@ import torch
 import yaml
 from torch import nn
 
-from merak_core.autoplan.auto import auto_layout, compute_slots, default_memory_per_device, profile_inputs
+from merak_core.autoplan.auto import (
+    auto_degrees_note,
+    auto_global_batch,
+    auto_layout,
+    compute_slots,
+    default_memory_per_device,
+    profile_inputs,
+)
 from merak_core.config import TrainingArguments
 from merak_core.job import JobConfig, write_job
 from tests.e2e._bad_input_support import no_collectives
@@ -25,33 +32,73 @@ DEMO = ROOT / "examples/addition/config.yaml"
 
 
 @pytest.mark.parametrize(
-    "kw, names",
+    "kw, world, gbs, how",
     [
-        (dict(dp=2), "dp=2"),
-        (dict(tp=2), "tp=2"),
-        (dict(pp=4), "pp=4"),
-        (dict(dp=1, tp=2, pp=2), "dp=1, pp=2, tp=2"),
+        (dict(), 4, 3 * 2 * 4, "x 4 ranks"),
+        (dict(dp=2), 8, 3 * 2 * 2, "x dp 2 as written"),
+        (dict(dp=1, tp=2, pp=2), 8, 3 * 2, "x dp 1 as written"),
+        (dict(tp=2), 8, 3 * 2 * 4, "x dp 4 (= 8 ranks / cp*tp*pp 2)"),
+        (dict(tp=2, pp=2), 8, 3 * 2 * 2, "x dp 2 (= 8 ranks / cp*tp*pp 4)"),
     ],
 )
-def test_auto_with_explicit_degrees_is_a_clear_error(kw, names):
+def test_auto_keeps_the_global_batch_the_written_degrees_give(kw, world, gbs, how):
+    # layout: auto is one switch: written degrees are accepted, replaced by the plan's, and fix the batch
+    args = TrainingArguments(
+        layout="auto", per_device_train_batch_size=3, gradient_accumulation_steps=2, **kw
+    )
+    assert (args.dp, args.tp, args.pp) == (kw.get("dp"), kw.get("tp", 1), kw.get("pp", 1))
+    head = "per_device_train_batch_size 3 x gradient_accumulation_steps 2"
+    assert auto_global_batch(args, world) == (gbs, f"{head} {how}")
+    note = auto_degrees_note(args, world)
+    if kw:
+        given = " ".join(f"{k}={v}" for k, v in kw.items())
+        assert note == (
+            f"layout auto: the job's {given} are replaced by the plan's (layout: manual keeps them); they "
+            f"fix the global batch at {gbs} ({head} {how})"
+        )
+    else:
+        assert note is None
+
+
+def test_auto_refuses_a_null_dp_its_written_degrees_cannot_infer():
+    args = TrainingArguments(layout="auto", tp=3)
     with pytest.raises(
         ValueError,
-        match=f"layout='auto' lets the planner choose dp, tp and pp, but the job also sets {names}: remove",
-    ) as info:
-        TrainingArguments(layout="auto", **kw)
-    assert "layout: manual" in str(info.value)
+        match=r"dp is null and the written cp\*tp\*pp=3 does not divide the 4 ranks: set training.dp",
+    ):
+        auto_global_batch(args, 4)
+    with no_collectives(), pytest.raises(ValueError, match="does not divide the 1 ranks"):
+        auto_layout(args, nn.Linear(2, 2), [torch.zeros(2)])  # before any collective
 
 
-def test_auto_conflict_in_a_job_file_names_the_file_and_the_override_fix(tmp_path: Path):
-    with pytest.raises(
-        ValueError, match=r"config.yaml: training: layout='auto' .* sets dp=2, pp=2, tp=2"
-    ) as info:
-        JobConfig.from_yaml(DEMO, ["training.layout=auto"])
-    assert "training.dp=null training.pp=1 training.tp=1" in str(info.value)
-    job = JobConfig.from_yaml(
-        DEMO, ["training.layout=auto", "training.dp=null", "training.tp=1", "training.pp=1"]
+def test_auto_switched_on_a_manual_job_file_keeps_its_degrees_for_the_batch(
+    capsys: pytest.CaptureFixture[str],
+):
+    from merak_core.cli import main
+
+    job = JobConfig.from_yaml(DEMO, ["training.layout=auto"])  # the demo writes dp=2 tp=2 pp=2
+    assert (job.training.layout, job.training.dp, job.training.tp, job.training.pp) == ("auto", 2, 2, 2)
+    # no --nproc-per-node: the written degrees give the ranks (8), and the global batch (16 x 2 x dp 2)
+    assert main(["train", str(DEMO), "training.layout=auto", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "layout: auto -- when the job starts, on 8 ranks:" in out
+    assert (
+        "global batch of 64 (per_device_train_batch_size 16 x gradient_accumulation_steps 2 x dp 2 as "
+        "written)" in out
     )
-    assert job.training.layout == "auto" and job.training.dp is None
+    assert (
+        "layout auto: the job's dp=2 tp=2 pp=2 are replaced by the plan's (layout: manual keeps them); they "
+        "fix the global batch at 64" in out
+    )
+    assert "--nproc-per-node=8" in out.splitlines()[-1]
+    # other ranks than written: the written dp still counts the batch
+    assert main(["train", str(DEMO), "training.layout=auto", "--nproc-per-node", "4", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "on 4 ranks:" in out and "global batch of 64 (" in out
+    # dp null with a tp*pp that does not divide the ranks: refused before torchrun, by name
+    bad = ["training.layout=auto", "training.dp=null", "training.tp=3", "training.pp=1"]
+    assert main(["train", str(DEMO), *bad, "--nproc-per-node", "4", "--dry-run"]) == 2
+    assert "set training.dp" in capsys.readouterr().err
 
 
 def test_auto_arguments_round_trip_through_yaml_and_overrides(tmp_path: Path):
@@ -62,8 +109,9 @@ def test_auto_arguments_round_trip_through_yaml_and_overrides(tmp_path: Path):
     args.to_yaml(path)
     back = TrainingArguments.from_yaml(path)
     assert back == args
-    with pytest.raises(ValueError, match="tp=2"):
-        args.with_overrides(["tp=2"])
+    written = args.with_overrides(["tp=2", "dp=2"])  # kept through YAML: they fix the global batch
+    written.to_yaml(path)
+    assert TrainingArguments.from_yaml(path) == written and (written.dp, written.tp) == (2, 2)
 
 
 @pytest.mark.parametrize(
@@ -81,11 +129,7 @@ def test_planner_field_validation(kw, match):
         TrainingArguments(**kw)
 
 
-def test_auto_layout_rejects_explicit_degrees_before_any_collective():
-    args = TrainingArguments(layout="auto")
-    args.tp = 2  # set after validation, as Python code may do
-    with no_collectives(), pytest.raises(ValueError, match="sets tp=2"):
-        auto_layout(args, nn.Linear(2, 2), [torch.zeros(2)])
+def test_auto_layout_refusals_before_any_collective():
     with no_collectives(), pytest.raises(ValueError, match="layout='manual'; expected 'auto'"):
         auto_layout(TrainingArguments(), nn.Linear(2, 2), [torch.zeros(2)])
     with no_collectives(), pytest.raises(ValueError, match="pass train_dataset"):

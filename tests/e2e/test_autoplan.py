@@ -161,7 +161,8 @@ def _auto_virtual_body(kwargs: dict[str, Any], profile: Any) -> dict[str, Any]:
     import torch.distributed as dist
 
     from merak_core import Trainer
-    from merak_core.planner import CommModel, auto
+    from merak_core.autoplan import auto
+    from merak_core.planner import CommModel
     from tests.e2e.test_virtual_stages import build
 
     saved = auto.profile_for_plan, auto._cpu_compute_slots, auto.measure_comm

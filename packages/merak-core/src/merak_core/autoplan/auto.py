@@ -33,7 +33,6 @@ import torch.distributed as dist
 from torch import nn
 
 from merak_core.config import TrainingArguments
-from merak_core.config.checks import check_no_explicit_degrees
 from merak_core.planner import (
     Candidate,
     ModelProfile,
@@ -53,6 +52,8 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "DEFAULT_PLAN_CHECK_STEPS",
     "AutoLayout",
+    "auto_degrees_note",
+    "auto_global_batch",
     "auto_layout",
     "build_plan_context",
     "cast_floats",
@@ -62,6 +63,7 @@ __all__ = [
     "profile_for_plan",
     "profile_inputs",
     "with_adapters",
+    "written_degrees",
 ]
 
 DEFAULT_PLAN_CHECK_STEPS = 5
@@ -80,6 +82,53 @@ class AutoLayout:
     """The planner's first candidate."""
     table: str
     """The ranked table (:func:`~merak_core.planner.format_plan`) with why the first wins."""
+
+
+def written_degrees(args: TrainingArguments) -> dict[str, int]:
+    """The degrees the job sets away from their defaults (``dp`` not null, ``tp``/``pp``/``cp`` not 1)."""
+    return {
+        n: v
+        for n, v in (("dp", args.dp), ("tp", args.tp), ("pp", args.pp), ("cp", args.cp))
+        if v != (None if n == "dp" else 1)
+    }
+
+
+def auto_global_batch(args: TrainingArguments, world: int) -> tuple[int, str]:
+    """The global batch ``layout: auto`` plans for on ``world`` ranks, and how it was counted.
+
+    The job's own: ``per_device_train_batch_size x gradient_accumulation_steps x dp`` with dp as the
+    job writes it, or, when dp is null, as a manual layout would infer it (``world / (cp*tp*pp)``; with
+    no degree written, every rank). The planner replaces the degrees, not the batch: see [Note: layout
+    auto] in :mod:`merak_core.config`. Raises ValueError (before any collective) when dp is null and
+    the written tp*pp does not divide ``world``: the job then fixes no global batch.
+    """
+    per, accum = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    head = f"per_device_train_batch_size {per} x gradient_accumulation_steps {accum}"
+    if args.dp is not None:
+        return per * accum * args.dp, f"{head} x dp {args.dp} as written"
+    rest = args.cp * args.tp * args.pp
+    if world % rest:
+        raise ValueError(
+            f"layout='auto' keeps the job's global batch (per_device_train_batch_size x "
+            f"gradient_accumulation_steps x dp), but dp is null and the written "
+            f"cp*tp*pp={rest} does not divide the {world} ranks: set training.dp to the data-parallel "
+            f"degree the global batch counts, or training.tp=1 training.pp=1 (dp = the {world} ranks)"
+        )
+    if rest == 1:
+        return per * accum * world, f"{head} x {world} ranks"
+    return per * accum * (world // rest), f"{head} x dp {world // rest} (= {world} ranks / cp*tp*pp {rest})"
+
+
+def auto_degrees_note(args: TrainingArguments, world: int) -> str | None:
+    """The one line ``layout: auto`` says about the degrees the job writes (None when it writes none)."""
+    given = written_degrees(args)
+    if not given:
+        return None
+    gbs, how = auto_global_batch(args, world)
+    return (
+        f"layout auto: the job's {' '.join(f'{k}={v}' for k, v in given.items())} are replaced by the plan's "
+        f"(layout: manual keeps them); they fix the global batch at {gbs} ({how})"
+    )
 
 
 def default_memory_per_device(device: torch.device) -> int:
@@ -370,16 +419,20 @@ def auto_layout(
     ``model`` is the job's model (rank 0 profiles a deep copy) or a function that builds one; with
     ``lora`` (a :class:`~merak_core.LoraConfig`) the copy gets the adapters and its frozen weights
     are planned as weights only.
-    Raises ValueError before any collective when ``args`` is not an auto layout or sets dp/tp/pp,
-    and on every rank when nothing fits (the planner's message).
+    Degrees the job writes (dp/tp/pp) are replaced by the plan's, keeping the global batch they give
+    (:func:`auto_global_batch`; one line says so). Raises ValueError before any collective when ``args``
+    is not an auto layout or its global batch is not defined, and on every rank when nothing fits (the
+    planner's message).
     """
     if args.layout != "auto":
         raise ValueError(f"auto_layout: layout={args.layout!r}; expected 'auto' (set training.layout: auto)")
-    check_no_explicit_degrees(args)  # also checked when args were made; they may have changed since
     if train_dataset is None:
         raise ValueError("layout='auto' profiles the model on the training set: pass train_dataset")
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    gbs = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
+    gbs, _ = auto_global_batch(args, world)
+    note = auto_degrees_note(args, world)
+    if note is not None and dist.is_initialized() and dist.get_rank() == 0:
+        logger.warning("%s", note)
 
     def decide(profile: ModelProfile, comm: Any, memory: float, slots: float | None) -> dict[str, Any]:
         try:

@@ -144,12 +144,22 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run_ranks is not None:
         return cluster_command(args, job)
     t = job.training
-    if t.layout == "auto" and args.nproc_per_node is None:
+    auto = t.layout == "auto"
+    if auto and args.nproc_per_node is None and t.dp is None:
         raise ValueError(
-            "training.layout is 'auto', so the job does not say how many ranks to start: pass "
-            "--nproc-per-node (and --nnodes for several nodes)"
+            "training.layout is 'auto' and training.dp is null, so the job does not say how many ranks to "
+            "start: pass --nproc-per-node (and --nnodes for several nodes)"
         )
-    cmd = torchrun_command(args, None if t.dp is None else t.dp * t.cp * t.tp * t.pp)
+    written = t.dp * t.cp * t.tp * t.pp if t.dp is not None else None
+    cmd = torchrun_command(args, None if auto and args.nproc_per_node is not None else written)
+    auto_world = (args.nproc_per_node or 0) * args.nnodes or written or 0
+    if auto:  # the global batch the plan keeps, and what becomes of the written degrees: before torchrun
+        from merak_core.autoplan.auto import auto_degrees_note, auto_global_batch
+
+        auto_global_batch(t, auto_world)
+        note = auto_degrees_note(t, auto_world)
+        if note is not None:
+            logging.getLogger("merak").warning("%s", note)
     if (
         t.dp is None and t.layout != "auto"
     ):  # inferred: tp*pp must divide the process count now, not on every rank
@@ -164,8 +174,8 @@ def run(args: argparse.Namespace) -> int:
         )  # once, here: a mistake is reported once, not by every rank after launch
         logging.getLogger("merak").info("job checked: %s", report)
     if args.dry_run:
-        if t.layout == "auto":
-            print(_auto_dry_run(args, t))
+        if auto:
+            print(_auto_dry_run(args, t, auto_world))
         print(shlex.join(cmd))
         return 0
     env = dict(os.environ)
@@ -270,10 +280,12 @@ def _resume_overrides(overrides: list[str]) -> list[str]:
     return [o for o in overrides if not o.startswith("training.comm_timeout_s=")] if overrides else []
 
 
-def _auto_dry_run(args: argparse.Namespace, t: Any) -> str:
-    """What ``layout: auto`` will do when the job starts (``merak train --dry-run``)."""
-    world = args.nproc_per_node * args.nnodes
-    gbs = t.per_device_train_batch_size * t.gradient_accumulation_steps * world
+def _auto_dry_run(args: argparse.Namespace, t: Any, world: int) -> str:
+    """What ``layout: auto`` will do when the job starts on ``world`` ranks (``merak train --dry-run``)."""
+    from merak_core.autoplan.auto import auto_degrees_note, auto_global_batch
+
+    gbs, how = auto_global_batch(t, world)
+    note = auto_degrees_note(t, world)
     memory = (
         f"{t.memory_per_device} bytes"
         if t.memory_per_device is not None
@@ -291,8 +303,8 @@ def _auto_dry_run(args: argparse.Namespace, t: Any) -> str:
             "  1. rank 0 profiles the model on one microbatch of the training set; every rank measures p2p and "
             "all-reduce costs;",
             f"  2. rank 0 plans dp*tp*pp={world}, schedule, microbatches and recompute for a global batch of {gbs} "
-            f"(per_device_train_batch_size {t.per_device_train_batch_size} x gradient_accumulation_steps "
-            f"{t.gradient_accumulation_steps} x {world} ranks), {memory}, CPU ranks sharing cores counted;",
+            f"({how}), {memory}, CPU ranks sharing cores counted;",
+            *([f"  {note}"] if note is not None else []),
             "  3. every rank trains with the first choice (the ranked table is logged);",
             f"  4. after {checks} steps (plan_check_steps; 0: off) predicted and measured step time, per-stage F/B and "
             f"peak memory are compared; above {100 * t.plan_error_threshold:g}% error it re-plans from the measured "

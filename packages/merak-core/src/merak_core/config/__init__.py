@@ -18,10 +18,15 @@ as with Hugging Face gradient accumulation on ``dp`` GPUs.
 [Note: layout auto] With ``layout: auto`` the planner chooses ``dp``, ``tp``, ``pp``,
 ``schedule``, ``per_device_train_batch_size``, ``gradient_accumulation_steps``, ``recompute``
 (and ``memory_budget`` for stage-aware recomputation) when the job starts
-(:mod:`merak_core.autoplan`). It keeps the job's *global* batch, read as if the job were plain
-data parallelism over every rank: ``per_device_train_batch_size * gradient_accumulation_steps *
-WORLD_SIZE``. ``dp``, ``tp`` and ``pp`` must then be left out (a ValueError says so before any
-collective); the other parallel fields of the job are replaced by the plan.
+(:mod:`merak_core.autoplan`). ``layout: auto`` is one switch: a job that also writes ``dp``, ``tp`` or
+``pp`` (a manual job switched to auto) keeps them only for its *global* batch and trains with the
+plan's degrees, and one line at start-up (and in ``merak train --dry-run``) says so. The global batch
+is the job's, ``per_device_train_batch_size * gradient_accumulation_steps * dp`` with ``dp`` as written;
+``dp`` null is inferred as a manual layout would (``WORLD_SIZE / (cp*tp*pp)``: every rank when no
+degree is written), and a null ``dp`` with a ``tp*pp`` that does not divide the ranks is refused by
+name before torchrun. To plan for another global batch, change those fields (e.g.
+``training.dp=null`` for every rank). The other parallel fields of the job are replaced by the plan
+(:func:`merak_core.autoplan.auto.auto_global_batch`).
 
 Configs load from YAML (a flat mapping of field names) with ``key=value``
 overrides from the command line, type-checked against the field types; an
@@ -38,7 +43,6 @@ checks, section by section), ``lr`` (learning-rate schedules).
 """
 
 from merak_core.config.arguments import TrainingArguments, override_value, parse_overrides
-from merak_core.config.checks import auto_conflict_message
 from merak_core.config.lr import build_lr_scheduler, lr_lambda
 from merak_core.config.values import (
     DTYPES,
@@ -66,7 +70,6 @@ __all__ = [
     "build_lr_scheduler",
     "MAX_SEED",
     "NONFINITE_POLICIES",
-    "auto_conflict_message",
     "load_yaml",
     "lr_lambda",
     "parse_bytes",

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from merak_core.config.checks import auto_conflict_message, check_arguments
+from merak_core.config.checks import check_arguments
 from merak_core.config.values import (
     _NO,
     DTYPES,
@@ -35,7 +35,7 @@ from merak_core.config.values import (
     split_override,
 )
 
-__all__ = ["TrainingArguments", "auto_conflict_message", "override_value", "parse_overrides"]
+__all__ = ["TrainingArguments", "override_value", "parse_overrides"]
 
 
 @dataclass(kw_only=True)
@@ -160,7 +160,8 @@ class TrainingArguments:
     # ------------------------------------------------------------ the planner (see [Note: layout auto])
     layout: str = "manual"
     """``manual``: the job's dp/tp/pp and the other parallel fields; ``auto``: the planner chooses dp, tp,
-    pp, schedule, microbatches and recomputation at start-up (dp/tp/pp must then be left out)."""
+    pp, schedule, microbatches and recomputation at start-up (dp/tp/pp, when written, only fix the global
+    batch: see [Note: layout auto])."""
     memory_per_device: int | str | None = None
     """Memory one rank may use, bytes or e.g. ``"2GiB"``, for ``layout: auto`` and the plan check; None: the
     device's memory (CUDA: its total memory; CPU: the machine's RAM divided by the ranks on this node)."""
@@ -249,12 +250,7 @@ class TrainingArguments:
             if name in kwargs:
                 raise ValueError(f"{source}: {name!r} is given twice (directly and through an alias)")
             kwargs[name] = _coerce(name, value, hints[name], source=source)
-        try:
-            return cls(**kwargs)
-        except ValueError as exc:
-            if kwargs.get("layout") == "auto" and str(exc).startswith("layout='auto'"):
-                raise ValueError(f"{source}: {exc}") from None
-            raise
+        return cls(**kwargs)
 
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: Iterable[str] = ()) -> TrainingArguments:
@@ -278,12 +274,8 @@ class TrainingArguments:
         return type(self).from_dict({**self.to_dict(), **parse_overrides(overrides)}, source="overrides")
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data (YAML/JSON-serialisable); without dp/tp/pp under ``layout: auto`` (the plan sets them)."""
-        out = dataclasses.asdict(self)
-        if self.layout == "auto":
-            for name in ("dp", "tp", "pp"):
-                out.pop(name)
-        return out
+        """Plain data (YAML/JSON-serialisable)."""
+        return dataclasses.asdict(self)
 
     def to_yaml(self, path: str | Path | None = None) -> str:
         """The config as YAML (written to ``path`` when given); ``from_yaml`` reads it back."""

@@ -4,8 +4,7 @@
 order (the first error wins): the run's own fields (sizes, steps, optimizer numbers, precision),
 the pipeline (schedule, virtual stages, recomputation, memory budget), the planner (``layout``,
 plan-check fields), sharding (ZeRO stages) and the TP plan. Every error names the field, the
-value, what was expected and what to set (see [Note: layout auto] in :mod:`merak_core.config`
-for its own message). Some values are normalised on the way (floats, the schedule key, byte sizes).
+value, what was expected and what to set. Some values are normalised on the way (floats, the schedule key, byte sizes).
 
 Not done here: the fields themselves and reading them (``arguments.py``), the allowed values
 (``values.py``), anything that needs the world size or a model.
@@ -14,7 +13,7 @@ Not done here: the fields themselves and reading them (``arguments.py``), the al
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from merak_core.config.values import (
@@ -32,7 +31,7 @@ from merak_core.config.values import (
 from merak_core.parallel.virtual_stages import check_virtual_stages
 from merak_core.run.reporting import check_report_to
 
-__all__ = ["auto_conflict_message", "check_arguments", "check_no_explicit_degrees"]
+__all__ = ["check_arguments"]
 
 
 def check_arguments(args: Any) -> None:
@@ -155,7 +154,7 @@ def _check_pipeline(args: Any) -> None:
 
 
 def _check_planner(args: Any) -> None:
-    """``layout`` and the plan-check fields; explicit degrees under ``layout: auto`` (see [Note: layout auto])."""
+    """``layout`` and the plan-check fields (degrees under ``layout: auto``: see [Note: layout auto])."""
     _check(args.layout in LAYOUTS, "layout", args.layout, f"one of {LAYOUTS}")
     if args.memory_per_device is not None:
         args.memory_per_device = parse_bytes(args.memory_per_device)
@@ -168,8 +167,6 @@ def _check_planner(args: Any) -> None:
             "0 (off) or >= 2 (a warm-up step, then at least one measured step)",
         )
     _check_float(args, "plan_error_threshold", minimum=0.0)
-    if args.layout == "auto":
-        check_no_explicit_degrees(args)
 
 
 def _check_sharding(args: Any) -> None:
@@ -215,28 +212,6 @@ def _check_tp_plan(args: Any) -> None:
             args.tp_plan,
             "null, 'auto', a plan name or a mapping",
         )
-
-
-def check_no_explicit_degrees(args: Any) -> None:
-    """``layout: auto`` chooses dp, tp and pp: refuse any of them set away from its default."""
-    explicit = {
-        n: v
-        for n, v in (("dp", args.dp), ("tp", args.tp), ("pp", args.pp))
-        if v != (None if n == "dp" else 1)
-    }
-    if explicit:
-        raise ValueError(auto_conflict_message(sorted(explicit), explicit))
-
-
-def auto_conflict_message(names: Sequence[str], values: Mapping[str, Any]) -> str:
-    """The error for ``layout: auto`` together with explicit degrees (see [Note: layout auto])."""
-    given = ", ".join(f"{n}={values[n]!r}" for n in names)
-    unset = " ".join(f"training.{n}={'null' if n == 'dp' else 1}" for n in names)
-    return (
-        f"layout='auto' lets the planner choose dp, tp and pp, but the job also sets {given}: remove "
-        f"{'/'.join(names)} from the training section (on the command line: {unset}), or set "
-        "layout: manual to keep your degrees"
-    )
 
 
 def _check(ok: bool, name: str, value: Any, expected: str) -> None:
