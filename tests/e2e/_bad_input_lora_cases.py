@@ -66,11 +66,6 @@ def lora_target_not_a_linear(ctx: CaseContext) -> None:
     _merak(ctx, ["train", str(job), "--dry-run"])
 
 
-def lora_with_zero3(ctx: CaseContext) -> None:
-    job = _lora_job(ctx, "{r: 4, target_modules: [q_proj]}", "dp: 2\n  tp: 1\n  pp: 1\n  zero_stage: 3")
-    _merak(ctx, ["train", str(job), "--nproc-per-node=2", "--dry-run"])
-
-
 def lora_unknown_key(ctx: CaseContext) -> None:
     job = _lora_job(ctx, "{rank: 4, target_modules: [q_proj]}")
     _merak(ctx, ["train", str(job), "--dry-run"])

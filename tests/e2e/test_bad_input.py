@@ -731,13 +731,6 @@ ROWS = [
         CliExit,
         _all("exit 2", "selects 'embed', a Embedding", "LoRA wraps linear layers only", "remove the entry"),
     ),
-    _row(
-        lora_cases.lora_with_zero3,
-        CliExit,
-        _all(
-            "exit 2", "model.lora with training.zero_stage=3 is not supported yet", "use zero_stage: 0 or 1"
-        ),
-    ),
     _row(lora_cases.lora_unknown_key, CliExit, _all("exit 2", "unknown key model.lora.rank", "valid:")),
     _row(
         lora_cases.trainer_lora_targets_match_nothing,

@@ -80,6 +80,7 @@ def lora_on_ranks(
     from merak_core import Trainer
     from merak_core.lora import LoraConfig
     from merak_core.lora.apply import is_adapter_name
+    from merak_core.parallel.fsdp import is_sharded
 
     args = make_args(
         **args_kwargs, output_dir=str(Path(out) / "run"), export_hf_dir=str(Path(out) / "adapter")
@@ -94,7 +95,11 @@ def lora_on_ranks(
     frozen = [p for n, p in named if not is_adapter_name(n)]
     adapters = [p for n, p in named if is_adapter_name(n)]
     state_params = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
-    synced = [] if trainer.dp_sync is None else [p for b in trainer.dp_sync.buckets for p in b.params]
+    sync = trainer.dp_sync
+    if sync is not None and hasattr(sync, "frozen"):  # ZeRO-2/3: FSDP2 shards the adapters alone
+        synced = [p for p in adapters if is_sharded(p)] if all(not is_sharded(p) for p in frozen) else frozen
+    else:
+        synced = [] if sync is None else [p for b in sync.buckets for p in b.params]
     return {
         "losses": [h["loss"] for h in history],
         "eval_loss": trainer.last_eval["eval_loss"],
@@ -160,6 +165,9 @@ def _eval_loss(model: Any, folder: Path, text: Path) -> float:
         ("gpt2", (2, 1, 2), {"recompute": "full"}),
         ("llama", (2, 2, 2), {"sequence_parallel": True}),
         ("llama4", (1, 1, 2), {"virtual_stages": 2, "schedule": "zb_v"}),
+        ("gpt2", (2, 1, 1), {"zero_stage": 2}),
+        ("llama", (2, 1, 1), {"zero_stage": 3}),
+        ("gpt2", (2, 1, 2), {"zero_stage": 3}),
     ],
     ids=[
         "gpt2-tp2",
@@ -175,6 +183,9 @@ def _eval_loss(model: Any, folder: Path, text: Path) -> float:
         "gpt2-dp2_pp2-recompute",
         "llama-2x2x2-sp",
         "llama-pp2-zbv",  # two virtual stages per rank, split backward (frozen weights get no W step)
+        "gpt2-dp2-zero2",  # FSDP2 shards the adapters only; the frozen base stays whole on every rank
+        "llama-dp2-zero3",
+        "gpt2-dp2_pp2-zero3",  # the frozen tied embedding on both stages: no cross-stage sum
     ],
 )
 def test_lora_matches_peft(name: str, layout: tuple[int, int, int], options: dict[str, Any]) -> None:

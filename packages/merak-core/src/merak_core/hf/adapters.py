@@ -110,6 +110,7 @@ def start_adapters(pm: ParallelModel, config: LoraConfig, *, seed: int) -> None:
 
 def _gathered_adapters(pm: ParallelModel) -> dict[str, torch.Tensor]:
     """Every adapter of the model, whole, on global rank 0 (empty elsewhere); collective over the world."""
+    from merak_core.parallel.fsdp import full_local_tensor
     from merak_tp.shard_spec import get_shard_spec
 
     layout = pm.layout
@@ -117,7 +118,8 @@ def _gathered_adapters(pm: ParallelModel) -> dict[str, torch.Tensor]:
     for name, p in pm.named_parameters():
         if not is_adapter_name(name) or name in local:
             continue
-        tensor = get_shard_spec(p).gather(p.detach(), layout.tp_group) if layout.tp > 1 else p.detach()
+        whole = full_local_tensor(p.detach())  # ZeRO-2/3: the adapter gathered over DP (collective)
+        tensor = get_shard_spec(p).gather(whole, layout.tp_group) if layout.tp > 1 else whole
         local[name] = tensor.cpu().contiguous()
     contribute = layout.dp_rank == 0 and layout.tp_rank == 0
     parts: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None

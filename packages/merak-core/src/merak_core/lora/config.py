@@ -117,11 +117,6 @@ def check_lora_arguments(*, tp: int | None, dp: int | None, args: Any, config: L
     Each refusal names the option and the fix: such a run would otherwise train silently wrong.
     """
     tp_many = tp is None or tp > 1
-    if args.zero_stage in (2, 3) and (dp is None or dp > 1):
-        raise ValueError(
-            f"model.lora with training.zero_stage={args.zero_stage} is not supported yet (ZeRO-2/3 would "
-            "shard the frozen base weights): use zero_stage: 0 or 1 (the adapters' optimizer state is small)"
-        )
     if config.dropout > 0 and tp_many:
         raise ValueError(
             f"model.lora.dropout={config.dropout} with tensor parallelism is not supported yet (the "

@@ -67,6 +67,14 @@ where autocast kept float32: the results differ from the float32-gather path wit
 rounding. Inputs are not cast (``cast_forward_inputs=False``): what flows between stages
 is what the stage computes.
 
+[Note: frozen parameters under ZeRO-2/3] A parameter with ``requires_grad=False`` (a LoRA
+run's base weights) is given to ``fully_shard`` as an ``ignored_params`` entry: it stays a plain
+tensor, whole on every DP rank, and FSDP2 neither all-gathers it, nor reduce-scatters a gradient
+for it (it has none), nor holds optimizer state for it. Only the trainable parameters (the
+adapters) are sharded over DP, gathered around their units' compute and reduce-scattered; a unit
+(or block) with no trainable parameter is not made an FSDP2 unit at all. A frozen shared (tied)
+parameter gets no cross-stage gradient sum.
+
 Not done here: ZeRO-1 (:mod:`merak_core.parallel.zero`), the replicated all-reduce
 (:mod:`merak_core.parallel.data_parallel`), CPU offload.
 """
@@ -240,9 +248,11 @@ class ShardedDataParallel:
             for index in stages
         }
         """Stage index -> whether its units reshard after forward."""
+        # [Note: frozen parameters under ZeRO-2/3]
+        frozen = {p for module in stages.values() for p in module.parameters() if not p.requires_grad}
         units = {index: fsdp_units(module) for index, module in stages.items()}
         _check_units_disjoint([u for index in sorted(units) for u in units[index]])
-        before = {id(p): p for module in stages.values() for p in module.parameters()}
+        before = {id(p): p for module in stages.values() for p in module.parameters() if p.requires_grad}
         names_before = [dict(module.named_parameters(remove_duplicate=False)) for module in stages.values()]
         self.roots: list[Any] = []
         self.root_stages: list[int] = []
@@ -251,9 +261,17 @@ class ShardedDataParallel:
         for index in sorted(units):
             reshard = self.reshard_after_forward[index]
             for unit in units[index]:
-                for block in _blocks(unit) if not isinstance(stages[index], nn.Sequential) else []:
-                    fully_shard(block, mesh=self.mesh, reshard_after_forward=reshard, mp_policy=policy)
-                fully_shard(unit, mesh=self.mesh, reshard_after_forward=reshard, mp_policy=policy)
+                if not _trains(unit):
+                    continue  # every parameter frozen: nothing to shard, gather or reduce
+                blocks = _blocks(unit) if not isinstance(stages[index], nn.Sequential) else []
+                for module in [*(b for b in blocks if _trains(b)), unit]:
+                    fully_shard(
+                        module,
+                        mesh=self.mesh,
+                        reshard_after_forward=reshard,
+                        mp_policy=policy,
+                        ignored_params=frozen or None,
+                    )
                 self.roots.append(unit)
                 self.root_stages.append(index)
                 # Between microbatches ZeRO-3 gives the memory back; ZeRO-2 keeps the gather for the step.
@@ -263,7 +281,11 @@ class ShardedDataParallel:
         for module, names in zip(stages.values(), names_before, strict=True):
             self.param_map.update(_new_parameters(module, names))
         assert all(key in self.param_map for key in before), "a parameter was not sharded"
-        self.shared_parameters = [(self.param_map.get(id(p), p), g) for p, g in shared_parameters]
+        self.frozen = frozen
+        """Parameters left whole and unsharded ([Note: frozen parameters under ZeRO-2/3])."""
+        self.shared_parameters = [
+            (self.param_map.get(id(p), p), g) for p, g in shared_parameters if p.requires_grad
+        ]
         self.tp_summed = [(self.param_map[key], g) for key, p in before.items() for g in grad_sum_groups(p)]
         """Sharded parameters whose gradient is summed over a TP group after the reduce-scatter: merak-tp's
         hooks on the originals never run under FSDP2 ([Note: gradient sum hooks] in merak_tp.parallelize)."""
@@ -365,11 +387,16 @@ class ShardedDataParallel:
             root.reshard()
 
 
+def _trains(module: nn.Module) -> bool:
+    """Whether ``module`` holds a parameter that trains."""
+    return any(p.requires_grad for p in module.parameters())
+
+
 def _check_units_disjoint(units: Sequence[nn.Module]) -> None:
     owner: dict[int, int] = {}
     for index, unit in enumerate(units):
         for name, p in unit.named_parameters():
-            if owner.setdefault(id(p), index) != index:
+            if p.requires_grad and owner.setdefault(id(p), index) != index:  # a frozen one is not sharded
                 raise ValueError(
                     f"parameter {name!r} is used by units {owner[id(p)]} and {index} of one pipeline stage, which "
                     "FSDP2 cannot shard unit by unit: use zero_stage 0 or 1 for this model and layout, or a "
