@@ -274,10 +274,11 @@ def launch_text_data_not_utf8(ctx: CaseContext) -> None:
 # ----------------------------------------------------------------------------- the cases: merak plan
 
 
-def plan_without_memory_per_device(ctx: CaseContext) -> None:
+def plan_memory_per_device_unreadable(ctx: CaseContext) -> None:
     # The model factory fails when called: the refusal must come before the model is built and profiled.
+    # (Without --memory-per-device, merak plan takes layout: auto's default: tests/core/test_plan_memory.py.)
     job = write_job(ctx, model={"factory": "tests.e2e._bad_input_jobs:build_failing"})
-    run_cli(ctx, "plan", str(job), "--world-size", "2")
+    run_cli(ctx, "plan", str(job), "--world-size", "2", "--memory-per-device", "lots")
 
 
 def plan_cluster_for_a_dtype_without_a_peak(ctx: CaseContext) -> None:

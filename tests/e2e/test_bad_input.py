@@ -483,14 +483,9 @@ ROWS = [
         ),
     ),
     _row(
-        launch_cases.plan_without_memory_per_device,
+        launch_cases.plan_memory_per_device_unreadable,
         CliExit,
-        _all(
-            "exit 2",
-            "merak plan: error: --memory-per-device is not given",
-            "training.memory_per_device",
-            "--memory-per-device 8GiB",
-        ),
+        _all("exit 2", "merak plan: error: cannot read memory size 'lots'", "'12GiB'"),
     ),
     _row(
         launch_cases.plan_cluster_for_a_dtype_without_a_peak,

@@ -131,19 +131,22 @@ def auto_degrees_note(args: TrainingArguments, world: int) -> str | None:
     )
 
 
-def default_memory_per_device(device: torch.device) -> int:
+def default_memory_per_device(device: torch.device, *, ranks: int | None = None) -> int:
     """CUDA: the device's free memory now less a margin; CPU: the machine's RAM divided by the ranks on this node.
 
     On CUDA the free memory (``torch.cuda.mem_get_info``) already leaves out the CUDA context and
     what other processes hold; the margin (8% of the device, at least 1 GiB) is for NCCL's buffers
-    and the caching allocator's fragmentation.
+    and the caching allocator's fragmentation. ``ranks``: the CPU ranks on this node (default:
+    ``LOCAL_WORLD_SIZE``, else the world size; ``merak plan`` passes ``--world-size``).
     """
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         margin = max(int(0.08 * total), 1 << 30)
         return max(int(free) - margin, 0)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    local = int(os.environ.get("LOCAL_WORLD_SIZE") or (dist.get_world_size() if dist.is_initialized() else 1))
+    local = ranks or int(
+        os.environ.get("LOCAL_WORLD_SIZE") or (dist.get_world_size() if dist.is_initialized() else 1)
+    )
     return int(ram // max(local, 1))
 
 

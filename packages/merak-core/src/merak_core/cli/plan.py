@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-__all__ = ["add_cluster_flags", "add_parser", "cluster_command", "run"]
+__all__ = ["add_cluster_flags", "add_parser", "cluster_command", "plan_memory", "run"]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -32,7 +32,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--memory-per-device",
         default=None,
-        help="memory of one device, bytes or e.g. 8GiB (default: the job's training.memory_per_device)",
+        help="memory of one device, bytes or e.g. 8GiB (default: the job's training.memory_per_device, else "
+        "as layout: auto: a CUDA device's free memory less a margin, or this machine's RAM / --world-size)",
     )
     p.add_argument(
         "--global-batch-size",
@@ -68,7 +69,6 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from merak_core.autoplan.auto import cast_floats, profile_for_plan, profile_inputs, with_adapters
-    from merak_core.config import parse_bytes
     from merak_core.job import JobConfig, write_job
     from merak_core.planner import format_plan, plan
     from merak_core.planner.choices import searched_virtual_stages
@@ -77,19 +77,12 @@ def run(args: argparse.Namespace) -> int:
     if args.cluster is not None or args.dry_run_ranks is not None:
         return cluster_command(args, job)
     t = job.training
-    if args.memory_per_device is None and t.memory_per_device is None:
-        raise ValueError(
-            "--memory-per-device is not given and the job sets no training.memory_per_device: "
-            "pass e.g. --memory-per-device 8GiB"
-        )
-    memory = parse_bytes(
-        args.memory_per_device if args.memory_per_device is not None else int(t.memory_per_device or 0)
-    )
     if args.world_size is None or args.world_size < 1:
         raise ValueError(
             f"--world-size={args.world_size}: expected a number of ranks >= 1 (or plan for a cluster "
             "with --cluster FILE --nodes N)"
         )
+    memory, memory_from = plan_memory(args.memory_per_device, t.memory_per_device, args.world_size)
     gbs = args.global_batch_size
     if gbs is None:
         dp = t.dp if t.dp is not None else max(args.world_size // (t.tp * t.pp), 1)
@@ -113,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         compute_slots=args.compute_slots,
         virtual_stages=searched_virtual_stages(args.compute_slots),  # what layout: auto searches
     )
+    print(f"memory per device: {memory} bytes ({memory / 2**30:.3g} GiB), {memory_from}")
     print(
         f"{len(cands)} feasible configurations for {args.world_size} ranks, {memory} bytes per device, "
         f"global batch {gbs} (profile: {profile.num_layers} layers on {profile.device})"
@@ -122,6 +116,31 @@ def run(args: argparse.Namespace) -> int:
         write_job(args.config, args.write_config, cands[0].training_fields(), overrides=args.overrides)
         print(f"wrote {args.write_config}")
     return 0
+
+
+def plan_memory(flag: str | None, job_value: int | str | None, world_size: int) -> tuple[int, str]:
+    """The memory per device ``merak plan`` plans with (checked before the model is built), and where it came from.
+
+    ``--memory-per-device``, else the job's ``training.memory_per_device``, else the default of
+    ``layout: auto`` (:func:`~merak_core.autoplan.auto.default_memory_per_device`) for a device of this
+    machine: CUDA device 0 when there is one, else the CPU shared by ``world_size`` ranks.
+    """
+    from merak_core.config import parse_bytes
+
+    if flag is not None:
+        return parse_bytes(flag), "from --memory-per-device"
+    if job_value is not None:
+        return parse_bytes(job_value), "from training.memory_per_device"
+    import torch
+
+    from merak_core.autoplan.auto import default_memory_per_device
+
+    if torch.cuda.is_available():
+        device, what = torch.device("cuda", 0), "CUDA device 0's free memory less a margin"
+    else:
+        device, what = torch.device("cpu"), f"this machine's RAM / {world_size} ranks"
+    memory = default_memory_per_device(device, ranks=world_size)
+    return memory, f"the default, as layout: auto ({what}); pass --memory-per-device to plan for another"
 
 
 def add_cluster_flags(p: argparse.ArgumentParser, *, plan: bool) -> None:

@@ -289,14 +289,10 @@ def _auto_dry_run(args: argparse.Namespace, t: Any, world: int) -> str:
     memory = (
         f"{t.memory_per_device} bytes"
         if t.memory_per_device is not None
-        else "the device's memory (CUDA: total memory; CPU: RAM / ranks on the node)"
+        else "the device's memory (CUDA: free memory less a margin; CPU: RAM / ranks on the node)"
     )
     checks = t.plan_check_steps if t.plan_check_steps is not None else 5
-    memory_flag = (
-        f" --memory-per-device {t.memory_per_device}"
-        if t.memory_per_device is not None
-        else " --memory-per-device <bytes>"
-    )
+    memory_flag = f" --memory-per-device {t.memory_per_device}" if t.memory_per_device is not None else ""
     return "\n".join(
         [
             f"layout: auto -- when the job starts, on {world} ranks:",
