@@ -19,7 +19,8 @@ import pytest
 
 from merak_core import TrainingArguments
 from merak_core.cli.main import main
-from merak_core.run import reporting, tensorboard
+from merak_core.config.report_to import check_report_to
+from merak_core.run import tensorboard
 from merak_core.run.metrics import MetricsWriter
 
 REPO = Path(__file__).resolve().parents[2]
@@ -195,7 +196,7 @@ def test_wandb_offline_receives_the_scalars_tensorboard_gets(wandb_offline: Path
 
 
 def test_wandb_alone_writes_no_tensorboard_and_other_ranks_nothing(wandb_offline: Path) -> None:
-    writer = MetricsWriter(str(wandb_offline), enabled=True, report_to=reporting.check_report_to("wandb"))
+    writer = MetricsWriter(str(wandb_offline), enabled=True, report_to=check_report_to("wandb"))
     writer.start(2)
     writer.log(RECORDS[0])
     writer.finish()

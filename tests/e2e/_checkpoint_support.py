@@ -105,20 +105,20 @@ def import_export_body(
 
     trainer = make_trainer(name, save_kwargs)
     trainer.train()
-    exported = export_full_state_dict(trainer, os.path.join(out_dir, "model.pt"))
-    export_full_state_dict(trainer, os.path.join(out_dir, "model.safetensors"))
+    exported = export_full_state_dict(trainer.checkpoint_parts, os.path.join(out_dir, "model.pt"))
+    export_full_state_dict(trainer.checkpoint_parts, os.path.join(out_dir, "model.safetensors"))
     trained = trainer.full_state_dict()
     dist.barrier()
     results: dict[str, Any] = {"exported": exported, "trained": trained}
     for suffix in ("pt", "safetensors"):
         fresh = make_trainer(name, load_kwargs)
         before = fresh.full_state_dict()
-        load_full_state_dict(fresh, os.path.join(out_dir, f"model.{suffix}"))
+        load_full_state_dict(fresh.checkpoint_parts, os.path.join(out_dir, f"model.{suffix}"))
         results[f"before_{suffix}"] = before
         results[f"imported_{suffix}"] = fresh.full_state_dict()
     in_memory = make_trainer(name, load_kwargs)
     full = torch.load(os.path.join(out_dir, "model.pt"), weights_only=True)
-    load_full_state_dict(in_memory, full)
+    load_full_state_dict(in_memory.checkpoint_parts, full)
     results["imported_dict"] = in_memory.full_state_dict()
     return results if dist.get_rank() == 0 else {}
 
@@ -394,5 +394,5 @@ def load_weights_from_checkpoint_body(
     from merak_core.checkpoint.weights import load_full_state_dict
 
     trainer = make_trainer(name, kwargs)
-    load_full_state_dict(trainer, source)
+    load_full_state_dict(trainer.checkpoint_parts, source)
     return trainer.full_state_dict()

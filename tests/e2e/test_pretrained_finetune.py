@@ -59,7 +59,7 @@ def finetune_on_ranks(
     own = sum(
         p.numel() * p.element_size() for p in {id(p): p for _, p in trainer.model.named_parameters()}.values()
     )
-    export_hf(trainer, Path(out) / "step0", max_shard_size="40KB")
+    export_hf(trainer.checkpoint_parts, Path(out) / "step0", max_shard_size="40KB")
     trainer.train()  # exports to step3 (export_hf_dir) after the last step
     return read[0], own, trainer.last_eval["eval_loss"]
 

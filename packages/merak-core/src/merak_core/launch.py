@@ -176,8 +176,9 @@ def _setup_stop_line(rank: int, signal_name: str, args: argparse.Namespace, outp
 
 def _set_up(args: argparse.Namespace, where: dict[str, str]) -> tuple[Any, Any, Any]:
     """Everything before the first step: the job file, the process groups, the model, the resume."""
-    from merak_core import Trainer, init
     from merak_core.job import JobConfig
+    from merak_core.parallel.layout import init
+    from merak_core.trainer import Trainer
 
     job = JobConfig.from_yaml(args.config, args.overrides)
     targs = job.training

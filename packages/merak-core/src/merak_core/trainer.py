@@ -333,7 +333,7 @@ class Trainer(GenerateMixin, EngineViews):
 
                 export_adapters(self.model, args.export_hf_dir, base=self.pretrained_path)  # a PEFT folder
             else:
-                export_hf(self, args.export_hf_dir)  # from the live parameters: checkpoints or not
+                export_hf(self.checkpoint_parts, args.export_hf_dir)  # the live parameters: checkpoints or not
         self.metrics.finish()
         return self.history
 

@@ -4,7 +4,7 @@
 
     trainer.checkpoints.save()            # output_dir/checkpoints/step_<N>, every rank
     step = trainer.resume("latest")       # or a directory; any (dp, tp, pp) layout
-    load_full_state_dict(trainer, "model.safetensors")   # single-device weights (weights.py)
+    load_full_state_dict(trainer.checkpoint_parts, "model.safetensors")   # single-device weights (weights.py)
     export_full_state_dict("out/checkpoints/latest", "model.pt")
 
 [Note: checkpoint keys] A checkpoint is a DCP directory whose keys do not depend
@@ -56,6 +56,10 @@ The manager is handed the parts of a run explicitly (:class:`CheckpointParts`: a
 model, optimizer, learning-rate schedule, data position, train state), never the loop that owns them.
 
 Not done here: asynchronous saving.
+
+May import ``merak_core.config``, ``merak_core.parallel`` and ``merak_core.lora`` (below it); never
+``data``, ``hf``, ``run``, the planners or the Trainer: a run is handed over as its
+:class:`~merak_core.checkpoint.parts.CheckpointParts` (saving, loading, weight import and export).
 """
 
 from merak_core.checkpoint.files import (

@@ -13,15 +13,13 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from merak_core.checkpoint.files import CheckpointCorruptError, CheckpointError, _step_dirs, latest_candidates
 from merak_core.checkpoint.load import checkpoint_candidates, load_checkpoint, place_optimizer_state
 from merak_core.checkpoint.ranks import warn_rank0
 from merak_core.checkpoint.save import NonFiniteCheckpointError, save_checkpoint
-from merak_core.checkpoint.specs import tensor_specs
+from merak_core.checkpoint.specs import model_fingerprint
 
 if TYPE_CHECKING:
     from merak_core.checkpoint.parts import CheckpointParts
@@ -76,13 +74,7 @@ class CheckpointManager:
     def fingerprint(self) -> dict[str, tuple[int, ...]]:
         """Every logical parameter name with its full shape, over all stages (collective once, then cached)."""
         if self._fingerprint is None:
-            local = {name: spec.full_shape for name, (_, spec) in tensor_specs(self.parts).items()}
-            gathered: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, local)
-            merged: dict[str, tuple[int, ...]] = {}
-            for part in gathered:
-                merged.update(part)
-            self._fingerprint = dict(sorted(merged.items()))
+            self._fingerprint = model_fingerprint(self.parts)
         return self._fingerprint
 
     # ------------------------------------------------------------------ save

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from merak_core.parallel.fsdp import full_local_tensor
@@ -66,6 +67,17 @@ def tensor_specs(parts: CheckpointParts) -> dict[str, tuple[nn.Parameter, Tensor
     for name, p in parts.model.named_parameters():
         out.setdefault(name, (p, TensorSpec(p, layout.tp, layout.tp_rank)))
     return out
+
+
+def model_fingerprint(parts: CheckpointParts) -> dict[str, tuple[int, ...]]:
+    """Every logical parameter name with its full shape, over all stages (collective: every rank calls it)."""
+    local = {name: spec.full_shape for name, (_, spec) in tensor_specs(parts).items()}
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
+    merged: dict[str, tuple[int, ...]] = {}
+    for part in gathered:
+        merged.update(part)
+    return dict(sorted(merged.items()))
 
 
 def _to_checkpoint(

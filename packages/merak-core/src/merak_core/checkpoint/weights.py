@@ -1,13 +1,14 @@
 """Weights in and out of a Merak run, as single-device state dicts.
 
-``load_full_state_dict(trainer, source)`` loads a full (unsharded) state dict, a
+``load_full_state_dict(trainer.checkpoint_parts, source)`` loads a full (unsharded) state dict, a
 ``torch.save`` file or a safetensors file into any layout: each rank reads only
 its own stage's tensors and its own TP slice (files are memory-mapped,
 safetensors read through ``get_slice``). ``export_full_state_dict`` writes a
-trainer's or a checkpoint directory's logical parameters as one single-device
-file; ``read_checkpoint_model`` reads them in one process.
+run's (its :class:`CheckpointParts`) or a checkpoint directory's logical parameters as one
+single-device file; ``read_checkpoint_model`` reads them in one process. A run is handed as its
+:class:`CheckpointParts`, never as the Trainer.
 
-The checkpoint format itself lives in ``checkpoint.py`` ([Note: checkpoint keys]).
+The checkpoint format itself lives in this package's ``__init__`` ([Note: checkpoint keys]).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import os
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -34,12 +35,10 @@ from merak_core.checkpoint.files import (
     read_checkpoint_meta,
 )
 from merak_core.checkpoint.integrity import VerifyingReader, check_manifest
-from merak_core.checkpoint.specs import TensorSpec, tensor_specs
+from merak_core.checkpoint.parts import CheckpointParts
+from merak_core.checkpoint.specs import TensorSpec, model_fingerprint, tensor_specs
 from merak_core.parallel.compose import gather_full_state_dict
 from merak_core.parallel.fsdp import copy_into_shard_
-
-if TYPE_CHECKING:
-    from merak_core.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -90,9 +89,14 @@ def _read_shard(entry: Any, spec: TensorSpec) -> torch.Tensor:
 
 
 def load_full_state_dict(
-    trainer: Trainer, source: Mapping[str, torch.Tensor] | str | os.PathLike[str], *, strict: bool = True
+    parts: CheckpointParts,
+    source: Mapping[str, torch.Tensor] | str | os.PathLike[str],
+    *,
+    strict: bool = True,
 ) -> list[str]:
     """Load single-device weights (a state dict, a ``torch.save`` file or ``.safetensors``) into any layout.
+
+    ``parts``: the run's :class:`CheckpointParts` (``trainer.checkpoint_parts``).
 
     ``source`` may also be a checkpoint directory or a ``latest`` pointer
     (``.../checkpoints/latest``): its model weights only, verified (see :func:`read_checkpoint_model`;
@@ -105,7 +109,7 @@ def load_full_state_dict(
     the names of the model's parameters that were not in ``source`` (``strict=False``).
     Collective (the model fingerprint is agreed once); optimizer state is left as is.
     """
-    mine = trainer.checkpoints.fingerprint()
+    mine = model_fingerprint(parts)
     getter, names = _open_source(source)
     available = set(names)
     missing = sorted(set(mine) - available)
@@ -117,7 +121,7 @@ def load_full_state_dict(
             "model's parameter names (pass strict=False to load the matching ones)"
         )
     with torch.no_grad():
-        for name, (p, spec) in tensor_specs(trainer.checkpoint_parts).items():
+        for name, (p, spec) in tensor_specs(parts).items():
             if name not in available:
                 continue
             entry = getter(name)
@@ -184,13 +188,13 @@ def _read_model(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def export_full_state_dict(
-    source: Trainer | str | os.PathLike[str], out_path: str | os.PathLike[str]
+    source: CheckpointParts | str | os.PathLike[str], out_path: str | os.PathLike[str]
 ) -> dict[str, torch.Tensor] | None:
     """Write one single-device state dict (logical names) to ``out_path``; return it where it was built.
 
     ``source``: a checkpoint directory or a ``latest`` pointer such as ``out/checkpoints/latest``
     (read in this process alone, no collectives, verified; see :func:`read_checkpoint_model`) or a
-    :class:`~merak_core.trainer.Trainer` (collective; rank 0 writes and gets the dict,
+    run's :class:`CheckpointParts` (``trainer.checkpoint_parts``; collective, rank 0 writes and gets the dict,
     other ranks get None). ``out_path`` ending in ``.safetensors`` is written with the
     safetensors package, anything else with ``torch.save``.
     """

@@ -28,6 +28,9 @@ values, memory), samples after the first few batches, and layouts chosen by ``la
 
 Modules: ``files`` (output_dir, --resume), ``model`` (factory arguments, the meta build), ``tp_plan``,
 ``data`` (datasets and the first batch); ``base`` (the error and the report).
+
+May import the folders below it (``lora``, ``parallel``, ``config``, ``data``, ``checkpoint``,
+``generation``, ``hf``) and ``merak_core.job``; never ``run``, the planners, the Trainer or the CLI.
 """
 
 from __future__ import annotations
@@ -99,6 +102,9 @@ def preflight(job: JobConfig, *, tp: int | None = None, resume: str | None = Non
     from merak_core.checks.expert_parallel import check_ep_job
 
     report.checks.extend(check_ep_job(job, model))  # training.ep > 1: the model's MoE blocks, LoRA
+    from merak_core.checks.generation import check_samples_job
+
+    report.checks.extend(check_samples_job(job, model))  # training.sample_prompts: tokenizer, layout
     if t.virtual_stages > 1:
         try:
             check_layer_count(model, t.pp, t.virtual_stages)

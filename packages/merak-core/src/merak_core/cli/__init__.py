@@ -21,6 +21,9 @@ libraries never touch the root logger.
 Modules: ``main`` (the parser, logging, the dispatch), ``train`` (with ``slurm``), ``plan`` (with the cluster
 flags and dry runs), ``check`` (``plans`` and ``check``); ``export`` lives in
 :mod:`merak_core.cli.export` and ``eval`` in :mod:`merak_core.cli.eval_job`.
+
+The top of the package: it may import every folder, ``merak_core.launch`` and the package itself;
+nothing imports it but the ``merak`` entry point.
 """
 
 from merak_core.cli.main import main

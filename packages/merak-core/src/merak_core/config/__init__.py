@@ -40,6 +40,9 @@ them from these fields) and any check against the world size (``init`` does that
 Modules: ``values`` (allowed values, reading YAML, sizes and recompute specs, type coercion),
 ``arguments`` (the dataclass, reading it from mappings and overrides), ``checks`` (its fields'
 checks, section by section), ``lr`` (learning-rate schedules).
+
+May import ``merak_core.parallel`` and ``merak_core.lora`` (the virtual-stage check); nothing above
+them. The ``report_to`` names are checked here (``report_to.py``); opening the reporters is ``run``'s.
 """
 
 from merak_core.config.arguments import TrainingArguments, override_value, parse_overrides

@@ -16,6 +16,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from merak_core.config.report_to import check_report_to
 from merak_core.config.values import (
     DTYPES,
     LABEL_CONVENTIONS,
@@ -29,7 +30,6 @@ from merak_core.config.values import (
     schedule_key,
 )
 from merak_core.parallel.virtual_stages import check_virtual_stages
-from merak_core.run.reporting import check_report_to
 
 __all__ = ["check_arguments"]
 
@@ -37,9 +37,7 @@ __all__ = ["check_arguments"]
 def check_arguments(args: Any) -> None:
     """ValueError naming the first invalid field of ``args`` (a ``TrainingArguments``); normalises some values."""
     _check_run(args)
-    args.report_to = check_report_to(
-        args.report_to
-    )  # merak_core.run.reporting: the names and the wandb extra
+    args.report_to = check_report_to(args.report_to)  # config/report_to.py: the names and the wandb extra
     _check_pipeline(args)
     _check_planner(args)
     _check_sharding(args)

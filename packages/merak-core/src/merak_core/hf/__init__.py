@@ -6,6 +6,10 @@
 - :func:`export_hf` (a live run, collective) and :func:`export_checkpoint` (a checkpoint, one
   process) write sharded safetensors with an index, ``config.json`` and the tokenizer and
   generation files of the pretrained folder (``export.py``).
+
+May import ``merak_core.checkpoint`` (a live run is handed over as its ``CheckpointParts``, a
+checkpoint is read by its reader), ``lora``, ``parallel``, ``config`` and ``data``; never ``run``, the
+planners or the Trainer.
 """
 
 from merak_core.hf.export import export_checkpoint, export_hf, write_hf_folder

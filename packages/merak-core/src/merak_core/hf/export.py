@@ -3,7 +3,7 @@
 ::
 
     merak export out/checkpoints/latest --to-hf out/hf      # a checkpoint, in one process
-    export_hf(trainer, "out/hf")                            # a live run (collective)
+    export_hf(trainer.checkpoint_parts, "out/hf")           # a live run (collective)
 
 The folder holds the weights as safetensors shards (``model-0000k-of-0000n.safetensors`` with a
 ``model.safetensors.index.json``, or one ``model.safetensors`` when it fits one shard), the
@@ -23,6 +23,9 @@ files; global rank 0 writes them one after the other, each stage sending it that
 writes the index, ``config.json`` and the companion files last, so a folder with an index is
 complete.
 
+A live run is handed as its :class:`~merak_core.checkpoint.parts.CheckpointParts` (the model, the
+layout, the device and the folder it started from), never as the Trainer.
+
 Not done here: reading folders (``folder.py``), choosing when to export (the trainer).
 """
 
@@ -36,14 +39,12 @@ import re
 import shutil
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from merak_core.checkpoint.parts import CheckpointParts
 from merak_core.hf.folder import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, PretrainedFolder
-
-if TYPE_CHECKING:
-    from merak_core.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -271,7 +272,7 @@ def export_checkpoint(
     """
     from merak_core.checkpoint.files import latest_candidates, pointer_root, read_checkpoint_meta
     from merak_core.checkpoint.weights import read_checkpoint_model
-    from merak_core.hf.adapters import checkpoint_lora, merge_adapters, write_adapter_folder
+    from merak_core.hf.adapters import base_state, checkpoint_lora, merge_adapters, write_adapter_folder
 
     check_out_dir(out, what="--to-hf")
     state = read_checkpoint_model(checkpoint)
@@ -292,18 +293,21 @@ def export_checkpoint(
     if lora is not None:
         from merak_core.hf.pretrained import pretrained_model
 
-        state = merge_adapters(state, lora, pretrained_model(source.path))
+        model = pretrained_model(source.path)
+        if meta.get("adapter_only"):  # [Note: adapter-only checkpoints]: the base from the folder, checked
+            state = {**base_state(model, source.path, meta.get("base") or {}, directory), **state}
+        state = merge_adapters(state, lora, model)
     check_state_fits(state, source, checkpoint=str(checkpoint))
     return write_hf_folder(state, out, source=source, max_shard_size=max_shard_size)
 
 
-def _stage_tensors(trainer: Trainer) -> Iterable[tuple[str, torch.Tensor]]:
+def _stage_tensors(parts: CheckpointParts) -> Iterable[tuple[str, torch.Tensor]]:
     """(logical name, full tensor in the file layout) for this stage's parameters (see [Note: export from a run]).
 
     Collective over the TP group (one gather per sharded parameter, in the same order on every
     TP rank); yields on every TP rank, the tensors are complete everywhere.
     """
-    pm = trainer.model
+    pm = parts.model
     layout = pm.layout
     from merak_tp.shard_spec import get_shard_spec
 
@@ -353,7 +357,7 @@ def _gather_and_write(
 
 
 def export_hf(
-    trainer: Trainer,
+    parts: CheckpointParts,
     out: str | os.PathLike[str],
     *,
     pretrained: str | os.PathLike[str] | PretrainedFolder | None = None,
@@ -361,12 +365,12 @@ def export_hf(
 ) -> Path:
     """Export a live run as a Hugging Face folder (collective over the world; see [Note: export from a run]).
 
-    ``pretrained``: the folder whose config and tokenizer files to copy (default: the one the
-    Trainer loaded). Returns ``out`` on every rank once the folder is complete.
+    ``parts``: the run's :class:`CheckpointParts` (``trainer.checkpoint_parts``). ``pretrained``: the
+    folder whose config and tokenizer files to copy (default: the one the run started from). Returns ``out`` on every rank once the folder is complete.
     """
     import torch.distributed as dist
 
-    source = resolve_source(pretrained, getattr(trainer, "pretrained_path", None))
+    source = resolve_source(pretrained, parts.pretrained)
     if source is None:
         raise ValueError(
             "export_hf needs the config.json of the model: the run did not start from "
@@ -374,13 +378,13 @@ def export_hf(
         )
     max_bytes = parse_size(max_shard_size)
     check_out_dir(out, what="the export folder")
-    layout = trainer.layout
+    layout = parts.layout
     out_dir = Path(out)
     if dist.get_rank() == 0:
         prepare_out_dir(out_dir)
     dist.barrier()
     # Experts are sharded over the first EP group's DP ranks (merak_core.parallel.expert_parallel); dense tensors: DP rank 0's.
-    tensors = dict(_stage_tensors(trainer)) if layout.dp_rank < layout.ep else {}
+    tensors = dict(_stage_tensors(parts)) if layout.dp_rank < layout.ep else {}
     if layout.tp_rank != 0:
         tensors = {}  # the stage's tensors are sent from its DP rank 0, TP rank 0 alone
     mine = {n: (tuple(t.shape), t.dtype) for n, t in tensors.items()}
@@ -397,7 +401,7 @@ def export_hf(
     for index, names in enumerate(groups):
         file_name = _shard_name(index, len(groups))
         weight_map.update(dict.fromkeys(names, file_name))
-        _gather_and_write(names, owners, tensors, out_dir / file_name, device=trainer.device)
+        _gather_and_write(names, owners, tensors, out_dir / file_name, device=parts.device)
     del tensors
     dist.barrier()
     if dist.get_rank() == 0:

@@ -19,6 +19,9 @@ the simulated activation peak), drops what does not fit and ranks the rest.
 every layer's compute, activations and parameters by tp and adds two all-reduces of the layer's
 output per layer in forward and two in backward; the DP all-reduce is not overlapped with the
 pipeline. Backward time is measured as a whole and spread over layers in proportion to forward.
+
+Pure (no process group, no run): may import ``merak_core.parallel`` and the folders below
+``run``; never ``run``, :mod:`merak_core.autoplan` (what runs on the ranks) or the Trainer.
 """
 
 from merak_core.planner.candidate import Candidate, format_plan, why_best

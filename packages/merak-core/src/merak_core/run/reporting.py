@@ -3,7 +3,7 @@
 [Note: report_to]
 - unset (None, the default): TensorBoard when the ``tensorboard`` package is installed; without it,
   one warning at the start of training saying so (and how to install it or silence it);
-- a name or a list of names of :data:`REPORT_TO`; ``all``: every one that is installed;
+- a name or a list of names of :data:`merak_core.config.report_to.REPORT_TO`; ``all``: every one that is installed;
   ``none`` (or ``[]``): neither. Any other value is refused with the arguments, naming the allowed
   ones (a job file: by ``merak train`` before torchrun starts);
 - ``wandb`` asked for without the ``wandb`` package is refused the same way (the ``wandb`` extra);
@@ -29,14 +29,10 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
+from merak_core.config.report_to import REPORT_TO
 from merak_core.run import tensorboard
 
 logger = logging.getLogger(__name__)
-
-REPORT_TO = ("tensorboard", "wandb")
-"""The reporters ``training.report_to`` may name (besides ``all`` and ``none``)."""
-
-_EXPECTED = f"one of {REPORT_TO} or a list of them, 'all' (every one installed) or 'none'"
 
 
 class Reporter(Protocol):
@@ -47,32 +43,6 @@ class Reporter(Protocol):
     def close(self) -> None: ...
 
 
-def check_report_to(value: Any) -> list[str] | None:
-    """``report_to`` as a list of names (None stays None: the default); ValueError for a value not allowed.
-
-    ``"wandb"`` -> ``["wandb"]``; ``"none"`` -> ``[]``; ``"all"`` -> ``["all"]``. See [Note: report_to].
-    """
-    if value is None:
-        return None
-    names = [value] if isinstance(value, str) else value
-    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
-        raise ValueError(f"report_to={value!r} is invalid: expected {_EXPECTED}; set report_to accordingly")
-    names = list(dict.fromkeys(n.strip().lower() for n in names))
-    bad = [n for n in names if n not in (*REPORT_TO, "all", "none")]
-    if bad or (len(names) > 1 and ("none" in names or "all" in names)):
-        raise ValueError(
-            f"report_to={value!r} is invalid"
-            + (f" ({', '.join(map(repr, bad))} is not a reporter)" if bad else "")
-            + f": expected {_EXPECTED}; set report_to accordingly"
-        )
-    if "wandb" in names and importlib.util.find_spec("wandb") is None:
-        raise ValueError(
-            "report_to names 'wandb' but the wandb package is not installed: pip install 'merak-core[wandb]', "
-            "or remove wandb from report_to"
-        )
-    return [] if names == ["none"] else names
-
-
 def open_reporters(
     output_dir: str,
     report_to: Sequence[str] | None,
@@ -80,7 +50,7 @@ def open_reporters(
     resumed_step: int = 0,
     config: Mapping[str, Any] | None = None,
 ) -> list[Reporter]:
-    """The reporters of a run (rank 0), opened; ``report_to`` as :func:`check_report_to` returns it."""
+    """The reporters of a run (rank 0), opened; ``report_to`` as ``config.report_to.check_report_to`` returns it."""
     names = ["tensorboard"] if report_to is None else list(report_to)
     every = names == ["all"]
     if every:
@@ -107,6 +77,9 @@ class _TensorBoard:
 
     def write(self, record: Mapping[str, Any]) -> None:
         tensorboard.write_record(self.writer, record)
+
+    def write_text(self, tag: str, text: str, step: int) -> None:
+        self.writer.add_text(tag, text, step)
 
     def close(self) -> None:
         self.writer.close()
@@ -135,4 +108,4 @@ class _Wandb:
         self.run.finish()
 
 
-__all__ = ["REPORT_TO", "Reporter", "check_report_to", "open_reporters"]
+__all__ = ["Reporter", "open_reporters"]

@@ -1,0 +1,45 @@
+"""``training.report_to``: which reporters a run's arguments may name, checked with the arguments.
+
+The names and the check live with the configuration (``merak_core.config`` checks every argument
+before any process group; a job file's before torchrun starts); opening the reporters is the run's
+(:mod:`merak_core.run.reporting`, where [Note: report_to] says what each value does).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+REPORT_TO = ("tensorboard", "wandb")
+"""The reporters ``training.report_to`` may name (besides ``all`` and ``none``)."""
+
+_EXPECTED = f"one of {REPORT_TO} or a list of them, 'all' (every one installed) or 'none'"
+
+
+def check_report_to(value: Any) -> list[str] | None:
+    """``report_to`` as a list of names (None stays None: the default); ValueError for a value not allowed.
+
+    ``"wandb"`` -> ``["wandb"]``; ``"none"`` -> ``[]``; ``"all"`` -> ``["all"]``. See [Note: report_to].
+    """
+    if value is None:
+        return None
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"report_to={value!r} is invalid: expected {_EXPECTED}; set report_to accordingly")
+    names = list(dict.fromkeys(n.strip().lower() for n in names))
+    bad = [n for n in names if n not in (*REPORT_TO, "all", "none")]
+    if bad or (len(names) > 1 and ("none" in names or "all" in names)):
+        raise ValueError(
+            f"report_to={value!r} is invalid"
+            + (f" ({', '.join(map(repr, bad))} is not a reporter)" if bad else "")
+            + f": expected {_EXPECTED}; set report_to accordingly"
+        )
+    if "wandb" in names and importlib.util.find_spec("wandb") is None:
+        raise ValueError(
+            "report_to names 'wandb' but the wandb package is not installed: pip install 'merak-core[wandb]', "
+            "or remove wandb from report_to"
+        )
+    return [] if names == ["none"] else names
+
+
+__all__ = ["REPORT_TO", "check_report_to"]
