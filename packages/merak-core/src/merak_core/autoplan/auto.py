@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from merak_core.autoplan.probe import slowest_probe_note
 from merak_core.config import TrainingArguments
 from merak_core.planner import (
     Candidate,
@@ -317,11 +318,12 @@ def _profile_and_measure(
     slots = _cpu_compute_slots(args, built, dev)
     built = None  # the copy is not needed any more
     comm = measure_comm()
+    probed: dict[int, tuple[float, int]] = {}
     if probe_tp:
-        profile, error = _with_tp_scale(
+        profile, error, probed = _with_tp_scale(
             args, model, train_dataset, data_collator, profile, error, comm, slots
         )
-    payload: dict[str, Any] = {"error": error}
+    payload: dict[str, Any] = {"error": error, "probe": probed}
     if rank == 0 and not error:
         assert profile is not None
         memory = float(args.memory_per_device or default_memory_per_device(dev))
@@ -348,9 +350,10 @@ def _with_tp_scale(
     error: str,
     comm: Any,
     slots: float | None,
-) -> tuple[ModelProfile | None, str]:
+) -> tuple[ModelProfile | None, str, dict[int, tuple[float, int]]]:
     """Every rank gets rank 0's profile; then the probe runs (collective) add ``tp_scale`` and
     ``overhead_scale`` to it. Skipped (on every rank alike) when profiling failed or for one rank.
+    Also returns what the probe measured (:attr:`~merak_core.autoplan.probe.ProbeResult.measured`).
     """
     from merak_core.autoplan.probe import measure_tp_scale
 
@@ -359,9 +362,9 @@ def _with_tp_scale(
     profile, error = box[0]
     world = dist.get_world_size()
     if error or profile is None or world < 2:
-        return profile, error
+        return profile, error, {}
     result = measure_tp_scale(args, model, train_dataset, profile, comm, slots, data_collator=data_collator)
-    return result.apply(profile), error
+    return result.apply(profile), error, dict(result.measured)
 
 
 def build_plan_context(
@@ -498,6 +501,9 @@ def auto_layout(
             " ".join(f"{k}={v}" for k, v in fields.items()),
             f" (replacing the job's {replaced})" if replaced else "",
         )
+        slowest = slowest_probe_note(payload["chosen"], payload["probe"])
+        if slowest is not None:
+            logger.warning("%s", slowest)
     return AutoLayout(args=new_args, context=context, chosen=payload["chosen"], table=payload["table"])
 
 

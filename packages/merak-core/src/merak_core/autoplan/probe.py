@@ -38,7 +38,7 @@ from merak_core.planner import CommModel, ModelProfile, predict
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ProbeResult", "measure_tp_scale"]
+__all__ = ["ProbeResult", "measure_tp_scale", "slowest_probe_note"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +49,8 @@ class ProbeResult:
     """Per TP degree (1 included): measured / predicted pipeline time."""
     overhead_scale: float
     """Median over the probes of measured / predicted time outside the pipeline."""
+    measured: dict[int, tuple[float, int]] = dataclasses.field(default_factory=dict)
+    """Per TP degree: the measured step seconds (median, slowest rank) and the samples one step took."""
 
     def apply(self, profile: ModelProfile) -> ModelProfile:
         """``profile`` with these factors."""
@@ -89,6 +91,7 @@ def measure_tp_scale(
     micro = args.per_device_train_batch_size
     scale: dict[int, float] = {}
     rest: list[float] = []
+    steps_s: dict[int, tuple[float, int]] = {}
     for k in ks:
         probe = dataclasses.replace(
             args,
@@ -129,6 +132,7 @@ def measure_tp_scale(
         )
         pipe_s, step_s = (float(x) for x in measured)
         scale[k] = pipe_s / predicted.pipeline_s
+        steps_s[k] = (step_s, world // k * micro)
         outside = predicted.step_time_s - predicted.pipeline_s
         if outside > 0:
             rest.append(max(step_s - pipe_s, 0.0) / outside)
@@ -145,7 +149,33 @@ def measure_tp_scale(
                 (step_s - pipe_s) * 1e3,
                 outside * 1e3,
             )
-    return ProbeResult(tp_scale=scale, overhead_scale=statistics.median(rest) if rest else 1.0)
+    return ProbeResult(
+        tp_scale=scale, overhead_scale=statistics.median(rest) if rest else 1.0, measured=steps_s
+    )
+
+
+def slowest_probe_note(chosen: Any, measured: dict[int, tuple[float, int]]) -> str | None:
+    """One line when the plan ranks first (``chosen``, a Candidate) the pure DP x TP layout the probe measured slowest.
+
+    ``measured``: :attr:`ProbeResult.measured`. The probes compare by time per sample (the layouts'
+    steps take different numbers of samples); None when the first candidate was not probed (pp > 1),
+    fewer than two layouts were, or another was measured slower.
+    """
+    if len(measured) < 2 or chosen.pp != 1 or chosen.tp not in measured:
+        return None
+    per = {k: s / n for k, (s, n) in measured.items()}
+    if per[chosen.tp] < max(per.values()) or max(per.values()) == min(per.values()):
+        return None
+    world = chosen.dp * chosen.tp
+    fastest = min(per, key=lambda k: per[k])
+    step_s, samples = measured[chosen.tp]
+    others = ", ".join(f"dp{world // k}-tp{k} {per[k] * 1e3:.3g} ms" for k in sorted(per) if k != chosen.tp)
+    return (
+        f"layout auto: the plan ranks dp{chosen.dp}-tp{chosen.tp}-pp1 first, but its probe measured that layout "
+        f"slowest: {step_s * 1e3:.3g} ms per step of {samples} samples ({per[chosen.tp] * 1e3:.3g} ms per sample; "
+        f"{others} per sample); the cost model and this machine disagree here: to train the measured fastest, set "
+        f"layout: manual with training.dp={world // fastest} training.tp={fastest} training.pp=1"
+    )
 
 
 def _times(
