@@ -218,6 +218,7 @@ class JobConfig:
 
             PretrainedFolder(job.model.pretrained)  # a bad folder fails here, with its path and the fix
         job.data.load(base_dir, "data.factory")
+        _fill_sample_tokenizer(job)
         _check_tp_plan_name(training.tp_plan, source)  # the factories may have registered it
         if job.model.lora is not None:
             _check_lora(job.model.lora, training, source)
@@ -294,6 +295,16 @@ def write_job(
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w") as f:
         yaml.safe_dump(raw, f, sort_keys=False)
+
+
+def _fill_sample_tokenizer(job: JobConfig) -> None:
+    """``training.sample_prompts`` without ``sample_tokenizer``: the job's text tokenizer, else the pretrained
+    folder's (None stays: the launch checks refuse it). Every reader of the job file (the ranks too) fills it."""
+    t = job.training
+    if t.sample_prompts and t.sample_tokenizer is None:
+        from merak_core.generation.prompts import job_tokenizer
+
+        t.sample_tokenizer = job_tokenizer(job)
 
 
 def _check_tp_plan_name(tp_plan: Any, source: str) -> None:

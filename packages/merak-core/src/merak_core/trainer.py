@@ -145,6 +145,11 @@ class Trainer(GenerateMixin, EngineViews):
             from merak_core.checks.tp_check import check_sequence_parallel
 
             check_sequence_parallel(model, args.tp_plan)  # from the model alone, before any process group
+        from merak_core.run.samples import TrainingSamples
+
+        self.samples = TrainingSamples.prepare(  # before any process group: refusals on every rank alike
+            args, model, layout.pp if layout is not None else args.pp, self.pretrained_path
+        )
         self.args = args
         self.layout = bootstrap.run_layout(args, layout, device)
         self.device = bootstrap.run_device(self.layout, device)
@@ -370,6 +375,10 @@ class Trainer(GenerateMixin, EngineViews):
                 record["tokens_per_s"] = window_tokens / elapsed if elapsed > 0 else 0.0
                 self.metrics.log(record)
                 window_start, window_tokens = time.perf_counter(), 0
+            if self.samples is not None and self.samples.due(step, total) and not self.stop_agreed:
+                from merak_core.run.samples import sample_in_training
+
+                sample_in_training(self.samples, self, step, dist.get_rank())  # collective
             if cadence.eval_due(step) and not self.stop_agreed:
                 self._evaluate_in_training(step)  # before the save: a non-finite evaluation commits nothing
             saved = None

@@ -72,31 +72,23 @@ def read_prompts(prompt: str | None, prompts_file: str | None) -> list[str]:
 
 def tokenizer_path(job: Any, explicit: str | None) -> str:
     """Where the prompts' tokenizer is: ``--tokenizer``, ``data.tokenizer``, or the pretrained folder's."""
-    from merak_core.data.text.job import job_text_spec
+    from merak_core.generation.prompts import job_tokenizer
 
-    if explicit is not None:
-        return explicit
-    spec = job_text_spec(job)
-    if spec is not None:
-        return str(spec.tokenizer)
-    folder = job.model.pretrained
-    if folder is not None and any(
-        (Path(folder) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")
-    ):
-        return str(folder)
+    found = explicit if explicit is not None else job_tokenizer(job)
+    if found is not None:
+        return found
     raise ValueError(
         f"{CMD}: the job names no tokenizer (no text data's data.tokenizer, no tokenizer files in "
-        f"model.pretrained={folder!r}): pass --tokenizer PATH (a tokenizer.json or a tokenizer folder)"
+        f"model.pretrained={job.model.pretrained!r}): pass --tokenizer PATH (a tokenizer.json or a tokenizer folder)"
     )
 
 
 def check_layout(job: Any) -> int:
     """The world size, after the refusals generation makes before any process starts."""
     from merak_core.checks import build_meta_model, check_tp_plan
+    from merak_core.checks.generation import check_generation_layout
     from merak_core.checks.sizes import check_attention_heads
     from merak_core.checks.tp_plan import _resolve_plan
-    from merak_core.generation.decoders import FAMILIES
-    from merak_core.generation.run_api import check_run_options
 
     t = job.training
     if t.layout == "auto" or t.dp is None:
@@ -104,38 +96,10 @@ def check_layout(job: Any) -> int:
             f"{CMD}: the job does not fix its layout (layout: auto or training.dp unset): pass "
             "training.layout=manual training.dp=... training.tp=... training.pp=... (checkpoints reshard)"
         )
-    refusals = {
-        "training.virtual_stages": (
-            t.virtual_stages > 1,
-            "generation runs one stage per rank: training.virtual_stages=1",
-        ),
-        "training.sequence_parallel": (
-            t.sequence_parallel and t.tp > 1,
-            "use training.sequence_parallel=false",
-        ),
-        "model.lora": (
-            job.model.lora is not None and t.pp > 1,
-            "generate a LoRA checkpoint at training.pp=1",
-        ),
-    }
-    for key, (bad, fix) in refusals.items():
-        if bad:
-            raise ValueError(
-                f"{CMD}: {key}={getattr(t, key.split('.')[1], 'set')!r} is not supported for generation: {fix}"
-            )
-    try:
-        check_run_options(t, t.pp)  # the Trainer's own refusals (zero_stage, overlap_chunks), here
-    except ValueError as exc:
-        raise ValueError(f"{CMD}: training.{exc}") from None
     model = build_meta_model(job)
     if check_tp_plan(model, t.tp_plan, t.tp, t.overlap_chunks) is not None:
         check_attention_heads(model, _resolve_plan(model, t.tp_plan), t.tp)
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if t.pp > 1 and model_type not in FAMILIES:
-        raise ValueError(
-            f"{CMD}: training.pp={t.pp} with a {model_type or type(model).__name__!r} model: generation under "
-            f"pipeline parallelism supports {sorted(FAMILIES)}; pass training.pp=1 (and training.tp=... instead)"
-        )
+    check_generation_layout(job, model, CMD)
     return int(t.dp * t.tp * t.pp)
 
 
@@ -169,35 +133,15 @@ def sampling_options(args: argparse.Namespace) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- per rank (torchrun)
 
 
-def _encode(tok: Any, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = tok.encode(prompts, special=True)
-    width = max(len(row) for row in ids)
-    input_ids = torch.full((len(ids), width), tok.pad_id, dtype=torch.long)
-    mask = torch.zeros_like(input_ids)
-    for row, tokens in enumerate(ids):
-        if tokens:
-            input_ids[row, width - len(tokens) :] = torch.tensor(tokens)
-            mask[row, width - len(tokens) :] = 1
-    return input_ids, mask
-
-
-def _continuations(tok: Any, sequences: torch.Tensor, width: int, eos: int | None) -> list[dict[str, Any]]:
-    out = []
-    for row in sequences[:, width:].tolist():
-        if eos is not None and eos in row:
-            row = row[: row.index(eos)]
-        out.append({"text": tok.backend.decode(row, skip_special_tokens=True), "tokens": row})
-    return out
-
-
 def generate_job(
     job: Any, checkpoint: str, prompts: list[str], opts: dict[str, Any], *, tokenizer: str, batch_size: int
 ) -> list[dict[str, Any]]:
     """Every rank: the job's model with ``checkpoint``'s weights continues ``prompts``; collective."""
     from merak_core import Trainer, init
     from merak_core.data.text import load_tokenizer
+    from merak_core.generation.prompts import decode_continuations, encode_prompts
 
-    targs = dataclasses.replace(job.training, plan_check_steps=0)
+    targs = dataclasses.replace(job.training, plan_check_steps=0, sample_prompts=None)
     train, evaluation = job.build_datasets()
     layout = init(dp=targs.dp, tp=targs.tp, pp=targs.pp, timeout=targs.comm_timeout)
     torch.manual_seed(targs.seed)
@@ -218,9 +162,11 @@ def generate_job(
     records: list[dict[str, Any]] = []
     for start in range(0, len(prompts), batch_size):
         batch = prompts[start : start + batch_size]
-        ids, mask = _encode(tok, batch)
+        ids, mask = encode_prompts(tok, batch)
         sequences = trainer.generate(ids, mask, eos_token_id=eos, pad_token_id=tok.pad_id, **opts)
-        for prompt, cont in zip(batch, _continuations(tok, sequences.cpu(), ids.shape[1], eos), strict=True):
+        for prompt, cont in zip(
+            batch, decode_continuations(tok, sequences.cpu(), ids.shape[1], eos), strict=True
+        ):
             records.append({"prompt": prompt, **cont})
     return records
 

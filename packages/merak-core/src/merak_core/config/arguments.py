@@ -87,6 +87,20 @@ class TrainingArguments:
     """At the end of training, write the model here as a Hugging Face folder (sharded safetensors, index,
     ``config.json``, tokenizer files; ``merak_core.hf.export_hf``), whether or not checkpoints are saved.
     Needs a run started from ``model.pretrained`` (its config and tokenizer are copied); None: no export."""
+    sample_prompts: list[str] | None = None
+    """Prompts the model continues during training (collective, on the training layout), every
+    ``sample_steps`` steps: rank 0 appends ``{"step", "prompt", "text"}`` lines to ``output_dir/samples.jsonl``
+    and, with TensorBoard, to its text tab (``samples/<i>``). Needs a tokenizer (``sample_tokenizer``) and a
+    layout that generation supports (docs/generation.md). None: no samples."""
+    sample_steps: int | None = None
+    """Generate the samples after every this many steps; None: after the last step only."""
+    sample_max_new_tokens: int = 32
+    """Tokens each sample adds at most (it stops earlier at the tokenizer's end-of-sequence token)."""
+    sample_temperature: float = 0.0
+    """0: greedy samples; > 0: sampled at this temperature, seeded from ``seed`` and the step."""
+    sample_tokenizer: str | None = None
+    """The samples' tokenizer (a ``tokenizer.json`` or a tokenizer folder); a job file fills it from its text
+    data's ``data.tokenizer``, else its ``model.pretrained`` folder; ``Trainer(pretrained=...)`` from the folder."""
     seed: int = 42
     """Seed of parameter initialisation, data order and dropout."""
     bf16: bool = False

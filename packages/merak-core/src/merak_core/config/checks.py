@@ -84,6 +84,7 @@ def _check_run(args: Any) -> None:
         args.comm_timeout_s,
         "a positive number of seconds such as 600",
     )
+    _check_samples(args)
     for name in ("eval_steps", "save_steps", "save_total_limit", "dp"):
         if getattr(args, name) is not None:
             _check_int(args, name, minimum=1, hint="or null")
@@ -233,3 +234,19 @@ def _check_float(args: Any, name: str, *, minimum: float) -> None:
     )
     _check(ok, name, value, f"a number >= {minimum}")
     setattr(args, name, float(value))
+
+
+def _check_samples(args: Any) -> None:
+    """``sample_*``: the prompts are non-empty strings and the numbers in range."""
+    prompts = args.sample_prompts
+    if prompts is not None:
+        _check(
+            isinstance(prompts, list) and bool(prompts) and all(isinstance(p, str) and p for p in prompts),
+            "sample_prompts",
+            prompts,
+            "a non-empty list of non-empty strings, or null for no samples",
+        )
+    if args.sample_steps is not None:
+        _check_int(args, "sample_steps", minimum=1, hint="or null")
+    _check_int(args, "sample_max_new_tokens", minimum=1)
+    _check_float(args, "sample_temperature", minimum=0.0)

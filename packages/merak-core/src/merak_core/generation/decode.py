@@ -76,19 +76,25 @@ def generate(
     generators = (
         row_generators(_shared_seed(opts, device), ids_bt.shape[0], device) if opts.do_sample else None
     )
-    with torch.no_grad():
-        return _decode_loop(
-            model,
-            decoder,
-            ids_bt.to(device),
-            mask_bt.to(device),
-            chunks,
-            opts,
-            generators,
-            eos,
-            pad,
-            max_new_tokens,
-        )
+    modes = [(m, m.training) for m in model.module.modules()]
+    model.module.eval()  # pp == 1 decodes with the module itself: no dropout (a training run's is in train mode)
+    try:
+        with torch.no_grad():
+            return _decode_loop(
+                model,
+                decoder,
+                ids_bt.to(device),
+                mask_bt.to(device),
+                chunks,
+                opts,
+                generators,
+                eos,
+                pad,
+                max_new_tokens,
+            )
+    finally:
+        for module, mode in modes:
+            module.training = mode
 
 
 def _check_prompts(
@@ -118,6 +124,12 @@ def _check_prompts(
 
 
 def _refuse_unsupported(model: ParallelModel) -> None:
+    cp = getattr(model.layout, "cp", 1)
+    if cp > 1:
+        raise ValueError(
+            f"generation at cp={cp} is not supported (a decoded token cannot be split over the cp ranks): "
+            "generate from a model composed with cp=1 (the checkpoint loads at any cp)"
+        )
     if model.source is not None and model.source.sequence_parallel:
         raise ValueError(
             "generation with sequence_parallel=true is not supported (one decoded token cannot be split over "

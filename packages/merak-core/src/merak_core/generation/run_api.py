@@ -28,6 +28,12 @@ def check_run_options(args: Any, pp: int) -> None:
             f"ep={ep}: generation is not supported (each decoding step's expert all-to-all needs every rank of "
             "the EP group, whose prompts stop at different steps): generate with ep: 1 (a checkpoint loads at any ep)"
         )
+    cp = getattr(args, "cp", 1)
+    if cp > 1:
+        raise ValueError(
+            f"cp={cp}: generation is not supported (a decoded token cannot be split over the cp ranks, and "
+            "their attention runs over the whole sequence): generate with cp: 1 (a checkpoint loads at any cp)"
+        )
     chunks = getattr(args, "overlap_chunks", 1)
     if chunks > 1 and pp == 1:
         raise ValueError(

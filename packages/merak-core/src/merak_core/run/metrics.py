@@ -107,6 +107,15 @@ class MetricsWriter:
             reporter.write(record)
         print(self._line(record), flush=True)
 
+    def log_text(self, tag: str, text: str, step: int) -> None:
+        """``text`` at ``step`` to the reporters that show text (TensorBoard's text tab); rank 0 only."""
+        if not self.enabled:
+            return
+        for reporter in self._reporters:
+            write_text = getattr(reporter, "write_text", None)
+            if write_text is not None:
+                write_text(tag, text, step)
+
     def append(self, record: dict[str, Any]) -> None:
         """Add ``record`` to ``metrics.jsonl`` alone (not to the history, the progress line or TensorBoard)."""
         if not self.enabled:
