@@ -90,10 +90,18 @@ def tests(session: nox.Session) -> None:
     name test paths replace that selection (``nox -s tests -- tests/pipe -x`` runs the pipe tests
     in this environment); other arguments are added to it.
     """
-    # tensorboard, wandb, pyarrow, datasets: the optional extras whose tests (event files, a W&B offline run,
-    # parquet, saved datasets) run here.
+    # tensorboard, wandb, mlflow-skinny, pyarrow, datasets: the optional extras whose tests (event files, a W&B
+    # offline run, an MLflow file store, parquet, saved datasets) run here.
     _install_all(
-        session, *TEST_DEPS, "transformers>=5", "safetensors", "tensorboard", "wandb", "pyarrow", "datasets"
+        session,
+        *TEST_DEPS,
+        "transformers>=5",
+        "safetensors",
+        "tensorboard",
+        "wandb",
+        "mlflow-skinny",
+        "pyarrow",
+        "datasets",
     )
     session.install(*CONSTRAINTS, "peft")  # the LoRA tests' single-process reference (tests/e2e/test_lora.py)
     selection = ["tests", *(f"--ignore=tests/{name}" for name in LIBRARIES)]

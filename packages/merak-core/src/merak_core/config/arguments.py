@@ -74,9 +74,10 @@ class TrainingArguments:
     logging_steps: int = 10
     """Log loss, tokens/s and step time every this many steps."""
     report_to: str | list[str] | None = None
-    """Where the logged scalars go besides ``metrics.jsonl``: ``tensorboard``, ``wandb`` (a name or a list),
-    ``all`` (every one installed) or ``none``; None: TensorBoard when installed, else a warning at start
-    (see [Note: report_to] in :mod:`merak_core.run.reporting`). Rank 0 only; W&B honours ``WANDB_MODE``."""
+    """Where the logged scalars go besides ``metrics.jsonl``: ``tensorboard``, ``wandb``, ``mlflow`` (a name or a
+    list), ``all`` (every one installed) or ``none``; None: TensorBoard when installed, else a warning at start
+    (see [Note: report_to] in :mod:`merak_core.run.reporting`). Rank 0 only; W&B honours ``WANDB_MODE``, MLflow
+    ``MLFLOW_TRACKING_URI`` (default: its file store under ``output_dir/mlruns``)."""
     eval_steps: int | None = None
     """Evaluate every this many steps; None: only at the end (when an eval dataset is given)."""
     save_steps: int | None = None

@@ -10,8 +10,11 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-REPORT_TO = ("tensorboard", "wandb")
+REPORT_TO = ("tensorboard", "wandb", "mlflow")
 """The reporters ``training.report_to`` may name (besides ``all`` and ``none``)."""
+
+EXTRAS = {"wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow-skinny")}
+"""Per reporter needing a package: (the merak-core extra, the package it installs); the module is the name."""
 
 _EXPECTED = f"one of {REPORT_TO} or a list of them, 'all' (every one installed) or 'none'"
 
@@ -34,12 +37,14 @@ def check_report_to(value: Any) -> list[str] | None:
             + (f" ({', '.join(map(repr, bad))} is not a reporter)" if bad else "")
             + f": expected {_EXPECTED}; set report_to accordingly"
         )
-    if "wandb" in names and importlib.util.find_spec("wandb") is None:
-        raise ValueError(
-            "report_to names 'wandb' but the wandb package is not installed: pip install 'merak-core[wandb]', "
-            "or remove wandb from report_to"
-        )
+    for name in names:
+        if name in EXTRAS and importlib.util.find_spec(name) is None:
+            extra, package = EXTRAS[name]
+            raise ValueError(
+                f"report_to names {name!r} but the {package} package is not installed: pip install "
+                f"'merak-core[{extra}]', or remove {name} from report_to"
+            )
     return [] if names == ["none"] else names
 
 
-__all__ = ["REPORT_TO", "check_report_to"]
+__all__ = ["EXTRAS", "REPORT_TO", "check_report_to"]

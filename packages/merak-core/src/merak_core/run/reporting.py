@@ -1,4 +1,4 @@
-"""``training.report_to``: where a run's scalars go besides ``metrics.jsonl`` (TensorBoard, Weights & Biases).
+"""``training.report_to``: where a run's scalars go besides ``metrics.jsonl`` (TensorBoard, W&B, MLflow).
 
 [Note: report_to]
 - unset (None, the default): TensorBoard when the ``tensorboard`` package is installed; without it,
@@ -6,8 +6,8 @@
 - a name or a list of names of :data:`merak_core.config.report_to.REPORT_TO`; ``all``: every one that is installed;
   ``none`` (or ``[]``): neither. Any other value is refused with the arguments, naming the allowed
   ones (a job file: by ``merak train`` before torchrun starts);
-- ``wandb`` asked for without the ``wandb`` package is refused the same way (the ``wandb`` extra);
-  ``tensorboard`` asked for without its package gets the warning of the default.
+- ``wandb`` or ``mlflow`` asked for without its package is refused the same way (the ``wandb`` and
+  ``mlflow`` extras); ``tensorboard`` asked for without its package gets the warning of the default.
 
 Every reporter receives the same scalars, :func:`merak_core.run.tensorboard.scalars` of each record
 (``train/loss``, ``train/lr``, ..., ``eval/loss``), from global rank 0 only
@@ -18,7 +18,17 @@ arguments, mode=$WANDB_MODE)``; ``WANDB_MODE=offline`` writes the run under
 ``output_dir/wandb/offline-run-*`` (``wandb sync`` uploads it later). A resumed job starts a new
 W&B run whose steps continue from the checkpoint's step.
 
-Not done here: MLflow; the records themselves (``cadence.py``, ``metrics.py``).
+MLflow (the ``mlflow`` extra: ``mlflow-skinny``, MLflow's tracking client without its server and UI)
+through its ``MlflowClient``, no global active run: ``$MLFLOW_TRACKING_URI`` when set (a server, a
+database), else MLflow's file store at ``file://<output_dir>/mlruns`` (MLflow 3 accepts a file store
+only with ``MLFLOW_ALLOW_FILE_STORE=true``, which is set for this default unless the environment sets
+it); the experiment ``$MLFLOW_EXPERIMENT_NAME`` or ``merak``, created when missing; one run per job
+start (a resumed job starts a new one whose steps continue from the checkpoint's step, tagged
+``merak.resumed_step``) with the run's arguments as its params (once, values cut at 500
+characters), the scalars as metrics at each record's step, and ``FINISHED`` at the end. ``mlflow ui
+--backend-store-uri <output_dir>/mlruns`` (the full ``mlflow`` package) shows it.
+
+Not done here: the records themselves (``cadence.py``, ``metrics.py``).
 """
 
 from __future__ import annotations
@@ -26,7 +36,9 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 from merak_core.config.report_to import REPORT_TO
@@ -66,6 +78,8 @@ def open_reporters(
             )
     if "wandb" in names:
         reporters.append(_Wandb(output_dir, config))
+    if "mlflow" in names:
+        reporters.append(_MLflow(output_dir, config, resumed_step))
     return reporters
 
 
@@ -106,6 +120,47 @@ class _Wandb:
 
     def close(self) -> None:
         self.run.finish()
+
+
+class _MLflow:
+    """One MLflow run through ``MlflowClient`` (see [Note: report_to] for the store and the experiment)."""
+
+    PARAM_CHARS = 500
+    """Params are cut to this many characters (every MLflow version's limit is at least this)."""
+    BATCH = 100
+    """Params per ``log_batch`` call (MLflow's limit)."""
+
+    def __init__(self, output_dir: str, config: Mapping[str, Any] | None, resumed_step: int) -> None:
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or Path(output_dir, "mlruns").resolve().as_uri()
+        if uri.startswith("file:"):  # MLflow 3 refuses its file store without this opt-in
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        self.uri = uri
+        self.client = MlflowClient(tracking_uri=uri)
+        name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or "merak"
+        experiment = self.client.get_experiment_by_name(name)
+        experiment_id = (
+            experiment.experiment_id if experiment is not None else self.client.create_experiment(name)
+        )
+        tags = {"merak.output_dir": os.path.abspath(output_dir), "merak.resumed_step": str(resumed_step)}
+        self.run_id = self.client.create_run(experiment_id, tags=tags).info.run_id
+        params = [Param(str(k), str(v)[: self.PARAM_CHARS]) for k, v in (config or {}).items()]
+        for start in range(0, len(params), self.BATCH):
+            self.client.log_batch(self.run_id, params=params[start : start + self.BATCH])
+        logger.info("MLflow: run %s of experiment %r at %s", self.run_id, name, uri)
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        from mlflow.entities import Metric
+
+        step, now = int(record.get("step", 0)), int(time.time() * 1000)
+        metrics = [Metric(k, v, now, step) for k, v in tensorboard.scalars(record).items()]
+        if metrics:
+            self.client.log_batch(self.run_id, metrics=metrics)
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id, "FINISHED")
 
 
 __all__ = ["Reporter", "open_reporters"]
