@@ -38,14 +38,32 @@ def pytest_configure(config: pytest.Config) -> None:
 # timeouts fire. So the ``slow`` tests form one pytest-xdist group (``--dist loadgroup``: one worker
 # runs them one after another) and come first in the collection, so that this worker starts them at
 # once while the others run the in-pool tests; the run ends when both lines end.
+# pytest-xdist reads a test's group from its node id (``...@group``), which its own hook writes into
+# ``item._nodeid``; pytest 9.2 keeps the id in ``item._id`` and ignores that write (pytest-xdist issue
+# 1386), and the slow tests ran on both workers, two jobs at once. ``_join_the_group`` writes it there.
 SUBPROCESS_GROUP = "subprocess-jobs"
 
 
+def _join_the_group(item: pytest.Item) -> None:
+    """Put ``@SUBPROCESS_GROUP`` at the end of the node id where pytest keeps it (pytest >= 9.2)."""
+    suffix = "@" + SUBPROCESS_GROUP
+    if item.nodeid.endswith(suffix) or not hasattr(item, "_id"):
+        return  # older pytest: pytest-xdist's own hook does it
+    try:
+        from _pytest.nodeid import coerce_node_id
+    except ImportError:
+        return
+    item._id = coerce_node_id(item.nodeid + suffix)
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's hook reads the marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     slow = [item for item in items if item.get_closest_marker("slow") is not None]
     if slow:
         for item in slow:
             item.add_marker(pytest.mark.xdist_group(SUBPROCESS_GROUP))
+            if getattr(config.option, "loadgroup", False):  # a pytest-xdist worker under --dist loadgroup
+                _join_the_group(item)
         ids = {id(item) for item in slow}
         items[:] = slow + [item for item in items if id(item) not in ids]
     if torch.cuda.is_available():
