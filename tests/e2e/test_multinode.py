@@ -1,19 +1,18 @@
-"""``merak train`` over two torchrun "nodes" on loopback gives the losses of one 4-rank node.
+"""``merak train`` over two torchrun "nodes": the flags a user passes and the job they run.
 
-The multi-node path is torch's own: each node runs ``merak train ... --nnodes 2
---node-rank i --rdzv-endpoint 127.0.0.1:PORT``, which starts torchrun with a c10d
-rendezvous; the two agents meet at the endpoint, agree on global ranks 0-3 and
-start 2 workers each (tensor parallelism inside a node, the pipeline across the two). The same
-job also runs as one node of 4 processes
-(``merak train`` with its single-node default). Both write ``metrics.jsonl``
-(global rank 0); the per-step losses and the final evaluation loss must agree
-to float64 round-off, and every step must be there.
+The multi-node path is torch's own: each node runs ``merak train ... --nnodes 2 --node-rank i
+--rdzv-endpoint HOST:PORT --rdzv-id ID``, which starts torchrun with a c10d rendezvous; the two
+agents meet at the endpoint, agree on the global ranks and start their workers. ``merak train
+--slurm`` derives the same four flags from Slurm's variables and builds the same torchrun command.
+Here, in this process: the flags given by hand reach torchrun exactly as the ones ``--slurm``
+derives for the same node. The real two-node job (two rendezvoused torchrun agents of 2 ranks each,
+tensor parallelism inside a node and the pipeline across the two, losses equal to one node's) runs
+once, started through ``--slurm``, in ``test_slurm_launch.py``; its job file, factories and helpers
+are these.
 
-A tiny job keeps it fast: the demo's model and task (examples/addition) with 2
-layers, a 1x2x2 layout (dp x tp x pp), 4 steps. The job file and the factories are written into
-the test's temporary directory; the three ``merak`` commands (the 4-rank node
-and the two 2-rank nodes) run at the same time, each in its own process group,
-and are killed if they outlive ``TIMEOUT_S``.
+A tiny job keeps it fast: the demo's model and task (examples/addition) with 2 layers, a 1x2x2
+layout (dp x tp x pp), 4 steps. The ``merak`` commands run at the same time, each in its own
+process group, and are killed if they outlive ``TIMEOUT_S``.
 """
 
 from __future__ import annotations
@@ -24,8 +23,6 @@ import signal
 import socket
 import subprocess
 import sys
-import textwrap
-import uuid
 from pathlib import Path
 
 import pytest
@@ -151,35 +148,34 @@ def _metrics(output_dir: Path) -> tuple[list[float], dict[str, float]]:
     return losses, evals[0]
 
 
-@pytest.mark.slow
-def test_two_nodes_on_loopback_match_one_node(tmp_path: Path) -> None:
-    job = tmp_path / "job.yaml"
-    job.write_text(JOB % {"steps": STEPS})
-    (tmp_path / "factories.py").write_text(textwrap.dedent(FACTORIES % {"repo": str(REPO)}))
-    endpoint = f"127.0.0.1:{_free_port()}"
-    rdzv_id = f"merak-test-{uuid.uuid4().hex[:8]}"
+@pytest.mark.parametrize("node", [0, 1])
+def test_flags_given_by_hand_reach_torchrun_as_the_slurm_derived_ones(node: int) -> None:
+    from merak_core.cli.main import _build_parser
+    from merak_core.cli.train import _from_slurm, torchrun_command
 
-    logs = {name: tmp_path / f"{name}.log" for name in ("one_node", "node0", "node1")}
-    multi_flags = ("--nnodes", "2", "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id)
-    procs = {
-        "one_node": _merak(job, tmp_path / "one_node", log=logs["one_node"]),
-        "node0": _merak(job, tmp_path / "two_nodes", *multi_flags, "--node-rank", "0", log=logs["node0"]),
-        "node1": _merak(job, tmp_path / "two_nodes", *multi_flags, "--node-rank", "1", log=logs["node1"]),
+    hand = [
+        "--nnodes",
+        "2",
+        "--node-rank",
+        str(node),
+        "--rdzv-endpoint",
+        "127.0.0.1:29411",
+        "--rdzv-id",
+        "slurm-7",
+    ]
+    by_hand = _build_parser().parse_args(["train", "job.yaml", "training.max_steps=4", *hand])
+    slurm = _build_parser().parse_args(["train", "job.yaml", "training.max_steps=4", "--slurm"])
+    env = {
+        "SLURM_JOB_ID": "7",
+        "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_NODEID": str(node),
+        "MERAK_RDZV_PORT": "29411",
     }
-    _wait(procs, logs)
-
-    # Each node started 2 workers that joined one 4-rank world through the c10d rendezvous.
-    for name in ("node0", "node1"):
-        text = logs[name].read_text()
-        assert "--nproc-per-node=2" in text and "--nnodes=2" in text and "--rdzv-backend=c10d" in text, text[
-            -2000:
-        ]
-    summary = json.loads((tmp_path / "two_nodes" / "summary.json").read_text())
-    assert summary["steps"] == STEPS and "/4 dp=1 tp=2 pp=2" in summary["layout"], summary
-
-    one_losses, one_eval = _metrics(tmp_path / "one_node")
-    two_losses, two_eval = _metrics(tmp_path / "two_nodes")
-    assert two_losses == pytest.approx(one_losses, rel=1e-12, abs=0.0)
-    assert two_eval["eval_loss"] == pytest.approx(one_eval["eval_loss"], rel=1e-12, abs=0.0)
-    assert two_eval["eval_accuracy"] == one_eval["eval_accuracy"]
-    assert len(set(one_losses)) == STEPS, f"the loss did not change between steps: {one_losses}"
+    _from_slurm(slurm, {**env, "SLURM_JOB_NODELIST": "127.0.0.1,127.0.0.1"})
+    command = torchrun_command(by_hand, world_size=4)
+    assert command == torchrun_command(slurm, world_size=4)
+    launcher = command[: command.index("merak_core.launch")]
+    for flag in ("--nproc-per-node=2", "--nnodes=2", f"--node-rank={node}", "--rdzv-backend=c10d"):
+        assert flag in launcher, launcher
+    assert "--rdzv-endpoint=127.0.0.1:29411" in launcher and "--rdzv-id=slurm-7" in launcher, launcher
+    assert command[-2:] == ["job.yaml", "training.max_steps=4"]

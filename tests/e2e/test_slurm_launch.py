@@ -1,14 +1,16 @@
-"""``merak train --slurm`` on two faked Slurm "nodes" of this machine trains as one 2-rank node does.
+"""``merak train --slurm`` on two faked Slurm "nodes" of this machine trains as one 4-rank node does.
 
 What ``srun --nodes=2 --ntasks-per-node=1 merak train --slurm JOB`` would start
 (``examples/slurm/train.sbatch``): two ``merak train --slurm`` processes whose environments differ
 only in ``SLURM_NODEID`` (0 and 1), with ``SLURM_JOB_NODELIST=localhost,localhost`` (expanded
 without ``scontrol``), ``SLURM_JOB_NUM_NODES=2``, ``SLURM_JOB_ID`` and ``MERAK_RDZV_PORT`` a free port.
 Each derives ``--nnodes 2 --node-rank i --rdzv-endpoint localhost:PORT --rdzv-id slurm-ID`` and
-starts one rank; the two meet at the rendezvous and train the two-node test's tiny job at
-dp=1 tp=1 pp=2 (one pipeline stage per "node"). The same job on one node (plain ``merak
-train``, 2 ranks) runs at the same time; the per-step and evaluation losses must agree to float64
-round-off. The job, its factories and the helpers are those of ``test_multinode.py``.
+starts 2 ranks; the two torchrun agents meet at the c10d rendezvous, agree on global ranks 0-3 and
+train the tiny job of ``test_multinode.py`` at dp=1 tp=2 pp=2 (tensor parallelism inside a node,
+the pipeline across the two). The same job on one node (plain ``merak train``, 4 ranks) runs at the
+same time; the per-step and evaluation losses must agree to float64 round-off. This is the one real
+multi-node job of the suite: flags given by hand (``--nnodes`` ...) build the same torchrun command
+(``test_multinode.py``).
 """
 
 from __future__ import annotations
@@ -22,8 +24,6 @@ import pytest
 
 from tests.e2e.test_multinode import FACTORIES, JOB, REPO, STEPS, _free_port, _merak, _metrics, _wait
 
-LAYOUT = ("training.tp=1", "training.pp=2")
-
 
 @pytest.mark.slow
 def test_two_faked_slurm_nodes_match_one_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -31,7 +31,7 @@ def test_two_faked_slurm_nodes_match_one_node(tmp_path: Path, monkeypatch: pytes
     job.write_text(JOB % {"steps": STEPS})
     (tmp_path / "factories.py").write_text(textwrap.dedent(FACTORIES % {"repo": str(REPO)}))
     logs = {name: tmp_path / f"{name}.log" for name in ("one_node", "node0", "node1")}
-    procs = {"one_node": _merak(job, tmp_path / "one_node", *LAYOUT, log=logs["one_node"])}
+    procs = {"one_node": _merak(job, tmp_path / "one_node", log=logs["one_node"])}
 
     job_id = uuid.uuid4().hex[:8]
     monkeypatch.setenv("SLURM_JOB_ID", job_id)
@@ -40,7 +40,7 @@ def test_two_faked_slurm_nodes_match_one_node(tmp_path: Path, monkeypatch: pytes
     monkeypatch.setenv("MERAK_RDZV_PORT", str(_free_port()))
     for node in (0, 1):
         monkeypatch.setenv("SLURM_NODEID", str(node))  # _merak copies the environment when it starts
-        procs[f"node{node}"] = _merak(job, tmp_path / "slurm", *LAYOUT, "--slurm", log=logs[f"node{node}"])
+        procs[f"node{node}"] = _merak(job, tmp_path / "slurm", "--slurm", log=logs[f"node{node}"])
     _wait(procs, logs)
 
     for node in (0, 1):
@@ -50,14 +50,17 @@ def test_two_faked_slurm_nodes_match_one_node(tmp_path: Path, monkeypatch: pytes
             f"--node-rank={node}",
             "--rdzv-endpoint=localhost:",
             f"--rdzv-id=slurm-{job_id}",
+            "--nproc-per-node=2",
+            "--rdzv-backend=c10d",
         )
         assert all(flag in text for flag in expected), text[-2000:]
     summary = json.loads((tmp_path / "slurm" / "summary.json").read_text())
-    assert summary["steps"] == STEPS and "/2 dp=1 tp=1 pp=2" in summary["layout"], summary
+    assert summary["steps"] == STEPS and "/4 dp=1 tp=2 pp=2" in summary["layout"], summary
 
     one_losses, one_eval = _metrics(tmp_path / "one_node")
     slurm_losses, slurm_eval = _metrics(tmp_path / "slurm")
     assert all(loss == loss and abs(loss) < float("inf") for loss in slurm_losses), slurm_losses
     assert slurm_losses == pytest.approx(one_losses, rel=1e-12, abs=0.0)
     assert slurm_eval["eval_loss"] == pytest.approx(one_eval["eval_loss"], rel=1e-12, abs=0.0)
+    assert slurm_eval["eval_accuracy"] == one_eval["eval_accuracy"]
     assert len(set(one_losses)) == STEPS, f"the loss did not change between steps: {one_losses}"
