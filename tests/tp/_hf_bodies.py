@@ -12,7 +12,7 @@ import merak_tp
 from merak_tp.shard_spec import get_shard_spec
 from tests.support.compare import assert_grads_match, assert_tensors_close, named_grads
 from tests.support.models import lm_loss
-from tests.tp._bodies import gathered_grads, tp_group
+from tests.tp._bodies import _deferrable, gathered_grads, tp_group
 
 VOCAB = 96
 
@@ -106,8 +106,4 @@ def hf_body(name: str, tp: int, chunks: int, sp: bool, vocab_loss: bool) -> dict
             gmax = p.grad.clone()  # type: ignore[union-attr]
             dist.all_reduce(gmax, op=dist.ReduceOp.MAX, group=group)
             assert_tensors_close(p.grad, gmax, name=f"replicated grad {pname}")  # type: ignore[arg-type]
-    return {
-        n: m._merak_region_state.deferrable
-        for n, m in model.named_modules()
-        if isinstance(m, merak_tp.TPRegion)
-    }
+    return {n: _deferrable(m) for n, m in model.named_modules() if isinstance(m, merak_tp.TPRegion)}

@@ -3,7 +3,8 @@
 Layers take their TP process group as a constructor argument; ``parallelize``
 converts an existing model following a plan. No module-level parallel state.
 Every parameter it touches carries a ``ShardSpec`` (``get_shard_spec``), the shard metadata
-the other packages read. See the package README for the API and limits.
+the other packages read; a module it changes has a ``ModuleSpec`` (``get_module_spec``),
+never an attribute written into it. See the package README for the API and limits.
 """
 
 from merak_tp._events import record_overlap_events
@@ -29,6 +30,7 @@ from merak_tp.context import (
 from merak_tp.embedding import VocabParallelEmbedding
 from merak_tp.linear import ColumnParallelLinear, RowParallelLinear
 from merak_tp.loss import vocab_parallel_cross_entropy
+from merak_tp.module_spec import ModuleSpec, get_module_spec
 from merak_tp.moe_norm import ShardedRMSNorm, TPExperts, shard_experts
 from merak_tp.overlap import (
     SequenceGather,
@@ -74,6 +76,7 @@ __all__ = [
     "TP_LEAF_MODULES",
     "ColumnParallelLinear",
     "ContextParallel",
+    "ModuleSpec",
     "RNGTracker",
     "RowParallelLinear",
     "SequenceGather",
@@ -94,6 +97,7 @@ __all__ = [
     "gather_from_tp_region",
     "gather_tensor",
     "grad_sum_groups",
+    "get_module_spec",
     "get_plan",
     "get_shard_spec",
     "has_shard_spec",

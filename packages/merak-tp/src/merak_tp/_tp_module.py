@@ -10,7 +10,6 @@ communicates.
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
@@ -19,7 +18,8 @@ from torch.distributed import ProcessGroup
 
 from merak_tp._events import _GroupRef
 from merak_tp.collectives import tp_rank, tp_size
-from merak_tp.shard_spec import Sections, ShardSpec, get_shard_spec, has_shard_spec, set_shard_spec
+from merak_tp.module_spec import deepcopy_module
+from merak_tp.shard_spec import Sections, ShardSpec, set_shard_spec
 
 
 def _mark(
@@ -65,25 +65,10 @@ def _divide(size: int, world: int, what: str, layer: str) -> int:
 
 
 class _KeepsShardTags:
-    """``copy.deepcopy`` keeps the shard specs of the layer's parameters.
-
-    ``nn.Parameter.__deepcopy__`` builds a new parameter without the old one's Python
-    attributes; the specs are set again here (ties are kept by deepcopy's memo).
-    """
-
-    _parameters: dict[str, nn.Parameter | None]
+    """``copy.deepcopy`` keeps the shard specs of the layer's parameters (see ``deepcopy_module``)."""
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        cls = type(self)
-        result = cls.__new__(cls)
-        memo[id(self)] = result
-        for key, value in self.__dict__.items():
-            object.__setattr__(result, key, copy.deepcopy(value, memo))
-        for name, param in self._parameters.items():
-            new = result._parameters.get(name)
-            if param is not None and new is not None and has_shard_spec(param):
-                set_shard_spec(new, get_shard_spec(param))
-        return result
+        return deepcopy_module(self, memo)
 
 
 class _TPModule(_KeepsShardTags, nn.Module):

@@ -52,6 +52,9 @@ class _ParallelLinear(_TPModule):
 
     weight: nn.Parameter
     bias: nn.Parameter | None
+    layer_name: str
+    """The layer's name in overlap events (``record_overlap_events``): its module name once
+    ``parallelize`` made it, else ``"column"`` / ``"row"``."""
 
     def _set_options(
         self,
@@ -70,7 +73,11 @@ class _ParallelLinear(_TPModule):
         self.sequence_parallel = sequence_parallel
         self.sequence_dim = sequence_dim
         self.overlap_chunks = overlap_chunks
-        self._merak_region: _RegionState | None = None
+        self._region: _RegionState | None = None
+
+    def join_region(self, state: _RegionState | None) -> None:
+        """Run inside the region whose run-time state is ``state`` (None: on its own again)."""
+        self._region = state
 
     def _blocks(
         self, full_w: torch.Tensor, full_b: torch.Tensor | None
@@ -111,6 +118,8 @@ class ColumnParallelLinear(_ParallelLinear):
     and keeps this rank's block, so with the same seed on every rank the layer
     equals an ``nn.Linear`` built with that seed.
     """
+
+    layer_name = "column"
 
     def __init__(
         self,
@@ -210,7 +219,7 @@ class ColumnParallelLinear(_ParallelLinear):
         ``"none"``: tp = 1. For code that adds its own path on the same input (LoRA adapters): its
         input-gradient term must be summed the same way.
         """
-        region = self._merak_region
+        region = self._region
         mode = region.mode if region is not None else None
         if self.tp_size == 1:
             return "none"
@@ -219,7 +228,7 @@ class ColumnParallelLinear(_ParallelLinear):
         return "region" if mode in ("block", "sp") else "layer"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        region = self._merak_region
+        region = self._region
         mode = region.mode if region is not None else None
         chunks = 1 if mode == "block" else self.overlap_chunks
         reduction = self.input_reduction()
@@ -227,7 +236,7 @@ class ColumnParallelLinear(_ParallelLinear):
             x = gather_from_sequence_region(x, self.group, self.sequence_dim)
         reduce_input_grad = reduction == "layer"  # "region": the region reduces it once for all its layers
         chunk = region.chunk if region is not None and mode == "block" else 0
-        name = getattr(self, "_merak_name", "column")
+        name = self.layer_name
         y = _ColumnLinearFn.apply(
             x, self.weight, self.bias, self.group, chunks, reduce_input_grad, name, chunk
         )
@@ -255,6 +264,8 @@ class RowParallelLinear(_ParallelLinear):
     with ``overlap_chunks > 1`` chunk j's reduction is in flight while chunk j+1
     is computed. The bias is replicated (its ``ShardSpec.dim`` is None).
     """
+
+    layer_name = "row"
 
     def __init__(
         self,
@@ -324,7 +335,7 @@ class RowParallelLinear(_ParallelLinear):
     def output_deferred(self) -> bool:
         """Whether the current forward leaves the output's reduction in flight for the enclosing region
         (block-level overlap): the output is then a partial sum that only the region completes."""
-        region = self._merak_region
+        region = self._region
         return self.tp_size > 1 and region is not None and region.mode == "block"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -332,12 +343,12 @@ class RowParallelLinear(_ParallelLinear):
             return nn.functional.linear(x, self.weight, self.bias)
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.group, -1)
-        region = self._merak_region
+        region = self._region
         mode = region.mode if region is not None else None
         block = mode == "block"
         chunks = 1 if block else self.overlap_chunks
         chunk = region.chunk if region is not None and block else 0
-        name = getattr(self, "_merak_name", "row")
+        name = self.layer_name
         y = _RowLinearFn.apply(
             x,
             self.weight,

@@ -27,17 +27,24 @@ from torch.distributed import ProcessGroup
 from merak_tp._events import _GroupRef
 from merak_tp._tp_module import _shard_param, _TPModule
 from merak_tp.collectives import copy_to_tp_region, reduce_from_tp_region, tp_rank, tp_size
+from merak_tp.module_spec import ModuleSpec, deepcopy_module, get_module_spec, set_module_spec
 
 __all__ = ["ShardedRMSNorm", "TPExperts", "shard_experts"]
 
 
 class TPExperts:
-    """Mixin put in front of an experts class: the block's input and output cross the TP region."""
+    """Mixin put in front of an experts class: the block's input and output cross the TP region.
 
-    _merak_tp_group_ref: _GroupRef
+    Its TP group is the module's ``ModuleSpec.experts_group`` (see [Note: module specs])."""
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        return deepcopy_module(self, memo)
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        group = self._merak_tp_group_ref.group
+        group_ref = get_module_spec(self).experts_group  # type: ignore[arg-type]
+        if group_ref is None:
+            raise RuntimeError(f"{type(self).__name__} has no TP group: it is made by merak_tp.shard_experts")
+        group = group_ref.group
 
         def enter(x: Any) -> Any:
             # Every differentiable input (the tokens and the routing weights) gets a partial gradient
@@ -94,7 +101,7 @@ def shard_experts(module: nn.Module, name: str, *, group: ProcessGroup | None) -
     new.__dict__.update(module.__dict__)
     for key in ("_parameters", "_buffers", "_modules"):
         new.__dict__[key] = dict(module.__dict__[key])
-    new._merak_tp_group_ref = _GroupRef(group)  # type: ignore[attr-defined]
+    set_module_spec(new, ModuleSpec(experts_group=_GroupRef(group)))
     new.gate_up_proj = _shard_param(gate_up, 1, world, rank, 2)
     new.down_proj = _shard_param(down, 2, world, rank)
     bias = getattr(module, "gate_up_proj_bias", None)

@@ -29,14 +29,16 @@ layers reduce-scatter. Sub-pipelined, each chunk is gathered on entry, its
 row reduce-scatter is left in flight, and its entry's gradient reduce-scatter
 runs asynchronously in backward. ``make_sequence_scatter`` marks the module
 where the residual stream enters sequence parallelism.
+
+What a region or a boundary needs per module (group, sequence dim, run-time state) is its
+``ModuleSpec`` (see [Note: module specs]), never an attribute written into the user's module.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -54,6 +56,7 @@ from merak_tp.collectives import (
     scatter_to_sequence_region,
 )
 from merak_tp.linear import ColumnParallelLinear, RowParallelLinear
+from merak_tp.module_spec import SequenceBoundary, deepcopy_module, get_module_spec, set_module_spec
 
 logger = logging.getLogger(__name__)
 
@@ -139,13 +142,24 @@ class _RegionSplit(torch.autograd.Function):
         return torch.cat(parts, dim=0), None, None
 
 
+def _region_state(module: nn.Module) -> _RegionState:
+    state = get_module_spec(module).region
+    if state is None:
+        raise RuntimeError(
+            f"{type(module).__name__} is a TP region class but this module has no region state "
+            "(a module is made a region by merak_tp.make_region, and copied with copy.deepcopy)"
+        )
+    return state
+
+
 class TPRegion(nn.Module):
     """Marker base of region classes made by ``make_region`` (an fx leaf for tracers)."""
 
-    _merak_region_state: _RegionState
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        return deepcopy_module(self, memo)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        st = self._merak_region_state
+        st = _region_state(self)
         if st.rng_tracker is not None:
             # [Note: region randomness] dropout inside the region acts on sharded activations:
             # each TP rank draws from its own tracked generator (see merak_tp.rng).
@@ -154,7 +168,7 @@ class TPRegion(nn.Module):
         return self._region_forward(*args, **kwargs)
 
     def _region_forward(self, *args: Any, **kwargs: Any) -> Any:
-        st = self._merak_region_state
+        st = _region_state(self)
         original_forward = super().forward  # the original class's forward (next in the MRO)
         # The first input may come by keyword (transformers: ``hidden_states=...``).
         key = None
@@ -186,7 +200,7 @@ class TPRegion(nn.Module):
         return self._sub_pipelined(base_forward, args, kwargs)
 
     def _probe(self, base_forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        st = self._merak_region_state
+        st = _region_state(self)
         st.mode, st.calls = "probe", []
         try:
             out = base_forward(*args, **kwargs)
@@ -197,7 +211,7 @@ class TPRegion(nn.Module):
 
     def _check_shape(self, out: Any) -> None:
         """Decide once whether the region is 'columns -> local -> one row layer -> output'."""
-        st = self._merak_region_state
+        st = _region_state(self)
         kinds = [k for k, _ in st.calls]
         first = out[0] if isinstance(out, (tuple, list)) and out else out
         ok = (
@@ -221,7 +235,7 @@ class TPRegion(nn.Module):
             )
 
     def _sub_pipelined(self, base_forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        st = self._merak_region_state
+        st = _region_state(self)
         k = st.chunks
         batch = args[0].size(0)
         pieces = _RegionSplit.apply(args[0], st, k)
@@ -259,19 +273,22 @@ class TPRegion(nn.Module):
 _PLAIN = (bool, int, float, str, type(None))
 
 
+_FIRST_INPUT: dict[type, str] = {}
+
+
 def _first_parameter(cls: type) -> str:
-    """Name of the first parameter of the original class's ``forward`` (after ``self``), cached on ``cls``."""
-    cached = cls.__dict__.get("_merak_first_input")
+    """Name of the first parameter of the original class's ``forward`` (after ``self``), cached per class."""
+    cached = _FIRST_INPUT.get(cls)
     if cached is not None:
-        return str(cached)
-    base: Any = getattr(cls, "_merak_base_class", cls)
+        return cached
+    base: Any = _base_class(cls) or cls
     params = list(inspect.signature(base.forward).parameters.values())[1:]
     if not params or params[0].kind not in (
         inspect.Parameter.POSITIONAL_OR_KEYWORD,
         inspect.Parameter.KEYWORD_ONLY,
     ):
         raise TypeError(f"{base.__name__}.forward has no named first input; pass it positionally")
-    cls._merak_first_input = params[0].name  # type: ignore[attr-defined]
+    _FIRST_INPUT[cls] = params[0].name
     return params[0].name
 
 
@@ -309,24 +326,30 @@ def _cat_outputs(outs: list[Any]) -> Any:
     raise TypeError(f"cannot concatenate region outputs of type {type(first).__name__}")
 
 
-class _SequenceBoundary(nn.Module):
-    """The module's first input crosses a sequence-parallel boundary (``_merak_enter``) on entry."""
+_ENTER = {"scatter": scatter_to_sequence_region, "gather": gather_from_tp_region}
 
-    _merak_scatter_group: _GroupRef
-    _merak_scatter_dim: int
-    _merak_enter: Callable[[torch.Tensor, ProcessGroup | None, int], torch.Tensor]
+
+class _SequenceBoundary(nn.Module):
+    """The module's first input crosses a sequence-parallel boundary (its ``SequenceBoundary``) on entry."""
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        return deepcopy_module(self, memo)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if args:
-            group, dim = self._merak_scatter_group.group, self._merak_scatter_dim
-            args = (type(self)._merak_enter(args[0], group, dim), *args[1:])
+            boundary = get_module_spec(self).sequence
+            if boundary is None:
+                raise RuntimeError(
+                    f"{type(self).__name__} is a sequence-parallel boundary class but this module has no "
+                    "boundary (made by merak_tp.make_sequence_scatter / make_sequence_gather)"
+                )
+            enter = _ENTER[boundary.kind]
+            args = (enter(args[0], boundary.group, boundary.sequence_dim), *args[1:])
         return super().forward(*args, **kwargs)
 
 
 class SequenceScatter(_SequenceBoundary):
     """Marker base: the module's first input is split along the sequence on entry."""
-
-    _merak_enter = staticmethod(scatter_to_sequence_region)
 
 
 class SequenceGather(_SequenceBoundary):
@@ -336,10 +359,14 @@ class SequenceGather(_SequenceBoundary):
     arrives identical on every rank, so the backward keeps this rank's block (no sum).
     """
 
-    _merak_enter = staticmethod(gather_from_tp_region)
-
 
 _CLASS_CACHE: dict[tuple[type, type], type] = {}
+_BASE_CLASS: dict[type, type] = {}  # a class made by _swap_class -> the class it was made from
+
+
+def _base_class(cls: type) -> type | None:
+    """The class ``cls`` (or the nearest of its bases made by ``_swap_class``) was made from."""
+    return next((_BASE_CLASS[c] for c in cls.__mro__ if c in _BASE_CLASS), None)
 
 
 def _swap_class(module: nn.Module, mixin: type) -> None:
@@ -349,8 +376,9 @@ def _swap_class(module: nn.Module, mixin: type) -> None:
     key = (mixin, base)
     cls = _CLASS_CACHE.get(key)
     if cls is None:
-        cls = type(f"{mixin.__name__}[{base.__name__}]", (mixin, base), {"_merak_base_class": base})
+        cls = type(f"{mixin.__name__}[{base.__name__}]", (mixin, base), {})
         _CLASS_CACHE[key] = cls
+        _BASE_CLASS[cls] = base
     module.__class__ = cls
 
 
@@ -383,18 +411,18 @@ def make_region(
     )
     for sub in module.modules():
         if isinstance(sub, (ColumnParallelLinear, RowParallelLinear)):
-            sub._merak_region = state
+            sub.join_region(state)
     _swap_class(module, TPRegion)
-    module._merak_region_state = state  # type: ignore[assignment]
+    set_module_spec(module, get_module_spec(module).replace(region=state))
     return module
 
 
 def _sequence_boundary(
-    module: nn.Module, mixin: type, group: ProcessGroup | None, sequence_dim: int
+    module: nn.Module, kind: Literal["scatter", "gather"], group: ProcessGroup | None, sequence_dim: int
 ) -> nn.Module:
-    _swap_class(module, mixin)
-    module._merak_scatter_group = _GroupRef(group)  # type: ignore[assignment]
-    module._merak_scatter_dim = sequence_dim  # type: ignore[assignment]
+    _swap_class(module, SequenceScatter if kind == "scatter" else SequenceGather)
+    boundary = SequenceBoundary(_GroupRef(group), sequence_dim, kind)
+    set_module_spec(module, get_module_spec(module).replace(sequence=boundary))
     return module
 
 
@@ -402,22 +430,31 @@ def make_sequence_scatter(
     module: nn.Module, *, group: ProcessGroup | None, sequence_dim: int = 1
 ) -> nn.Module:
     """Split ``module``'s first input along ``sequence_dim`` on entry (start of sequence parallelism)."""
-    return _sequence_boundary(module, SequenceScatter, group, sequence_dim)
+    return _sequence_boundary(module, "scatter", group, sequence_dim)
 
 
 def make_sequence_gather(
     module: nn.Module, *, group: ProcessGroup | None, sequence_dim: int = 1
 ) -> nn.Module:
     """All-gather ``module``'s first input along ``sequence_dim`` on entry (end of sequence parallelism)."""
-    return _sequence_boundary(module, SequenceGather, group, sequence_dim)
+    return _sequence_boundary(module, "gather", group, sequence_dim)
 
 
 def remove_region(module: nn.Module) -> nn.Module:
-    """Undo ``make_region`` / ``make_sequence_scatter`` (restore the original class)."""
-    base = getattr(type(module), "_merak_base_class", None)
-    if base is not None:
-        module.__class__ = base
+    """Undo ``make_region`` / ``make_sequence_scatter`` / ``make_sequence_gather`` (restore the
+    class the last of them was applied to, and forget what it recorded)."""
+    made = type(module)
+    base = _base_class(made)
+    if base is None:
+        return module
+    spec = get_module_spec(module)
+    if issubclass(made, TPRegion) and not issubclass(base, TPRegion):
+        spec = spec.replace(region=None)
         for sub in module.modules():
             if isinstance(sub, (ColumnParallelLinear, RowParallelLinear)):
-                sub._merak_region = None
+                sub.join_region(None)
+    elif issubclass(made, _SequenceBoundary) and not issubclass(base, _SequenceBoundary):
+        spec = spec.replace(sequence=None)
+    module.__class__ = base
+    set_module_spec(module, spec)
     return module

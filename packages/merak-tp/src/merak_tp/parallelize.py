@@ -212,7 +212,6 @@ def parallelize(
         sp=sequence_parallel,
         rng_tracker=rng_tracker,
     )
-    model._merak_tp_plan = plan.name  # type: ignore[assignment]
     logger.info(
         "parallelized %s with plan %s over %d ranks (%d layers sharded, overlap_chunks=%d, "
         "sequence_parallel=%s)",
@@ -291,7 +290,8 @@ def _build_layers(
             vocab_loss=vocab_loss,
             head_sp=not plan.sequence_gather,
         )
-        new._merak_name = name  # type: ignore[assignment]
+        if isinstance(new, (ColumnParallelLinear, RowParallelLinear)):
+            new.layer_name = name
         replaced.append((name, module, new))
     if not replaced:
         raise ValueError(
