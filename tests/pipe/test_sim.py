@@ -202,3 +202,49 @@ def test_simulate_refuses_invalid_schedules() -> None:
     s.actions[1].pop()
     with pytest.raises(ScheduleError, match="has no 1B1"):
         simulate(s)
+
+
+# ---------------------------------------------------------------------------- per-action cost
+
+
+def _per_action_makespans(per_action: float) -> dict[str, float]:
+    """pp=2, 8 microbatches, the model split in the same total work whatever the stage count."""
+    out = {}
+    for name, virtual in (("1f1b", 1), ("gpipe", 1), ("interleaved-1f1b", 2), ("zb-v", 2)):
+        schedule = build_schedule(name, num_stages=2 * virtual, num_ranks=2, num_microbatches=8)
+        costs = CostModel(forward=1.0 / virtual, backward=2.0 / virtual, per_action=per_action)
+        out[name] = simulate(schedule, costs).makespan
+    return out
+
+
+def test_per_action_cost_reverses_the_ranking_of_virtual_stages() -> None:
+    """Free actions: interleaved 1F1B and ZB-V beat 1F1B (smaller bubble). An expensive runtime: they lose,
+    since they run twice the compute actions and messages per step; the prediction follows."""
+    free = _per_action_makespans(0.0)
+    assert free["interleaved-1f1b"] < free["1f1b"] and free["zb-v"] < free["1f1b"]
+    assert free["1f1b"] == pytest.approx(27.0)  # (M + S - 1)(F + B), as without the parameter
+    costly = _per_action_makespans(0.2)
+    assert costly["interleaved-1f1b"] > costly["1f1b"] and costly["zb-v"] > costly["1f1b"]
+    # 1F1B's first rank: 16 compute actions plus 16 messages (8 sends, 8 receives) at 0.2 each.
+    assert costly["1f1b"] >= free["1f1b"] + 32 * 0.2 - 1e-9
+
+
+@pytest.mark.parametrize("name,stages", [("1f1b", 4), ("zb-h1", 4), ("interleaved-1f1b", 8), ("zb-v", 8)])
+def test_per_action_cost_counts_messages_alike_lowered_or_not(name: str, stages: int) -> None:
+    """A compute-only schedule carries the messages lowering would add: each rank's busy time equals the
+    lowered schedule's, which has one SEND/RECV action per message."""
+    schedule = build_schedule(name, num_stages=stages, num_ranks=4, num_microbatches=8)
+    costs = CostModel(forward=1.0, backward=2.0, per_action=0.125)
+    lowered = lower(schedule)
+    assert simulate(schedule, costs).busy == pytest.approx(simulate(lowered, costs).busy)
+    base = simulate(lowered, CostModel(forward=1.0, backward=2.0))
+    counts = [len(lowered.actions[r]) for r in range(4)]
+    assert simulate(lowered, costs).busy == pytest.approx(
+        [b + 0.125 * n for b, n in zip(base.busy, counts, strict=True)]
+    )
+
+
+@pytest.mark.parametrize("value", [-1e-6, math.inf, math.nan])
+def test_per_action_cost_refuses_bad_values(value: float) -> None:
+    with pytest.raises(ValueError, match="per_action"):
+        CostModel(per_action=value)

@@ -7,6 +7,7 @@ rules are those of the validator (``_dependencies.py``), so a schedule that vali
 Costs (:class:`CostModel`, any consistent time unit) are per stage: F, B (without recompute),
 I and W (default: half of B each), and the time to recompute the whole stage's forward, scaled by
 the plan's fraction. A stage that recomputes without ``R`` actions recomputes inside its B/I.
+The runtime's own cost per action (``per_action``, [Note: per-action cost]) is added on top.
 
 Memory model ([Note: activation memory]): per stage and microbatch, ``activation_bytes`` is the
 activation memory of the whole stage when nothing is recomputed. With recompute fraction f:
@@ -74,8 +75,17 @@ class CostModel:
     """Bytes of a stage's input kept per microbatch when the stage recomputes (checkpoint input)."""
     weight_grad_fraction: float = 0.5
     """Fraction of a microbatch's activations kept between its I and its W."""
+    per_action: float = 0.0
+    """The runtime's own host time per action ([Note: per-action cost]): added to every compute
+    action, and to every SEND/RECV of a lowered schedule (or, in a compute-only one, once per
+    message the compute action sends or receives across ranks, which lowering would add)."""
 
     def __post_init__(self) -> None:
+        if not self.per_action >= 0 or math.isinf(self.per_action):
+            raise ValueError(
+                f"CostModel.per_action={self.per_action!r}: expected the runtime's seconds per action, a "
+                "finite value >= 0 (0 leaves it out)"
+            )
         if self.p2p_latency < 0 or self.p2p_bandwidth <= 0:
             raise ValueError(
                 f"p2p_latency={self.p2p_latency}, p2p_bandwidth={self.p2p_bandwidth}: expected latency >= 0 "
@@ -229,7 +239,7 @@ def _recomputed_by_r(schedule: Schedule) -> bytearray:
     return flags
 
 
-def _durations(schedule: Schedule, c: _StageCosts) -> list[list[float]]:
+def _durations(schedule: Schedule, c: _StageCosts, per_action: float = 0.0) -> list[list[float]]:
     """Duration of each action, per rank and step: the one kind -> duration map.
 
     A ``B``/``I`` recomputes inside itself unless an ``R`` action did it first.
@@ -248,14 +258,46 @@ def _durations(schedule: Schedule, c: _StageCosts) -> list[list[float]]:
     by_r = _recomputed_by_r(schedule)
     zeros = [0.0] * S
     durations: list[list[float]] = []
+    overhead = _action_overheads(schedule, per_action)
     for rank in range(schedule.num_ranks):
         durations.append(
             [
                 (plain if by_r[a.stage * M + a.microbatch] else implicit).get(a.kind, zeros)[a.stage]
+                + overhead.get(a.kind, zeros)[a.stage]
                 for a in schedule.actions[rank]
             ]
         )
     return durations
+
+
+def _action_overheads(schedule: Schedule, per_action: float) -> dict[ActionKind, list[float]]:
+    """Per kind and stage: the runtime's own time an action costs ([Note: per-action cost]).
+
+    [Note: per-action cost]
+    The runtime spends host time on every action besides the math: issuing sends and receives,
+    the bookkeeping around each compute action, waking up when a message arrives. Measured per
+    action (``bench_pipe_runtime.py --section actions``: the step on tiny stages divided by the
+    busiest rank's lowered actions), it is priced as ``per_action`` on every action: each compute
+    action, each SEND/RECV of a lowered schedule; a compute-only schedule has no SEND/RECV, so its
+    compute actions carry one more ``per_action`` per message lowering would add for them (F:
+    receive of its input, send of its output; B/I: receive of the output gradient, send of the
+    input gradient; only across ranks). A lowered and a compute-only schedule therefore cost the
+    same, and schedules with more actions per step (virtual stages, split backward) pay for them.
+    """
+    S = schedule.num_stages
+    if per_action == 0.0:
+        return {}
+    out = {kind: [per_action] * S for kind in ActionKind}
+    if schedule.lowered:
+        return out
+    rank_of = schedule.stage_to_rank
+    crossings = [
+        int(s > 0 and rank_of[s - 1] != rank_of[s]) + int(s < S - 1 and rank_of[s + 1] != rank_of[s])
+        for s in range(S)
+    ]
+    for kind in (ActionKind.FORWARD, ActionKind.FULL_BACKWARD, ActionKind.BACKWARD_INPUT):
+        out[kind] = [per_action * (1 + crossings[s]) for s in range(S)]
+    return out
 
 
 @dataclass
@@ -342,7 +384,7 @@ def _simulate(schedule: Schedule, costs: CostModel | None, check: bool) -> SimRe
     if blocked:
         validate(schedule)  # raises with the table and the blocked steps
         raise ScheduleError(f"schedule {schedule.name!r} deadlocks")  # pragma: no cover
-    durations = _durations(schedule, c)
+    durations = _durations(schedule, c, costs.per_action)
     times = _run_times(schedule, order, deps, produces, durations, c.message)
     busy = [sum(d) for d in durations]
     makespan = max(times.rank_free, default=0.0)
