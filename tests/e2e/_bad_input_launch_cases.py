@@ -13,6 +13,8 @@ import contextlib
 import dataclasses
 import io
 import re
+import sys
+import unittest.mock
 from pathlib import Path
 from typing import Any
 
@@ -279,6 +281,22 @@ def plan_memory_per_device_unreadable(ctx: CaseContext) -> None:
     # (Without --memory-per-device, merak plan takes layout: auto's default: tests/core/test_plan_memory.py.)
     job = write_job(ctx, model={"factory": "tests.e2e._bad_input_jobs:build_failing"})
     run_cli(ctx, "plan", str(job), "--world-size", "2", "--memory-per-device", "lots")
+
+
+def launch_auto_without_a_global_batch(ctx: CaseContext) -> None:
+    # layout: auto keeps the global batch the written degrees give; dp null with tp=3 on 4 ranks gives none.
+    job = write_job(
+        ctx, model={"factory": f"{HERE}:hf_gpt2"}, training={"layout": "auto", "dp": None, "tp": 3}
+    )
+    train_dry_run(ctx, job, "--nproc-per-node", "4")
+
+
+def launch_report_to_mlflow_not_installed(ctx: CaseContext) -> None:
+    with unittest.mock.patch.dict(sys.modules, {"mlflow": None}):  # as if not installed
+        job = write_job(
+            ctx, model={"factory": f"{HERE}:hf_gpt2"}, training={"report_to": ["tensorboard", "mlflow"]}
+        )
+        train_dry_run(ctx, job)
 
 
 def plan_cluster_for_a_dtype_without_a_peak(ctx: CaseContext) -> None:

@@ -488,6 +488,21 @@ ROWS = [
         _all("exit 2", "merak plan: error: cannot read memory size 'lots'", "'12GiB'"),
     ),
     _row(
+        launch_cases.launch_auto_without_a_global_batch,
+        CliExit,
+        _all(
+            "exit 2",
+            "layout='auto' keeps the job's global batch",
+            "cp*tp*pp=3 does not divide the 4 ranks",
+            "set training.dp",
+        ),
+    ),
+    _row(
+        launch_cases.launch_report_to_mlflow_not_installed,
+        CliExit,
+        _all("exit 2", "report_to names 'mlflow'", "pip install 'merak-core[mlflow]'"),
+    ),
+    _row(
         launch_cases.plan_cluster_for_a_dtype_without_a_peak,
         CliExit,
         _all("exit 2", "training.dtype='float64'", "peaks for bf16 and fp32 only", "training.dtype=float32"),
