@@ -108,8 +108,9 @@ class TrainingArguments:
     """bfloat16 mixed precision: autocast compute over float32 parameters (needs dtype float32)."""
     dtype: str = "float32"
     """Parameter dtype: ``float32``, ``float64``, ``bfloat16`` or ``float16``."""
-    dataloader_num_workers: int = 0
-    """Worker processes of the data loader on the ranks that read data."""
+    dataloader_num_workers: int | None = None
+    """Worker processes of the data loader on the ranks that read data; None: 2 on CUDA (with pinned
+    memory), 0 on CPU. The batches are the same with any number (the order is the sampler's)."""
     labels: str = "shifted"
     """How the labels line up with the inputs (a job file sets it as ``data.labels``): ``shifted``, label t is
     the target of output t (the loss compares them position by position); ``unshifted``, the transformers

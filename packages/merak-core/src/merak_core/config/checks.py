@@ -74,8 +74,10 @@ def _check_run(args: Any) -> None:
         "overlap_chunks",
     ):
         _check_int(args, name, minimum=1)
-    for name in ("warmup_steps", "seed", "dataloader_num_workers"):
+    for name in ("warmup_steps", "seed"):
         _check_int(args, name, minimum=0)
+    if args.dataloader_num_workers is not None:
+        _check_int(args, "dataloader_num_workers", minimum=0, hint="or null (2 on CUDA, 0 on CPU)")
     _check(args.seed <= MAX_SEED, "seed", args.seed, f"an integer in [0, {MAX_SEED}] (2**32 - 1)")
     _check_float(args, "comm_timeout_s", minimum=0.0)
     _check(

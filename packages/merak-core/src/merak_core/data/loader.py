@@ -172,7 +172,8 @@ class StageAwareDataLoader:
         split_inputs_labels: maps a collated batch to ``(inputs, labels)``; default
             :func:`split_inputs_labels`.
         num_workers, pin_memory: passed to the ``torch.utils.data.DataLoader`` that reads
-            map-style datasets on the reading ranks.
+            map-style datasets on the reading ranks (``num_workers=None``: 0; the trainer chooses
+            :func:`default_num_workers` and pins memory on CUDA). The batches do not depend on them.
     """
 
     def __init__(
@@ -190,7 +191,7 @@ class StageAwareDataLoader:
         seed: int = 0,
         drop_last: bool = True,
         split_inputs_labels: SplitFn | None = None,
-        num_workers: int = 0,
+        num_workers: int | None = 0,
         pin_memory: bool = False,
     ) -> None:
         explicit = (dp_rank, dp_size, needs_inputs, needs_labels)
@@ -219,7 +220,7 @@ class StageAwareDataLoader:
         self.seed = seed
         self.drop_last = drop_last
         self.split = split_inputs_labels or _default_split
-        self.num_workers = num_workers
+        self.num_workers = 0 if num_workers is None else num_workers
         self.pin_memory = pin_memory
         self.iterable = isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__")
         self._epoch = 0
@@ -462,6 +463,14 @@ class StageAwareDataLoader:
         self._consumed = int(state["batches_consumed"])
 
 
+def default_num_workers(num_workers: int | None, device: torch.device) -> int:
+    """``training.dataloader_num_workers``, or when None: 2 on CUDA (reading overlaps the step), 0 on CPU
+    (the ranks share the cores)."""
+    if num_workers is not None:
+        return num_workers
+    return 2 if device.type == "cuda" else 0
+
+
 def _nothing(count: int | None) -> Iterator[None]:
     """``count`` empty items (forever when the dataset length is unknown)."""
     if count is None:
@@ -476,6 +485,7 @@ __all__ = [
     "IGNORE_INDEX",
     "StageAwareDataLoader",
     "StageBatch",
+    "default_num_workers",
     "label_split",
     "shift_labels",
     "split_inputs_labels",
