@@ -35,6 +35,7 @@ from merak_core.checkpoint.files import (
     pointer_root,
     read_checkpoint_meta,
 )
+from merak_core.checkpoint.frozen import base_fingerprint, check_base, frozen_names
 from merak_core.checkpoint.integrity import VerifyingReader, check_manifest
 from merak_core.checkpoint.ranks import barrier
 from merak_core.checkpoint.specs import (
@@ -87,6 +88,7 @@ def load_checkpoint(
     meta = read_checkpoint_meta(directory)
     manifest = check_manifest(directory, meta)
     _check_fingerprint(directory, meta.get("fingerprint", {}), fingerprint())
+    skip = _adapter_only_base(parts, directory, meta)
     available = dcp_metadata(directory)
     layout = parts.layout
     saved_layout = meta.get("layout", {})
@@ -95,7 +97,7 @@ def load_checkpoint(
         layout.tp,
         layout.pp,
     )
-    request, receivers, owned, optim_keys = _load_request(parts, available)
+    request, receivers, owned, optim_keys = _load_request(parts, available, skip)
     rng_key = f"rng/rank_{dist.get_rank()}"
     if "train_state" not in available:
         raise CheckpointError(f"checkpoint {str(directory)!r} is corrupt: it has no 'train_state' entry")
@@ -131,8 +133,22 @@ def load_checkpoint(
     return step
 
 
+def _adapter_only_base(parts: CheckpointParts, directory: Path, meta: Mapping[str, Any]) -> set[str]:
+    """The frozen names an adapter-only checkpoint does not hold (empty for any other), after checking this
+    run's base against the one the adapters were trained on ([Note: adapter-only checkpoints]; collective)."""
+    if not meta.get("adapter_only"):
+        return set()
+    if parts.model.lora is None:
+        raise CheckpointError(
+            f"checkpoint {str(directory)!r} holds a LoRA run's adapters only (no base weights): resume it "
+            "with the same model.lora (and its model.pretrained base), or export it with merak export --merge"
+        )
+    check_base(directory, meta.get("base") or {}, base_fingerprint(parts), parts.pretrained)
+    return frozen_names(parts)
+
+
 def _load_request(
-    parts: CheckpointParts, available: dict[str, Any]
+    parts: CheckpointParts, available: dict[str, Any], skip: set[str]
 ) -> tuple[
     dict[str, Any],
     dict[str, tuple[torch.Tensor, TensorSpec]],
@@ -144,6 +160,8 @@ def _load_request(
     request: dict[str, Any] = {}
     receivers: dict[str, tuple[torch.Tensor, TensorSpec]] = {}
     for name, (p, spec) in specs.items():
+        if name in skip:
+            continue  # a frozen base weight of an adapter-only checkpoint: the run's own base is kept
         key = f"model/{name}"
         target, buf = _load_target(parts, spec, p, p.dtype)
         request[key], receivers[key] = target, (buf, spec)
@@ -184,6 +202,8 @@ def _copy_loaded(
     group_of = {id(q): group for group in inner.param_groups for q in group["params"]}
     with torch.no_grad():
         for name, (p, _) in tensor_specs(parts).items():
+            if f"model/{name}" not in receivers:
+                continue  # the base of an adapter-only checkpoint (checked, not read)
             buf, spec = receivers[f"model/{name}"]
             copy_into_shard_(p, _from_loaded(spec, buf))  # ZeRO-2/3: this DP rank's part
         for p, name in owned:

@@ -34,6 +34,7 @@ from merak_core.checkpoint.files import (
     describe_failure,
     latest_candidates,
 )
+from merak_core.checkpoint.frozen import base_fingerprint, frozen_names
 from merak_core.checkpoint.integrity import RecordingWriter, file_checksum, nonfinite_count, nonfinite_names
 from merak_core.checkpoint.ranks import barrier
 from merak_core.checkpoint.specs import _to_checkpoint, named_optimizer_params, tensor_specs
@@ -88,6 +89,8 @@ def save_checkpoint(parts: CheckpointParts, root: Path, fingerprint: dict[str, t
     barrier("checkpoint written")
     written: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(written, writer.written)
+    # [Note: adapter-only checkpoints]: a LoRA run records which base its adapters were trained on.
+    base = base_fingerprint(parts) if parts.model.lora is not None else None
     if rank == 0:
         files: dict[str, Any] = {}
         for part in written:
@@ -109,6 +112,8 @@ def save_checkpoint(parts: CheckpointParts, root: Path, fingerprint: dict[str, t
             "training_arguments": parts.args.to_dict(),
             "pretrained": parts.pretrained,
             "lora": None if parts.model.lora is None else dict(vars(parts.model.lora)),
+            "adapter_only": base is not None,
+            "base": None if base is None else {"pretrained": parts.pretrained, "fingerprint": base},
             "fingerprint": {name: list(shape) for name, shape in fingerprint.items()},
             "files": dict(sorted(files.items())),
         }
@@ -169,7 +174,10 @@ def _check_finite(parts: CheckpointParts, root: Path, step: int) -> None:
 def _state_dict(parts: CheckpointParts) -> dict[str, Any]:
     state: dict[str, Any] = {}
     specs = tensor_specs(parts)
+    frozen = frozen_names(parts)  # [Note: adapter-only checkpoints]: a LoRA run's base is not written
     for name, (p, spec) in specs.items():
+        if name in frozen:
+            continue
         value = _to_checkpoint(parts, p, spec, p)
         if value is not None:
             state[f"model/{name}"] = value

@@ -205,6 +205,34 @@ def merge_adapters(
     return merged
 
 
+def base_state(
+    model: nn.Module, folder: str | os.PathLike[str], base: dict[str, Any], checkpoint: Path
+) -> dict[str, torch.Tensor]:
+    """The frozen weights of an adapter-only checkpoint's run, read whole from the pretrained ``folder`` (the
+    model built from it, meta, names them), checked against the checkpoint's fingerprint of its base
+    ([Note: adapter-only checkpoints] in ``merak_core.checkpoint.frozen``; CheckpointError if it differs)."""
+    from merak_core.checkpoint.frozen import check_base, tensor_fingerprint
+    from merak_core.hf.pretrained import PretrainedWeights
+
+    weights = PretrainedWeights.match(model, folder)
+    state: dict[str, torch.Tensor] = {}
+    with weights.folder.reader(keep_open=False) as reader:
+        for name, file_name in weights.file_names.items():
+            state[name] = reader.get_slice(file_name)[:]
+    first: dict[int, str] = {}
+    alias: dict[str, str] = {}  # every name of a (tied) parameter -> the name it is read under
+    for name, p in model.named_parameters(remove_duplicate=False):
+        alias[name] = first.setdefault(id(p), name)
+    wanted = base.get("fingerprint", {})
+    mine = {
+        name: [float(v) for v in tensor_fingerprint(state[alias[name]])]
+        for name in wanted
+        if alias.get(name) in state
+    }
+    check_base(checkpoint, base, mine, str(folder))
+    return state
+
+
 def checkpoint_lora(meta: dict[str, Any], *, merge: bool, checkpoint: str) -> LoraConfig | None:
     """The LoRA config a checkpoint's metadata records (None for a full fine-tune; ValueError for ``merge``
     without LoRA)."""
