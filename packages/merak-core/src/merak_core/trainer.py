@@ -42,7 +42,7 @@ from merak_core.checkpoint import CheckpointManager
 from merak_core.checkpoint.parts import CheckpointParts, TrainState
 from merak_core.config import TrainingArguments
 from merak_core.data.batch_ids import IdRanges, sample_namer
-from merak_core.data.loader import StageAwareDataLoader, label_split
+from merak_core.data.loader import StageAwareDataLoader, default_num_workers, label_split
 from merak_core.generation.run_api import GenerateMixin
 from merak_core.lora import LoraConfig
 from merak_core.parallel.compose import ParallelModel, gather_full_state_dict
@@ -51,7 +51,7 @@ from merak_core.parallel.layout import ParallelLayout
 from merak_core.parallel.virtual_stages import stage_data_roles
 from merak_core.planner import PlanContext
 from merak_core.run import bootstrap, nonfinite
-from merak_core.run.cadence import Cadence, count_tokens, step_record
+from merak_core.run.cadence import Cadence, StepRecords, count_tokens
 from merak_core.run.engine import (
     LossFn,
     ParallelEngine,
@@ -169,7 +169,8 @@ class Trainer(GenerateMixin, EngineViews):
                 split_inputs_labels=label_split(args.labels),
                 seed=args.seed,
                 shuffle=True,
-                num_workers=args.dataloader_num_workers,
+                num_workers=default_num_workers(args.dataloader_num_workers, self.device),
+                pin_memory=self.device.type == "cuda",  # then the step copies batches with non_blocking
             )
             if train_dataset is not None
             else None
@@ -261,16 +262,27 @@ class Trainer(GenerateMixin, EngineViews):
         See :meth:`merak_core.run.engine.ParallelEngine.step`: ``nonfinite: stop`` raises
         :class:`merak_core.run.nonfinite.NonFiniteError`; ``skip`` drops the update (``last_step_skipped``);
         a stop request on any rank sets ``stop_agreed`` after the update. The step's whole result
-        is ``last_result``.
+        is ``last_result``. Returning the loss reads it from the device (the loop reads it only when it logs).
         """
+        return self._step(inputs, labels, record_timing=record_timing).loss
+
+    def _step(
+        self, inputs: Any, labels: Any, *, record_timing: bool, ids_checked: int | None = None
+    ) -> StepResult:
+        """:meth:`training_step` without reading the loss (see [Note: device-side skip] in run.nonfinite)."""
         step = self.global_step + 1
         cp_context: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
         if self.cp_run is not None:  # this rank's tokens of the batch; attention over the cp group
             inputs, labels = self.cp_run.split(inputs, labels)
             cp_context = self.cp_run.active()
-        with cp_context:
+        with cp_context, self._rewind_on_nonfinite():
             result = self.engine.step(
-                inputs, labels, step=step, stop_requested=self._stop.requested, record_timing=record_timing
+                inputs,
+                labels,
+                step=step,
+                stop_requested=self._stop.requested,
+                record_timing=record_timing,
+                ids_checked=ids_checked,
             )
         self.last_result = result
         self.stop_agreed = result.stop_agreed
@@ -286,7 +298,24 @@ class Trainer(GenerateMixin, EngineViews):
                     self.skipped_steps,
                 )
         self.global_step += 1
-        return result.loss
+        return result
+
+    @contextlib.contextmanager
+    def _rewind_on_nonfinite(self) -> Any:
+        """A non-finite step found after later ones ran (their updates dropped on the device): the run is
+        back at the step before it, as the parameters are (its records and the later ones dropped)."""
+        try:
+            yield
+        except nonfinite.NonFiniteError as exc:
+            if exc.step is not None and exc.step <= self.global_step:
+                self.global_step = exc.step - 1
+                self.history[:] = [h for h in self.history if h["step"] < exc.step]
+            raise
+
+    def _settle(self) -> None:
+        """Before a step's numbers are logged, saved or evaluated: the engine reads the flags it has not read."""
+        with self._rewind_on_nonfinite():
+            self.stop_agreed = self.engine.settle() or self.stop_agreed
 
     def _describe_rank(self, rank: int) -> str:
         pp_rank, dp_rank, tp_rank = self.layout.coords_of(rank)
@@ -344,6 +373,7 @@ class Trainer(GenerateMixin, EngineViews):
 
     def _train_loop(self, loader: StageAwareDataLoader, total: int, cadence: Cadence) -> None:
         iterator = iter(loader)  # resumes at the loader's restored position
+        records = StepRecords(self.history)  # filled as the steps' numbers reach the host
         window_start, window_tokens = time.perf_counter(), 0
         while self.global_step < total:
             try:
@@ -351,26 +381,35 @@ class Trainer(GenerateMixin, EngineViews):
             except StopIteration:
                 iterator = iter(loader)
                 continue
-            self.id_ranges.check(batch.inputs, batch.labels, self.global_step + 1, sample_namer(loader))
+            checked = self.id_ranges.check(
+                batch.inputs, batch.labels, self.global_step + 1, sample_namer(loader)
+            )
             timed = self.plan_check is not None and self.plan_check.before_step(self.global_step, total)
             step_start = time.perf_counter()
-            loss = self.training_step(batch.inputs, batch.labels, record_timing=timed)
+            result = self._step(
+                batch.inputs,
+                batch.labels,
+                record_timing=timed,
+                ids_checked=self.id_ranges.vocab if checked else None,  # no id check on the device
+            )
             step_time = time.perf_counter() - step_start
             if self.plan_check is not None:
                 self.plan_check.after_step(self.global_step, self.last_result, step_time)
             window_tokens += count_tokens(batch.inputs) * self.layout.dp
-            record = step_record(
-                step=self.global_step,
-                loss=loss,
+            step = self.global_step
+            records.add(
+                result,
+                step=step,
                 lr=float(self.lr_scheduler.get_last_lr()[0]),
                 step_time_s=step_time,
-                grad_norm=self.last_grad_norm,
                 skipped_steps=self.skipped_steps if self.last_step_skipped else None,
             )
-            self.history.append(record)
-            step = self.global_step
             # first=1: the run's first step, not a resumed segment's (one run's cadence, resumed or not)
-            if cadence.log_due(step, first=1, total=total, skipped=self.last_step_skipped):
+            log = cadence.log_due(step, first=1, total=total, skipped=self.last_step_skipped)
+            if log or cadence.reads_due(step, total=total):
+                self._settle()  # the host reads the step's numbers here, not in the step
+            record = records.flush(force=log or self.stop_agreed or step >= total)
+            if log and record is not None:
                 elapsed = time.perf_counter() - window_start
                 record["tokens_per_s"] = window_tokens / elapsed if elapsed > 0 else 0.0
                 self.metrics.log(record)

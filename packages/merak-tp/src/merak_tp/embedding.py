@@ -30,6 +30,11 @@ class VocabParallelEmbedding(_TPModule):
     ``ColumnParallelLinear`` over the vocabulary, so a tied output projection can
     share the very same local shard. ``embed_scale`` multiplies the looked-up rows (an
     embedding scaled by sqrt(hidden), as Gemma's), kept as a non-persistent buffer.
+
+    At TP > 1 every forward checks that the ids lie in the vocabulary (masked, an id outside would
+    embed as zeros on every rank): a host read of the ids, which on a GPU waits for the device. A
+    caller that checks every batch itself before it reaches the device (Merak's trainer, on the
+    loader's CPU batch) sets ``check_ids = False`` for those forwards.
     """
 
     def __init__(
@@ -54,6 +59,8 @@ class VocabParallelEmbedding(_TPModule):
         self.vocab_start = self.tp_rank * self.num_embeddings_per_rank
         self.vocab_end = self.vocab_start + self.num_embeddings_per_rank
         self.padding_idx = padding_idx
+        self.check_ids = True
+        """Check the ids of every forward at TP > 1 (a host read); off where the caller checked them."""
         self.weight = _mark(
             nn.Parameter(
                 torch.empty(self.num_embeddings_per_rank, embedding_dim, device=device, dtype=dtype)
@@ -143,7 +150,8 @@ class VocabParallelEmbedding(_TPModule):
         if self.tp_size == 1:
             out = nn.functional.embedding(ids, self.weight, self.padding_idx)
         else:
-            self._check_ids(ids)
+            if self.check_ids:
+                self._check_ids(ids)
             outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
             local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
             out = nn.functional.embedding(local_ids, self.weight, self._local_padding_idx())

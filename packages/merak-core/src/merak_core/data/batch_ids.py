@@ -69,10 +69,12 @@ class IdRanges:
         """The ranges of ``model`` (the whole model, before it is split or sharded)."""
         return cls(_input_vocab(model), _output_classes(model) if default_loss else None)
 
-    def check(self, inputs: Any, labels: Any, step: int, where: Any = None) -> None:
+    def check(self, inputs: Any, labels: Any, step: int, where: Any = None) -> bool:
         """``ValueError`` naming ``step``, the sample and the value of the first id out of range.
 
         ``where(row)`` names the sample of row ``row`` of this rank's batch (default: the row).
+        Returns whether the input ids were checked against ``vocab`` (then the vocab-parallel embedding
+        need not check them again on the device: ``ParallelEngine.step(ids_checked=...)``).
         """
         name = where or (lambda row: f"row {row} of this rank's batch")
         ids = inputs.get("input_ids") if isinstance(inputs, Mapping) else inputs
@@ -94,6 +96,7 @@ class IdRanges:
                     f"{self.classes} outputs (ids 0..{self.classes - 1}, or {IGNORE_INDEX} to ignore a "
                     "position); fix the labels or the model's output size"
                 )
+        return self.vocab is not None and _is_ids(ids)
 
 
 def _is_ids(t: Any) -> TypeGuard[torch.Tensor]:

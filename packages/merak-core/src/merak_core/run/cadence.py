@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Cadence", "count_tokens", "step_record"]
+__all__ = ["Cadence", "StepRecords", "count_tokens", "step_record"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,6 +57,11 @@ class Cadence:
     def eval_due(self, step: int) -> bool:
         """A periodic evaluation after ``step``."""
         return self.evaluates and _every(step, self.eval_steps)
+
+    def reads_due(self, step: int, *, total: int) -> bool:
+        """The host reads the step's numbers after ``step`` (besides the logged steps): before a save, an
+        evaluation and the end, so that a non-finite step is found before its state is kept."""
+        return self.save_due(step) or self.eval_due(step) or step >= total
 
     def final_eval_due(self, step: int) -> bool:
         """Evaluate at the end of training, unless the last step (``step``) just did."""
@@ -104,3 +109,29 @@ def step_record(
     if skipped_steps is not None:
         record.update(skipped=True, skipped_steps=skipped_steps)
     return record
+
+
+class StepRecords:
+    """Step records completed as each step's loss and gradient norm reach the host, appended in step order.
+
+    ``add`` keeps a step's result (a :class:`~merak_core.run.engine.StepResult`) and its other fields;
+    ``flush`` appends every record whose numbers the host has read already (reading nothing) or, with
+    ``force``, all of them (reading the rest: one transfer per step not read yet).
+    """
+
+    def __init__(self, history: list[dict[str, Any]]) -> None:
+        self.history = history
+        self._pending: list[tuple[Any, dict[str, Any]]] = []
+
+    def add(self, result: Any, **fields: Any) -> None:
+        """Keep ``result``'s record (``step``, ``lr``, ``step_time_s``, ``skipped_steps``) until it is read."""
+        self._pending.append((result, fields))
+
+    def flush(self, *, force: bool) -> dict[str, Any] | None:
+        """Append the records that are ready (all with ``force``); the last one appended, or None."""
+        last = None
+        while self._pending and (force or self._pending[0][0].values.is_read):
+            result, fields = self._pending.pop(0)
+            last = step_record(loss=result.loss, grad_norm=result.grad_norm, **fields)
+            self.history.append(last)
+        return last

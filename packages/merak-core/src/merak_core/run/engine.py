@@ -30,7 +30,9 @@ the heartbeat (:mod:`merak_core.run.stall`): the stalled or dead peer by global 
 non-finite gradient, a stop signal), see :mod:`merak_core.run.nonfinite` and :mod:`merak_core.run.signals`:
 ``nonfinite: stop`` raises an error naming the step, the loss, the norm and the first bad gradient;
 ``skip`` drops the update; a signal ends training after the same step on every rank, with a
-preemption checkpoint.
+preemption checkpoint. The step reads none of it on the host where the optimizer can drop an update on
+the device (fused AdamW, the default on CUDA, under ``nonfinite: stop``): the flags are read one step
+later, the loss and the norm when the trainer logs ([Note: device-side skip] in ``nonfinite``).
 
 Not done here: building the runner, the DP sync and the optimizer (``engine_setup.py``), the loop,
 evaluation cadence, metrics and checkpoints (``trainer.py``), process groups, devices and preparing
@@ -41,13 +43,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from merak_core.config import TrainingArguments, build_lr_scheduler
@@ -70,8 +70,10 @@ from merak_core.run.engine_setup import (
     shard_parallel_model,
 )
 from merak_core.run.stall import Heartbeat
+from merak_core.run.step_values import LateFlags, StepValues, reduce_step_values
 from merak_core.run.watchdog import StepWatchdog
 from merak_pipe import PipelineCommError
+from merak_tp import VocabParallelEmbedding
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -92,20 +94,33 @@ class TrainingStepError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class StepResult:
-    """What one optimizer step produced (the same ``loss``, ``skipped`` and ``stop_agreed`` on every rank)."""
+    """What one optimizer step produced (the same ``loss``, ``skipped`` and ``stop_agreed`` on every rank).
 
-    loss: float
-    """The global mean loss of the step (see [Note: loss scaling])."""
+    ``loss`` and ``grad_norm`` are read from the device on first use (one host transfer for both,
+    :class:`merak_core.run.step_values.StepValues`): a caller that does not ask does not wait.
+    """
+
+    values: StepValues
+    """The step's numbers on the device and their host copy."""
     pipeline_s: float
-    """Seconds of this rank's pipeline part (forward and backward of every microbatch)."""
-    grad_norm: float | None
-    """The global gradient norm before clipping (None when ``max_grad_norm`` is 0)."""
+    """Seconds of this rank's pipeline part (forward and backward of every microbatch; on CUDA the time
+    of the GPU work only with ``record_timing``, else of queuing it)."""
     skipped: bool = False
     """The loss or a gradient was not finite and the update was dropped (``nonfinite: skip``)."""
     stop_agreed: bool = False
     """Some rank got a stop signal: every rank stops after this step."""
     timings: tuple[Any, ...] = ()
     """The runner's per-action timings of this step (only with ``record_timing``)."""
+
+    @property
+    def loss(self) -> float:
+        """The global mean loss of the step (see [Note: loss scaling])."""
+        return self.values.loss
+
+    @property
+    def grad_norm(self) -> float | None:
+        """The global gradient norm before clipping (None when ``max_grad_norm`` is 0)."""
+        return self.values.grad_norm
 
 
 def default_loss(output: Any, labels: torch.Tensor) -> torch.Tensor:
@@ -185,7 +200,10 @@ class ParallelEngine:
             sharded=self.sharded is not None,
         )
         named = self.model.named_parameters()
+        self.named = list(named)
         self.params = [p for _, p in named]
+        self.vocab_tables = [m for m in self.model.module.modules() if isinstance(m, VocabParallelEmbedding)]
+        """This rank's vocab-parallel embeddings (their per-forward id check: ``step(ids_checked=...)``)."""
         self.expert_params = expert_parameters(self.model.module) if layout.ep > 1 else []
         """Parameters sharded over the EP group (merak_core.parallel.expert_parallel): the norm sums them over it."""
         self.dp_sync: DataParallelGradSync | ShardedDataParallel | None = build_dp_sync(
@@ -198,6 +216,15 @@ class ParallelEngine:
             named, layout, args, device=device, factory=optimizer_factory, grad_sync=zero1
         )
         self.lr_scheduler = build_lr_scheduler(self.optimizer, args, num_training_steps)
+        target = nonfinite.device_skip_target(self.optimizer) if self.sharded is None else None
+        self.late_flags = (
+            LateFlags(target, named=self.named, layout=layout)
+            if target is not None and args.nonfinite == nonfinite.STOP
+            else None
+        )
+        """[Note: device-side skip]: the optimizer drops a non-finite update on the device and the host reads
+        the flags one step later; None: every step reads its flags (``nonfinite: skip``, other optimizers)."""
+        self.last_result: StepResult | None = None
         self.heartbeat: Heartbeat | None = None
         self.watchdog = StepWatchdog(
             timeout_s=layout.timeout.total_seconds(),
@@ -207,7 +234,6 @@ class ParallelEngine:
         """Logs where this rank waits before the timeout ends the job ([Note: step watchdog] in merak_core.run.watchdog)."""
         """The running loop's heartbeat: a failed step names the ranks that stopped answering it."""
         self.last_pipeline_s = 0.0
-        self.last_grad_norm: float | None = None
         self.consecutive_skips = 0
         """Steps skipped in a row just before the next one (``nonfinite: skip``; reset by an applied step)."""
 
@@ -225,11 +251,15 @@ class ParallelEngine:
                     f"{keys}: every batch must carry the same input keys"
                 )
             if self.model.by_keyword and self.layout.pp == 1:
-                return {k: inputs[k].to(self.device) for k in keys}
-            return tuple(inputs[k].to(self.device) for k in keys)
+                return {k: self._to_device(inputs[k]) for k in keys}
+            return tuple(self._to_device(inputs[k]) for k in keys)
         if isinstance(inputs, torch.Tensor):
-            return inputs.to(self.device)
-        return tuple(x.to(self.device) for x in inputs)
+            return self._to_device(inputs)
+        return tuple(self._to_device(x) for x in inputs)
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` on this device; from the loader's pinned memory (CUDA) without blocking the host."""
+        return t.to(self.device, non_blocking=True)
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """bf16 autocast on this device when ``args.bf16``, else nothing."""
@@ -254,10 +284,14 @@ class ParallelEngine:
         step: int,
         stop_requested: bool = False,
         record_timing: bool = False,
+        ids_checked: int | None = None,
     ) -> StepResult:
         """Optimizer step number ``step`` on this rank's part of a global batch (collective).
 
         ``record_timing``: the runner records every action's timing (``StepResult.timings``).
+        ``ids_checked``: the caller checked every input id of this batch against a vocabulary of this
+        size on the host (the trainer, :mod:`merak_core.data.batch_ids`): the vocab-parallel embeddings
+        of that size skip their own check, a host read per first-stage forward at TP > 1.
         A non-finite loss or gradient norm, and a stop request on any rank, are known to every rank
         after the step's last all-reduce (see [Note: step flags] in :mod:`merak_core.run.nonfinite`):
         ``nonfinite: stop`` raises :class:`merak_core.run.nonfinite.NonFiniteError`; ``skip`` drops the
@@ -265,7 +299,7 @@ class ParallelEngine:
         """
         for p in self.params:
             p.grad = None
-        labels = labels.to(self.device) if isinstance(labels, torch.Tensor) else labels
+        labels = self._to_device(labels) if isinstance(labels, torch.Tensor) else labels
         layout = self.layout
         if self.dp_sync is not None:
             # Buckets are all-reduced during the backward of the last microbatch, as their gradients
@@ -276,11 +310,11 @@ class ParallelEngine:
             step,
             position=getattr(self.runner, "describe_position", None),
         ):
-            with self.autocast():
+            with self.autocast(), self._ids_checked(ids_checked):
                 self.runner.record_timing = record_timing
                 start = time.perf_counter()
                 loss = self.runner.step(self.stage_inputs(inputs), labels)
-                if self.device.type == "cuda":
+                if record_timing and self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)  # the time of the GPU work, not of queuing it
                 self.last_pipeline_s = time.perf_counter() - start
         timings = tuple(self.runner.timings) if record_timing else ()
@@ -307,62 +341,105 @@ class ParallelEngine:
                     expert_params=self.expert_params,
                     grad_shard_group=self.grad_shard_group,
                 )
-            bad = not bool(torch.isfinite(norm))
+            bad = ~torch.isfinite(norm)
         else:
-            bad = nonfinite.local_grads_nonfinite(self.params)
+            bad = nonfinite.local_grads_nonfinite_flag(self.params, self.device)
+        named = [(n, p) for n, p in self.named if p.grad is not None] if self.late_flags is not None else []
         with self._phase("loss all-reduce over all ranks", step):
-            loss_value, any_bad, stop_agreed = self._reduce_step(loss, bad, stop_requested)
-        self.last_grad_norm = float(norm) if norm is not None else None
+            values = reduce_step_values(
+                loss,
+                bad,
+                stop_requested,
+                add_loss=layout.tp_rank == 0,
+                norm=norm,
+                first_bad=nonfinite.first_nonfinite_code([p.grad for _, p in named], self.device)
+                if self.late_flags is not None
+                else None,
+                device=self.device,
+                loss_divisor=layout.dp * layout.cp,  # [Note: cp loss]
+                names=[n for n, _ in named],
+            )
+        if self.late_flags is not None:
+            return self._step_on_device(values, norm, step, timings)
         result = StepResult(
-            loss=loss_value,
+            values=values,
             pipeline_s=self.last_pipeline_s,
-            grad_norm=self.last_grad_norm,
-            skipped=any_bad or not math.isfinite(loss_value),
-            stop_agreed=stop_agreed,
+            skipped=values.nonfinite,
+            stop_agreed=values.stop_requested,
             timings=timings,
         )
+        self.last_result = result
         if result.skipped:
             limit = self.args.nonfinite_max_consecutive_skips
             over_limit = 0 < limit <= self.consecutive_skips
             if self.args.nonfinite == nonfinite.STOP or over_limit:
                 raise nonfinite.nonfinite_error(
                     step=step,
-                    loss=loss_value,
-                    grad_norm=self.last_grad_norm,
-                    named=self.model.named_parameters(),
+                    loss=values.loss,
+                    grad_norm=values.grad_norm,
+                    named=self.named,
                     layout=self.layout,
                     skip_limit=limit if self.args.nonfinite != nonfinite.STOP else None,
                 )
             self.consecutive_skips += 1
             return result
         self.consecutive_skips = 0
+        self._apply_update(norm, step)
+        return result
+
+    def _apply_update(self, norm: torch.Tensor | None, step: int) -> None:
+        """Clip, step the optimizer and the learning-rate schedule."""
         if norm is not None:
             scale_gradients_(self.params, self.args.max_grad_norm, norm)
         zero = isinstance(self.optimizer, ZeroOptimizer)
         with self._phase(
             f"optimizer step (ZeRO-1 {'all-gathers' if self.grad_shard_group else 'broadcasts'} over global "
-            f"ranks {layout.dp_ranks})"
+            f"ranks {self.layout.dp_ranks})"
             if zero
             else "optimizer step (local, no communication)",
             step,
         ):
             self.optimizer.step()
         self.lr_scheduler.step()
+
+    def _step_on_device(
+        self, values: StepValues, norm: torch.Tensor | None, step: int, timings: tuple[Any, ...]
+    ) -> StepResult:
+        """The update without a host read ([Note: device-side skip] in :mod:`merak_core.run.nonfinite`):
+        the optimizer drops it on the device when needed; the host reads the previous step's flags."""
+        assert self.late_flags is not None
+        self.late_flags.arm(values)
+        self._apply_update(norm, step)
+        stop = self.late_flags.check(self.late_flags.swap(step, values))
+        result = StepResult(values=values, pipeline_s=self.last_pipeline_s, stop_agreed=stop, timings=timings)
+        self.last_result = result
         return result
 
-    def _reduce_step(self, loss: torch.Tensor | None, bad: bool, stop: bool) -> tuple[float, bool, bool]:
-        """The step's loss averaged over DP, and whether any rank saw a non-finite gradient or a stop signal."""
-        value = torch.zeros(nonfinite.STEP_VECTOR_SIZE, dtype=torch.float64, device=self.device)
-        if loss is not None and self.layout.tp_rank == 0:
-            value[nonfinite.LOSS] += float(loss)
-        value[nonfinite.NONFINITE] = float(bad)
-        value[nonfinite.STOP_REQUESTED] = float(stop)
-        dist.all_reduce(value)
-        return (
-            float(value[nonfinite.LOSS]) / (self.layout.dp * self.layout.cp),  # [Note: cp loss]
-            bool(value[nonfinite.NONFINITE] > 0),
-            bool(value[nonfinite.STOP_REQUESTED] > 0),
-        )
+    def settle(self) -> bool:
+        """Read the flags of the last step not read yet, now (waits for the device to finish it).
+
+        Raises :class:`merak_core.run.nonfinite.NonFiniteError` naming that step when it was not finite;
+        returns whether a stop was agreed in it. Nothing to read (the flags are read in the step) is False.
+        The trainer calls it before it logs, saves, evaluates or ends (collective when it raises).
+        """
+        return False if self.late_flags is None else self.late_flags.check(self.late_flags.take())
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The last step's gradient norm before clipping (read from the device when asked)."""
+        return None if self.last_result is None else self.last_result.grad_norm
+
+    @contextlib.contextmanager
+    def _ids_checked(self, vocab: int | None) -> Iterator[None]:
+        """The vocab-parallel embeddings of ``vocab`` rows skip their id check (done on the host already)."""
+        tables = [m for m in self.vocab_tables if vocab is not None and m.num_embeddings == vocab]
+        for table in tables:
+            table.check_ids = False
+        try:
+            yield
+        finally:
+            for table in tables:
+                table.check_ids = True
 
     @contextlib.contextmanager
     def _phase(self, what: str, step: int, *, position: Callable[[], str] | None = None) -> Iterator[None]:
