@@ -330,6 +330,7 @@ def predict_all(
 ) -> dict[StepConfig, Any]:
     """The cluster model's :class:`ClusterCandidate` for every configuration (the demo, fp32, real weights)."""
     from examples.addition.model import build_model
+    from merak_core.config.layout_choice import LayoutChoice
     from merak_core.planner.cluster_cost import model_costs, trace_for_cluster
     from merak_core.planner.cluster_search import predict_config
 
@@ -344,14 +345,16 @@ def predict_all(
         out[c] = predict_config(
             costs,
             cluster,
-            dp=c.dp,
-            tp=c.tp,
-            pp=c.pp,
-            schedule=c.schedule,
-            num_microbatches=c.num_microbatches,
-            micro_batch_size=c.micro_batch_size,
-            recompute=c.recompute,
-            tp_overlap=c.tp_overlap,
+            LayoutChoice(
+                dp=c.dp,
+                tp=c.tp,
+                pp=c.pp,
+                schedule=c.schedule,
+                num_microbatches=c.num_microbatches,
+                micro_batch_size=c.micro_batch_size,
+                recompute=c.recompute,
+                tp_overlap=c.tp_overlap,
+            ),
             stage_layers=cut if c.pp > 1 else None,
         )
     return out

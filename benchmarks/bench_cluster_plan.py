@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import time
 
+from merak_core.config.layout_choice import LayoutChoice
 from merak_core.planner.cluster import load_cluster
 from merak_core.planner.cluster_cost import model_costs, trace_for_cluster
 from merak_core.planner.cluster_search import ClusterCandidate, plan_cluster, predict_config
@@ -141,15 +142,17 @@ def bench_paper(
         same = predict_config(
             costs,
             cluster,
-            dp=base.dp,
-            tp=base.tp,
-            pp=base.pp,
-            schedule="shifted_critical_path",
-            num_microbatches=base.num_microbatches,
-            micro_batch_size=base.micro_batch_size,
-            recompute="stage_aware",
-            zero_stage=base.zero_stage,
-            tp_overlap=True,
+            LayoutChoice(
+                dp=base.dp,
+                tp=base.tp,
+                pp=base.pp,
+                schedule="shifted_critical_path",
+                num_microbatches=base.num_microbatches,
+                micro_batch_size=base.micro_batch_size,
+                recompute="stage_aware",
+                zero_stage=base.zero_stage,
+                tp_overlap=True,
+            ),
         )
         same_s = f"{same.step_time_s:.3f}" if same is not None and same.fits else "does not fit"
         same_r = f"{base.step_time_s / same.step_time_s:.2f}" if same is not None and same.fits else "-"

@@ -24,6 +24,7 @@ from merak_core.autoplan.auto import (
     profile_inputs,
 )
 from merak_core.config import TrainingArguments
+from merak_core.config.layout_choice import LayoutChoice
 from merak_core.job import JobConfig, write_job
 from tests.e2e._bad_input_support import no_collectives
 
@@ -161,15 +162,9 @@ def test_merak_train_dry_run_explains_auto(capsys: pytest.CaptureFixture[str]):
 
 
 def test_write_job_gives_a_loadable_job_with_the_fields(tmp_path: Path):
-    fields = {
-        "dp": 2,
-        "tp": 1,
-        "pp": 2,
-        "schedule": "gpipe",
-        "per_device_train_batch_size": 4,
-        "gradient_accumulation_steps": 8,
-        "recompute": "none",
-    }
+    choice = LayoutChoice(dp=2, tp=1, pp=2, schedule="gpipe", num_microbatches=8, micro_batch_size=4)
+    fields = choice.training_fields()
+    assert fields["per_device_train_batch_size"] == 4 and fields["gradient_accumulation_steps"] == 8
     over = [
         "training.layout=auto",
         "training.dp=null",
@@ -178,7 +173,7 @@ def test_write_job_gives_a_loadable_job_with_the_fields(tmp_path: Path):
         "training.max_steps=7",
     ]
     out = tmp_path / "sub" / "replanned.yaml"
-    write_job(DEMO, out, fields, overrides=over)
+    write_job(DEMO, out, choice, overrides=over)
     raw = yaml.safe_load(out.read_text())
     assert raw["training"]["layout"] == "manual"
     assert Path(raw["model"]["factory"].split(":")[0]).is_absolute()
@@ -187,7 +182,7 @@ def test_write_job_gives_a_loadable_job_with_the_fields(tmp_path: Path):
         assert getattr(job.training, k) == v
     assert job.training.max_steps == 7
     # without a job file: the training section alone
-    write_job(None, tmp_path / "t.yaml", fields)
+    write_job(None, tmp_path / "t.yaml", choice)
     assert yaml.safe_load((tmp_path / "t.yaml").read_text()) == {"training": fields}
 
 
@@ -261,13 +256,8 @@ def test_plan_check_report_writes_the_replanned_job_and_a_metrics_record(tmp_pat
     writer = MetricsWriter(str(tmp_path), enabled=True)  # the Trainer's sink for the check's record
     true = predict_current(
         ctx,
+        LayoutChoice(dp=4, tp=1, pp=1, schedule="1f1b", num_microbatches=1, micro_batch_size=2),
         profile=dataclasses.replace(profile, optimizer_s_per_byte=1e-9),
-        dp=4,
-        tp=1,
-        pp=1,
-        schedule="1f1b",
-        num_microbatches=1,
-        micro_batch_size=2,
     )
     measured = MeasuredStep(
         step_time_s=true.step_time_s,

@@ -8,6 +8,7 @@ import math
 import pytest
 import yaml
 
+from merak_core.config.layout_choice import LayoutChoice
 from merak_core.planner.cluster import ClusterSpec, load_cluster, shipped_clusters
 from merak_core.planner.cluster_cost import model_costs, stage_costs, trace_for_cluster
 from merak_core.planner.cluster_search import format_cluster_plan, plan_cluster, predict_config
@@ -145,7 +146,9 @@ def test_compute_bound_layer_time_is_flops_over_sustained_peak():
 def test_single_device_step_is_microbatches_times_forward_and_backward(small_costs):
     cluster = load_cluster("h100-sxm-8x")
     c = predict_config(
-        small_costs, cluster, dp=1, tp=1, pp=1, schedule="1f1b", num_microbatches=4, micro_batch_size=2
+        small_costs,
+        cluster,
+        LayoutChoice(dp=1, tp=1, pp=1, schedule="1f1b", num_microbatches=4, micro_batch_size=2),
     )
     f = 2 * sum(ly.forward_s for ly in small_costs.layers)
     assert c.pipeline_s == pytest.approx(4 * 3 * f, rel=1e-9)
@@ -155,7 +158,9 @@ def test_single_device_step_is_microbatches_times_forward_and_backward(small_cos
 def test_dp_allreduce_is_the_ring_formula_over_the_network(small_costs):
     cluster = load_cluster("a100-80gb-8x")
     c = predict_config(
-        small_costs, cluster, dp=16, tp=1, pp=1, schedule="1f1b", num_microbatches=1, micro_batch_size=1
+        small_costs,
+        cluster,
+        LayoutChoice(dp=16, tp=1, pp=1, schedule="1f1b", num_microbatches=1, micro_batch_size=1),
     )
     grads = SMALL.num_parameters() * 4.0  # fp32 gradients of bf16 weights
     bw, lat = 25e9 * cluster.link_efficiency, 5e-6
@@ -166,8 +171,8 @@ def test_dp_allreduce_is_the_ring_formula_over_the_network(small_costs):
 def test_zero1_divides_optimizer_states_by_dp(small_costs):
     cluster = load_cluster("h100-sxm-8x")
     kw = dict(dp=4, tp=1, pp=1, schedule="1f1b", num_microbatches=1, micro_batch_size=1)
-    z0 = predict_config(small_costs, cluster, zero_stage=0, **kw)
-    z1 = predict_config(small_costs, cluster, zero_stage=1, **kw)
+    z0 = predict_config(small_costs, cluster, LayoutChoice(zero_stage=0, **kw))
+    z1 = predict_config(small_costs, cluster, LayoutChoice(zero_stage=1, **kw))
     n = SMALL.num_parameters()
     assert z0.stage_static_bytes[0] == pytest.approx(n * (2 + 4 + 12))
     assert z1.stage_static_bytes[0] == pytest.approx(n * (2 + 4 + 12 / 4))
@@ -190,10 +195,14 @@ def test_tp_overlap_hides_communication_but_never_compute():
 def test_pipeline_messages_cross_nodes_when_a_stage_fills_a_node(small_costs):
     cluster = load_cluster("h100-sxm-8x")
     inside = predict_config(
-        small_costs, cluster, dp=2, tp=2, pp=2, schedule="1f1b", num_microbatches=2, micro_batch_size=1
+        small_costs,
+        cluster,
+        LayoutChoice(dp=2, tp=2, pp=2, schedule="1f1b", num_microbatches=2, micro_batch_size=1),
     )
     across = predict_config(
-        small_costs, cluster, dp=4, tp=2, pp=2, schedule="1f1b", num_microbatches=2, micro_batch_size=1
+        small_costs,
+        cluster,
+        LayoutChoice(dp=4, tp=2, pp=2, schedule="1f1b", num_microbatches=2, micro_batch_size=1),
     )
     assert not inside.pipeline_crosses_nodes and across.pipeline_crosses_nodes
 
@@ -203,18 +212,15 @@ def test_stage_aware_recomputation_fits_and_beats_full(small_costs):
     probe = predict_config(
         small_costs,
         load_cluster("h100-sxm-8x"),
-        dp=1,
-        tp=1,
-        pp=4,
-        schedule="1f1b",
-        num_microbatches=8,
-        micro_batch_size=64,
+        LayoutChoice(dp=1, tp=1, pp=4, schedule="1f1b", num_microbatches=8, micro_batch_size=64),
     )
     need = max(probe.stage_memory_bytes)
     cluster = _tiny_cluster(memory_gb=need * 0.8 / 0.9 / 1e9)
     kw = dict(dp=1, tp=1, pp=4, num_microbatches=8, micro_batch_size=64)
-    sa = predict_config(small_costs, cluster, schedule="shifted_critical_path", recompute="stage_aware", **kw)
-    full = predict_config(small_costs, cluster, schedule="1f1b", recompute="full", **kw)
+    sa = predict_config(
+        small_costs, cluster, LayoutChoice(schedule="shifted_critical_path", recompute="stage_aware", **kw)
+    )
+    full = predict_config(small_costs, cluster, LayoutChoice(schedule="1f1b", recompute="full", **kw))
     assert sa is not None and sa.fits and full.fits
     assert sa.recompute_fractions[-1] == 0.0 and max(sa.recompute_fractions) > 0
     assert sa.step_time_s < full.step_time_s
@@ -280,7 +286,7 @@ def test_a_non_monotone_stage_aware_plan_is_predicted(small_costs, monkeypatch, 
         micro_batch_size=1,
         recompute="stage_aware",
     )
-    got = predict_config(small_costs, load_cluster("h100-sxm-8x"), memo={}, **kw)
+    got = predict_config(small_costs, load_cluster("h100-sxm-8x"), LayoutChoice(**kw), memo={})
     assert got is not None and got.recompute_fractions == (0.0, 1.0, 0.0, 0.0)
     assert got.pipeline_s > 0
     assert "does not validate" not in caplog.text
@@ -289,8 +295,10 @@ def test_a_non_monotone_stage_aware_plan_is_predicted(small_costs, monkeypatch, 
 def test_virtual_stages_shrink_the_bubble_and_sum_memory_per_rank(small_costs):
     cluster = load_cluster("h100-sxm-8x")
     kw = dict(dp=1, tp=1, pp=2, num_microbatches=2, micro_batch_size=256)
-    plain = predict_config(small_costs, cluster, schedule="1f1b", **kw)
-    inter = predict_config(small_costs, cluster, schedule="interleaved_1f1b", virtual_stages=2, **kw)
+    plain = predict_config(small_costs, cluster, LayoutChoice(schedule="1f1b", **kw))
+    inter = predict_config(
+        small_costs, cluster, LayoutChoice(schedule="interleaved_1f1b", virtual_stages=2, **kw)
+    )
     assert inter.virtual_stages == 2 and len(inter.stage_layers) == 4 and len(inter.stage_memory_bytes) == 2
     assert inter.pipeline_s < plain.pipeline_s
     # every rank holds two stages: its static memory is the sum of theirs

@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 
+from merak_core.config.layout_choice import LayoutChoice
 from merak_core.planner.cluster import load_cluster
 from merak_core.planner.cluster_cost import (
     STEP_OPS_PER_TENSOR,
@@ -155,7 +156,9 @@ def test_plan_context_takes_every_zero_stage_the_planner_prices():
     peaks = {}
     for zero in range(4):
         ctx = PlanContext(profile=profile, zero_stage=zero)
-        c = predict_current(ctx, dp=2, tp=1, pp=2, schedule="1f1b", num_microbatches=2, micro_batch_size=1)
+        c = predict_current(
+            ctx, LayoutChoice(dp=2, tp=1, pp=2, schedule="1f1b", num_microbatches=2, micro_batch_size=1)
+        )
         peaks[zero] = c.peak_memory_bytes
     assert peaks[1][0] < peaks[0][0] and peaks[2][0] > peaks[1][0]
     with pytest.raises(ValueError, match=r"PlanContext.zero_stage=4: expected one of \(0, 1, 2, 3\)"):

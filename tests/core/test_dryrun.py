@@ -6,6 +6,7 @@ import pytest
 import torch.distributed as dist
 import yaml
 
+from merak_core.config.layout_choice import LayoutChoice
 from merak_core.parallel.layout import coords_of, rank_of
 from merak_core.planner.cluster import ClusterSpec, load_cluster, shipped_clusters
 from merak_core.planner.dryrun import dry_run
@@ -133,13 +134,9 @@ def test_dry_run_prediction_matches_the_planner(recompute):
     ref = predict_config(
         costs,
         cluster,
-        dp=4,
-        tp=2,
-        pp=2,
-        schedule="1f1b",
-        num_microbatches=4,
-        micro_batch_size=1,
-        recompute=recompute,
+        LayoutChoice(
+            dp=4, tp=2, pp=2, schedule="1f1b", num_microbatches=4, micro_batch_size=1, recompute=recompute
+        ),
         stage_layers=report.prediction.stage_layers,
     )
     assert report.prediction.step_time_s == pytest.approx(ref.step_time_s, rel=1e-12)

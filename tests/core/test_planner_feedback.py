@@ -14,6 +14,7 @@ import math
 
 import pytest
 
+from merak_core.config.layout_choice import LayoutChoice
 from merak_core.planner import (
     CommModel,
     MeasuredStep,
@@ -75,7 +76,7 @@ CONFIGS = [
 def _measure(
     ctx: PlanContext, cfg: dict, true: ModelProfile, *, memory: bool = True, steps: int = 3
 ) -> MeasuredStep:
-    t = predict_current(ctx, profile=true, **cfg)
+    t = predict_current(ctx, LayoutChoice(**cfg), profile=true)
     return MeasuredStep(
         step_time_s=t.step_time_s,
         pipeline_s=t.pipeline_s,
@@ -89,7 +90,7 @@ def _measure(
 def test_compare_rows_and_errors_come_from_the_numbers():
     ctx = PlanContext(profile=_profile())
     cfg = CONFIGS[1]
-    pred = predict_current(ctx, **cfg)
+    pred = predict_current(ctx, LayoutChoice(**cfg))
     measured = MeasuredStep(
         step_time_s=2 * pred.step_time_s,
         pipeline_s=pred.pipeline_s * 1.5,
@@ -134,7 +135,7 @@ def test_compare_rows_and_errors_come_from_the_numbers():
 
 def test_compare_rejects_another_stage_count():
     ctx = PlanContext(profile=_profile())
-    pred = predict_current(ctx, **CONFIGS[1])
+    pred = predict_current(ctx, LayoutChoice(**CONFIGS[1]))
     m = MeasuredStep(step_time_s=1.0, pipeline_s=0.5, stage_forward_s=(1.0,), stage_backward_s=(1.0,))
     with pytest.raises(ValueError, match="1 stages but the prediction dp2-tp1-pp2 has pp=2"):
         compare(pred, m)
@@ -153,7 +154,7 @@ def test_compare_rejects_another_stage_count():
 )
 def test_needs_replan_compares_the_absolute_step_error_with_the_threshold(error, threshold, expected):
     ctx = PlanContext(profile=_profile())
-    pred = predict_current(ctx, **CONFIGS[4])
+    pred = predict_current(ctx, LayoutChoice(**CONFIGS[4]))
     measured = MeasuredStep(
         step_time_s=pred.step_time_s / (1 + error),
         pipeline_s=pred.pipeline_s,
@@ -167,7 +168,7 @@ def test_needs_replan_compares_the_absolute_step_error_with_the_threshold(error,
 
 def test_needs_replan_rejects_a_negative_threshold():
     ctx = PlanContext(profile=_profile())
-    pred = predict_current(ctx, **CONFIGS[4])
+    pred = predict_current(ctx, LayoutChoice(**CONFIGS[4]))
     comp = compare(pred, _measure(ctx, CONFIGS[4], _profile()))
     with pytest.raises(ValueError, match="threshold=-0.1"):
         needs_replan(comp, -0.1)
@@ -177,12 +178,12 @@ def test_needs_replan_rejects_a_negative_threshold():
 def test_corrected_profile_predicts_what_was_measured(cfg):
     ctx = PlanContext(profile=_profile(), comm=CommModel(), memory_per_device=1e9)
     true = _profile(**TRUE)
-    pred = predict_current(ctx, **cfg)
+    pred = predict_current(ctx, LayoutChoice(**cfg))
     measured = _measure(ctx, cfg, true)
     before = compare(pred, measured)
     assert abs(before.step_time_error) > 0.1  # the uncorrected profile is far off
     corrected = correct_profile(ctx, pred, measured)
-    again = predict_current(ctx, profile=corrected, **cfg)
+    again = predict_current(ctx, LayoutChoice(**cfg), profile=corrected)
     assert again.stage_layers == pred.stage_layers
     assert again.step_time_s == pytest.approx(measured.step_time_s, rel=1e-6)
     assert again.pipeline_s == pytest.approx(measured.pipeline_s, rel=1e-6)
@@ -200,7 +201,7 @@ def test_corrected_profile_with_ranks_sharing_cores_still_gives_the_measured_ste
     ctx = PlanContext(profile=_profile(), compute_slots=2)
     cfg = CONFIGS[0]
     true = _profile(**TRUE)
-    t = predict_current(ctx, profile=true, **cfg)
+    t = predict_current(ctx, LayoutChoice(**cfg), profile=true)
     slowed = 2.0  # measured stage times include the slow-down of sharing cores
     measured = MeasuredStep(
         step_time_s=t.step_time_s,
@@ -208,8 +209,8 @@ def test_corrected_profile_with_ranks_sharing_cores_still_gives_the_measured_ste
         stage_forward_s=tuple(slowed * f for f in t.stage_forward_s),
         stage_backward_s=tuple(slowed * b for b in t.stage_backward_s),
     )
-    corrected = correct_profile(ctx, predict_current(ctx, **cfg), measured)
-    again = predict_current(ctx, profile=corrected, **cfg)
+    corrected = correct_profile(ctx, predict_current(ctx, LayoutChoice(**cfg)), measured)
+    again = predict_current(ctx, LayoutChoice(**cfg), profile=corrected)
     assert again.step_time_s == pytest.approx(measured.step_time_s, rel=1e-6)
     assert again.pipeline_s == pytest.approx(measured.pipeline_s, rel=1e-6)
     # the shape across stages follows the measurement
@@ -229,7 +230,7 @@ def test_replan_keeps_a_configuration_that_was_measured_as_predicted():
         micro_batch_size=best.micro_batch_size,
         recompute=best.recompute,
     )
-    pred = predict_current(ctx, **cfg)
+    pred = predict_current(ctx, LayoutChoice(**cfg))
     result = replan(ctx, pred, _measure(ctx, cfg, ctx.profile))
     assert not result.changed
     assert result.current.step_time_s == pytest.approx(pred.step_time_s, rel=1e-6)
@@ -273,7 +274,7 @@ def test_replan_switches_when_the_measurement_says_the_current_layout_is_slow():
 def test_replan_reports_when_nothing_fits():
     ctx = PlanContext(profile=_profile(), memory_per_device=1e9)
     cfg = CONFIGS[4]
-    pred = predict_current(ctx, **cfg)
+    pred = predict_current(ctx, LayoutChoice(**cfg))
     tight = dataclasses.replace(ctx, memory_per_device=1e3)
     result = replan(tight, pred, _measure(ctx, cfg, ctx.profile))
     assert result.candidates == () and not result.changed

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from merak_core.config.layout_choice import LayoutChoice
 from merak_core.planner import CommModel, ModelProfile, plan, predict, profile_model
 
 FREE = CommModel(
@@ -41,13 +42,15 @@ def test_predict_equals_the_plans_candidate_for_every_configuration():
         ):
             again = predict(
                 prof,
-                dp=c.dp,
-                tp=c.tp,
-                pp=c.pp,
-                schedule=c.schedule,
-                num_microbatches=c.num_microbatches,
-                micro_batch_size=c.micro_batch_size,
-                recompute=c.recompute,
+                LayoutChoice(
+                    dp=c.dp,
+                    tp=c.tp,
+                    pp=c.pp,
+                    schedule=c.schedule,
+                    num_microbatches=c.num_microbatches,
+                    micro_batch_size=c.micro_batch_size,
+                    recompute=c.recompute,
+                ),
                 comm=comm,
                 memory_per_device=1e12,
                 compute_slots=slots,
@@ -57,24 +60,30 @@ def test_predict_equals_the_plans_candidate_for_every_configuration():
 
 def test_ranks_sharing_cores_slow_every_stage_by_ranks_per_slot():
     prof = _profile()
-    kw = dict(dp=4, tp=1, pp=1, schedule="1f1b", num_microbatches=2, micro_batch_size=2, comm=FREE)
-    alone = predict(prof, **kw)
+    kw = dict(dp=4, tp=1, pp=1, schedule="1f1b", num_microbatches=2, micro_batch_size=2)
+    alone = predict(prof, LayoutChoice(**kw), comm=FREE)
     # one rank's step: 2 microbatches x 2 samples x (4 layers x 3 ms) = 48 ms
     assert alone.step_time_s == pytest.approx(0.048, rel=1e-12)
-    assert predict(prof, compute_slots=4, **kw) == alone  # as many cores as ranks: no slowdown
-    assert predict(prof, compute_slots=8, **kw) == alone
+    assert (
+        predict(prof, LayoutChoice(**kw), comm=FREE, compute_slots=4) == alone
+    )  # as many cores as ranks: no slowdown
+    assert predict(prof, LayoutChoice(**kw), comm=FREE, compute_slots=8) == alone
     # 4 ranks on 2 cores: every rank computes at half speed
-    assert predict(prof, compute_slots=2, **kw).step_time_s == pytest.approx(0.096, rel=1e-12)
-    assert predict(prof, compute_slots=1.6, **kw).step_time_s == pytest.approx(0.048 * 4 / 1.6, rel=1e-12)
+    assert predict(prof, LayoutChoice(**kw), comm=FREE, compute_slots=2).step_time_s == pytest.approx(
+        0.096, rel=1e-12
+    )
+    assert predict(prof, LayoutChoice(**kw), comm=FREE, compute_slots=1.6).step_time_s == pytest.approx(
+        0.048 * 4 / 1.6, rel=1e-12
+    )
 
 
 def test_a_pipeline_on_shared_cores_runs_its_critical_path_slower():
     prof = _profile()
-    kw = dict(dp=1, tp=1, pp=4, schedule="gpipe", num_microbatches=4, micro_batch_size=1, comm=FREE)
-    alone = predict(prof, **kw)
+    kw = dict(dp=1, tp=1, pp=4, schedule="gpipe", num_microbatches=4, micro_batch_size=1)
+    alone = predict(prof, LayoutChoice(**kw), comm=FREE)
     # GPipe, 4 equal stages of 1 ms forward / 2 ms backward, 4 microbatches: (4 + 3) x 3 ms
     assert alone.pipeline_s == pytest.approx(0.021, rel=1e-12)
-    shared = predict(prof, compute_slots=2, **kw)
+    shared = predict(prof, LayoutChoice(**kw), comm=FREE, compute_slots=2)
     assert shared.pipeline_s == pytest.approx(0.042, rel=1e-12)
     assert shared.stage_forward_s == pytest.approx((2e-3,) * 4, rel=1e-12)  # what a run would measure
 
@@ -82,33 +91,26 @@ def test_a_pipeline_on_shared_cores_runs_its_critical_path_slower():
 def test_per_step_overhead_is_the_optimizer_and_two_small_all_reduces():
     comm = CommModel(allreduce_by_group={2: [(8.0, 1e-3), (1e6, 3e-3)], 4: [(8.0, 2e-3), (1e6, 6e-3)]})
     prof = _profile(opt=1e-9)
-    c = predict(prof, dp=2, tp=1, pp=2, schedule="1f1b", num_microbatches=2, micro_batch_size=1, comm=comm)
+    c = predict(
+        prof,
+        LayoutChoice(dp=2, tp=1, pp=2, schedule="1f1b", num_microbatches=2, micro_batch_size=1),
+        comm=comm,
+    )
     stage_params = 2 * 4e6  # two layers per stage
     assert c.overhead_s == pytest.approx(stage_params * 1e-9 + 2 * 2e-3, rel=1e-12)
     # the DP all-reduce of one stage's gradients over 2 ranks, 8e6 bytes: beyond the last point, last slope
     assert c.dp_allreduce_s == pytest.approx(3e-3 + (8e6 - 1e6) * (2e-3 / (1e6 - 8.0)), rel=1e-12)
     z1 = predict(
         prof,
-        dp=2,
-        tp=1,
-        pp=2,
-        schedule="1f1b",
-        num_microbatches=2,
-        micro_batch_size=1,
+        LayoutChoice(dp=2, tp=1, pp=2, schedule="1f1b", num_microbatches=2, micro_batch_size=1, zero_stage=1),
         comm=comm,
-        zero_stage=1,
     )
     assert z1.overhead_s == pytest.approx(
         stage_params / 2 * 1e-9 + 2 * 2e-3, rel=1e-12
     )  # ZeRO-1: half the states
     shared = predict(
         prof,
-        dp=2,
-        tp=1,
-        pp=2,
-        schedule="1f1b",
-        num_microbatches=2,
-        micro_batch_size=1,
+        LayoutChoice(dp=2, tp=1, pp=2, schedule="1f1b", num_microbatches=2, micro_batch_size=1),
         comm=comm,
         compute_slots=2,
     )
@@ -144,8 +146,9 @@ def test_measured_all_reduce_table_interpolates():
 def test_predict_rejects_bad_input(kwargs, match):
     args = dict(dp=1, tp=1, pp=2, schedule="1f1b", num_microbatches=2, micro_batch_size=1)
     args.update(kwargs)
+    slots = args.pop("compute_slots", None)
     with pytest.raises(ValueError, match=match):
-        predict(_profile(), **args)
+        predict(_profile(), LayoutChoice(**args), compute_slots=slots)
 
 
 class _Net(nn.Module):
@@ -199,12 +202,14 @@ def test_measure_comm_times_every_group_size_with_all_groups_at_once():
 def test_tp_all_reduce_waits_are_not_cpu_work_on_shared_cores():
     comm = CommModel(allreduce_by_group={2: [(8.0, 1e-3)]})  # every TP all-reduce: 1 ms
     prof = _profile()
-    kw = dict(dp=1, tp=2, pp=1, schedule="1f1b", num_microbatches=1, micro_batch_size=2, comm=comm)
-    alone = predict(prof, **kw)
+    kw = dict(dp=1, tp=2, pp=1, schedule="1f1b", num_microbatches=1, micro_batch_size=2)
+    alone = predict(prof, LayoutChoice(**kw), comm=comm)
     # per rank: compute 2 samples x 4 layers x 3 ms / tp 2 = 12 ms, plus 2 all-reduces per layer and direction
     assert alone.pipeline_s == pytest.approx(0.012 + 2 * 4 * 2 * 1e-3, rel=1e-12)
     # one core: both ranks' compute (24 ms) runs one after the other, the 16 ms of waits are not doubled
-    assert predict(prof, compute_slots=1, **kw).pipeline_s == pytest.approx(0.024 + 0.016, rel=1e-12)
+    assert predict(prof, LayoutChoice(**kw), comm=comm, compute_slots=1).pipeline_s == pytest.approx(
+        0.024 + 0.016, rel=1e-12
+    )
 
 
 def test_a_measured_wait_per_synchronisation_is_charged_to_every_synchronising_step():
@@ -214,7 +219,7 @@ def test_a_measured_wait_per_synchronisation_is_charged_to_every_synchronising_s
         allreduce_by_group={2: [(8.0, 1e-3)], 4: [(8.0, 2e-3)]}, p2p_latency_s=1e-4, sync_wait_s=5e-4
     )
     kw = dict(dp=2, tp=2, pp=1, schedule="1f1b", num_microbatches=1, micro_batch_size=2)
-    a, b = predict(prof, comm=base, **kw), predict(prof, comm=waiting, **kw)
+    a, b = predict(prof, LayoutChoice(**kw), comm=base), predict(prof, LayoutChoice(**kw), comm=waiting)
     # 4 layers x 2 all-reduces x 2 directions in the pipeline, one DP all-reduce, two per-step all-reduces
     assert b.pipeline_s - a.pipeline_s == pytest.approx(16 * 5e-4, rel=1e-9)
     assert b.dp_allreduce_s - a.dp_allreduce_s == pytest.approx(5e-4, rel=1e-9)
@@ -228,13 +233,17 @@ def test_the_fixed_cost_per_microbatch_is_shared_by_the_stages_by_layer_count():
         _profile(), microbatch_overhead_s=8e-3
     )  # forward 4 ms + backward 4 ms, whole model
     whole = predict(
-        prof, dp=1, tp=1, pp=1, schedule="1f1b", num_microbatches=1, micro_batch_size=1, comm=FREE
+        prof,
+        LayoutChoice(dp=1, tp=1, pp=1, schedule="1f1b", num_microbatches=1, micro_batch_size=1),
+        comm=FREE,
     )
     assert whole.stage_forward_s == pytest.approx(
         (4e-3 + 4e-3,), rel=1e-12
     )  # 4 layers x 1 ms + the whole 4 ms
     split = predict(
-        prof, dp=1, tp=2, pp=2, schedule="1f1b", num_microbatches=2, micro_batch_size=1, comm=FREE
+        prof,
+        LayoutChoice(dp=1, tp=2, pp=2, schedule="1f1b", num_microbatches=2, micro_batch_size=1),
+        comm=FREE,
     )
     # two layers per stage: half the fixed cost each, and a TP shard pays it whole (it runs every operator)
     assert split.stage_forward_s == pytest.approx((2e-3 / 2 + 2e-3,) * 2, rel=1e-12)
@@ -246,11 +255,17 @@ def test_a_measured_tp_scale_multiplies_the_layers_time_at_that_degree_only():
     prof = _profile()
     scaled = dataclasses.replace(prof, tp_scale={"2": 1.5})  # JSON-style key
     assert scaled.tp_scale == {2: 1.5}
-    kw = dict(dp=2, pp=2, schedule="1f1b", num_microbatches=2, micro_batch_size=1, comm=comm)
-    a, b = predict(prof, tp=1, **kw), predict(scaled, tp=1, **kw)
+    kw = dict(dp=2, pp=2, schedule="1f1b", num_microbatches=2, micro_batch_size=1)
+    a, b = (
+        predict(prof, LayoutChoice(tp=1, **kw), comm=comm),
+        predict(scaled, LayoutChoice(tp=1, **kw), comm=comm),
+    )
     assert a == b  # tp=1 is not scaled
-    kw = dict(dp=1, pp=2, schedule="1f1b", num_microbatches=2, micro_batch_size=1, comm=comm)
-    a, b = predict(prof, tp=2, **kw), predict(scaled, tp=2, **kw)
+    kw = dict(dp=1, pp=2, schedule="1f1b", num_microbatches=2, micro_batch_size=1)
+    a, b = (
+        predict(prof, LayoutChoice(tp=2, **kw), comm=comm),
+        predict(scaled, LayoutChoice(tp=2, **kw), comm=comm),
+    )
     assert b.stage_forward_s == pytest.approx(tuple(1.5 * f for f in a.stage_forward_s), rel=1e-12)
     assert b.stage_backward_s == pytest.approx(tuple(1.5 * x for x in a.stage_backward_s), rel=1e-12)
     assert b.overhead_s == a.overhead_s and b.dp_allreduce_s == a.dp_allreduce_s
@@ -262,9 +277,11 @@ def test_a_measured_tp_scale_multiplies_the_layers_time_at_that_degree_only():
 def test_the_probed_overhead_scale_multiplies_the_time_outside_the_pipeline():
     comm = CommModel(allreduce_by_group={2: [(8.0, 1e-3)], 4: [(8.0, 2e-3)]})
     prof = _profile(opt=1e-9)
-    kw = dict(dp=2, tp=1, pp=2, schedule="1f1b", num_microbatches=2, micro_batch_size=1, comm=comm)
-    a = predict(prof, **kw)
-    b = predict(dataclasses.replace(prof, overhead_scale=1.7, tp_scale={1: 1.1}), **kw)
+    kw = dict(dp=2, tp=1, pp=2, schedule="1f1b", num_microbatches=2, micro_batch_size=1)
+    a = predict(prof, LayoutChoice(**kw), comm=comm)
+    b = predict(
+        dataclasses.replace(prof, overhead_scale=1.7, tp_scale={1: 1.1}), LayoutChoice(**kw), comm=comm
+    )
     assert b.overhead_s == pytest.approx(1.7 * a.overhead_s, rel=1e-12)
     assert b.dp_allreduce_s == pytest.approx(1.7 * a.dp_allreduce_s, rel=1e-12)
     assert b.stage_forward_s == pytest.approx(tuple(1.1 * f for f in a.stage_forward_s), rel=1e-12)

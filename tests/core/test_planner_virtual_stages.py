@@ -12,6 +12,7 @@ import dataclasses
 
 import pytest
 
+from merak_core.config.layout_choice import LayoutChoice
 from merak_core.planner import CommModel, ModelProfile, plan, predict
 from merak_core.planner.choices import AUTO_VIRTUAL_STAGES, VIRTUAL_STAGE_SCHEDULES, searched_virtual_stages
 from merak_core.planner.memory import MEMORY_MARGIN
@@ -52,13 +53,15 @@ def test_two_stages_per_rank_win_where_the_bubble_dominates_and_match_predict():
     assert len(best.device_peak_bytes) == 2 and max(best.device_peak_bytes) <= MEMORY
     again = predict(
         _profile(),
-        dp=1,
-        tp=1,
-        pp=2,
-        schedule=best.schedule,
-        num_microbatches=best.num_microbatches,
-        micro_batch_size=best.micro_batch_size,
-        virtual_stages=2,
+        LayoutChoice(
+            dp=1,
+            tp=1,
+            pp=2,
+            schedule=best.schedule,
+            num_microbatches=best.num_microbatches,
+            micro_batch_size=best.micro_batch_size,
+            virtual_stages=2,
+        ),
         comm=CommModel(),
         memory_per_device=MEMORY,
     )
@@ -107,3 +110,13 @@ def test_a_virtual_stage_plan_that_does_not_fit_its_ranks_memory_is_dropped():
     assert (v2[0].schedule, v2[0].num_microbatches) in kept
     assert (v2[-1].schedule, v2[-1].num_microbatches) not in kept
     assert all(max(c.device_peak_bytes) <= largest - 1 for c in tighter)
+
+
+def test_one_stage_per_rank_wins_when_the_runtime_is_expensive_per_action():
+    """Two stages per rank run twice the compute actions and messages: a runtime that costs enough per
+    action (CommModel.per_action_s, priced by merak_pipe's simulator) loses their smaller bubble."""
+    assert _plan(_profile())[0].virtual_stages == 2
+    best = _plan(_profile(), comm=CommModel(per_action_s=5e-3))[0]
+    assert best.virtual_stages == 1
+    with pytest.raises(ValueError, match="per_action_s"):
+        CommModel(per_action_s=-1.0)

@@ -49,6 +49,7 @@ from merak_core.config import (
     override_value,
     split_override,
 )
+from merak_core.config.layout_choice import LayoutChoice
 from merak_core.config.values import read_utf8
 from merak_core.data.text.job import FACTORY as TEXT_FACTORY
 from merak_core.data.text.job import is_text_section, text_factory_kwargs
@@ -255,15 +256,17 @@ class JobConfig:
 
 
 def write_job(
-    source: str | Path | None, out: str | Path, training: dict[str, Any], *, overrides: Iterable[str] = ()
+    source: str | Path | None, out: str | Path, choice: LayoutChoice, *, overrides: Iterable[str] = ()
 ) -> None:
-    """Write ``out``: the job file ``source`` (with ``overrides`` applied) whose training section gets ``training``.
+    """Write ``out``: the job file ``source`` (with ``overrides`` applied) whose training section gets
+    ``choice`` (its :meth:`~merak_core.config.layout_choice.LayoutChoice.training_fields`).
 
     Used by ``merak plan --write-config`` and the plan check's ``replanned.yaml``. Aliases of the
     written keys are dropped, ``layout`` becomes ``manual`` when dp/tp/pp are written (the degrees
     are explicit), and ``FILE.py:function`` specs are made absolute when ``out`` lies in another
     directory. Without ``source`` the file holds the ``training`` section alone.
     """
+    training = choice.training_fields()
     raw: dict[str, Any] = {}
     src_dir = Path(".").resolve()
     if source is not None:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from merak_core.config.layout_choice import LayoutChoice
 from merak_core.planner import (
     MeasuredStep,
     PlanComparison,
@@ -225,8 +226,7 @@ class PlanCheck:
     def _report(self, measured: MeasuredStep, step: int) -> None:
         run, args, ctx = self.run, self.run.args, self.context
         kind, _ = args.recompute_mode
-        predicted = predict_current(
-            ctx,
+        running = LayoutChoice(
             dp=run.layout.dp,
             tp=run.layout.tp,
             pp=run.layout.pp,
@@ -234,8 +234,11 @@ class PlanCheck:
             num_microbatches=args.num_microbatches,
             micro_batch_size=args.micro_batch_size,
             recompute=kind,
-            memory_budget=args.memory_budget if kind == "stage_aware" else None,
             virtual_stages=args.virtual_stages,
+            zero_stage=args.zero_stage,
+        )
+        predicted = predict_current(
+            ctx, running, memory_budget=args.memory_budget if kind == "stage_aware" else None
         )
         self.comparison = compare(predicted, measured)
         logger.info("%s", self.comparison.table())
@@ -247,7 +250,7 @@ class PlanCheck:
             )
             path = os.path.join(args.output_dir, "replanned.yaml")
             if self.replan.changed:
-                self._write_job(path, self.replan.best.training_fields())
+                self._write_job(path, self.replan.best)
             text = self.replan.message(job_path=path, has_checkpoints=bool(args.save_steps))
             logger.warning(
                 "plan check: step-time error %+.1f%% is above plan_error_threshold=%g; %s",
@@ -265,8 +268,8 @@ class PlanCheck:
         if self.sink is not None:
             self.sink(record)
 
-    def _write_job(self, out: str, fields: dict[str, Any]) -> None:
-        """The job file with the suggested fields (the training section alone when the run has no job file)."""
+    def _write_job(self, out: str, choice: LayoutChoice) -> None:
+        """The job file with the suggested choice (the training section alone when the run has no job file)."""
         from merak_core.job import write_job
 
-        write_job(self.context.job_file, out, fields, overrides=self.context.job_overrides)
+        write_job(self.context.job_file, out, choice, overrides=self.context.job_overrides)

@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     )
     print(format_plan(cands, top=args.top))
     if args.write_config:
-        write_job(args.config, args.write_config, cands[0].training_fields(), overrides=args.overrides)
+        write_job(args.config, args.write_config, cands[0], overrides=args.overrides)
         print(f"wrote {args.write_config}")
     return 0
 
@@ -203,6 +203,6 @@ def cluster_command(args: argparse.Namespace, job: Any) -> int:
     if args.write_config:
         from merak_core.job import write_job
 
-        write_job(args.config, args.write_config, best.training_fields(), overrides=args.overrides)
+        write_job(args.config, args.write_config, best, overrides=args.overrides)
         print(f"wrote {args.write_config}")
     return 0

@@ -1,7 +1,7 @@
 """One planned configuration (:class:`Candidate`), how candidates rank, and the ranked table.
 
-A candidate carries what the job file needs to run it (:meth:`Candidate.training_fields`) and
-what the planner predicted for it (step time and its parts, per-stage times and peak memory).
+A candidate is a :class:`~merak_core.planner.layout_choice.LayoutChoice` (what the job file needs
+to run it, :meth:`Candidate.training_fields`) with what the planner predicted for it (step time and its parts, per-stage times and peak memory).
 
 Not done here: the prediction itself (:mod:`.pricing`) and the search (:mod:`.search`).
 """
@@ -12,23 +12,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from merak_core.config.layout_choice import LayoutChoice
 from merak_core.planner.choices import RECOMPUTE_MODES, schedule_order
 from merak_core.planner.memory import usable_memory
 
-__all__ = ["Candidate", "format_plan", "recompute_label", "sort_key", "training_fields", "why_best"]
+__all__ = ["Candidate", "format_plan", "recompute_label", "sort_key", "why_best"]
 
 
-@dataclass(frozen=True)
-class Candidate:
-    """One planned configuration with its predictions."""
+@dataclass(frozen=True, kw_only=True)
+class Candidate(LayoutChoice):
+    """One planned configuration (its :class:`LayoutChoice` fields) with its predictions."""
 
-    dp: int
-    tp: int
-    pp: int
-    schedule: str
-    num_microbatches: int
-    micro_batch_size: int
-    recompute: str
     recompute_fractions: tuple[float, ...]
     stage_layers: tuple[int, ...]
     """Layers per stage (contiguous)."""
@@ -45,42 +39,14 @@ class Candidate:
     """Predicted backward seconds of one microbatch, per stage, likewise (without recomputation)."""
     overhead_s: float = 0.0
     """Predicted seconds per step outside the pipeline and the DP all-reduce (optimizer, clipping, loss)."""
-    virtual_stages: int = 1
-    """Pipeline stages per rank (``pp * virtual_stages`` stages; the per-stage tuples have that many)."""
     device_peak_bytes: tuple[float, ...] = ()
     """Per pipeline rank: its stages' static bytes plus the simulated activation peak of the rank
     (what ``memory_per_device`` bounds); the per-stage peaks when each rank holds one stage."""
 
-    @property
-    def layout(self) -> str:
-        return f"dp{self.dp}-tp{self.tp}-pp{self.pp}"
-
-    @property
-    def schedule_label(self) -> str:
-        """The schedule, with ``v=N`` when it runs N > 1 stages per pipeline rank."""
-        return self.schedule + (f" v={self.virtual_stages}" if self.virtual_stages > 1 else "")
-
-    def training_fields(self) -> dict[str, Any]:
-        """The job file's ``training`` fields for this choice."""
-        return training_fields(self, memory_budget=usable_memory(self.memory_per_device))
-
-
-def training_fields(c: Any, *, memory_budget: float) -> dict[str, Any]:
-    """The job file's ``training`` fields of a planned configuration ``c`` (a :class:`Candidate` or a
-    cluster candidate: the same attribute names); ``memory_budget`` goes with stage-aware recomputation."""
-    out: dict[str, Any] = {
-        "dp": c.dp,
-        "tp": c.tp,
-        "pp": c.pp,
-        "schedule": c.schedule,
-        "per_device_train_batch_size": c.micro_batch_size,
-        "gradient_accumulation_steps": c.num_microbatches,
-        "recompute": c.recompute,
-        "virtual_stages": c.virtual_stages,
-    }
-    if c.recompute == "stage_aware":
-        out["memory_budget"] = int(memory_budget)
-    return out
+    def training_fields(self, memory_budget: float | None = None) -> dict[str, Any]:
+        """The job file's ``training`` fields for this choice (stage-aware: the usable memory as the budget)."""
+        budget = usable_memory(self.memory_per_device) if memory_budget is None else memory_budget
+        return super().training_fields(budget)
 
 
 def sort_key(c: Candidate) -> tuple[Any, ...]:

@@ -16,8 +16,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from merak_core.config.layout_choice import LayoutChoice
 from merak_core.planner import choices
-from merak_core.planner.candidate import recompute_label, training_fields
+from merak_core.planner.candidate import recompute_label
 from merak_core.planner.choices import CLUSTER_SCHEDULES, PREDICTABLE_SCHEDULES, RECOMPUTE_MODES
 from merak_core.planner.cluster import ClusterSpec
 from merak_core.planner.cluster_cost import ModelCosts, stage_costs, step_overhead_s
@@ -37,19 +38,11 @@ __all__ = [
 
 
 @dataclass(frozen=True, kw_only=True)
-class ClusterCandidate:
-    """One configuration on the cluster with its predicted step time and per-stage memory."""
+class ClusterCandidate(LayoutChoice):
+    """One configuration on the cluster (its :class:`LayoutChoice` fields) with its predicted step
+    time and per-stage memory."""
 
-    dp: int
-    tp: int
-    pp: int
-    schedule: str
-    num_microbatches: int
-    micro_batch_size: int
-    recompute: str
     recompute_fractions: tuple[float, ...]
-    zero_stage: int
-    tp_overlap: bool
     stage_layers: tuple[int, ...]
     step_time_s: float
     pipeline_s: float
@@ -63,21 +56,14 @@ class ClusterCandidate:
     memory_limit_bytes: float
     pipeline_crosses_nodes: bool
     dp_crosses_nodes: bool
-    virtual_stages: int = 1
-    """Stages per pipeline rank (interleaved 1F1B); ``stage_layers`` has pp * virtual_stages entries."""
-
-    @property
-    def layout(self) -> str:
-        return f"dp{self.dp}-tp{self.tp}-pp{self.pp}"
 
     @property
     def fits(self) -> bool:
         return max(self.stage_memory_bytes) <= self.memory_limit_bytes
 
-    def training_fields(self) -> dict[str, Any]:
-        """The job file's ``training`` fields for this choice (``virtual_stages`` included: the Trainer
-        runs several stages per rank)."""
-        return {**training_fields(self, memory_budget=self.memory_limit_bytes), "zero_stage": self.zero_stage}
+    def training_fields(self, memory_budget: float | None = None) -> dict[str, Any]:
+        """The job file's ``training`` fields for this choice (stage-aware: the device's usable memory)."""
+        return super().training_fields(self.memory_limit_bytes if memory_budget is None else memory_budget)
 
 
 def _bounds(sizes: Sequence[int]) -> list[int]:
@@ -87,44 +73,119 @@ def _bounds(sizes: Sequence[int]) -> list[int]:
     return out
 
 
+def _stages_per_rank(costs: ModelCosts, choice: LayoutChoice) -> int:
+    """Stages per pipeline rank that ``choice`` runs: its ``virtual_stages`` for the schedules whose
+    count an option chooses (``interleaved_1f1b``), the schedule's own count (ZB-V: two), else 1."""
+    if choice.schedule not in PREDICTABLE_SCHEDULES:
+        raise ValueError(f"schedule {choice.schedule!r} is not one of {PREDICTABLE_SCHEDULES}")
+    if choice.recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute {choice.recompute!r} is not one of {RECOMPUTE_MODES}")
+    info = schedule_info(choice.schedule)
+    pp = choice.pp
+    v = (info.stages_per_rank or choice.virtual_stages) if pp > 1 and not info.one_stage_per_rank else 1
+    if v < 1 or v * pp > costs.num_layers:
+        raise ValueError(
+            f"virtual_stages={choice.virtual_stages} with pp={pp}: expected 1 <= pp * virtual_stages <= "
+            f"{costs.num_layers} layers"
+        )
+    return v
+
+
+class _Pipeline:
+    """The schedules and simulations of one choice's pipeline, reused through ``memo`` across calls."""
+
+    def __init__(self, choice: LayoutChoice, num_stages: int, memo: dict[Any, Any] | None) -> None:
+        self.name = schedule_info(choice.schedule).name if choice.pp > 1 else "1f1b"
+        self.num_stages, self.pp, self.m = num_stages, choice.pp, choice.num_microbatches
+        self.check = memo is None  # with a memo, schedules are not re-validated
+        self.memo: dict[Any, Any] = {} if memo is None else memo
+
+    def schedule(self, rplan: Any) -> Any:
+        from merak_pipe import build_schedule
+
+        key = ("schedule", self.name, self.num_stages, self.pp, self.m, rplan)
+        if key not in self.memo:
+            options = {"num_ranks": self.pp} if self.num_stages > self.pp else {}
+            self.memo[key] = build_schedule(
+                self.name,
+                num_stages=self.num_stages,
+                num_microbatches=self.m,
+                recompute=rplan,
+                check=self.check,
+                **options,
+            )
+        return self.memo[key]
+
+    def recompute_plan(self, recompute: str, st: Any, limit: float) -> Any:
+        """The per-stage recomputation of ``recompute``; None when stage-aware cannot fit ``limit``."""
+        from merak_pipe import RecomputePlan, stage_aware_plan
+
+        if recompute == "stage_aware" and self.pp > 1:
+            try:
+                return stage_aware_plan(
+                    layer_activation_bytes=st.activation_bytes,
+                    memory_budget=limit,
+                    static_bytes=st.static_bytes,
+                    schedule=self.schedule(None),
+                    input_bytes=st.input_bytes,
+                )
+            except ValueError:
+                return None
+        if recompute == "full":
+            return RecomputePlan.full(self.num_stages)
+        return RecomputePlan.none(self.num_stages)
+
+    def simulate(self, rplan: Any, st: Any) -> Any:
+        from merak_pipe import CostModel, simulate
+
+        activation = [sum(a) for a in st.activation_bytes]
+        key = (
+            "sim",
+            self.name,
+            self.num_stages,
+            self.pp,
+            self.m,
+            rplan,
+            tuple(st.forward_s),
+            tuple(st.backward_s),
+            tuple(st.input_bytes),
+            st.p2p_latency_s,
+            st.p2p_bandwidth,
+            tuple(activation),
+        )
+        if key not in self.memo:
+            costs = CostModel(
+                forward=st.forward_s,
+                backward=st.backward_s,
+                recompute=st.forward_s,
+                p2p_latency=st.p2p_latency_s,
+                p2p_bandwidth=st.p2p_bandwidth,
+                boundary_bytes=st.boundary_bytes,
+                activation_bytes=activation,
+                input_bytes=st.input_bytes,
+            )
+            self.memo[key] = simulate(self.schedule(rplan), costs)
+        return self.memo[key]
+
+
 def predict_config(
     costs: ModelCosts,
     cluster: ClusterSpec,
+    choice: LayoutChoice,
     *,
-    dp: int,
-    tp: int,
-    pp: int,
-    schedule: str,
-    num_microbatches: int,
-    micro_batch_size: int,
-    recompute: str = "none",
-    zero_stage: int = 0,
-    tp_overlap: bool = False,
     tp_chunks: int = 2,
-    virtual_stages: int = 2,
     stage_layers: Sequence[int] | None = None,
     memo: dict[Any, Any] | None = None,
 ) -> ClusterCandidate | None:
-    """Predict one configuration (fitting or not); None when stage-aware recomputation cannot fit.
+    """Predict one :class:`LayoutChoice` (fitting or not); None when stage-aware recomputation cannot fit.
 
     ``memo`` (a dict kept across calls on the same costs and cluster) reuses built schedules and
-    simulations; with it, schedules are not re-validated. ``virtual_stages`` applies to the
-    schedules with several stages per rank whose count an option chooses (``interleaved_1f1b``:
+    simulations; with it, schedules are not re-validated. The choice's ``virtual_stages`` applies to
+    the schedules with several stages per rank whose count an option chooses (``interleaved_1f1b``:
     pp * virtual_stages stages, stage s on pipeline rank s % pp); ZB-V always runs two.
     """
-    from merak_pipe import CostModel, RecomputePlan, build_schedule, simulate, stage_aware_plan
-
-    if schedule not in PREDICTABLE_SCHEDULES:
-        raise ValueError(f"schedule {schedule!r} is not one of {PREDICTABLE_SCHEDULES}")
-    if recompute not in RECOMPUTE_MODES:
-        raise ValueError(f"recompute {recompute!r} is not one of {RECOMPUTE_MODES}")
-    info = schedule_info(schedule)
-    v = (info.stages_per_rank or virtual_stages) if pp > 1 and not info.one_stage_per_rank else 1
-    if v < 1 or v * pp > costs.num_layers:
-        raise ValueError(
-            f"virtual_stages={virtual_stages} with pp={pp}: expected 1 <= pp * virtual_stages <= "
-            f"{costs.num_layers} layers"
-        )
+    dp, tp, pp = choice.dp, choice.tp, choice.pp
+    v = _stages_per_rank(costs, choice)
     num_stages = pp * v
     sizes = (
         list(stage_layers)
@@ -138,98 +199,42 @@ def predict_config(
         bounds=bounds,
         dp=dp,
         tp=tp,
-        micro_batch_size=micro_batch_size,
-        zero_stage=zero_stage,
-        tp_overlap=tp_overlap,
+        micro_batch_size=choice.micro_batch_size,
+        zero_stage=choice.zero_stage,
+        tp_overlap=choice.tp_overlap,
         tp_chunks=tp_chunks,
         num_ranks=pp,
     )
     limit = cluster.usable_memory_bytes
-    name = schedule_info(schedule).name if pp > 1 else "1f1b"
-    m = num_microbatches
-    check = memo is None
-    memo = {} if memo is None else memo
-    options = {"num_ranks": pp} if v > 1 else {}
-
-    def schedule_of(rplan: Any) -> Any:
-        key = ("schedule", name, num_stages, pp, m, rplan)
-        if key not in memo:
-            memo[key] = build_schedule(
-                name, num_stages=num_stages, num_microbatches=m, recompute=rplan, check=check, **options
-            )
-        return memo[key]
-
-    if recompute == "stage_aware" and pp > 1:
-        try:
-            plan = stage_aware_plan(
-                layer_activation_bytes=st.activation_bytes,
-                memory_budget=limit,
-                static_bytes=st.static_bytes,
-                schedule=schedule_of(None),
-                input_bytes=st.input_bytes,
-            )
-        except ValueError:
-            return None
-    elif recompute == "full":
-        plan = RecomputePlan.full(num_stages)
-    else:
-        plan = RecomputePlan.none(num_stages)
-    sim_costs = CostModel(
-        forward=st.forward_s,
-        backward=st.backward_s,
-        recompute=st.forward_s,
-        p2p_latency=st.p2p_latency_s,
-        p2p_bandwidth=st.p2p_bandwidth,
-        boundary_bytes=st.boundary_bytes,
-        activation_bytes=[sum(a) for a in st.activation_bytes],
-        input_bytes=st.input_bytes,
-    )
-    sim_key = (
-        "sim",
-        name,
-        num_stages,
-        pp,
-        m,
-        plan,
-        tuple(st.forward_s),
-        tuple(st.backward_s),
-        tuple(st.input_bytes),
-        st.p2p_latency_s,
-        st.p2p_bandwidth,
-        tuple(sum(a) for a in st.activation_bytes),
-    )
-    if sim_key not in memo:
-        memo[sim_key] = simulate(schedule_of(plan), sim_costs)
-    result = memo[sim_key]
+    pipeline = _Pipeline(choice, num_stages, memo)
+    rplan = pipeline.recompute_plan(choice.recompute, st, limit)
+    if rplan is None:
+        return None
+    result = pipeline.simulate(rplan, st)
     placement = list(result.schedule.stage_to_rank)
     dp_s, opt_s = step_overhead_s(
-        costs, cluster, st, bounds=bounds, dp=dp, tp=tp, zero_stage=zero_stage, stage_to_rank=placement
+        costs, cluster, st, bounds=bounds, dp=dp, tp=tp, zero_stage=choice.zero_stage, stage_to_rank=placement
     )
     static = [
         sum(b for b, r in zip(st.static_bytes, placement, strict=True) if r == rank) for rank in range(pp)
     ]
-    memory = tuple(s + a for s, a in zip(static, result.peak_memory_per_rank, strict=True))
     stride = dp * tp
     return ClusterCandidate(
-        dp=dp,
-        tp=tp,
-        pp=pp,
-        schedule=schedule if pp > 1 else "1f1b",
-        num_microbatches=m,
-        micro_batch_size=micro_batch_size,
-        recompute=recompute,
-        recompute_fractions=tuple(plan.fractions),
-        zero_stage=zero_stage,
-        tp_overlap=tp_overlap and tp > 1,
+        **{
+            **choice.choice_fields(),
+            "schedule": choice.schedule if pp > 1 else "1f1b",
+            "tp_overlap": choice.tp_overlap and tp > 1,
+            "virtual_stages": v,
+        },
+        recompute_fractions=tuple(rplan.fractions),
         stage_layers=tuple(sizes),
         step_time_s=result.makespan + dp_s + opt_s,
         pipeline_s=result.makespan,
         dp_allreduce_s=dp_s,
         optimizer_s=opt_s,
-        stage_memory_bytes=memory,
+        stage_memory_bytes=tuple(s + a for s, a in zip(static, result.peak_memory_per_rank, strict=True)),
         stage_static_bytes=tuple(static),
         memory_limit_bytes=limit,
-        virtual_stages=v,
         pipeline_crosses_nodes=any(
             cluster.node_of(s * stride) != cluster.node_of((s + 1) * stride) for s in range(pp - 1)
         ),
@@ -321,9 +326,7 @@ def plan_cluster(
                     for overlap in tp_overlaps if tp > 1 else (False,):
                         seen: set[tuple[float, ...]] = set()
                         for mode in recompute_modes:
-                            c = predict_config(
-                                costs,
-                                cluster,
+                            choice = LayoutChoice(
                                 dp=dp,
                                 tp=tp,
                                 pp=pp,
@@ -334,8 +337,9 @@ def plan_cluster(
                                 zero_stage=zero,
                                 tp_overlap=overlap,
                                 virtual_stages=v,
-                                stage_layers=sizes_by_stages[pp * v],
-                                memo=memo,
+                            )
+                            c = predict_config(
+                                costs, cluster, choice, stage_layers=sizes_by_stages[pp * v], memo=memo
                             )
                             if c is None or c.recompute_fractions in seen:
                                 continue

@@ -16,6 +16,7 @@ each stage's costs and memory by tp, see [Note: cluster model terms]), loading w
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -24,6 +25,7 @@ from typing import Any
 
 from torch import nn
 
+from merak_core.config.layout_choice import LayoutChoice
 from merak_core.planner.cluster import ClusterSpec
 from merak_core.planner.cluster_cost import model_costs, trace_for_cluster
 from merak_core.planner.cluster_search import ClusterCandidate, _bytes, predict_config
@@ -345,19 +347,18 @@ def dry_run(
     )
     sizes = [part.bounds[s + 1] - part.bounds[s] for s in range(pp)]
     t1 = time.perf_counter()
-    config: dict[str, Any] = dict(
+    choice = LayoutChoice(
         dp=dp,
         tp=tp,
         pp=pp,
         schedule=schedule,
         num_microbatches=num_microbatches,
         micro_batch_size=micro_batch_size,
+        recompute=recompute,
         zero_stage=zero_stage,
         tp_overlap=tp_overlap,
-        tp_chunks=tp_chunks,
-        stage_layers=sizes,
     )
-    cand = predict_config(costs, cluster, recompute=recompute, **config)
+    cand = predict_config(costs, cluster, choice, tp_chunks=tp_chunks, stage_layers=sizes)
     if cand is None:  # stage-aware recomputation cannot fit: report with full recomputation
         report.problems.append(
             DryRunProblem(
@@ -368,7 +369,8 @@ def dry_run(
                 "recomputing everything (see the memory per stage)",
             )
         )
-        cand = predict_config(costs, cluster, recompute="full", **config)
+        full = dataclasses.replace(choice, recompute="full")
+        cand = predict_config(costs, cluster, full, tp_chunks=tp_chunks, stage_layers=sizes)
     assert cand is not None
     report.prediction = cand
     from merak_pipe import RecomputePlan

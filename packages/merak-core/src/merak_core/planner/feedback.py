@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from merak_core.config.layout_choice import LayoutChoice
 from merak_core.planner.candidate import recompute_label
 from merak_core.planner.comm import CommModel
 from merak_core.planner.memory import ZERO_STAGES
@@ -200,71 +201,31 @@ def _describe(c: Candidate) -> str:
     return f"{c.layout} {c.schedule_label} m={c.num_microbatches} mbs={c.micro_batch_size} recompute={rc}"
 
 
-def _config(c: Candidate) -> tuple[Any, ...]:
-    return (
-        c.dp,
-        c.tp,
-        c.pp,
-        c.schedule,
-        c.virtual_stages,
-        c.num_microbatches,
-        c.micro_batch_size,
-        c.recompute,
-    )
-
-
 def predict_current(
     ctx: PlanContext,
+    choice: LayoutChoice,
     *,
-    dp: int,
-    tp: int,
-    pp: int,
-    schedule: str,
-    num_microbatches: int,
-    micro_batch_size: int,
-    recompute: str = "none",
     memory_budget: float | None = None,
     profile: ModelProfile | None = None,
-    virtual_stages: int = 1,
 ) -> Candidate:
-    """:func:`~merak_core.planner.predict` of one configuration with the context's machine.
+    """:func:`~merak_core.planner.predict` of ``choice`` with the context's machine and ZeRO stage.
 
-    ``schedule`` may be spelled with hyphens; ``memory_budget`` is the stage-aware budget (default:
-    the context's memory per device); ``profile`` replaces the context's.
+    The choice's ``schedule`` may be spelled with hyphens; ``memory_budget`` is the stage-aware budget
+    (default: the context's memory per device); ``profile`` replaces the context's.
     """
     return predict(
         profile or ctx.profile,
-        dp=dp,
-        tp=tp,
-        pp=pp,
-        schedule=schedule_info(schedule).key,
-        num_microbatches=num_microbatches,
-        micro_batch_size=micro_batch_size,
-        recompute=recompute,
+        dataclasses.replace(choice, schedule=schedule_info(choice.schedule).key, zero_stage=ctx.zero_stage),
         comm=ctx.comm,
-        zero_stage=ctx.zero_stage,
         optimizer_state_factor=ctx.optimizer_state_factor,
         memory_per_device=float(memory_budget) if memory_budget is not None else ctx.memory_per_device,
         compute_slots=ctx.compute_slots,
-        virtual_stages=virtual_stages,
     )
 
 
 def _repredict(ctx: PlanContext, c: Candidate, profile: ModelProfile) -> Candidate:
     budget = c.memory_per_device if c.recompute == "stage_aware" and c.memory_per_device > 0 else None
-    return predict_current(
-        ctx,
-        dp=c.dp,
-        tp=c.tp,
-        pp=c.pp,
-        schedule=c.schedule,
-        num_microbatches=c.num_microbatches,
-        micro_batch_size=c.micro_batch_size,
-        recompute=c.recompute,
-        memory_budget=budget,
-        profile=profile,
-        virtual_stages=c.virtual_stages,
-    )
+    return predict_current(ctx, c.choice(), memory_budget=budget, profile=profile)
 
 
 def compare(predicted: Candidate, measured: MeasuredStep) -> PlanComparison:
@@ -422,7 +383,7 @@ class Replan:
     def changed(self) -> bool:
         """Whether the best configuration differs from the running one and is ``min_gain`` faster."""
         return (
-            _config(self.best) != _config(self.current)
+            self.best.choice() != self.current.choice()
             and self.best.step_time_s < (1 - self.min_gain) * self.current.step_time_s
         )
 

@@ -17,6 +17,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from merak_core.config.layout_choice import LayoutChoice
 from merak_core.planner.candidate import Candidate
 from merak_core.planner.comm import CommModel
 from merak_core.planner.memory import WEIGHT_GRAD_FRACTION, model_state_bytes, usable_memory
@@ -153,19 +154,18 @@ def price(
     profile: ModelProfile,
     comm: CommModel,
     lay: LayoutCosts,
+    choice: LayoutChoice,
     *,
-    schedule: str,
-    num_microbatches: int,
-    micro_batch_size: int,
-    recompute: str,
     memory_per_device: float,
     compute_slots: float | None,
 ) -> Candidate | None:
-    """Predict one configuration; None when stage-aware recomputation cannot fit the memory."""
+    """Predict ``choice`` (its degrees, ZeRO stage and stage count are ``lay``'s); None when
+    stage-aware recomputation cannot fit the memory."""
     from merak_pipe import CostModel, build_schedule, simulate, stage_aware_plan
     from merak_pipe.recompute import RecomputePlan
 
-    pp, m, b = lay.pp, num_microbatches, micro_batch_size
+    pp, m, b = lay.pp, choice.num_microbatches, choice.micro_batch_size
+    schedule, recompute = choice.schedule, choice.recompute
     num_stages = len(lay.sizes)  # pp * virtual stages
     tp_comm = [
         2 * n * (comm.allreduce_s(b * profile.boundary_bytes, lay.tp) + _wait(comm, lay.tp))
@@ -188,6 +188,7 @@ def price(
         backward=bwd,
         recompute=fwd,
         p2p_latency=comm.p2p_latency_s + comm.sync_wait_s if pp > 1 else 0.0,
+        per_action=comm.per_action_s if pp > 1 else 0.0,  # the pipeline runtime's own cost per action
         p2p_bandwidth=comm.p2p_bandwidth,
         boundary_bytes=b * profile.boundary_bytes,
         activation_bytes=[b * sum(a) for a in lay.act1],
@@ -227,13 +228,14 @@ def price(
     overhead = (_contended(lay.optimizer_s, world, compute_slots) + lay.step_comm_s) * profile.overhead_scale
     dp_allreduce = lay.dp_allreduce_s * profile.overhead_scale
     return Candidate(
-        dp=lay.dp,
-        tp=lay.tp,
-        pp=pp,
-        schedule=schedule,
-        num_microbatches=m,
-        micro_batch_size=b,
-        recompute=recompute,
+        **{
+            **choice.choice_fields(),
+            "dp": lay.dp,
+            "tp": lay.tp,
+            "pp": pp,
+            "virtual_stages": num_stages // pp,
+            "zero_stage": lay.zero_stage,
+        },
         recompute_fractions=fractions,
         stage_layers=tuple(lay.sizes),
         step_time_s=pipeline + dp_allreduce + overhead,
@@ -244,7 +246,6 @@ def price(
         stage_forward_s=tuple(fwd),
         stage_backward_s=tuple(bwd),
         overhead_s=overhead,
-        virtual_stages=num_stages // pp,
         device_peak_bytes=device,
     )
 

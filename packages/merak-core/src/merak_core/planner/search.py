@@ -17,10 +17,11 @@ uneven cut gives some ranks the heavier stages twice.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator, Sequence
-from typing import Any
 
+from merak_core.config.layout_choice import LayoutChoice
 from merak_core.planner.candidate import Candidate, format_plan, sort_key, why_best
 from merak_core.planner.choices import (
     PLANNER_SCHEDULES,
@@ -68,34 +69,28 @@ def _check_common(memory_per_device: float, zero_stage: int, compute_slots: floa
 
 def predict(
     profile: ModelProfile,
+    choice: LayoutChoice,
     *,
-    dp: int,
-    tp: int,
-    pp: int,
-    schedule: str,
-    num_microbatches: int,
-    micro_batch_size: int,
-    recompute: str = "none",
     comm: CommModel | None = None,
     memory_per_device: float = math.inf,
-    zero_stage: int = 0,
     optimizer_state_factor: float = 2.0,
     compute_slots: float | None = None,
-    virtual_stages: int = 1,
 ) -> Candidate:
-    """The planner's prediction for one given configuration (whether or not it fits the memory).
+    """The planner's prediction for one given :class:`LayoutChoice` (whether or not it fits the memory).
 
     Same cost model as :func:`plan`; ``compute_slots`` is how many ranks can compute at once on
     the host (CPU cores per host when ranks are CPU processes; None: one device per rank).
     """
+    dp, tp, pp, virtual_stages = choice.dp, choice.tp, choice.pp, choice.virtual_stages
+    schedule, recompute, zero_stage = choice.schedule, choice.recompute, choice.zero_stage
     comm = comm or CommModel()
     _check_common(memory_per_device, zero_stage, compute_slots)
     for name, v in (
         ("dp", dp),
         ("tp", tp),
         ("pp", pp),
-        ("num_microbatches", num_microbatches),
-        ("micro_batch_size", micro_batch_size),
+        ("num_microbatches", choice.num_microbatches),
+        ("micro_batch_size", choice.micro_batch_size),
     ):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"predict: {name}={v!r}; expected an int >= 1")
@@ -118,17 +113,8 @@ def predict(
     lay = layout_costs(profile, comm, dp, tp, pp, zero_stage, optimizer_state_factor, virtual_stages)
     if recompute == "stage_aware" and pp < 2:
         recompute = "none"
-    cand = price(
-        profile,
-        comm,
-        lay,
-        schedule=schedule if pp > 1 else "1f1b",
-        num_microbatches=num_microbatches,
-        micro_batch_size=micro_batch_size,
-        recompute=recompute,
-        memory_per_device=memory_per_device,
-        compute_slots=compute_slots,
-    )
+    priced = dataclasses.replace(choice, schedule=schedule if pp > 1 else "1f1b", recompute=recompute)
+    cand = price(profile, comm, lay, priced, memory_per_device=memory_per_device, compute_slots=compute_slots)
     if cand is None:
         raise ValueError(
             f"predict: stage-aware recomputation cannot fit memory_per_device={memory_per_device:.6g} "
@@ -240,13 +226,21 @@ def plan(
             if m > max_microbatches or m < pp:  # the Trainer needs a microbatch per stage at least
                 continue
             for sched, v in _runs(pp, schedules, lays):
+                choice = LayoutChoice(
+                    dp=dp,
+                    tp=tp,
+                    pp=pp,
+                    schedule=sched,
+                    num_microbatches=m,
+                    micro_batch_size=per_dp // m,
+                    virtual_stages=v,
+                    zero_stage=zero_stage,
+                )
                 for cand in _recompute_variants(
                     profile,
                     comm,
                     lays[v],
-                    schedule=sched,
-                    num_microbatches=m,
-                    micro_batch_size=per_dp // m,
+                    choice,
                     recompute_modes=recompute_modes,
                     memory_per_device=memory_per_device,
                     compute_slots=compute_slots,
@@ -269,15 +263,24 @@ def _recompute_variants(
     profile: ModelProfile,
     comm: CommModel,
     lay: LayoutCosts,
+    choice: LayoutChoice,
     *,
     recompute_modes: Sequence[str],
-    **config: Any,
+    memory_per_device: float,
+    compute_slots: float | None,
 ) -> Iterator[Candidate]:
     """The configuration priced under each recompute mode, once per distinct per-stage recomputation
     (stage-aware recomputation that recomputes nothing is ``none``); modes that cannot fit are skipped."""
     seen: set[tuple[float, ...]] = set()
     for mode in recompute_modes:
-        cand = price(profile, comm, lay, recompute=mode, **config)
+        cand = price(
+            profile,
+            comm,
+            lay,
+            dataclasses.replace(choice, recompute=mode),
+            memory_per_device=memory_per_device,
+            compute_slots=compute_slots,
+        )
         if cand is None or cand.recompute_fractions in seen:
             continue
         seen.add(cand.recompute_fractions)
