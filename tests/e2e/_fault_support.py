@@ -78,10 +78,12 @@ def job_data_late(size: int = 64) -> TokenDataset:
 
 
 def job_loss(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The LM loss; kills this rank once (no marker file yet) at the configured loss call.
+    """The LM loss; rank ``MERAK_TEST_KILL_RANK`` kills itself at the configured loss call.
 
-    ``MERAK_TEST_STEP_SLEEP`` (seconds per loss call) slows the job down so that a test can signal it
-    in the middle of training.
+    ``MERAK_TEST_KILL_AT_CALL``: one loss call per torchrun attempt, comma-separated (``"2,5"``: at
+    call 2 of the first attempt and call 5 of the first restart; later attempts run through). Each
+    kill appends a line to ``MERAK_TEST_KILL_MARKER``. ``MERAK_TEST_STEP_SLEEP`` (seconds per loss
+    call) slows the job down so that a test can signal it in the middle of training.
     """
     delay = float(os.environ.get("MERAK_TEST_STEP_SLEEP", "0") or 0)
     if delay and not output.is_meta:
@@ -90,13 +92,16 @@ def job_loss(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     if marker:
         job_loss.calls = getattr(job_loss, "calls", 0) + 1  # type: ignore[attr-defined]
         rank = int(os.environ.get("RANK", "0"))
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        at_calls = [int(c) for c in os.environ["MERAK_TEST_KILL_AT_CALL"].split(",")]
+        calls = job_loss.calls  # type: ignore[attr-defined]
         if (
             rank == int(os.environ["MERAK_TEST_KILL_RANK"])
-            and not os.path.exists(marker)
-            and job_loss.calls == int(os.environ["MERAK_TEST_KILL_AT_CALL"])
-        ):  # type: ignore[attr-defined]
-            with open(marker, "w") as f:
-                f.write(f"rank {rank} killed itself at loss call {job_loss.calls}\n")  # type: ignore[attr-defined]
+            and attempt < len(at_calls)
+            and calls == at_calls[attempt]
+        ):
+            with open(marker, "a") as f:
+                f.write(f"rank {rank} killed itself at loss call {calls} of attempt {attempt}\n")
             os._exit(13)
     return lm_loss(output, labels)
 
