@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from merak_core.config import TrainingArguments
+from merak_core.config.layout_choice import LayoutChoice
 from merak_core.planner import CommModel, ModelProfile, predict
 
 logger = logging.getLogger(__name__)
@@ -121,12 +122,9 @@ def measure_tp_scale(
         dist.all_reduce(measured, op=dist.ReduceOp.MAX)
         predicted = predict(
             base,
-            dp=world // k,
-            tp=k,
-            pp=1,
-            schedule="1f1b",
-            num_microbatches=1,
-            micro_batch_size=micro,
+            LayoutChoice(
+                dp=world // k, tp=k, pp=1, schedule="1f1b", num_microbatches=1, micro_batch_size=micro
+            ),
             comm=comm,
             compute_slots=compute_slots,
         )
