@@ -2,11 +2,12 @@
 resume line, and resuming gives the uninterrupted run bit for bit; SIGSTOP on one rank: the others name it
 (global rank and coordinates) within the communication timeout.
 
-The same through a real ``merak train`` job (``slow``): SIGTERM to torchrun, or to one rank, while it
-trains; the ranks finish the step they are in together, write a preemption checkpoint at that step,
-print one line on rank 0 that says how to resume and exit with ``exitcodes.PREEMPTED``; ``merak train
-JOB --resume latest`` then ends with the uninterrupted run's losses (the single-process reference),
-and metrics.jsonl and summary.json cover the whole run.
+The same through real ``merak train`` jobs (``slow``), one chain of three: SIGTERM to one rank while the
+job trains, then, in the job resumed from that checkpoint, SIGTERM to torchrun. Each time the ranks
+finish the step they are in together, write a preemption checkpoint at that step, print one line on
+rank 0 that says how to resume and exit with ``exitcodes.PREEMPTED``; the last ``merak train JOB
+--resume latest`` ends with the uninterrupted run's losses (the single-process reference), and
+metrics.jsonl and summary.json cover the whole run.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def test_a_stalled_rank_is_named_by_the_others_within_the_timeout() -> None:
         assert elapsed < timeout_s + 5, section
 
 
-JOB_STEPS = 14
+JOB_STEPS = 16
 DATA_SIZE = 128  # one epoch: 16 global batches of 8
 TIMEOUT_S = 240
 
@@ -101,34 +102,24 @@ def _launch(job: Path, cwd: Path, *extra: str) -> subprocess.Popen[str]:
     )
 
 
-def _signal_mid_run(proc: subprocess.Popen[str], out: str, target: str) -> None:
-    """Wait for step 3 in metrics.jsonl, then SIGTERM torchrun (``target='torchrun'``) or rank 1."""
+def _signal_mid_run(proc: subprocess.Popen[str], out: str, target: str, at_step: int) -> None:
+    """Wait for ``at_step`` in metrics.jsonl, then SIGTERM torchrun (``target='torchrun'``) or rank 1."""
     deadline = time.monotonic() + TIMEOUT_S
     while time.monotonic() < deadline and proc.poll() is None:
-        if len(faults.logged_steps(out)) >= 3:
+        if len(faults.logged_steps(out)) >= at_step:
             torchrun, ranks = faults.job_processes(proc.pid)
             pid = torchrun if target == "torchrun" else ranks.get(1)
             assert pid is not None, (torchrun, ranks)
             os.kill(pid, signal.SIGTERM)
             return
         time.sleep(0.05)
-    raise AssertionError(f"the job never reached step 3: {proc.communicate()[0][-3000:]}")
+    raise AssertionError(f"the job never reached step {at_step}: {proc.communicate()[0][-3000:]}")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("target", ["torchrun", "rank1"])
-def test_sigterm_writes_a_preemption_checkpoint_and_the_resume_gives_the_uninterrupted_run(
-    tmp_path: Path, target: str
-) -> None:
+def _stopped_step(proc: subprocess.Popen[str], job: Path, out: str, target: str, at_step: int) -> int:
+    """The step a signalled job stopped after, once its exit, line, checkpoint and records are checked."""
     from merak_core.run.exitcodes import PREEMPTED
 
-    out = str(tmp_path / "out")
-    kwargs = layout_kwargs(2, 1, 1, output_dir=out, max_steps=JOB_STEPS, logging_steps=1)
-    job = Path(
-        faults.write_job(str(tmp_path / "job.yaml"), make_args(**kwargs).to_dict(), data_size=DATA_SIZE)
-    )
-    proc = _launch(job, tmp_path)
-    _signal_mid_run(proc, out, target)
     log, _ = proc.communicate(timeout=TIMEOUT_S)
     assert proc.returncode == PREEMPTED, log[-4000:]
     lines = re.findall(
@@ -140,11 +131,29 @@ def test_sigterm_writes_a_preemption_checkpoint_and_the_resume_gives_the_uninter
     assert len(lines) == 1, log[-4000:]  # one line, from rank 0
     _, step, checkpoint, command = lines[0]
     step = int(step)
-    assert 3 <= step < JOB_STEPS and checkpoint == os.path.join(out, "checkpoints", f"step_{step}"), lines
+    assert at_step <= step < JOB_STEPS, (target, lines)
+    assert checkpoint == os.path.join(out, "checkpoints", f"step_{step}"), lines
     assert command == f"merak train {job} --resume latest"
     assert os.path.isdir(checkpoint) and faults.logged_steps(out) == list(range(1, step + 1))
     if target == "torchrun":  # merak train hides the shutdown tracebacks of a job stopped by a signal
         assert "Traceback" not in log, log[-4000:]
+    return step
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_rank_then_to_torchrun_stops_each_job_and_the_resume_gives_the_uninterrupted_run(
+    tmp_path: Path,
+) -> None:
+    out = str(tmp_path / "out")
+    kwargs = layout_kwargs(2, 1, 1, output_dir=out, max_steps=JOB_STEPS, logging_steps=1)
+    job = Path(
+        faults.write_job(str(tmp_path / "job.yaml"), make_args(**kwargs).to_dict(), data_size=DATA_SIZE)
+    )
+    stopped = 0
+    for target in ("rank1", "torchrun"):  # the second job resumes from the first one's checkpoint
+        proc = _launch(job, tmp_path, *(("--resume", "latest") if stopped else ()))
+        _signal_mid_run(proc, out, target, at_step=stopped + 3)
+        stopped = _stopped_step(proc, job, out, target, at_step=stopped + 3)
 
     resumed = subprocess.run(
         [sys.executable, "-m", "merak_core.cli", "train", str(job), "--resume", "latest"],
