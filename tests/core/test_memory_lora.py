@@ -31,7 +31,8 @@ def test_model_state_bytes_of_frozen_weights() -> None:
     p, t = 1000.0, 10.0
     assert model_state_bytes(p, zero_stage=0, dp=4, trainable_bytes=t) == (p, t, 2 * t)
     assert model_state_bytes(p, zero_stage=1, dp=4, trainable_bytes=t) == (p, t, 2 * t / 4)
-    assert model_state_bytes(p, zero_stage=2, dp=4, trainable_bytes=t) == (p / 4 + p, t, 2 * t / 4)
+    # ZeRO-2: the frozen weights whole (FSDP2 leaves them alone), the adapters sharded and gathered
+    assert model_state_bytes(p, zero_stage=2, dp=4, trainable_bytes=t) == (p - t + t / 4 + t, t, 2 * t / 4)
     assert model_state_bytes(p, zero_stage=1, dp=4, trainable_bytes=p) == model_state_bytes(
         p, zero_stage=1, dp=4
     )

@@ -3,7 +3,8 @@
 
 The job's model factory runs under ``merak_graph.empty_init()`` (no weights allocated, whatever
 the size) and is cast to the job's ``training.dtype`` as the Trainer casts it; one training sample
-gives the input shapes, moved to the meta device. Compute is priced at the peak of the job's
+gives the input shapes, moved to the meta device. With ``model.lora`` the model carries its adapters
+and every other weight is frozen, priced as weights only ([Note: frozen weights]). Compute is priced at the peak of the job's
 compute dtype (``compute_dtype``: ``training.bf16`` or ``dtype: bfloat16`` at the bf16 peak), never
 read from the model's parameters. Heads, kv heads and vocabulary are read from the model (the
 attributes the profiler reads) to constrain tp.
@@ -59,6 +60,11 @@ def job_model(job: Any) -> JobModel:
     torch.manual_seed(t.seed)
     with mg.empty_init():
         model = job.build_model().to(dtype=t.torch_dtype)
+    lora = getattr(job.model, "lora", None)
+    if lora is not None:  # the adapters train, every other weight is frozen: priced as weights only
+        from merak_core.lora.apply import apply_lora
+
+        apply_lora(model, lora)
     train, _ = job.build_datasets()
     inputs = _to_meta(profile_inputs(model, train, 1, job.optional("collate")), t.torch_dtype)
     heads, kv_heads, vocab = tp_constraints(model, t.tp_plan)

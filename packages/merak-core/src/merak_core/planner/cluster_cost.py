@@ -158,6 +158,9 @@ class ModelCosts:
     num_heads: int | None = None
     num_kv_heads: int | None = None
     vocab_size: int | None = None
+    frozen: frozenset[str] = frozenset()
+    """Canonical names of the parameters that do not train (a LoRA run's base): weights only, no
+    gradient, no optimizer state, no DP sync and nothing for ZeRO to shard ([Note: frozen weights])."""
     _cache: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -176,13 +179,25 @@ class ModelCosts:
             self._cache[key] = sum(self.param_numel[n] for n in names)
         return int(self._cache[key])
 
-    def stage_tensors(self, lo: int, hi: int) -> int:
-        """Parameter tensors held by the stage of layers [lo, hi) (a tied parameter once per stage)."""
-        return len({n for layer in self.layers[lo:hi] for n in layer.param_names})
+    def stage_trainable(self, lo: int, hi: int) -> int:
+        """The part of :meth:`stage_params` that trains (all of it but :attr:`frozen`)."""
+        names = {n for layer in self.layers[lo:hi] for n in layer.param_names} - self.frozen
+        return sum(self.param_numel[n] for n in names)
 
-    def largest_layer_params(self, lo: int, hi: int) -> int:
-        """Parameters of the largest layer of the stage [lo, hi) (ZeRO-3's gathered unit)."""
-        return max((sum(self.param_numel[n] for n in ly.param_names) for ly in self.layers[lo:hi]), default=0)
+    def stage_tensors(self, lo: int, hi: int, *, trainable: bool = False) -> int:
+        """Parameter tensors held by the stage of layers [lo, hi) (a tied parameter once per stage);
+        ``trainable``: those that train only."""
+        names = {n for layer in self.layers[lo:hi] for n in layer.param_names}
+        return len(names - self.frozen if trainable else names)
+
+    def largest_layer_params(self, lo: int, hi: int, *, trainable: bool = False) -> int:
+        """Parameters of the largest layer of the stage [lo, hi) (ZeRO-3's gathered unit); ``trainable``:
+        of the parameters that train (FSDP gathers no frozen one)."""
+        skip = self.frozen if trainable else frozenset()
+        return max(
+            (sum(self.param_numel[n] for n in ly.param_names if n not in skip) for ly in self.layers[lo:hi]),
+            default=0,
+        )
 
     def tied_across(self, bounds: Sequence[int]) -> dict[str, list[int]]:
         """Parameters held by more than one stage: name -> stages holding it."""
@@ -244,9 +259,12 @@ def model_costs(
     """:class:`ModelCosts` of a :func:`trace_for_cluster` chain traced with one sample per microbatch."""
     canonical: dict[int, str] = {}
     numel: dict[str, int] = {}
+    frozen: set[str] = set()
     for name, p in model.named_parameters(remove_duplicate=False):
         canonical.setdefault(id(p), name)
         numel[canonical[id(p)]] = p.numel()
+        if not p.requires_grad:
+            frozen.add(canonical[id(p)])
     first = next(iter(model.parameters()), None)
     param_dtype = first.dtype if first is not None else torch.float32
     layers = []
@@ -276,6 +294,7 @@ def model_costs(
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         vocab_size=vocab_size,
+        frozen=frozenset(frozen),
     )
 
 
@@ -302,6 +321,8 @@ class StageCosts:
     static_bytes: list[float]
     """Weights, gradients and optimizer states per stage (per device)."""
     params_per_device: list[float]
+    trainable_per_device: list[float] = field(default_factory=list)
+    """The part of ``params_per_device`` that trains (empty: all of it)."""
     boundary_bytes: list[float]
     """Message from stage s to s+1 for one microbatch."""
     input_bytes: list[float]
@@ -318,9 +339,11 @@ def state_bytes(
     unit_numel: float = 0.0,
     stage_index: int = 0,
     num_stages: int = 1,
+    trainable_numel: float | None = None,
 ) -> float:
     """Weights + gradients + optimizer states one device holds at its peak for ``numel`` parameters of
-    one stage ([Note: cluster ZeRO memory]; ``unit_numel``: ZeRO-3's gathered unit)."""
+    one stage ([Note: cluster ZeRO memory]; ``unit_numel``: ZeRO-3's gathered unit; ``trainable_numel``:
+    the part of ``numel`` that trains, None: all, the rest weights only ([Note: frozen weights])."""
     w = precision.weight_bytes
     if zero_stage == 3 and not default_reshard_after_forward(
         3, stage_index=stage_index, num_stages=num_stages
@@ -332,6 +355,7 @@ def state_bytes(
         dp=dp,
         optimizer_state_factor=precision.optimizer_bytes / w,
         largest_unit_bytes=unit_numel * w,
+        trainable_bytes=None if trainable_numel is None else trainable_numel * w,
     )
     return weights + grads * precision.grad_bytes / w + optimizer
 
@@ -363,6 +387,7 @@ def stage_costs(
     # Sub-pipelined TP: every TP block runs its operators and its all-reduce once per chunk.
     one_ar = chunks * ring_allreduce_s(b * costs.tp_message_bytes / chunks, tp_group, cluster)
     fwd, bwd, exposed, acts, static, params, out_b, in_b = [], [], [], [], [], [], [], []
+    trainable: list[float] = []
     for s in range(pp):
         layers = costs.layers[bounds[s] : bounds[s + 1]]
         ops = sum(ly.num_ops * (chunks if ly.tp_allreduces else 1) for ly in layers)
@@ -371,20 +396,31 @@ def stage_costs(
         ex_f = exposed_tp_s(comm, compute_f, tp_overlap, tp_chunks)
         ex_b = exposed_tp_s(comm, 2 * compute_f, tp_overlap, tp_chunks)
         n = costs.stage_params(bounds[s], bounds[s + 1]) / tp
+        nt = costs.stage_trainable(bounds[s], bounds[s + 1]) / tp  # ZeRO gathers and shards these only
         gather_f = gather_b = 0.0
         if zero_stage == 3:
             again = default_reshard_after_forward(3, stage_index=s, num_stages=pp)
             gather_f, gather_b = zero3_gathers_s(
-                n, prec.weight_bytes, cluster, dp=dp, tp=tp, backward_too=again
+                nt, prec.weight_bytes, cluster, dp=dp, tp=tp, backward_too=again
             )
         fwd.append(compute_f + ex_f + gather_f)
         bwd.append(2 * compute_f + ex_b + gather_b)
         exposed.append(ex_f + ex_b)
         acts.append([b * ly.activation_bytes / tp for ly in layers])
         params.append(n)
-        unit = costs.largest_layer_params(bounds[s], bounds[s + 1]) / tp
+        trainable.append(nt)
+        unit = costs.largest_layer_params(bounds[s], bounds[s + 1], trainable=True) / tp
         static.append(
-            state_bytes(n, prec, zero_stage=zero_stage, dp=dp, unit_numel=unit, stage_index=s, num_stages=pp)
+            state_bytes(
+                n,
+                prec,
+                zero_stage=zero_stage,
+                dp=dp,
+                unit_numel=unit,
+                stage_index=s,
+                num_stages=pp,
+                trainable_numel=nt,
+            )
         )
         out_b.append(b * layers[-1].output_bytes)
         in_b.append(b * (costs.layers[bounds[s] - 1].output_bytes if bounds[s] > 0 else 0.0))
@@ -396,6 +432,7 @@ def stage_costs(
         activation_bytes=acts,
         static_bytes=static,
         params_per_device=params,
+        trainable_per_device=trainable,
         boundary_bytes=out_b,
         input_bytes=in_b,
         p2p_latency_s=latency,
@@ -423,9 +460,11 @@ def step_overhead_s(
     placement = list(stage_to_rank) if stage_to_rank is not None else list(range(len(bounds) - 1))
     per_rank: dict[int, float] = {}
     tensors: dict[int, int] = {}
-    for s, n in enumerate(stages.params_per_device):
+    # Gradients, their DP sync and the optimizer step are the trainable parameters' ([Note: frozen weights]).
+    for s, n in enumerate(stages.trainable_per_device or stages.params_per_device):
         per_rank[placement[s]] = per_rank.get(placement[s], 0.0) + n
-        tensors[placement[s]] = tensors.get(placement[s], 0) + costs.stage_tensors(bounds[s], bounds[s + 1])
+        held = costs.stage_tensors(bounds[s], bounds[s + 1], trainable=True)
+        tensors[placement[s]] = tensors.get(placement[s], 0) + held
     largest = max(per_rank.values())
     group = dp_ranks(dp, tp)
     if zero_stage <= 1:
@@ -437,6 +476,8 @@ def step_overhead_s(
     stride = dp * tp
     tied = 0.0
     for name, held in costs.tied_across(bounds).items():
+        if name in costs.frozen:
+            continue  # a frozen tied weight gets no cross-stage gradient sum
         ranks = sorted({placement[s] * stride for s in held})
         tied += ring_allreduce_s(costs.param_numel[name] / tp * prec.grad_bytes, ranks, cluster)
     pp = max(placement) + 1

@@ -149,12 +149,13 @@ def model_state_bytes(
     optimizer = t * optimizer_state_factor / (dp if zero_stage >= 1 else 1)
     if zero_stage <= 1 or dp == 1:
         return p, t, optimizer
-    shard = p / dp
+    frozen = p - t  # whole on every DP rank: FSDP2 leaves it alone ([Note: frozen parameters under ZeRO-2/3])
+    shard = t / dp
     if zero_stage == 2 or not default_reshard_after_forward(
         zero_stage, stage_index=stage_index, num_stages=num_stages
     ):
-        return shard + p, t, optimizer
-    return shard + min(float(largest_unit_bytes), p), t, optimizer
+        return frozen + shard + t, t, optimizer
+    return frozen + shard + min(float(largest_unit_bytes), t), t, optimizer
 
 
 def _stage_ranges(stage_layers: Sequence[int]) -> list[range]:
