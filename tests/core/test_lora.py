@@ -176,3 +176,16 @@ def test_merge_needs_a_lora_checkpoint() -> None:
     assert checkpoint_lora({"lora": {"r": 2, "alpha": 4.0}}, merge=True, checkpoint="ck") == LoraConfig(
         r=2, alpha=4
     )
+
+
+def test_adapter_dropout_refused_with_sub_pipelined_tp() -> None:
+    """Dropout at tp > 1 is exact (tests/core/test_lora_dropout_tp.py) except under sub-pipelined TP, refused."""
+    from types import SimpleNamespace
+
+    from merak_core.lora import check_lora_arguments
+
+    drop = LoraConfig(r=2, dropout=0.1, target_modules=["q"])
+    check_lora_arguments(tp=2, dp=1, args=SimpleNamespace(zero_stage=3, overlap_chunks=1), config=drop)
+    with pytest.raises(ValueError, match=r"dropout=0.1 with training.overlap_chunks=2.*overlap_chunks: 1"):
+        check_lora_arguments(tp=2, dp=1, args=SimpleNamespace(zero_stage=0, overlap_chunks=2), config=drop)
+    check_lora_arguments(tp=1, dp=1, args=SimpleNamespace(zero_stage=0, overlap_chunks=2), config=drop)

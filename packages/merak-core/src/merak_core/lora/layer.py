@@ -38,6 +38,23 @@ gradient (from those tokens only) is summed over TP. A row layer whose output re
 defers (block-level overlap) cannot be wrapped: the wrapper's sum makes the region's output
 something other than the row layer's, so the region never defers it (checked at run time).
 
+[Note: adapter dropout under TP] The dropout mask on the adapter's input must be the one a single
+process would draw on the whole input. The Trainer seeds the default generator identically on
+every TP rank, and the TP ranks run the same ops in the same order, so at each adapter the
+generator is in the same state on every TP rank (``tests/e2e/test_tp_families_dropout.py``). Then:
+
+- x whole and replicated (a column-parallel base without sequence parallelism, a row-parallel
+  base that splits x itself, a replicated base): every rank applies the dropout to the whole x and
+  draws the same mask, the single process's;
+- x split over TP (a row-parallel base's input, split on features; a column-parallel base under
+  sequence parallelism, split along the sequence): each rank draws the mask of the whole input (the
+  same draws on every rank, ``F.dropout`` of ones of the global shape, so the same kernel and
+  draws as one process's dropout of the whole x) and keeps its own block (by the adapter's
+  ``ShardSpec`` for features, the sequence chunk for tokens).
+
+Sub-pipelined TP (``overlap_chunks > 1``) runs the microbatch in chunks interleaved with other
+layers' draws: refused with dropout (``merak_core.lora.config.check_lora_arguments``).
+
 Not done here: choosing the targets (``apply.py``).
 """
 
@@ -104,7 +121,7 @@ class LoraLinear(nn.Module):
         y = self.base_layer(x)
         # As PEFT: the adapter runs in its own dtype (float32 beside 16-bit weights), the sum in the
         # wider one, rounded to the base's output dtype once.
-        x = self.lora_dropout(x).to(self.lora_A.weight.dtype)
+        x = self._dropout(x).to(self.lora_A.weight.dtype)
         b: torch.Tensor = self.lora_B.weight
         if self.kind == "column":
             h = self._column_h(x)
@@ -115,6 +132,32 @@ class LoraLinear(nn.Module):
         else:
             h = nn.functional.linear(x, self.lora_A.weight)
         return (y + nn.functional.linear(h, b) * self.scaling).to(y.dtype)
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        """The adapter's dropout with the single process's mask ([Note: adapter dropout under TP])."""
+        drop = self.lora_dropout
+        group = self._tp_group()
+        if not isinstance(drop, nn.Dropout) or not self.training or group is None:
+            return drop(x)
+        import torch.distributed as dist
+
+        tp, rank = dist.get_world_size(group), dist.get_rank(group)
+        base: Any = self.base_layer
+        if tp == 1:
+            return drop(x)
+        if self.kind == "row" and base.input_is_parallel:  # x: this rank's features
+            from merak_tp.shard_spec import get_shard_spec
+
+            full = (*x.shape[:-1], x.shape[-1] * tp)
+            mask = nn.functional.dropout(x.new_ones(full), drop.p, True)
+            flat = get_shard_spec(self.lora_A.weight).slice(mask.reshape(-1, full[-1]), tp, rank)
+            return x * flat.reshape(x.shape)
+        if self.kind == "column" and base.input_reduction() == "sequence":  # x: this rank's tokens
+            dim = base.sequence_dim % x.ndim
+            full = (*x.shape[:dim], x.shape[dim] * tp, *x.shape[dim + 1 :])
+            mask = nn.functional.dropout(x.new_ones(full), drop.p, True)
+            return x * mask.narrow(dim, rank * x.shape[dim], x.shape[dim])
+        return drop(x)  # x whole and replicated: the same draws on every TP rank
 
     def _column_h(self, x: torch.Tensor) -> torch.Tensor:
         """``h = A x`` beside a column-parallel base, its gradients summed as the base's input gradient is."""
