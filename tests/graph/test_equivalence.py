@@ -10,6 +10,8 @@ groups must be exactly the tied embedding of GPT.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -113,3 +115,24 @@ def test_untied_same_shape_weights_are_not_shared() -> None:
     spec = REFERENCE_MODELS["gpt"]
     part = partition(model, 2, example_inputs=spec.make_inputs(BATCH, SEQ, 0), input_names=spec.input_names)
     assert part.shared_parameters == []
+
+
+def test_keeping_only_returns_a_partition_of_the_kept_stages_and_leaves_the_result_unchanged() -> None:
+    """What a pipeline rank holds once it built its stages: the others empty, no model reference; a
+    partition is never changed in place."""
+    model = build_reference("gpt")
+    spec = REFERENCE_MODELS["gpt"]
+    inputs = spec.make_inputs(BATCH, SEQ, 0)
+    part = partition(model, 3, example_inputs=inputs, input_names=spec.input_names, trace_method="fx")
+    built = part.build_stage(1, device="cpu")
+    mine = part.keeping_only({1: built})
+    assert mine.stages[1] is built and mine.model is None and mine.num_stages == 3
+    assert [len(list(mine.stages[i].parameters())) for i in (0, 2)] == [0, 0]
+    assert mine.stage_parameter_names(1) == part.stage_parameter_names(1)
+    assert mine.input_names == part.input_names and mine.shared_parameters == part.shared_parameters
+    assert part.model is model and part.stages[0] is not mine.stages[0], "the original is unchanged"
+    assert len(list(part.stages[0].parameters())) > 0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        part.model = None  # type: ignore[misc]
+    with pytest.raises(ValueError, match=r"stage indices \[3\] are out of range for 3 stages"):
+        part.keeping_only({3: built})

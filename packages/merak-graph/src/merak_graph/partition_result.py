@@ -2,12 +2,15 @@
 
 A :class:`Partition` is built by ``merak_graph.partition`` (and its two lower-level entry
 points); ``Partition.build_stage(i, device=...)`` materialises one stage alone for a model built
-under ``empty_init()``. This module does no partitioning itself (``_assign.py`` does).
+under ``empty_init()``; ``Partition.keeping_only(stages)`` is the partition a process holds once it
+has built its own stages. A partition is never changed in place (a frozen dataclass). This module
+does no partitioning itself (``_assign.py`` does).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,7 +53,7 @@ class StageInfo:
     """param_bytes * param_memory_factor + activation_bytes * in-flight microbatches."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Partition:
     """The result of ``partition``: stage modules plus everything needed to run and place them."""
 
@@ -97,6 +100,20 @@ class Partition:
     def stage_buffer_names(self, stage_index: int) -> dict[str, str]:
         """{local name in ``stages[stage_index]``: original buffer/constant name}."""
         return dict(self._buffer_names[stage_index])
+
+    def keeping_only(self, kept: Mapping[int, nn.Module]) -> Partition:
+        """A partition holding only ``kept`` (stage index -> the module that now runs that stage).
+
+        Every other stage becomes an empty ``StageModule`` and the model reference is dropped, so the
+        new partition keeps none of their tensors alive: what a process holds once it has built its
+        own stages (pipeline ranks). Names, estimates and shared parameters are unchanged; this
+        partition is left as it is.
+        """
+        bad = sorted(i for i in kept if not 0 <= i < self.num_stages)
+        if bad:
+            raise ValueError(f"stage indices {bad} are out of range for {self.num_stages} stages")
+        stages: list[Any] = [kept.get(i, StageModule()) for i in range(self.num_stages)]
+        return dataclasses.replace(self, stages=stages, model=None)
 
     def run(self, *inputs: Any) -> Any:
         """Run all stages in sequence in this process (for checks and tests)."""

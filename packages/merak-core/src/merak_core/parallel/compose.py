@@ -268,8 +268,9 @@ def build_parallel_model(
             f"{len(placement)} stages, which it cannot be: {exc}. Use fewer virtual_stages (or a smaller pp)"
         ) from exc
     pm = _this_rank_stages(part, placement, layout, device=device, init_fn=init_fn)
+    del part  # the whole model's stages: pm.partition holds this rank's only
     if by_keyword:
-        keys = list(part.input_names)
+        keys = list(pm.partition.input_names)
     pm.input_keys = keys
     pm.source = source
     return _with_lora(pm, lora)
@@ -326,7 +327,6 @@ def _this_rank_stages(
     init_fn: Callable[[nn.Module], Any] | None,
 ) -> ParallelModel:
     """Keep the stages ``placement`` puts on this rank; drop the others (their tensors must not stay alive)."""
-    import merak_graph
     from merak_graph import is_meta_module
 
     mine = [s for s, r in enumerate(placement) if r == layout.pp_rank]
@@ -346,8 +346,7 @@ def _this_rank_stages(
         logical = {
             f"stage{s}.{local}": name for s in mine for local, name in part.stage_parameter_names(s).items()
         }
-    part.stages = [modules.get(i, merak_graph.StageModule()) for i in range(len(part.stages))]
-    part.model = None
+    part = part.keeping_only(modules)  # the other stages' tensors must not stay alive
     shared, owner = _shared_groups(part, placement, modules, layout)
     logger.info(
         "pipeline rank %d/%d holds stages %s: %d parameters, %d shared across stages",
