@@ -69,6 +69,7 @@ def _auto_body(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
                 "gradient_accumulation_steps",
                 "recompute",
                 "virtual_stages",
+                "zero_stage",
             )
         },
         "layout": (trainer.layout.dp, trainer.layout.tp, trainer.layout.pp),
