@@ -366,12 +366,15 @@ def _apply_regions(
 
 def _make_sum_hook(group: ProcessGroup | None) -> Callable[[torch.Tensor], torch.Tensor]:
     def hook(grad: torch.Tensor) -> torch.Tensor:
+        if hook.merak_tp_deferred:  # type: ignore[attr-defined]  # summed once per step (grad_sums.py)
+            return grad
         # Under sequence parallelism a replicated parameter sees only this rank's tokens.
         out = grad.contiguous().clone()
         dist.all_reduce(out, group=group)
         return out
 
     hook.merak_tp_sum_group = group  # type: ignore[attr-defined]  # see grad_sum_groups
+    hook.merak_tp_deferred = False  # type: ignore[attr-defined]  # see merak_tp.grad_sums.defer_grad_sums
     return hook
 
 

@@ -74,6 +74,7 @@ from merak_core.run.step_values import LateFlags, StepValues, reduce_step_values
 from merak_core.run.watchdog import StepWatchdog
 from merak_pipe import PipelineCommError
 from merak_tp import VocabParallelEmbedding
+from merak_tp.grad_sums import defer_grad_sums, sum_grads
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -204,6 +205,8 @@ class ParallelEngine:
         self.params = [p for _, p in named]
         self.vocab_tables = [m for m in self.model.module.modules() if isinstance(m, VocabParallelEmbedding)]
         """This rank's vocab-parallel embeddings (their per-forward id check: ``step(ids_checked=...)``)."""
+        self.tp_sums = defer_grad_sums(self.params) if self.sharded is None and layout.tp > 1 else []
+        """Replicated parameters whose partial gradients are summed over TP once per step (merak_tp.grad_sums)."""
         self.expert_params = expert_parameters(self.model.module) if layout.ep > 1 else []
         """Parameters sharded over the EP group (merak_core.parallel.expert_parallel): the norm sums them over it."""
         self.dp_sync: DataParallelGradSync | ShardedDataParallel | None = build_dp_sync(
@@ -326,6 +329,9 @@ class ParallelEngine:
             )
             with self._phase(f"DP gradient {what} over global ranks {layout.dp_ranks}", step):
                 self.dp_sync.finish()
+        if self.tp_sums:  # after the DP sync: the sums commute with its average
+            with self._phase(f"TP gradient sums over global ranks {layout.tp_ranks}", step):
+                sum_grads(self.tp_sums)
         self._fill_missing_grads()
         norm = None
         if self.args.max_grad_norm > 0:
