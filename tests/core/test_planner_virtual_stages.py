@@ -116,7 +116,7 @@ def test_one_stage_per_rank_wins_when_the_runtime_is_expensive_per_action():
     """Two stages per rank run twice the compute actions and messages: a runtime that costs enough per
     action (CommModel.per_action_s, priced by merak_pipe's simulator) loses their smaller bubble."""
     assert _plan(_profile())[0].virtual_stages == 2
-    best = _plan(_profile(), comm=CommModel(per_action_s=5e-3))[0]
+    best = _plan(_profile(), comm=CommModel(per_action_s=1e-2))[0]
     assert best.virtual_stages == 1
     with pytest.raises(ValueError, match="per_action_s"):
         CommModel(per_action_s=-1.0)

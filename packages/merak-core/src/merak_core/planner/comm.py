@@ -39,6 +39,10 @@ class CommModel:
     """Extra seconds every synchronisation (a TP all-reduce, a pipeline message a rank waits for, a
     per-step collective) costs while all ranks compute at once: on a host with fewer cores than
     ranks, the peer being waited for must first be scheduled. About 0 with a device per rank."""
+    per_action_s: float = 0.0
+    """The pipeline runtime's own host seconds per action (each compute action and each message it
+    sends or receives; merak_pipe's ``CostModel.per_action``): measured by ``bench_pipe_runtime.py
+    --section actions``, or a cluster file's ``device.per_action_us``. 0: left out."""
 
     def __post_init__(self) -> None:
         table: dict[int, list[tuple[float, float]]] = {}
@@ -51,7 +55,7 @@ class CommModel:
                 )
             table[int(n)] = pairs
         self.allreduce_by_group = table
-        for name in ("p2p_latency_s", "allreduce_latency_s", "sync_wait_s"):
+        for name in ("p2p_latency_s", "allreduce_latency_s", "sync_wait_s", "per_action_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"CommModel.{name}={getattr(self, name)!r}: expected seconds >= 0")
         for name in ("p2p_bandwidth", "allreduce_bandwidth"):
