@@ -63,3 +63,32 @@ def test_lora_job_fits_a_layout_full_fine_tuning_does_not() -> None:
         plan_cluster(full, cluster, num_nodes=1, global_batch_size=8, layouts=[LAYOUT])
     cands = plan_cluster(lora, cluster, num_nodes=1, global_batch_size=8, layouts=[LAYOUT])
     assert cands and all(c.fits and (c.dp, c.tp, c.pp) == LAYOUT for c in cands)
+
+
+def test_merak_plan_cluster_builds_the_job_with_its_adapters() -> None:
+    """The job path of ``merak plan --cluster``: the demo job with ``model.lora`` is priced with its adapters
+    trainable and every other weight frozen, and fits a device the full fine-tune of the demo does not."""
+    from pathlib import Path
+
+    from merak_core.autoplan.cluster_job import job_model
+    from merak_core.job import JobConfig
+
+    demo = str(Path(__file__).resolve().parents[2] / "examples/addition/config.yaml")
+    lora = ["model.lora.r=2", "model.lora.target_modules=[query,value,up]"]
+    costs = {}
+    for name, overrides in (("full", []), ("lora", lora)):
+        jm = job_model(JobConfig.from_yaml(demo, ["data.kwargs.train_size=64", *overrides]))
+        sharded = trace_for_cluster(jm.model, jm.example_inputs, load_cluster("h100-sxm-8x"))
+        costs[name] = model_costs(sharded, jm.model, num_heads=jm.num_heads, vocab_size=jm.vocab_size)
+    full, mine = costs["full"], costs["lora"]
+    assert not full.frozen and mine.frozen
+    assert {n for n in mine.param_numel if n not in mine.frozen} and all(
+        "lora_" in n for n in mine.param_numel if n not in mine.frozen
+    )
+    big = _tiny_cluster(memory_gb=1000.0)
+    need_full, need_lora = _least_memory(full, big), _least_memory(mine, big)
+    assert need_lora < need_full
+    cluster = _tiny_cluster(memory_gb=(need_lora + need_full) / 2 / 1e9 / big.usable_memory_fraction)
+    with pytest.raises(ValueError, match="nothing fits"):
+        plan_cluster(full, cluster, num_nodes=1, global_batch_size=8, layouts=[LAYOUT])
+    assert plan_cluster(mine, cluster, num_nodes=1, global_batch_size=8, layouts=[LAYOUT])

@@ -463,8 +463,8 @@ def step_overhead_s(
     # Gradients, their DP sync and the optimizer step are the trainable parameters' ([Note: frozen weights]).
     for s, n in enumerate(stages.trainable_per_device or stages.params_per_device):
         per_rank[placement[s]] = per_rank.get(placement[s], 0.0) + n
-        held = costs.stage_tensors(bounds[s], bounds[s + 1], trainable=True)
-        tensors[placement[s]] = tensors.get(placement[s], 0) + held
+        count = costs.stage_tensors(bounds[s], bounds[s + 1], trainable=True)
+        tensors[placement[s]] = tensors.get(placement[s], 0) + count
     largest = max(per_rank.values())
     group = dp_ranks(dp, tp)
     if zero_stage <= 1:
