@@ -406,7 +406,7 @@ class Trainer(GenerateMixin, EngineViews):
             )
             # first=1: the run's first step, not a resumed segment's (one run's cadence, resumed or not)
             log = cadence.log_due(step, first=1, total=total, skipped=self.last_step_skipped)
-            if log or cadence.reads_due(step, total=total):
+            if log or self.stop_agreed or cadence.reads_due(step, total=total):
                 self._settle()  # the host reads the step's numbers here, not in the step
             record = records.flush(force=log or self.stop_agreed or step >= total)
             if log and record is not None:
