@@ -87,11 +87,9 @@ class AutoLayout:
 
 def written_degrees(args: TrainingArguments) -> dict[str, int]:
     """The degrees the job sets away from their defaults (``dp`` not null, ``tp``/``pp``/``cp`` not 1)."""
-    return {
-        n: v
-        for n, v in (("dp", args.dp), ("tp", args.tp), ("pp", args.pp), ("cp", args.cp))
-        if v != (None if n == "dp" else 1)
-    }
+    given = {} if args.dp is None else {"dp": args.dp}
+    given.update({n: v for n, v in (("tp", args.tp), ("pp", args.pp), ("cp", args.cp)) if v != 1})
+    return given
 
 
 def auto_global_batch(args: TrainingArguments, world: int) -> tuple[int, str]:
