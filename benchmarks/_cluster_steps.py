@@ -244,7 +244,8 @@ def _train_body(overrides: list[str], steps: int, warm: int, out_dir: str) -> di
     queued, all threads' run) seconds, and the logical parameter names of this rank's stage."""
     import torch.distributed as dist
 
-    from merak_core import Trainer, init
+    from merak_core import Trainer
+    from merak_core.autoplan.prepare import prepare_job
     from merak_core.job import JobConfig
 
     job = JobConfig.from_yaml(
@@ -258,20 +259,8 @@ def _train_body(overrides: list[str], steps: int, warm: int, out_dir: str) -> di
             "data.kwargs.train_size=4096",
         ],
     )
-    t = job.training
-    layout = init(dp=t.dp, tp=t.tp, pp=t.pp)
-    torch.manual_seed(t.seed)
-    model = job.build_model()
     train_data, _ = job.build_datasets()
-    trainer = Trainer(
-        model,
-        t,
-        train_data,
-        None,
-        loss_fn=job.optional("loss"),
-        data_collator=job.optional("collate"),
-        layout=layout,
-    )
+    trainer = Trainer.from_prepared(prepare_job(job, (train_data, None)))
     rows: list[tuple[float, ...]] = []
     inner = trainer.training_step
 

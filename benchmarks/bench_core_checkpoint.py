@@ -58,16 +58,12 @@ def _worker(rank: int, world: int, store_path: str, cfg: dict[str, Any], queue: 
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
-    from merak_core import Trainer, init
+    from merak_core import Trainer
+    from merak_core.autoplan.prepare import prepare_job
 
     job = _job(cfg["out"], cfg["width"], cfg["depth"])
-    targs = job.training
-    layout = init(dp=targs.dp, tp=targs.tp, pp=targs.pp)
-    torch.manual_seed(targs.seed)
     train, _ = job.build_datasets()
-    trainer = Trainer(
-        job.build_model(), targs, train, None, data_collator=job.optional("collate"), layout=layout
-    )
+    trainer = Trainer.from_prepared(prepare_job(job, (train, None)))
     trainer.train()
     saves, loads = [], []
     path = None

@@ -79,7 +79,8 @@ def _train_body(
 
     import torch.distributed as dist
 
-    from merak_core import Trainer, init
+    from merak_core import Trainer
+    from merak_core.autoplan.prepare import prepare_job
     from merak_core.job import JobConfig
 
     overrides = [f"training.{k}={v}" for k, v in fields.items()] + [
@@ -91,21 +92,8 @@ def _train_body(
         f"training.plan_check_steps={steps if context is not None else 0}",
     ]
     job = JobConfig.from_yaml(CONFIG, overrides)
-    t = job.training
-    layout = init(dp=t.dp, tp=t.tp, pp=t.pp)
-    torch.manual_seed(t.seed)
-    model = job.build_model()
     train_data, _ = job.build_datasets()
-    trainer = Trainer(
-        model,
-        t,
-        train_data,
-        None,
-        loss_fn=job.optional("loss"),
-        data_collator=job.optional("collate"),
-        layout=layout,
-        plan_context=context,
-    )
+    trainer = Trainer.from_prepared(prepare_job(job, (train_data, None), plan_context=context))
     pipeline: list[float] = []
     run_step = trainer.runner.step
 

@@ -176,44 +176,22 @@ def _setup_stop_line(rank: int, signal_name: str, args: argparse.Namespace, outp
 
 def _set_up(args: argparse.Namespace, where: dict[str, str]) -> tuple[Any, Any, Any]:
     """Everything before the first step: the job file, the process groups, the model, the resume."""
+    from merak_core.autoplan.prepare import prepare_job
     from merak_core.job import JobConfig
-    from merak_core.parallel.layout import init
     from merak_core.trainer import Trainer
 
     job = JobConfig.from_yaml(args.config, args.overrides)
     targs = job.training
     if targs.output_dir:
         where["output_dir"] = targs.output_dir
-    train_data, eval_data = job.build_datasets()
+    datasets = job.build_datasets()
     wait_for_every_rank(max(SETUP_TIMEOUT, targs.comm_timeout))  # [Note: arrival]
     init_restarted_process_group(targs.comm_timeout)
-    from merak_core.autoplan.auto import plan_for_job  # layout: auto / the plan check's profile (collective)
-
-    targs, plan_context = plan_for_job(
-        targs,
-        job.build_model,
-        train_data,
-        data_collator=job.optional("collate"),
-        job_file=args.config,
-        job_overrides=args.overrides,
-        lora=job.model.lora,
+    # layout: auto / the plan check's profile (collective), the layout, the model, the engine: once
+    trainer = Trainer.from_prepared(
+        prepare_job(job, datasets, job_file=args.config, job_overrides=args.overrides)
     )
-    layout = init(dp=targs.dp, tp=targs.tp, pp=targs.pp, cp=targs.cp, ep=targs.ep, timeout=targs.comm_timeout)
-    torch.manual_seed(targs.seed)
-    model = job.build_model()
-    trainer = Trainer(
-        model,
-        targs,
-        train_data,
-        eval_data,
-        loss_fn=job.optional("loss"),
-        data_collator=job.optional("collate"),
-        compute_metrics=job.optional("metrics"),
-        layout=layout,
-        plan_context=plan_context,
-        pretrained=job.model.pretrained,
-        lora=job.model.lora,
-    )
+    layout, targs = trainer.layout, trainer.args
     resume = resume_target(args.resume)
     if resume is not None:
         trainer.resume(resume)

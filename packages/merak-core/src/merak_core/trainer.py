@@ -6,21 +6,23 @@
     trainer.train()
     metrics = trainer.evaluate()
 
-The Trainer is the loop: it prepares the run (:mod:`merak_core.run.bootstrap`: the layout, the device,
-the composed model), hands each global batch to the step engine (:class:`merak_core.run.engine.ParallelEngine`:
+The Trainer is the loop: it assembles a prepared run (:func:`merak_core.autoplan.prepare.prepare_run`:
+the layout, the device, the composed model, the engine; :meth:`Trainer.from_prepared` takes one that
+:func:`~merak_core.autoplan.prepare.prepare_job` built from a job file), hands each global batch to the step engine (:class:`merak_core.run.engine.ParallelEngine`:
 one optimizer step, see [Note: loss scaling], [Note: failures] and [Note: non-finite steps and
 signals] there), and keeps the cadence of evaluation, metrics and checkpoints
 (:class:`merak_core.run.cadence.Cadence` says after which steps).
 
-[Note: plan check] With ``layout: auto`` the Trainer first lets the planner choose the layout
-(collective, :func:`merak_core.autoplan.auto.plan_for_job`); with ``plan_check_steps`` it records
+[Note: plan check] With ``layout: auto`` the builder first lets the planner choose the layout
+(collective, :func:`merak_core.autoplan.auto.plan_for_job`; the Trainer never plans); with
+``plan_check_steps`` the Trainer records
 the runner's timings and the peak memory for a few steps and hands them to
 :class:`merak_core.autoplan.check.PlanCheck`, which logs predicted against measured and re-plans.
 The steps themselves are unchanged (only the pipeline part is timed).
 
-Not done here: the step (``engine.py``), start-up (``bootstrap.py``), tracing and sharding
-(``compose.py``), the layout (``layout.py``), data sharding (``data.py``), the planner
-(``planner/``).
+Not done here: preparing the run (``autoplan/prepare.py``), the step (``run/engine.py``), start-up
+(``run/bootstrap.py``), tracing and sharding (``parallel/compose.py``), the layout
+(``parallel/layout.py``), data sharding (``data/loader.py``), the planner (``planner/``).
 """
 
 from __future__ import annotations
@@ -31,30 +33,28 @@ import math
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from merak_core.autoplan.prepare import PreparedRun, prepare_run, training_steps
 from merak_core.checkpoint import CheckpointManager
 from merak_core.checkpoint.parts import CheckpointParts, TrainState
 from merak_core.config import TrainingArguments
-from merak_core.data.batch_ids import IdRanges, sample_namer
-from merak_core.data.loader import StageAwareDataLoader, default_num_workers, label_split
+from merak_core.data.batch_ids import sample_namer
+from merak_core.data.loader import StageAwareDataLoader, label_split
 from merak_core.generation.run_api import GenerateMixin
 from merak_core.lora import LoraConfig
 from merak_core.parallel.compose import ParallelModel, gather_full_state_dict
-from merak_core.parallel.context_parallel import check_cp_model, cp_run_for
 from merak_core.parallel.layout import ParallelLayout
 from merak_core.parallel.virtual_stages import stage_data_roles
 from merak_core.planner import PlanContext
-from merak_core.run import bootstrap, nonfinite
+from merak_core.run import nonfinite
 from merak_core.run.cadence import Cadence, StepRecords, count_tokens
 from merak_core.run.engine import (
     LossFn,
-    ParallelEngine,
     StepResult,
     TrainingStepError,
     default_loss,
@@ -90,7 +90,7 @@ class Trainer(GenerateMixin, EngineViews):
         init_fn: initialiser for a model built under ``empty_init()``.
         optimizer_factory: ``fn(param_groups) -> Optimizer`` (default: AdamW from ``args``).
         plan_context: the planner's profile and machine, for the plan check (``plan_check_steps``);
-            ``layout: auto`` builds it (:func:`merak_core.autoplan.auto.auto_layout` runs here first).
+            ``layout: auto`` builds it (:func:`merak_core.autoplan.prepare.prepare_run` plans first).
         pretrained: a Hugging Face folder (``config.json`` + safetensors) whose weights the model starts
             from; ``model=None`` builds the model from its ``config.json`` on the meta device. Each rank
             reads only its TP slices of its own stage (:mod:`merak_core.hf`); ``export_hf_dir`` and
@@ -118,92 +118,45 @@ class Trainer(GenerateMixin, EngineViews):
         pretrained: str | os.PathLike[str] | None = None,
         lora: LoraConfig | None = None,
     ) -> None:
-        model, weights, init_fn = bootstrap.pretrained_start(model, args, pretrained, init_fn)
-        self.pretrained_path = None if pretrained is None else str(Path(pretrained).resolve())
-        """The Hugging Face folder the run started from (recorded in checkpoints for ``merak export``)."""
-        if args.layout == "auto" or (args.plan_check_steps and plan_context is None):
-            if args.layout == "auto" and layout is not None:
-                raise ValueError(
-                    "layout='auto' chooses dp/tp/pp itself: do not pass layout= (or use layout: manual)"
-                )
-            from merak_core.autoplan.auto import plan_for_job  # collective: see [Note: layout auto] in config
-
-            args, plan_context = plan_for_job(
-                args, model, train_dataset, data_collator=data_collator, device=device, lora=lora
-            )
-        if lora is not None:  # from the model and the arguments alone, before any process group
-            bootstrap.check_lora(model, args, layout, lora)
-        if args.cp > 1:  # before any process group (merak_core.parallel.context_parallel)
-            check_cp_model(
-                model, args, lora=lora, loss_fn_given=loss_fn is not None, eval_dataset=eval_dataset
-            )
-        if args.ep > 1:  # before any process group (merak_core.parallel.expert_parallel)
-            from merak_core.parallel.expert_parallel import check_ep_model
-
-            check_ep_model(model, args, lora=lora)
-        if args.sequence_parallel and (layout.tp if layout is not None else args.tp) > 1:
-            from merak_core.checks.tp_check import check_sequence_parallel
-
-            check_sequence_parallel(model, args.tp_plan)  # from the model alone, before any process group
-        from merak_core.run.samples import TrainingSamples
-
-        self.samples = TrainingSamples.prepare(  # before any process group: refusals on every rank alike
-            args, model, layout.pp if layout is not None else args.pp, self.pretrained_path
-        )
-        self.args = args
-        self.layout = bootstrap.run_layout(args, layout, device)
-        self.device = bootstrap.run_device(self.layout, device)
-        self.cp_run = None if self.layout.cp == 1 else cp_run_for(model, self.layout, args.cp_mode)
-        self.loss_fn = self.cp_run.loss if self.cp_run is not None else (loss_fn or default_loss)
-        self.id_ranges = IdRanges.of(model, default_loss=loss_fn is None)  # the whole model's sizes
-        self.compute_metrics = compute_metrics
-        self.data_collator = data_collator
-        self.train_dataset = train_dataset
-        self.eval_dataset = eval_dataset
-        self.train_loader = (
-            StageAwareDataLoader(
-                train_dataset,
-                batch_size=args.micro_batch_size * args.num_microbatches,
-                **stage_data_roles(args, self.layout),
-                collate_fn=data_collator,
-                split_inputs_labels=label_split(args.labels),
-                seed=args.seed,
-                shuffle=True,
-                num_workers=default_num_workers(args.dataloader_num_workers, self.device),
-                pin_memory=self.device.type == "cuda",  # then the step copies batches with non_blocking
-            )
-            if train_dataset is not None
-            else None
-        )
-        example_labels = None
-        if example_inputs is None:
-            example_inputs, example_labels = bootstrap.example_batch(
-                train_dataset if train_dataset is not None else eval_dataset,
-                data_collator,
-                args.micro_batch_size,
-                labels=args.labels,  # every rank checks them, before any collective
-            )
-        if self.cp_run is not None:  # the model is composed on this rank's tokens
-            example_inputs, example_labels = self.cp_run.split(example_inputs, example_labels)
-        composed = bootstrap.compose(
-            model, args, self.layout, self.device, example_inputs=example_inputs, init_fn=init_fn, lora=lora
-        )
-        if weights is not None:
-            weights.load_into(composed)  # this rank's slices, before the optimizer sees the parameters
-        if lora is not None:
-            from merak_core.hf.adapters import start_adapters
-
-            start_adapters(composed, lora, seed=args.seed)  # drawn like PEFT, or read from lora.from_dir
-        self.engine = ParallelEngine(
-            composed,
-            self.layout,
+        prepared = prepare_run(  # plans first with layout: auto (the Trainer itself never plans)
+            model,
             args,
-            device=self.device,
-            loss_fn=self.loss_fn,
-            num_training_steps=self.num_training_steps(),
-            example_labels=example_labels,
+            train_dataset,
+            eval_dataset,
+            loss_fn,
+            data_collator,
+            compute_metrics=compute_metrics,
+            layout=layout,
+            example_inputs=example_inputs,
+            init_fn=init_fn,
             optimizer_factory=optimizer_factory,
+            device=device,
+            plan_context=plan_context,
+            pretrained=pretrained,
+            lora=lora,
         )
+        self._assemble(prepared)
+
+    @classmethod
+    def from_prepared(cls, prepared: PreparedRun) -> Trainer:
+        """The Trainer of a run :func:`~merak_core.autoplan.prepare.prepare_job` prepared from a job."""
+        trainer = cls.__new__(cls)
+        trainer._assemble(prepared)
+        return trainer
+
+    def _assemble(self, run: PreparedRun) -> None:
+        """Take the prepared run's parts and add the loop's own state, metrics, checkpoints and plan check."""
+        args = self.args = run.args
+        self.layout, self.device, self.engine = run.layout, run.device, run.engine
+        self.cp_run, self.loss_fn, self.id_ranges = run.cp_run, run.loss_fn, run.id_ranges
+        self.samples = run.samples
+        self.pretrained_path = run.pretrained_path
+        """The Hugging Face folder the run started from (recorded in checkpoints for ``merak export``)."""
+        self.compute_metrics = run.compute_metrics
+        self.data_collator = run.data_collator
+        self.train_dataset, self.eval_dataset = run.train_dataset, run.eval_dataset
+        self.train_loader = run.train_loader
+        plan_context = run.plan_context
         self.train_state = TrainState()
         self.skipped_steps = 0
         self.last_step_skipped = False
@@ -244,15 +197,7 @@ class Trainer(GenerateMixin, EngineViews):
     # ------------------------------------------------------------------ sizes
 
     def num_training_steps(self) -> int:
-        if self.args.max_steps > 0:
-            return self.args.max_steps
-        if self.train_loader is None:
-            return 0
-        try:
-            per_epoch = len(self.train_loader)
-        except TypeError:
-            raise ValueError("an iterable train_dataset has no length: set max_steps") from None
-        return max(1, math.ceil(per_epoch * self.args.num_train_epochs))
+        return training_steps(self.args, self.train_loader)
 
     # ------------------------------------------------------------------ training
 
@@ -367,7 +312,7 @@ class Trainer(GenerateMixin, EngineViews):
 
                 export_adapters(self.model, args.export_hf_dir, base=self.pretrained_path)  # a PEFT folder
             else:
-                export_hf(self.checkpoint_parts, args.export_hf_dir)  # the live parameters: checkpoints or not
+                export_hf(self.checkpoint_parts, args.export_hf_dir)  # the live parameters
         self.metrics.finish()
         return self.history
 

@@ -69,7 +69,8 @@ def evaluate_job(job: Any, checkpoint: str, *, split: str = "eval") -> dict[str,
     Needs the default process group (the job's world size). Returns ``step``, ``samples``,
     ``eval_loss``, ``eval_perplexity`` and ``eval_<metric>`` for each of the job's metrics.
     """
-    from merak_core import Trainer, init
+    from merak_core.autoplan.prepare import prepare_job
+    from merak_core.trainer import Trainer
 
     targs = job.training
     if targs.layout == "auto":
@@ -80,19 +81,8 @@ def evaluate_job(job: Any, checkpoint: str, *, split: str = "eval") -> dict[str,
         )
     targs = dataclasses.replace(targs, plan_check_steps=0) if targs.plan_check_steps else targs
     data = pick_split(job.build_datasets(), split, "merak eval")
-    layout = init(dp=targs.dp, tp=targs.tp, pp=targs.pp, ep=targs.ep, timeout=targs.comm_timeout)
-    torch.manual_seed(targs.seed)
-    trainer = Trainer(
-        job.build_model(),
-        targs,
-        None,
-        data,
-        loss_fn=job.optional("loss"),
-        data_collator=job.optional("collate"),
-        compute_metrics=job.optional("metrics"),
-        layout=layout,
-        lora=job.model.lora,  # a LoRA run's checkpoint holds the adapters too
-    )
+    # the checkpoint's weights replace the model's (a LoRA run's checkpoint holds the adapters too)
+    trainer = Trainer.from_prepared(prepare_job(job, (None, data), args=targs, load_pretrained=False))
     step = trainer.resume(checkpoint)
     metrics = trainer.evaluate()
     loss = metrics.pop("eval_loss")

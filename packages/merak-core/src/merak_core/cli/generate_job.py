@@ -137,24 +137,15 @@ def generate_job(
     job: Any, checkpoint: str, prompts: list[str], opts: dict[str, Any], *, tokenizer: str, batch_size: int
 ) -> list[dict[str, Any]]:
     """Every rank: the job's model with ``checkpoint``'s weights continues ``prompts``; collective."""
-    from merak_core import Trainer, init
+    from merak_core.autoplan.prepare import prepare_job
     from merak_core.data.text import load_tokenizer
     from merak_core.generation.prompts import decode_continuations, encode_prompts
+    from merak_core.trainer import Trainer
 
     targs = dataclasses.replace(job.training, plan_check_steps=0, sample_prompts=None)
     train, evaluation = job.build_datasets()
-    layout = init(dp=targs.dp, tp=targs.tp, pp=targs.pp, timeout=targs.comm_timeout)
-    torch.manual_seed(targs.seed)
-    trainer = Trainer(
-        job.build_model(),
-        targs,
-        None,
-        evaluation if evaluation is not None else train,
-        loss_fn=job.optional("loss"),
-        data_collator=job.optional("collate"),
-        layout=layout,
-        lora=job.model.lora,
-    )
+    data = evaluation if evaluation is not None else train
+    trainer = Trainer.from_prepared(prepare_job(job, (None, data), args=targs, load_pretrained=False))
     trainer.resume(checkpoint)
     tok = load_tokenizer(tokenizer)
     config = trainer.model.source.config if trainer.model.source is not None else None

@@ -1,0 +1,300 @@
+"""One way from a job to a run ready to train: :func:`prepare_job` and :func:`prepare_run`.
+
+::
+
+    prepared = prepare_job(job, job.build_datasets())     # merak train / eval / generate, benchmarks
+    trainer = Trainer.from_prepared(prepared)
+    trainer = Trainer(model, args, train_dataset)          # the Python API: prepare_run, then the same
+
+:func:`prepare_run` does, once and in this order, everything before the loop: the layout (planning
+first with ``layout: auto``, and the plan check's context with ``plan_check_steps``: the planner
+runs here and nowhere else), the refusals that need only the model and the arguments (LoRA, context
+and expert parallelism, sequence parallelism, training samples; before any process group), the
+process groups and the device, the training loader, the example batch, the composed model with its
+pretrained weights and adapters, and the step engine with its optimizer. The result,
+:class:`PreparedRun`, is what :class:`~merak_core.trainer.Trainer` assembles; it never plans.
+:func:`prepare_job` starts from a :class:`~merak_core.job.JobConfig`: the job's callables, its
+model built under the job's seed once the layout is known, and the same :func:`prepare_run`.
+
+Not done here: the loop, evaluation, checkpoints and metrics (the Trainer); torchrun's arrival and
+the restarted process group (``merak_core.launch``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from merak_core.config import TrainingArguments
+from merak_core.data.batch_ids import IdRanges
+from merak_core.data.loader import StageAwareDataLoader, default_num_workers, label_split
+from merak_core.lora import LoraConfig
+from merak_core.parallel.context_parallel import check_cp_model, cp_run_for
+from merak_core.parallel.layout import ParallelLayout, init
+from merak_core.parallel.virtual_stages import stage_data_roles
+from merak_core.planner import PlanContext
+from merak_core.run import bootstrap
+from merak_core.run.engine import LossFn, ParallelEngine, default_loss
+
+__all__ = ["PreparedRun", "prepare_job", "prepare_run", "training_steps"]
+
+
+@dataclass
+class PreparedRun:
+    """Everything the Trainer assembles (see the module docstring)."""
+
+    args: TrainingArguments
+    """The arguments trained with (``layout: auto`` resolved to the planned layout)."""
+    layout: ParallelLayout
+    device: torch.device
+    engine: ParallelEngine
+    """The step engine over this rank's composed model, with its optimizer and schedule."""
+    train_loader: StageAwareDataLoader | None
+    loss_fn: LossFn
+    """The loss the engine uses (context parallelism's when cp > 1)."""
+    cp_run: Any
+    """The context-parallel run (splits batches, attention over the cp group), or None at cp=1."""
+    id_ranges: IdRanges
+    """The whole model's id sizes, checked on every batch."""
+    samples: Any
+    """The training samples' settings (:class:`merak_core.run.samples.TrainingSamples`)."""
+    plan_context: PlanContext | None
+    """The planner's profile and machine for the plan check, or None."""
+    pretrained_path: str | None
+    """The Hugging Face folder the run started from (recorded in checkpoints for ``merak export``)."""
+    train_dataset: Any = None
+    eval_dataset: Any = None
+    data_collator: Callable[[list[Any]], Any] | None = None
+    compute_metrics: Any = None
+
+
+def training_steps(args: TrainingArguments, train_loader: StageAwareDataLoader | None) -> int:
+    """Optimizer steps of the run: ``max_steps``, else ``num_train_epochs`` of the training loader."""
+    if args.max_steps > 0:
+        return args.max_steps
+    if train_loader is None:
+        return 0
+    try:
+        per_epoch = len(train_loader)
+    except TypeError:
+        raise ValueError("an iterable train_dataset has no length: set max_steps") from None
+    return max(1, math.ceil(per_epoch * args.num_train_epochs))
+
+
+def _plan(
+    model: nn.Module,
+    args: TrainingArguments,
+    train_dataset: Any,
+    *,
+    layout: ParallelLayout | None,
+    plan_context: PlanContext | None,
+    data_collator: Callable[[list[Any]], Any] | None,
+    device: torch.device | str | None,
+    lora: LoraConfig | None,
+) -> tuple[TrainingArguments, PlanContext | None]:
+    """``layout: auto`` and the plan check's context (collective: see [Note: layout auto] in config)."""
+    if not (args.layout == "auto" or (args.plan_check_steps and plan_context is None)):
+        return args, plan_context
+    if args.layout == "auto" and layout is not None:
+        raise ValueError("layout='auto' chooses dp/tp/pp itself: do not pass layout= (or use layout: manual)")
+    from merak_core.autoplan.auto import plan_for_job
+
+    return plan_for_job(args, model, train_dataset, data_collator=data_collator, device=device, lora=lora)
+
+
+def _refuse_before_groups(
+    model: nn.Module,
+    args: TrainingArguments,
+    *,
+    layout: ParallelLayout | None,
+    lora: LoraConfig | None,
+    loss_fn_given: bool,
+    eval_dataset: Any,
+) -> None:
+    """What the model and the arguments alone refuse, on every rank alike, before any process group."""
+    if lora is not None:
+        bootstrap.check_lora(model, args, layout, lora)
+    if args.cp > 1:  # merak_core.parallel.context_parallel
+        check_cp_model(model, args, lora=lora, loss_fn_given=loss_fn_given, eval_dataset=eval_dataset)
+    if args.ep > 1:  # merak_core.parallel.expert_parallel
+        from merak_core.parallel.expert_parallel import check_ep_model
+
+        check_ep_model(model, args, lora=lora)
+    if args.sequence_parallel and (layout.tp if layout is not None else args.tp) > 1:
+        from merak_core.checks.tp_check import check_sequence_parallel
+
+        check_sequence_parallel(model, args.tp_plan)
+
+
+def _train_loader(
+    args: TrainingArguments,
+    layout: ParallelLayout,
+    device: torch.device,
+    train_dataset: Any,
+    data_collator: Callable[[list[Any]], Any] | None,
+) -> StageAwareDataLoader | None:
+    if train_dataset is None:
+        return None
+    return StageAwareDataLoader(
+        train_dataset,
+        batch_size=args.micro_batch_size * args.num_microbatches,
+        **stage_data_roles(args, layout),
+        collate_fn=data_collator,
+        split_inputs_labels=label_split(args.labels),
+        seed=args.seed,
+        shuffle=True,
+        num_workers=default_num_workers(args.dataloader_num_workers, device),
+        pin_memory=device.type == "cuda",  # then the step copies batches with non_blocking
+    )
+
+
+def prepare_run(
+    model: nn.Module | None,
+    args: TrainingArguments,
+    train_dataset: Any = None,
+    eval_dataset: Any = None,
+    loss_fn: LossFn | None = None,
+    data_collator: Callable[[list[Any]], Any] | None = None,
+    *,
+    compute_metrics: Any = None,
+    layout: ParallelLayout | None = None,
+    example_inputs: Mapping[str, Any] | Sequence[Any] | None = None,
+    init_fn: Callable[[nn.Module], Any] | None = None,
+    optimizer_factory: Callable[[list[dict[str, Any]]], torch.optim.Optimizer] | None = None,
+    device: torch.device | str | None = None,
+    plan_context: PlanContext | None = None,
+    pretrained: str | os.PathLike[str] | None = None,
+    lora: LoraConfig | None = None,
+) -> PreparedRun:
+    """The run of ``model`` under ``args``, ready to train (the Trainer's arguments; see the module doc)."""
+    model, weights, init_fn = bootstrap.pretrained_start(model, args, pretrained, init_fn)
+    pretrained_path = None if pretrained is None else str(Path(pretrained).resolve())
+    args, plan_context = _plan(
+        model,
+        args,
+        train_dataset,
+        layout=layout,
+        plan_context=plan_context,
+        data_collator=data_collator,
+        device=device,
+        lora=lora,
+    )
+    _refuse_before_groups(
+        model, args, layout=layout, lora=lora, loss_fn_given=loss_fn is not None, eval_dataset=eval_dataset
+    )
+    from merak_core.run.samples import TrainingSamples
+
+    samples = TrainingSamples.prepare(  # before any process group: refusals on every rank alike
+        args, model, layout.pp if layout is not None else args.pp, pretrained_path
+    )
+    layout = bootstrap.run_layout(args, layout, device)
+    run_device = bootstrap.run_device(layout, device)
+    cp_run = None if layout.cp == 1 else cp_run_for(model, layout, args.cp_mode)
+    run_loss = cp_run.loss if cp_run is not None else (loss_fn or default_loss)
+    id_ranges = IdRanges.of(model, default_loss=loss_fn is None)  # the whole model's sizes
+    train_loader = _train_loader(args, layout, run_device, train_dataset, data_collator)
+    example_labels = None
+    if example_inputs is None:
+        example_inputs, example_labels = bootstrap.example_batch(
+            train_dataset if train_dataset is not None else eval_dataset,
+            data_collator,
+            args.micro_batch_size,
+            labels=args.labels,  # every rank checks them, before any collective
+        )
+    if cp_run is not None:  # the model is composed on this rank's tokens
+        example_inputs, example_labels = cp_run.split(example_inputs, example_labels)
+    composed = bootstrap.compose(
+        model, args, layout, run_device, example_inputs=example_inputs, init_fn=init_fn, lora=lora
+    )
+    if weights is not None:
+        weights.load_into(composed)  # this rank's slices, before the optimizer sees the parameters
+    if lora is not None:
+        from merak_core.hf.adapters import start_adapters
+
+        start_adapters(composed, lora, seed=args.seed)  # drawn like PEFT, or read from lora.from_dir
+    engine = ParallelEngine(
+        composed,
+        layout,
+        args,
+        device=run_device,
+        loss_fn=run_loss,
+        num_training_steps=training_steps(args, train_loader),
+        example_labels=example_labels,
+        optimizer_factory=optimizer_factory,
+    )
+    return PreparedRun(
+        args=args,
+        layout=layout,
+        device=run_device,
+        engine=engine,
+        train_loader=train_loader,
+        loss_fn=run_loss,
+        cp_run=cp_run,
+        id_ranges=id_ranges,
+        samples=samples,
+        plan_context=plan_context,
+        pretrained_path=pretrained_path,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        data_collator=data_collator,
+        compute_metrics=compute_metrics,
+    )
+
+
+def prepare_job(
+    job: Any,
+    datasets: tuple[Any, Any],
+    *,
+    args: TrainingArguments | None = None,
+    job_file: str | None = None,
+    job_overrides: Sequence[str] = (),
+    load_pretrained: bool = True,
+    plan_context: PlanContext | None = None,
+) -> PreparedRun:
+    """The run of a :class:`~merak_core.job.JobConfig` on the world's ranks (collective).
+
+    ``datasets``: the (train, eval) datasets to use (``job.build_datasets()``, or one of them for
+    ``merak eval`` / ``merak generate``); ``args``: the job's training arguments as the command
+    adjusts them (default ``job.training``); ``job_file`` and ``job_overrides`` go to the plan check
+    (its ``replanned.yaml``); ``load_pretrained=False`` (a run that loads a checkpoint next) skips
+    reading ``model.pretrained``'s weights; ``plan_context``: the plan check's context when the caller
+    has one (a manual layout: nothing is profiled then). ``layout: auto`` is planned here, once; then the process
+    groups are made, the model is built under the job's seed and :func:`prepare_run` does the rest.
+    """
+    from merak_core.autoplan.auto import plan_for_job
+
+    targs = job.training if args is None else args
+    train_data, eval_data = datasets
+    collate = job.optional("collate")
+    if plan_context is None or targs.layout == "auto":
+        targs, plan_context = plan_for_job(
+            targs,
+            job.build_model,
+            train_data,
+            data_collator=collate,
+            job_file=job_file,
+            job_overrides=job_overrides,
+            lora=job.model.lora,
+        )
+    layout = init(dp=targs.dp, tp=targs.tp, pp=targs.pp, cp=targs.cp, ep=targs.ep, timeout=targs.comm_timeout)
+    torch.manual_seed(targs.seed)
+    return prepare_run(
+        job.build_model(),
+        targs,
+        train_data,
+        eval_data,
+        loss_fn=job.optional("loss"),
+        data_collator=collate,
+        compute_metrics=job.optional("metrics"),
+        layout=layout,
+        plan_context=plan_context,
+        pretrained=job.model.pretrained if load_pretrained else None,
+        lora=job.model.lora,  # a LoRA run's checkpoint holds the adapters too
+    )
