@@ -254,13 +254,13 @@ def test_planner_memory_is_free_memory_less_a_margin(monkeypatch: pytest.MonkeyP
 
 
 def test_planner_timings_synchronise_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    from merak_core.planner import profile
+    from merak_core.planner import clock
 
     synced: list[torch.device] = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
     calls: list[int] = []
-    profile._timed(lambda: calls.append(1), 3, torch.device("cuda", 1))
+    clock.timed(lambda: calls.append(1), 3, torch.device("cuda", 1))
     assert len(calls) == 4 and synced == [torch.device("cuda", 1)] * 2  # before and after the timed calls
     synced.clear()
-    profile._timed(lambda: None, 3, torch.device("cpu"))
+    clock.timed(lambda: None, 3, torch.device("cpu"))
     assert synced == []

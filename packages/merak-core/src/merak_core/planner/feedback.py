@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from merak_core.config.layout_choice import LayoutChoice
-from merak_core.planner.candidate import recompute_label
+from merak_core.planner.candidate import Candidate, recompute_label
 from merak_core.planner.comm import CommModel
 from merak_core.planner.memory import ZERO_STAGES
 from merak_core.planner.profile import ModelProfile
-from merak_core.planner.search import Candidate, plan, predict
+from merak_core.planner.search import plan, predict
 from merak_pipe import schedule_info
 
 __all__ = [

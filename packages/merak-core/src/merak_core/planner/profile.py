@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 from merak_core.planner.clock import device_of, now, step_seconds, timed
-from merak_core.planner.clock import timed as _timed  # noqa: F401 - its old name here
 from merak_core.planner.contention import measure_contention
 from merak_core.planner.model_profile import ModelProfile
 

@@ -3,7 +3,7 @@
 :func:`plan` enumerates the configurations and keeps what fits ``memory_per_device``;
 :func:`predict` prices one given configuration. Both price with :mod:`.pricing`; the schedules
 and recompute modes come from :mod:`.choices` (merak-pipe's registry), the candidates and their
-table from :mod:`.candidate` (re-exported here).
+table from :mod:`.candidate`.
 
 See the package docstring (:mod:`merak_core.planner`) for the cost model and its limits.
 
@@ -22,11 +22,10 @@ import math
 from collections.abc import Iterator, Sequence
 
 from merak_core.config.layout_choice import LayoutChoice
-from merak_core.planner.candidate import Candidate, format_plan, sort_key, why_best
+from merak_core.planner.candidate import Candidate, sort_key
 from merak_core.planner.choices import (
     PLANNER_SCHEDULES,
     RECOMPUTE_MODES,
-    VIRTUAL_STAGE_SCHEDULES,
     divisors,
     layouts,
     virtual_stage_schedules,
@@ -34,20 +33,9 @@ from merak_core.planner.choices import (
 from merak_core.planner.comm import CommModel
 from merak_core.planner.memory import MEMORY_MARGIN, ZERO_STAGES, usable_memory
 from merak_core.planner.model_profile import ModelProfile
-from merak_core.planner.pricing import LayoutCosts, layout_costs, price, split_layers
+from merak_core.planner.pricing import LayoutCosts, layout_costs, price
 
-__all__ = [
-    "PLANNER_SCHEDULES",
-    "RECOMPUTE_MODES",
-    "VIRTUAL_STAGE_SCHEDULES",
-    "Candidate",
-    "format_plan",
-    "plan",
-    "predict",
-    "split_layers",
-    "virtual_stage_counts",
-    "why_best",
-]
+__all__ = ["plan", "predict", "virtual_stage_counts"]
 
 
 def _check_common(memory_per_device: float, zero_stage: int, compute_slots: float | None) -> None:
