@@ -104,6 +104,7 @@ def tests(session: nox.Session) -> None:
         "datasets",
     )
     session.install(*CONSTRAINTS, "peft")  # the LoRA tests' single-process reference (tests/e2e/test_lora.py)
+    session.install(*CONSTRAINTS, "lm-eval>=0.4,<0.5")  # the merak lm-eval model's test (tests/e2e/test_lm_eval.py)
     selection = ["tests", *(f"--ignore=tests/{name}" for name in LIBRARIES)]
     named_paths = any(os.path.exists(arg.split("::")[0]) for arg in session.posargs)
     args = list(session.posargs) if named_paths else [*selection, *session.posargs]

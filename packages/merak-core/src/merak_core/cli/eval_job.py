@@ -19,6 +19,17 @@ Global rank 0 prints one line::
 ``eval_perplexity`` is ``exp(eval_loss)``: the perplexity per counted token when the loss is the
 token-mean cross-entropy (the default loss of language models).
 
+With ``--tasks``, the checkpoint is scored by lm-evaluation-harness instead (the optional extra
+``merak-core[lm-eval]``), through the ``merak`` model of :mod:`merak_core.cli.lm_eval_model` on the
+job's layout::
+
+    merak eval job.yaml --checkpoint latest --tasks hellaswag,arc_easy --num-fewshot 0 --json scores.json
+    merak eval job.yaml --tasks my_task --include-path tasks/     # task YAMLs of your own
+
+Global rank 0 prints lm-eval's table (and writes its ``results`` to ``--json``). Checked before
+torchrun: lm-eval is installed, the task names exist, the job has a tokenizer and a layout that
+generation supports (:mod:`merak_core.checks.generation`).
+
 Not done here: generation, and evaluation without a checkpoint (the initial weights).
 """
 
@@ -121,6 +132,7 @@ def worker_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint", default="latest")
     parser.add_argument("--split", default="eval", choices=SPLITS)
     parser.add_argument("--json", default=None)
+    _add_harness_arguments(parser)
     args = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(
@@ -131,6 +143,10 @@ def worker_main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     from merak_core.job import JobConfig
 
+    if args.tasks:
+        from merak_core.cli.lm_eval_harness import harness_main
+
+        return harness_main(args)
     job = JobConfig.from_yaml(args.config, args.overrides)
     result = evaluate_job(job, args.checkpoint, split=args.split)
     if dist.get_rank() == 0:
@@ -172,6 +188,20 @@ def add_parser(sub: Any) -> None:
         help="processes (default: the job's dp*tp*pp; needed when training.dp is not set)",
     )
     p.add_argument("--dry-run", action="store_true", help="check, print the torchrun command and exit")
+    _add_harness_arguments(p)
+
+
+def _add_harness_arguments(p: Any) -> None:
+    p.add_argument(
+        "--tasks", default=None, metavar="T1,T2", help="score with lm-evaluation-harness tasks instead"
+    )
+    p.add_argument("--num-fewshot", type=int, default=None, help="lm-eval: few-shot examples per prompt")
+    p.add_argument("--limit", type=float, default=None, help="lm-eval: documents per task (or a fraction)")
+    p.add_argument("--include-path", default=None, metavar="DIR", help="lm-eval: a folder of task YAMLs")
+    p.add_argument("--batch-size", type=int, default=8, help="lm-eval: requests per forward (default 8)")
+    p.add_argument(
+        "--tokenizer", default=None, metavar="PATH", help="lm-eval: tokenizer (default: the job's)"
+    )
 
 
 def eval_command(args: argparse.Namespace) -> list[str]:
@@ -182,7 +212,12 @@ def eval_command(args: argparse.Namespace) -> list[str]:
     job = JobConfig.from_yaml(args.config, args.overrides)
     t = job.training
     check_checkpoint_arg("merak eval", args.checkpoint, t.output_dir)
-    pick_split(job.build_datasets(), args.split, "merak eval")  # text data: tokenized here, once
+    if args.tasks:
+        from merak_core.cli.lm_eval_harness import check_harness_args
+
+        check_harness_args(job, args)
+    else:
+        pick_split(job.build_datasets(), args.split, "merak eval")  # text data: tokenized here, once
     world = args.nproc_per_node
     if world is None:
         if t.dp is None or t.layout == "auto":
@@ -208,6 +243,10 @@ def eval_command(args: argparse.Namespace) -> list[str]:
     ]
     if args.json:
         cmd += ["--json", os.path.abspath(args.json)]
+    if args.tasks:
+        from merak_core.cli.lm_eval_harness import harness_flags
+
+        cmd += harness_flags(args)
     return cmd
 
 

@@ -107,13 +107,20 @@ class WholeModelDecoder:
         return new_cache(self.config)
 
     def __call__(
-        self, x: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, cache: Any
+        self,
+        x: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: Any,
+        *,
+        all_positions: bool = False,
     ) -> Any:
+        """The last position's logits ``(b, v)``; ``all_positions``: every position's, ``(b, t, v)``."""
         kwargs: dict[str, Any] = {self.cache_key: cache, "use_cache": True}
-        if self.keep_last:
+        if self.keep_last and not all_positions:
             kwargs["logits_to_keep"] = 1
         out = self.module(input_ids=x, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
-        logits = _logits(out)[:, -1, :]
+        logits = _logits(out) if all_positions else _logits(out)[:, -1, :]
         check_vocab(logits, self.vocab_size)
         return logits
 
@@ -145,8 +152,15 @@ class StageDecoder:
         return new_cache(self.config)
 
     def __call__(
-        self, x: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, cache: Any
+        self,
+        x: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: Any,
+        *,
+        all_positions: bool = False,
     ) -> Any:
+        """Hidden states (not the last stage), else the last position's logits (``all_positions``: every one's)."""
         kwargs: dict[str, Any] = {
             "attention_mask": attention_mask,
             "position_ids": position_ids,
@@ -156,9 +170,12 @@ class StageDecoder:
         kwargs["input_ids" if self.first else "inputs_embeds"] = x
         if not self.last:
             return self.base(**kwargs).last_hidden_state
-        if self.keep_last:  # as transformers' generate: the LM head on the last position only
+        if (
+            self.keep_last and not all_positions
+        ):  # as transformers' generate: the LM head on the last position
             kwargs["logits_to_keep"] = 1
-        logits = _logits(self.model(**kwargs))[:, -1, :]
+        logits = _logits(self.model(**kwargs))
+        logits = logits if all_positions else logits[:, -1, :]
         check_vocab(logits, self.vocab_size)
         return logits
 
