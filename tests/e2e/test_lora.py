@@ -168,6 +168,11 @@ def _eval_loss(model: Any, folder: Path, text: Path) -> float:
         ("gpt2", (2, 1, 1), {"zero_stage": 2}),
         ("llama", (2, 1, 1), {"zero_stage": 3}),
         ("gpt2", (2, 1, 2), {"zero_stage": 3}),
+        ("phi3", (2, 1, 2), {}),
+        ("phi3", (1, 2, 2), {}),
+        ("phi3", (2, 2, 2), {"sequence_parallel": True}),
+        ("gpt2", (2, 2, 2), {}),
+        ("llama", (2, 1, 2), {}),
     ],
     ids=[
         "gpt2-tp2",
@@ -186,6 +191,11 @@ def _eval_loss(model: Any, folder: Path, text: Path) -> float:
         "gpt2-dp2-zero2",  # FSDP2 shards the adapters only; the frozen base stays whole on every rank
         "llama-dp2-zero3",
         "gpt2-dp2_pp2-zero3",  # the frozen tied embedding on both stages: no cross-stage sum
+        "phi3-dp2_pp2",
+        "phi3-tp2_pp2",
+        "phi3-2x2x2-sp",
+        "gpt2-2x2x2",
+        "llama-dp2_pp2",
     ],
 )
 def test_lora_matches_peft(name: str, layout: tuple[int, int, int], options: dict[str, Any]) -> None:
