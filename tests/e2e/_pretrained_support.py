@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+from tests.support.hf_models import tiny_gpt2_config
+
 VOCAB = 96
 SEQ = 8
 WORDS = (
@@ -104,19 +106,7 @@ def save_tiny_model(name: str, out_dir: str | os.PathLike[str], *, max_shard_siz
 
     torch.manual_seed(0)
     if name == "gpt2":
-        cfg = tf.GPT2Config(
-            vocab_size=VOCAB,
-            n_embd=32,
-            n_layer=2,
-            n_head=4,
-            n_positions=64,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            use_cache=False,
-            bos_token_id=0,
-            eos_token_id=0,
-        )
+        cfg = tiny_gpt2_config(VOCAB, use_cache=False, bos_token_id=0, eos_token_id=0)
         model = tf.GPT2LMHeadModel(cfg)
     elif name == "llama":
         cfg = tf.LlamaConfig(

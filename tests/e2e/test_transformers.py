@@ -30,6 +30,7 @@ from merak_tp.shard_spec import get_shard_spec
 from tests.e2e._trainer_support import reference_steps
 from tests.support.compare import assert_tensors_close
 from tests.support.dist import run_on_ranks
+from tests.support.hf_models import tiny_gpt2_config
 
 pytestmark = pytest.mark.transformers
 
@@ -47,17 +48,7 @@ def build_hf_model(name: str) -> torch.nn.Module:
 
     torch.manual_seed(0)
     if name == "gpt2":
-        cfg = tf.GPT2Config(
-            vocab_size=VOCAB,
-            n_embd=32,
-            n_layer=2,
-            n_head=4,
-            n_positions=64,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            use_cache=False,
-        )
+        cfg = tiny_gpt2_config(VOCAB, use_cache=False)
         model = tf.GPT2LMHeadModel(cfg)
     elif name in ("llama", "qwen2"):
         cfg_cls, model_cls = (

@@ -12,6 +12,7 @@ import torch
 from merak_graph import empty_init, is_meta_module, partition
 from tests.graph.helpers import run_stages
 from tests.support.compare import assert_grads_match, assert_tensors_close, named_grads
+from tests.support.hf_models import tiny_gpt2_config
 
 pytestmark = pytest.mark.transformers
 
@@ -23,18 +24,7 @@ def _configs():  # type: ignore[no-untyped-def]
     common = dict(vocab_size=VOCAB, max_position_embeddings=64)
     return {
         "gpt2": (
-            lambda: t.GPT2Config(
-                vocab_size=VOCAB,
-                n_embd=32,
-                n_layer=2,
-                n_head=4,
-                n_positions=64,
-                resid_pdrop=0.0,
-                embd_pdrop=0.0,
-                attn_pdrop=0.0,
-                bos_token_id=0,
-                eos_token_id=0,
-            ),
+            lambda: tiny_gpt2_config(VOCAB, bos_token_id=0, eos_token_id=0),
             t.GPT2LMHeadModel,
             True,
         ),

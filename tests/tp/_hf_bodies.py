@@ -11,6 +11,7 @@ import torch.distributed as dist
 import merak_tp
 from merak_tp.shard_spec import get_shard_spec
 from tests.support.compare import assert_grads_match, assert_tensors_close, named_grads
+from tests.support.hf_models import tiny_gpt2_config
 from tests.support.models import lm_loss
 from tests.tp._bodies import _deferrable, gathered_grads, tp_group
 
@@ -22,16 +23,7 @@ def build(name: str) -> Any:
 
     common: dict[str, Any] = {"vocab_size": VOCAB}
     if name == "gpt2":
-        cfg = tf.GPT2Config(
-            n_embd=32,
-            n_layer=2,
-            n_head=4,
-            n_positions=64,
-            attn_pdrop=0.0,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            **common,
-        )
+        cfg = tiny_gpt2_config(**common)
         model = tf.GPT2LMHeadModel(cfg)
     elif name in ("llama", "qwen2"):
         cls_cfg, cls = (

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from merak_tp.shard_spec import get_shard_spec
+from tests.support.hf_models import tiny_gpt2_config
 
 VOCAB = 96
 
@@ -90,16 +91,7 @@ def _config(name: str) -> tuple[Any, Any]:
         cfg_cls, model_cls, extra = decoder[name]
         return cfg_cls(**{**_DECODER, **_NO_DROPOUT, **extra}), model_cls
     if name == "gpt2":
-        return tf.GPT2Config(
-            vocab_size=VOCAB,
-            n_embd=32,
-            n_layer=2,
-            n_head=4,
-            n_positions=64,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-        ), tf.GPT2LMHeadModel
+        return tiny_gpt2_config(VOCAB), tf.GPT2LMHeadModel
     if name == "gpt_neox":
         return tf.GPTNeoXConfig(
             vocab_size=VOCAB,
