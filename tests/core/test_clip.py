@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from merak_core.parallel.clip import clip_grad_norm_, global_grad_norm
-from merak_core.parallel.layout import ParallelLayout, coords_of
+from merak_core.parallel.layout import ParallelLayout
+from merak_core.parallel.rank_grid import coords_of
 from merak_tp.shard_spec import ShardSpec, set_shard_spec
 from tests.support.compare import assert_tensors_close
 from tests.support.dist import run_on_ranks

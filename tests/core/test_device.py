@@ -18,7 +18,8 @@ from torch import nn
 
 import merak_core.parallel.layout as layout_mod
 from merak_core.parallel.compose import build_parallel_model, place_stage
-from merak_core.parallel.layout import collective_device, ensure_process_group, select_device
+from merak_core.parallel.devices import collective_device, select_device
+from merak_core.parallel.layout import ensure_process_group
 
 
 @pytest.fixture

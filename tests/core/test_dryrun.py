@@ -7,7 +7,7 @@ import torch.distributed as dist
 import yaml
 
 from merak_core.config.layout_choice import LayoutChoice
-from merak_core.parallel.layout import coords_of, rank_of
+from merak_core.parallel.rank_grid import coords_of, rank_of
 from merak_core.planner.cluster import ClusterSpec, load_cluster, shipped_clusters
 from merak_core.planner.dryrun import dry_run
 from merak_core.planner.gpt_shapes import DecoderShape, build_decoder, decoder_inputs

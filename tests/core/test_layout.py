@@ -19,7 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from merak_core.parallel.layout import ParallelLayout, coords_of, init, rank_of, resolve_degrees
+from merak_core.parallel.layout import ParallelLayout, init
+from merak_core.parallel.rank_grid import coords_of, rank_of, resolve_degrees
 from tests.support.dist import run_on_ranks
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from merak_core.parallel.layout import ParallelLayout, coords_of, cp_rank_of, rank_of, resolve_degrees
+from merak_core.parallel.layout import ParallelLayout
+from merak_core.parallel.rank_grid import coords_of, cp_rank_of, rank_of, resolve_degrees
 from tests.support.dist import run_on_ranks
 
 

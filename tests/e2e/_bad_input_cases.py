@@ -174,7 +174,7 @@ def init_dp_zero(ctx: CaseContext) -> None:
 
 
 def init_tp_not_dividing_world(ctx: CaseContext) -> None:
-    from merak_core.parallel.layout import resolve_degrees
+    from merak_core.parallel.rank_grid import resolve_degrees
 
     with ctx.guard():
         resolve_degrees(8, None, tp=3, pp=1)

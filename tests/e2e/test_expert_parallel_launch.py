@@ -101,7 +101,7 @@ def test_good_ep_job_passes_the_checks(tmp_path: Path) -> None:
 
 
 def test_dry_run_shows_ep_groups() -> None:
-    from merak_core.parallel.layout import rank_of
+    from merak_core.parallel.rank_grid import rank_of
     from merak_core.planner.cluster import load_cluster
     from merak_core.planner.dryrun import dry_run
     from merak_core.planner.gpt_shapes import DecoderShape, build_decoder, decoder_inputs

@@ -14,7 +14,8 @@ from merak_core.lora import LoraConfig
 from merak_core.parallel.clip import clip_grad_norm_, global_grad_norm
 from merak_core.parallel.compose import ParallelModel, build_parallel_model, gather_full_state_dict
 from merak_core.parallel.data_parallel import DataParallelGradSync
-from merak_core.parallel.layout import ParallelLayout, init, resolve_degrees
+from merak_core.parallel.layout import ParallelLayout, init
+from merak_core.parallel.rank_grid import resolve_degrees
 from merak_core.parallel.zero import ZeroOptimizer, partition_parameters
 from merak_core.planner import Candidate, CommModel, ModelProfile, plan, profile_model
 from merak_core.trainer import Trainer, default_loss

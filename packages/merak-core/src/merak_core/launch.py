@@ -104,7 +104,7 @@ def init_restarted_process_group(timeout: timedelta | None = None) -> None:
         timeout=timeout,
         multi_tenant=not agent_hosts_store,
     )
-    from merak_core.parallel.layout import default_backend, select_device
+    from merak_core.parallel.devices import default_backend, select_device
 
     dev = select_device()  # [Note: one device] in layout.py
     eager: dict[str, Any] = {}

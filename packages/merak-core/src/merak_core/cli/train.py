@@ -163,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
     if (
         t.dp is None and t.layout != "auto"
     ):  # inferred: tp*pp must divide the process count now, not on every rank
-        from merak_core.parallel.layout import resolve_degrees
+        from merak_core.parallel.rank_grid import resolve_degrees
 
         resolve_degrees(args.nproc_per_node * args.nnodes, None, t.tp, t.pp, cp=t.cp)
     if not args.no_check:

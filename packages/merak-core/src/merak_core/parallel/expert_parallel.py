@@ -48,7 +48,8 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from merak_core.parallel.data_parallel import DataParallelGradSync
-from merak_core.parallel.layout import ParallelLayout, check_ep
+from merak_core.parallel.layout import ParallelLayout
+from merak_core.parallel.rank_grid import check_ep
 from merak_tp.all_to_all import all_to_all_uneven, exchange_counts
 
 __all__ = [

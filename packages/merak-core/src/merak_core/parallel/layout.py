@@ -24,7 +24,7 @@ so the gradient sync runs over ``dp_cp_group`` (same pp and tp coordinates).
 Not done here: placing models, building pipelines, or choosing degrees (the
 planner does that); the layout only validates and describes them. The rank formulas and the
 DP x CP / EP group construction live in :mod:`merak_core.parallel.rank_grid`, the device choice in
-:mod:`merak_core.parallel.devices`; the public names are re-exported here.
+:mod:`merak_core.parallel.devices` (import their names from there).
 """
 
 from __future__ import annotations
@@ -46,9 +46,7 @@ from merak_core.parallel.devices import (
     _env_int,
     _use_device,
     _wants_cuda,
-    collective_device,
     default_backend,
-    local_rank,
     select_device,
 )
 from merak_core.parallel.rank_grid import (
@@ -464,18 +462,4 @@ def _destroy_at_exit(world: ProcessGroup) -> None:
         dist.destroy_process_group()
 
 
-__all__ = [
-    "MESH_AXES",
-    "ParallelLayout",
-    "check_ep",
-    "collective_device",
-    "coords_of",
-    "cp_rank_of",
-    "default_backend",
-    "ensure_process_group",
-    "init",
-    "local_rank",
-    "rank_of",
-    "resolve_degrees",
-    "select_device",
-]
+__all__ = ["MESH_AXES", "ParallelLayout", "ensure_process_group", "init"]

@@ -97,7 +97,7 @@ def measure_comm(
     """
     import torch.distributed as dist
 
-    from merak_core.parallel.layout import collective_device
+    from merak_core.parallel.devices import collective_device
 
     if not 0 < small_bytes < large_bytes or repeats < 1:
         raise ValueError(

@@ -43,7 +43,7 @@ def measure_contention(
             f"measure_contention: seconds={seconds!r}, rounds={rounds!r}; expected seconds > 0 and "
             "rounds >= 1"
         )
-    from merak_core.parallel.layout import collective_device
+    from merak_core.parallel.devices import collective_device
 
     first = sample if isinstance(sample, torch.Tensor) else next(iter(sample.values()))
     dev = first.device

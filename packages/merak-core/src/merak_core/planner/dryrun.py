@@ -149,7 +149,7 @@ def _check_layout(
     kv_heads: int | None,
     vocab: int | None,
 ) -> tuple[tuple[int, int, int] | None, list[DryRunProblem]]:
-    from merak_core.parallel.layout import resolve_degrees
+    from merak_core.parallel.rank_grid import resolve_degrees
 
     try:
         degrees = resolve_degrees(world_size, dp, tp, pp)
@@ -192,7 +192,7 @@ def _check_layout(
 
 
 def _computed_groups(rank: int, dp: int, tp: int, pp: int) -> _Groups:
-    from merak_core.parallel.layout import coords_of, rank_of
+    from merak_core.parallel.rank_grid import coords_of, rank_of
 
     p, d, t = coords_of(rank, dp=dp, tp=tp)
     return (
@@ -305,7 +305,7 @@ def dry_run(
     )
     if degrees is None:
         return report
-    from merak_core.parallel.layout import check_ep
+    from merak_core.parallel.rank_grid import check_ep
 
     try:
         check_ep(degrees[0], ep)
@@ -400,7 +400,7 @@ def _add_ep_groups(report: DryRunReport, dp: int, tp: int, ep: int) -> None:
     """Each rank's EP and expert-replica groups, from the layout's rank formula ([Note: expert-parallel groups])."""
     import dataclasses
 
-    from merak_core.parallel.layout import coords_of, rank_of
+    from merak_core.parallel.rank_grid import coords_of, rank_of
 
     for i, plan in enumerate(report.ranks):
         stage, dp_rank, tp_rank = coords_of(plan.rank, dp=dp, tp=tp)
@@ -425,7 +425,7 @@ def _rank_plans(
     numel: dict[str, int],
     tp: int,
 ) -> None:
-    from merak_core.parallel.layout import coords_of
+    from merak_core.parallel.rank_grid import coords_of
 
     dp = cand.dp
     limit = cluster.usable_memory_bytes

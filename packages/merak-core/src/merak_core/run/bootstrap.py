@@ -30,7 +30,8 @@ from torch import nn
 from merak_core.config import TrainingArguments
 from merak_core.lora import LoraConfig
 from merak_core.parallel.compose import ParallelModel, build_parallel_model
-from merak_core.parallel.layout import ParallelLayout, ensure_process_group, init, select_device
+from merak_core.parallel.devices import select_device
+from merak_core.parallel.layout import ParallelLayout, ensure_process_group, init
 from merak_core.parallel.virtual_stages import stage_placement
 
 __all__ = [
