@@ -44,6 +44,7 @@ def _trainer(
     policy: str,
     bad_step: int | None,
     fused: bool = True,
+    zero_stage: int = 0,
 ) -> Any:
     from merak_core import Trainer
 
@@ -58,6 +59,7 @@ def _trainer(
             learning_rate=LR,
             lr_scheduler_type="constant",
             warmup_steps=0,
+            zero_stage=zero_stage,
         )
     )
     model = build_model("gpt")
@@ -79,6 +81,7 @@ def run_body(
     policy: str,
     bad_step: int | None,
     fused: bool = True,
+    zero_stage: int = 0,
 ) -> dict[str, Any]:
     """Train; the history, the error (if any), the step reached, the full state and whether the step read nothing."""
     from merak_core.run.nonfinite import NonFiniteError
@@ -91,6 +94,7 @@ def run_body(
         policy=policy,
         bad_step=bad_step,
         fused=fused,
+        zero_stage=zero_stage,
     )
     error = None
     try:
@@ -223,10 +227,12 @@ def test_steps_that_do_not_log_read_nothing_from_their_tensors(layout: tuple[int
         ]
 
 
-def test_device_side_flags_give_the_numbers_of_host_side_flags() -> None:
-    """nonfinite: stop (flags read late, update dropped on the device) vs skip (flags read in the step)."""
-    late = run_on_ranks(2, run_body, 2, 1, 4, 4, "stop", None)[0]
-    now = run_on_ranks(2, run_body, 2, 1, 4, 4, "skip", None)[0]
+@pytest.mark.parametrize("zero_stage", [0, 1], ids=["zero0", "zero1"])
+def test_device_side_flags_give_the_numbers_of_host_side_flags(zero_stage: int) -> None:
+    """nonfinite: stop (flags read late, update dropped on the device; ZeRO-1: by its inner optimizer) vs
+    skip (flags read in the step)."""
+    late = run_on_ranks(2, run_body, 2, 1, 4, 4, "stop", None, True, zero_stage)[0]
+    now = run_on_ranks(2, run_body, 2, 1, 4, 4, "skip", None, True, zero_stage)[0]
     assert late["on_device"] and not now["on_device"]
     assert late["error"] is None and late["global_step"] == 4
     assert late["losses"] == now["losses"] and late["norms"] == now["norms"]
