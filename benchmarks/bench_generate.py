@@ -10,9 +10,12 @@ saved with ``save_pretrained`` (float32). In the same run:
 
 Each is warmed up with a 2-token generation first. Reported per run: seconds, new tokens per second
 (batch x new tokens / seconds), and for the pipeline the busy fraction of each stage (time inside the
-stage's forward over the whole generate call) next to the bound of one GPipe forward-only round,
-M / (M + S - 1) (M microbatches, S stages; what the simulator gives for equal stage costs and free
-messages), and whether the tokens equal transformers'.
+stage's forward over the whole generate call) next to merak-pipe's simulation of the decode step's
+forward-only GPipe round with the measured mean forward time of each stage (``simulated_busy``) and
+the closed-form bound M / (M + S - 1) (M microbatches, S stages; equal stage costs, free messages),
+and whether the tokens equal transformers'. Measured below simulated is time outside the round's
+forwards: the per-step token broadcast (which the IR does not hold: no step overlaps the next),
+the messages, sampling and Python.
 
 Run: OMP_NUM_THREADS=1 python benchmarks/bench_generate.py [--quick] [--json out.json]
 """
@@ -111,6 +114,7 @@ def merak_body(
     vocab = int(json.loads((Path(folder) / "config.json").read_text())["vocab_size"])
     trainer = Trainer(None, args, _Dataset(vocab), loss_fn=_loss, pretrained=folder)
     busy = [0.0]
+    calls = [0]
     build = decode._decoder
 
     def timed_decoder(model: Any, device: Any) -> Any:
@@ -126,6 +130,7 @@ def merak_body(
                 t0 = time.perf_counter()
                 out = inner(*a)
                 busy[0] += time.perf_counter() - t0
+                calls[0] += 1
                 return out
 
         return Timed()
@@ -134,11 +139,23 @@ def merak_body(
     ids, mask = _prompts(batch, length, vocab)
     kwargs = {"num_microbatches": microbatches} if layout["pp"] > 1 else {}
     trainer.generate(ids, mask, max_new_tokens=2, **kwargs)  # warm-up
-    busy[0] = 0.0
+    busy[0], calls[0] = 0.0, 0
     t0 = time.perf_counter()
     out = trainer.generate(ids, mask, max_new_tokens=new, **kwargs)
     seconds = time.perf_counter() - t0
-    return {"seconds": seconds, "busy": busy[0], "tokens": out.tolist()}
+    return {"seconds": seconds, "busy": busy[0], "calls": calls[0], "tokens": out.tolist()}
+
+
+def simulated_busy(results: list[dict], microbatches: int) -> list[float]:
+    """Each stage's busy fraction in merak-pipe's simulator: the decode step's forward-only GPipe round
+    (the schedule ``decode_round`` lowers) with each stage's measured mean forward seconds per microbatch,
+    free messages, no backward; the per-step token broadcast is outside the IR and not simulated."""
+    import merak_pipe
+
+    forward = [r["busy"] / max(r["calls"], 1) for r in results]
+    schedule = merak_pipe.build_schedule("gpipe", num_stages=len(results), num_microbatches=microbatches)
+    sim = merak_pipe.simulate(schedule, merak_pipe.CostModel(forward=forward, backward=0.0))
+    return [round(b / sim.makespan, 3) for b in sim.busy]
 
 
 def main() -> None:
@@ -178,6 +195,7 @@ def main() -> None:
                 "run": name,
                 "seconds": seconds,
                 "busy": [round(r["busy"] / r["seconds"], 3) for r in results] if layout["pp"] > 1 else None,
+                "simulated": simulated_busy(results, a.microbatches) if layout["pp"] > 1 else None,
                 "equal": all(r["tokens"] == reference for r in results),
             }
         )
@@ -186,11 +204,17 @@ def main() -> None:
         f"GPT-2 {params / 1e6:.1f}M params, batch {a.batch}, prompt {a.prompt_len}, {a.new} new tokens, "
         f"load average {os.getloadavg()[0]:.2f}"
     )
-    print(f"{'run':28s} {'seconds':>8s} {'tokens/s':>9s}  stage busy (GPipe round bound {bound:.2f})  equal")
+    print(
+        f"{'run':28s} {'seconds':>8s} {'tokens/s':>9s}  {'stage busy':12s} {'simulated':12s} "
+        f"(GPipe round bound {bound:.2f})  equal"
+    )
     for row in rows:
         tps = a.batch * a.new / row["seconds"]
         busy = "" if row["busy"] is None else " ".join(f"{b:.2f}" for b in row["busy"])
-        print(f"{row['run']:28s} {row['seconds']:8.2f} {tps:9.1f}  {busy:40s} {row['equal']}")
+        sim = "" if row.get("simulated") is None else " ".join(f"{b:.2f}" for b in row["simulated"])
+        print(
+            f"{row['run']:28s} {row['seconds']:8.2f} {tps:9.1f}  {busy:12s} {sim:12s} {'':24s} {row['equal']}"
+        )
     if a.json:
         Path(a.json).write_text(json.dumps({"params": params, "rows": rows, "round_bound": bound}, indent=2))
 
