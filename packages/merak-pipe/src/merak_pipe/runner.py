@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from merak_pipe._exit import destroy_default_group_at_exit
 from merak_pipe._placement import _common_device, _local_runs
 from merak_pipe._round import _as_call, _concat, _Round, _split_batch
 from merak_pipe.action_profile import ActionProfile, profiling
@@ -116,6 +117,7 @@ class PipelineRunner:
         self.group: dist.ProcessGroup = group if group is not None else world  # type: ignore[assignment]
         self.rank = dist.get_rank(self.group)
         group_size = dist.get_world_size(self.group)
+        destroy_default_group_at_exit()  # see [Note: groups at exit]
         if self.rank < 0:
             raise ValueError("this process is not a member of the pipeline group passed to PipelineRunner")
         if schedule.num_ranks != group_size:

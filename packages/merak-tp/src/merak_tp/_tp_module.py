@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from merak_tp._events import _GroupRef
+from merak_tp._exit import destroy_default_group_at_exit
 from merak_tp.collectives import tp_rank, tp_size
 from merak_tp.module_spec import deepcopy_module
 from merak_tp.shard_spec import Sections, ShardSpec, set_shard_spec
@@ -87,3 +88,4 @@ class _TPModule(_KeepsShardTags, nn.Module):
         self._group_ref = _GroupRef(group)
         self.tp_size = tp_size(group)
         self.tp_rank = tp_rank(group)
+        destroy_default_group_at_exit()  # see [Note: groups at exit]
