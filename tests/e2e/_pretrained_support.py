@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from tests.support.hf_models import tiny_gpt2_config
+from tests.support.hf_models import tiny_decoder_fields, tiny_gpt2_config
 
 VOCAB = 96
 SEQ = 8
@@ -109,19 +109,8 @@ def save_tiny_model(name: str, out_dir: str | os.PathLike[str], *, max_shard_siz
         cfg = tiny_gpt2_config(VOCAB, use_cache=False, bos_token_id=0, eos_token_id=0)
         model = tf.GPT2LMHeadModel(cfg)
     elif name == "llama":
-        cfg = tf.LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-            use_cache=False,
-            bos_token_id=0,
-            eos_token_id=0,
-            pad_token_id=0,
-        )
+        tokens = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
+        cfg = tf.LlamaConfig(**tiny_decoder_fields(VOCAB, use_cache=False, **tokens))
         model = tf.LlamaForCausalLM(cfg)
     else:
         raise ValueError(f"unknown model {name!r}")

@@ -30,7 +30,7 @@ from merak_tp.shard_spec import get_shard_spec
 from tests.e2e._trainer_support import reference_steps
 from tests.support.compare import assert_tensors_close
 from tests.support.dist import run_on_ranks
-from tests.support.hf_models import tiny_gpt2_config
+from tests.support.hf_models import tiny_decoder_fields, tiny_gpt2_config
 
 pytestmark = pytest.mark.transformers
 
@@ -56,16 +56,7 @@ def build_hf_model(name: str) -> torch.nn.Module:
             if name == "llama"
             else (tf.Qwen2Config, tf.Qwen2ForCausalLM)
         )
-        cfg = cfg_cls(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-            use_cache=False,
-        )
+        cfg = cfg_cls(**tiny_decoder_fields(VOCAB, use_cache=False))
         model = model_cls(cfg)
     else:
         raise ValueError(f"unknown model {name!r}; expected one of {MODELS}")

@@ -12,7 +12,7 @@ import torch
 from merak_graph import empty_init, is_meta_module, partition
 from tests.graph.helpers import run_stages
 from tests.support.compare import assert_grads_match, assert_tensors_close, named_grads
-from tests.support.hf_models import tiny_gpt2_config
+from tests.support.hf_models import tiny_decoder_fields, tiny_gpt2_config
 
 pytestmark = pytest.mark.transformers
 
@@ -29,14 +29,7 @@ def _configs():  # type: ignore[no-untyped-def]
             True,
         ),
         "llama": (
-            lambda: t.LlamaConfig(
-                hidden_size=32,
-                intermediate_size=64,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                **common,
-            ),
+            lambda: t.LlamaConfig(**tiny_decoder_fields(VOCAB)),
             t.LlamaForCausalLM,
             False,
         ),

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import merak_tp
 from merak_tp.shard_spec import get_shard_spec
 from tests.support.compare import assert_grads_match, assert_tensors_close, named_grads
-from tests.support.hf_models import tiny_gpt2_config
+from tests.support.hf_models import tiny_decoder_fields, tiny_gpt2_config
 from tests.support.models import lm_loss
 from tests.tp._bodies import _deferrable, gathered_grads, tp_group
 
@@ -31,16 +31,8 @@ def build(name: str) -> Any:
             if name == "llama"
             else (tf.Qwen2Config, tf.Qwen2ForCausalLM)
         )
-        cfg = cls_cfg(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=8,
-            num_key_value_heads=4,
-            max_position_embeddings=64,
-            tie_word_embeddings=False,
-            **common,
-        )
+        heads = {"num_attention_heads": 8, "num_key_value_heads": 4}
+        cfg = cls_cfg(**tiny_decoder_fields(VOCAB, tie_word_embeddings=False, **heads))
         model = cls(cfg)
     elif name == "bert":
         cfg = tf.BertConfig(

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from merak_tp.shard_spec import get_shard_spec
-from tests.support.hf_models import tiny_gpt2_config
+from tests.support.hf_models import tiny_decoder_fields, tiny_gpt2_config
 
 VOCAB = 96
 
@@ -36,18 +36,7 @@ FAMILIES = (
 )
 MOE = ("mixtral", "qwen3_moe")
 
-_DECODER = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+_DECODER = tiny_decoder_fields(VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 _NO_DROPOUT = dict(attention_dropout=0.0)
 
 
