@@ -350,7 +350,8 @@ class ParallelEngine:
             bad = ~torch.isfinite(norm)
         else:
             bad = nonfinite.local_grads_nonfinite_flag(self.params, self.device)
-        named = [(n, p) for n, p in self.named if p.grad is not None] if self.late_flags is not None else []
+        late = self.late_flags is not None  # then the device finds the first bad gradient of every step
+        grads = [(n, g) for n, p in self.named if (g := p.grad) is not None] if late else []
         with self._phase("loss all-reduce over all ranks", step):
             values = reduce_step_values(
                 loss,
@@ -358,12 +359,12 @@ class ParallelEngine:
                 stop_requested,
                 add_loss=layout.tp_rank == 0,
                 norm=norm,
-                first_bad=nonfinite.first_nonfinite_code([p.grad for _, p in named], self.device)
-                if self.late_flags is not None
+                first_bad=nonfinite.first_nonfinite_code([g for _, g in grads], self.device)
+                if late
                 else None,
                 device=self.device,
                 loss_divisor=layout.dp * layout.cp,  # [Note: cp loss]
-                names=[n for n, _ in named],
+                names=[n for n, _ in grads],
             )
         if self.late_flags is not None:
             return self._step_on_device(values, norm, step, timings)
