@@ -158,6 +158,7 @@ def _fake_model(**fields):
         (dict(sequence_parallel=True), "sequence_parallel=true is not supported"),
         (dict(stage_modules={0: None, 2: None}), r"virtual stages \(this rank holds stages \[0, 2\]\)"),
         (dict(layout=SimpleNamespace(pp=2), lora=object()), "LoRA model under pipeline parallelism"),
+        (dict(layout=SimpleNamespace(pp=1, cp=2)), r"generation at cp=2 is not supported"),
     ],
 )
 def test_layouts_generation_refuses(fields: dict, match: str) -> None:
@@ -201,3 +202,38 @@ def test_past_the_position_table_is_refused() -> None:
         ValueError, match=r"longest prompt \(4 tokens\) plus max_new_tokens=8 .*n_positions=10"
     ):
         _check_positions(model, mask, 8)
+
+
+def test_pp1_decodes_without_dropout_of_a_training_module() -> None:
+    """A training run's module is in train mode: generation at pp=1 must not apply its dropout (and
+    leaves the mode as it found it)."""
+    from types import SimpleNamespace
+
+    import transformers as tf
+
+    from merak_core.generation.decode import generate
+
+    torch.manual_seed(0)
+    cfg = tf.GPT2Config(
+        vocab_size=50,
+        n_embd=16,
+        n_layer=2,
+        n_head=2,
+        n_positions=32,
+        resid_pdrop=0.5,
+        embd_pdrop=0.5,
+        attn_pdrop=0.5,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    model = tf.GPT2LMHeadModel(cfg).double()
+    ids = torch.randint(1, 50, (2, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model.eval().generate(input_ids=ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    model.train()
+    fake = _fake_model(
+        config=cfg, module=model, layout=SimpleNamespace(pp=1, cp=1, device=torch.device("cpu"))
+    )
+    for _ in range(3):  # dropout would change the tokens between calls
+        assert generate(fake, ids, max_new_tokens=6, pad_token_id=0).tolist() == expected.tolist()
+    assert all(m.training for m in model.modules())
