@@ -320,6 +320,8 @@ def test_merak_plan_command_prints_a_table_and_writes_a_valid_job(
     text = capsys.readouterr().out
     assert rc == 0
     lines = text.splitlines()
+    assert lines[0].startswith("memory per device: 1073741824 bytes") and "--memory-per-device" in lines[0]
+    lines = lines[1:]  # the table follows the line naming the memory and where it came from
     assert "feasible configurations for 4 ranks" in lines[0] and lines[-2].startswith("why: ")
     assert len([ln for ln in lines[1:] if ln[:3].strip().isdigit()]) == 3
     job = JobConfig.from_yaml(out)
