@@ -91,7 +91,9 @@ def tests(session: nox.Session) -> None:
     in this environment); other arguments are added to it.
     """
     # tensorboard, wandb, mlflow-skinny, pyarrow, datasets: the optional extras whose tests (event files, a W&B
-    # offline run, an MLflow file store, parquet, saved datasets) run here.
+    # offline run, an MLflow file store, parquet, saved datasets) run here; peft: the LoRA tests' single-process
+    # reference (tests/e2e/test_lora.py); lm-eval: the merak lm-eval model's test (tests/e2e/test_lm_eval.py).
+    # One install: one resolution of every requirement together.
     _install_all(
         session,
         *TEST_DEPS,
@@ -102,9 +104,9 @@ def tests(session: nox.Session) -> None:
         "mlflow-skinny",
         "pyarrow",
         "datasets",
+        "peft",
+        "lm-eval>=0.4,<0.5",
     )
-    session.install(*CONSTRAINTS, "peft")  # the LoRA tests' single-process reference (tests/e2e/test_lora.py)
-    session.install(*CONSTRAINTS, "lm-eval>=0.4,<0.5")  # the merak lm-eval model's test (tests/e2e/test_lm_eval.py)
     selection = ["tests", *(f"--ignore=tests/{name}" for name in LIBRARIES)]
     named_paths = any(os.path.exists(arg.split("::")[0]) for arg in session.posargs)
     args = list(session.posargs) if named_paths else [*selection, *session.posargs]
