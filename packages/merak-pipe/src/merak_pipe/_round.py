@@ -96,4 +96,4 @@ class _Round:
     """Per action: (action, start, ready, end, implicit recompute seconds), with ``record_timing``."""
     held: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
     """(stage, microbatch) -> the receive buffers it consumed, not yet handed back to the transport
-    ([Note: buffer lifetime] in ``comm.py``)."""
+    ([Note: buffer lifetime] in ``_p2p_books.py``)."""

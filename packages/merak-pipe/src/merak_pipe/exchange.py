@@ -14,11 +14,12 @@ its receive was issued is an error in the schedule, reported as such.
 from __future__ import annotations
 
 import pickle
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
-from merak_pipe.comm import P2PTransport, PipelineCommError, Transfer, _Pending, spec_metas
+from merak_pipe.comm import P2PTransport, PipelineCommError, TensorMeta, Transfer, _Pending, spec_metas
 from merak_pipe.ir import Action
 from merak_pipe.p2p_order import DATA_B, DATA_F, HEADER, SPEC, P2POp, Step
 
@@ -37,7 +38,31 @@ class BoundaryExchange:
         # Specs that persist across rounds (for the "spec changed" header).
         self._last_sent_spec: dict[int, Any] = {}
         self._last_recv_spec: dict[int, Any] = {}
+        # (stage, "in" or "out") -> (spec, its tensor metas): a spec is walked once, not once per microbatch.
+        self._metas: dict[tuple[int, str], tuple[Any, list[TensorMeta]]] = {}
+        # id(op) -> (description, tag of its first tensor) for the ops of the plans given to
+        # prepare(): worked out once per runner, not once per op of every round.
+        self._wires: dict[int, tuple[str, int]] = {}
+        self._prepared: list[list[Step]] = []
         self.reset_round()
+
+    def prepare(self, plans: Iterable[Sequence[Step]]) -> None:
+        """Work out, once, what every p2p op of ``plans`` needs each round: its description and
+        its first tag. The table is keyed by the ops' identity, so it keeps the plans alive; an op
+        it does not know is worked out on the spot."""
+        self._prepared = [list(plan) for plan in plans]
+        for plan in self._prepared:
+            for step in plan:
+                if isinstance(step, tuple):
+                    for op in step:
+                        self._wires[id(op)] = self._wire(op)
+
+    def _wire(self, op: P2POp) -> tuple[str, int]:
+        a = op.action
+        what = self.transport.describe(a.stage, a.kind.value, a.microbatch, op.peer)
+        if op.kind in (DATA_F, DATA_B):
+            return what, self.transport.data_tags(op.kind == DATA_B, op.stage, op.microbatch, 1)[0]
+        return what, 0
 
     def reset_round(
         self, settles: dict[tuple[str, int, int], tuple[tuple[str, int, int], ...]] | None = None
@@ -152,8 +177,22 @@ class BoundaryExchange:
             self.in_spec[receiver] = last
 
     def _what(self, op: P2POp) -> str:
-        a = op.action
-        return self.transport.describe(a.stage, a.kind.value, a.microbatch, op.peer)
+        wire = self._wires.get(id(op))
+        return (wire or self._wire(op))[0]
+
+    def _tags(self, op: P2POp, count: int) -> list[int]:
+        """Tags of a data message of ``count`` tensors (consecutive from the first; all 0 under NCCL's rules)."""
+        wire = self._wires.get(id(op))
+        first = (wire or self._wire(op))[1]
+        return [first] * count if self.transport.nccl_rules else list(range(first, first + count))
+
+    def metas(self, stage: int, spec: Any, side: str = "in") -> list[TensorMeta]:
+        """The tensor metas of ``spec``, the spec of ``stage``'s inputs (``side="in"``) or outputs
+        (``"out"``), walked once per new spec."""
+        known = self._metas.get((stage, side))
+        if known is None or known[0] is not spec:
+            known = self._metas[(stage, side)] = (spec, spec_metas(spec))
+        return known[1]
 
     def _transfer(self, op: P2POp) -> Transfer | None:
         t = self.transport
@@ -202,19 +241,17 @@ class BoundaryExchange:
                 f"pipeline rank {self.rank}: action {op.action} sends values that {made_by} has not produced"
             )
         ready = [x.detach().contiguous() for x in tensors]
-        tags = self.transport.data_tags(op.kind == DATA_B, op.stage, op.microbatch, len(ready))
-        return Transfer(True, op.peer, ready, tags, self._what(op))
+        return Transfer(True, op.peer, ready, self._tags(op, len(ready)), self._what(op))
 
     def _data_recv(self, op: P2POp) -> Transfer:
         if op.kind == DATA_F:
-            metas = spec_metas(self.in_spec[op.stage + 1])
+            metas = self.metas(op.stage + 1, self.in_spec[op.stage + 1])
         else:
             own = op.stage - 1
             if own not in self.out_spec:
                 raise RuntimeError(
                     f"pipeline rank {self.rank}: {op.action} comes before any forward of stage {own}"
                 )
-            metas = [meta for meta in spec_metas(self.out_spec[own]) if meta.requires_grad]
+            metas = [meta for meta in self.metas(own, self.out_spec[own], "out") if meta.requires_grad]
         buffers = [self.transport.empty(m) for m in metas]
-        tags = self.transport.data_tags(op.kind == DATA_B, op.stage, op.microbatch, len(buffers))
-        return Transfer(False, op.peer, buffers, tags, self._what(op))
+        return Transfer(False, op.peer, buffers, self._tags(op, len(buffers)), self._what(op))

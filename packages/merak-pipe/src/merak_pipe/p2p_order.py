@@ -193,7 +193,7 @@ def settled_sends(orders: dict[int, list[Step]], rank: int) -> dict[Message, tup
     A peer sends a message only after it has issued every unit before it, so once that message
     has arrived, every send of ``rank`` whose receive the peer posted in that unit or earlier is
     matched, and waiting on it cannot block. The runtime waits on those sends then and lets their
-    tensors go ([Note: buffer lifetime] in ``comm.py``): on gloo a Work learns that it completed
+    tensors go ([Note: buffer lifetime] in ``_p2p_books.py``): on gloo a Work learns that it completed
     only when it is waited. A send is named once, by the first message that proves it (messages
     are keyed by :attr:`P2POp.message`).
     """

@@ -169,6 +169,7 @@ class PipelineRunner:
         check_nccl(schedule)
         orders = {training: issue_orders(schedule, forward_only=not training) for training in (True, False)}
         self._plans: dict[bool, list[Step]] = {training: orders[training][self.rank] for training in orders}
+        self.exchange.prepare(self._plans.values())
         # Where host waits are the only way to learn that a send completed (gloo), sends are waited
         # once a message from the peer proves them matched; on CUDA their Work reports it.
         self._settles = {
@@ -341,7 +342,7 @@ class PipelineRunner:
             return value
         spec, tensors = self.exchange.take_forward_input(s, m, Action(s, ActionKind.FORWARD, m))
         leaves = []
-        for t, meta in zip(tensors, spec_metas(spec), strict=True):
+        for t, meta in zip(tensors, self.exchange.metas(s, spec), strict=True):
             leaves.append(t.requires_grad_(meta.requires_grad and self._round.training))
         self._round.held.setdefault((s, m), []).extend(tensors)
         return unflatten_boundary(spec, leaves)
