@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import shlex
 import signal
@@ -133,13 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
-    rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
-        format=f"[rank {rank}] %(asctime)s %(name)s %(levelname)s %(message)s",
-    )
-    if "OMP_NUM_THREADS" in os.environ:
-        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    from merak_core.run.bootstrap import configure_rank_process
+
+    rank = configure_rank_process()
 
     from merak_core.run.signals import SetupSignals
 

@@ -41,13 +41,9 @@ import json
 import logging
 import math
 import os
-import shlex
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
-
-import torch
 
 logger = logging.getLogger(__name__)
 
@@ -134,13 +130,9 @@ def worker_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None)
     _add_harness_arguments(parser)
     args = parser.parse_args(argv)
-    rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
-        format=f"[rank {rank}] %(asctime)s %(name)s %(levelname)s %(message)s",
-    )
-    if "OMP_NUM_THREADS" in os.environ:
-        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    from merak_core.run.bootstrap import configure_rank_process
+
+    configure_rank_process()
     from merak_core.job import JobConfig
 
     if args.tasks:
@@ -252,14 +244,9 @@ def eval_command(args: argparse.Namespace) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     """``merak eval``: check here, then evaluate on torchrun's ranks; the exit status of torchrun."""
-    cmd = eval_command(args)
-    if args.dry_run:
-        print(shlex.join(cmd))
-        return 0
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    logger.info("launching: %s", shlex.join(cmd))
-    return subprocess.call(cmd, env=env)
+    from merak_core.cli.supervise import launch_or_print
+
+    return launch_or_print(eval_command(args), dry_run=args.dry_run)
 
 
 if __name__ == "__main__":

@@ -27,13 +27,9 @@ import dataclasses
 import json
 import logging
 import os
-import shlex
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
-
-import torch
 
 logger = logging.getLogger(__name__)
 CMD = "merak generate"
@@ -181,13 +177,9 @@ def worker_main(argv: list[str] | None = None) -> int:
     _add_arguments(parser)
     parser.add_argument("--tokenizer-path", required=True)
     args = parser.parse_args(argv)
-    rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
-        format=f"[rank {rank}] %(asctime)s %(name)s %(levelname)s %(message)s",
-    )
-    if "OMP_NUM_THREADS" in os.environ:
-        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    from merak_core.run.bootstrap import configure_rank_process
+
+    configure_rank_process()
     from merak_core.job import JobConfig
 
     job = JobConfig.from_yaml(args.config, args.overrides)
@@ -298,14 +290,9 @@ def generate_command(args: argparse.Namespace) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     """``merak generate``: check here, then generate on torchrun's ranks; the exit status of torchrun."""
-    cmd = generate_command(args)
-    if args.dry_run:
-        print(shlex.join(cmd))
-        return 0
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    logger.info("launching: %s", shlex.join(cmd))
-    return subprocess.call(cmd, env=env)
+    from merak_core.cli.supervise import launch_or_print
+
+    return launch_or_print(generate_command(args), dry_run=args.dry_run)
 
 
 if __name__ == "__main__":

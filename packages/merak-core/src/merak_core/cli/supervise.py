@@ -28,8 +28,10 @@ before the signal is armed exits at once. Elsewhere (no ``prctl``) the job outli
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -303,3 +305,15 @@ def run_torchrun(
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait()
     return outcome
+
+
+def launch_or_print(cmd: Sequence[str], *, dry_run: bool) -> int:
+    """Run a torchrun command built by ``merak eval`` or ``merak generate`` (one thread per rank unless
+    ``OMP_NUM_THREADS`` says otherwise) and return its exit status; with ``dry_run``, print it and return 0."""
+    if dry_run:
+        print(shlex.join(cmd))
+        return 0
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    logging.getLogger(__name__).info("launching: %s", shlex.join(cmd))
+    return subprocess.call(list(cmd), env=env)

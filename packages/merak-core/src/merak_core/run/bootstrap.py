@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -47,6 +48,20 @@ __all__ = [
     "run_device",
     "run_layout",
 ]
+
+
+def configure_rank_process() -> int:
+    """Set up a torchrun rank's process (``merak train``, ``eval`` and ``generate``): this rank's logging
+    (INFO on rank 0, WARNING elsewhere, each line prefixed with the rank) and torch's thread count from
+    ``OMP_NUM_THREADS``. Returns the global rank torchrun gave."""
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"[rank {rank}] %(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    if "OMP_NUM_THREADS" in os.environ:
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    return rank
 
 
 def process_group(device: torch.device | str | None = None) -> torch.device:
