@@ -15,13 +15,12 @@ import torch
 import yaml
 from torch import nn
 
-from merak_core.autoplan.auto import (
+from merak_core.autoplan.auto import auto_layout, profile_inputs
+from merak_core.autoplan.givens import (
     auto_degrees_note,
     auto_global_batch,
-    auto_layout,
     compute_slots,
     default_memory_per_device,
-    profile_inputs,
 )
 from merak_core.config import TrainingArguments
 from merak_core.config.layout_choice import LayoutChoice

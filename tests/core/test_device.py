@@ -245,7 +245,7 @@ def test_build_parallel_model_retargets_the_kept_stage() -> None:
 
 
 def test_planner_memory_is_free_memory_less_a_margin(monkeypatch: pytest.MonkeyPatch) -> None:
-    from merak_core.autoplan.auto import default_memory_per_device
+    from merak_core.autoplan.givens import default_memory_per_device
 
     gib = 1 << 30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (40 * gib, 80 * gib))

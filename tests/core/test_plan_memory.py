@@ -37,7 +37,7 @@ def fixed_profile(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_plan_without_memory_per_device_takes_layout_autos_default(
     fixed_profile: None, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from merak_core.autoplan.auto import default_memory_per_device
+    from merak_core.autoplan.givens import default_memory_per_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # this machine's CPU, whatever it has
     assert main(BASE) == 0  # it was exit 2: "--memory-per-device is not given"

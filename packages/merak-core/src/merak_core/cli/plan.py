@@ -122,7 +122,7 @@ def plan_memory(flag: str | None, job_value: int | str | None, world_size: int) 
     """The memory per device ``merak plan`` plans with (checked before the model is built), and where it came from.
 
     ``--memory-per-device``, else the job's ``training.memory_per_device``, else the default of
-    ``layout: auto`` (:func:`~merak_core.autoplan.auto.default_memory_per_device`) for a device of this
+    ``layout: auto`` (:func:`~merak_core.autoplan.givens.default_memory_per_device`) for a device of this
     machine: CUDA device 0 when there is one, else the CPU shared by ``world_size`` ranks.
     """
     from merak_core.config import parse_bytes
@@ -133,7 +133,7 @@ def plan_memory(flag: str | None, job_value: int | str | None, world_size: int) 
         return parse_bytes(job_value), "from training.memory_per_device"
     import torch
 
-    from merak_core.autoplan.auto import default_memory_per_device
+    from merak_core.autoplan.givens import default_memory_per_device
 
     if torch.cuda.is_available():
         device, what = torch.device("cuda", 0), "CUDA device 0's free memory less a margin"

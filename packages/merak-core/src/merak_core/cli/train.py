@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     cmd = torchrun_command(args, None if auto and args.nproc_per_node is not None else written)
     auto_world = (args.nproc_per_node or 0) * args.nnodes or written or 0
     if auto:  # the global batch the plan keeps, and what becomes of the written degrees: before torchrun
-        from merak_core.autoplan.auto import auto_degrees_note, auto_global_batch
+        from merak_core.autoplan.givens import auto_degrees_note, auto_global_batch
 
         auto_global_batch(t, auto_world)
         note = auto_degrees_note(t, auto_world)
@@ -282,7 +282,7 @@ def _resume_overrides(overrides: list[str]) -> list[str]:
 
 def _auto_dry_run(args: argparse.Namespace, t: Any, world: int) -> str:
     """What ``layout: auto`` will do when the job starts on ``world`` ranks (``merak train --dry-run``)."""
-    from merak_core.autoplan.auto import auto_degrees_note, auto_global_batch
+    from merak_core.autoplan.givens import auto_degrees_note, auto_global_batch
 
     gbs, how = auto_global_batch(t, world)
     note = auto_degrees_note(t, world)

@@ -26,7 +26,7 @@ is the job's, ``per_device_train_batch_size * gradient_accumulation_steps * dp``
 degree is written), and a null ``dp`` with a ``tp*pp`` that does not divide the ranks is refused by
 name before torchrun. To plan for another global batch, change those fields (e.g.
 ``training.dp=null`` for every rank). The other parallel fields of the job are replaced by the plan
-(:func:`merak_core.autoplan.auto.auto_global_batch`).
+(:func:`merak_core.autoplan.givens.auto_global_batch`).
 
 Configs load from YAML (a flat mapping of field names) with ``key=value``
 overrides from the command line, type-checked against the field types; an
