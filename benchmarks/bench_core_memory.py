@@ -5,13 +5,13 @@ same gloo ranks, same run, for each layout (default ``2x2x2`` and ``4x1x2``, dp 
 ZeRO stage. Per rank it reports, in bytes:
 
 - ``held``: parameters + gradients + optimizer states the rank holds after a step (each storage
-  once; a DTensor counts its local shard), from :func:`merak_core.planner.memory.measure_held_bytes`
+  once; a DTensor counts its local shard), from :func:`merak_core.planner.memory_meter.measure_held_bytes`
   (the planner's measurement, so the benchmark and the plan check count the same way);
 - ``in step``: for ZeRO-2/3, what FSDP2 holds on top of the shards right before the step's one
   gradient reduce-scatter (gathered parameters, unsharded accumulated gradients), from
   :meth:`merak_core.parallel.fsdp.ShardedDataParallel.unsharded_bytes`;
 - ``activations``: the peak of the bytes autograd saves for backward during the step
-  (:class:`merak_core.planner.memory.SavedActivationMeter`, saved-tensor hooks);
+  (:class:`merak_core.planner.memory_meter.SavedActivationMeter`, saved-tensor hooks);
 - ``predicted`` against ``measured`` state at the step's peak: the planner's
   :func:`merak_core.planner.memory.model_state_bytes` for the rank's stage and ZeRO stage, against
   the shards plus the most FSDP2 held gathered during the step (sampled as units run) and the
@@ -86,7 +86,7 @@ def _sharded(trainer: Any) -> Any:
 def _measure_stage(cfg: dict[str, Any], layout: Any, zero_stage: int, data: Any) -> dict[str, Any]:
     """One ZeRO stage on this rank: step times, held bytes after a step, in-step and activation peaks,
     and the planner's prediction of the state at the peak."""
-    from merak_core.planner.memory import SavedActivationMeter, measure_held_bytes
+    from merak_core.planner.memory_meter import SavedActivationMeter, measure_held_bytes
 
     trainer = _trainer(cfg, layout, zero_stage, data)
     module = trainer.model.module

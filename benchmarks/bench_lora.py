@@ -9,7 +9,7 @@ head, embeddings and norms frozen). Both use AdamW, 1F1B, ZeRO-0 and gradient cl
 Paired rounds: each round steps both Trainers once, after a barrier each, in an order that
 alternates between rounds, so load changes on a shared machine hit both alike; a step's time is the
 slowest rank's. Reported per layout: the gradient + optimizer-state bytes every rank holds after a
-step (:func:`merak_core.planner.memory.measure_held_bytes`) for both and their ratio (target <= 5%),
+step (:func:`merak_core.planner.memory_meter.measure_held_bytes`) for both and their ratio (target <= 5%),
 the memory model's prediction of the same bytes for the LoRA job
 (:func:`merak_core.planner.memory.model_state_bytes` with the rank's trainable bytes), and the
 median step times and the median over rounds of the paired ratio lora / full (target <= 0.8).
@@ -69,7 +69,8 @@ def _trainer(cfg: dict[str, Any], layout: Any, mode: str, data: Any) -> Any:
 
 def _state(trainer: Any, layout: Any) -> dict[str, float]:
     """Bytes this rank holds for its stage after a step, and the memory model's gradient + optimizer bytes."""
-    from merak_core.planner.memory import measure_held_bytes, model_state_bytes
+    from merak_core.planner.memory import model_state_bytes
+    from merak_core.planner.memory_meter import measure_held_bytes
 
     module = trainer.model.module
     params, grads, optimizer = measure_held_bytes({layout.pp_rank: module}, trainer.optimizer)[layout.pp_rank]

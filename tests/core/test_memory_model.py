@@ -27,12 +27,12 @@ from torch import nn
 from merak_core.planner import ModelProfile, plan, profile_model
 from merak_core.planner.memory import (
     MEMORY_MARGIN,
-    SavedActivationMeter,
     compare_stage_memory,
     model_state_bytes,
     predict_stage_memory,
     relative_errors,
 )
+from merak_core.planner.memory_meter import SavedActivationMeter
 from tests.support.dist import run_on_ranks
 from tests.support.models import REFERENCE_MODELS, build_reference
 

@@ -147,7 +147,7 @@ class PlanCheck:
         return dict(model.stage_modules) or {self.run.layout.pp_rank: model.module}
 
     def _start_meter(self) -> None:
-        from merak_core.planner.memory import SavedActivationMeter
+        from merak_core.planner.memory_meter import SavedActivationMeter
 
         self._meter = SavedActivationMeter(self._stage_modules())
         self._meter.start()
@@ -155,7 +155,7 @@ class PlanCheck:
     def _stop_meter(self) -> None:
         """[Note: CPU peak memory] The first measured step's saved activations (peak over this rank's
         stages) plus the parameter, gradient and optimizer bytes held after it."""
-        from merak_core.planner.memory import measure_held_bytes
+        from merak_core.planner.memory_meter import measure_held_bytes
 
         meter, self._meter = self._meter, None
         meter.stop()
@@ -179,7 +179,7 @@ class PlanCheck:
 
         [Note: CPU peak memory] On CPU the peak is counted, not read from the process: the bytes of
         the tensors autograd saved during the first measured step (saved-tensor hooks,
-        :class:`merak_core.planner.memory.SavedActivationMeter`) plus the parameters, gradients and
+        :class:`merak_core.planner.memory_meter.SavedActivationMeter`) plus the parameters, gradients and
         optimizer states held after it, the terms the planner predicts. Where that count is missing,
         it is the growth of the process's peak resident set (VmHWM) over its size before the first
         step, plus the parameter bytes (allocator slack and anything else the process allocated

@@ -8,8 +8,8 @@ stage keeps its input and a ``1 - f`` share per microbatch and re-creates ``f`` 
 at a time). :func:`predict_stage_memory` computes it from a :class:`ModelProfile` for a layout;
 the planner uses the same terms to reject what does not fit ``memory_per_device``.
 
-Measured (:mod:`merak_core.planner.memory_meter`, re-exported here: :class:`SavedActivationMeter`,
-:func:`measure_held_bytes`, :func:`cuda_peak_bytes`): the bytes of the tensors autograd saves, per
+Measured (:mod:`merak_core.planner.memory_meter`: ``SavedActivationMeter``, ``measure_held_bytes``,
+``cuda_peak_bytes``): the bytes of the tensors autograd saves, per
 stage, plus the parameter, gradient and optimizer-state bytes the rank holds;
 :func:`merak_core.planner.memory_check.measure_step` runs one step under them (ZeRO-2/3 included).
 
@@ -39,7 +39,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from merak_core.parallel.fsdp import default_reshard_after_forward, warn_nothing_to_shard
-from merak_core.planner.memory_meter import SavedActivationMeter, cuda_peak_bytes, measure_held_bytes
 from merak_core.planner.profile import ModelProfile
 from merak_pipe import schedule_info
 
@@ -47,11 +46,8 @@ __all__ = [
     "MEMORY_MARGIN",
     "WEIGHT_GRAD_FRACTION",
     "ZERO_STAGES",
-    "SavedActivationMeter",
     "StageMemory",
     "compare_stage_memory",
-    "cuda_peak_bytes",
-    "measure_held_bytes",
     "model_state_bytes",
     "predict_stage_memory",
     "relative_errors",

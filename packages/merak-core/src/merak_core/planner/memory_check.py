@@ -2,13 +2,13 @@
 
 :func:`measure_step` runs one step (the caller's function: a Trainer step, or a pipeline step of
 another schedule over the same stages, :func:`pipeline_step_fn`) under
-:class:`~merak_core.planner.memory.SavedActivationMeter` and then counts the parameter, gradient
-and optimizer bytes held (:func:`~merak_core.planner.memory.measure_held_bytes`); the result is
+:class:`~merak_core.planner.memory_meter.SavedActivationMeter` and then counts the parameter, gradient
+and optimizer bytes held (:func:`~merak_core.planner.memory_meter.measure_held_bytes`); the result is
 one :class:`~merak_core.planner.memory.StageMemory` per stage of this rank. :func:`gather_stages`
 collects every stage of the pipeline (from DP rank 0 and TP rank 0) on every rank.
 
 On CUDA, :func:`measure_step` also reads the allocator's peak over the step
-(:func:`~merak_core.planner.memory.cuda_peak_bytes`), per rank. That path is written to the
+(:func:`~merak_core.planner.memory_meter.cuda_peak_bytes`), per rank. That path is written to the
 allocator's API and has not run on a GPU.
 
 Not done here: predictions (:mod:`merak_core.planner.memory`) and choosing what to measure.

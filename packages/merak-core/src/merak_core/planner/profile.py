@@ -1,4 +1,4 @@
-"""Measuring a model's costs: :func:`profile_model` (and the names of :mod:`.model_profile`, :mod:`.contention`).
+"""Measuring a model's costs: :func:`profile_model`.
 
 :func:`profile_model` measures a per-sample :class:`ModelProfile` on the local device by running
 the model (forward times and saved-activation bytes per layer through hooks, see [Note: device
@@ -7,7 +7,7 @@ device. :func:`tp_constraints` reads what constrains tensor parallelism from the
 heads, the vocabulary unless the job's own TP plan shards no embedding).
 
 Not done here: the profile's data and validation (:mod:`.model_profile`) and the contention
-measurement (:mod:`.contention`); both are re-exported here.
+measurement (:mod:`.contention`).
 """
 
 from __future__ import annotations
@@ -24,12 +24,11 @@ import torch
 from torch import nn
 
 from merak_core.planner.clock import device_of, now, step_seconds, timed
-from merak_core.planner.contention import measure_contention
 from merak_core.planner.model_profile import ModelProfile
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ModelProfile", "measure_contention", "model_fingerprint", "profile_model", "tp_constraints"]
+__all__ = ["ModelProfile", "model_fingerprint", "profile_model", "tp_constraints"]
 
 _HEAD_NAMES = ("num_heads", "heads", "n_head", "num_attention_heads")
 _KV_HEAD_NAMES = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
