@@ -26,7 +26,7 @@ PACKAGES_DIR = Path(__file__).resolve().parents[1] / "packages"
 PACKAGES = ("merak_pipe", "merak_graph", "merak_tp")  # merak_core: tests/core/test_import_direction.py
 
 
-def _module_name(src: Path, path: Path) -> str:
+def module_name(src: Path, path: Path) -> str:
     parts = list(path.relative_to(src.parent).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
@@ -39,12 +39,13 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def _imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
-    """Every import statement of ``tree`` that can run (not under ``if TYPE_CHECKING:``)."""
+def _imports(tree: ast.AST, *, type_checking: bool = False) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement of ``tree`` that can run (with ``type_checking``, those under
+    ``if TYPE_CHECKING:`` too)."""
     found: list[ast.Import | ast.ImportFrom] = []
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
+        if not type_checking and isinstance(node, ast.If) and _is_type_checking(node.test):
             for branch in node.orelse:
                 visit(branch)
             return
@@ -57,14 +58,16 @@ def _imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
     return found
 
 
-def import_graph(src: Path) -> dict[str, set[str]]:
-    """Module -> the modules of the same package it imports (see the module docstring)."""
-    paths = {_module_name(src, p): p for p in sorted(src.rglob("*.py"))}
+def import_graph(src: Path, *, type_checking: bool = False) -> dict[str, set[str]]:
+    """Module -> the modules of the same package it imports (see the module docstring); with
+    ``type_checking``, the imports under ``if TYPE_CHECKING:`` count too (merak-core's direction test)."""
+    paths = {module_name(src, p): p for p in sorted(src.rglob("*.py"))}
     modules = set(paths)
     graph: dict[str, set[str]] = {m: set() for m in modules}
     for name, path in paths.items():
         is_package = path.name == "__init__.py"
-        for node in _imports(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        for node in _imports(tree, type_checking=type_checking):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             else:

@@ -18,10 +18,9 @@ between folders, and within a folder the cycle check below still runs.
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
-from tests.test_import_cycles import find_cycles
+from tests.test_import_cycles import find_cycles, import_graph, module_name
 
 SRC = Path(__file__).resolve().parents[2] / "packages" / "merak-core" / "src" / "merak_core"
 
@@ -46,39 +45,6 @@ LAYERS: dict[str, int] = {
 }
 
 
-def module_name(src: Path, path: Path) -> str:
-    parts = list(path.relative_to(src.parent).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
-
-
-def all_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
-    """Every import statement of ``tree``, wherever it is (functions and ``TYPE_CHECKING`` too)."""
-    return [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
-
-
-def imported_modules(src: Path) -> dict[str, set[str]]:
-    """Module -> the modules of the package that it names in any import statement."""
-    paths = {module_name(src, p): p for p in sorted(src.rglob("*.py"))}
-    modules = set(paths)
-    graph: dict[str, set[str]] = {m: set() for m in modules}
-    for name, path in paths.items():
-        is_package = path.name == "__init__.py"
-        for node in all_imports(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
-            if isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
-            else:
-                base = node.module or ""
-                if node.level:
-                    anchor = name.split(".") if is_package else name.split(".")[:-1]
-                    anchor = anchor[: len(anchor) - (node.level - 1)]
-                    base = ".".join(anchor + ([base] if base else []))
-                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
-            graph[name].update(t for t in targets if t in modules and t != name)
-    return graph
-
-
 def unit(module: str) -> str:
     """The folder or top-level module that ``module`` belongs to ("" for the package itself)."""
     parts = module.split(".")
@@ -87,7 +53,7 @@ def unit(module: str) -> str:
 
 def violations(src: Path, layers: dict[str, int]) -> list[str]:
     """``a -> b`` for each import of a module ``b`` not below (or beside, in its folder) ``a``."""
-    graph = imported_modules(src)
+    graph = import_graph(src, type_checking=True)
     out = []
     for importer in sorted(graph):
         for target in sorted(graph[importer]):
@@ -115,7 +81,7 @@ def test_every_folder_and_top_level_module_has_a_layer() -> None:
 
 
 def test_no_import_cycle_inside_a_folder() -> None:
-    cycles = find_cycles(imported_modules(SRC))
+    cycles = find_cycles(import_graph(SRC, type_checking=True))
     assert cycles == [], f"merak-core import cycles (TYPE_CHECKING and deferred imports count): {cycles}"
 
 
