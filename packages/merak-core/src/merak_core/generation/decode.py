@@ -28,7 +28,7 @@ Not done here: rebuilding the eager layers (:mod:`merak_core.generation.decoders
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -234,21 +234,20 @@ def decode_round(num_stages: int, num_microbatches: int) -> dict[int, list[Any]]
     return {rank: [a for a in lowered.actions[rank] if a.kind in keep] for rank in range(num_stages)}
 
 
-def _run_step(
+def forward_round(
     model: ParallelModel,
     decoder: Any,
     inputs_bt: torch.Tensor,
-    mask_bt: torch.Tensor,
-    pos_bt: torch.Tensor,
     chunks: list[slice],
-    caches: list[Any],
-    choose: Any,
-) -> torch.Tensor:
-    """One forward of every microbatch through this rank's stage; the step's tokens on every rank."""
-    tokens_b = torch.zeros(inputs_bt.shape[0], dtype=torch.long, device=inputs_bt.device)
-    if model.layout.pp == 1:
-        tokens_b[chunks[0]] = choose(decoder(inputs_bt, mask_bt, pos_bt, caches[0]), chunks[0])
-        return tokens_b
+    forward: Callable[[torch.Tensor, int, slice], torch.Tensor],
+    at_last: Callable[[torch.Tensor, slice], None],
+) -> _Peers:
+    """One forward of every microbatch through this rank's stage by the decode round (pp > 1).
+
+    ``forward(x, m, rows)`` runs the stage on microbatch ``m`` (rows ``rows`` of the batch); on the last
+    stage ``at_last(output, rows)`` takes its output. Returns the stage's peers (the caller broadcasts
+    what the last stage made).
+    """
     from merak_pipe import ActionKind
 
     peers = _Peers(model)
@@ -266,12 +265,37 @@ def _run_step(
         elif action.kind is ActionKind.SEND_F:
             dist.send(outputs.pop(m).contiguous(), dst=peers.next, group=peers.group)
         else:
-            x = inputs_bt[rows] if decoder.first else received.pop(m)
-            out = decoder(x, mask_bt[rows], pos_bt[rows], caches[m])
+            out = forward(inputs_bt[rows] if decoder.first else received.pop(m), m, rows)
             if decoder.last:
-                tokens_b[rows] = choose(out, rows)
+                at_last(out, rows)
             else:
                 outputs[m] = out
+    return peers
+
+
+def _run_step(
+    model: ParallelModel,
+    decoder: Any,
+    inputs_bt: torch.Tensor,
+    mask_bt: torch.Tensor,
+    pos_bt: torch.Tensor,
+    chunks: list[slice],
+    caches: list[Any],
+    choose: Any,
+) -> torch.Tensor:
+    """One forward of every microbatch through this rank's stage; the step's tokens on every rank."""
+    tokens_b = torch.zeros(inputs_bt.shape[0], dtype=torch.long, device=inputs_bt.device)
+    if model.layout.pp == 1:
+        tokens_b[chunks[0]] = choose(decoder(inputs_bt, mask_bt, pos_bt, caches[0]), chunks[0])
+        return tokens_b
+
+    def forward(x: torch.Tensor, m: int, rows: slice) -> torch.Tensor:
+        return decoder(x, mask_bt[rows], pos_bt[rows], caches[m])
+
+    def at_last(out: torch.Tensor, rows: slice) -> None:
+        tokens_b[rows] = choose(out, rows)
+
+    peers = forward_round(model, decoder, inputs_bt, chunks, forward, at_last)
     dist.broadcast(tokens_b, src=peers.last, group=peers.group)
     return tokens_b
 

@@ -26,11 +26,9 @@ import torch.distributed as dist
 
 from merak_core.generation.decode import (
     _decoder,
-    _hidden_spec,
     _microbatches,
-    _Peers,
     _refuse_unsupported,
-    decode_round,
+    forward_round,
 )
 from merak_core.parallel.compose import ParallelModel
 
@@ -98,29 +96,11 @@ def _token_scores(
     if layout.pp == 1:
         score(decoder(ids_bt, mask_bt, pos_bt, decoder.new_cache(), all_positions=True), chunks[0])
         return scores
-    from merak_pipe import ActionKind
 
-    peers = _Peers(model)
-    width, dtype = _hidden_spec(model)
-    received: dict[int, torch.Tensor] = {}
-    outputs: dict[int, torch.Tensor] = {}
-    for action in decode_round(layout.pp, len(chunks))[layout.pp_rank]:
-        m = action.microbatch
-        rows = chunks[m]
-        if action.kind is ActionKind.RECV_F:
-            received[m] = torch.empty(
-                (rows.stop - rows.start, ids_bt.shape[1], width), dtype=dtype, device=ids_bt.device
-            )
-            dist.recv(received[m], src=peers.prev, group=peers.group)
-        elif action.kind is ActionKind.SEND_F:
-            dist.send(outputs.pop(m).contiguous(), dst=peers.next, group=peers.group)
-        else:
-            x = ids_bt[rows] if decoder.first else received.pop(m)
-            out = decoder(x, mask_bt[rows], pos_bt[rows], decoder.new_cache(), all_positions=True)
-            if decoder.last:
-                score(out, rows)
-            else:
-                outputs[m] = out
+    def forward(x: torch.Tensor, m: int, rows: slice) -> torch.Tensor:
+        return decoder(x, mask_bt[rows], pos_bt[rows], decoder.new_cache(), all_positions=True)
+
+    peers = forward_round(model, decoder, ids_bt, chunks, forward, score)
     dist.broadcast(scores, src=peers.last, group=peers.group)
     return scores
 
