@@ -6,7 +6,6 @@ One process (a world of 1), the exit handler called by hand.
 
 from __future__ import annotations
 
-import atexit
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -18,33 +17,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import merak_pipe
-
-_MODULE = "merak_pipe._exit"
+from tests.support.exit_handlers import kept_exit_handlers
 
 
 @pytest.fixture
-def exit_handlers(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Callable[..., Any]]]:
+def exit_handlers(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Callable[[], Any]]]:
     """A default group of one rank made as a script makes it; the handlers merak_pipe registers, kept here."""
-    if dist.is_initialized():
-        pytest.skip("this process already has a default process group")
-    if _MODULE in sys.modules:  # a handler registered earlier in this process: register afresh
-        monkeypatch.setattr(sys.modules[_MODULE], "_registered", False)
-    registered: list[Callable[..., Any]] = []
-    register = atexit.register
-
-    def keep(fn: Callable[..., Any], *args: Any) -> Any:
-        if getattr(fn, "__module__", None) != _MODULE:
-            return register(fn, *args)
-        registered.append(lambda: fn(*args))
-        return fn
-
-    monkeypatch.setattr(atexit, "register", keep)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield registered
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    yield from kept_exit_handlers(monkeypatch, "merak_pipe._exit")
 
 
 def _run_one_step() -> None:
