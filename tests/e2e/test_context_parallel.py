@@ -1,7 +1,7 @@
 """Context parallel training (training.cp) against one process in float64.
 
 One Trainer step (SGD, lr 1, no clipping or decay, so each parameter's change is its gradient) of
-the reference Llama (grouped-query attention, rotary) and tiny transformers Llama and Qwen2 models
+the reference Llama (grouped-query attention, rotary) and tiny transformers Llama, Qwen2 and Qwen3 models
 (GQA, attention routed through transformers' registry), at cp=2 in both modes and at cp=2 x tp=2, against the
 same model trained by one process on the whole sequences: the loss and every parameter's gradient.
 Each sample ignores 4 labels (so a DP shard's token mean is the batch's), at places that give the
@@ -43,7 +43,7 @@ class Tokens(Dataset):
 
 
 def _model(kind: str) -> torch.nn.Module:
-    """``kind``: reference, transformers (Llama), transformers4 (Llama, 4 layers), qwen2."""
+    """``kind``: reference, transformers (Llama), transformers4 (Llama, 4 layers), qwen2, qwen3."""
     torch.manual_seed(0)
     layers = 4 if kind == "transformers4" else 2
     if kind == "reference":
@@ -62,6 +62,8 @@ def _model(kind: str) -> torch.nn.Module:
     )
     if kind == "qwen2":  # q/k/v biases
         return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**sizes)).double()
+    if kind == "qwen3":  # per-head RMS norms of the queries and keys, no sliding window
+        return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**sizes, head_dim=8)).double()
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes)).double()
 
 
@@ -125,7 +127,7 @@ def _check(kind: str, results: list[tuple[float, Any]]) -> None:
         torch.testing.assert_close(before[name] - state[name], grad, rtol=1e-9, atol=1e-11, msg=name)
 
 
-@pytest.mark.parametrize("kind", ["reference", "transformers", "qwen2"])
+@pytest.mark.parametrize("kind", ["reference", "transformers", "qwen2", "qwen3"])
 @pytest.mark.parametrize("mode", ["ring", "ulysses"])
 def test_cp2_equals_one_process(kind: str, mode: str) -> None:
     _check(kind, run_on_ranks(2, _train, kind, {"cp": 2, "cp_mode": mode}))
