@@ -91,12 +91,17 @@ def _sgd(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
     return torch.optim.SGD(groups, lr=1.0)
 
 
-def _train(kind: str, overrides: dict[str, Any]) -> tuple[float, dict[str, torch.Tensor] | None]:
+def _train(
+    kind: str, overrides: dict[str, Any], shard_ranks: int = 0
+) -> tuple[float, dict[str, torch.Tensor] | None]:
+    """``shard_ranks``: the ranks ZeRO-2/3 must shard over (0: not sharded)."""
     import torch.distributed as dist
 
     from merak_core import Trainer
 
     trainer = Trainer(_model(kind), _args(**overrides), Tokens(), optimizer_factory=_sgd)
+    sharded = trainer.engine.sharded
+    assert (sharded.dp_size if sharded is not None else 0) == shard_ranks
     history = trainer.train()
     state = trainer.full_state_dict()
     return history[0]["loss"], state if dist.get_rank() == 0 else None
@@ -173,6 +178,13 @@ def test_cp4_ring_equals_one_process() -> None:
 def test_dp2_cp2_zero1_equals_one_process() -> None:
     overrides = {"cp": 2, "dp": 2, "zero_stage": 1, "per_device_train_batch_size": BATCH // 2}
     _check("reference", run_on_ranks(4, _train, "reference", overrides))
+
+
+@pytest.mark.parametrize(("dp", "zero_stage"), [(1, 2), (1, 3), (2, 3)])
+def test_cp2_zero_sharded_equals_one_process(dp: int, zero_stage: int) -> None:
+    """ZeRO-2/3 (FSDP2) shards over the DP x CP ranks (layout.grad_sync_group)."""
+    overrides = {"cp": 2, "dp": dp, "zero_stage": zero_stage, "per_device_train_batch_size": BATCH // dp}
+    _check("reference", run_on_ranks(2 * dp, _train, "reference", overrides, 2 * dp))
 
 
 def _train_from(

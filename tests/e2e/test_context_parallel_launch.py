@@ -110,7 +110,6 @@ MASKED = {"factory": f"{HERE}:tokens", "kwargs": {"mask": True}}
             {"cp": 2},
             ("padding attention_mask",),
         ),
-        (LLAMA, GOOD, {"cp": 2, "zero_stage": 3}, ("cp=2 with zero_stage=3", "zero_stage 0 or 1")),
     ],
 )
 def test_refused_before_torchrun(

@@ -61,7 +61,6 @@ ATTN_IMPLEMENTATION = "merak_cp"
 """The name of Merak's attention function in transformers' attention-function registry."""
 
 _REFUSED_ARGS: tuple[tuple[str, Any, str], ...] = (
-    ("zero_stage", lambda a: a.zero_stage in (2, 3), "zero_stage 0 or 1"),
     ("layout", lambda a: a.layout == "auto", "layout: manual with explicit degrees"),
 )
 

@@ -75,6 +75,12 @@ adapters) are sharded over DP, gathered around their units' compute and reduce-s
 (or block) with no trainable parameter is not made an FSDP2 unit at all. A frozen shared (tied)
 parameter gets no cross-stage gradient sum.
 
+[Note: ZeRO-2/3 at cp > 1] The CP ranks of a DP rank hold the same parameters (each computes on its
+own tokens of the same samples), so the parameters are sharded over the DP x CP ranks of a stage and
+TP rank (``layout.grad_sync_group``, a 1-D mesh of ``dp * cp`` ranks): the reduce-scatter averages
+the gradients over them, exactly as the unsharded sync does (merak_core.parallel.context_parallel
+[Note: cp loss]); the all-gathers and the global norm run over the same mesh.
+
 Not done here: ZeRO-1 (:mod:`merak_core.parallel.zero`), the replicated all-reduce
 (:mod:`merak_core.parallel.data_parallel`), CPU offload.
 """
@@ -187,7 +193,8 @@ class ShardedDataParallel:
     Args:
         stages: pipeline stage index -> this rank's module of that stage (``nn.Sequential`` of
             units, or the whole model at ``pp == 1``: ``{0: model}``), on its device.
-        dp_group: the DP process group (``layout.dp_group``).
+        dp_group: the ranks that hold the same parameters: ``layout.grad_sync_group`` (the DP group, or
+            the DP x CP ranks of this stage and TP rank at cp > 1: [Note: ZeRO-2/3 at cp > 1]).
         zero_stage: 2 or 3.
         device_type: ``"cpu"`` or ``"cuda"`` (the mesh's device type).
         num_stages: the pipeline's number of stages (virtual stages included), for the reshard rule.

@@ -180,9 +180,11 @@ class ParallelEngine:
         self.model, self.layout, self.args, self.device, self.loss_fn = model, layout, args, device, loss_fn
         self.schedule_name = schedule_name(args)
         self.sharded: ShardedDataParallel | None = None
-        warn_nothing_to_shard(args.zero_stage, layout.dp)  # ZeRO-1/2/3 at dp=1 run as ZeRO-0
-        if args.zero_stage in SHARDED_ZERO_STAGES and layout.dp > 1:
-            # ZeRO-2/3: FSDP2 over the DP axis replaces the parameters (merak_core.parallel.fsdp).
+        # ZeRO-2/3 shard over DP x CP (the CP ranks hold the same parameters), ZeRO-1 over DP.
+        shard_ranks = layout.dp * layout.cp if args.zero_stage in SHARDED_ZERO_STAGES else layout.dp
+        warn_nothing_to_shard(args.zero_stage, shard_ranks)  # ZeRO-1/2/3 with one rank to shard over: ZeRO-0
+        if args.zero_stage in SHARDED_ZERO_STAGES and shard_ranks > 1:
+            # ZeRO-2/3: FSDP2 over layout.grad_sync_group replaces the parameters (merak_core.parallel.fsdp).
             # bf16: FSDP2 gathers bf16 parameters, reduces float32 ([Note: bf16 parameter gathers] in fsdp).
             self.sharded, self.model = shard_parallel_model(
                 model,

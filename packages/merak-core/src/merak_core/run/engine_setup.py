@@ -255,7 +255,8 @@ def shard_parallel_model(
     device: torch.device,
     param_dtype: torch.dtype | None = None,
 ) -> tuple[ShardedDataParallel, ParallelModel]:
-    """Shard this rank's part of ``model`` over its DP group; the sharded object and the updated model.
+    """Shard this rank's part of ``model`` over its DP group (DP x CP at cp > 1: ``layout.grad_sync_group``,
+    the ranks holding the same parameters); the sharded object and the updated model.
 
     The returned :class:`~merak_core.parallel.compose.ParallelModel` is ``model`` with its shared-parameter
     lists pointing at the sharded parameters (the modules are sharded in place). Give the pipeline
@@ -265,7 +266,7 @@ def shard_parallel_model(
     stages = dict(model.stage_modules) or {layout.pp_rank if layout.pp > 1 else 0: model.module}
     sharded = ShardedDataParallel(
         stages,
-        layout.dp_group,
+        layout.grad_sync_group,
         zero_stage=zero_stage,
         device_type=device.type,
         num_stages=model.num_stages,
