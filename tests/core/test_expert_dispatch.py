@@ -121,7 +121,7 @@ def _args(**kw: object) -> SimpleNamespace:
     ("overrides", "lora", "words"),
     [
         ({"dp": 3}, None, "ep=2 does not divide dp=3"),
-        ({"zero_stage": 1}, None, "zero_stage=1"),
+        ({"zero_stage": 2}, None, "zero_stage=2"),
         ({"zero_stage": 3}, None, "zero_stage=3"),
         ({"virtual_stages": 2}, None, "virtual_stages=2"),
         ({"cp": 2}, None, "cp=2"),

@@ -77,7 +77,7 @@ def _dry_run(tmp: Path, model: str, training: dict[str, Any]) -> tuple[int, str]
     ("model", "training", "words"),
     [
         ("build_dense", {"ep": 2}, ("ep=2 but Llama has no mixture-of-experts block", "Set ep: 1")),
-        ("build_moe", {"ep": 2, "zero_stage": 1}, ("ep=2 with zero_stage=1", "set zero_stage: 0")),
+        ("build_moe", {"ep": 2, "zero_stage": 2}, ("ep=2 with zero_stage=2", "set zero_stage: 0 or 1")),
         (
             "build_moe",
             {"ep": 2, "dp": 1, "pp": 2, "gradient_accumulation_steps": 2},

@@ -205,6 +205,10 @@ class DataParallelGradSync:
             bucket.ready = [False] * len(bucket.params)
         return buckets
 
+    def synchronises(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` is one of the parameters this sync reduces."""
+        return id(param) in self._where
+
     def owner_of(self, param: torch.Tensor) -> int:
         """The DP rank that receives ``param``'s averaged gradient (``shard_gradients``; else this rank)."""
         bucket_index, slot = self._where[id(param)]

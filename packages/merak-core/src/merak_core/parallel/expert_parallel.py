@@ -33,9 +33,17 @@ brings each rank's token gradients home). The expert-replica groups hold the oth
 so the expert gradient is summed over the replica group (dp / ep ranks) and divided by dp: each
 expert's gradient is the one-process gradient over every token of the global batch that visited it.
 
+[Note: ZeRO-1 with experts] Under ZeRO-1 each part shards over its own group: the dense buckets are
+reduce-scattered to their owners in the DP group, the expert buckets to their owners in the
+expert-replica group (dp / ep ranks; at dp == ep a group of one, nothing to shard), and
+:class:`merak_core.parallel.zero.ZeroOptimizer` all-gathers each part's updated parameters over that
+part's group (:meth:`ExpertParallelGradSync.zero_parts`). Every expert's gradient then sits on exactly
+one rank of the DP group (the DP group is the EP group times the replica group), like every dense one,
+so the gradient norm sums both over DP alone.
+
 Gradient clipping counts each expert once: its term of the norm is summed over the EP group
 (:func:`merak_core.parallel.clip.global_grad_norm`, ``expert_params``). Refused (before any process group:
-:func:`check_ep_arguments`, :func:`check_ep_model`): ep with ZeRO-1/2/3, virtual stages, LoRA, cp > 1,
+:func:`check_ep_arguments`, :func:`check_ep_model`): ep with ZeRO-2/3, virtual stages, LoRA, cp > 1,
 and a model without a block following [Note: the MoE block protocol].
 """
 
@@ -93,7 +101,12 @@ def check_ep_arguments(args: Any) -> None:
     if args.dp is not None:
         check_ep(args.dp, ep)
     refusals = (
-        (args.zero_stage >= 1, f"zero_stage={args.zero_stage}", "set zero_stage: 0"),
+        (
+            args.zero_stage >= 2,
+            f"zero_stage={args.zero_stage} (FSDP2 shards every parameter over DP; experts would need their "
+            "own replica-group mesh)",
+            "set zero_stage: 0 or 1",
+        ),
         (args.virtual_stages > 1, f"virtual_stages={args.virtual_stages}", "set virtual_stages: 1"),
         (args.cp > 1, f"cp={args.cp}", "set cp: 1"),
         (
@@ -280,16 +293,27 @@ class ExpertParallelGradSync:
     """
 
     def __init__(
-        self, module: nn.Module, layout: ParallelLayout, *, deferred_params: list[nn.Parameter]
+        self,
+        module: nn.Module,
+        layout: ParallelLayout,
+        *,
+        deferred_params: list[nn.Parameter],
+        shard_gradients: bool = False,
     ) -> None:
         assert layout.expert_replica_group is not None
         experts = {id(p): p for p in expert_parameters(module) if p.requires_grad}
         dense = [p for p in module.parameters() if p.requires_grad and id(p) not in experts]
         self.dp = layout.dp
         self.ep = layout.ep
-        self.dense = DataParallelGradSync(dense, layout.grad_sync_group, deferred_params=deferred_params)
+        self.dense = DataParallelGradSync(
+            dense, layout.grad_sync_group, deferred_params=deferred_params, shard_gradients=shard_gradients
+        )
         self.experts = (
-            DataParallelGradSync(list(experts.values()), layout.expert_replica_group) if experts else None
+            DataParallelGradSync(
+                list(experts.values()), layout.expert_replica_group, shard_gradients=shard_gradients
+            )
+            if experts
+            else None
         )
         self._expert_params = list(experts.values())
 
@@ -297,6 +321,18 @@ class ExpertParallelGradSync:
         return [self.dense] if self.experts is None else [self.dense, self.experts]
 
     @property
+    @property
+    def shards_gradients(self) -> bool:
+        """ZeRO-1 (see [Note: ZeRO-1 with experts]): each gradient reaches one rank of the group that shards it."""
+        return self.dense.shards_gradients
+
+    def zero_parts(self) -> list[tuple[DataParallelGradSync, ProcessGroup | None]]:
+        """The syncs that shard the parameters for ZeRO-1, each with its group (dense: DP; experts: replicas)."""
+        parts = [(self.dense, self.dense.group)]
+        if self.experts is not None:
+            parts.append((self.experts, self.experts.group))
+        return parts
+
     def armed(self) -> bool:
         return self.dense.armed
 

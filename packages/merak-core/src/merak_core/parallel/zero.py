@@ -37,7 +37,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -53,6 +54,9 @@ from merak_core.parallel.zero_layout import (
     lay_out_by_owner,
     partition_parameters,
 )
+
+if TYPE_CHECKING:
+    from merak_core.parallel.expert_parallel import ExpertParallelGradSync
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +75,10 @@ class ZeroOptimizer(Optimizer):
             ``lambda groups: torch.optim.AdamW(groups, lr=1e-3)``.
         group: the DP process group (``layout.dp_group``); ``None`` = default group.
         grad_sync: the DP gradient sync over the same group built with ``shard_gradients=True``:
-            its parameter ownership is used and the step all-gathers (see the module docstring).
+            its parameter ownership is used and the step all-gathers (see the module docstring). An
+            expert-parallel sync (:class:`~merak_core.parallel.expert_parallel.ExpertParallelGradSync`) names
+            its parts with ``zero_parts()``: dense parameters are owned and gathered over DP, experts over
+            their expert-replica group.
     """
 
     def __init__(
@@ -80,7 +87,7 @@ class ZeroOptimizer(Optimizer):
         optimizer_factory: OptimizerFactory,
         *,
         group: ProcessGroup | None = None,
-        grad_sync: DataParallelGradSync | None = None,
+        grad_sync: DataParallelGradSync | ExpertParallelGradSync | None = None,
     ) -> None:
         groups = _normalise_groups(params)
         self.group = group
@@ -90,12 +97,13 @@ class ZeroOptimizer(Optimizer):
         if len({id(p) for p in self._all_params}) != len(self._all_params):
             raise ValueError("a parameter appears twice in the parameter groups given to ZeroOptimizer")
         self._sync = grad_sync if grad_sync is not None and grad_sync.shards_gradients else None
-        self.owners = self._owners()
-        owner_of = {id(p): o for p, o in zip(self._all_params, self.owners, strict=True)}
+        self._parts = _sync_parts(self._sync, group)
+        self.owners, self._mine = self._owners()
+        mine = {id(p) for p, m in zip(self._all_params, self._mine, strict=True) if m}
         local_groups = [
             {
                 **{k: v for k, v in g.items() if k != "params"},
-                "params": [p for p in g["params"] if owner_of[id(p)] == self.dp_rank],
+                "params": [p for p in g["params"] if id(p) in mine],
             }
             for g in groups
         ]
@@ -113,9 +121,7 @@ class ZeroOptimizer(Optimizer):
         super().__init__(full_groups, dict(self.inner.defaults))
         self._buckets = self._plan_broadcast()
         self._gather = self._plan_gather()
-        owned = sum(
-            p.numel() for p, o in zip(self._all_params, self.owners, strict=True) if o == self.dp_rank
-        )
+        owned = sum(p.numel() for p, m in zip(self._all_params, self._mine, strict=True) if m)
         logger.debug(
             "ZeRO-1 rank %d/%d owns %d of %d elements",
             self.dp_rank,
@@ -124,41 +130,51 @@ class ZeroOptimizer(Optimizer):
             sum(p.numel() for p in self._all_params),
         )
 
-    def _owners(self) -> list[int]:
+    def _owners(self) -> tuple[list[int], list[bool]]:
+        """Each parameter's owner (its rank in the group that shards it) and whether this rank owns it."""
         if self._sync is None:
-            return partition_parameters([p.numel() for p in self._all_params], self.dp_size)
-        if self._sync.world_size != self.dp_size:
+            owners = partition_parameters([p.numel() for p in self._all_params], self.dp_size)
+            return owners, [o == self.dp_rank for o in owners]
+        dense = self._parts[0][0]
+        if dense.world_size != self.dp_size:
             raise ValueError(
-                f"grad_sync runs over {self._sync.world_size} ranks but the optimizer's group has {self.dp_size}: "
+                f"grad_sync runs over {dense.world_size} ranks but the optimizer's group has {self.dp_size}: "
                 "build both over the DP group"
             )
-        try:
-            return [self._sync.owner_of(p) for p in self._all_params]
-        except KeyError:
-            raise ValueError(
-                "a parameter given to ZeroOptimizer is not synchronised by grad_sync: build the sync over "
-                "the same (trainable) parameters"
-            ) from None
+        owners, mine = [], []
+        for p in self._all_params:
+            part = next((part for part, _ in self._parts if part.synchronises(p)), None)
+            if part is None:
+                raise ValueError(
+                    "a parameter given to ZeroOptimizer is not synchronised by grad_sync: build the sync over "
+                    "the same (trainable) parameters"
+                )
+            owners.append(part.owner_of(p))
+            mine.append(owners[-1] == part.dp_rank)
+        return owners, mine
 
     # ------------------------------------------------------------------ step
 
-    def _plan_gather(self) -> list[tuple[list[nn.Parameter], OwnerLayout]]:
-        """Per sync bucket and parameter dtype: the parameters in owner-by-owner padded layout."""
-        if self._sync is None:
-            return []
+    def _plan_gather(self) -> list[_Gather]:
+        """Per sync part, bucket and parameter dtype: the parameters in owner-by-owner padded layout."""
         in_optimizer = {id(p) for p in self._all_params}
         plan = []
-        for bucket in self._sync.buckets:
-            by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
-            for p in bucket.params:
-                if id(p) in in_optimizer:
-                    by_dtype.setdefault(p.dtype, []).append(p)
-            for dtype in sorted(by_dtype, key=str):
-                ps = by_dtype[dtype]
-                placed = lay_out_by_owner(
-                    [p.numel() for p in ps], self.dp_size, [self._sync.owner_of(p) for p in ps]
-                )
-                plan.append(([ps[i] for i in placed.order], placed))
+        for part, group in self._parts:
+            if part.world_size == 1:
+                continue  # an expert-replica group of one rank (dp == ep): nothing to gather
+            for bucket in part.buckets:
+                by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+                for p in bucket.params:
+                    if id(p) in in_optimizer:
+                        by_dtype.setdefault(p.dtype, []).append(p)
+                for dtype in sorted(by_dtype, key=str):
+                    ps = by_dtype[dtype]
+                    placed = lay_out_by_owner(
+                        [p.numel() for p in ps], part.world_size, [part.owner_of(p) for p in ps]
+                    )
+                    plan.append(
+                        _Gather([ps[i] for i in placed.order], placed, group, part.dp_rank, part.world_size)
+                    )
         return plan
 
     def _plan_broadcast(self) -> list[tuple[int, list[nn.Parameter]]]:
@@ -194,26 +210,29 @@ class ZeroOptimizer(Optimizer):
 
     def _all_gather_parameters(self) -> None:
         pending = []
-        for params, placed in self._gather:
+        for gather in self._gather:
+            params, placed, rank = gather.params, gather.placed, gather.rank
             p0 = params[0]
             mine = torch.zeros(placed.segment_numel, dtype=p0.dtype, device=p0.device)  # zero padding
-            start = self.dp_rank * placed.segment_numel
+            start = rank * placed.segment_numel
             for p, offset, owner in zip(params, placed.offsets, placed.owners, strict=True):
-                if owner == self.dp_rank:
+                if owner == rank:
                     mine.narrow(0, offset - start, p.numel()).copy_(p.detach().reshape(-1))
-            flat = torch.empty(placed.segment_numel * self.dp_size, dtype=p0.dtype, device=p0.device)
-            pending.append((params, placed, flat, all_gather_dim0(flat, mine, self.group)))
-        for params, placed, flat, work in pending:
+            flat = torch.empty(placed.segment_numel * gather.size, dtype=p0.dtype, device=p0.device)
+            pending.append((gather, flat, all_gather_dim0(flat, mine, gather.group)))
+        for gather, flat, work in pending:
             assert work is not None
             try:
                 work.wait()
             except Exception as err:
                 raise RuntimeError(
-                    f"rank {dist.get_rank()}: ZeRO-1 all-gather of {len(params)} updated parameters failed: "
+                    f"rank {dist.get_rank()}: ZeRO-1 all-gather of {len(gather.params)} updated parameters failed: "
                     f"{err}. A peer probably died or skipped optimizer.step()"
                 ) from err
-            for p, offset, owner in zip(params, placed.offsets, placed.owners, strict=True):
-                if owner != self.dp_rank:
+            for p, offset, owner in zip(
+                gather.params, gather.placed.offsets, gather.placed.owners, strict=True
+            ):
+                if owner != gather.rank:
                     p.detach().copy_(flat.narrow(0, offset, p.numel()).view_as(p))
 
     def _broadcast_parameters(self) -> None:
@@ -281,7 +300,7 @@ class ZeroOptimizer(Optimizer):
             group.update(saved)
 
     def _global_indices_of_owned(self) -> list[int]:
-        return [i for i, o in enumerate(self.owners) if o == self.dp_rank]
+        return [i for i, m in enumerate(self._mine) if m]
 
     def consolidate_state_dict(self) -> dict[str, Any]:
         """The unsharded state dict, as a plain optimizer over all parameters would save it.
@@ -290,6 +309,11 @@ class ZeroOptimizer(Optimizer):
         its tensors on the CPU (object collectives pickle through host memory: a CUDA tensor
         would be unpickled onto the sender's GPU index on every rank).
         """
+        if len(self._parts) > 1:
+            raise ValueError(
+                "consolidate_state_dict under expert parallelism: parameter indices name other experts on other "
+                "EP ranks; save a checkpoint (states are kept by parameter name) instead"
+            )
         local = self.inner.state_dict()
         mine = self._global_indices_of_owned()
         # Inner optimizer indices run over its groups in order: position k <-> mine[k].
@@ -336,6 +360,29 @@ class ZeroOptimizer(Optimizer):
         self.inner.load_state_dict({"state": local_state, "param_groups": local_groups})
         for group, saved in zip(self.param_groups, full["param_groups"], strict=True):
             group.update({key: v for key, v in saved.items() if key != "params"})
+
+
+@dataclass(frozen=True)
+class _Gather:
+    """One all-gather of updated parameters: a bucket's parameters of one dtype, over the group that shards them."""
+
+    params: list[nn.Parameter]
+    placed: OwnerLayout
+    group: ProcessGroup | None
+    rank: int
+    size: int
+
+
+def _sync_parts(
+    grad_sync: DataParallelGradSync | ExpertParallelGradSync | None, group: ProcessGroup | None
+) -> list[tuple[DataParallelGradSync, ProcessGroup | None]]:
+    """The gradient syncs that shard the parameters, each with its group: the DP sync, or under expert
+    parallelism its dense part (over DP) and its experts' part (over the expert-replica group)."""
+    if grad_sync is None:
+        return []
+    if isinstance(grad_sync, DataParallelGradSync):
+        return [(grad_sync, group)]
+    return grad_sync.zero_parts()
 
 
 def _to_cpu(state: dict[str, Any]) -> dict[str, Any]:

@@ -54,7 +54,7 @@ from merak_core.config import TrainingArguments, build_lr_scheduler
 from merak_core.parallel.clip import global_grad_norm, scale_gradients_
 from merak_core.parallel.compose import ParallelModel
 from merak_core.parallel.data_parallel import DataParallelGradSync
-from merak_core.parallel.expert_parallel import expert_parameters
+from merak_core.parallel.expert_parallel import ExpertParallelGradSync, expert_parameters
 from merak_core.parallel.fsdp import SHARDED_ZERO_STAGES, ShardedDataParallel, warn_nothing_to_shard
 from merak_core.parallel.layout import ParallelLayout
 from merak_core.parallel.zero import ZeroOptimizer
@@ -214,7 +214,9 @@ class ParallelEngine:
         self.dp_sync: DataParallelGradSync | ShardedDataParallel | None = build_dp_sync(
             self.model, layout, self.sharded, zero_stage=args.zero_stage
         )
-        zero1 = self.dp_sync if isinstance(self.dp_sync, DataParallelGradSync) else None
+        zero1 = (
+            self.dp_sync if isinstance(self.dp_sync, DataParallelGradSync | ExpertParallelGradSync) else None
+        )
         self.grad_shard_group = layout.dp_group if zero1 is not None and zero1.shards_gradients else None
         """ZeRO-1 reduce-scatter: each rank holds its owned parameters' gradients only (the norm sums over it)."""
         self.optimizer: torch.optim.Optimizer = build_optimizer(
@@ -346,7 +348,8 @@ class ParallelEngine:
                     self.params,
                     layout=layout,
                     shared_params=self.model.shared_owner,
-                    expert_params=self.expert_params,
+                    # ZeRO-1: each expert's gradient is on one DP rank already ([Note: ZeRO-1 with experts])
+                    expert_params=self.expert_params if self.grad_shard_group is None else (),
                     grad_shard_group=self.grad_shard_group,
                 )
             bad = ~torch.isfinite(norm)

@@ -23,6 +23,7 @@ from torch import nn
 from merak_core.config import TrainingArguments
 from merak_core.parallel.compose import ParallelModel
 from merak_core.parallel.data_parallel import DataParallelGradSync
+from merak_core.parallel.expert_parallel import ExpertParallelGradSync
 from merak_core.parallel.fsdp import ShardedDataParallel
 from merak_core.parallel.layout import ParallelLayout
 from merak_core.parallel.zero import ZeroOptimizer
@@ -80,6 +81,10 @@ def build_runner(
         recompute=recompute,
     )
     modules = model.stage_modules or {layout.pp_rank: model.module}
+    if args.compile:  # after TP, the cut and ZeRO made the modules ([Note: compiled stages])
+        from merak_core.parallel.compile import compile_stages
+
+        modules = compile_stages(dict(modules), args, recompute=recompute, schedule=schedule_name)
     stages = [
         PipelineStage(module, stage_index=s, num_stages=num_stages, group=layout.pp_group, device=device)
         for s, module in sorted(modules.items())
@@ -186,10 +191,11 @@ def build_dp_sync(
     if layout.dp * layout.cp == 1:
         return None
     if layout.ep > 1:  # dense over DP, experts over their replica group (merak_core.parallel.expert_parallel)
-        from merak_core.parallel.expert_parallel import ExpertParallelGradSync
-
         return ExpertParallelGradSync(
-            model.module, layout, deferred_params=[p for p, _ in model.shared_parameters]
+            model.module,
+            layout,
+            deferred_params=[p for p, _ in model.shared_parameters],
+            shard_gradients=zero_stage == 1,  # [Note: ZeRO-1 with experts]
         )  # type: ignore[return-value]  # the same interface
     # Shared (tied) parameters get their cross-stage sum after the backward: reduce them last.
     # CP ranks hold the same parameters: the sync averages over DP x CP (merak_core.parallel.context_parallel).
@@ -208,7 +214,7 @@ def build_optimizer(
     *,
     device: torch.device,
     factory: OptimizerFactory | None = None,
-    grad_sync: DataParallelGradSync | None = None,
+    grad_sync: DataParallelGradSync | ExpertParallelGradSync | None = None,
 ) -> torch.optim.Optimizer:
     """``factory`` (default: AdamW from ``args``) over the decay groups; ZeRO-1 shards it over DP.
 
