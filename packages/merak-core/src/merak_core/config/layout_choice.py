@@ -47,15 +47,22 @@ class LayoutChoice:
     """ZeRO stage of the optimizer states (0: none)."""
     tp_overlap: bool = False
     """Sub-pipelined TP overlap (priced by the cluster planner; the job keeps its own overlap setting)."""
+    cp: int = 1
+    """Context-parallel ranks (each holds ``seq_len / cp`` tokens of every sample); 1: off."""
+    cp_mode: str = "ring"
+    """Attention over the cp group: ``ring`` or ``ulysses`` (meaningful at cp > 1)."""
 
     @property
     def layout(self) -> str:
-        return f"dp{self.dp}-tp{self.tp}-pp{self.pp}"
+        """``dp{dp}-tp{tp}-pp{pp}``, with ``-cp{cp}`` after dp when cp > 1 (the rank grid's order)."""
+        cp = f"-cp{self.cp}" if self.cp > 1 else ""
+        return f"dp{self.dp}{cp}-tp{self.tp}-pp{self.pp}"
 
     @property
     def schedule_label(self) -> str:
-        """The schedule, with ``v=N`` when it runs N > 1 stages per pipeline rank."""
-        return self.schedule + (f" v={self.virtual_stages}" if self.virtual_stages > 1 else "")
+        """The schedule, with ``v=N`` when it runs N > 1 stages per pipeline rank and the cp mode at cp > 1."""
+        label = self.schedule + (f" v={self.virtual_stages}" if self.virtual_stages > 1 else "")
+        return label + (f" {self.cp_mode}" if self.cp > 1 else "")
 
     def choice(self) -> LayoutChoice:
         """This choice alone (a candidate without its predictions)."""
@@ -79,6 +86,8 @@ class LayoutChoice:
             "virtual_stages": self.virtual_stages,
             "zero_stage": self.zero_stage,
         }
+        if self.cp > 1:
+            out["cp"], out["cp_mode"] = self.cp, self.cp_mode
         if self.recompute == "stage_aware" and memory_budget is not None:
             out["memory_budget"] = int(memory_budget)
         return out

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from merak_core.config.layout_choice import LayoutChoice
 from merak_core.planner.candidate import Candidate
 from merak_core.planner.comm import CommModel
+from merak_core.planner.context_cost import cp_layer_comm_s
 from merak_core.planner.memory import WEIGHT_GRAD_FRACTION, model_state_bytes, usable_memory
 from merak_core.planner.model_profile import ModelProfile
 from merak_pipe import schedule_info
@@ -76,6 +77,8 @@ class LayoutCosts:
     step_comm_s: float  # the gradient-norm and loss all-reduces over every rank
     zero_stage: int = 0
     optimizer_state_factor: float = 2.0
+    cp: int = 1  # context-parallel ranks (the profile is then one cp rank's: merak_core.planner.context_cost)
+    cp_mode: str = "ring"
 
 
 def layout_costs(
@@ -87,7 +90,11 @@ def layout_costs(
     zero_stage: int,
     optimizer_state_factor: float,
     virtual_stages: int = 1,
+    cp: int = 1,
+    cp_mode: str = "ring",
 ) -> LayoutCosts:
+    """What (dp, tp, pp) fixes; at ``cp > 1`` ``profile`` is one cp rank's
+    (:func:`merak_core.planner.context_cost.cp_local_profile`) and the gradients are averaged over dp x cp."""
     num_stages = pp * virtual_stages
     sizes = split_layers(profile.layer_forward_s, num_stages)
     bounds = [sum(sizes[:s]) for s in range(num_stages + 1)]
@@ -114,7 +121,7 @@ def layout_costs(
         )
         for s, (p, t, r) in enumerate(zip(params, trainable, stage, strict=True))
     ]
-    world = dp * tp * pp
+    world = dp * cp * tp * pp
     # Per step outside the pipeline: the optimizer over this rank's trainable parameters (its share
     # under ZeRO-1), the gradient-norm all-reduce and the loss all-reduce over every rank.
     # A rank holds every pp-th stage (round-robin; a V holds the same amount up to rounding).
@@ -130,11 +137,13 @@ def layout_costs(
         act1=[[profile.layer_activation_bytes[i] / tp for i in r] for r in stage],
         layers=[len(r) for r in stage],
         static=static,
-        dp_allreduce_s=max(comm.allreduce_s(p, dp) for p in rank_params) + _wait(comm, dp),
+        dp_allreduce_s=max(comm.allreduce_s(p, dp * cp) for p in rank_params) + _wait(comm, dp * cp),
         optimizer_s=optimizer,
         step_comm_s=2 * (comm.allreduce_s(8.0, world) + _wait(comm, world)),
         zero_stage=zero_stage,
         optimizer_state_factor=optimizer_state_factor,
+        cp=cp,
+        cp_mode=cp_mode,
     )
 
 
@@ -174,15 +183,20 @@ def price(
     # The fixed per-microbatch cost (operator dispatch) belongs to the layers' operators: each stage
     # pays its share (by layer count), and a TP shard runs every operator of its layers.
     half = [profile.microbatch_overhead_s / 2 * n / profile.num_layers for n in lay.layers]
-    world = lay.dp * lay.tp * pp
+    world = lay.dp * lay.cp * lay.tp * pp
     # [Note: compute slots] Ranks that share cores (CPU processes) slow each other's compute down
     # by world / compute_slots, on the critical path too: the replicas of a stage (DP, TP) run and
     # wait at the same moments, so one pipeline's idle time is rarely another's compute time.
     # Waiting for communication is not CPU work and is not slowed down.
     slow = world / compute_slots if compute_slots is not None and world > compute_slots else 1.0
     k = profile.tp_scale.get(lay.tp, 1.0)  # measured against modelled at this TP degree (1: not measured)
-    fwd = [((h + b * f) * slow + c) * k for h, f, c in zip(half, lay.fwd1, tp_comm, strict=True)]
-    bwd = [((h + b * x) * slow + c) * k for h, x, c in zip(half, lay.bwd1, tp_comm, strict=True)]
+    cp_fwd, cp_bwd = _cp_comm(profile, comm, lay, b, slow)
+    fwd = [
+        ((h + b * f) * slow + c + e) * k for h, f, c, e in zip(half, lay.fwd1, tp_comm, cp_fwd, strict=True)
+    ]
+    bwd = [
+        ((h + b * x) * slow + c + e) * k for h, x, c, e in zip(half, lay.bwd1, tp_comm, cp_bwd, strict=True)
+    ]
     costs = CostModel(
         forward=fwd,
         backward=bwd,
@@ -235,6 +249,8 @@ def price(
             "pp": pp,
             "virtual_stages": num_stages // pp,
             "zero_stage": lay.zero_stage,
+            "cp": lay.cp,
+            "cp_mode": lay.cp_mode,
         },
         recompute_fractions=fractions,
         stage_layers=tuple(lay.sizes),
@@ -248,6 +264,26 @@ def price(
         overhead_s=overhead,
         device_peak_bytes=device,
     )
+
+
+def _cp_comm(
+    profile: ModelProfile, comm: CommModel, lay: LayoutCosts, b: int, slow: float
+) -> tuple[list[float], list[float]]:
+    """Per stage: the (forward, backward) seconds the cp group's attention adds to a microbatch (0 at cp=1)."""
+    fwd, bwd = [], []
+    for f, n in zip(lay.fwd1, lay.layers, strict=True):
+        one = cp_layer_comm_s(
+            profile,
+            comm,
+            cp=lay.cp,
+            cp_mode=lay.cp_mode,
+            micro_batch_size=b,
+            layer_forward_s=b * f / n * slow,
+            tp=lay.tp,
+        )
+        fwd.append(n * one[0])
+        bwd.append(n * one[1])
+    return fwd, bwd
 
 
 def _held_once(profile: ModelProfile, lay: LayoutCosts, stage_to_rank: Sequence[int]) -> list[float]:

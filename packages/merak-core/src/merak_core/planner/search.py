@@ -31,6 +31,7 @@ from merak_core.planner.choices import (
     virtual_stage_schedules,
 )
 from merak_core.planner.comm import CommModel
+from merak_core.planner.context_cost import check_cp, cp_allowed, cp_local_profile
 from merak_core.planner.memory import MEMORY_MARGIN, ZERO_STAGES, usable_memory
 from merak_core.planner.model_profile import ModelProfile
 from merak_core.planner.pricing import LayoutCosts, layout_costs, price
@@ -98,11 +99,20 @@ def predict(
             f"predict: pp={pp} x virtual_stages={virtual_stages} stages but the profile has "
             f"{profile.num_layers} layers; use pp * virtual_stages <= layers"
         )
-    lay = layout_costs(profile, comm, dp, tp, pp, zero_stage, optimizer_state_factor, virtual_stages)
+    check_cp(choice.cp, choice.cp_mode)
+    if not cp_allowed(profile, choice.cp, choice.cp_mode, tp):
+        raise ValueError(
+            f"predict: cp_mode='ulysses' with cp={choice.cp} at tp={tp}: cp must divide the heads per TP rank "
+            f"(heads={profile.num_heads}, kv heads={profile.num_kv_heads}); use cp_mode='ring' or another cp"
+        )
+    local = cp_local_profile(profile, choice.cp, choice.cp_mode)  # [merak_core.planner.context_cost]
+    lay = layout_costs(
+        local, comm, dp, tp, pp, zero_stage, optimizer_state_factor, virtual_stages, choice.cp, choice.cp_mode
+    )
     if recompute == "stage_aware" and pp < 2:
         recompute = "none"
     priced = dataclasses.replace(choice, schedule=schedule if pp > 1 else "1f1b", recompute=recompute)
-    cand = price(profile, comm, lay, priced, memory_per_device=memory_per_device, compute_slots=compute_slots)
+    cand = price(local, comm, lay, priced, memory_per_device=memory_per_device, compute_slots=compute_slots)
     if cand is None:
         raise ValueError(
             f"predict: stage-aware recomputation cannot fit memory_per_device={memory_per_device:.6g} "
@@ -166,6 +176,8 @@ def plan(
     max_microbatches: int = 64,
     compute_slots: float | None = None,
     virtual_stages: Sequence[int] = (1,),
+    cp_degrees: Sequence[int] = (1,),
+    cp_mode: str = "ring",
 ) -> list[Candidate]:
     """Every feasible configuration, best predicted step time first.
 
@@ -173,8 +185,11 @@ def plan(
     parameter byte (2 for Adam in the parameters' dtype); ``compute_slots`` is how many ranks can
     compute at once on one host (CPU cores when the ranks are CPU processes; None: a device per
     rank); ``virtual_stages``: the stages per pipeline rank to try (see [Note: virtual stages in
-    the search]). Ties in step time are broken by fewer TP ranks, then the layout string, schedule,
-    microbatches and recompute mode.
+    the search]); ``cp_degrees``: the context-parallel degrees to try, each dividing ``world_size``
+    (priced by :mod:`merak_core.planner.context_cost` with ``cp_mode``; give (1, 2, 4, ...) for long
+    sequences: a cp > 1 layout is kept when it fits and ranks by its step time like any other). Ties
+    in step time are broken by fewer TP ranks, then the layout string, schedule, microbatches and
+    recompute mode.
     Raises ValueError on invalid inputs, or when nothing fits (naming the least memory needed).
     """
     comm = comm or CommModel()
@@ -191,12 +206,7 @@ def plan(
     )
     out: list[Candidate] = []
     least_needed = math.inf
-    grid = layouts(
-        world_size,
-        num_layers=profile.num_layers,
-        global_batch_size=global_batch_size,
-        tp_allowed=profile.tp_allowed,
-    )
+    grid = _cp_grid(profile, world_size, global_batch_size, cp_degrees, cp_mode)
     if not grid:
         raise ValueError(
             f"plan: no (dp, tp, pp) with dp*tp*pp={world_size} suits this model: tp must divide heads="
@@ -204,9 +214,9 @@ def plan(
             f"{profile.num_layers}; dp must divide global_batch_size={global_batch_size}. Change world_size or the "
             "batch size"
         )
-    for dp, tp, pp in grid:
+    for cp, local, (dp, tp, pp) in grid:
         lays = {
-            v: layout_costs(profile, comm, dp, tp, pp, zero_stage, optimizer_state_factor, v)
+            v: layout_costs(local, comm, dp, tp, pp, zero_stage, optimizer_state_factor, v, cp, cp_mode)
             for v in virtual_stage_counts(profile.num_layers, pp, virtual_stages)
         }
         per_dp = global_batch_size // dp
@@ -223,9 +233,11 @@ def plan(
                     micro_batch_size=per_dp // m,
                     virtual_stages=v,
                     zero_stage=zero_stage,
+                    cp=cp,
+                    cp_mode=cp_mode,
                 )
                 for cand in _recompute_variants(
-                    profile,
+                    local,
                     comm,
                     lays[v],
                     choice,
@@ -244,6 +256,27 @@ def plan(
             f"the planner's {MEMORY_MARGIN:.0%} margin): raise the memory, add devices or shrink the batch"
         )
     out.sort(key=sort_key)
+    return out
+
+
+def _cp_grid(
+    profile: ModelProfile, world_size: int, global_batch_size: int, cp_degrees: Sequence[int], cp_mode: str
+) -> list[tuple[int, ModelProfile, tuple[int, int, int]]]:
+    """(cp, the profile of one cp rank, (dp, tp, pp)) for every cp of ``cp_degrees`` dividing ``world_size``
+    and every (dp, tp, pp) of the other ranks the model allows (Ulysses: cp divides the heads per TP rank)."""
+    out = []
+    for cp in sorted(set(cp_degrees)):
+        check_cp(cp, cp_mode)
+        if world_size % cp:
+            continue
+        local = cp_local_profile(profile, cp, cp_mode)
+        grid = layouts(
+            world_size // cp,
+            num_layers=profile.num_layers,
+            global_batch_size=global_batch_size,
+            tp_allowed=lambda tp, cp=cp: profile.tp_allowed(tp) and cp_allowed(profile, cp, cp_mode, tp),
+        )
+        out += [(cp, local, degrees) for degrees in grid]
     return out
 
 

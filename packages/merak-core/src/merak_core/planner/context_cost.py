@@ -1,0 +1,166 @@
+"""Pricing context parallelism (the cp axis): a rank's share of a profile, and the cp group's communication.
+
+At ``cp > 1`` every rank of a cp group holds ``seq_len / cp`` tokens of each sample
+(:mod:`merak_core.parallel.context_parallel`). The planner prices that in two parts:
+
+- :func:`cp_local_profile`: the profile of one rank's tokens. Forward and backward seconds, saved
+  activation bytes and the boundary (a layer's output) of one sample are divided by cp (causal ring
+  attention is load-balanced, and Ulysses splits the heads, so every rank does ``1 / cp`` of the
+  attention work too), plus what the cp attention itself keeps per attention layer
+  (:func:`cp_attention_extra_bytes`). Parameters, the per-microbatch overhead and the optimizer are
+  unchanged: cp ranks hold the same parameters.
+- :func:`cp_layer_comm_s`: the seconds the cp group's communication adds to one layer's forward and
+  backward of one microbatch. ``ring``: the key/value block of the local tokens passes ``cp - 1``
+  times round the group; in the forward each pass overlaps the blockwise attention of the block
+  before it, so each of the ``cp - 1`` steps costs ``max(block compute, pass)`` where the block
+  compute is ``1 / cp`` of the layer's forward ([Note: ring overlap priced]); the backward passes the
+  block and its gradient back and waits at once: ``2 (cp - 1)`` passes, not overlapped.
+  ``ulysses``: two all-to-alls in the forward (query, key and value to the head split; the output
+  back) and two in the backward, not overlapped.
+
+[Note: attention sizes from the profile] A profile measures a layer as a whole: its output
+(``boundary_bytes``, the hidden size per token) but not its query or key/value widths. The query
+and the attention output are priced at the boundary's width (hidden size = heads x head dim, as in
+every Llama/GPT/Qwen-style model), the key/value pair at ``2 * num_kv_heads / num_heads`` of it
+(grouped-query attention), and every layer of the profile is taken to hold one attention: the
+profiled layers are the transformer blocks (the embedding and the head are counted in the first and
+last block).
+
+[Note: ring overlap priced] The profile does not separate attention from the rest of a layer, so a
+ring step's block compute is priced as ``1 / cp`` of the whole layer's forward on the local tokens:
+an upper bound of the compute a pass can hide behind, so the ring's exposed communication is a
+lower bound when the MLP dominates the layer.
+
+[Note: cp attention memory] What the cp attention keeps beyond ``1 / cp`` of the one-process
+activations, per attention layer, in units of the local tokens' boundary bytes (``boundary / cp``),
+for the rank holding the most (the last of the group, which computes every earlier rank's block
+whole): ``ulysses`` one (the output's copy in the sequence split); ``ring`` the key/value blocks it
+receives plus its own (``cp * 2 * kv / heads``: each is an input of a recomputed block, see
+[Note: ring backward] in :mod:`merak_tp.context`) and the blocks' partial outputs and their
+online-softmax merges (``2 * cp - 2``), counted whole: the one-process attention's own saved
+query/key/value, which the ring replaces, are not subtracted (an upper bound, by about one or two
+boundaries per layer). The ring's held bytes therefore fall more slowly than ``1 / cp``: measured
+and compared with this model by ``tests/core/test_context_parallel_memory.py``.
+
+Not done here: the sequence length (the job checks refuse one that does not divide into ``2 * cp``
+chunks, or ``cp`` for Ulysses), and where the cp group sits on a cluster's links (the cluster
+planner's concern).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from merak_core.planner.comm import CommModel
+from merak_core.planner.model_profile import ModelProfile
+
+__all__ = [
+    "CP_MODES",
+    "check_cp",
+    "cp_allowed",
+    "cp_attention_extra_bytes",
+    "cp_layer_comm_s",
+    "cp_local_profile",
+    "kv_fraction",
+]
+
+CP_MODES = ("ring", "ulysses")
+
+
+def check_cp(cp: int, cp_mode: str) -> None:
+    """ValueError for a cp degree or mode the planner cannot price."""
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+        raise ValueError(f"cp={cp!r}; expected an int >= 1 (1: no context parallelism)")
+    if cp_mode not in CP_MODES:
+        raise ValueError(f"cp_mode={cp_mode!r}; expected one of {CP_MODES}")
+
+
+def kv_fraction(profile: ModelProfile) -> float:
+    """Bytes of one token's key and value together, per byte of its hidden state ([Note: attention sizes
+    from the profile]): ``2 * num_kv_heads / num_heads`` (2 without head counts)."""
+    heads = profile.num_heads
+    kv = profile.num_kv_heads if profile.num_kv_heads is not None else heads
+    if heads is None or kv is None:
+        return 2.0
+    return 2.0 * kv / heads
+
+
+def cp_allowed(profile: ModelProfile, cp: int, cp_mode: str, tp: int) -> bool:
+    """Whether ``cp`` can run with ``tp``: Ulysses needs cp to divide the query and key/value heads
+    per TP rank (ring has no constraint)."""
+    if cp == 1 or cp_mode == "ring" or profile.num_heads is None:
+        return True
+    kv = profile.num_kv_heads if profile.num_kv_heads is not None else profile.num_heads
+    return all(h % tp == 0 and (h // tp) % cp == 0 for h in (profile.num_heads, kv))
+
+
+def cp_attention_extra_bytes(profile: ModelProfile, cp: int, cp_mode: str) -> float:
+    """Bytes the cp attention keeps per attention layer and sample beyond ``1 / cp`` of the
+    one-process activations ([Note: cp attention memory]); 0 at cp=1."""
+    check_cp(cp, cp_mode)
+    if cp == 1:
+        return 0.0
+    local = profile.boundary_bytes / cp
+    if cp_mode == "ulysses":
+        return local
+    return local * (cp * kv_fraction(profile) + 2 * cp - 2)
+
+
+def cp_local_profile(profile: ModelProfile, cp: int, cp_mode: str) -> ModelProfile:
+    """The profile of one cp rank's tokens: per-sample seconds, activations and boundary divided by cp,
+    each layer's activations plus :func:`cp_attention_extra_bytes`; ``profile`` itself at cp=1."""
+    check_cp(cp, cp_mode)
+    if cp == 1:
+        return profile
+    extra = cp_attention_extra_bytes(profile, cp, cp_mode)
+    return dataclasses.replace(
+        profile,
+        layer_forward_s=[t / cp for t in profile.layer_forward_s],
+        layer_backward_s=[t / cp for t in profile.layer_backward_s],
+        layer_activation_bytes=[a / cp + extra for a in profile.layer_activation_bytes],
+        boundary_bytes=profile.boundary_bytes / cp,
+    )
+
+
+def _p2p_s(comm: CommModel, nbytes: float) -> float:
+    return comm.p2p_latency_s + nbytes / comm.p2p_bandwidth
+
+
+def _all_to_all_s(comm: CommModel, nbytes: float, group_size: int) -> float:
+    """One all-to-all of ``nbytes`` per rank: ``group_size - 1`` messages of ``1 / group_size`` of them."""
+    n = group_size
+    return (n - 1) * comm.p2p_latency_s + (n - 1) / n * nbytes / comm.p2p_bandwidth
+
+
+def cp_layer_comm_s(
+    local: ModelProfile,
+    comm: CommModel,
+    *,
+    cp: int,
+    cp_mode: str,
+    micro_batch_size: int,
+    layer_forward_s: float,
+    tp: int = 1,
+) -> tuple[float, float]:
+    """(forward, backward) seconds the cp group adds to one attention layer of one microbatch.
+
+    ``local`` is the rank's profile (:func:`cp_local_profile`); ``layer_forward_s`` the layer's
+    forward compute of the microbatch on the local tokens (what a ring pass overlaps, [Note: ring
+    overlap priced]); key/value and query bytes are divided by ``tp`` (TP splits the heads).
+    """
+    check_cp(cp, cp_mode)
+    if cp == 1:
+        return 0.0, 0.0
+    hidden = micro_batch_size * local.boundary_bytes / tp  # the local tokens' query (or output) bytes
+    kv = hidden * kv_fraction(local)
+    wait = comm.sync_wait_s
+    if cp_mode == "ring":
+        step = _p2p_s(comm, kv) + wait
+        block = layer_forward_s / cp
+        forward = (cp - 1) * max(0.0, step - block)  # each step's pass hides behind the block before it
+        backward = 2 * (cp - 1) * step
+        return forward, backward
+    # Ulysses: query, key and value in one exchange each way per all-to-all pair; the output back.
+    into_heads = _all_to_all_s(comm, hidden + kv, cp) + wait
+    back = _all_to_all_s(comm, hidden, cp) + wait
+    return into_heads + back, into_heads + back

@@ -1,0 +1,137 @@
+"""The planner's price of context parallelism (merak_core.planner.context_cost): exact terms, and the search.
+
+Pure: a hand-written profile and communication model, every expected number computed here from the
+documented formulas (one cp rank's share of the profile, the ring's passes overlapped with its
+blocks, Ulysses' two all-to-alls, the gradient all-reduce over dp x cp).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from merak_core.config.layout_choice import LayoutChoice
+from merak_core.planner import CommModel, ModelProfile, plan, predict
+from merak_core.planner.context_cost import (
+    cp_allowed,
+    cp_attention_extra_bytes,
+    cp_layer_comm_s,
+    cp_local_profile,
+)
+from merak_core.planner.memory import usable_memory
+
+LAYERS = 4
+BOUNDARY = 4096.0
+ACT = 40960.0
+
+
+def _profile(**overrides: object) -> ModelProfile:
+    values: dict[str, object] = dict(
+        layer_forward_s=[1e-3] * LAYERS,
+        layer_backward_s=[2e-3] * LAYERS,
+        layer_activation_bytes=[ACT] * LAYERS,
+        layer_param_bytes=[1000.0] * LAYERS,
+        boundary_bytes=BOUNDARY,
+        num_heads=8,
+        num_kv_heads=2,
+        vocab_size=64,
+    )
+    values.update(overrides)
+    return ModelProfile(**values)  # type: ignore[arg-type]
+
+
+COMM = CommModel(p2p_latency_s=1e-5, p2p_bandwidth=1e6, allreduce_latency_s=2e-5, allreduce_bandwidth=1e7)
+
+
+def test_local_profile_divides_by_cp_and_adds_the_attention_extra() -> None:
+    prof = _profile()
+    assert cp_local_profile(prof, 1, "ring") is prof
+    kv = 2 * 2 / 8  # key and value bytes per hidden byte (GQA 8/2)
+    for cp in (2, 4):
+        ring = cp_local_profile(prof, cp, "ring")
+        extra = BOUNDARY / cp * (cp * kv + 2 * cp - 2)
+        assert cp_attention_extra_bytes(prof, cp, "ring") == extra
+        assert ring.layer_activation_bytes == [ACT / cp + extra] * LAYERS
+        assert ring.layer_forward_s == [1e-3 / cp] * LAYERS
+        assert ring.layer_backward_s == [2e-3 / cp] * LAYERS
+        assert ring.boundary_bytes == BOUNDARY / cp
+        assert ring.layer_param_bytes == prof.layer_param_bytes  # cp ranks hold the same parameters
+        uly = cp_local_profile(prof, cp, "ulysses")
+        assert uly.layer_activation_bytes == [ACT / cp + BOUNDARY / cp] * LAYERS
+
+
+def test_ring_overlaps_its_passes_and_ulysses_pays_two_all_to_alls() -> None:
+    local = cp_local_profile(_profile(), 4, "ring")
+    b, kv = 2, 2 * BOUNDARY / 4 * (2 * 2 / 8)  # the local key/value bytes of two samples
+    one_pass = 1e-5 + kv / 1e6
+    slow_block = 1.0  # compute longer than a pass: the forward's passes are hidden
+    assert cp_layer_comm_s(
+        local, COMM, cp=4, cp_mode="ring", micro_batch_size=b, layer_forward_s=4 * slow_block
+    ) == (0.0, 2 * 3 * one_pass)
+    fast = 4e-6  # each block 1e-6 s: every pass shows, less the block it overlaps
+    fwd, bwd = cp_layer_comm_s(local, COMM, cp=4, cp_mode="ring", micro_batch_size=b, layer_forward_s=fast)
+    assert fwd == pytest.approx(3 * (one_pass - 1e-6), rel=1e-12)
+    assert bwd == 2 * 3 * one_pass
+    uly = cp_local_profile(_profile(), 4, "ulysses")
+    hidden = b * BOUNDARY / 4
+
+    def a2a(nbytes: float) -> float:
+        return 3 * 1e-5 + 3 / 4 * nbytes / 1e6
+
+    expected = a2a(hidden + hidden * 0.5) + a2a(hidden)
+    got = cp_layer_comm_s(uly, COMM, cp=4, cp_mode="ulysses", micro_batch_size=b, layer_forward_s=fast)
+    assert got == pytest.approx((expected, expected), rel=1e-12)
+    assert cp_layer_comm_s(
+        _profile(), COMM, cp=1, cp_mode="ring", micro_batch_size=b, layer_forward_s=1.0
+    ) == (
+        0.0,
+        0.0,
+    )
+
+
+def test_predict_at_cp_prices_the_local_tokens_and_the_dp_x_cp_all_reduce() -> None:
+    prof = _profile()
+    base = LayoutChoice(dp=1, tp=1, pp=1, schedule="1f1b", num_microbatches=1, micro_batch_size=2)
+    one = predict(prof, base, comm=COMM)
+    two = predict(prof, dataclasses.replace(base, cp=2), comm=COMM)
+    assert (two.cp, two.cp_mode, two.layout) == (2, "ring", "dp1-cp2-tp1-pp1")
+    assert two.training_fields()["cp"] == 2 and "cp" not in one.training_fields()
+    assert two.dp_allreduce_s == COMM.allreduce_s(4000.0, 2)  # the gradients averaged over dp x cp
+    assert one.dp_allreduce_s == 0.0
+    local = cp_local_profile(prof, 2, "ring")
+    state = 4000.0 * (1 + 1 + 2)  # weights, gradients, Adam's two moments
+    assert one.peak_memory_bytes == (state + 2 * LAYERS * ACT,)
+    assert two.peak_memory_bytes == (state + 2 * sum(local.layer_activation_bytes),)
+    fwd, bwd = cp_layer_comm_s(
+        local, COMM, cp=2, cp_mode="ring", micro_batch_size=2, layer_forward_s=2 * 1e-3 / 2
+    )
+    assert two.stage_forward_s == pytest.approx((LAYERS * (2 * 1e-3 / 2 + fwd),), rel=1e-12)
+    assert two.stage_backward_s == pytest.approx((LAYERS * (2 * 2e-3 / 2 + bwd),), rel=1e-12)
+    with pytest.raises(ValueError, match="ulysses"):
+        predict(prof, dataclasses.replace(base, cp=4, cp_mode="ulysses"), comm=COMM)  # 2 kv heads
+
+
+def test_plan_considers_cp_when_no_cp1_layout_fits() -> None:
+    # One key/value head: no tp > 1 and no Ulysses; one sample per replica: pp > 1 has too few
+    # microbatches. At cp=1 no layout of 4 ranks runs; dp=2 x cp=2, cp=2 x pp=2 and cp=4 do.
+    prof = _profile(num_kv_heads=1)
+    with pytest.raises(ValueError, match="nothing fits"):  # dp=2 x pp=2 would need 2 microbatches
+        plan(prof, world_size=4, memory_per_device=1e12, global_batch_size=2, comm=COMM)
+    cands = plan(
+        prof, world_size=4, memory_per_device=1e12, global_batch_size=2, comm=COMM, cp_degrees=(1, 2, 4)
+    )
+    assert {(c.dp, c.cp, c.tp, c.pp) for c in cands} == {(2, 2, 1, 1), (1, 2, 1, 2), (1, 4, 1, 1)}
+    peaks = {(c.cp, c.pp): max(c.device_peak_bytes) for c in cands if c.recompute == "none"}
+    assert peaks[4, 1] < peaks[2, 1]  # a quarter of the tokens (and of the GQA key/values passed)
+    low, high = sorted(peaks.values())[:2]
+    memory = (low + high) / 2 / usable_memory(1.0)  # the smallest fits, no other layout without recomputation
+    fits = plan(
+        prof, world_size=4, memory_per_device=memory, global_batch_size=2, comm=COMM, cp_degrees=(1, 2, 4)
+    )
+    smallest = min(peaks, key=lambda k: peaks[k])
+    assert {(c.cp, c.pp) for c in fits if c.recompute == "none"} == {smallest}
+    with pytest.raises(ValueError, match="nothing fits"):
+        plan(prof, world_size=4, memory_per_device=memory, global_batch_size=2, comm=COMM)
+    assert cp_allowed(_profile(), 2, "ulysses", 1) and not cp_allowed(_profile(), 4, "ulysses", 1)
+    assert cp_allowed(_profile(), 4, "ring", 2)
