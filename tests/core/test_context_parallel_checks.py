@@ -51,12 +51,15 @@ def test_model_refusals() -> None:
         ValueError, match=r"cp=2: GPT is neither a transformers model .*merak_tp.cp_attention"
     ):
         check_cp_model(GPT(DecoderConfig(num_layers=1)), _args(cp=2))
-    with pytest.raises(ValueError, match=r"cp=2 with LoRA"):
-        check_cp_model(llama, _args(cp=2), lora=object())
+    from merak_core.lora import LoraConfig
+
+    check_cp_model(llama, _args(cp=2), lora=LoraConfig(r=2))  # adapters are ordinary parameters: accepted
+    with pytest.raises(ValueError, match=r"cp=2 with model.lora.dropout=0.1.*model.lora.dropout: 0.0"):
+        check_cp_model(llama, _args(cp=2), lora=LoraConfig(r=2, dropout=0.1))
     with pytest.raises(ValueError, match=r"custom loss_fn.*drop loss_fn"):
         check_cp_model(llama, _args(cp=2), loss_fn_given=True)
-    with pytest.raises(ValueError, match=r"eval_dataset"):
-        check_cp_model(llama, _args(cp=2), eval_dataset=[1])
+    with pytest.raises(ValueError, match=r"cp=2 with compute_metrics.*drop compute_metrics"):
+        check_cp_model(llama, _args(cp=2), compute_metrics_given=True)
     # 2 kv heads over tp=2 leave 1 per rank: ulysses at cp=2 cannot split it.
     with pytest.raises(
         ValueError, match=r"cp_mode='ulysses' with cp=2: .*2 query and 1 key/value heads per TP rank"

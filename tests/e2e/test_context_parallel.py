@@ -26,19 +26,26 @@ IGNORED = ((0, 1, 2, 3), (12, 13, 14, 15), (6, 7, 8, 9), (0, 1, 2, 5))
 """The label positions (-100) of each sample."""
 
 
-class Tokens(Dataset):
-    """``BATCH`` random sequences; sample i ignores the labels at ``IGNORED[i]``."""
+EVAL_IGNORED = ((0, 1, 2, 3, 4, 5, 6, 7, 8, 9), (), (3,), (12, 13, 14, 15), (1, 2, 3, 4, 5, 6))
+"""The evaluation samples' ignored labels: samples and cp ranks count different numbers of tokens."""
 
-    def __init__(self) -> None:
-        g = torch.Generator().manual_seed(3)
-        self.ids = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+
+class Tokens(Dataset):
+    """``count`` random sequences; sample i ignores the labels at ``ignored[i % len(ignored)]``."""
+
+    def __init__(
+        self, count: int = BATCH, seed: int = 3, ignored: tuple[tuple[int, ...], ...] = IGNORED
+    ) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, VOCAB, (count, SEQ + 1), generator=g)
+        self.ignored = ignored
 
     def __len__(self) -> int:
-        return BATCH
+        return len(self.ids)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         labels = self.ids[i, 1:].clone()
-        labels[list(IGNORED[i])] = -100
+        labels[list(self.ignored[i % len(self.ignored)])] = -100
         return {"input_ids": self.ids[i, :-1], "labels": labels}
 
 
@@ -185,6 +192,78 @@ def test_cp2_zero_sharded_equals_one_process(dp: int, zero_stage: int) -> None:
     """ZeRO-2/3 (FSDP2) shards over the DP x CP ranks (layout.grad_sync_group)."""
     overrides = {"cp": 2, "dp": dp, "zero_stage": zero_stage, "per_device_train_batch_size": BATCH // dp}
     _check("reference", run_on_ranks(2 * dp, _train, "reference", overrides, 2 * dp))
+
+
+def _train_lora(kind: str, overrides: dict[str, Any]) -> tuple[list[float], dict[str, torch.Tensor] | None]:
+    """Two SGD steps of LoRA adapters (the first step trains B alone: B starts at zero)."""
+    import torch.distributed as dist
+
+    from merak_core import Trainer
+    from merak_core.lora import LoraConfig
+
+    lora = LoraConfig(r=4, alpha=8, target_modules="all-linear")
+    args = _args(max_steps=2, **overrides)
+    trainer = Trainer(_model(kind), args, Tokens(), optimizer_factory=_sgd, lora=lora)
+    losses = [h["loss"] for h in trainer.train()]
+    state = trainer.full_state_dict()
+    return losses, state if dist.get_rank() == 0 else None
+
+
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+def test_cp2_lora_equals_one_process(mode: str) -> None:
+    """LoRA at cp=2 against the same LoRA run by one process (itself PEFT's, tests/e2e/test_lora.py)."""
+    ref_losses, ref_state = run_on_ranks(1, _train_lora, "transformers", {})[0]
+    results = run_on_ranks(2, _train_lora, "transformers", {"cp": 2, "cp_mode": mode})
+    assert ref_state is not None and results[0][1] is not None
+    adapters = [n for n in ref_state if "lora_" in n]
+    assert adapters and all(float(ref_state[n].abs().max()) > 0 for n in adapters if "lora_B" in n)
+    for losses, _ in results:
+        assert losses == pytest.approx(ref_losses, rel=1e-12)
+    assert sorted(results[0][1]) == sorted(ref_state)
+    for name, value in ref_state.items():
+        torch.testing.assert_close(results[0][1][name], value, rtol=1e-10, atol=1e-12, msg=name)
+
+
+EVAL_SAMPLES = 5
+"""Evaluation samples: the last batch is partial (padded, its padding masked) at every layout below."""
+
+
+def _eval_data() -> Tokens:
+    return Tokens(EVAL_SAMPLES, seed=4, ignored=EVAL_IGNORED)
+
+
+def _evaluate(kind: str, overrides: dict[str, Any]) -> float:
+    from merak_core import Trainer
+
+    args = _args(per_device_eval_batch_size=2, **overrides)
+    trainer = Trainer(_model(kind), args, Tokens(), _eval_data(), optimizer_factory=_sgd)
+    return trainer.evaluate()["eval_loss"]
+
+
+@pytest.mark.parametrize(
+    ("kind", "overrides"),
+    [
+        ("reference", {"cp": 2, "cp_mode": "ring"}),
+        ("reference", {"cp": 2, "dp": 2, "cp_mode": "ulysses", "per_device_train_batch_size": 2}),
+        (
+            "transformers",
+            {"cp": 2, "pp": 2, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2},
+        ),
+    ],
+    ids=["cp2-ring", "dp2_cp2-ulysses", "cp2_pp2-ring"],
+)
+def test_cp_eval_loss_equals_one_process(kind: str, overrides: dict[str, Any]) -> None:
+    """eval_loss at cp > 1: the mean over every counted token of the set, as one process computes it."""
+    model, data = _model(kind), _eval_data()
+    ids = torch.stack([data[i]["input_ids"] for i in range(EVAL_SAMPLES)])
+    labels = torch.stack([data[i]["labels"] for i in range(EVAL_SAMPLES)])
+    with torch.no_grad():
+        out = model(ids)
+    logits = getattr(out, "logits", out)
+    expected = float(F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100))
+    world = 2 * overrides.get("dp", 1) * overrides.get("pp", 1)
+    for got in run_on_ranks(world, _evaluate, kind, overrides):
+        assert got == pytest.approx(expected, rel=1e-12)
 
 
 def _train_from(

@@ -429,16 +429,18 @@ class Trainer(GenerateMixin, EngineViews):
         def run(batch: Any, return_outputs: bool) -> Any:
             return self.engine.evaluate_batch(batch.inputs, batch.labels, return_outputs=return_outputs)
 
-        return evaluate_loader(
-            loader,
-            run=run,
-            loss_fn=self.loss_fn,
-            compute_metrics=self.compute_metrics,
-            num_microbatches=num_micro,
-            tp_rank=self.layout.tp_rank,
-            device=self.device,
-            autocast=self.engine.autocast,
-        )
+        cp = self.cp_run  # this rank's tokens, each weighed by the default loss ([Note: cp evaluation])
+        with cp.active() if cp is not None else contextlib.nullcontext():
+            return evaluate_loader(
+                loader if cp is None else cp.split_batches(loader),
+                run=run,
+                loss_fn=self.loss_fn if cp is None else default_loss,
+                compute_metrics=self.compute_metrics,
+                num_microbatches=num_micro,
+                tp_rank=self.layout.tp_rank,
+                device=self.device,
+                autocast=self.engine.autocast,
+            )
 
     def _eval_micro_batch_size(self) -> int:
         """``per_device_eval_batch_size``, or the training microbatch for shape-specialised stages (once)."""

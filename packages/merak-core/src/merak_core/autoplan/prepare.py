@@ -116,14 +116,16 @@ def _refuse_before_groups(
     layout: ParallelLayout | None,
     lora: LoraConfig | None,
     loss_fn_given: bool,
-    eval_dataset: Any,
+    compute_metrics_given: bool,
 ) -> None:
     """What the model and the arguments alone refuse, on every rank alike, before any process group."""
     if lora is not None:
         bootstrap.check_lora(model, args, layout, lora)
     if args.cp > 1:  # merak_core.parallel.context_parallel
-        check_cp_model(model, args, lora=lora, loss_fn_given=loss_fn_given, eval_dataset=eval_dataset)
-    if args.ep > 1:  # merak_core.parallel.expert_parallel
+        check_cp_model(
+            model, args, lora=lora, loss_fn_given=loss_fn_given, compute_metrics_given=compute_metrics_given
+        )
+    if args.ep > 1 or args.moe_capacity_factor is not None:  # merak_core.parallel.expert_parallel
         from merak_core.parallel.expert_parallel import check_ep_model
 
         check_ep_model(model, args, lora=lora)
@@ -187,7 +189,12 @@ def prepare_run(
         lora=lora,
     )
     _refuse_before_groups(
-        model, args, layout=layout, lora=lora, loss_fn_given=loss_fn is not None, eval_dataset=eval_dataset
+        model,
+        args,
+        layout=layout,
+        lora=lora,
+        loss_fn_given=loss_fn is not None,
+        compute_metrics_given=compute_metrics is not None,
     )
     from merak_core.run.samples import TrainingSamples
 

@@ -10,14 +10,21 @@ from merak_core.checks.base import PreflightError
 
 
 def check_cp_job(job: Any, model: nn.Module) -> list[str]:
-    """What was checked (nothing at cp=1); :class:`PreflightError` for a model, LoRA or loss cp > 1 refuses."""
+    """What was checked (nothing at cp=1); :class:`PreflightError` for a model, LoRA dropout, loss or metrics
+    cp > 1 refuses."""
     from merak_core.parallel.context_parallel import check_cp_model
 
     t = job.training
     if t.cp == 1:
         return []
     try:
-        check_cp_model(model, t, lora=job.model.lora, loss_fn_given=job.loss is not None)
+        check_cp_model(
+            model,
+            t,
+            lora=job.model.lora,
+            loss_fn_given=job.loss is not None,
+            compute_metrics_given=job.metrics is not None,
+        )
     except ValueError as exc:
         raise PreflightError(str(exc)) from None
     return [f"cp={t.cp} ({t.cp_mode}): the model's attention can run over the cp group"]
@@ -29,10 +36,6 @@ def check_cp_first_batch(inputs: Any, labels: Any, training: Any, what: str) -> 
 
     if training.cp == 1:
         return
-    if what != "training":
-        raise PreflightError(
-            f"cp={training.cp} with an evaluation set: evaluation at cp > 1 is not supported yet: evaluate at cp=1"
-        )
     try:
         check_cp_batch(inputs, labels, training.cp, training.cp_mode)
     except ValueError as exc:

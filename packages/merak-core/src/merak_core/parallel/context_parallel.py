@@ -22,20 +22,26 @@ ranks is the one-process loss, and the gradients, averaged over DP x CP by the g
 (``layout.grad_sync_group``: CP ranks are replicas for the parameters), are the one-process gradients.
 The engine averages the reported loss over ``dp * cp`` ranks for the same reason.
 
+[Note: cp evaluation] Evaluation splits each batch as training does and runs in the CP context; each
+rank weighs the token-mean loss of its own tokens (the default loss, no CP scaling) by their count, and
+the evaluation's sum over all ranks (merak_core.run.evaluation [Note: eval weighting]) adds the CP ranks'
+disjoint tokens: ``eval_loss`` is the mean over every counted token of the set, as one process computes
+it. Per-example ``compute_metrics`` read whole samples and are refused.
+
 At pp > 1 the pipeline tracer keeps a transformers model's attention modules whole
 (:func:`attention_leaf_classes`, added to the leaves by ``compose``), so their attention function runs
 at run time in the CP context; stage boundaries carry the local tokens.
 
-Not done here (refused instead): ZeRO-2/3, LoRA, a handwritten
-model at pp > 1, padding masks or restarting position ids (packed documents), evaluation, a custom
-``loss_fn``, ``layout: auto``.
+Not done here (refused instead): a handwritten model at pp > 1, padding masks or restarting position
+ids (packed documents), LoRA dropout, ``compute_metrics``, a custom ``loss_fn``, ``layout: auto``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -100,7 +106,12 @@ def is_transformers_model(model: nn.Module) -> bool:
 
 
 def check_cp_model(
-    model: nn.Module, args: Any, *, lora: Any = None, loss_fn_given: bool = False, eval_dataset: Any = None
+    model: nn.Module,
+    args: Any,
+    *,
+    lora: Any = None,
+    loss_fn_given: bool = False,
+    compute_metrics_given: bool = False,
 ) -> None:
     """ValueError, before any process group, for a model or run that cp > 1 cannot make exact."""
     cp = args.cp
@@ -118,17 +129,23 @@ def check_cp_model(
             f"cp={cp} with pp={args.pp}: {type(model).__name__} is not a transformers model; a handwritten "
             "model's positions are computed in the traced graph, outside the cp hook: use pp=1, or cp=1"
         )
-    if lora is not None:
-        raise ValueError(f"cp={cp} with LoRA is not supported yet: train LoRA with cp=1")
+    if lora is not None and lora.dropout > 0:
+        raise ValueError(
+            f"cp={cp} with model.lora.dropout={lora.dropout}: each cp rank would draw the adapters' dropout "
+            "masks for its own tokens, not the masks one process draws for the whole sequence: set "
+            "model.lora.dropout: 0.0, or cp=1"
+        )
     if loss_fn_given:
         raise ValueError(
             f"cp={cp} with a custom loss_fn: the loss must be averaged over the tokens of every CP rank "
             "(merak_core.parallel.context_parallel [Note: cp loss]); only the default token cross-entropy does that: "
             "drop loss_fn, or cp=1"
         )
-    if eval_dataset is not None:
+    if compute_metrics_given:
         raise ValueError(
-            f"cp={cp} with an eval_dataset: evaluation at cp > 1 is not supported yet: evaluate at cp=1"
+            f"cp={cp} with compute_metrics: a cp rank holds the logits of its own tokens only, not the "
+            "whole samples a per-example metric reads: drop compute_metrics (eval_loss is exact at cp > 1), "
+            "or evaluate at cp=1"
         )
     heads, kv = _head_counts(model)
     if args.cp_mode == "ulysses" and heads is not None and kv is not None:
@@ -225,6 +242,13 @@ class ContextParallelRun:
     def split(self, inputs: Any, labels: Any) -> tuple[Any, Any]:
         """This rank's tokens of a batch read whole by every CP rank (refusals are the same on every rank)."""
         return split_batch(inputs, labels, self.context.positions, position_ids=self.position_ids)
+
+    def split_batches(self, batches: Iterable[Any]) -> Iterator[Any]:
+        """The batches of an evaluation loader (``StageBatch``), each with this rank's tokens
+        ([Note: cp evaluation])."""
+        for batch in batches:
+            inputs, labels = self.split(batch.inputs, batch.labels)
+            yield dataclasses.replace(batch, inputs=inputs, labels=labels)
 
     def loss(self, output: Any, labels: torch.Tensor) -> torch.Tensor:
         """The token cross-entropy of the local tokens, scaled as [Note: cp loss] says."""
