@@ -144,22 +144,18 @@ def test_refuses_a_model_without_moe_block() -> None:
         check_ep_model(torch.nn.Linear(2, 2), _args())
 
 
-def test_refuses_a_transformers_moe_block_by_name() -> None:
-    from transformers import MixtralConfig, MixtralForCausalLM
-
+def test_refuses_a_foreign_moe_block_by_name() -> None:
+    """A mixture-of-experts block that is neither the protocol nor transformers' fused experts is named
+    (transformers' Mixtral, Qwen3-MoE and DeepSeek-V3 blocks are sharded: tests/core/test_expert_hf_checks.py)."""
     from merak_core.parallel.expert_parallel import check_ep_model
 
-    cfg = MixtralConfig(
-        vocab_size=32,
-        hidden_size=16,
-        intermediate_size=8,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        num_local_experts=4,
-    )
-    with pytest.raises(ValueError, match=r"MixtralSparseMoeBlock at 'model.layers.0.mlp'.*set ep: 1"):
-        check_ep_model(MixtralForCausalLM(cfg), _args())
+    class SwitchMoE(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.experts = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(4))
+
+    with pytest.raises(ValueError, match=r"SwitchMoE at '0' is a mixture-of-experts block.*set ep: 1"):
+        check_ep_model(torch.nn.Sequential(SwitchMoE()), _args())
 
 
 def test_refuses_a_block_with_a_router_aux_loss() -> None:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from merak_core.parallel.fsdp import full_local_tensor
+from merak_core.parallel.fused_experts import expert_shard
 
 if TYPE_CHECKING:
     from merak_core.checkpoint.parts import CheckpointParts
@@ -41,6 +42,13 @@ class TensorSpec:
             dim = None if dim is None else 1 - dim
         self.dim: int | None = dim  # the sharded dim in the checkpoint's orientation
         self.full_shape = tuple(local_shape)
+        self.expert = expert_shard(param)  # fused experts: dim 0 over the EP mesh (parallel.fused_experts)
+        if self.expert is not None:
+            self.dim, self.full_shape = 0, self.expert.full_shape(param.shape)
+
+    def mesh(self, parts: CheckpointParts) -> Any:
+        """The 1-D device mesh this tensor is sharded over (EP for fused experts, else TP)."""
+        return self.expert.mesh if self.expert is not None else parts.layout.mesh["tp"]
 
     @classmethod
     def plain(cls, tensor: torch.Tensor) -> TensorSpec:
@@ -58,6 +66,8 @@ class TensorSpec:
     def slice_full(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's shard of the full tensor, in the parameter's own orientation (a view where possible)."""
         local = full.t() if self.transposed else full
+        if self.expert is not None:
+            return self.expert.slice(local)
         return local if self.dim is None else self.shard.slice(local, self.tp, self.tp_rank)
 
 
@@ -102,7 +112,7 @@ def _to_checkpoint(
     local = spec.oriented(tensor.detach())
     return DTensor.from_local(
         local,
-        layout.mesh["tp"],
+        spec.mesh(parts),
         [Shard(spec.dim)],
         run_check=False,
         shape=torch.Size(spec.full_shape),
@@ -125,7 +135,7 @@ def _load_target(
     buf = torch.empty(spec.oriented(local).shape, dtype=dtype, device=local.device)
     dt = DTensor.from_local(
         buf,
-        parts.layout.mesh["tp"],
+        spec.mesh(parts),
         [Shard(spec.dim or 0)],
         run_check=False,
         shape=torch.Size(spec.full_shape),

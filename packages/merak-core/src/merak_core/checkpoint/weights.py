@@ -74,7 +74,7 @@ def _read_shard(entry: Any, spec: TensorSpec) -> torch.Tensor:
     if isinstance(entry, torch.Tensor):
         return spec.slice_full(entry)
     shape = tuple(entry.get_shape())
-    if spec.dim is None or shape != spec.full_shape:
+    if spec.dim is None or shape != spec.full_shape or spec.expert is not None:
         return spec.slice_full(entry[:])
     index: list[slice] = [slice(None)] * len(shape)
     blocks = []

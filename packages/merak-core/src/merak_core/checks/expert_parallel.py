@@ -12,6 +12,7 @@ from merak_core.checks.base import PreflightError
 def check_ep_job(job: Any, model: nn.Module) -> list[str]:
     """What was checked (nothing at ep=1); :class:`PreflightError` for a model or LoRA that ep > 1 refuses."""
     from merak_core.parallel.expert_parallel import check_ep_model, moe_blocks
+    from merak_core.parallel.fused_experts import fused_experts
 
     t = job.training
     if t.ep == 1:
@@ -20,4 +21,6 @@ def check_ep_job(job: Any, model: nn.Module) -> list[str]:
         check_ep_model(model, t, lora=job.model.lora)
     except ValueError as exc:
         raise PreflightError(str(exc)) from None
-    return [f"ep={t.ep}: {len(moe_blocks(model))} MoE blocks, their experts split over {t.ep} ranks"]
+    # protocol blocks and transformers' fused experts
+    blocks = len(moe_blocks(model)) + len(fused_experts(model))
+    return [f"ep={t.ep}: {blocks} MoE blocks, their experts split over {t.ep} ranks"]

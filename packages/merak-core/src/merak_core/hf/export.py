@@ -309,6 +309,7 @@ def _stage_tensors(parts: CheckpointParts) -> Iterable[tuple[str, torch.Tensor]]
     """
     pm = parts.model
     layout = pm.layout
+    from merak_core.parallel.expert_hf import full_expert_tensor
     from merak_tp.shard_spec import get_shard_spec
 
     seen: set[int] = set()
@@ -318,7 +319,7 @@ def _stage_tensors(parts: CheckpointParts) -> Iterable[tuple[str, torch.Tensor]]
         seen.add(id(p))
         if pm.shared_owner.get(p, layout.pp_rank) != layout.pp_rank:
             continue  # a tied copy: the first stage that holds it writes it
-        tensor = p.detach()
+        tensor = full_expert_tensor(p, p.detach())  # fused experts: gathered over EP (expert_hf)
         spec = get_shard_spec(p)
         if layout.tp > 1 and spec.sharded:
             tensor = spec.gather(tensor, layout.tp_group)

@@ -167,6 +167,11 @@ def read_local_shard(entry: Any, param: torch.Tensor, tp: int, tp_rank: int) -> 
     Each section along the sharded dim is split into ``tp`` equal blocks and block ``tp_rank``
     of every section is read (for a safetensors slice, only those bytes are copied out).
     """
+    from merak_core.parallel.fused_experts import expert_shard
+
+    record = expert_shard(param)  # fused experts at ep > 1: this rank's experts (rows of dim 0) only
+    if record is not None:
+        return entry[record.first : record.first + record.num_local]
     full_shape = tuple(entry.get_shape()) if not isinstance(entry, torch.Tensor) else tuple(entry.shape)
     layout = _layout_of(param, tp, full_shape)
     if layout.dim is None:

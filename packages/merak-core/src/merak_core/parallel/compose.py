@@ -200,9 +200,10 @@ def build_parallel_model(
         example_inputs = (example_inputs,)
     ep_leaves: list[type] = []
     if layout.ep > 1:  # this rank's experts only, before TP (merak_core.parallel.expert_parallel)
+        from merak_core.parallel.expert_hf import apply_fused_expert_parallel
         from merak_core.parallel.expert_parallel import apply_expert_parallel
 
-        ep_leaves = apply_expert_parallel(model, layout)
+        ep_leaves = apply_expert_parallel(model, layout) + apply_fused_expert_parallel(model, layout)
     model = apply_tensor_parallel(
         model,
         layout,
@@ -457,6 +458,7 @@ def gather_full_state_dict(pm: ParallelModel, *, dst: int = 0) -> dict[str, torc
     state dict on ``dst`` and None elsewhere. Meant for export and tests: it moves
     every parameter through one rank.
     """
+    from merak_core.parallel.expert_hf import full_expert_tensor
     from merak_tp.shard_spec import get_shard_spec
 
     layout = pm.layout
@@ -465,6 +467,7 @@ def gather_full_state_dict(pm: ParallelModel, *, dst: int = 0) -> dict[str, torc
         if name in local:
             continue
         tensor = full_local_tensor(p.detach())  # ZeRO-2/3: gathered over DP (every DP rank takes part)
+        tensor = full_expert_tensor(p, tensor)  # fused experts: gathered over EP (expert_hf)
         spec = get_shard_spec(p)
         if layout.tp > 1 and spec.sharded:
             tensor = spec.gather(tensor, layout.tp_group)

@@ -56,6 +56,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from merak_core.parallel.data_parallel import DataParallelGradSync
+from merak_core.parallel.fused_experts import check_fused_experts, expert_shard, is_fused_experts
 from merak_core.parallel.layout import ParallelLayout
 from merak_core.parallel.rank_grid import check_ep
 from merak_tp.all_to_all import all_to_all_uneven, exchange_counts
@@ -130,9 +131,10 @@ def check_ep_model(model: nn.Module, args: Any, *, lora: Any = None) -> None:
         raise ValueError(
             f"ep={ep} with LoRA (model.lora) is not supported (not proved exact): train the adapters with ep: 1"
         )
+    fused = check_fused_experts(model, args)  # transformers' fused experts (merak_core.parallel.expert_hf)
     _refuse_foreign_moe(model, ep)
     blocks = moe_blocks(model)
-    if not blocks:
+    if not blocks and not fused:
         raise ValueError(
             f"ep={ep} but {type(model).__name__} has no mixture-of-experts block Merak can shard: it needs "
             f"{_PROTOCOL}. Set ep: 1"
@@ -161,11 +163,13 @@ def _refuse_foreign_moe(model: nn.Module, ep: int) -> None:
     for name, module in model.named_modules():
         cls = type(module).__name__
         if ("moe" in cls.lower() or cls.endswith("Experts")) and not is_moe_block(module):
-            if any(is_moe_block(m) for m in module.modules()):
-                continue  # a layer holding a protocol block
+            if any(is_moe_block(m) or is_fused_experts(m) for m in module.modules()):
+                continue  # a layer holding a protocol block or fused experts
+            if not hasattr(module, "experts") and not any(p.ndim == 3 for p in module.parameters()):
+                continue  # a family's other modules (Qwen3MoeAttention, ...): no experts
             raise ValueError(
-                f"ep={ep}: {cls} at {name!r} is a mixture-of-experts block Merak cannot replace yet (transformers' "
-                f"own MoE blocks, fused 3-D expert weights, are not sharded over EP): set ep: 1 and split the "
+                f"ep={ep}: {cls} at {name!r} is a mixture-of-experts block Merak cannot replace (neither the "
+                f"protocol nor fused experts gate_up_proj [E, 2I, H] / down_proj [E, H, I]): set ep: 1 and split the "
                 f"experts over TP (tp > 1), or give the model blocks following the protocol ({_PROTOCOL})"
             )
 
@@ -279,7 +283,7 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
         for block in model.modules()
         if isinstance(block, ExpertParallelBlock)
         for p in block.experts.parameters()
-    ]
+    ] + [p for p in model.parameters() if expert_shard(p) is not None]  # fused experts (expert_hf)
 
 
 # ---------------------------------------------------------------------------- gradient sync

@@ -1,0 +1,130 @@
+"""Expert parallelism for transformers' fused experts modules (Mixtral, Qwen3-MoE, DeepSeek-V3).
+
+:func:`apply_fused_expert_parallel` (called next to
+:func:`merak_core.parallel.expert_parallel.apply_expert_parallel` at ep > 1) keeps, in every fused
+experts module (:func:`merak_core.parallel.fused_experts.is_fused_experts`), this rank's rows
+``[j * E / ep, (j + 1) * E / ep)`` of ``gate_up_proj`` and ``down_proj`` as new parameters carrying an
+:class:`~merak_core.parallel.fused_experts.ExpertShard` ([Note: expert shard record]), and swaps the
+module's class for a subclass whose ``forward(hidden_states, top_k_index, top_k_weights)`` sends the
+tokens to their experts with :func:`merak_core.parallel.expert_parallel.dispatch`. The block around it
+is untouched: the router (Mixtral's top-k softmax, Qwen3-MoE's optional ``norm_topk_prob``,
+DeepSeek-V3's grouped sigmoid routing with its correction bias and scaling), the shared experts and
+the reshapes are the model's own code. Each local expert computes what transformers' eager experts
+forward computes for it: ``down_proj[e] @ apply_gate(gate_up_proj[e] @ x)`` (the gate and up halves
+of ``gate_up_proj``, the module's ``act_fn``), weighted by the routing weight in ``dispatch``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from merak_core.parallel.expert_parallel import dispatch
+from merak_core.parallel.fused_experts import ExpertShard, expert_shard, fused_experts, set_expert_shard
+from merak_core.parallel.layout import ParallelLayout
+
+__all__ = ["FusedExpertParallel", "apply_fused_expert_parallel", "full_expert_tensor"]
+
+
+class _LocalExperts:
+    """The view :func:`dispatch` takes of this rank's experts: keys are global indices, values callables."""
+
+    def __init__(self, module: Any, record: ExpertShard) -> None:
+        self.module, self.record = module, record
+
+    def keys(self) -> Iterator[str]:
+        return (str(self.record.first + e) for e in range(self.record.num_local))
+
+    def __getitem__(self, key: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        e = int(key) - self.record.first
+        return lambda x_nh: self.module.run_local_expert(e, x_nh)
+
+
+class FusedExpertParallel:
+    """Mixin put in front of a fused experts class: its forward dispatches over the EP group."""
+
+    gate_up_proj: nn.Parameter
+    down_proj: nn.Parameter
+    num_experts: int
+    act_fn: Callable[[torch.Tensor], torch.Tensor]
+
+    def run_local_expert(self, e: int, x_nh: torch.Tensor) -> torch.Tensor:
+        """Local expert ``e`` on its rows, as transformers' eager forward computes one expert."""
+        gate_up = F.linear(x_nh, self.gate_up_proj[e])
+        apply_gate = getattr(self, "_apply_gate", None)
+        if apply_gate is not None:
+            hidden = apply_gate(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            hidden = self.act_fn(gate) * up
+        return F.linear(hidden, self.down_proj[e])
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        record = expert_shard(self.gate_up_proj)
+        assert record is not None, "a fused EP experts module keeps its shard record"
+        local: Any = _LocalExperts(self, record)
+        out = dispatch(hidden_states, top_k_weights, top_k_index, local, self.num_experts, record.group)
+        return out.to(hidden_states.dtype)
+
+
+_SUBCLASSES: dict[type, type] = {}
+
+
+def _ep_class(cls: type) -> type:
+    if issubclass(cls, FusedExpertParallel):
+        return cls
+    if cls not in _SUBCLASSES:
+        _SUBCLASSES[cls] = type(
+            f"EP{cls.__name__}", (FusedExpertParallel, cls), {"__module__": cls.__module__}
+        )
+    return _SUBCLASSES[cls]
+
+
+def _ep_mesh(layout: ParallelLayout) -> Any:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    assert layout.ep_group is not None
+    return DeviceMesh.from_group(layout.ep_group, layout.mesh.device_type, mesh_dim_names=("ep",))
+
+
+def apply_fused_expert_parallel(model: nn.Module, layout: ParallelLayout) -> list[type]:
+    """Keep this rank's experts in every fused experts module (in place); their new classes (trace leaves).
+
+    The modules were checked by :func:`merak_core.parallel.fused_experts.check_fused_experts`.
+    """
+    found = fused_experts(model)
+    if not found or layout.ep == 1:
+        return []
+    mesh = _ep_mesh(layout)
+    classes: list[type] = []
+    for _name, module in found:
+        record = ExpertShard(module.num_experts, layout.ep, layout.ep_rank, layout.ep_group, mesh)
+        for attr in ("gate_up_proj", "down_proj"):
+            full = getattr(module, attr)
+            local = nn.Parameter(record.slice(full.detach()).clone(), requires_grad=full.requires_grad)
+            setattr(module, attr, set_expert_shard(local, record))
+        module.__class__ = _ep_class(type(module))
+        classes.append(type(module))
+    return classes
+
+
+def full_expert_tensor(param: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (``param``'s local value) gathered over its EP group when ``param`` is an expert shard.
+
+    Collective over the EP group for a shard (every member calls it, in the same order); ``tensor``
+    itself otherwise.
+    """
+    record = expert_shard(param)
+    if record is None:
+        return tensor
+    import torch.distributed as dist
+
+    pieces = [torch.empty_like(tensor) for _ in range(record.ep)]
+    dist.all_gather(pieces, tensor.contiguous(), group=record.group)
+    return torch.cat(pieces, 0)

@@ -1,0 +1,90 @@
+"""Which transformers MoE models ep > 1 shards and which it refuses (pure: no process group).
+
+transformers' Mixtral, Qwen3-MoE and DeepSeek-V3 blocks hold their experts as one fused module
+(``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``): accepted, every fused module found (and the
+families' other ``*Moe*`` modules, attention or norms, not mistaken for MoE blocks). Refused with the
+fix: ep not dividing the experts, tp > 1 (the TP plan splits those experts), the model's own router
+auxiliary loss (``output_router_logits``), and a fused module whose layout the EP forward does not
+reproduce (transposed weights, biases).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.transformers
+
+
+def _args(**kw: object) -> SimpleNamespace:
+    base: dict[str, object] = dict(ep=2, dp=2, tp=1, zero_stage=0, virtual_stages=1, cp=1, max_grad_norm=0.0)
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def _tiny(family: str, **extra: Any) -> torch.nn.Module:
+    import transformers as tf
+
+    common: dict[str, Any] = dict(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_experts_per_tok=2,
+        **extra,
+    )
+    if family == "mixtral":
+        return tf.MixtralForCausalLM(tf.MixtralConfig(**common, num_local_experts=4))
+    return tf.Qwen3MoeForCausalLM(
+        tf.Qwen3MoeConfig(**common, head_dim=8, num_experts=4, moe_intermediate_size=8)
+    )
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_transformers_moe_blocks_are_accepted(family: str) -> None:
+    from merak_core.parallel.expert_parallel import check_ep_model
+    from merak_core.parallel.fused_experts import check_fused_experts
+
+    model = _tiny(family)
+    check_ep_model(model, _args())
+    assert check_fused_experts(model, _args()) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "extra", "words"),
+    [
+        ({"ep": 3, "dp": 3}, {}, r"ep=3 does not divide the 4 experts of 'model.layers.0.mlp.experts'"),
+        ({"tp": 2}, {}, r"ep=2 with tp=2: MixtralExperts at 'model.layers.0.mlp.experts'.*set tp: 1"),
+        (
+            {},
+            {"output_router_logits": True, "router_aux_loss_coef": 0.02},
+            r"router auxiliary loss \(output_router_logits=True, router_aux_loss_coef=0.02\).*"
+            r"set output_router_logits: false, or ep: 1",
+        ),
+    ],
+)
+def test_refusals(overrides: dict[str, object], extra: dict[str, Any], words: str) -> None:
+    from merak_core.parallel.expert_parallel import check_ep_model
+
+    with pytest.raises(ValueError, match=words):
+        check_ep_model(_tiny("mixtral", **extra), _args(**overrides))
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "words"), [("is_transposed", True, "transposed weights"), ("has_bias", True, "biases")]
+)
+def test_refuses_a_fused_layout_it_does_not_reproduce(flag: str, value: bool, words: str) -> None:
+    from merak_core.parallel.expert_parallel import check_ep_model
+
+    model = _tiny("mixtral")
+    setattr(model.model.layers[1].mlp.experts, flag, value)
+    with pytest.raises(
+        ValueError, match=rf"MixtralExperts at 'model.layers.1.mlp.experts'.*{words}. Set ep: 1"
+    ):
+        check_ep_model(model, _args())

@@ -1,0 +1,247 @@
+"""Expert parallelism of transformers' own MoE blocks (Mixtral, Qwen3-MoE, DeepSeek-V3) against one process.
+
+Tiny float32 models (4 experts, hidden 32, 2 layers, top-2) with their fused experts modules
+(``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``) sharded over EP by
+``merak_core.parallel.expert_hf``; the routing is each model's own code: Mixtral's top-k softmax,
+Qwen3-MoE's with ``norm_topk_prob``, DeepSeek-V3's grouped sigmoid routing with a non-zero score
+correction bias, scaled weights and a shared expert. Two SGD steps at dp2·ep2 (and one family at
+dp2·ep2·pp2) against the same model trained by one process on the whole batch: both losses and every
+parameter after the steps (so both steps' gradients, the second with the routing the first changed).
+Also: DeepSeek-V3 with a bias that sends every token to experts 2 and 3 (all rows to EP rank 1, none
+to rank 0's experts); a checkpoint of an ep=2 run resumed at ep=1; the Hugging Face export of an ep=2
+run loaded by ``from_pretrained``, its logits equal to the one-process model's.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+
+from tests.support.dist import run_on_ranks
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.transformers
+
+SEQ, VOCAB, BATCH, LR, STEPS = 8, 96, 4, 0.5, 2
+RTOL, ATOL = 2e-5, 2e-6
+
+
+class Tokens(Dataset):
+    """``BATCH`` random sequences, every label counted (the DP ranks' losses are means over equal counts)."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(3)
+        self.ids = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+
+    def __len__(self) -> int:
+        return BATCH
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i, :-1], "labels": self.ids[i, 1:].clone()}
+
+
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    num_experts_per_tok=2,
+    attention_dropout=0.0,
+    use_cache=False,
+    tie_word_embeddings=False,
+    experts_implementation="eager",
+)
+
+
+def _config(family: str) -> tuple[Any, Any]:
+    import transformers as tf
+
+    if family == "mixtral":
+        return tf.MixtralConfig(
+            **_COMMON, num_local_experts=4, router_jitter_noise=0.0
+        ), tf.MixtralForCausalLM
+    if family == "qwen3_moe":
+        cfg = tf.Qwen3MoeConfig(
+            **_COMMON, head_dim=8, num_experts=4, moe_intermediate_size=16, norm_topk_prob=True
+        )
+        return cfg, tf.Qwen3MoeForCausalLM
+    cfg = tf.DeepseekV3Config(
+        **{**_COMMON, "num_key_value_heads": 4},
+        n_routed_experts=4,
+        n_shared_experts=1,
+        moe_intermediate_size=16,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        first_k_dense_replace=0,
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=4,
+        v_head_dim=8,
+    )
+    return cfg, tf.DeepseekV3ForCausalLM
+
+
+def _model(family: str, bias: str = "spread") -> torch.nn.Module:
+    cfg, cls = _config(family)
+    torch.manual_seed(0)
+    model = cls(cfg).float()
+    if family == "deepseek_v3":
+        # spread: a correction bias that moves the choice (not the weights); one_rank: experts 2 and 3 always.
+        value = torch.linspace(-0.1, 0.1, 4) if bias == "spread" else torch.tensor([-5.0, -5.0, 5.0, 5.0])
+        for layer in model.model.layers:
+            layer.mlp.gate.e_score_correction_bias.copy_(value)
+    return model
+
+
+def _args(**overrides: Any) -> Any:
+    from merak_core import TrainingArguments
+
+    values: dict[str, Any] = dict(
+        output_dir=tempfile.mkdtemp(prefix="merak-ep-hf-"),
+        per_device_train_batch_size=BATCH // 2,
+        gradient_accumulation_steps=1,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        max_steps=STEPS,
+        max_grad_norm=0.0,
+        weight_decay=0.0,
+        logging_steps=1,
+        dtype="float32",
+        seed=7,
+    )
+    values.update(overrides)
+    return TrainingArguments(**values)
+
+
+def _sgd(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(groups, lr=LR)
+
+
+def _train(family: str, overrides: dict[str, Any], bias: str = "spread") -> tuple[list[float], Any]:
+    import torch.distributed as dist
+
+    from merak_core import Trainer
+
+    trainer = Trainer(_model(family, bias), _args(**overrides), Tokens(), optimizer_factory=_sgd)
+    history = trainer.train()
+    state = trainer.full_state_dict()
+    held = [tuple(p.shape) for n, p in trainer.model.named_parameters() if n.endswith("experts.gate_up_proj")]
+    assert held and all(shape[0] == 4 // overrides["ep"] for shape in held), held  # this rank's experts only
+    return [h["loss"] for h in history if "loss" in h], state if dist.get_rank() == 0 else None
+
+
+def _reference(family: str, bias: str = "spread") -> tuple[list[float], dict[str, torch.Tensor], Any]:
+    model = _model(family, bias)
+    ids = Tokens().ids
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        logits = model(input_ids=ids[:, :-1]).logits
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, model
+
+
+def _check(results: list[tuple[list[float], Any]], family: str, bias: str = "spread") -> None:
+    losses, params, _ = _reference(family, bias)
+    state = results[0][1]
+    assert state is not None
+    assert set(state) == set(params)
+    for got_losses, _ in results:
+        assert got_losses == pytest.approx(losses, rel=RTOL)
+    for name, value in params.items():
+        torch.testing.assert_close(state[name], value, rtol=RTOL, atol=ATOL, msg=name)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3"])
+def test_dp2_ep2_equals_one_process(family: str) -> None:
+    _check(run_on_ranks(2, _train, family, {"ep": 2}), family)
+
+
+def test_all_tokens_to_one_rank_is_exact() -> None:
+    """DeepSeek-V3 with a correction bias choosing experts 2 and 3 for every token: EP rank 1 gets every row."""
+    _check(run_on_ranks(2, _train, "deepseek_v3", {"ep": 2}, "one_rank"), "deepseek_v3", "one_rank")
+
+
+def test_qwen3_moe_dp2_ep2_pp2_equals_one_process() -> None:
+    """The fused experts inside pipeline stages (a trace leaf), two microbatches per step."""
+    overrides = {"ep": 2, "pp": 2, "per_device_train_batch_size": 1, "gradient_accumulation_steps": 2}
+    _check(run_on_ranks(4, _train, "qwen3_moe", overrides), "qwen3_moe")
+
+
+def _resume_and_export(save_ep: int, resume_ep: int) -> dict[str, Any]:
+    """3 steps at ``save_ep`` saving every step; a fresh Trainer at ``resume_ep`` resumes step_1 and trains
+    to 3; the first run exported to Hugging Face."""
+    import torch.distributed as dist
+
+    from merak_core import Trainer
+    from merak_core.hf.export import export_hf
+
+    shared = [tempfile.mkdtemp(prefix="merak-ep-hf-resume-") if dist.get_rank() == 0 else ""]
+    dist.broadcast_object_list(shared, src=0)
+    out = shared[0]
+    if dist.get_rank() == 0:
+        _model("mixtral").save_pretrained(f"{out}/initial")
+    dist.barrier()
+    common = dict(output_dir=f"{out}/run", max_steps=3, save_steps=1, learning_rate=0.01)
+    full = Trainer(_model("mixtral"), _args(ep=save_ep, **common), Tokens())
+    full_losses = [h["loss"] for h in full.train() if "loss" in h]
+    full_state = full.full_state_dict()
+    export_hf(full.checkpoint_parts, f"{out}/export", pretrained=f"{out}/initial")
+    dist.barrier()
+    # The export as model.pretrained at ep=2: each rank reads its own experts' rows.
+    loaded = Trainer(None, _args(ep=2, output_dir=f"{out}/loaded"), Tokens(), pretrained=f"{out}/export")
+    loaded_state = loaded.full_state_dict()
+    resumed = Trainer(_model("mixtral"), _args(ep=resume_ep, **common), Tokens())
+    step = resumed.resume("step_1")
+    losses = [h["loss"] for h in resumed.train() if "loss" in h]
+    final_state = resumed.full_state_dict()
+    resumed_part = (losses, final_state)
+    return {
+        "step": step,
+        "full": (full_losses, full_state),
+        "resumed": resumed_part,
+        "out": out,
+        "loaded": loaded_state,
+    }
+
+
+def test_checkpoint_at_ep2_resumes_at_ep1_and_exports() -> None:
+    """Fused experts are saved by their one-process names and full shapes: an ep=2 checkpoint resumes at ep=1
+    (every expert on each rank) to rounding; the export of the ep=2 run loads with ``from_pretrained`` and
+    gives the logits of the run's parameters in one process, and as ``model.pretrained`` at ep=2 (each rank
+    reading its experts' rows) it gives back the run's parameters bit for bit."""
+    from transformers import MixtralForCausalLM
+
+    got = run_on_ranks(2, _resume_and_export, 2, 1)[0]
+    assert got["step"] == 1
+    full_losses, full_state = got["full"]
+    losses, final_state = got["resumed"]
+    assert losses == pytest.approx(full_losses[1:], rel=RTOL)
+    assert full_state["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 64, 32)
+    assert set(final_state) == set(full_state)
+    for name, value in full_state.items():
+        torch.testing.assert_close(final_state[name], value, rtol=RTOL, atol=ATOL, msg=name)
+    assert set(got["loaded"]) == set(full_state)
+    for name, value in full_state.items():
+        assert torch.equal(got["loaded"][name], value), name
+    exported = MixtralForCausalLM.from_pretrained(f"{got['out']}/export").float().eval()
+    reference = _model("mixtral").eval()
+    reference.load_state_dict(full_state)
+    ids = Tokens().ids[:, :-1]
+    with torch.no_grad():
+        torch.testing.assert_close(exported(input_ids=ids).logits, reference(input_ids=ids).logits)
