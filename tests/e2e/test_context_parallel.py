@@ -209,11 +209,13 @@ def _train_lora(kind: str, overrides: dict[str, Any]) -> tuple[list[float], dict
     return losses, state if dist.get_rank() == 0 else None
 
 
-@pytest.mark.parametrize("mode", ["ring", "ulysses"])
-def test_cp2_lora_equals_one_process(mode: str) -> None:
-    """LoRA at cp=2 against the same LoRA run by one process (itself PEFT's, tests/e2e/test_lora.py)."""
+@pytest.mark.parametrize(("mode", "zero_stage"), [("ring", 0), ("ulysses", 0), ("ring", 3)])
+def test_cp2_lora_equals_one_process(mode: str, zero_stage: int) -> None:
+    """LoRA at cp=2 against the same LoRA run by one process (itself PEFT's, tests/e2e/test_lora.py);
+    under ZeRO-3 the adapters alone are sharded over the cp ranks."""
     ref_losses, ref_state = run_on_ranks(1, _train_lora, "transformers", {})[0]
-    results = run_on_ranks(2, _train_lora, "transformers", {"cp": 2, "cp_mode": mode})
+    overrides = {"cp": 2, "cp_mode": mode, "zero_stage": zero_stage}
+    results = run_on_ranks(2, _train_lora, "transformers", overrides)
     assert ref_state is not None and results[0][1] is not None
     adapters = [n for n in ref_state if "lora_" in n]
     assert adapters and all(float(ref_state[n].abs().max()) > 0 for n in adapters if "lora_B" in n)
