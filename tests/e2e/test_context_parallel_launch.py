@@ -61,8 +61,18 @@ def tokens(seq: int = 16, padded: bool = False, mask: bool = False) -> Any:
     return _Tokens(seq, padded, mask)
 
 
+def tokens_and_eval(padded_eval: bool = False) -> Any:
+    """(train, eval): the eval samples padded (an attention mask with zeros) when asked."""
+    return _Tokens(16, False, True), _Tokens(16, padded_eval, True)
+
+
+def token_accuracy(output: Any, labels: torch.Tensor) -> torch.Tensor:
+    """A per-example metric (refused at cp > 1)."""
+    return (output.logits.argmax(-1) == labels).double().mean(-1)
+
+
 def _dry_run(
-    tmp: Path, model: dict[str, Any], data: dict[str, Any], training: dict[str, Any]
+    tmp: Path, model: dict[str, Any], data: dict[str, Any], training: dict[str, Any], **sections: Any
 ) -> tuple[int, str]:
     from merak_core.cli import main
 
@@ -74,7 +84,7 @@ def _dry_run(
         "max_steps": 1,
         **training,
     }
-    job.write_text(yaml.safe_dump({"model": model, "data": data, "training": training}))
+    job.write_text(yaml.safe_dump({"model": model, "data": data, "training": training, **sections}))
     err = io.StringIO()
     with (
         no_collectives(allow=("init_process_group",)),
@@ -123,6 +133,19 @@ def test_refused_before_torchrun(
     assert status == BAD_INPUT, err
     for w in words:
         assert w in err, (w, err)
+
+
+def test_eval_set_checked_at_cp(tmp_path: Path) -> None:
+    """An evaluation set at cp > 1: its first batch is split-checked as the training one; metrics are refused."""
+    with_eval = {"factory": f"{HERE}:tokens_and_eval"}
+    status, err = _dry_run(tmp_path, HF_LLAMA, {**with_eval, "kwargs": {"padded_eval": True}}, {"cp": 2})
+    assert status == BAD_INPUT and "the first evaluation batch" in err and "padding attention_mask" in err, (
+        err
+    )
+    status, err = _dry_run(tmp_path, HF_LLAMA, with_eval, {"cp": 2}, metrics=f"{HERE}:token_accuracy")
+    assert status == BAD_INPUT and "cp=2 with compute_metrics" in err, err
+    status, err = _dry_run(tmp_path, HF_LLAMA, with_eval, {"cp": 2, "cp_mode": "ulysses"})
+    assert status == 0, err
 
 
 @pytest.mark.parametrize(("model", "data"), [(LLAMA, GOOD), (HF_LLAMA, MASKED)])
