@@ -16,7 +16,7 @@ def check_ep_job(job: Any, model: nn.Module) -> list[str]:
 
     t = job.training
     if t.ep == 1:
-        return []
+        return _check_capacity_job(job, model)
     try:
         check_ep_model(model, t, lora=job.model.lora)
     except ValueError as exc:
@@ -24,3 +24,19 @@ def check_ep_job(job: Any, model: nn.Module) -> list[str]:
     # protocol blocks and transformers' fused experts
     blocks = len(moe_blocks(model)) + len(fused_experts(model))
     return [f"ep={t.ep}: {blocks} MoE blocks, their experts split over {t.ep} ranks"]
+
+
+def _check_capacity_job(job: Any, model: nn.Module) -> list[str]:
+    """``training.moe_capacity_factor`` at ep=1: the model needs blocks that apply it (nothing to check without)."""
+    from merak_core.parallel.expert_parallel import check_ep_model, moe_blocks
+
+    capacity = getattr(job.training, "moe_capacity_factor", None)
+    if capacity is None:
+        return []
+    try:
+        check_ep_model(model, job.training, lora=job.model.lora)
+    except ValueError as exc:
+        raise PreflightError(str(exc)) from None
+    return [
+        f"moe_capacity_factor={capacity}: {len(moe_blocks(model))} MoE blocks drop beyond each expert's capacity"
+    ]

@@ -144,6 +144,11 @@ class TrainingArguments:
     ep: int = 1
     """Expert-parallel degree, carved out of dp (ep must divide dp): each MoE block's experts are split over ep
     ranks (``experts / ep`` each) and tokens travel to them by all-to-all; 1: off. See docs/expert_parallel.md."""
+    moe_capacity_factor: float | None = None
+    """Each expert of an MoE block takes at most ``ceil(factor * tokens * top_k / experts)`` (token, expert) pairs
+    per forward (tokens: the microbatch's on every rank of the EP group); later pairs in token order are dropped
+    (zero expert output, the residual kept). None: dropless. [Note: expert capacity] in
+    merak_core.parallel.moe_capacity."""
     virtual_stages: int = 1
     """Pipeline stages per pipeline rank: the model is cut into ``pp * virtual_stages`` stages, placed by the
     schedule (``interleaved_1f1b``: round-robin, any v; ``zb_v``: in a V, v = 2). 1: one stage per rank."""

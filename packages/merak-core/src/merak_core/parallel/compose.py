@@ -204,6 +204,10 @@ def build_parallel_model(
         from merak_core.parallel.expert_parallel import apply_expert_parallel
 
         ep_leaves = apply_expert_parallel(model, layout) + apply_fused_expert_parallel(model, layout)
+    else:  # blocks given a capacity at ep=1 dispatch too (merak_core.parallel.expert_parallel.set_moe_capacity)
+        from merak_core.parallel.expert_parallel import swapped_block_classes
+
+        ep_leaves = swapped_block_classes(model)
     model = apply_tensor_parallel(
         model,
         layout,

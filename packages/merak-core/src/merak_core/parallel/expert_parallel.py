@@ -58,6 +58,7 @@ from torch.distributed import ProcessGroup
 from merak_core.parallel.data_parallel import DataParallelGradSync
 from merak_core.parallel.fused_experts import check_fused_experts, expert_shard, is_fused_experts
 from merak_core.parallel.layout import ParallelLayout
+from merak_core.parallel.moe_capacity import check_capacity_factor, expert_capacity, run_with_capacity
 from merak_core.parallel.rank_grid import check_ep
 from merak_tp.all_to_all import all_to_all_uneven, exchange_counts
 
@@ -70,6 +71,8 @@ __all__ = [
     "expert_parameters",
     "is_moe_block",
     "moe_blocks",
+    "set_moe_capacity",
+    "swapped_block_classes",
 ]
 
 _PROTOCOL = (
@@ -97,6 +100,7 @@ def check_ep_arguments(args: Any) -> None:
     ep = args.ep
     if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
         raise ValueError(f"ep={ep!r} is invalid: expected an integer >= 1 (1: no expert parallelism)")
+    check_capacity_factor(getattr(args, "moe_capacity_factor", None))  # [Note: expert capacity]
     if ep == 1:
         return
     if args.dp is not None:
@@ -124,6 +128,7 @@ def check_ep_arguments(args: Any) -> None:
 def check_ep_model(model: nn.Module, args: Any, *, lora: Any = None) -> None:
     """ValueError when ``model`` cannot run at ``args.ep`` (pure: before any process group)."""
     ep = args.ep
+    _check_capacity_model(model, args)
     if ep == 1:
         return
     check_ep_arguments(args)
@@ -156,6 +161,20 @@ def check_ep_model(model: nn.Module, args: Any, *, lora: Any = None) -> None:
                 f"ep={ep} does not divide the {block.num_experts} experts of {name!r}: choose an ep dividing "
                 f"{block.num_experts}"
             )
+
+
+def _check_capacity_model(model: nn.Module, args: Any) -> None:
+    """ValueError for ``moe_capacity_factor`` on a model whose MoE blocks cannot apply it."""
+    factor = getattr(args, "moe_capacity_factor", None)
+    if factor is None:
+        return
+    check_capacity_factor(factor)
+    if not moe_blocks(model):
+        raise ValueError(
+            f"moe_capacity_factor={factor} but {type(model).__name__} has no mixture-of-experts block that applies "
+            f"a capacity: it needs {_PROTOCOL} (transformers' fused experts run dropless). Set "
+            "moe_capacity_factor: null"
+        )
 
 
 def _refuse_foreign_moe(model: nn.Module, ep: int) -> None:
@@ -195,14 +214,18 @@ def dispatch(
     experts_nk: torch.Tensor,
     local_experts: nn.ModuleDict,
     num_experts: int,
-    group: ProcessGroup,
+    group: ProcessGroup | None,
+    *,
+    capacity_factor: float | None = None,
 ) -> torch.Tensor:
     """``sum_k weights[n, k] * expert[experts[n, k]](x[n])`` with the experts spread over ``group``.
 
     ``local_experts`` holds this rank's ``num_experts / ep`` experts keyed by global index (consecutive,
-    starting at ``ep_rank * num_experts / ep``). Collective over ``group`` (see [Note: dropless dispatch]).
+    starting at ``ep_rank * num_experts / ep``). Collective over ``group`` (see [Note: dropless dispatch]);
+    ``group`` None: every expert is local (ep=1). ``capacity_factor``: each expert's capacity of
+    [Note: expert capacity] (:mod:`merak_core.parallel.moe_capacity`); None: dropless.
     """
-    ep = torch.distributed.get_world_size(group)
+    ep = 1 if group is None else torch.distributed.get_world_size(group)
     num_local = num_experts // ep
     n, k = experts_nk.shape
     expert_f = experts_nk.reshape(-1)
@@ -210,37 +233,66 @@ def dispatch(
     token_of_row = torch.div(order, k, rounding_mode="floor")
     rows_sh = x_nh.index_select(0, token_of_row)
     counts_e = torch.bincount(expert_f, minlength=num_experts).to(x_nh.device)
-    recv_counts_pl = exchange_counts(counts_e, group).reshape(ep, num_local).cpu()
-    send_splits = counts_e.reshape(ep, num_local).sum(1).tolist()
-    recv_splits = recv_counts_pl.sum(1).tolist()
-    recv_sh = all_to_all_uneven(rows_sh, recv_splits, send_splits, group)
+    if group is None:
+        recv_counts_pl, send_splits, recv_splits = counts_e.reshape(1, num_local).cpu(), [n * k], [n * k]
+        recv_sh = rows_sh
+    else:
+        recv_counts_pl = exchange_counts(counts_e, group).reshape(ep, num_local).cpu()
+        send_splits = counts_e.reshape(ep, num_local).sum(1).tolist()
+        recv_splits = recv_counts_pl.sum(1).tolist()
+        recv_sh = all_to_all_uneven(rows_sh, recv_splits, send_splits, group)
+    capacity = _capacity(n, k, num_experts, capacity_factor, group, x_nh.device)
     regroup = _regroup_order(recv_counts_pl).to(x_nh.device)
     grouped_sh = recv_sh.index_select(0, regroup)
     per_expert = recv_counts_pl.sum(0).tolist()
     first = min(int(key) for key in local_experts.keys())
-    outs = [
-        local_experts[str(first + e)](chunk)
+    outs = [  # each expert's rows in position order: the capacity keeps the first ones
+        run_with_capacity(local_experts[str(first + e)], chunk, capacity)
         for e, chunk in enumerate(torch.split(grouped_sh, per_expert, dim=0))
     ]
     done_sh = torch.cat(outs, 0) if outs else grouped_sh
     back_sh = done_sh.index_select(0, torch.argsort(regroup))  # received order again
-    home_sh = all_to_all_uneven(back_sh, send_splits, recv_splits, group)
+    home_sh = back_sh if group is None else all_to_all_uneven(back_sh, send_splits, recv_splits, group)
     weighted_sh = home_sh * weights_nk.reshape(-1).index_select(0, order).unsqueeze(-1).to(home_sh.dtype)
     out_nh = torch.zeros((n, home_sh.size(-1)), dtype=home_sh.dtype, device=home_sh.device)
     return out_nh.index_add(0, token_of_row, weighted_sh)
 
 
-class ExpertParallelBlock:
-    """Mixin put in front of an MoE block's class: ``run_experts`` dispatches over the EP group."""
+def _capacity(
+    n: int, k: int, num_experts: int, factor: float | None, group: ProcessGroup | None, device: torch.device
+) -> int | None:
+    """Each expert's capacity for this dispatch ([Note: expert capacity]): T = the EP group's tokens."""
+    if factor is None:
+        return None
+    tokens = n
+    if group is not None:
+        total = torch.tensor([n], dtype=torch.long, device=device)
+        torch.distributed.all_reduce(total, group=group)
+        tokens = int(total.item())
+    return expert_capacity(tokens, k, num_experts, factor)
 
-    _merak_ep_group: ProcessGroup
+
+class ExpertParallelBlock:
+    """Mixin put in front of an MoE block's class: ``run_experts`` dispatches over the EP group (every
+    expert local when the group is None: a capacity at ep=1, :func:`set_moe_capacity`)."""
+
+    _merak_ep_group: ProcessGroup | None
+    _merak_capacity_factor: float | None = None
     experts: nn.ModuleDict
     num_experts: int
 
     def run_experts(
         self, x_nh: torch.Tensor, weights_nk: torch.Tensor, experts_nk: torch.Tensor
     ) -> torch.Tensor:
-        return dispatch(x_nh, weights_nk, experts_nk, self.experts, self.num_experts, self._merak_ep_group)
+        return dispatch(
+            x_nh,
+            weights_nk,
+            experts_nk,
+            self.experts,
+            self.num_experts,
+            self._merak_ep_group,
+            capacity_factor=self._merak_capacity_factor,
+        )
 
 
 _SUBCLASSES: dict[type, type] = {}
@@ -274,6 +326,27 @@ def apply_expert_parallel(model: nn.Module, layout: ParallelLayout) -> list[type
         moe._merak_ep_group = layout.ep_group
         classes.append(type(moe))
     return classes
+
+
+def set_moe_capacity(model: nn.Module, capacity_factor: float, *, ep: int) -> None:
+    """Give every protocol MoE block the capacity of [Note: expert capacity] (in place, before composing).
+
+    At ep > 1 :func:`apply_expert_parallel` swaps the class later; at ep=1 the class is swapped here for the
+    dispatching subclass with every expert local (no group), so the block drops like an EP block.
+    """
+    for _name, block in moe_blocks(model):
+        moe: Any = block  # follows the protocol (is_moe_block)
+        moe._merak_capacity_factor = capacity_factor
+        if ep == 1:
+            experts = list(moe.experts.values() if isinstance(moe.experts, nn.ModuleDict) else moe.experts)
+            moe.experts = nn.ModuleDict({str(i): expert for i, expert in enumerate(experts)})
+            moe.__class__ = _ep_class(type(moe))
+            moe._merak_ep_group = None
+
+
+def swapped_block_classes(model: nn.Module) -> list[type]:
+    """The dispatching classes of ``model``'s blocks (trace leaves: the dispatch is data-dependent)."""
+    return list(dict.fromkeys(type(m) for m in model.modules() if isinstance(m, ExpertParallelBlock)))
 
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -321,10 +394,6 @@ class ExpertParallelGradSync:
         )
         self._expert_params = list(experts.values())
 
-    def _parts(self) -> list[DataParallelGradSync]:
-        return [self.dense] if self.experts is None else [self.dense, self.experts]
-
-    @property
     @property
     def shards_gradients(self) -> bool:
         """ZeRO-1 (see [Note: ZeRO-1 with experts]): each gradient reaches one rank of the group that shards it."""
@@ -337,6 +406,10 @@ class ExpertParallelGradSync:
             parts.append((self.experts, self.experts.group))
         return parts
 
+    def _parts(self) -> list[DataParallelGradSync]:
+        return [self.dense] if self.experts is None else [self.dense, self.experts]
+
+    @property
     def armed(self) -> bool:
         return self.dense.armed
 

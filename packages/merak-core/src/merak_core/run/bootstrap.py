@@ -207,6 +207,10 @@ def compose(
 
         tp_rng = merak_tp.RNGTracker(device)
         tp_rng.add("tp", merak_tp.tp_seed(args.seed, layout.tp_group), derived=True)
+    if args.moe_capacity_factor is not None:  # [Note: expert capacity] in merak_core.parallel.moe_capacity
+        from merak_core.parallel.expert_parallel import set_moe_capacity
+
+        set_moe_capacity(model, args.moe_capacity_factor, ep=layout.ep)
     return build_parallel_model(
         model,
         layout,
