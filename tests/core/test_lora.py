@@ -13,6 +13,7 @@ from torch import nn
 from merak_core.lora import LoraConfig
 from merak_core.lora.apply import apply_lora, logical_name, target_names
 from merak_core.lora.init import full_initial_adapter, initialise_adapters
+from tests.support.hf_models import tiny_decoder_fields, tiny_gpt2_config
 
 
 @pytest.mark.parametrize(
@@ -61,16 +62,9 @@ def _tiny(name: str) -> nn.Module:
     tf = pytest.importorskip("transformers")
     torch.manual_seed(0)
     if name == "gpt2":
-        return tf.GPT2LMHeadModel(
-            tf.GPT2Config(vocab_size=32, n_embd=16, n_layer=2, n_head=2, n_positions=16)
-        ).eval()  # no dropout
+        return tf.GPT2LMHeadModel(tiny_gpt2_config(32, n_embd=16, n_head=2, n_positions=16)).eval()
     cfg = tf.LlamaConfig(
-        vocab_size=32,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **tiny_decoder_fields(32, hidden_size=16, intermediate_size=32, max_position_embeddings=2048)
     )
     return tf.LlamaForCausalLM(cfg)
 

@@ -23,6 +23,7 @@ import yaml
 from torch.utils.data import Dataset
 
 from tests.e2e._bad_input_support import CaseContext, CliExit
+from tests.support.hf_models import tiny_decoder_fields, tiny_gpt2_config
 
 HERE = "tests.e2e._bad_input_launch_cases"
 
@@ -37,25 +38,27 @@ def hf_llama(
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=32,
-        use_cache=use_cache,
+        **tiny_decoder_fields(
+            vocab,
+            hidden_size=hidden,
+            intermediate_size=16,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            max_position_embeddings=32,
+            use_cache=use_cache,
+        )
     )
     return LlamaForCausalLM(config)
 
 
 def hf_gpt2(positions: int = 16, vocab: int = 16) -> Any:
     """A tiny transformers GPT-2: a learned position table of ``positions`` rows."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2LMHeadModel
 
     torch.manual_seed(0)
-    config = GPT2Config(
-        vocab_size=vocab, n_embd=8, n_layer=2, n_head=2, n_positions=positions, bos_token_id=0, eos_token_id=0
+    dropout = {"resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1}  # GPT2Config's defaults
+    config = tiny_gpt2_config(
+        vocab, n_embd=8, n_head=2, n_positions=positions, bos_token_id=0, eos_token_id=0, **dropout
     )
     return GPT2LMHeadModel(config)
 

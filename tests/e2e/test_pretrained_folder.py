@@ -15,6 +15,9 @@ import pytest
 import torch
 
 from tests.e2e._pretrained_support import read_folder, save_tiny_model
+from tests.support.hf_models import tiny_gpt2_config
+
+GPT2_DROPOUT = {"resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1}  # GPT2Config's defaults
 
 pytestmark = pytest.mark.transformers
 
@@ -67,12 +70,12 @@ def test_match_refuses_a_folder_of_another_model(tmp_path: Path) -> None:
     # The tied head is found under the embedding's name (the folder holds one of the two).
     assert "lm_head.weight" not in weights.file_names and "transformer.wte.weight" in weights.file_names
     assert next(model.parameters()).is_meta
-    wider = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=96, n_embd=64, n_layer=2, n_head=4, n_positions=64))
+    wider = tf.GPT2LMHeadModel(tiny_gpt2_config(96, n_embd=64, **GPT2_DROPOUT))
     with pytest.raises(
         ValueError, match=r"has shape \[96, 32\], the model built from its config.json has \[96, 64\]"
     ):
         PretrainedWeights.match(wider, folder)
-    deeper = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=96, n_embd=32, n_layer=3, n_head=4, n_positions=64))
+    deeper = tf.GPT2LMHeadModel(tiny_gpt2_config(96, n_layer=3, **GPT2_DROPOUT))
     with pytest.raises(ValueError, match=r"lacks 12 of the model's parameters, e.g. \['transformer.h.2"):
         PretrainedWeights.match(deeper, folder)
 

@@ -13,13 +13,13 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from merak_core.checks.tp_check import check_sequence_parallel  # noqa: E402
+from tests.support.hf_models import tiny_gpt2_config  # noqa: E402
 
 
 def _gpt2(dropout: float) -> torch.nn.Module:
-    config = transformers.GPT2Config(
-        n_layer=2, n_embd=16, n_head=2, vocab_size=64, n_positions=16,
-        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=0.0,
-    )  # fmt: skip
+    config = tiny_gpt2_config(
+        64, n_embd=16, n_head=2, n_positions=16, resid_pdrop=dropout, embd_pdrop=dropout
+    )
     with torch.device("meta"):
         return transformers.GPT2LMHeadModel(config)
 

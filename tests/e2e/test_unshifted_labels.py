@@ -31,6 +31,7 @@ from torch.utils.data import Dataset
 from tests.e2e._trainer_support import reference_microbatches
 from tests.support.compare import assert_tensors_close
 from tests.support.dist import run_on_ranks
+from tests.support.hf_models import tiny_gpt2_config
 from tests.support.models import GPT, DecoderConfig
 
 SEQ = 8
@@ -243,17 +244,7 @@ def _hf_gpt2() -> torch.nn.Module:
     import transformers as tf
 
     torch.manual_seed(0)
-    cfg = tf.GPT2Config(
-        vocab_size=40,
-        n_embd=16,
-        n_layer=2,
-        n_head=2,
-        n_positions=16,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        use_cache=False,
-    )
+    cfg = tiny_gpt2_config(40, n_embd=16, n_head=2, n_positions=16, use_cache=False)
     return tf.GPT2LMHeadModel(cfg).double()
 
 
