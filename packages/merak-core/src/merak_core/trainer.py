@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from merak_core.autoplan.prepare import PreparedRun, prepare_run, training_steps
+from merak_core.autoplan.prepare import PreparedRun, prepare_run
 from merak_core.checkpoint import CheckpointManager
 from merak_core.checkpoint.parts import CheckpointParts, TrainState
 from merak_core.config import TrainingArguments
@@ -52,7 +52,7 @@ from merak_core.parallel.layout import ParallelLayout
 from merak_core.parallel.virtual_stages import stage_data_roles
 from merak_core.planner import PlanContext
 from merak_core.run import nonfinite
-from merak_core.run.cadence import Cadence, StepRecords, count_tokens
+from merak_core.run.cadence import Cadence, StepRecords, count_tokens, training_steps
 from merak_core.run.engine import (
     LossFn,
     StepResult,

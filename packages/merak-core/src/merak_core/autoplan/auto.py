@@ -40,6 +40,7 @@ from merak_core.autoplan.givens import (
 )
 from merak_core.autoplan.probe import slowest_probe_note
 from merak_core.config import TrainingArguments
+from merak_core.parallel.devices import autocast
 from merak_core.planner import (
     Candidate,
     ModelProfile,
@@ -52,7 +53,7 @@ from merak_core.planner import (
 )
 from merak_core.planner.choices import searched_virtual_stages
 from merak_core.planner.profile import tp_constraints
-from merak_core.run.bootstrap import autocast, first_samples, process_group
+from merak_core.run.bootstrap import first_samples, process_group
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,6 @@ the restarted process group (``merak_core.launch``).
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -41,9 +40,10 @@ from merak_core.parallel.layout import ParallelLayout, init
 from merak_core.parallel.virtual_stages import stage_data_roles
 from merak_core.planner import PlanContext
 from merak_core.run import bootstrap
+from merak_core.run.cadence import training_steps
 from merak_core.run.engine import LossFn, ParallelEngine, default_loss
 
-__all__ = ["PreparedRun", "prepare_job", "prepare_run", "training_steps"]
+__all__ = ["PreparedRun", "prepare_job", "prepare_run"]
 
 
 @dataclass
@@ -73,19 +73,6 @@ class PreparedRun:
     eval_dataset: Any = None
     data_collator: Callable[[list[Any]], Any] | None = None
     compute_metrics: Any = None
-
-
-def training_steps(args: TrainingArguments, train_loader: StageAwareDataLoader | None) -> int:
-    """Optimizer steps of the run: ``max_steps``, else ``num_train_epochs`` of the training loader."""
-    if args.max_steps > 0:
-        return args.max_steps
-    if train_loader is None:
-        return 0
-    try:
-        per_epoch = len(train_loader)
-    except TypeError:
-        raise ValueError("an iterable train_dataset has no length: set max_steps") from None
-    return max(1, math.ceil(per_epoch * args.num_train_epochs))
 
 
 def _plan(

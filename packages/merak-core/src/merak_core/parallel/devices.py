@@ -9,7 +9,9 @@ uses too). Initialising the default process group stays in :mod:`merak_core.para
 
 from __future__ import annotations
 
+import contextlib
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -98,4 +100,11 @@ def _use_device(dev: torch.device) -> None:
         torch.cuda.set_device(dev)
 
 
-__all__ = ["collective_device", "default_backend", "local_rank", "select_device"]
+__all__ = ["autocast", "collective_device", "default_backend", "local_rank", "select_device"]
+
+
+def autocast(bf16: bool, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """bf16 autocast on ``device`` when ``bf16``, else a context that does nothing."""
+    if bf16:
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()

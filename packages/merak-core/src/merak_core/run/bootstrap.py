@@ -18,7 +18,6 @@ Not done here: the step itself (``engine.py``) and the loop (``trainer.py``).
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import os
@@ -36,7 +35,6 @@ from merak_core.parallel.layout import ParallelLayout, ensure_process_group, ini
 from merak_core.parallel.virtual_stages import stage_placement
 
 __all__ = [
-    "autocast",
     "check_layout",
     "check_lora",
     "compose",
@@ -67,13 +65,6 @@ def configure_rank_process() -> int:
 def process_group(device: torch.device | str | None = None) -> torch.device:
     """The default process group (created as :func:`merak_core.init` does, if nobody did) and this rank's device."""
     return ensure_process_group(device)
-
-
-def autocast(bf16: bool, device: torch.device) -> contextlib.AbstractContextManager[Any]:
-    """bf16 autocast on ``device`` when ``bf16``, else a context that does nothing."""
-    if bf16:
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
 
 
 def is_meta(model: nn.Module) -> bool:

@@ -8,19 +8,22 @@ tokens per second).
 Every rank asks the same questions with the same step, so every rank checkpoints and evaluates
 after the same steps (both are collective).
 
+:func:`training_steps` is how many optimizer steps the run takes.
+
 Not done here: writing the metrics (``metrics.py``), saving (``checkpoint/``), evaluating
 (``evaluation.py``).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["Cadence", "StepRecords", "count_tokens", "step_record"]
+__all__ = ["Cadence", "StepRecords", "count_tokens", "step_record", "training_steps"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,3 +138,16 @@ class StepRecords:
             last = step_record(loss=result.loss, grad_norm=result.grad_norm, **fields)
             self.history.append(last)
         return last
+
+
+def training_steps(args: Any, train_loader: Any) -> int:
+    """Optimizer steps of the run: ``max_steps``, else ``num_train_epochs`` of the training loader."""
+    if args.max_steps > 0:
+        return args.max_steps
+    if train_loader is None:
+        return 0
+    try:
+        per_epoch = len(train_loader)
+    except TypeError:
+        raise ValueError("an iterable train_dataset has no length: set max_steps") from None
+    return max(1, math.ceil(per_epoch * args.num_train_epochs))

@@ -54,12 +54,12 @@ from merak_core.config import TrainingArguments, build_lr_scheduler
 from merak_core.parallel.clip import global_grad_norm, scale_gradients_
 from merak_core.parallel.compose import ParallelModel
 from merak_core.parallel.data_parallel import DataParallelGradSync
+from merak_core.parallel.devices import autocast
 from merak_core.parallel.expert_parallel import ExpertParallelGradSync, expert_parameters
 from merak_core.parallel.fsdp import SHARDED_ZERO_STAGES, ShardedDataParallel, warn_nothing_to_shard
 from merak_core.parallel.layout import ParallelLayout
 from merak_core.parallel.zero import ZeroOptimizer
 from merak_core.run import nonfinite
-from merak_core.run.bootstrap import autocast
 from merak_core.run.engine_setup import (
     OptimizerFactory,
     build_dp_sync,
