@@ -8,7 +8,8 @@ correction bias, scaled weights and a shared expert. Two SGD steps at dp2·ep2 (
 dp2·ep2·pp2) against the same model trained by one process on the whole batch: both losses and every
 parameter after the steps (so both steps' gradients, the second with the routing the first changed).
 Also: DeepSeek-V3 with a bias that sends every token to experts 2 and 3 (all rows to EP rank 1, none
-to rank 0's experts); a checkpoint of an ep=2 run resumed at ep=1; the Hugging Face export of an ep=2
+to rank 0's experts); the models' router aux loss (``output_router_logits``) over the global batch
+(merak_core.parallel.router_aux); a checkpoint of an ep=2 run resumed at ep=1; the Hugging Face export of an ep=2
 run loaded by ``from_pretrained``, its logits equal to the one-process model's.
 """
 
@@ -92,8 +93,10 @@ def _config(family: str) -> tuple[Any, Any]:
     return cfg, tf.DeepseekV3ForCausalLM
 
 
-def _model(family: str, bias: str = "spread") -> torch.nn.Module:
+def _model(family: str, bias: str = "spread", aux: float = 0.0) -> torch.nn.Module:
     cfg, cls = _config(family)
+    if aux:  # the model's router aux loss (transformers' load_balancing_loss_func)
+        cfg.output_router_logits, cfg.router_aux_loss_coef = True, aux
     torch.manual_seed(0)
     model = cls(cfg).float()
     if family == "deepseek_v3":
@@ -128,12 +131,14 @@ def _sgd(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
     return torch.optim.SGD(groups, lr=LR)
 
 
-def _train(family: str, overrides: dict[str, Any], bias: str = "spread") -> tuple[list[float], Any]:
+def _train(
+    family: str, overrides: dict[str, Any], bias: str = "spread", aux: float = 0.0
+) -> tuple[list[float], Any]:
     import torch.distributed as dist
 
     from merak_core import Trainer
 
-    trainer = Trainer(_model(family, bias), _args(**overrides), Tokens(), optimizer_factory=_sgd)
+    trainer = Trainer(_model(family, bias, aux), _args(**overrides), Tokens(), optimizer_factory=_sgd)
     history = trainer.train()
     state = trainer.full_state_dict()
     held = [tuple(p.shape) for n, p in trainer.model.named_parameters() if n.endswith("experts.gate_up_proj")]
@@ -141,23 +146,29 @@ def _train(family: str, overrides: dict[str, Any], bias: str = "spread") -> tupl
     return [h["loss"] for h in history if "loss" in h], state if dist.get_rank() == 0 else None
 
 
-def _reference(family: str, bias: str = "spread") -> tuple[list[float], dict[str, torch.Tensor], Any]:
-    model = _model(family, bias)
+def _reference(
+    family: str, bias: str = "spread", aux: float = 0.0
+) -> tuple[list[float], dict[str, torch.Tensor], Any]:
+    model = _model(family, bias, aux)
     ids = Tokens().ids
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for _ in range(STEPS):
         opt.zero_grad()
-        logits = model(input_ids=ids[:, :-1]).logits
-        loss = F.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+        out = model(input_ids=ids[:, :-1])
+        loss = F.cross_entropy(out.logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+        if aux:  # transformers' own aux loss of the global batch
+            loss = loss + aux * out.aux_loss
         loss.backward()
         opt.step()
         losses.append(loss.item())
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, model
 
 
-def _check(results: list[tuple[list[float], Any]], family: str, bias: str = "spread") -> None:
-    losses, params, _ = _reference(family, bias)
+def _check(
+    results: list[tuple[list[float], Any]], family: str, bias: str = "spread", aux: float = 0.0
+) -> None:
+    losses, params, _ = _reference(family, bias, aux)
     state = results[0][1]
     assert state is not None
     assert set(state) == set(params)
@@ -175,6 +186,14 @@ def test_dp2_ep2_equals_one_process(family: str) -> None:
 def test_all_tokens_to_one_rank_is_exact() -> None:
     """DeepSeek-V3 with a correction bias choosing experts 2 and 3 for every token: EP rank 1 gets every row."""
     _check(run_on_ranks(2, _train, "deepseek_v3", {"ep": 2}, "one_rank"), "deepseek_v3", "one_rank")
+
+
+@pytest.mark.parametrize(("family", "ep"), [("mixtral", 2), ("qwen3_moe", 2), ("mixtral", 1)])
+def test_router_aux_loss_of_the_global_batch(family: str, ep: int) -> None:
+    """output_router_logits=True: the loss adds coef x transformers' aux loss of the global batch (its per-expert
+    fractions and mean probabilities over both ranks' tokens, not the mean of the ranks' own aux losses), at
+    ep=2 and without EP (dp=2)."""
+    _check(run_on_ranks(2, _train, family, {"ep": ep}, "spread", 0.5), family, aux=0.5)
 
 
 def test_qwen3_moe_dp2_ep2_pp2_equals_one_process() -> None:

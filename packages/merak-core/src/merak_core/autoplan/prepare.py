@@ -116,6 +116,11 @@ def _refuse_before_groups(
         from merak_core.parallel.expert_parallel import check_ep_model
 
         check_ep_model(model, args, lora=lora)
+    from merak_core.parallel.router_aux import check_router_aux  # [Note: global router aux loss]
+
+    check_router_aux(
+        model, layout.pp if layout is not None else args.pp, layout.cp if layout is not None else args.cp
+    )
     if args.sequence_parallel and (layout.tp if layout is not None else args.tp) > 1:
         from merak_core.checks.tp_check import check_sequence_parallel
 
@@ -213,12 +218,14 @@ def prepare_run(
         from merak_core.hf.adapters import start_adapters
 
         start_adapters(composed, lora, seed=args.seed)  # drawn like PEFT, or read from lora.from_dir
+    from merak_core.parallel.router_aux import with_router_aux_loss
+
     engine = ParallelEngine(
         composed,
         layout,
         args,
         device=run_device,
-        loss_fn=run_loss,
+        loss_fn=with_router_aux_loss(model, run_loss, layout.dp_group, example_inputs),  # router aux over DP
         num_training_steps=training_steps(args, train_loader),
         example_labels=example_labels,
         optimizer_factory=optimizer_factory,

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from merak_core.parallel.router_aux import check_router_aux
+
 __all__ = [
     "ExpertShard",
     "check_fused_experts",
@@ -125,14 +127,8 @@ def check_fused_experts(model: nn.Module, args: Any) -> list[str]:
     found = fused_experts(model)
     if not found:
         return []
-    config: Any = getattr(model, "config", None)
-    if getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0):
-        raise ValueError(
-            f"ep={ep}: {type(model).__name__} computes its router auxiliary loss (output_router_logits=True, "
-            f"router_aux_loss_coef={config.router_aux_loss_coef}) from each rank's own tokens, which is not the "
-            "one-process loss of the global batch (its per-expert token fractions and mean probabilities need "
-            "sums over every data-parallel rank first): set output_router_logits: false, or ep: 1"
-        )
+    # The model's router aux loss: over the global batch (merak_core.parallel.router_aux), pp and cp refused.
+    check_router_aux(model, getattr(args, "pp", 1), getattr(args, "cp", 1))
     if getattr(args, "tp", 1) > 1:
         raise ValueError(
             f"ep={ep} with tp={args.tp}: {type(found[0][1]).__name__} at {found[0][0]!r} is split over TP by the "
