@@ -135,3 +135,25 @@ def test_plan_considers_cp_when_no_cp1_layout_fits() -> None:
         plan(prof, world_size=4, memory_per_device=memory, global_batch_size=2, comm=COMM)
     assert cp_allowed(_profile(), 2, "ulysses", 1) and not cp_allowed(_profile(), 4, "ulysses", 1)
     assert cp_allowed(_profile(), 4, "ring", 2)
+
+
+def test_layout_auto_searches_the_divisors_of_the_jobs_cp() -> None:
+    from types import SimpleNamespace
+
+    from merak_core import TrainingArguments
+    from merak_core.autoplan.auto import runnable_cp
+    from merak_core.autoplan.givens import auto_cp_degrees
+    from merak_core.parallel.context_parallel import check_cp_arguments
+    from tests.support.models import DecoderConfig, Llama
+
+    args = TrainingArguments(layout="auto", cp=4)
+    check_cp_arguments(args)  # no longer refused: the planner prices cp
+    assert auto_cp_degrees(args, 8) == (1, 2, 4)
+    assert auto_cp_degrees(args, 6) == (1, 2)
+    assert auto_cp_degrees(TrainingArguments(layout="auto"), 8) == (1,)
+    cands = [SimpleNamespace(cp=c, pp=p) for c, p in ((1, 2), (2, 1), (2, 2))]
+    handwritten = Llama(DecoderConfig(num_kv_heads=2))
+    assert [(c.cp, c.pp) for c in runnable_cp(cands, handwritten)] == [(1, 2), (2, 1)]
+    assert [(c.cp, c.pp) for c in runnable_cp(cands, lambda: handwritten)] == [(1, 2), (2, 1)]
+    with pytest.raises(ValueError, match="cp > 1 at pp > 1"):
+        runnable_cp(cands[2:], handwritten)

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from merak_core.autoplan.givens import (
+    auto_cp_degrees,
     auto_degrees_note,
     auto_global_batch,
     compute_slots,
@@ -337,6 +338,22 @@ def _context(
     )
 
 
+def runnable_cp(cands: Sequence[Any], model: Any) -> list[Any]:
+    """``cands`` less cp > 1 at pp > 1 unless ``model`` is a transformers model (a handwritten model's
+    positions are computed in the traced graph: :func:`merak_core.parallel.context_parallel.check_cp_model`);
+    ValueError when none is left."""
+    from merak_core.parallel.context_parallel import is_transformers_model
+
+    hf = isinstance(model, nn.Module) and is_transformers_model(model)
+    kept = [c for c in cands if c.cp == 1 or c.pp == 1 or hf]
+    if not kept:
+        raise ValueError(
+            "plan: every fitting configuration has cp > 1 at pp > 1, which a model that is not a transformers "
+            "model (or is given as a builder) cannot run: raise the memory or the cp degree"
+        )
+    return kept
+
+
 def auto_layout(
     args: TrainingArguments,
     model: nn.Module | Callable[[], nn.Module],
@@ -379,11 +396,14 @@ def auto_layout(
                 zero_stage=args.zero_stage,
                 compute_slots=slots,
                 virtual_stages=searched_virtual_stages(slots),
+                cp_degrees=auto_cp_degrees(args, world),
+                cp_mode=args.cp_mode,
             )
+            cands = runnable_cp(cands, model)
         except ValueError as exc:
             raise ValueError(f"for {world} ranks, global batch {gbs}: {exc}") from None
         return {
-            "fields": cands[0].training_fields(),
+            "fields": {**cands[0].training_fields(), "cp": cands[0].cp},  # cp=1 too: it replaces the job's
             "chosen": cands[0],
             "table": format_plan(cands),
             "count": len(cands),

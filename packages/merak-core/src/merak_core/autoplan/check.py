@@ -236,6 +236,8 @@ class PlanCheck:
             recompute=kind,
             virtual_stages=args.virtual_stages,
             zero_stage=args.zero_stage,
+            cp=args.cp,
+            cp_mode=args.cp_mode,
         )
         predicted = predict_current(
             ctx, running, memory_budget=args.memory_budget if kind == "stage_aware" else None

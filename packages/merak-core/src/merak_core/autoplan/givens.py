@@ -15,12 +15,21 @@ import torch.distributed as dist
 from merak_core.config import TrainingArguments
 
 __all__ = [
+    "auto_cp_degrees",
     "auto_degrees_note",
     "auto_global_batch",
     "compute_slots",
     "default_memory_per_device",
     "written_degrees",
 ]
+
+
+def auto_cp_degrees(args: TrainingArguments, world_size: int) -> tuple[int, ...]:
+    """The context-parallel degrees ``layout: auto`` searches: every divisor of the job's ``cp`` that divides
+    ``world_size`` (the job's cp is the largest the planner may choose; its divisors pass the checks made
+    before torchrun for it: the model's cp hook, Ulysses' heads, the sequence's ``2 * cp`` chunks); (1,)
+    at cp=1: the planner does not turn context parallelism on by itself."""
+    return tuple(c for c in range(1, args.cp + 1) if args.cp % c == 0 and world_size % c == 0)
 
 
 def written_degrees(args: TrainingArguments) -> dict[str, int]:

@@ -33,7 +33,7 @@ At pp > 1 the pipeline tracer keeps a transformers model's attention modules who
 at run time in the CP context; stage boundaries carry the local tokens.
 
 Not done here (refused instead): a handwritten model at pp > 1, padding masks or restarting position
-ids (packed documents), LoRA dropout, ``compute_metrics``, a custom ``loss_fn``, ``layout: auto``.
+ids (packed documents), LoRA dropout, ``compute_metrics``, a custom ``loss_fn``.
 """
 
 from __future__ import annotations
@@ -66,9 +66,9 @@ __all__ = [
 ATTN_IMPLEMENTATION = "merak_cp"
 """The name of Merak's attention function in transformers' attention-function registry."""
 
-_REFUSED_ARGS: tuple[tuple[str, Any, str], ...] = (
-    ("layout", lambda a: a.layout == "auto", "layout: manual with explicit degrees"),
-)
+_REFUSED_ARGS: tuple[tuple[str, Any, str], ...] = ()
+"""(argument, refused at cp > 1, the fix): none left (``layout: auto`` plans cp among the divisors of the
+job's cp: :func:`merak_core.autoplan.givens.auto_cp_degrees`)."""
 
 
 def check_cp_arguments(args: Any) -> None:
@@ -239,16 +239,34 @@ class ContextParallelRun:
         with context_parallel(self.context):
             yield
 
-    def split(self, inputs: Any, labels: Any) -> tuple[Any, Any]:
-        """This rank's tokens of a batch read whole by every CP rank (refusals are the same on every rank)."""
+    def split(self, inputs: Any, labels: Any, *, read_here: bool = False) -> tuple[Any, Any]:
+        """This rank's tokens of a batch read whole by every CP rank (refusals are the same on every rank).
+
+        ``read_here``: the batch holds this rank's tokens already (it comes from a :meth:`read_here` view):
+        only the global ``position_ids`` are added (transformers models).
+        """
+        if read_here:
+            return _with_positions(inputs, self.context, self.position_ids), labels
         return split_batch(inputs, labels, self.context.positions, position_ids=self.position_ids)
 
-    def split_batches(self, batches: Iterable[Any]) -> Iterator[Any]:
+    def split_batches(self, batches: Iterable[Any], *, read_here: bool = False) -> Iterator[Any]:
         """The batches of an evaluation loader (``StageBatch``), each with this rank's tokens
         ([Note: cp evaluation])."""
         for batch in batches:
-            inputs, labels = self.split(batch.inputs, batch.labels)
+            inputs, labels = self.split(batch.inputs, batch.labels, read_here=read_here)
             yield dataclasses.replace(batch, inputs=inputs, labels=labels)
+
+    def read_here(self, dataset: Any) -> Any:
+        """``dataset`` as a view whose items hold this rank's tokens only, when it can make one (a
+        ``reading_positions(positions)`` method: the text data's, [Note: cp reads] in
+        ``merak_core.data.text.samples``); else ``dataset`` (its batches are read whole and split)."""
+        view = getattr(dataset, "reading_positions", None)
+        return dataset if view is None else view(self.context.positions)
+
+    @staticmethod
+    def reads_here(dataset: Any) -> bool:
+        """Whether ``dataset`` is a :meth:`read_here` view (its batches are split already)."""
+        return getattr(dataset, "cp_positions", None) is not None
 
     def loss(self, output: Any, labels: torch.Tensor) -> torch.Tensor:
         """The token cross-entropy of the local tokens, scaled as [Note: cp loss] says."""
@@ -280,6 +298,22 @@ def split_batch(
     out_inputs = None if inputs is None else _split_inputs(inputs, pos, seq_len, position_ids)
     out_labels = None if labels is None else _slice(labels, pos, seq_len, "labels")
     return out_inputs, out_labels
+
+
+def _with_positions(inputs: Any, context: ContextParallel, position_ids: bool) -> Any:
+    """A batch of this rank's tokens with the global ``position_ids`` added (``position_ids``: the model
+    takes them); ValueError for inputs that are not tokens."""
+    if inputs is None or not position_ids:
+        return inputs
+    tokens = inputs if isinstance(inputs, torch.Tensor) else inputs.get("input_ids")
+    if not isinstance(tokens, torch.Tensor) or tokens.ndim != 2:
+        raise ValueError(
+            f"cp > 1 reads token batches (input_ids [batch, tokens]), got {type(inputs).__name__}"
+        )
+    pos = context.positions(tokens.shape[1] * context.size).to(tokens.device)
+    out = {"input_ids": inputs} if isinstance(inputs, torch.Tensor) else dict(inputs)
+    out["position_ids"] = pos.expand(tokens.shape[0], -1)
+    return out
 
 
 def _split_inputs(inputs: Any, pos: torch.Tensor, seq_len: int, position_ids: bool) -> Any:

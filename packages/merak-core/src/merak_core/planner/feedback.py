@@ -436,7 +436,7 @@ def replan(
     try:
         cands = plan(
             corrected,
-            world_size=predicted.dp * predicted.tp * predicted.pp,
+            world_size=predicted.dp * predicted.cp * predicted.tp * predicted.pp,
             memory_per_device=ctx.memory_per_device,
             global_batch_size=global_batch_size,
             comm=ctx.comm,
@@ -445,6 +445,8 @@ def replan(
             max_microbatches=max_microbatches,
             compute_slots=ctx.compute_slots,
             virtual_stages=ctx.virtual_stages,
+            cp_degrees=(predicted.cp,),  # the run's cp group (its model and sequence were checked for it)
+            cp_mode=predicted.cp_mode,
         )
     except ValueError as exc:
         return Replan(current=current, candidates=(), profile=corrected, error=str(exc))
