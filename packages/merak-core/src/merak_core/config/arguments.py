@@ -177,6 +177,13 @@ class TrainingArguments:
     unsharded module (float64 copies, on the TP group) and stop with an error naming the modules that
     differ (relative difference above 1e-9, or 1e-5 when the sharded modules compute in float32 inside);
     ``merak check`` does the same before launch."""
+    compile: bool | str = False
+    """``torch.compile`` the stages: ``true`` each pipeline stage (the whole model at pp=1), ``regional`` each
+    repeated block (traced shards at pp > 1), ``false`` eager ([Note: compiled stages] in
+    merak_core.parallel.compile; split-backward schedules, ZeRO-2/3, cp/ep > 1 and overlap_chunks > 1 are refused)."""
+    compile_backend: str = "inductor"
+    """The ``torch.compile`` backend with ``compile``: ``inductor`` (generates kernels; needs a C compiler on
+    CPU), ``aot_eager`` (no code generation; bit-identical to eager), or any ``torch.compiler.list_backends()``."""
 
     # ------------------------------------------------------------ the planner (see [Note: layout auto])
     layout: str = "manual"

@@ -48,6 +48,9 @@ def check_arguments(args: Any) -> None:
     from merak_core.parallel.expert_parallel import check_ep_arguments
 
     check_ep_arguments(args)  # ep, and what ep > 1 refuses
+    from merak_core.parallel.compile import check_compile_arguments
+
+    check_compile_arguments(args)  # compile, compile_backend, and what compiled stages refuse
 
 
 def _check_run(args: Any) -> None:
