@@ -49,7 +49,7 @@ class Tokens(Dataset):
         return {"input_ids": self.ids[i, :-1], "labels": labels}
 
 
-def _model(kind: str) -> torch.nn.Module:
+def _model(kind: str, vocab: int = VOCAB) -> torch.nn.Module:
     """``kind``: reference, transformers (Llama), transformers4 (Llama, 4 layers), qwen2, qwen3."""
     torch.manual_seed(0)
     layers = 4 if kind == "transformers4" else 2
@@ -58,7 +58,7 @@ def _model(kind: str) -> torch.nn.Module:
     import transformers
 
     sizes = dict(
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=layers,
@@ -266,6 +266,73 @@ def test_cp_eval_loss_equals_one_process(kind: str, overrides: dict[str, Any]) -
     world = 2 * overrides.get("dp", 1) * overrides.get("pp", 1)
     for got in run_on_ranks(world, _evaluate, kind, overrides):
         assert got == pytest.approx(expected, rel=1e-12)
+
+
+TEXT_VOCAB = 300
+"""The vocabulary of the text data's tokenizer (tests.support.text.make_tokenizer)."""
+
+
+def _text_run(spec: dict[str, Any], batch: int) -> tuple[bool, float, float, dict[str, torch.Tensor] | None]:
+    """(each rank read only its tokens, eval loss before the step, the step's loss, the state after it)."""
+    import torch.distributed as dist
+
+    from merak_core import Trainer
+    from merak_core.data.text import TextDataSpec, build_text_datasets
+
+    train, evaluation = build_text_datasets(TextDataSpec(**spec))
+    args = _args(cp=2, per_device_train_batch_size=batch, per_device_eval_batch_size=2)
+    trainer = Trainer(_model("transformers", TEXT_VOCAB), args, train, evaluation, optimizer_factory=_sgd)
+    views = (trainer.train_dataset, trainer.eval_dataset)
+    read_here = all(v.cp_positions is not None and v[0]["input_ids"].shape == (SEQ // 2,) for v in views)
+    eval_loss = trainer.evaluate()["eval_loss"]
+    loss = trainer.train()[0]["loss"]
+    state = trainer.full_state_dict()
+    return read_here, eval_loss, loss, state if dist.get_rank() == 0 else None
+
+
+def test_cp2_text_data_read_per_rank_equals_one_process(tmp_path: Any) -> None:
+    """Text data at cp=2: each rank reads only its tokens of every sample (train and eval), and the
+    eval loss, the loss and every gradient equal one process's on the whole samples."""
+    from merak_core.data.text import TextDataSpec, build_text_datasets
+    from tests.support.text import make_tokenizer, sentences, write_jsonl
+
+    texts = sentences(40, seed=3, words=12)
+    rows = [{"q": t[: len(t) // 3], "a": t[len(t) // 3 :]} for t in texts]  # prompt labels masked
+    spec: dict[str, Any] = dict(
+        format="jsonl",
+        path=str(write_jsonl(tmp_path / "sft.jsonl", rows)),
+        tokenizer=str(make_tokenizer(tmp_path / "tok", vocab_size=TEXT_VOCAB)),
+        seq_len=SEQ,
+        packing=False,  # records padded: the cp ranks count different tokens
+        prompt_field="q",
+        response_field="a",
+        eval_fraction=0.2,
+        cache_dir=str(tmp_path / "cache"),
+    )
+    train, evaluation = build_text_datasets(TextDataSpec(**spec))  # the token cache, built once here
+    assert evaluation is not None
+    model = _model("transformers", TEXT_VOCAB)
+
+    def loss_of(data: Any) -> torch.Tensor:
+        ids = torch.stack([data[i]["input_ids"] for i in range(len(data))])
+        labels = torch.stack([data[i]["labels"] for i in range(len(data))])
+        logits = model(ids).logits
+        return F.cross_entropy(logits.reshape(-1, TEXT_VOCAB), labels.reshape(-1), ignore_index=-100)
+
+    with torch.no_grad():
+        eval_expected = float(loss_of(evaluation))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    loss = loss_of(train)  # one step over the whole training set (its sample order does not matter)
+    loss.backward()
+    for read_here, eval_loss, got_loss, _ in (results := run_on_ranks(2, _text_run, spec, len(train))):
+        assert read_here
+        assert eval_loss == pytest.approx(eval_expected, rel=1e-12)
+        assert got_loss == pytest.approx(float(loss.detach()), rel=1e-12)
+    state = results[0][3]
+    assert state is not None
+    for name, p in model.named_parameters():
+        assert p.grad is not None
+        torch.testing.assert_close(before[name] - state[name], p.grad, rtol=1e-9, atol=1e-11, msg=name)
 
 
 def _train_from(

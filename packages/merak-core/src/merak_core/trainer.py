@@ -212,13 +212,21 @@ class Trainer(GenerateMixin, EngineViews):
         return self._step(inputs, labels, record_timing=record_timing).loss
 
     def _step(
-        self, inputs: Any, labels: Any, *, record_timing: bool, ids_checked: int | None = None
+        self,
+        inputs: Any,
+        labels: Any,
+        *,
+        record_timing: bool,
+        ids_checked: int | None = None,
+        read_here: bool = False,
     ) -> StepResult:
-        """:meth:`training_step` without reading the loss (see [Note: device-side skip] in run.nonfinite)."""
+        """:meth:`training_step` without reading the loss (see [Note: device-side skip] in run.nonfinite).
+
+        ``read_here``: the batch holds this cp rank's tokens already (``ContextParallelRun.read_here``)."""
         step = self.global_step + 1
         cp_context: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
         if self.cp_run is not None:  # this rank's tokens of the batch; attention over the cp group
-            inputs, labels = self.cp_run.split(inputs, labels)
+            inputs, labels = self.cp_run.split(inputs, labels, read_here=read_here)
             cp_context = self.cp_run.active()
         with cp_context, self._rewind_on_nonfinite():
             result = self.engine.step(
@@ -320,6 +328,9 @@ class Trainer(GenerateMixin, EngineViews):
         iterator = iter(loader)  # resumes at the loader's restored position
         records = StepRecords(self.history)  # filled as the steps' numbers reach the host
         window_start, window_tokens = time.perf_counter(), 0
+        read_here = self.cp_run is not None and self.cp_run.reads_here(loader.dataset)
+        # the step's tokens per token a rank reads: dp ranks, and cp ranks when each reads its own tokens
+        tokens_per_read = self.layout.dp * (self.layout.cp if read_here else 1)
         while self.global_step < total:
             try:
                 batch = next(iterator)
@@ -336,11 +347,12 @@ class Trainer(GenerateMixin, EngineViews):
                 batch.labels,
                 record_timing=timed,
                 ids_checked=self.id_ranges.vocab if checked else None,  # no id check on the device
+                read_here=read_here,
             )
             step_time = time.perf_counter() - step_start
             if self.plan_check is not None:
                 self.plan_check.after_step(self.global_step, self.last_result, step_time)
-            window_tokens += count_tokens(batch.inputs) * self.layout.dp
+            window_tokens += count_tokens(batch.inputs) * tokens_per_read
             step = self.global_step
             records.add(
                 result,
@@ -432,7 +444,7 @@ class Trainer(GenerateMixin, EngineViews):
         cp = self.cp_run  # this rank's tokens, each weighed by the default loss ([Note: cp evaluation])
         with cp.active() if cp is not None else contextlib.nullcontext():
             return evaluate_loader(
-                loader if cp is None else cp.split_batches(loader),
+                loader if cp is None else cp.split_batches(loader, read_here=cp.reads_here(dataset)),
                 run=run,
                 loss_fn=self.loss_fn if cp is None else default_loss,
                 compute_metrics=self.compute_metrics,

@@ -196,19 +196,23 @@ def prepare_run(
     layout = bootstrap.run_layout(args, layout, device)
     run_device = bootstrap.run_device(layout, device)
     cp_run = None if layout.cp == 1 else cp_run_for(model, layout, args.cp_mode)
+    if cp_run is not None:  # each rank reads only its tokens, where the data can (the text data)
+        train_dataset, eval_dataset = cp_run.read_here(train_dataset), cp_run.read_here(eval_dataset)
     run_loss = cp_run.loss if cp_run is not None else (loss_fn or default_loss)
     id_ranges = IdRanges.of(model, default_loss=loss_fn is None)  # the whole model's sizes
     train_loader = _train_loader(args, layout, run_device, train_dataset, data_collator)
-    example_labels = None
+    example_labels, read_here = None, False
     if example_inputs is None:
+        source = train_dataset if train_dataset is not None else eval_dataset
+        read_here = cp_run is not None and cp_run.reads_here(source)
         example_inputs, example_labels = bootstrap.example_batch(
-            train_dataset if train_dataset is not None else eval_dataset,
+            source,
             data_collator,
             args.micro_batch_size,
             labels=args.labels,  # every rank checks them, before any collective
         )
     if cp_run is not None:  # the model is composed on this rank's tokens
-        example_inputs, example_labels = cp_run.split(example_inputs, example_labels)
+        example_inputs, example_labels = cp_run.split(example_inputs, example_labels, read_here=read_here)
     composed = bootstrap.compose(
         model, args, layout, run_device, example_inputs=example_inputs, init_fn=init_fn, lora=lora
     )

@@ -18,6 +18,13 @@ trainer's cross-entropy compares position ``j``'s logits with token ``j + 1``).
 - ``eval_fraction``: the last ``ceil(eval_fraction * samples)`` samples are the eval set,
   the others the training set, in order (the loader shuffles the training set per epoch).
 
+[Note: cp reads] At context parallelism (``training.cp > 1``) the run replaces the sets by views
+(:meth:`TokenSamples.reading_positions`) that read, of each sample, only the positions this cp rank
+holds (``merak_tp.context.shard_positions``: two chunks under ``ring``, one block under ``ulysses``):
+the input at position ``p`` is token ``start + p``, its label token ``start + p + 1`` (masked as
+above; beyond a padded record's end, the padding id and -100). The items are then the cp split of the
+whole sample's, read without the other ranks' tokens.
+
 The order of the training samples, their split over data-parallel ranks and the position a
 checkpoint resumes from belong to :class:`merak_core.data.loader.StageAwareDataLoader` (see
 [Note: DP sharding] there): each sample is identified by its index, so a resume neither
@@ -26,7 +33,9 @@ repeats nor skips one.
 
 from __future__ import annotations
 
+import copy
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -55,6 +64,20 @@ class TokenSamples(Dataset[dict[str, torch.Tensor]]):
         self.split = split
         self.pad_id = int(cache.meta["pad_id"])
         self._records = None if packing else _labelled_records(cache)
+        self.cp_positions: np.ndarray | None = None
+        """The positions of each sample this view reads (a cp rank's, [Note: cp reads]); None: all."""
+
+    def reading_positions(self, positions: Callable[[int], torch.Tensor]) -> TokenSamples:
+        """A view of this set whose items hold only the positions ``positions(seq_len)`` of each sample
+        ([Note: cp reads])."""
+        pos = np.asarray(positions(self.seq_len).cpu(), dtype=np.int64)
+        if pos.ndim != 1 or len(pos) == 0 or pos.min() < 0 or pos.max() >= self.seq_len:
+            raise ValueError(
+                f"positions {pos.tolist()} are not positions of a sample of {self.seq_len} tokens"
+            )
+        view = copy.copy(self)
+        view.cp_positions = pos
+        return view
 
     def __len__(self) -> int:
         return self.count
@@ -77,6 +100,8 @@ class TokenSamples(Dataset[dict[str, torch.Tensor]]):
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         start, stop = self.token_span(int(index))
+        if self.cp_positions is not None:
+            return self._read_positions(start, stop, self.cp_positions)
         tokens = np.asarray(self.cache.tokens[start:stop], dtype=np.int64)
         labels = tokens[1:].copy()
         if self.cache.loss_mask is not None:
@@ -86,6 +111,19 @@ class TokenSamples(Dataset[dict[str, torch.Tensor]]):
         if pad:
             inputs = np.concatenate([inputs, np.full(pad, self.pad_id, dtype=np.int64)])
             labels = np.concatenate([labels, np.full(pad, IGNORE_INDEX, dtype=np.int64)])
+        return {"input_ids": torch.from_numpy(inputs), "labels": torch.from_numpy(labels)}
+
+    def _read_positions(self, start: int, stop: int, pos: np.ndarray) -> dict[str, torch.Tensor]:
+        """The inputs and labels at ``pos`` of the sample ``[start, stop)`` ([Note: cp reads])."""
+        keep = pos < stop - start - 1  # positions with an input and a label; the others pad
+        at = start + pos[keep]
+        inputs = np.full(len(pos), self.pad_id, dtype=np.int64)
+        labels = np.full(len(pos), IGNORE_INDEX, dtype=np.int64)
+        inputs[keep] = np.asarray(self.cache.tokens[at], dtype=np.int64)
+        label_ids = np.asarray(self.cache.tokens[at + 1], dtype=np.int64)
+        if self.cache.loss_mask is not None:
+            label_ids[np.asarray(self.cache.loss_mask[at + 1]) == 0] = IGNORE_INDEX
+        labels[keep] = label_ids
         return {"input_ids": torch.from_numpy(inputs), "labels": torch.from_numpy(labels)}
 
     @property
