@@ -51,12 +51,15 @@ class LayoutChoice:
     """Context-parallel ranks (each holds ``seq_len / cp`` tokens of every sample); 1: off."""
     cp_mode: str = "ring"
     """Attention over the cp group: ``ring`` or ``ulysses`` (meaningful at cp > 1)."""
+    ep: int = 1
+    """Expert-parallel ranks carved out of dp (each holds experts / ep of every MoE block); 1: off."""
 
     @property
     def layout(self) -> str:
         """``dp{dp}-tp{tp}-pp{pp}``, with ``-cp{cp}`` after dp when cp > 1 (the rank grid's order)."""
         cp = f"-cp{self.cp}" if self.cp > 1 else ""
-        return f"dp{self.dp}{cp}-tp{self.tp}-pp{self.pp}"
+        ep = f"-ep{self.ep}" if self.ep > 1 else ""  # carved out of dp
+        return f"dp{self.dp}{ep}{cp}-tp{self.tp}-pp{self.pp}"
 
     @property
     def schedule_label(self) -> str:
@@ -88,6 +91,8 @@ class LayoutChoice:
         }
         if self.cp > 1:
             out["cp"], out["cp_mode"] = self.cp, self.cp_mode
+        if self.ep > 1:
+            out["ep"] = self.ep
         if self.recompute == "stage_aware" and memory_budget is not None:
             out["memory_budget"] = int(memory_budget)
         return out

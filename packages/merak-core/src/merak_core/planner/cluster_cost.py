@@ -83,6 +83,7 @@ from merak_core.planner.cluster_collectives import (
     tp_ranks,
     zero3_gathers_s,
 )
+from merak_core.planner.expert_cost import MoECosts, active_expert_blocks, moe_costs
 from merak_core.planner.memory import ZERO_STAGES, model_state_bytes
 
 STEP_OPS_PER_TENSOR = 20
@@ -161,6 +162,8 @@ class ModelCosts:
     frozen: frozenset[str] = frozenset()
     """Canonical names of the parameters that do not train (a LoRA run's base): weights only, no
     gradient, no optimizer state, no DP sync and nothing for ZeRO to shard ([Note: frozen weights])."""
+    moe: MoECosts | None = None
+    """The MoE blocks (expert parameters, k of E; :mod:`.expert_cost`); None: a dense model."""
     _cache: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -228,23 +231,24 @@ def trace_for_cluster(
 
     by_name = isinstance(example_inputs, Mapping)
     inputs = example_inputs if by_name else tuple(example_inputs)
-    try:  # torch.fx first: fast at any size; torch.export for models fx cannot trace (transformers)
-        gm = mg.trace(model, example_inputs=inputs, method="fx")
-    except mg.TraceError:
-        gm = mg.trace(model, example_inputs=inputs, method="auto")
-    values = (
-        [example_inputs[n] for n in gm.meta.get("merak_input_names", list(example_inputs))]  # type: ignore[call-overload]
-        if by_name
-        else list(example_inputs)
-    )
-    rates = mg.CostModel(
-        flops_per_s=cluster.flops(dtype),
-        bytes_per_s=cluster.memory_bandwidth * cluster.memory_efficiency,
-        backward_factor=2.0,
-    )
-    mg.annotate_costs(gm, values, cost_model=rates)
-    count = num_shards if num_shards is not None else mg.natural_shard_count(gm)
-    return mg.shard(gm, count, model=model)
+    with active_expert_blocks(model) as leaves:  # MoE blocks: k of E experts' FLOPs, traced whole
+        try:  # torch.fx first: fast at any size; torch.export for models fx cannot trace (transformers)
+            gm = mg.trace(model, example_inputs=inputs, method="fx", leaf_modules=leaves)
+        except mg.TraceError:
+            gm = mg.trace(model, example_inputs=inputs, method="auto", leaf_modules=leaves)
+        values = (
+            [example_inputs[n] for n in gm.meta.get("merak_input_names", list(example_inputs))]  # type: ignore[call-overload]
+            if by_name
+            else list(example_inputs)
+        )
+        rates = mg.CostModel(
+            flops_per_s=cluster.flops(dtype),
+            bytes_per_s=cluster.memory_bandwidth * cluster.memory_efficiency,
+            backward_factor=2.0,
+        )
+        mg.annotate_costs(gm, values, cost_model=rates)
+        count = num_shards if num_shards is not None else mg.natural_shard_count(gm)
+        return mg.shard(gm, count, model=model)
 
 
 def model_costs(
@@ -295,6 +299,7 @@ def model_costs(
         num_kv_heads=num_kv_heads,
         vocab_size=vocab_size,
         frozen=frozenset(frozen),
+        moe=moe_costs(model, sharded, canonical),
     )
 
 

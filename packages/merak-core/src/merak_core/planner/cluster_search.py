@@ -22,6 +22,8 @@ from merak_core.planner.candidate import recompute_label
 from merak_core.planner.choices import CLUSTER_SCHEDULES, PREDICTABLE_SCHEDULES, RECOMPUTE_MODES
 from merak_core.planner.cluster import ClusterSpec
 from merak_core.planner.cluster_cost import ModelCosts, stage_costs, step_overhead_s
+from merak_core.planner.expert_cost import expert_degrees
+from merak_core.planner.expert_pricing import price_expert_parallel
 from merak_core.planner.pricing import split_layers
 from merak_pipe import schedule_info
 
@@ -205,6 +207,18 @@ def predict_config(
         tp_chunks=tp_chunks,
         num_ranks=pp,
     )
+    if choice.ep > 1:  # the all-to-alls and the experts' bytes / ep ([Note: expert-parallel cost terms])
+        st = price_expert_parallel(
+            costs,
+            cluster,
+            st,
+            bounds=bounds,
+            dp=dp,
+            tp=tp,
+            ep=choice.ep,
+            micro_batch_size=choice.micro_batch_size,
+            zero_stage=choice.zero_stage,
+        )
     limit = cluster.usable_memory_bytes
     pipeline = _Pipeline(choice, num_stages, memo)
     rplan = pipeline.recompute_plan(choice.recompute, st, limit)
@@ -322,7 +336,7 @@ def plan_cluster(
             for sched, v in runs:
                 if pp * v not in sizes_by_stages:
                     sizes_by_stages[pp * v] = split_layers(forward, pp * v)
-                for zero in zero_stages:
+                for zero, ep in _zero_and_ep(costs, dp, zero_stages):
                     for overlap in tp_overlaps if tp > 1 else (False,):
                         seen: set[tuple[float, ...]] = set()
                         for mode in recompute_modes:
@@ -337,6 +351,7 @@ def plan_cluster(
                                 zero_stage=zero,
                                 tp_overlap=overlap,
                                 virtual_stages=v,
+                                ep=ep,
                             )
                             c = predict_config(
                                 costs, cluster, choice, stage_layers=sizes_by_stages[pp * v], memo=memo
@@ -366,6 +381,11 @@ def plan_cluster(
         )
     )
     return out
+
+
+def _zero_and_ep(costs: ModelCosts, dp: int, zero_stages: Sequence[int]) -> list[tuple[int, int]]:
+    """(ZeRO stage, ep) pairs to try: every ep of an MoE model (:func:`expert_degrees`) with ZeRO 0 or 1."""
+    return [(zero, ep) for zero in zero_stages for ep in expert_degrees(costs, dp) if ep == 1 or zero <= 1]
 
 
 def _bytes(n: float) -> str:

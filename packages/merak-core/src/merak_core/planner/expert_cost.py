@@ -1,0 +1,186 @@
+"""Expert parallelism in the cluster cost model: what ``ep`` changes in a stage's seconds and bytes.
+
+[Note: expert-parallel cost terms] For a model whose MoE blocks follow the protocol
+(:mod:`merak_core.parallel.expert_parallel`), at ``ep > 1`` (uniform routing assumed):
+- compute: an MoE block costs its active experts' FLOPs, ``k`` of ``E`` (each token's ``k`` rows through one
+  expert each), whatever the ep: the meta trace runs every block as one expert over ``n * k`` rows
+  (:func:`active_expert_blocks`), so the partitioner's and the planner's layer costs hold the active
+  experts only;
+- communication: per MoE block and microbatch, two all-to-alls in forward (tokens out, results back) and
+  two in backward, each sending ``tokens * k * (ep - 1) / ep * hidden * bytes`` off the rank
+  (:func:`all_to_all_bytes`), priced over the EP group's link (``ep`` DP neighbours: one node when
+  ``ep * tp`` fits in it) as ``(ep - 1)`` latencies plus those bytes at the link's bandwidth; not
+  overlapped;
+- memory: expert parameters, their gradients and optimizer states are divided by ep (whole experts, not
+  split by tp), the dense ones as before; under ZeRO-1 the experts' optimizer states are sharded over
+  the expert-replica group (``dp / ep`` ranks), the dense ones over dp. ZeRO-2/3 are not run with ep.
+Deliberately approximated: the experts' compute is divided by tp like the rest of the layer (at tp > 1
+the runtime keeps experts whole), the DP gradient all-reduce carries the experts' ``1 / ep`` share over
+the whole DP ring (it runs over the smaller replica group), and routing skew (a hot expert) is not
+priced.
+
+Not here: the dense terms (:mod:`.cluster_cost`), applying these to a stage (:mod:`.expert_pricing`), the
+search over ep (:mod:`.cluster_search`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from merak_core.planner.cluster import ClusterSpec
+    from merak_core.planner.cluster_cost import ModelCosts
+
+__all__ = [
+    "MoECosts",
+    "active_expert_blocks",
+    "all_to_all_bytes",
+    "all_to_all_bytes_per_sample",
+    "all_to_all_s",
+    "expert_degrees",
+    "moe_costs",
+    "model_step_all_to_all_bytes",
+    "moe_of",
+    "step_all_to_all_bytes",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoECosts:
+    """What the cluster model needs of a model's MoE blocks."""
+
+    expert_params: frozenset[str]
+    """Canonical names of the experts' parameters (sharded over ep)."""
+    num_experts: int
+    """Experts per block (the smallest, when blocks differ): ep must divide it."""
+    top_k: int
+    """Experts each token visits."""
+    blocks_per_layer: tuple[int, ...]
+    """MoE blocks in each layer (graph shard) of the chain."""
+    block_bytes_per_sample: float
+    """Bytes of a block's output for one sample (tokens x hidden x bytes): what its rows carry."""
+
+
+def all_to_all_bytes(tokens: float, top_k: int, ep: int, hidden: int, dtype_bytes: float) -> float:
+    """Bytes one rank sends to other ranks in one all-to-all of a block: ``tokens * k * (ep-1)/ep * hidden * bytes``."""
+    return tokens * top_k * (ep - 1) / ep * hidden * dtype_bytes
+
+
+def step_all_to_all_bytes(
+    *, tokens: float, top_k: int, ep: int, hidden: int, dtype_bytes: float, moe_layers: int, microbatches: int
+) -> float:
+    """Off-rank bytes one rank sends per step: four all-to-alls (two forward, two backward) per MoE block and
+    microbatch of ``tokens`` tokens."""
+    return 4 * moe_layers * microbatches * all_to_all_bytes(tokens, top_k, ep, hidden, dtype_bytes)
+
+
+def all_to_all_s(nbytes: float, ep: int, tp: int, cluster: ClusterSpec) -> float:
+    """One all-to-all over the first EP group (``ep`` DP neighbours, TP fastest) sending ``nbytes`` off-rank."""
+    if ep <= 1:
+        return 0.0
+    bandwidth, latency = cluster.link([d * tp for d in range(ep)])
+    return (ep - 1) * latency + nbytes / bandwidth
+
+
+def expert_degrees(costs: ModelCosts, dp: int) -> list[int]:
+    """The ep to try at ``dp``: 1, and for an MoE model every ep > 1 dividing dp and the experts."""
+    moe = moe_of(costs)
+    if moe is None:
+        return [1]
+    return [ep for ep in range(1, dp + 1) if dp % ep == 0 and moe.num_experts % ep == 0]
+
+
+def moe_of(costs: ModelCosts) -> MoECosts | None:
+    """``costs``' MoE blocks (None: a dense model)."""
+    moe = getattr(costs, "moe", None)
+    return moe if isinstance(moe, MoECosts) else None
+
+
+# ---------------------------------------------------------------------------- the trace's stand-in
+
+
+class _ActiveExperts:
+    """Mixin for the meta trace: the block's experts cost ``k`` experts per token (one expert over n * k rows)."""
+
+    experts: Any
+
+    def run_experts(
+        self, x_nh: torch.Tensor, weights_nk: torch.Tensor, experts_nk: torch.Tensor
+    ) -> torch.Tensor:
+        n, k = experts_nk.shape
+        experts = self.experts.values() if isinstance(self.experts, nn.ModuleDict) else self.experts
+        expert = next(iter(experts))
+        y_nkh = expert(x_nh.repeat_interleave(k, 0)).reshape(n, k, -1)
+        return (y_nkh * weights_nk.unsqueeze(-1).to(y_nkh.dtype)).sum(1)
+
+
+@contextlib.contextmanager
+def active_expert_blocks(model: nn.Module) -> Iterator[list[str]]:
+    """Within: every protocol MoE block of ``model`` runs :class:`_ActiveExperts` (meta-friendly, the active
+    experts' FLOPs); yields their module names, to trace as leaves (all their experts' parameters stay in
+    the layer). The classes are restored on exit."""
+    from merak_core.parallel.expert_parallel import moe_blocks
+
+    blocks = moe_blocks(model)
+    saved = [(m, type(m)) for _, m in blocks]
+    try:
+        for m, cls in saved:
+            m.__class__ = type(f"Active{cls.__name__}", (_ActiveExperts, cls), {"__module__": cls.__module__})
+        yield [name for name, _ in blocks]
+    finally:
+        for m, cls in saved:
+            m.__class__ = cls
+
+
+def moe_costs(model: nn.Module, sharded: Any, canonical: dict[int, str]) -> MoECosts | None:
+    """:class:`MoECosts` of ``model`` traced by :func:`active_expert_blocks` into ``sharded`` (its chain of
+    shards, annotated); None without protocol blocks. ``canonical``: parameter id -> canonical name."""
+    from merak_core.parallel.expert_parallel import is_moe_block, moe_blocks
+
+    blocks = moe_blocks(model)
+    if not blocks:
+        return None
+    experts = {canonical[id(p)] for _, b in blocks for p in b.experts.parameters() if id(p) in canonical}
+    per_layer, sample_bytes = [], []
+    for shard in sharded.shards:
+        calls = [
+            n
+            for n in shard.module.graph.nodes
+            if n.op == "call_module" and is_moe_block(shard.module.get_submodule(str(n.target)))
+        ]
+        per_layer.append(len(calls))
+        sample_bytes += [float(getattr(n.meta.get("merak_value"), "nbytes", 0.0)) for n in calls]
+    return MoECosts(
+        expert_params=frozenset(experts),
+        num_experts=min(int(b.num_experts) for _, b in blocks),
+        top_k=max(int(getattr(b, "top_k", 1)) for _, b in blocks),
+        blocks_per_layer=tuple(per_layer),
+        block_bytes_per_sample=max(sample_bytes, default=0.0),
+    )
+
+
+def all_to_all_bytes_per_sample(costs: ModelCosts, ep: int) -> float:
+    """One all-to-all's off-rank bytes for one sample: a block's rows (tokens x hidden x bytes) times
+    ``k (ep - 1) / ep``."""
+    moe = moe_of(costs)
+    if moe is None or ep <= 1:
+        return 0.0
+    return moe.block_bytes_per_sample * moe.top_k * (ep - 1) / ep
+
+
+def model_step_all_to_all_bytes(
+    costs: ModelCosts, ep: int, *, micro_batch_size: int, num_microbatches: int
+) -> float:
+    """Off-rank bytes one rank sends per step through the all-to-alls of ``costs``' MoE blocks (what the cluster
+    model prices): four per block and microbatch of ``micro_batch_size`` samples."""
+    moe = moe_of(costs)
+    if moe is None:
+        return 0.0
+    per_microbatch = sum(moe.blocks_per_layer) * micro_batch_size * all_to_all_bytes_per_sample(costs, ep)
+    return 4 * num_microbatches * per_microbatch

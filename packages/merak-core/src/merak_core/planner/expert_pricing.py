@@ -1,0 +1,71 @@
+"""Expert parallelism applied to a stage's cluster costs ([Note: expert-parallel cost terms] in
+:mod:`.expert_cost`): the all-to-alls added to forward and backward, the experts' bytes divided by ep.
+
+Not here: the terms themselves (:mod:`.expert_cost`), the dense stage (:mod:`.cluster_cost`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from merak_core.planner.cluster import ClusterSpec
+from merak_core.planner.cluster_cost import ModelCosts, StageCosts, state_bytes
+from merak_core.planner.expert_cost import all_to_all_bytes_per_sample, all_to_all_s, moe_of
+
+__all__ = ["price_expert_parallel"]
+
+
+def price_expert_parallel(
+    costs: ModelCosts,
+    cluster: ClusterSpec,
+    stages: StageCosts,
+    *,
+    bounds: Sequence[int],
+    dp: int,
+    tp: int,
+    ep: int,
+    micro_batch_size: int,
+    zero_stage: int,
+) -> StageCosts:
+    """``stages`` (priced at ep=1 by :func:`merak_core.planner.cluster_cost.stage_costs`) at ``ep``:
+    [Note: expert-parallel cost terms]."""
+    moe = moe_of(costs)
+    if ep == 1 or moe is None:
+        return stages
+    if dp % ep or moe.num_experts % ep or zero_stage >= 2:
+        raise ValueError(
+            f"ep={ep} at dp={dp} with {moe.num_experts} experts and zero_stage={zero_stage}: ep must divide dp "
+            "and the experts, with ZeRO 0 or 1"
+        )
+    one = all_to_all_s(
+        micro_batch_size * all_to_all_bytes_per_sample(costs, ep), ep, tp, cluster
+    )  # one all-to-all of one MoE block
+    fwd, bwd, static, params, trainable = [], [], [], [], []
+    for s in range(len(bounds) - 1):
+        lo, hi = bounds[s], bounds[s + 1]
+        names = {n for ly in costs.layers[lo:hi] for n in ly.param_names}
+        expert = sum(costs.param_numel[n] for n in names & moe.expert_params)
+        expert_trainable = sum(costs.param_numel[n] for n in (names & moe.expert_params) - costs.frozen)
+        blocks = sum(moe.blocks_per_layer[lo:hi])
+        fwd.append(stages.forward_s[s] + 2 * blocks * one)
+        bwd.append(stages.backward_s[s] + 2 * blocks * one)
+        dense = stages.params_per_device[s] - expert / tp
+        dense_t = (stages.trainable_per_device or stages.params_per_device)[s] - expert_trainable / tp
+        prec = costs.precision
+        static.append(
+            state_bytes(dense, prec, zero_stage=zero_stage, dp=dp, trainable_numel=dense_t)
+            + state_bytes(
+                expert / ep, prec, zero_stage=zero_stage, dp=dp // ep, trainable_numel=expert_trainable / ep
+            )
+        )
+        params.append(dense + expert / ep)
+        trainable.append(dense_t + expert_trainable / ep)
+    return dataclasses.replace(
+        stages,
+        forward_s=fwd,
+        backward_s=bwd,
+        static_bytes=static,
+        params_per_device=params,
+        trainable_per_device=trainable,
+    )
