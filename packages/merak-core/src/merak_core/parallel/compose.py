@@ -23,6 +23,7 @@ Not done here: running steps, data parallelism and optimizers (``trainer.py``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -253,16 +254,21 @@ def build_parallel_model(
     check_layer_count(model, layout.pp, len(placement) // layout.pp)
     # Inputs named like forward's parameters are traced by keyword (stage 0 then takes them
     # positionally in ``part.input_names`` order); others by position.
+    from merak_core.parallel.active_experts import active_expert_blocks
+
+    # An MoE block is costed as its active experts, k of E, without its dispatch ([Note: active-expert cost]).
+    moe_cost = active_expert_blocks(model) if ep_leaves else contextlib.nullcontext()
     try:
-        part = merak_graph.partition(
-            model,
-            len(placement),
-            example_inputs=named_inputs if by_keyword else tuple(example_inputs),
-            method=partition_method,
-            leaf_modules=leaves,
-            split_points=split_points,
-            trace_method="auto",
-        )
+        with moe_cost:
+            part = merak_graph.partition(
+                model,
+                len(placement),
+                example_inputs=named_inputs if by_keyword else tuple(example_inputs),
+                method=partition_method,
+                leaf_modules=leaves,
+                split_points=split_points,
+                trace_method="auto",
+            )
     except merak_graph.TraceError as exc:
         raise ValueError(untraceable_message(model, exc, layout.pp)) from None
     except merak_graph.PartitionError as exc:

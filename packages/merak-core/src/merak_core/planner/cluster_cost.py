@@ -71,6 +71,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from merak_core.parallel.active_experts import active_expert_blocks
 from merak_core.parallel.fsdp import default_reshard_after_forward
 from merak_core.planner.cluster import ClusterSpec
 from merak_core.planner.cluster_collectives import (
@@ -83,7 +84,7 @@ from merak_core.planner.cluster_collectives import (
     tp_ranks,
     zero3_gathers_s,
 )
-from merak_core.planner.expert_cost import MoECosts, active_expert_blocks, moe_costs
+from merak_core.planner.expert_cost import MoECosts, moe_costs
 from merak_core.planner.memory import ZERO_STAGES, model_state_bytes
 
 STEP_OPS_PER_TENSOR = 20

@@ -4,7 +4,7 @@
 (:mod:`merak_core.parallel.expert_parallel`), at ``ep > 1`` (uniform routing assumed):
 - compute: an MoE block costs its active experts' FLOPs, ``k`` of ``E`` (each token's ``k`` rows through one
   expert each), whatever the ep: the meta trace runs every block as one expert over ``n * k`` rows
-  (:func:`active_expert_blocks`), so the partitioner's and the planner's layer costs hold the active
+  (:func:`merak_core.parallel.active_experts.active_expert_blocks`), so the partitioner's and the planner's layer costs hold the active
   experts only;
 - communication: per MoE block and microbatch, two all-to-alls in forward (tokens out, results back) and
   two in backward, each sending ``tokens * k * (ep - 1) / ep * hidden * bytes`` off the rank
@@ -25,12 +25,9 @@ search over ep (:mod:`.cluster_search`).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import nn
 
 if TYPE_CHECKING:
@@ -39,7 +36,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MoECosts",
-    "active_expert_blocks",
     "all_to_all_bytes",
     "all_to_all_bytes_per_sample",
     "all_to_all_s",
@@ -102,44 +98,8 @@ def moe_of(costs: ModelCosts) -> MoECosts | None:
     return moe if isinstance(moe, MoECosts) else None
 
 
-# ---------------------------------------------------------------------------- the trace's stand-in
-
-
-class _ActiveExperts:
-    """Mixin for the meta trace: the block's experts cost ``k`` experts per token (one expert over n * k rows)."""
-
-    experts: Any
-
-    def run_experts(
-        self, x_nh: torch.Tensor, weights_nk: torch.Tensor, experts_nk: torch.Tensor
-    ) -> torch.Tensor:
-        n, k = experts_nk.shape
-        experts = self.experts.values() if isinstance(self.experts, nn.ModuleDict) else self.experts
-        expert = next(iter(experts))
-        y_nkh = expert(x_nh.repeat_interleave(k, 0)).reshape(n, k, -1)
-        return (y_nkh * weights_nk.unsqueeze(-1).to(y_nkh.dtype)).sum(1)
-
-
-@contextlib.contextmanager
-def active_expert_blocks(model: nn.Module) -> Iterator[list[str]]:
-    """Within: every protocol MoE block of ``model`` runs :class:`_ActiveExperts` (meta-friendly, the active
-    experts' FLOPs); yields their module names, to trace as leaves (all their experts' parameters stay in
-    the layer). The classes are restored on exit."""
-    from merak_core.parallel.expert_parallel import moe_blocks
-
-    blocks = moe_blocks(model)
-    saved = [(m, type(m)) for _, m in blocks]
-    try:
-        for m, cls in saved:
-            m.__class__ = type(f"Active{cls.__name__}", (_ActiveExperts, cls), {"__module__": cls.__module__})
-        yield [name for name, _ in blocks]
-    finally:
-        for m, cls in saved:
-            m.__class__ = cls
-
-
 def moe_costs(model: nn.Module, sharded: Any, canonical: dict[int, str]) -> MoECosts | None:
-    """:class:`MoECosts` of ``model`` traced by :func:`active_expert_blocks` into ``sharded`` (its chain of
+    """:class:`MoECosts` of ``model`` traced under ``active_expert_blocks`` into ``sharded`` (its chain of
     shards, annotated); None without protocol blocks. ``canonical``: parameter id -> canonical name."""
     from merak_core.parallel.expert_parallel import is_moe_block, moe_blocks
 
