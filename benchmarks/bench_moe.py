@@ -14,9 +14,8 @@ Rounds step the three Trainers in an order that rotates between rounds (load on 
 each alike); a step's time is the slowest rank's. Reported: median step time, the parameter bytes a rank
 holds, and for the EP layouts the bytes each rank sent to other ranks through the dispatch all-to-alls
 per step (measured by counting the rows each exchange sends off-rank), against the uniform-routing
-prediction ``4 * layers * microbatches * tokens * top_k * (ep - 1) / ep * hidden * bytes`` (two
-all-to-alls forward, two backward). The planner does not price expert parallelism yet (issue 29,
-item 4): that formula is the prediction it would make.
+prediction of the cluster planner (merak_core.planner.expert_cost: ``4 * layers * microbatches * tokens *
+top_k * (ep - 1) / ep * hidden * bytes``, two all-to-alls forward, two backward, from the meta-traced model).
 
 Run (4 processes, forked, FileStore rendezvous)::
 
@@ -213,8 +212,19 @@ def _worker(rank: int, world: int, store_path: str, cfg: dict[str, Any], queue: 
 
 
 def _predicted_sent(cfg: dict[str, Any], ep: int) -> float:
-    tokens = cfg["global_batch"] // WORLD * cfg["seq"]  # dp = world at ep > 1
-    return 4 * cfg["layers"] * tokens * cfg["top_k"] * (ep - 1) / ep * cfg["hidden"] * 4
+    """The cluster planner's all-to-all bytes per step and rank for this model (merak_core.planner.expert_cost:
+    the meta-traced model's MoE blocks, four all-to-alls per block and microbatch)."""
+    import merak_graph as mg
+    from merak_core.planner.cluster import load_cluster
+    from merak_core.planner.cluster_cost import model_costs, trace_for_cluster
+    from merak_core.planner.expert_cost import model_step_all_to_all_bytes
+
+    with mg.empty_init():
+        model = BenchMoE(cfg)
+    ids = torch.zeros(1, cfg["seq"], dtype=torch.long)
+    costs = model_costs(trace_for_cluster(model, (ids,), load_cluster("h100-sxm-8x")), model)
+    per_rank = cfg["global_batch"] // WORLD  # dp = world at ep > 1, one microbatch
+    return model_step_all_to_all_bytes(costs, ep, micro_batch_size=per_rank, num_microbatches=1)
 
 
 def report(cfg: dict[str, Any], out: dict[str, Any]) -> None:
