@@ -5,7 +5,7 @@ Tiny float32 models (4 experts, hidden 32, 2 layers, top-2) with their fused exp
 ``merak_core.parallel.expert_hf``; the routing is each model's own code: Mixtral's top-k softmax,
 Qwen3-MoE's with ``norm_topk_prob``, DeepSeek-V3's grouped sigmoid routing with a non-zero score
 correction bias, scaled weights and a shared expert. Two SGD steps at dp2·ep2 (and one family at
-dp2·ep2·pp2) against the same model trained by one process on the whole batch: both losses and every
+dp2·ep2·pp2, one at dp4·ep2 with ZeRO-1 and clipping) against the same model trained by one process on the whole batch: both losses and every
 parameter after the steps (so both steps' gradients, the second with the routing the first changed).
 Also: DeepSeek-V3 with a bias that sends every token to experts 2 and 3 (all rows to EP rank 1, none
 to rank 0's experts); the models' router aux loss (``output_router_logits``) over the global batch
@@ -147,7 +147,7 @@ def _train(
 
 
 def _reference(
-    family: str, bias: str = "spread", aux: float = 0.0
+    family: str, bias: str = "spread", aux: float = 0.0, max_norm: float = 0.0
 ) -> tuple[list[float], dict[str, torch.Tensor], Any]:
     model = _model(family, bias, aux)
     ids = Tokens().ids
@@ -160,15 +160,21 @@ def _reference(
         if aux:  # transformers' own aux loss of the global batch
             loss = loss + aux * out.aux_loss
         loss.backward()
+        if max_norm:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         opt.step()
         losses.append(loss.item())
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, model
 
 
 def _check(
-    results: list[tuple[list[float], Any]], family: str, bias: str = "spread", aux: float = 0.0
+    results: list[tuple[list[float], Any]],
+    family: str,
+    bias: str = "spread",
+    aux: float = 0.0,
+    max_norm: float = 0.0,
 ) -> None:
-    losses, params, _ = _reference(family, bias, aux)
+    losses, params, _ = _reference(family, bias, aux, max_norm)
     state = results[0][1]
     assert state is not None
     assert set(state) == set(params)
@@ -200,6 +206,13 @@ def test_qwen3_moe_dp2_ep2_pp2_equals_one_process() -> None:
     """The fused experts inside pipeline stages (a trace leaf), two microbatches per step."""
     overrides = {"ep": 2, "pp": 2, "per_device_train_batch_size": 1, "gradient_accumulation_steps": 2}
     _check(run_on_ranks(4, _train, "qwen3_moe", overrides), "qwen3_moe")
+
+
+def test_mixtral_dp4_ep2_zero1_clipped_equals_one_process() -> None:
+    """ZeRO-1 (the experts' states sharded over their replica group) with clipping at a norm below the
+    gradient's: each expert's term counted once."""
+    overrides = {"ep": 2, "zero_stage": 1, "per_device_train_batch_size": 1, "max_grad_norm": 0.05}
+    _check(run_on_ranks(4, _train, "mixtral", overrides), "mixtral", max_norm=0.05)
 
 
 def _resume_and_export(save_ep: int, resume_ep: int) -> dict[str, Any]:
