@@ -8,6 +8,7 @@ blocks, Ulysses' two all-to-alls, the gradient all-reduce over dp x cp).
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +22,7 @@ from merak_core.planner.context_cost import (
 )
 from merak_core.planner.memory import usable_memory
 
+DEMO = str(Path(__file__).resolve().parents[2] / "examples" / "addition" / "config.yaml")
 LAYERS = 4
 BOUNDARY = 4096.0
 ACT = 40960.0
@@ -157,3 +159,25 @@ def test_layout_auto_searches_the_divisors_of_the_jobs_cp() -> None:
     assert [(c.cp, c.pp) for c in runnable_cp(cands, lambda: handwritten)] == [(1, 2), (2, 1)]
     with pytest.raises(ValueError, match="cp > 1 at pp > 1"):
         runnable_cp(cands[2:], handwritten)
+
+
+def test_merak_plan_considers_the_jobs_cp(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    import yaml
+
+    import merak_core.autoplan.auto as auto
+    from merak_core.cli.main import main
+
+    # One sample per step and no tp (one head): at cp=1 no layout of two ranks runs (the search test
+    # above), at cp=2 one does.
+    fixed = _profile(num_heads=1, num_kv_heads=1, vocab_size=None)
+    monkeypatch.setattr(auto, "profile_for_plan", lambda *a, **k: fixed)
+    base = ["plan", DEMO, "data.kwargs.train_size=64", "--world-size", "2", "--global-batch-size", "1"]
+    base += ["--memory-per-device", "1GiB"]
+    out = tmp_path / "planned.yaml"
+    assert main([*base, "training.cp=2", "--write-config", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "dp1-cp2-tp1-pp1" in table and "1f1b ring" in table
+    written = yaml.safe_load(out.read_text())["training"]
+    assert (written["cp"], written["cp_mode"], written["dp"], written["pp"]) == (2, "ring", 1, 1)

@@ -68,7 +68,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from merak_core.autoplan.auto import cast_floats, profile_for_plan, profile_inputs, with_adapters
+    from merak_core.autoplan.auto import (
+        cast_floats,
+        profile_for_plan,
+        profile_inputs,
+        runnable_cp,
+        with_adapters,
+    )
+    from merak_core.autoplan.givens import auto_cp_degrees
     from merak_core.job import JobConfig, write_job
     from merak_core.planner import format_plan, plan
     from merak_core.planner.choices import searched_virtual_stages
@@ -85,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     memory, memory_from = plan_memory(args.memory_per_device, t.memory_per_device, args.world_size)
     gbs = args.global_batch_size
     if gbs is None:
-        dp = t.dp if t.dp is not None else max(args.world_size // (t.tp * t.pp), 1)
+        dp = t.dp if t.dp is not None else max(args.world_size // (t.cp * t.tp * t.pp), 1)
         gbs = t.per_device_train_batch_size * t.gradient_accumulation_steps * dp
     torch.manual_seed(t.seed)
     model = job.build_model().to(dtype=t.torch_dtype)  # profiled as the job trains: its dtype, its autocast
@@ -105,7 +112,10 @@ def run(args: argparse.Namespace) -> int:
         zero_stage=t.zero_stage,
         compute_slots=args.compute_slots,
         virtual_stages=searched_virtual_stages(args.compute_slots),  # what layout: auto searches
+        cp_degrees=auto_cp_degrees(t, args.world_size),  # cp up to the job's, as layout: auto
+        cp_mode=t.cp_mode,
     )
+    cands = runnable_cp(cands, model)
     print(f"memory per device: {memory} bytes ({memory / 2**30:.3g} GiB), {memory_from}")
     print(
         f"{len(cands)} feasible configurations for {args.world_size} ranks, {memory} bytes per device, "
@@ -113,7 +123,8 @@ def run(args: argparse.Namespace) -> int:
     )
     print(format_plan(cands, top=args.top))
     if args.write_config:
-        write_job(args.config, args.write_config, cands[0], overrides=args.overrides)
+        cp = [f"training.cp={cands[0].cp}"]  # the job's cp may be larger than the plan's
+        write_job(args.config, args.write_config, cands[0], overrides=[*args.overrides, *cp])
         print(f"wrote {args.write_config}")
     return 0
 
