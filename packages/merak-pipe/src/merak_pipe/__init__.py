@@ -23,6 +23,7 @@ from merak_pipe.schedules import (
     schedule_info,
     schedule_infos,
 )
+from merak_pipe.schedules.decode import decode_action_runs, decode_schedule
 from merak_pipe.shared import shared_parameter_groups, shared_parameters_list
 from merak_pipe.sim import CostModel, SimResult, TimedAction, simulate
 from merak_pipe.stage import PipelineStage
@@ -60,6 +61,8 @@ __all__ = [
     "build_schedule",
     "chrome_trace",
     "closed_form_plan",
+    "decode_action_runs",
+    "decode_schedule",
     "format_table",
     "from_csv",
     "gather_spans",

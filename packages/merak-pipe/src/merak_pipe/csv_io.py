@@ -22,6 +22,11 @@ def to_csv(
     schedule: Schedule, path: str | os.PathLike[str] | None = None, *, drop_recompute: bool = False
 ) -> str:
     """Write ``schedule`` as CSV (to ``path`` if given) and return the text."""
+    if schedule.is_decode:
+        raise ValueError(
+            f"schedule {schedule.name!r} is a multi-step decode schedule (steps and token messages), which "
+            "torch.distributed.pipelining's CSV form cannot hold; print it (format_table) instead"
+        )
     has_r = schedule.has_recompute_actions
     if has_r and not drop_recompute:
         raise ValueError(

@@ -41,6 +41,8 @@ class ActionKind(str, Enum):
     RECV_F = "RECV_F"
     SEND_B = "SEND_B"
     RECV_B = "RECV_B"
+    SEND_T = "SEND_T"
+    RECV_T = "RECV_T"
 
     @property
     def is_compute(self) -> bool:
@@ -72,34 +74,41 @@ _COMPUTE_KINDS = frozenset(
 )
 # Longest kinds first so "SEND_F" is not read as something shorter.
 _KIND_PATTERN = "|".join(sorted((re.escape(k.value) for k in ActionKind), key=len, reverse=True))
-_ACTION_RE = re.compile(rf"^\s*(\d+)({_KIND_PATTERN})(\d+)\s*$")
+_ACTION_RE = re.compile(rf"^\s*(\d+)({_KIND_PATTERN})(\d+)(?:@(\d+))?\s*$")
 
 
 @dataclass(frozen=True)
 class Action:
-    """One step of a schedule: ``stage`` runs ``kind`` for ``microbatch``.
+    """One step of a schedule: ``stage`` runs ``kind`` for ``microbatch`` (of decode step ``step``).
 
     For send/recv kinds, ``stage`` is the stage on *this* rank that sends or receives:
     ``SEND_F`` is sent by the producing stage, ``RECV_F`` is received by the consuming stage
     (``stage + 1``), ``SEND_B`` by the stage whose input gradient it is, ``RECV_B`` by
-    ``stage - 1``; this is torch.distributed.pipelining's convention.
+    ``stage - 1``; this is torch.distributed.pipelining's convention. ``SEND_T`` / ``RECV_T``
+    carry a decode step's tokens from the last stage (which sends) back to the first (which
+    receives) ([Note: decode schedules] in ``merak_pipe.schedules.decode``).
+
+    ``step`` is the decode step of a multi-step decode schedule (0 in training schedules); the
+    compact form writes it after ``@`` when it is not 0 (``"0F3@2"``).
     """
 
     stage: int
     kind: ActionKind
     microbatch: int
+    step: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, ActionKind):
             object.__setattr__(self, "kind", ActionKind(self.kind))
-        if self.stage < 0 or self.microbatch < 0:
+        if self.stage < 0 or self.microbatch < 0 or self.step < 0:
             raise ValueError(
-                f"Action({self.stage}, {self.kind.value}, {self.microbatch}): stage and microbatch "
-                "must be >= 0; pass 0-based indices"
+                f"Action({self.stage}, {self.kind.value}, {self.microbatch}, step={self.step}): stage, "
+                "microbatch and step must be >= 0; pass 0-based indices"
             )
 
     def __str__(self) -> str:
-        return f"{self.stage}{self.kind.value}{self.microbatch}"
+        text = f"{self.stage}{self.kind.value}{self.microbatch}"
+        return f"{text}@{self.step}" if self.step else text
 
     def __repr__(self) -> str:
         return f"Action({self})"
@@ -111,11 +120,11 @@ class Action:
         if match is None:
             kinds = ", ".join(k.value for k in ActionKind)
             raise ValueError(
-                f"cannot parse action {text!r}: expected <stage><kind><microbatch> such as '1F3' "
-                f"or '2SEND_B0', with kind one of {kinds}"
+                f"cannot parse action {text!r}: expected <stage><kind><microbatch>[@<step>] such as '1F3', "
+                f"'2SEND_B0' or '0F1@4', with kind one of {kinds}"
             )
-        stage, kind, microbatch = match.groups()
-        return cls(int(stage), ActionKind(kind), int(microbatch))
+        stage, kind, microbatch, step = match.groups()
+        return cls(int(stage), ActionKind(kind), int(microbatch), int(step or 0))
 
 
 @dataclass(frozen=True)
@@ -204,6 +213,10 @@ class Schedule:
     recompute: RecomputePlan | None = None
     options: dict[str, object] = field(default_factory=dict)
     """Generator options this schedule was built with (informational, e.g. ``{"virtual_stages": 2}``)."""
+    num_steps: int | None = None
+    """None for a training schedule (one round, forwards and backwards); for a forward-only decode
+    schedule (:func:`merak_pipe.decode_schedule`), its number of decode steps: each microbatch runs
+    step ``t + 1`` after the tokens of its step ``t`` came back to the first stage."""
 
     def __post_init__(self) -> None:
         self.stage_to_rank = tuple(int(r) for r in self.stage_to_rank)
@@ -212,6 +225,8 @@ class Schedule:
                 f"stage_to_rank has {len(self.stage_to_rank)} entries but num_stages={self.num_stages}; "
                 "give exactly one rank per stage"
             )
+        if self.num_steps is not None and self.num_steps < 1:
+            raise ValueError(f"num_steps={self.num_steps}: a decode schedule needs at least one step")
         if self.num_stages < 1 or self.num_microbatches < 1:
             raise ValueError(
                 f"num_stages={self.num_stages}, num_microbatches={self.num_microbatches}: both must be >= 1"
@@ -233,6 +248,11 @@ class Schedule:
                 f"recompute plan has {self.recompute.num_stages} stages, schedule has {self.num_stages}; "
                 "build the plan for this schedule's num_stages"
             )
+
+    @property
+    def is_decode(self) -> bool:
+        """True for a forward-only multi-step decode schedule (``num_steps`` is set)."""
+        return self.num_steps is not None
 
     @property
     def num_ranks(self) -> int:
@@ -291,6 +311,7 @@ def format_table(
     header = (
         f"{schedule.name}: {schedule.num_stages} stages, {schedule.num_microbatches} microbatches, "
         f"stage_to_rank={list(schedule.stage_to_rank)}"
+        + (f", {schedule.num_steps} decode steps" if schedule.num_steps is not None else "")
     )
     lines = [header, "step | " + " | ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))]
     lines.append("-" * len(lines[-1]))

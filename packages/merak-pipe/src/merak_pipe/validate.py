@@ -227,7 +227,14 @@ def validate(schedule: Schedule, *, channel_order: bool = False, nccl: bool = Fa
     compute-only) is also replayed under NCCL's rules (:func:`merak_pipe.nccl_check.check_nccl`:
     one in-order stream per rank, messages of a pair matched in issue order, a send and its
     receive completing together), for a training step and an evaluation round.
+
+    A decode schedule (``schedule.num_steps`` set, :func:`merak_pipe.decode_schedule`) is checked by its
+    own rules (``_decode_rules.py``): channel order always, the NCCL replay with ``nccl=True``.
     """
+    if schedule.is_decode:
+        from merak_pipe._decode_rules import validate_decode
+
+        return validate_decode(schedule, nccl=nccl)
     with paused_gc():
         _check_structure(schedule)
         if channel_order and schedule.lowered:
