@@ -5,16 +5,22 @@ transformers' Mixtral, Qwen3-MoE and DeepSeek-V3 blocks hold their experts as on
 families' other ``*Moe*`` modules, attention or norms, not mistaken for MoE blocks). Refused with the
 fix: ep not dividing the experts, tp > 1 (the TP plan splits those experts), the model's own router
 auxiliary loss (``output_router_logits``) at pp > 1 (merak_core.parallel.router_aux), and a fused module whose layout the EP forward does not
-reproduce (transposed weights, biases).
+reproduce (transposed weights, biases). The job checks before torchrun (``merak train --dry-run``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
+import yaml
+
+from tests.e2e._bad_input_support import no_collectives
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.transformers
@@ -88,3 +94,64 @@ def test_refuses_a_fused_layout_it_does_not_reproduce(flag: str, value: bool, wo
         ValueError, match=rf"MixtralExperts at 'model.layers.1.mlp.experts'.*{words}. Set ep: 1"
     ):
         check_ep_model(model, _args())
+
+
+HERE = "tests.core.test_expert_hf_checks"
+
+
+def build_mixtral() -> torch.nn.Module:
+    return _tiny("mixtral")
+
+
+def build_mixtral_aux() -> torch.nn.Module:
+    return _tiny("mixtral", output_router_logits=True, router_aux_loss_coef=0.02)
+
+
+class _Tokens(torch.utils.data.Dataset):
+    def __init__(self) -> None:
+        self.ids = torch.randint(0, 30, (16, 9), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i, :-1], "labels": self.ids[i, 1:]}
+
+
+def tokens() -> Any:
+    return _Tokens()
+
+
+def _dry_run(tmp: Path, model: str, training: dict[str, Any]) -> tuple[int, str]:
+    from merak_core.cli import main
+
+    job = tmp / "job.yaml"
+    training = {"output_dir": str(tmp / "out"), "per_device_train_batch_size": 2, "max_steps": 1, **training}
+    spec = {
+        "model": {"factory": f"{HERE}:{model}"},
+        "data": {"factory": f"{HERE}:tokens"},
+        "training": training,
+    }
+    job.write_text(yaml.safe_dump(spec))
+    err = io.StringIO()
+    with (
+        no_collectives(allow=("init_process_group",)),
+        contextlib.redirect_stderr(err),
+        contextlib.redirect_stdout(io.StringIO()),
+    ):
+        try:
+            status = main(["--log-level", "WARNING", "train", str(job), "--nproc-per-node", "2", "--dry-run"])
+        except SystemExit as exc:
+            status = exc.code if isinstance(exc.code, int) else 2
+    return status, err.getvalue()
+
+
+def test_job_checks_before_torchrun(tmp_path: Path) -> None:
+    """A Mixtral job at ep=2 passes the checks before torchrun; its router aux loss at pp=2 is refused there."""
+    from merak_core.run.exitcodes import BAD_INPUT
+
+    status, err = _dry_run(tmp_path, "build_mixtral", {"ep": 2, "dp": 2})
+    assert status == 0, err
+    status, err = _dry_run(tmp_path, "build_mixtral_aux", {"pp": 2, "gradient_accumulation_steps": 2})
+    assert status == BAD_INPUT, err
+    assert "with pp=2 it cannot" in err and "set pp: 1, or output_router_logits: false" in err, err

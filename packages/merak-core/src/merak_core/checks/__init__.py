@@ -102,6 +102,9 @@ def preflight(job: JobConfig, *, tp: int | None = None, resume: str | None = Non
     from merak_core.checks.expert_parallel import check_ep_job
 
     report.checks.extend(check_ep_job(job, model))  # training.ep > 1: the model's MoE blocks, LoRA
+    from merak_core.checks.router_aux import check_router_aux_job
+
+    report.checks.extend(check_router_aux_job(job, model))  # output_router_logits: pp 1, cp 1
     from merak_core.checks.generation import check_samples_job
 
     report.checks.extend(check_samples_job(job, model))  # training.sample_prompts: tokenizer, layout
