@@ -16,6 +16,8 @@ Single-rank checks (the default process group has one rank):
   float32 and under bf16 autocast with the backward run outside it.
 - :func:`save_resume` — save, resume and continue on ``device`` (fused AdamW on CUDA, also the
   multi-tensor AdamW): the resumed losses equal the uninterrupted run's.
+- :func:`compiled_stages` — ``compile: true`` and ``regional`` against eager (float32 losses, 5 steps)
+  and the compiled step time against eager in bf16 (``tests/gpu/compile_check.py``; inductor on CUDA).
 
 Multi-rank checks (every rank calls them; the GPU session runs them under torchrun):
 
@@ -483,11 +485,19 @@ def save_resume(device: str, size: str) -> dict[str, Any]:
     return out
 
 
+def compiled_stages(device: str, size: str) -> dict[str, Any]:
+    """``training.compile`` against eager (``tests/gpu/compile_check.py``)."""
+    from tests.gpu.compile_check import compiled_stages as check
+
+    return check(device, size)
+
+
 SINGLE_CHECKS = {
     "trainer_bf16": trainer_bf16,
     "pipeline_v": pipeline_v,
     "tp_world1": tp_world1,
     "save_resume": save_resume,
+    "compiled_stages": compiled_stages,
 }
 
 
