@@ -181,3 +181,12 @@ def test_merak_plan_considers_the_jobs_cp(
     assert "dp1-cp2-tp1-pp1" in table and "1f1b ring" in table
     written = yaml.safe_load(out.read_text())["training"]
     assert (written["cp"], written["cp_mode"], written["dp"], written["pp"]) == (2, "ring", 1, 1)
+
+
+def test_merak_plan_on_a_cluster_refuses_cp_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    from merak_core.cli.main import main
+
+    args = ["plan", DEMO, "training.cp=2", "--cluster", "h100-sxm-8x", "--nodes", "1"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "training.cp=2: the cluster model does not price context parallelism yet" in err

@@ -197,6 +197,11 @@ def cluster_command(args: argparse.Namespace, job: Any) -> int:
     for name, v in (("--nodes", nodes), ("--dry-run-ranks", ranks)):
         if v is not None and v < 1:
             raise ValueError(f"{name}={v}: expected >= 1")
+    if ranks is None and job.training.cp > 1:  # the dry run refuses it in dry_run_job, naming the same
+        raise ValueError(
+            f"training.cp={job.training.cp}: the cluster model does not price context parallelism yet: plan "
+            "cp with `merak plan CONFIG --world-size N` (the profiled planner prices it), or the cluster at cp=1"
+        )
     jm = job_model(job)
     if args.cluster is None:
         print(f"cluster: {cluster.name} (the default; pass --cluster FILE for another)")
