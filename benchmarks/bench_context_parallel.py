@@ -109,7 +109,7 @@ def _step(model: Any, ids: torch.Tensor, ctx: Any, vocab: int, meter: Any = None
 
 
 def _time_worker(rank: int, world: int, store_path: str, cfg: dict[str, Any], queue: Any) -> None:
-    init_rank(rank, world, store_path, timeout_s=300)
+    init_rank(rank, world, store_path, timeout_s=3600)  # idle ranks wait for the cp=1 rank
     groups = _groups()
     model, ids = _model(cfg, cfg["seq"]), _ids(cfg, cfg["seq"])
     rows = []
@@ -135,7 +135,7 @@ def _time_worker(rank: int, world: int, store_path: str, cfg: dict[str, Any], qu
 def _memory_worker(rank: int, world: int, store_path: str, cfg: dict[str, Any], queue: Any) -> None:
     from merak_core.planner.memory_meter import SavedActivationMeter, measure_held_bytes
 
-    init_rank(rank, world, store_path, timeout_s=300)
+    init_rank(rank, world, store_path, timeout_s=3600)  # idle ranks wait for the cp=1 rank
     groups = _groups()
     out: dict[tuple[str, int], float] = {}
     for seq in cfg["seqs"]:
@@ -252,9 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     start = time.perf_counter()
-    rows = run_ranks(_time_worker, WORLD, cfg, timeout_s=1800)
+    rows = run_ranks(_time_worker, WORLD, cfg, timeout_s=7200)
     print(_time_table(rows, cfg))
-    measured = run_ranks(_memory_worker, WORLD, cfg, timeout_s=1800)
+    measured = run_ranks(_memory_worker, WORLD, cfg, timeout_s=7200)
     print(_memory_table(measured, _predicted(cfg), cfg))
     print(f"(took {time.perf_counter() - start:.0f} s)")
     return 0
