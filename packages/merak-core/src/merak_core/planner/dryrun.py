@@ -357,6 +357,7 @@ def dry_run(
         recompute=recompute,
         zero_stage=zero_stage,
         tp_overlap=tp_overlap,
+        ep=ep if costs.moe is not None else 1,  # the all-to-alls and experts / ep (planner.expert_cost)
     )
     cand = predict_config(costs, cluster, choice, tp_chunks=tp_chunks, stage_layers=sizes)
     if cand is None:  # stage-aware recomputation cannot fit: report with full recomputation
