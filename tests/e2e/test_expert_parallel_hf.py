@@ -35,12 +35,12 @@ RTOL, ATOL = 2e-5, 2e-6
 class Tokens(Dataset):
     """``BATCH`` random sequences, every label counted (the DP ranks' losses are means over equal counts)."""
 
-    def __init__(self) -> None:
+    def __init__(self, size: int = BATCH) -> None:
         g = torch.Generator().manual_seed(3)
-        self.ids = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+        self.ids = torch.randint(0, VOCAB, (size, SEQ + 1), generator=g)
 
     def __len__(self) -> int:
-        return BATCH
+        return len(self.ids)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return {"input_ids": self.ids[i, :-1], "labels": self.ids[i, 1:].clone()}
@@ -200,6 +200,45 @@ def test_router_aux_loss_of_the_global_batch(family: str, ep: int) -> None:
     fractions and mean probabilities over both ranks' tokens, not the mean of the ranks' own aux losses), at
     ep=2 and without EP (dp=2)."""
     _check(run_on_ranks(2, _train, family, {"ep": ep}, "spread", 0.5), family, aux=0.5)
+
+
+def _train_accumulating(overrides: dict[str, Any]) -> tuple[list[float], Any]:
+    from merak_core import Trainer
+
+    model = _model("mixtral", aux=0.5)
+    trainer = Trainer(model, _args(**overrides), Tokens(2 * BATCH), optimizer_factory=_sgd)
+    losses = [h["loss"] for h in trainer.train() if "loss" in h]
+    return losses, trainer.full_state_dict()
+
+
+def test_router_aux_loss_per_global_microbatch() -> None:
+    """With gradient accumulation the one-process run matched is the model on each global microbatch
+    (microbatch m of both DP ranks together), its aux loss over those rows: two steps of 2 microbatches."""
+    from tests.e2e._trainer_support import reference_microbatches
+
+    overrides = {"ep": 2, "per_device_train_batch_size": 1, "gradient_accumulation_steps": 2}
+    got = run_on_ranks(2, _train_accumulating, overrides)
+    model, data = _model("mixtral", aux=0.5), Tokens(2 * BATCH)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for chunks in reference_microbatches(
+        len(data), _args(**overrides), 2
+    ):  # rank 0's microbatches, then rank 1's
+        opt.zero_grad()
+        total = 0.0
+        for m in range(2):
+            ids = data.ids[chunks[m] + chunks[2 + m]]
+            out = model(input_ids=ids[:, :-1])
+            loss = F.cross_entropy(out.logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1)) + 0.5 * out.aux_loss
+            (loss / 2).backward()
+            total += loss.item() / 2
+        opt.step()
+        losses.append(total)
+    for rank_losses, _ in got:
+        assert rank_losses == pytest.approx(losses, rel=RTOL)
+    state = got[0][1]
+    for name, value in model.named_parameters():
+        torch.testing.assert_close(state[name], value.detach(), rtol=RTOL, atol=ATOL, msg=name)
 
 
 def test_qwen3_moe_dp2_ep2_pp2_equals_one_process() -> None:
