@@ -19,6 +19,7 @@ from merak_core.planner.context_cost import (
     cp_attention_extra_bytes,
     cp_layer_comm_s,
     cp_local_profile,
+    runnable_cp,
 )
 from merak_core.planner.memory import usable_memory
 
@@ -143,7 +144,6 @@ def test_layout_auto_searches_the_divisors_of_the_jobs_cp() -> None:
     from types import SimpleNamespace
 
     from merak_core import TrainingArguments
-    from merak_core.autoplan.auto import runnable_cp
     from merak_core.autoplan.givens import auto_cp_degrees
     from merak_core.parallel.context_parallel import check_cp_arguments
     from tests.support.models import DecoderConfig, Llama

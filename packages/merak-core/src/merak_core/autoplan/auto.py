@@ -53,6 +53,7 @@ from merak_core.planner import (
     profile_model,
 )
 from merak_core.planner.choices import searched_virtual_stages
+from merak_core.planner.context_cost import runnable_cp
 from merak_core.planner.profile import tp_constraints
 from merak_core.run.bootstrap import first_samples, process_group
 
@@ -336,22 +337,6 @@ def _context(
         job_file=job_file,
         job_overrides=tuple(job_overrides),
     )
-
-
-def runnable_cp(cands: Sequence[Any], model: Any) -> list[Any]:
-    """``cands`` less cp > 1 at pp > 1 unless ``model`` is a transformers model (a handwritten model's
-    positions are computed in the traced graph: :func:`merak_core.parallel.context_parallel.check_cp_model`);
-    ValueError when none is left."""
-    from merak_core.parallel.context_parallel import is_transformers_model
-
-    hf = isinstance(model, nn.Module) and is_transformers_model(model)
-    kept = [c for c in cands if c.cp == 1 or c.pp == 1 or hf]
-    if not kept:
-        raise ValueError(
-            "plan: every fitting configuration has cp > 1 at pp > 1, which a model that is not a transformers "
-            "model (or is given as a builder) cannot run: raise the memory or the cp degree"
-        )
-    return kept
 
 
 def auto_layout(

@@ -72,13 +72,13 @@ def run(args: argparse.Namespace) -> int:
         cast_floats,
         profile_for_plan,
         profile_inputs,
-        runnable_cp,
         with_adapters,
     )
     from merak_core.autoplan.givens import auto_cp_degrees
     from merak_core.job import JobConfig, write_job
     from merak_core.planner import format_plan, plan
     from merak_core.planner.choices import searched_virtual_stages
+    from merak_core.planner.context_cost import runnable_cp
 
     job = JobConfig.from_yaml(args.config, args.overrides)
     if args.cluster is not None or args.dry_run_ranks is not None:

@@ -50,6 +50,8 @@ planner's concern).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
+from typing import Any
 
 from merak_core.planner.comm import CommModel
 from merak_core.planner.model_profile import ModelProfile
@@ -62,6 +64,7 @@ __all__ = [
     "cp_layer_comm_s",
     "cp_local_profile",
     "kv_fraction",
+    "runnable_cp",
 ]
 
 CP_MODES = ("ring", "ulysses")
@@ -164,3 +167,21 @@ def cp_layer_comm_s(
     into_heads = _all_to_all_s(comm, hidden + kv, cp) + wait
     back = _all_to_all_s(comm, hidden, cp) + wait
     return into_heads + back, into_heads + back
+
+
+def runnable_cp(cands: Sequence[Any], model: Any) -> list[Any]:
+    """``cands`` less cp > 1 at pp > 1 unless ``model`` is a transformers model (a handwritten model's
+    positions are computed in the traced graph: :func:`merak_core.parallel.context_parallel.check_cp_model`);
+    ValueError when none is left."""
+    from torch import nn
+
+    from merak_core.parallel.context_parallel import is_transformers_model
+
+    hf = isinstance(model, nn.Module) and is_transformers_model(model)
+    kept = [c for c in cands if c.cp == 1 or c.pp == 1 or hf]
+    if not kept:
+        raise ValueError(
+            "plan: every fitting configuration has cp > 1 at pp > 1, which a model that is not a transformers "
+            "model (or is given as a builder) cannot run: raise the memory or the cp degree"
+        )
+    return kept
