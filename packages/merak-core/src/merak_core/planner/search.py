@@ -270,11 +270,15 @@ def _cp_grid(
         if world_size % cp:
             continue
         local = cp_local_profile(profile, cp, cp_mode)
+
+        def allowed(tp: int, cp: int = cp) -> bool:
+            return profile.tp_allowed(tp) and cp_allowed(profile, cp, cp_mode, tp)
+
         grid = layouts(
             world_size // cp,
             num_layers=profile.num_layers,
             global_batch_size=global_batch_size,
-            tp_allowed=lambda tp, cp=cp: profile.tp_allowed(tp) and cp_allowed(profile, cp, cp_mode, tp),
+            tp_allowed=allowed,
         )
         out += [(cp, local, degrees) for degrees in grid]
     return out
