@@ -189,8 +189,12 @@ def _train_capped(overrides: dict[str, Any]) -> tuple[list[float], dict[str, tor
     return [h["loss"] for h in history if "loss" in h], state if dist.get_rank() == 0 else None, orders
 
 
-def _capped_reference(orders: list[list[int]]) -> tuple[list[float], dict[str, torch.Tensor], int]:
-    """One process on each step's global batch in the loader's order (the capacity keeps the first pairs)."""
+def _capped_reference(
+    orders: list[list[int]], dp: int = 1, microbatches: int = 1
+) -> tuple[list[float], dict[str, torch.Tensor], int]:
+    """One process on each step's batch in the loader's order: DP rank r reads the r-th part of the order,
+    and microbatch j of the EP group (here every DP rank) is the j-th part of each rank's, in rank order:
+    the capacity keeps the first pairs of those tokens. Gradients accumulate over the microbatches."""
     model = _model()
     drops = []
     for m in model.modules():
@@ -203,23 +207,41 @@ def _capped_reference(orders: list[list[int]]) -> tuple[list[float], dict[str, t
     data = Tokens()
     opt = torch.optim.SGD(model.parameters(), lr=_args().learning_rate)
     losses = []
+    per_rank = BATCH // dp
+    per_micro = per_rank // microbatches
     for order in orders:
-        ids = torch.stack([data[i]["input_ids"] for i in order])
-        labels = torch.stack([data[i]["labels"] for i in order])
         opt.zero_grad()
-        loss = F.cross_entropy(model(ids).reshape(-1, VOCAB), labels.reshape(-1))
-        loss.backward()
+        step_loss = 0.0
+        for j in range(microbatches):
+            picked = [order[r * per_rank + j * per_micro + i] for r in range(dp) for i in range(per_micro)]
+            ids = torch.stack([data[i]["input_ids"] for i in picked])
+            labels = torch.stack([data[i]["labels"] for i in picked])
+            loss = F.cross_entropy(model(ids).reshape(-1, VOCAB), labels.reshape(-1)) / microbatches
+            loss.backward()
+            step_loss += loss.item()
         opt.step()
-        losses.append(loss.item())
+        losses.append(step_loss)
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, sum(drops)
 
 
-@pytest.mark.parametrize("ranks", [2, 1])
-def test_trainer_with_capacity_equals_one_process(ranks: int) -> None:
-    """dp2·ep2 (one microbatch: the EP group's tokens are the global batch) and one rank at ep=1."""
-    overrides = {"ep": 2} if ranks == 2 else {"per_device_train_batch_size": BATCH}
+CASES = {  # ranks, overrides, (dp, microbatches)
+    "dp2-ep2": (2, {"ep": 2}, (2, 1)),  # one microbatch: the EP group's tokens are the global batch
+    "ep1": (1, {"per_device_train_batch_size": BATCH}, (1, 1)),
+    "dp2-ep2-pp2": (
+        4,
+        {"ep": 2, "pp": 2, "per_device_train_batch_size": 1, "gradient_accumulation_steps": 2},
+        (2, 2),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_trainer_with_capacity_equals_one_process(case: str) -> None:
+    """dp2·ep2, one rank at ep=1, and dp2·ep2·pp2 with two microbatches (the capacity per EP group and
+    microbatch; the block a pipeline trace leaf)."""
+    ranks, overrides, (dp, microbatches) = CASES[case]
     results = run_on_ranks(ranks, _train_capped, overrides)
-    losses, params, drops = _capped_reference(results[0][2])
+    losses, params, drops = _capped_reference(results[0][2], dp, microbatches)
     assert drops > 0  # the capacity really dropped pairs
     state = results[0][1]
     assert state is not None and set(state) == set(params)
