@@ -254,9 +254,9 @@ def test_mixtral_dp4_ep2_zero1_clipped_equals_one_process() -> None:
     _check(run_on_ranks(4, _train, "mixtral", overrides), "mixtral", max_norm=0.05)
 
 
-def _resume_and_export(save_ep: int, resume_ep: int) -> dict[str, Any]:
-    """3 steps at ``save_ep`` saving every step; a fresh Trainer at ``resume_ep`` resumes step_1 and trains
-    to 3; the first run exported to Hugging Face."""
+def _resume_and_export() -> dict[str, Any]:
+    """3 steps at ep=2 saving every step; fresh Trainers at ep=2 and ep=1 resume step_1 and train to 3; the
+    first run exported to Hugging Face, and the export started from at ep=2."""
     import torch.distributed as dist
 
     from merak_core import Trainer
@@ -269,44 +269,43 @@ def _resume_and_export(save_ep: int, resume_ep: int) -> dict[str, Any]:
         _model("mixtral").save_pretrained(f"{out}/initial")
     dist.barrier()
     common = dict(output_dir=f"{out}/run", max_steps=3, save_steps=1, learning_rate=0.01)
-    full = Trainer(_model("mixtral"), _args(ep=save_ep, **common), Tokens())
-    full_losses = [h["loss"] for h in full.train() if "loss" in h]
-    full_state = full.full_state_dict()
+    full = Trainer(_model("mixtral"), _args(ep=2, **common), Tokens())
+    got: dict[str, Any] = {"full": ([h["loss"] for h in full.train() if "loss" in h], full.full_state_dict())}
     export_hf(full.checkpoint_parts, f"{out}/export", pretrained=f"{out}/initial")
     dist.barrier()
     # The export as model.pretrained at ep=2: each rank reads its own experts' rows.
     loaded = Trainer(None, _args(ep=2, output_dir=f"{out}/loaded"), Tokens(), pretrained=f"{out}/export")
-    loaded_state = loaded.full_state_dict()
-    resumed = Trainer(_model("mixtral"), _args(ep=resume_ep, **common), Tokens())
-    step = resumed.resume("step_1")
-    losses = [h["loss"] for h in resumed.train() if "loss" in h]
-    final_state = resumed.full_state_dict()
-    resumed_part = (losses, final_state)
-    return {
-        "step": step,
-        "full": (full_losses, full_state),
-        "resumed": resumed_part,
-        "out": out,
-        "loaded": loaded_state,
-    }
+    got["loaded"], got["out"] = loaded.full_state_dict(), out
+    for ep in (2, 1):
+        resumed = Trainer(_model("mixtral"), _args(ep=ep, **common), Tokens())
+        assert resumed.resume("step_1") == 1
+        got[ep] = ([h["loss"] for h in resumed.train() if "loss" in h], resumed.full_state_dict())
+        dist.barrier()
+    return got
 
 
 def test_checkpoint_at_ep2_resumes_at_ep1_and_exports() -> None:
-    """Fused experts are saved by their one-process names and full shapes: an ep=2 checkpoint resumes at ep=1
-    (every expert on each rank) to rounding; the export of the ep=2 run loads with ``from_pretrained`` and
-    gives the logits of the run's parameters in one process, and as ``model.pretrained`` at ep=2 (each rank
-    reading its experts' rows) it gives back the run's parameters bit for bit."""
+    """Fused experts are saved by their one-process names and full shapes: an ep=2 checkpoint resumes at ep=2
+    bit for bit and at ep=1 (every expert on each rank) to rounding; the export of the ep=2 run loads with
+    ``from_pretrained`` and gives the logits of the run's parameters in one process, and as
+    ``model.pretrained`` at ep=2 (each rank reading its experts' rows) it gives back the run's parameters bit
+    for bit."""
     from transformers import MixtralForCausalLM
 
-    got = run_on_ranks(2, _resume_and_export, 2, 1)[0]
-    assert got["step"] == 1
+    got = run_on_ranks(2, _resume_and_export)[0]
     full_losses, full_state = got["full"]
-    losses, final_state = got["resumed"]
-    assert losses == pytest.approx(full_losses[1:], rel=RTOL)
     assert full_state["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 64, 32)
-    assert set(final_state) == set(full_state)
-    for name, value in full_state.items():
-        torch.testing.assert_close(final_state[name], value, rtol=RTOL, atol=ATOL, msg=name)
+    for ep in (2, 1):
+        losses, final_state = got[ep]
+        assert set(final_state) == set(full_state)
+        if ep == 2:
+            assert losses == full_losses[1:]
+            for name, value in full_state.items():
+                assert torch.equal(final_state[name], value), name
+        else:
+            assert losses == pytest.approx(full_losses[1:], rel=RTOL)
+            for name, value in full_state.items():
+                torch.testing.assert_close(final_state[name], value, rtol=RTOL, atol=ATOL, msg=name)
     assert set(got["loaded"]) == set(full_state)
     for name, value in full_state.items():
         assert torch.equal(got["loaded"][name], value), name
