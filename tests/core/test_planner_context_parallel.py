@@ -190,3 +190,17 @@ def test_merak_plan_on_a_cluster_refuses_cp_by_name(capsys: pytest.CaptureFixtur
     assert main(args) == 2
     err = capsys.readouterr().err
     assert "training.cp=2: the cluster model does not price context parallelism yet" in err
+
+
+def test_zero_shards_over_dp_or_dp_x_cp_as_the_run_does() -> None:
+    from merak_core.planner.memory import model_state_bytes
+
+    prof = _profile()
+    base = LayoutChoice(dp=1, tp=1, pp=1, schedule="1f1b", num_microbatches=1, micro_batch_size=2, cp=2)
+    acts = 2 * sum(cp_local_profile(prof, 2, "ring").layer_activation_bytes)
+    # ZeRO-1: the optimizer over the dp group (1 rank here); ZeRO-3: FSDP2 over dp x cp = 2 ranks.
+    one = predict(prof, dataclasses.replace(base, zero_stage=1), comm=COMM)
+    assert one.peak_memory_bytes == (sum(model_state_bytes(4000.0, zero_stage=1, dp=1)) + acts,)
+    three = predict(prof, dataclasses.replace(base, zero_stage=3), comm=COMM)
+    state = model_state_bytes(4000.0, zero_stage=3, dp=2, largest_unit_bytes=1000.0)
+    assert three.peak_memory_bytes == (sum(state) + acts,)

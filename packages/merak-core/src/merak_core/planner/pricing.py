@@ -105,13 +105,15 @@ def layout_costs(
     if pp == 1:  # one stage holds the first and the last layer: a tied embedding once
         params[0] -= profile.shared_param_bytes / tp
         trainable[0] -= profile.shared_trainable / tp
-    opt_div = dp if zero_stage >= 1 else 1
+    # ZeRO-1 shards the optimizer over dp; ZeRO-2/3 (FSDP2) over the dp x cp replicas (grad_sync_group).
+    shard_dp = dp * cp if zero_stage >= 2 else dp
+    opt_div = shard_dp if zero_stage >= 1 else 1
     static = [
         sum(
             model_state_bytes(
                 p,
                 zero_stage=zero_stage,
-                dp=dp,
+                dp=shard_dp,
                 optimizer_state_factor=optimizer_state_factor,
                 largest_unit_bytes=max(profile.layer_param_bytes[i] for i in r) / tp,
                 stage_index=s,
@@ -297,7 +299,7 @@ def _held_once(profile: ModelProfile, lay: LayoutCosts, stage_to_rank: Sequence[
             model_state_bytes(
                 p,
                 zero_stage=lay.zero_stage,
-                dp=lay.dp,
+                dp=lay.dp * lay.cp if lay.zero_stage >= 2 else lay.dp,  # as in layout_costs
                 optimizer_state_factor=lay.optimizer_state_factor,
                 stage_index=last,
                 num_stages=len(static),
