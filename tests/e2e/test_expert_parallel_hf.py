@@ -276,9 +276,11 @@ def _resume_and_export() -> dict[str, Any]:
     # The export as model.pretrained at ep=2: each rank reads its own experts' rows.
     loaded = Trainer(None, _args(ep=2, output_dir=f"{out}/loaded"), Tokens(), pretrained=f"{out}/export")
     got["loaded"], got["out"] = loaded.full_state_dict(), out
-    for ep in (2, 1):
-        resumed = Trainer(_model("mixtral"), _args(ep=ep, **common), Tokens())
-        assert resumed.resume("step_1") == 1
+    for ep in (2, 1):  # each in its own output_dir: the first run's step_3 stays as it saved it
+        resumed = Trainer(
+            _model("mixtral"), _args(ep=ep, **{**common, "output_dir": f"{out}/ep{ep}"}), Tokens()
+        )
+        assert resumed.resume(f"{out}/run/checkpoints/step_1") == 1
         got[ep] = ([h["loss"] for h in resumed.train() if "loss" in h], resumed.full_state_dict())
         dist.barrier()
     return got
@@ -289,8 +291,10 @@ def test_checkpoint_at_ep2_resumes_at_ep1_and_exports() -> None:
     bit for bit and at ep=1 (every expert on each rank) to rounding; the export of the ep=2 run loads with
     ``from_pretrained`` and gives the logits of the run's parameters in one process, and as
     ``model.pretrained`` at ep=2 (each rank reading its experts' rows) it gives back the run's parameters bit
-    for bit."""
+    for bit; the checkpoint exported offline (``export_checkpoint``) gives the same logits."""
     from transformers import MixtralForCausalLM
+
+    from merak_core.hf.export import export_checkpoint
 
     got = run_on_ranks(2, _resume_and_export)[0]
     full_losses, full_state = got["full"]
@@ -309,9 +313,15 @@ def test_checkpoint_at_ep2_resumes_at_ep1_and_exports() -> None:
     assert set(got["loaded"]) == set(full_state)
     for name, value in full_state.items():
         assert torch.equal(got["loaded"][name], value), name
-    exported = MixtralForCausalLM.from_pretrained(f"{got['out']}/export").float().eval()
     reference = _model("mixtral").eval()
     reference.load_state_dict(full_state)
     ids = Tokens().ids[:, :-1]
-    with torch.no_grad():
-        torch.testing.assert_close(exported(input_ids=ids).logits, reference(input_ids=ids).logits)
+    out = got["out"]
+    # The ep=2 checkpoint exported offline (merak export --to-hf) too: the experts' full tensors.
+    export_checkpoint(f"{out}/run/checkpoints/step_3", f"{out}/offline", pretrained=f"{out}/initial")
+    for folder in ("export", "offline"):
+        exported = MixtralForCausalLM.from_pretrained(f"{out}/{folder}").float().eval()
+        with torch.no_grad():
+            torch.testing.assert_close(
+                exported(input_ids=ids).logits, reference(input_ids=ids).logits, msg=folder
+            )
