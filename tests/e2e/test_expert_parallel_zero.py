@@ -79,11 +79,18 @@ def _check(results: list[dict[str, Any]], dp: int, ep: int) -> None:
     assert all(held.count(n) == dp // ep for n in experts)  # each expert held by its replica group
 
 
-@pytest.mark.parametrize(("dp", "ep"), [(4, 2), (2, 2)])
-def test_zero1_with_experts_equals_one_process(dp: int, ep: int) -> None:
+@pytest.mark.parametrize(("dp", "ep", "pp"), [(4, 2, 1), (2, 2, 1), (2, 2, 2)])
+def test_zero1_with_experts_equals_one_process(dp: int, ep: int, pp: int) -> None:
     """dp4·ep2: experts reduce-scattered and gathered over 2-rank replica groups; dp2·ep2: a replica group of
-    one (the experts are not sharded further, their gradients whole on their one holder)."""
-    _check(run_on_ranks(dp, _train_zero1, {"ep": ep, "per_device_train_batch_size": BATCH // dp}), dp, ep)
+    one (the experts are not sharded further, their gradients whole on their one holder); dp2·ep2·pp2: each
+    stage's parameters owned over its own groups, two microbatches."""
+    overrides = {
+        "ep": ep,
+        "pp": pp,
+        "per_device_train_batch_size": BATCH // dp // pp,
+        "gradient_accumulation_steps": pp,
+    }
+    _check(run_on_ranks(dp * pp, _train_zero1, overrides), dp, ep)
 
 
 def _resume_zero1(save: dict[str, Any], resume: dict[str, Any]) -> dict[str, Any]:
