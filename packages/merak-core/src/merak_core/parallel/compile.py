@@ -214,9 +214,10 @@ def compile_stage(
             region.compile(backend=backend)
         logger.info("compile=regional: %d regions of %s", len(regions), type(module).__name__)
         return module
-    if units is None:
+    if not isinstance(module, nn.Sequential):
         module.compile(backend=backend)
         return module
+    assert units is not None
     if checkpointed_units is None or 0 < checkpointed_units < len(units):
         for unit in units:  # partial recomputation checkpoints at unit boundaries: keep them
             unit.compile(backend=backend)
