@@ -130,7 +130,7 @@ def test_microbatches_cover_the_rows() -> None:
 def test_decode_round_is_merak_pipes_validated_forward_round(stages: int, microbatches: int) -> None:
     """Each rank: for every microbatch in order, receive (after the first stage), forward, send (before the
     last); decode_round validated it under NCCL's rules (merak_pipe.validate raises otherwise)."""
-    from merak_core.generation.decode import decode_round
+    from merak_core.generation.pipeline import decode_round
 
     rounds = decode_round(stages, microbatches)
     for stage in range(stages):

@@ -90,12 +90,19 @@ def _sampled_reference(model: Any) -> torch.Tensor:
         return _decode_loop(fake, decoder, ids, mask, [slice(0, ids.shape[0])], opts, gens, [], PAD, NEW)
 
 
-def generate_on_ranks(folder: str, text: str, layout: dict[str, int], eos: int) -> dict[str, Any]:
-    """Rank body: a Trainer from the folder at ``layout``; greedy with ``eos``, then seeded sampling twice."""
+def generate_on_ranks(
+    folder: str,
+    text: str,
+    layout: dict[str, int],
+    eos: int,
+    microbatches: int = 2,
+) -> dict[str, Any]:
+    """Rank body: a Trainer from the folder at ``layout`` (``microbatches`` under pp); greedy with ``eos``,
+    then seeded sampling twice."""
     from merak_core import Trainer
 
     args = make_args(
-        **layout, gradient_accumulation_steps=2, output_dir=tempfile.mkdtemp(prefix="merak-gen-")
+        **layout, gradient_accumulation_steps=microbatches, output_dir=tempfile.mkdtemp(prefix="merak-gen-")
     )
     data = Blocks(token_stream(Path(text), Path(folder) / "tokenizer.json"), count=8)
     trainer = Trainer(None, args, data, loss_fn=lm_loss, pretrained=folder)
@@ -112,9 +119,13 @@ LAYOUTS = {
     "pp2": dict(dp=1, tp=1, pp=2),
     "tp2pp2": dict(dp=1, tp=2, pp=2),
     "dp2pp2": dict(dp=2, tp=1, pp=2),
+    "pp2-4mb": dict(dp=1, tp=1, pp=2),
 }
-CASES = [(name, layout) for name in ("gpt2", "llama") for layout in LAYOUTS if layout != "dp2pp2"]
+CASES = [(name, layout) for name in ("gpt2", "llama") for layout in ("tp2", "pp2", "tp2pp2")]
 CASES.append(("llama", "dp2pp2"))  # data-parallel replicas decode the same batch, each through its pipeline
+# One row per microbatch: the row that meets EOS ends its microbatch early, which stops on every stage
+# (the end marker of [Note: decoding under pipeline parallelism]) while the others go on.
+CASES.append(("llama", "pp2-4mb"))
 
 
 @pytest.mark.parametrize(("name", "layout"), CASES, ids=[f"{n}-{lay}" for n, lay in CASES])
@@ -129,7 +140,8 @@ def test_generation_equals_transformers(name: str, layout: str) -> None:
         sampled_ref = _sampled_reference(model)
         kwargs = LAYOUTS[layout]
         world = kwargs["dp"] * kwargs["tp"] * kwargs["pp"]
-        results = run_on_ranks(world, generate_on_ranks, str(folder), str(text), kwargs, eos)
+        microbatches = 4 if layout.endswith("4mb") else 2
+        results = run_on_ranks(world, generate_on_ranks, str(folder), str(text), kwargs, eos, microbatches)
     for rank, result in enumerate(results):
         assert result["greedy"] == expected.tolist(), f"rank {rank}"
         assert result["sampled"][0] == result["sampled"][1], (
@@ -139,3 +151,64 @@ def test_generation_equals_transformers(name: str, layout: str) -> None:
             f"rank {rank} sampled other tokens than rank 0"
         )
         assert result["sampled"][0] == sampled_ref.tolist(), f"rank {rank}"
+
+
+def _eos_ending_every_row(model: Any) -> list[int]:
+    """EOS tokens that end every row before its last new token, mostly at different steps: the token that
+    row ``r`` emits at step ``min(r, NEW - 2)`` without EOS (a row may meet another row's token earlier)."""
+    free = _hf_greedy(model, None)[:, max(LENGTHS) :].tolist()
+    return sorted({tokens[min(r, NEW - 2)] for r, tokens in enumerate(free)})
+
+
+def _deeper_llama(folder: Path, layers: int) -> None:
+    """Replace the folder's model by a Llama with ``layers`` decoder layers (the tokenizer stays)."""
+    import transformers as tf
+
+    config = tf.LlamaConfig.from_pretrained(str(folder))
+    config.num_hidden_layers = layers
+    torch.manual_seed(0)
+    tf.LlamaForCausalLM(config).double().save_pretrained(str(folder))
+
+
+def generate_pp4_on_ranks(folder: str, eos: list[int]) -> list[list[int]]:
+    """Rank body: the folder's 4-layer Llama composed at pp=4, one decoder layer per stage (the cut at each
+    layer), greedy decoding of the prompts in 4 microbatches (one row each)."""
+    import merak_core
+    from merak_core.hf import PretrainedWeights, pretrained_model, skip_init
+    from merak_core.parallel.compose import build_parallel_model
+
+    layout = merak_core.init(dp=1, tp=1, pp=4)
+    model = pretrained_model(folder, dtype=torch.float64)
+    weights = PretrainedWeights.match(model, folder)
+    pm = build_parallel_model(
+        model,
+        layout,
+        example_inputs={"input_ids": torch.zeros(1, max(LENGTHS), dtype=torch.long)},
+        init_fn=skip_init,
+        split_points=[f"model.layers.{i}" for i in (1, 2, 3)],
+    )
+    weights.load_into(pm)
+    ids, mask = _prompts()
+    out = merak_core.generate(
+        pm, ids, mask, max_new_tokens=NEW, eos_token_id=eos, pad_token_id=PAD, num_microbatches=4
+    )
+    return out.tolist()
+
+
+def test_pipelined_decoding_stops_early_through_middle_stages() -> None:
+    """pp=4, one row per microbatch, an EOS set that ends every row early at different steps: each
+    microbatch's end marker passes through the two middle stages ([Note: decoding under pipeline
+    parallelism]), decoding stops before max_new_tokens, and the tokens equal transformers' greedy
+    generate (shorter than prompt + max_new_tokens, pads after each row's end)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        folder, _text = make_folder("llama", tmp)
+        _deeper_llama(folder, 4)
+        model = _reference(folder)
+        eos = _eos_ending_every_row(model)
+        expected = _hf_greedy(model, eos)
+        new = expected[:, max(LENGTHS) :].tolist()
+        ends = [next(j for j, tok in enumerate(row) if tok in eos) for row in new]
+        assert expected.shape[1] < max(LENGTHS) + NEW and len(set(ends)) > 1, (expected, ends)
+        results = run_on_ranks(4, generate_pp4_on_ranks, str(folder), eos)
+    for rank, result in enumerate(results):
+        assert result == expected.tolist(), f"rank {rank}"

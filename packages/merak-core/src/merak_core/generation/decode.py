@@ -2,39 +2,28 @@
 
 Shapes: ``b`` batch rows, ``t`` tokens, ``h`` hidden size, ``v`` vocabulary.
 
-[Note: decoding under pipeline parallelism] The batch's rows are split into microbatches; each
-stage keeps one cache per microbatch. A step is the forward-only round of merak-pipe's GPipe
-schedule, lowered and validated under NCCL's rules (:func:`decode_round`), which this module
-interprets: every stage runs the microbatches in order:
-receive the hidden states of microbatch ``m`` from the previous stage (the first stage embeds its
-tokens instead), run its layers, send the result to the next stage; the last stage chooses the
-tokens of ``m``. Stage ``s`` works on microbatch ``m`` while stage ``s - 1`` works on ``m + 1``.
-At the end of the step the last stage broadcasts the step's tokens over the pipeline group, so the
-first stage can embed them and every stage knows which rows have ended. Each pair of neighbouring
-ranks issues its messages in the same order (one send/receive per microbatch, in microbatch order),
-and no rank posts a receive ahead of a send its peer waits for, so the order is valid under NCCL's
-rules (no tags, one in-order stream); the broadcast comes after every point-to-point message of the
-step on every rank. Data parallel replicas decode the same batch independently.
+At pp > 1 the steps run through the stages by merak-pipe's decode schedule, steps overlapping
+([Note: decoding under pipeline parallelism] in :mod:`merak_core.generation.pipeline`).
 
 [Note: transformers' generate, exactly] As ``GenerationMixin.generate`` does: position ids are the
 running count of attended tokens (``cumsum(mask) - 1``, 0 on padding); after each step the mask
 gains a column of ones and the positions advance by one; a row that produced ``eos_token_id`` gets
 ``pad_token_id`` afterwards; decoding stops when every row has ended or after ``max_new_tokens``.
 
-Not done here: rebuilding the eager layers (:mod:`merak_core.generation.decoders`), sampling
-(:mod:`merak_core.generation.sampling`).
+Not done here: the pipeline messages (:mod:`merak_core.generation.pipeline`), rebuilding the eager layers
+(:mod:`merak_core.generation.decoders`), sampling (:mod:`merak_core.generation.sampling`).
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from merak_core.generation.decoders import StageDecoder, WholeModelDecoder, build_stage_decoder
+from merak_core.generation.pipeline import pipelined_decode
 from merak_core.generation.sampling import SamplingOptions, next_tokens, row_generators
 from merak_core.parallel.compose import ParallelModel
 
@@ -194,112 +183,6 @@ def _shared_seed(opts: SamplingOptions, device: torch.device) -> int:
     return int(drawn.item())
 
 
-class _Peers:
-    """This rank's neighbours in its pipeline (same dp and tp coordinates)."""
-
-    def __init__(self, model: ParallelModel) -> None:
-        layout = model.layout
-        stage = layout.pp_rank
-        self.group = layout.pp_group
-        self.prev = layout.rank_of(pp=stage - 1, dp=layout.dp_rank, tp=layout.tp_rank) if stage > 0 else None
-        self.next = (
-            layout.rank_of(pp=stage + 1, dp=layout.dp_rank, tp=layout.tp_rank)
-            if stage < layout.pp - 1
-            else None
-        )
-        self.last = layout.rank_of(pp=layout.pp - 1, dp=layout.dp_rank, tp=layout.tp_rank)
-
-
-def _hidden_spec(model: ParallelModel) -> tuple[int, torch.dtype]:
-    config = None if model.source is None else model.source.config
-    params = [p for p in model.module.parameters() if p.is_floating_point()]
-    return int(getattr(config, "hidden_size", 0)), params[0].dtype
-
-
-@functools.lru_cache(maxsize=16)
-def decode_round(num_stages: int, num_microbatches: int) -> dict[int, list[Any]]:
-    """Each pipeline rank's actions in one decode step ([Note: decoding under pipeline parallelism]).
-
-    The forward-only round of merak-pipe's GPipe schedule (every stage runs ``F`` of the microbatches in
-    order), lowered (``RECV_F`` before the ``F`` that needs it, ``SEND_F`` after the one that makes it) and
-    validated with the NCCL rules (``merak_pipe.validate(..., nccl=True)`` replays the evaluation round's
-    issue order too). Pipeline rank ``s`` holds stage ``s``.
-    """
-    import merak_pipe
-    from merak_pipe import ActionKind
-
-    schedule = merak_pipe.build_schedule("gpipe", num_stages=num_stages, num_microbatches=num_microbatches)
-    lowered = merak_pipe.validate(merak_pipe.lower(schedule), channel_order=True, nccl=True)
-    keep = (ActionKind.FORWARD, ActionKind.SEND_F, ActionKind.RECV_F)
-    return {rank: [a for a in lowered.actions[rank] if a.kind in keep] for rank in range(num_stages)}
-
-
-def forward_round(
-    model: ParallelModel,
-    decoder: Any,
-    inputs_bt: torch.Tensor,
-    chunks: list[slice],
-    forward: Callable[[torch.Tensor, int, slice], torch.Tensor],
-    at_last: Callable[[torch.Tensor, slice], None],
-) -> _Peers:
-    """One forward of every microbatch through this rank's stage by the decode round (pp > 1).
-
-    ``forward(x, m, rows)`` runs the stage on microbatch ``m`` (rows ``rows`` of the batch); on the last
-    stage ``at_last(output, rows)`` takes its output. Returns the stage's peers (the caller broadcasts
-    what the last stage made).
-    """
-    from merak_pipe import ActionKind
-
-    peers = _Peers(model)
-    width, dtype = _hidden_spec(model)
-    received: dict[int, torch.Tensor] = {}
-    outputs: dict[int, torch.Tensor] = {}
-    for action in decode_round(model.layout.pp, len(chunks))[model.layout.pp_rank]:
-        m = action.microbatch
-        rows = chunks[m]
-        if action.kind is ActionKind.RECV_F:
-            received[m] = torch.empty(
-                (rows.stop - rows.start, inputs_bt.shape[1], width), dtype=dtype, device=inputs_bt.device
-            )
-            dist.recv(received[m], src=peers.prev, group=peers.group)
-        elif action.kind is ActionKind.SEND_F:
-            dist.send(outputs.pop(m).contiguous(), dst=peers.next, group=peers.group)
-        else:
-            out = forward(inputs_bt[rows] if decoder.first else received.pop(m), m, rows)
-            if decoder.last:
-                at_last(out, rows)
-            else:
-                outputs[m] = out
-    return peers
-
-
-def _run_step(
-    model: ParallelModel,
-    decoder: Any,
-    inputs_bt: torch.Tensor,
-    mask_bt: torch.Tensor,
-    pos_bt: torch.Tensor,
-    chunks: list[slice],
-    caches: list[Any],
-    choose: Any,
-) -> torch.Tensor:
-    """One forward of every microbatch through this rank's stage; the step's tokens on every rank."""
-    tokens_b = torch.zeros(inputs_bt.shape[0], dtype=torch.long, device=inputs_bt.device)
-    if model.layout.pp == 1:
-        tokens_b[chunks[0]] = choose(decoder(inputs_bt, mask_bt, pos_bt, caches[0]), chunks[0])
-        return tokens_b
-
-    def forward(x: torch.Tensor, m: int, rows: slice) -> torch.Tensor:
-        return decoder(x, mask_bt[rows], pos_bt[rows], caches[m])
-
-    def at_last(out: torch.Tensor, rows: slice) -> None:
-        tokens_b[rows] = choose(out, rows)
-
-    peers = forward_round(model, decoder, inputs_bt, chunks, forward, at_last)
-    dist.broadcast(tokens_b, src=peers.last, group=peers.group)
-    return tokens_b
-
-
 def _decode_loop(
     model: ParallelModel,
     decoder: Any,
@@ -312,11 +195,14 @@ def _decode_loop(
     pad: int,
     max_new_tokens: int,
 ) -> torch.Tensor:
-    """Prefill, then one token per step ([Note: transformers' generate, exactly])."""
+    """Prefill, then one token per step ([Note: transformers' generate, exactly]); pp > 1: steps overlapping
+    through the stages ([Note: decoding under pipeline parallelism])."""
 
     def choose(logits_bv: torch.Tensor, rows: slice) -> torch.Tensor:
         return next_tokens(logits_bv, opts, None if generators is None else generators[rows])
 
+    if model.layout.pp > 1:
+        return pipelined_decode(model, decoder, ids_bt, mask_bt, chunks, choose, eos, pad, max_new_tokens)
     caches = [decoder.new_cache() for _ in chunks]
     pos_bt = (mask_bt.cumsum(-1) - 1).masked_fill(mask_bt == 0, 0)
     sequences = ids_bt
@@ -324,7 +210,7 @@ def _decode_loop(
     unfinished = torch.ones(ids_bt.shape[0], dtype=torch.bool, device=ids_bt.device)
     eos_t = torch.tensor(eos, dtype=torch.long, device=ids_bt.device)
     for _ in range(max_new_tokens):
-        tokens_b = _run_step(model, decoder, inputs_bt, mask_bt, pos_bt, chunks, caches, choose)
+        tokens_b = choose(decoder(inputs_bt, mask_bt, pos_bt, caches[0]), chunks[0])
         tokens_b = torch.where(unfinished, tokens_b, torch.full_like(tokens_b, pad))
         sequences = torch.cat([sequences, tokens_b[:, None]], dim=1)
         if eos:

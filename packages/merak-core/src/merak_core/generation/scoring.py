@@ -24,12 +24,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from merak_core.generation.decode import (
-    _decoder,
-    _microbatches,
-    _refuse_unsupported,
-    forward_round,
-)
+from merak_core.generation.decode import _decoder, _microbatches, _refuse_unsupported
+from merak_core.generation.pipeline import forward_round
 from merak_core.parallel.compose import ParallelModel
 
 
