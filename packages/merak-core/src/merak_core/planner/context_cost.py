@@ -40,7 +40,10 @@ receives plus its own (``cp * 2 * kv / heads``: each is an input of a recomputed
 online-softmax merges (``2 * cp - 2``), counted whole: the one-process attention's own saved
 query/key/value, which the ring replaces, are not subtracted (an upper bound, by about one or two
 boundaries per layer). The ring's held bytes therefore fall more slowly than ``1 / cp``: measured
-and compared with this model by ``tests/core/test_context_parallel_memory.py``.
+and compared with this model by ``tests/core/test_context_parallel_memory.py``. All of it in the
+model's dtype, which is the ring's compute dtype for float32 and float64 models; a bfloat16 or float16
+model's ring computes and keeps its blocks, and passes them, in float32 (twice the bytes), which the
+profile (it holds bytes, not the dtype) cannot tell: not priced yet.
 
 Not done here: the sequence length (the job checks refuse one that does not divide into ``2 * cp``
 chunks, or ``cp`` for Ulysses), and where the cp group sits on a cluster's links (the cluster
