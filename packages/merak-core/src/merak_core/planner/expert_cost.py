@@ -32,7 +32,6 @@ from torch import nn
 
 if TYPE_CHECKING:
     from merak_core.planner.cluster import ClusterSpec
-    from merak_core.planner.cluster_cost import ModelCosts
 
 __all__ = [
     "MoECosts",
@@ -84,7 +83,7 @@ def all_to_all_s(nbytes: float, ep: int, tp: int, cluster: ClusterSpec) -> float
     return (ep - 1) * latency + nbytes / bandwidth
 
 
-def expert_degrees(costs: ModelCosts, dp: int) -> list[int]:
+def expert_degrees(costs: Any, dp: int) -> list[int]:
     """The ep to try at ``dp``: 1, and for an MoE model every ep > 1 dividing dp and the experts."""
     moe = moe_of(costs)
     if moe is None:
@@ -92,8 +91,9 @@ def expert_degrees(costs: ModelCosts, dp: int) -> list[int]:
     return [ep for ep in range(1, dp + 1) if dp % ep == 0 and moe.num_experts % ep == 0]
 
 
-def moe_of(costs: ModelCosts) -> MoECosts | None:
-    """``costs``' MoE blocks (None: a dense model)."""
+def moe_of(costs: Any) -> MoECosts | None:
+    """The MoE blocks of ``costs`` (a :class:`merak_core.planner.cluster_cost.ModelCosts`; None: a dense
+    model). The costs are typed ``Any`` here: cluster_cost imports this module."""
     moe = getattr(costs, "moe", None)
     return moe if isinstance(moe, MoECosts) else None
 
@@ -125,7 +125,7 @@ def moe_costs(model: nn.Module, sharded: Any, canonical: dict[int, str]) -> MoEC
     )
 
 
-def all_to_all_bytes_per_sample(costs: ModelCosts, ep: int) -> float:
+def all_to_all_bytes_per_sample(costs: Any, ep: int) -> float:
     """One all-to-all's off-rank bytes for one sample: a block's rows (tokens x hidden x bytes) times
     ``k (ep - 1) / ep``."""
     moe = moe_of(costs)
@@ -135,7 +135,7 @@ def all_to_all_bytes_per_sample(costs: ModelCosts, ep: int) -> float:
 
 
 def model_step_all_to_all_bytes(
-    costs: ModelCosts, ep: int, *, micro_batch_size: int, num_microbatches: int
+    costs: Any, ep: int, *, micro_batch_size: int, num_microbatches: int
 ) -> float:
     """Off-rank bytes one rank sends per step through the all-to-alls of ``costs``' MoE blocks (what the cluster
     model prices): four per block and microbatch of ``micro_batch_size`` samples."""
