@@ -28,7 +28,7 @@ TEST_DEPS = ("pytest>=8", "hypothesis>=6.100", "pytest-xdist>=3.5")
 # another on one worker, never two jobs at once (see [Note: subprocess tests in one line] in
 # tests/conftest.py). ``-- -n 0`` runs in one process (a later ``-n`` wins).
 # ``--durations``: the slowest tests of each run, to see where CI's minutes go.
-WORKERS = ("-n", "auto", "--maxprocesses", "4", "--dist", "loadgroup", "--durations=20")
+WORKERS = ("-n", "auto", "--maxprocesses", "4", "--dist", "loadgroup", "--durations=40")
 LIBRARIES = ("pipe", "graph", "tp")
 EXTRAS_FOR_TESTS = ("graph", "tp")  # libraries whose package session installs their [transformers] extra
 ALL_PACKAGES = ("packages/merak-pipe", "packages/merak-graph", "packages/merak-tp", "packages/merak-core")
