@@ -82,6 +82,19 @@ def test_refusals(overrides: dict[str, object], extra: dict[str, Any], words: st
         check_ep_model(_tiny("mixtral", **extra), _args(**overrides))
 
 
+def test_refuses_the_aux_loss_of_a_family_it_does_not_reproduce() -> None:
+    """A fused-experts model of another family with its own aux loss: Merak adds only the aux loss it computes
+    exactly (Mixtral's and Qwen3-MoE's load_balancing_loss_func), so ep > 1 refuses it rather than drop it."""
+    from merak_core.parallel.expert_parallel import check_ep_model
+
+    model = _tiny("mixtral", output_router_logits=True, router_aux_loss_coef=0.02)
+    model.config.model_type = "some_moe"
+    with pytest.raises(ValueError, match=r"for mixtral, qwen3_moe only \(model_type 'some_moe'\)"):
+        check_ep_model(model, _args())
+    model.config.model_type = "mixtral"
+    check_ep_model(model, _args())
+
+
 @pytest.mark.parametrize(
     ("flag", "value", "words"), [("is_transposed", True, "transposed weights"), ("has_bias", True, "biases")]
 )

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from merak_core.parallel.router_aux import check_router_aux
+from merak_core.parallel.router_aux import FAMILIES, check_router_aux
 
 __all__ = [
     "ExpertShard",
@@ -129,6 +129,14 @@ def check_fused_experts(model: nn.Module, args: Any) -> list[str]:
         return []
     # The model's router aux loss: over the global batch (merak_core.parallel.router_aux), pp and cp refused.
     check_router_aux(model, getattr(args, "pp", 1), getattr(args, "cp", 1))
+    config: Any = getattr(model, "config", None)
+    aux = getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0)
+    if aux and getattr(config, "model_type", None) not in FAMILIES:
+        raise ValueError(
+            f"ep={ep}: {type(model).__name__} adds a router auxiliary loss (output_router_logits=True), which "
+            f"Merak computes over the global batch for {', '.join(FAMILIES)} only (model_type "
+            f"{getattr(config, 'model_type', None)!r}): set output_router_logits: false, or ep: 1"
+        )
     if getattr(args, "tp", 1) > 1:
         raise ValueError(
             f"ep={ep} with tp={args.tp}: {type(found[0][1]).__name__} at {found[0][0]!r} is split over TP by the "

@@ -36,13 +36,26 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
-__all__ = ["GlobalRouterAuxLoss", "check_router_aux", "router_aux_settings", "with_router_aux_loss"]
+__all__ = [
+    "FAMILIES",
+    "GlobalRouterAuxLoss",
+    "check_router_aux",
+    "router_aux_settings",
+    "with_router_aux_loss",
+]
+
+
+FAMILIES = ("mixtral", "qwen3_moe")
+"""The model types whose ``load_balancing_loss_func`` :func:`global_load_balancing_loss` reproduces."""
 
 
 def router_aux_settings(model: nn.Module | None) -> tuple[float, int, int] | None:
-    """(coef, experts, top-k) of a transformers model that adds a router aux loss; None for any other."""
+    """(coef, experts, top-k) of a transformers model of :data:`FAMILIES` that adds a router aux loss; None
+    for any other (another family's aux loss is not added: the loss is the ``loss_fn``'s alone)."""
     config = getattr(model, "config", None)
     coef = getattr(model, "router_aux_loss_coef", 0.0)
+    if getattr(config, "model_type", None) not in FAMILIES:
+        return None
     if not getattr(config, "output_router_logits", False) or not coef:
         return None
     experts, top_k = getattr(model, "num_experts", None), getattr(model, "num_experts_per_tok", None)
