@@ -212,3 +212,39 @@ def test_pipelined_decoding_stops_early_through_middle_stages() -> None:
         results = run_on_ranks(4, generate_pp4_on_ranks, str(folder), eos)
     for rank, result in enumerate(results):
         assert result == expected.tolist(), f"rank {rank}"
+
+
+def refusal_on_ranks(folder: str) -> str:
+    """Rank body: the 2-layer Llama at pp=3 cut inside layer 1 (stage 0 holds layer 0 whole, stages 1 and 2
+    half of layer 1 each); the refusal generation raises on this rank."""
+    import merak_core
+    from merak_core.hf import PretrainedWeights, pretrained_model, skip_init
+    from merak_core.parallel.compose import build_parallel_model
+
+    layout = merak_core.init(dp=1, tp=1, pp=3)
+    model = pretrained_model(folder, dtype=torch.float64)
+    weights = PretrainedWeights.match(model, folder)
+    pm = build_parallel_model(
+        model,
+        layout,
+        example_inputs={"input_ids": torch.zeros(1, max(LENGTHS), dtype=torch.long)},
+        init_fn=skip_init,
+        split_points=["model.layers.1", "model.layers.1.mlp"],
+    )
+    weights.load_into(pm)
+    ids, mask = _prompts()
+    try:
+        merak_core.generate(pm, ids, mask, max_new_tokens=2, pad_token_id=PAD)
+    except ValueError as exc:
+        return str(exc)
+    return "no refusal"
+
+
+def test_a_stage_that_refuses_alone_stops_every_rank() -> None:
+    """Stage 0 could decode, stages 1 and 2 cannot (a cut inside a decoder layer): every rank raises the
+    refusal before the first pipeline message (stage 0 waited for its peers until the timeout before)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        folder, _text = make_folder("llama", tmp)
+        messages = run_on_ranks(3, refusal_on_ranks, str(folder))
+    assert messages[0].startswith("pipeline stage 1 refuses generation: this pipeline stage does not hold")
+    assert all("the stage cut falls inside a decoder layer" in m for m in messages), messages

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from merak_core.generation.decoders import StageDecoder, WholeModelDecoder, build_stage_decoder
-from merak_core.generation.pipeline import pipelined_decode
+from merak_core.generation.pipeline import agreed_stage_decoder, pipelined_decode
 from merak_core.generation.sampling import SamplingOptions, next_tokens, row_generators
 from merak_core.parallel.compose import ParallelModel
 
@@ -170,7 +170,7 @@ def _decoder(model: ParallelModel, device: torch.device) -> WholeModelDecoder | 
     if model.layout.pp == 1:
         config = None if model.source is None else model.source.config
         return WholeModelDecoder(model.module, config, getattr(config, "vocab_size", None))
-    return build_stage_decoder(model, device)
+    return agreed_stage_decoder(model, lambda: build_stage_decoder(model, device))
 
 
 def _shared_seed(opts: SamplingOptions, device: torch.device) -> int:

@@ -75,6 +75,26 @@ def _hidden_spec(model: ParallelModel) -> tuple[int, torch.dtype]:
     return int(getattr(config, "hidden_size", 0)), params[0].dtype
 
 
+def agreed_stage_decoder(model: ParallelModel, build: Callable[[], Any]) -> Any:
+    """``build()`` (this rank's stage decoder), or the first refusal any stage of the pipeline raised, on
+    every rank of it: a stage that refuses alone (a cut inside a decoder layer) must not leave the others
+    waiting on their first message. One gather of the refusals over the pipeline group, before any."""
+    error: ValueError | None = None
+    decoder = None
+    try:
+        decoder = build()
+    except ValueError as exc:
+        error = exc
+    refusals: list[str | None] = [None] * model.layout.pp
+    dist.all_gather_object(refusals, None if error is None else str(error), group=model.layout.pp_group)
+    if error is not None:
+        raise error
+    for stage, text in enumerate(refusals):
+        if text is not None:
+            raise ValueError(f"pipeline stage {stage} refuses generation: {text}")
+    return decoder
+
+
 @functools.lru_cache(maxsize=16)
 def decode_round(num_stages: int, num_microbatches: int) -> dict[int, list[Any]]:
     """Each pipeline rank's actions in one forward of every microbatch (scoring).
