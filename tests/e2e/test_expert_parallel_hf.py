@@ -254,6 +254,13 @@ def test_mixtral_dp4_ep2_zero1_clipped_equals_one_process() -> None:
     _check(run_on_ranks(4, _train, "mixtral", overrides), "mixtral", max_norm=0.05)
 
 
+def test_mixtral_dp2_ep2_tp2_equals_one_process() -> None:
+    """Attention, embeddings and head TP-sharded by the model's plan, the fused experts whole per EP rank (the
+    plan's experts entries dropped), the router replicated; clipping on."""
+    overrides = {"ep": 2, "tp": 2, "max_grad_norm": 0.05}
+    _check(run_on_ranks(4, _train, "mixtral", overrides), "mixtral", max_norm=0.05)
+
+
 def _resume_and_export() -> dict[str, Any]:
     """3 steps at ep=2 saving every step; fresh Trainers at ep=2 and ep=1 resume step_1 and train to 3; the
     first run exported to Hugging Face, and the export started from at ep=2."""

@@ -106,6 +106,15 @@ def _tp_plan(plan: Any) -> Any:
     return plan
 
 
+def _ep_tp_plan(model: nn.Module, layout: ParallelLayout, plan: Any) -> Any:
+    """At ep > 1 and tp > 1 the plan without its fused-experts entries (experts whole per EP rank)."""
+    if layout.ep == 1 or layout.tp == 1:
+        return plan
+    from merak_core.parallel.expert_hf import tp_plan_without_experts
+
+    return tp_plan_without_experts(model, _tp_plan(plan))
+
+
 def apply_tensor_parallel(
     model: nn.Module,
     layout: ParallelLayout,
@@ -212,7 +221,7 @@ def build_parallel_model(
     model = apply_tensor_parallel(
         model,
         layout,
-        plan=tp_plan,
+        plan=_ep_tp_plan(model, layout, tp_plan),
         overlap_chunks=overlap_chunks,
         rng_tracker=rng_tracker,
         sequence_parallel=sequence_parallel,

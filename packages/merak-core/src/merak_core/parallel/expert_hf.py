@@ -27,7 +27,12 @@ from merak_core.parallel.expert_parallel import dispatch
 from merak_core.parallel.fused_experts import ExpertShard, expert_shard, fused_experts, set_expert_shard
 from merak_core.parallel.layout import ParallelLayout
 
-__all__ = ["FusedExpertParallel", "apply_fused_expert_parallel", "full_expert_tensor"]
+__all__ = [
+    "FusedExpertParallel",
+    "apply_fused_expert_parallel",
+    "full_expert_tensor",
+    "tp_plan_without_experts",
+]
 
 
 class _LocalExperts:
@@ -112,6 +117,32 @@ def apply_fused_expert_parallel(model: nn.Module, layout: ParallelLayout) -> lis
         module.__class__ = _ep_class(type(module))
         classes.append(type(module))
     return classes
+
+
+def tp_plan_without_experts(model: nn.Module, plan: Any) -> Any:
+    """``plan`` (None: the model's built-in one) without its ``experts`` entries, for ep > 1 with tp > 1.
+
+    The fused experts stay whole on each EP rank (sharded over EP, not TP), like the protocol blocks:
+    attention, embeddings and head are still TP-sharded by the plan; the router stays replicated.
+    Unchanged (``plan`` itself) for a model without fused experts or a plan without such entries.
+    """
+    import dataclasses
+
+    import merak_tp
+
+    if not fused_experts(model):
+        return plan
+    resolved = merak_tp.plan_for_model(model) if plan is None else plan
+    if isinstance(resolved, str):
+        resolved = merak_tp.get_plan(resolved)
+    dropped = {pattern for pattern, style in resolved.layers.items() if style == "experts"}
+    if not dropped:
+        return plan
+    return dataclasses.replace(
+        resolved,
+        layers={k: v for k, v in resolved.layers.items() if k not in dropped},
+        attributes={k: v for k, v in resolved.attributes.items() if k not in dropped},
+    )
 
 
 def full_expert_tensor(param: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:

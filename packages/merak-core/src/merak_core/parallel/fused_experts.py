@@ -137,12 +137,6 @@ def check_fused_experts(model: nn.Module, args: Any) -> list[str]:
             f"Merak computes over the global batch for {', '.join(FAMILIES)} only (model_type "
             f"{getattr(config, 'model_type', None)!r}): set output_router_logits: false, or ep: 1"
         )
-    if getattr(args, "tp", 1) > 1:
-        raise ValueError(
-            f"ep={ep} with tp={args.tp}: {type(found[0][1]).__name__} at {found[0][0]!r} is split over TP by the "
-            "model's TP plan (fused expert weights), and splitting its experts over EP as well is not supported: "
-            "set tp: 1 (experts over EP), or ep: 1 (experts over TP)"
-        )
     for name, module in found:
         problem = _layout_problem(module)
         if problem is not None:
