@@ -261,6 +261,44 @@ def test_mixtral_dp2_ep2_tp2_equals_one_process() -> None:
     _check(run_on_ranks(4, _train, "mixtral", overrides), "mixtral", max_norm=0.05)
 
 
+def _resume_ep_tp() -> dict[str, Any]:
+    """3 steps at dp2·ep2·tp2 saving every step; resumed from step_1 at the same layout and at dp4 (ep=1, tp=1)."""
+    import torch.distributed as dist
+
+    from merak_core import Trainer
+
+    shared = [tempfile.mkdtemp(prefix="merak-ep-tp-") if dist.get_rank() == 0 else ""]
+    dist.broadcast_object_list(shared, src=0)
+    out, common = shared[0], dict(max_steps=3, save_steps=1, learning_rate=0.01)
+    full = Trainer(_model("mixtral"), _args(ep=2, tp=2, output_dir=f"{out}/run", **common), Tokens())
+    got: dict[str, Any] = {"full": ([h["loss"] for h in full.train() if "loss" in h], full.full_state_dict())}
+    dist.barrier()
+    for name, layout in (
+        ("same", dict(ep=2, tp=2)),
+        ("dp4", dict(ep=1, tp=1, per_device_train_batch_size=1)),
+    ):
+        resumed = Trainer(_model("mixtral"), _args(output_dir=f"{out}/{name}", **layout, **common), Tokens())
+        assert resumed.resume(f"{out}/run/checkpoints/step_1") == 1
+        got[name] = ([h["loss"] for h in resumed.train() if "loss" in h], resumed.full_state_dict())
+        dist.barrier()
+    return got
+
+
+def test_checkpoint_at_ep2_tp2_resumes() -> None:
+    """The fused experts' DTensor over the EP mesh, written by both TP ranks of each EP coordinate: resumed at
+    dp2·ep2·tp2 bit for bit, at dp4 (every expert on each rank, no TP) to rounding."""
+    got = run_on_ranks(4, _resume_ep_tp)[0]
+    full_losses, full_state = got["full"]
+    same_losses, same_state = got["same"]
+    assert same_losses == full_losses[1:]
+    for name, value in full_state.items():
+        assert torch.equal(same_state[name], value), name
+    losses, state = got["dp4"]
+    assert losses == pytest.approx(full_losses[1:], rel=RTOL)
+    for name, value in full_state.items():
+        torch.testing.assert_close(state[name], value, rtol=RTOL, atol=ATOL, msg=name)
+
+
 def _resume_and_export() -> dict[str, Any]:
     """3 steps at ep=2 saving every step; fresh Trainers at ep=2 and ep=1 resume step_1 and train to 3; the
     first run exported to Hugging Face, and the export started from at ep=2."""
