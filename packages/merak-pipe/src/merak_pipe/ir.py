@@ -2,9 +2,9 @@
 
 An :class:`Action` is ``(stage, kind, microbatch)`` with the compact string form of
 ``torch.distributed.pipelining``'s ``_Action`` (``"1F3"`` = stage 1, forward, microbatch 3;
-``"2SEND_B0"``; ``"0RECV_F5"``). A :class:`Schedule` maps each pipeline rank to its ordered
-list of actions, plus the stage-to-rank map (several stages per rank for interleaved schedules)
-and an optional :class:`RecomputePlan` (per-stage recompute fractions, data like the rest;
+``"2SEND_B0"``; ``"0RECV_F5"``), and the decode step in decode schedules (``"0F3@2"``). A
+:class:`Schedule` maps each pipeline rank to its ordered list of actions, plus the stage-to-rank
+map (several stages per rank for interleaved schedules) and an optional :class:`RecomputePlan` (per-stage recompute fractions, data like the rest;
 plans are computed by :mod:`merak_pipe.recompute`).
 
 This module holds data only. Generating (``merak_pipe.schedules``), lowering and validating
