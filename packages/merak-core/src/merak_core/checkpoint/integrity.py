@@ -116,16 +116,22 @@ class RecordingWriter(dcp.FileSystemWriter):
 class VerifyingReader(dcp.FileSystemReader):
     """DCP's file reader that checksums each file against the manifest before reading from it."""
 
-    def __init__(self, path: str, manifest: Mapping[str, Any] | None, step: Any) -> None:
+    def __init__(
+        self, path: str, manifest: Mapping[str, Any] | None, step: Any, verified: set[str] | None = None
+    ) -> None:
         super().__init__(path)
         self.directory = Path(path)
         self.manifest = manifest
         self.step = step
+        self.verified = set() if verified is None else verified
+        """Files already checked (shared by the reads of one load: each file is checksummed once)."""
 
     def read_data(self, plan: Any, planner: Any) -> Any:
         if self.manifest is not None:
             names = sorted({self.storage_data[item.storage_index].relative_path for item in plan.items})
             for name in names:
+                if name in self.verified:
+                    continue
                 expected = self.manifest.get(name)
                 if expected is None:
                     raise CheckpointCorruptError(
@@ -133,6 +139,7 @@ class VerifyingReader(dcp.FileSystemReader):
                         f"the manifest of {META_FILE}: resume from an older checkpoint"
                     )
                 verify_file(self.directory, self.step, name, expected)
+                self.verified.add(name)
         return super().read_data(plan, planner)
 
 

@@ -42,6 +42,7 @@ from merak_core.checkpoint.specs import (
     TensorSpec,
     _from_loaded,
     _load_target,
+    loaded_in_place,
     named_optimizer_params,
     tensor_specs,
 )
@@ -97,27 +98,22 @@ def load_checkpoint(
         layout.tp,
         layout.pp,
     )
-    request, receivers, owned, optim_keys = _load_request(parts, available, skip)
     rng_key = f"rng/rank_{dist.get_rank()}"
     if "train_state" not in available:
         raise CheckpointError(f"checkpoint {str(directory)!r} is corrupt: it has no 'train_state' entry")
-    request["train_state"] = b""
+    states: dict[str, Any] = {"train_state": b""}
     if same_layout and rng_key in available:
-        request[rng_key] = b""
-    try:
-        dcp.load(request, storage_reader=VerifyingReader(str(directory), manifest, meta.get("step")))
-    except (Exception, dcp.CheckpointException) as exc:
-        kind = CheckpointCorruptError if is_corruption(exc) else CheckpointError
-        raise kind(
-            f"rank {dist.get_rank()}: checkpoint {str(directory)!r} is corrupt or unreadable: "
-            f"{describe_failure(exc)}"
-        ) from exc
-    train_state = pickle.loads(request["train_state"])  # noqa: S301 - our own checkpoint
-    # Checks first: fails before any tensor is copied.
+        states[rng_key] = b""
+    verified: set[str] = set()
+    _read(states, directory, manifest, meta, verified)
+    train_state = pickle.loads(states["train_state"])  # noqa: S301 - our own checkpoint
+    # Checks first: fails before any tensor is read (tensors are read into the parameters themselves).
     restore_train_state(parts, directory, train_state, meta.get("training_arguments", {}))
+    request, receivers, owned, optim_keys = _load_request(parts, available, skip)
+    _read(request, directory, manifest, meta, verified)
     _copy_loaded(parts, receivers, owned, optim_keys, request)
-    if rng_key in request:
-        set_rng_state(request[rng_key], parts)
+    if rng_key in states:
+        set_rng_state(states[rng_key], parts)
     else:
         logger.info(
             "checkpoint layout %s differs from dp=%d tp=%d pp=%d: RNG states not restored",
@@ -131,6 +127,21 @@ def load_checkpoint(
     parts.train.global_step = step
     logger.info("loaded checkpoint %s (step %d, saved under %s)", directory, step, saved_layout)
     return step
+
+
+def _read(
+    request: dict[str, Any], directory: Path, manifest: Any, meta: Mapping[str, Any], verified: set[str]
+) -> None:
+    """DCP's collective load of ``request`` (every rank calls it), its files verified first (once per load)."""
+    try:
+        reader = VerifyingReader(str(directory), manifest, meta.get("step"), verified)
+        dcp.load(request, storage_reader=reader)
+    except (Exception, dcp.CheckpointException) as exc:
+        kind = CheckpointCorruptError if is_corruption(exc) else CheckpointError
+        raise kind(
+            f"rank {dist.get_rank()}: checkpoint {str(directory)!r} is corrupt or unreadable: "
+            f"{describe_failure(exc)}"
+        ) from exc
 
 
 def _adapter_only_base(parts: CheckpointParts, directory: Path, meta: Mapping[str, Any]) -> set[str]:
@@ -163,7 +174,7 @@ def _load_request(
         if name in skip:
             continue  # a frozen base weight of an adapter-only checkpoint: the run's own base is kept
         key = f"model/{name}"
-        target, buf = _load_target(parts, spec, p, p.dtype)
+        target, buf = _load_target(parts, spec, p, p.dtype, into_local=True)
         request[key], receivers[key] = target, (buf, spec)
     inner = _inner_optimizer(parts.optimizer)
     optim_keys: dict[str, list[str]] = {}
@@ -205,7 +216,8 @@ def _copy_loaded(
             if f"model/{name}" not in receivers:
                 continue  # the base of an adapter-only checkpoint (checked, not read)
             buf, spec = receivers[f"model/{name}"]
-            copy_into_shard_(p, _from_loaded(spec, buf))  # ZeRO-2/3: this DP rank's part
+            if not loaded_in_place(buf, p):  # [Note: bounded checkpoint loads]
+                copy_into_shard_(p, _from_loaded(spec, buf))  # ZeRO-2/3: this DP rank's part
         for p, name in owned:
             state = {}
             for state_key in optim_keys.get(name, []):

@@ -121,13 +121,35 @@ def _to_checkpoint(
 
 
 def _load_target(
-    parts: CheckpointParts, spec: TensorSpec, local: torch.Tensor, dtype: torch.dtype
+    parts: CheckpointParts,
+    spec: TensorSpec,
+    local: torch.Tensor,
+    dtype: torch.dtype,
+    *,
+    into_local: bool = False,
 ) -> tuple[Any, torch.Tensor]:
-    """(object DCP loads into, tensor that receives the full data) for a local tensor shaped like a param."""
+    """(object DCP loads into, tensor that receives the full data) for a local tensor shaped like a param.
+
+    [Note: bounded checkpoint loads] DCP reads a checkpoint item by item: each item's bytes pass
+    through host memory once and are copied into the tensor it is loaded into. So host memory stays
+    at the largest item when every target is where the tensor will live: a replicated parameter
+    that holds the whole tensor (a plain tensor of the full shape, as at tp=1 or ZeRO-0/1) is
+    loaded into itself (``into_local``: ``local`` is the target, the caller skips the copy), and an
+    optimizer state of such a parameter into a new tensor on the parameter's device. Only a tensor
+    of which this rank keeps a part of the whole (fused sections gathered over TP, a ZeRO-2/3
+    shard) is still staged whole in host memory, all such tensors at once. Before, every
+    whole tensor and state was staged in host memory at once: the model and its AdamW states,
+    ~84 GB per rank for 7B at tp=1.
+    """
     if spec.whole:
-        # A whole tensor (replicated, or fused sections gathered) is staged in host memory and
-        # only this rank's slice is copied to the device: loading never holds the unsharded
-        # model on the GPU at once.
+        if _holds_the_whole(spec, local):
+            if into_local and dtype == local.dtype:  # the parameter itself
+                view = spec.oriented(local.detach())
+                return view, view
+            buf = torch.empty(spec.full_shape, dtype=dtype, device=local.device)  # a state, in place
+            return buf, buf
+        # A part of a whole tensor (fused sections, a ZeRO-2/3 shard) is staged in host memory and
+        # only this rank's slice is copied to the device: never the unsharded tensor on the GPU.
         full = torch.empty(spec.full_shape, dtype=dtype, device="cpu")
         return full, full
     from torch.distributed.tensor import DTensor, Shard
@@ -142,6 +164,20 @@ def _load_target(
         stride=_contiguous_stride(spec.full_shape),
     )
     return dt, buf
+
+
+def _holds_the_whole(spec: TensorSpec, local: torch.Tensor) -> bool:
+    """Whether ``local`` is a plain tensor holding all of the whole tensor ``spec`` saves (no slice of it)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(local, DTensor) or spec.sections > 1 or spec.expert is not None or spec.dim is not None:
+        return False
+    return tuple(spec.oriented(local).shape) == spec.full_shape
+
+
+def loaded_in_place(received: torch.Tensor, param: torch.Tensor) -> bool:
+    """Whether DCP loaded straight into ``param`` (see [Note: bounded checkpoint loads])."""
+    return received.data_ptr() == param.data_ptr() and received.numel() == param.numel()
 
 
 def _from_loaded(spec: TensorSpec, loaded: torch.Tensor) -> torch.Tensor:
