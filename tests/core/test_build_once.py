@@ -55,6 +55,8 @@ def _modules_after_the_build() -> list[str]:
 
 def test_the_trainer_and_its_steps_never_reenter_the_start_up() -> None:
     for modules in run_on_ranks(2, _modules_after_the_build):
-        assert "merak_core.run.engine" in modules and "merak_core.trainer" in modules, modules  # it saw the run
+        assert "merak_core.run.engine" in modules and "merak_core.trainer" in modules, (
+            modules
+        )  # it saw the run
         reentered = [m for m in modules if m.startswith(START_UP)]
         assert reentered == [], reentered

@@ -32,7 +32,12 @@ def check_capacity_factor(value: Any) -> None:
     """ValueError unless ``value`` is None (dropless) or a finite number > 0."""
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
         raise ValueError(
             f"moe_capacity_factor={value!r} is invalid: expected a number > 0 (each expert takes at most "
             "ceil(factor * tokens * top_k / experts) pairs), or null for dropless dispatch"
