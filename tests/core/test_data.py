@@ -210,7 +210,8 @@ def _layout_batches(dp: int, tp: int, pp: int) -> tuple[tuple[int, int, int], li
     evaluation = StageAwareDataLoader.from_training_args(
         _Samples(5), args.with_overrides(["per_device_eval_batch_size=3"]), layout, evaluation=True
     )
-    assert (evaluation.batch_size, evaluation.shuffle, len(evaluation)) == (3, False, -(-5 // (3 * dp)))
+    # 3 samples per microbatch, 2 microbatches per step: 6 per DP rank and step, as the Trainer evaluates
+    assert (evaluation.batch_size, evaluation.shuffle, len(evaluation)) == (6, False, -(-5 // (6 * dp)))
     out = []
     for b in loader:
         out.append(

@@ -44,12 +44,11 @@ from merak_core.checkpoint import CheckpointManager
 from merak_core.checkpoint.parts import CheckpointParts, TrainState
 from merak_core.config import TrainingArguments
 from merak_core.data.batch_ids import sample_namer
-from merak_core.data.loader import StageAwareDataLoader, label_split
+from merak_core.data.loader import StageAwareDataLoader
 from merak_core.generation.run_api import GenerateMixin
 from merak_core.lora import LoraConfig
 from merak_core.parallel.compose import ParallelModel, gather_full_state_dict
 from merak_core.parallel.layout import ParallelLayout
-from merak_core.parallel.virtual_stages import stage_data_roles
 from merak_core.planner import PlanContext
 from merak_core.run import nonfinite
 from merak_core.run.cadence import Cadence, StepRecords, count_tokens, training_steps
@@ -427,15 +426,13 @@ class Trainer(GenerateMixin, EngineViews):
             raise ValueError("Trainer.evaluate() needs an eval_dataset")
         num_micro = self.args.num_microbatches
         # Every sample counts once: the last partial batch is padded and masked ([Note: eval weighting]).
-        loader = StageAwareDataLoader(
+        loader = StageAwareDataLoader.from_training_args(
             dataset,
-            batch_size=self._eval_micro_batch_size() * num_micro,
-            **stage_data_roles(self.args, self.layout),
+            self.args,
+            self.layout,
+            evaluation=True,
             collate_fn=self.data_collator,
-            split_inputs_labels=label_split(self.args.labels),
-            shuffle=False,
-            seed=self.args.seed,
-            drop_last=False,
+            eval_micro_batch_size=self._eval_micro_batch_size(),
         )
 
         def run(batch: Any, return_outputs: bool) -> Any:

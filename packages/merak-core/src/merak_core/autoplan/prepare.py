@@ -33,11 +33,10 @@ from torch import nn
 
 from merak_core.config import TrainingArguments
 from merak_core.data.batch_ids import IdRanges
-from merak_core.data.loader import StageAwareDataLoader, default_num_workers, label_split
+from merak_core.data.loader import StageAwareDataLoader
 from merak_core.lora import LoraConfig
 from merak_core.parallel.context_parallel import check_cp_model, cp_run_for
 from merak_core.parallel.layout import ParallelLayout, init
-from merak_core.parallel.virtual_stages import stage_data_roles
 from merak_core.planner import PlanContext
 from merak_core.run import bootstrap
 from merak_core.run.cadence import training_steps
@@ -136,16 +135,8 @@ def _train_loader(
 ) -> StageAwareDataLoader | None:
     if train_dataset is None:
         return None
-    return StageAwareDataLoader(
-        train_dataset,
-        batch_size=args.micro_batch_size * args.num_microbatches,
-        **stage_data_roles(args, layout),
-        collate_fn=data_collator,
-        split_inputs_labels=label_split(args.labels),
-        seed=args.seed,
-        shuffle=True,
-        num_workers=default_num_workers(args.dataloader_num_workers, device),
-        pin_memory=device.type == "cuda",  # then the step copies batches with non_blocking
+    return StageAwareDataLoader.from_training_args(
+        train_dataset, args, layout, collate_fn=data_collator, device=device
     )
 
 

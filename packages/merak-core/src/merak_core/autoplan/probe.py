@@ -190,14 +190,8 @@ def _times(
     from merak_core.run.engine import ParallelEngine, default_loss
 
     device = bootstrap.run_device(layout)
-    loader = StageAwareDataLoader(
-        train_dataset,
-        batch_size=args.micro_batch_size * args.num_microbatches,
-        layout=layout,
-        collate_fn=data_collator,
-        seed=args.seed,
-        shuffle=True,
-        num_workers=args.dataloader_num_workers,
+    loader = StageAwareDataLoader.from_training_args(
+        train_dataset, args, layout, collate_fn=data_collator, device=device
     )
     inputs, labels = bootstrap.example_batch(train_dataset, data_collator, args.micro_batch_size)
     composed = bootstrap.compose(model, args, layout, device, example_inputs=inputs)

@@ -247,30 +247,46 @@ class StageAwareDataLoader:
         evaluation: bool = False,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         split_inputs_labels: SplitFn | None = None,
+        device: torch.device | None = None,
+        eval_micro_batch_size: int | None = None,
     ) -> StageAwareDataLoader:
-        """The loader a trainer uses: one batch per optimizer step (all its microbatches).
+        """The loader of a run (the Trainer's, its evaluation's and the probes'): one batch per step.
 
-        Training: ``batch_size = per_device_train_batch_size * gradient_accumulation_steps``
-        per DP rank (the pipeline splits it into ``num_microbatches``), shuffled with
-        ``args.seed``, incomplete last batch dropped. Evaluation: ``per_device_eval_batch_size``,
-        dataset order, last batch padded by wrap-around. ``args.labels`` chooses the label convention
-        (see [Note: unshifted labels]).
+        Training: ``micro_batch_size * num_microbatches`` samples per DP rank (the pipeline splits
+        them into the microbatches), shuffled with ``args.seed``, incomplete last batch dropped,
+        ``dataloader_num_workers`` (null: 2 on CUDA, 0 on CPU) and pinned memory on CUDA.
+        Evaluation: ``eval_micro_batch_size`` (default ``per_device_eval_batch_size``) per
+        microbatch, dataset order, the last batch padded and masked. The rank reads the inputs
+        where it holds the first stage and the labels where it holds the last (virtual stages
+        included); ``args.labels`` chooses the label convention (see [Note: unshifted labels]).
         """
+        from merak_core.parallel.virtual_stages import stage_data_roles
+
+        roles = stage_data_roles(args, layout)
+        split = label_split(args.labels, split_inputs_labels)
         if evaluation:
-            batch_size, shuffle, drop_last = args.per_device_eval_batch_size, False, False
-        else:
-            batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
-            shuffle, drop_last = True, True
+            micro = eval_micro_batch_size or args.per_device_eval_batch_size
+            return cls(
+                dataset,
+                batch_size=micro * args.num_microbatches,
+                **roles,
+                collate_fn=collate_fn,
+                split_inputs_labels=split,
+                shuffle=False,
+                seed=args.seed,
+                drop_last=False,
+            )
+        device = device if device is not None else torch.device("cpu")
         return cls(
             dataset,
-            batch_size=batch_size,
-            layout=layout,
+            batch_size=args.micro_batch_size * args.num_microbatches,
+            **roles,
             collate_fn=collate_fn,
-            shuffle=shuffle,
+            split_inputs_labels=split,
             seed=args.seed,
-            drop_last=drop_last,
-            split_inputs_labels=label_split(args.labels, split_inputs_labels),
-            num_workers=args.dataloader_num_workers,
+            shuffle=True,
+            num_workers=default_num_workers(args.dataloader_num_workers, device),
+            pin_memory=device.type == "cuda",  # then the step copies batches with non_blocking
         )
 
     # ------------------------------------------------------------------ sizes
