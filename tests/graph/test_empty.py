@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from merak_graph import empty_init, is_meta_module, materialize, partition
-from tests.graph.helpers import run_stages
+from tests.graph._graph_support import run_stages
 from tests.support.compare import assert_grads_match, assert_tensors_close, reference_step
 from tests.support.models import (
     GPT,

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from merak_graph import annotate_costs, partition, partition_sharded, shard, trace
-from tests.graph.helpers import run_stages
+from tests.graph._graph_support import run_stages
 from tests.support.compare import assert_grads_match, assert_tensors_close, reference_step
 from tests.support.models import REFERENCE_MODELS, build_reference
 

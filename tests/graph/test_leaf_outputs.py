@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from merak_graph import TraceError, partition, trace
-from tests.graph.helpers import run_stages
+from tests.graph._graph_support import run_stages
 from tests.support.compare import assert_grads_match, assert_tensors_close, reference_step
 
 

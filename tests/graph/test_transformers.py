@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from merak_graph import empty_init, is_meta_module, partition
-from tests.graph.helpers import run_stages
+from tests.graph._graph_support import run_stages
 from tests.support.compare import assert_grads_match, assert_tensors_close, named_grads
 from tests.support.hf_models import tiny_decoder_fields, tiny_gpt2_config
 

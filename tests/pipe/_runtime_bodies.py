@@ -24,7 +24,7 @@ from merak_pipe.runner import PipelineRunner
 from merak_pipe.schedules import build_schedule
 from merak_pipe.shared import shared_parameter_groups, shared_parameters_list
 from merak_pipe.stage import PipelineStage
-from tests.pipe._runtime_models import build_model, layers_for, model_units, split_units
+from tests.pipe._runtime_support import build_model, layers_for, model_units, split_units
 from tests.support.models import REFERENCE_MODELS, lm_loss
 
 TIMEOUT = timedelta(seconds=30)

@@ -11,7 +11,7 @@ from torch import nn
 from merak_pipe.comm import flatten_boundary, spec_metas, unflatten_boundary
 from merak_pipe.runner import _split_batch
 from merak_pipe.stage import PipelineStage
-from tests.pipe._runtime_models import build_model, model_units, split_units
+from tests.pipe._runtime_support import build_model, model_units, split_units
 from tests.support.compare import assert_tensors_close
 
 
