@@ -49,6 +49,7 @@ and a model without a block following [Note: the MoE block protocol].
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -63,6 +64,7 @@ from merak_core.parallel.rank_grid import check_ep
 from merak_tp.all_to_all import all_to_all_uneven, exchange_counts
 
 __all__ = [
+    "ExpertDispatch",
     "ExpertParallelGradSync",
     "apply_expert_parallel",
     "check_ep_arguments",
@@ -272,26 +274,49 @@ def _capacity(
     return expert_capacity(tokens, k, num_experts, factor)
 
 
-class ExpertParallelBlock:
-    """Mixin put in front of an MoE block's class: ``run_experts`` dispatches over the EP group (every
-    expert local when the group is None: a capacity at ep=1, :func:`set_moe_capacity`)."""
+@dataclasses.dataclass(frozen=True)
+class ExpertDispatch:
+    """How a swapped MoE block dispatches its tokens: the record Merak keeps on the block (one typed
+    attribute, :data:`DISPATCH_ATTR`), set by :func:`apply_expert_parallel` and :func:`set_moe_capacity`."""
 
-    _merak_ep_group: ProcessGroup | None
-    _merak_capacity_factor: float | None = None
+    group: ProcessGroup | None = None
+    """The EP group; None: every expert is local (a capacity at ep=1)."""
+    capacity_factor: float | None = None
+    """``training.moe_capacity_factor`` (None: dropless)."""
+
+
+DISPATCH_ATTR = "merak_expert_dispatch"
+
+
+def expert_dispatch(block: nn.Module) -> ExpertDispatch:
+    """The block's dispatch record (the default, dropless and local, when none was set)."""
+    record = getattr(block, DISPATCH_ATTR, None)
+    return record if isinstance(record, ExpertDispatch) else ExpertDispatch()
+
+
+def _set_dispatch(block: nn.Module, **changes: Any) -> None:
+    setattr(block, DISPATCH_ATTR, dataclasses.replace(expert_dispatch(block), **changes))
+
+
+class ExpertParallelBlock:
+    """Mixin put in front of an MoE block's class: ``run_experts`` dispatches as the block's
+    :class:`ExpertDispatch` says (over the EP group, or every expert local with a capacity at ep=1)."""
+
     experts: nn.ModuleDict
     num_experts: int
 
     def run_experts(
         self, x_nh: torch.Tensor, weights_nk: torch.Tensor, experts_nk: torch.Tensor
     ) -> torch.Tensor:
+        record = expert_dispatch(self)  # type: ignore[arg-type]
         return dispatch(
             x_nh,
             weights_nk,
             experts_nk,
             self.experts,
             self.num_experts,
-            self._merak_ep_group,
-            capacity_factor=self._merak_capacity_factor,
+            record.group,
+            capacity_factor=record.capacity_factor,
         )
 
 
@@ -323,7 +348,7 @@ def apply_expert_parallel(model: nn.Module, layout: ParallelLayout) -> list[type
         experts = list(moe.experts.values() if isinstance(moe.experts, nn.ModuleDict) else moe.experts)
         moe.experts = nn.ModuleDict({str(first + i): experts[first + i] for i in range(num_local)})
         moe.__class__ = _ep_class(type(moe))
-        moe._merak_ep_group = layout.ep_group
+        _set_dispatch(moe, group=layout.ep_group)
         classes.append(type(moe))
     return classes
 
@@ -336,12 +361,11 @@ def set_moe_capacity(model: nn.Module, capacity_factor: float, *, ep: int) -> No
     """
     for _name, block in moe_blocks(model):
         moe: Any = block  # follows the protocol (is_moe_block)
-        moe._merak_capacity_factor = capacity_factor
+        _set_dispatch(moe, capacity_factor=capacity_factor)
         if ep == 1:
             experts = list(moe.experts.values() if isinstance(moe.experts, nn.ModuleDict) else moe.experts)
             moe.experts = nn.ModuleDict({str(i): expert for i, expert in enumerate(experts)})
             moe.__class__ = _ep_class(type(moe))
-            moe._merak_ep_group = None
 
 
 def swapped_block_classes(model: nn.Module) -> list[type]:
