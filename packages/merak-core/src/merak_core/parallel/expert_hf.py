@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from merak_core.parallel.expert_parallel import dispatch
+from merak_core.parallel.expert_parallel import dispatch, ep_class
 from merak_core.parallel.fused_experts import ExpertShard, expert_shard, fused_experts, set_expert_shard
 from merak_core.parallel.layout import ParallelLayout
 
@@ -78,19 +78,6 @@ class FusedExpertParallel:
         return out.to(hidden_states.dtype)
 
 
-_SUBCLASSES: dict[type, type] = {}
-
-
-def _ep_class(cls: type) -> type:
-    if issubclass(cls, FusedExpertParallel):
-        return cls
-    if cls not in _SUBCLASSES:
-        _SUBCLASSES[cls] = type(
-            f"EP{cls.__name__}", (FusedExpertParallel, cls), {"__module__": cls.__module__}
-        )
-    return _SUBCLASSES[cls]
-
-
 def _ep_mesh(layout: ParallelLayout) -> Any:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -114,7 +101,7 @@ def apply_fused_expert_parallel(model: nn.Module, layout: ParallelLayout) -> lis
             full = getattr(module, attr)
             local = nn.Parameter(record.slice(full.detach()).clone(), requires_grad=full.requires_grad)
             setattr(module, attr, set_expert_shard(local, record))
-        module.__class__ = _ep_class(type(module))
+        module.__class__ = ep_class(FusedExpertParallel, type(module))
         classes.append(type(module))
     return classes
 

@@ -320,17 +320,16 @@ class ExpertParallelBlock:
         )
 
 
-_SUBCLASSES: dict[type, type] = {}
+_SUBCLASSES: dict[tuple[type, type], type] = {}
 
 
-def _ep_class(cls: type) -> type:
-    if issubclass(cls, ExpertParallelBlock):
+def ep_class(mixin: type, cls: type) -> type:
+    """``cls`` with ``mixin`` in front (``EP<name>``, one class per pair), or ``cls`` when it has it already."""
+    if issubclass(cls, mixin):
         return cls
-    if cls not in _SUBCLASSES:
-        _SUBCLASSES[cls] = type(
-            f"EP{cls.__name__}", (ExpertParallelBlock, cls), {"__module__": cls.__module__}
-        )
-    return _SUBCLASSES[cls]
+    if (mixin, cls) not in _SUBCLASSES:
+        _SUBCLASSES[mixin, cls] = type(f"EP{cls.__name__}", (mixin, cls), {"__module__": cls.__module__})
+    return _SUBCLASSES[mixin, cls]
 
 
 def apply_expert_parallel(model: nn.Module, layout: ParallelLayout) -> list[type]:
@@ -347,7 +346,7 @@ def apply_expert_parallel(model: nn.Module, layout: ParallelLayout) -> list[type
         first = layout.ep_rank * num_local
         experts = list(moe.experts.values() if isinstance(moe.experts, nn.ModuleDict) else moe.experts)
         moe.experts = nn.ModuleDict({str(first + i): experts[first + i] for i in range(num_local)})
-        moe.__class__ = _ep_class(type(moe))
+        moe.__class__ = ep_class(ExpertParallelBlock, type(moe))
         _set_dispatch(moe, group=layout.ep_group)
         classes.append(type(moe))
     return classes
@@ -365,7 +364,7 @@ def set_moe_capacity(model: nn.Module, capacity_factor: float, *, ep: int) -> No
         if ep == 1:
             experts = list(moe.experts.values() if isinstance(moe.experts, nn.ModuleDict) else moe.experts)
             moe.experts = nn.ModuleDict({str(i): expert for i, expert in enumerate(experts)})
-            moe.__class__ = _ep_class(type(moe))
+            moe.__class__ = ep_class(ExpertParallelBlock, type(moe))
 
 
 def swapped_block_classes(model: nn.Module) -> list[type]:
