@@ -24,7 +24,7 @@ from collections import Counter, deque
 from merak_pipe._schedule_errors import _fail
 from merak_pipe._sim_model import CostModel, SimResult, TimedAction, _per_stage
 from merak_pipe.ir import Action, ActionKind, Schedule
-from merak_pipe.nccl_check import replay
+from merak_pipe.nccl_check import replay, stuck_at
 from merak_pipe.p2p_order import P2POp
 
 _F, _SEND_F, _RECV_F = ActionKind.FORWARD, ActionKind.SEND_F, ActionKind.RECV_F
@@ -209,10 +209,7 @@ def _check_nccl(schedule: Schedule) -> None:
     result = replay(units)
     if result.ok:
         return
-    rank = step = None
-    if result.stuck:
-        rank = min(result.stuck)
-        step = schedule.actions[rank].index(units[rank][result.stuck[rank]][0].action)
+    rank, step = stuck_at(schedule, units, result)
     raise _fail(
         schedule,
         f"decode schedule {schedule.name!r} breaks NCCL's point-to-point rules (one in-order stream per rank; "

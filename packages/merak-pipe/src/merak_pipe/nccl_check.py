@@ -119,6 +119,17 @@ def round_units(schedule: Schedule, *, forward_only: bool = False) -> dict[int, 
     }
 
 
+def stuck_at(
+    schedule: Schedule, units: Mapping[int, Sequence[Unit]], result: NcclReplay
+) -> tuple[int | None, int | None]:
+    """(rank, index in its action list) of the first rank a failed :func:`replay` left stuck; (None, None)
+    when no rank is stuck (the order broke a rule without deadlocking)."""
+    if not result.stuck:
+        return None, None
+    rank = min(result.stuck)
+    return rank, schedule.actions[rank].index(units[rank][result.stuck[rank]][0].action)
+
+
 def check_nccl(schedule: Schedule) -> Schedule:
     """Raise :class:`ScheduleError` unless the runtime's issue order of the lowered ``schedule`` runs
     under NCCL's rules, for a training round and for an evaluation round; return it otherwise."""
@@ -127,14 +138,8 @@ def check_nccl(schedule: Schedule) -> Schedule:
         result = replay(units)
         if result.ok:
             continue
-        rank = step = None
-        if result.stuck:
-            rank = min(result.stuck)
-            stuck = units[rank][result.stuck[rank]][0].action
-            step = schedule.actions[rank].index(stuck)
-            problem = "can deadlock under"
-        else:
-            problem = "breaks"
+        rank, step = stuck_at(schedule, units, result)
+        problem = "can deadlock under" if rank is not None else "breaks"
         raise _fail(
             schedule,
             f"schedule {schedule.name!r} {problem} NCCL's point-to-point rules in a {what} (one in-order "
