@@ -25,14 +25,18 @@ same work: its own block (causal), then from each earlier rank's block the first
 local queries, and from each later rank's block everything for its second chunk. Without a causal
 mask any contiguous split works and every block is whole.
 
-[Note: ring backward] The backward is exact by construction: each step's key/value pass is an
-autograd function whose backward passes the gradient the other way round the ring (send to
-``rank - 1``, receive from ``rank + 1``), and each block's attention is recomputed in the backward
-(``torch.utils.checkpoint``), so a rank keeps the received key/value blocks and the per-block
-log-sum-exp, never a block's score matrix. Autograd runs the backward of the identical graph on
-every rank in the same order, so the reverse passes pair up. In the forward the pass of the next
-block is started before the current block is computed and waited for only before the next block is
-read (overlap of communication and compute); the backward's passes wait at once.
+[Note: ring backward] The ring is one autograd function whose forward keeps only the local query,
+key, value, output and per-row log-sum-exp (no received block, no block's partial output): a rank's
+held activations fall as ``1 / cp``. In the forward the pass of the next block is started before the
+current block is computed and waited for after (communication overlaps compute). The backward passes
+the blocks round the ring again, in the forward's order (send to ``rank + 1``, receive from
+``rank - 1``, one ``batch_isend_irecv`` per step, the same issue order on every rank), each block
+travelling with the gradients of its key and value gathered so far: at each step a rank recomputes
+the block's probabilities from the saved log-sum-exp, ``P = exp(Q K^T * scale - lse)``, adds
+``dS K * scale`` to its query gradient and ``P^T dO`` and ``dS^T Q * scale`` to the travelling key/value
+gradients, with ``dS = P * (dO V^T - rowsum(dO * O))`` and the same causal chunk pairing as the
+forward. After the last step the gradients take one more step, to the block's owner. Exact: the
+sums are those of one process's attention backward, grouped by block, in float32 or wider.
 
 [Note: attention hook] A model whose attention should run over the CP group calls
 :func:`cp_attention` (and, for rotary embeddings, :func:`cp_positions`) while
@@ -59,7 +63,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
-from torch.utils.checkpoint import checkpoint
 
 from merak_tp.collectives import amp_backward, amp_forward
 
@@ -213,34 +216,26 @@ def _pass_along(kv: torch.Tensor, group: ProcessGroup, step: int) -> torch.Tenso
     return recv
 
 
-class _PendingPass:
-    """The works of a pass started in a forward, waited for before the received block is read."""
+def _pairing(causal: bool, source: int, me: int, s: int) -> tuple[slice, slice, torch.Tensor | None]:
+    """Which local query rows meet which keys of ``source``'s block, and the mask: ``(rows, keys, mask)``.
 
-    def __init__(self) -> None:
-        self.works: list[Any] = []
+    Causal (balanced chunks): the own block with the causal mask (local order is global order within
+    a rank's two chunks), an earlier rank's first chunk for all rows, a later rank's whole block for
+    the second chunk's rows. Not causal: everything.
+    """
+    whole, half = slice(None), s // 2
+    if not causal:
+        return whole, whole, None
+    if source == me:
+        pos = torch.arange(s)
+        return whole, whole, pos[:, None] >= pos[None, :]
+    if source < me:
+        return whole, slice(None, half), None
+    return slice(half, None), whole, None
 
-    def wait(self) -> None:
-        for work in self.works:
-            work.wait()
-        self.works = []
 
-
-class _RingPass(torch.autograd.Function):
-    """Forward: pass the key/value block one rank on (started, waited by the caller through ``pending``:
-    the pass overlaps the current block's compute); backward: its gradient one rank back (see
-    [Note: ring backward])."""
-
-    @staticmethod
-    @amp_forward
-    def forward(ctx: Any, kv: torch.Tensor, group: ProcessGroup, pending: _PendingPass) -> torch.Tensor:
-        ctx.group = group
-        recv, pending.works = _start_pass(kv, group, 1)
-        return recv
-
-    @staticmethod
-    @amp_backward
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _pass_along(grad.contiguous(), ctx.group, -1), None, None
+def _repeat_kv(x: torch.Tensor, rep: int) -> torch.Tensor:
+    return x.repeat_interleave(rep, dim=1) if rep > 1 else x
 
 
 def _block(
@@ -248,23 +243,67 @@ def _block(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One block's attention in the compute dtype: ``(out_bhsd, lse_bhs)``, out normalised within the block."""
     rep = q.shape[1] // k.shape[1]
-    if rep > 1:
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.matmul(q, _repeat_kv(k, rep).transpose(-1, -2)) * scale
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
+        scores = scores.masked_fill(~mask.to(scores.device), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
-    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v)
+    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), _repeat_kv(v, rep))
+    return out, lse
+
+
+def _block_grads(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grad_out: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of one block's queries, keys and values given the rows' final log-sum-exp ``lse`` and
+    ``delta = rowsum(dO * O)``: ``P = exp(S - lse)``, ``dS = P * (dO V^T - delta)`` (see [Note: ring backward])."""
+    rep = q.shape[1] // k.shape[1]
+    kr, vr = _repeat_kv(k, rep), _repeat_kv(v, rep)
+    scores = torch.matmul(q, kr.transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask.to(scores.device), float("-inf"))
+    prob = torch.exp(scores - lse.unsqueeze(-1))
+    dv = torch.matmul(prob.transpose(-1, -2), grad_out)
+    ds = prob * (torch.matmul(grad_out, vr.transpose(-1, -2)) - delta.unsqueeze(-1))
+    dq = torch.matmul(ds, kr) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), q) * scale
+    if rep > 1:  # the query heads sharing a key/value head add up
+        dk = dk.unflatten(1, (k.shape[1], rep)).sum(2)
+        dv = dv.unflatten(1, (k.shape[1], rep)).sum(2)
+    return dq, dk, dv
+
+
+def _ring_forward(
+    q: torch.Tensor, kv: torch.Tensor, group: ProcessGroup, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ring's forward in the compute dtype, no autograd: ``(out_bhsd, lse_bhs)`` of the local queries."""
+    cp = dist.get_world_size(group)
+    me = dist.get_group_rank(group, dist.get_rank())
+    b, h, s, _ = q.shape
+    out = torch.zeros_like(q)
+    lse = torch.full((b, h, s), float("-inf"), dtype=q.dtype, device=q.device)
+    for step in range(cp):
+        # The next block's pass runs while this block is computed; waited for before it is read.
+        upcoming, works = _start_pass(kv, group, 1) if step < cp - 1 else (kv, [])
+        rows, keys, mask = _pairing(causal, (me - step) % cp, me, s)
+        new = _block(q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], scale, mask)
+        out[:, :, rows], lse[:, :, rows] = _merge((out[:, :, rows], lse[:, :, rows]), new)
+        for work in works:
+            work.wait()
+        kv = upcoming
     return out, lse
 
 
 def _merge(
-    acc: tuple[torch.Tensor, torch.Tensor] | None, new: tuple[torch.Tensor, torch.Tensor]
+    acc: tuple[torch.Tensor, torch.Tensor], new: tuple[torch.Tensor, torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Online-softmax merge of two partial results over disjoint key sets."""
-    if acc is None:
-        return new
+    """Online-softmax merge of two partial results over disjoint key sets (``acc``'s lse may be -inf: empty)."""
     out_a, lse_a = acc
     out_b, lse_b = new
     lse = torch.logaddexp(lse_a, lse_b)
@@ -272,13 +311,56 @@ def _merge(
     return out, lse
 
 
-def _checkpointed_block(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    if not torch.is_grad_enabled():
-        return _block(q, k, v, scale, mask)
-    result = checkpoint(_block, q, k, v, scale, mask, use_reentrant=False)
-    return result[0], result[1]
+class _RingAttention(torch.autograd.Function):
+    """Ring attention whose backward passes the key/value blocks round the ring again ([Note: ring backward]):
+    the forward keeps the local query, key, value, output and log-sum-exp only."""
+
+    @staticmethod
+    @amp_forward
+    def forward(
+        ctx: Any,
+        q_bhsd: torch.Tensor,
+        k_bgsd: torch.Tensor,
+        v_bgsd: torch.Tensor,
+        group: ProcessGroup,
+        causal: bool,
+        scale: float,
+    ) -> torch.Tensor:
+        compute = torch.promote_types(q_bhsd.dtype, torch.float32)
+        kv = torch.stack([k_bgsd, v_bgsd]).to(compute).contiguous()
+        out, lse = _ring_forward(q_bhsd.to(compute), kv, group, causal, scale)
+        result = out.to(q_bhsd.dtype)
+        ctx.group, ctx.causal, ctx.scale = group, causal, scale
+        ctx.save_for_backward(q_bhsd, k_bgsd, v_bgsd, result, lse)
+        return result
+
+    @staticmethod
+    @amp_backward
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        q_in, k_in, v_in, out, lse = ctx.saved_tensors
+        group, causal, scale = ctx.group, ctx.causal, ctx.scale
+        cp = dist.get_world_size(group)
+        me = dist.get_group_rank(group, dist.get_rank())
+        q, grad_out = q_in.to(lse.dtype), grad.to(lse.dtype)
+        delta = (grad_out * out.to(lse.dtype)).sum(-1)
+        dq = torch.zeros_like(q)
+        k, v = k_in.to(lse.dtype), v_in.to(lse.dtype)
+        # The travelling block: its key, value and the gradients gathered for them so far.
+        block = torch.stack([k, v, torch.zeros_like(k), torch.zeros_like(v)]).contiguous()
+        for step in range(cp):
+            rows, keys, mask = _pairing(causal, (me - step) % cp, me, q.shape[2])
+            g = _block_grads(
+                q[:, :, rows], block[0][:, :, keys], block[1][:, :, keys],
+                grad_out[:, :, rows], lse[:, :, rows], delta[:, :, rows], scale, mask,
+            )  # fmt: skip
+            dq[:, :, rows] += g[0]
+            block[2][:, :, keys] += g[1]
+            block[3][:, :, keys] += g[2]
+            if step < cp - 1:
+                block = _pass_along(block, group, 1)
+        # The block that was computed last is the next rank's: its gradients go one step on, home.
+        dkv = _pass_along(block[2:].contiguous(), group, 1) if cp > 1 else block[2:]
+        return dq.to(q_in.dtype), dkv[0].to(k_in.dtype), dkv[1].to(v_in.dtype), None, None, None
 
 
 def ring_attention(
@@ -295,7 +377,6 @@ def ring_attention(
     With ``causal`` the local tokens must be the two balanced chunks :func:`shard_positions` gives
     (``balanced=True``); without, a contiguous block.
     """
-    cp = dist.get_world_size(group)
     if q_bhsd.shape[1] % k_bgsd.shape[1] or k_bgsd.shape != v_bgsd.shape:
         raise ValueError(
             f"q {tuple(q_bhsd.shape)} and k/v {tuple(k_bgsd.shape)}/{tuple(v_bgsd.shape)} do not fit"
@@ -304,41 +385,8 @@ def ring_attention(
     if causal and s % 2:
         raise ValueError(f"causal ring attention needs two equal chunks per rank, got {s} local tokens")
     scale = 1.0 / math.sqrt(q_bhsd.shape[-1]) if scale is None else scale
-    compute = torch.promote_types(q_bhsd.dtype, torch.float32)
-    q = q_bhsd.to(compute)
-    kv = torch.stack([k_bgsd, v_bgsd]).to(compute)
-    me = dist.get_group_rank(group, dist.get_rank())
-    half = s // 2
-    # Partial results for the first and second local chunk (causal) or all local queries (not).
-    first: tuple[torch.Tensor, torch.Tensor] | None = None
-    second: tuple[torch.Tensor, torch.Tensor] | None = None
-    kv = kv.contiguous()
-    pending = _PendingPass()
-    for step in range(cp):
-        # The next block's pass runs while this block is computed; waited before it is read.
-        upcoming = _RingPass.apply(kv, group, pending) if step < cp - 1 else None
-        source = (me - step) % cp
-        k, v = kv[0], kv[1]
-        if not causal:
-            first = _merge(first, _checkpointed_block(q, k, v, scale, None))
-        elif source == me:
-            pos = torch.arange(s, device=q.device)
-            mask = pos[:, None] >= pos[None, :]  # local order is global order within each rank's two chunks
-            out, lse = _checkpointed_block(q, k, v, scale, mask)
-            first = _merge(first, (out[:, :, :half], lse[:, :, :half]))
-            second = _merge(second, (out[:, :, half:], lse[:, :, half:]))
-        elif source < me:
-            out, lse = _checkpointed_block(q, k[:, :, :half], v[:, :, :half], scale, None)
-            first = _merge(first, (out[:, :, :half], lse[:, :, :half]))
-            second = _merge(second, (out[:, :, half:], lse[:, :, half:]))
-        else:
-            second = _merge(second, _checkpointed_block(q[:, :, half:], k, v, scale, None))
-        if upcoming is not None:
-            pending.wait()
-            kv = upcoming
-    assert first is not None
-    out = first[0] if second is None else torch.cat([first[0], second[0]], dim=2)
-    return out.to(q_bhsd.dtype)
+    out: torch.Tensor = _RingAttention.apply(q_bhsd, k_bgsd, v_bgsd, group, causal, scale)
+    return out
 
 
 # ---------------------------------------------------------------------------- the hook

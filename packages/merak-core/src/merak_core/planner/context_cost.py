@@ -14,7 +14,8 @@ At ``cp > 1`` every rank of a cp group holds ``seq_len / cp`` tokens of each sam
   times round the group; in the forward each pass overlaps the blockwise attention of the block
   before it, so each of the ``cp - 1`` steps costs ``max(block compute, pass)`` where the block
   compute is ``1 / cp`` of the layer's forward ([Note: ring overlap priced]); the backward passes the
-  block and its gradient back and waits at once: ``2 (cp - 1)`` passes, not overlapped.
+  block round again with the gradients gathered for it (twice the key/value bytes) ``cp - 1`` times,
+  then the gradients once more to the block's owner, each waited for at once, not overlapped.
   ``ulysses``: two all-to-alls in the forward (query, key and value to the head split; the output
   back) and two in the backward, not overlapped.
 
@@ -32,18 +33,15 @@ an upper bound of the compute a pass can hide behind, so the ring's exposed comm
 lower bound when the MLP dominates the layer.
 
 [Note: cp attention memory] What the cp attention keeps beyond ``1 / cp`` of the one-process
-activations, per attention layer, in units of the local tokens' boundary bytes (``boundary / cp``),
-for the rank holding the most (the last of the group, which computes every earlier rank's block
-whole): ``ulysses`` one (the output's copy in the sequence split); ``ring`` the key/value blocks it
-receives plus its own (``cp * 2 * kv / heads``: each is an input of a recomputed block, see
-[Note: ring backward] in :mod:`merak_tp.context`) and the blocks' partial outputs and their
-online-softmax merges (``2 * cp - 2``), counted whole: the one-process attention's own saved
-query/key/value, which the ring replaces, are not subtracted (an upper bound, by about one or two
-boundaries per layer). The ring's held bytes therefore fall more slowly than ``1 / cp``: measured
-and compared with this model by ``tests/core/test_context_parallel_memory.py``. All of it in the
-model's dtype, which is the ring's compute dtype for float32 and float64 models; a bfloat16 or float16
-model's ring computes and keeps its blocks, and passes them, in float32 (twice the bytes), which the
-profile (it holds bytes, not the dtype) cannot tell: not priced yet.
+activations, per attention layer, in units of the local tokens' boundary bytes (``boundary / cp``):
+``ulysses`` one (the output's copy in the sequence split); ``ring`` none: its backward passes the
+key/value blocks round the ring again ([Note: ring backward] in :mod:`merak_tp.context`), so it keeps
+only the local query, key, value, output and log-sum-exp, what a one-process attention keeps for the
+same rows. A one-process attention that repeats the key/value heads for grouped-query attention
+keeps ``2 - 2 * kv / heads`` boundaries more, which the ring saves and which is not subtracted (an
+upper bound). Measured and compared with this model by ``tests/core/test_context_parallel_memory.py``.
+All of it in the model's dtype; a bfloat16 or float16 model's ring keeps its log-sum-exp and passes
+its blocks in float32, which the profile (it holds bytes, not the dtype) cannot tell: not priced yet.
 
 Not done here: the sequence length (the job checks refuse one that does not divide into ``2 * cp``
 chunks, or ``cp`` for Ulysses), and where the cp group sits on a cluster's links (the cluster
@@ -106,10 +104,9 @@ def cp_attention_extra_bytes(profile: ModelProfile, cp: int, cp_mode: str) -> fl
     check_cp(cp, cp_mode)
     if cp == 1:
         return 0.0
-    local = profile.boundary_bytes / cp
     if cp_mode == "ulysses":
-        return local
-    return local * (cp * kv_fraction(profile) + 2 * cp - 2)
+        return profile.boundary_bytes / cp
+    return 0.0
 
 
 def cp_local_profile(profile: ModelProfile, cp: int, cp_mode: str) -> ModelProfile:
@@ -164,7 +161,8 @@ def cp_layer_comm_s(
         step = _p2p_s(comm, kv) + wait
         block = layer_forward_s / cp
         forward = (cp - 1) * max(0.0, step - block)  # each step's pass hides behind the block before it
-        backward = 2 * (cp - 1) * step
+        # The block with its key/value gradients, cp - 1 times; then the gradients home.
+        backward = (cp - 1) * (_p2p_s(comm, 2 * kv) + wait) + step
         return forward, backward
     # Ulysses: query, key and value in one exchange each way per all-to-all pair; the output back.
     into_heads = _all_to_all_s(comm, hidden + kv, cp) + wait
