@@ -3,7 +3,8 @@
 :func:`auto_layout` runs on every rank after the default process group exists and before
 ``init(dp, tp, pp)``: rank 0 profiles a copy of the job's model on one microbatch of the training
 set (:func:`~merak_core.planner.profile_model`), every rank takes part in
-:func:`~merak_core.planner.measure_comm` on the world group, rank 0 plans for the world size
+:func:`~merak_core.planner.measure_comm` and
+:func:`~merak_core.planner.action_cost.measure_action_cost` on the world group, rank 0 plans for the world size
 (:func:`~merak_core.planner.plan`, memory per device, the job's global batch, CPU cores shared by
 the ranks) and broadcasts the choice; every rank returns the same :class:`TrainingArguments` with
 dp, tp, pp, schedule, microbatches, recompute (and memory budget) set. See [Note: layout auto] in
@@ -52,6 +53,7 @@ from merak_core.planner import (
     plan,
     profile_model,
 )
+from merak_core.planner.action_cost import measure_action_cost
 from merak_core.planner.choices import searched_virtual_stages
 from merak_core.planner.context_cost import runnable_cp
 from merak_core.planner.profile import tp_constraints
@@ -224,6 +226,7 @@ def _profile_and_measure(
     decide: Callable[[ModelProfile, Any, float, float | None], dict[str, Any]] | None = None,
     probe_tp: bool = False,
     lora: Any = None,
+    per_action_s: float | None = None,
 ) -> tuple[dict[str, Any], Any]:
     """Rank 0 profiles, every rank measures communication, rank 0 ``decide``s; the payload on every rank.
 
@@ -248,6 +251,10 @@ def _profile_and_measure(
     slots = _cpu_compute_slots(args, built, dev)
     built = None  # the copy is not needed any more
     comm = measure_comm()
+    # the pipeline runtime's own seconds per action, measured on these ranks unless given
+    # ([Note: per-action measurement]); the planner prices it per action of a pipelined step
+    measured = measure_action_cost(device=dev) if per_action_s is None else per_action_s
+    comm = dataclasses.replace(comm, per_action_s=measured)
     probed: dict[int, tuple[float, int]] = {}
     if probe_tp:
         profile, error, probed = _with_tp_scale(
@@ -349,12 +356,14 @@ def auto_layout(
     job_file: str | None = None,
     job_overrides: Sequence[str] = (),
     lora: Any = None,
+    per_action_s: float | None = None,
 ) -> AutoLayout:
     """Choose the layout for ``layout: auto`` (collective: call on every rank; see the module docstring).
 
     ``model`` is the job's model (rank 0 profiles a deep copy) or a function that builds one; with
     ``lora`` (a :class:`~merak_core.LoraConfig`) the copy gets the adapters and its frozen weights
-    are planned as weights only.
+    are planned as weights only. ``per_action_s`` is the pipeline runtime's seconds per action to plan
+    with (``CommModel.per_action_s``); None: measured on the ranks (:func:`~merak_core.planner.action_cost.measure_action_cost`).
     Degrees the job writes (dp/tp/pp) are replaced by the plan's, keeping the global batch they give
     (:func:`auto_global_batch`; one line says so). Raises ValueError before any collective when ``args``
     is not an auto layout or its global batch is not defined, and on every rank when nothing fits (the
@@ -404,6 +413,7 @@ def auto_layout(
         decide,
         probe_tp=args.plan_probe_tp,
         lora=lora,
+        per_action_s=per_action_s,
     )
     checks = args.plan_check_steps if args.plan_check_steps is not None else DEFAULT_PLAN_CHECK_STEPS
     fields = dict(payload["fields"])

@@ -6,7 +6,8 @@ vocabulary). :func:`profile_model` measures one on the local device by running t
 (forward times and saved-activation bytes per layer through hooks); profiles are cached as JSON
 keyed by a model fingerprint and the device. A :class:`CommModel` prices point-to-point messages
 and all-reduces (ring formula); its defaults are assumptions, :func:`measure_comm` measures one
-with the real collectives of a process group.
+with the real collectives of a process group, and
+:func:`~merak_core.planner.action_cost.measure_action_cost` the pipeline runtime's own seconds per action.
 
 :func:`plan` enumerates every layout with dp * tp * pp = world_size, every microbatch count that
 divides the per-replica batch, every schedule the Trainer runs and recompute none / full /

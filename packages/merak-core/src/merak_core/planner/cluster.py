@@ -34,6 +34,7 @@ _SCHEMA: dict[str, Any] = {
         "memory_gb": float,
         "memory_bandwidth_gb_s": float,
         "op_overhead_us": float,
+        "per_action_us": float,
     },
     "intra_node": {"bandwidth_gb_s": float, "bidirectional": bool, "latency_us": float},
     "inter_node": {"nics_per_node": int, "nic_gbit_s": float, "latency_us": float},
@@ -44,6 +45,7 @@ _OPTIONAL = {
     "source",
     "device.name",
     "device.op_overhead_us",
+    "device.per_action_us",
     "intra_node.bidirectional",
     "efficiency.memory",
     "efficiency.link",
@@ -110,6 +112,10 @@ class ClusterSpec:
     """Fixed seconds per operator launched in the forward, whatever its size (dispatch and kernel
     launch; the file's ``device.op_overhead_us``). It dominates small models: on a CPU core a
     64-wide layer spends more time dispatching than computing. Shipped GPU files leave it out (0)."""
+    per_action_s: float = 0.0
+    """The pipeline runtime's own seconds per action on one device (the file's ``device.per_action_us``,
+    measured as ``layout: auto`` does: [Note: per-action measurement]); the cluster model adds it per
+    lowered action of the busiest pipeline rank to a pipelined step. 0 (the shipped files): left out."""
     device_name: str = ""
     source: str = ""
     """Where the numbers come from."""
@@ -126,7 +132,7 @@ class ClusterSpec:
         for name in ("memory_bytes", "memory_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"ClusterSpec.{name}={getattr(self, name)!r}: expected a value > 0")
-        for name in ("intra_node_latency_s", "inter_node_latency_s", "op_overhead_s"):
+        for name in ("intra_node_latency_s", "inter_node_latency_s", "op_overhead_s", "per_action_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"ClusterSpec.{name}={getattr(self, name)!r}: expected seconds >= 0")
         for name in ("compute_efficiency", "memory_efficiency", "link_efficiency", "usable_memory_fraction"):
@@ -188,6 +194,7 @@ class ClusterSpec:
                 link_efficiency=float(eff.get("link", 0.8)),
                 usable_memory_fraction=float(raw.get("usable_memory_fraction", 0.9)),
                 op_overhead_s=float(dev.get("op_overhead_us", 0.0)) / 1e6,
+                per_action_s=float(dev.get("per_action_us", 0.0)) / 1e6,
                 device_name=str(dev.get("name", "")),
                 source=str(raw.get("source", "")),
             )

@@ -42,7 +42,8 @@ class CommModel:
     per_action_s: float = 0.0
     """The pipeline runtime's own host seconds per action (each compute action and each message it
     sends or receives; merak_pipe's ``CostModel.per_action``): measured by ``bench_pipe_runtime.py
-    --section actions``, or a cluster file's ``device.per_action_us``. 0: left out."""
+    --section actions`` and by ``layout: auto`` (:func:`~merak_core.planner.action_cost.measure_action_cost`).
+    0: left out (a cluster file states it as ``device.per_action_us``)."""
 
     def __post_init__(self) -> None:
         table: dict[int, list[tuple[float, float]]] = {}
