@@ -182,15 +182,6 @@ def test_merak_plan_considers_the_jobs_cp(
     assert (written["cp"], written["cp_mode"], written["dp"], written["pp"]) == (2, "ring", 1, 1)
 
 
-def test_merak_plan_on_a_cluster_refuses_cp_by_name(capsys: pytest.CaptureFixture[str]) -> None:
-    from merak_core.cli.main import main
-
-    args = ["plan", DEMO, "training.cp=2", "--cluster", "h100-sxm-8x", "--nodes", "1"]
-    assert main(args) == 2
-    err = capsys.readouterr().err
-    assert "training.cp=2: the cluster model does not price context parallelism yet" in err
-
-
 def test_zero_shards_over_dp_or_dp_x_cp_as_the_run_does() -> None:
     from merak_core.planner.memory import model_state_bytes
 

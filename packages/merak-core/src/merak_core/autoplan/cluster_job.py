@@ -12,7 +12,7 @@ attributes the profiler reads) to constrain tp.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from merak_core.planner.cluster import ClusterSpec, compute_dtype
+from merak_core.planner.cluster_context import attach_attentions
 from merak_core.planner.cluster_cost import model_costs, trace_for_cluster
 from merak_core.planner.cluster_search import format_cluster_plan, plan_cluster
 from merak_core.planner.dryrun import DryRunReport, dry_run
@@ -79,9 +80,18 @@ def job_model(job: Any) -> JobModel:
 
 
 def plan_job_on_cluster(
-    jm: JobModel, cluster: ClusterSpec, *, num_nodes: int, global_batch_size: int, top: int = 10
+    jm: JobModel,
+    cluster: ClusterSpec,
+    *,
+    num_nodes: int,
+    global_batch_size: int,
+    top: int = 10,
+    cps: Sequence[int] = (1,),
+    cp_mode: str = "ring",
 ) -> tuple[str, Any]:
-    """The ranked table for ``jm`` on ``num_nodes`` nodes of ``cluster``; (text, best candidate)."""
+    """The ranked table for ``jm`` on ``num_nodes`` nodes of ``cluster``; (text, best candidate).
+
+    ``cps``: the context-parallel degrees tried (the CLI: the divisors of the job's ``training.cp``)."""
     sharded = trace_for_cluster(jm.model, jm.example_inputs, cluster, dtype=jm.dtype)
     costs = model_costs(
         sharded,
@@ -91,7 +101,10 @@ def plan_job_on_cluster(
         num_kv_heads=jm.num_kv_heads,
         vocab_size=jm.vocab_size,
     )
-    cands = plan_cluster(costs, cluster, num_nodes=num_nodes, global_batch_size=global_batch_size)
+    attach_attentions(costs, jm.model)
+    cands = plan_cluster(
+        costs, cluster, num_nodes=num_nodes, global_batch_size=global_batch_size, cps=cps, cp_mode=cp_mode
+    )
     world = num_nodes * cluster.devices_per_node
     head = (
         f"{len(cands)} feasible configurations on {num_nodes} nodes x {cluster.devices_per_node} "
@@ -103,7 +116,7 @@ def plan_job_on_cluster(
 
 
 def dry_run_job(jm: JobModel, cluster: ClusterSpec, *, world_size: int, training: Any) -> DryRunReport:
-    """Dry-run the job's training section at ``world_size`` ranks (dp inferred: N / (tp * pp)).
+    """Dry-run the job's training section at ``world_size`` ranks (dp inferred: N / (cp * tp * pp)).
 
     The job's tp, pp, schedule, microbatches (gradient_accumulation_steps), micro batch size,
     recompute, ZeRO stage and overlap_chunks are used; what the cluster model does not price (an
@@ -114,11 +127,6 @@ def dry_run_job(jm: JobModel, cluster: ClusterSpec, *, world_size: int, training
 
     t = training
     notes = []
-    if getattr(t, "cp", 1) > 1:
-        raise ValueError(
-            f"training.cp={t.cp}: the dry run and the cluster model do not model context parallelism yet "
-            "(its groups, its communication, activations divided by cp): dry-run the job at cp=1"
-        )
     schedule = t.schedule
     if schedule == "auto":
         schedule = "shifted_critical_path" if t.memory_budget is not None else "1f1b"
@@ -151,6 +159,8 @@ def dry_run_job(jm: JobModel, cluster: ClusterSpec, *, world_size: int, training
         vocab_size=jm.vocab_size,
         dtype=jm.dtype,
         ep=t.ep,
+        cp=t.cp,
+        cp_mode=t.cp_mode,
     )
     report.problems[:0] = [DryRunProblem(0, None, "model", n, fatal=False) for n in notes]
     return report

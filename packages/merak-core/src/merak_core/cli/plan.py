@@ -197,11 +197,6 @@ def cluster_command(args: argparse.Namespace, job: Any) -> int:
     for name, v in (("--nodes", nodes), ("--dry-run-ranks", ranks)):
         if v is not None and v < 1:
             raise ValueError(f"{name}={v}: expected >= 1")
-    if ranks is None and job.training.cp > 1:  # the dry run refuses it in dry_run_job, naming the same
-        raise ValueError(
-            f"training.cp={job.training.cp}: the cluster model does not price context parallelism yet: plan "
-            "cp with `merak plan CONFIG --world-size N` (the profiled planner prices it), or the cluster at cp=1"
-        )
     jm = job_model(job)
     if args.cluster is None:
         print(f"cluster: {cluster.name} (the default; pass --cluster FILE for another)")
@@ -212,9 +207,12 @@ def cluster_command(args: argparse.Namespace, job: Any) -> int:
     assert nodes is not None  # checked above
     t = job.training
     gbs = args.global_batch_size or t.per_device_train_batch_size * t.gradient_accumulation_steps * max(
-        nodes * cluster.devices_per_node // (t.tp * t.pp), 1
+        nodes * cluster.devices_per_node // (t.cp * t.tp * t.pp), 1
     )
-    text, best = plan_job_on_cluster(jm, cluster, num_nodes=nodes, global_batch_size=gbs, top=args.top)
+    cps = [c for c in range(1, t.cp + 1) if t.cp % c == 0]  # the job's sequence splits into 2 * c chunks
+    text, best = plan_job_on_cluster(
+        jm, cluster, num_nodes=nodes, global_batch_size=gbs, top=args.top, cps=cps, cp_mode=t.cp_mode
+    )
     print(text)
     if args.write_config:
         from merak_core.job import write_job

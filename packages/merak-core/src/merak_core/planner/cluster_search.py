@@ -18,11 +18,11 @@ from typing import Any
 
 from merak_core.config.layout_choice import LayoutChoice
 from merak_core.planner import choices
-from merak_core.planner.action_cost import runtime_actions_s
 from merak_core.planner.candidate import recompute_label
 from merak_core.planner.choices import CLUSTER_SCHEDULES, PREDICTABLE_SCHEDULES, RECOMPUTE_MODES
 from merak_core.planner.cluster import ClusterSpec
-from merak_core.planner.cluster_cost import ModelCosts, stage_costs, step_overhead_s
+from merak_core.planner.cluster_context import cp_layouts, cp_stage_costs, cp_step_overhead_s
+from merak_core.planner.cluster_cost import ModelCosts
 from merak_core.planner.expert_cost import expert_degrees
 from merak_core.planner.expert_pricing import price_expert_parallel
 from merak_core.planner.pricing import split_layers
@@ -196,12 +196,18 @@ def predict_config(
         else split_layers([ly.forward_s for ly in costs.layers], num_stages)
     )
     bounds = _bounds(sizes)
-    st = stage_costs(
+    if choice.cp > 1 and choice.ep > 1:
+        raise ValueError(
+            f"cp={choice.cp} with ep={choice.ep}: the cluster model does not price both; plan one"
+        )
+    st = cp_stage_costs(  # at cp > 1 one cp rank's tokens ([Note: cluster cp terms])
         costs,
         cluster,
         bounds=bounds,
         dp=dp,
         tp=tp,
+        cp=choice.cp,
+        cp_mode=choice.cp_mode,
         micro_batch_size=choice.micro_batch_size,
         zero_stage=choice.zero_stage,
         tp_overlap=choice.tp_overlap,
@@ -227,13 +233,21 @@ def predict_config(
         return None
     result = pipeline.simulate(rplan, st)
     placement = list(result.schedule.stage_to_rank)
-    dp_s, opt_s = step_overhead_s(
-        costs, cluster, st, bounds=bounds, dp=dp, tp=tp, zero_stage=choice.zero_stage, stage_to_rank=placement
+    dp_s, opt_s = cp_step_overhead_s(
+        costs,
+        cluster,
+        st,
+        bounds=bounds,
+        dp=dp,
+        tp=tp,
+        cp=choice.cp,
+        zero_stage=choice.zero_stage,
+        stage_to_rank=placement,
     )
     static = [
         sum(b for b, r in zip(st.static_bytes, placement, strict=True) if r == rank) for rank in range(pp)
     ]
-    stride = dp * tp
+    stride = dp * choice.cp * tp
     return ClusterCandidate(
         **{
             **choice.choice_fields(),
@@ -243,7 +257,7 @@ def predict_config(
         },
         recompute_fractions=tuple(rplan.fractions),
         stage_layers=tuple(sizes),
-        step_time_s=result.makespan + dp_s + opt_s + runtime_actions_s(cluster.per_action_s, result.schedule),
+        step_time_s=result.makespan + dp_s + opt_s,
         pipeline_s=result.makespan,
         dp_allreduce_s=dp_s,
         optimizer_s=opt_s,
@@ -253,7 +267,7 @@ def predict_config(
         pipeline_crosses_nodes=any(
             cluster.node_of(s * stride) != cluster.node_of((s + 1) * stride) for s in range(pp - 1)
         ),
-        dp_crosses_nodes=cluster.node_of(0) != cluster.node_of((dp - 1) * tp),
+        dp_crosses_nodes=cluster.node_of(0) != cluster.node_of((dp - 1) * choice.cp * tp),
     )
 
 
@@ -290,6 +304,8 @@ def plan_cluster(
     max_microbatches: int = 128,
     layouts: Sequence[tuple[int, int, int]] | None = None,
     virtual_stages: Sequence[int] = (2,),
+    cps: Sequence[int] = (1,),
+    cp_mode: str = "ring",
 ) -> list[ClusterCandidate]:
     """Every configuration that fits the device memory on ``num_nodes`` nodes, best predicted first.
 
@@ -306,15 +322,10 @@ def plan_cluster(
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"plan_cluster: {label}={v!r}; expected an int >= 1")
     world = num_nodes * cluster.devices_per_node
-    grid = (
-        list(layouts)
+    grid = (  # (dp, tp, pp, cp): cps are the context-parallel degrees tried ([Note: cluster cp terms])
+        [(*lay, 1) for lay in layouts]
         if layouts is not None
-        else choices.layouts(
-            world,
-            num_layers=costs.num_layers,
-            global_batch_size=global_batch_size,
-            tp_allowed=lambda tp: cluster.devices_per_node % tp == 0 and costs.tp_allowed(tp),
-        )
+        else cp_layouts(costs, cluster, world, global_batch_size=global_batch_size, cps=cps, cp_mode=cp_mode)
     )
     if not grid:
         raise ValueError(
@@ -328,7 +339,7 @@ def plan_cluster(
     memo: dict[Any, Any] = {}
     sizes_by_stages: dict[int, list[int]] = {}
     forward = [ly.forward_s for ly in costs.layers]
-    for dp, tp, pp in grid:
+    for dp, tp, pp, cp in grid:
         per_dp = global_batch_size // dp
         for m in choices.divisors(per_dp):
             if m < pp or m > max_microbatches:
@@ -337,7 +348,7 @@ def plan_cluster(
             for sched, v in runs:
                 if pp * v not in sizes_by_stages:
                     sizes_by_stages[pp * v] = split_layers(forward, pp * v)
-                for zero, ep in _zero_and_ep(costs, dp, zero_stages):
+                for zero, ep in _zero_and_ep(costs, dp if cp == 1 else 1, zero_stages):
                     for overlap in tp_overlaps if tp > 1 else (False,):
                         seen: set[tuple[float, ...]] = set()
                         for mode in recompute_modes:
@@ -353,6 +364,8 @@ def plan_cluster(
                                 tp_overlap=overlap,
                                 virtual_stages=v,
                                 ep=ep,
+                                cp=cp,
+                                cp_mode=cp_mode,
                             )
                             c = predict_config(
                                 costs, cluster, choice, stage_layers=sizes_by_stages[pp * v], memo=memo

@@ -27,15 +27,16 @@ from torch import nn
 
 from merak_core.config.layout_choice import LayoutChoice
 from merak_core.planner.cluster import ClusterSpec
+from merak_core.planner.cluster_context import attach_attentions
 from merak_core.planner.cluster_cost import model_costs, trace_for_cluster
 from merak_core.planner.cluster_search import ClusterCandidate, _bytes, predict_config
+from merak_core.planner.dryrun_groups import Groups as _Groups
+from merak_core.planner.dryrun_groups import build_groups as _build_groups
+from merak_core.planner.dryrun_groups import sample_ranks as _sample_ranks
 
 __all__ = ["DryRunProblem", "DryRunReport", "RankPlan", "dry_run"]
 
 logger = logging.getLogger(__name__)
-
-_Groups = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
-"""A rank's (dp, tp, pp) group ranks."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,9 @@ class RankPlan:
     """The ranks between which this rank's tokens travel to their experts (empty at ep=1)."""
     expert_replica_group: tuple[int, ...] = ()
     """The ranks holding this rank's experts, over which their gradients are summed (empty at ep=1)."""
+    cp_rank: int = 0
+    cp_group: tuple[int, ...] = ()
+    """The ranks sharing this rank's samples, each holding seq_len / cp of their tokens (empty at cp=1)."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,7 @@ class DryRunReport:
     seconds: dict[str, float] = field(default_factory=dict)
     groups_backend: str = ""
     ep: int = 1
+    cp: int = 1
 
     @property
     def first_failure(self) -> DryRunProblem | None:
@@ -107,6 +112,7 @@ class DryRunReport:
             f"dry run: {self.world_size} ranks on {self.cluster}"
             + (f", dp={self.degrees[0]} tp={self.degrees[1]} pp={self.degrees[2]}" if self.degrees else "")
             + (f" ep={self.ep} (of dp)" if self.ep > 1 else "")
+            + (f" cp={self.cp}" if self.cp > 1 else "")
         ]
         if self.ranks:
             lines.append(
@@ -120,7 +126,10 @@ class DryRunReport:
                 sched = p.schedule if len(p.schedule) <= 60 else p.schedule[:57] + "..."
                 lines.append(
                     f"  rank {p.rank:>5} node {p.node:>4} stage {p.stage:>3} dp_rank {p.dp_rank:>4} tp_rank "
-                    f"{p.tp_rank:>2}" + (f" ep_rank {p.ep_rank:>2}" if self.ep > 1 else "") + " "
+                    f"{p.tp_rank:>2}"
+                    + (f" ep_rank {p.ep_rank:>2}" if self.ep > 1 else "")
+                    + (f" cp_rank {p.cp_rank:>2}" if self.cp > 1 else "")
+                    + " "
                     f"recompute {p.recompute_fraction:.2f} memory {_bytes(p.memory_bytes)}"
                     f"  [{sched}]"
                 )
@@ -148,11 +157,12 @@ def _check_layout(
     heads: int | None,
     kv_heads: int | None,
     vocab: int | None,
+    cp: int = 1,
 ) -> tuple[tuple[int, int, int] | None, list[DryRunProblem]]:
     from merak_core.parallel.rank_grid import resolve_degrees
 
     try:
-        degrees = resolve_degrees(world_size, dp, tp, pp)
+        degrees = resolve_degrees(world_size, dp, tp, pp, cp=cp)
     except ValueError as exc:
         return None, [DryRunProblem(0, None, "layout", str(exc))]
     problems = []
@@ -191,80 +201,6 @@ def _check_layout(
     return degrees, problems
 
 
-def _computed_groups(rank: int, dp: int, tp: int, pp: int) -> _Groups:
-    from merak_core.parallel.rank_grid import coords_of, rank_of
-
-    p, d, t = coords_of(rank, dp=dp, tp=tp)
-    return (
-        tuple(rank_of(p, x, t, dp=dp, tp=tp) for x in range(dp)),
-        tuple(rank_of(p, d, x, dp=dp, tp=tp) for x in range(tp)),
-        tuple(rank_of(x, d, t, dp=dp, tp=tp) for x in range(pp)),
-    )
-
-
-def _sample_ranks(world_size: int, dp: int, tp: int, pp: int, limit: int) -> list[int]:
-    """Every rank up to ``limit``; beyond, the first node, the first and last rank of every stage, the last rank."""
-    if world_size <= limit:
-        return list(range(world_size))
-    stride = dp * tp
-    picks = {*range(min(limit // 2, world_size)), world_size - 1}
-    for s in range(pp):
-        picks.update((s * stride, (s + 1) * stride - 1))
-    return sorted(picks)
-
-
-def _build_groups(
-    world_size: int, dp: int, tp: int, pp: int, ranks: Sequence[int]
-) -> tuple[dict[int, _Groups], str]:
-    """The (dp, tp, pp) group ranks of ``ranks``, as the real layout code builds them over a fake process group.
-
-    [Note: dry-run groups] Every rank creates every group (``new_group`` is collective), so building
-    all N ranks costs O(N^2) group creations: 1024 ranks would take minutes. ``ranks`` may be a
-    sample; the other ranks' groups come from the layout's rank formula, which the sampled ranks
-    check against what the real code built.
-    """
-    import torch.distributed as dist
-
-    from merak_core.parallel import _compat
-    from merak_core.parallel.layout import ParallelLayout
-
-    fake = _compat.fake_process_group_store()
-    if fake is None or dist.is_initialized():
-        return (
-            {r: _computed_groups(r, dp, tp, pp) for r in range(world_size)},
-            "computed from the rank formula (no fake process group available)",
-        )
-    out = {}
-    previous = logging.getLogger("merak_core.parallel.layout").level
-    logging.getLogger("merak_core.parallel.layout").setLevel(logging.WARNING)
-    try:
-        for r in ranks:
-            dist.init_process_group("fake", rank=r, world_size=world_size, store=fake())
-            try:
-                lay = ParallelLayout.build(dp, tp, pp, device="cpu")
-                out[r] = (
-                    tuple(dist.get_process_group_ranks(lay.dp_group)),
-                    tuple(dist.get_process_group_ranks(lay.tp_group)),
-                    tuple(dist.get_process_group_ranks(lay.pp_group)),
-                )
-            finally:
-                dist.destroy_process_group()
-    finally:
-        logging.getLogger("merak_core.parallel.layout").setLevel(previous)
-    for r, built in out.items():
-        if built != _computed_groups(r, dp, tp, pp):
-            raise RuntimeError(
-                f"rank {r}: the layout built groups {built} but the rank formula gives "
-                f"{_computed_groups(r, dp, tp, pp)}"
-            )
-    how = "torch fake process group"
-    if len(out) < world_size:
-        how += f" for {len(out)} sampled ranks, the rest from the rank formula they match"
-    for r in range(world_size):
-        out.setdefault(r, _computed_groups(r, dp, tp, pp))
-    return out, how
-
-
 def dry_run(
     model: nn.Module,
     example_inputs: Sequence[Any] | Mapping[str, Any],
@@ -287,6 +223,8 @@ def dry_run(
     vocab_size: int | None = None,
     dtype: str = "bf16",
     ep: int = 1,
+    cp: int = 1,
+    cp_mode: str = "ring",
 ) -> DryRunReport:
     """Build what each of ``world_size`` ranks would build for this job; never raises for a bad job.
 
@@ -299,9 +237,11 @@ def dry_run(
     from merak_pipe import build_schedule, schedule_info
 
     t0 = time.perf_counter()
-    degrees, problems = _check_layout(world_size, dp, tp, pp, cluster, num_heads, num_kv_heads, vocab_size)
+    degrees, problems = _check_layout(
+        world_size, dp, tp, pp, cluster, num_heads, num_kv_heads, vocab_size, cp
+    )
     report = DryRunReport(
-        world_size=world_size, degrees=degrees, cluster=cluster.name, problems=problems, ep=ep
+        world_size=world_size, degrees=degrees, cluster=cluster.name, problems=problems, ep=ep, cp=cp
     )
     if degrees is None:
         return report
@@ -309,6 +249,8 @@ def dry_run(
 
     try:
         check_ep(degrees[0], ep)
+        if cp > 1 and ep > 1:
+            raise ValueError(f"cp={cp} with ep={ep}: the dry run does not model both; dry-run one of them")
     except ValueError as exc:
         report.problems.append(DryRunProblem(0, None, "layout", str(exc)))
         return report
@@ -342,9 +284,12 @@ def dry_run(
     except mg.PartitionError as exc:
         report.problems.append(DryRunProblem(0, None, "partition", str(exc)))
         return report
-    costs = model_costs(
-        sharded, model, dtype=dtype, num_heads=num_heads, num_kv_heads=num_kv_heads, vocab_size=vocab_size
-    )
+    costs = attach_attentions(
+        model_costs(
+            sharded, model, dtype=dtype, num_heads=num_heads, num_kv_heads=num_kv_heads, vocab_size=vocab_size
+        ),
+        model,
+    )  # at cp > 1 each attention's exchanges are priced ([Note: cluster cp terms])
     sizes = [part.bounds[s + 1] - part.bounds[s] for s in range(pp)]
     t1 = time.perf_counter()
     choice = LayoutChoice(
@@ -358,6 +303,8 @@ def dry_run(
         zero_stage=zero_stage,
         tp_overlap=tp_overlap,
         ep=ep if costs.moe is not None else 1,  # the all-to-alls and experts / ep (planner.expert_cost)
+        cp=cp,
+        cp_mode=cp_mode,
     )
     cand = predict_config(costs, cluster, choice, tp_chunks=tp_chunks, stage_layers=sizes)
     if cand is None:  # stage-aware recomputation cannot fit: report with full recomputation
@@ -386,7 +333,7 @@ def dry_run(
     report.seconds["partition+schedule"] = time.perf_counter() - t1
     t2 = time.perf_counter()
     groups, report.groups_backend = _build_groups(
-        world_size, dp, tp, pp, _sample_ranks(world_size, dp, tp, pp, fake_pg_ranks)
+        world_size, dp, tp, pp, _sample_ranks(world_size, dp, tp, pp, fake_pg_ranks, cp), cp
     )
     report.seconds["groups"] = time.perf_counter() - t2
     shared = {s.name: sorted({st for st, _ in s.stages}) for s in part.shared_parameters}
@@ -432,8 +379,8 @@ def _rank_plans(
     limit = cluster.usable_memory_bytes
     reported_tie: set[str] = set()
     for r in range(report.world_size):
-        stage, dp_rank, tp_rank = coords_of(r, dp=dp, tp=tp)
-        dpg, tpg, ppg = groups[r]
+        stage, dp_rank, tp_rank = coords_of(r, dp=dp, tp=tp, cp=cand.cp)
+        dpg, tpg, ppg, cpg = groups[r]
         ties = {name: tuple(ppg[s] for s in stages) for name, stages in shared.items() if stage in stages}
         mem = cand.stage_memory_bytes[stage]
         report.ranks.append(
@@ -450,6 +397,8 @@ def _rank_plans(
                 recompute_fraction=cand.recompute_fractions[stage],
                 shared_groups=ties,
                 memory_bytes=mem,
+                cp_rank=cpg.index(r) if cpg else 0,
+                cp_group=cpg,
             )
         )
         if mem > limit:
