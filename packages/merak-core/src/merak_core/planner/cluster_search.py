@@ -18,6 +18,7 @@ from typing import Any
 
 from merak_core.config.layout_choice import LayoutChoice
 from merak_core.planner import choices
+from merak_core.planner.action_cost import runtime_actions_s
 from merak_core.planner.candidate import recompute_label
 from merak_core.planner.choices import CLUSTER_SCHEDULES, PREDICTABLE_SCHEDULES, RECOMPUTE_MODES
 from merak_core.planner.cluster import ClusterSpec
@@ -257,7 +258,7 @@ def predict_config(
         },
         recompute_fractions=tuple(rplan.fractions),
         stage_layers=tuple(sizes),
-        step_time_s=result.makespan + dp_s + opt_s,
+        step_time_s=result.makespan + dp_s + opt_s + runtime_actions_s(cluster.per_action_s, result.schedule),
         pipeline_s=result.makespan,
         dp_allreduce_s=dp_s,
         optimizer_s=opt_s,
