@@ -67,6 +67,32 @@ def test_unproved_combinations_are_refused_by_name(field: str, value: int) -> No
         TrainingArguments(compile="regional", **{field: value})
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "others"),
+    [
+        ("virtual_stages", 2, {"schedule": "interleaved_1f1b", "pp": 2}),
+        ("sequence_parallel", True, {"tp": 2}),
+    ],
+)
+def test_virtual_stages_and_sequence_parallelism_are_refused_by_name(
+    field: str, value: Any, others: dict
+) -> None:
+    with pytest.raises(
+        ValueError, match=rf"compile=True with {field}={value!r} is not supported.*compile: false"
+    ):
+        TrainingArguments(compile=True, **{field: value}, **others)
+
+
+def test_lora_is_refused_by_name() -> None:
+    from merak_core.lora import LoraConfig
+    from merak_core.lora.config import check_lora_arguments
+
+    lora = LoraConfig(r=2, target_modules=["q"])
+    check_lora_arguments(tp=1, dp=1, args=TrainingArguments(), config=lora)  # eager: fine
+    with pytest.raises(ValueError, match=r"model.lora with training.compile=True.*training.compile: false"):
+        check_lora_arguments(tp=1, dp=1, args=TrainingArguments(compile=True), config=lora)
+
+
 def test_regional_finds_the_repeated_blocks_and_refuses_a_model_without() -> None:
     from tests.support.models import build_reference
 

@@ -26,7 +26,8 @@ Refused, by name, before anything runs (:func:`check_compile_arguments`):
   donates buffers and forbids ``retain_graph``);
 - ZeRO-2/3 (FSDP2's per-module gather and reduce hooks inside a compiled region), ``cp > 1``
   (the ring's point-to-point exchange), ``ep > 1`` (data-dependent all-to-all splits) and
-  ``overlap_chunks > 1`` (asynchronous collectives waited on across sub-batches): not proved
+  ``overlap_chunks > 1`` (asynchronous collectives waited on across sub-batches), virtual stages,
+  sequence parallelism and LoRA adapters (``lora.config.check_lora_arguments``): not proved
   equal to eager here, so not run.
 
 Not done here: building the stages (``compose.py``), running them (merak-pipe's runner).
@@ -65,6 +66,8 @@ _REFUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("cp", lambda a: a.cp > 1, "cp: 1"),
     ("ep", lambda a: a.ep > 1, "ep: 1"),
     ("overlap_chunks", lambda a: a.overlap_chunks > 1, "overlap_chunks: 1"),
+    ("virtual_stages", lambda a: a.virtual_stages > 1, "virtual_stages: 1"),
+    ("sequence_parallel", lambda a: bool(a.sequence_parallel), "sequence_parallel: false"),
 )
 
 
