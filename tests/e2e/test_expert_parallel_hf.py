@@ -247,6 +247,33 @@ def test_qwen3_moe_dp2_ep2_pp2_equals_one_process() -> None:
     _check(run_on_ranks(4, _train, "qwen3_moe", overrides), "qwen3_moe")
 
 
+def _train_pretrained(folder: str, overrides: dict[str, Any]) -> tuple[list[float], Any]:
+    import torch.distributed as dist
+
+    from merak_core import Trainer
+
+    trainer = Trainer(None, _args(**overrides), Tokens(), optimizer_factory=_sgd, pretrained=folder)
+    losses = [h["loss"] for h in trainer.train() if "loss" in h]
+    state = trainer.full_state_dict()
+    return losses, state if dist.get_rank() == 0 else None
+
+
+def test_pretrained_mixtral_pp2_without_ep_equals_one_process() -> None:
+    """ep=1 under a pipeline, the model built on the meta device from its folder: each fused experts module a
+    trace leaf running its own forward inside one stage, its meta pre-run the active experts' work
+    (merak_core.parallel.expert_hf.fused_expert_leaves; before, its routing's nonzero() on meta refused the
+    trace). Two microbatches per step."""
+    import json
+    from pathlib import Path
+
+    folder = Path(tempfile.mkdtemp(prefix="merak-ep-hf-pretrained-"))
+    _model("mixtral").save_pretrained(str(folder), save_original_format=False)
+    config = json.loads((folder / "config.json").read_text())  # transformers does not save the eager choice
+    (folder / "config.json").write_text(json.dumps({**config, "experts_implementation": "eager"}))
+    overrides = {"pp": 2, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}
+    _check(run_on_ranks(2, _train_pretrained, str(folder), overrides), "mixtral")
+
+
 def test_mixtral_dp4_ep2_zero1_clipped_equals_one_process() -> None:
     """ZeRO-1 (the experts' states sharded over their replica group) with clipping at a norm below the
     gradient's: each expert's term counted once."""

@@ -1,6 +1,6 @@
-"""Greedy generation at tp=2 x pp=2 (Mixtral: tp=2) for the transformers families whose pipeline stages decoding rebuilds
+"""Greedy generation at tp=2 x pp=2 (Mixtral: tp=2 too) for the transformers families whose pipeline stages decoding rebuilds
 (``merak_core.generation.decoders.FAMILIES`` beyond GPT-2 and Llama, which ``test_generation.py`` covers
-at every layout): Mistral (sliding window), Qwen2, Qwen3 (per-head norms) and Gemma (embedding scale, float32 norms); and Mixtral (mixture of experts) at tp=2. Each tiny random float64 model (``tests/tp/_hf_families.py``)
+at every layout): Mistral (sliding window), Qwen2, Qwen3 (per-head norms) and Gemma (embedding scale, float32 norms); and Mixtral (mixture of experts). Each tiny random float64 model (``tests/tp/_hf_families.py``)
 is saved with ``save_pretrained``; Merak starts from the folder on 4 ranks and must give exactly the
 tokens of transformers' ``generate(do_sample=False)`` on the same left-padded prompts, an EOS ending one
 row early."""
@@ -30,9 +30,16 @@ def greedy_on_ranks(name: str, folder: str, eos: int, tp: int, pp: int) -> list[
     return trainer.generate(ids, mask, max_new_tokens=NEW, eos_token_id=eos, pad_token_id=PAD).tolist()
 
 
-CASES = [("mistral", 2, 2), ("qwen2", 2, 2), ("qwen3", 2, 2), ("gemma", 2, 2), ("mixtral", 2, 1)]
-"""(family, tp, pp): Mixtral's experts cannot be traced for a pipeline (a limit of training's pipeline,
-refused there), so it runs at tp2 only (experts sharded, the cache sharded like its kv heads)."""
+CASES = [
+    ("mistral", 2, 2),
+    ("qwen2", 2, 2),
+    ("qwen3", 2, 2),
+    ("gemma", 2, 2),
+    ("mixtral", 2, 1),
+    ("mixtral", 2, 2),
+]
+"""(family, tp, pp): Mixtral at tp2 alone too (experts sharded, the cache sharded like its kv heads); under the
+pipeline its fused experts are trace leaves (merak_core.parallel.expert_hf.fused_expert_leaves)."""
 
 
 @pytest.mark.parametrize(("name", "tp", "pp"), CASES, ids=[f"{n}-tp{t}pp{p}" for n, t, p in CASES])

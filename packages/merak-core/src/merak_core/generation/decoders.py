@@ -53,14 +53,16 @@ class Family:
 _DECODER = Family(base="model", layers="layers", norm="norm")
 FAMILIES: dict[str, Family] = {
     "gpt2": Family(base="transformer", layers="h", norm="ln_f", position_table="wpe"),
-    **{t: _DECODER for t in ("llama", "mistral", "qwen2", "qwen3", "gemma")},
+    **{t: _DECODER for t in ("llama", "mistral", "qwen2", "qwen3", "gemma", "mixtral")},
 }
 """Families whose stage decoding under pipeline parallelism is exact (tested against transformers): their
 base model's forward is embed (skipped with ``inputs_embeds``), masks and rotary tables from the config and
 ``position_ids``, the layers in order, the final norm; an embedding scale lives in the embedding module
 (Gemma); every layer of a stage is built alike whatever its index (Qwen2/Qwen3 sliding layers follow
-``layer_types``, sliced per stage). Mixture-of-experts families are left out: training's pipeline cannot
-trace them yet, so their stage rebuilding is untested (they generate at pp=1, TP included)."""
+``layer_types``, sliced per stage); Mixtral's layers are all alike too (every one a mixture of experts, its
+fused experts module TP-sharded like training's). Other mixture-of-experts families are left out: their
+stage rebuilding is untested (Qwen3-MoE's dense or sparse layers follow the global index), so they
+generate at pp=1, TP included."""
 
 
 def cache_keyword(module: nn.Module) -> str:

@@ -215,9 +215,12 @@ def build_parallel_model(
 
         ep_leaves = apply_expert_parallel(model, layout) + apply_fused_expert_parallel(model, layout)
     else:  # blocks given a capacity at ep=1 dispatch too (merak_core.parallel.expert_parallel.set_moe_capacity)
+        from merak_core.parallel.expert_hf import fused_expert_leaves
         from merak_core.parallel.expert_parallel import swapped_block_classes
 
         ep_leaves = swapped_block_classes(model)
+        if layout.pp > 1:  # transformers' fused experts run whole, their own forward, inside one stage
+            ep_leaves += fused_expert_leaves(model)
     model = apply_tensor_parallel(
         model,
         layout,

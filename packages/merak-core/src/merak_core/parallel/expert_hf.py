@@ -29,7 +29,9 @@ from merak_core.parallel.layout import ParallelLayout
 
 __all__ = [
     "FusedExpertParallel",
+    "WholeFusedExperts",
     "apply_fused_expert_parallel",
+    "fused_expert_leaves",
     "full_expert_tensor",
     "tp_plan_without_experts",
 ]
@@ -76,6 +78,37 @@ class FusedExpertParallel:
         local: Any = _LocalExperts(self, record)
         out = dispatch(hidden_states, top_k_weights, top_k_index, local, self.num_experts, record.group)
         return out.to(hidden_states.dtype)
+
+
+class WholeFusedExperts:
+    """Mixin put in front of a fused experts class at ep=1 under a pipeline: the module's own forward on
+    real tensors (a trace leaf, its routing loop is data-dependent); on meta tensors (the tracer's eager
+    pre-run and the partitioner's cost of a meta model) the work of the active experts, ``k`` of ``E`` per
+    token, as one expert over the ``n * k`` rows, with the output's shape ([Note: active-expert cost])."""
+
+    gate_up_proj: nn.Parameter
+    down_proj: nn.Parameter
+    act_fn: Callable[[torch.Tensor], torch.Tensor]
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        if not hidden_states.is_meta:
+            return super().forward(hidden_states, top_k_index, top_k_weights)  # type: ignore[misc,no-any-return]
+        rows = hidden_states.repeat_interleave(top_k_index.size(-1), 0)
+        gate, up = F.linear(rows, self.gate_up_proj[0]).chunk(2, dim=-1)
+        out = F.linear(self.act_fn(gate) * up, self.down_proj[0])
+        return out.reshape(hidden_states.size(0), -1, out.size(-1)).sum(1).to(hidden_states.dtype)
+
+
+def fused_expert_leaves(model: nn.Module) -> list[type]:
+    """At ep=1 under a pipeline: every fused experts module's class gets :class:`WholeFusedExperts` in
+    front (in place); their classes (trace leaves, each runs whole inside one stage)."""
+    classes: list[type] = []
+    for _name, module in fused_experts(model):
+        module.__class__ = ep_class(WholeFusedExperts, type(module))
+        classes.append(type(module))
+    return list(dict.fromkeys(classes))
 
 
 def _ep_mesh(layout: ParallelLayout) -> Any:
