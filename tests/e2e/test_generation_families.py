@@ -1,4 +1,4 @@
-"""Greedy generation at tp=2 x pp=2 (Mixtral: tp=2 too) for the transformers families whose pipeline stages decoding rebuilds
+"""Greedy generation at tp=2 x pp=2 (Mixtral: tp=2 and pp=2 too) for the transformers families whose pipeline stages decoding rebuilds
 (``merak_core.generation.decoders.FAMILIES`` beyond GPT-2 and Llama, which ``test_generation.py`` covers
 at every layout): Mistral (sliding window), Qwen2, Qwen3 (per-head norms) and Gemma (embedding scale, float32 norms); and Mixtral (mixture of experts). Each tiny random float64 model (``tests/tp/_hf_families.py``)
 is saved with ``save_pretrained``; Merak starts from the folder on 4 ranks and must give exactly the
@@ -37,8 +37,9 @@ CASES = [
     ("gemma", 2, 2),
     ("mixtral", 2, 1),
     ("mixtral", 2, 2),
+    ("mixtral", 1, 2),
 ]
-"""(family, tp, pp): Mixtral at tp2 alone too (experts sharded, the cache sharded like its kv heads); under the
+"""(family, tp, pp): Mixtral at tp2 and pp2 alone too (experts sharded, the cache sharded like its kv heads); under the
 pipeline its fused experts are trace leaves (merak_core.parallel.expert_hf.fused_expert_leaves)."""
 
 
