@@ -54,8 +54,6 @@ from merak_core.run import nonfinite
 from merak_core.run.cadence import Cadence, StepRecords, count_tokens, training_steps
 from merak_core.run.engine import (
     LossFn,
-    StepResult,
-    TrainingStepError,
     default_loss,
     schedule_name,
 )
@@ -63,6 +61,7 @@ from merak_core.run.evaluation import evaluate_loader, shapes_specialised
 from merak_core.run.metrics import MetricsWriter
 from merak_core.run.signals import StopRequest, TrainingPreempted
 from merak_core.run.stall import Heartbeat
+from merak_core.run.step_values import StepResult, TrainingStepError
 from merak_core.run.trainer_views import EngineViews
 
 logger = logging.getLogger(__name__)

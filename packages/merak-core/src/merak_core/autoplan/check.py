@@ -54,7 +54,7 @@ class PlanCheck:
     ``run`` is what the check reads about the job: ``args``, ``layout``, ``device``, ``schedule_name``,
     ``schedule`` (the runner's schedule) and ``param_bytes()`` (a :class:`merak_core.run.engine.ParallelEngine`).
     The caller drives it around each step: :meth:`before_step` says whether that step should record the
-    runner's timings, :meth:`after_step` takes the step's :class:`~merak_core.run.engine.StepResult`. The
+    runner's timings, :meth:`after_step` takes the step's :class:`~merak_core.run.step_values.StepResult`. The
     record of the check goes to ``sink`` (rank 0; e.g. the metrics file).
     """
 
@@ -128,7 +128,7 @@ class PlanCheck:
         return step + 1 >= self._first_measured
 
     def after_step(self, step: int, result: Any, step_time_s: float) -> None:
-        """After step number ``step`` with its :class:`~merak_core.run.engine.StepResult` (collective at the last)."""
+        """After step number ``step`` with its :class:`~merak_core.run.step_values.StepResult` (collective at the last)."""
         if self.done or self._start is None or step < self._first_measured:
             return
         if self._meter is not None:

@@ -86,8 +86,8 @@ def check_traceable(model: nn.Module, inputs: Any, args: Any) -> bool:
     import typing
 
     import merak_graph
-    from merak_core.parallel.compose import _trace_leaves
     from merak_core.parallel.forward_inputs import _all_forward_params, input_order, untraceable_message
+    from merak_core.parallel.tensor_parallel import trace_leaves
 
     if args.pp <= 1 or args.tp != 1 or args.layout == "auto":
         return False
@@ -98,7 +98,7 @@ def check_traceable(model: nn.Module, inputs: Any, args: Any) -> bool:
             example = tuple(inputs[k] for k in input_order(model, inputs) or ())
     else:
         example = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
-    leaves = _trace_leaves(model, typing.cast(Any, types.SimpleNamespace(tp=1)), args.tp_plan)  # tp=1: no TP
+    leaves = trace_leaves(model, typing.cast(Any, types.SimpleNamespace(tp=1)), args.tp_plan)  # tp=1: no TP
     try:
         merak_graph.trace(model, example_inputs=example, leaf_modules=leaves)
     except merak_graph.TraceError as exc:

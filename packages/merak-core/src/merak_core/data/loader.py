@@ -250,43 +250,33 @@ class StageAwareDataLoader:
         device: torch.device | None = None,
         eval_micro_batch_size: int | None = None,
     ) -> StageAwareDataLoader:
-        """The loader of a run (the Trainer's, its evaluation's and the probes'): one batch per step.
+        """The loader of a run (the Trainer's, its evaluation's, the probes'): one batch per step.
 
-        Training: ``micro_batch_size * num_microbatches`` samples per DP rank (the pipeline splits
-        them into the microbatches), shuffled with ``args.seed``, incomplete last batch dropped,
-        ``dataloader_num_workers`` (null: 2 on CUDA, 0 on CPU) and pinned memory on CUDA.
-        Evaluation: ``eval_micro_batch_size`` (default ``per_device_eval_batch_size``) per
-        microbatch, dataset order, the last batch padded and masked. The rank reads the inputs
-        where it holds the first stage and the labels where it holds the last (virtual stages
-        included); ``args.labels`` chooses the label convention (see [Note: unshifted labels]).
+        Training: ``micro_batch_size * num_microbatches`` samples per DP rank, shuffled with ``args.seed``,
+        the incomplete last batch dropped, ``dataloader_num_workers`` (null: 2 on CUDA, 0 on CPU), pinned
+        on CUDA. Evaluation: ``eval_micro_batch_size`` (default ``per_device_eval_batch_size``) per
+        microbatch, in order, the last batch padded and masked. Inputs are read where the rank holds the
+        first stage, labels where it holds the last; ``args.labels``: [Note: unshifted labels].
         """
         from merak_core.parallel.virtual_stages import stage_data_roles
 
-        roles = stage_data_roles(args, layout)
-        split = label_split(args.labels, split_inputs_labels)
-        if evaluation:
-            micro = eval_micro_batch_size or args.per_device_eval_batch_size
-            return cls(
-                dataset,
-                batch_size=micro * args.num_microbatches,
-                **roles,
-                collate_fn=collate_fn,
-                split_inputs_labels=split,
-                shuffle=False,
-                seed=args.seed,
-                drop_last=False,
-            )
         device = device if device is not None else torch.device("cpu")
+        micro = (
+            (eval_micro_batch_size or args.per_device_eval_batch_size)
+            if evaluation
+            else args.micro_batch_size
+        )
         return cls(
             dataset,
-            batch_size=args.micro_batch_size * args.num_microbatches,
-            **roles,
+            batch_size=micro * args.num_microbatches,
+            **stage_data_roles(args, layout),
             collate_fn=collate_fn,
-            split_inputs_labels=split,
+            split_inputs_labels=label_split(args.labels, split_inputs_labels),
             seed=args.seed,
-            shuffle=True,
-            num_workers=default_num_workers(args.dataloader_num_workers, device),
-            pin_memory=device.type == "cuda",  # then the step copies batches with non_blocking
+            shuffle=not evaluation,
+            drop_last=not evaluation,
+            num_workers=0 if evaluation else default_num_workers(args.dataloader_num_workers, device),
+            pin_memory=not evaluation and device.type == "cuda",  # the step copies batches with non_blocking
         )
 
     # ------------------------------------------------------------------ sizes

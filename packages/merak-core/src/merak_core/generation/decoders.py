@@ -37,7 +37,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from merak_core.parallel.compose import ParallelModel, apply_tensor_parallel
+from merak_core.parallel.compose import ParallelModel
+from merak_core.parallel.tensor_parallel import apply_tensor_parallel
 
 
 @dataclass(frozen=True)

@@ -117,7 +117,7 @@ def step_record(
 class StepRecords:
     """Step records completed as each step's loss and gradient norm reach the host, appended in step order.
 
-    ``add`` keeps a step's result (a :class:`~merak_core.run.engine.StepResult`) and its other fields;
+    ``add`` keeps a step's result (a :class:`~merak_core.run.step_values.StepResult`) and its other fields;
     ``flush`` appends every record whose numbers the host has read already (reading nothing) or, with
     ``force``, all of them (reading the rest: one transfer per step not read yet).
     """

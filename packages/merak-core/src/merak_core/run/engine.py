@@ -42,7 +42,6 @@ the model (``bootstrap.py``).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -70,7 +69,13 @@ from merak_core.run.engine_setup import (
     shard_parallel_model,
 )
 from merak_core.run.stall import Heartbeat
-from merak_core.run.step_values import LateFlags, StepValues, reduce_step_values
+from merak_core.run.step_values import (
+    LateFlags,
+    StepResult,
+    StepValues,
+    TrainingStepError,
+    reduce_step_values,
+)
 from merak_core.run.watchdog import StepWatchdog
 from merak_pipe import PipelineCommError
 from merak_tp import VocabParallelEmbedding
@@ -81,47 +86,10 @@ LossFn = Callable[[Any, Any], torch.Tensor]
 __all__ = [
     "LossFn",
     "ParallelEngine",
-    "StepResult",
-    "TrainingStepError",
     "default_loss",
     "schedule_name",
     "shard_parallel_model",
 ]
-
-
-class TrainingStepError(RuntimeError):
-    """A collective of a training step failed or timed out; the message names the rank, step and group."""
-
-
-@dataclasses.dataclass(frozen=True)
-class StepResult:
-    """What one optimizer step produced (the same ``loss``, ``skipped`` and ``stop_agreed`` on every rank).
-
-    ``loss`` and ``grad_norm`` are read from the device on first use (one host transfer for both,
-    :class:`merak_core.run.step_values.StepValues`): a caller that does not ask does not wait.
-    """
-
-    values: StepValues
-    """The step's numbers on the device and their host copy."""
-    pipeline_s: float
-    """Seconds of this rank's pipeline part (forward and backward of every microbatch; on CUDA the time
-    of the GPU work only with ``record_timing``, else of queuing it)."""
-    skipped: bool = False
-    """The loss or a gradient was not finite and the update was dropped (``nonfinite: skip``)."""
-    stop_agreed: bool = False
-    """Some rank got a stop signal: every rank stops after this step."""
-    timings: tuple[Any, ...] = ()
-    """The runner's per-action timings of this step (only with ``record_timing``)."""
-
-    @property
-    def loss(self) -> float:
-        """The global mean loss of the step (see [Note: loss scaling])."""
-        return self.values.loss
-
-    @property
-    def grad_norm(self) -> float | None:
-        """The global gradient norm before clipping (None when ``max_grad_norm`` is 0)."""
-        return self.values.grad_norm
 
 
 def default_loss(output: Any, labels: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ Not done here: deciding what a non-finite step does (``engine.py``, ``nonfinite.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -25,7 +26,7 @@ from merak_core.run import nonfinite
 # Positions in the step vector: the reduced part first (nonfinite.LOSS, NONFINITE, STOP_REQUESTED).
 NORM, FIRST_BAD = nonfinite.STEP_VECTOR_SIZE, nonfinite.STEP_VECTOR_SIZE + 1
 
-__all__ = ["LateFlags", "StepValues", "reduce_step_values"]
+__all__ = ["LateFlags", "StepResult", "StepValues", "TrainingStepError", "reduce_step_values"]
 
 
 class StepValues:
@@ -169,3 +170,38 @@ class LateFlags:
                 mine=values.first_bad(),
             )
         return values.stop_requested
+
+
+class TrainingStepError(RuntimeError):
+    """A collective of a training step failed or timed out; the message names the rank, step and group."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step produced (the same ``loss``, ``skipped`` and ``stop_agreed`` on every rank).
+
+    ``loss`` and ``grad_norm`` are read from the device on first use (one host transfer for both,
+    :class:`merak_core.run.step_values.StepValues`): a caller that does not ask does not wait.
+    """
+
+    values: StepValues
+    """The step's numbers on the device and their host copy."""
+    pipeline_s: float
+    """Seconds of this rank's pipeline part (forward and backward of every microbatch; on CUDA the time
+    of the GPU work only with ``record_timing``, else of queuing it)."""
+    skipped: bool = False
+    """The loss or a gradient was not finite and the update was dropped (``nonfinite: skip``)."""
+    stop_agreed: bool = False
+    """Some rank got a stop signal: every rank stops after this step."""
+    timings: tuple[Any, ...] = ()
+    """The runner's per-action timings of this step (only with ``record_timing``)."""
+
+    @property
+    def loss(self) -> float:
+        """The global mean loss of the step (see [Note: loss scaling])."""
+        return self.values.loss
+
+    @property
+    def grad_norm(self) -> float | None:
+        """The global gradient norm before clipping (None when ``max_grad_norm`` is 0)."""
+        return self.values.grad_norm
