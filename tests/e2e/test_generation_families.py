@@ -33,13 +33,18 @@ def greedy_on_ranks(name: str, folder: str, eos: int, tp: int, pp: int) -> list[
 CASES = [
     ("mistral", 2, 2),
     ("qwen2", 2, 2),
+    ("qwen2", 2, 1),
+    ("qwen2", 1, 2),
     ("qwen3", 2, 2),
     ("gemma", 2, 2),
+    ("gemma", 2, 1),
+    ("gemma", 1, 2),
     ("mixtral", 2, 1),
     ("mixtral", 2, 2),
     ("mixtral", 1, 2),
 ]
-"""(family, tp, pp): Mixtral at tp2 and pp2 alone too (experts sharded, the cache sharded like its kv heads); under the
+"""(family, tp, pp): Qwen2, Gemma and Mixtral at tp2 and pp2 alone too (pp=1 decodes with the TP-sharded model
+itself, pp > 1 with the rebuilt stages); Mixtral (experts sharded, the cache sharded like its kv heads); under the
 pipeline its fused experts are trace leaves (merak_core.parallel.expert_hf.fused_expert_leaves)."""
 
 
