@@ -230,3 +230,23 @@ def test_merak_generate_through_torchrun(tmp_path: Path) -> None:
     with contextlib.redirect_stdout(printed):
         _write(records[:1], None, single=True)
     assert printed.getvalue() == PROMPTS[0] + records[0]["text"] + "\n"
+
+
+def _lm_eval_weights(job_path: str) -> dict[str, torch.Tensor] | None:
+    from merak_core.cli.lm_eval_model import trainer_for_job
+
+    trainer, _ = trainer_for_job(job_path, "latest", [])
+    return trainer.full_state_dict()
+
+
+def test_the_lm_eval_model_builds_the_job_with_the_checkpoint_weights(tmp_path: Path) -> None:
+    """``lm_eval --model merak --model_args job=...,checkpoint=latest`` (and ``merak eval --tasks``) build the run
+    as ``merak generate`` does: the job's layout (pp=2), the checkpoint's weights, bit for bit."""
+    pytest.importorskip("lm_eval")
+    make_folder("gpt2", tmp_path)
+    job = str(_job(tmp_path))
+    trained = run_on_ranks(2, _train_only, job)[0]
+    loaded = run_on_ranks(2, _lm_eval_weights, job)[0]
+    assert trained is not None and loaded is not None and trained.keys() == loaded.keys()
+    for name, value in trained.items():
+        assert torch.equal(loaded[name], value), name

@@ -48,28 +48,18 @@ def trainer_for_job(job_file: str, checkpoint: str, overrides: list[str]) -> tup
     """Every rank: ``(Trainer, JobConfig)``, the job's model at its layout with ``checkpoint``'s weights; collective."""
     import dataclasses
 
-    import torch
-
-    from merak_core import Trainer, init
+    from merak_core.autoplan.prepare import prepare_job
     from merak_core.generation.run_api import check_run_options
     from merak_core.job import JobConfig
+    from merak_core.trainer import Trainer
 
     job = JobConfig.from_yaml(job_file, overrides)
     targs = dataclasses.replace(job.training, plan_check_steps=0, sample_prompts=None)
     check_run_options(targs, targs.pp)
     train, evaluation = job.build_datasets()
-    layout = init(dp=targs.dp, tp=targs.tp, pp=targs.pp, timeout=targs.comm_timeout)
-    torch.manual_seed(targs.seed)
-    trainer = Trainer(
-        job.build_model(),
-        targs,
-        None,
-        evaluation if evaluation is not None else train,
-        loss_fn=job.optional("loss"),
-        data_collator=job.optional("collate"),
-        layout=layout,
-        lora=job.model.lora,
-    )
+    data = evaluation if evaluation is not None else train
+    # the checkpoint's weights replace the model's (as merak generate and merak eval build their run)
+    trainer = Trainer.from_prepared(prepare_job(job, (None, data), args=targs, load_pretrained=False))
     trainer.resume(checkpoint)
     return trainer, job
 
