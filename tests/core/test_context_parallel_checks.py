@@ -106,12 +106,3 @@ def test_split_takes_this_ranks_tokens_and_refuses_padding() -> None:
         ValueError, match=r"sequence length 10 does not divide into 4 equal chunks .*multiple of 4"
     ):
         run.split(torch.zeros(2, 10, dtype=torch.long), None)
-
-
-def test_dry_run_refuses_cp_it_does_not_model() -> None:
-    from types import SimpleNamespace
-
-    from merak_core.autoplan.cluster_job import dry_run_job
-
-    with pytest.raises(ValueError, match=r"training.cp=2: the dry run .* dry-run the job at cp=1"):
-        dry_run_job(None, None, world_size=8, training=SimpleNamespace(cp=2))  # type: ignore[arg-type]
