@@ -10,8 +10,6 @@ reproduce (transposed weights, biases). The job checks before torchrun (``merak 
 
 from __future__ import annotations
 
-import contextlib
-import io
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -20,7 +18,7 @@ import pytest
 import torch
 import yaml
 
-from tests.e2e._bad_input_support import no_collectives
+from tests.e2e._bad_input_support import dry_run_train
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.transformers
@@ -135,8 +133,6 @@ def tokens() -> Any:
 
 
 def _dry_run(tmp: Path, model: str, training: dict[str, Any]) -> tuple[int, str]:
-    from merak_core.cli import main
-
     job = tmp / "job.yaml"
     training = {"output_dir": str(tmp / "out"), "per_device_train_batch_size": 2, "max_steps": 1, **training}
     spec = {
@@ -145,17 +141,7 @@ def _dry_run(tmp: Path, model: str, training: dict[str, Any]) -> tuple[int, str]
         "training": training,
     }
     job.write_text(yaml.safe_dump(spec))
-    err = io.StringIO()
-    with (
-        no_collectives(allow=("init_process_group",)),
-        contextlib.redirect_stderr(err),
-        contextlib.redirect_stdout(io.StringIO()),
-    ):
-        try:
-            status = main(["--log-level", "WARNING", "train", str(job), "--nproc-per-node", "2", "--dry-run"])
-        except SystemExit as exc:
-            status = exc.code if isinstance(exc.code, int) else 2
-    return status, err.getvalue()
+    return dry_run_train(job, "--nproc-per-node", "2")
 
 
 def test_job_checks_before_torchrun(tmp_path: Path) -> None:

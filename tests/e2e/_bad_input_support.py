@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import io
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -86,6 +87,24 @@ def no_collectives(allow: tuple[str, ...] = ()) -> Iterator[None]:
     finally:
         for name, fn in saved.items():
             setattr(dist, name, fn)
+
+
+def dry_run_train(job: Path, *argv: str) -> tuple[int, str]:
+    """``merak train JOB ARGV --dry-run`` in this process, every collective but ``init_process_group`` refused:
+    (exit status, what it printed to stderr)."""
+    from merak_core.cli import main
+
+    err = io.StringIO()
+    with (
+        no_collectives(allow=("init_process_group",)),
+        contextlib.redirect_stderr(err),
+        contextlib.redirect_stdout(io.StringIO()),
+    ):
+        try:
+            status = main(["--log-level", "WARNING", "train", str(job), *argv, "--dry-run"])
+        except SystemExit as exc:
+            status = exc.code if isinstance(exc.code, int) else 2
+    return status, err.getvalue()
 
 
 @dataclass

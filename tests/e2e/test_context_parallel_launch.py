@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +11,7 @@ import yaml
 from torch.utils.data import Dataset
 
 from merak_core.run.exitcodes import BAD_INPUT
-from tests.e2e._bad_input_support import no_collectives
+from tests.e2e._bad_input_support import dry_run_train
 from tests.support.models import DecoderConfig, Llama
 
 HERE = "tests.e2e.test_context_parallel_launch"
@@ -74,8 +72,6 @@ def token_accuracy(output: Any, labels: torch.Tensor) -> torch.Tensor:
 def _dry_run(
     tmp: Path, model: dict[str, Any], data: dict[str, Any], training: dict[str, Any], **sections: Any
 ) -> tuple[int, str]:
-    from merak_core.cli import main
-
     job = tmp / "job.yaml"
     training = {
         "output_dir": str(tmp / "out"),
@@ -85,17 +81,7 @@ def _dry_run(
         **training,
     }
     job.write_text(yaml.safe_dump({"model": model, "data": data, "training": training, **sections}))
-    err = io.StringIO()
-    with (
-        no_collectives(allow=("init_process_group",)),
-        contextlib.redirect_stderr(err),
-        contextlib.redirect_stdout(io.StringIO()),
-    ):
-        try:
-            status = main(["--log-level", "WARNING", "train", str(job), "--nproc-per-node", "2", "--dry-run"])
-        except SystemExit as exc:
-            status = exc.code if isinstance(exc.code, int) else 2
-    return status, err.getvalue()
+    return dry_run_train(job, "--nproc-per-node", "2")
 
 
 LLAMA = {"factory": f"{HERE}:build_llama"}

@@ -3,8 +3,6 @@ and the dry run shows each rank's EP and expert-replica groups."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +12,7 @@ import yaml
 from torch.utils.data import Dataset
 
 from merak_core.run.exitcodes import BAD_INPUT
-from tests.e2e._bad_input_support import no_collectives
+from tests.e2e._bad_input_support import dry_run_train
 from tests.support.models import DecoderConfig, Llama
 from tests.support.moe import MoEConfig, MoELlama
 
@@ -45,8 +43,6 @@ def tokens() -> Any:
 
 
 def _dry_run(tmp: Path, model: str, training: dict[str, Any]) -> tuple[int, str]:
-    from merak_core.cli import main
-
     job = tmp / "job.yaml"
     training = {
         "output_dir": str(tmp / "out"),
@@ -60,17 +56,7 @@ def _dry_run(tmp: Path, model: str, training: dict[str, Any]) -> tuple[int, str]
         "training": training,
     }
     job.write_text(yaml.safe_dump(spec))
-    err = io.StringIO()
-    with (
-        no_collectives(allow=("init_process_group",)),
-        contextlib.redirect_stderr(err),
-        contextlib.redirect_stdout(io.StringIO()),
-    ):
-        try:
-            status = main(["--log-level", "WARNING", "train", str(job), "--nproc-per-node", "2", "--dry-run"])
-        except SystemExit as exc:
-            status = exc.code if isinstance(exc.code, int) else 2
-    return status, err.getvalue()
+    return dry_run_train(job, "--nproc-per-node", "2")
 
 
 @pytest.mark.parametrize(
