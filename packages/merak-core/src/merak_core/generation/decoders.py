@@ -93,18 +93,18 @@ def _logits(output: Any) -> torch.Tensor:
     return output
 
 
-class WholeModelDecoder:
-    """``pp == 1``: the composed (TP-sharded) model itself."""
+class _Decoder:
+    """What both decoders share: the call every decoding step makes, the cache, the logits of the LM head."""
 
-    first = True
-    last = True
+    first: bool
+    last: bool
 
-    def __init__(self, module: nn.Module, config: Any, vocab_size: int | None) -> None:
-        self.module = module
+    def __init__(self, config: Any, vocab_size: int | None, cached: nn.Module, head: nn.Module) -> None:
+        """``cached``: the module that takes the KV cache; ``head``: the one that returns the logits."""
         self.config = config
         self.vocab_size = vocab_size
-        self.cache_key = cache_keyword(module)
-        self.keep_last = "logits_to_keep" in inspect.signature(module.forward).parameters
+        self.cache_key = cache_keyword(cached)
+        self.keep_last = "logits_to_keep" in inspect.signature(head.forward).parameters
 
     def new_cache(self) -> Any:
         return new_cache(self.config)
@@ -118,14 +118,42 @@ class WholeModelDecoder:
         *,
         all_positions: bool = False,
     ) -> Any:
-        """The last position's logits ``(b, v)``; ``all_positions``: every position's, ``(b, t, v)``."""
-        kwargs: dict[str, Any] = {self.cache_key: cache, "use_cache": True}
+        """Hidden states (a stage before the last), else the last position's logits ``(b, v)``
+        (``all_positions``: every position's, ``(b, t, v)``)."""
+        kwargs: dict[str, Any] = {
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+            self.cache_key: cache,
+            "use_cache": True,
+        }
+        return self._forward(x, kwargs, all_positions)
+
+    def _forward(self, x: torch.Tensor, kwargs: dict[str, Any], all_positions: bool) -> Any:
+        raise NotImplementedError
+
+    def _head_logits(self, module: nn.Module, kwargs: dict[str, Any], all_positions: bool) -> torch.Tensor:
+        """``module``'s logits, of the last position only unless ``all_positions``."""
+        # As transformers' generate: the LM head on the last position.
         if self.keep_last and not all_positions:
             kwargs["logits_to_keep"] = 1
-        out = self.module(input_ids=x, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
-        logits = _logits(out) if all_positions else _logits(out)[:, -1, :]
+        logits = _logits(module(**kwargs))
+        logits = logits if all_positions else logits[:, -1, :]
         check_vocab(logits, self.vocab_size)
         return logits
+
+
+class WholeModelDecoder(_Decoder):
+    """``pp == 1``: the composed (TP-sharded) model itself."""
+
+    first = True
+    last = True
+
+    def __init__(self, module: nn.Module, config: Any, vocab_size: int | None) -> None:
+        super().__init__(config, vocab_size, module, module)
+        self.module = module
+
+    def _forward(self, x: torch.Tensor, kwargs: dict[str, Any], all_positions: bool) -> torch.Tensor:
+        return self._head_logits(self.module, {"input_ids": x, **kwargs}, all_positions)
 
 
 def check_vocab(logits_bv: torch.Tensor, vocab_size: int | None) -> None:
@@ -137,50 +165,22 @@ def check_vocab(logits_bv: torch.Tensor, vocab_size: int | None) -> None:
         )
 
 
-class StageDecoder:
+class StageDecoder(_Decoder):
     """``pp > 1``: this stage's layers as a transformers model of their own ([Note: eager stages for decoding])."""
 
     def __init__(self, model: nn.Module, config: Any, family: Family, *, first: bool, last: bool) -> None:
         self.model = model
-        self.config = config
         self.family = family
         self.first = first
         self.last = last
         self.base = model.get_submodule(family.base)
-        self.cache_key = cache_keyword(self.base)
-        self.vocab_size = getattr(config, "vocab_size", None)
-        self.keep_last = "logits_to_keep" in inspect.signature(model.forward).parameters
+        super().__init__(config, getattr(config, "vocab_size", None), self.base, model)
 
-    def new_cache(self) -> Any:
-        return new_cache(self.config)
-
-    def __call__(
-        self,
-        x: torch.Tensor,
-        attention_mask: torch.Tensor,
-        position_ids: torch.Tensor,
-        cache: Any,
-        *,
-        all_positions: bool = False,
-    ) -> Any:
-        """Hidden states (not the last stage), else the last position's logits (``all_positions``: every one's)."""
-        kwargs: dict[str, Any] = {
-            "attention_mask": attention_mask,
-            "position_ids": position_ids,
-            self.cache_key: cache,
-            "use_cache": True,
-        }
+    def _forward(self, x: torch.Tensor, kwargs: dict[str, Any], all_positions: bool) -> Any:
         kwargs["input_ids" if self.first else "inputs_embeds"] = x
         if not self.last:
             return self.base(**kwargs).last_hidden_state
-        if (
-            self.keep_last and not all_positions
-        ):  # as transformers' generate: the LM head on the last position
-            kwargs["logits_to_keep"] = 1
-        logits = _logits(self.model(**kwargs))
-        logits = logits if all_positions else logits[:, -1, :]
-        check_vocab(logits, self.vocab_size)
-        return logits
+        return self._head_logits(self.model, kwargs, all_positions)
 
 
 class _ZeroPositions(nn.Module):
