@@ -353,14 +353,8 @@ class ParallelEngine:
             limit = self.args.nonfinite_max_consecutive_skips
             over_limit = 0 < limit <= self.consecutive_skips
             if self.args.nonfinite == nonfinite.STOP or over_limit:
-                raise nonfinite.nonfinite_error(
-                    step=step,
-                    loss=values.loss,
-                    grad_norm=values.grad_norm,
-                    named=self.named,
-                    layout=self.layout,
-                    skip_limit=limit if self.args.nonfinite != nonfinite.STOP else None,
-                )
+                skip_limit = limit if self.args.nonfinite != nonfinite.STOP else None
+                raise nonfinite.nonfinite_error(step, values, self.named, self.layout, skip_limit=skip_limit)
             self.consecutive_skips += 1
             return result
         self.consecutive_skips = 0

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -137,13 +137,26 @@ def first_nonfinite_gradient(named: Sequence[tuple[str, nn.Parameter]]) -> tuple
     return None
 
 
+class StepNumbers(Protocol):
+    """What the error of a step reads of it (:class:`merak_core.run.step_values.StepValues`)."""
+
+    @property
+    def loss(self) -> float:
+        """The global mean loss."""
+        ...
+
+    @property
+    def grad_norm(self) -> float | None:
+        """The global gradient norm before clipping (None when not computed)."""
+        ...
+
+
 def nonfinite_error(
-    *,
     step: int,
-    loss: float,
-    grad_norm: float | None,
+    values: StepNumbers,
     named: Sequence[tuple[str, nn.Parameter]],
     layout: Any,
+    *,
     skip_limit: int | None = None,
     mine: tuple[str, str] | None | str = "from the gradients",
 ) -> NonFiniteError:
@@ -156,6 +169,7 @@ def nonfinite_error(
     ``mine``: this rank's first bad gradient as found on the device in the bad step (see [Note:
     device-side skip]); by default it is read from the gradients now.
     """
+    loss, grad_norm = values.loss, values.grad_norm
     if isinstance(mine, str):
         mine = first_nonfinite_gradient(named)
     entry = None if mine is None else (layout.pp_rank, layout.tp_rank, layout.dp_rank, layout.rank, *mine)

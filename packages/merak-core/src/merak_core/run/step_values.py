@@ -161,14 +161,7 @@ class LateFlags:
             return False
         step, values = unread
         if values.nonfinite:
-            raise nonfinite.nonfinite_error(
-                step=step,
-                loss=values.loss,
-                grad_norm=values.grad_norm,
-                named=self.named,
-                layout=self.layout,
-                mine=values.first_bad(),
-            )
+            raise nonfinite.nonfinite_error(step, values, self.named, self.layout, mine=values.first_bad())
         return values.stop_requested
 
 
