@@ -66,8 +66,7 @@ def test_model_refusals() -> None:
     ):
         check_cp_model(llama, _args(cp=2, tp=2, cp_mode="ulysses"))
     check_cp_model(llama, _args(cp=2, tp=2, cp_mode="ring"))
-    with pytest.raises(ValueError, match=r"cp=2 with pp=2: Llama is not a transformers model.*use pp=1"):
-        check_cp_model(llama, _args(cp=2, pp=2))
+    check_cp_model(llama, _args(cp=2, pp=2))  # its hook is traced as leaf calls (tests/e2e)
 
 
 class _Rank1Of2:

@@ -20,7 +20,7 @@ result types live in ``partition_result.py``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -58,6 +58,7 @@ def partition(
     method: str = "cost",
     memory_limit: float | None = None,
     leaf_modules: Sequence[LeafSpec] = (),
+    leaf_functions: Sequence[Callable[..., Any]] = (),
     split_points: Sequence[str] | None = None,
     num_shards: int | None = None,
     trace_method: str = "auto",
@@ -79,10 +80,12 @@ def partition(
     boundary is the smallest around it, e.g. every residual-stream point), at least 2 per stage; with
     ``method="cost"``, when that chain's optimum is more than 5% above its lower bound, finer shards
     (24 per stage) are tried and kept if they lower the slowest stage;
-    ``split_points`` (module names) override the automatic cuts. Among assignments whose slowest
-    stage is within ``balance_tolerance`` (relative) of the optimum, the one with the smallest
-    stage-to-stage boundary is returned (0: only exact optima). With ``profile_device``, shard
-    costs are measured on that device (one shard materialised at a time) instead of estimated.
+    ``split_points`` (module names) override the automatic cuts. ``leaf_modules`` and
+    ``leaf_functions`` stay opaque calls (``trace``); the cost annotation runs them once on the
+    example inputs. Among assignments whose slowest stage is within ``balance_tolerance`` (relative)
+    of the optimum, the one with the smallest stage-to-stage boundary is returned (0: only exact
+    optima). With ``profile_device``, shard costs are measured on that device (one shard
+    materialised at a time) instead of estimated.
     """
     options = _Options(
         method=method,
@@ -104,6 +107,7 @@ def partition(
         leaf_modules=leaf_modules,
         method=trace_method,
         static_kwargs=static_kwargs,
+        leaf_functions=leaf_functions,
     )
     annotate_costs(gm, values, cost_model=cost_model)
     return _partition_graph(

@@ -16,6 +16,11 @@ collectives, e.g. tensor-parallel layers) are kept whole (for export see
 [Note: leaf placeholders] in ``_leaf_export``: the leaves run once eagerly on
 the example inputs to learn their output shapes).
 
+fx alone honours ``leaf_functions``: each call of one of these functions made
+while tracing becomes one opaque ``call_function`` node, whatever its arguments
+(see [Note: leaf functions]); the function then runs when the graph runs, never
+while tracing. Export would trace through them, so it is not used with them.
+
 ``method="auto"`` uses fx when leaf modules are given and export otherwise,
 falling back to the other tracer when the first fails. On failure the error
 names the module and the source line that broke tracing and suggests
@@ -30,6 +35,7 @@ returning a tensor, the leaves of a ``ModelOutput`` otherwise; see
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import io
 import linecache
@@ -127,14 +133,65 @@ def _leaf_predicate(model: nn.Module, leaf_modules: Sequence[LeafSpec]) -> Calla
 
 
 class _Tracer(fx.Tracer):
-    def __init__(self, is_leaf: Callable[[nn.Module, str], bool]) -> None:
-        super().__init__()
+    def __init__(
+        self, is_leaf: Callable[[nn.Module, str], bool], leaf_functions: Sequence[Callable[..., Any]] = ()
+    ) -> None:
+        # autowrap_functions: fx wraps the functions where a traced forward's globals name them.
+        super().__init__(autowrap_functions=tuple(leaf_functions))
         self._is_leaf = is_leaf
+        self._leaf_functions = tuple(leaf_functions)
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if self._is_leaf(m, module_qualified_name):
             return True
         return super().is_leaf_module(m, module_qualified_name)
+
+    def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
+        with _leaf_calls(self, self._leaf_functions):
+            return super().trace(root, concrete_args)
+
+
+# [Note: leaf functions] A leaf function (``trace(..., leaf_functions=...)``) must run when the graph
+# runs, never while tracing: e.g. a hook that consults a context entered around each step (context
+# parallel attention, the global positions of a rank's tokens). While fx traces, the function is
+# replaced where a model reaches it: in its module and in each package above that re-exports it
+# (``pkg.mod.fn``, ``pkg.fn``), by a call that records one ``call_function`` node of the function,
+# even when no argument is traced (its value is decided at run time, so it is never a constant); fx's
+# ``autowrap_functions`` covers a forward that imported it by name (it records a node when an
+# argument is traced). The replacements are undone when the trace ends.
+
+
+def _homes(fn: Callable[..., Any]) -> list[Any]:
+    """The loaded modules that may hold ``fn`` as an attribute: its own and the packages above it."""
+    parts = str(getattr(fn, "__module__", "") or "").split(".")
+    names = [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
+    return [sys.modules[n] for n in names if n and n in sys.modules]
+
+
+@contextlib.contextmanager
+def _leaf_calls(tracer: fx.Tracer, functions: Sequence[Callable[..., Any]]) -> Iterator[None]:
+    """Calls of ``functions`` become ``call_function`` nodes of ``tracer`` ([Note: leaf functions])."""
+    patched: list[tuple[Any, str, Callable[..., Any]]] = []
+
+    def recorder(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def record(*args: Any, **kwargs: Any) -> Any:
+            return tracer.create_proxy("call_function", fn, args, kwargs)
+
+        return record
+
+    try:
+        for fn in functions:
+            record = recorder(fn)
+            for module in _homes(fn):
+                for name, value in list(vars(module).items()):
+                    if value is fn:
+                        patched.append((module, name, fn))
+                        setattr(module, name, record)
+        yield
+    finally:
+        for module, name, fn in reversed(patched):
+            setattr(module, name, fn)
 
 
 def _trace_fx(
@@ -143,8 +200,9 @@ def _trace_fx(
     by_keyword: bool,
     leaf_modules: Sequence[LeafSpec],
     static_kwargs: Mapping[str, Any],
+    leaf_functions: Sequence[Callable[..., Any]] = (),
 ) -> fx.GraphModule:
-    tracer = _Tracer(_leaf_predicate(model, leaf_modules))
+    tracer = _Tracer(_leaf_predicate(model, leaf_modules), leaf_functions)
     params = inspect.signature(model.forward).parameters
     concrete: dict[str, Any] = dict(static_kwargs)
     if by_keyword:
@@ -314,6 +372,7 @@ def trace(
     leaf_modules: Sequence[LeafSpec] = (),
     method: str = "auto",
     static_kwargs: Mapping[str, Any] | None = None,
+    leaf_functions: Sequence[Callable[..., Any]] = (),
 ) -> fx.GraphModule:
     """Trace ``model`` into a flat ``torch.fx.GraphModule`` whose inputs are ``input_names``.
 
@@ -322,14 +381,23 @@ def trace(
     ``input_names`` alone (no example values) is enough for ``method="fx"``.
     ``leaf_modules``: module classes or qualified names kept as opaque calls (fx).
     ``static_kwargs``: keyword arguments fixed at trace time, e.g. ``{"use_cache": False}``.
+    ``leaf_functions``: functions whose calls stay opaque ``call_function`` nodes that run when the
+    graph runs ([Note: leaf functions]; fx only).
     ``method``: ``"auto"``, ``"export"`` or ``"fx"``.
     """
     if method not in ("auto", "export", "fx"):
         raise ValueError(f"method={method!r} is not one of 'auto', 'export', 'fx'")
+    if leaf_functions and method == "export":
+        raise ValueError(
+            "leaf_functions need method='fx' or 'auto' (export would trace through them and keep "
+            "their trace-time results): use method='fx'"
+        )
     names, values, by_keyword = normalize_inputs(model, example_inputs, input_names)
     _leaf_predicate(model, leaf_modules)  # validates the leaf specs before any tracer runs
     static = dict(static_kwargs or {})
-    if method == "auto":
+    if method == "auto" and leaf_functions:
+        order = ["fx"]
+    elif method == "auto":
         order = ["fx", "export"] if leaf_modules or values is None else ["export", "fx"]
     else:
         order = [method]
@@ -337,7 +405,7 @@ def trace(
     for how in order:
         try:
             if how == "fx":
-                gm = _trace_fx(model, names, by_keyword, leaf_modules, static)
+                gm = _trace_fx(model, names, by_keyword, leaf_modules, static, leaf_functions)
             else:
                 gm = _trace_export(model, names, values, by_keyword, static, leaf_modules)
             gm.meta["merak_trace_method"] = how

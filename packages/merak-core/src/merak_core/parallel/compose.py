@@ -183,10 +183,13 @@ def build_parallel_model(
     import merak_graph
 
     leaves = (*trace_leaves(model, layout, tp_plan), *ep_leaves)  # an EP block's dispatch stays whole
+    leaf_functions: tuple[Callable[..., Any], ...] = ()
+    hook_trace: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     if layout.cp > 1:  # attention runs over the cp group at run time (merak_core.parallel.context_parallel)
-        from merak_core.parallel.context_parallel import attention_leaf_classes
+        from merak_core.parallel.context_parallel import attention_leaf_classes, hook_functions, hook_tracing
 
         leaves = (*leaves, *attention_leaf_classes(model))
+        leaf_functions, hook_trace = hook_functions(model), hook_tracing(model, layout.cp_group)
     if lora is not None:
         from merak_core.lora.layer import LoraLinear
 
@@ -201,13 +204,14 @@ def build_parallel_model(
     # An MoE block is costed as its active experts, k of E, without its dispatch ([Note: active-expert cost]).
     moe_cost = active_expert_blocks(model) if ep_leaves else contextlib.nullcontext()
     try:
-        with moe_cost:
+        with moe_cost, hook_trace:
             part = merak_graph.partition(
                 model,
                 len(placement),
                 example_inputs=named_inputs if by_keyword else tuple(example_inputs),
                 method=partition_method,
                 leaf_modules=leaves,
+                leaf_functions=leaf_functions,
                 split_points=split_points,
                 trace_method="auto",
             )

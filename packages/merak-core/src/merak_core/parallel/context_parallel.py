@@ -30,10 +30,12 @@ it. Per-example ``compute_metrics`` read whole samples and are refused.
 
 At pp > 1 the pipeline tracer keeps a transformers model's attention modules whole
 (:func:`attention_leaf_classes`, added to the leaves by ``compose``), so their attention function runs
-at run time in the CP context; stage boundaries carry the local tokens.
+at run time in the CP context; a handwritten model is traced in a CP context with the hook functions
+as leaf calls (:func:`hook_tracing`, :func:`hook_functions`, [Note: cp hook at pp > 1]). Stage
+boundaries carry the local tokens.
 
-Not done here (refused instead): a handwritten model at pp > 1, padding masks or restarting position
-ids (packed documents), LoRA dropout, ``compute_metrics``, a custom ``loss_fn``.
+Not done here (refused instead): padding masks or restarting position ids (packed documents), LoRA
+dropout, ``compute_metrics``, a custom ``loss_fn``.
 """
 
 from __future__ import annotations
@@ -49,7 +51,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from merak_tp.context import CP_MODES, ContextParallel, active_context, context_parallel, shard_positions
+from merak_tp.context import (
+    CP_MODES,
+    ContextParallel,
+    active_context,
+    context_parallel,
+    cp_attention,
+    cp_positions,
+    shard_positions,
+)
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -59,6 +69,8 @@ __all__ = [
     "check_cp_batch",
     "check_cp_model",
     "cp_run_for",
+    "hook_functions",
+    "hook_tracing",
     "route_attention",
     "split_batch",
 ]
@@ -123,11 +135,6 @@ def check_cp_model(
             "through transformers' attention-function registry) nor a model that calls merak_tp.cp_attention "
             "and merak_tp.cp_positions (set supports_context_parallel = True on its class once it does): use "
             "that hook in its attention and positions, or cp=1"
-        )
-    if args.pp > 1 and not is_transformers_model(model):
-        raise ValueError(
-            f"cp={cp} with pp={args.pp}: {type(model).__name__} is not a transformers model; a handwritten "
-            "model's positions are computed in the traced graph, outside the cp hook: use pp=1, or cp=1"
         )
     if lora is not None and lora.dropout > 0:
         raise ValueError(
@@ -204,6 +211,49 @@ def attention_leaf_classes(model: nn.Module) -> tuple[type, ...]:
         if is_attention and type(module) not in found:
             found.append(type(module))
     return tuple(found)
+
+
+# ---------------------------------------------------------------------------- a handwritten model at pp > 1
+
+
+def hook_functions(model: nn.Module) -> tuple[Callable[..., Any], ...]:
+    """The hook functions the pipeline tracer keeps as leaf calls of a handwritten model at cp > 1
+    ([Note: cp hook at pp > 1]); none for a transformers model (its attention modules are leaves)."""
+    return () if is_transformers_model(model) else (cp_attention, cp_positions)
+
+
+class _TracingContext(ContextParallel):
+    """The context a handwritten model is traced in: its CP branches are taken, and its attention, run
+    once by the cost annotation on the local tokens, is this rank's local attention (shapes and costs
+    only; no collective)."""
+
+    def attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float | None
+    ) -> torch.Tensor:
+        rep = q.shape[1] // k.shape[1]
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+
+
+def hook_tracing(model: nn.Module, group: dist.ProcessGroup) -> contextlib.AbstractContextManager[None]:
+    """The context to trace and partition ``model`` in at cp > 1 (``group``: the cp group): for a
+    handwritten model a CP context, so that its code takes the path it takes in a step
+    ([Note: cp hook at pp > 1]); nothing for a transformers model."""
+    if is_transformers_model(model):
+        return contextlib.nullcontext()
+    return context_parallel(_TracingContext(group))
+
+
+# [Note: cp hook at pp > 1] A handwritten model calls merak_tp's hook (``cp_attention``, ``cp_positions``)
+# when ``active_context()`` is set. At pp > 1 the model is traced once, at composition, and each stage
+# runs the traced graph: the hook must be in the graph as calls that run in the step's CP context, not
+# as values computed while tracing. So the pipeline tracer traces the model inside a CP context (its
+# CP branches are the ones recorded; :func:`hook_tracing`) and keeps the hook functions as leaf calls
+# (:func:`hook_functions`, merak_graph's ``leaf_functions``): at run time each stage computes the
+# global positions of its local tokens and its attention over the cp group in the context the engine
+# enters around a step. Stage boundaries carry the local tokens (and values such as the rotary tables
+# of the local positions). Outside a CP context the stages' ``cp_attention`` refuses to run.
 
 
 def route_attention(model: nn.Module) -> None:
