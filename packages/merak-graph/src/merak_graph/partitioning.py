@@ -87,13 +87,7 @@ def partition(
     optima). With ``profile_device``, shard costs are measured on that device (one shard
     materialised at a time) instead of estimated.
     """
-    options = _Options(
-        method=method,
-        memory_limit=memory_limit,
-        param_memory_factor=param_memory_factor,
-        in_flight=in_flight,
-        balance_tolerance=balance_tolerance,
-    )
+    options = _options(method, memory_limit, param_memory_factor, in_flight, balance_tolerance)
     if num_stages < 1:
         raise ValueError(f"num_stages={num_stages} must be >= 1")
     if example_inputs is None:
@@ -110,16 +104,8 @@ def partition(
         leaf_functions=leaf_functions,
     )
     annotate_costs(gm, values, cost_model=cost_model)
-    return _partition_graph(
-        gm,
-        num_stages,
-        options,
-        model=model,
-        num_shards=num_shards,
-        split_points=split_points,
-        profile_device=profile_device,
-        profile_inputs=_real_inputs(values, profile_device),
-    )
+    inputs = _real_inputs(values, profile_device)
+    return _partition_graph(gm, num_stages, options, model, num_shards, split_points, profile_device, inputs)
 
 
 def _real_inputs(values: Sequence[Any], device: torch.device | str | None) -> list[Any] | None:
@@ -158,22 +144,9 @@ def partition_traced(
     With ``profile_device``, shard costs are measured there (``profile_shards``) on
     ``profile_inputs`` instead of estimated.
     """
-    options = _Options(
-        method=method,
-        memory_limit=memory_limit,
-        param_memory_factor=param_memory_factor,
-        in_flight=in_flight,
-        balance_tolerance=balance_tolerance,
-    )
+    options = _options(method, memory_limit, param_memory_factor, in_flight, balance_tolerance)
     return _partition_graph(
-        gm,
-        num_stages,
-        options,
-        model=model,
-        num_shards=num_shards,
-        split_points=split_points,
-        profile_device=profile_device,
-        profile_inputs=profile_inputs,
+        gm, num_stages, options, model, num_shards, split_points, profile_device, profile_inputs
     )
 
 
@@ -189,21 +162,31 @@ def partition_sharded(
     balance_tolerance: float = 0.0,
 ) -> Partition:
     """Assign the shards of ``sharded`` to ``num_stages`` contiguous stages (see ``partition``)."""
-    options = _Options(
+    options = _options(method, memory_limit, param_memory_factor, in_flight, balance_tolerance)
+    return assign_stages(sharded, num_stages, options, model)
+
+
+def _options(
+    method: str,
+    memory_limit: float | None,
+    param_memory_factor: float,
+    in_flight: str | Sequence[float] | None,
+    balance_tolerance: float,
+) -> _Options:
+    """The entry points' assignment choices, validated (positional: each entry point passes its own)."""
+    return _Options(
         method=method,
         memory_limit=memory_limit,
         param_memory_factor=param_memory_factor,
         in_flight=in_flight,
         balance_tolerance=balance_tolerance,
     )
-    return assign_stages(sharded, num_stages, options, model)
 
 
 def _partition_graph(
     gm: fx.GraphModule,
     num_stages: int,
     options: _Options,
-    *,
     model: nn.Module | None,
     num_shards: int | None,
     split_points: Sequence[str] | None,
