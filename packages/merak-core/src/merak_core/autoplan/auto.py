@@ -34,11 +34,12 @@ import torch.distributed as dist
 from torch import nn
 
 from merak_core.autoplan.givens import (
-    auto_cp_degrees,
     auto_degrees_note,
     auto_global_batch,
     compute_slots,
     default_memory_per_device,
+    model_cp_degrees,
+    model_ep_degrees,
 )
 from merak_core.autoplan.probe import slowest_probe_note
 from merak_core.config import TrainingArguments
@@ -64,6 +65,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "DEFAULT_PLAN_CHECK_STEPS",
     "AutoLayout",
+    "PlanInputs",
     "auto_layout",
     "build_plan_context",
     "cast_floats",
@@ -89,6 +91,23 @@ class AutoLayout:
     """The planner's first candidate."""
     table: str
     """The ranked table (:func:`~merak_core.planner.format_plan`) with why the first wins."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanInputs:
+    """What planning reads of a job besides its arguments, model and training set (all optional)."""
+
+    data_collator: Callable[[list[Any]], Any] | None = None
+    device: torch.device | str | None = None
+    job_file: str | None = None
+    """The job file and its overrides, for the plan check's ``replanned.yaml``."""
+    job_overrides: Sequence[str] = ()
+    lora: Any = None
+    """The job's :class:`~merak_core.LoraConfig`: the profiled copy gets its adapters."""
+    loss_fn_given: bool = False
+    """A custom loss or metrics: context parallelism refuses them, so ``layout: auto`` then keeps cp=1
+    (unless the job's cp says otherwise and the run refuses it by name)."""
+    compute_metrics_given: bool = False
 
 
 def profile_inputs(
@@ -220,30 +239,33 @@ def _profile_and_measure(
     args: TrainingArguments,
     model: nn.Module | Callable[[], nn.Module],
     train_dataset: Any,
-    data_collator: Any,
-    device: torch.device | str | None,
+    inputs: PlanInputs,
     what: str,
-    decide: Callable[[ModelProfile, Any, float, float | None], dict[str, Any]] | None = None,
+    decide: Callable[[ModelProfile, Any, float, float | None, dict[str, Any]], dict[str, Any]] | None = None,
     probe_tp: bool = False,
-    lora: Any = None,
     per_action_s: float | None = None,
 ) -> tuple[dict[str, Any], Any]:
     """Rank 0 profiles, every rank measures communication, rank 0 ``decide``s; the payload on every rank.
 
-    Errors on rank 0 (profiling, the planner's ValueError) are broadcast and raised on every rank as
-    ValueError, so no rank waits for one that failed.
+    ``decide`` gets the profile, the communication model, the memory per device, the compute slots and
+    the cp and ep degrees the model allows (:func:`_model_degrees`, on rank 0's copy). Errors on rank 0
+    (profiling, the planner's ValueError) are broadcast and raised on every rank as ValueError, so no
+    rank waits for one that failed.
     """
     if train_dataset is None:
         raise ValueError(f"{what} profiles the model on the training set: pass train_dataset")
-    dev = process_group(device)
+    dev = process_group(inputs.device)
     rank = dist.get_rank()
     profile: ModelProfile | None = None
     error = ""
     built: tuple[nn.Module, Any] | None = None
+    degrees: dict[str, Any] = {}
     try:  # one copy of the model per rank: rank 0 profiles it, every rank times it for the contention
-        built = _job_model_and_batch(args, model, train_dataset, data_collator, dev, lora)
+        built = _job_model_and_batch(args, model, train_dataset, inputs.data_collator, dev, inputs.lora)
         if rank == 0:
             profile = profile_for_plan(*built, tp_plan=args.tp_plan, bf16=args.bf16, device=dev)
+            if decide is not None:
+                degrees = _model_degrees(args, *built, inputs)
     except Exception as exc:  # noqa: BLE001 - reported on every rank below, so none waits forever
         if rank == 0:
             logger.exception("%s: profiling failed", what)
@@ -258,7 +280,7 @@ def _profile_and_measure(
     probed: dict[int, tuple[float, int]] = {}
     if probe_tp:
         profile, error, probed = _with_tp_scale(
-            args, model, train_dataset, data_collator, profile, error, comm, slots
+            args, model, train_dataset, inputs.data_collator, profile, error, comm, slots
         )
     payload: dict[str, Any] = {"error": error, "probe": probed}
     if rank == 0 and not error:
@@ -267,7 +289,7 @@ def _profile_and_measure(
         payload.update(profile=profile, memory=memory, slots=slots)
         if decide is not None:
             try:
-                payload.update(decide(profile, comm, memory, slots))
+                payload.update(decide(profile, comm, memory, slots, degrees))
             except ValueError as exc:
                 payload["error"] = f"{what}: {exc}"
     box = [payload]
@@ -276,6 +298,20 @@ def _profile_and_measure(
     if payload["error"]:
         raise ValueError(payload["error"])
     return payload, comm
+
+
+def _model_degrees(
+    args: TrainingArguments, model: nn.Module, batch: Any, inputs: PlanInputs
+) -> dict[str, Any]:
+    """The cp and ep degrees ``layout: auto`` searches for ``model`` (rank 0's copy) and ``batch`` (one
+    training microbatch) on the world's ranks: :func:`~merak_core.autoplan.givens.model_cp_degrees`,
+    :func:`~merak_core.autoplan.givens.model_ep_degrees`."""
+    world = dist.get_world_size()
+    flags = dict(loss_fn_given=inputs.loss_fn_given, compute_metrics_given=inputs.compute_metrics_given)
+    return {
+        "cp": model_cp_degrees(model, batch, args, world, lora=inputs.lora, **flags),
+        "ep": model_ep_degrees(model, args, world, lora=inputs.lora),
+    }
 
 
 def _with_tp_scale(
@@ -308,30 +344,19 @@ def build_plan_context(
     args: TrainingArguments,
     model: nn.Module | Callable[[], nn.Module],
     train_dataset: Any,
-    *,
-    data_collator: Callable[[list[Any]], Any] | None = None,
-    device: torch.device | str | None = None,
-    job_file: str | None = None,
-    job_overrides: Sequence[str] = (),
-    lora: Any = None,
+    inputs: PlanInputs = PlanInputs(),
 ) -> PlanContext:
     """The plan check's :class:`PlanContext` for a manual layout (collective: call on every rank).
 
-    Rank 0 profiles a copy of ``model`` (or what the function builds; with ``lora`` its adapters) on one
-    microbatch of ``train_dataset``; every rank measures communication on the world group.
+    Rank 0 profiles a copy of ``model`` (or what the function builds; with ``inputs.lora`` its adapters)
+    on one microbatch of ``train_dataset``; every rank measures communication on the world group.
     """
-    payload, comm = _profile_and_measure(
-        args, model, train_dataset, data_collator, device, "plan check", lora=lora
-    )
-    return _context(args, payload, comm, job_file, job_overrides)
+    payload, comm = _profile_and_measure(args, model, train_dataset, inputs, "plan check")
+    return _context(args, payload, comm, inputs)
 
 
 def _context(
-    args: TrainingArguments,
-    payload: Mapping[str, Any],
-    comm: Any,
-    job_file: str | None,
-    job_overrides: Sequence[str],
+    args: TrainingArguments, payload: Mapping[str, Any], comm: Any, inputs: PlanInputs
 ) -> PlanContext:
     """The plan check's context from what :func:`_profile_and_measure` agreed on every rank."""
     return PlanContext(
@@ -341,8 +366,8 @@ def _context(
         compute_slots=payload["slots"],
         zero_stage=args.zero_stage,
         virtual_stages=searched_virtual_stages(payload["slots"]),
-        job_file=job_file,
-        job_overrides=tuple(job_overrides),
+        job_file=inputs.job_file,
+        job_overrides=tuple(inputs.job_overrides),
     )
 
 
@@ -350,19 +375,17 @@ def auto_layout(
     args: TrainingArguments,
     model: nn.Module | Callable[[], nn.Module],
     train_dataset: Any,
+    inputs: PlanInputs = PlanInputs(),
     *,
-    data_collator: Callable[[list[Any]], Any] | None = None,
-    device: torch.device | str | None = None,
-    job_file: str | None = None,
-    job_overrides: Sequence[str] = (),
-    lora: Any = None,
     per_action_s: float | None = None,
 ) -> AutoLayout:
     """Choose the layout for ``layout: auto`` (collective: call on every rank; see the module docstring).
 
     ``model`` is the job's model (rank 0 profiles a deep copy) or a function that builds one; with
-    ``lora`` (a :class:`~merak_core.LoraConfig`) the copy gets the adapters and its frozen weights
-    are planned as weights only. ``per_action_s`` is the pipeline runtime's seconds per action to plan
+    ``inputs.lora`` (a :class:`~merak_core.LoraConfig`) the copy gets the adapters and its frozen weights
+    are planned as weights only. The search includes every cp and ep the model and the first training
+    batch allow (:func:`_model_degrees`), whatever the job's cp and ep: an axis wins where the plan
+    predicts it faster or where nothing fits without it. ``per_action_s`` is the pipeline runtime's seconds per action to plan
     with (``CommModel.per_action_s``); None: measured on the ranks (:func:`~merak_core.planner.action_cost.measure_action_cost`).
     Degrees the job writes (dp/tp/pp) are replaced by the plan's, keeping the global batch they give
     (:func:`auto_global_batch`; one line says so). Raises ValueError before any collective when ``args``
@@ -379,7 +402,9 @@ def auto_layout(
     if note is not None and dist.is_initialized() and dist.get_rank() == 0:
         logger.warning("%s", note)
 
-    def decide(profile: ModelProfile, comm: Any, memory: float, slots: float | None) -> dict[str, Any]:
+    def decide(
+        profile: ModelProfile, comm: Any, memory: float, slots: float | None, degrees: dict[str, Any]
+    ) -> dict[str, Any]:
         try:
             cands = plan(
                 profile,
@@ -390,37 +415,30 @@ def auto_layout(
                 zero_stage=args.zero_stage,
                 compute_slots=slots,
                 virtual_stages=searched_virtual_stages(slots),
-                cp_degrees=auto_cp_degrees(args, world),
+                cp_degrees=degrees["cp"],
                 cp_mode=args.cp_mode,
+                ep_degrees=degrees["ep"],
             )
             cands = runnable_cp(cands, model)
         except ValueError as exc:
             raise ValueError(f"for {world} ranks, global batch {gbs}: {exc}") from None
         return {
-            "fields": {**cands[0].training_fields(), "cp": cands[0].cp},  # cp=1 too: it replaces the job's
+            # cp and ep at 1 too: they replace the job's
+            "fields": {**cands[0].training_fields(), "cp": cands[0].cp, "ep": cands[0].ep},
             "chosen": cands[0],
             "table": format_plan(cands),
             "count": len(cands),
         }
 
     payload, comm = _profile_and_measure(
-        args,
-        model,
-        train_dataset,
-        data_collator,
-        device,
-        "layout='auto'",
-        decide,
-        probe_tp=args.plan_probe_tp,
-        lora=lora,
-        per_action_s=per_action_s,
+        args, model, train_dataset, inputs, "layout='auto'", decide, args.plan_probe_tp, per_action_s
     )
     checks = args.plan_check_steps if args.plan_check_steps is not None else DEFAULT_PLAN_CHECK_STEPS
     fields = dict(payload["fields"])
     new_args = dataclasses.replace(args, layout="manual", plan_check_steps=checks, **fields)
     if math.isfinite(payload["memory"]) and args.memory_per_device is None:
         new_args = dataclasses.replace(new_args, memory_per_device=int(payload["memory"]))
-    context = _context(args, payload, comm, job_file, job_overrides)
+    context = _context(args, payload, comm, inputs)
     if dist.get_rank() == 0:
         replaced = {
             k: getattr(args, k)
@@ -454,12 +472,7 @@ def plan_for_job(
     args: TrainingArguments,
     model: nn.Module | Callable[[], nn.Module],
     train_dataset: Any,
-    *,
-    data_collator: Callable[[list[Any]], Any] | None = None,
-    device: torch.device | str | None = None,
-    job_file: str | None = None,
-    job_overrides: Sequence[str] = (),
-    lora: Any = None,
+    inputs: PlanInputs = PlanInputs(),
 ) -> tuple[TrainingArguments, PlanContext | None]:
     """What the Trainer and ``merak train`` do first (collective): the arguments to train with and the check's context.
 
@@ -467,16 +480,13 @@ def plan_for_job(
     arguments and :func:`build_plan_context` (when that fails, on every rank alike, a warning and
     no check). Otherwise the arguments unchanged and no context (nothing is communicated).
     """
-    kw = dict(
-        data_collator=data_collator, device=device, job_file=job_file, job_overrides=job_overrides, lora=lora
-    )
     if args.layout == "auto":
-        auto = auto_layout(args, model, train_dataset, **kw)  # type: ignore[arg-type]
+        auto = auto_layout(args, model, train_dataset, inputs)
         return auto.args, auto.context
     if not args.plan_check_steps:
         return args, None
     try:
-        return args, build_plan_context(args, model, train_dataset, **kw)  # type: ignore[arg-type]
+        return args, build_plan_context(args, model, train_dataset, inputs)
     except ValueError as exc:
         logger.warning("plan check off: %s", exc)
         return args, None

@@ -226,18 +226,19 @@ class PlanCheck:
     def _report(self, measured: MeasuredStep, step: int) -> None:
         run, args, ctx = self.run, self.run.args, self.context
         kind, _ = args.recompute_mode
+        as_set = {k: getattr(args, k) for k in ("virtual_stages", "zero_stage", "cp", "cp_mode", "ep")}
+        batching: dict[str, Any] = dict(
+            num_microbatches=args.num_microbatches, micro_batch_size=args.micro_batch_size
+        )
+        layout = run.layout
         running = LayoutChoice(
-            dp=run.layout.dp,
-            tp=run.layout.tp,
-            pp=run.layout.pp,
+            dp=layout.dp,
+            tp=layout.tp,
+            pp=layout.pp,
             schedule=run.schedule_name,
-            num_microbatches=args.num_microbatches,
-            micro_batch_size=args.micro_batch_size,
             recompute=kind,
-            virtual_stages=args.virtual_stages,
-            zero_stage=args.zero_stage,
-            cp=args.cp,
-            cp_mode=args.cp_mode,
+            **batching,
+            **as_set,
         )
         predicted = predict_current(
             ctx, running, memory_budget=args.memory_budget if kind == "stage_aware" else None

@@ -7,10 +7,13 @@ plans with them, ``merak train --dry-run`` and ``merak plan`` print them.
 
 from __future__ import annotations
 
+import copy
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from merak_core.config import TrainingArguments
 
@@ -20,16 +23,85 @@ __all__ = [
     "auto_global_batch",
     "compute_slots",
     "default_memory_per_device",
+    "model_cp_degrees",
+    "model_ep_degrees",
     "written_degrees",
 ]
 
 
 def auto_cp_degrees(args: TrainingArguments, world_size: int) -> tuple[int, ...]:
-    """The context-parallel degrees ``layout: auto`` searches: every divisor of the job's ``cp`` that divides
-    ``world_size`` (the job's cp is the largest the planner may choose; its divisors pass the checks made
-    before torchrun for it: the model's cp hook, Ulysses' heads, the sequence's ``2 * cp`` chunks); (1,)
-    at cp=1: the planner does not turn context parallelism on by itself."""
+    """The context-parallel degrees ``merak plan`` searches without the model's checks: every divisor of the
+    job's ``cp`` that divides ``world_size`` (they pass the checks made before torchrun for the job's cp: the
+    model's cp hook, Ulysses' heads, the sequence's ``2 * cp`` chunks). ``layout: auto`` checks the model
+    itself and searches more: :func:`model_cp_degrees`."""
     return tuple(c for c in range(1, args.cp + 1) if args.cp % c == 0 and world_size % c == 0)
+
+
+def _degrees_passing(world_size: int, check: Any) -> tuple[int, ...]:
+    """1 and every divisor d > 1 of ``world_size`` for which ``check(d)`` raises no ValueError."""
+    out = [1]
+    for d in range(2, world_size + 1):
+        if world_size % d:
+            continue
+        try:
+            check(d)
+        except ValueError:
+            continue
+        out.append(d)
+    return tuple(out)
+
+
+def model_cp_degrees(
+    model: nn.Module,
+    batch: Any,
+    args: TrainingArguments,
+    world_size: int,
+    *,
+    lora: Any = None,
+    loss_fn_given: bool = False,
+    compute_metrics_given: bool = False,
+) -> tuple[int, ...]:
+    """The context-parallel degrees ``layout: auto`` may choose, whatever the job's cp (issue 28: cp for long
+    sequences): 1, and every cp > 1 dividing ``world_size`` that the run's refusals accept for ``model`` (its
+    attention hook, LoRA dropout, a custom loss or metrics, Ulysses' heads at ``args.cp_mode``:
+    :func:`~merak_core.parallel.context_parallel.check_cp_model`) and for ``batch``, a training batch
+    (its length in ``2 * cp`` chunks for the ring, ``cp`` for Ulysses, no padding mask:
+    :func:`~merak_core.parallel.context_parallel.check_cp_batch`). Pure: no collective. The pipeline's
+    refusal for a handwritten model depends on pp: the planner's candidates go through
+    :func:`merak_core.planner.context_cost.runnable_cp`."""
+    from merak_core.parallel.context_parallel import check_cp_batch, check_cp_model
+
+    def check(cp: int) -> None:
+        probe = copy.copy(
+            args
+        )  # the job's fields at this cp (no validation of the rest: nothing else changes)
+        probe.cp, probe.tp, probe.pp = cp, 1, 1
+        check_cp_model(
+            model, probe, lora=lora, loss_fn_given=loss_fn_given, compute_metrics_given=compute_metrics_given
+        )
+        check_cp_batch(batch, None, cp, args.cp_mode)
+
+    return _degrees_passing(world_size, check)
+
+
+def model_ep_degrees(
+    model: nn.Module, args: TrainingArguments, world_size: int, *, lora: Any = None
+) -> tuple[int, ...]:
+    """The expert-parallel degrees ``layout: auto`` may choose (issue 29): 1, and every ep > 1 dividing
+    ``world_size`` that :func:`~merak_core.parallel.expert_parallel.check_ep_model` accepts for ``model`` with
+    the job's other fields (its MoE blocks, router losses, LoRA, the ZeRO stage; read at run time, so the
+    search follows what the run refuses). Pure: no collective. What depends on the chosen layout (ep
+    dividing dp and the experts, virtual stages, cp) the planner checks per candidate
+    (:func:`merak_core.planner.search.ep_refusal`)."""
+    from merak_core.parallel.expert_parallel import check_ep_model
+
+    def check(ep: int) -> None:
+        probe = copy.copy(args)
+        probe.ep, probe.dp, probe.tp, probe.pp, probe.cp, probe.virtual_stages = ep, None, 1, 1, 1, 1
+        probe.layout = "manual"  # the planner chooses ep here
+        check_ep_model(model, probe, lora=lora)
+
+    return _degrees_passing(world_size, check)
 
 
 def written_degrees(args: TrainingArguments) -> dict[str, int]:

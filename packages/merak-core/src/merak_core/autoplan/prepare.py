@@ -84,15 +84,24 @@ def _plan(
     data_collator: Callable[[list[Any]], Any] | None,
     device: torch.device | str | None,
     lora: LoraConfig | None,
+    given: tuple[bool, bool],
 ) -> tuple[TrainingArguments, PlanContext | None]:
-    """``layout: auto`` and the plan check's context (collective: see [Note: layout auto] in config)."""
+    """``layout: auto`` and the plan check's context (collective: see [Note: layout auto] in config);
+    ``given``: whether a custom loss and metrics are given (context parallelism refuses them)."""
     if not (args.layout == "auto" or (args.plan_check_steps and plan_context is None)):
         return args, plan_context
     if args.layout == "auto" and layout is not None:
         raise ValueError("layout='auto' chooses dp/tp/pp itself: do not pass layout= (or use layout: manual)")
-    from merak_core.autoplan.auto import plan_for_job
+    from merak_core.autoplan.auto import PlanInputs, plan_for_job
 
-    return plan_for_job(args, model, train_dataset, data_collator=data_collator, device=device, lora=lora)
+    inputs = PlanInputs(
+        data_collator=data_collator,
+        device=device,
+        lora=lora,
+        loss_fn_given=given[0],
+        compute_metrics_given=given[1],
+    )
+    return plan_for_job(args, model, train_dataset, inputs)
 
 
 def _refuse_before_groups(
@@ -170,6 +179,7 @@ def prepare_run(
         data_collator=data_collator,
         device=device,
         lora=lora,
+        given=(loss_fn is not None, compute_metrics is not None),
     )
     _refuse_before_groups(
         model,
@@ -264,21 +274,21 @@ def prepare_job(
     has one (a manual layout: nothing is profiled then). ``layout: auto`` is planned here, once; then the process
     groups are made, the model is built under the job's seed and :func:`prepare_run` does the rest.
     """
-    from merak_core.autoplan.auto import plan_for_job
+    from merak_core.autoplan.auto import PlanInputs, plan_for_job
 
     targs = job.training if args is None else args
     train_data, eval_data = datasets
     collate = job.optional("collate")
     if plan_context is None or targs.layout == "auto":
-        targs, plan_context = plan_for_job(
-            targs,
-            job.build_model,
-            train_data,
+        inputs = PlanInputs(
             data_collator=collate,
             job_file=job_file,
-            job_overrides=job_overrides,
+            job_overrides=tuple(job_overrides),
             lora=job.model.lora,
+            loss_fn_given=job.optional("loss") is not None,
+            compute_metrics_given=job.optional("metrics") is not None,
         )
+        targs, plan_context = plan_for_job(targs, job.build_model, train_data, inputs)
     layout = init(dp=targs.dp, tp=targs.tp, pp=targs.pp, cp=targs.cp, ep=targs.ep, timeout=targs.comm_timeout)
     torch.manual_seed(targs.seed)
     return prepare_run(

@@ -50,11 +50,14 @@ class Candidate(LayoutChoice):
 
 
 def sort_key(c: Candidate) -> tuple[Any, ...]:
-    """The ranking: step time (to 9 digits), then fewer TP ranks, the layout string, the schedule's
+    """The ranking: step time (to 9 digits), then fewer TP ranks, fewer cp then ep ranks (an axis is
+    turned on only when it is predicted faster or must: memory), the layout string, the schedule's
     registry order, fewer microbatches and the recompute mode's order."""
     return (
         float(f"{c.step_time_s:.9g}"),
         c.tp,
+        c.cp,
+        c.ep,
         c.layout,
         schedule_order(c.schedule),
         c.num_microbatches,

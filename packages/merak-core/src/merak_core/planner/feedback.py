@@ -447,6 +447,7 @@ def replan(
             virtual_stages=ctx.virtual_stages,
             cp_degrees=(predicted.cp,),  # the run's cp group (its model and sequence were checked for it)
             cp_mode=predicted.cp_mode,
+            ep_degrees=sorted({1, predicted.ep}),  # the run's ep (checked for its model), or none
         )
     except ValueError as exc:
         return Replan(current=current, candidates=(), profile=corrected, error=str(exc))

@@ -59,6 +59,15 @@ class ModelProfile:
     """Key/value heads (tp must divide it); None: same as ``num_heads``."""
     vocab_size: int | None = None
     """Vocabulary size (tp must divide it); None: no constraint."""
+    layer_expert_bytes: list[float] | None = None
+    """Bytes of each layer's mixture-of-experts experts (part of ``layer_param_bytes``; expert parallelism
+    shards them over ep: [Note: expert parallelism priced] in :mod:`.pricing`). None: a dense model."""
+    layer_moe_blocks: list[int] | None = None
+    """MoE blocks in each layer (two all-to-alls each per microbatch in forward, two in backward, at ep > 1)."""
+    num_experts: int | None = None
+    """Experts per MoE block (the fewest when blocks differ): ep must divide it. None: a dense model."""
+    top_k: int = 1
+    """Experts each token visits (the all-to-alls carry ``top_k`` rows per token)."""
     fingerprint: str = ""
     """Model fingerprint (see :func:`model_fingerprint`)."""
     device: str = "cpu"
@@ -82,6 +91,7 @@ class ModelProfile:
                 if not v >= 0 or math.isinf(v):
                     raise ValueError(f"ModelProfile.{name} holds {v!r}: expected finite values >= 0")
         self._check_trainable(n)
+        self._check_experts(n)
         scales = {}
         for k, v in dict(self.tp_scale).items():  # JSON gives string keys
             if int(k) < 1 or not (float(v) > 0 and math.isfinite(float(v))):
@@ -109,6 +119,28 @@ class ModelProfile:
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ValueError(
                     f"ModelProfile.{name}={v!r}: expected a positive int or None (no constraint)"
+                )
+
+    def _check_experts(self, n: int) -> None:
+        if self.layer_expert_bytes is None:
+            return
+        self.layer_expert_bytes = [float(v) for v in self.layer_expert_bytes]
+        blocks = self.layer_moe_blocks if self.layer_moe_blocks is not None else []
+        if len(self.layer_expert_bytes) != n or len(blocks) != n:
+            raise ValueError(
+                f"ModelProfile.layer_expert_bytes and layer_moe_blocks need one value per layer ({n}), got "
+                f"{len(self.layer_expert_bytes)} and {len(blocks)}"
+            )
+        for i, (e, p) in enumerate(zip(self.layer_expert_bytes, self.layer_param_bytes, strict=True)):
+            if not 0 <= e <= p:
+                raise ValueError(
+                    f"ModelProfile.layer_expert_bytes[{i}]={e!r}: expected 0 <= value <= layer_param_bytes[{i}]={p!r}"
+                )
+        for name in ("num_experts", "top_k"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(
+                    f"ModelProfile.{name}={v!r}: expected a positive int with layer_expert_bytes"
                 )
 
     def _check_trainable(self, n: int) -> None:
@@ -147,6 +179,10 @@ class ModelProfile:
     def shared_trainable(self) -> float:
         """Trainable bytes of the shared (tied) parameters."""
         return self.shared_param_bytes if self.layer_trainable_bytes is None else self.shared_trainable_bytes
+
+    def ep_allowed(self, ep: int) -> bool:
+        """Whether ``ep`` divides the experts (ep=1 always; ep > 1 needs a mixture-of-experts profile)."""
+        return ep == 1 or (self.num_experts is not None and self.num_experts % ep == 0)
 
     def tp_allowed(self, tp: int) -> bool:
         """Whether ``tp`` divides heads, kv heads and vocabulary."""

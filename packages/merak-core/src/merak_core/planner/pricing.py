@@ -7,6 +7,17 @@ microbatches and recomputation, simulates the pipeline with :func:`merak_pipe.si
 returns a :class:`~merak_core.planner.candidate.Candidate`. Held state per stage is
 :func:`merak_core.planner.memory.model_state_bytes` under the ZeRO stage in use.
 
+[Note: expert parallelism priced] At ``ep > 1`` (a profile with ``layer_expert_bytes``; uniform routing
+assumed, as in [Note: expert-parallel cost terms] of :mod:`.expert_cost`) a rank holds ``1 / ep`` of each
+MoE block's experts, whole (not split by tp), and the dense rest split by tp; ZeRO shards the experts'
+optimizer states (and, at ZeRO-2/3, their gradients and parameters) over the expert-replica group
+(``dp / ep`` of the ZeRO group). Each MoE block adds two all-to-alls to a microbatch's forward and two to
+its backward, each sending :func:`~merak_core.planner.expert_cost.all_to_all_bytes` off the rank (``top_k``
+rows of the block's output per token, the output priced at ``boundary_bytes``) as ``ep - 1`` point-to-point
+messages over the measured link, not overlapped. Layer compute and activations are unchanged: every token
+still visits ``top_k`` experts, on whichever rank holds them. The DP all-reduce carries the rank's
+parameters (experts ``1 / ep``) over dp x cp.
+
 See the package docstring (:mod:`merak_core.planner`) for the cost model and its limits. Not done
 here: which configurations to try (:mod:`.search`).
 """
@@ -21,6 +32,7 @@ from merak_core.config.layout_choice import LayoutChoice
 from merak_core.planner.candidate import Candidate
 from merak_core.planner.comm import CommModel
 from merak_core.planner.context_cost import cp_layer_comm_s
+from merak_core.planner.expert_cost import all_to_all_bytes
 from merak_core.planner.memory import WEIGHT_GRAD_FRACTION, model_state_bytes, usable_memory
 from merak_core.planner.model_profile import ModelProfile
 from merak_pipe import schedule_info
@@ -79,6 +91,8 @@ class LayoutCosts:
     optimizer_state_factor: float = 2.0
     cp: int = 1  # context-parallel ranks (the profile is then one cp rank's: merak_core.planner.context_cost)
     cp_mode: str = "ring"
+    ep: int = 1  # expert-parallel ranks, carved out of dp ([Note: expert parallelism priced])
+    moe_blocks: tuple[int, ...] = ()  # MoE blocks per stage (all-to-alls at ep > 1)
 
 
 def layout_costs(
@@ -92,13 +106,16 @@ def layout_costs(
     virtual_stages: int = 1,
     cp: int = 1,
     cp_mode: str = "ring",
+    ep: int = 1,
 ) -> LayoutCosts:
     """What (dp, tp, pp) fixes; at ``cp > 1`` ``profile`` is one cp rank's
-    (:func:`merak_core.planner.context_cost.cp_local_profile`) and the gradients are averaged over dp x cp."""
+    (:func:`merak_core.planner.context_cost.cp_local_profile`) and the gradients are averaged over dp x cp;
+    at ``ep > 1`` the experts are sharded over ep ([Note: expert parallelism priced])."""
     num_stages = pp * virtual_stages
     sizes = split_layers(profile.layer_forward_s, num_stages)
     bounds = [sum(sizes[:s]) for s in range(num_stages + 1)]
     stage = [range(bounds[s], bounds[s + 1]) for s in range(num_stages)]
+    experts = _expert_bytes(profile, stage, ep)
     params = [sum(profile.layer_param_bytes[i] for i in r) / tp for r in stage]
     per_layer = profile.trainable_bytes  # [Note: frozen weights] in merak_core.planner.memory
     trainable = [sum(per_layer[i] for i in r) / tp for r in stage]
@@ -108,12 +125,13 @@ def layout_costs(
     # ZeRO-1 shards the optimizer over dp; ZeRO-2/3 (FSDP2) over the dp x cp replicas (grad_sync_group).
     shard_dp = dp * cp if zero_stage >= 2 else dp
     opt_div = shard_dp if zero_stage >= 1 else 1
-    static = [
-        sum(
+
+    def state(s: int, p: float, t: float, r: range, *, group: int) -> float:
+        return sum(
             model_state_bytes(
                 p,
                 zero_stage=zero_stage,
-                dp=shard_dp,
+                dp=group,
                 optimizer_state_factor=optimizer_state_factor,
                 largest_unit_bytes=max(profile.layer_param_bytes[i] for i in r) / tp,
                 stage_index=s,
@@ -121,14 +139,26 @@ def layout_costs(
                 trainable_bytes=t,
             )
         )
-        for s, (p, t, r) in enumerate(zip(params, trainable, stage, strict=True))
-    ]
+
+    static = []
+    for s, r in enumerate(stage):
+        whole = experts[s] * ep / tp  # the experts' bytes in params[s] (split by tp at ep=1)
+        static.append(
+            state(s, params[s] - whole, trainable[s] - whole, r, group=shard_dp)
+            + (state(s, experts[s], experts[s], r, group=shard_dp // ep) if experts[s] else 0.0)
+        )
+        params[s] += experts[s] - whole
+        trainable[s] += experts[s] - whole
     world = dp * cp * tp * pp
     # Per step outside the pipeline: the optimizer over this rank's trainable parameters (its share
     # under ZeRO-1), the gradient-norm all-reduce and the loss all-reduce over every rank.
     # A rank holds every pp-th stage (round-robin; a V holds the same amount up to rounding).
     rank_params = [sum(trainable[s] for s in range(num_stages) if s % pp == r) for r in range(pp)]
-    optimizer = max(rank_params) / opt_div * profile.optimizer_s_per_byte
+    # ZeRO shards the experts' optimizer over their replica group (opt_div / ep ranks)
+    expert_div = opt_div // ep if zero_stage >= 1 else 1
+    optimized = [(t - e) / opt_div + e / expert_div for t, e in zip(trainable, experts, strict=True)]
+    optimizer = max(sum(optimized[s] for s in range(num_stages) if s % pp == r) for r in range(pp))
+    optimizer *= profile.optimizer_s_per_byte
     return LayoutCosts(
         dp=dp,
         tp=tp,
@@ -146,7 +176,19 @@ def layout_costs(
         optimizer_state_factor=optimizer_state_factor,
         cp=cp,
         cp_mode=cp_mode,
+        ep=ep,
+        moe_blocks=tuple(
+            sum((profile.layer_moe_blocks or [0] * profile.num_layers)[i] for i in r) for r in stage
+        ),
     )
+
+
+def _expert_bytes(profile: ModelProfile, stage: Sequence[range], ep: int) -> list[float]:
+    """Per stage: the expert bytes one rank holds at ``ep > 1`` (whole experts, ``1 / ep`` of them); zeros at
+    ep=1, where the experts are priced with the dense parameters (split by tp)."""
+    if ep == 1 or profile.layer_expert_bytes is None:
+        return [0.0] * len(stage)
+    return [sum(profile.layer_expert_bytes[i] for i in r) / ep for r in stage]
 
 
 def _wait(comm: CommModel, group_size: int) -> float:
@@ -193,11 +235,14 @@ def price(
     slow = world / compute_slots if compute_slots is not None and world > compute_slots else 1.0
     k = profile.tp_scale.get(lay.tp, 1.0)  # measured against modelled at this TP degree (1: not measured)
     cp_fwd, cp_bwd = _cp_comm(profile, comm, lay, b, slow)
+    a2a = _all_to_alls_s(profile, comm, lay, b)  # [Note: expert parallelism priced]; the same in backward
     fwd = [
-        ((h + b * f) * slow + c + e) * k for h, f, c, e in zip(half, lay.fwd1, tp_comm, cp_fwd, strict=True)
+        ((h + b * f) * slow + c + e + a) * k
+        for h, f, c, e, a in zip(half, lay.fwd1, tp_comm, cp_fwd, a2a, strict=True)
     ]
     bwd = [
-        ((h + b * x) * slow + c + e) * k for h, x, c, e in zip(half, lay.bwd1, tp_comm, cp_bwd, strict=True)
+        ((h + b * x) * slow + c + e + a) * k
+        for h, x, c, e, a in zip(half, lay.bwd1, tp_comm, cp_bwd, a2a, strict=True)
     ]
     costs = CostModel(
         forward=fwd,
@@ -253,6 +298,7 @@ def price(
             "zero_stage": lay.zero_stage,
             "cp": lay.cp,
             "cp_mode": lay.cp_mode,
+            "ep": lay.ep,
         },
         recompute_fractions=fractions,
         stage_layers=tuple(lay.sizes),
@@ -286,6 +332,18 @@ def _cp_comm(
         fwd.append(n * one[0])
         bwd.append(n * one[1])
     return fwd, bwd
+
+
+def _all_to_alls_s(profile: ModelProfile, comm: CommModel, lay: LayoutCosts, b: int) -> list[float]:
+    """Per stage: the seconds of the two all-to-alls per MoE block that a microbatch's forward (and again its
+    backward) adds at ``ep > 1`` ([Note: expert parallelism priced]); zeros at ep=1."""
+    if lay.ep == 1:
+        return [0.0] * len(lay.sizes)
+    sent = all_to_all_bytes(
+        b * profile.boundary_bytes, profile.top_k, lay.ep, 1, 1.0
+    )  # tokens x hidden x bytes
+    one = (lay.ep - 1) * comm.p2p_latency_s + sent / comm.p2p_bandwidth + comm.sync_wait_s
+    return [2 * n * one for n in lay.moe_blocks]
 
 
 def _held_once(profile: ModelProfile, lay: LayoutCosts, stage_to_rank: Sequence[int]) -> list[float]:

@@ -47,7 +47,10 @@ def model_fingerprint(model: nn.Module, sample_shape: Sequence[Any]) -> str:
 
 
 def _find_layers(model: nn.Module) -> nn.ModuleList:
+    """The longest ``nn.ModuleList`` not inside another one (a block's list of experts is not the layers)."""
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    inner = {id(m) for outer in lists for child in outer for m in child.modules()}
+    lists = [m for m in lists if id(m) not in inner]
     if not lists:
         raise ValueError("profile_model: the model has no nn.ModuleList of layers; pass layers= explicitly")
     return max(lists, key=len)
@@ -339,6 +342,7 @@ def _measure(
     frozen_some = trainable != params or shared_trainable != shared  # a LoRA run: [Note: frozen weights]
     heads, kv, vocab = tp_constraints(model)
     prof = ModelProfile(
+        **_experts(model, layers),
         layer_forward_s=[f / batch for f in per_layer_f],
         layer_backward_s=[b / batch for b in per_layer_b],
         layer_activation_bytes=[a / batch for a in act],
@@ -354,6 +358,34 @@ def _measure(
         device=device,
     )
     return _with_microbatch_overhead(prof, model, sample, batch, repeats, total_f + total_b)
+
+
+def _experts(model: nn.Module, layers: nn.ModuleList) -> dict[str, Any]:
+    """The profile's mixture-of-experts fields: per layer the bytes of its experts (protocol blocks' ``experts``,
+    transformers' fused experts modules) and its MoE blocks, the fewest experts of a block and the most
+    experts a token visits; nothing for a dense model."""
+    from merak_core.parallel.expert_parallel import moe_blocks
+    from merak_core.parallel.fused_experts import fused_experts
+
+    blocks = [(m, m.experts) for _, m in moe_blocks(model)] + [(m, m) for _, m in fused_experts(model)]
+    if not blocks:
+        return {}
+    expert_bytes, counts = [0.0] * len(layers), [0] * len(layers)
+    for i, layer in enumerate(layers):
+        inside = {id(m) for m in layer.modules()}
+        for block, experts in blocks:
+            if id(block) in inside:
+                counts[i] += 1
+                expert_bytes[i] += float(sum(p.numel() * p.element_size() for p in experts.parameters()))
+    top_k = max(int(getattr(b, "top_k", 0) or 0) for b, _ in blocks) or _find_attr(
+        model, ("num_experts_per_tok", "top_k")
+    )
+    return {
+        "layer_expert_bytes": expert_bytes,
+        "layer_moe_blocks": counts,
+        "num_experts": min(int(b.num_experts) for b, _ in blocks),
+        "top_k": top_k or 1,
+    }
 
 
 def _with_microbatch_overhead(

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterator, Sequence
+from types import SimpleNamespace
 
 from merak_core.config.layout_choice import LayoutChoice
 from merak_core.planner.candidate import Candidate, sort_key
@@ -36,7 +37,7 @@ from merak_core.planner.memory import MEMORY_MARGIN, ZERO_STAGES, usable_memory
 from merak_core.planner.model_profile import ModelProfile
 from merak_core.planner.pricing import LayoutCosts, layout_costs, price
 
-__all__ = ["plan", "predict", "virtual_stage_counts"]
+__all__ = ["ep_refusal", "plan", "predict", "virtual_stage_counts"]
 
 
 def _check_common(memory_per_device: float, zero_stage: int, compute_slots: float | None) -> None:
@@ -105,9 +106,20 @@ def predict(
             f"predict: cp_mode='ulysses' with cp={choice.cp} at tp={tp}: cp must divide the heads per TP rank "
             f"(heads={profile.num_heads}, kv heads={profile.num_kv_heads}); use cp_mode='ring' or another cp"
         )
+    _check_ep(profile, choice)
     local = cp_local_profile(profile, choice.cp, choice.cp_mode)  # [merak_core.planner.context_cost]
     lay = layout_costs(
-        local, comm, dp, tp, pp, zero_stage, optimizer_state_factor, virtual_stages, choice.cp, choice.cp_mode
+        local,
+        comm,
+        dp,
+        tp,
+        pp,
+        zero_stage,
+        optimizer_state_factor,
+        virtual_stages,
+        choice.cp,
+        choice.cp_mode,
+        choice.ep,
     )
     if recompute == "stage_aware" and pp < 2:
         recompute = "none"
@@ -119,6 +131,36 @@ def predict(
             "bytes for this configuration; raise the memory or use recompute='full'"
         )
     return cand
+
+
+def ep_refusal(choice: LayoutChoice) -> str | None:
+    """Why expert parallelism cannot run ``choice``'s ep with its other fields (None: it can, or ep=1):
+    :func:`merak_core.parallel.expert_parallel.check_ep_arguments`' message, asked at run time so that the
+    search follows what the runtime refuses (ZeRO stages, virtual stages, cp)."""
+    if choice.ep == 1:
+        return None
+    from merak_core.parallel.expert_parallel import check_ep_arguments
+
+    fields = {**choice.choice_fields(), "layout": "manual", "moe_capacity_factor": None}
+    try:
+        check_ep_arguments(SimpleNamespace(**fields))
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _check_ep(profile: ModelProfile, choice: LayoutChoice) -> None:
+    ep = choice.ep
+    if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
+        raise ValueError(f"predict: ep={ep!r}; expected an int >= 1")
+    if ep > 1 and (choice.dp % ep or not profile.ep_allowed(ep)):
+        raise ValueError(
+            f"predict: ep={ep} at dp={choice.dp} with num_experts={profile.num_experts}: ep must divide dp and the "
+            "experts of a mixture-of-experts profile; use another ep, or ep=1"
+        )
+    refused = ep_refusal(choice)
+    if refused is not None:
+        raise ValueError(f"predict: {refused}")
 
 
 def _check_plan_inputs(
@@ -178,6 +220,7 @@ def plan(
     virtual_stages: Sequence[int] = (1,),
     cp_degrees: Sequence[int] = (1,),
     cp_mode: str = "ring",
+    ep_degrees: Sequence[int] = (1,),
 ) -> list[Candidate]:
     """Every feasible configuration, best predicted step time first.
 
@@ -187,9 +230,11 @@ def plan(
     rank); ``virtual_stages``: the stages per pipeline rank to try (see [Note: virtual stages in
     the search]); ``cp_degrees``: the context-parallel degrees to try, each dividing ``world_size``
     (priced by :mod:`merak_core.planner.context_cost` with ``cp_mode``; give (1, 2, 4, ...) for long
-    sequences: a cp > 1 layout is kept when it fits and ranks by its step time like any other). Ties
-    in step time are broken by fewer TP ranks, then the layout string, schedule, microbatches and
-    recompute mode.
+    sequences: a cp > 1 layout is kept when it fits and ranks by its step time like any other);
+    ``ep_degrees``: the expert-parallel degrees to try for a mixture-of-experts profile, each where it
+    divides dp and the experts and expert parallelism runs with the rest ([Note: expert parallelism
+    priced] in :mod:`.pricing`; :func:`ep_refusal`). Ties in step time are broken by fewer TP ranks,
+    then no cp or ep, the layout string, schedule, microbatches and recompute mode.
     Raises ValueError on invalid inputs, or when nothing fits (naming the least memory needed).
     """
     comm = comm or CommModel()
@@ -215,31 +260,31 @@ def plan(
             "batch size"
         )
     for cp, local, (dp, tp, pp) in grid:
-        lays = {
-            v: layout_costs(local, comm, dp, tp, pp, zero_stage, optimizer_state_factor, v, cp, cp_mode)
-            for v in virtual_stage_counts(profile.num_layers, pp, virtual_stages)
-        }
-        per_dp = global_batch_size // dp
-        for m in divisors(per_dp):
-            if m > max_microbatches or m < pp:  # the Trainer needs a microbatch per stage at least
-                continue
-            for sched, v in _runs(pp, schedules, lays):
-                choice = LayoutChoice(
-                    dp=dp,
-                    tp=tp,
-                    pp=pp,
-                    schedule=sched,
-                    num_microbatches=m,
-                    micro_batch_size=per_dp // m,
-                    virtual_stages=v,
-                    zero_stage=zero_stage,
-                    cp=cp,
-                    cp_mode=cp_mode,
+        for ep in sorted({e for e in ep_degrees if dp % e == 0 and profile.ep_allowed(e)}):
+            lays = {
+                v: layout_costs(
+                    local, comm, dp, tp, pp, zero_stage, optimizer_state_factor, v, cp, cp_mode, ep
                 )
+                for v in virtual_stage_counts(profile.num_layers, pp, virtual_stages)
+            }
+            base = LayoutChoice(
+                dp=dp,
+                tp=tp,
+                pp=pp,
+                schedule="1f1b",
+                num_microbatches=1,
+                micro_batch_size=1,
+                zero_stage=zero_stage,
+            )
+            for choice in _choices(
+                dataclasses.replace(base, cp=cp, cp_mode=cp_mode, ep=ep), global_batch_size, lays, schedules
+            ):
+                if max_microbatches < choice.num_microbatches or ep_refusal(choice) is not None:
+                    continue
                 for cand in _recompute_variants(
                     local,
                     comm,
-                    lays[v],
+                    lays[choice.virtual_stages],
                     choice,
                     recompute_modes=recompute_modes,
                     memory_per_device=memory_per_device,
@@ -257,6 +302,20 @@ def plan(
         )
     out.sort(key=sort_key)
     return out
+
+
+def _choices(
+    base: LayoutChoice, global_batch_size: int, lays: dict[int, LayoutCosts], schedules: Sequence[str]
+) -> Iterator[LayoutChoice]:
+    """``base``'s degrees with every microbatch count (at least one per stage), schedule and stage count."""
+    per_dp = global_batch_size // base.dp
+    for m in divisors(per_dp):
+        if m < base.pp:  # the Trainer needs a microbatch per stage at least
+            continue
+        for sched, v in _runs(base.pp, schedules, lays):
+            yield dataclasses.replace(
+                base, schedule=sched, num_microbatches=m, micro_batch_size=per_dp // m, virtual_stages=v
+            )
 
 
 def _cp_grid(
