@@ -3,8 +3,9 @@
 :class:`_TransportBooks` is the part of :class:`merak_pipe.comm.P2PTransport` that remembers what
 is in flight and what can be reused: the sends issued and not yet known complete (reaped without
 blocking, waited once proven matched, waited at the round's end), the pool of receive buffers per
-shape and dtype, and the received buffers that a pending send still shares. It issues nothing and
-waits only through the transport's ``wait`` (which names rank, stage and action on failure).
+shape and dtype, the received buffers that a pending send still shares, and the reused buffers of
+the round headers ([Note: header buffers]). It issues nothing and waits only through the
+transport's ``wait`` (which names rank, stage and action on failure).
 """
 
 from __future__ import annotations
@@ -25,6 +26,16 @@ class _Pending:
     works: list[Any]
     tensors: list[torch.Tensor]
     what: str
+
+
+@dataclass
+class _HeaderSlot:
+    """One reusable send header: ``host`` (int64[2], pinned on CUDA) and ``device``, what is sent
+    (``host`` itself on CPU); ``copied``: the CUDA event recorded after the last copy host -> device."""
+
+    host: torch.Tensor
+    device: torch.Tensor
+    copied: Any = None
 
 
 def _completed(work: Any) -> bool:
@@ -59,6 +70,10 @@ class _TransportBooks:
         """Receive buffers allocated so far (statistics)."""
         self.buffers_reused = 0
         """Receive buffers taken from the pool instead (statistics)."""
+        self._header_slots: list[_HeaderSlot] = []
+        self._header_recv: dict[int, torch.Tensor] = {}
+        self.header_buffers_allocated = 0
+        """Header buffers (send slots and per-stage receive buffers) allocated so far (statistics)."""
 
     def wait(self, works: list[Any], what: str) -> None:  # pragma: no cover - the transport's
         raise NotImplementedError
@@ -104,6 +119,50 @@ class _TransportBooks:
     def pending_sends(self) -> int:
         """Sends issued and not yet known to have completed."""
         return len(self._sends)
+
+    # ------------------------------------------------------------------ headers
+
+    # [Note: header buffers]
+    # A round header is two int64 values, sent once per round by each sending stage. It is never
+    # built from a Python list per send (on CUDA that is a pageable host-to-device copy that blocks
+    # the host): the values are written into a reused host buffer, pinned on CUDA, and copied
+    # without blocking into a reused device buffer, which is what is sent. A send slot is reused
+    # once nothing can still read it: no pending send holds its device buffer (the round's end waits
+    # for every send, and the wait orders the compute stream after it) and the copy from its host
+    # buffer has run (its event, queried without blocking). Otherwise another slot is taken (or
+    # made): a rank holds as many slots as headers it has in flight, one per sending stage in
+    # steady state. A received header is read as soon as its unit is issued, so each receiving
+    # stage keeps one receive buffer.
+
+    def _send_header_buffer(self, values: tuple[int, int]) -> torch.Tensor:
+        """The device tensor holding ``values`` to send as a header ([Note: header buffers])."""
+        slot = self._free_header_slot()
+        slot.host[0], slot.host[1] = values
+        if slot.device is not slot.host:
+            slot.device.copy_(slot.host, non_blocking=True)
+            slot.copied = torch.cuda.Event()
+            slot.copied.record(torch.cuda.current_stream(self.device))
+        return slot.device
+
+    def _free_header_slot(self) -> _HeaderSlot:
+        for slot in self._header_slots:
+            copied = slot.copied is None or slot.copied.query()
+            if copied and not self._sent_storage(slot.device):
+                return slot
+        cuda = self.device.type == "cuda" and torch.cuda.is_available()
+        host = torch.zeros(2, dtype=torch.int64, pin_memory=cuda)
+        device = torch.zeros(2, dtype=torch.int64, device=self.device) if self.device.type != "cpu" else host
+        self._header_slots.append(_HeaderSlot(host, device))
+        self.header_buffers_allocated += 1
+        return self._header_slots[-1]
+
+    def _recv_header_buffer(self, stage: int) -> torch.Tensor:
+        """The receive buffer of the headers of sending ``stage`` ([Note: header buffers])."""
+        buffer = self._header_recv.get(stage)
+        if buffer is None:
+            buffer = self._header_recv[stage] = torch.empty(2, dtype=torch.int64, device=self.device)
+            self.header_buffers_allocated += 1
+        return buffer
 
     # ------------------------------------------------------------------ buffers
 

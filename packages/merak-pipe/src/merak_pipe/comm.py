@@ -14,7 +14,8 @@ flat list of tensors; :func:`unflatten_boundary` rebuilds it.
   forward message of a round of each sending stage is preceded by a fixed-size header
   ``int64[2] = (changed, nbytes)``; when the spec differs from the one sent last time, the
   pickled spec follows as a ``uint8[nbytes]`` message. Both live on the pipeline's device, so an
-  NCCL group carries them like any tensor. Microbatches of one round share the spec (they are
+  NCCL group carries them like any tensor; a header is sent from a reused buffer, copied from
+  pinned host memory without blocking on CUDA ([Note: header buffers] in ``_p2p_books.py``). Microbatches of one round share the spec (they are
   equal slices of one batch); a microbatch whose spec differs raises. So a new sequence length
   is picked up on the next step without the user declaring shapes.
 - Messages of a pair of ranks are matched by issue order alone, as on NCCL: the runner issues
@@ -336,11 +337,12 @@ class P2PTransport(_TransportBooks):
     def header_transfer(
         self, *, send: bool, stage: int, peer: int, what: str, changed: bool = False, nbytes: int = 0
     ) -> Transfer:
-        """The round header ``int64[2] = (changed, nbytes)`` of the sending ``stage``, on the device."""
+        """The round header ``int64[2] = (changed, nbytes)`` of the sending ``stage``, on the device, in a
+        reused buffer ([Note: header buffers] in ``_p2p_books.py``)."""
         if send:
-            header = torch.tensor([1 if changed else 0, nbytes], dtype=torch.int64, device=self.device)
+            header = self._send_header_buffer((1 if changed else 0, nbytes))
         else:
-            header = torch.empty(2, dtype=torch.int64, device=self.device)
+            header = self._recv_header_buffer(stage)
         return Transfer(send, peer, [header], [self.tag(_HEADER, stage, 0)], what + " [shape header]")
 
     def spec_transfer(
@@ -348,7 +350,10 @@ class P2PTransport(_TransportBooks):
     ) -> Transfer:
         """The pickled spec of the sending ``stage`` as ``uint8[nbytes]``, on the device."""
         if send:
-            tensor = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
+            tensor = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            if self.device.type == "cuda" and torch.cuda.is_available():  # only when a spec changed
+                tensor = tensor.pin_memory()
+            tensor = tensor.to(self.device, non_blocking=True)
         else:
             tensor = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return Transfer(send, peer, [tensor], [self.tag(_SPEC, stage, 0)], what + " [shape spec]")

@@ -97,27 +97,34 @@ class BoundaryExchange:
         self, stage: int, microbatch: int, action: Action
     ) -> tuple[Any, list[torch.Tensor]]:
         """(spec, tensors) received for the forward of ``stage``; waits for them."""
-        pending = self._fwd_recv.pop((stage, microbatch), None)
-        if pending is None:
-            raise RuntimeError(
-                f"pipeline rank {self.rank}: {action} needs the outputs of stage {stage - 1}, but no "
-                f"{stage}RECV_F{microbatch} was issued before it; lower the schedule with merak_pipe.lower()"
-            )
-        tensors = self.transport.finish(pending)
-        self._settle((DATA_F, stage - 1, microbatch))
+        tensors = self._take_received(self._fwd_recv, DATA_F, stage, microbatch, action)
         return self.in_spec[stage], tensors
 
     def take_output_grads(self, stage: int, microbatch: int, action: Action) -> list[torch.Tensor]:
         """The gradients received for the outputs of ``stage``; waits for them."""
-        pending = self._bwd_recv.pop((stage, microbatch), None)
+        return self._take_received(self._bwd_recv, DATA_B, stage, microbatch, action)
+
+    def _take_received(
+        self,
+        received: dict[tuple[int, int], _Pending],
+        kind: str,
+        stage: int,
+        microbatch: int,
+        action: Action,
+    ) -> list[torch.Tensor]:
+        """Wait for the data message ``stage`` receives for ``microbatch`` (its ``kind``: ``DATA_F``
+        from the stage before, ``DATA_B`` from the one after); settle the sends it proves matched."""
+        pending = received.pop((stage, microbatch), None)
+        peer = stage - 1 if kind == DATA_F else stage + 1
         if pending is None:
+            what, recv = ("outputs of", "RECV_F") if kind == DATA_F else ("gradients from", "RECV_B")
             raise RuntimeError(
-                f"pipeline rank {self.rank}: {action} needs the gradients from stage {stage + 1}, but no "
-                f"{stage}RECV_B{microbatch} was issued before it; lower the schedule with merak_pipe.lower()"
+                f"pipeline rank {self.rank}: {action} needs the {what} stage {peer}, but no "
+                f"{stage}{recv}{microbatch} was issued before it; lower the schedule with merak_pipe.lower()"
             )
-        grads = self.transport.finish(pending)
-        self._settle((DATA_B, stage + 1, microbatch))
-        return grads
+        tensors = self.transport.finish(pending)
+        self._settle((kind, peer, microbatch))
+        return tensors
 
     def _settle(self, message: tuple[str, int, int]) -> None:
         """``message`` arrived: wait on the sends it proves matched, and let them go."""
