@@ -79,22 +79,19 @@ class IdRanges:
         name = where or (lambda row: f"row {row} of this rank's batch")
         ids = inputs.get("input_ids") if isinstance(inputs, Mapping) else inputs
         if self.vocab is not None and _is_ids(ids):
-            bad = (ids < 0) | (ids >= self.vocab)
-            if bool(bad.any()):
-                row, value = _first(ids, bad)
+            if found := _first(ids, (ids < 0) | (ids >= self.vocab), name):
                 raise ValueError(
-                    f"step {step}: input_ids hold token id {value} ({name(row)}), outside the model's "
-                    f"vocabulary of {self.vocab} (ids 0..{self.vocab - 1}); fix the tokenizer or the data, "
-                    "or build the model with a vocabulary that covers every id"
+                    f"step {step}: input_ids hold token id {found}, outside the model's vocabulary of "
+                    f"{self.vocab} (ids 0..{self.vocab - 1}); fix the tokenizer or the data, or build the "
+                    "model with a vocabulary that covers every id"
                 )
         if self.classes is not None and _is_ids(labels):
             bad = ((labels < 0) | (labels >= self.classes)) & (labels != IGNORE_INDEX)
-            if bool(bad.any()):
-                row, value = _first(labels, bad)
+            if found := _first(labels, bad, name):
                 raise ValueError(
-                    f"step {step}: labels hold class id {value} ({name(row)}), outside the model's "
-                    f"{self.classes} outputs (ids 0..{self.classes - 1}, or {IGNORE_INDEX} to ignore a "
-                    "position); fix the labels or the model's output size"
+                    f"step {step}: labels hold class id {found}, outside the model's {self.classes} outputs "
+                    f"(ids 0..{self.classes - 1}, or {IGNORE_INDEX} to ignore a position); fix the labels or "
+                    "the model's output size"
                 )
         return self.vocab is not None and _is_ids(ids)
 
@@ -108,10 +105,13 @@ def _is_ids(t: Any) -> TypeGuard[torch.Tensor]:
     )
 
 
-def _first(t: torch.Tensor, bad: torch.Tensor) -> tuple[int, int]:
-    """The row and the value of the first element of ``t`` where ``bad``."""
+def _first(t: torch.Tensor, bad: torch.Tensor, name: Any) -> str | None:
+    """``'VALUE (SAMPLE)'`` of the first element of ``t`` where ``bad`` (``name(row)`` names its sample), or
+    None when there is none."""
+    if not bool(bad.any()):
+        return None
     row = int(bad.reshape(t.shape[0], -1).any(dim=1).nonzero()[0, 0])
-    return row, int(t[row][bad[row]].flatten()[0])
+    return f"{int(t[row][bad[row]].flatten()[0])} ({name(row)})"
 
 
 def sample_namer(loader: Any) -> Any:
