@@ -1,9 +1,10 @@
 """``layout: auto`` choosing context parallelism, and training with it.
 
 The reference Llama with one key/value head (no tp > 1) on 2 ranks, one sample per step (pp=2 would
-need two microbatches, dp=2 two samples): with the job's ``cp: 2`` the planner can run only
-cp=2, chooses it, and the step equals the manual cp=2 run (itself tested against one process in
-float64 by ``test_context_parallel.py``): the chosen degrees, the loss and every parameter.
+need two microbatches, dp=2 two samples): the job says ``cp: 1`` (``dp: 1`` fixes the global batch),
+no layout without context parallelism runs, so the planner turns it on by itself (issue 28 item 4:
+the model and its batch allow cp=2), and the step equals the manual cp=2 run (itself tested against
+one process in float64 by ``test_context_parallel.py``): the chosen degrees, the loss and every parameter.
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ def _train(layout: str) -> tuple[tuple[int, ...], float, dict[str, torch.Tensor]
     torch.manual_seed(0)
     model = Llama(DecoderConfig(num_layers=2, num_heads=4, num_kv_heads=1)).double()
     kw: dict[str, Any] = (
-        dict(layout="auto", plan_probe_tp=False, plan_check_steps=0) if layout == "auto" else dict(dp=1)
+        dict(layout="auto", plan_probe_tp=False, plan_check_steps=0) if layout == "auto" else dict(cp=2)
     )
     trainer = Trainer(
-        model, _args(cp=2, per_device_train_batch_size=1, **kw), Tokens(), optimizer_factory=_sgd
+        model, _args(dp=1, per_device_train_batch_size=1, **kw), Tokens(), optimizer_factory=_sgd
     )
     history = trainer.train()
     a = trainer.args
