@@ -16,6 +16,11 @@ single-process) model, so every logical parameter must be counted exactly once:
   nothing is reduced over DP; under ZeRO-2/3 a gradient is a ``DTensor`` sharded over
   the DP mesh, each DP rank holds a distinct part, and the partial sums of those shards
   are added over that mesh's group too.
+- **EP**: an expert is held by one rank of each EP group; its term is summed over the EP
+  group (``expert_params``). Under ZeRO-2/3 an expert's gradient is sharded over its
+  replica group instead (or whole at ``dp == ep``), so each of its elements is on one rank
+  of the DP group and the DP sum above counts it once
+  ([Note: ZeRO-2/3 with experts] in ``merak_core.parallel.zero_experts``).
 
 Then every local gradient is scaled by ``min(1, max_norm / (norm + 1e-6))``,
 exactly as ``torch.nn.utils.clip_grad_norm_`` does. Norms and scaling run as multi-tensor
@@ -101,10 +106,14 @@ def global_grad_norm(
             continue  # shared across stages: counted on its owner stage
         grads.append(p.grad.detach())
         kept.append(p)
-    dp_sharded = _sharded_group([p.grad for p in params if p.grad is not None])  # before the TP/PP filter
+    dp_sharded = _sharded_group(
+        [p.grad for p in params if p.grad is not None], layout
+    )  # before the TP/PP filter
     grads = [local_tensor(g) for g in grads]
     op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
-    experts = {id(p) for p in expert_params} if layout is not None and layout.ep > 1 else set()
+    # ZeRO-2/3: each expert element is on one DP rank ([Note: ZeRO-2/3 with experts]): the DP sum counts it
+    by_ep = layout is not None and layout.ep > 1 and dp_sharded is None
+    experts = {id(p) for p in expert_params} if by_ep else set()
     if experts:  # every rank of an EP group holds the same blocks: all of them or none reduce here
         expert_grads = [g for p, g in zip(kept, grads, strict=True) if id(p) in experts]
         grads = [g for p, g in zip(kept, grads, strict=True) if id(p) not in experts]
@@ -196,11 +205,15 @@ def _local_norm_term(grads: list[torch.Tensor], norm_type: float, device: torch.
     return norms.max() if math.isinf(norm_type) else (norms**norm_type).sum()
 
 
-def _sharded_group(grads: list[torch.Tensor]) -> ProcessGroup | None:
-    """The DP group of ZeRO-2/3 gradients (DTensors on a 1-D mesh), or None for plain gradients."""
+def _sharded_group(grads: list[torch.Tensor], layout: ParallelLayout | None) -> ProcessGroup | None:
+    """The DP group of ZeRO-2/3 gradients (DTensors on a 1-D mesh), or None for plain gradients.
+
+    With a layout: its ``grad_sync_group`` (the dense parameters' mesh; an expert's gradient is on its
+    replica group's mesh, a part of that group). Without: the mesh of the first sharded gradient.
+    """
     for g in grads:
         if is_sharded(g):
-            return g.device_mesh.get_group(0)  # type: ignore[attr-defined]
+            return layout.grad_sync_group if layout is not None else g.device_mesh.get_group(0)  # type: ignore[attr-defined]
     return None
 
 

@@ -41,9 +41,12 @@ part's group (:meth:`ExpertParallelGradSync.zero_parts`). Every expert's gradien
 one rank of the DP group (the DP group is the EP group times the replica group), like every dense one,
 so the gradient norm sums both over DP alone.
 
+ZeRO-2/3 (FSDP2) shards the experts by their own ``fully_shard`` over the replica group, the dense
+parameters over DP: [Note: ZeRO-2/3 with experts] in :mod:`merak_core.parallel.zero_experts`.
+
 Gradient clipping counts each expert once: its term of the norm is summed over the EP group
 (:func:`merak_core.parallel.clip.global_grad_norm`, ``expert_params``). Refused (before any process group:
-:func:`check_ep_arguments`, :func:`check_ep_model`): ep with ZeRO-2/3, virtual stages, LoRA, cp > 1,
+:func:`check_ep_arguments`, :func:`check_ep_model`): ep with virtual stages, LoRA, cp > 1,
 and a model without a block following [Note: the MoE block protocol].
 """
 
@@ -108,12 +111,6 @@ def check_ep_arguments(args: Any) -> None:
     if args.dp is not None:
         check_ep(args.dp, ep)
     refusals = (
-        (
-            args.zero_stage >= 2,
-            f"zero_stage={args.zero_stage} (FSDP2 shards every parameter over DP; experts would need their "
-            "own replica-group mesh)",
-            "set zero_stage: 0 or 1",
-        ),
         (args.virtual_stages > 1, f"virtual_stages={args.virtual_stages}", "set virtual_stages: 1"),
         (args.cp > 1, f"cp={args.cp}", "set cp: 1"),
         (

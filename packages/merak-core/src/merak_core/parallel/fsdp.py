@@ -98,6 +98,15 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from merak_core.parallel import _compat
+from merak_core.parallel.fused_experts import expert_shard, set_expert_shard
+from merak_core.parallel.zero_experts import ExpertSharding, finish_expert_gradients, shard_experts
+from merak_core.parallel.zero_tensors import (
+    copy_into_shard_,
+    full_local_tensor,
+    is_sharded,
+    local_tensor,
+    shard_like,
+)
 from merak_tp.parallelize import grad_sum_groups
 from merak_tp.shard_spec import get_shard_spec, has_shard_spec, set_shard_spec
 
@@ -203,6 +212,8 @@ class ShardedDataParallel:
         reshard_after_forward: override [Note: reshard after forward per stage].
         param_dtype: the dtype parameters are all-gathered and computed in (``torch.bfloat16`` under
             bf16 training, see [Note: bf16 parameter gathers]); ``None``: the parameters' own dtype.
+        experts: at ep > 1, the experts' replica group: the experts are sharded over it, apart from the
+            dense parameters ([Note: ZeRO-2/3 with experts] in merak_core.parallel.zero_experts).
     """
 
     def __init__(
@@ -216,6 +227,7 @@ class ShardedDataParallel:
         shared_parameters: Sequence[tuple[nn.Parameter, ProcessGroup | None]] = (),
         reshard_after_forward: bool | None = None,
         param_dtype: torch.dtype | None = None,
+        experts: ExpertSharding | None = None,
     ) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -261,6 +273,18 @@ class ShardedDataParallel:
         _check_units_disjoint([u for index in sorted(units) for u in units[index]])
         before = {id(p): p for module in stages.values() for p in module.parameters() if p.requires_grad}
         names_before = [dict(module.named_parameters(remove_duplicate=False)) for module in stages.values()]
+        expert_params = (
+            shard_experts(
+                stages,
+                experts,
+                device_type=device_type,
+                reshard_after_forward=self.reshard_after_forward,
+                mp_policy=policy,
+                frozen=frozen,
+            )
+            if experts is not None
+            else []
+        )
         self.roots: list[Any] = []
         self.root_stages: list[int] = []
         """The pipeline stage index of each of :attr:`roots`."""
@@ -290,6 +314,9 @@ class ShardedDataParallel:
         assert all(key in self.param_map for key in before), "a parameter was not sharded"
         self.frozen = frozen
         """Parameters left whole and unsharded ([Note: frozen parameters under ZeRO-2/3])."""
+        self.experts = experts
+        self.expert_params = self.remap(expert_params)
+        """The trainable expert parameters, sharded over their replica group ([Note: ZeRO-2/3 with experts])."""
         self.shared_parameters = [
             (self.param_map.get(id(p), p), g) for p, g in shared_parameters if p.requires_grad
         ]
@@ -349,6 +376,8 @@ class ShardedDataParallel:
                     root.reshard()  # the gradients were reduced by each backward
         finally:
             self._armed = False
+        if self.experts is not None:
+            finish_expert_gradients(self.expert_params, self.experts.ep)
         self._sum_shared_gradients()
 
     def _sum_shared_gradients(self) -> None:
@@ -421,60 +450,10 @@ def _new_parameters(module: nn.Module, before: dict[str, nn.Parameter]) -> dict[
         mapping[id(original)] = new
         if has_shard_spec(original):
             set_shard_spec(new, get_shard_spec(original))
+        record = expert_shard(original)  # a fused experts slice ([Note: expert shard record])
+        if record is not None:
+            set_expert_shard(new, record)
     return mapping
-
-
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor; any other tensor as it is."""
-    from torch.distributed.tensor import DTensor
-
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def is_sharded(tensor: torch.Tensor) -> bool:
-    """True for a DTensor (a ZeRO-2/3 parameter, its gradient or its optimizer state)."""
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(tensor, DTensor)
-
-
-def full_local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of a DP-sharded DTensor (collective over its mesh); others as they are."""
-    from torch.distributed.tensor import DTensor
-
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
-def copy_into_shard_(target: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy this rank's part of ``full`` into ``target`` (a DP-sharded DTensor or a plain tensor)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    if not isinstance(target, DTensor):
-        target.copy_(full)
-        return
-    if tuple(full.shape) != tuple(target.shape):
-        raise ValueError(
-            f"cannot load a tensor of shape {tuple(full.shape)} into a parameter of shape "
-            f"{tuple(target.shape)}"
-        )
-    source = distribute_tensor(
-        full.to(device=target.device, dtype=target.dtype),
-        target.device_mesh,
-        target.placements,
-        src_data_rank=None,
-    )
-    target.to_local().copy_(source.to_local())
-
-
-def shard_like(like: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-    """A new tensor sharded like ``like`` (a DTensor) holding this rank's part of ``full``."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    if not isinstance(like, DTensor):
-        return full
-    return distribute_tensor(
-        full.to(device=like.device), like.device_mesh, like.placements, src_data_rank=None
-    )
 
 
 __all__ = [

@@ -27,6 +27,7 @@ from merak_core.parallel.expert_parallel import ExpertParallelGradSync
 from merak_core.parallel.fsdp import ShardedDataParallel
 from merak_core.parallel.layout import ParallelLayout
 from merak_core.parallel.zero import ZeroOptimizer
+from merak_core.parallel.zero_experts import expert_sharding
 from merak_graph import PARAM_MEMORY_FACTOR
 from merak_pipe import schedule_info
 
@@ -278,6 +279,7 @@ def shard_parallel_model(
         num_stages=model.num_stages,
         shared_parameters=model.shared_parameters,
         param_dtype=param_dtype,
+        experts=expert_sharding(layout),  # ep > 1: experts over their replica group (parallel.zero_experts)
     )
     owner = {sharded.param_map.get(id(p), p): stage for p, stage in model.shared_owner.items()}
     return sharded, dataclasses.replace(

@@ -1,0 +1,138 @@
+"""Expert parallelism with ZeRO-2/3 (FSDP2) against one process in float64.
+
+Dense parameters are sharded by FSDP2 over the DP group, experts by their own ``fully_shard`` over their
+replica group (dp / ep ranks; at dp == ep a group of one: the experts stay whole, their gradients reduced
+by the dispatch's backward alone). Three SGD steps of the tiny MoE Llama with clipping below the
+gradient's norm (SGD: an update is its gradient, so a wrong expert scale or a norm that counts an expert
+twice moves the parameters), against one process on the whole batch: every step's loss and every
+parameter after the three steps; and the sharding itself (dense parameters over dp ranks, experts over
+dp / ep, or whole). Then a ZeRO-3 checkpoint at ep=2 resumes at ep=2 bit for bit and at ep=1 to rounding.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.e2e.test_expert_parallel import BATCH, VOCAB, Tokens, _args, _model
+from tests.support.dist import run_on_ranks
+
+LR, MAX_NORM, STEPS = 0.5, 0.05, 3
+
+
+def _sgd(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(groups, lr=LR)
+
+
+def _shard_ranks(param: torch.Tensor) -> int:
+    """How many ranks ``param`` is sharded over (1: a plain tensor, whole here)."""
+    from torch.distributed.tensor import DTensor
+
+    return param.device_mesh.size() if isinstance(param, DTensor) else 1
+
+
+def _train(overrides: dict[str, Any]) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from merak_core import Trainer
+
+    args = _args(max_steps=STEPS, max_grad_norm=MAX_NORM, **overrides)
+    trainer = Trainer(_model(), args, Tokens(), optimizer_factory=_sgd)
+    history = trainer.train()
+    state = trainer.full_state_dict()
+    return {
+        "losses": [h["loss"] for h in history if "loss" in h],
+        "state": state if dist.get_rank() == 0 else None,
+        "shards": {n: _shard_ranks(p) for n, p in trainer.engine.model.named_parameters()},
+    }
+
+
+def _reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = _model()
+    data = Tokens()
+    ids = torch.stack([data[i]["input_ids"] for i in range(BATCH)])
+    labels = torch.stack([data[i]["labels"] for i in range(BATCH)])
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(ids).reshape(-1, VOCAB), labels.reshape(-1))
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        assert norm > MAX_NORM  # clipping is active: the norm's value moves every parameter
+        opt.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    ("zero_stage", "dp", "ep"),
+    [(2, 2, 2), (3, 2, 2), (3, 4, 2)],
+    ids=["zero2-dp2-ep2", "zero3-dp2-ep2", "zero3-dp4-ep2"],
+)
+def test_zero23_with_experts_equals_one_process(zero_stage: int, dp: int, ep: int) -> None:
+    """dp2·ep2: experts whole on their one holder, dense parameters sharded over 2 ranks; dp4·ep2: experts
+    sharded over their 2-rank replica groups, dense parameters over 4 ranks."""
+    overrides = {"ep": ep, "zero_stage": zero_stage, "per_device_train_batch_size": BATCH // dp}
+    results = run_on_ranks(dp, _train, overrides)
+    losses, params = _reference()
+    state = results[0]["state"]
+    assert state is not None and set(state) == set(params)
+    for got in results:
+        assert got["losses"] == pytest.approx(losses, rel=1e-12)
+        for name, ranks in got["shards"].items():
+            assert ranks == (dp // ep if ".experts." in name else dp), (name, ranks)
+    for name, value in params.items():
+        torch.testing.assert_close(state[name], value, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def _resume(save: dict[str, Any], resume: dict[str, Any]) -> dict[str, Any]:
+    """3 SGD steps saving every step; a fresh Trainer (``resume``'s settings) resumes step_1, trains to 3."""
+    import torch.distributed as dist
+
+    from merak_core import Trainer
+
+    out_dir = tempfile.mkdtemp(prefix="merak-ep-zero3-") if dist.get_rank() == 0 else ""
+    shared = [out_dir]
+    dist.broadcast_object_list(shared, src=0)
+    common: dict[str, Any] = dict(
+        output_dir=shared[0], max_steps=3, save_steps=1, learning_rate=0.01, max_grad_norm=MAX_NORM
+    )
+    full = Trainer(_model(), _args(**common, **save), Tokens())
+    full_losses = [h["loss"] for h in full.train() if "loss" in h]
+    full_state = full.full_state_dict()
+    dist.barrier()
+    resumed = Trainer(_model(), _args(**common, **resume), Tokens())
+    step = resumed.resume("step_1")
+    losses = [h["loss"] for h in resumed.train() if "loss" in h]
+    return {"step": step, "full": (full_losses, full_state), "resumed": (losses, resumed.full_state_dict())}
+
+
+@pytest.mark.parametrize(
+    ("save", "resume"),
+    [
+        ({"ep": 2, "zero_stage": 3}, {"ep": 2, "zero_stage": 3}),
+        ({"ep": 2, "zero_stage": 3}, {"ep": 1, "zero_stage": 0}),
+    ],
+    ids=["same-layout", "ep1-zero0"],
+)
+def test_zero3_with_experts_resumes(save: dict[str, Any], resume: dict[str, Any]) -> None:
+    """Experts are saved by their global names, gathered from their shards (AdamW states too): the same layout
+    resumes bit for bit, ep=1 without ZeRO (every expert on each rank) to rounding."""
+    got = run_on_ranks(2, _resume, save, resume)[0]
+    assert got["step"] == 1
+    full_losses, full_state = got["full"]
+    losses, final_state = got["resumed"]
+    exact = save == resume
+    assert len(full_losses) == 3
+    assert losses == (full_losses[1:] if exact else pytest.approx(full_losses[1:], rel=1e-12))
+    assert set(final_state) == set(full_state)
+    for name, value in full_state.items():
+        if exact:
+            assert torch.equal(final_state[name], value), name
+        else:
+            torch.testing.assert_close(final_state[name], value, rtol=1e-10, atol=1e-12, msg=name)
