@@ -262,8 +262,12 @@ def _evaluate(kind: str, overrides: dict[str, Any]) -> float:
             "transformers",
             {"cp": 2, "pp": 2, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2},
         ),
+        (
+            "reference",
+            {"cp": 2, "pp": 2, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2},
+        ),
     ],
-    ids=["cp2-ring", "dp2_cp2-ulysses", "cp2_pp2-ring"],
+    ids=["cp2-ring", "dp2_cp2-ulysses", "cp2_pp2-ring", "reference-cp2_pp2-ring"],
 )
 def test_cp_eval_loss_equals_one_process(kind: str, overrides: dict[str, Any]) -> None:
     """eval_loss at cp > 1: the mean over every counted token of the set, as one process computes it."""

@@ -236,12 +236,16 @@ class _TracingContext(ContextParallel):
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
 
 
-def hook_tracing(model: nn.Module, group: dist.ProcessGroup) -> contextlib.AbstractContextManager[None]:
+def hook_tracing(
+    model: nn.Module, group: dist.ProcessGroup | None
+) -> contextlib.AbstractContextManager[None]:
     """The context to trace and partition ``model`` in at cp > 1 (``group``: the cp group): for a
     handwritten model a CP context, so that its code takes the path it takes in a step
     ([Note: cp hook at pp > 1]); nothing for a transformers model."""
     if is_transformers_model(model):
         return contextlib.nullcontext()
+    if group is None:
+        raise ValueError("the layout has no cp group: build it with ParallelLayout.build(..., cp=...)")
     return context_parallel(_TracingContext(group))
 
 
