@@ -8,7 +8,7 @@ Not done here: the prediction itself (:mod:`.pricing`) and the search (:mod:`.se
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +16,7 @@ from merak_core.config.layout_choice import LayoutChoice
 from merak_core.planner.choices import RECOMPUTE_MODES, schedule_order
 from merak_core.planner.memory import usable_memory
 
-__all__ = ["Candidate", "format_plan", "recompute_label", "sort_key", "why_best"]
+__all__ = ["Candidate", "format_plan", "ranked_rows", "recompute_label", "sort_key", "why_best"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,18 +91,25 @@ def recompute_label(c: Any) -> str:
     return "sa:" + ",".join(f"{f:.2f}" for f in c.recompute_fractions)
 
 
+def ranked_rows(cands: Sequence[Any], top: int, head: str, row: Callable[[Any, str], str]) -> list[str]:
+    """A planner's ranked table: the header (``#``, ``layout`` and ``head``), then one line per candidate of
+    the first ``top`` (its rank, layout and ``row(candidate, its recompute label)``)."""
+    lines = [f"{'#':>3} {'layout':<14} {head}"]
+    lines += [f"{i:>3} {c.layout:<14} {row(c, recompute_label(c))}" for i, c in enumerate(cands[:top], 1)]
+    return lines
+
+
 def format_plan(cands: Sequence[Candidate], top: int = 10) -> str:
     """A ranked table of the first ``top`` candidates, then why the first wins."""
-    lines = [
-        f"{'#':>3} {'layout':<14} {'schedule':<22} {'m':>3} {'mbs':>4} {'recompute (per stage)':<28} "
-        f"{'step ms':>9}  peak MiB per stage"
-    ]
-    for i, c in enumerate(cands[:top], 1):
-        rc = recompute_label(c)
+
+    def row(c: Candidate, rc: str) -> str:
         peaks = ",".join(f"{p / 2**20:.1f}" for p in c.peak_memory_bytes)
-        lines.append(
-            f"{i:>3} {c.layout:<14} {c.schedule_label:<22} {c.num_microbatches:>3} {c.micro_batch_size:>4} "
+        return (
+            f"{c.schedule_label:<22} {c.num_microbatches:>3} {c.micro_batch_size:>4} "
             f"{rc:<28} {c.step_time_s * 1e3:>9.3f}  {peaks}"
         )
+
+    head = f"{'schedule':<22} {'m':>3} {'mbs':>4} {'recompute (per stage)':<28} {'step ms':>9}  peak MiB per stage"
+    lines = ranked_rows(cands, top, head, row)
     lines.append("why: " + why_best(cands))
     return "\n".join(lines)
