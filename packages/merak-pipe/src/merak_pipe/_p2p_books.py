@@ -31,7 +31,8 @@ class _Pending:
 @dataclass
 class _HeaderSlot:
     """One reusable send header: ``host`` (int64[2], pinned on CUDA) and ``device``, what is sent
-    (``host`` itself on CPU); ``copied``: the CUDA event recorded after the last copy host -> device."""
+    (``host`` itself on CPU); ``copied``: the CUDA event recorded after each copy host -> device
+    (None elsewhere: the copy blocks)."""
 
     host: torch.Tensor
     device: torch.Tensor
@@ -139,8 +140,8 @@ class _TransportBooks:
         slot = self._free_header_slot()
         slot.host[0], slot.host[1] = values
         if slot.device is not slot.host:
-            slot.device.copy_(slot.host, non_blocking=True)
-            slot.copied = torch.cuda.Event()
+            slot.device.copy_(slot.host, non_blocking=slot.copied is not None)
+        if slot.copied is not None:
             slot.copied.record(torch.cuda.current_stream(self.device))
         return slot.device
 
@@ -151,8 +152,12 @@ class _TransportBooks:
                 return slot
         cuda = self.device.type == "cuda" and torch.cuda.is_available()
         host = torch.zeros(2, dtype=torch.int64, pin_memory=cuda)
-        device = torch.zeros(2, dtype=torch.int64, device=self.device) if self.device.type != "cpu" else host
-        self._header_slots.append(_HeaderSlot(host, device))
+        if self.device.type == "cpu":
+            slot = _HeaderSlot(host, host)
+        else:  # a never-recorded event reads as done
+            device = torch.zeros(2, dtype=torch.int64, device=self.device)
+            slot = _HeaderSlot(host, device, torch.cuda.Event() if cuda else None)
+        self._header_slots.append(slot)
         self.header_buffers_allocated += 1
         return self._header_slots[-1]
 
