@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from merak_tp._events import _RegionState
-from merak_tp._linear_fns import _ColumnLinearFn, _RowLinearFn
+from merak_tp._linear_fns import _LinearCall, _ParallelLinearFn
 from merak_tp._tp_module import _divide, _mark, _shard, _shard_param, _TPModule
 from merak_tp.collectives import gather_from_sequence_region, gather_from_tp_region, scatter_to_tp_region
 from merak_tp.shard_spec import Sections, section_sizes
@@ -78,6 +78,31 @@ class _ParallelLinear(_TPModule):
     def join_region(self, state: _RegionState | None) -> None:
         """Run inside the region whose run-time state is ``state`` (None: on its own again)."""
         self._region = state
+
+    def _block_region(self) -> _RegionState | None:
+        """The enclosing region when it runs in block mode (it chunks the batch and owns the collectives)."""
+        region = self._region
+        return region if region is not None and region.mode == "block" else None
+
+    def _call(self, kind: str, **options: Any) -> _LinearCall:
+        """This forward's options for :class:`_ParallelLinearFn`: one chunk inside a block-mode region (the
+        region chunks the batch), else the layer's ``overlap_chunks``."""
+        block = self._block_region()
+        chunks, chunk = (1, block.chunk) if block is not None else (self.overlap_chunks, 0)
+        return _LinearCall(kind, self.group, chunks, self.layer_name, chunk, **options)
+
+    @classmethod
+    def _meta_from(
+        cls, linear: nn.Module, transposed: bool, **options: Any
+    ) -> tuple[Any, torch.Tensor, torch.Tensor | None, bool]:
+        """A meta-device layer of ``linear``'s size and dtype with ``options``, and ``linear``'s weight as
+        (out, in), bias and whether the weight wants a gradient (:func:`_linear_source`)."""
+        weight, bias, weight_grad = _linear_source(linear, transposed)
+        out_f, in_f = weight.shape
+        layer = cls(
+            in_f, out_f, bias=bias is not None, device="meta", dtype=weight.dtype, _skip_init=True, **options
+        )
+        return layer, weight, bias, weight_grad
 
     def _blocks(
         self, full_w: torch.Tensor, full_b: torch.Tensor | None
@@ -186,21 +211,15 @@ class ColumnParallelLinear(_ParallelLinear):
 
         ``transposed=True`` reads a weight stored as (in, out) (transformers' ``Conv1D``).
         """
-        weight, bias, weight_grad = _linear_source(linear, transposed)
-        out_f, in_f = weight.shape
-        layer = cls(
-            in_f,
-            out_f,
+        layer, weight, bias, weight_grad = cls._meta_from(
+            linear,
+            transposed,
             group=group,
-            bias=bias is not None,
             gather_output=gather_output,
             sequence_parallel=sequence_parallel,
             sequence_dim=sequence_dim,
             overlap_chunks=overlap_chunks,
             sections=sections,
-            device="meta",
-            dtype=weight.dtype,
-            _skip_init=True,
         )
         world, rank = layer.tp_size, layer.tp_rank
         layer.weight = _shard_param(
@@ -228,19 +247,14 @@ class ColumnParallelLinear(_ParallelLinear):
         return "region" if mode in ("block", "sp") else "layer"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        region = self._region
-        mode = region.mode if region is not None else None
-        chunks = 1 if mode == "block" else self.overlap_chunks
         reduction = self.input_reduction()
         if reduction == "sequence":
             x = gather_from_sequence_region(x, self.group, self.sequence_dim)
-        reduce_input_grad = reduction == "layer"  # "region": the region reduces it once for all its layers
-        chunk = region.chunk if region is not None and mode == "block" else 0
-        name = self.layer_name
-        y = _ColumnLinearFn.apply(
-            x, self.weight, self.bias, self.group, chunks, reduce_input_grad, name, chunk
-        )
-        if mode in ("probe", "sp") and region is not None:
+        # "region": the region reduces the input gradient once for all its layers.
+        call = self._call("column", reduce_input_grad=reduction == "layer")
+        y = _ParallelLinearFn.apply(x, self.weight, self.bias, call)
+        region = self._region
+        if region is not None and region.mode in ("probe", "sp"):
             region.calls.append(("column", self))
         if self.gather_output and self.tp_size > 1:
             y = gather_from_tp_region(y, self.group, -1)
@@ -310,20 +324,14 @@ class RowParallelLinear(_ParallelLinear):
         transposed: bool = False,
     ) -> RowParallelLinear:
         """Slice an existing ``nn.Linear`` (real or meta weights) into this rank's row shard."""
-        weight, bias, weight_grad = _linear_source(linear, transposed)
-        out_f, in_f = weight.shape
-        layer = cls(
-            in_f,
-            out_f,
+        layer, weight, bias, weight_grad = cls._meta_from(
+            linear,
+            transposed,
             group=group,
-            bias=bias is not None,
             input_is_parallel=input_is_parallel,
             sequence_parallel=sequence_parallel,
             sequence_dim=sequence_dim,
             overlap_chunks=overlap_chunks,
-            device="meta",
-            dtype=weight.dtype,
-            _skip_init=True,
         )
         layer.weight = _shard_param(
             weight, 1, layer.tp_size, layer.tp_rank, transposed=transposed, requires_grad=weight_grad
@@ -343,27 +351,14 @@ class RowParallelLinear(_ParallelLinear):
             return nn.functional.linear(x, self.weight, self.bias)
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.group, -1)
-        region = self._region
-        mode = region.mode if region is not None else None
-        block = mode == "block"
-        chunks = 1 if block else self.overlap_chunks
-        chunk = region.chunk if region is not None and block else 0
-        name = self.layer_name
-        y = _RowLinearFn.apply(
-            x,
-            self.weight,
-            self.bias,
-            self.group,
-            chunks,
-            "reduce_scatter" if self.sequence_parallel else "all_reduce",
-            self.sequence_dim,
-            name,
-            chunk,
-            region if block else None,
-        )
-        if block and self.sequence_parallel:
+        block = self._block_region()
+        mode = "reduce_scatter" if self.sequence_parallel else "all_reduce"
+        call = self._call("row", mode=mode, seq_dim=self.sequence_dim, defer=block)
+        y = _ParallelLinearFn.apply(x, self.weight, self.bias, call)
+        if block is not None and self.sequence_parallel:
             y = y.movedim(0, self.sequence_dim % x.dim())  # [Note: block-level overlap] in overlap.py
-        if region is not None and mode in ("probe", "block", "sp"):
+        region = self._region
+        if region is not None and region.mode in ("probe", "block", "sp"):
             region.calls.append(("row", y))
         return y
 
