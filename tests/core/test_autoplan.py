@@ -276,3 +276,12 @@ def test_plan_check_report_writes_the_replanned_job_and_a_metrics_record(tmp_pat
     best = check.replan.best
     assert (job.training.dp, job.training.tp, job.training.pp) == (best.dp, best.tp, best.pp) != (4, 1, 1)
     assert job.training.max_steps == 7  # the run's overrides are kept
+
+
+def test_prepare_run_and_the_trainer_refuse_an_unknown_keyword():
+    from merak_core import Trainer
+    from merak_core.autoplan.prepare import prepare_run
+
+    for build in (prepare_run, Trainer):
+        with pytest.raises(TypeError, match="unexpected keyword arguments \\['layuot'\\]"):
+            build(nn.Linear(2, 2), TrainingArguments(), layuot=None)  # type: ignore[call-arg]

@@ -30,26 +30,22 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from merak_core.autoplan.prepare import PreparedRun, prepare_run
+from merak_core.autoplan.prepare import PreparedRun, RunOptions, prepare_run
 from merak_core.checkpoint import CheckpointManager
 from merak_core.checkpoint.parts import CheckpointParts, TrainState
 from merak_core.config import TrainingArguments
 from merak_core.data.batch_ids import sample_namer
 from merak_core.data.loader import StageAwareDataLoader
 from merak_core.generation.run_api import GenerateMixin
-from merak_core.lora import LoraConfig
 from merak_core.parallel.compose import ParallelModel, gather_full_state_dict
-from merak_core.parallel.layout import ParallelLayout
-from merak_core.planner import PlanContext
 from merak_core.run import nonfinite
 from merak_core.run.cadence import Cadence, StepRecords, count_tokens, training_steps
 from merak_core.run.engine import (
@@ -63,6 +59,9 @@ from merak_core.run.signals import StopRequest, TrainingPreempted
 from merak_core.run.stall import Heartbeat
 from merak_core.run.step_values import StepResult, TrainingStepError
 from merak_core.run.trainer_views import EngineViews
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 logger = logging.getLogger(__name__)
 
@@ -105,34 +104,10 @@ class Trainer(GenerateMixin, EngineViews):
         eval_dataset: Any = None,
         loss_fn: LossFn | None = None,
         data_collator: Callable[[list[Any]], Any] | None = None,
-        *,
-        compute_metrics: MetricsFn | None = None,
-        layout: ParallelLayout | None = None,
-        example_inputs: Mapping[str, Any] | Sequence[Any] | None = None,
-        init_fn: Callable[[nn.Module], Any] | None = None,
-        optimizer_factory: Callable[[list[dict[str, Any]]], torch.optim.Optimizer] | None = None,
-        device: torch.device | str | None = None,
-        plan_context: PlanContext | None = None,
-        pretrained: str | os.PathLike[str] | None = None,
-        lora: LoraConfig | None = None,
+        **options: Unpack[RunOptions],  # keyword-only: compute_metrics to lora (Args above)
     ) -> None:
-        prepared = prepare_run(  # plans first with layout: auto (the Trainer itself never plans)
-            model,
-            args,
-            train_dataset,
-            eval_dataset,
-            loss_fn,
-            data_collator,
-            compute_metrics=compute_metrics,
-            layout=layout,
-            example_inputs=example_inputs,
-            init_fn=init_fn,
-            optimizer_factory=optimizer_factory,
-            device=device,
-            plan_context=plan_context,
-            pretrained=pretrained,
-            lora=lora,
-        )
+        # plans first with layout: auto (the Trainer itself never plans)
+        prepared = prepare_run(model, args, train_dataset, eval_dataset, loss_fn, data_collator, **options)
         self._assemble(prepared)
 
     @classmethod

@@ -26,7 +26,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 from torch import nn
@@ -42,7 +42,25 @@ from merak_core.run import bootstrap
 from merak_core.run.cadence import training_steps
 from merak_core.run.engine import LossFn, ParallelEngine, default_loss
 
-__all__ = ["PreparedRun", "prepare_job", "prepare_run"]
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+__all__ = ["PreparedRun", "RunOptions", "prepare_job", "prepare_run"]
+
+
+class RunOptions(TypedDict, total=False):
+    """The keyword-only options of :func:`prepare_run` and :class:`~merak_core.trainer.Trainer` (documented
+    there), spelled once."""
+
+    compute_metrics: Any
+    layout: ParallelLayout | None
+    example_inputs: Mapping[str, Any] | Sequence[Any] | None
+    init_fn: Callable[[nn.Module], Any] | None
+    optimizer_factory: Callable[[list[dict[str, Any]]], torch.optim.Optimizer] | None
+    device: torch.device | str | None
+    plan_context: PlanContext | None
+    pretrained: str | os.PathLike[str] | None
+    lora: LoraConfig | None
 
 
 @dataclass
@@ -156,18 +174,18 @@ def prepare_run(
     eval_dataset: Any = None,
     loss_fn: LossFn | None = None,
     data_collator: Callable[[list[Any]], Any] | None = None,
-    *,
-    compute_metrics: Any = None,
-    layout: ParallelLayout | None = None,
-    example_inputs: Mapping[str, Any] | Sequence[Any] | None = None,
-    init_fn: Callable[[nn.Module], Any] | None = None,
-    optimizer_factory: Callable[[list[dict[str, Any]]], torch.optim.Optimizer] | None = None,
-    device: torch.device | str | None = None,
-    plan_context: PlanContext | None = None,
-    pretrained: str | os.PathLike[str] | None = None,
-    lora: LoraConfig | None = None,
+    **options: Unpack[RunOptions],
 ) -> PreparedRun:
     """The run of ``model`` under ``args``, ready to train (the Trainer's arguments; see the module doc)."""
+    unknown = sorted(set(options) - set(RunOptions.__annotations__))
+    if unknown:
+        raise TypeError(
+            f"unexpected keyword arguments {unknown}; expected some of {sorted(RunOptions.__annotations__)}"
+        )
+    compute_metrics, layout = options.get("compute_metrics"), options.get("layout")
+    device, plan_context, lora = options.get("device"), options.get("plan_context"), options.get("lora")
+    init_fn, pretrained = options.get("init_fn"), options.get("pretrained")
+    example_inputs, optimizer_factory = options.get("example_inputs"), options.get("optimizer_factory")
     model, weights, init_fn = bootstrap.pretrained_start(model, args, pretrained, init_fn)
     pretrained_path = None if pretrained is None else str(Path(pretrained).resolve())
     args, plan_context = _plan(
