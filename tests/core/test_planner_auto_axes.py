@@ -212,3 +212,27 @@ def test_layout_auto_offers_the_ep_degrees_the_model_allows() -> None:
     assert model_ep_degrees(moe, args, 6) == (1, 2)  # ep divides the ranks (and the 4 experts: not 3, 6)
     assert model_ep_degrees(Llama(DecoderConfig(num_layers=1)), args, 4) == (1,)  # dense
     assert model_ep_degrees(moe, args, 4, lora=LoraConfig(r=2, target_modules=["q_proj"])) == (1,)
+
+
+@pytest.mark.transformers
+def test_a_transformers_moe_model_profiles_its_fused_experts_and_keeps_cp1_with_a_router_loss() -> None:
+    tf = pytest.importorskip("transformers")
+    common = dict(vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=2)
+    common.update(num_attention_heads=2, num_key_value_heads=2, num_experts_per_tok=2, num_local_experts=4)
+    torch.manual_seed(0)
+    model = tf.MixtralForCausalLM(tf.MixtralConfig(**common))
+    tokens = torch.randint(0, 32, (2, 8))
+    prof = profile_model(model, {"input_ids": tokens}, repeats=1)
+    experts = [
+        sum(p.numel() * p.element_size() for p in layer.mlp.experts.parameters())
+        for layer in model.model.layers
+    ]
+    assert prof.layer_expert_bytes == experts and prof.layer_moe_blocks == [1, 1]
+    assert (prof.num_experts, prof.top_k) == (4, 2)
+    args = TrainingArguments(layout="auto")
+    assert model_ep_degrees(model, args, 4) == (1, 2, 4)
+    assert model_cp_degrees(model, {"input_ids": tokens}, args, 2) == (1, 2)
+    model.config.output_router_logits, model.router_aux_loss_coef = True, 0.02
+    assert model_cp_degrees(model, {"input_ids": tokens}, args, 2) == (
+        1,
+    )  # the aux loss needs whole sequences

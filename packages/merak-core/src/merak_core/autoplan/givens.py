@@ -64,12 +64,14 @@ def model_cp_degrees(
     """The context-parallel degrees ``layout: auto`` may choose, whatever the job's cp (issue 28: cp for long
     sequences): 1, and every cp > 1 dividing ``world_size`` that the run's refusals accept for ``model`` (its
     attention hook, LoRA dropout, a custom loss or metrics, Ulysses' heads at ``args.cp_mode``:
-    :func:`~merak_core.parallel.context_parallel.check_cp_model`) and for ``batch``, a training batch
+    :func:`~merak_core.parallel.context_parallel.check_cp_model`; a router auxiliary loss:
+    :func:`~merak_core.parallel.router_aux.check_router_aux`) and for ``batch``, a training batch
     (its length in ``2 * cp`` chunks for the ring, ``cp`` for Ulysses, no padding mask:
     :func:`~merak_core.parallel.context_parallel.check_cp_batch`). Pure: no collective. The pipeline's
     refusal for a handwritten model depends on pp: the planner's candidates go through
     :func:`merak_core.planner.context_cost.runnable_cp`."""
     from merak_core.parallel.context_parallel import check_cp_batch, check_cp_model
+    from merak_core.parallel.router_aux import check_router_aux
 
     def check(cp: int) -> None:
         probe = copy.copy(
@@ -80,6 +82,7 @@ def model_cp_degrees(
             model, probe, lora=lora, loss_fn_given=loss_fn_given, compute_metrics_given=compute_metrics_given
         )
         check_cp_batch(batch, None, cp, args.cp_mode)
+        check_router_aux(model, 1, cp)  # a router aux loss over the global batch needs whole sequences
 
     return _degrees_passing(world_size, check)
 
