@@ -19,7 +19,8 @@ Only :mod:`merak_core.cli.main` (and the per-rank entry point) configures loggin
 libraries never touch the root logger.
 
 Modules: ``main`` (the parser, logging, the dispatch), ``train`` (with ``slurm``), ``plan`` (with the cluster
-flags and dry runs), ``check`` (``plans`` and ``check``); ``export`` lives in
+flags and dry runs), ``check`` (``plans`` and ``check``), ``job_args`` (the job file and overrides every
+command that runs one starts with); ``export`` lives in
 :mod:`merak_core.cli.export` and ``eval`` in :mod:`merak_core.cli.eval_job`.
 
 The top of the package: it may import every folder, ``merak_core.launch`` and the package itself;

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 
+from merak_core.cli.job_args import add_job_command
+
 __all__ = ["add_check_parser", "add_plans_parser", "run_check", "run_plans"]
 
 
@@ -28,15 +30,14 @@ def run_plans(_args: argparse.Namespace) -> int:
 
 
 def add_check_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+    p = add_job_command(
+        sub,
         "check",
         help="check that the job's TP plan shards its model exactly",
         description="Run one batch through the job's model unsharded and sharded with its TP plan "
         "on tp CPU processes (gloo), and report the largest difference of every sharded module's "
         "output. Exits 1 when one is above the tolerance.",
     )
-    p.add_argument("config", help="YAML job file")
-    p.add_argument("overrides", nargs="*", help="section.key=value overrides of the job file")
     p.add_argument(
         "--tp", type=int, default=None, help="TP ranks to check on (default: the job's tp, at least 2)"
     )

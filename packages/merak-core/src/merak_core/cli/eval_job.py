@@ -45,6 +45,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from merak_core.cli.job_args import add_job_arguments, add_job_command
+
 logger = logging.getLogger(__name__)
 
 SPLITS = ("eval", "train")
@@ -123,8 +125,7 @@ def worker_main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     parser = argparse.ArgumentParser(prog="merak_core.cli.eval_job")
-    parser.add_argument("config")
-    parser.add_argument("overrides", nargs="*")
+    add_job_arguments(parser)
     parser.add_argument("--checkpoint", default="latest")
     parser.add_argument("--split", default="eval", choices=SPLITS)
     parser.add_argument("--json", default=None)
@@ -157,14 +158,13 @@ def worker_main(argv: list[str] | None = None) -> int:
 
 def add_parser(sub: Any) -> None:
     """``merak eval`` in the ``merak`` command's subparsers."""
-    p = sub.add_parser(
+    p = add_job_command(
+        sub,
         "eval",
         help="evaluate a checkpoint of a job: loss, perplexity and the job's metrics",
         description="Evaluate a checkpoint on the job's eval set (or training set) with torchrun: "
         "every sample once; prints eval_loss, eval_perplexity and the job's metrics.",
     )
-    p.add_argument("config", help="YAML job file")
-    p.add_argument("overrides", nargs="*", help="section.key=value overrides of the job file")
     p.add_argument(
         "--checkpoint",
         default="latest",

@@ -31,6 +31,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from merak_core.cli.job_args import add_job_arguments, add_job_command
+
 logger = logging.getLogger(__name__)
 CMD = "merak generate"
 
@@ -174,6 +176,7 @@ def worker_main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     parser = argparse.ArgumentParser(prog="merak_core.cli.generate_job")
+    add_job_arguments(parser)
     _add_arguments(parser)
     parser.add_argument("--tokenizer-path", required=True)
     args = parser.parse_args(argv)
@@ -202,10 +205,7 @@ def worker_main(argv: list[str] | None = None) -> int:
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", help="YAML job file")
-    p.add_argument(
-        "overrides", nargs="*", help="section.key=value overrides of the job file (e.g. training.tp=2)"
-    )
+    """The options ``merak generate`` and its per-rank entry point share (after the job's arguments)."""
     p.add_argument(
         "--checkpoint",
         default="latest",
@@ -233,7 +233,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_parser(sub: Any) -> None:
     """``merak generate`` in the ``merak`` command's subparsers."""
-    p = sub.add_parser(
+    p = add_job_command(
+        sub,
         "generate",
         help="generate text from a checkpoint of a job on its layout",
         description="Continue prompts with a checkpoint on the job's dp/tp/pp layout (torchrun): KV-cached "

@@ -14,18 +14,19 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from merak_core.cli.job_args import add_job_command
+
 __all__ = ["add_cluster_flags", "add_parser", "cluster_command", "plan_memory", "run"]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+    p = add_job_command(
+        sub,
         "plan",
         help="rank (dp, tp, pp) layouts, schedules, microbatches and recomputation for a job",
         description="Profile the job's model on this machine (one forward and backward on a batch of the training "
         "set), then print the planner's ranked configurations and why the first wins.",
     )
-    p.add_argument("config", help="YAML job file")
-    p.add_argument("overrides", nargs="*", help="section.key=value overrides of the job file")
     p.add_argument(
         "--world-size", type=int, default=None, help="number of ranks (devices); required unless --cluster"
     )

@@ -19,20 +19,21 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from merak_core.cli.job_args import add_job_command
 from merak_core.cli.plan import add_cluster_flags, cluster_command
 
 __all__ = ["add_parser", "nccl_flight_recorder_env", "run", "torchrun_command"]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+    p = add_job_command(
+        sub,
         "train",
         help="train a model described by a YAML job file",
         description="Launch a training job with torchrun. Overrides are 'section.key=value' "
         "(e.g. training.max_steps=50 training.dp=2).",
+        config_help="YAML job file (see examples/addition/config.yaml)",
     )
-    p.add_argument("config", help="YAML job file (see examples/addition/config.yaml)")
-    p.add_argument("overrides", nargs="*", help="section.key=value overrides of the job file")
     p.add_argument(
         "--nproc-per-node", type=int, default=None, help="processes on this node (default: dp*tp*pp / nnodes)"
     )
