@@ -69,16 +69,23 @@ def _reference() -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+PP2 = {"pp": 2, "per_device_train_batch_size": 1, "gradient_accumulation_steps": 2}
+
+
 @pytest.mark.parametrize(
-    ("zero_stage", "dp", "ep"),
-    [(2, 2, 2), (3, 2, 2), (3, 4, 2)],
-    ids=["zero2-dp2-ep2", "zero3-dp2-ep2", "zero3-dp4-ep2"],
+    ("zero_stage", "dp", "layout"),
+    [(2, 2, {}), (3, 2, {}), (3, 4, {}), (3, 2, PP2), (3, 2, {"tp": 2})],
+    ids=["zero2-dp2-ep2", "zero3-dp2-ep2", "zero3-dp4-ep2", "zero3-dp2-ep2-pp2", "zero3-dp2-ep2-tp2"],
 )
-def test_zero23_with_experts_equals_one_process(zero_stage: int, dp: int, ep: int) -> None:
-    """dp2·ep2: experts whole on their one holder, dense parameters sharded over 2 ranks; dp4·ep2: experts
-    sharded over their 2-rank replica groups, dense parameters over 4 ranks."""
-    overrides = {"ep": ep, "zero_stage": zero_stage, "per_device_train_batch_size": BATCH // dp}
-    results = run_on_ranks(dp, _train, overrides)
+def test_zero23_with_experts_equals_one_process(zero_stage: int, dp: int, layout: dict[str, Any]) -> None:
+    """dp2·ep2: experts on a one-rank replica mesh (nothing to shard), dense parameters sharded over 2 ranks;
+    dp4·ep2: experts sharded over their 2-rank replica groups, dense parameters over 4 ranks; dp2·ep2·pp2 (each
+    stage's experts and dense units sharded apart, two microbatches) and dp2·ep2·tp2 (experts whole per TP rank,
+    attention TP-sharded, both sharded over DP)."""
+    ep = 2
+    overrides = {"ep": ep, "zero_stage": zero_stage, "per_device_train_batch_size": BATCH // dp, **layout}
+    world = dp * layout.get("pp", 1) * layout.get("tp", 1)
+    results = run_on_ranks(world, _train, overrides)
     losses, params = _reference()
     state = results[0]["state"]
     assert state is not None and set(state) == set(params)

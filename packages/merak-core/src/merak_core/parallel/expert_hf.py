@@ -58,6 +58,9 @@ class FusedExpertParallel:
     down_proj: nn.Parameter
     num_experts: int
     act_fn: Callable[[torch.Tensor], torch.Tensor]
+    merak_expert_shard: ExpertShard
+    """The parameters' record, kept on the module too: under ZeRO-2/3 FSDP2 registers unsharded copies of
+    the parameters for the forward, which carry no record ([Note: ZeRO-2/3 with experts])."""
 
     def run_local_expert(self, e: int, x_nh: torch.Tensor) -> torch.Tensor:
         """Local expert ``e`` on its rows, as transformers' eager forward computes one expert."""
@@ -73,8 +76,7 @@ class FusedExpertParallel:
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        record = expert_shard(self.gate_up_proj)
-        assert record is not None, "a fused EP experts module keeps its shard record"
+        record = self.merak_expert_shard
         local: Any = _LocalExperts(self, record)
         out = dispatch(hidden_states, top_k_weights, top_k_index, local, self.num_experts, record.group)
         return out.to(hidden_states.dtype)
@@ -135,6 +137,7 @@ def apply_fused_expert_parallel(model: nn.Module, layout: ParallelLayout) -> lis
             local = nn.Parameter(record.slice(full.detach()).clone(), requires_grad=full.requires_grad)
             setattr(module, attr, set_expert_shard(local, record))
         module.__class__ = ep_class(FusedExpertParallel, type(module))
+        module.merak_expert_shard = record
         classes.append(type(module))
     return classes
 
