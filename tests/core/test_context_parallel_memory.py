@@ -10,7 +10,7 @@ compared with the memory model's prediction from a profile measured at cp=1
 which must hold within the planner's margin (``MEMORY_MARGIN``), and with ``1 / cp`` of the cp=1 bytes:
 both modes hold within 15% of ``1 / cp`` at cp=2 and cp=4 on every rank (the ring's backward passes
 the key/value blocks round again instead of keeping them, [Note: ring backward] in
-:mod:`merak_tp.context`).
+:mod:`merak_tp.ring`).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ lower bound when the MLP dominates the layer.
 [Note: cp attention memory] What the cp attention keeps beyond ``1 / cp`` of the one-process
 activations, per attention layer, in units of the local tokens' boundary bytes (``boundary / cp``):
 ``ulysses`` one (the output's copy in the sequence split); ``ring`` none: its backward passes the
-key/value blocks round the ring again ([Note: ring backward] in :mod:`merak_tp.context`), so it keeps
+key/value blocks round the ring again ([Note: ring backward] in :mod:`merak_tp.ring`), so it keeps
 only the local query, key, value, output and log-sum-exp, what a one-process attention keeps for the
 same rows. A one-process attention that repeats the key/value heads for grouped-query attention
 keeps ``2 - 2 * kv / heads`` boundaries more, which the ring saves and which is not subtracted (an
