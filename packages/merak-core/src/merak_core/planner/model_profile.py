@@ -121,21 +121,34 @@ class ModelProfile:
                     f"ModelProfile.{name}={v!r}: expected a positive int or None (no constraint)"
                 )
 
+    def _per_layer_part(self, name: str, n: int, what: str) -> None:
+        """``self.<name>`` (when given) as floats: one per layer, each within its layer's parameter bytes."""
+        values = getattr(self, name)
+        if values is None:
+            return
+        values = [float(v) for v in values]
+        setattr(self, name, values)
+        if len(values) != n:
+            raise ValueError(
+                f"ModelProfile.{name} has {len(values)} values but layer_forward_s has {n}: give one value per "
+                f"layer (or None: {what})"
+            )
+        for i, (v, p) in enumerate(zip(values, self.layer_param_bytes, strict=True)):
+            if not 0 <= v <= p:
+                raise ValueError(
+                    f"ModelProfile.{name}[{i}]={v!r}: expected 0 <= value <= layer_param_bytes[{i}]={p!r}"
+                )
+
     def _check_experts(self, n: int) -> None:
+        self._per_layer_part("layer_expert_bytes", n, "a dense model")
         if self.layer_expert_bytes is None:
             return
-        self.layer_expert_bytes = [float(v) for v in self.layer_expert_bytes]
-        blocks = self.layer_moe_blocks if self.layer_moe_blocks is not None else []
-        if len(self.layer_expert_bytes) != n or len(blocks) != n:
+        blocks = self.layer_moe_blocks
+        if blocks is None or len(blocks) != n or any(not isinstance(b, int) or b < 0 for b in blocks):
             raise ValueError(
-                f"ModelProfile.layer_expert_bytes and layer_moe_blocks need one value per layer ({n}), got "
-                f"{len(self.layer_expert_bytes)} and {len(blocks)}"
+                f"ModelProfile.layer_moe_blocks={blocks!r}: expected {n} ints >= 0 (MoE blocks per layer) with "
+                "layer_expert_bytes"
             )
-        for i, (e, p) in enumerate(zip(self.layer_expert_bytes, self.layer_param_bytes, strict=True)):
-            if not 0 <= e <= p:
-                raise ValueError(
-                    f"ModelProfile.layer_expert_bytes[{i}]={e!r}: expected 0 <= value <= layer_param_bytes[{i}]={p!r}"
-                )
         for name in ("num_experts", "top_k"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -144,20 +157,9 @@ class ModelProfile:
                 )
 
     def _check_trainable(self, n: int) -> None:
+        self._per_layer_part("layer_trainable_bytes", n, "every parameter trains")
         if self.layer_trainable_bytes is None:
             return
-        self.layer_trainable_bytes = [float(v) for v in self.layer_trainable_bytes]
-        if len(self.layer_trainable_bytes) != n:
-            raise ValueError(
-                f"ModelProfile.layer_trainable_bytes has {len(self.layer_trainable_bytes)} values but "
-                f"layer_forward_s has {n}: give one value per layer (or None: every parameter trains)"
-            )
-        for i, (t, p) in enumerate(zip(self.layer_trainable_bytes, self.layer_param_bytes, strict=True)):
-            if not 0 <= t <= p:
-                raise ValueError(
-                    f"ModelProfile.layer_trainable_bytes[{i}]={t!r}: expected 0 <= value <= "
-                    f"layer_param_bytes[{i}]={p!r}"
-                )
         if not 0 <= self.shared_trainable_bytes <= self.shared_param_bytes:
             raise ValueError(
                 f"ModelProfile.shared_trainable_bytes={self.shared_trainable_bytes!r}: expected 0 <= value "

@@ -21,6 +21,7 @@ import dataclasses
 import math
 from collections.abc import Iterator, Sequence
 from types import SimpleNamespace
+from typing import Any
 
 from merak_core.config.layout_choice import LayoutChoice
 from merak_core.planner.candidate import Candidate, sort_key
@@ -267,18 +268,8 @@ def plan(
                 )
                 for v in virtual_stage_counts(profile.num_layers, pp, virtual_stages)
             }
-            base = LayoutChoice(
-                dp=dp,
-                tp=tp,
-                pp=pp,
-                schedule="1f1b",
-                num_microbatches=1,
-                micro_batch_size=1,
-                zero_stage=zero_stage,
-            )
-            for choice in _choices(
-                dataclasses.replace(base, cp=cp, cp_mode=cp_mode, ep=ep), global_batch_size, lays, schedules
-            ):
+            degrees = dict(dp=dp, tp=tp, pp=pp, cp=cp, cp_mode=cp_mode, ep=ep, zero_stage=zero_stage)
+            for choice in _choices(degrees, global_batch_size, lays, schedules):
                 if max_microbatches < choice.num_microbatches or ep_refusal(choice) is not None:
                     continue
                 for cand in _recompute_variants(
@@ -305,16 +296,17 @@ def plan(
 
 
 def _choices(
-    base: LayoutChoice, global_batch_size: int, lays: dict[int, LayoutCosts], schedules: Sequence[str]
+    degrees: dict[str, Any], global_batch_size: int, lays: dict[int, LayoutCosts], schedules: Sequence[str]
 ) -> Iterator[LayoutChoice]:
-    """``base``'s degrees with every microbatch count (at least one per stage), schedule and stage count."""
-    per_dp = global_batch_size // base.dp
+    """The choices at ``degrees`` (LayoutChoice fields) with every microbatch count (at least one per stage),
+    schedule and stage count."""
+    per_dp = global_batch_size // degrees["dp"]
     for m in divisors(per_dp):
-        if m < base.pp:  # the Trainer needs a microbatch per stage at least
+        if m < degrees["pp"]:  # the Trainer needs a microbatch per stage at least
             continue
-        for sched, v in _runs(base.pp, schedules, lays):
-            yield dataclasses.replace(
-                base, schedule=sched, num_microbatches=m, micro_batch_size=per_dp // m, virtual_stages=v
+        for sched, v in _runs(degrees["pp"], schedules, lays):
+            yield LayoutChoice(
+                **degrees, schedule=sched, num_microbatches=m, micro_batch_size=per_dp // m, virtual_stages=v
             )
 
 
