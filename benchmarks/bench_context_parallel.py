@@ -227,9 +227,9 @@ def _memory_table(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes, 3 rounds")
+    parser.add_argument("--quick", action="store_true", help="small sizes, 3 rounds unless --rounds")
     parser.add_argument("--seq", type=int, default=1024, help="tokens per sequence of the timed step")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=None, help="paired rounds (default 5)")
     parser.add_argument(
         "--memory-per-device",
         default=None,
@@ -242,13 +242,13 @@ def main(argv: list[str] | None = None) -> int:
         layers=2,
         batch=2,
         seq=args.seq,
-        rounds=args.rounds,
+        rounds=args.rounds or 5,
         warmup=1,
         memory=_bytes(args.memory_per_device or ("12MiB" if args.quick else "48MiB")),
         seqs=[256, 512, 1024, 2048, 4096],
     )
     if args.quick:
-        cfg.update(seq=256, rounds=3, seqs=[128, 256, 512, 1024])
+        cfg.update(seq=256, rounds=args.rounds or 3, seqs=[128, 256, 512, 1024])
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     start = time.perf_counter()
