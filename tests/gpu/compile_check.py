@@ -4,7 +4,8 @@
 ``compile: true`` and ``compile: regional`` against the eager Trainer, 5 steps of the Llama-style model
 in float32 (TF32 off): every step's loss within float32 rounding of the compiled kernels (1e-4
 relative); then the step time of ``compile: true`` against eager in bf16 (median after two
-warm-up steps, the first of which compiles), as tokens/s and the ratio.
+warm-up steps, the first of which compiles; the device synchronised after each step), as tokens/s,
+MFU and the ratio.
 
 On CUDA it compiles with ``inductor`` (the default); elsewhere (the CPU smoke run at ``tiny``) with
 ``eager`` (graph capture, no code generated: the cheapest), so only the logic is exercised there and
@@ -14,16 +15,21 @@ the ratio means nothing. Only a CUDA run's numbers are a GPU result.
 from __future__ import annotations
 
 import copy
-import statistics
 from typing import Any
 
 import torch
 
-from tests.gpu.checks import CountingDataset, _compare_losses, _no_tf32, _train, build_llama, llama_config
-
-
-def _step_s(history: list[dict[str, float]]) -> float:
-    return statistics.median(h["step_time_s"] for h in history[2:])
+from tests.gpu.common import (
+    CountingDataset,
+    _compare_losses,
+    _median_step_s,
+    _no_tf32,
+    _train,
+    build_llama,
+    llama_config,
+    llama_flops_per_token,
+    throughput,
+)
 
 
 def compiled_stages(device: str, size: str) -> dict[str, Any]:
@@ -65,15 +71,26 @@ def compiled_stages(device: str, size: str) -> dict[str, Any]:
         learning_rate=3e-4,
         compile_backend=backend,
     )
-    _, eager = _train(copy.deepcopy(model), data, device, **kwargs)
-    _, compiled = _train(model, data, device, compile=True, **kwargs)
-    eager_s, compiled_s = _step_s(eager), _step_s(compiled)
+    flops = llama_flops_per_token(model, seq)
+    eager, _ = _train(copy.deepcopy(model), data, device, **kwargs)
+    compiled, _ = _train(model, data, device, compile=True, **kwargs)
+    eager_s = _median_step_s(eager.device_step_s, warmup=2)
+    compiled_s = _median_step_s(compiled.device_step_s, warmup=2)
     out.update(
         compile_step_s=compiled_s,
         eager_step_s=eager_s,
         compile_vs_eager=compiled_s / eager_s,
-        compile_tokens_per_s=micro * seq / compiled_s,
-        eager_tokens_per_s=micro * seq / eager_s,
-        compile_first_step_s=compiled[0]["step_time_s"],
+        compile_first_step_s=compiled.device_step_s[0],
     )
+    for name, step_s in (("compile", compiled_s), ("eager", eager_s)):
+        out.update(
+            throughput(
+                name,
+                tokens_per_step=micro * seq,
+                step_s=step_s,
+                flops_per_token=flops,
+                device=device,
+                devices=1,
+            )
+        )
     return out

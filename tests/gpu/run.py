@@ -76,6 +76,7 @@ def _run_check(name: str, command: list[str], threads: int, timeout_s: float, wo
         return record
     result = json.loads(lines[-1].removeprefix(RESULT_PREFIX))
     record.update(status="passed", result=result)
+    record["skipped_parts"] = list(result.get("skipped", []))
     for key in THROUGHPUT_KEYS:
         record[key] = {k: v for k, v in result.items() if k.endswith(key)} or None
     return record
@@ -116,9 +117,23 @@ def _plan(args: argparse.Namespace, devices: int) -> list[tuple[str, int]]:
     for name in checks.MULTI_CHECKS:
         if wanted is not None and name not in wanted:
             continue
-        need = 8 if name == "multi_3d" else 2
-        plan.append((name, devices if devices >= need else 0))
+        need, ranks = checks.MULTI_RANKS[name]
+        plan.append((name, (ranks or devices) if devices >= need else 0))
     return plan
+
+
+def _skipped(name: str, devices: int) -> dict[str, Any]:
+    """The record of a multi-rank check that the machine has too few devices for."""
+    from tests.gpu import checks
+
+    need = checks.MULTI_RANKS[name][0]
+    return {
+        "check": name,
+        "world": 0,
+        "part": "multi",
+        "status": "skipped",
+        "error": f"needs {need} devices, this machine has {devices}",
+    }
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -134,20 +149,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for name, world in _plan(args, devices):
         part = "single" if world == 1 else "multi"
         if world == 0:
-            records.append(
-                {
-                    "check": name,
-                    "world": 0,
-                    "status": "skipped",
-                    "error": f"needs more devices than {devices}",
-                }
-            )
+            records.append(_skipped(name, devices))
+            print(f"[gpu check] {name}: skipped: {records[-1]['error']}", flush=True)
             continue
         left = budgets[part] - used[part]
         if left <= 5:
             records.append(
                 {"check": name, "world": world, "status": "skipped", "error": f"{part} budget spent"}
             )
+            print(f"[gpu check] {name}: skipped: {part} budget spent", flush=True)
             continue
         main = ["-m", "tests.gpu.main", name, "--device", args.device, "--size", args.size]
         if world == 1:
@@ -157,7 +167,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             rank_threads = max(1, threads // world)
             command = [
                 *_python(), "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-                *main[1:], "--threads", str(rank_threads),
+                *main, "--threads", str(rank_threads),
             ]  # fmt: skip
         record = _run_check(name, command, rank_threads, left, world)
         record["part"] = part
@@ -167,6 +177,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"[gpu check] {name} (world {world}): {record['status']} in {record.get('seconds', 0):.1f} s",
             flush=True,
         )
+        for line in record.get("skipped_parts", []):
+            print(f"[gpu check] {name}: skipped part: {line}", flush=True)
     return {
         "format": REPORT_FORMAT,
         "passed": all(r["status"] in ("passed", "skipped") for r in records)
@@ -190,6 +202,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"python {host['python']}, torch {host['torch']} (CUDA {host['cuda']}), device {host['device']}, "
         f"{len(host['gpus'])} GPU(s) {sorted(set(host['gpus']))}, {host['cpu_count']} CPU cores, size {report['size']}",
         "",
+        "MFU: training FLOPs over the peak dense bf16 FLOP/s of the devices used (n/a: peak unknown, e.g. CPU).",
+        "",
         "| check | ranks | status | seconds | tokens/s | MFU |",
         "|---|---|---|---|---|---|",
     ]
@@ -200,9 +214,16 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {r['check']} | {r['world']} | {r['status']} | {r.get('seconds', 0):.1f} | "
             + ", ".join(f"{k}={v:.4g}" for k, v in tps.items() if isinstance(v, (int, float)))
             + " | "
-            + ", ".join(f"{k}={v:.3f}" for k, v in mfu.items() if isinstance(v, (int, float)))
+            + ", ".join(f"{k}={v:.3f}" if isinstance(v, (int, float)) else f"{k}=n/a" for k, v in mfu.items())
             + " |"
         )
+    skips = [
+        f"- {r['check']}: {line}"
+        for r in report["checks"]
+        for line in ([r["error"]] if r["status"] == "skipped" else r.get("skipped_parts", []))
+    ]
+    if skips:
+        lines += ["", "Skipped:", "", *skips]
     failures = [r for r in report["checks"] if r["status"] not in ("passed", "skipped")]
     for r in failures:
         lines += [

@@ -47,6 +47,30 @@ def test_gpu_check_runs_from_the_sources_with_python_path_only(tmp_path: Path) -
     assert (out / "gpu_check.md").read_text() == markdown(report)
 
 
+def test_multi_rank_check_runs_under_torchrun_from_the_sources(tmp_path: Path) -> None:
+    """The multi-rank part goes through ``torch.distributed.run -m tests.gpu.main`` (it once passed the
+    module name as a script path: every multi-rank check failed before running); a check that needs
+    more devices than there are is skipped with a line saying why."""
+    path = [*map(str, SOURCES), str(ROOT), *site.getsitepackages()]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(PYTHONPATH=os.pathsep.join(path), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    out = tmp_path / "out"
+    command = [sys.executable, "-S", "-m", "tests.gpu.run", "--out", str(out), "--device", "cpu"]
+    only = ["--only", "multi_zero,multi_3d", "--nproc", "2", "--threads", "2"]
+    proc = subprocess.run(
+        [*command, *only], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "[gpu check] multi_3d: skipped: needs 8 devices, this machine has 2" in proc.stdout
+    report = json.loads((out / "gpu_check.json").read_text())
+    zero, three_d = report["checks"]
+    assert zero["check"] == "multi_zero" and zero["status"] == "passed" and zero["world"] == 2
+    assert all(zero["result"][f"zero{s}_loss_rel_diff"] <= 1e-4 for s in (1, 2, 3))
+    assert set(zero["tokens_per_s"]) == {"zero1_tokens_per_s", "zero2_tokens_per_s", "zero3_tokens_per_s"}
+    assert set(zero["mfu"]) == {"zero1_mfu", "zero2_mfu", "zero3_mfu"}  # null on CPU: no peak
+    assert three_d["status"] == "skipped" and three_d["error"] == "needs 8 devices, this machine has 2"
+
+
 def test_gpu_check_refuses_without_cuda(tmp_path: Path) -> None:
     import torch
 
