@@ -143,12 +143,13 @@ def layout_costs(
     static = []
     for s, r in enumerate(stage):
         whole = experts[s] * ep / tp  # the experts' bytes in params[s] (split by tp at ep=1)
+        dense_trainable = max(trainable[s] - whole, 0.0)  # the experts train (ep refuses LoRA)
         static.append(
-            state(s, params[s] - whole, trainable[s] - whole, r, group=shard_dp)
+            state(s, params[s] - whole, dense_trainable, r, group=shard_dp)
             + (state(s, experts[s], experts[s], r, group=shard_dp // ep) if experts[s] else 0.0)
         )
         params[s] += experts[s] - whole
-        trainable[s] += experts[s] - whole
+        trainable[s] = dense_trainable + experts[s]
     world = dp * cp * tp * pp
     # Per step outside the pipeline: the optimizer over this rank's trainable parameters (its share
     # under ZeRO-1), the gradient-norm all-reduce and the loss all-reduce over every rank.
