@@ -26,16 +26,20 @@ from tests.gpu.run import ROOT, SOURCES, markdown
 pytestmark = pytest.mark.slow
 
 
-def test_gpu_check_runs_from_the_sources_with_python_path_only(tmp_path: Path) -> None:
+def _run_entry(out: Path, *options: str) -> subprocess.CompletedProcess[str]:
+    """``python -S -m tests.gpu.run --out OUT --device cpu OPTIONS`` with the sources on PYTHONPATH only."""
     path = [*map(str, SOURCES), str(ROOT), *site.getsitepackages()]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(PYTHONPATH=os.pathsep.join(path), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    out = tmp_path / "out"
-    command = [sys.executable, "-S", "-m", "tests.gpu.run", "--out", str(out), "--device", "cpu"]
-    proc = subprocess.run(
-        [*command, "--only", "pipeline_v"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
-    )
+    command = [sys.executable, "-S", "-m", "tests.gpu.run", "--out", str(out), "--device", "cpu", *options]
+    proc = subprocess.run(command, cwd=out.parent, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc
+
+
+def test_gpu_check_runs_from_the_sources_with_python_path_only(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    _run_entry(out, "--only", "pipeline_v")
     report = json.loads((out / "gpu_check.json").read_text())
     assert report["format"] == 1 and report["passed"] and not report["nox_imported"]
     for name, folder in report["imports"].items():
@@ -51,16 +55,8 @@ def test_multi_rank_check_runs_under_torchrun_from_the_sources(tmp_path: Path) -
     """The multi-rank part goes through ``torch.distributed.run -m tests.gpu.main`` (it once passed the
     module name as a script path: every multi-rank check failed before running); a check that needs
     more devices than there are is skipped with a line saying why."""
-    path = [*map(str, SOURCES), str(ROOT), *site.getsitepackages()]
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(PYTHONPATH=os.pathsep.join(path), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     out = tmp_path / "out"
-    command = [sys.executable, "-S", "-m", "tests.gpu.run", "--out", str(out), "--device", "cpu"]
-    only = ["--only", "multi_zero,multi_3d", "--nproc", "2", "--threads", "2"]
-    proc = subprocess.run(
-        [*command, *only], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    proc = _run_entry(out, "--only", "multi_zero,multi_3d", "--nproc", "2", "--threads", "2")
     assert "[gpu check] multi_3d: skipped: needs 8 devices, this machine has 2" in proc.stdout
     report = json.loads((out / "gpu_check.json").read_text())
     zero, three_d = report["checks"]
