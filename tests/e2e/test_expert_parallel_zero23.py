@@ -1,12 +1,12 @@
 """Expert parallelism with ZeRO-2/3 (FSDP2) against one process in float64.
 
 Dense parameters are sharded by FSDP2 over the DP group, experts by their own ``fully_shard`` over their
-replica group (dp / ep ranks; at dp == ep a group of one: the experts stay whole, their gradients reduced
-by the dispatch's backward alone). Three SGD steps of the tiny MoE Llama with clipping below the
+replica group (dp / ep ranks; at dp == ep a one-rank mesh: nothing sharded, their gradients reduced by the
+dispatch's backward alone). Three SGD steps of the tiny MoE Llama with clipping below the
 gradient's norm (SGD: an update is its gradient, so a wrong expert scale or a norm that counts an expert
 twice moves the parameters), against one process on the whole batch: every step's loss and every
 parameter after the three steps; and the sharding itself (dense parameters over dp ranks, experts over
-dp / ep, or whole). Then a ZeRO-3 checkpoint at ep=2 resumes at ep=2 bit for bit and at ep=1 to rounding.
+dp / ep). Then a ZeRO-3 checkpoint at ep=2 resumes at ep=2 bit for bit and at ep=1 or ep=4 to rounding.
 """
 
 from __future__ import annotations
@@ -119,22 +119,24 @@ def _resume(save: dict[str, Any], resume: dict[str, Any]) -> dict[str, Any]:
     return {"step": step, "full": (full_losses, full_state), "resumed": (losses, resumed.full_state_dict())}
 
 
+ZERO3_EP2 = {"ep": 2, "zero_stage": 3}
+
+
 @pytest.mark.parametrize(
-    ("save", "resume"),
-    [
-        ({"ep": 2, "zero_stage": 3}, {"ep": 2, "zero_stage": 3}),
-        ({"ep": 2, "zero_stage": 3}, {"ep": 1, "zero_stage": 0}),
-    ],
-    ids=["same-layout", "ep1-zero0"],
+    ("dp", "resume"),
+    [(2, ZERO3_EP2), (2, {"ep": 1, "zero_stage": 0}), (4, {"ep": 4, "zero_stage": 2})],
+    ids=["dp2-same-layout", "dp2-ep1-zero0", "dp4-ep4-zero2"],
 )
-def test_zero3_with_experts_resumes(save: dict[str, Any], resume: dict[str, Any]) -> None:
+def test_zero3_with_experts_resumes(dp: int, resume: dict[str, Any]) -> None:
     """Experts are saved by their global names, gathered from their shards (AdamW states too): the same layout
-    resumes bit for bit, ep=1 without ZeRO (every expert on each rank) to rounding."""
-    got = run_on_ranks(2, _resume, save, resume)[0]
+    resumes bit for bit, ep=1 without ZeRO (every expert on each rank) to rounding, and a dp4 checkpoint (experts
+    sharded over 2-rank replica groups) at ep=4 ZeRO-2 (one expert per rank) to rounding."""
+    batch = {"per_device_train_batch_size": BATCH // dp}
+    got = run_on_ranks(dp, _resume, {**ZERO3_EP2, **batch}, {**resume, **batch})[0]
     assert got["step"] == 1
     full_losses, full_state = got["full"]
     losses, final_state = got["resumed"]
-    exact = save == resume
+    exact = resume == ZERO3_EP2
     assert len(full_losses) == 3
     assert losses == (full_losses[1:] if exact else pytest.approx(full_losses[1:], rel=1e-12))
     assert set(final_state) == set(full_state)
