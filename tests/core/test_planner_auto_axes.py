@@ -236,3 +236,15 @@ def test_a_transformers_moe_model_profiles_its_fused_experts_and_keeps_cp1_with_
     assert model_cp_degrees(model, {"input_ids": tokens}, args, 2) == (
         1,
     )  # the aux loss needs whole sequences
+
+
+def test_no_configuration_at_all_is_named_as_such() -> None:
+    # One sample per step, one key/value head, 2 ranks: dp=2 needs 2 samples, pp=2 two microbatches, tp=2 two
+    # kv heads; no memory figure could help (the message used to say "needs inf bytes").
+    with pytest.raises(
+        ValueError, match="nothing fits: no configuration of 2 ranks runs a global batch of 1"
+    ):
+        plan(_dense(), world_size=2, memory_per_device=1e12, global_batch_size=1, comm=COMM)
+    assert plan(
+        _dense(), world_size=2, memory_per_device=1e12, global_batch_size=1, comm=COMM, cp_degrees=(1, 2)
+    )

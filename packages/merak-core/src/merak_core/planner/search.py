@@ -285,6 +285,12 @@ def plan(
                     # [Note: memory margin] in planner.memory
                     if max(cand.device_peak_bytes) <= usable_memory(memory_per_device):
                         out.append(cand)
+    if not out and math.isinf(least_needed):  # nothing priced at all
+        raise ValueError(
+            f"plan: nothing fits: no configuration of {world_size} ranks runs a global batch of "
+            f"{global_batch_size}: each pipeline needs a microbatch per stage (at most max_microbatches="
+            f"{max_microbatches}) and dp must divide the batch; raise the batch, or allow other degrees (tp, cp, ep)"
+        )
     if not out:
         raise ValueError(
             f"plan: nothing fits in memory_per_device={memory_per_device:.6g} bytes; the smallest configuration needs "
