@@ -5,7 +5,8 @@
   (float32 on the device, TF32 off: a CPU reference of these sizes would not fit the budget);
   tokens/s and MFU of each run's second step;
 - :func:`multi_tp_overlap` — TP at 2/4/8 with ``overlap_chunks`` 1, 2, 4: the same outputs, the
-  sub-pipelined speedup, tokens/s and MFU of each (``full``: a Llama block at hidden 4096);
+  float32 output against one CPU process in float32, the sub-pipelined speedup, tokens/s and MFU of
+  each (``full``: a Llama block at hidden 4096);
 - :func:`multi_3d` — the demo job at dp=2 tp=2 pp=2 against the single-process CPU float32 reference
   losses; tokens/s and MFU.
 
@@ -166,11 +167,34 @@ def _time_fwd_bwd(model: nn.Module, x: torch.Tensor, repeats: int) -> float:
     return (time.perf_counter() - start) / repeats
 
 
-def multi_tp_overlap(device: str, size: str) -> dict[str, Any]:
-    """TP at 2/4/8 over consecutive ranks, overlap_chunks 1/2/4: same outputs; speedup over chunks=1;
-    tokens/s and MFU of each (a forward and backward, bf16 autocast at ``full``)."""
+def _tp_runs(
+    base: nn.Module, group: Any, x: torch.Tensor, size: str
+) -> tuple[dict[int, torch.Tensor], dict[int, float], torch.Tensor]:
+    """``base`` at TP over ``group`` with overlap_chunks 1/2/4: the outputs and fwd+bwd seconds of each
+    (bf16 autocast at ``full``), and the float32 output at chunks=2 (on the CPU)."""
     import merak_tp
     import tests.support.tp_plans  # noqa: F401 - registers the test models' plans
+
+    times: dict[int, float] = {}
+    outputs: dict[int, torch.Tensor] = {}
+    fp32 = torch.empty(0)
+    for chunks in (1, 2, 4):
+        model = merak_tp.parallelize(copy.deepcopy(base), None, group=group, overlap_chunks=chunks)
+        model = model.to(x.device)
+        if chunks == 2:
+            with torch.no_grad():
+                fp32 = model(x).float().cpu()
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=size == "full"):
+            outputs[chunks] = model(x).detach().float()
+            times[chunks] = _time_fwd_bwd(model, x, 10 if size == "full" else 2)
+        del model
+    return outputs, times, fp32
+
+
+def multi_tp_overlap(device: str, size: str) -> dict[str, Any]:
+    """TP at 2/4/8 over consecutive ranks, overlap_chunks 1/2/4: same outputs; the float32 output
+    (chunks=2) against one CPU process in float32; speedup over chunks=1; tokens/s and MFU of each
+    (a forward and backward, bf16 autocast at ``full``)."""
     from tests.support.models import DecoderConfig, Llama
 
     _no_tf32()
@@ -178,6 +202,7 @@ def multi_tp_overlap(device: str, size: str) -> dict[str, Any]:
     dev = torch.device(device)
     hidden, seq, batch = (4096, 1024, 8) if size == "full" else (32, 8, 8)
     out: dict[str, Any] = {"skipped": []}
+    reference = None  # one CPU process's float32 logits (rank 0; every degree's base model is the same)
     for tp in (2, 4, 8):
         if tp > world or world % tp:
             out["skipped"].append(f"tp={tp}: needs a multiple of {tp} ranks, the world has {world}")
@@ -197,19 +222,16 @@ def multi_tp_overlap(device: str, size: str) -> dict[str, Any]:
         base = Llama(cfg)
         flops = llama_flops_per_token(base, seq)
         x = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1)).to(dev)
-        times: dict[int, float] = {}
-        outputs: dict[int, torch.Tensor] = {}
-        for chunks in (1, 2, 4):
-            model = merak_tp.parallelize(copy.deepcopy(base), None, group=group, overlap_chunks=chunks).to(
-                dev
-            )
-            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=size == "full"):
-                outputs[chunks] = model(x).detach().float()
-                times[chunks] = _time_fwd_bwd(model, x, 10 if size == "full" else 2)
-            del model
+        outputs, times, fp32 = _tp_runs(base, group, x, size)
         for chunks in (2, 4):
             tol = (5e-2, 5e-2) if size == "full" else (1e-5, 1e-6)
             _close(f"tp={tp} chunks={chunks} output", outputs[chunks], outputs[1], *tol)
+        if rank == 0:
+            if reference is None:
+                with torch.no_grad():
+                    reference = base(x.cpu()).float()
+            _close(f"tp={tp} chunks=2 float32 output vs one CPU process", fp32, reference, 1e-4, 1e-4)
+            out[f"tp{tp}_fp32_max_abs_diff"] = float((fp32 - reference).abs().max())
         slowest = torch.tensor([times[c] for c in (1, 2, 4)], dtype=torch.float64, device=dev)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         t1, t2, t4 = (float(v) for v in slowest)

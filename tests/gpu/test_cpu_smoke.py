@@ -48,6 +48,7 @@ def test_tp_overlap_check_on_cpu() -> None:
     results = run_on_ranks(2, multi.multi_tp_overlap, "cpu", "tiny")
     assert set(results[0]["tp2_speedup"]) == {2, 4}
     assert all(results[0][f"tp2_chunks{c}_tokens_per_s"] > 0 for c in (1, 2, 4))
+    assert results[0]["tp2_fp32_max_abs_diff"] <= 1e-5  # against one CPU process
     assert results[0]["skipped"] == [
         "tp=4: needs a multiple of 4 ranks, the world has 2",
         "tp=8: needs a multiple of 8 ranks, the world has 2",
