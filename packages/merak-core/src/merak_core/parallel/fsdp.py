@@ -81,6 +81,9 @@ TP rank (``layout.grad_sync_group``, a 1-D mesh of ``dp * cp`` ranks): the reduc
 the gradients over them, exactly as the unsharded sync does (merak_core.parallel.context_parallel
 [Note: cp loss]); the all-gathers and the global norm run over the same mesh.
 
+At ep > 1 the experts are sharded first, by their own ``fully_shard`` over their expert-replica group, and
+the dense units over DP: [Note: ZeRO-2/3 with experts] in :mod:`merak_core.parallel.zero_experts`.
+
 Not done here: ZeRO-1 (:mod:`merak_core.parallel.zero`), the replicated all-reduce
 (:mod:`merak_core.parallel.data_parallel`), CPU offload.
 """
