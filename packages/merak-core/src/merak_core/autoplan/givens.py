@@ -8,6 +8,7 @@ plans with them, ``merak train --dry-run`` and ``merak plan`` print them.
 from __future__ import annotations
 
 import copy
+import logging
 import os
 from typing import Any
 
@@ -16,6 +17,8 @@ import torch.distributed as dist
 from torch import nn
 
 from merak_core.config import TrainingArguments
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "auto_cp_degrees",
@@ -38,14 +41,16 @@ def auto_cp_degrees(args: TrainingArguments, world_size: int) -> tuple[int, ...]
 
 
 def _degrees_passing(world_size: int, check: Any) -> tuple[int, ...]:
-    """1 and every divisor d > 1 of ``world_size`` for which ``check(d)`` raises no ValueError."""
+    """1 and every divisor d > 1 of ``world_size`` for which ``check(d)`` raises nothing: a refusal
+    (ValueError) or a check that cannot read the model or batch leaves d out of the search, never in."""
     out = [1]
     for d in range(2, world_size + 1):
         if world_size % d:
             continue
         try:
             check(d)
-        except ValueError:
+        except Exception as exc:  # noqa: BLE001 - not offered; the run would refuse it by name
+            logger.debug("layout auto: degree %d left out: %s: %s", d, type(exc).__name__, exc)
             continue
         out.append(d)
     return tuple(out)
