@@ -2,8 +2,9 @@
 
 - :func:`multi_pipeline` — the Trainer at pp = 2 and 4 with every schedule, the virtual-stage ones at
   ``virtual_stages=2`` (``full``: boundaries of 16 MiB) against the single-device reference steps
-  (float32 on the device, TF32 off: a CPU reference of these sizes would not fit the budget);
-  tokens/s and MFU of each run's second step;
+  (float32 on the device, TF32 off: a CPU reference of every step at these sizes would not fit the
+  budget) and the first step against one CPU process in float32; tokens/s and MFU of each run's
+  second step;
 - :func:`multi_tp_overlap` — TP at 2/4/8 with ``overlap_chunks`` 1, 2, 4: the same outputs, the
   float32 output against one CPU process in float32, the sub-pipelined speedup, tokens/s and MFU of
   each (``full``: a Llama block at hidden 4096);
@@ -52,6 +53,21 @@ def _reference_losses(model: nn.Module, data: Any, args: Any, dp: int, device: t
     return reference_steps(model, data, args, dp, microbatch_loss)
 
 
+def _cpu_first_loss(model: nn.Module, data: Any, args: Any, dp: int) -> float:
+    """The first step's loss in one CPU process in float32 (a forward of every microbatch of the
+    step's global batch, averaged as the Trainer averages them)."""
+    from tests.e2e._trainer_support import reference_microbatches
+
+    model = copy.deepcopy(model).to("cpu", torch.float32)
+    chunks = reference_microbatches(len(data), args, dp)[0]
+    total = 0.0
+    with torch.no_grad():
+        for chunk in chunks:
+            batch = torch.utils.data.default_collate([data[i] for i in chunk])
+            total += float(_lm_loss(model(batch["input_ids"]), batch["labels"])) / len(chunks)
+    return total
+
+
 ALL_SCHEDULES = ("gpipe", "1f1b", "zb_h1", "shifted_critical_path", "interleaved_1f1b", "zb_v")
 VIRTUAL_SCHEDULES = ("interleaved_1f1b", "zb_v")
 """Schedules run with two stages per pipeline rank (``virtual_stages=2``)."""
@@ -91,20 +107,24 @@ def multi_pipeline(
     _no_tf32()
     world = dist.get_world_size()
     out: dict[str, Any] = {"skipped": []}
+    cpu_first: dict[int, float] = {}  # layers -> the first step's loss in one CPU process (rank 0)
     for pp in degrees:
         if pp > world or world % pp:
             out["skipped"].append(f"pp={pp}: needs a multiple of {pp} ranks, the world has {world}")
             continue
         for schedule in schedules:
-            out.update(_pipeline_run(device, size, pp, schedule))
+            out.update(_pipeline_run(device, size, pp, schedule, cpu_first))
             if torch.device(device).type == "cuda":
                 torch.cuda.empty_cache()
             dist.barrier()
     return out
 
 
-def _pipeline_run(device: str, size: str, pp: int, schedule: str) -> dict[str, Any]:
-    """One schedule at ``pp``: losses against the reference (rank 0), tokens/s and MFU."""
+def _pipeline_run(
+    device: str, size: str, pp: int, schedule: str, cpu_first: dict[int, float]
+) -> dict[str, Any]:
+    """One schedule at ``pp``: every step's loss against the reference steps on the device, the first
+    against one CPU process in float32 (rank 0; the global batch does not depend on pp), tokens/s, MFU."""
     from merak_core import Trainer
     from tests.support.models import Llama
 
@@ -133,12 +153,19 @@ def _pipeline_run(device: str, size: str, pp: int, schedule: str) -> dict[str, A
     losses = [h["loss"] for h in trainer.train()]
     step_s = trainer.device_step_s[-1]  # the first step warms up
     del trainer, model
+    out: dict[str, Any] = {}
     if ref_model is not None:
+        if cfg.num_layers not in cpu_first:  # from the initial weights: before the reference steps
+            cpu_first[cfg.num_layers] = _cpu_first_loss(ref_model, data, args, world // pp)
         want = _reference_losses(ref_model, data, args, world // pp, torch.device(device))
         _compare_losses(f"pp={pp} {schedule}", losses, want, 1e-4)
+        first = [cpu_first[cfg.num_layers]]
+        what = f"pp={pp} {schedule} first step vs one CPU process"
+        out[f"pp{pp}_{schedule}_cpu_first_rel_diff"] = _compare_losses(what, losses[:1], first, 1e-4)
         del ref_model
     tokens = micro * args.gradient_accumulation_steps * (world // pp) * seq
     return {
+        **out,
         f"pp{pp}_{schedule}": losses,
         "boundary_mib": micro * seq * hidden * 4 / 2**20,
         **throughput(

@@ -37,6 +37,7 @@ def test_pipeline_check_on_cpu(world: int, degrees: tuple[int, ...], schedule: s
     )
     pp = degrees[0]
     assert f"pp{pp}_{schedule}" in results[0]
+    assert results[0][f"pp{pp}_{schedule}_cpu_first_rel_diff"] <= 1e-4  # rank 0 only
     assert results[0][f"pp{pp}_{schedule}_tokens_per_s"] > 0 and results[0][f"pp{pp}_{schedule}_mfu"] is None
     # pp=4 at world 2 is skipped, and says why
     assert results[0]["skipped"] == [
