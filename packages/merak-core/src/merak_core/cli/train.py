@@ -299,7 +299,8 @@ def _auto_dry_run(args: argparse.Namespace, t: Any, world: int) -> str:
             f"layout: auto -- when the job starts, on {world} ranks:",
             "  1. rank 0 profiles the model on one microbatch of the training set; every rank measures p2p and "
             "all-reduce costs;",
-            f"  2. rank 0 plans dp*tp*pp={world}, schedule, microbatches and recompute for a global batch of {gbs} "
+            f"  2. rank 0 plans dp*cp*tp*pp={world} (cp and ep where the model allows them), schedule, microbatches "
+            f"and recompute for a global batch of {gbs} "
             f"({how}), {memory}, CPU ranks sharing cores counted;",
             *([f"  {note}"] if note is not None else []),
             "  3. every rank trains with the first choice (the ranked table is logged);",

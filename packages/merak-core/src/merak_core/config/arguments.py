@@ -188,8 +188,8 @@ class TrainingArguments:
     # ------------------------------------------------------------ the planner (see [Note: layout auto])
     layout: str = "manual"
     """``manual``: the job's dp/tp/pp and the other parallel fields; ``auto``: the planner chooses dp, tp,
-    pp, schedule, microbatches and recomputation at start-up (dp/tp/pp, when written, only fix the global
-    batch: see [Note: layout auto])."""
+    pp (cp and ep too, where the model allows them), schedule, microbatches and recomputation at start-up
+    (dp/tp/pp, when written, only fix the global batch: see [Note: layout auto])."""
     memory_per_device: int | str | None = None
     """Memory one rank may use, bytes or e.g. ``"2GiB"``, for ``layout: auto`` and the plan check; None: the
     device's memory (CUDA: its total memory; CPU: the machine's RAM divided by the ranks on this node)."""
