@@ -24,7 +24,14 @@ the rank's RSS just before loading (after imports and the process group):
 Target (``pretrained``): peak <= 1.3 x (the rank's own parameter bytes + the largest tensor of
 the model). The script prints a table, the ratios, the load average and writes ``--json``.
 
-Run: OMP_NUM_THREADS=1 python benchmarks/bench_pretrained_load.py [--quick] [--json out.json]
+``--resume``: instead, a Merak checkpoint of the same GPT-2 (float32 AdamW, one step saved by a
+Trainer) resumed by a new Trainer at tp=2 (``tp2``: GPT-2's ``c_attn`` is a fused q/k/v, three
+sections) and at ZeRO-3 over dp=2 (``zero3_dp2``), 2 ranks each; per rank the same two peaks during
+``resume`` (over the RSS just before it, which holds the rank's parameters), against the target
+share + largest tensor, the share being the rank's parameters and optimizer states as it holds them
+([Note: bounded checkpoint loads] in ``merak_core.checkpoint.regions``).
+
+Run: OMP_NUM_THREADS=1 python benchmarks/bench_pretrained_load.py [--quick] [--resume] [--json out.json]
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import sys
 import tempfile
@@ -45,6 +53,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 LAYOUTS = {"pp4": (4, 1), "tp2_pp2": (2, 2)}
 """name -> (pp, tp)."""
+RESUME_LAYOUTS = {"tp2": {"tp": 2}, "zero3_dp2": {"dp": 2, "zero_stage": 3}}
+"""name -> the Trainer's layout keys (2 ranks each)."""
 SEQ = 8
 
 
@@ -187,6 +197,109 @@ def _rank(
     dist.destroy_process_group()
 
 
+class _Tokens:
+    """Random next-token samples for the resume benchmark's one saved step."""
+
+    def __init__(self, vocab: int) -> None:
+        import torch
+
+        self.ids = torch.randint(0, vocab, (8, SEQ + 1), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"input_ids": self.ids[i, :-1], "labels": self.ids[i, 1:]}
+
+
+def _lm_loss(output: Any, labels: Any) -> Any:
+    import torch
+
+    logits = getattr(output, "logits", output)
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1))
+
+
+def _resume_rank(rank: int, store: str, folder: str, name: str, out_dir: str, result_dir: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
+    import transformers as tf
+
+    from merak_core import Trainer, TrainingArguments
+    from merak_core.checkpoint.specs import tensor_specs
+    from merak_core.parallel.fsdp import local_tensor
+
+    def trainer(max_steps: int) -> Any:
+        model = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        args = TrainingArguments(
+            output_dir=out_dir, max_steps=max_steps, save_steps=1, dtype="float32", logging_steps=1,
+            per_device_train_batch_size=2, **RESUME_LAYOUTS[name],
+        )  # fmt: skip
+        return Trainer(model, args, _Tokens(model.config.vocab_size), loss_fn=_lm_loss)
+
+    trainer(1).train()  # saves step 1
+    run = trainer(2)
+    gc.collect()
+    _trim_heap()
+    dist.barrier()
+    Path("/proc/self/clear_refs").write_text("5")  # the high-water mark restarts from the current RSS
+    rss0, anon0 = _status_kb("VmRSS") * 1024, _status_kb("RssAnon") * 1024
+    with _AnonPeak() as anon:
+        t0 = time.perf_counter()
+        run.resume("latest")
+        seconds = time.perf_counter() - t0
+    hwm = _status_kb("VmHWM") * 1024
+    params = {id(p): p for p in run.model.module.parameters()}.values()
+    states = [t for s in run.engine.optimizer.state.values() for t in s.values()]
+    share = sum(local_tensor(t).numel() * t.element_size() for t in [*params, *states])
+    largest = max(
+        math.prod(spec.full_shape) * p.element_size()
+        for p, spec in tensor_specs(run.checkpoint_parts).values()
+    )
+    record = {
+        "rank": rank,
+        "layout": name,
+        "share_bytes": share,
+        "largest_bytes": largest,
+        "hwm_bytes": hwm - rss0,
+        "anon_bytes": anon.peak - anon0,
+        "resume_s": seconds,
+    }
+    Path(result_dir, f"resume_{name}_{rank}.json").write_text(json.dumps(record))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_resume(folder: Path, name: str, result_dir: Path) -> list[dict[str, Any]]:
+    import torch.multiprocessing as tmp
+
+    with tempfile.TemporaryDirectory() as d:
+        tmp.spawn(
+            _resume_rank,
+            args=(os.path.join(d, "store"), str(folder), name, os.path.join(d, "out"), str(result_dir)),
+            nprocs=2,
+        )
+    return [json.loads((result_dir / f"resume_{name}_{r}.json").read_text()) for r in range(2)]
+
+
+def resume_table(records: list[dict[str, Any]]) -> None:
+    print(
+        f"{'layout':10} {'rank':>4} {'share MB':>9} {'hwm MB':>8} {'anon MB':>8} {'target MB':>9} {'hwm/tgt':>7} {'s':>6}"
+    )
+    for r in records:
+        target = r["share_bytes"] + r["largest_bytes"]
+        r["target_bytes"] = target
+        print(
+            f"{r['layout']:10} {r['rank']:>4} {r['share_bytes'] / 1e6:9.1f} {r['hwm_bytes'] / 1e6:8.1f} "
+            f"{r['anon_bytes'] / 1e6:8.1f} {target / 1e6:9.1f} {r['hwm_bytes'] / target:7.2f} {r['resume_s']:6.2f}"
+        )
+    ok = all(r["hwm_bytes"] <= r["target_bytes"] for r in records)
+    print(f"every rank within share + largest tensor (hwm): {ok}")
+
+
 def run_layout(folder: Path, mode: str, pp: int, tp: int, result_dir: Path) -> list[dict[str, Any]]:
     import torch.multiprocessing as tmp
 
@@ -205,6 +318,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a ~6M-parameter model instead of ~110M")
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of {sorted(LAYOUTS)}")
     parser.add_argument("--json", default=None, help="write every rank's record here")
+    parser.add_argument(
+        "--resume", action="store_true", help="resume a Merak checkpoint at tp2 and zero3_dp2"
+    )
     args = parser.parse_args()
     load_start = os.getloadavg()
     records: list[dict[str, Any]] = []
@@ -216,6 +332,14 @@ def main() -> None:
             f"GPT-2 with {num_params / 1e6:.1f}M parameters, {size / 1e6:.0f} MB of safetensors; "
             f"largest tensor {largest / 1e6:.1f} MB"
         )
+        if args.resume:
+            for name in RESUME_LAYOUTS:
+                records += run_resume(folder, name, Path(d))
+            resume_table(records)
+            print(f"load average (1, 5, 15 min): start {load_start}, end {os.getloadavg()}")
+            if args.json:
+                Path(args.json).write_text(json.dumps({"params": num_params, "records": records}, indent=1))
+            return
         for name in args.layouts.split(","):
             pp, tp = LAYOUTS[name]
             for mode in ("pretrained", "full"):

@@ -25,29 +25,41 @@ Not done here: which tensors are saved (``save.py``), the directory layout (``fi
 from __future__ import annotations
 
 import logging
+import warnings
 import zlib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from merak_core.checkpoint.files import META_FILE, CheckpointCorruptError
+from merak_core.checkpoint.files import (
+    META_FILE,
+    CheckpointCorruptError,
+    CheckpointError,
+    describe_failure,
+    is_corruption,
+    read_checkpoint_meta,
+)
 
 logger = logging.getLogger(__name__)
 
 CHECKSUM = "crc32"
-_CHUNK = 4 << 20
+_CHUNK = 1 << 20
 
 
 def file_checksum(path: Path) -> dict[str, Any]:
-    """``{"bytes": size, "crc32": hex}`` of one file, read in chunks."""
+    """``{"bytes": size, "crc32": hex}`` of one file, read in chunks into one reused buffer (a load's
+    host memory is bounded: [Note: bounded checkpoint loads] in ``regions.py``)."""
     crc, size = 0, 0
+    buffer = bytearray(_CHUNK)
+    view = memoryview(buffer)
     with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-            size += len(chunk)
+        while n := f.readinto(buffer):
+            crc = zlib.crc32(view[:n], crc)
+            size += n
     return {"bytes": size, CHECKSUM: f"{crc:08x}"}
 
 
@@ -141,6 +153,39 @@ class VerifyingReader(dcp.FileSystemReader):
                 verify_file(self.directory, self.step, name, expected)
                 self.verified.add(name)
         return super().read_data(plan, planner)
+
+
+def open_verified(directory: Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(the checkpoint's metadata, its manifest) once the listed files are checked (:func:`check_manifest`)."""
+    meta = read_checkpoint_meta(directory)
+    return meta, check_manifest(directory, meta)
+
+
+def read_verified(
+    request: dict[str, Any],
+    directory: Path,
+    manifest: Mapping[str, Any] | None,
+    meta: Mapping[str, Any],
+    *,
+    verified: set[str] | None = None,
+    planner: Any = None,
+    one_process: bool = False,
+) -> None:
+    """DCP's load of ``request`` from ``directory`` through :class:`VerifyingReader` (``verified``: the files
+    already checksummed in this load); collective unless ``one_process``. A failure raises
+    :class:`CheckpointCorruptError` (damaged data) or :class:`CheckpointError`, naming the directory."""
+    try:
+        reader = VerifyingReader(str(directory), manifest, meta.get("step"), verified)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            if one_process:
+                warnings.simplefilter("ignore", UserWarning)
+            dcp.load(request, storage_reader=reader, planner=planner, no_dist=one_process)
+    except (Exception, dcp.CheckpointException) as exc:
+        kind = CheckpointCorruptError if is_corruption(exc) else CheckpointError
+        where = "" if one_process else f"rank {dist.get_rank()}: "
+        raise kind(
+            f"{where}checkpoint {str(directory)!r} is corrupt or unreadable: {describe_failure(exc)}"
+        ) from exc
 
 
 def nonfinite_count(tensors: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -19,35 +19,23 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from merak_core.checkpoint.files import (
     LATEST_FILE,
-    CheckpointCorruptError,
     CheckpointError,
     _check_fingerprint,
     dcp_metadata,
-    describe_failure,
-    is_corruption,
     latest_candidates,
     pointer_root,
-    read_checkpoint_meta,
 )
 from merak_core.checkpoint.frozen import base_fingerprint, check_base, frozen_names
-from merak_core.checkpoint.integrity import VerifyingReader, check_manifest
+from merak_core.checkpoint.integrity import open_verified, read_verified
 from merak_core.checkpoint.ranks import barrier
-from merak_core.checkpoint.specs import (
-    TensorSpec,
-    _from_loaded,
-    _load_target,
-    loaded_in_place,
-    named_optimizer_params,
-    tensor_specs,
-)
+from merak_core.checkpoint.regions import Region, RegionLoadPlanner, local_regions
+from merak_core.checkpoint.specs import named_optimizer_params, tensor_specs
 from merak_core.checkpoint.state import _inner_optimizer, restore_train_state, set_rng_state
-from merak_core.parallel.fsdp import copy_into_shard_, shard_like
 
 if TYPE_CHECKING:
     from merak_core.checkpoint.parts import CheckpointParts
@@ -86,8 +74,7 @@ def load_checkpoint(
     that fails raises :class:`CheckpointCorruptError` or :class:`CheckpointError` before any tensor is
     copied. Collective.
     """
-    meta = read_checkpoint_meta(directory)
-    manifest = check_manifest(directory, meta)
+    meta, manifest = open_verified(directory)
     _check_fingerprint(directory, meta.get("fingerprint", {}), fingerprint())
     skip = _adapter_only_base(parts, directory, meta)
     available = dcp_metadata(directory)
@@ -109,9 +96,10 @@ def load_checkpoint(
     train_state = pickle.loads(states["train_state"])  # noqa: S301 - our own checkpoint
     # Checks first: fails before any tensor is read (tensors are read into the parameters themselves).
     restore_train_state(parts, directory, train_state, meta.get("training_arguments", {}))
-    request, receivers, owned, optim_keys = _load_request(parts, available, skip)
-    _read(request, directory, manifest, meta, verified)
-    _copy_loaded(parts, receivers, owned, optim_keys, request)
+    request, regions, new_states, owned = _load_request(parts, available, skip)
+    with torch.no_grad():  # the parameters receive their blocks in place
+        _read(request, directory, manifest, meta, verified, regions)
+    _set_optimizer_state(parts, owned, _state_keys(available), new_states, request)
     if rng_key in states:
         set_rng_state(states[rng_key], parts)
     else:
@@ -130,18 +118,18 @@ def load_checkpoint(
 
 
 def _read(
-    request: dict[str, Any], directory: Path, manifest: Any, meta: Mapping[str, Any], verified: set[str]
+    request: dict[str, Any],
+    directory: Path,
+    manifest: Any,
+    meta: Mapping[str, Any],
+    verified: set[str],
+    regions: Mapping[str, list[Region]] | None = None,
 ) -> None:
-    """DCP's collective load of ``request`` (every rank calls it), its files verified first (once per load)."""
-    try:
-        reader = VerifyingReader(str(directory), manifest, meta.get("step"), verified)
-        dcp.load(request, storage_reader=reader)
-    except (Exception, dcp.CheckpointException) as exc:
-        kind = CheckpointCorruptError if is_corruption(exc) else CheckpointError
-        raise kind(
-            f"rank {dist.get_rank()}: checkpoint {str(directory)!r} is corrupt or unreadable: "
-            f"{describe_failure(exc)}"
-        ) from exc
+    """DCP's collective load of ``request`` and ``regions`` (every rank calls it), its files verified first
+    (once per load)."""
+    read_verified(
+        request, directory, manifest, meta, verified=verified, planner=RegionLoadPlanner(regions or {})
+    )
 
 
 def _adapter_only_base(parts: CheckpointParts, directory: Path, meta: Mapping[str, Any]) -> set[str]:
@@ -160,79 +148,81 @@ def _adapter_only_base(parts: CheckpointParts, directory: Path, meta: Mapping[st
 
 def _load_request(
     parts: CheckpointParts, available: dict[str, Any], skip: set[str]
-) -> tuple[
-    dict[str, Any],
-    dict[str, tuple[torch.Tensor, TensorSpec]],
-    list[tuple[nn.Parameter, str]],
-    dict[str, list[str]],
-]:
-    """What to ask DCP for: (request, receiving buffers with their specs, owned params, state keys by name)."""
+) -> tuple[dict[str, Any], dict[str, list[Region]], dict[str, torch.Tensor], list[tuple[nn.Parameter, str]]]:
+    """What to ask DCP for: (request: plain and pickled entries, regions read into the rank's own tensors,
+    the new state tensors by key, the owned parameters with their names).
+
+    [Note: bounded checkpoint loads] (``regions.py``): a parameter receives its blocks in place; an
+    optimizer state shaped like it is a new tensor on the parameter's device holding the same blocks (a
+    DTensor sharded like it under ZeRO-2/3). Nothing is staged whole.
+    """
     specs = tensor_specs(parts)
     request: dict[str, Any] = {}
-    receivers: dict[str, tuple[torch.Tensor, TensorSpec]] = {}
+    regions: dict[str, list[Region]] = {}
     for name, (p, spec) in specs.items():
-        if name in skip:
-            continue  # a frozen base weight of an adapter-only checkpoint: the run's own base is kept
-        key = f"model/{name}"
-        target, buf = _load_target(parts, spec, p, p.dtype, into_local=True)
-        request[key], receivers[key] = target, (buf, spec)
-    inner = _inner_optimizer(parts.optimizer)
-    optim_keys: dict[str, list[str]] = {}
-    for key in available:
-        if key.startswith("optim/"):
-            name, _, state_key = key[len("optim/") :].rpartition("/")
-            optim_keys.setdefault(name, []).append(state_key)
-    owned: list[tuple[nn.Parameter, str]] = []
-    for p, name in named_optimizer_params(inner, specs):
-        owned.append((p, name))
+        if name not in skip:  # a frozen base weight of an adapter-only checkpoint: the run's own base is kept
+            regions[f"model/{name}"] = local_regions(p, spec)
+    states: dict[str, torch.Tensor] = {}
+    owned = named_optimizer_params(_inner_optimizer(parts.optimizer), specs)
+    keys = _state_keys(available)
+    for p, name in owned:
         param_spec = specs[name][1]
-        for state_key in optim_keys.get(name, []):
-            key = f"optim/{name}/{state_key}"
+        for key in keys.get(name, []):
             md = available[key]
             if not isinstance(md, TensorStorageMetadata):
                 request[key] = b""  # a pickled non-tensor state
-                continue
-            dtype = md.properties.dtype
-            if tuple(md.size) == param_spec.full_shape and len(md.size) > 0:
-                target, buf = _load_target(parts, param_spec, p, dtype)
-                request[key], receivers[key] = target, (buf, param_spec)
+            elif tuple(md.size) == param_spec.full_shape and len(md.size) > 0:
+                states[key] = _empty_like_shard(p, md.properties.dtype)
+                regions[key] = local_regions(states[key], param_spec)
             else:  # e.g. AdamW's 0-d step: a plain tensor, stored as it is
-                buf = torch.empty(tuple(md.size), dtype=dtype, device="cpu")
-                request[key], receivers[key] = buf, (buf, TensorSpec.plain(buf))
-    return request, receivers, owned, optim_keys
+                request[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype, device="cpu")
+    return request, regions, states, owned
 
 
-def _copy_loaded(
+def _state_keys(available: Mapping[str, Any]) -> dict[str, list[str]]:
+    """The checkpoint's ``optim/<name>/<state key>`` keys by parameter name, in the checkpoint's order."""
+    out: dict[str, list[str]] = {}
+    for key in available:
+        if key.startswith("optim/"):
+            out.setdefault(key[len("optim/") :].rpartition("/")[0], []).append(key)
+    return out
+
+
+def _empty_like_shard(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A new tensor of ``dtype`` holding what ``param`` holds (a DTensor sharded like it, or a plain one)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor):
+        return torch.empty(param.shape, dtype=dtype, device=param.device)
+    local = torch.empty(param.to_local().shape, dtype=dtype, device=param.device)
+    return DTensor.from_local(
+        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
+
+
+def _set_optimizer_state(
     parts: CheckpointParts,
-    receivers: dict[str, tuple[torch.Tensor, TensorSpec]],
     owned: list[tuple[nn.Parameter, str]],
-    optim_keys: dict[str, list[str]],
+    keys: Mapping[str, list[str]],
+    states: dict[str, torch.Tensor],
     request: dict[str, Any],
 ) -> None:
+    """Every owned parameter's optimizer state from what was read (``keys``: the state keys by name)."""
     inner = _inner_optimizer(parts.optimizer)
     group_of = {id(q): group for group in inner.param_groups for q in group["params"]}
-    with torch.no_grad():
-        for name, (p, _) in tensor_specs(parts).items():
-            if f"model/{name}" not in receivers:
-                continue  # the base of an adapter-only checkpoint (checked, not read)
-            buf, spec = receivers[f"model/{name}"]
-            if not loaded_in_place(buf, p):  # [Note: bounded checkpoint loads]
-                copy_into_shard_(p, _from_loaded(spec, buf))  # ZeRO-2/3: this DP rank's part
-        for p, name in owned:
-            state = {}
-            for state_key in optim_keys.get(name, []):
-                key = f"optim/{name}/{state_key}"
-                if key in receivers:
-                    buf, spec = receivers[key]
-                    value = _from_loaded(spec, buf)
-                    value = place_optimizer_state(value, state_key, p, group_of[id(p)])
-                    state[state_key] = (
-                        shard_like(p, value) if value.shape == p.shape and value.ndim else value
-                    )
-                elif key in request:
-                    state[state_key] = pickle.loads(request[key])  # noqa: S301 - our own checkpoint
-            if state:
-                inner.state[p] = state
+    for p, name in owned:
+        state = {}
+        for key in keys.get(name, []):
+            if key not in states and key not in request:
+                continue
+            value = states[key] if key in states else request[key]
+            state_key = key.rpartition("/")[2]
+            if isinstance(value, torch.Tensor):
+                state[state_key] = place_optimizer_state(value, state_key, p, group_of[id(p)])
+            else:
+                state[state_key] = pickle.loads(value)  # noqa: S301 - our own checkpoint
+        if state:
+            inner.state[p] = state
 
 
 def place_optimizer_state(

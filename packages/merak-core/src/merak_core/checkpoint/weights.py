@@ -15,30 +15,25 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from merak_core.checkpoint.files import (
     CheckpointCorruptError,
     CheckpointError,
     dcp_metadata,
-    describe_failure,
-    is_corruption,
     latest_candidates,
     pointer_root,
-    read_checkpoint_meta,
 )
-from merak_core.checkpoint.integrity import VerifyingReader, check_manifest
+from merak_core.checkpoint.integrity import open_verified, read_verified
 from merak_core.checkpoint.parts import CheckpointParts
-from merak_core.checkpoint.specs import TensorSpec, model_fingerprint, tensor_specs
+from merak_core.checkpoint.regions import copy_regions_, local_regions
+from merak_core.checkpoint.specs import model_fingerprint, tensor_specs
 from merak_core.parallel.compose import gather_full_state_dict
-from merak_core.parallel.fsdp import copy_into_shard_
 
 logger = logging.getLogger(__name__)
 
@@ -69,25 +64,6 @@ def _open_source(source: Mapping[str, torch.Tensor] | str | os.PathLike[str]) ->
     return loaded.__getitem__, list(loaded)
 
 
-def _read_shard(entry: Any, spec: TensorSpec) -> torch.Tensor:
-    """This rank's shard from a full tensor or a safetensors slice, reading only that part when possible."""
-    if isinstance(entry, torch.Tensor):
-        return spec.slice_full(entry)
-    shape = tuple(entry.get_shape())
-    if spec.dim is None or shape != spec.full_shape or spec.expert is not None:
-        return spec.slice_full(entry[:])
-    index: list[slice] = [slice(None)] * len(shape)
-    blocks = []
-    section = shape[spec.dim] // spec.sections
-    width = section // spec.tp
-    for s in range(spec.sections):
-        lo = s * section + spec.tp_rank * width
-        index[spec.dim] = slice(lo, lo + width)
-        blocks.append(entry[tuple(index)])
-    part = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=spec.dim)
-    return part.t() if spec.transposed else part
-
-
 def load_full_state_dict(
     parts: CheckpointParts,
     source: Mapping[str, torch.Tensor] | str | os.PathLike[str],
@@ -102,9 +78,9 @@ def load_full_state_dict(
     (``.../checkpoints/latest``): its model weights only, verified (see :func:`read_checkpoint_model`;
     every rank reads the whole model then).
 
-    Each rank reads only its own stage's parameters and slices only its own TP block
-    (safetensors and ``torch.save`` files are memory-mapped, so other ranks' parts are
-    never materialised). Names are logical names (the unsharded model's). With
+    Each rank reads only its own stage's parameters and, of each, only the elements it holds (its TP
+    block, each section of a fused one, its ZeRO-2/3 rows), straight into the parameter (safetensors
+    and ``torch.save`` files are memory-mapped, so other ranks' parts are never materialised). Names are logical names (the unsharded model's). With
     ``strict`` every parameter of the model must be present and nothing else; returns
     the names of the model's parameters that were not in ``source`` (``strict=False``).
     Collective (the model fingerprint is agreed once); optimizer state is left as is.
@@ -131,7 +107,7 @@ def load_full_state_dict(
                     f"parameter {name!r}: the state dict holds shape {list(shape)}, the model "
                     f"{list(spec.full_shape)}: load weights of the same architecture"
                 )
-            copy_into_shard_(p, _read_shard(entry, spec))  # ZeRO-2/3: this DP rank's part
+            copy_regions_(local_regions(p, spec), entry.__getitem__)  # [Note: bounded checkpoint loads]
     return missing
 
 
@@ -162,28 +138,14 @@ def read_checkpoint_model(path: str | os.PathLike[str]) -> dict[str, torch.Tenso
 
 
 def _read_model(directory: Path) -> dict[str, torch.Tensor]:
-    meta = read_checkpoint_meta(directory)
-    manifest = check_manifest(directory, meta)
-    available = dcp_metadata(directory)
+    meta, manifest = open_verified(directory)
     request: dict[str, Any] = {}
-    for key, md in available.items():
+    for key, md in dcp_metadata(directory).items():
         if key.startswith("model/") and isinstance(md, TensorStorageMetadata):
             request[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
         elif key.startswith("model/") and isinstance(md, BytesStorageMetadata):  # pragma: no cover
             raise CheckpointError(f"checkpoint {str(directory)!r}: {key} is not a tensor")
-    try:
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load(
-                request,
-                storage_reader=VerifyingReader(str(directory), manifest, meta.get("step")),
-                no_dist=True,
-            )
-    except (Exception, dcp.CheckpointException) as exc:
-        kind = CheckpointCorruptError if is_corruption(exc) else CheckpointError
-        raise kind(
-            f"checkpoint {str(directory)!r} is corrupt or unreadable: {describe_failure(exc)}"
-        ) from exc
+    read_verified(request, directory, manifest, meta, one_process=True)
     return {key[len("model/") :]: value for key, value in sorted(request.items())}
 
 

@@ -40,6 +40,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from merak_core.checkpoint.regions import copy_regions_, local_regions
+from merak_core.checkpoint.specs import TensorSpec
 from merak_core.hf.folder import PretrainedFolder
 from merak_core.lora.apply import is_adapter_name
 
@@ -274,14 +276,10 @@ class PretrainedWeights:
                         f"parameter {name!r} of this rank's stage is not a parameter of the model "
                         "PretrainedWeights.match was given: match the model the stage was built from"
                     )
-                part = read_local_shard(reader.get_slice(file_name), p, layout.tp, layout.tp_rank)
-                if tuple(part.shape) != tuple(p.shape):  # pragma: no cover - guarded by the shard tags
-                    raise AssertionError(
-                        f"{name}: read {tuple(part.shape)}, the local shard is {tuple(p.shape)}"
-                    )
-                p.copy_(part)
-                read += part.numel() * part.element_size()
-                del part
+                # Each block of the file's tensor this rank holds (one per section of a fused q/k/v or
+                # gate/up) is read and copied into its place: nothing larger than a block is staged.
+                regions = local_regions(p, TensorSpec(p, layout.tp, layout.tp_rank))
+                read += copy_regions_(regions, reader.get_slice(file_name).__getitem__)
         logger.info(
             "rank read %.1f MB of pretrained weights for its %d parameters from %s",
             read / 1e6,
