@@ -15,7 +15,8 @@ step consumes ``per_device_train_batch_size * gradient_accumulation_steps``
 samples per DP replica and ``global_batch_size(dp)`` samples in total, exactly
 as with Hugging Face gradient accumulation on ``dp`` GPUs.
 
-[Note: layout auto] With ``layout: auto`` the planner chooses ``dp``, ``tp``, ``pp``,
+[Note: layout auto] With ``layout: auto`` the planner chooses ``dp``, ``tp``, ``pp`` (``cp`` and ``ep``
+too, among those the model and its batch allow: :func:`merak_core.autoplan.givens.model_cp_degrees`),
 ``schedule``, ``per_device_train_batch_size``, ``gradient_accumulation_steps``, ``recompute``
 (and ``memory_budget`` for stage-aware recomputation) when the job starts
 (:mod:`merak_core.autoplan`). ``layout: auto`` is one switch: a job that also writes ``dp``, ``tp`` or
