@@ -13,7 +13,7 @@ import pytest
 
 from merak_core.config.layout_choice import LayoutChoice
 from merak_core.planner.cluster import load_cluster
-from merak_core.planner.cluster_context import attach_attentions, cp_stage_costs, local_costs
+from merak_core.planner.cluster_context import attach_attentions, attention_view, cp_stage_costs, local_costs
 from merak_core.planner.cluster_cost import model_costs, stage_costs, state_bytes, trace_for_cluster
 from merak_core.planner.cluster_search import plan_cluster, predict_config
 from merak_core.planner.comm import CommModel
@@ -40,15 +40,13 @@ def costs():
 
 def _view(costs) -> ModelProfile:
     """What context_cost reads of a profile: the residual stream's bytes per sample and the heads."""
-    return ModelProfile(
-        layer_forward_s=[0.0],
-        layer_backward_s=[0.0],
-        layer_activation_bytes=[0.0],
-        layer_param_bytes=[0.0],
-        boundary_bytes=costs.tp_message_bytes,
-        num_heads=costs.num_heads,
-        num_kv_heads=costs.num_kv_heads,
+    view = attention_view(costs)
+    assert (view.boundary_bytes, view.num_heads, view.num_kv_heads) == (
+        costs.tp_message_bytes,
+        costs.num_heads,
+        costs.num_kv_heads,
     )
+    return view
 
 
 def test_every_block_has_one_attention(costs) -> None:
@@ -61,6 +59,8 @@ def test_every_block_has_one_attention(costs) -> None:
 def test_a_cp_rank_holds_its_share_plus_the_attention_bytes(costs, mode: str) -> None:
     local = local_costs(costs, 2, mode)
     extra = cp_attention_extra_bytes(_view(costs), 2, mode)
+    if mode == "ring":  # its float32 log-sum-exp: one value per local token and head
+        extra += SHAPE.seq_len / 2 * SHAPE.num_heads * 4
     counts = costs._cache["cp_attentions"]
     for ly, lo, n in zip(costs.layers, local.layers, counts, strict=True):
         assert lo.forward_s == ly.forward_s / 2 and lo.flops == ly.flops / 2
@@ -86,6 +86,9 @@ def test_the_cp_exchanges_are_context_costs_over_the_cp_groups_link(
     bandwidth, latency = cluster.link([0, tp])  # cp ranks 0 and tp: within a node unless it holds 2
     comm = CommModel(p2p_latency_s=latency, p2p_bandwidth=bandwidth)
     view = cp_local_profile(_view(costs), cp, mode)
+    if mode == "ring":  # a bf16 model's ring passes its key/value blocks in float32: twice the model's bytes
+        assert costs.precision.weight_bytes == 2
+        view = dataclasses.replace(view, boundary_bytes=view.boundary_bytes * 2)
     counts = costs._cache["cp_attentions"]
     for s in range(2):
         f = g = 0.0

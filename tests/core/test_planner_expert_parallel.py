@@ -155,6 +155,7 @@ def _real_params(ep: int) -> int:
 
 
 def test_per_rank_parameter_bytes_at_each_ep() -> None:
+    from merak_core.config.layout_choice import LayoutChoice
     from merak_core.planner.cluster_cost import stage_costs
     from merak_core.planner.expert_pricing import price_expert_parallel
 
@@ -164,9 +165,10 @@ def test_per_rank_parameter_bytes_at_each_ep() -> None:
         real = run_on_ranks(4, _real_params, ep)
         assert len(set(real)) == 1
         st = stage_costs(costs, cluster, bounds=bounds, dp=4, tp=1, micro_batch_size=1)
-        st = price_expert_parallel(
-            costs, cluster, st, bounds=bounds, dp=4, tp=1, ep=ep, micro_batch_size=1, zero_stage=0
+        choice = LayoutChoice(
+            dp=4, tp=1, pp=1, ep=ep, schedule="1f1b", num_microbatches=1, micro_batch_size=1
         )
+        st = price_expert_parallel(costs, cluster, st, choice, bounds=bounds)
         assert st.params_per_device[0] * costs.precision.weight_bytes == real[0], ep
 
 

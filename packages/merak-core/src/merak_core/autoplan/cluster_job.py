@@ -87,7 +87,7 @@ def plan_job_on_cluster(
     global_batch_size: int,
     top: int = 10,
     cps: Sequence[int] = (1,),
-    cp_mode: str = "ring",
+    cp_mode: str | Sequence[str] = "ring",
 ) -> tuple[str, Any]:
     """The ranked table for ``jm`` on ``num_nodes`` nodes of ``cluster``; (text, best candidate).
 

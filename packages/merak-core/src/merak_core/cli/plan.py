@@ -12,6 +12,8 @@ Not done here: the planning itself (``planner/``).
 from __future__ import annotations
 
 import argparse
+import math
+from collections.abc import Mapping
 from typing import Any
 
 from merak_core.cli.job_args import add_job_command
@@ -181,6 +183,26 @@ def add_cluster_flags(p: argparse.ArgumentParser, *, plan: bool) -> None:
         )
 
 
+def _cluster_cps(job: Any, jm: Any, ranks: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The cp degrees and modes ``merak plan --cluster`` tries ([Note: cluster cp search] in
+    planner/cluster_context.py): those ``layout: auto`` may choose for the job's model and sequence among the
+    divisors of ``ranks`` (the devices of a node the world fills), both modes unless the job sets its cp;
+    cp=1 only when the job asks for expert parallelism (the run refuses cp > 1 with it)."""
+    from merak_core.autoplan.givens import model_cp_degrees
+    from merak_core.planner.context_cost import CP_MODES
+
+    t = job.training
+    modes = (t.cp_mode,) if t.cp > 1 else CP_MODES
+    if t.ep > 1:
+        return (1,), modes
+    sample = jm.example_inputs if isinstance(jm.example_inputs, Mapping) else jm.example_inputs[0]
+    flags = {
+        "loss_fn_given": job.optional("loss") is not None,
+        "compute_metrics_given": job.optional("metrics") is not None,
+    }
+    return model_cp_degrees(jm.model, sample, t, ranks, lora=getattr(job.model, "lora", None), **flags), modes
+
+
 def cluster_command(args: argparse.Namespace, job: Any) -> int:
     """``--cluster FILE --nodes N`` (ranked plan) and ``--dry-run-ranks N`` / ``--dry-run`` (dry run)."""
     from merak_core.autoplan.cluster_job import dry_run_job, job_model, plan_job_on_cluster
@@ -210,9 +232,9 @@ def cluster_command(args: argparse.Namespace, job: Any) -> int:
     gbs = args.global_batch_size or t.per_device_train_batch_size * t.gradient_accumulation_steps * max(
         nodes * cluster.devices_per_node // (t.cp * t.tp * t.pp), 1
     )
-    cps = [c for c in range(1, t.cp + 1) if t.cp % c == 0]  # the job's sequence splits into 2 * c chunks
+    cps, modes = _cluster_cps(job, jm, math.gcd(nodes * cluster.devices_per_node, cluster.devices_per_node))
     text, best = plan_job_on_cluster(
-        jm, cluster, num_nodes=nodes, global_batch_size=gbs, top=args.top, cps=cps, cp_mode=t.cp_mode
+        jm, cluster, num_nodes=nodes, global_batch_size=gbs, top=args.top, cps=cps, cp_mode=modes
     )
     print(text)
     if args.write_config:

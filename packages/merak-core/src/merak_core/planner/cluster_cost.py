@@ -36,24 +36,23 @@ stage by the rule of :func:`merak_core.planner.memory.model_state_bytes` ([Note:
 memory]) plus the simulated activation peak of the schedule, where a layer's activations are the
 bytes of every tensor its nodes produce (an upper bound on what autograd keeps), divided by tp.
 
-[Note: cluster ZeRO memory] One rule for both planners: ZeRO-1, 2 and 3 divide the optimizer
-states by dp; ZeRO-2 also holds the gathered parameters next to their shard from the first
-forward to the step's reduce-scatter, ZeRO-3 holds its shard and one gathered unit (here the
-stage's largest layer, divided by tp; the last stage of a pipeline holds them as ZeRO-2); both
-hold the accumulated gradients unsharded within the step. At dp = 1 every stage holds what
-ZeRO-0 holds. The parameter terms are in ``Precision.weight_bytes``, the gradients in
-``grad_bytes`` and the optimizer states in ``optimizer_bytes``. With 16-bit weights the shard
-counted beside the optimizer states (whose 12 B hold an fp32 master copy) over-counts 2 / dp
-bytes per parameter: the one rule is kept rather than special-cased.
+[Note: cluster ZeRO memory] One rule for both planners: ZeRO-1, 2 and 3 divide the optimizer states by dp;
+ZeRO-2 also holds the gathered parameters next to their shard from the first forward to the step's
+reduce-scatter, ZeRO-3 holds its shard and one gathered unit (here the stage's largest layer, divided by tp;
+the last stage of a pipeline holds them as ZeRO-2); both hold the accumulated gradients unsharded within the
+step. At dp = 1 every stage holds what ZeRO-0 holds. The parameter terms are in ``Precision.weight_bytes``,
+the gradients in ``grad_bytes`` and the optimizer states in ``optimizer_bytes``. With 16-bit weights the
+shard counted beside the optimizer states (whose 12 B hold an fp32 master copy) over-counts 2 / dp bytes per
+parameter: the one rule is kept rather than special-cased.
 
-[Note: per-tensor step operators] Besides its bytes, the optimizer step runs a fixed number of
-small operators per parameter tensor, whatever its size: AdamW's multi-tensor step on CPU falls
-back to one operator per tensor for each of its ~16 list operations, the gradient norm and the
-clipping add ~3, the gradients' reset 1. Measured on this project's 2-core CPU with the demo
-(68 tensors, ``benchmarks/bench_cluster_plan.py steps``): AdamW 16 and clipping 3 operator
-overheads per tensor. With a small model this is most of the time outside the pipeline; a GPU
-file with ``op_overhead_us`` 0 leaves it out. ZeRO-1 runs the optimizer on the tensors a rank
-owns (about 1/dp of them); FSDP2 (ZeRO-2/3) on a shard of every tensor.
+[Note: per-tensor step operators] Besides its bytes, the optimizer step runs a fixed number of small
+operators per parameter tensor, whatever its size: AdamW's multi-tensor step on CPU falls back to one
+operator per tensor for each of its ~16 list operations, the gradient norm and the clipping add ~3, the
+gradients' reset 1. Measured on this project's 2-core CPU with the demo (68 tensors,
+``benchmarks/bench_cluster_plan.py steps``): AdamW 16 and clipping 3 operator overheads per tensor. With a
+small model this is most of the time outside the pipeline; a GPU file with ``op_overhead_us`` 0 leaves it
+out. ZeRO-1 runs the optimizer on the tensors a rank owns (about 1/dp of them); FSDP2 (ZeRO-2/3) on a shard
+of every tensor.
 
 Deliberately not modelled: kernel efficiency that varies with matrix size, smaller GEMMs of
 sub-microbatches, overlap of the DP all-reduce with the backward, network contention between
@@ -84,7 +83,7 @@ from merak_core.planner.cluster_collectives import (
     tp_ranks,
     zero3_gathers_s,
 )
-from merak_core.planner.expert_cost import MoECosts, moe_costs
+from merak_core.planner.expert_cost import MoECosts, fused_experts_whole, moe_costs
 from merak_core.planner.memory import ZERO_STAGES, model_state_bytes
 
 STEP_OPS_PER_TENSOR = 20
@@ -232,7 +231,8 @@ def trace_for_cluster(
 
     by_name = isinstance(example_inputs, Mapping)
     inputs = example_inputs if by_name else tuple(example_inputs)
-    with active_expert_blocks(model) as leaves:  # MoE blocks: k of E experts' FLOPs, traced whole
+    with active_expert_blocks(model) as blocks, fused_experts_whole(model) as fused:  # k of E experts, whole
+        leaves: list[type | str] = [*blocks, *fused]
         try:  # torch.fx first: fast at any size; torch.export for models fx cannot trace (transformers)
             gm = mg.trace(model, example_inputs=inputs, method="fx", leaf_modules=leaves)
         except mg.TraceError:
@@ -340,28 +340,21 @@ def state_bytes(
     numel: float,
     precision: Precision,
     *,
-    zero_stage: int,
-    dp: int,
     unit_numel: float = 0.0,
-    stage_index: int = 0,
-    num_stages: int = 1,
     trainable_numel: float | None = None,
+    **zero: Any,
 ) -> float:
-    """Weights + gradients + optimizer states one device holds at its peak for ``numel`` parameters of
-    one stage ([Note: cluster ZeRO memory]; ``unit_numel``: ZeRO-3's gathered unit; ``trainable_numel``:
-    the part of ``numel`` that trains, None: all, the rest weights only ([Note: frozen weights])."""
+    """Weights + gradients + optimizer states one device holds at its peak for ``numel`` parameters of one
+    stage ([Note: cluster ZeRO memory]; ``unit_numel``: ZeRO-3's gathered unit; ``trainable_numel``: the part
+    that trains, None: all, the rest weights only ([Note: frozen weights]); ``zero``: ``model_state_bytes``'s
+    ``zero_stage``, ``dp``, ``stage_index`` and ``num_stages``)."""
     w = precision.weight_bytes
-    if zero_stage == 3 and not default_reshard_after_forward(
-        3, stage_index=stage_index, num_stages=num_stages
-    ):
-        zero_stage = 2  # the last stage keeps its units gathered from forward to backward: ZeRO-2's memory
     weights, grads, optimizer = model_state_bytes(
         numel * w,
-        zero_stage=zero_stage,
-        dp=dp,
         optimizer_state_factor=precision.optimizer_bytes / w,
         largest_unit_bytes=unit_numel * w,
         trainable_bytes=None if trainable_numel is None else trainable_numel * w,
+        **zero,
     )
     return weights + grads * precision.grad_bytes / w + optimizer
 
@@ -446,6 +439,20 @@ def stage_costs(
     )
 
 
+def busiest_rank(
+    costs: ModelCosts, stages: StageCosts, bounds: Sequence[int], placement: Sequence[int]
+) -> tuple[float, int]:
+    """(Most trainable parameters, most trainable tensors) of a pipeline rank (stage s on ``placement[s]``):
+    what gradients, their DP sync and the optimizer step count ([Note: frozen weights])."""
+    per_rank: dict[int, float] = {}
+    tensors: dict[int, int] = {}
+    for s, n in enumerate(stages.trainable_per_device or stages.params_per_device):
+        per_rank[placement[s]] = per_rank.get(placement[s], 0.0) + n
+        count = costs.stage_tensors(bounds[s], bounds[s + 1], trainable=True)
+        tensors[placement[s]] = tensors.get(placement[s], 0) + count
+    return max(per_rank.values()), max(tensors.values())
+
+
 def step_overhead_s(
     costs: ModelCosts,
     cluster: ClusterSpec,
@@ -464,14 +471,7 @@ def step_overhead_s(
     """
     prec = costs.precision
     placement = list(stage_to_rank) if stage_to_rank is not None else list(range(len(bounds) - 1))
-    per_rank: dict[int, float] = {}
-    tensors: dict[int, int] = {}
-    # Gradients, their DP sync and the optimizer step are the trainable parameters' ([Note: frozen weights]).
-    for s, n in enumerate(stages.trainable_per_device or stages.params_per_device):
-        per_rank[placement[s]] = per_rank.get(placement[s], 0.0) + n
-        count = costs.stage_tensors(bounds[s], bounds[s + 1], trainable=True)
-        tensors[placement[s]] = tensors.get(placement[s], 0) + count
-    largest = max(per_rank.values())
+    largest, most_tensors = busiest_rank(costs, stages, bounds, placement)
     group = dp_ranks(dp, tp)
     if zero_stage <= 1:
         dp_s = ring_allreduce_s(largest * prec.grad_bytes, group, cluster)
@@ -495,6 +495,6 @@ def step_overhead_s(
     # Adam reads and writes master weights, moments and gradients, writes the 16-bit weights.
     touched = largest / opt_div * (2 * prec.optimizer_bytes + prec.grad_bytes + prec.weight_bytes)
     optimizer = touched / (cluster.memory_bandwidth * cluster.memory_efficiency)
-    owned = max(tensors.values()) / (dp if zero_stage == 1 else 1)  # ZeRO-1 owns whole tensors
+    owned = most_tensors / (dp if zero_stage == 1 else 1)  # ZeRO-1 owns whole tensors
     optimizer += owned * STEP_OPS_PER_TENSOR * cluster.op_overhead_s
     return dp_s + tied, optimizer + flags

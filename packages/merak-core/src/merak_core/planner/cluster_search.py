@@ -10,9 +10,11 @@ pipeline is simulated with :func:`merak_pipe.simulate`; stage-aware recomputatio
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -158,15 +160,14 @@ class _Pipeline:
             tuple(activation),
         )
         if key not in self.memo:
+            link = {"p2p_latency": st.p2p_latency_s, "p2p_bandwidth": st.p2p_bandwidth}
+            sizes = {
+                "boundary_bytes": st.boundary_bytes,
+                "activation_bytes": activation,
+                "input_bytes": st.input_bytes,
+            }
             costs = CostModel(
-                forward=st.forward_s,
-                backward=st.backward_s,
-                recompute=st.forward_s,
-                p2p_latency=st.p2p_latency_s,
-                p2p_bandwidth=st.p2p_bandwidth,
-                boundary_bytes=st.boundary_bytes,
-                activation_bytes=activation,
-                input_bytes=st.input_bytes,
+                forward=st.forward_s, backward=st.backward_s, recompute=st.forward_s, **link, **sizes
             )
             self.memo[key] = simulate(self.schedule(rplan), costs)
         return self.memo[key]
@@ -197,17 +198,16 @@ def predict_config(
         else split_layers([ly.forward_s for ly in costs.layers], num_stages)
     )
     bounds = _bounds(sizes)
-    if choice.cp > 1 and choice.ep > 1:
-        raise ValueError(
-            f"cp={choice.cp} with ep={choice.ep}: the cluster model does not price both; plan one"
-        )
-    st = cp_stage_costs(  # at cp > 1 one cp rank's tokens ([Note: cluster cp terms])
+    grid: dict[str, Any] = {
+        "bounds": bounds,
+        "dp": dp,
+        "tp": tp,
+        "cp": choice.cp,
+    }  # at cp > 1 one cp rank's tokens
+    st = cp_stage_costs(  # [Note: cluster cp terms]
         costs,
         cluster,
-        bounds=bounds,
-        dp=dp,
-        tp=tp,
-        cp=choice.cp,
+        **grid,
         cp_mode=choice.cp_mode,
         micro_batch_size=choice.micro_batch_size,
         zero_stage=choice.zero_stage,
@@ -215,18 +215,8 @@ def predict_config(
         tp_chunks=tp_chunks,
         num_ranks=pp,
     )
-    if choice.ep > 1:  # the all-to-alls and the experts' bytes / ep ([Note: expert-parallel cost terms])
-        st = price_expert_parallel(
-            costs,
-            cluster,
-            st,
-            bounds=bounds,
-            dp=dp,
-            tp=tp,
-            ep=choice.ep,
-            micro_batch_size=choice.micro_batch_size,
-            zero_stage=choice.zero_stage,
-        )
+    # The all-to-alls and the experts' bytes / ep ([Note: expert-parallel cost terms]); refuses cp > 1.
+    st = price_expert_parallel(costs, cluster, st, choice, bounds=bounds)
     limit = cluster.usable_memory_bytes
     pipeline = _Pipeline(choice, num_stages, memo)
     rplan = pipeline.recompute_plan(choice.recompute, st, limit)
@@ -235,15 +225,7 @@ def predict_config(
     result = pipeline.simulate(rplan, st)
     placement = list(result.schedule.stage_to_rank)
     dp_s, opt_s = cp_step_overhead_s(
-        costs,
-        cluster,
-        st,
-        bounds=bounds,
-        dp=dp,
-        tp=tp,
-        cp=choice.cp,
-        zero_stage=choice.zero_stage,
-        stage_to_rank=placement,
+        costs, cluster, st, **grid, zero_stage=choice.zero_stage, stage_to_rank=placement
     )
     static = [
         sum(b for b, r in zip(st.static_bytes, placement, strict=True) if r == rank) for rank in range(pp)
@@ -292,6 +274,52 @@ def _cluster_runs(
     return runs
 
 
+def _zero_and_ep(costs: ModelCosts, dp: int, cp: int, zero_stages: Sequence[int]) -> list[tuple[int, int]]:
+    """(ZeRO stage, ep) pairs to try: every ep of an MoE model (:func:`expert_degrees`) with ZeRO 0 or 1, at
+    cp=1 only (expert parallelism refuses cp > 1 in the run, so cp > 1 is planned at ep=1)."""
+    eps = expert_degrees(costs, dp) if cp == 1 else [1]
+    return [(zero, ep) for zero in zero_stages for ep in eps if ep == 1 or zero <= 1]
+
+
+def _base_choices(
+    costs: ModelCosts,
+    grid: Sequence[tuple[int, int, int, int, str]],
+    *,
+    global_batch_size: int,
+    max_microbatches: int,
+    schedules: Sequence[str],
+    virtual_stages: Sequence[int],
+    zero_stages: Sequence[int],
+    tp_overlaps: Sequence[bool],
+) -> Iterator[LayoutChoice]:
+    """Every configuration :func:`plan_cluster` tries, before its recomputation: per (dp, tp, pp, cp, mode)
+    of ``grid``, every microbatch count from pp to ``max_microbatches`` dividing a replica's samples, then
+    the schedules, (ZeRO, ep) pairs and TP overlaps."""
+    for dp, tp, pp, cp, mode in grid:
+        per_dp = global_batch_size // dp
+        runs = _cluster_runs(pp, schedules, virtual_stages, costs.num_layers)
+        rest = list(
+            itertools.product(
+                runs, _zero_and_ep(costs, dp, cp, zero_stages), tp_overlaps if tp > 1 else [False]
+            )
+        )
+        axes: dict[str, Any] = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "cp_mode": mode}
+        for m in choices.divisors(per_dp):
+            if not pp <= m <= max_microbatches:
+                continue
+            for (sched, v), (zero, ep), overlap in rest:
+                yield LayoutChoice(
+                    **axes,
+                    ep=ep,
+                    zero_stage=zero,
+                    schedule=sched,
+                    num_microbatches=m,
+                    micro_batch_size=per_dp // m,
+                    tp_overlap=overlap,
+                    virtual_stages=v,
+                )
+
+
 def plan_cluster(
     costs: ModelCosts,
     cluster: ClusterSpec,
@@ -306,12 +334,14 @@ def plan_cluster(
     layouts: Sequence[tuple[int, int, int]] | None = None,
     virtual_stages: Sequence[int] = (2,),
     cps: Sequence[int] = (1,),
-    cp_mode: str = "ring",
+    cp_mode: str | Sequence[str] = "ring",
 ) -> list[ClusterCandidate]:
     """Every configuration that fits the device memory on ``num_nodes`` nodes, best predicted first.
 
     ``layouts`` restricts the (dp, tp, pp) tried; ``virtual_stages`` are the stages per rank tried
     with the schedules of ``schedules`` that run several (``interleaved_1f1b``; ``zb_v`` at 2).
+    ``cps`` are the context-parallel degrees tried (:func:`.cluster_context.searched_cps` for a job),
+    each cp > 1 in every mode of ``cp_mode`` (one mode or several); ep > 1 only at cp=1.
     Raises ValueError when no layout suits the model or nothing fits (naming the least memory any
     configuration needs).
     """
@@ -323,10 +353,11 @@ def plan_cluster(
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"plan_cluster: {label}={v!r}; expected an int >= 1")
     world = num_nodes * cluster.devices_per_node
-    grid = (  # (dp, tp, pp, cp): cps are the context-parallel degrees tried ([Note: cluster cp terms])
-        [(*lay, 1) for lay in layouts]
+    modes = (cp_mode,) if isinstance(cp_mode, str) else tuple(cp_mode)
+    grid = (  # (dp, tp, pp, cp, cp_mode) ([Note: cluster cp terms])
+        [(*lay, 1, modes[0]) for lay in layouts]
         if layouts is not None
-        else cp_layouts(costs, cluster, world, global_batch_size=global_batch_size, cps=cps, cp_mode=cp_mode)
+        else cp_layouts(costs, cluster, world, global_batch_size=global_batch_size, cps=cps, cp_modes=modes)
     )
     if not grid:
         raise ValueError(
@@ -340,43 +371,30 @@ def plan_cluster(
     memo: dict[Any, Any] = {}
     sizes_by_stages: dict[int, list[int]] = {}
     forward = [ly.forward_s for ly in costs.layers]
-    for dp, tp, pp, cp in grid:
-        per_dp = global_batch_size // dp
-        for m in choices.divisors(per_dp):
-            if m < pp or m > max_microbatches:
+    bases = _base_choices(
+        costs,
+        grid,
+        global_batch_size=global_batch_size,
+        max_microbatches=max_microbatches,
+        schedules=schedules,
+        virtual_stages=virtual_stages,
+        zero_stages=zero_stages,
+        tp_overlaps=tp_overlaps,
+    )
+    for base in bases:
+        stages = base.pp * base.virtual_stages
+        if stages not in sizes_by_stages:
+            sizes_by_stages[stages] = split_layers(forward, stages)
+        seen: set[tuple[float, ...]] = set()
+        for mode in recompute_modes:
+            choice = dataclasses.replace(base, recompute=mode)
+            c = predict_config(costs, cluster, choice, stage_layers=sizes_by_stages[stages], memo=memo)
+            if c is None or c.recompute_fractions in seen:
                 continue
-            runs = _cluster_runs(pp, schedules, virtual_stages, costs.num_layers)
-            for sched, v in runs:
-                if pp * v not in sizes_by_stages:
-                    sizes_by_stages[pp * v] = split_layers(forward, pp * v)
-                for zero, ep in _zero_and_ep(costs, dp if cp == 1 else 1, zero_stages):
-                    for overlap in tp_overlaps if tp > 1 else (False,):
-                        seen: set[tuple[float, ...]] = set()
-                        for mode in recompute_modes:
-                            choice = LayoutChoice(
-                                dp=dp,
-                                tp=tp,
-                                pp=pp,
-                                schedule=sched,
-                                num_microbatches=m,
-                                micro_batch_size=per_dp // m,
-                                recompute=mode,
-                                zero_stage=zero,
-                                tp_overlap=overlap,
-                                virtual_stages=v,
-                                ep=ep,
-                                cp=cp,
-                                cp_mode=cp_mode,
-                            )
-                            c = predict_config(
-                                costs, cluster, choice, stage_layers=sizes_by_stages[pp * v], memo=memo
-                            )
-                            if c is None or c.recompute_fractions in seen:
-                                continue
-                            seen.add(c.recompute_fractions)
-                            least = min(least, max(c.stage_memory_bytes))
-                            if c.fits:
-                                out.append(c)
+            seen.add(c.recompute_fractions)
+            least = min(least, max(c.stage_memory_bytes))
+            if c.fits:
+                out.append(c)
     if not out:
         raise ValueError(
             f"plan_cluster: nothing fits the usable {cluster.usable_memory_bytes / 1e9:.1f} GB per "
@@ -398,11 +416,6 @@ def plan_cluster(
     return out
 
 
-def _zero_and_ep(costs: ModelCosts, dp: int, zero_stages: Sequence[int]) -> list[tuple[int, int]]:
-    """(ZeRO stage, ep) pairs to try: every ep of an MoE model (:func:`expert_degrees`) with ZeRO 0 or 1."""
-    return [(zero, ep) for zero in zero_stages for ep in expert_degrees(costs, dp) if ep == 1 or zero <= 1]
-
-
 def _bytes(n: float) -> str:
     return f"{n / 1e9:.1f}G" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
@@ -420,7 +433,9 @@ def format_cluster_plan(cands: Sequence[ClusterCandidate], top: int = 10) -> str
         mem = ",".join(_bytes(b) for b in c.stage_memory_bytes)
         if len(c.stage_memory_bytes) > 8:
             mem = f"max {_bytes(max(c.stage_memory_bytes))} over {len(c.stage_memory_bytes)} stages"
-        sched = c.schedule if c.virtual_stages == 1 else f"{c.schedule} v{c.virtual_stages}"
+        sched = (c.schedule if c.virtual_stages == 1 else f"{c.schedule} v{c.virtual_stages}") + (
+            f" {c.cp_mode}" if c.cp > 1 else ""
+        )
         lines.append(
             f"{i:>3} {c.layout:<14} {sched:<22} {c.num_microbatches:>4} {c.micro_batch_size:>4} "
             f"{c.zero_stage:>4} {'yes' if c.tp_overlap else 'no':>6} {rc:<24} {c.step_time_s * 1e3:>10.3f}  "

@@ -25,6 +25,8 @@ search over ep (:mod:`.cluster_search`).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +41,7 @@ __all__ = [
     "all_to_all_bytes_per_sample",
     "all_to_all_s",
     "expert_degrees",
+    "fused_experts_whole",
     "moe_costs",
     "model_step_all_to_all_bytes",
     "moe_of",
@@ -98,28 +101,63 @@ def moe_of(costs: Any) -> MoECosts | None:
     return moe if isinstance(moe, MoECosts) else None
 
 
+@contextlib.contextmanager
+def fused_experts_whole(model: nn.Module) -> Iterator[list[type]]:
+    """Within: transformers' fused experts modules (Mixtral, Qwen3-MoE, DeepSeek-V3) run as
+    :class:`~merak_core.parallel.expert_hf.WholeFusedExperts` (on meta tensors the work of the active experts,
+    ``k`` of ``E`` per token: [Note: active-expert cost]); yields their classes, to trace as leaves. The
+    classes are restored on exit."""
+    from merak_core.parallel.expert_hf import WholeFusedExperts
+    from merak_core.parallel.expert_parallel import ep_class
+    from merak_core.parallel.fused_experts import fused_experts
+
+    saved = [(m, type(m)) for _, m in fused_experts(model)]
+    try:
+        for m, cls in saved:
+            m.__class__ = ep_class(WholeFusedExperts, cls)
+        yield list(dict.fromkeys(type(m) for m, _ in saved))
+    finally:
+        for m, cls in saved:
+            m.__class__ = cls
+
+
+def _top_k(node: Any, module: Any) -> int:
+    """Experts each token visits in the block called by ``node``: a protocol block's ``top_k``; for fused
+    experts the width of the ``top_k_index`` the block passes them (its second argument)."""
+    if hasattr(module, "top_k"):
+        return int(module.top_k)
+    arg = node.args[1] if len(node.args) > 1 else node.kwargs.get("top_k_index")
+    shape = getattr(getattr(arg, "meta", {}).get("merak_value"), "shape", ())
+    return int(shape[-1]) if shape else 1
+
+
 def moe_costs(model: nn.Module, sharded: Any, canonical: dict[int, str]) -> MoECosts | None:
-    """:class:`MoECosts` of ``model`` traced under ``active_expert_blocks`` into ``sharded`` (its chain of
-    shards, annotated); None without protocol blocks. ``canonical``: parameter id -> canonical name."""
+    """:class:`MoECosts` of ``model`` traced under ``active_expert_blocks`` and :func:`fused_experts_whole`
+    into ``sharded`` (its chain of shards, annotated); None without protocol blocks or fused experts
+    modules. ``canonical``: parameter id -> canonical name."""
     from merak_core.parallel.expert_parallel import is_moe_block, moe_blocks
+    from merak_core.parallel.fused_experts import fused_experts, is_fused_experts
 
     blocks = moe_blocks(model)
-    if not blocks:
+    fused = fused_experts(model)
+    if not blocks and not fused:
         return None
-    experts = {canonical[id(p)] for _, b in blocks for p in b.experts.parameters() if id(p) in canonical}
-    per_layer, sample_bytes = [], []
+    params = [p for _, b in blocks for p in b.experts.parameters()]
+    params += [p for _, m in fused for p in (m.gate_up_proj, m.down_proj)]
+    per_layer, sample_bytes, top_k = [], [], [1]
     for shard in sharded.shards:
-        calls = [
-            n
-            for n in shard.module.graph.nodes
-            if n.op == "call_module" and is_moe_block(shard.module.get_submodule(str(n.target)))
-        ]
+        calls = []
+        for n in shard.module.graph.nodes:
+            sub = shard.module.get_submodule(str(n.target)) if n.op == "call_module" else None
+            if sub is not None and (is_moe_block(sub) or is_fused_experts(sub)):
+                calls.append(n)
+                top_k.append(_top_k(n, sub))
         per_layer.append(len(calls))
         sample_bytes += [float(getattr(n.meta.get("merak_value"), "nbytes", 0.0)) for n in calls]
     return MoECosts(
-        expert_params=frozenset(experts),
-        num_experts=min(int(b.num_experts) for _, b in blocks),
-        top_k=max(int(getattr(b, "top_k", 1)) for _, b in blocks),
+        expert_params=frozenset(canonical[id(p)] for p in params if id(p) in canonical),
+        num_experts=min(int(b.num_experts) for _, b in [*blocks, *fused]),
+        top_k=max(top_k),
         blocks_per_layer=tuple(per_layer),
         block_bytes_per_sample=max(sample_bytes, default=0.0),
     )

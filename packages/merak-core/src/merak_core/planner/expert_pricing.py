@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from merak_core.config.layout_choice import LayoutChoice
 from merak_core.planner.cluster import ClusterSpec
 from merak_core.planner.cluster_cost import ModelCosts, StageCosts, state_bytes
 from merak_core.planner.expert_cost import all_to_all_bytes_per_sample, all_to_all_s, moe_of
@@ -20,16 +21,18 @@ def price_expert_parallel(
     costs: ModelCosts,
     cluster: ClusterSpec,
     stages: StageCosts,
+    choice: LayoutChoice,
     *,
     bounds: Sequence[int],
-    dp: int,
-    tp: int,
-    ep: int,
-    micro_batch_size: int,
-    zero_stage: int,
 ) -> StageCosts:
-    """``stages`` (priced at ep=1 by :func:`merak_core.planner.cluster_cost.stage_costs`) at ``ep``:
-    [Note: expert-parallel cost terms]."""
+    """``stages`` (priced at ep=1 by :func:`merak_core.planner.cluster_cost.stage_costs`) at ``choice``'s ep
+    (its dp, tp, micro batch and ZeRO stage): [Note: expert-parallel cost terms]. Never with cp > 1: expert
+    parallelism refuses context parallelism in the run, so the cluster model does not price both."""
+    dp, tp, ep, zero_stage = choice.dp, choice.tp, choice.ep, choice.zero_stage
+    if ep > 1 and choice.cp > 1:
+        raise ValueError(
+            f"cp={choice.cp} with ep={ep}: expert parallelism runs at cp=1 only (the run refuses both); plan one"
+        )
     moe = moe_of(costs)
     if ep == 1 or moe is None:
         return stages
@@ -38,9 +41,8 @@ def price_expert_parallel(
             f"ep={ep} at dp={dp} with {moe.num_experts} experts and zero_stage={zero_stage}: ep must divide dp "
             "and the experts, with ZeRO 0 or 1"
         )
-    one = all_to_all_s(
-        micro_batch_size * all_to_all_bytes_per_sample(costs, ep), ep, tp, cluster
-    )  # one all-to-all of one MoE block
+    nbytes = choice.micro_batch_size * all_to_all_bytes_per_sample(costs, ep)
+    one = all_to_all_s(nbytes, ep, tp, cluster)  # one all-to-all of one MoE block
     fwd, bwd, static, params, trainable = [], [], [], [], []
     for s in range(len(bounds) - 1):
         lo, hi = bounds[s], bounds[s + 1]
