@@ -248,3 +248,27 @@ def test_no_configuration_at_all_is_named_as_such() -> None:
     assert plan(
         _dense(), world_size=2, memory_per_device=1e12, global_batch_size=1, comm=COMM, cp_degrees=(1, 2)
     )
+
+
+def test_a_tiny_llama_with_a_long_sequence_plans_cp2_and_with_a_short_one_cp1() -> None:
+    from tests.support.models import DecoderConfig, Llama
+
+    # One layer (no pp=2) with one key/value head (no tp=2): at cp=1 a rank holds a whole sequence's
+    # activations (dp=2); at cp=2 a microbatch holds half of one.
+    torch.manual_seed(0)
+    llama = Llama(DecoderConfig(num_layers=1, num_kv_heads=1, max_seq_len=512))
+    args = TrainingArguments(layout="auto")
+    kw = dict(world_size=2, global_batch_size=2, comm=COMM)
+    for seq, pressed in ((512, True), (16, False)):
+        tokens = torch.randint(0, 96, (2, seq))
+        degrees = model_cp_degrees(llama, tokens, args, 2)
+        assert degrees == (1, 2)  # the model has the cp hook and both lengths split into 4 chunks
+        prof = profile_model(llama, tokens, repeats=1)
+        every = plan(prof, memory_per_device=1e15, cp_degrees=degrees, **kw)  # type: ignore[arg-type]
+        assert every[0].cp == 1  # no pressure: cp=2 does dp=2's work plus its ring passes
+        if pressed:  # the activations dominate
+            need = {c: min(max(x.device_peak_bytes) for x in every if x.cp == c) for c in (1, 2)}
+            assert need[2] < need[1]
+            memory = (need[1] + need[2]) / 2 / usable_memory(1.0)
+            chosen = plan(prof, memory_per_device=memory, cp_degrees=degrees, **kw)  # type: ignore[arg-type]
+            assert chosen[0].cp == 2 and {c.cp for c in chosen} == {2}
