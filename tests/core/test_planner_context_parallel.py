@@ -139,7 +139,8 @@ def test_plan_considers_cp_when_no_cp1_layout_fits() -> None:
     assert cp_allowed(_profile(), 4, "ring", 2)
 
 
-def test_layout_auto_searches_the_divisors_of_the_jobs_cp() -> None:
+def test_merak_plan_searches_the_divisors_of_the_jobs_cp() -> None:
+    # (layout: auto searches what the model allows instead: tests/core/test_planner_auto_axes.py)
     from types import SimpleNamespace
 
     from merak_core import TrainingArguments
