@@ -21,7 +21,7 @@ from typing import Any
 from merak_core.config.layout_choice import LayoutChoice
 from merak_core.planner import choices
 from merak_core.planner.action_cost import runtime_actions_s
-from merak_core.planner.candidate import recompute_label
+from merak_core.planner.candidate import ranked_rows
 from merak_core.planner.choices import CLUSTER_SCHEDULES, PREDICTABLE_SCHEDULES, RECOMPUTE_MODES
 from merak_core.planner.cluster import ClusterSpec
 from merak_core.planner.cluster_context import cp_layouts, cp_stage_costs, cp_step_overhead_s
@@ -422,23 +422,20 @@ def _bytes(n: float) -> str:
 
 def format_cluster_plan(cands: Sequence[ClusterCandidate], top: int = 10) -> str:
     """A ranked table with per-stage memory per device (G = 1e9 bytes, M = 1e6)."""
-    lines = [
-        f"{'#':>3} {'layout':<14} {'schedule':<22} {'m':>4} {'mbs':>4} {'zero':>4} {'tp-ovl':>6} "
-        f"{'recompute':<24} {'step ms':>10}  memory per stage (usable)"
-    ]
-    for i, c in enumerate(cands[:top], 1):
-        rc = recompute_label(c)
-        if len(rc) > 24:
-            rc = rc[:21] + "..."
+
+    def row(c: ClusterCandidate, rc: str) -> str:
+        rc = rc if len(rc) <= 24 else rc[:21] + "..."
         mem = ",".join(_bytes(b) for b in c.stage_memory_bytes)
         if len(c.stage_memory_bytes) > 8:
             mem = f"max {_bytes(max(c.stage_memory_bytes))} over {len(c.stage_memory_bytes)} stages"
-        sched = (c.schedule if c.virtual_stages == 1 else f"{c.schedule} v{c.virtual_stages}") + (
-            f" {c.cp_mode}" if c.cp > 1 else ""
-        )
-        lines.append(
-            f"{i:>3} {c.layout:<14} {sched:<22} {c.num_microbatches:>4} {c.micro_batch_size:>4} "
-            f"{c.zero_stage:>4} {'yes' if c.tp_overlap else 'no':>6} {rc:<24} {c.step_time_s * 1e3:>10.3f}  "
+        return (
+            f"{c.schedule_label:<22} {c.num_microbatches:>4} {c.micro_batch_size:>4} {c.zero_stage:>4} "
+            f"{'yes' if c.tp_overlap else 'no':>6} {rc:<24} {c.step_time_s * 1e3:>10.3f}  "
             f"{mem} ({_bytes(c.memory_limit_bytes)})"
         )
-    return "\n".join(lines)
+
+    head = (
+        f"{'schedule':<22} {'m':>4} {'mbs':>4} {'zero':>4} {'tp-ovl':>6} {'recompute':<24} {'step ms':>10}  "
+        "memory per stage (usable)"
+    )
+    return "\n".join(ranked_rows(cands, top, head, row))
