@@ -161,6 +161,14 @@ def open_verified(directory: Path) -> tuple[dict[str, Any], dict[str, Any] | Non
     return meta, check_manifest(directory, meta)
 
 
+def verify_all(directory: Path, manifest: Mapping[str, Any] | None, meta: Mapping[str, Any]) -> set[str]:
+    """Checksum every file of the manifest (the names checked): every process then judges the checkpoint
+    alike, whichever files it goes on to read."""
+    for name, expected in sorted((manifest or {}).items()):
+        verify_file(directory, meta.get("step", "?"), name, expected)
+    return set(manifest or {})
+
+
 def read_verified(
     request: dict[str, Any],
     directory: Path,

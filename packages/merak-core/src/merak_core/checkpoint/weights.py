@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
@@ -29,13 +29,15 @@ from merak_core.checkpoint.files import (
     latest_candidates,
     pointer_root,
 )
-from merak_core.checkpoint.integrity import open_verified, read_verified
+from merak_core.checkpoint.integrity import open_verified, read_verified, verify_all
 from merak_core.checkpoint.parts import CheckpointParts
-from merak_core.checkpoint.regions import copy_regions_, local_regions
+from merak_core.checkpoint.regions import RegionLoadPlanner, copy_regions_, local_regions
 from merak_core.checkpoint.specs import model_fingerprint, tensor_specs
 from merak_core.parallel.compose import gather_full_state_dict
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 
 def _open_source(source: Mapping[str, torch.Tensor] | str | os.PathLike[str]) -> tuple[Any, list[str]]:
@@ -43,9 +45,6 @@ def _open_source(source: Mapping[str, torch.Tensor] | str | os.PathLike[str]) ->
     if isinstance(source, Mapping):
         return source.__getitem__, list(source)
     path = Path(source)
-    if path.is_dir() or pointer_root(path) is not None:  # a checkpoint, or a 'latest' pointer
-        state = read_checkpoint_model(path)
-        return state.__getitem__, list(state)
     if not path.is_file():
         raise ValueError(f"state dict file {str(path)!r} does not exist")
     if path.suffix == ".safetensors":
@@ -75,19 +74,38 @@ def load_full_state_dict(
     ``parts``: the run's :class:`CheckpointParts` (``trainer.checkpoint_parts``).
 
     ``source`` may also be a checkpoint directory or a ``latest`` pointer
-    (``.../checkpoints/latest``): its model weights only, verified (see :func:`read_checkpoint_model`;
-    every rank reads the whole model then).
+    (``.../checkpoints/latest``, the newest checkpoint that verifies): its model weights only, the files
+    read verified (see :func:`read_checkpoint_model`).
 
     Each rank reads only its own stage's parameters and, of each, only the elements it holds (its TP
     block, each section of a fused one, its ZeRO-2/3 rows), straight into the parameter (safetensors
-    and ``torch.save`` files are memory-mapped, so other ranks' parts are never materialised). Names are logical names (the unsharded model's). With
-    ``strict`` every parameter of the model must be present and nothing else; returns
+    and ``torch.save`` files are memory-mapped, so other ranks' parts are never materialised; a
+    checkpoint's are read through DCP, in each process alone). Names are logical names (the unsharded
+    model's). With ``strict`` every parameter of the model must be present and nothing else; returns
     the names of the model's parameters that were not in ``source`` (``strict=False``).
     Collective (the model fingerprint is agreed once); optimizer state is left as is.
     """
     mine = model_fingerprint(parts)
+    if not isinstance(source, Mapping) and (Path(source).is_dir() or pointer_root(source) is not None):
+        return _newest_verified(
+            source, lambda directory: _load_checkpoint_model(parts, directory, mine, strict)
+        )
     getter, names = _open_source(source)
     available = set(names)
+    missing = _check_names(mine, available, strict)
+    with torch.no_grad():
+        for name, (p, spec) in tensor_specs(parts).items():
+            if name not in available:
+                continue
+            entry = getter(name)
+            shape = tuple(entry.shape) if isinstance(entry, torch.Tensor) else tuple(entry.get_shape())
+            _check_shape(name, shape, spec.full_shape)
+            copy_regions_(local_regions(p, spec), entry.__getitem__)  # [Note: bounded checkpoint loads]
+    return missing
+
+
+def _check_names(mine: Mapping[str, Any], available: set[str], strict: bool) -> list[str]:
+    """The model's names ``available`` lacks; with ``strict``, refuses any missing or unexpected name."""
     missing = sorted(set(mine) - available)
     unexpected = sorted(available - set(mine))
     if strict and (missing or unexpected):
@@ -96,18 +114,38 @@ def load_full_state_dict(
             f"unexpected {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}; names must be the unsharded "
             "model's parameter names (pass strict=False to load the matching ones)"
         )
+    return missing
+
+
+def _check_shape(name: str, shape: tuple[int, ...], full_shape: tuple[int, ...]) -> None:
+    if shape != full_shape:
+        raise ValueError(
+            f"parameter {name!r}: the state dict holds shape {list(shape)}, the model "
+            f"{list(full_shape)}: load weights of the same architecture"
+        )
+
+
+def _load_checkpoint_model(
+    parts: CheckpointParts, directory: Path, mine: Mapping[str, Any], strict: bool
+) -> list[str]:
+    """A checkpoint's model weights into ``parts``: DCP reads this rank's blocks of each straight into its
+    parameters (in this process alone; [Note: bounded checkpoint loads]); the names missing."""
+    meta, manifest = open_verified(directory)
+    verified = verify_all(directory, manifest, meta)  # every rank alike: all fall back from a corrupt one
+    shapes = {
+        key[len("model/") :]: tuple(md.size)
+        for key, md in dcp_metadata(directory).items()
+        if key.startswith("model/") and isinstance(md, TensorStorageMetadata)
+    }
+    missing = _check_names(mine, set(shapes), strict)
+    regions = {}
+    for name, (p, spec) in tensor_specs(parts).items():
+        if name in shapes:
+            _check_shape(name, shapes[name], spec.full_shape)
+            regions[f"model/{name}"] = local_regions(p, spec)
     with torch.no_grad():
-        for name, (p, spec) in tensor_specs(parts).items():
-            if name not in available:
-                continue
-            entry = getter(name)
-            shape = tuple(entry.shape) if isinstance(entry, torch.Tensor) else tuple(entry.get_shape())
-            if shape != spec.full_shape:
-                raise ValueError(
-                    f"parameter {name!r}: the state dict holds shape {list(shape)}, the model "
-                    f"{list(spec.full_shape)}: load weights of the same architecture"
-                )
-            copy_regions_(local_regions(p, spec), entry.__getitem__)  # [Note: bounded checkpoint loads]
+        planner = RegionLoadPlanner(regions)
+        read_verified({}, directory, manifest, meta, verified=verified, planner=planner, one_process=True)
     return missing
 
 
@@ -119,16 +157,22 @@ def read_checkpoint_model(path: str | os.PathLike[str]) -> dict[str, torch.Tenso
     corrupt one skipped with a warning (see [Note: latest] in ``merak_core.checkpoint``).
     Every file read is checked against the checkpoint's manifest of checksums.
     """
+    return _newest_verified(path, _read_model)
+
+
+def _newest_verified(path: str | os.PathLike[str], read: Callable[[Path], _T]) -> _T:
+    """``read`` of the checkpoint ``path`` names, or for a ``latest`` pointer of the newest one that verifies
+    (each corrupt one skipped with a warning)."""
     root = pointer_root(path)
     if root is None:
-        return _read_model(Path(path))
+        return read(Path(path))
     candidates = latest_candidates(root)
     if not candidates:
         raise CheckpointError(f"no checkpoint under {str(root)!r}: it holds no committed step_<N> directory")
     skipped = []
     for directory in candidates:
         try:
-            return _read_model(directory)
+            return read(directory)
         except CheckpointCorruptError as exc:
             skipped.append(f"{directory.name}: {exc}")
             logger.warning("%s: skipping checkpoint %s, it fails verification: %s", path, directory, exc)
