@@ -15,7 +15,9 @@ are written in their own ``(in, out)`` layout.
 
 [Note: export from a run] A live run is exported without gathering the model on one rank at
 once: on every stage, DP rank 0's TP group gathers the stage's TP shards (one tensor at a time)
-and its TP rank 0 keeps them; a parameter held by several stages (tied embeddings) is kept by the
+and its TP rank 0 keeps them (at ep > 1 the first EP group's ranks, each expert gathered over EP;
+under ZeRO-2/3 every DP rank of the stage first takes part in each parameter's gather over its
+mesh, written or not); a parameter held by several stages (tied embeddings) is kept by the
 first. The files are cut by one rule for both exports (:func:`shard_groups`: natural name order,
 consecutive runs under ``max_shard_size``), so a run's export and its checkpoint's are the same
 files; global rank 0 writes them one after the other, each stage sending it that file's tensors
@@ -301,15 +303,19 @@ def export_checkpoint(
     return write_hf_folder(state, out, source=source, max_shard_size=max_shard_size)
 
 
-def _stage_tensors(parts: CheckpointParts) -> Iterable[tuple[str, torch.Tensor]]:
+def _stage_tensors(parts: CheckpointParts, *, keep: bool = True) -> Iterable[tuple[str, torch.Tensor]]:
     """(logical name, full tensor in the file layout) for this stage's parameters (see [Note: export from a run]).
 
-    Collective over the TP group (one gather per sharded parameter, in the same order on every
-    TP rank); yields on every TP rank, the tensors are complete everywhere.
+    Collective over the ZeRO-2/3 parameters' meshes (every DP rank of the stage calls it), then, where
+    ``keep``, over the EP group (fused experts) and the TP group (one gather per sharded parameter, in
+    the same order on every rank); yields where ``keep`` (on every TP rank, the tensors complete
+    everywhere). ``keep`` False: the ZeRO gathers alone, nothing yielded (a DP rank whose copy is not
+    written still takes part in them).
     """
     pm = parts.model
     layout = pm.layout
     from merak_core.parallel.expert_hf import full_expert_tensor
+    from merak_core.parallel.zero_tensors import full_local_tensor
     from merak_tp.shard_spec import get_shard_spec
 
     seen: set[int] = set()
@@ -319,7 +325,10 @@ def _stage_tensors(parts: CheckpointParts) -> Iterable[tuple[str, torch.Tensor]]
         seen.add(id(p))
         if pm.shared_owner.get(p, layout.pp_rank) != layout.pp_rank:
             continue  # a tied copy: the first stage that holds it writes it
-        tensor = full_expert_tensor(p, p.detach())  # fused experts: gathered over EP (expert_hf)
+        tensor = full_local_tensor(p.detach())  # ZeRO-2/3: gathered over its DP or expert-replica mesh
+        if not keep:
+            continue
+        tensor = full_expert_tensor(p, tensor)  # fused experts: gathered over EP (expert_hf)
         spec = get_shard_spec(p)
         if layout.tp > 1 and spec.sharded:
             tensor = spec.gather(tensor, layout.tp_group)
@@ -385,7 +394,8 @@ def export_hf(
         prepare_out_dir(out_dir)
     dist.barrier()
     # Experts are sharded over the first EP group's DP ranks (merak_core.parallel.expert_parallel); dense tensors: DP rank 0's.
-    tensors = dict(_stage_tensors(parts)) if layout.dp_rank < layout.ep else {}
+    # Under ZeRO-2/3 every DP rank takes part in the gathers of the stage's sharded parameters.
+    tensors = dict(_stage_tensors(parts, keep=layout.dp_rank < layout.ep))
     if layout.tp_rank != 0:
         tensors = {}  # the stage's tensors are sent from its DP rank 0, TP rank 0 alone
     mine = {n: (tuple(t.shape), t.dtype) for n, t in tensors.items()}
