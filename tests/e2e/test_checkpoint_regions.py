@@ -77,6 +77,39 @@ def _check_case(case: tuple, tp: int, sharded: bool, directory: str) -> list[str
     return wrong
 
 
+def _offsets_without_the_hook(shapes: list[tuple[int, ...]]) -> list[str]:
+    """dtensor_offsets from the public placements (DCP's hook removed) against the hook's, every shape."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from merak_core.parallel._compat import dtensor_offsets
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    wrong = []
+    hook = DTensor.__create_chunk_list__
+    for shape in shapes:
+        for dim in range(len(shape)):
+            t = distribute_tensor(torch.zeros(shape), mesh, [Shard(dim)], src_data_rank=None)
+            want = dtensor_offsets(t)
+            del DTensor.__create_chunk_list__  # a torch without DCP's hook
+            try:
+                got = dtensor_offsets(t)
+            finally:
+                DTensor.__create_chunk_list__ = hook  # type: ignore[method-assign]
+            if got != want:
+                wrong.append(f"{shape} Shard({dim}): {got} != {want}")
+    return wrong
+
+
+def test_dtensor_offsets_without_dcps_hook() -> None:
+    """A ZeRO-2/3 shard's place in its tensor without torch's private hook (issue 25 item 2)."""
+    shapes = [(5, 4), (6, 3), (1, 3), (3,), (0, 2), (7, 1, 3)]
+    for world in (2, 3):
+        assert run_on_ranks(world, _offsets_without_the_hook, shapes) == [[]] * world
+
+
 @pytest.mark.parametrize("sharded", [False, True], ids=["tp", "tp_zero3"])
 def test_regions_hold_exactly_the_local_elements(tmp_path: Path, sharded: bool) -> None:
     cases = list(itertools.product(CASES, [2, 4])) + [(case, 2) for case in UNEVEN if sharded]

@@ -31,6 +31,8 @@ from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from merak_core.parallel._compat import dtensor_offsets
+
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
@@ -59,8 +61,10 @@ def local_regions(local: torch.Tensor, spec: TensorSpec) -> list[Region]:
     from torch.distributed.tensor import DTensor
 
     if isinstance(local, DTensor):
-        (chunk,) = local.__create_chunk_list__()  # its DP shard's place in the TP-local tensor
-        storage, start = local.to_local(), tuple(int(o) for o in chunk.offsets)
+        storage, start = (
+            local.to_local(),
+            dtensor_offsets(local),
+        )  # its DP shard's place in the TP-local tensor
         tp_local = tuple(local.shape)
     else:
         storage, start, tp_local = local, (0,) * local.ndim, tuple(local.shape)

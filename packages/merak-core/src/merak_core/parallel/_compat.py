@@ -233,3 +233,31 @@ def foreach_mul_(tensors: list[torch.Tensor], scale: torch.Tensor) -> None:
         return
     for t in tensors:
         t.mul_(scale)
+
+
+def dtensor_offsets(tensor: Any) -> tuple[int, ...]:
+    """Where a DTensor's local shard starts in its global tensor (a ZeRO-2/3 parameter's place).
+
+    torch's own answer is DCP's hook ``DTensor.__create_chunk_list__`` (one chunk per rank for the
+    shardings Merak makes). Without it the offsets follow from the public placements: each
+    ``Shard(dim)`` over a mesh dimension of ``n`` ranks cuts ``dim`` as ``torch.chunk`` does (pieces of
+    ``ceil(size / n)``, the last ones shorter or empty), the rank's piece at its mesh coordinate.
+    """
+    hook = getattr(tensor, "__create_chunk_list__", None)
+    if hook is not None:
+        (chunk,) = hook()
+        return tuple(int(o) for o in chunk.offsets)
+    from torch.distributed.tensor import Shard
+
+    offsets = [0] * tensor.ndim
+    sizes = list(tensor.shape)
+    coordinate = tensor.device_mesh.get_coordinate()
+    if coordinate is None:  # a rank outside the mesh holds nothing
+        return tuple(offsets)
+    for mesh_dim, placement in enumerate(tensor.placements):
+        if isinstance(placement, Shard):
+            n, at = tensor.device_mesh.size(mesh_dim), coordinate[mesh_dim]
+            piece = -(-sizes[placement.dim] // n)
+            offsets[placement.dim] += min(at * piece, sizes[placement.dim])
+            sizes[placement.dim] = max(0, min(piece, sizes[placement.dim] - at * piece))
+    return tuple(offsets)
