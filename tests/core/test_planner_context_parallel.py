@@ -11,6 +11,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+from torch import nn
 
 from merak_core.config.layout_choice import LayoutChoice
 from merak_core.planner import CommModel, ModelProfile, plan, predict
@@ -141,24 +142,36 @@ def test_plan_considers_cp_when_no_cp1_layout_fits() -> None:
 
 def test_merak_plan_searches_the_divisors_of_the_jobs_cp() -> None:
     # (layout: auto searches what the model allows instead: tests/core/test_planner_auto_axes.py)
-    from types import SimpleNamespace
-
     from merak_core import TrainingArguments
     from merak_core.autoplan.givens import auto_cp_degrees
     from merak_core.parallel.context_parallel import check_cp_arguments
-    from tests.support.models import DecoderConfig, Llama
 
     args = TrainingArguments(layout="auto", cp=4)
     check_cp_arguments(args)  # no longer refused: the planner prices cp
     assert auto_cp_degrees(args, 8) == (1, 2, 4)
     assert auto_cp_degrees(args, 6) == (1, 2)
     assert auto_cp_degrees(TrainingArguments(layout="auto"), 8) == (1,)
-    cands = [SimpleNamespace(cp=c, pp=p) for c, p in ((1, 2), (2, 1), (2, 2))]
+
+
+def test_runnable_cp_keeps_what_the_run_accepts() -> None:
+    # The run trains cp > 1 at pp > 1 for a handwritten model with the cp hook: kept. What the run's
+    # check_cp_model refuses (no cp hook; Ulysses with cp not dividing the heads per TP rank) goes.
+    from types import SimpleNamespace
+
+    from tests.support.models import GPT, DecoderConfig, Llama
+
+    def cand(cp: int, pp: int, tp: int = 1, mode: str = "ring") -> SimpleNamespace:
+        return SimpleNamespace(cp=cp, pp=pp, tp=tp, cp_mode=mode)
+
+    cands = [cand(1, 2), cand(2, 1), cand(2, 2), cand(2, 1, 2, "ulysses")]
     handwritten = Llama(DecoderConfig(num_kv_heads=2))
-    assert [(c.cp, c.pp) for c in runnable_cp(cands, handwritten)] == [(1, 2), (2, 1)]
-    assert [(c.cp, c.pp) for c in runnable_cp(cands, lambda: handwritten)] == [(1, 2), (2, 1)]
-    with pytest.raises(ValueError, match="cp > 1 at pp > 1"):
-        runnable_cp(cands[2:], handwritten)
+    kept = runnable_cp(cands, handwritten)
+    assert [(c.cp, c.pp, c.tp) for c in kept] == [(1, 2, 1), (2, 1, 1), (2, 2, 1)]
+    assert runnable_cp(cands, lambda: handwritten) == cands  # a builder: the run checks it once built
+    no_hook = GPT(DecoderConfig(num_layers=1))
+    assert [(c.cp, c.pp) for c in runnable_cp(cands, no_hook)] == [(1, 2)]
+    with pytest.raises(ValueError, match="refuses every fitting configuration.*cp_attention"):
+        runnable_cp(cands[1:], no_hook)
 
 
 def test_merak_plan_considers_the_jobs_cp(
@@ -173,6 +186,8 @@ def test_merak_plan_considers_the_jobs_cp(
     # above), at cp=2 one does.
     fixed = _profile(num_heads=1, num_kv_heads=1, vocab_size=None)
     monkeypatch.setattr(auto, "profile_for_plan", lambda *a, **k: fixed)
+    # The demo's model as if it called the cp hook (the run's check_cp_model refuses it otherwise).
+    monkeypatch.setattr(nn.Module, "supports_context_parallel", True, raising=False)
     base = ["plan", DEMO, "data.kwargs.train_size=64", "--world-size", "2", "--global-batch-size", "1"]
     base += ["--memory-per-device", "1GiB"]
     out = tmp_path / "planned.yaml"

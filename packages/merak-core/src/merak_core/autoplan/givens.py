@@ -72,8 +72,8 @@ def model_cp_degrees(
     :func:`~merak_core.parallel.context_parallel.check_cp_model`; a router auxiliary loss:
     :func:`~merak_core.parallel.router_aux.check_router_aux`) and for ``batch``, a training batch
     (its length in ``2 * cp`` chunks for the ring, ``cp`` for Ulysses, no padding mask:
-    :func:`~merak_core.parallel.context_parallel.check_cp_batch`). Pure: no collective. The pipeline's
-    refusal for a handwritten model depends on pp: the planner's candidates go through
+    :func:`~merak_core.parallel.context_parallel.check_cp_batch`). Pure: no collective. What depends on the
+    candidate's tp (Ulysses' heads per TP rank) the planner's candidates go through:
     :func:`merak_core.planner.context_cost.runnable_cp`."""
     from merak_core.parallel.context_parallel import check_cp_batch, check_cp_model
     from merak_core.parallel.router_aux import check_router_aux

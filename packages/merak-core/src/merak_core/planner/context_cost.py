@@ -171,18 +171,28 @@ def cp_layer_comm_s(
 
 
 def runnable_cp(cands: Sequence[Any], model: Any) -> list[Any]:
-    """``cands`` less cp > 1 at pp > 1 unless ``model`` is a transformers model (a handwritten model's
-    positions are computed in the traced graph: :func:`merak_core.parallel.context_parallel.check_cp_model`);
-    ValueError when none is left."""
+    """``cands`` less those the run refuses for ``model`` at their cp, cp mode and tp: the run's own check,
+    :func:`merak_core.parallel.context_parallel.check_cp_model` (the model's cp hook, Ulysses' heads per TP
+    rank), at any pp (a handwritten model's cp hook is traced as leaf calls, so cp runs at pp > 1 too). A
+    model given as a builder is not checked here (the run checks it once built). ValueError when none is left.
+    """
+    from types import SimpleNamespace
+
     from torch import nn
 
-    from merak_core.parallel.context_parallel import is_transformers_model
+    from merak_core.parallel.context_parallel import check_cp_model
 
-    hf = isinstance(model, nn.Module) and is_transformers_model(model)
-    kept = [c for c in cands if c.cp == 1 or c.pp == 1 or hf]
+    if not isinstance(model, nn.Module):
+        return list(cands)
+    kept, refused = [], ""
+    for c in cands:
+        probe = SimpleNamespace(cp=c.cp, tp=c.tp, pp=c.pp, cp_mode=getattr(c, "cp_mode", "ring"))
+        try:
+            check_cp_model(model, probe)
+        except ValueError as exc:
+            refused = str(exc)
+            continue
+        kept.append(c)
     if not kept:
-        raise ValueError(
-            "plan: every fitting configuration has cp > 1 at pp > 1, which a model that is not a transformers "
-            "model (or is given as a builder) cannot run: raise the memory or the cp degree"
-        )
+        raise ValueError(f"plan: the run refuses every fitting configuration: {refused}")
     return kept
