@@ -272,3 +272,23 @@ def test_a_tiny_llama_with_a_long_sequence_plans_cp2_and_with_a_short_one_cp1() 
             memory = (need[1] + need[2]) / 2 / usable_memory(1.0)
             chosen = plan(prof, memory_per_device=memory, cp_degrees=degrees, **kw)  # type: ignore[arg-type]
             assert chosen[0].cp == 2 and {c.cp for c in chosen} == {2}
+
+
+@pytest.mark.transformers
+def test_the_planners_drop_pp_above_1_for_a_router_aux_loss() -> None:
+    # The run refuses a transformers MoE model's router aux loss at pp > 1 (check_router_aux): layout: auto,
+    # merak plan and the cluster model leave those candidates out (runnable_cp); without the loss pp > 1 stays.
+    from types import SimpleNamespace
+
+    from merak_core.planner.context_cost import runnable_cp
+
+    tf = pytest.importorskip("transformers")
+    common = dict(vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=2)
+    common.update(num_attention_heads=2, num_key_value_heads=2, num_experts_per_tok=2, num_local_experts=4)
+    model = tf.MixtralForCausalLM(tf.MixtralConfig(**common))
+    cands = [SimpleNamespace(cp=1, tp=1, pp=p, cp_mode="ring") for p in (2, 1)]
+    assert [c.pp for c in runnable_cp(cands, model)] == [2, 1]
+    model.config.output_router_logits, model.router_aux_loss_coef = True, 0.02
+    assert [c.pp for c in runnable_cp(cands, model)] == [1]
+    with pytest.raises(ValueError, match="refuses every fitting configuration.*router auxiliary loss.*pp=2"):
+        runnable_cp(cands[:1], model)

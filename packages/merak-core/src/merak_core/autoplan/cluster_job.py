@@ -23,6 +23,7 @@ from merak_core.planner.cluster import ClusterSpec, compute_dtype
 from merak_core.planner.cluster_context import attach_attentions
 from merak_core.planner.cluster_cost import model_costs, trace_for_cluster
 from merak_core.planner.cluster_search import format_cluster_plan, plan_cluster
+from merak_core.planner.context_cost import runnable_cp
 from merak_core.planner.dryrun import DryRunReport, dry_run
 
 __all__ = ["JobModel", "job_model", "plan_job_on_cluster", "dry_run_job"]
@@ -105,6 +106,9 @@ def plan_job_on_cluster(
     cands = plan_cluster(
         costs, cluster, num_nodes=num_nodes, global_batch_size=global_batch_size, cps=cps, cp_mode=cp_mode
     )
+    cands = runnable_cp(
+        cands, jm.model
+    )  # what the run refuses at a candidate's layout (a router aux loss at pp > 1)
     world = num_nodes * cluster.devices_per_node
     head = (
         f"{len(cands)} feasible configurations on {num_nodes} nodes x {cluster.devices_per_node} "
