@@ -37,6 +37,8 @@ def _check_capacity_job(job: Any, model: nn.Module) -> list[str]:
         check_ep_model(model, job.training, lora=job.model.lora)
     except ValueError as exc:
         raise PreflightError(str(exc)) from None
-    return [
-        f"moe_capacity_factor={capacity}: {len(moe_blocks(model))} MoE blocks drop beyond each expert's capacity"
-    ]
+    from merak_core.parallel.fused_experts import fused_experts
+
+    # protocol blocks and transformers' fused experts
+    blocks = len(moe_blocks(model)) + len(fused_experts(model))
+    return [f"moe_capacity_factor={capacity}: {blocks} MoE blocks drop beyond each expert's capacity"]

@@ -12,6 +12,13 @@ DeepSeek-V3's grouped sigmoid routing with its correction bias and scaling), the
 the reshapes are the model's own code. Each local expert computes what transformers' eager experts
 forward computes for it: ``down_proj[e] @ apply_gate(gate_up_proj[e] @ x)`` (the gate and up halves
 of ``gate_up_proj``, the module's ``act_fn``), weighted by the routing weight in ``dispatch``.
+
+With ``training.moe_capacity_factor`` (:func:`set_fused_capacity`, [Note: expert capacity] in
+:mod:`merak_core.parallel.moe_capacity`) the same dispatch drops beyond each expert's capacity, by the
+protocol blocks' rule and order: the block hands its experts module its tokens flattened (batch, then
+position), so the pairs are taken by token, then by choice, the EP ranks' tokens in EP-rank order. At
+ep=1 the class is swapped too, every expert local (no group). The block's other parts (DeepSeek-V3's
+shared experts) still see every token.
 """
 
 from __future__ import annotations
@@ -23,7 +30,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from merak_core.parallel.expert_parallel import dispatch, ep_class
+from merak_core.parallel.expert_parallel import (
+    DISPATCH_ATTR,
+    ExpertDispatch,
+    dispatch,
+    ep_class,
+    expert_dispatch,
+)
 from merak_core.parallel.fused_experts import ExpertShard, expert_shard, fused_experts, set_expert_shard
 from merak_core.parallel.layout import ParallelLayout
 
@@ -33,6 +46,7 @@ __all__ = [
     "apply_fused_expert_parallel",
     "fused_expert_leaves",
     "full_expert_tensor",
+    "set_fused_capacity",
     "tp_plan_without_experts",
 ]
 
@@ -78,7 +92,16 @@ class FusedExpertParallel:
     ) -> torch.Tensor:
         record = self.merak_expert_shard
         local: Any = _LocalExperts(self, record)
-        out = dispatch(hidden_states, top_k_weights, top_k_index, local, self.num_experts, record.group)
+        capacity = expert_dispatch(self).capacity_factor  # type: ignore[arg-type]
+        out = dispatch(
+            hidden_states,
+            top_k_weights,
+            top_k_index,
+            local,
+            self.num_experts,
+            record.group,
+            capacity_factor=capacity,
+        )
         return out.to(hidden_states.dtype)
 
 
@@ -111,6 +134,22 @@ def fused_expert_leaves(model: nn.Module) -> list[type]:
         module.__class__ = ep_class(WholeFusedExperts, type(module))
         classes.append(type(module))
     return list(dict.fromkeys(classes))
+
+
+def set_fused_capacity(model: nn.Module, capacity_factor: float, *, ep: int) -> None:
+    """Give every fused experts module the capacity of [Note: expert capacity] (in place, before composing).
+
+    At ep > 1 :func:`apply_fused_expert_parallel` swaps the class later; at ep=1 the class is swapped here
+    for the dispatching one with every expert local (a record of one EP rank, no group; the parameters stay
+    plain, whole tensors). Checked by :func:`merak_core.parallel.expert_parallel.check_ep_model`.
+    """
+    for _name, module in fused_experts(model):
+        setattr(
+            module, DISPATCH_ATTR, ExpertDispatch(capacity_factor=capacity_factor)
+        )  # its group: the shard's
+        if ep == 1:
+            module.__class__ = ep_class(FusedExpertParallel, type(module))
+            module.merak_expert_shard = ExpertShard(module.num_experts, 1, 0)
 
 
 def _ep_mesh(layout: ParallelLayout) -> Any:

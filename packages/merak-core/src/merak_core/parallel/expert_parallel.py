@@ -60,7 +60,13 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from merak_core.parallel.data_parallel import DataParallelGradSync
-from merak_core.parallel.fused_experts import check_fused_experts, expert_shard, is_fused_experts
+from merak_core.parallel.fused_experts import (
+    check_fused_experts,
+    expert_shard,
+    fused_experts,
+    fused_forward_problem,
+    is_fused_experts,
+)
 from merak_core.parallel.layout import ParallelLayout
 from merak_core.parallel.moe_capacity import check_capacity_factor, expert_capacity, run_with_capacity
 from merak_core.parallel.rank_grid import check_ep
@@ -168,16 +174,32 @@ def _check_capacity_model(model: nn.Module, args: Any) -> None:
     if factor is None:
         return
     check_capacity_factor(factor)
-    if not moe_blocks(model):
+    fused = fused_experts(model)  # transformers' fused experts: merak_core.parallel.expert_hf
+    if not moe_blocks(model) and not fused:
         raise ValueError(
             f"moe_capacity_factor={factor} but {type(model).__name__} has no mixture-of-experts block that applies "
-            f"a capacity: it needs {_PROTOCOL} (transformers' fused experts run dropless). Set "
-            "moe_capacity_factor: null"
+            f"a capacity: it needs {_PROTOCOL}, or transformers' fused experts (gate_up_proj [E, 2I, H], "
+            "down_proj [E, H, I]). Set moe_capacity_factor: null"
         )
+    for name, module in fused:
+        problem = fused_forward_problem(module)
+        if problem is not None:
+            raise ValueError(
+                f"moe_capacity_factor={factor}: {type(module).__name__} at {name!r} cannot apply a capacity (Merak's "
+                f"dispatch replaces its forward): {problem}. Set moe_capacity_factor: null"
+            )
+    tp = getattr(args, "tp", 1)
+    if fused and args.ep == 1 and tp > 1:
+        raise ValueError(
+            f"moe_capacity_factor={factor} with tp={tp} at ep=1: the TP plan splits every fused expert over TP, "
+            "where no capacity applies. Set ep > 1 (whole experts per EP rank), tp: 1, or moe_capacity_factor: null"
+        )
+    _refuse_foreign_moe(model, args.ep, capacity=factor)  # a block that would run dropless
 
 
-def _refuse_foreign_moe(model: nn.Module, ep: int) -> None:
-    """ValueError naming the first MoE block that does not follow the protocol (e.g. a transformers one)."""
+def _refuse_foreign_moe(model: nn.Module, ep: int, *, capacity: float | None = None) -> None:
+    """ValueError naming the first MoE block that does not follow the protocol (e.g. a transformers one):
+    at ``ep`` > 1, or with a ``capacity`` factor that block would not apply."""
     for name, module in model.named_modules():
         cls = type(module).__name__
         if ("moe" in cls.lower() or cls.endswith("Experts")) and not is_moe_block(module):
@@ -185,10 +207,15 @@ def _refuse_foreign_moe(model: nn.Module, ep: int) -> None:
                 continue  # a layer holding a protocol block or fused experts
             if not hasattr(module, "experts") and not any(p.ndim == 3 for p in module.parameters()):
                 continue  # a family's other modules (Qwen3MoeAttention, ...): no experts
+            what, fix = (
+                (f"moe_capacity_factor={capacity}", "set moe_capacity_factor: null")
+                if capacity is not None and ep == 1
+                else (f"ep={ep}", "set ep: 1 and split the experts over TP (tp > 1)")
+            )
             raise ValueError(
-                f"ep={ep}: {cls} at {name!r} is a mixture-of-experts block Merak cannot replace (neither the "
-                f"protocol nor fused experts gate_up_proj [E, 2I, H] / down_proj [E, H, I]): set ep: 1 and split the "
-                f"experts over TP (tp > 1), or give the model blocks following the protocol ({_PROTOCOL})"
+                f"{what}: {cls} at {name!r} is a mixture-of-experts block Merak cannot replace (neither the "
+                f"protocol nor fused experts gate_up_proj [E, 2I, H] / down_proj [E, H, I]): {fix}, or give the "
+                f"model blocks following the protocol ({_PROTOCOL})"
             )
 
 
@@ -354,6 +381,7 @@ def set_moe_capacity(model: nn.Module, capacity_factor: float, *, ep: int) -> No
 
     At ep > 1 :func:`apply_expert_parallel` swaps the class later; at ep=1 the class is swapped here for the
     dispatching subclass with every expert local (no group), so the block drops like an EP block.
+    transformers' fused experts: :func:`merak_core.parallel.expert_hf.set_fused_capacity`.
     """
     for _name, block in moe_blocks(model):
         moe: Any = block  # follows the protocol (is_moe_block)

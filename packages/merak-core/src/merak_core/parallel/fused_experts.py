@@ -32,6 +32,7 @@ __all__ = [
     "check_fused_experts",
     "expert_shard",
     "fused_experts",
+    "fused_forward_problem",
     "is_fused_experts",
     "set_expert_shard",
 ]
@@ -119,6 +120,11 @@ def _layout_problem(module: Any) -> str | None:
         if bad:
             return f"it has {what}"
     return None
+
+
+def fused_forward_problem(module: Any) -> str | None:
+    """Why Merak's dispatch (at ep > 1, or with a capacity) cannot reproduce ``module``'s own forward (None: it can)."""
+    return _layout_problem(module)
 
 
 def check_fused_experts(model: nn.Module, args: Any) -> list[str]:

@@ -199,9 +199,11 @@ def compose(
         tp_rng = merak_tp.RNGTracker(device)
         tp_rng.add("tp", merak_tp.tp_seed(args.seed, layout.tp_group), derived=True)
     if args.moe_capacity_factor is not None:  # [Note: expert capacity] in merak_core.parallel.moe_capacity
+        from merak_core.parallel.expert_hf import set_fused_capacity
         from merak_core.parallel.expert_parallel import set_moe_capacity
 
         set_moe_capacity(model, args.moe_capacity_factor, ep=layout.ep)
+        set_fused_capacity(model, args.moe_capacity_factor, ep=layout.ep)  # transformers' fused experts
     return build_parallel_model(
         model,
         layout,
