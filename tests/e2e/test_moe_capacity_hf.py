@@ -9,8 +9,9 @@ order). A zero weight removes the pair's output and every gradient through it, a
 - ep=1, no process group: Mixtral's experts module with Merak's capacity gives the reference's output and
   gradients (tokens, routing weights, both fused parameters), pairs really dropped (float64);
 - three SGD steps of Mixtral at dp2·ep2, and at one rank (ep=1), with a factor that drops pairs, equal the
-  reference on the global batch in the loader's order (losses, every parameter after the steps); DeepSeek-V3
-  (a shared expert that still sees every token, grouped routing) at dp2·ep2 too; float32;
+  reference on the global batch in the loader's order (losses, every parameter after the steps); Qwen3-MoE
+  and DeepSeek-V3 (a shared expert that still sees every token, grouped routing) at dp2·ep2 too; Mixtral
+  at dp2·ep2·pp2 and ep=1·pp2 with two microbatches (the capacity per EP group and microbatch); float32;
 - the refusals of a capacity Merak cannot apply: fused experts whose forward it cannot reproduce, and
   ep=1 with tp > 1 (the plan splits each expert over TP).
 """
@@ -117,37 +118,53 @@ def _train_capped(family: str, overrides: dict[str, Any]) -> tuple[list[float], 
     return losses, state if dist.get_rank() == 0 else None, orders
 
 
-def _reference(family: str, orders: list[list[int]]) -> tuple[list[float], dict[str, torch.Tensor], int]:
-    """One process on each step's global batch in the loader's order (DP ranks' parts in rank order)."""
+def _reference(
+    family: str, orders: list[list[int]], dp: int, microbatches: int
+) -> tuple[list[float], dict[str, torch.Tensor], int]:
+    """One process on each step's batch in the loader's order: DP rank r reads the r-th part of the order,
+    and microbatch j of the EP group (here every DP rank) is the j-th part of each rank's, in rank order;
+    gradients accumulate over the microbatches."""
     model = _model(family)
     drops: list[int] = []
     capped_reference(model, FACTOR, drops)
     ids = Tokens().ids
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
+    per_rank = BATCH // dp
+    per_micro = per_rank // microbatches
     for order in orders:
         opt.zero_grad()
-        batch = ids[order]
-        logits = model(input_ids=batch[:, :-1]).logits
-        loss = F.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
-        loss.backward()
+        step_loss = 0.0
+        for j in range(microbatches):
+            batch = ids[
+                [order[r * per_rank + j * per_micro + i] for r in range(dp) for i in range(per_micro)]
+            ]
+            logits = model(input_ids=batch[:, :-1]).logits
+            loss = F.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1)) / microbatches
+            loss.backward()
+            step_loss += loss.item()
         opt.step()
-        losses.append(loss.item())
+        losses.append(step_loss)
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, sum(drops)
 
 
-CASES = {  # family, ranks, overrides
-    "mixtral-dp2-ep2": ("mixtral", 2, {"ep": 2}),
-    "mixtral-ep1": ("mixtral", 1, {"ep": 1, "per_device_train_batch_size": BATCH}),
-    "deepseek_v3-dp2-ep2": ("deepseek_v3", 2, {"ep": 2}),
+_PP2 = {"pp": 2, "gradient_accumulation_steps": 2}
+CASES = {  # family, ranks, overrides, (dp, microbatches)
+    "mixtral-dp2-ep2": ("mixtral", 2, {"ep": 2}, (2, 1)),
+    "mixtral-ep1": ("mixtral", 1, {"ep": 1, "per_device_train_batch_size": BATCH}, (1, 1)),
+    "qwen3_moe-dp2-ep2": ("qwen3_moe", 2, {"ep": 2}, (2, 1)),
+    "deepseek_v3-dp2-ep2": ("deepseek_v3", 2, {"ep": 2}, (2, 1)),
+    # the fused experts a trace leaf in a stage; the capacity per EP group and microbatch
+    "mixtral-dp2-ep2-pp2": ("mixtral", 4, {"ep": 2, "per_device_train_batch_size": 1, **_PP2}, (2, 2)),
+    "mixtral-ep1-pp2": ("mixtral", 2, {"ep": 1, "per_device_train_batch_size": 2, **_PP2}, (1, 2)),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_trainer_with_capacity_equals_one_process(case: str) -> None:
-    family, ranks, overrides = CASES[case]
+    family, ranks, overrides, (dp, microbatches) = CASES[case]
     results = run_on_ranks(ranks, _train_capped, family, overrides)
-    losses, params, drops = _reference(family, results[0][2])
+    losses, params, drops = _reference(family, results[0][2], dp, microbatches)
     assert drops > 0  # the capacity really dropped pairs
     state = results[0][1]
     assert state is not None and set(state) == set(params)
