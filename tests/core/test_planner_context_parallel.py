@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 from torch import nn
@@ -140,17 +141,38 @@ def test_plan_considers_cp_when_no_cp1_layout_fits() -> None:
     assert cp_allowed(_profile(), 4, "ring", 2)
 
 
-def test_merak_plan_searches_the_divisors_of_the_jobs_cp() -> None:
-    # (layout: auto searches what the model allows instead: tests/core/test_planner_auto_axes.py)
-    from merak_core import TrainingArguments
-    from merak_core.autoplan.givens import auto_cp_degrees
-    from merak_core.parallel.context_parallel import check_cp_arguments
+def test_merak_plan_searches_the_cp_and_ep_degrees_layout_auto_does(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # merak plan asks the same function as layout: auto (givens.model_degrees) for the cp and ep degrees of
+    # the job's model and batch, whatever the job's cp, and hands both to the planner.
+    import merak_core.autoplan.auto as auto
+    import merak_core.autoplan.givens as givens
+    import merak_core.planner as planner
+    from merak_core.cli.main import main
 
-    args = TrainingArguments(layout="auto", cp=4)
-    check_cp_arguments(args)  # no longer refused: the planner prices cp
-    assert auto_cp_degrees(args, 8) == (1, 2, 4)
-    assert auto_cp_degrees(args, 6) == (1, 2)
-    assert auto_cp_degrees(TrainingArguments(layout="auto"), 8) == (1,)
+    fixed = _profile(num_heads=1, num_kv_heads=1, vocab_size=None)
+    monkeypatch.setattr(auto, "profile_for_plan", lambda *a, **k: fixed)
+    asked: list[tuple[int, int]] = []
+
+    def degrees(model: nn.Module, batch: object, args: Any, world: int, **kw: object) -> dict:
+        asked.append((args.cp, world))
+        return {"cp": (1, 2), "ep": (1,)}
+
+    seen: dict[str, object] = {}
+    real_plan = planner.plan
+
+    def spy(*a: object, **kw: object) -> object:
+        seen.update(cp=kw["cp_degrees"], ep=kw["ep_degrees"])
+        return real_plan(*a, **kw)
+
+    monkeypatch.setattr(givens, "model_degrees", degrees)
+    monkeypatch.setattr(planner, "plan", spy)
+    monkeypatch.setattr(nn.Module, "supports_context_parallel", True, raising=False)
+    base = ["plan", DEMO, "data.kwargs.train_size=64", "--world-size", "2", "--global-batch-size", "1"]
+    assert main([*base, "--memory-per-device", "1GiB"]) == 0  # the job's cp is 1
+    assert asked == [(1, 2)] and seen == {"cp": (1, 2), "ep": (1,)}
+    assert "dp1-cp2-tp1-pp1" in capsys.readouterr().out
 
 
 def test_runnable_cp_keeps_what_the_run_accepts() -> None:
@@ -180,14 +202,17 @@ def test_merak_plan_considers_the_jobs_cp(
     import yaml
 
     import merak_core.autoplan.auto as auto
+    import merak_core.autoplan.givens as givens
     from merak_core.cli.main import main
 
     # One sample per step and no tp (one head): at cp=1 no layout of two ranks runs (the search test
     # above), at cp=2 one does.
     fixed = _profile(num_heads=1, num_kv_heads=1, vocab_size=None)
     monkeypatch.setattr(auto, "profile_for_plan", lambda *a, **k: fixed)
-    # The demo's model as if it called the cp hook (the run's check_cp_model refuses it otherwise).
+    # The demo's model as if it called the cp hook and its batch split into cp=2 shards (the run's checks
+    # refuse both otherwise).
     monkeypatch.setattr(nn.Module, "supports_context_parallel", True, raising=False)
+    monkeypatch.setattr(givens, "model_degrees", lambda *a, **k: {"cp": (1, 2), "ep": (1,)})
     base = ["plan", DEMO, "data.kwargs.train_size=64", "--world-size", "2", "--global-batch-size", "1"]
     base += ["--memory-per-device", "1GiB"]
     out = tmp_path / "planned.yaml"
@@ -196,6 +221,7 @@ def test_merak_plan_considers_the_jobs_cp(
     assert "dp1-cp2-tp1-pp1" in table and "1f1b ring" in table
     written = yaml.safe_load(out.read_text())["training"]
     assert (written["cp"], written["cp_mode"], written["dp"], written["pp"]) == (2, "ring", 1, 1)
+    assert written["ep"] == 1  # the plan's ep, written too
 
 
 def test_zero_shards_over_dp_or_dp_x_cp_as_the_run_does() -> None:

@@ -38,8 +38,7 @@ from merak_core.autoplan.givens import (
     auto_global_batch,
     compute_slots,
     default_memory_per_device,
-    model_cp_degrees,
-    model_ep_degrees,
+    model_degrees,
 )
 from merak_core.autoplan.probe import slowest_probe_note
 from merak_core.config import TrainingArguments
@@ -304,14 +303,14 @@ def _model_degrees(
     args: TrainingArguments, model: nn.Module, batch: Any, inputs: PlanInputs
 ) -> dict[str, Any]:
     """The cp and ep degrees ``layout: auto`` searches for ``model`` (rank 0's copy) and ``batch`` (one
-    training microbatch) on the world's ranks: :func:`~merak_core.autoplan.givens.model_cp_degrees`,
-    :func:`~merak_core.autoplan.givens.model_ep_degrees`."""
-    world = dist.get_world_size()
+    training microbatch) on the world's ranks (:func:`~merak_core.autoplan.givens.model_degrees`, as
+    ``merak plan``), and the model under ``"model"``."""
     flags = dict(loss_fn_given=inputs.loss_fn_given, compute_metrics_given=inputs.compute_metrics_given)
-    return {
-        "cp": model_cp_degrees(model, batch, args, world, lora=inputs.lora, **flags),
-        "ep": model_ep_degrees(model, args, world, lora=inputs.lora),
-    }
+    degrees: dict[str, Any] = dict(
+        model_degrees(model, batch, args, dist.get_world_size(), lora=inputs.lora, **flags)
+    )
+    degrees["model"] = model  # the built copy: the planner's candidates go through the run's checks with it
+    return degrees
 
 
 def _with_tp_scale(
@@ -419,7 +418,7 @@ def auto_layout(
                 cp_mode=args.cp_mode,
                 ep_degrees=degrees["ep"],
             )
-            cands = runnable_cp(cands, model)
+            cands = runnable_cp(cands, degrees.get("model", model))
         except ValueError as exc:
             raise ValueError(f"for {world} ranks, global batch {gbs}: {exc}") from None
         return {

@@ -92,7 +92,7 @@ def plan_job_on_cluster(
 ) -> tuple[str, Any]:
     """The ranked table for ``jm`` on ``num_nodes`` nodes of ``cluster``; (text, best candidate).
 
-    ``cps``: the context-parallel degrees tried (the CLI: the divisors of the job's ``training.cp``)."""
+    ``cps``: the context-parallel degrees tried (the CLI: those the model and its batch allow, :func:`merak_core.autoplan.givens.model_cp_degrees`)."""
     sharded = trace_for_cluster(jm.model, jm.example_inputs, cluster, dtype=jm.dtype)
     costs = model_costs(
         sharded,

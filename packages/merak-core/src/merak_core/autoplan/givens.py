@@ -21,23 +21,15 @@ from merak_core.config import TrainingArguments
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "auto_cp_degrees",
     "auto_degrees_note",
     "auto_global_batch",
     "compute_slots",
     "default_memory_per_device",
+    "model_degrees",
     "model_cp_degrees",
     "model_ep_degrees",
     "written_degrees",
 ]
-
-
-def auto_cp_degrees(args: TrainingArguments, world_size: int) -> tuple[int, ...]:
-    """The context-parallel degrees ``merak plan`` searches without the model's checks: every divisor of the
-    job's ``cp`` that divides ``world_size`` (they pass the checks made before torchrun for the job's cp: the
-    model's cp hook, Ulysses' heads, the sequence's ``2 * cp`` chunks). ``layout: auto`` checks the model
-    itself and searches more: :func:`model_cp_degrees`."""
-    return tuple(c for c in range(1, args.cp + 1) if args.cp % c == 0 and world_size % c == 0)
 
 
 def _degrees_passing(world_size: int, check: Any) -> tuple[int, ...]:
@@ -110,6 +102,26 @@ def model_ep_degrees(
         check_ep_model(model, probe, lora=lora)
 
     return _degrees_passing(world_size, check)
+
+
+def model_degrees(
+    model: nn.Module,
+    batch: Any,
+    args: TrainingArguments,
+    world_size: int,
+    *,
+    lora: Any = None,
+    loss_fn_given: bool = False,
+    compute_metrics_given: bool = False,
+) -> dict[str, tuple[int, ...]]:
+    """The cp and ep degrees the planner searches for ``model`` and ``batch`` (one training microbatch) on
+    ``world_size`` ranks, ``{"cp": ..., "ep": ...}``: :func:`model_cp_degrees` and :func:`model_ep_degrees`
+    (``layout: auto`` and ``merak plan`` alike)."""
+    flags = dict(loss_fn_given=loss_fn_given, compute_metrics_given=compute_metrics_given)
+    return {
+        "cp": model_cp_degrees(model, batch, args, world_size, lora=lora, **flags),
+        "ep": model_ep_degrees(model, args, world_size, lora=lora),
+    }
 
 
 def written_degrees(args: TrainingArguments) -> dict[str, int]:

@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         profile_inputs,
         with_adapters,
     )
-    from merak_core.autoplan.givens import auto_cp_degrees
+    from merak_core.autoplan.givens import model_degrees
     from merak_core.job import JobConfig, write_job
     from merak_core.planner import format_plan, plan
     from merak_core.planner.choices import searched_virtual_stages
@@ -106,6 +106,9 @@ def run(args: argparse.Namespace) -> int:
         model, train, args.profile_batch or t.per_device_train_batch_size, job.optional("collate")
     )
     batch = cast_floats(batch, t.torch_dtype)
+    flags = {"loss_fn_given": job.optional("loss") is not None}
+    flags["compute_metrics_given"] = job.optional("metrics") is not None
+    degrees = model_degrees(model, batch, t, args.world_size, lora=job.model.lora, **flags)
     profile = profile_for_plan(model, batch, tp_plan=t.tp_plan, bf16=t.bf16, cache_dir=args.profile_cache)
     cands = plan(
         profile,
@@ -115,8 +118,9 @@ def run(args: argparse.Namespace) -> int:
         zero_stage=t.zero_stage,
         compute_slots=args.compute_slots,
         virtual_stages=searched_virtual_stages(args.compute_slots),  # what layout: auto searches
-        cp_degrees=auto_cp_degrees(t, args.world_size),  # cp up to the job's, as layout: auto
+        cp_degrees=degrees["cp"],  # what the model and its batch allow, as layout: auto
         cp_mode=t.cp_mode,
+        ep_degrees=degrees["ep"],
     )
     cands = runnable_cp(cands, model)
     print(f"memory per device: {memory} bytes ({memory / 2**30:.3g} GiB), {memory_from}")
@@ -126,8 +130,8 @@ def run(args: argparse.Namespace) -> int:
     )
     print(format_plan(cands, top=args.top))
     if args.write_config:
-        cp = [f"training.cp={cands[0].cp}"]  # the job's cp may be larger than the plan's
-        write_job(args.config, args.write_config, cands[0], overrides=[*args.overrides, *cp])
+        axes = [f"training.cp={cands[0].cp}", f"training.ep={cands[0].ep}"]  # the plan's, not the job's
+        write_job(args.config, args.write_config, cands[0], overrides=[*args.overrides, *axes])
         print(f"wrote {args.write_config}")
     return 0
 

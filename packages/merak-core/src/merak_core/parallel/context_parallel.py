@@ -79,8 +79,8 @@ ATTN_IMPLEMENTATION = "merak_cp"
 """The name of Merak's attention function in transformers' attention-function registry."""
 
 _REFUSED_ARGS: tuple[tuple[str, Any, str], ...] = ()
-"""(argument, refused at cp > 1, the fix): none left (``layout: auto`` plans cp among the divisors of the
-job's cp: :func:`merak_core.autoplan.givens.auto_cp_degrees`)."""
+"""(argument, refused at cp > 1, the fix): none left (``layout: auto`` keeps or replaces the job's cp, searching
+the degrees the model and its batch allow: :func:`merak_core.autoplan.givens.model_cp_degrees`)."""
 
 
 def check_cp_arguments(args: Any) -> None:
