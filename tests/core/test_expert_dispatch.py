@@ -164,14 +164,12 @@ def test_refuses_a_foreign_moe_block_by_name() -> None:
         check_ep_model(torch.nn.Sequential(SwitchMoE()), _args())
 
 
-def test_refuses_a_block_with_a_router_aux_loss() -> None:
+def test_accepts_a_block_with_a_router_aux_loss() -> None:
+    """Added over the global microbatch at any ep (tests/e2e/test_moe_block_router_aux.py)."""
     from merak_core.parallel.expert_parallel import check_ep_model
 
     block = _block()
     block.router_aux_loss_coef = 0.01
-    with pytest.raises(ValueError, match=r"router auxiliary loss \(router_aux_loss_coef=0.01\)"):
-        check_ep_model(block, _args())
-    block.router_aux_loss_coef = 0.0
     check_ep_model(block, _args())
 
 

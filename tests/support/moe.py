@@ -5,7 +5,9 @@
 the dropless weighted sum over each token's chosen experts. Its ``forward`` routes as Mixtral does:
 softmax over the router's logits, the top-k experts, their weights normalised to sum to one.
 Every expert runs, on zero rows when no token chose it, so its gradient is zeros (not None) on one
-process as under expert parallelism. No auxiliary loss.
+process as under expert parallelism. With ``router_aux_loss_coef`` non-zero (``MoEConfig``) a block keeps its
+routing of the last forward in ``router_stats`` and ``load_balancing_loss()`` is Switch's loss over its own
+tokens (merak_core's [Note: a protocol block's router aux loss]; the one-process references add it).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class MoEConfig:
     top_k: int = 2
     max_seq_len: int = 64
     routing: str = "mixtral"
+    router_aux_loss_coef: float = 0.0
     """``mixtral`` (softmax top-k, weights normalised) or ``deepseek`` (DeepSeek-V3: sigmoid scores, grouped
     routing, a score-correction bias for the choice only, scaled weights, one shared expert)."""
 
@@ -61,11 +64,24 @@ class MoEBlock(nn.Module):
         self.router = nn.Linear(hidden, num_experts, bias=False)
         self.experts = nn.ModuleList(Expert(hidden, inner) for _ in range(num_experts))
 
+    router_aux_loss_coef: float = 0.0
+    router_stats: tuple[torch.Tensor, torch.Tensor] | None = None
+
     def route(self, x_nh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Normalised top-k weights and the chosen experts' indices, both ``[n, k]``."""
         probs_ne = F.softmax(self.router(x_nh), dim=-1)
         weights_nk, experts_nk = probs_ne.topk(self.top_k, dim=-1)
+        if self.router_aux_loss_coef:
+            self.router_stats = (probs_ne, experts_nk)
         return weights_nk / weights_nk.sum(-1, keepdim=True), experts_nk
+
+    def load_balancing_loss(self) -> torch.Tensor:
+        """``E * sum_e f_e * P_e`` over the tokens of the last forward (one process: the whole microbatch)."""
+        assert self.router_stats is not None
+        probs_ne, experts_nk = self.router_stats
+        n = probs_ne.size(0)
+        chosen_e = F.one_hot(experts_nk, self.num_experts).sum((0, 1)).to(probs_ne.dtype)
+        return self.num_experts * torch.sum(chosen_e / n * probs_ne.mean(0))
 
     def run_experts(
         self, x_nh: torch.Tensor, weights_nk: torch.Tensor, experts_nk: torch.Tensor
@@ -131,6 +147,8 @@ class MoELlamaBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size)
         block = DeepSeekMoEBlock if cfg.routing == "deepseek" else MoEBlock
         self.moe = block(cfg.hidden_size, cfg.expert_size, cfg.num_experts, cfg.top_k)
+        if cfg.router_aux_loss_coef:
+            self.moe.router_aux_loss_coef = cfg.router_aux_loss_coef
 
     def forward(self, x_bth: torch.Tensor, cos_td: torch.Tensor, sin_td: torch.Tensor) -> torch.Tensor:
         x_bth = x_bth + self.self_attn(self.input_layernorm(x_bth), None, cos_td, sin_td)

@@ -145,7 +145,10 @@ def _refuse_before_groups(
     from merak_core.parallel.router_aux import check_router_aux  # [Note: global router aux loss]
 
     check_router_aux(
-        model, layout.pp if layout is not None else args.pp, layout.cp if layout is not None else args.cp
+        model,
+        layout.pp if layout is not None else args.pp,
+        layout.cp if layout is not None else args.cp,
+        args.recompute_mode[0],
     )
     if args.sequence_parallel and (layout.tp if layout is not None else args.tp) > 1:
         from merak_core.checks.tp_check import check_sequence_parallel

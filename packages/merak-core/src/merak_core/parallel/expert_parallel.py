@@ -9,9 +9,11 @@ of every MoE block; the dense parameters stay replicated over DP.
 - ``num_experts: int`` and ``experts: nn.ModuleList`` (``num_experts`` modules, each ``y_nh = e(x_nh)``);
 - ``run_experts(x_nh, weights_nk, experts_nk) -> y_nh``: the sum over each token's ``k`` chosen experts of
   ``weight * expert(x)``, every token kept (dropless);
-- optionally ``router_aux_loss_coef``: a block that adds a router auxiliary loss from its own tokens says
-  so (non-zero) and is refused at ep > 1 (that loss would not be the one-process loss of the global batch). The block's ``forward`` routes as the model defines
-  it (top-k, scoring, normalisation, shared experts, auxiliary losses) and calls ``run_experts``.
+- optionally ``router_aux_loss_coef``: non-zero, the block has a load-balancing loss and sets
+  ``router_stats = (probs_ne, experts_nk)`` in each forward; Merak adds it over the global microbatch at any
+  ep ([Note: a protocol block's router aux loss] in :mod:`merak_core.parallel.router_aux`). The block's
+  ``forward`` routes as the model defines it (top-k, scoring, normalisation, shared experts) and calls
+  ``run_experts``.
 
 :func:`apply_expert_parallel` keeps this rank's experts (an ``nn.ModuleDict`` keyed by the global expert
 index, so parameter names are the one-process names, ``experts.5.w1.weight``) and swaps the block's class
@@ -150,12 +152,6 @@ def check_ep_model(model: nn.Module, args: Any, *, lora: Any = None) -> None:
             f"{_PROTOCOL}. Set ep: 1"
         )
     for name, block in blocks:
-        if getattr(block, "router_aux_loss_coef", 0):
-            raise ValueError(
-                f"ep={ep}: {name!r} adds a router auxiliary loss (router_aux_loss_coef="
-                f"{block.router_aux_loss_coef}) from its own tokens, which is not the one-process loss of the "
-                "global batch under expert parallelism: set its router_aux_loss_coef to 0, or ep: 1"
-            )
         if len(block.experts) != block.num_experts:
             raise ValueError(
                 f"ep={ep}: {name!r} says num_experts={block.num_experts} but holds {len(block.experts)} experts: "

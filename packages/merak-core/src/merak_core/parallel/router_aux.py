@@ -23,6 +23,22 @@ is the DP mean of the ranks' losses and the DP sync averages the gradients, so t
 
 Refused (:func:`check_router_aux`): pipeline stages (the router logits of the first stage's layers
 never reach the last stage's loss) and ``cp > 1`` (each rank holds part of every sequence).
+
+[Note: a protocol block's router aux loss] A block of [Note: the MoE block protocol] (in
+:mod:`merak_core.parallel.expert_parallel`) with a non-zero ``router_aux_loss_coef`` sets, in each forward,
+``router_stats = (probs_ne, experts_nk)``: its router's probabilities over the ``E`` experts of each of its
+``n`` tokens (with their gradient) and the ``k`` experts each token chose. Its loss is Switch/Mixtral's per
+block, ``coef * E * sum_e f_e * P_e``, ``f_e`` = the tokens that chose ``e`` / ``n``, ``P_e`` = the sum of
+``probs_ne[:, e]`` / ``n``, over the tokens of the microbatch; the model's loss is the ``loss_fn``'s plus
+every such block's. The one-process run matched is the same as above: the global microbatch (microbatch
+``m`` of every DP rank together), every token the block routes counted (padding too: the block sees it).
+:class:`BlockRouterAuxLoss` adds ``coef * A_r`` per block, ``A_r = dp * E * sum_e (C_e / N) * (S_e^r / N)``,
+with the choice counts ``C_e`` and the tokens ``N`` of all blocks all-reduced over the DP group in one call
+(no gradient: the choices are top-k indices) and ``S_e^r`` this rank's probability sums, so the DP mean
+of the losses and of the gradients is the global microbatch's at any ep (the router is replicated over
+the EP group, whose ranks are DP ranks). Refused (:func:`check_router_aux`): ``pp > 1`` and ``cp > 1``
+as above, and recomputation (the recomputed units' graph is dropped after the forward; ``router_stats``
+lives outside it).
 """
 
 from __future__ import annotations
@@ -38,7 +54,9 @@ from torch.distributed import ProcessGroup
 
 __all__ = [
     "FAMILIES",
+    "BlockRouterAuxLoss",
     "GlobalRouterAuxLoss",
+    "aux_loss_blocks",
     "check_router_aux",
     "router_aux_settings",
     "with_router_aux_loss",
@@ -64,8 +82,45 @@ def router_aux_settings(model: nn.Module | None) -> tuple[float, int, int] | Non
     return float(coef), experts, top_k
 
 
-def check_router_aux(model: nn.Module | None, pp: int, cp: int) -> None:
-    """ValueError when ``model``'s router aux loss cannot be the global batch's at ``pp``, ``cp`` (pure)."""
+def aux_loss_blocks(model: nn.Module | None) -> list[tuple[str, Any]]:
+    """The protocol MoE blocks of ``model`` with a non-zero ``router_aux_loss_coef`` (name, block), in module
+    order ([Note: a protocol block's router aux loss])."""
+    if model is None:
+        return []
+    from merak_core.parallel.expert_parallel import moe_blocks
+
+    return [(name, b) for name, b in moe_blocks(model) if getattr(b, "router_aux_loss_coef", 0)]
+
+
+def check_block_router_aux(model: nn.Module | None, pp: int, cp: int, recompute: str = "none") -> None:
+    """ValueError when a protocol block's router aux loss cannot be the global microbatch's (pure)."""
+    blocks = aux_loss_blocks(model)
+    if not blocks:
+        return
+    name, block = blocks[0]
+    refusals = (
+        (pp > 1, f"pp={pp}", "the blocks of earlier stages never reach the last stage's loss", "pp: 1"),
+        (cp > 1, f"cp={cp}", "each rank holds part of every sequence", "cp: 1"),
+        (
+            recompute != "none",
+            f"recompute={recompute!r}",
+            "the recomputed units' graph, which its router_stats need, is dropped after the forward",
+            "recompute: none",
+        ),
+    )
+    for refused, what, why, fix in refusals:
+        if refused:
+            raise ValueError(
+                f"{name!r} ({type(block).__name__}) adds a router auxiliary loss (router_aux_loss_coef="
+                f"{block.router_aux_loss_coef}), which Merak computes over the global microbatch; with {what} it "
+                f"cannot ({why}): set {fix}, or its router_aux_loss_coef to 0"
+            )
+
+
+def check_router_aux(model: nn.Module | None, pp: int, cp: int, recompute: str = "none") -> None:
+    """ValueError when ``model``'s router aux loss (a transformers family's, or a protocol block's) cannot be
+    the global batch's at ``pp``, ``cp`` and ``recompute`` (pure)."""
+    check_block_router_aux(model, pp, cp, recompute)
     settings = router_aux_settings(model)
     if settings is None:
         return
@@ -126,10 +181,62 @@ class GlobalRouterAuxLoss:
         return loss + self.coef * aux.to(loss.dtype)
 
 
+def block_load_balancing_losses(
+    stats: list[tuple[torch.Tensor, torch.Tensor]], num_experts: list[int], group: ProcessGroup | None
+) -> list[torch.Tensor]:
+    """This rank's ``A_r`` of each block ([Note: a protocol block's router aux loss]; one all-reduce over
+    ``group`` of every block's choice counts and tokens)."""
+    device = stats[0][0].device
+    totals = []
+    for (probs_ne, experts_nk), e in zip(stats, num_experts, strict=True):
+        counts = torch.bincount(experts_nk.detach().reshape(-1), minlength=e).to(torch.float64)
+        totals.append(torch.cat([counts, counts.new_tensor([probs_ne.size(0)])]))
+    reduced = torch.cat(totals).to(device)
+    world = 1
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(reduced, group=group)
+        world = dist.get_world_size(group)
+    losses, start = [], 0
+    for (probs_ne, _), e in zip(stats, num_experts, strict=True):
+        counts_e, tokens = reduced[start : start + e], reduced[start + e]
+        start += e + 1
+        fraction_e = (counts_e / tokens).to(probs_ne.dtype)
+        losses.append(world * e * torch.sum(fraction_e * probs_ne.sum(0) / tokens.to(probs_ne.dtype)))
+    return losses
+
+
+class BlockRouterAuxLoss:
+    """``loss_fn(output, labels) + sum over blocks of coef * A_r`` ([Note: a protocol block's router aux loss])."""
+
+    def __init__(self, loss_fn: Callable[[Any, Any], torch.Tensor], blocks: list[Any], group: Any) -> None:
+        self.loss_fn, self.blocks, self.group = loss_fn, blocks, group
+
+    def __call__(self, output: Any, labels: Any) -> torch.Tensor:
+        loss = self.loss_fn(output, labels)
+        stats = []
+        for block in self.blocks:
+            recorded = getattr(block, "router_stats", None)
+            if recorded is None:
+                raise ValueError(
+                    f"{type(block).__name__} declares router_aux_loss_coef={block.router_aux_loss_coef} but its "
+                    "forward set no router_stats = (probs_ne, experts_nk): set them in each forward, or "
+                    "router_aux_loss_coef to 0"
+                )
+            stats.append(recorded)
+            block.router_stats = None  # consumed: a block that skips a forward is refused, not reused
+        aux = block_load_balancing_losses(stats, [b.num_experts for b in self.blocks], self.group)
+        coefs = [float(b.router_aux_loss_coef) for b in self.blocks]
+        return loss + sum(c * a.to(loss.dtype) for c, a in zip(coefs, aux, strict=True))
+
+
 def with_router_aux_loss(
     model: nn.Module | None, loss_fn: Callable[[Any, Any], torch.Tensor], group: Any, example_inputs: Any
 ) -> Callable[[Any, Any], torch.Tensor]:
-    """``loss_fn``, plus the global router aux loss when ``model`` adds one (``group``: the DP group)."""
+    """``loss_fn``, plus the global router aux loss when ``model`` adds one (``group``: the DP group): a
+    transformers family's, and its protocol blocks' ([Note: a protocol block's router aux loss])."""
+    blocks = aux_loss_blocks(model)
+    if blocks:
+        loss_fn = BlockRouterAuxLoss(loss_fn, [b for _, b in blocks], group)
     settings = router_aux_settings(model)
     if settings is None:
         return loss_fn
