@@ -123,7 +123,6 @@ def _args(**kw: object) -> SimpleNamespace:
         ({"dp": 3}, None, "ep=2 does not divide dp=3"),
         ({"virtual_stages": 2}, None, "virtual_stages=2"),
         ({"cp": 2}, None, "cp=2"),
-        ({"layout": "auto", "dp": None}, None, "layout=auto"),
         ({}, object(), "LoRA"),
         ({"ep": 3, "dp": 3}, None, "does not divide the 4 experts"),
     ],
@@ -133,6 +132,19 @@ def test_refusals(overrides: dict[str, object], lora: object, words: str) -> Non
 
     with pytest.raises(ValueError, match=words):
         check_ep_model(_block(), _args(**overrides), lora=lora)
+
+
+def test_layout_auto_with_ep_is_accepted() -> None:
+    """The planner keeps or replaces the job's ep (it was refused: "the planner does not choose ep yet"); the
+    job's dp, cp and virtual stages are replaced with it, so they are not held against the job's ep."""
+    from merak_core import TrainingArguments
+    from merak_core.parallel.expert_parallel import check_ep_model
+
+    check_ep_model(_block(), _args(layout="auto", dp=None))
+    check_ep_model(_block(), _args(layout="auto", dp=3, cp=2, virtual_stages=2))
+    assert TrainingArguments(layout="auto", ep=2).ep == 2
+    with pytest.raises(ValueError, match="LoRA"):  # what the model refuses at the job's ep still is
+        check_ep_model(_block(), _args(layout="auto"), lora=object())
 
 
 @pytest.mark.parametrize("zero_stage", [1, 2, 3])

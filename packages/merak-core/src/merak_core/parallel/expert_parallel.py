@@ -116,16 +116,15 @@ def check_ep_arguments(args: Any) -> None:
     check_capacity_factor(getattr(args, "moe_capacity_factor", None))  # [Note: expert capacity]
     if ep == 1:
         return
+    if getattr(args, "layout", "manual") == "auto":
+        # the planner keeps or replaces the job's ep with the dp, cp and virtual stages it chooses, each
+        # layout checked here as manual (merak_core.planner.search.ep_refusal): the job's own are replaced
+        return
     if args.dp is not None:
         check_ep(args.dp, ep)
     refusals = (
         (args.virtual_stages > 1, f"virtual_stages={args.virtual_stages}", "set virtual_stages: 1"),
         (args.cp > 1, f"cp={args.cp}", "set cp: 1"),
-        (
-            getattr(args, "layout", "manual") == "auto",
-            "layout=auto",
-            "set layout: manual with dp a multiple of ep (the planner does not choose ep yet)",
-        ),
     )
     for refused, what, fix in refusals:
         if refused:
