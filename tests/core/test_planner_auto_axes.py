@@ -292,3 +292,18 @@ def test_the_planners_drop_pp_above_1_for_a_router_aux_loss() -> None:
     assert [c.pp for c in runnable_cp(cands, model)] == [1]
     with pytest.raises(ValueError, match="refuses every fitting configuration.*router auxiliary loss.*pp=2"):
         runnable_cp(cands[:1], model)
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 2.0, "2", None])
+def test_the_planners_share_one_count_check(bad: object) -> None:
+    # plan, predict and plan_cluster refuse a count that is not an int >= 1 with one helper's message.
+    from merak_core.planner.choices import check_counts
+    from merak_core.planner.cluster import load_cluster
+    from merak_core.planner.cluster_search import plan_cluster
+
+    with pytest.raises(ValueError, match=rf"^where: n={bad!r}; expected an int >= 1$"):
+        check_counts("where", (("ok", 1), ("n", bad)))
+    with pytest.raises(ValueError, match=r"^plan: world_size=.*; expected an int >= 1$"):
+        plan(_dense(), world_size=bad, memory_per_device=1e12, global_batch_size=1, comm=COMM)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^plan_cluster: num_nodes=.*; expected an int >= 1$"):
+        plan_cluster(None, load_cluster("h100-sxm-8x"), num_nodes=bad, global_batch_size=1)  # type: ignore[arg-type]

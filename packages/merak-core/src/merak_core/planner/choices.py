@@ -11,7 +11,7 @@ Not done here: pricing a schedule (:mod:`.pricing`, :mod:`.cluster_cost`) or cho
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from merak_pipe import ScheduleInfo, build_schedule, in_flight_counts, schedule_info, schedule_infos
 
@@ -22,6 +22,7 @@ __all__ = [
     "PREDICTABLE_SCHEDULES",
     "RECOMPUTE_MODES",
     "VIRTUAL_STAGE_SCHEDULES",
+    "check_counts",
     "divisors",
     "layouts",
     "schedule_order",
@@ -43,6 +44,14 @@ layers divide (see [Note: virtual stages in the search] in :mod:`.search`). More
 the bubble again but double the point-to-point messages."""
 PREDICTABLE_SCHEDULES = PLANNER_SCHEDULES + VIRTUAL_STAGE_SCHEDULES
 """Every schedule the planners can price (the simulator predicts it), one stage per rank first."""
+
+
+def check_counts(where: str, named: Iterable[tuple[str, object]]) -> None:
+    """ValueError ``"{where}: {name}={value!r}; expected an int >= 1"`` for the first of ``named`` (pairs of
+    name and value) that is not an int >= 1 (a bool is not an int here): the planners' argument check."""
+    for name, v in named:
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{where}: {name}={v!r}; expected an int >= 1")
 
 
 def _bounded_in_flight(info: ScheduleInfo) -> bool:

@@ -22,7 +22,12 @@ from merak_core.config.layout_choice import LayoutChoice
 from merak_core.planner import choices
 from merak_core.planner.action_cost import runtime_actions_s
 from merak_core.planner.candidate import ranked_rows
-from merak_core.planner.choices import CLUSTER_SCHEDULES, PREDICTABLE_SCHEDULES, RECOMPUTE_MODES
+from merak_core.planner.choices import (
+    CLUSTER_SCHEDULES,
+    PREDICTABLE_SCHEDULES,
+    RECOMPUTE_MODES,
+    check_counts,
+)
 from merak_core.planner.cluster import ClusterSpec
 from merak_core.planner.cluster_context import cp_layouts, cp_stage_costs, cp_step_overhead_s
 from merak_core.planner.cluster_cost import ModelCosts
@@ -345,13 +350,14 @@ def plan_cluster(
     Raises ValueError when no layout suits the model or nothing fits (naming the least memory any
     configuration needs).
     """
-    for label, v in (
-        ("num_nodes", num_nodes),
-        ("global_batch_size", global_batch_size),
-        ("max_microbatches", max_microbatches),
-    ):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"plan_cluster: {label}={v!r}; expected an int >= 1")
+    check_counts(
+        "plan_cluster",
+        (
+            ("num_nodes", num_nodes),
+            ("global_batch_size", global_batch_size),
+            ("max_microbatches", max_microbatches),
+        ),
+    )
     world = num_nodes * cluster.devices_per_node
     modes = (cp_mode,) if isinstance(cp_mode, str) else tuple(cp_mode)
     grid = (  # (dp, tp, pp, cp, cp_mode) ([Note: cluster cp terms])

@@ -28,6 +28,7 @@ from merak_core.planner.candidate import Candidate, sort_key
 from merak_core.planner.choices import (
     PLANNER_SCHEDULES,
     RECOMPUTE_MODES,
+    check_counts,
     divisors,
     layouts,
     virtual_stage_schedules,
@@ -76,15 +77,16 @@ def predict(
     schedule, recompute, zero_stage = choice.schedule, choice.recompute, choice.zero_stage
     comm = comm or CommModel()
     _check_common(memory_per_device, zero_stage, compute_slots)
-    for name, v in (
-        ("dp", dp),
-        ("tp", tp),
-        ("pp", pp),
-        ("num_microbatches", choice.num_microbatches),
-        ("micro_batch_size", choice.micro_batch_size),
-    ):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"predict: {name}={v!r}; expected an int >= 1")
+    check_counts(
+        "predict",
+        (
+            ("dp", dp),
+            ("tp", tp),
+            ("pp", pp),
+            ("num_microbatches", choice.num_microbatches),
+            ("micro_batch_size", choice.micro_batch_size),
+        ),
+    )
     if not isinstance(virtual_stages, int) or virtual_stages < 1 or (virtual_stages > 1 and pp < 2):
         raise ValueError(
             f"predict: virtual_stages={virtual_stages!r} at pp={pp}; expected 1, or an int > 1 with pp >= 2"
@@ -175,13 +177,14 @@ def _check_plan_inputs(
     recompute_modes: Sequence[str],
     virtual_stages: Sequence[int],
 ) -> None:
-    for name, v in (
-        ("world_size", world_size),
-        ("global_batch_size", global_batch_size),
-        ("max_microbatches", max_microbatches),
-    ):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"plan: {name}={v!r}; expected an int >= 1")
+    check_counts(
+        "plan",
+        (
+            ("world_size", world_size),
+            ("global_batch_size", global_batch_size),
+            ("max_microbatches", max_microbatches),
+        ),
+    )
     try:
         _check_common(memory_per_device, zero_stage, compute_slots)
     except ValueError as exc:
