@@ -100,6 +100,7 @@ def test_the_cp_exchanges_are_context_costs_over_the_cp_groups_link(
                 cp_mode=mode,
                 micro_batch_size=b,
                 layer_forward_s=b * local.layers[i].forward_s / tp,
+                layer_backward_s=2 * b * local.layers[i].forward_s / tp,  # the cluster's backward: 2x forward
                 tp=tp,
             )
             f += counts[i] * one[0]

@@ -67,16 +67,41 @@ def test_local_profile_divides_by_cp_and_adds_the_attention_extra() -> None:
 def test_ring_overlaps_its_passes_and_ulysses_pays_two_all_to_alls() -> None:
     local = cp_local_profile(_profile(), 4, "ring")
     b, kv = 2, 2 * BOUNDARY / 4 * (2 * 2 / 8)  # the local key/value bytes of two samples
-    one_pass = 1e-5 + kv / 1e6
-    backward = 3 * (1e-5 + 2 * kv / 1e6) + one_pass  # the block and its gradients 3 times, then the gradients
-    slow_block = 1.0  # compute longer than a pass: the forward's passes are hidden
+    one_pass, two_pass = 1e-5 + kv / 1e6, 1e-5 + 2 * kv / 1e6
+    slow_block = 1.0  # compute longer than a pass: the passes are hidden, only the gradients' way home shows
     assert cp_layer_comm_s(
-        local, COMM, cp=4, cp_mode="ring", micro_batch_size=b, layer_forward_s=4 * slow_block
-    ) == (0.0, pytest.approx(backward, rel=1e-12))
-    fast = 4e-6  # each block 1e-6 s: every pass shows, less the block it overlaps
-    fwd, bwd = cp_layer_comm_s(local, COMM, cp=4, cp_mode="ring", micro_batch_size=b, layer_forward_s=fast)
+        local,
+        COMM,
+        cp=4,
+        cp_mode="ring",
+        micro_batch_size=b,
+        layer_forward_s=4 * slow_block,
+        layer_backward_s=8 * slow_block,
+    ) == (0.0, pytest.approx(one_pass, rel=1e-12))
+    fast, fast_back = (
+        4e-6,
+        8e-6,
+    )  # each block 1e-6 s forward, 2e-6 s backward: every pass shows, less its block
+    fwd, bwd = cp_layer_comm_s(
+        local,
+        COMM,
+        cp=4,
+        cp_mode="ring",
+        micro_batch_size=b,
+        layer_forward_s=fast,
+        layer_backward_s=fast_back,
+    )
     assert fwd == pytest.approx(3 * (one_pass - 1e-6), rel=1e-12)
-    assert bwd == pytest.approx(backward, rel=1e-12)
+    # merak_tp.ring [Note: ring overlap]: the block alone, the block with the previous block's gradients
+    # (twice), those gradients alone, each behind its block's backward; then the gradients home.
+    overlapped = (one_pass - 2e-6) + 2 * (two_pass - 2e-6) + (one_pass - 2e-6)
+    assert bwd == pytest.approx(overlapped + one_pass, rel=1e-12)
+    two = cp_local_profile(_profile(), 2, "ring")
+    kv2, block = 2 * BOUNDARY / 2 * 0.5, 1e-7  # cp=2: the block, then its gradients, then the gradients home
+    got = cp_layer_comm_s(
+        two, COMM, cp=2, cp_mode="ring", micro_batch_size=b, layer_forward_s=0.0, layer_backward_s=2 * block
+    )
+    assert got[1] == pytest.approx(3 * (1e-5 + kv2 / 1e6) - 2 * block, rel=1e-12)
     uly = cp_local_profile(_profile(), 4, "ulysses")
     hidden = b * BOUNDARY / 4
 
@@ -84,10 +109,18 @@ def test_ring_overlaps_its_passes_and_ulysses_pays_two_all_to_alls() -> None:
         return 3 * 1e-5 + 3 / 4 * nbytes / 1e6
 
     expected = a2a(hidden + hidden * 0.5) + a2a(hidden)
-    got = cp_layer_comm_s(uly, COMM, cp=4, cp_mode="ulysses", micro_batch_size=b, layer_forward_s=fast)
+    got = cp_layer_comm_s(
+        uly,
+        COMM,
+        cp=4,
+        cp_mode="ulysses",
+        micro_batch_size=b,
+        layer_forward_s=fast,
+        layer_backward_s=fast_back,
+    )
     assert got == pytest.approx((expected, expected), rel=1e-12)
     assert cp_layer_comm_s(
-        _profile(), COMM, cp=1, cp_mode="ring", micro_batch_size=b, layer_forward_s=1.0
+        _profile(), COMM, cp=1, cp_mode="ring", micro_batch_size=b, layer_forward_s=1.0, layer_backward_s=2.0
     ) == (
         0.0,
         0.0,
@@ -108,7 +141,13 @@ def test_predict_at_cp_prices_the_local_tokens_and_the_dp_x_cp_all_reduce() -> N
     assert one.peak_memory_bytes == (state + 2 * LAYERS * ACT,)
     assert two.peak_memory_bytes == (state + 2 * sum(local.layer_activation_bytes),)
     fwd, bwd = cp_layer_comm_s(
-        local, COMM, cp=2, cp_mode="ring", micro_batch_size=2, layer_forward_s=2 * 1e-3 / 2
+        local,
+        COMM,
+        cp=2,
+        cp_mode="ring",
+        micro_batch_size=2,
+        layer_forward_s=2 * 1e-3 / 2,
+        layer_backward_s=2 * 2e-3 / 2,
     )
     assert two.stage_forward_s == pytest.approx((LAYERS * (2 * 1e-3 / 2 + fwd),), rel=1e-12)
     assert two.stage_backward_s == pytest.approx((LAYERS * (2 * 2e-3 / 2 + bwd),), rel=1e-12)

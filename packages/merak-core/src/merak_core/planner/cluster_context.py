@@ -6,7 +6,8 @@ one cp rank's tokens: every shard's forward seconds, FLOPs, produced and output 
 all-reduce's bytes divided by cp (as :func:`.context_cost.cp_local_profile` divides a profile), each
 shard's activations plus :func:`.context_cost.cp_attention_extra_bytes` per attention it holds, and
 per attention and microbatch the cp group's exchanges of :func:`.context_cost.cp_layer_comm_s` (ring
-passes overlapped with ``1 / cp`` of the shard's local forward; Ulysses' all-to-alls) over the cp
+passes overlapped with ``1 / cp`` of the shard's local forward, in the backward with ``1 / cp`` of its
+backward, twice the forward; Ulysses' all-to-alls) over the cp
 group's link: ranks ``0, tp, ..., (cp - 1) tp`` of the rank order ``((pp dp + d) cp + c) tp + t``
 (within a node when ``cp * tp`` divides the devices per node, as TP). The attention's widths come
 from the residual stream (``tp_message_bytes``, [Note: attention sizes from the profile]).
@@ -190,6 +191,7 @@ def cp_stage_costs(
                     cp_mode=cp_mode,
                     micro_batch_size=b,
                     layer_forward_s=b * local.layers[i].forward_s / tp,
+                    layer_backward_s=2 * b * local.layers[i].forward_s / tp,  # backward: twice the forward
                     tp=tp,
                 )
                 fwd[s] += counts[i] * f

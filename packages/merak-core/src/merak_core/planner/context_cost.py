@@ -13,9 +13,12 @@ At ``cp > 1`` every rank of a cp group holds ``seq_len / cp`` tokens of each sam
   backward of one microbatch. ``ring``: the key/value block of the local tokens passes ``cp - 1``
   times round the group; in the forward each pass overlaps the blockwise attention of the block
   before it, so each of the ``cp - 1`` steps costs ``max(block compute, pass)`` where the block
-  compute is ``1 / cp`` of the layer's forward ([Note: ring overlap priced]); the backward passes the
-  block round again with the gradients gathered for it (twice the key/value bytes) ``cp - 1`` times,
-  then the gradients once more to the block's owner, each waited for at once, not overlapped.
+  compute is ``1 / cp`` of the layer's forward ([Note: ring overlap priced]); the backward overlaps its
+  passes likewise ([Note: ring overlap] in :mod:`merak_tp.ring`): ``cp`` steps, each ``max(block
+  backward, pass)`` with the block backward ``1 / cp`` of the layer's backward, the gradients one step
+  behind their block (step 0 the key/value block alone, steps ``1 .. cp - 2`` the block with the
+  gradients gathered for the one before, twice the bytes, step ``cp - 1`` those gradients alone), then
+  one pass more that takes the last block's gradients home, waited for at once (not overlapped).
   ``ulysses``: two all-to-alls in the forward (query, key and value to the head split; the output
   back) and two in the backward, not overlapped.
 
@@ -28,7 +31,8 @@ profiled layers are the transformer blocks (the embedding and the head are count
 last block).
 
 [Note: ring overlap priced] The profile does not separate attention from the rest of a layer, so a
-ring step's block compute is priced as ``1 / cp`` of the whole layer's forward on the local tokens:
+ring step's block compute is priced as ``1 / cp`` of the whole layer's forward (in the backward: its
+backward) on the local tokens:
 an upper bound of the compute a pass can hide behind, so the ring's exposed communication is a
 lower bound when the MLP dominates the layer.
 
@@ -143,13 +147,15 @@ def cp_layer_comm_s(
     cp_mode: str,
     micro_batch_size: int,
     layer_forward_s: float,
+    layer_backward_s: float,
     tp: int = 1,
 ) -> tuple[float, float]:
     """(forward, backward) seconds the cp group adds to one attention layer of one microbatch.
 
-    ``local`` is the rank's profile (:func:`cp_local_profile`); ``layer_forward_s`` the layer's
-    forward compute of the microbatch on the local tokens (what a ring pass overlaps, [Note: ring
-    overlap priced]); key/value and query bytes are divided by ``tp`` (TP splits the heads).
+    ``local`` is the rank's profile (:func:`cp_local_profile`); ``layer_forward_s`` and
+    ``layer_backward_s`` the layer's forward and backward compute of the microbatch on the local tokens
+    (what the ring's passes overlap, [Note: ring overlap priced]); key/value and query bytes are divided
+    by ``tp`` (TP splits the heads).
     """
     check_cp(cp, cp_mode)
     if cp == 1:
@@ -161,8 +167,11 @@ def cp_layer_comm_s(
         step = _p2p_s(comm, kv) + wait
         block = layer_forward_s / cp
         forward = (cp - 1) * max(0.0, step - block)  # each step's pass hides behind the block before it
-        # The block with its key/value gradients, cp - 1 times; then the gradients home.
-        backward = (cp - 1) * (_p2p_s(comm, 2 * kv) + wait) + step
+        # cp steps, each hiding behind its block's backward: the block alone, the block with the gradients of
+        # the one before (cp - 2 times), those gradients alone; then the last gradients home, not hidden.
+        block_back = layer_backward_s / cp
+        passes = [step] + [_p2p_s(comm, 2 * kv) + wait] * (cp - 2) + [step]
+        backward = sum(max(0.0, p - block_back) for p in passes) + step
         return forward, backward
     # Ulysses: query, key and value in one exchange each way per all-to-all pair; the output back.
     into_heads = _all_to_all_s(comm, hidden + kv, cp) + wait

@@ -320,7 +320,7 @@ def _cp_comm(
 ) -> tuple[list[float], list[float]]:
     """Per stage: the (forward, backward) seconds the cp group's attention adds to a microbatch (0 at cp=1)."""
     fwd, bwd = [], []
-    for f, n in zip(lay.fwd1, lay.layers, strict=True):
+    for f, g, n in zip(lay.fwd1, lay.bwd1, lay.layers, strict=True):
         one = cp_layer_comm_s(
             profile,
             comm,
@@ -328,6 +328,7 @@ def _cp_comm(
             cp_mode=lay.cp_mode,
             micro_batch_size=b,
             layer_forward_s=b * f / n * slow,
+            layer_backward_s=b * g / n * slow,
             tp=lay.tp,
         )
         fwd.append(n * one[0])
