@@ -116,11 +116,6 @@ def check_lora_arguments(*, tp: int | None, dp: int | None, args: Any, config: L
 
     Each refusal names the option and the fix: such a run would otherwise train silently wrong.
     """
-    if getattr(args, "compile", False):
-        raise ValueError(
-            f"model.lora with training.compile={args.compile!r}: compiled stages are proved equal to eager "
-            "only without adapters (docs/compile.md): set training.compile: false for a LoRA run"
-        )
     tp_many = tp is None or tp > 1
     if config.dropout > 0 and tp_many and getattr(args, "overlap_chunks", 1) > 1:
         raise ValueError(
