@@ -137,3 +137,24 @@ def test_a_block_without_router_stats_is_refused() -> None:
     model.layers[1].moe.route = lambda x: MoEBlock.route(model.layers[0].moe, x)  # type: ignore[method-assign]
     with pytest.raises(ValueError, match=r"set no router_stats"):
         loss_fn(model(torch.zeros(1, 4, dtype=torch.long)), None)
+
+
+def test_job_preflight() -> None:
+    """Before torchrun (merak_core.checks.router_aux): what the run refuses, one line; accepted at pp = 1."""
+    from types import SimpleNamespace
+
+    from merak_core import TrainingArguments
+    from merak_core.checks.base import PreflightError
+    from merak_core.checks.router_aux import check_router_aux_job
+
+    def job(**kw: Any) -> Any:
+        return SimpleNamespace(training=TrainingArguments(output_dir=tempfile.mkdtemp(), **kw))
+
+    with pytest.raises(PreflightError, match=r"with recompute='full' it cannot.*set recompute: none"):
+        check_router_aux_job(job(recompute="full"), _model())
+    with pytest.raises(PreflightError, match=r"with pp=2 it cannot.*set pp: 1"):
+        check_router_aux_job(job(pp=2, gradient_accumulation_steps=2), _model())
+    assert check_router_aux_job(job(ep=2), _model()) == [
+        "router aux loss of 2 MoE block(s) over the global microbatch: counts summed over DP"
+    ]
+    assert check_router_aux_job(job(pp=2), MoELlama(MoEConfig(vocab_size=VOCAB))) == []
