@@ -307,3 +307,27 @@ def test_the_planners_share_one_count_check(bad: object) -> None:
         plan(_dense(), world_size=bad, memory_per_device=1e12, global_batch_size=1, comm=COMM)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"^plan_cluster: num_nodes=.*; expected an int >= 1$"):
         plan_cluster(None, load_cluster("h100-sxm-8x"), num_nodes=bad, global_batch_size=1)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_zero2_and_zero3_with_ep_price_the_experts_over_their_replica_group(zero: int) -> None:
+    # The run shards the experts over dp / ep ranks under ZeRO-2/3 (parallel/zero_experts.py); the profiled
+    # planner prices that and its search proposes the pair.
+    prof = _moe()
+    base = LayoutChoice(
+        dp=4, tp=1, pp=1, schedule="1f1b", num_microbatches=1, micro_batch_size=1, zero_stage=zero
+    )
+    got = predict(prof, dataclasses.replace(base, ep=2), comm=COMM)
+    dense, experts = LAYERS * 2000.0, LAYERS * 8000.0
+    unit = 10000.0  # the largest layer, ZeRO-3's gathered unit (in both groups' prices)
+    held = sum(model_state_bytes(dense, zero_stage=zero, dp=4, largest_unit_bytes=unit)) + sum(
+        model_state_bytes(experts / 2, zero_stage=zero, dp=2, largest_unit_bytes=unit)
+    )
+    one = predict(prof, base, comm=COMM)
+    plain = sum(model_state_bytes(dense + experts, zero_stage=zero, dp=4, largest_unit_bytes=unit))
+    assert got.peak_memory_bytes[0] - one.peak_memory_bytes[0] == pytest.approx(held - plain, rel=1e-12)
+    cands = plan(
+        prof, world_size=4, memory_per_device=1e12, global_batch_size=4, comm=COMM, zero_stage=zero,
+        ep_degrees=(1, 2, 4),
+    )  # fmt: skip
+    assert {c.ep for c in cands if c.zero_stage == zero} == {1, 2, 4}

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -189,10 +190,14 @@ def test_predict_and_plan_rank_ep() -> None:
     assert two.pipeline_s - one.pipeline_s == pytest.approx(4 * 2 * a2a, rel=1e-9)  # 2 blocks, 4 each
     assert two.stage_static_bytes[0] < one.stage_static_bytes[0]
     assert two.training_fields()["ep"] == 2 and two.layout == "dp8-ep2-tp1-pp1"
-    cands = plan_cluster(costs, cluster, num_nodes=1, global_batch_size=8, recompute_modes=("none",))
+    cands = plan_cluster(
+        costs, cluster, num_nodes=1, global_batch_size=8, recompute_modes=("none",), zero_stages=(0, 1, 2, 3)
+    )
     eps = {c.ep for c in cands}
-    assert eps == {1, 2, 4}  # dividing dp=8 and the 4 experts; ZeRO 0/1 only with ep > 1
-    assert all(c.zero_stage <= 1 for c in cands if c.ep > 1)
+    assert eps == {1, 2, 4}  # dividing dp=8 and the 4 experts, with every ZeRO stage
+    assert {(c.zero_stage, c.ep) for c in cands if c.dp == 8} >= {
+        (z, e) for z in (0, 1, 2, 3) for e in (2, 4)
+    }
     times = [c.step_time_s for c in cands]
     assert times == sorted(times)
 
@@ -206,3 +211,44 @@ def test_dense_model_plans_no_ep() -> None:
         model = Llama(DecoderConfig(num_layers=1, num_heads=4, num_kv_heads=2, vocab_size=VOCAB))
     costs, _ = _costs(model)
     assert costs.moe is None and expert_degrees(costs, 8) == [1]
+
+
+def test_zero2_and_zero3_with_experts_shard_them_over_the_replica_group() -> None:
+    # ZeRO-2/3 at ep > 1 (parallel/zero_experts.py): the experts' parameters, gradients and optimizer states
+    # divided by ep, then sharded over dp / ep; ZeRO-3 gathers the experts over that replica group.
+    from merak_core.config.layout_choice import LayoutChoice
+    from merak_core.parallel.fsdp import default_reshard_after_forward
+    from merak_core.planner.cluster_collectives import zero3_gathers_s
+    from merak_core.planner.cluster_cost import stage_costs, state_bytes
+    from merak_core.planner.expert_pricing import price_expert_parallel
+
+    costs, cluster = _costs(_uniform_model(meta=True, dtype=torch.float32))
+    moe, prec, bounds = costs.moe, costs.precision, [0, costs.num_layers]
+    assert moe is not None
+    expert = sum(costs.param_numel[n] for n in moe.expert_params)
+    dense = costs.stage_params(0, costs.num_layers) - expert
+    dp, ep = 4, 2
+    for zero in (2, 3):
+        st = stage_costs(costs, cluster, bounds=bounds, dp=dp, tp=1, micro_batch_size=1, zero_stage=zero)
+        choice = LayoutChoice(
+            dp=dp, tp=1, pp=1, ep=ep, zero_stage=zero, schedule="1f1b", num_microbatches=1, micro_batch_size=1
+        )
+        got = price_expert_parallel(costs, cluster, st, choice, bounds=bounds)
+        unit = costs.largest_layer_params(0, costs.num_layers, trainable=True) if zero == 3 else 0.0
+        want = state_bytes(dense, prec, zero_stage=zero, dp=dp, unit_numel=unit) + state_bytes(
+            expert / ep, prec, zero_stage=zero, dp=dp // ep
+        )
+        assert got.static_bytes[0] == pytest.approx(want, rel=1e-12), zero
+        added = got.forward_s[0] - st.forward_s[0]
+        if zero == 2:
+            continue
+        again = default_reshard_after_forward(3, stage_index=0, num_stages=1)
+        gathers = [zero3_gathers_s(n, prec.weight_bytes, cluster, dp=d, tp=t, backward_too=again)[0]
+                   for n, d, t in ((dense + expert, dp, 1), (dense, dp, 1), (expert / ep, dp // ep, ep))]  # fmt: skip
+        two = price_expert_parallel(
+            costs, cluster, st, dataclasses.replace(choice, zero_stage=2), bounds=bounds
+        )
+        # the experts' gathers: 1 / ep of their bytes over dp / ep ranks, not all of them over dp
+        assert added - (two.forward_s[0] - st.forward_s[0]) == pytest.approx(
+            gathers[1] + gathers[2] - gathers[0], rel=1e-9
+        )

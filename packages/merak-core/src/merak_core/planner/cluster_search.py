@@ -280,10 +280,11 @@ def _cluster_runs(
 
 
 def _zero_and_ep(costs: ModelCosts, dp: int, cp: int, zero_stages: Sequence[int]) -> list[tuple[int, int]]:
-    """(ZeRO stage, ep) pairs to try: every ep of an MoE model (:func:`expert_degrees`) with ZeRO 0 or 1, at
+    """(ZeRO stage, ep) pairs to try: every ep of an MoE model (:func:`expert_degrees`) with every ZeRO stage
+    (ZeRO-2/3 shard the experts over their replica group: :func:`.expert_pricing.price_expert_parallel`), at
     cp=1 only (expert parallelism refuses cp > 1 in the run, so cp > 1 is planned at ep=1)."""
     eps = expert_degrees(costs, dp) if cp == 1 else [1]
-    return [(zero, ep) for zero in zero_stages for ep in eps if ep == 1 or zero <= 1]
+    return [(zero, ep) for zero in zero_stages for ep in eps]
 
 
 def _base_choices(

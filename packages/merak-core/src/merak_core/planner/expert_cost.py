@@ -13,7 +13,10 @@
   overlapped;
 - memory: expert parameters, their gradients and optimizer states are divided by ep (whole experts, not
   split by tp), the dense ones as before; under ZeRO-1 the experts' optimizer states are sharded over
-  the expert-replica group (``dp / ep`` ranks), the dense ones over dp. ZeRO-2/3 are not run with ep.
+  the expert-replica group (``dp / ep`` ranks), the dense ones over dp; under ZeRO-2/3 the experts'
+  parameters, gradients and optimizer states likewise (divided by ep, then by ``dp / ep``: by dp per rank),
+  and ZeRO-3's all-gathers of the experts run over that replica group (``dp / ep`` ranks ``ep`` DP
+  neighbours apart), the dense ones' over dp.
 Deliberately approximated: the experts' compute is divided by tp like the rest of the layer (at tp > 1
 the runtime keeps experts whole), the DP gradient all-reduce carries the experts' ``1 / ep`` share over
 the whole DP ring (it runs over the smaller replica group), and routing skew (a hot expert) is not
