@@ -57,22 +57,19 @@ def test_split_backward_schedules_are_refused_by_name(schedule: str) -> None:
     )  # eager: fine
 
 
-@pytest.mark.parametrize(
-    ("field", "value"), [("overlap_chunks", 2), ("cp", 2), ("ep", 2), ("sequence_parallel", True)]
-)
+@pytest.mark.parametrize(("field", "value"), [("overlap_chunks", 2), ("cp", 2), ("ep", 2)])
 def test_unproved_combinations_are_refused_by_name(field: str, value: int) -> None:
-    """Sequence parallelism compiled differed from eager (docs/compile.md): refused."""
-    others = {"tp": 2} if field == "sequence_parallel" else {}
     with pytest.raises(
         ValueError, match=rf"compile='regional' with {field}={value} is not supported.*compile: false"
     ):
-        TrainingArguments(compile="regional", **{field: value}, **others)
+        TrainingArguments(compile="regional", **{field: value})
 
 
 @pytest.mark.parametrize(
     "others",
     [
         {"virtual_stages": 2, "schedule": "interleaved_1f1b", "pp": 2},
+        {"sequence_parallel": True, "tp": 2},
         {"zero_stage": 2},
         {"zero_stage": 3},
     ],

@@ -10,8 +10,8 @@ and every parameter (the adapters too) after them:
   traced inside the compiled blocks (the TP base layers eager, [Note: TP layers stay eager]);
 - ZeRO-3: ``compile: regional`` at dp = 2, each block compiled inside its FSDP2 unit (FSDP2's hooks are
   dynamo-disabled in torch: they run eagerly around the block's graph).
-
-Sequence parallelism stays refused (tests/core/test_compile.py): compiled, it differed from eager.
+- sequence parallelism: ``compile: regional`` at tp = 2 with ``sequence_parallel``, its TP regions eager
+  ([Note: sequence parallelism stays eager]); the blocks found though the first one's class is swapped.
 
 [Note: compiled stages] in merak_core.parallel.compile.
 """
@@ -83,3 +83,18 @@ def test_zero3_regional_at_dp2_equals_eager() -> None:
     _compiled_equals_eager(
         "llama", dict(compile="regional", dp=2, zero_stage=3, per_device_train_batch_size=2), 2
     )
+
+
+def test_sequence_parallel_regional_at_tp2_equals_eager() -> None:
+    """Traced by torch.compile, the sequence-parallel TP regions gave wrong gradients from the second step."""
+    _compiled_equals_eager("llama", dict(compile="regional", tp=2, sequence_parallel=True), 2)
+
+
+def test_blocks_are_found_when_a_wrapper_swaps_the_first_ones_class() -> None:
+    from merak_core.parallel.compile import repeated_blocks
+    from tests.support.models import build_reference
+
+    llama = build_reference("llama")
+    first = llama.layers[0]
+    first.__class__ = type("SequenceScatter[Block]", (type(first),), {})
+    assert repeated_blocks(llama) == list(llama.layers)

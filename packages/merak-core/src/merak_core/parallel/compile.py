@@ -24,6 +24,16 @@ layers stay eager]). Under ZeRO-2/3 each block or unit is an FSDP2 unit: FSDP2's
 ``torch._dynamo.disable``d in torch, so the gathers and reduce-scatters run eagerly around the
 compiled graphs of the blocks.
 
+[Note: sequence parallelism stays eager]
+Under sequence parallelism merak-tp's TP regions (a block's attention, its MLP: each all-gathers its
+sequence-sharded input on entry and reduce-scatters on exit) run eagerly too, and the first block
+(``SequenceScatter[Block]``, scattering the sequence on entry) is a TP layer: the compiled graphs are
+the norms and residual adds between the regions. Traced by torch.compile, the regions gave eager's
+loss for the first step and wrong gradients from the second (Llama, tp = 2, ``aot_eager``: the
+attention weights about 2e-2 off after 2 steps; dynamo recompiled the region's forward and the RNG
+tracker's fork, whose drawn seeds it guards on, at every call). With :func:`_block_class` the
+blocks are still found for ``regional``.
+
 Refused, by name, before anything runs (:func:`check_compile_arguments`):
 
 - split-backward schedules (``zb_h1``, ``zb_v``, ...): torch computes a compiled region's input and
@@ -32,10 +42,6 @@ Refused, by name, before anything runs (:func:`check_compile_arguments`):
   time it runs: ``I`` and ``W`` would each run the region's whole backward (two backwards per
   microbatch instead of one split in two, slower than 1F1B), and inductor's donated buffers forbid
   the retained graph ``I`` needs on graphs that save intermediates;
-- sequence parallelism: ``regional`` at tp = 2 with sequence parallelism (the first and last blocks'
-  classes swapped for merak-tp's sequence boundaries, accepted as blocks) gave the eager losses at
-  steps 1 and 2 and then differed (step 3: 4.637430 against 4.637500; the embedding 2e-2 off):
-  not exact, so not run;
 - ``cp > 1`` (the ring's point-to-point exchange), ``ep > 1`` (data-dependent all-to-all splits) and
   ``overlap_chunks > 1`` (asynchronous collectives waited on across sub-batches): not proved equal
   to eager here, so not run.
@@ -75,7 +81,6 @@ _REFUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("cp", lambda a: a.cp > 1, "cp: 1"),
     ("ep", lambda a: a.ep > 1, "ep: 1"),
     ("overlap_chunks", lambda a: a.overlap_chunks > 1, "overlap_chunks: 1"),
-    ("sequence_parallel", lambda a: bool(a.sequence_parallel), "sequence_parallel: false"),
 )
 
 
@@ -162,23 +167,45 @@ class CompiledStage(nn.Module):
         return value
 
 
+def _block_class(entries: nn.ModuleList) -> type | None:
+    """The class the entries of ``entries`` share, or None.
+
+    A wrapper that swaps an entry's class for a subclass of it (merak-tp's sequence-parallel boundaries,
+    ``SequenceScatter[Block]`` on the first block) keeps the entry a block: the class shared is the most
+    derived one every entry is an instance of, outside ``torch`` (plain torch layers count only when
+    their classes are identical).
+    """
+    types = {type(m) for m in entries}
+    if len(types) == 1:
+        return types.pop()
+    for cls in type(entries[0]).__mro__:
+        if cls.__module__.startswith("torch") or not issubclass(cls, nn.Module):
+            continue
+        if all(isinstance(m, cls) for m in entries):
+            return cls
+    return None
+
+
 def repeated_blocks(module: nn.Module) -> list[nn.Module]:
     """The repeated blocks of ``module``: entries of each ``nn.ModuleList`` whose entries share one class
-    (at least two), outermost lists only."""
+    (at least two; :func:`_block_class`), outermost lists only."""
     blocks: list[nn.Module] = []
     inside: set[int] = set()
     for sub in module.modules():
         if id(sub) in inside or not isinstance(sub, nn.ModuleList) or len(sub) < 2:
             continue
-        if len({type(m) for m in sub}) != 1:
+        if _block_class(sub) is None:
             continue
         blocks.extend(sub)
         inside.update(id(m) for block in sub for m in block.modules())
     return blocks
 
 
-def keep_tp_layers_eager(module: nn.Module) -> int:
+def keep_tp_layers_eager(module: nn.Module, *, regions: bool = False) -> int:
     """Mark merak-tp's layers in ``module`` to run eagerly inside compiled regions; how many were marked.
+
+    ``regions``: merak-tp's TP regions (a block's attention or MLP made one region) too, as under
+    sequence parallelism ([Note: sequence parallelism stays eager]).
 
     [Note: TP layers stay eager] A TP layer is an autograd function whose backward launches
     collectives on the TP group (asynchronous handles, gloo or NCCL): torch.compile cannot trace it,
@@ -189,7 +216,9 @@ def keep_tp_layers_eager(module: nn.Module) -> int:
     """
     from merak_tp import TP_LEAF_MODULES, TPRegion
 
-    layers = tuple(c for c in TP_LEAF_MODULES if not issubclass(c, TPRegion))  # a region is a whole block
+    layers = tuple(
+        c for c in TP_LEAF_MODULES if regions or not issubclass(c, TPRegion)
+    )  # a region: a whole block
     marked = 0
     for sub in module.modules():
         if isinstance(sub, layers) and "forward" not in vars(sub):
@@ -199,7 +228,12 @@ def keep_tp_layers_eager(module: nn.Module) -> int:
 
 
 def compile_stage(
-    module: nn.Module, mode: bool | str, *, backend: str, checkpointed_units: int | None = None
+    module: nn.Module,
+    mode: bool | str,
+    *,
+    backend: str,
+    checkpointed_units: int | None = None,
+    sequence_parallel: bool = False,
 ) -> nn.Module:
     """The module the pipeline runner should run for one stage, compiled as ``mode`` says.
 
@@ -209,7 +243,7 @@ def compile_stage(
     """
     if not mode:
         return module
-    keep_tp_layers_eager(module)
+    keep_tp_layers_eager(module, regions=sequence_parallel)
     units = list(module) if isinstance(module, nn.Sequential) else None
     if mode == "regional":
         if units is not None:  # a traced stage: its shards are the regions
@@ -255,6 +289,10 @@ def compile_stages(
         num_units = len(module) if isinstance(module, nn.Sequential) else 1
         checkpointed = min(num_units, max(0, round(fraction * num_units)))  # as merak_pipe.PipelineStage
         out[s] = compile_stage(
-            module, args.compile, backend=args.compile_backend, checkpointed_units=checkpointed
+            module,
+            args.compile,
+            backend=args.compile_backend,
+            checkpointed_units=checkpointed,
+            sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
         )
     return out
