@@ -13,6 +13,9 @@ and every parameter (the adapters too) after them:
 - sequence parallelism: ``compile: regional`` at tp = 2 with ``sequence_parallel``, its TP regions eager
   ([Note: sequence parallelism stays eager]); the blocks found though the first one's class is swapped.
 
+And the evidence for what stays refused: a split backward (``I`` then ``W``) runs a compiled region's
+whole backward twice.
+
 [Note: compiled stages] in merak_core.parallel.compile.
 """
 
@@ -98,3 +101,28 @@ def test_blocks_are_found_when_a_wrapper_swaps_the_first_ones_class() -> None:
     first = llama.layers[0]
     first.__class__ = type("SequenceScatter[Block]", (type(first),), {})
     assert repeated_blocks(llama) == list(llama.layers)
+
+
+def test_a_split_backward_would_run_a_compiled_regions_backward_twice() -> None:
+    """Why zb_h1/zb_v stay refused (docs/compile.md): ``I`` then ``W`` on a compiled region are exact, but
+    the region's one AOTAutograd backward node runs whole in each (two backwards instead of one split)."""
+    import copy
+
+    import torch
+
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
+    compiled = torch.compile(copy.deepcopy(eager), backend="aot_eager")
+    x = torch.randn(4, 8, requires_grad=True)
+    seed = torch.randn(4, 8)
+    out = compiled(x)
+    assert type(out.grad_fn).__name__ == "CompiledFunctionBackward"
+    runs: list[int] = []
+    out.grad_fn.register_prehook(lambda grads: runs.append(1))
+    (grad_x,) = torch.autograd.grad([out], [x], [seed], retain_graph=True)  # I
+    assert len(runs) == 1
+    grad_w = torch.autograd.grad([out], list(compiled.parameters()), [seed])  # W
+    assert len(runs) == 2, "torch now runs a compiled region's weight gradients alone: revisit the refusal"
+    ref = torch.autograd.grad([eager(x)], [x, *eager.parameters()], [seed])
+    assert torch.equal(grad_x, ref[0])
+    assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(grad_w, ref[1:], strict=True))
