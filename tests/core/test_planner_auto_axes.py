@@ -294,6 +294,17 @@ def test_the_planners_drop_pp_above_1_for_a_router_aux_loss() -> None:
         runnable_cp(cands[:1], model)
 
 
+def test_the_planners_drop_recomputation_for_a_protocol_blocks_router_aux_loss() -> None:
+    from types import SimpleNamespace
+
+    from merak_core.planner.context_cost import runnable_cp
+
+    cands = [SimpleNamespace(cp=1, tp=1, pp=1, cp_mode="ring", recompute=r) for r in ("full", "none")]
+    assert [c.recompute for c in runnable_cp(cands, MoELlama(MoEConfig()))] == ["full", "none"]
+    aux = MoELlama(MoEConfig(router_aux_loss_coef=0.01))
+    assert [c.recompute for c in runnable_cp(cands, aux)] == ["none"]  # the run refuses recompute with it
+
+
 @pytest.mark.parametrize("bad", [0, -1, True, 2.0, "2", None])
 def test_the_planners_share_one_count_check(bad: object) -> None:
     # plan, predict and plan_cluster refuse a count that is not an int >= 1 with one helper's message.

@@ -183,8 +183,8 @@ def runnable_cp(cands: Sequence[Any], model: Any) -> list[Any]:
     """``cands`` less those the run refuses for ``model`` at their cp, cp mode, tp and pp: the run's own checks,
     :func:`merak_core.parallel.context_parallel.check_cp_model` (the model's cp hook, Ulysses' heads per TP
     rank; at any pp: a handwritten model's cp hook is traced as leaf calls, so cp runs at pp > 1 too) and
-    :func:`merak_core.parallel.router_aux.check_router_aux` (a transformers MoE model's router auxiliary loss
-    needs pp = 1 and cp = 1). A model given as a builder is not checked here (the run checks it once built).
+    :func:`merak_core.parallel.router_aux.check_router_aux` (a router auxiliary loss needs pp = 1 and cp = 1,
+    a protocol block's also no recomputation). A model given as a builder is not checked here (the run checks it once built).
     ValueError when none is left."""
     from types import SimpleNamespace
 
@@ -200,7 +200,7 @@ def runnable_cp(cands: Sequence[Any], model: Any) -> list[Any]:
         probe = SimpleNamespace(cp=c.cp, tp=c.tp, pp=c.pp, cp_mode=getattr(c, "cp_mode", "ring"))
         try:
             check_cp_model(model, probe)
-            check_router_aux(model, c.pp, c.cp)
+            check_router_aux(model, c.pp, c.cp, getattr(c, "recompute", "none"))
         except ValueError as exc:
             refused = str(exc)
             continue
