@@ -70,6 +70,7 @@ from merak_core.parallel.fused_experts import (
     is_fused_experts,
 )
 from merak_core.parallel.layout import ParallelLayout
+from merak_core.parallel.moe_blocks import is_moe_block, moe_blocks
 from merak_core.parallel.moe_capacity import check_capacity_factor, expert_capacity, run_with_capacity
 from merak_core.parallel.rank_grid import check_ep
 from merak_tp.all_to_all import all_to_all_uneven, exchange_counts
@@ -92,20 +93,6 @@ _PROTOCOL = (
     "a module with num_experts, experts (an nn.ModuleList) and run_experts(x_nh, weights_nk, experts_nk) "
     "(docs/expert_parallel.md, 'the MoE block protocol')"
 )
-
-
-def is_moe_block(module: nn.Module) -> bool:
-    """Whether ``module`` follows [Note: the MoE block protocol]."""
-    return (
-        callable(getattr(module, "run_experts", None))
-        and isinstance(getattr(module, "num_experts", None), int)
-        and isinstance(getattr(module, "experts", None), nn.ModuleList | nn.ModuleDict)
-    )
-
-
-def moe_blocks(model: nn.Module) -> list[tuple[str, Any]]:
-    """The MoE blocks of ``model`` (name, module: a protocol block, typed Any), in module order."""
-    return [(name, m) for name, m in model.named_modules() if is_moe_block(m)]
 
 
 def check_ep_arguments(args: Any) -> None:

@@ -52,6 +52,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from merak_core.parallel.moe_blocks import moe_blocks
+
 __all__ = [
     "FAMILIES",
     "BlockRouterAuxLoss",
@@ -87,8 +89,6 @@ def aux_loss_blocks(model: nn.Module | None) -> list[tuple[str, Any]]:
     order ([Note: a protocol block's router aux loss])."""
     if model is None:
         return []
-    from merak_core.parallel.expert_parallel import moe_blocks
-
     return [(name, b) for name, b in moe_blocks(model) if getattr(b, "router_aux_loss_coef", 0)]
 
 
