@@ -11,7 +11,8 @@ and every parameter (the adapters too) after them:
 - ZeRO-3: ``compile: regional`` at dp = 2, each block compiled inside its FSDP2 unit (FSDP2's hooks are
   dynamo-disabled in torch: they run eagerly around the block's graph).
 - sequence parallelism: ``compile: regional`` at tp = 2 with ``sequence_parallel``, its TP regions eager
-  ([Note: sequence parallelism stays eager]); the blocks found though the first one's class is swapped.
+  ([Note: sequence parallelism stays eager]); the blocks found though the first one's class is swapped;
+- sub-pipelined TP: ``compile: regional`` at tp = 2 with ``overlap_chunks: 2``, its TP regions eager too.
 
 And the evidence for what stays refused: a split backward (``I`` then ``W``) runs a compiled region's
 whole backward twice.
@@ -91,6 +92,11 @@ def test_zero3_regional_at_dp2_equals_eager() -> None:
 def test_sequence_parallel_regional_at_tp2_equals_eager() -> None:
     """Traced by torch.compile, the sequence-parallel TP regions gave wrong gradients from the second step."""
     _compiled_equals_eager("llama", dict(compile="regional", tp=2, sequence_parallel=True), 2)
+
+
+def test_sub_pipelined_tp_regional_at_tp2_equals_eager() -> None:
+    """``overlap_chunks: 2``: each TP region runs its two chunks eagerly between the compiled graphs."""
+    _compiled_equals_eager("llama", dict(compile="regional", tp=2, overlap_chunks=2), 2)
 
 
 def test_blocks_are_found_when_a_wrapper_swaps_the_first_ones_class() -> None:

@@ -32,7 +32,10 @@ the norms and residual adds between the regions. Traced by torch.compile, the re
 loss for the first step and wrong gradients from the second (Llama, tp = 2, ``aot_eager``: the
 attention weights about 2e-2 off after 2 steps; dynamo recompiled the region's forward and the RNG
 tracker's fork, whose drawn seeds it guards on, at every call). With :func:`_block_class` the
-blocks are still found for ``regional``.
+blocks are still found for ``regional``. Sub-pipelined TP (``overlap_chunks > 1``: a region runs
+its input in chunks, each chunk's collective asynchronous and waited on while the next computes)
+keeps its regions eager the same way: the overlap is the region's own schedule of collectives, not
+something to trace.
 
 Refused, by name, before anything runs (:func:`check_compile_arguments`):
 
@@ -42,9 +45,8 @@ Refused, by name, before anything runs (:func:`check_compile_arguments`):
   time it runs: ``I`` and ``W`` would each run the region's whole backward (two backwards per
   microbatch instead of one split in two, slower than 1F1B), and inductor's donated buffers forbid
   the retained graph ``I`` needs on graphs that save intermediates;
-- ``cp > 1`` (the ring's point-to-point exchange), ``ep > 1`` (data-dependent all-to-all splits) and
-  ``overlap_chunks > 1`` (asynchronous collectives waited on across sub-batches): not proved equal
-  to eager here, so not run.
+- ``cp > 1`` (the ring's point-to-point exchange) and ``ep > 1`` (data-dependent all-to-all splits):
+  not proved equal to eager here, so not run.
 
 Not done here: building the stages (``compose.py``), running them (merak-pipe's runner).
 """
@@ -67,6 +69,7 @@ __all__ = [
     "compile_mode",
     "compile_stage",
     "compile_stages",
+    "eager_tp_regions",
     "keep_tp_layers_eager",
     "refused_with_compile",
     "repeated_blocks",
@@ -80,7 +83,6 @@ _FIX = "set compile: false"
 _REFUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("cp", lambda a: a.cp > 1, "cp: 1"),
     ("ep", lambda a: a.ep > 1, "ep: 1"),
-    ("overlap_chunks", lambda a: a.overlap_chunks > 1, "overlap_chunks: 1"),
 )
 
 
@@ -205,7 +207,7 @@ def keep_tp_layers_eager(module: nn.Module, *, regions: bool = False) -> int:
     """Mark merak-tp's layers in ``module`` to run eagerly inside compiled regions; how many were marked.
 
     ``regions``: merak-tp's TP regions (a block's attention or MLP made one region) too, as under
-    sequence parallelism ([Note: sequence parallelism stays eager]).
+    sequence parallelism and sub-pipelined TP ([Note: sequence parallelism stays eager]).
 
     [Note: TP layers stay eager] A TP layer is an autograd function whose backward launches
     collectives on the TP group (asynchronous handles, gloo or NCCL): torch.compile cannot trace it,
@@ -227,23 +229,30 @@ def keep_tp_layers_eager(module: nn.Module, *, regions: bool = False) -> int:
     return marked
 
 
+def eager_tp_regions(args: Any) -> bool:
+    """Whether merak-tp's TP regions run eagerly in the compiled stages of ``args``: under sequence
+    parallelism or sub-pipelined TP (``overlap_chunks > 1``), [Note: sequence parallelism stays eager]."""
+    return bool(getattr(args, "sequence_parallel", False)) or getattr(args, "overlap_chunks", 1) > 1
+
+
 def compile_stage(
     module: nn.Module,
     mode: bool | str,
     *,
     backend: str,
     checkpointed_units: int | None = None,
-    sequence_parallel: bool = False,
+    eager_regions: bool = False,
 ) -> nn.Module:
     """The module the pipeline runner should run for one stage, compiled as ``mode`` says.
 
     ``checkpointed_units``: how many leading units of the stage its recomputation checkpoints
-    (None: not known, treated as a partial checkpoint). Compiles in place (``nn.Module.compile``)
+    (None: not known, treated as a partial checkpoint); ``eager_regions``: merak-tp's TP regions run
+    eagerly (:func:`eager_tp_regions`). Compiles in place (``nn.Module.compile``)
     except for ``mode=True`` on a chain of units, which returns a :class:`CompiledStage` around it.
     """
     if not mode:
         return module
-    keep_tp_layers_eager(module, regions=sequence_parallel)
+    keep_tp_layers_eager(module, regions=eager_regions)
     units = list(module) if isinstance(module, nn.Sequential) else None
     if mode == "regional":
         if units is not None:  # a traced stage: its shards are the regions
@@ -293,6 +302,6 @@ def compile_stages(
             args.compile,
             backend=args.compile_backend,
             checkpointed_units=checkpointed,
-            sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
+            eager_regions=eager_tp_regions(args),
         )
     return out
