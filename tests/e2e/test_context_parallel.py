@@ -146,7 +146,14 @@ def test_cp2_equals_one_process(kind: str, mode: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("kind", "sequence_parallel"), [("reference", False), ("transformers", False), ("transformers", True)]
+    ("kind", "sequence_parallel"),
+    [
+        ("reference", False),
+        ("transformers", False),
+        ("transformers", True),
+        ("qwen2", False),
+        ("qwen3", False),
+    ],
 )
 def test_cp2_tp2_ring_equals_one_process(kind: str, sequence_parallel: bool) -> None:
     overrides = {"cp": 2, "tp": 2, "cp_mode": "ring", "sequence_parallel": sequence_parallel}
@@ -162,6 +169,8 @@ def test_cp2_tp2_ring_equals_one_process(kind: str, sequence_parallel: bool) -> 
         # the reference Llama: its hook traced as leaf calls (context_parallel [Note: cp hook at pp > 1])
         ("reference", "ring", "none"),
         ("reference", "ulysses", "full"),
+        ("qwen2", "ring", "none"),
+        ("qwen3", "ulysses", "none"),
     ],
 )
 def test_cp2_pp2_equals_one_process(kind: str, mode: str, recompute: str) -> None:
@@ -189,13 +198,15 @@ def test_cp2_pp2_virtual_stages_equals_one_process(kind: str) -> None:
     _check(kind, run_on_ranks(4, _train, kind, overrides))
 
 
-def test_cp4_ring_equals_one_process() -> None:
-    _check("reference", run_on_ranks(4, _train, "reference", {"cp": 4, "cp_mode": "ring"}))
+@pytest.mark.parametrize("kind", ["reference", "transformers", "qwen2", "qwen3"])
+def test_cp4_ring_equals_one_process(kind: str) -> None:
+    _check(kind, run_on_ranks(4, _train, kind, {"cp": 4, "cp_mode": "ring"}))
 
 
-def test_dp2_cp2_zero1_equals_one_process() -> None:
+@pytest.mark.parametrize("kind", ["reference", "transformers", "qwen2", "qwen3"])
+def test_dp2_cp2_zero1_equals_one_process(kind: str) -> None:
     overrides = {"cp": 2, "dp": 2, "zero_stage": 1, "per_device_train_batch_size": BATCH // 2}
-    _check("reference", run_on_ranks(4, _train, "reference", overrides))
+    _check(kind, run_on_ranks(4, _train, kind, overrides))
 
 
 @pytest.mark.parametrize(("dp", "zero_stage"), [(1, 2), (1, 3), (2, 3)])
