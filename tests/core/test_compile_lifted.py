@@ -12,7 +12,8 @@ and every parameter (the adapters too) after them:
   dynamo-disabled in torch: they run eagerly around the block's graph).
 - sequence parallelism: ``compile: regional`` at tp = 2 with ``sequence_parallel``, its TP regions eager
   ([Note: sequence parallelism stays eager]); the blocks found though the first one's class is swapped;
-- sub-pipelined TP: ``compile: regional`` at tp = 2 with ``overlap_chunks: 2``, its TP regions eager too.
+- sub-pipelined TP: ``compile: regional`` at tp = 2 with ``overlap_chunks: 2``, its TP regions eager too;
+- context parallelism: ``compile: regional`` at cp = 2, ring and Ulysses (float64, the CP tests' run).
 
 And the evidence for what stays refused: a split backward (``I`` then ``W``) runs a compiled region's
 whole backward twice.
@@ -97,6 +98,31 @@ def test_sequence_parallel_regional_at_tp2_equals_eager() -> None:
 def test_sub_pipelined_tp_regional_at_tp2_equals_eager() -> None:
     """``overlap_chunks: 2``: each TP region runs its two chunks eagerly between the compiled graphs."""
     _compiled_equals_eager("llama", dict(compile="regional", tp=2, overlap_chunks=2), 2)
+
+
+def _train_cp(overrides: dict[str, Any]) -> tuple[float, Any, int]:
+    """tests/e2e/test_context_parallel.py's run (its model, data, SGD, default loss) for 3 steps, and the
+    graphs torch.compile made on this rank."""
+    from torch._dynamo.utils import counters
+
+    from tests.e2e.test_context_parallel import _train
+
+    counters.clear()
+    loss, state = _train("reference4", {"cp": 2, "max_steps": 3, "compile_backend": "aot_eager", **overrides})
+    return loss, state, counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+def test_context_parallel_regional_at_cp2_equals_eager(mode: str) -> None:
+    """float64; the CP exchange runs eagerly at a graph break (the active CP context is a ContextVar)."""
+    eager = run_on_ranks(2, _train_cp, {"cp_mode": mode, "compile": False})
+    compiled = run_on_ranks(2, _train_cp, {"cp_mode": mode, "compile": "regional"})
+    assert all(graphs == 0 for *_, graphs in eager) and all(graphs > 0 for *_, graphs in compiled)
+    assert compiled[0][0] == pytest.approx(eager[0][0], rel=1e-12)
+    state, ref_state = compiled[0][1], eager[0][1]
+    assert sorted(state) == sorted(ref_state)
+    for key, ref in ref_state.items():
+        assert_tensors_close(state[key], ref, name=f"cp {mode} {key}", rtol=1e-12, atol=1e-14)
 
 
 def test_blocks_are_found_when_a_wrapper_swaps_the_first_ones_class() -> None:

@@ -35,7 +35,9 @@ tracker's fork, whose drawn seeds it guards on, at every call). With :func:`_blo
 blocks are still found for ``regional``. Sub-pipelined TP (``overlap_chunks > 1``: a region runs
 its input in chunks, each chunk's collective asynchronous and waited on while the next computes)
 keeps its regions eager the same way: the overlap is the region's own schedule of collectives, not
-something to trace.
+something to trace. Context parallelism (``cp > 1``): merak-tp's attention reads the active CP
+context from a ``ContextVar``, which dynamo does not trace: the graph breaks there and the ring or
+Ulysses exchange runs eagerly between compiled graphs, every call.
 
 Refused, by name, before anything runs (:func:`check_compile_arguments`):
 
@@ -45,8 +47,7 @@ Refused, by name, before anything runs (:func:`check_compile_arguments`):
   time it runs: ``I`` and ``W`` would each run the region's whole backward (two backwards per
   microbatch instead of one split in two, slower than 1F1B), and inductor's donated buffers forbid
   the retained graph ``I`` needs on graphs that save intermediates;
-- ``cp > 1`` (the ring's point-to-point exchange) and ``ep > 1`` (data-dependent all-to-all splits):
-  not proved equal to eager here, so not run.
+- ``ep > 1`` (data-dependent all-to-all splits): not proved equal to eager here, so not run.
 
 Not done here: building the stages (``compose.py``), running them (merak-pipe's runner).
 """
@@ -80,10 +81,7 @@ COMPILE_MODES = (False, True, "regional")
 
 _FIX = "set compile: false"
 
-_REFUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
-    ("cp", lambda a: a.cp > 1, "cp: 1"),
-    ("ep", lambda a: a.ep > 1, "ep: 1"),
-)
+_REFUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (("ep", lambda a: a.ep > 1, "ep: 1"),)
 
 
 def compile_mode(value: Any) -> bool | str:
