@@ -57,14 +57,6 @@ def test_split_backward_schedules_are_refused_by_name(schedule: str) -> None:
     )  # eager: fine
 
 
-@pytest.mark.parametrize(("field", "value"), [("ep", 2)])
-def test_unproved_combinations_are_refused_by_name(field: str, value: int) -> None:
-    with pytest.raises(
-        ValueError, match=rf"compile='regional' with {field}={value} is not supported.*compile: false"
-    ):
-        TrainingArguments(compile="regional", **{field: value})
-
-
 @pytest.mark.parametrize(
     "others",
     [
@@ -72,6 +64,7 @@ def test_unproved_combinations_are_refused_by_name(field: str, value: int) -> No
         {"sequence_parallel": True, "tp": 2},
         {"overlap_chunks": 2, "tp": 2},
         {"cp": 2},
+        {"ep": 2},
         {"zero_stage": 2},
         {"zero_stage": 3},
     ],

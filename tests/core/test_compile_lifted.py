@@ -13,7 +13,8 @@ and every parameter (the adapters too) after them:
 - sequence parallelism: ``compile: regional`` at tp = 2 with ``sequence_parallel``, its TP regions eager
   ([Note: sequence parallelism stays eager]); the blocks found though the first one's class is swapped;
 - sub-pipelined TP: ``compile: regional`` at tp = 2 with ``overlap_chunks: 2``, its TP regions eager too;
-- context parallelism: ``compile: regional`` at cp = 2, ring and Ulysses (float64, the CP tests' run).
+- context parallelism: ``compile: regional`` at cp = 2, ring and Ulysses (float64, the CP tests' run);
+- expert parallelism: ``compile: regional`` at ep = 2 (float64, the EP tests' MoE Llama).
 
 And the evidence for what stays refused: a split backward (``I`` then ``W``) runs a compiled region's
 whole backward twice.
@@ -123,6 +124,29 @@ def test_context_parallel_regional_at_cp2_equals_eager(mode: str) -> None:
     assert sorted(state) == sorted(ref_state)
     for key, ref in ref_state.items():
         assert_tensors_close(state[key], ref, name=f"cp {mode} {key}", rtol=1e-12, atol=1e-14)
+
+
+def _train_ep(overrides: dict[str, Any]) -> tuple[list[float], Any, int]:
+    """tests/e2e/test_expert_parallel.py's run (MoE Llama, SGD, float64) for 3 steps, and the graphs made."""
+    from torch._dynamo.utils import counters
+
+    from tests.e2e.test_expert_parallel import _train
+
+    counters.clear()
+    losses, state = _train({"ep": 2, "max_steps": 3, "compile_backend": "aot_eager", **overrides})
+    return losses, state, counters["stats"]["unique_graphs"]
+
+
+def test_expert_parallel_regional_at_ep2_equals_eager() -> None:
+    """The all-to-alls run eagerly at the graph break where the dispatch reads its split sizes."""
+    eager = run_on_ranks(2, _train_ep, {"compile": False})
+    compiled = run_on_ranks(2, _train_ep, {"compile": "regional"})
+    assert all(graphs == 0 for *_, graphs in eager) and all(graphs > 0 for *_, graphs in compiled)
+    assert len(compiled[0][0]) == 3 and compiled[0][0] == pytest.approx(eager[0][0], rel=1e-12)
+    state, ref_state = compiled[0][1], eager[0][1]
+    assert sorted(state) == sorted(ref_state)
+    for key, ref in ref_state.items():
+        assert_tensors_close(state[key], ref, name=f"ep {key}", rtol=1e-12, atol=1e-14)
 
 
 def test_blocks_are_found_when_a_wrapper_swaps_the_first_ones_class() -> None:

@@ -180,7 +180,7 @@ class TrainingArguments:
     compile: bool | str = False
     """``torch.compile`` the stages: ``true`` each pipeline stage (the whole model at pp=1), ``regional`` each
     repeated block (traced shards at pp > 1), ``false`` eager ([Note: compiled stages] in
-    merak_core.parallel.compile; split-backward schedules and ep > 1 are refused)."""
+    merak_core.parallel.compile; split-backward schedules are refused)."""
     compile_backend: str = "inductor"
     """The ``torch.compile`` backend with ``compile``: ``inductor`` (generates kernels; needs a C compiler on
     CPU), ``aot_eager`` (no code generation; bit-identical to eager), or any ``torch.compiler.list_backends()``."""

@@ -37,7 +37,10 @@ its input in chunks, each chunk's collective asynchronous and waited on while th
 keeps its regions eager the same way: the overlap is the region's own schedule of collectives, not
 something to trace. Context parallelism (``cp > 1``): merak-tp's attention reads the active CP
 context from a ``ContextVar``, which dynamo does not trace: the graph breaks there and the ring or
-Ulysses exchange runs eagerly between compiled graphs, every call.
+Ulysses exchange runs eagerly between compiled graphs, every call. Expert parallelism (``ep > 1``):
+the dispatch's split sizes are read on the host (data-dependent), a graph break; the all-to-alls run
+eagerly there and dynamo recompiles the expert code for new token counts (falling back to eager
+past its recompile limit), so ranks may hold different graphs but issue the same collectives.
 
 Refused, by name, before anything runs (:func:`check_compile_arguments`):
 
@@ -46,8 +49,7 @@ Refused, by name, before anything runs (:func:`check_compile_arguments`):
   AOTAutograd compiled one backward function for the region, which computes every gradient each
   time it runs: ``I`` and ``W`` would each run the region's whole backward (two backwards per
   microbatch instead of one split in two, slower than 1F1B), and inductor's donated buffers forbid
-  the retained graph ``I`` needs on graphs that save intermediates;
-- ``ep > 1`` (data-dependent all-to-all splits): not proved equal to eager here, so not run.
+  the retained graph ``I`` needs on graphs that save intermediates.
 
 Not done here: building the stages (``compose.py``), running them (merak-pipe's runner).
 """
@@ -81,7 +83,9 @@ COMPILE_MODES = (False, True, "regional")
 
 _FIX = "set compile: false"
 
-_REFUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (("ep", lambda a: a.ep > 1, "ep: 1"),)
+_REFUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = ()
+"""(argument, refuses(args), fix): the combinations compiled stages refuse besides split-backward schedules
+(none now; the loop in :func:`check_compile_arguments` names the argument, its value and the fix)."""
 
 
 def compile_mode(value: Any) -> bool | str:
