@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 from tests.support.compare import assert_tensors_close
 from tests.support.dist import run_on_ranks
@@ -42,6 +43,7 @@ def _train(name: str, kwargs: dict[str, Any], lora: dict[str, Any] | None) -> tu
     from tests.e2e._trainer_support import TokenDataset, build_model, make_args
     from tests.support.models import REFERENCE_MODELS
 
+    torch._dynamo.reset()  # a fresh cache: a graph an earlier test left in this worker is not counted
     counters.clear()
     model = build_model(name)
     trainer = Trainer(
@@ -108,6 +110,7 @@ def _train_cp(overrides: dict[str, Any]) -> tuple[float, Any, int]:
 
     from tests.e2e.test_context_parallel import _train
 
+    torch._dynamo.reset()  # a fresh cache: a graph an earlier test left in this worker is not counted
     counters.clear()
     loss, state = _train("reference4", {"cp": 2, "max_steps": 3, "compile_backend": "aot_eager", **overrides})
     return loss, state, counters["stats"]["unique_graphs"]
@@ -132,6 +135,7 @@ def _train_ep(overrides: dict[str, Any]) -> tuple[list[float], Any, int]:
 
     from tests.e2e.test_expert_parallel import _train
 
+    torch._dynamo.reset()  # a fresh cache: a graph an earlier test left in this worker is not counted
     counters.clear()
     losses, state = _train({"ep": 2, "max_steps": 3, "compile_backend": "aot_eager", **overrides})
     return losses, state, counters["stats"]["unique_graphs"]
@@ -163,8 +167,6 @@ def test_a_split_backward_would_run_a_compiled_regions_backward_twice() -> None:
     """Why zb_h1/zb_v stay refused (docs/compile.md): ``I`` then ``W`` on a compiled region are exact, but
     the region's one AOTAutograd backward node runs whole in each (two backwards instead of one split)."""
     import copy
-
-    import torch
 
     torch.manual_seed(0)
     eager = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))

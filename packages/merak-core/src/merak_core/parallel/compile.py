@@ -57,7 +57,6 @@ Not done here: building the stages (``compose.py``), running them (merak-pipe's 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -82,10 +81,6 @@ COMPILE_MODES = (False, True, "regional")
 """The values of ``training.compile`` after normalisation."""
 
 _FIX = "set compile: false"
-
-_REFUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = ()
-"""(argument, refuses(args), fix): the combinations compiled stages refuse besides split-backward schedules
-(none now; the loop in :func:`check_compile_arguments` names the argument, its value and the fix)."""
 
 
 def compile_mode(value: Any) -> bool | str:
@@ -118,12 +113,6 @@ def check_compile_arguments(args: Any) -> None:
     refused = refused_with_compile(args.schedule)
     if refused is not None:
         raise ValueError(refused)
-    for name, refuses, fix in _REFUSED:
-        if refuses(args):
-            raise ValueError(
-                f"compile={args.compile!r} with {name}={getattr(args, name)!r} is not supported (compiled stages "
-                f"are proved equal to eager only without it): set {fix}, or {_FIX}"
-            )
 
 
 def refused_with_compile(schedule: str) -> str | None:
