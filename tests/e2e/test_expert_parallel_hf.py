@@ -288,14 +288,21 @@ def test_mixtral_dp4_ep2_zero1_clipped_equals_one_process() -> None:
     _check(run_on_ranks(4, _train, "mixtral", overrides), "mixtral", max_norm=0.05)
 
 
-# DeepSeek-V3 has no built-in TP plan (its multi-head latent attention shares one rotary key over the heads:
-# that key's gradient is partial per TP rank and needs its own sum), so it is left out at tp > 1.
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3"])
 def test_dp2_ep2_tp2_equals_one_process(family: str) -> None:
     """Attention, embeddings and head TP-sharded by the model's plan, the fused experts whole per EP rank (the
     plan's experts entries dropped), the router replicated; clipping on."""
     overrides = {"ep": 2, "tp": 2, "max_grad_norm": 0.05}
     _check(run_on_ranks(4, _train, family, overrides), family, max_norm=0.05)
+
+
+def test_deepseek_v3_tp2_equals_one_process() -> None:
+    """DeepSeek-V3 at tp=2 alone: multi-head latent attention split by heads, the experts split by the plan
+    (style experts), the shared expert column/row. The rotary key shared by the heads is expanded over each
+    rank's heads only: merak_tp.LatentKVProjection sums that slice's gradient over TP (without it the
+    latent projection and every replicated parameter before it get a partial gradient)."""
+    overrides = {"ep": 1, "tp": 2, "per_device_train_batch_size": BATCH}
+    _check(run_on_ranks(2, _train, "deepseek_v3", overrides), "deepseek_v3")
 
 
 def _resume_ep_tp() -> dict[str, Any]:
@@ -407,3 +414,16 @@ def test_checkpoint_at_ep2_resumes_at_ep1_and_exports() -> None:
             torch.testing.assert_close(
                 exported(input_ids=ids).logits, reference(input_ids=ids).logits, msg=folder
             )
+
+
+def test_deepseek_v3_tp2_pp2_equals_one_process() -> None:
+    """The latent projection's gradient sum inside a traced pipeline stage: merak_tp.LatentKVProjection is a
+    TP trace leaf, so the stage keeps its backward (a hook would be lost in the traced graph)."""
+    overrides = {
+        "ep": 1,
+        "tp": 2,
+        "pp": 2,
+        "per_device_train_batch_size": 2,
+        "gradient_accumulation_steps": 2,
+    }
+    _check(run_on_ranks(4, _train, "deepseek_v3", overrides), "deepseek_v3")

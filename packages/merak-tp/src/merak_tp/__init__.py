@@ -28,6 +28,7 @@ from merak_tp.context import (
     ulysses_attention,
 )
 from merak_tp.embedding import VocabParallelEmbedding
+from merak_tp.latent_kv import LatentKVProjection
 from merak_tp.linear import ColumnParallelLinear, RowParallelLinear
 from merak_tp.loss import vocab_parallel_cross_entropy
 from merak_tp.module_spec import ModuleSpec, get_module_spec
@@ -67,6 +68,7 @@ TP_LEAF_MODULES: tuple[type, ...] = (
     SequenceGather,
     ShardedRMSNorm,
     TPExperts,
+    LatentKVProjection,
 )
 """Classes an fx tracer must keep as opaque leaves (``isinstance`` covers the region subclasses)."""
 
@@ -76,6 +78,7 @@ __all__ = [
     "TP_LEAF_MODULES",
     "ColumnParallelLinear",
     "ContextParallel",
+    "LatentKVProjection",
     "ModuleSpec",
     "RNGTracker",
     "RowParallelLinear",

@@ -6,7 +6,7 @@ the MLP's up (and gate) projections column parallel and its down projection row
 parallel; the token embedding split along the vocabulary and the LM head column
 parallel over it. Norms, position embeddings and routers are replicated.
 
-Mixture-of-experts blocks (Mixtral, Qwen3-MoE) keep every expert on every rank
+Mixture-of-experts blocks (Mixtral, Qwen3-MoE, DeepSeek-V3) keep every expert on every rank
 and split each expert's gate/up projection by columns and its down projection
 by rows (style ``experts``). The router stays replicated, so every rank routes
 every token to the same experts and the block needs one all-reduce, like a dense
@@ -28,6 +28,8 @@ from typing import Any
 
 from torch import nn
 
+from merak_tp.latent_kv import LatentKVProjection
+from merak_tp.linear import ColumnParallelLinear
 from merak_tp.plans._plan import TPPlan, register_plan
 
 __all__: list[str] = []
@@ -245,6 +247,68 @@ for _t, _extra in (("mixtral", {}), ("qwen3_moe", _HEAD_NORMS)):
         ).with_options(optional=("lm_head", *_mlp)),
         model_types=(_t,),
     )
+
+
+def _deepseek_v3_fixup(module: nn.Module, name: str, tp: int) -> None:
+    """Multi-head latent attention: the shared rotary key's gradient summed over the TP ranks.
+
+    Each rank expands the rotary key over its own heads, so that slice of ``kv_a_proj_with_mqa``'s output
+    gradient is partial; the latent's comes back whole through ``kv_b_proj`` (a column layer all-reduces its
+    input gradient). ``LatentKVProjection`` sums the rotary slice in backward, so the projection, the
+    attention's input and every replicated parameter before them get the full gradient.
+    """
+    _record_heads(module, name, tp)
+    if tp > 1 and type(module).__name__ == "DeepseekV3Attention":
+        kv_b, kv_a = module.kv_b_proj, module.kv_a_proj_with_mqa
+        if not isinstance(kv_b, ColumnParallelLinear) or not isinstance(kv_a, nn.Linear):
+            raise ValueError(
+                f"{name}: expected kv_b_proj sharded by columns and kv_a_proj_with_mqa an nn.Linear, got "
+                f"{type(kv_b).__name__} and {type(kv_a).__name__}; a plan for DeepSeek-V3 must shard kv_b_proj "
+                "'column' and leave kv_a_proj_with_mqa replicated"
+            )
+        rotary = int(module.qk_rope_head_dim)  # type: ignore[arg-type]
+        module.kv_a_proj_with_mqa = LatentKVProjection(kv_a, rotary, group=kv_b.group)
+
+
+_DEEPSEEK_OPTIONAL = (
+    "*layers.*.self_attn.q_proj",  # without q_lora_rank
+    "*layers.*.self_attn.q_b_proj",  # with q_lora_rank
+    *_GATED_MLP,  # dense MLPs in the first first_k_dense_replace layers
+    "*layers.*.mlp.shared_experts.gate_proj",
+    "*layers.*.mlp.shared_experts.up_proj",
+    "*layers.*.mlp.shared_experts.down_proj",
+)
+
+# DeepSeek-V3: multi-head latent attention (q_a_proj, q_a_layernorm, kv_a_proj_with_mqa and
+# kv_a_layernorm replicated; the head-major q_proj / q_b_proj and kv_b_proj column, o_proj row), the
+# routed experts as Mixtral's, shared experts and dense MLPs column/row. No regions: every column
+# layer all-reduces its own input gradient, which the latent's exact gradient relies on.
+register_plan(
+    _decoder_plan(
+        "hf_deepseek_v3",
+        {
+            "*layers.*.self_attn.q_proj": "column",
+            "*layers.*.self_attn.q_b_proj": "column",
+            "*layers.*.self_attn.kv_b_proj": "column",
+            "*layers.*.self_attn.o_proj": "row",
+            "*layers.*.mlp.experts": "experts",
+            "*layers.*.mlp.gate": "replicate",
+            "*layers.*.mlp.shared_experts.gate_proj": "column",
+            "*layers.*.mlp.shared_experts.up_proj": "column",
+            "*layers.*.mlp.shared_experts.down_proj": "row",
+            **_GATED_MLP,
+            **_ENDS,
+        },
+        regions=(),
+        fixup=_deepseek_v3_fixup,
+        sequence_parallel=False,
+        sequence_parallel_note=_MOE_NO_SP,
+        trace_leaves=("*layers.*.mlp.experts",),
+        attributes={"*layers.*.mlp.experts": ("intermediate_dim",)},
+    ).with_options(optional=("lm_head", *_DEEPSEEK_OPTIONAL)),
+    model_types=("deepseek_v3",),
+)
+
 
 register_plan(
     TPPlan(
