@@ -83,9 +83,9 @@ def _config(family: str) -> tuple[Any, Any]:
         topk_group=1,
         routed_scaling_factor=2.5,
         norm_topk_prob=True,
-        first_k_dense_replace=0,
+        first_k_dense_replace=1 if family == "deepseek_v3_dense" else 0,
         kv_lora_rank=16,
-        q_lora_rank=None,
+        q_lora_rank=8 if family == "deepseek_v3_dense" else None,
         qk_rope_head_dim=4,
         qk_nope_head_dim=4,
         v_head_dim=8,
@@ -99,10 +99,10 @@ def _model(family: str, bias: str = "spread", aux: float = 0.0) -> torch.nn.Modu
         cfg.output_router_logits, cfg.router_aux_loss_coef = True, aux
     torch.manual_seed(0)
     model = cls(cfg).float()
-    if family == "deepseek_v3":
+    if family.startswith("deepseek_v3"):
         # spread: a correction bias that moves the choice (not the weights); one_rank: experts 2 and 3 always.
         value = torch.linspace(-0.1, 0.1, 4) if bias == "spread" else torch.tensor([-5.0, -5.0, 5.0, 5.0])
-        for layer in model.model.layers:
+        for layer in model.model.layers[cfg.first_k_dense_replace :]:
             layer.mlp.gate.e_score_correction_bias.copy_(value)
     return model
 
@@ -296,13 +296,15 @@ def test_dp2_ep2_tp2_equals_one_process(family: str) -> None:
     _check(run_on_ranks(4, _train, family, overrides), family, max_norm=0.05)
 
 
-def test_deepseek_v3_tp2_equals_one_process() -> None:
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v3_dense"])
+def test_deepseek_v3_tp2_equals_one_process(family: str) -> None:
     """DeepSeek-V3 at tp=2 alone: multi-head latent attention split by heads, the experts split by the plan
-    (style experts), the shared expert column/row. The rotary key shared by the heads is expanded over each
+    (style experts), the shared expert column/row; ``deepseek_v3_dense``: with the low-rank query
+    (q_lora_rank: q_a_proj and its norm replicated, q_b_proj column) and a dense first layer (column/row). The rotary key shared by the heads is expanded over each
     rank's heads only: merak_tp.LatentKVProjection sums that slice's gradient over TP (without it the
     latent projection and every replicated parameter before it get a partial gradient)."""
     overrides = {"ep": 1, "tp": 2, "per_device_train_batch_size": BATCH}
-    _check(run_on_ranks(2, _train, "deepseek_v3", overrides), "deepseek_v3")
+    _check(run_on_ranks(2, _train, family, overrides), family)
 
 
 def _resume_ep_tp() -> dict[str, Any]:
