@@ -4,9 +4,10 @@ Tiny float32 models (4 experts, hidden 32, 2 layers, top-2) with their fused exp
 (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``) sharded over EP by
 ``merak_core.parallel.expert_hf``; the routing is each model's own code: Mixtral's top-k softmax,
 Qwen3-MoE's with ``norm_topk_prob``, DeepSeek-V3's grouped sigmoid routing with a non-zero score
-correction bias, scaled weights and a shared expert. Two SGD steps at dp2·ep2 (and one family at
-dp2·ep2·pp2, one at dp4·ep2 with ZeRO-1 and clipping) against the same model trained by one process on the whole batch: both losses and every
-parameter after the steps (so both steps' gradients, the second with the routing the first changed).
+correction bias, scaled weights and a shared expert. Three SGD steps of each family at dp2·ep2,
+dp2·ep2·pp2, dp4·ep4 and dp2·ep2·tp2 (DeepSeek-V3 also at tp2 and tp2·pp2; Mixtral at dp4·ep2 with ZeRO-1
+and clipping) against the same model trained by one process on the whole batch: every loss and every
+parameter after the steps (so every step's gradients, the later ones with the routing the first changed).
 Also: DeepSeek-V3 with a bias that sends every token to experts 2 and 3 (all rows to EP rank 1, none
 to rank 0's experts); the models' router aux loss (``output_router_logits``) over the global batch
 (merak_core.parallel.router_aux); a checkpoint of an ep=2 run resumed at ep=1; the Hugging Face export of an ep=2
