@@ -137,6 +137,30 @@ def check_router_aux(model: nn.Module | None, pp: int, cp: int, recompute: str =
             )
 
 
+def _balance_losses(
+    parts: list[tuple[torch.Tensor, int, torch.Tensor]], group: ProcessGroup | None
+) -> list[torch.Tensor]:
+    """``world * E * sum_e (C_e / N) * (S_e / N)`` for each ``(C_e, n, S_e)``: this rank's choice counts, rows
+    and router probability sums (with their gradient). The counts and rows of every part are summed over
+    ``group`` in one all-reduce (no gradient); ``S_e`` stays this rank's, so the mean over the group of the
+    result and of its gradients is the one-process load-balancing loss of the group's rows together."""
+    reduced = torch.cat(
+        [torch.cat([c.to(torch.float64), c.new_tensor([n], dtype=torch.float64)]) for c, n, _ in parts]
+    )
+    world = 1
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(reduced, group=group)
+        world = dist.get_world_size(group)
+    losses, start = [], 0
+    for counts_e, _, sums_e in parts:
+        e = counts_e.numel()
+        total_e, rows = reduced[start : start + e], reduced[start + e]
+        start += e + 1
+        fraction_e = (total_e / rows).to(sums_e.dtype)
+        losses.append(world * e * torch.sum(fraction_e * sums_e / rows.to(sums_e.dtype)))
+    return losses
+
+
 def global_load_balancing_loss(
     router_logits: tuple[torch.Tensor, ...], num_experts: int, top_k: int, group: ProcessGroup | None
 ) -> torch.Tensor:
@@ -150,14 +174,7 @@ def global_load_balancing_loss(
         counts_e += torch.bincount(chosen, minlength=num_experts).to(counts_e.dtype)
         sums_e = sums_e + p_ne.float().sum(0)
         rows += p_ne.size(0)
-    totals = torch.cat([counts_e, counts_e.new_tensor([rows])])
-    world = 1
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(totals, group=group)
-        world = dist.get_world_size(group)
-    total_rows = totals[-1]
-    fraction_e = (totals[:-1] / total_rows).to(sums_e.dtype)
-    return world * num_experts * torch.sum(fraction_e * sums_e / total_rows.to(sums_e.dtype))
+    return _balance_losses([(counts_e, rows, sums_e)], group)[0]
 
 
 class GlobalRouterAuxLoss:
@@ -186,23 +203,11 @@ def block_load_balancing_losses(
 ) -> list[torch.Tensor]:
     """This rank's ``A_r`` of each block ([Note: a protocol block's router aux loss]; one all-reduce over
     ``group`` of every block's choice counts and tokens)."""
-    device = stats[0][0].device
-    totals = []
-    for (probs_ne, experts_nk), e in zip(stats, num_experts, strict=True):
-        counts = torch.bincount(experts_nk.detach().reshape(-1), minlength=e).to(torch.float64)
-        totals.append(torch.cat([counts, counts.new_tensor([probs_ne.size(0)])]))
-    reduced = torch.cat(totals).to(device)
-    world = 1
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(reduced, group=group)
-        world = dist.get_world_size(group)
-    losses, start = [], 0
-    for (probs_ne, _), e in zip(stats, num_experts, strict=True):
-        counts_e, tokens = reduced[start : start + e], reduced[start + e]
-        start += e + 1
-        fraction_e = (counts_e / tokens).to(probs_ne.dtype)
-        losses.append(world * e * torch.sum(fraction_e * probs_ne.sum(0) / tokens.to(probs_ne.dtype)))
-    return losses
+    parts = [
+        (torch.bincount(experts_nk.detach().reshape(-1), minlength=e), probs_ne.size(0), probs_ne.sum(0))
+        for (probs_ne, experts_nk), e in zip(stats, num_experts, strict=True)
+    ]
+    return _balance_losses(parts, group)
 
 
 class BlockRouterAuxLoss:
