@@ -10,7 +10,6 @@ cp ranks different token counts, so the token-count weighting across cp ranks ma
 
 from __future__ import annotations
 
-import tempfile
 from typing import Any
 
 import pytest
@@ -18,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
+from tests.support.compare import replayable_arguments
 from tests.support.dist import run_on_ranks
 from tests.support.models import DecoderConfig, Llama
 
@@ -75,23 +75,13 @@ def _model(kind: str, vocab: int = VOCAB) -> torch.nn.Module:
 
 
 def _args(**overrides: Any) -> Any:
-    from merak_core import TrainingArguments
-
-    values: dict[str, Any] = dict(
-        output_dir=tempfile.mkdtemp(prefix="merak-cp-"),
+    sizes = dict(
         per_device_train_batch_size=BATCH,
-        gradient_accumulation_steps=1,
         learning_rate=1.0,
-        lr_scheduler_type="constant",
         max_steps=1,
-        max_grad_norm=0.0,
-        weight_decay=0.0,
-        logging_steps=1,
         dtype="float64",
-        seed=7,
     )
-    values.update(overrides)
-    return TrainingArguments(**values)
+    return replayable_arguments("merak-cp-", **{**sizes, **overrides})
 
 
 def _sgd(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:

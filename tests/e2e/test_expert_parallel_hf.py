@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
+from tests.support.compare import replayable_arguments
 from tests.support.dist import run_on_ranks
 
 pytest.importorskip("transformers")
@@ -109,23 +110,13 @@ def _model(family: str, bias: str = "spread", aux: float = 0.0) -> torch.nn.Modu
 
 
 def _args(**overrides: Any) -> Any:
-    from merak_core import TrainingArguments
-
-    values: dict[str, Any] = dict(
-        output_dir=tempfile.mkdtemp(prefix="merak-ep-hf-"),
+    sizes = dict(
         per_device_train_batch_size=BATCH // 2,
-        gradient_accumulation_steps=1,
         learning_rate=LR,
-        lr_scheduler_type="constant",
         max_steps=STEPS,
-        max_grad_norm=0.0,
-        weight_decay=0.0,
-        logging_steps=1,
         dtype="float32",
-        seed=7,
     )
-    values.update(overrides)
-    return TrainingArguments(**values)
+    return replayable_arguments("merak-ep-hf-", **{**sizes, **overrides})
 
 
 def _sgd(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from tests.e2e._trainer_support import reference_microbatches
+from tests.support.compare import replayable_arguments
 from tests.support.dist import run_on_ranks
 from tests.support.moe import MoEBlock, MoEConfig, MoELlama
 
@@ -42,23 +43,14 @@ def _model() -> MoELlama:
 
 
 def _args(**overrides: Any) -> Any:
-    from merak_core import TrainingArguments
-
-    values: dict[str, Any] = dict(
-        output_dir=tempfile.mkdtemp(prefix="merak-block-aux-"),
+    sizes = dict(
         per_device_train_batch_size=1,
         gradient_accumulation_steps=MICRO,
         learning_rate=LR,
-        lr_scheduler_type="constant",
         max_steps=STEPS,
-        max_grad_norm=0.0,
-        weight_decay=0.0,
-        logging_steps=1,
         dtype="float64",
-        seed=7,
     )
-    values.update(overrides)
-    return TrainingArguments(**values)
+    return replayable_arguments("merak-block-aux-", **{**sizes, **overrides})
 
 
 def _sgd(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:

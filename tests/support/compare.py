@@ -9,6 +9,7 @@ much, and where.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -96,3 +97,23 @@ def reference_step(
 
 
 __all__ = ["TOLERANCES", "assert_grads_match", "assert_tensors_close", "named_grads", "reference_step"]
+
+
+def replayable_arguments(prefix: str, **values: Any) -> Any:
+    """``TrainingArguments`` whose steps a single-process reference replays by hand: a constant learning
+    rate, no clipping, no weight decay, every step logged, seed 7, a fresh output folder named ``prefix``;
+    ``values`` (the test's sizes, dtype, layout) override any of them."""
+    import tempfile
+
+    from merak_core import TrainingArguments
+
+    defaults: dict[str, Any] = dict(
+        output_dir=tempfile.mkdtemp(prefix=prefix),
+        gradient_accumulation_steps=1,
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        weight_decay=0.0,
+        logging_steps=1,
+        seed=7,
+    )
+    return TrainingArguments(**{**defaults, **values})
