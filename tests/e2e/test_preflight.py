@@ -10,8 +10,6 @@ never started. The model and data factories are in ``_bad_input_jobs.py``.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 import re
 import subprocess
@@ -23,7 +21,7 @@ import pytest
 import yaml
 
 from merak_core.run.exitcodes import BAD_INPUT
-from tests.e2e._bad_input_support import no_collectives
+from tests.e2e._bad_input_support import dry_run_train
 
 REPO = Path(__file__).resolve().parents[2]
 JOBS = "tests.e2e._bad_input_jobs"
@@ -59,24 +57,6 @@ def _job(case: Case, tmp: Path) -> Path:
     }
     path.write_text(yaml.safe_dump({"model": model, "data": data, **case.extra, "training": training}))
     return path
-
-
-def _merak_dry_run(job: Path, argv: tuple[str, ...]) -> tuple[int, str]:
-    from merak_core.cli import main
-
-    err = io.StringIO()
-    # The TP check initialises torch's fake process group in this process (see [Note: the plan as the
-    # ranks apply it] in merak_core/checks.py); nothing else may touch torch.distributed.
-    with (
-        no_collectives(allow=("init_process_group",)),
-        contextlib.redirect_stderr(err),
-        contextlib.redirect_stdout(io.StringIO()),
-    ):
-        try:
-            status = main(["--log-level", "WARNING", "train", str(job), *argv, "--dry-run"])
-        except SystemExit as exc:
-            status = exc.code if isinstance(exc.code, int) else 2
-    return status, err.getvalue()
 
 
 GOOD_TEXT = f"""model:
@@ -297,7 +277,7 @@ def test_merak_train_refuses_bad_input_before_launch(name: str, tmp_path: Path) 
         case = Case(case.words, training={"output_dir": str(tmp_path / "afile")})
     elif name == "output_dir_under_a_file":
         case = Case(case.words, training={"output_dir": str(tmp_path / "afile" / "out")})
-    status, err = _merak_dry_run(_job(case, tmp_path), case.argv)
+    status, err = dry_run_train(_job(case, tmp_path), *case.argv)
     assert status == BAD_INPUT, err
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("merak train: error: "), err
@@ -312,7 +292,7 @@ def test_table_is_broad() -> None:
 def test_good_job_passes_every_check(tmp_path: Path) -> None:
     """The checks accept a correct job (TP plan included) and print the torchrun command."""
     case = Case((), training={"dp": 1, "tp": 2, "tp_plan": {"hidden": "column", "head": "row"}})
-    status, err = _merak_dry_run(_job(case, tmp_path), ())
+    status, err = dry_run_train(_job(case, tmp_path))
     assert status == 0, err
     assert not (tmp_path / "out").exists(), "a dry run creates nothing"
     import torch.distributed as dist
@@ -324,7 +304,7 @@ def test_transformers_labels_pass_with_data_labels_unshifted(tmp_path: Path) -> 
     """labels = input_ids is refused under the default ``data.labels: shifted`` (a row above) and accepted,
     shifted as the ranks shift them, under ``unshifted``."""
     case = Case((), data={"kwargs": {"hf_labels": True}, "labels": "unshifted"})
-    status, err = _merak_dry_run(_job(case, tmp_path), ())
+    status, err = dry_run_train(_job(case, tmp_path))
     assert status == 0, err
 
 
