@@ -4,7 +4,9 @@
 Two ranks, float32 AdamW; one step is saved, a new Trainer resumes it, and the rank's peak resident
 memory during the load (``VmHWM`` after ``clear_refs``, over the resident size just before) is compared
 with the bytes of its share of the checkpoint (its parameters and AdamW states, as it holds them) plus
-the largest tensor of the model, plus 2 MiB of slack (allocator rounding, DCP's read plans and pickles):
+the largest tensor of the model, plus 6 MiB of slack (allocator rounding, DCP's read plans and pickles,
+the worker's own resident noise: in the full suite on 2 cores, tp2_fused rank 1 once peaked at 26.2
+MiB against 21.9 without slack, where it measures 21-22 alone):
 
 - ``dp2``: tp=1, every parameter replicated and whole (loaded into itself);
 - ``tp2_fused``: a transformers GPT-2 at tp=2, whose ``c_attn`` is a fused q/k/v (three sections: a
@@ -15,7 +17,7 @@ the largest tensor of the model, plus 2 MiB of slack (allocator rounding, DCP's 
 
 Before the loads read each rank's blocks straight into its tensors, every fused tensor and every ZeRO-2/3
 tensor was staged whole in host memory, all at once (and a fused optimizer state kept the whole staged
-tensor alive as a view): tp2_fused 37.3 MiB against a 23.9 MiB bound, zero3_dp2 97.0 against 42.1
+tensor alive as a view): tp2_fused 37.3 MiB against a 23.9 MiB bound (2 MiB slack then), zero3_dp2 97.0 against 42.1
 (failing); after, 21-22 and 35-39, dp2 58-60 against 79. zero3_weights: every rank read the whole model
 (all stages, all TP blocks) before, 34.5 MiB against 18.0 (failing); after, 6-9. Each load is also
 checked to be exact: every local parameter (and optimizer state) equals, bit for bit, the saving run's.
@@ -38,8 +40,9 @@ pytestmark = pytest.mark.skipif(
     not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's clear_refs"
 )
 
-SLACK = 2 * 2**20
-"""Bytes over the bound allowed for allocator rounding, DCP's plans and the pickled train state."""
+SLACK = 6 * 2**20
+"""Bytes over the bound allowed for allocator rounding, DCP's plans, the pickled train state and the
+worker's resident noise under load (the staged-whole loads before the fix still exceed it by 9-55 MiB)."""
 
 
 def _status_kib(field: str) -> int:
