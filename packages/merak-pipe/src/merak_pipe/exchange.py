@@ -72,6 +72,10 @@ class BoundaryExchange:
         self.position = None
         self._settles = settles or {}
         self._sent: dict[tuple[str, int, int], _Pending] = {}
+        # Sends proven matched before this rank issued them ([Note: early receives] in p2p_order.py),
+        # and those of them issued since, to be waited after the next compute action.
+        self._proven: set[tuple[str, int, int]] = set()
+        self._proven_issued: list[_Pending] = []
         self.out_spec: dict[int, Any] = {}
         """Sending stage -> spec of its outputs this round."""
         self.in_spec: dict[int, Any] = {}
@@ -132,6 +136,15 @@ class BoundaryExchange:
             pending = self._sent.pop(sent, None)
             if pending is not None:
                 self.transport.complete_send(pending)
+            else:  # the peer posted its receive before this rank sent it (early receives)
+                self._proven.add(sent)
+
+    def settle_proven(self) -> None:
+        """Wait on the sends issued after a message had proven them matched, and let them go (their
+        receive was posted before they were sent, so the wait does not depend on the peer's progress)."""
+        issued, self._proven_issued = self._proven_issued, []
+        for pending in issued:
+            self.transport.complete_send(pending)
 
     def leftovers(self) -> list[str]:
         """What was produced for another rank but never sent."""
@@ -154,7 +167,11 @@ class BoundaryExchange:
         pendings = self.transport.issue([tr for _, tr in chosen])
         for (op, _), pending in zip(chosen, pendings, strict=True):
             if op.send:
-                self._sent[op.message] = pending
+                if op.message in self._proven:
+                    self._proven.discard(op.message)
+                    self._proven_issued.append(pending)
+                else:
+                    self._sent[op.message] = pending
                 continue
             if op.kind == DATA_F:
                 self._fwd_recv[(op.stage + 1, op.microbatch)] = pending

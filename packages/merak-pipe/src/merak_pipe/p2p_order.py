@@ -7,7 +7,9 @@ or a *unit* of p2p operations issued together (one ``batch_isend_irecv``). The r
 
 [Note: issue order]
 - A run of consecutive SEND/RECV actions of the lowered schedule is one unit, issued when the
-  walk reaches it. Nothing is posted ahead of its place: on NCCL a rank's p2p operations run in
+  walk reaches it. Where messages match by tag (gloo without NCCL's rules) the runtime then posts
+  data receives a unit early ([Note: early receives]); under NCCL's rules, which this order is
+  checked against, nothing is posted ahead of its place: on NCCL a rank's p2p operations run in
   issue order on one stream, so a receive moved ahead of a send that its peer waits for
   deadlocks, whatever the message size.
 - Every message of a pair of ranks is matched by issue order alone. Lowering posts the receives
@@ -38,7 +40,16 @@ from dataclasses import dataclass
 from merak_pipe._p2p_replay import Replay
 from merak_pipe.ir import Action, ActionKind, Schedule
 
-__all__ = ["P2POp", "Step", "Unit", "issue_order", "issue_orders", "round_actions", "settled_sends"]
+__all__ = [
+    "P2POp",
+    "Step",
+    "Unit",
+    "early_receives",
+    "issue_order",
+    "issue_orders",
+    "round_actions",
+    "settled_sends",
+]
 
 # Message kinds: forward data, backward data, shape header, pickled spec.
 DATA_F, DATA_B, HEADER, SPEC = "F", "B", "H", "S"
@@ -175,6 +186,74 @@ def issue_orders(schedule: Schedule, *, forward_only: bool = False) -> dict[int,
             else:
                 rank_steps.append(step)
         out[rank] = rank_steps
+    return out
+
+
+def early_receives(steps: Sequence[Step], lookahead: int) -> list[Step]:
+    """``steps`` with every data receive posted up to ``lookahead`` units earlier, for a transport
+    that matches messages by tag ([Note: early receives]).
+
+    [Note: early receives]
+    gloo writes a message from the sending thread at once only when the receiver has already
+    posted its receive; otherwise the send only announces itself, and the data goes out later from
+    the sender's communication thread, once the receiver's "ready" notice has crossed back: a round
+    trip plus a wake-up of a thread that competes with the sender's compute for a core, on the
+    critical path of every message whose receive is posted right before it is consumed (as lowering
+    and torch.distributed.pipelining both post them). Where messages are matched by tag, where they
+    are posted does not matter for matching and a posted receive never blocks the host, so the
+    runtime posts each data receive ``lookahead`` units before its place. Limits:
+
+    - a receive needs its buffers' shapes: the first forward message a stage receives in a round
+      stays in its place (its header and spec come first); later ones move no earlier than its
+      unit. A gradient receive moves no earlier than the first forward of the stage whose outputs
+      it matches (that forward records the output spec);
+    - each receive moved adds at most ``lookahead`` posted buffers per stage and direction: the
+      memory stays bounded by the schedule, not by the number of microbatches.
+
+    Not under NCCL's rules: there one batch is one Work and ops run in issue order on one stream,
+    so a receive posted early would make the message before it wait for it (and may deadlock).
+    """
+    if lookahead <= 0:
+        return list(steps)
+    unit_at = [i for i, step in enumerate(steps) if isinstance(step, tuple)]
+    rank_of_unit = {i: k for k, i in enumerate(unit_at)}
+    first_recv_f: dict[int, int] = {}  # receiving stage -> step index of its first forward data receive
+    first_forward: dict[int, int] = {}  # stage -> step index of its first F
+    for i, step in enumerate(steps):
+        if isinstance(step, tuple):
+            for op in step:
+                if not op.send and op.kind == DATA_F:
+                    first_recv_f.setdefault(op.stage + 1, i)
+        elif step.kind is ActionKind.FORWARD:
+            first_forward.setdefault(step.stage, i)
+    moved: dict[int, list[P2POp]] = {i: list(steps[i]) for i in unit_at}  # type: ignore[arg-type]
+    for j in unit_at:
+        for op in list(steps[j]):  # type: ignore[union-attr]
+            if op.send or op.kind not in (DATA_F, DATA_B):
+                continue
+            if op.kind == DATA_F:
+                bound = first_recv_f[op.stage + 1]
+                if bound == j:
+                    continue
+            else:
+                forward = first_forward.get(op.stage - 1)
+                if forward is None:
+                    continue
+                bound = forward + 1
+            k = max(rank_of_unit[j] - lookahead, 0)
+            while k < rank_of_unit[j] and unit_at[k] < bound:
+                k += 1
+            target = unit_at[k]
+            if target >= j:
+                continue
+            moved[j].remove(op)
+            moved[target].append(op)
+    out: list[Step] = []
+    for i, step in enumerate(steps):
+        if not isinstance(step, tuple):
+            out.append(step)
+        elif moved[i]:
+            out.append(tuple(moved[i]))
     return out
 
 

@@ -49,13 +49,17 @@ from merak_pipe.comm import (
 )
 from merak_pipe.exchange import BoundaryExchange
 from merak_pipe.ir import Action, ActionKind, Schedule
-from merak_pipe.p2p_order import Step, describe_step, issue_orders, settled_sends
+from merak_pipe.p2p_order import Step, describe_step, early_receives, issue_orders, settled_sends
 from merak_pipe.stage import PipelineStage
 from merak_pipe.timing import ActionTiming, RoundClock
 
 __all__ = ["PipelineRunner"]
 
 logger = logging.getLogger(__name__)
+
+# How many units ahead of its place a data receive is posted where messages match by tag
+# ([Note: early receives] in p2p_order.py); 0 posts every receive where lowering put it.
+EARLY_RECEIVE_UNITS = 1
 
 
 class PipelineRunner:
@@ -168,6 +172,10 @@ class PipelineRunner:
 
         check_nccl(schedule)
         orders = {training: issue_orders(schedule, forward_only=not training) for training in (True, False)}
+        if not self.transport.nccl_rules:  # [Note: early receives] in p2p_order.py
+            for order in orders.values():
+                for r in order:
+                    order[r] = early_receives(order[r], EARLY_RECEIVE_UNITS)
         self._plans: dict[bool, list[Step]] = {training: orders[training][self.rank] for training in orders}
         self.exchange.prepare(self._plans.values())
         # Where host waits are the only way to learn that a send completed (gloo), sends are waited
@@ -404,6 +412,7 @@ class PipelineRunner:
         microbatch once no stage of its local run holds that microbatch ([Note: buffer lifetime]:
         stages of one rank next to each other hand values over as they are, so a value received by
         one may live on in its neighbour)."""
+        self.exchange.settle_proven()
         self.transport.reap_sends()
         m, run = action.microbatch, self._local_runs[action.stage]
         keys = [(s, m) for s in run if (s, m) in self._round.held]
