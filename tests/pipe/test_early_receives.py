@@ -152,7 +152,9 @@ def _plans_body(nccl_rules: bool) -> tuple[list[str], list[str]]:
     torch.manual_seed(0)
     stage = PipelineStage(torch.nn.Linear(4, 4), stage_index=rank, num_stages=2)
     schedule = build_schedule("1f1b", num_stages=2, num_microbatches=4)
-    runner = PipelineRunner([stage], schedule, loss_fn=lambda y, t: (y - t).pow(2).mean(), nccl_rules=nccl_rules)
+    runner = PipelineRunner(
+        [stage], schedule, loss_fn=lambda y, t: (y - t).pow(2).mean(), nccl_rules=nccl_rules
+    )
 
     def text(steps: list[Step]) -> list[str]:
         return [str(s) if not isinstance(s, tuple) else " ".join(map(str, s)) for s in steps]

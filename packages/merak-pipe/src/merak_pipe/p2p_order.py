@@ -34,7 +34,7 @@ or a *unit* of p2p operations issued together (one ``batch_isend_irecv``). The r
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from merak_pipe._p2p_replay import Replay
@@ -217,6 +217,29 @@ def early_receives(steps: Sequence[Step], lookahead: int) -> list[Step]:
         return list(steps)
     unit_at = [i for i, step in enumerate(steps) if isinstance(step, tuple)]
     rank_of_unit = {i: k for k, i in enumerate(unit_at)}
+    bounds = _receive_bounds(steps)
+    moved: dict[int, list[P2POp]] = {i: list(steps[i]) for i in unit_at}  # type: ignore[arg-type]
+    for j in unit_at:
+        for op in list(steps[j]):  # type: ignore[union-attr]
+            bound = bounds(op, j)
+            if bound is None:
+                continue
+            k = max(rank_of_unit[j] - lookahead, 0)
+            while k < rank_of_unit[j] and unit_at[k] < bound:
+                k += 1
+            if unit_at[k] < j:
+                moved[j].remove(op)
+                moved[unit_at[k]].append(op)
+    return [
+        step if not isinstance(step, tuple) else tuple(moved[i])
+        for i, step in enumerate(steps)
+        if not isinstance(step, tuple) or moved[i]
+    ]
+
+
+def _receive_bounds(steps: Sequence[Step]) -> Callable[[P2POp, int], int | None]:
+    """For a data receive at step ``j``: the earliest step index it may be posted at (its buffers'
+    shapes known, [Note: early receives]); None for what does not move."""
     first_recv_f: dict[int, int] = {}  # receiving stage -> step index of its first forward data receive
     first_forward: dict[int, int] = {}  # stage -> step index of its first F
     for i, step in enumerate(steps):
@@ -226,35 +249,17 @@ def early_receives(steps: Sequence[Step], lookahead: int) -> list[Step]:
                     first_recv_f.setdefault(op.stage + 1, i)
         elif step.kind is ActionKind.FORWARD:
             first_forward.setdefault(step.stage, i)
-    moved: dict[int, list[P2POp]] = {i: list(steps[i]) for i in unit_at}  # type: ignore[arg-type]
-    for j in unit_at:
-        for op in list(steps[j]):  # type: ignore[union-attr]
-            if op.send or op.kind not in (DATA_F, DATA_B):
-                continue
-            if op.kind == DATA_F:
-                bound = first_recv_f[op.stage + 1]
-                if bound == j:
-                    continue
-            else:
-                forward = first_forward.get(op.stage - 1)
-                if forward is None:
-                    continue
-                bound = forward + 1
-            k = max(rank_of_unit[j] - lookahead, 0)
-            while k < rank_of_unit[j] and unit_at[k] < bound:
-                k += 1
-            target = unit_at[k]
-            if target >= j:
-                continue
-            moved[j].remove(op)
-            moved[target].append(op)
-    out: list[Step] = []
-    for i, step in enumerate(steps):
-        if not isinstance(step, tuple):
-            out.append(step)
-        elif moved[i]:
-            out.append(tuple(moved[i]))
-    return out
+
+    def bound(op: P2POp, j: int) -> int | None:
+        if op.send or op.kind not in (DATA_F, DATA_B):
+            return None
+        if op.kind == DATA_F:
+            first = first_recv_f[op.stage + 1]
+            return None if first == j else first
+        forward = first_forward.get(op.stage - 1)
+        return None if forward is None else forward + 1
+
+    return bound
 
 
 def issue_order(schedule: Schedule, rank: int, *, forward_only: bool = False) -> list[Step]:

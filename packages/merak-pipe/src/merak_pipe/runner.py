@@ -171,11 +171,10 @@ class PipelineRunner:
         from merak_pipe.nccl_check import check_nccl
 
         check_nccl(schedule)
-        orders = {training: issue_orders(schedule, forward_only=not training) for training in (True, False)}
-        if not self.transport.nccl_rules:  # [Note: early receives] in p2p_order.py
-            for order in orders.values():
-                for r in order:
-                    order[r] = early_receives(order[r], EARLY_RECEIVE_UNITS)
+        orders = {
+            training: _issue_orders(schedule, not training, self.transport.nccl_rules)
+            for training in (True, False)
+        }
         self._plans: dict[bool, list[Step]] = {training: orders[training][self.rank] for training in orders}
         self.exchange.prepare(self._plans.values())
         # Where host waits are the only way to learn that a send completed (gloo), sends are waited
@@ -499,6 +498,15 @@ class PipelineRunner:
             )
             for a, start, ready, end, recompute in self._round.marks
         ]
+
+
+def _issue_orders(schedule: Schedule, forward_only: bool, nccl_rules: bool) -> dict[int, list[Step]]:
+    """Every rank's issue order; on the tagged transport with receives posted early ([Note: early
+    receives] in p2p_order.py)."""
+    orders = issue_orders(schedule, forward_only=forward_only)
+    if nccl_rules:
+        return orders
+    return {rank: early_receives(steps, EARLY_RECEIVE_UNITS) for rank, steps in orders.items()}
 
 
 def _describe(spec: Any) -> str:
