@@ -130,19 +130,27 @@ def test_one_f_one_b_posts_the_next_input_before_the_current_forward() -> None:
             assert step.microbatch + 1 in posted, (str(step), sorted(posted))
 
 
-@pytest.mark.parametrize("nccl_rules", [False, True])
-def test_the_runner_moves_receives_only_on_the_tagged_transport(nccl_rules: bool) -> None:
+@pytest.mark.parametrize("nccl_rules,early", [(False, 1), (True, 1), (False, 0)])
+def test_the_runner_moves_receives_only_on_the_tagged_transport(nccl_rules: bool, early: int) -> None:
     from tests.support.dist import run_on_ranks
 
-    results = run_on_ranks(2, _plans_body, nccl_rules)
+    results = run_on_ranks(2, _plans_body, nccl_rules, early)
     for rank, (plan, checked) in enumerate(results):
-        if nccl_rules:
+        if nccl_rules or early == 0:
             assert plan == checked, rank
         else:
             assert plan != checked, rank
 
 
-def _plans_body(nccl_rules: bool) -> tuple[list[str], list[str]]:
+def test_early_receives_must_be_a_whole_number() -> None:
+    from tests.support.dist import run_on_ranks
+
+    for bad in (-1, 1.5, True):
+        with pytest.raises(Exception, match="early_receives"):
+            run_on_ranks(2, _plans_body, False, bad)
+
+
+def _plans_body(nccl_rules: bool, early: int) -> tuple[list[str], list[str]]:
     import torch
     import torch.distributed as dist
 
@@ -153,7 +161,11 @@ def _plans_body(nccl_rules: bool) -> tuple[list[str], list[str]]:
     stage = PipelineStage(torch.nn.Linear(4, 4), stage_index=rank, num_stages=2)
     schedule = build_schedule("1f1b", num_stages=2, num_microbatches=4)
     runner = PipelineRunner(
-        [stage], schedule, loss_fn=lambda y, t: (y - t).pow(2).mean(), nccl_rules=nccl_rules
+        [stage],
+        schedule,
+        loss_fn=lambda y, t: (y - t).pow(2).mean(),
+        nccl_rules=nccl_rules,
+        early_receives=early,
     )
 
     def text(steps: list[Step]) -> list[str]:

@@ -83,6 +83,10 @@ class PipelineRunner:
             device; they must all agree).
         nccl_rules: run the transport as on NCCL on any backend: every p2p op on tag 0 and one
             Work per batch (always on for a CUDA device; used by the CPU tests to emulate NCCL).
+        early_receives: on a transport that matches messages by tag (not under ``nccl_rules``), post
+            each data receive this many units before its place ([Note: early receives] in
+            ``p2p_order.py``); 0 posts it where lowering put it. Each unit adds at most one posted
+            receive buffer per stream of received messages.
     """
 
     def __init__(
@@ -98,6 +102,7 @@ class PipelineRunner:
         record_timing: bool = False,
         device: torch.device | str | None = None,
         nccl_rules: bool = False,
+        early_receives: int = EARLY_RECEIVE_UNITS,
     ) -> None:
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction={loss_reduction!r}; expected 'mean' or 'sum'")
@@ -105,6 +110,8 @@ class PipelineRunner:
             raise ValueError("PipelineRunner needs at least one PipelineStage on this rank")
         if not isinstance(timeout, timedelta):
             raise TypeError(f"timeout must be a datetime.timedelta, got {type(timeout).__name__}")
+        if isinstance(early_receives, bool) or not isinstance(early_receives, int) or early_receives < 0:
+            raise ValueError(f"early_receives={early_receives!r}; expected a whole number of units >= 0")
         stage_groups = {id(s.group): s.group for s in stages if s.group is not None}
         if len(stage_groups) > 1 or (group is not None and stage_groups and id(group) not in stage_groups):
             raise ValueError(
@@ -171,10 +178,8 @@ class PipelineRunner:
         from merak_pipe.nccl_check import check_nccl
 
         check_nccl(schedule)
-        orders = {
-            training: _issue_orders(schedule, not training, self.transport.nccl_rules)
-            for training in (True, False)
-        }
+        lookahead = 0 if self.transport.nccl_rules else early_receives
+        orders = {training: _issue_orders(schedule, not training, lookahead) for training in (True, False)}
         self._plans: dict[bool, list[Step]] = {training: orders[training][self.rank] for training in orders}
         self.exchange.prepare(self._plans.values())
         # Where host waits are the only way to learn that a send completed (gloo), sends are waited
@@ -500,13 +505,11 @@ class PipelineRunner:
         ]
 
 
-def _issue_orders(schedule: Schedule, forward_only: bool, nccl_rules: bool) -> dict[int, list[Step]]:
-    """Every rank's issue order; on the tagged transport with receives posted early ([Note: early
-    receives] in p2p_order.py)."""
+def _issue_orders(schedule: Schedule, forward_only: bool, lookahead: int) -> dict[int, list[Step]]:
+    """Every rank's issue order, with data receives posted ``lookahead`` units early ([Note: early
+    receives] in p2p_order.py; 0 under NCCL's rules)."""
     orders = issue_orders(schedule, forward_only=forward_only)
-    if nccl_rules:
-        return orders
-    return {rank: early_receives(steps, EARLY_RECEIVE_UNITS) for rank, steps in orders.items()}
+    return {rank: early_receives(steps, lookahead) for rank, steps in orders.items()}
 
 
 def _describe(spec: Any) -> str:
