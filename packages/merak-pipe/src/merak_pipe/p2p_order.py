@@ -215,12 +215,13 @@ def early_receives(steps: Sequence[Step], lookahead: int) -> list[Step]:
     """
     if lookahead <= 0:
         return list(steps)
-    unit_at = [i for i, step in enumerate(steps) if isinstance(step, tuple)]
+    units = {i: step for i, step in enumerate(steps) if isinstance(step, tuple)}
+    unit_at = list(units)
     rank_of_unit = {i: k for k, i in enumerate(unit_at)}
     bounds = _receive_bounds(steps)
-    moved: dict[int, list[P2POp]] = {i: list(steps[i]) for i in unit_at}  # type: ignore[arg-type]
-    for j in unit_at:
-        for op in list(steps[j]):  # type: ignore[union-attr]
+    moved: dict[int, list[P2POp]] = {i: list(unit) for i, unit in units.items()}
+    for j, unit in units.items():
+        for op in unit:
             bound = bounds(op, j)
             if bound is None:
                 continue
