@@ -20,6 +20,7 @@ PATTERNS = [
     re.compile(r"\btorch(?:\.\w+)*\._[A-Za-z]\w*"),  # torch.x._private
     re.compile(r"^\s*from\s+torch(?:\.\w+)*\s+import\s+\(?\s*_[A-Za-z]\w*", re.M),  # from torch.x import _p
     re.compile(r"^\s*(?:from|import)\s+torch(?:\.\w+)*\._\w+", re.M),  # from/import torch.x._private
+    re.compile(r"\bplanner_helpers\b"),  # DCP's undocumented planner helpers (_compat.read_items_for_chunks)
     # Also inside strings (``getattr(t, "_backward_hooks", None)``): the last is matched in the raw text.
     re.compile(r"_backward_hooks\b|_non_persistent_buffers_set|_get_default_store|_compiling_state_context"),
 ]

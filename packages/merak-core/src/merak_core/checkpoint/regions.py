@@ -29,9 +29,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from merak_core.parallel._compat import dtensor_offsets
+from merak_core.parallel._compat import dtensor_offsets, read_items_for_chunks
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
@@ -132,7 +131,7 @@ class RegionLoadPlanner(DefaultLoadPlanner):
             if not isinstance(md, TensorStorageMetadata):
                 raise RuntimeError(f"the checkpoint holds no tensor {key!r}")
             chunks = [ChunkStorageMetadata(torch.Size(r.offsets), r.view.shape) for r in regions]
-            items += self._one_read_per_stored_item(create_read_items_for_chunk_list(key, md, chunks))
+            items += self._one_read_per_stored_item(read_items_for_chunks(key, md, chunks))
         return dataclasses.replace(plan, items=items)
 
     def _one_read_per_stored_item(self, reads: list[ReadItem]) -> list[ReadItem]:

@@ -261,3 +261,56 @@ def dtensor_offsets(tensor: Any) -> tuple[int, ...]:
             offsets[placement.dim] += min(at * piece, sizes[placement.dim])
             sizes[placement.dim] = max(0, min(piece, sizes[placement.dim] - at * piece))
     return tuple(offsets)
+
+
+def read_items_for_chunks(fqn: str, stored: Any, chunks: list[Any]) -> list[Any]:
+    """DCP's read items that fill the ``chunks`` (``ChunkStorageMetadata``: offsets and sizes in the full
+    tensor) of the tensor ``fqn`` from the checkpoint's chunks of it (``stored``: its
+    ``TensorStorageMetadata``): one ``ReadItem`` per overlap of a requested and a stored chunk.
+
+    torch's ``planner_helpers.create_read_items_for_chunk_list`` (a helper module DCP's own planner uses,
+    not documented) where present, else :func:`_read_items_from_overlaps`: the same items from the public
+    ``ReadItem`` / ``MetadataIndex`` and the overlap arithmetic, in (requested, stored) chunk order where
+    torch's order follows its sweep (the items are a set to DCP: each names its target and its source).
+    """
+    try:
+        from torch.distributed.checkpoint import planner_helpers
+    except ImportError:
+        planner_helpers = None  # type: ignore[assignment]
+    create = getattr(planner_helpers, "create_read_items_for_chunk_list", None)
+    if create is not None:
+        return list(create(fqn, stored, chunks))
+    return _read_items_from_overlaps(fqn, stored, chunks)
+
+
+def _read_items_from_overlaps(fqn: str, stored: Any, chunks: list[Any]) -> list[Any]:
+    """Every (requested chunk, stored chunk) pair that overlaps, as the ``ReadItem`` that copies the
+    overlap: offsets relative to each chunk (``dest_offsets`` in the requested one, ``storage_offsets`` in
+    the stored one), indexes naming the chunks by offsets and position (see :func:`read_items_for_chunks`)."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+    items = []
+    for dest_at, chunk in enumerate(chunks):
+        for storage_at, saved in enumerate(stored.chunks):
+            starts = [max(a, b) for a, b in zip(chunk.offsets, saved.offsets, strict=True)]
+            ends = [
+                min(a + n, b + m)
+                for a, n, b, m in zip(chunk.offsets, chunk.sizes, saved.offsets, saved.sizes, strict=True)
+            ]
+            if any(
+                a >= b + m or b >= a + n
+                for a, n, b, m in zip(chunk.offsets, chunk.sizes, saved.offsets, saved.sizes, strict=True)
+            ):
+                continue  # apart along a dim; as torch's test, an empty chunk inside the other one overlaps it
+            items.append(
+                ReadItem(
+                    type=LoadItemType.TENSOR,
+                    dest_index=MetadataIndex(fqn, chunk.offsets, dest_at),
+                    dest_offsets=torch.Size(s - o for s, o in zip(starts, chunk.offsets, strict=True)),
+                    storage_index=MetadataIndex(fqn, saved.offsets, storage_at),
+                    storage_offsets=torch.Size(s - o for s, o in zip(starts, saved.offsets, strict=True)),
+                    lengths=torch.Size(e - s for s, e in zip(starts, ends, strict=True)),
+                )
+            )
+    return items
