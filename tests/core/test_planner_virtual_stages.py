@@ -120,3 +120,18 @@ def test_one_stage_per_rank_wins_when_the_runtime_is_expensive_per_action():
     assert best.virtual_stages == 1
     with pytest.raises(ValueError, match="per_action_s"):
         CommModel(per_action_s=-1.0)
+
+
+def test_split_backward_schedules_lose_when_the_split_costs_what_it_measures():
+    """ZB-V (and ZB-H1) split every backward into I and W: priced as one B (split_backward_scale 1) they win
+    here; at the (I + W) / B measured on the CPU machine (1.37-1.56, docs/virtual_stages.md) the planner
+    offers the unsplit interleaved 1F1B instead, and no split schedule ranks above it."""
+    from merak_pipe import schedule_info
+
+    assert _plan(_profile())[0].schedule == "zb_v"
+    cands = _plan(_profile(), comm=CommModel(split_backward_scale=1.4))
+    assert (cands[0].schedule, cands[0].virtual_stages) == ("interleaved_1f1b", 2)
+    one = [c for c in cands if c.virtual_stages == 1]
+    assert not schedule_info(one[0].schedule).split_backward  # zb_h1 no longer the best one-stage plan
+    with pytest.raises(ValueError, match="split_backward_scale"):
+        CommModel(split_backward_scale=0.0)

@@ -44,6 +44,13 @@ class CommModel:
     sends or receives; merak_pipe's ``CostModel.per_action``): measured by ``bench_pipe_runtime.py
     --section actions`` and by ``layout: auto`` (:func:`~merak_core.planner.action_cost.measure_action_cost`).
     0: left out (a cluster file states it as ``device.per_action_us``)."""
+    split_backward_scale: float = 1.0
+    """The runtime's split backward against a full one, ``(I + W) / B`` of the same stage: what ZB-H1
+    and ZB-V pay for splitting each backward (merak_pipe's ``I`` and ``W`` are two autograd calls, and
+    ``W`` builds a weight plan); the simulator's ``backward_input`` and ``backward_weight`` are each
+    half of ``B`` times it. Measured by ``benchmarks/bench_virtual_stages.py`` (its I / W columns) and
+    by hand as in docs/virtual_stages.md: 1.37-1.56 on this repository's 2-core CPU machine. 1: a
+    split as cheap as a full backward (not measured by ``layout: auto``)."""
 
     def __post_init__(self) -> None:
         table: dict[int, list[tuple[float, float]]] = {}
@@ -59,6 +66,11 @@ class CommModel:
         for name in ("p2p_latency_s", "allreduce_latency_s", "sync_wait_s", "per_action_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"CommModel.{name}={getattr(self, name)!r}: expected seconds >= 0")
+        if not (self.split_backward_scale > 0 and math.isfinite(self.split_backward_scale)):
+            raise ValueError(
+                f"CommModel.split_backward_scale={self.split_backward_scale!r}: expected (I + W) / B, a finite "
+                "factor > 0 (1: the split costs a full backward)"
+            )
         for name in ("p2p_bandwidth", "allreduce_bandwidth"):
             if not getattr(self, name) > 0:
                 raise ValueError(

@@ -245,9 +245,13 @@ def price(
         ((h + b * x) * slow + c + e + a) * k
         for h, x, c, e, a in zip(half, lay.bwd1, tp_comm, cp_bwd, a2a, strict=True)
     ]
+    # I and W: each half of B times the runtime's measured split cost (CommModel.split_backward_scale)
+    split = [x * comm.split_backward_scale / 2 for x in bwd]
     costs = CostModel(
         forward=fwd,
         backward=bwd,
+        backward_input=split,
+        backward_weight=split,
         recompute=fwd,
         p2p_latency=comm.p2p_latency_s + comm.sync_wait_s if pp > 1 else 0.0,
         per_action=comm.per_action_s if pp > 1 else 0.0,  # the pipeline runtime's own cost per action
