@@ -29,6 +29,11 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "world8: uses the 8-rank worker pool")
     config.addinivalue_line("markers", "transformers: needs the optional transformers package")
     config.addinivalue_line("markers", "slow: starts subprocesses (merak train / torchrun); seconds per test")
+    config.addinivalue_line(
+        "markers",
+        "one_process: a slow test whose subprocess is one process, no torchrun job and no ranks: it runs "
+        "beside the line of jobs, on any worker (see [Note: subprocess tests in one line])",
+    )
 
 
 # [Note: subprocess tests in one line]
@@ -41,6 +46,11 @@ def pytest_configure(config: pytest.Config) -> None:
 # pytest-xdist reads a test's group from its node id (``...@group``), which its own hook writes into
 # ``item._nodeid``; pytest 9.2 keeps the id in ``item._id`` and ignores that write (pytest-xdist issue
 # 1386), and the slow tests ran on both workers, two jobs at once. ``_join_the_group`` writes it there.
+# Only the multi-process jobs are in the line: a ``slow`` test also marked ``one_process`` starts one
+# process (a ``merak train`` that refuses the job before launching, one rank's set-up, the GPU check's
+# entry on CPU, a bash script). That is less than an in-pool test beside the line (up to 8 ranks), so
+# such tests run on any worker, after the line's jobs in the collection (7 of the line's 21 tests, 92 s
+# of its 1458 s one after another at load 14-24; docs/testing.md).
 SUBPROCESS_GROUP = "subprocess-jobs"
 
 
@@ -60,10 +70,12 @@ def _join_the_group(item: pytest.Item) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     slow = [item for item in items if item.get_closest_marker("slow") is not None]
     if slow:
-        for item in slow:
+        jobs = [item for item in slow if item.get_closest_marker("one_process") is None]
+        for item in jobs:
             item.add_marker(pytest.mark.xdist_group(SUBPROCESS_GROUP))
             if getattr(config.option, "loadgroup", False):  # a pytest-xdist worker under --dist loadgroup
                 _join_the_group(item)
+        slow = jobs + [item for item in slow if item.get_closest_marker("one_process") is not None]
         ids = {id(item) for item in slow}
         items[:] = slow + [item for item in items if id(item) not in ids]
     if torch.cuda.is_available():

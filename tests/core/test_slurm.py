@@ -109,6 +109,7 @@ def test_flags_that_contradict_slurm_are_refused() -> None:
 
 
 @pytest.mark.slow  # a subprocess (bash, no Python): milliseconds
+@pytest.mark.one_process
 def test_the_sbatch_script_runs_one_merak_train_slurm_per_node(tmp_path: Path) -> None:
     """``train.sbatch`` under a fake ``srun`` that prints what it was asked to run."""
     srun = tmp_path / "srun"

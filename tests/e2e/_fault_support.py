@@ -332,3 +332,25 @@ def logged_steps(output_dir: str) -> list[int]:
     except OSError:
         pass
     return steps
+
+
+def job_ranks_body(job: str, overrides: list[str], resume: str | None = None) -> dict[int, float]:
+    """A job file's ranks on the pool's ranks, set up as ``merak_core.launch`` sets up torchrun's.
+
+    The job file and its overrides, ``prepare_job``, the Trainer, ``--resume``, then ``train()``: what a
+    rank of ``merak train`` runs between the process groups and the summary. Where the launch is not
+    what a test checks (a reference run of a job, the last leg of a resume chain), this saves a
+    ``merak train`` job (torchrun and every rank started from nothing). The losses by step.
+    """
+    from merak_core.autoplan.prepare import prepare_job
+    from merak_core.job import JobConfig
+    from merak_core.launch import resume_target
+    from merak_core.trainer import Trainer
+
+    config = JobConfig.from_yaml(job, overrides)
+    datasets = config.build_datasets()
+    trainer = Trainer.from_prepared(prepare_job(config, datasets, job_file=job, job_overrides=overrides))
+    target = resume_target(resume)
+    if target is not None:
+        trainer.resume(target)
+    return {int(h["step"]): h["loss"] for h in trainer.train()}

@@ -309,6 +309,7 @@ def test_transformers_labels_pass_with_data_labels_unshifted(tmp_path: Path) -> 
 
 
 @pytest.mark.slow
+@pytest.mark.one_process  # refused before torchrun starts
 @pytest.mark.parametrize("name", ["training_is_a_list", "token_id_beyond_vocabulary"])
 def test_real_merak_train_prints_the_error_once_and_starts_nothing(name: str, tmp_path: Path) -> None:
     case = CASES[name]

@@ -49,6 +49,7 @@ def _wait_for(path: Path, proc: subprocess.Popen[str], timeout_s: float = 300.0)
 
 
 @pytest.mark.slow
+@pytest.mark.one_process
 def test_sigterm_inside_a_blocking_store_wait_exits_at_once_with_one_line(tmp_path: Path) -> None:
     ready = tmp_path / "ready"
     proc = subprocess.Popen(
@@ -92,6 +93,7 @@ def _job(tmp: Path) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.one_process  # one rank, started without torchrun
 def test_a_rank_interrupted_while_building_the_model_exits_preempted_with_the_restart_line(
     tmp_path: Path,
 ) -> None:

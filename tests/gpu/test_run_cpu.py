@@ -37,6 +37,7 @@ def _run_entry(out: Path, *options: str) -> subprocess.CompletedProcess[str]:
     return proc
 
 
+@pytest.mark.one_process  # a world-1 check: the entry, then its one child
 def test_gpu_check_runs_from_the_sources_with_python_path_only(tmp_path: Path) -> None:
     out = tmp_path / "out"
     _run_entry(out, "--only", "pipeline_v")
@@ -67,6 +68,7 @@ def test_multi_rank_check_runs_under_torchrun_from_the_sources(tmp_path: Path) -
     assert three_d["status"] == "skipped" and three_d["error"] == "needs 8 devices, this machine has 2"
 
 
+@pytest.mark.one_process
 def test_gpu_check_refuses_without_cuda(tmp_path: Path) -> None:
     import torch
 
