@@ -4,7 +4,7 @@ predicted by the cluster cost model for this machine described as a cluster, aga
 This machine as a cluster (:func:`cluster_file`): one node of 2 devices (the 2 cores, one thread each).
 Measured first, on this machine, in CPU time: the sustained fp32 FLOP/s of a GEMM of the demo's
 shapes, the bandwidth of a large element-wise add, the fixed cost per operator (a chain of tiny ops,
-forward and backward), and the link: gloo send/recv ping-pong between 2 pool ranks (4 B and 4 MiB,
+forward and backward), and the link: gloo send/recv ping-pong between 2 pool ranks (4 B and 32 MiB,
 median trips, corrected like the steps: [Note: contention-free step time]).
 The result is written as a cluster file and read back with ``load_cluster``.
 
@@ -23,6 +23,15 @@ would take alone is ``wall x share``, with ``share`` over both ranks' threads in
 ``wall`` the slowest rank's. On one rank this is exactly its CPU time. We also report the busiest
 rank's CPU time (``cpu``: no bubble, no idle wait), a lower bound. What this does not undo: caches
 and memory bandwidth shared with the other processes, and uneven load within one step.
+
+[Note: rates of the row's own run] The CPU time of the same code changes with the machine's load (other
+processes evict the caches the step's many small operators live in): on this machine the demo's step
+outside its pipeline took 2.0 ms of CPU at load 6 and 4.9 ms at load 12, and the GEMM probe read 149
+and 86 GFLOP/s on different runs. A rate measured once per round then prices a row run minutes later
+under another load. So every rank also measures the compute rates (GEMM, add, operator overhead)
+just before and just after its own training steps, all ranks at once as they train, and the table
+is given a second time with each row priced at its own rates (the median over its ranks, before and
+after, and its rounds).
 """
 
 from __future__ import annotations
@@ -186,15 +195,113 @@ def _measure_link(quick: bool) -> tuple[float, float]:
     """(one-way latency s, bandwidth bytes/s) of gloo between two pool ranks, contention-corrected."""
     from tests.support.dist import run_on_ranks
 
-    sizes = [4, 4 << 20]
+    sizes = [4, 32 << 20]  # 32 MiB: clearly slower than 4 B even on a loaded machine
     per_rank = run_on_ranks(2, _ping_body, sizes, 10 if quick else 30)
     trips = [corrected(*zip(*[per_rank[r][i] for r in range(2)], strict=True)) for i in range(len(sizes))]
     latency = trips[0] / 2
     if trips[1] <= trips[0]:
         raise RuntimeError(
-            f"a 4 MiB round trip ({trips[1] * 1e6:.0f} us) was not slower than 4 B ({trips[0] * 1e6:.0f} us)"
+            f"a 32 MiB round trip ({trips[1] * 1e6:.0f} us) was not slower than 4 B ({trips[0] * 1e6:.0f} us)"
         )
     return latency, sizes[1] / ((trips[1] - trips[0]) / 2)
+
+
+def _action_body(microbatches: int, repeats: int) -> tuple[list[tuple[float, float, float]], int]:
+    """Steps of the per-action probe (merak_core.planner.action_cost): (wall, run, queued) per step."""
+    import torch.distributed as dist
+
+    from merak_core.planner.action_cost import action_probe
+
+    run_step, actions = action_probe(microbatches, torch.device("cpu"))
+    rows = []
+    for i in range(repeats + 2):
+        dist.barrier()
+        s0, t0 = sched_ns(), time.perf_counter()
+        run_step()
+        wall = time.perf_counter() - t0
+        run, queued, _ = sched_delta(s0, sched_ns())
+        if i >= 2:
+            rows.append((wall, run, queued))
+    return rows, actions
+
+
+def _measure_per_action(quick: bool) -> float:
+    """Seconds the pipeline runtime spends per action: the probe layout: auto runs ([Note: per-action
+    measurement]) on 2 pool ranks, each step contention-corrected like the steps, the median."""
+    from tests.support.dist import run_on_ranks
+
+    per_rank = run_on_ranks(2, _action_body, 4, 10 if quick else 30)
+    actions = per_rank[0][1]
+    steps = [
+        corrected(*zip(*[per_rank[r][0][i] for r in range(2)], strict=True))
+        for i in range(len(per_rank[0][0]))
+    ]
+    return statistics.median(steps) / actions
+
+
+def _overhead_body(
+    depth: int, steps: int, warm: int, out_dir: str, width: int
+) -> tuple[int, int, list[float]]:
+    """One rank trains the demo's model at ``depth`` layers of ``width``, micro batch 1: (parameter
+    tensors, parameters, per measured step the main thread's CPU seconds of the step outside its pipeline)."""
+    overrides = [
+        "training.dp=1",
+        "training.tp=1",
+        "training.pp=1",
+        "training.per_device_train_batch_size=1",
+        "training.gradient_accumulation_steps=1",
+        f"model.kwargs.depth={depth}",
+        f"model.kwargs.width={width}",
+    ]
+    trainer = _build_trainer(overrides, steps, out_dir)
+    runner, inner = trainer.engine.runner, trainer._step
+    pipeline_step = runner.step
+    inside: list[float] = []
+    outside: list[float] = []
+
+    def timed_pipeline(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.thread_time()
+        out = pipeline_step(*args, **kwargs)
+        inside.append(time.thread_time() - t0)
+        return out
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.thread_time()
+        out = inner(*args, **kwargs)
+        outside.append(time.thread_time() - t0 - inside[-1])
+        return out
+
+    runner.step = timed_pipeline
+    trainer._step = timed  # type: ignore[method-assign]
+    trainer.train()
+    params = trainer.engine.params
+    return len(params), sum(p.numel() for p in params), outside[warm:]
+
+
+def measure_step_overhead(quick: bool) -> dict[str, float]:
+    """Seconds of a step outside its pipeline on one rank of the real Trainer, per step (``step_overhead``),
+    per parameter tensor (``step_tensor``) and per parameter (``step_param``) ([Note: measured step
+    overhead] in the cluster cost model): the demo's model at width 8 with 1 and 8 layers (the line
+    through their medians against the tensor count; their parameters are negligible), then at width
+    128 with 2 layers (what the line leaves, per parameter)."""
+    from tests.support.dist import run_on_ranks
+
+    steps, warm = (12, 4) if quick else (30, 6)
+    points = []
+    for depth, width in ((1, 8), (8, 8), (2, 128)):
+        with tempfile.TemporaryDirectory() as tmp:
+            tensors, params, times = run_on_ranks(1, _overhead_body, depth, steps, warm, tmp, width)[0]
+        points.append((tensors, params, statistics.median(times)))
+    (n1, _, t1), (n2, _, t2), (n3, p3, t3) = points
+    per_tensor = (t2 - t1) / (n2 - n1)
+    fixed = t1 - per_tensor * n1
+    per_param = (t3 - fixed - per_tensor * n3) / p3
+    if not (per_tensor > 0 and fixed > 0 and per_param > 0):
+        raise RuntimeError(
+            f"step overhead probe: (tensors, parameters, seconds) {points}: expected a fixed cost, a cost per "
+            "tensor and a cost per parameter > 0 (a loaded machine? run it again)"
+        )
+    return {"step_overhead": fixed, "step_tensor": per_tensor, "step_param": per_param}
 
 
 def measure_compute() -> dict[str, float]:
@@ -206,8 +313,11 @@ def measure_compute() -> dict[str, float]:
     return {"flops": _measure_flops(), "bandwidth": _measure_bandwidth(), "op_us": measure_op_overhead_us()}
 
 
-def cluster_file(rates: list[dict[str, float]], latency: float, link: float) -> dict[str, Any]:
-    """This machine as a cluster file's mapping: the medians of the rounds' compute rates and the link."""
+def cluster_file(
+    rates: list[dict[str, float]], latency: float, link: float, runtime: dict[str, float]
+) -> dict[str, Any]:
+    """This machine as a cluster file's mapping: the medians of the rounds' compute rates, the link and
+    the runtime's own costs (``runtime``: per_action, step_overhead, step_tensor, step_param, in seconds)."""
     flops, bandwidth, op_us = (
         statistics.median(r[k] for r in rates) for k in ("flops", "bandwidth", "op_us")
     )
@@ -216,7 +326,10 @@ def cluster_file(rates: list[dict[str, float]], latency: float, link: float) -> 
         "source": (
             f"this machine, measured by bench_cluster_plan.py steps (CPU time, medians of {len(rates)} rounds): "
             f"GEMM {flops / 1e9:.1f} GFLOP/s, add {bandwidth / 1e9:.1f} GB/s, {op_us:.2f} us per op; gloo "
-            f"p2p {latency * 1e6:.0f} us + {link / 1e9:.2f} GB/s (contention-corrected)"
+            f"p2p {latency * 1e6:.0f} us + {link / 1e9:.2f} GB/s (contention-corrected); "
+            f"{runtime['per_action'] * 1e6:.1f} us per pipeline action (corrected), a step outside its "
+            f"pipeline {runtime['step_overhead'] * 1e6:.0f} us + {runtime['step_tensor'] * 1e6:.1f} us per "
+            f"parameter tensor + {runtime['step_param'] * 1e9:.2f} ns per parameter (one rank, CPU time)"
         ),
         "devices_per_node": 2,
         "device": {
@@ -225,6 +338,10 @@ def cluster_file(rates: list[dict[str, float]], latency: float, link: float) -> 
             "memory_gb": 4,
             "memory_bandwidth_gb_s": round(bandwidth / 1e9, 3),
             "op_overhead_us": round(op_us, 3),
+            "per_action_us": round(runtime["per_action"] * 1e6, 2),
+            "step_overhead_us": round(runtime["step_overhead"] * 1e6, 1),
+            "step_tensor_us": round(runtime["step_tensor"] * 1e6, 2),
+            "step_param_ns": round(runtime["step_param"] * 1e9, 3),
         },
         "intra_node": {"bandwidth_gb_s": round(link / 1e9, 4), "latency_us": round(latency * 1e6, 2)},
         "efficiency": {
@@ -239,11 +356,8 @@ def cluster_file(rates: list[dict[str, float]], latency: float, link: float) -> 
 # ---------------------------------------------------------------------------- training one configuration
 
 
-def _train_body(overrides: list[str], steps: int, warm: int, out_dir: str) -> dict[str, Any]:
-    """Train the demo for ``steps`` steps; per measured step this rank's (wall, main thread's run and
-    queued, all threads' run) seconds, and the logical parameter names of this rank's stage."""
-    import torch.distributed as dist
-
+def _build_trainer(overrides: list[str], steps: int, out_dir: str) -> Any:
+    """The real Trainer of the demo's job with ``overrides``, for ``steps`` steps, no evaluation."""
     from merak_core import Trainer
     from merak_core.autoplan.prepare import prepare_job
     from merak_core.job import JobConfig
@@ -260,9 +374,20 @@ def _train_body(overrides: list[str], steps: int, warm: int, out_dir: str) -> di
         ],
     )
     train_data, _ = job.build_datasets()
-    trainer = Trainer.from_prepared(prepare_job(job, (train_data, None)))
+    return Trainer.from_prepared(prepare_job(job, (train_data, None)))
+
+
+def _train_body(overrides: list[str], steps: int, warm: int, out_dir: str) -> dict[str, Any]:
+    """Train the demo for ``steps`` steps; per measured step this rank's (wall, main thread's run and
+    queued, all threads' run) seconds, and the logical parameter names of this rank's stage."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.barrier()
+    rates = [measure_compute()]  # every rank at once, as they train ([Note: rates of the row's own run])
+    trainer = _build_trainer(overrides, steps, out_dir)
     rows: list[tuple[float, ...]] = []
-    inner = trainer.training_step
+    inner = trainer._step  # what the training loop calls (training_step wraps it and reads the loss)
 
     def timed(*args: Any, **kwargs: Any) -> Any:
         s0, t0 = sched_ns(), time.perf_counter()
@@ -271,11 +396,12 @@ def _train_body(overrides: list[str], steps: int, warm: int, out_dir: str) -> di
         rows.append((wall, *sched_delta(s0, sched_ns())))
         return out
 
-    trainer.training_step = timed  # type: ignore[method-assign]
+    trainer._step = timed  # type: ignore[method-assign]
     trainer.train()
     names = sorted(set(trainer.model.logical_names.values()))
     dist.barrier()
-    return {"rows": rows[warm:], "names": names}
+    rates.append(measure_compute())
+    return {"rows": rows[warm:], "names": names, "rates": rates}
 
 
 def measure(config: StepConfig, steps: int, warm: int) -> dict[str, Any]:
@@ -285,7 +411,14 @@ def measure(config: StepConfig, steps: int, warm: int) -> dict[str, Any]:
 
     with tempfile.TemporaryDirectory() as tmp:
         per_rank = run_on_ranks(config.world, _train_body, config.overrides(), steps, warm, tmp)
-    out: dict[str, Any] = {"free": [], "cpu": [], "wall": [], "names": per_rank[0]["names"]}
+    rates = [x for r in per_rank for x in r["rates"]]
+    out: dict[str, Any] = {
+        "free": [],
+        "cpu": [],
+        "wall": [],
+        "names": per_rank[0]["names"],
+        "rates": {k: statistics.median(x[k] for x in rates) for k in rates[0]},
+    }
     for i in range(len(per_rank[0]["rows"])):
         walls, runs, queued, busy = zip(*[r["rows"][i] for r in per_rank], strict=True)
         out["free"].append(corrected(list(walls), list(runs), list(queued)))
@@ -379,7 +512,7 @@ def _measure_rounds(
     """Every configuration once per round, in an order rotated each round, after this round's
     measurement of the core's compute rates (so the calibration sees the same load as the runs)."""
     got: dict[StepConfig, dict[str, list[Any]]] = {
-        c: {"free": [], "cpu": [], "wall": [], "names": []} for c in configs
+        c: {"free": [], "cpu": [], "wall": [], "names": [], "rates": []} for c in configs
     }
     rates = []
     for r in range(rounds):
@@ -390,6 +523,7 @@ def _measure_rounds(
             for key in ("free", "cpu", "wall"):
                 got[c][key].append(statistics.median(m[key]))
             got[c]["names"] = m["names"]
+            got[c]["rates"].append(m["rates"])
             print(
                 f"<!-- round {r + 1} {c.label}: {statistics.median(m['free']) * 1e3:.1f} ms -->", flush=True
             )
@@ -401,6 +535,8 @@ def _measure(quick: bool) -> dict[str, Any]:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
     before = load_average()
     latency, link = _measure_link(quick)
+    runtime = {"per_action": _measure_per_action(quick), **measure_step_overhead(quick)}
+    print(f"<!-- runtime costs (s): {runtime} -->", flush=True)
     configs = _configs(quick)
     rounds, steps, warm = (2, 6, 2) if quick else (3, 10, 3)
     got, rates = _measure_rounds(configs, rounds, steps, warm)
@@ -408,7 +544,7 @@ def _measure(quick: bool) -> dict[str, Any]:
         "commit": commit.stdout.strip(),
         "load_before": before,
         "load_after": load_average(),
-        "cluster": cluster_file(rates, latency, link),
+        "cluster": cluster_file(rates, latency, link, runtime),
         "rows": [{"config": dataclasses.asdict(c), **got[c]} for c in configs],
     }
 
@@ -438,15 +574,49 @@ def run(quick: bool, measured: str | None = None, save: str | None = None) -> No
         cluster = load_cluster(path)
     names = next((got[c]["names"] for c in configs if c.pp == 2), None)
     pred = predict_all(cluster, configs, names)
+    own = {}  # each row predicted with the compute rates measured on its own ranks around its own runs
+    for c in configs:
+        if not got[c].get("rates"):
+            continue  # saved before the rows measured their own rates
+        row_rates = [{k: statistics.median(r[k] for r in got[c]["rates"]) for k in got[c]["rates"][0]}]
+        raw = cluster_file(row_rates, 1.0, 1.0, _runtime(data["cluster"]))
+        raw = {**data["cluster"], "device": raw["device"], "efficiency": raw["efficiency"]}
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "row.yaml"
+            path.write_text(yaml.safe_dump(raw, sort_keys=False))
+            own[c] = (predict_all(load_cluster(path), [c], names)[c], row_rates[0])
+    print("predicted with this round's rates (the cluster file above):\n")
     _report(configs, got, pred)
+    if len(own) == len(configs):
+        print(
+            "\npredicted with the rates measured on each row's own ranks around its runs ([Note: rates of the row's own run]):\n"
+        )
+        _report(configs, got, {c: own[c][0] for c in configs}, {c: own[c][1] for c in configs})
 
 
-def _report(configs: list[StepConfig], got: dict[StepConfig, Any], pred: dict[StepConfig, Any]) -> None:
+def _runtime(raw: dict[str, Any]) -> dict[str, float]:
+    """The runtime costs (seconds) of a cluster file written by :func:`cluster_file`."""
+    dev = raw["device"]
+    return {
+        "per_action": dev.get("per_action_us", 0.0) / 1e6,
+        "step_overhead": dev.get("step_overhead_us", 0.0) / 1e6,
+        "step_tensor": dev.get("step_tensor_us", 0.0) / 1e6,
+        "step_param": dev.get("step_param_ns", 0.0) / 1e9,
+    }
+
+
+def _report(
+    configs: list[StepConfig],
+    got: dict[StepConfig, Any],
+    pred: dict[StepConfig, Any],
+    rates: dict[StepConfig, dict[str, float]] | None = None,
+) -> None:
+    rate_head = " GEMM GFLOP/s, us per op |" if rates else ""
     print(
         "| layout | schedule | m x mbs | recompute | predicted ms | of which pipeline / DP all-reduce / optimizer "
-        "| measured ms | rounds min-max | busiest rank CPU ms | raw wall ms | error |"
+        f"| measured ms | rounds min-max | busiest rank CPU ms | raw wall ms |{rate_head} error |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|" + ("---|" if rates else "") + "---|")
     errors, p_s, m_s = [], [], []
     for c in configs:
         p = pred[c]
@@ -461,7 +631,9 @@ def _report(configs: list[StepConfig], got: dict[StepConfig, Any], pred: dict[St
             f"| {p.step_time_s * 1e3:.1f} | {p.pipeline_s * 1e3:.1f} / {p.dp_allreduce_s * 1e3:.1f} / "
             f"{p.optimizer_s * 1e3:.1f} | {meas * 1e3:.1f} | {min(got[c]['free']) * 1e3:.1f}-"
             f"{max(got[c]['free']) * 1e3:.1f} | {statistics.median(got[c]['cpu']) * 1e3:.1f} "
-            f"| {statistics.median(got[c]['wall']) * 1e3:.1f} | {100 * err:+.0f}% |"
+            f"| {statistics.median(got[c]['wall']) * 1e3:.1f} |"
+            + (f" {rates[c]['flops'] / 1e9:.0f}, {rates[c]['op_us']:.2f} |" if rates else "")
+            + f" {100 * err:+.0f}% |"
         )
     two = [i for i, c in enumerate(configs) if c.world == 2]
     pick = min(two, key=lambda i: p_s[i])

@@ -186,3 +186,46 @@ def test_sub_pipelined_tp_pays_latency_and_operators_per_chunk(costs):
         2 * compute_k + max(chunked / 2, chunked - compute_k), rel=1e-9
     )
     assert over.forward_s[0] > plain.forward_s[0] and over.backward_s[0] > plain.backward_s[0]
+
+
+def test_measured_step_overhead_per_step_tensor_and_parameter(costs):
+    """[Note: measured step overhead]: a file's device.step_overhead_us is added once per step,
+    step_tensor_us per owned parameter tensor (replacing STEP_OPS_PER_TENSOR x op_overhead_us) and
+    step_param_ns per owned parameter (replacing Adam's bytes at the memory bandwidth); without the
+    keys the step is what it was. Also read from a file, and a negative value is refused."""
+    import yaml
+
+    from merak_core.planner.cluster import ClusterSpec, shipped_clusters
+
+    base = dataclasses.replace(load_cluster("h100-sxm-8x"), op_overhead_s=1e-5)
+    bounds = [0, costs.num_layers // 2, costs.num_layers]
+    tensors = max(costs.stage_tensors(bounds[s], bounds[s + 1], trainable=True) for s in range(2))
+    params = max(costs.stage_trainable(bounds[s], bounds[s + 1]) for s in range(2))
+
+    def rest(cluster, zero, dp):
+        st = stage_costs(costs, cluster, bounds=bounds, dp=dp, tp=1, micro_batch_size=1, zero_stage=zero)
+        return step_overhead_s(costs, cluster, st, bounds=bounds, dp=dp, tp=1, zero_stage=zero)[1]
+
+    fixed = dataclasses.replace(base, step_overhead_s=2e-3)
+    assert rest(fixed, 0, 2) - rest(base, 0, 2) == pytest.approx(2e-3, rel=1e-9)
+    no_bytes = dataclasses.replace(base, step_param_s=0.0, step_tensor_s=0.0)
+    assert rest(no_bytes, 0, 2) < rest(base, 0, 2)  # both terms of the default gone
+    per_tensor = dataclasses.replace(no_bytes, step_tensor_s=3e-5)
+    assert rest(per_tensor, 0, 2) - rest(no_bytes, 0, 2) == pytest.approx(tensors * 3e-5, rel=1e-9)
+    assert rest(per_tensor, 1, 2) - rest(no_bytes, 1, 2) == pytest.approx(tensors * 3e-5 / 2, rel=1e-9)
+    per_param = dataclasses.replace(no_bytes, step_param_s=4e-9)
+    assert rest(per_param, 0, 2) - rest(no_bytes, 0, 2) == pytest.approx(params * 4e-9, rel=1e-9)
+    assert rest(per_param, 1, 2) - rest(no_bytes, 1, 2) == pytest.approx(params * 4e-9 / 2, rel=1e-9)
+
+    raw = yaml.safe_load(shipped_clusters()["h100-sxm-8x"].read_text())
+    assert ClusterSpec.from_dict(raw).step_overhead_s == 0.0
+    assert (
+        ClusterSpec.from_dict(raw).step_tensor_s is None and ClusterSpec.from_dict(raw).step_param_s is None
+    )
+    raw["device"].update(step_overhead_us=2000.0, step_tensor_us=30.0, step_param_ns=4.0)
+    spec = ClusterSpec.from_dict(raw)
+    assert (spec.step_overhead_s, spec.step_tensor_s, spec.step_param_s) == pytest.approx((2e-3, 3e-5, 4e-9))
+    for key in ("step_overhead_us", "step_tensor_us", "step_param_ns"):
+        bad = {**raw, "device": {**raw["device"], key: -1.0}}
+        with pytest.raises(ValueError, match="step_"):
+            ClusterSpec.from_dict(bad)

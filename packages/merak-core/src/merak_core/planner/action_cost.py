@@ -22,7 +22,7 @@ from torch import nn
 
 from merak_core.planner.clock import now
 
-__all__ = ["busiest_actions", "measure_action_cost", "runtime_actions_s"]
+__all__ = ["action_probe", "busiest_actions", "measure_action_cost", "runtime_actions_s"]
 
 _WIDTH = 16
 
@@ -50,32 +50,21 @@ def measure_action_cost(
     import torch.distributed as dist
 
     from merak_core.parallel.devices import collective_device
-    from merak_pipe import PipelineRunner, PipelineStage, build_schedule
 
     if microbatches < 1 or rounds < 1 or warmup < 0:
         raise ValueError(
             f"measure_action_cost: microbatches={microbatches}, rounds={rounds}, warmup={warmup}; expected "
             "microbatches >= 1, rounds >= 1, warmup >= 0"
         )
-    world = dist.get_world_size()
-    if world < 2:
+    if dist.get_world_size() < 2:
         return 0.0
     dev = device if device is not None else collective_device()
-    rank = dist.get_rank()
-    schedule = build_schedule("1f1b", num_stages=world, num_microbatches=microbatches)
-    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
-        torch.manual_seed(0)
-        layer = nn.Linear(_WIDTH, _WIDTH).to(dev)
-        x = torch.randn(microbatches, _WIDTH, device=dev)
-        y = torch.randn(microbatches, _WIDTH, device=dev)
-    runner = PipelineRunner(
-        [PipelineStage(layer, stage_index=rank, num_stages=world, device=dev)], schedule, loss_fn=_tiny_loss
-    )
+    run_step, actions = action_probe(microbatches, dev)
 
     def step() -> float:
         dist.barrier()
         start = now(dev)
-        runner.step(x if runner.holds_first_stage else None, y if runner.holds_last_stage else None)
+        run_step()
         elapsed = torch.tensor([now(dev) - start], dtype=torch.float64, device=dev)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank's: the same on every rank
         return float(elapsed)
@@ -83,7 +72,34 @@ def measure_action_cost(
     for _ in range(warmup):
         step()
     step_s = statistics.median(step() for _ in range(rounds))
-    return step_s / busiest_actions(runner.schedule)
+    return step_s / actions
+
+
+def action_probe(microbatches: int, device: torch.device) -> tuple[Any, int]:
+    """The probe of [Note: per-action measurement] on this rank (collective: every rank of the default
+    group): a function that runs one step of it, and the busiest rank's number of lowered actions.
+    For a caller that times the step its own way (``bench_cluster_plan.py steps``: CPU time)."""
+    import torch.distributed as dist
+
+    from merak_pipe import PipelineRunner, PipelineStage, build_schedule
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    schedule = build_schedule("1f1b", num_stages=world, num_microbatches=microbatches)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(0)
+        layer = nn.Linear(_WIDTH, _WIDTH).to(device)
+        x = torch.randn(microbatches, _WIDTH, device=device)
+        y = torch.randn(microbatches, _WIDTH, device=device)
+    runner = PipelineRunner(
+        [PipelineStage(layer, stage_index=rank, num_stages=world, device=device)],
+        schedule,
+        loss_fn=_tiny_loss,
+    )
+
+    def run_step() -> None:
+        runner.step(x if runner.holds_first_stage else None, y if runner.holds_last_stage else None)
+
+    return run_step, busiest_actions(runner.schedule)
 
 
 def runtime_actions_s(per_action_s: float, schedule: Any) -> float:

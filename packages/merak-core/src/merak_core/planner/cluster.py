@@ -35,6 +35,9 @@ _SCHEMA: dict[str, Any] = {
         "memory_bandwidth_gb_s": float,
         "op_overhead_us": float,
         "per_action_us": float,
+        "step_overhead_us": float,
+        "step_tensor_us": float,
+        "step_param_ns": float,
     },
     "intra_node": {"bandwidth_gb_s": float, "bidirectional": bool, "latency_us": float},
     "inter_node": {"nics_per_node": int, "nic_gbit_s": float, "latency_us": float},
@@ -46,6 +49,9 @@ _OPTIONAL = {
     "device.name",
     "device.op_overhead_us",
     "device.per_action_us",
+    "device.step_overhead_us",
+    "device.step_tensor_us",
+    "device.step_param_ns",
     "intra_node.bidirectional",
     "efficiency.memory",
     "efficiency.link",
@@ -116,6 +122,20 @@ class ClusterSpec:
     """The pipeline runtime's own seconds per action on one device (the file's ``device.per_action_us``,
     measured as ``layout: auto`` does: [Note: per-action measurement]); the cluster model adds it per
     lowered action of the busiest pipeline rank to a pipelined step. 0 (the shipped files): left out."""
+    step_overhead_s: float = 0.0
+    """Fixed host seconds of a training step outside the pipeline and the per-tensor work, whatever
+    the model (the engine's own bookkeeping: the step flags and the loss vector, the learning-rate
+    schedule, the per-phase watchdog; the file's ``device.step_overhead_us``, measured as
+    ``bench_cluster_plan.py steps`` does: [Note: measured step overhead] in the cluster cost model).
+    0 (the shipped files): left out."""
+    step_tensor_s: float | None = None
+    """Host seconds per parameter tensor of the optimizer step, the gradient norm, the clipping and the
+    gradients' reset (the file's ``device.step_tensor_us``, measured with :attr:`step_overhead_s`).
+    None: ``STEP_OPS_PER_TENSOR`` operators at :attr:`op_overhead_s`."""
+    step_param_s: float | None = None
+    """Host seconds per trainable parameter of the same work (the file's ``device.step_param_ns``,
+    measured with :attr:`step_overhead_s`): an unfused optimizer passes over the memory once per list
+    operation. None: Adam's bytes once at the memory bandwidth."""
     device_name: str = ""
     source: str = ""
     """Where the numbers come from."""
@@ -132,9 +152,19 @@ class ClusterSpec:
         for name in ("memory_bytes", "memory_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"ClusterSpec.{name}={getattr(self, name)!r}: expected a value > 0")
-        for name in ("intra_node_latency_s", "inter_node_latency_s", "op_overhead_s", "per_action_s"):
+        for name in (
+            "intra_node_latency_s",
+            "inter_node_latency_s",
+            "op_overhead_s",
+            "per_action_s",
+            "step_overhead_s",
+        ):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"ClusterSpec.{name}={getattr(self, name)!r}: expected seconds >= 0")
+        if self.step_tensor_s is not None and not self.step_tensor_s >= 0:
+            raise ValueError(
+                f"ClusterSpec.step_tensor_s={self.step_tensor_s!r}: expected seconds >= 0 or None"
+            )
         for name in ("compute_efficiency", "memory_efficiency", "link_efficiency", "usable_memory_fraction"):
             v = getattr(self, name)
             if not 0 < v <= 1:
@@ -195,6 +225,9 @@ class ClusterSpec:
                 usable_memory_fraction=float(raw.get("usable_memory_fraction", 0.9)),
                 op_overhead_s=float(dev.get("op_overhead_us", 0.0)) / 1e6,
                 per_action_s=float(dev.get("per_action_us", 0.0)) / 1e6,
+                step_overhead_s=float(dev.get("step_overhead_us", 0.0)) / 1e6,
+                step_tensor_s=float(dev["step_tensor_us"]) / 1e6 if "step_tensor_us" in dev else None,
+                step_param_s=float(dev["step_param_ns"]) / 1e9 if "step_param_ns" in dev else None,
                 device_name=str(dev.get("name", "")),
                 source=str(raw.get("source", "")),
             )

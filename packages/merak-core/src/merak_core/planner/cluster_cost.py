@@ -54,6 +54,20 @@ small model this is most of the time outside the pipeline; a GPU file with ``op_
 out. ZeRO-1 runs the optimizer on the tensors a rank owns (about 1/dp of them); FSDP2 (ZeRO-2/3) on a shard
 of every tensor.
 
+[Note: measured step overhead] Outside the pipeline a step also costs host time that does not
+depend on the model: the engine's bookkeeping (the step flags and the loss vector, the gradients'
+reset, the learning-rate schedule, the per-phase watchdog). A cluster file may state it per device
+(``device.step_overhead_us``), with the per-tensor cost (``device.step_tensor_us``, replacing
+``STEP_OPS_PER_TENSOR`` x ``op_overhead_us``) and the per-parameter cost (``device.step_param_ns``,
+replacing Adam's bytes once at the memory bandwidth: on CPU the unfused multi-tensor AdamW, the norm
+and the clipping pass over the memory once per list operation, about 16 times, not once).
+``bench_cluster_plan.py steps`` measures all three on one rank of the real Trainer (the CPU time of a
+step minus its pipeline's) with the demo's model at width 8 and 1 and 8 layers (their slope per
+tensor, their intercept fixed; their parameters are negligible) and at width 128 and 2 layers (what
+is left per parameter).
+On the project's 2-core CPU the fixed part is about 2-3 ms a step, and the term made every layout
+of the demo under-predicted by about 4 ms (see docs/cluster.md). Shipped GPU files leave both out.
+
 Deliberately not modelled: kernel efficiency that varies with matrix size, smaller GEMMs of
 sub-microbatches, overlap of the DP all-reduce with the backward, network contention between
 rings that share a NIC, sequence parallelism.
@@ -98,6 +112,7 @@ __all__ = [
     "StageCosts",
     "model_costs",
     "stage_costs",
+    "step_tensor_s",
     "trace_for_cluster",
 ]
 
@@ -495,6 +510,17 @@ def step_overhead_s(
     # Adam reads and writes master weights, moments and gradients, writes the 16-bit weights.
     touched = largest / opt_div * (2 * prec.optimizer_bytes + prec.grad_bytes + prec.weight_bytes)
     optimizer = touched / (cluster.memory_bandwidth * cluster.memory_efficiency)
+    if cluster.step_param_s is not None:  # measured per parameter ([Note: measured step overhead])
+        optimizer = largest / opt_div * cluster.step_param_s
     owned = most_tensors / (dp if zero_stage == 1 else 1)  # ZeRO-1 owns whole tensors
-    optimizer += owned * STEP_OPS_PER_TENSOR * cluster.op_overhead_s
+    optimizer += owned * step_tensor_s(cluster) + cluster.step_overhead_s  # [Note: measured step overhead]
     return dp_s + tied, optimizer + flags
+
+
+def step_tensor_s(cluster: ClusterSpec) -> float:
+    """Host seconds per parameter tensor in the step outside the pipeline: the cluster file's measured
+    ``device.step_tensor_us``, else ``STEP_OPS_PER_TENSOR`` operators at ``op_overhead_s``
+    ([Note: per-tensor step operators], [Note: measured step overhead])."""
+    if cluster.step_tensor_s is not None:
+        return cluster.step_tensor_s
+    return STEP_OPS_PER_TENSOR * cluster.op_overhead_s
