@@ -65,8 +65,10 @@ and the clipping pass over the memory once per list operation, about 16 times, n
 step minus its pipeline's) with the demo's model at width 8 and 1 and 8 layers (their slope per
 tensor, their intercept fixed; their parameters are negligible) and at width 128 and 2 layers (what
 is left per parameter).
-On the project's 2-core CPU the fixed part is about 2-3 ms a step, and the term made every layout
-of the demo under-predicted by about 4 ms (see docs/cluster.md). Shipped GPU files leave both out.
+On the project's 2-core CPU (load 14-16) it read 1.6 ms + 22 us per tensor, about what
+``STEP_OPS_PER_TENSOR`` gave for the demo's 68 tensors, while the phases of the demo's real step
+outside its pipeline took 4-6.5 ms of CPU (docs/cluster.md): after a pipeline of larger tensors the
+same code runs slower than in the probe. Shipped GPU files leave all three out.
 
 Deliberately not modelled: kernel efficiency that varies with matrix size, smaller GEMMs of
 sub-microbatches, overlap of the DP all-reduce with the backward, network contention between
