@@ -9,10 +9,21 @@ The ratios are medians over rounds of the per-round paired ratios against 1F1B.
 
 Simulator (merak_pipe.simulate) columns, from each run's own per-action timings
 (``merak_pipe.timing.measured_costs``, every rank gathered): ``sim`` is the schedule simulated on
-the costs the same step measured (its error against the measured step); ``pred ratio`` is the
-interleaved schedule simulated on the 1F1B run's costs, each stage's forward/backward split in two
-halves, over the 1F1B schedule simulated on the same costs: what the simulator predicts before
-running interleaved.
+the costs the same step measured (its error against the measured step); ``pred (halves)`` is the
+interleaved (or ZB-V) schedule simulated on the 1F1B run's costs, each stage's forward/backward
+split in two halves (ZB-V's I and W half a B each), over the 1F1B schedule simulated on the same
+costs: what the simulator predicted before running them, until issue 31.
+
+``pred+`` is the same prediction with what halving misses, measured in the same run, not guessed
+([Note: prediction from 1F1B] below): the runtime's own cost per action (merak_core's
+``measure_action_cost``, the number ``layout: auto`` measures; the simulator's
+``CostModel.per_action``), the cost of a stage of half the layers against a whole one (its
+forward and backward timed in one process on every rank, in thread CPU time, so the fixed cost per
+call that halving does not halve is in it) and, for ZB-V, the split backward's ``I`` and ``W`` against a full ``B``
+of that half stage. ``pred+ error`` is the predicted ratio against the measured one. The second
+table shows where the rest of the error is: per kind, the schedule's own measured cost (its run's
+``measured_costs``) over the cost predicted for it (median over stages and rounds), and the
+simulator's error on the schedule's own costs.
 
 Run (forked processes, FileStore rendezvous)::
 
@@ -88,6 +99,187 @@ def _halved(costs: Any, pp: int, v: int) -> Any:
     )
 
 
+# [Note: prediction from 1F1B]
+# The 1F1B run measures per stage F and B, each charged with the runtime's work around it
+# ([Note: measured costs] in merak_pipe.timing): one action's own cost plus the sends and receives it
+# issues, p per action and message. Take that out (``base = measured - p * (1 + messages)``), scale
+# the rest by the measured half-stage ratio, map virtual stage t to the 1F1B stage that holds its
+# layers (t // v), and let the simulator add p back per action and per message of the new
+# placement (CostModel.per_action on a compute-only schedule). The first stage of ZB-V has no input
+# gradient to compute: its I is the runtime's alone and its W a whole backward (the runner's
+# fallback). The 1F1B denominator is simulated on the same base costs with the same p, which
+# gives back its measured costs.
+
+
+def _layers_stage(cfg: dict[str, Any], layers: int) -> Any:
+    from model import Layer, TinyGPTConfig  # type: ignore[import-not-found]
+    from torch import nn
+
+    from merak_pipe.stage import PipelineStage
+
+    config = TinyGPTConfig(
+        width=cfg["width"], context=cfg["seq"], depth=layers, heads=4, vocab_size=cfg["vocab"]
+    )
+    module = nn.Sequential(*[Layer(config) for _ in range(layers)])
+    return PipelineStage(module, stage_index=1, num_stages=3)  # a middle stage: input gradient needed
+
+
+def _stage_terms(cfg: dict[str, Any], stages: dict[str, Any], reps: int = 3) -> dict[str, float]:
+    """CPU seconds of F, B of a whole 1F1B stage's layers and F, B, I, W of half of them (medians of ``reps``).
+
+    Thread CPU time (``time.thread_time``), not wall time: with more ranks than cores a wall-clock
+    measurement of one call is as likely to include a descheduling as not, and only the ratios are used.
+    """
+    x = torch.randn(cfg["micro_batch"], cfg["seq"], cfg["width"])
+    g = torch.randn_like(x)
+    out: dict[str, list[float]] = {}
+    clock = time.thread_time
+    for rep in range(reps):
+        for name in rotated(["full", "half", "split"], rep):
+            stage = stages["half" if name == "split" else name]
+            t0 = clock()
+            stage.forward(0, (x.detach().requires_grad_(True),), {})
+            t1 = clock()
+            if name == "split":
+                stage.backward_input(0, [g])
+                t2 = clock()
+                stage.backward_weight(0)
+                out.setdefault("I", []).append(t2 - t1)
+                out.setdefault("W", []).append(clock() - t2)
+                continue
+            stage.backward(0, [g])
+            out.setdefault(f"F_{name}", []).append(t1 - t0)
+            out.setdefault(f"B_{name}", []).append(clock() - t1)
+    return {k: statistics.median(v) for k, v in out.items()}
+
+
+def _probe(schedule: Any, microbatches: int) -> Any:
+    """One step of ``schedule``'s pipeline on tiny stages (a 16 x 16 linear each) on this rank, as
+    merak_core's ``measure_action_cost`` runs 1F1B: its step time over the busiest rank's lowered
+    actions is the runtime's cost per action for that schedule."""
+    from torch import nn
+
+    from merak_pipe import PipelineRunner, PipelineStage
+
+    rank, S = dist.get_rank(), schedule.num_stages
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        stages = [
+            PipelineStage(nn.Linear(16, 16), stage_index=s, num_stages=S) for s in schedule.stages_of(rank)
+        ]
+        x, y = torch.randn(microbatches, 16), torch.randn(microbatches, 16)
+    runner = PipelineRunner(stages, schedule, loss_fn=lambda out, target: ((out - target) ** 2).mean())
+    return lambda: runner.step(
+        x if runner.holds_first_stage else None, y if runner.holds_last_stage else None
+    )
+
+
+def _per_action(probe: Any, actions: int, rounds: int = 3) -> float:
+    """Median over ``rounds`` steps of the probe (slowest rank) over its busiest rank's actions."""
+    times = []
+    for _ in range(rounds + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        probe()
+        took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        dist.all_reduce(took, op=dist.ReduceOp.MAX)
+        times.append(float(took))
+    return statistics.median(times[1:]) / actions
+
+
+def _crossings(schedule: Any) -> list[int]:
+    """Per stage: messages one of its F (or B) sends and receives across ranks."""
+    rank, S = schedule.stage_to_rank, schedule.num_stages
+    return [
+        int(s > 0 and rank[s - 1] != rank[s]) + int(s < S - 1 and rank[s + 1] != rank[s]) for s in range(S)
+    ]
+
+
+def _base(costs: Any, schedule: Any, p: float) -> tuple[list[float], list[float]]:
+    """The 1F1B run's F and B per stage without the runtime's own cost ([Note: prediction from 1F1B])."""
+    cross = _crossings(schedule)
+    fwd = [max(f - p * (1 + c), 0.0) for f, c in zip(costs.forward, cross, strict=True)]
+    bwd = [max(b - p * (1 + c), 0.0) for b, c in zip(costs.backward, cross, strict=True)]
+    return fwd, bwd
+
+
+def _predicted_costs(
+    costs: Any, one: Any, target: Any, terms: dict[str, float], p: float, p_target: float
+) -> Any:
+    """CostModel of ``target`` (v stages per rank) from the 1F1B run's ``costs`` plus the measured terms."""
+    import dataclasses
+
+    fwd1, bwd1 = _base(costs, one, p)
+    v = target.num_stages // one.num_stages
+    rf, rb = terms["F_half"] / terms["F_full"], terms["B_half"] / terms["B_full"]
+    ri, rw = terms["I"] / terms["B_full"], terms["W"] / terms["B_full"]
+    S = target.num_stages
+    fwd = [fwd1[t // v] * rf for t in range(S)]
+    bwd = [bwd1[t // v] * rb for t in range(S)]
+    b_in = [0.0 if t == 0 else bwd1[t // v] * ri for t in range(S)]
+    b_w = [bwd[t] if t == 0 else bwd1[t // v] * rw for t in range(S)]
+    return dataclasses.replace(
+        costs,
+        forward=fwd,
+        backward=[i + w for i, w in zip(b_in, b_w, strict=True)] if _is_split(target) else bwd,
+        recompute=fwd,
+        backward_input=b_in if _is_split(target) else None,
+        backward_weight=b_w if _is_split(target) else None,
+        per_action=p_target,
+    )
+
+
+def _is_split(schedule: Any) -> bool:
+    from merak_pipe.ir import ActionKind
+
+    return any(a.kind is ActionKind.BACKWARD_INPUT for acts in schedule.actions.values() for a in acts)
+
+
+def _predict(
+    costs: Any, modes: dict[str, Any], terms: dict[str, float], p: float, p_own: dict[str, float]
+) -> dict[str, Any]:
+    """Predicted ratio against 1F1B and predicted costs per mode, from the 1F1B run's measured costs:
+    ``pred_plus`` with 1F1B's cost per action for every schedule, ``pred_own`` with each schedule's
+    own (``p_own``, measured on tiny stages)."""
+    import dataclasses
+
+    from merak_pipe import simulate
+
+    one = modes["1f1b"].engine.schedule
+    fwd1, bwd1 = _base(costs, one, p)
+    base = dataclasses.replace(costs, forward=fwd1, backward=bwd1, recompute=fwd1, per_action=p)
+    denominator = simulate(one, base).makespan
+    out: dict[str, Any] = {}
+    for mode in ("interleaved", "zb_v"):
+        target = modes[mode].engine.schedule
+        predicted = _predicted_costs(costs, one, target, terms, p, p)
+        out[f"{mode}_pred_plus"] = simulate(target, predicted).makespan / denominator
+        own = _predicted_costs(costs, one, target, terms, p, p_own[mode])
+        out[f"{mode}_pred_own"] = simulate(target, own).makespan / denominator
+        out[f"{mode}_pred_costs"] = own
+    return out
+
+
+def _kinds(costs: Any, predicted: Any, schedule: Any, p: float) -> dict[str, float]:
+    """Per kind: median over stages of the measured charge over the predicted one (runtime's share included)."""
+    cross = _crossings(schedule)
+    ratios: dict[str, float] = {}
+    for kind, name in (
+        ("F", "forward"),
+        ("B", "backward"),
+        ("I", "backward_input"),
+        ("W", "backward_weight"),
+    ):
+        got, want = getattr(costs, name), getattr(predicted, name)
+        if got is None or want is None:
+            continue
+        extra = [p * (1 + c) if kind != "W" else p for c in cross]
+        ratios[kind] = statistics.median(
+            g / (w + e) for g, w, e in zip(got, want, extra, strict=True) if w + e > 0
+        )
+    return ratios
+
+
 def _worker(rank: int, world: int, store_path: str, cfg: dict[str, Any], queue: Any) -> None:
     init_rank(rank, world, store_path, timeout_s=900)
     from merak_pipe.timing import gather_timings, measured_costs
@@ -98,9 +290,18 @@ def _worker(rank: int, world: int, store_path: str, cfg: dict[str, Any], queue: 
         "zb_v": _trainer(cfg, world, "zb_v", 2),
     }
     loaders = {m: iter(t.train_loader) for m, t in modes.items()}
+    layers = cfg["depth"] // world
+    stages = {"full": _layers_stage(cfg, layers), "half": _layers_stage(cfg, layers // 2)}
+    from merak_core.planner.action_cost import busiest_actions, measure_action_cost
+
+    virtual = ("interleaved", "zb_v")
+    probes = {m: _probe(modes[m].engine.schedule, cfg["num_microbatches"]) for m in virtual}
+    probe_actions = {m: busiest_actions(modes[m].engine.schedule) for m in virtual}
+
     rows: list[dict[str, float]] = []
     for step in range(cfg["warmup"] + cfg["rounds"]):
         row: dict[str, float] = {}
+        measured: dict[str, Any] = {}
         for mode in rotated(list(modes), step):  # who goes first changes every round
             trainer = modes[mode]
             batch = next(loaders[mode])
@@ -114,13 +315,35 @@ def _worker(rank: int, world: int, store_path: str, cfg: dict[str, Any], queue: 
             row[mode] = float(took)
             row[f"{mode}_pipe"] = max(t.end_s for t in timings) - min(t.start_s for t in timings)
             row[f"{mode}_sim"] = _sim(trainer, costs)
-            if mode == "1f1b":
-                from merak_pipe import simulate
+            measured[mode] = costs
+        from merak_pipe import simulate
 
-                row["pred_ratio"] = (
-                    simulate(modes["interleaved"].engine.schedule, _halved(costs, world, 2)).makespan
-                    / simulate(trainer.engine.schedule, costs).makespan
-                )
+        row["pred_ratio"] = (
+            simulate(modes["interleaved"].engine.schedule, _halved(measured["1f1b"], world, 2)).makespan
+            / simulate(modes["1f1b"].engine.schedule, measured["1f1b"]).makespan
+        )
+        row["zb_v_pred_halves"] = (
+            simulate(modes["zb_v"].engine.schedule, _halved(measured["1f1b"], world, 2)).makespan
+            / simulate(modes["1f1b"].engine.schedule, measured["1f1b"]).makespan
+        )
+        # the measured terms of [Note: prediction from 1F1B], in the same round (every rank at once)
+        p = measure_action_cost(microbatches=cfg["num_microbatches"], rounds=3, warmup=1)
+        terms = _stage_terms(cfg, stages)
+        merged = torch.tensor([terms[k] for k in sorted(terms)], dtype=torch.float64)
+        dist.all_reduce(merged)
+        terms = {k: float(v) / world for k, v in zip(sorted(terms), merged, strict=True)}
+        row["per_action"] = p
+        row.update({f"term_{k}": v for k, v in terms.items()})
+        p_own = {m: _per_action(probes[m], probe_actions[m]) for m in virtual}
+        predicted = _predict(measured["1f1b"], modes, terms, p, p_own)
+        for mode in ("interleaved", "zb_v"):
+            row[f"{mode}_pred_plus"] = predicted[f"{mode}_pred_plus"]
+            row[f"{mode}_pred_own"] = predicted[f"{mode}_pred_own"]
+            row[f"{mode}_per_action"] = p_own[mode]
+            for kind, ratio in _kinds(
+                measured[mode], predicted[f"{mode}_pred_costs"], modes[mode].engine.schedule, p_own[mode]
+            ).items():
+                row[f"{mode}_kind_{kind}"] = ratio
         if step >= cfg["warmup"]:
             rows.append(row)
     if rank == 0:
@@ -159,24 +382,43 @@ def main(argv: list[str] | None = None) -> int:
         f"of {cfg['micro_batch']}; median of {cfg['rounds']} paired rounds after {cfg['warmup']} warm-up"
     )
     print(
-        "| pp | 1f1b ms | interleaved v=2 ms | interleaved / 1f1b (paired) | pred ratio (sim on 1f1b costs) "
-        "| 1f1b sim error | interleaved sim error | zb_v ms | zb_v / 1f1b (paired) | zb_v sim error |"
+        "| pp | schedule | 1f1b ms | its ms | its / 1f1b (paired) | pred (halves) | pred+ (1f1b's p) | error "
+        "| pred+ (its own p) | error | sim error 1f1b / its own | p 1f1b / its own (us) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    terms_rows = []
     for pp in (int(x) for x in args.pp.split(",")):
         rows = run(cfg, pp)
-        ratio = statistics.median(r["interleaved"] / r["1f1b"] for r in rows)
-        err = {
-            m: statistics.median(r[f"{m}_sim"] / r[f"{m}_pipe"] - 1 for r in rows)
-            for m in ("1f1b", "interleaved", "zb_v")
-        }
-        zbv = statistics.median(r["zb_v"] / r["1f1b"] for r in rows)
-        print(
-            f"| {pp} | {_median(rows, '1f1b') * 1e3:.1f} | {_median(rows, 'interleaved') * 1e3:.1f} | {ratio:.3f} | "
-            f"{_median(rows, 'pred_ratio'):.3f} | {100 * err['1f1b']:+.1f}% | {100 * err['interleaved']:+.1f}% | "
-            f"{_median(rows, 'zb_v') * 1e3:.1f} | {zbv:.3f} | {100 * err['zb_v']:+.1f}% |",
-            flush=True,
-        )
+        for m in ("interleaved", "zb_v"):
+            ratio = statistics.median(r[m] / r["1f1b"] for r in rows)
+            halves = _median(rows, "pred_ratio" if m == "interleaved" else "zb_v_pred_halves")
+            plus, own = _median(rows, f"{m}_pred_plus"), _median(rows, f"{m}_pred_own")
+            err = [statistics.median(r[f"{k}_sim"] / r[f"{k}_pipe"] - 1 for r in rows) for k in ("1f1b", m)]
+            print(
+                f"| {pp} | {m} | {_median(rows, '1f1b') * 1e3:.1f} | {_median(rows, m) * 1e3:.1f} | {ratio:.3f} "
+                f"| {halves:.3f} | {plus:.3f} | {100 * (plus / ratio - 1):+.1f}% | {own:.3f} "
+                f"| {100 * (own / ratio - 1):+.1f}% | {100 * err[0]:+.1f}% / {100 * err[1]:+.1f}% "
+                f"| {_median(rows, 'per_action') * 1e6:.0f} / {_median(rows, f'{m}_per_action') * 1e6:.0f} |",
+                flush=True,
+            )
+        terms_rows.append((pp, rows))
+    print()
+    print(
+        "| pp | schedule | measured / predicted F | B | I | W | half-stage F / whole F | half B / whole B "
+        "| I / whole B | W / whole B |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for pp, rows in terms_rows:
+        terms = [_median(rows, f"term_{k}") for k in ("F_half", "F_full", "B_half", "B_full", "I", "W")]
+        for mode in ("interleaved", "zb_v"):
+            kinds = [
+                f"{_median(rows, f'{mode}_kind_{k}'):.3f}" if f"{mode}_kind_{k}" in rows[0] else "-"
+                for k in "FBIW"
+            ]
+            print(
+                f"| {pp} | {mode} | {' | '.join(kinds)} | {terms[0] / terms[1]:.3f} | {terms[2] / terms[3]:.3f} "
+                f"| {terms[4] / terms[3]:.3f} | {terms[5] / terms[3]:.3f} |"
+            )
     print(f"load average at the end: {os.getloadavg()[0]:.1f}")
     return 0
 
