@@ -36,6 +36,7 @@ from merak_core.data.batch_ids import IdRanges
 from merak_core.data.loader import StageAwareDataLoader
 from merak_core.lora import LoraConfig
 from merak_core.parallel.context_parallel import check_cp_model, cp_run_for
+from merak_core.parallel.fsdp import SHARDED_ZERO_STAGES
 from merak_core.parallel.layout import ParallelLayout, init
 from merak_core.planner import PlanContext
 from merak_core.run import bootstrap
@@ -238,7 +239,9 @@ def prepare_run(
     composed = bootstrap.compose(
         model, args, layout, run_device, example_inputs=example_inputs, init_fn=init_fn, lora=lora
     )
-    if weights is not None:
+    # ZeRO-2/3: the weights go into the shards FSDP2 cuts in the engine, each rank reading only its rows.
+    load_sharded = weights is not None and args.zero_stage in SHARDED_ZERO_STAGES
+    if weights is not None and not load_sharded:
         weights.load_into(composed)  # this rank's slices, before the optimizer sees the parameters
     if lora is not None:
         from merak_core.hf.adapters import start_adapters
@@ -256,6 +259,8 @@ def prepare_run(
         example_labels=example_labels,
         optimizer_factory=optimizer_factory,
     )
+    if weights is not None and load_sharded:  # the engine read no parameter's value before this
+        weights.load_into(engine.model)  # [Note: bounded checkpoint loads]
     return PreparedRun(
         args=args,
         layout=layout,

@@ -7,7 +7,11 @@
     pm = build_parallel_model(model, layout, ...)                 # TP, then this rank's stage only
     weights.load_into(pm)                                         # this rank's slices of its stage
 
-(:class:`merak_core.Trainer` does the last three with ``pretrained=PATH``.)
+(:class:`merak_core.Trainer` does the last three with ``pretrained=PATH``.) Under ZeRO-2/3 the Trainer
+calls ``load_into`` on the model after FSDP2 has cut its parameters over DP (the stage is allocated
+before that, never written by :func:`skip_init`): each rank then reads only the rows its shard keeps, as a
+checkpoint resume does, instead of its whole stage that FSDP2 would cut afterwards
+(``tests/e2e/test_pretrained_load_memory.py``).
 
 The model is built from ``config.json`` on the meta device (``merak_graph.empty_init``), so a
 rank allocates only its own stage's TP shards when the stage is materialised. Each rank then
@@ -259,7 +263,11 @@ class PretrainedWeights:
                     )
 
     def load_into(self, pm: ParallelModel) -> int:
-        """Copy this rank's slices into its parameters (no collective); returns the bytes read."""
+        """Copy this rank's slices into its parameters (no collective); returns the bytes read.
+
+        A ZeRO-2/3 parameter (a DTensor FSDP2 made) receives only the rows its shard keeps (see
+        [Note: bounded checkpoint loads] in ``merak_core.checkpoint.regions``): call it after sharding.
+        """
         layout = pm.layout
         read = 0
         seen: set[int] = set()
