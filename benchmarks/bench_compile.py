@@ -8,13 +8,20 @@ object) with the module the Trainer would give it (:func:`merak_core.parallel.co
 with the cross-entropy loss, its backward and an AdamW update. Every variant first runs its warm-up
 steps (compilation happens there and is reported apart), then the variants take turns, one step each
 per round (paired rounds: load on the machine hits them alike), and the table gives the median step
-time and its ratio to eager's median.
+time and its ratio to the first variant's median (eager by default).
 
 Run::
 
     OMP_NUM_THREADS=1 python benchmarks/bench_compile.py [--rounds 7] [--backend inductor] [--small]
+        [--variants eager,true,regional,true:fused] [--optimizer foreach|fused|compiled]
+        [--inductor-mode default|max-autotune-no-cudagraphs]
 
 ``--small``: 4 blocks of 256, vocabulary 8192 (7M parameters), for a loaded machine.
+A variant is ``mode[:optimizer]`` (``eager``, ``true``, ``regional``; the optimizer defaults to
+``--optimizer``): ``foreach`` is ``AdamW(foreach=True)``, ``fused`` is ``AdamW(fused=True)`` (torch's
+fused CPU kernel), ``compiled`` is the foreach AdamW's ``step`` run through ``torch.compile`` (the
+backend given; compiled in the warm-up). ``--inductor-mode`` sets the inductor options of that
+``torch.compile`` mode for every compiled region of the run (``compile_stage`` takes no mode).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import statistics
 import time
 
 import torch
+import torch._inductor.config
 import torch.nn.functional as F
 
 from merak_core.parallel.compile import compile_stage
@@ -32,6 +40,8 @@ from merak_core.planner.gpt_shapes import Decoder, DecoderShape
 from merak_pipe import PipelineStage
 
 VARIANTS: dict[str, bool | str] = {"eager": False, "true": True, "regional": "regional"}
+OPTIMIZERS = ("foreach", "fused", "compiled")
+INDUCTOR_MODES = ("default", "max-autotune-no-cudagraphs")  # the CPU ones (the others add CUDA graphs)
 
 
 def _loss(logits_bsv: torch.Tensor, labels_bs: torch.Tensor) -> torch.Tensor:
@@ -41,18 +51,22 @@ def _loss(logits_bsv: torch.Tensor, labels_bs: torch.Tensor) -> torch.Tensor:
 class _Runner:
     """One variant: its stage, optimizer and step."""
 
-    def __init__(self, model: torch.nn.Module, mode: bool | str, backend: str) -> None:
+    def __init__(self, model: torch.nn.Module, mode: bool | str, backend: str, optimizer: str) -> None:
         self.model = copy.deepcopy(model)
         module = compile_stage(self.model, mode, backend=backend, checkpointed_units=0)
         self.stage = PipelineStage(module, stage_index=0, num_stages=1)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, foreach=True)
+        fused = optimizer == "fused"
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, foreach=not fused, fused=fused)
+        self.update = self.optimizer.step
+        if optimizer == "compiled":
+            self.update = torch.compile(self.optimizer.step, backend=backend)
 
     def step(self, ids: torch.Tensor, labels: torch.Tensor) -> float:
         start = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         _, loss = self.stage.forward(0, (ids,), {}, loss_fn=_loss, labels=labels)
         self.stage.backward(0, None)
-        self.optimizer.step()
+        self.update()
         assert loss is not None and torch.isfinite(loss)
         return time.perf_counter() - start
 
@@ -69,8 +83,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--backend", default="inductor")
-    parser.add_argument("--variants", default="eager,true,regional")
+    parser.add_argument("--variants", default="eager,true,regional", help="mode[:optimizer],...")
+    parser.add_argument("--optimizer", default="foreach", choices=OPTIMIZERS)
+    parser.add_argument("--inductor-mode", default="default", choices=INDUCTOR_MODES)
     a = parser.parse_args()
+    for key, value in torch._inductor.list_mode_options(a.inductor_mode).items():
+        setattr(torch._inductor.config, key, value)
     if a.small:
         a.layers, a.hidden, a.heads, a.vocab, a.seq = 4, 256, 4, 8192, 128
     shape = DecoderShape(
@@ -82,7 +100,14 @@ def main() -> None:
     ids = torch.randint(0, a.vocab, (a.batch, a.seq))
     labels = torch.randint(0, a.vocab, (a.batch, a.seq))
     names = a.variants.split(",")
-    runners = {name: _Runner(model, VARIANTS[name], a.backend) for name in names}
+    runners = {}
+    for name in names:
+        mode, _, optimizer = name.partition(":")
+        if mode not in VARIANTS or (optimizer or a.optimizer) not in OPTIMIZERS:
+            parser.error(
+                f"variant {name!r}: expected mode[:optimizer], mode in {list(VARIANTS)}, optimizer in {OPTIMIZERS}"
+            )
+        runners[name] = _Runner(model, VARIANTS[mode], a.backend, optimizer or a.optimizer)
     warm = {}
     for name, runner in runners.items():
         start = time.perf_counter()
@@ -94,18 +119,18 @@ def main() -> None:
         order = names if r % 2 == 0 else names[::-1]
         for name in order:
             times[name].append(runners[name].step(ids, labels))
-    eager = statistics.median(times["eager"]) if "eager" in times else None
+    base = statistics.median(times[names[0]])
     print(
         f"decoder {a.layers} x {a.hidden}, vocabulary {a.vocab}, {params / 1e6:.1f}M parameters, "
         f"batch {a.batch} x {a.seq} tokens, float32, {torch.get_num_threads()} thread(s), backend {a.backend}, "
-        f"torch {torch.__version__}, {a.rounds} paired rounds after {a.warmup} warm-up steps"
+        f"torch {torch.__version__}, {a.rounds} paired rounds after {a.warmup} warm-up steps, "
+        f"optimizer {a.optimizer} unless named, inductor mode {a.inductor_mode}"
     )
-    print("| compile | warm-up s (incl. compiling) | median step s | min step s | vs eager |")
+    print(f"| compile | warm-up s (incl. compiling) | median step s | min step s | vs {names[0]} |")
     print("|---|---|---|---|---|")
     for name in names:
         med = statistics.median(times[name])
-        ratio = f"{med / eager:.2f}x" if eager else "-"
-        print(f"| {name} | {warm[name]:.1f} | {med:.3f} | {min(times[name]):.3f} | {ratio} |")
+        print(f"| {name} | {warm[name]:.1f} | {med:.3f} | {min(times[name]):.3f} | {med / base:.2f}x |")
 
 
 if __name__ == "__main__":
