@@ -235,6 +235,53 @@ def _is_split(schedule: Any) -> bool:
     return any(a.kind is ActionKind.BACKWARD_INPUT for acts in schedule.actions.values() for a in acts)
 
 
+def _scaled(costs: Any, k: float) -> Any:
+    """``costs`` with every duration (and the cost per action) times ``k``."""
+    import dataclasses
+
+    def times(value: Any) -> Any:
+        return None if value is None else [x * k for x in value]
+
+    return dataclasses.replace(
+        costs,
+        forward=times(costs.forward),
+        backward=times(costs.backward),
+        recompute=times(costs.recompute),
+        backward_input=times(costs.backward_input),
+        backward_weight=times(costs.backward_weight),
+        per_action=costs.per_action * k,
+    )
+
+
+def _crowding(schedule: Any, costs: Any, cores: int) -> float:
+    """Ranks computing at once over the cores (at least 1): how much slower each action runs when the
+    pipeline's ranks share ``cores`` ([Note: shared cores in the prediction])."""
+    from merak_pipe import simulate
+
+    result = simulate(schedule, costs)
+    return max(1.0, sum(result.busy) / result.makespan / cores)
+
+
+# [Note: shared cores in the prediction]
+# With more ranks than cores an action runs slower the more ranks compute at the same time, and a
+# schedule with a smaller bubble keeps more of them computing: the 1F1B run's costs hold 1F1B's
+# crowding, not the virtual-stage schedule's. ``pred+ cores`` divides the 1F1B costs by 1F1B's
+# simulated crowding k1 (mean ranks busy / cores, at least 1) and multiplies the target's by its own,
+# found by a few fixed-point rounds of simulate -> crowding -> rescale. At pp <= cores it is pred+.
+
+
+def _with_cores(one: Any, base: Any, target: Any, predicted: Any, cores: int) -> float:
+    """pred+ with each schedule's crowding of the shared cores (see the note above)."""
+    from merak_pipe import simulate
+
+    k1 = _crowding(one, base, cores)
+    free = _scaled(predicted, 1 / k1)
+    k = 1.0
+    for _ in range(4):
+        k = _crowding(target, _scaled(free, k), cores)
+    return simulate(target, _scaled(free, k)).makespan / simulate(one, base).makespan
+
+
 def _predict(
     costs: Any, modes: dict[str, Any], terms: dict[str, float], p: float, p_own: dict[str, float]
 ) -> dict[str, Any]:
@@ -256,6 +303,7 @@ def _predict(
         out[f"{mode}_pred_plus"] = simulate(target, predicted).makespan / denominator
         own = _predicted_costs(costs, one, target, terms, p, p_own[mode])
         out[f"{mode}_pred_own"] = simulate(target, own).makespan / denominator
+        out[f"{mode}_pred_cores"] = _with_cores(one, base, target, own, os.cpu_count() or 1)
         out[f"{mode}_pred_costs"] = own
     return out
 
@@ -339,6 +387,7 @@ def _worker(rank: int, world: int, store_path: str, cfg: dict[str, Any], queue: 
         for mode in ("interleaved", "zb_v"):
             row[f"{mode}_pred_plus"] = predicted[f"{mode}_pred_plus"]
             row[f"{mode}_pred_own"] = predicted[f"{mode}_pred_own"]
+            row[f"{mode}_pred_cores"] = predicted[f"{mode}_pred_cores"]
             row[f"{mode}_per_action"] = p_own[mode]
             for kind, ratio in _kinds(
                 measured[mode], predicted[f"{mode}_pred_costs"], modes[mode].engine.schedule, p_own[mode]
@@ -383,9 +432,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         "| pp | schedule | 1f1b ms | its ms | its / 1f1b (paired) | pred (halves) | pred+ (1f1b's p) | error "
-        "| pred+ (its own p) | error | sim error 1f1b / its own | p 1f1b / its own (us) |"
+        "| pred+ (its own p) | error | pred+ cores | error | sim error 1f1b / its own | p 1f1b / its own (us) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     terms_rows = []
     for pp in (int(x) for x in args.pp.split(",")):
         rows = run(cfg, pp)
@@ -393,11 +442,13 @@ def main(argv: list[str] | None = None) -> int:
             ratio = statistics.median(r[m] / r["1f1b"] for r in rows)
             halves = _median(rows, "pred_ratio" if m == "interleaved" else "zb_v_pred_halves")
             plus, own = _median(rows, f"{m}_pred_plus"), _median(rows, f"{m}_pred_own")
+            cores = _median(rows, f"{m}_pred_cores")
             err = [statistics.median(r[f"{k}_sim"] / r[f"{k}_pipe"] - 1 for r in rows) for k in ("1f1b", m)]
             print(
                 f"| {pp} | {m} | {_median(rows, '1f1b') * 1e3:.1f} | {_median(rows, m) * 1e3:.1f} | {ratio:.3f} "
                 f"| {halves:.3f} | {plus:.3f} | {100 * (plus / ratio - 1):+.1f}% | {own:.3f} "
-                f"| {100 * (own / ratio - 1):+.1f}% | {100 * err[0]:+.1f}% / {100 * err[1]:+.1f}% "
+                f"| {100 * (own / ratio - 1):+.1f}% | {cores:.3f} | {100 * (cores / ratio - 1):+.1f}% "
+                f"| {100 * err[0]:+.1f}% / {100 * err[1]:+.1f}% "
                 f"| {_median(rows, 'per_action') * 1e6:.0f} / {_median(rows, f'{m}_per_action') * 1e6:.0f} |",
                 flush=True,
             )
