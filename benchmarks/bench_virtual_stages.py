@@ -20,7 +20,10 @@ costs: what the simulator predicted before running them, until issue 31.
 ``CostModel.per_action``), the cost of a stage of half the layers against a whole one (its
 forward and backward timed in one process on every rank, in thread CPU time, so the fixed cost per
 call that halving does not halve is in it) and, for ZB-V, the split backward's ``I`` and ``W`` against a full ``B``
-of that half stage. ``pred+ error`` is the predicted ratio against the measured one. The second
+of that half stage; ``pred+ (1f1b's p)`` prices every schedule's actions at 1F1B's cost per
+action, ``pred+ (its own p)`` at the schedule's own (the same probe run with it), ``pred+ cores``
+adds the crowding of ranks on shared cores ([Note: shared cores in the prediction]). Each
+``error`` is the predicted ratio against the measured one. The second
 table shows where the rest of the error is: per kind, the schedule's own measured cost (its run's
 ``measured_costs``) over the cost predicted for it (median over stages and rounds), and the
 simulator's error on the schedule's own costs.
