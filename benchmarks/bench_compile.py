@@ -8,7 +8,8 @@ object) with the module the Trainer would give it (:func:`merak_core.parallel.co
 with the cross-entropy loss, its backward and an AdamW update. Every variant first runs its warm-up
 steps (compilation happens there and is reported apart), then the variants take turns, one step each
 per round (paired rounds: load on the machine hits them alike), and the table gives the median step
-time and its ratio to the first variant's median (eager by default).
+time and its ratio to the first variant's median (eager by default), the median over rounds of the
+ratio to the first variant's step of the same round, and the ratio of the minima.
 
 Run::
 
@@ -126,11 +127,19 @@ def main() -> None:
         f"torch {torch.__version__}, {a.rounds} paired rounds after {a.warmup} warm-up steps, "
         f"optimizer {a.optimizer} unless named, inductor mode {a.inductor_mode}"
     )
-    print(f"| compile | warm-up s (incl. compiling) | median step s | min step s | vs {names[0]} |")
-    print("|---|---|---|---|---|")
+    print(
+        f"| compile | warm-up s (incl. compiling) | median step s | min step s | median vs {names[0]} "
+        f"| median of paired ratios | min vs {names[0]}'s min |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for name in names:
         med = statistics.median(times[name])
-        print(f"| {name} | {warm[name]:.1f} | {med:.3f} | {min(times[name]):.3f} | {med / base:.2f}x |")
+        paired = statistics.median(t / t0 for t, t0 in zip(times[name], times[names[0]], strict=True))
+        low = min(times[name]) / min(times[names[0]])
+        print(
+            f"| {name} | {warm[name]:.1f} | {med:.3f} | {min(times[name]):.3f} | {med / base:.2f}x "
+            f"| {paired:.2f}x | {low:.2f}x |"
+        )
 
 
 if __name__ == "__main__":
