@@ -40,28 +40,13 @@ def _snap() -> tuple[float, ...]:
 def _body(overrides: list[str], steps: int, warm: int, pin: bool, out_dir: str) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
-
-    from merak_core import Trainer
-    from merak_core.autoplan.prepare import prepare_job
-    from merak_core.job import JobConfig
+    from _cluster_steps import _build_trainer
 
     rank = dist.get_rank()
     if pin:
         os.sched_setaffinity(0, {rank % os.cpu_count()})
     torch.set_num_threads(1)
-    job = JobConfig.from_yaml(
-        ROOT / "examples/addition/config.yaml",
-        overrides
-        + [
-            f"training.max_steps={steps}",
-            "training.eval_steps=null",
-            "training.logging_steps=1000",
-            f"training.output_dir={out_dir}",
-            "data.kwargs.train_size=4096",
-        ],
-    )
-    train_data, _ = job.build_datasets()
-    trainer = Trainer.from_prepared(prepare_job(job, (train_data, None)))
+    trainer = _build_trainer(overrides, steps, out_dir)
     eng = trainer.engine
     acc: dict[str, list[float]] = defaultdict(lambda: [0.0] * 5)
     steps_rows: list[dict[str, list[float]]] = []

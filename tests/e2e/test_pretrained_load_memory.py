@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 
 from tests.e2e._trainer_support import TokenDataset, make_args
+from tests.e2e.test_checkpoint_load_memory import _status_kib
 from tests.support.dist import run_on_ranks
 
 pytestmark = pytest.mark.skipif(
@@ -34,14 +35,6 @@ pytestmark = pytest.mark.skipif(
 SLACK = 6 * 2**20
 """As ``test_checkpoint_load_memory.SLACK``: allocator rounding and the worker's resident noise."""
 VOCAB = 2048
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
 
 
 def _save_llama(out: Path, **fields: Any) -> Path:
