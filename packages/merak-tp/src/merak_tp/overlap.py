@@ -38,10 +38,9 @@ entry, the chunking, the probe) sets and reads its ``_RegionState``: the mode it
 and the handles the region waits on. torch.compile must not trace that code. Traced inside a
 compiled block (``training.compile: regional``, Llama at tp = 2 with sequence parallelism,
 ``aot_eager``), the compiled code of the third and fourth blocks' regions wrote ``mode = "sp"``
-into the second block's region state instead of their own (dynamo traced the ``ModuleSpec``
-registry lookup and read the state from a fixed registry entry, guarded on its type only): their
-column layers then found no region mode, all-reduced their input gradients themselves, and the
-region's entry reduce-scattered them again (the region's input gradient summed twice; every weight about 2e-2 off eager after two
+into the second block's region state instead of their own: their column layers then found no
+region mode, all-reduced their input gradients themselves, and the region's entry reduce-scattered
+them again (the region's input gradient summed twice; every weight about 2e-2 off eager after two
 steps). So the region's methods and helpers are ``torch.compiler.disable(recursive=False)``d
 (:func:`_not_traced`): their frames run as plain Python, while what they call is still compiled
 (``base_forward``, the original module's forward: its attention or MLP compute between the TP
