@@ -97,3 +97,11 @@ class _Round:
     held: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
     """(stage, microbatch) -> the receive buffers it consumed, not yet handed back to the transport
     ([Note: buffer lifetime] in ``_p2p_books.py``)."""
+
+    def loss(self, num_microbatches: int, reduction: str) -> torch.Tensor | None:
+        """The round's loss from its microbatches' losses: their sum, divided by ``num_microbatches``
+        for ``"mean"``; None where no loss was computed (no labels, or not the last stage)."""
+        if not self.losses:
+            return None
+        total = torch.stack([self.losses[m] for m in sorted(self.losses)]).sum()
+        return total / num_microbatches if reduction == "mean" else total

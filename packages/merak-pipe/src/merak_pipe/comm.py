@@ -137,6 +137,12 @@ def unflatten_boundary(spec: Any, tensors: Sequence[torch.Tensor]) -> Any:
     raise AssertionError(f"corrupt boundary spec {spec!r}")
 
 
+def describe_spec(spec: Any) -> str:
+    """A boundary spec's tensors for error messages, e.g. ``[(2, 8, 16) float32]``."""
+    metas = spec_metas(spec)
+    return "[" + ", ".join(f"{tuple(m.shape)} {str(m.dtype).replace('torch.', '')}" for m in metas) + "]"
+
+
 def spec_metas(spec: Any) -> list[TensorMeta]:
     """The tensor metas of a spec, in flattened order."""
     out: list[tuple[int, TensorMeta]] = []

@@ -48,8 +48,13 @@ __all__ = [
     "issue_order",
     "issue_orders",
     "round_actions",
+    "runner_orders",
     "settled_sends",
 ]
+
+# How many units ahead of its place a data receive is posted where messages match by tag
+# ([Note: early receives]); 0 posts every receive where lowering put it.
+EARLY_RECEIVE_UNITS = 1
 
 # Message kinds: forward data, backward data, shape header, pickled spec.
 DATA_F, DATA_B, HEADER, SPEC = "F", "B", "H", "S"
@@ -236,6 +241,13 @@ def early_receives(steps: Sequence[Step], lookahead: int) -> list[Step]:
         for i, step in enumerate(steps)
         if not isinstance(step, tuple) or moved[i]
     ]
+
+
+def runner_orders(schedule: Schedule, forward_only: bool, lookahead: int) -> dict[int, list[Step]]:
+    """Every rank's issue order as the runner runs it: :func:`issue_orders` with data receives posted
+    ``lookahead`` units early ([Note: early receives]; 0 under NCCL's rules)."""
+    orders = issue_orders(schedule, forward_only=forward_only)
+    return {rank: early_receives(steps, lookahead) for rank, steps in orders.items()}
 
 
 def _receive_bounds(steps: Sequence[Step]) -> Callable[[P2POp, int], int | None]:

@@ -42,24 +42,19 @@ from merak_pipe.action_profile import ActionProfile, profiling
 from merak_pipe.comm import (
     P2PTransport,
     PipelineCommError,
-    TensorMeta,
+    describe_spec,
     flatten_boundary,
-    spec_metas,
     unflatten_boundary,
 )
 from merak_pipe.exchange import BoundaryExchange
 from merak_pipe.ir import Action, ActionKind, Schedule
-from merak_pipe.p2p_order import Step, describe_step, early_receives, issue_orders, settled_sends
+from merak_pipe.p2p_order import EARLY_RECEIVE_UNITS, Step, describe_step, runner_orders, settled_sends
 from merak_pipe.stage import PipelineStage
-from merak_pipe.timing import ActionTiming, RoundClock
+from merak_pipe.timing import ActionTiming, RoundClock, resolve_marks
 
 __all__ = ["PipelineRunner"]
 
 logger = logging.getLogger(__name__)
-
-# How many units ahead of its place a data receive is posted where messages match by tag
-# ([Note: early receives] in p2p_order.py); 0 posts every receive where lowering put it.
-EARLY_RECEIVE_UNITS = 1
 
 
 class PipelineRunner:
@@ -179,7 +174,7 @@ class PipelineRunner:
 
         check_nccl(schedule)
         lookahead = 0 if self.transport.nccl_rules else early_receives
-        orders = {training: _issue_orders(schedule, not training, lookahead) for training in (True, False)}
+        orders = {training: runner_orders(schedule, not training, lookahead) for training in (True, False)}
         self._plans: dict[bool, list[Step]] = {training: orders[training][self.rank] for training in orders}
         self.exchange.prepare(self._plans.values())
         # Where host waits are the only way to learn that a send completed (gloo), sends are waited
@@ -235,13 +230,13 @@ class PipelineRunner:
             self._profile.timed("shared grads", self._sync_shared_parameters, self._round.index)
         if self._step_marks is not None:
             self._step_marks = (self._step_marks[0], self._clock.mark())
-        return self._round_loss()
+        return self._round.loss(self.num_microbatches, self.loss_reduction) if self.holds_last_stage else None
 
     def evaluate(self, inputs: Any = None, labels: Any = None, *, return_outputs: bool = False) -> Any:
         """Forward only, without autograd. On the last stage returns the loss (None without labels),
         or ``(loss, outputs)`` with ``return_outputs`` (outputs concatenated over microbatches)."""
         self._run_round(inputs, labels, training=False)
-        loss = self._round_loss()
+        loss = self._round.loss(self.num_microbatches, self.loss_reduction) if self.holds_last_stage else None
         if not self.holds_last_stage:
             return None
         if return_outputs:
@@ -292,7 +287,7 @@ class PipelineRunner:
             self._round.held.clear()
         self._step_marks = (start, self._clock.mark())
         if self.record_timing:
-            self.timings = self._resolve_marks()
+            self.timings = resolve_marks(self._round.marks, self._clock.seconds, self.rank, self._round.index)
 
     def _run_plan(self, plan: list[Step]) -> None:
         for step in plan:
@@ -321,12 +316,6 @@ class PipelineRunner:
                 f"schedule {self.schedule.name!r} left work undone on pipeline rank {self.rank}: "
                 + "; ".join(leftovers)
             )
-
-    def _round_loss(self) -> torch.Tensor | None:
-        if not self.holds_last_stage or not self._round.losses:
-            return None
-        total = torch.stack([self._round.losses[m] for m in sorted(self._round.losses)]).sum()
-        return total / self.num_microbatches if self.loss_reduction == "mean" else total
 
     # ------------------------------------------------------------------ compute actions
 
@@ -457,8 +446,8 @@ class PipelineRunner:
         known = self.exchange.out_spec.setdefault(s, spec)
         if known != spec:
             raise ValueError(
-                f"pipeline rank {self.rank}, stage {s}: microbatch {m} produced outputs {_describe(spec)} but "
-                f"earlier microbatches of this step produced {_describe(known)}; all microbatches of a step "
+                f"pipeline rank {self.rank}, stage {s}: microbatch {m} produced outputs {describe_spec(spec)} but "
+                f"earlier microbatches of this step produced {describe_spec(known)}; all microbatches of a step "
                 "must have the same boundary shapes"
             )
         self.exchange.put_forward_output(s, m, tensors)
@@ -486,32 +475,3 @@ class PipelineRunner:
                 f"{dist.get_process_group_ranks(group)}"
             )
             self.transport.wait([work], what)
-
-    def _resolve_marks(self) -> list[ActionTiming]:
-        seconds = self._clock.seconds
-        return [
-            ActionTiming(
-                rank=self.rank,
-                stage=a.stage,
-                kind=a.kind.value,
-                microbatch=a.microbatch,
-                start_s=seconds(start),
-                ready_s=seconds(start if ready is None else ready),
-                end_s=seconds(end),
-                recompute_s=recompute,
-                step=self._round.index,
-            )
-            for a, start, ready, end, recompute in self._round.marks
-        ]
-
-
-def _issue_orders(schedule: Schedule, forward_only: bool, lookahead: int) -> dict[int, list[Step]]:
-    """Every rank's issue order, with data receives posted ``lookahead`` units early ([Note: early
-    receives] in p2p_order.py; 0 under NCCL's rules)."""
-    orders = issue_orders(schedule, forward_only=forward_only)
-    return {rank: early_receives(steps, lookahead) for rank, steps in orders.items()}
-
-
-def _describe(spec: Any) -> str:
-    metas: list[TensorMeta] = spec_metas(spec)
-    return "[" + ", ".join(f"{tuple(m.shape)} {str(m.dtype).replace('torch.', '')}" for m in metas) + "]"

@@ -112,6 +112,28 @@ class ActionTiming:
         return self.ready_s - self.start_s
 
 
+def resolve_marks(
+    marks: Sequence[tuple[Any, Any, Any, Any, float]], seconds: Any, rank: int, step: int
+) -> list[ActionTiming]:
+    """A round's marks ``(action, start, ready, end, implicit recompute s)`` as :class:`ActionTiming`,
+    the clock tokens turned into seconds by ``seconds`` (:meth:`RoundClock.seconds`); a ``ready`` of
+    None is the start (no inputs to wait for)."""
+    return [
+        ActionTiming(
+            rank=rank,
+            stage=a.stage,
+            kind=a.kind.value,
+            microbatch=a.microbatch,
+            start_s=seconds(start),
+            ready_s=seconds(start if ready is None else ready),
+            end_s=seconds(end),
+            recompute_s=recompute,
+            step=step,
+        )
+        for a, start, ready, end, recompute in marks
+    ]
+
+
 def gather_timings(
     timings: Sequence[ActionTiming], group: dist.ProcessGroup | None = None
 ) -> list[ActionTiming]:
