@@ -9,14 +9,13 @@ import pytest
 from merak_core.config.layout_choice import LayoutChoice
 from merak_core.planner.cluster import load_cluster
 from merak_core.planner.cluster_cost import (
-    STEP_OPS_PER_TENSOR,
     Precision,
     model_costs,
     stage_costs,
     state_bytes,
-    step_overhead_s,
     trace_for_cluster,
 )
+from merak_core.planner.cluster_overhead import STEP_OPS_PER_TENSOR, step_overhead_s
 from merak_core.planner.gpt_shapes import DecoderShape, build_decoder, decoder_inputs
 from merak_core.planner.memory import model_state_bytes
 

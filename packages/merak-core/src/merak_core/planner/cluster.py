@@ -126,7 +126,7 @@ class ClusterSpec:
     """Fixed host seconds of a training step outside the pipeline and the per-tensor work, whatever
     the model (the engine's own bookkeeping: the step flags and the loss vector, the learning-rate
     schedule, the per-phase watchdog; the file's ``device.step_overhead_us``, measured as
-    ``bench_cluster_plan.py steps`` does: [Note: measured step overhead] in the cluster cost model).
+    ``bench_cluster_plan.py steps`` does: [Note: measured step overhead] in :mod:`.cluster_overhead`).
     0 (the shipped files): left out."""
     step_tensor_s: float | None = None
     """Host seconds per parameter tensor of the optimizer step, the gradient norm, the clipping and the

@@ -45,15 +45,8 @@ from torch import nn
 
 from merak_core.planner import choices
 from merak_core.planner.cluster import ClusterSpec
-from merak_core.planner.cluster_cost import (
-    STEP_OPS_PER_TENSOR,
-    ModelCosts,
-    StageCosts,
-    busiest_rank,
-    stage_costs,
-    state_bytes,
-    step_overhead_s,
-)
+from merak_core.planner.cluster_cost import ModelCosts, StageCosts, stage_costs, state_bytes
+from merak_core.planner.cluster_overhead import STEP_OPS_PER_TENSOR, busiest_rank, step_overhead_s
 from merak_core.planner.comm import CommModel
 from merak_core.planner.context_cost import (
     check_cp,
@@ -214,7 +207,7 @@ def _zero1_optimizer_s(
     placement: list[int],
     div: int,
 ) -> float:
-    """The optimizer step's seconds of :func:`.cluster_cost.step_overhead_s` under ZeRO-1 over ``div`` ranks."""
+    """The optimizer step's seconds of :func:`.cluster_overhead.step_overhead_s` under ZeRO-1 over ``div`` ranks."""
     prec = costs.precision
     largest, most_tensors = busiest_rank(costs, stages, bounds, placement)
     touched = largest / div * (2 * prec.optimizer_bytes + prec.grad_bytes + prec.weight_bytes)
@@ -225,7 +218,7 @@ def _zero1_optimizer_s(
 def cp_step_overhead_s(
     costs: ModelCosts, cluster: ClusterSpec, stages: StageCosts, *, cp: int, **overhead: Any
 ) -> tuple[float, float]:
-    """:func:`.cluster_cost.step_overhead_s` (``overhead``: its keywords, ``bounds``, ``dp``, ``tp``,
+    """:func:`.cluster_overhead.step_overhead_s` (``overhead``: its keywords, ``bounds``, ``dp``, ``tp``,
     ``zero_stage``, ``stage_to_rank``) at ``cp``: the gradient sync over dp x cp ([Note: cluster cp terms])."""
     dp, bounds = overhead["dp"], overhead["bounds"]
     sync, rest = step_overhead_s(costs, cluster, stages, **{**overhead, "dp": dp * cp})
