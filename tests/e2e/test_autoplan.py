@@ -166,10 +166,16 @@ def _auto_virtual_body(kwargs: dict[str, Any], profile: Any) -> dict[str, Any]:
     from merak_core.planner import CommModel
     from tests.e2e.test_virtual_stages import build
 
-    saved = auto.profile_for_plan, auto._cpu_compute_slots, auto.measure_comm
+    saved = (
+        auto.profile_for_plan,
+        auto._cpu_compute_slots,
+        auto.measure_comm,
+        auto.measure_split_backward_scale,
+    )
     auto.profile_for_plan = lambda *a, **k: profile
     auto._cpu_compute_slots = lambda *a, **k: None
     auto.measure_comm = lambda *a, **k: CommModel()
+    auto.measure_split_backward_scale = lambda *a, **k: 1.0  # CommModel()'s: the plan below is made with it
     try:
         model = build("gpt", profile.num_layers)
         trainer = Trainer(
@@ -180,7 +186,12 @@ def _auto_virtual_body(kwargs: dict[str, Any], profile: Any) -> dict[str, Any]:
         )
         history = trainer.train()
     finally:
-        auto.profile_for_plan, auto._cpu_compute_slots, auto.measure_comm = saved
+        (
+            auto.profile_for_plan,
+            auto._cpu_compute_slots,
+            auto.measure_comm,
+            auto.measure_split_backward_scale,
+        ) = saved
     state = trainer.full_state_dict()  # collective
     t = trainer.args
     return {

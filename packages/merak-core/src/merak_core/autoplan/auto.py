@@ -2,7 +2,8 @@
 
 :func:`auto_layout` runs on every rank after the default process group exists and before
 ``init(dp, tp, pp)``: rank 0 profiles a copy of the job's model on one microbatch of the training
-set (:func:`~merak_core.planner.profile_model`), every rank takes part in
+set (:func:`~merak_core.planner.profile_model`) and times the runtime's split backward on its first
+block (:func:`~merak_core.planner.action_cost.measure_split_backward_scale`, broadcast), every rank takes part in
 :func:`~merak_core.planner.measure_comm` and
 :func:`~merak_core.planner.action_cost.measure_action_cost` on the world group, rank 0 plans for the world size
 (:func:`~merak_core.planner.plan`, memory per device, the job's global batch, CPU cores shared by
@@ -20,9 +21,7 @@ Not done here: the plan check of a running job (:mod:`merak_core.autoplan.check`
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import inspect
 import logging
 import math
 import os
@@ -41,6 +40,7 @@ from merak_core.autoplan.givens import (
     model_degrees,
 )
 from merak_core.autoplan.probe import slowest_probe_note
+from merak_core.autoplan.profiling import cast_floats, job_model_and_batch, profile_inputs, with_adapters
 from merak_core.config import TrainingArguments
 from merak_core.parallel.devices import autocast
 from merak_core.planner import (
@@ -53,11 +53,15 @@ from merak_core.planner import (
     plan,
     profile_model,
 )
-from merak_core.planner.action_cost import measure_action_cost
+from merak_core.planner.action_cost import (
+    check_split_backward_scale,
+    measure_action_cost,
+    measure_split_backward_scale,
+)
 from merak_core.planner.choices import searched_virtual_stages
 from merak_core.planner.context_cost import runnable_cp
 from merak_core.planner.profile import tp_constraints
-from merak_core.run.bootstrap import first_samples, process_group
+from merak_core.run.bootstrap import process_group
 
 logger = logging.getLogger(__name__)
 
@@ -109,91 +113,12 @@ class PlanInputs:
     compute_metrics_given: bool = False
 
 
-def profile_inputs(
-    model: nn.Module, dataset: Any, num_samples: int, data_collator: Callable[[list[Any]], Any] | None = None
-) -> Any:
-    """One batch of ``num_samples`` training samples as ``profile_model`` takes it (a tensor or keyword dict)."""
-    from merak_core.data.loader import split_inputs_labels
-
-    collate = data_collator or torch.utils.data.default_collate
-    samples = first_samples(dataset, num_samples)
-    if not samples:
-        raise ValueError(
-            "layout='auto' profiles the model on training samples, but the training set is empty"
-        )
-    inputs, _ = split_inputs_labels(collate(samples))
-    params = list(inspect.signature(model.forward).parameters)
-    if isinstance(
-        inputs, Mapping
-    ):  # by keyword when the keys are forward's parameters, else in order (as traced)
-        if all(k in params for k in inputs):
-            return dict(inputs)
-        inputs = list(inputs.values())
-    if isinstance(inputs, (tuple, list)):
-        if len(inputs) == 1:
-            return inputs[0]
-        return dict(zip(params, inputs, strict=False))
-    return inputs
-
-
 def _relax_vocab(profile: ModelProfile, model: nn.Module, tp_plan: Any) -> ModelProfile:
     """A user TP plan that shards no ``nn.Embedding`` puts no constraint on the vocabulary
     (:func:`~merak_core.planner.profile.tp_constraints`)."""
     if profile.vocab_size is not None and tp_constraints(model, tp_plan)[2] is None:
         return dataclasses.replace(profile, vocab_size=None)
     return profile
-
-
-def _job_model_and_batch(
-    args: TrainingArguments,
-    model: nn.Module | Callable[[], nn.Module],
-    dataset: Any,
-    data_collator: Any,
-    device: torch.device,
-    lora: Any = None,
-) -> tuple[nn.Module, Any]:
-    """A copy of the job's model on ``device`` (with ``lora``: its adapters, the rest frozen) and one
-    microbatch of real training data for it."""
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(args.seed)
-        if isinstance(model, nn.Module):
-            if any(p.is_meta for p in model.parameters()):
-                raise ValueError(
-                    "layout='auto' profiles the model, but it was built on the meta device "
-                    "(empty_init): build it normally, or plan with `merak plan` and set dp/tp/pp"
-                )
-            copy_ = copy.deepcopy(model)
-        else:
-            copy_ = model()
-        copy_ = copy_.to(device=device, dtype=args.torch_dtype)
-        if lora is not None:
-            with_adapters(copy_, lora, seed=args.seed)
-        batch = profile_inputs(copy_, dataset, max(2, args.per_device_train_batch_size), data_collator)
-
-    return copy_, cast_floats(batch, args.torch_dtype, device)
-
-
-def with_adapters(model: nn.Module, lora: Any, *, seed: int = 0) -> nn.Module:
-    """``model`` (unsharded, in place) with ``lora``'s adapters at their first values and every other
-    parameter frozen, as the run trains it: the profile then counts the frozen weights as weights only
-    ([Note: frozen weights] in :mod:`merak_core.planner.memory`)."""
-    from merak_core.lora.apply import apply_lora, logical_name
-    from merak_core.lora.init import initialise_adapters
-
-    apply_lora(model, lora)
-    initialise_adapters(
-        ((logical_name(n), p) for n, p in model.named_parameters()), tp=1, tp_rank=0, seed=seed
-    )
-    return model
-
-
-def cast_floats(batch: Any, dtype: torch.dtype, device: torch.device | str | None = None) -> Any:
-    """A profiling batch (a tensor or a dict of them) with its floating tensors in the run's ``dtype``."""
-
-    def cast(t: torch.Tensor) -> torch.Tensor:
-        return t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device)
-
-    return {k: cast(v) for k, v in batch.items()} if isinstance(batch, Mapping) else cast(batch)
 
 
 def profile_for_plan(
@@ -243,8 +168,13 @@ def _profile_and_measure(
     decide: Callable[[ModelProfile, Any, float, float | None, dict[str, Any]], dict[str, Any]] | None = None,
     probe_tp: bool = False,
     per_action_s: float | None = None,
+    split_backward_scale: float | None = None,
 ) -> tuple[dict[str, Any], Any]:
     """Rank 0 profiles, every rank measures communication, rank 0 ``decide``s; the payload on every rank.
+
+    ``per_action_s`` and ``split_backward_scale`` are the ``CommModel`` terms to plan with; None:
+    measured (every rank, :func:`~merak_core.planner.action_cost.measure_action_cost`; rank 0 on its
+    model copy, :func:`~merak_core.planner.action_cost.measure_split_backward_scale`, then broadcast).
 
     ``decide`` gets the profile, the communication model, the memory per device, the compute slots and
     the cp and ep degrees the model allows (:func:`_model_degrees`, on rank 0's copy). Errors on rank 0
@@ -260,9 +190,12 @@ def _profile_and_measure(
     built: tuple[nn.Module, Any] | None = None
     degrees: dict[str, Any] = {}
     try:  # one copy of the model per rank: rank 0 profiles it, every rank times it for the contention
-        built = _job_model_and_batch(args, model, train_dataset, inputs.data_collator, dev, inputs.lora)
+        built = job_model_and_batch(args, model, train_dataset, inputs.data_collator, dev, inputs.lora)
         if rank == 0:
             profile = profile_for_plan(*built, tp_plan=args.tp_plan, bf16=args.bf16, device=dev)
+            if split_backward_scale is None and dist.get_world_size() > 1:
+                with autocast(args.bf16, dev):
+                    split_backward_scale = measure_split_backward_scale(*built)
             if decide is not None:
                 degrees = _model_degrees(args, *built, inputs)
     except Exception as exc:  # noqa: BLE001 - reported on every rank below, so none waits forever
@@ -275,7 +208,8 @@ def _profile_and_measure(
     # the pipeline runtime's own seconds per action, measured on these ranks unless given
     # ([Note: per-action measurement]); the planner prices it per action of a pipelined step
     measured = measure_action_cost(device=dev) if per_action_s is None else per_action_s
-    comm = dataclasses.replace(comm, per_action_s=measured)
+    split = _rank0_scale(split_backward_scale, dev)  # [Note: split backward measurement]
+    comm = dataclasses.replace(comm, per_action_s=measured, split_backward_scale=split)
     probed: dict[int, tuple[float, int]] = {}
     if probe_tp:
         profile, error, probed = _with_tp_scale(
@@ -297,6 +231,15 @@ def _profile_and_measure(
     if payload["error"]:
         raise ValueError(payload["error"])
     return payload, comm
+
+
+def _rank0_scale(scale: float | None, device: torch.device) -> float:
+    """Rank 0's ``split_backward_scale`` on every rank (collective); 1 when it has none (one rank, no
+    pipeline to split; or its profiling failed, which every rank raises next)."""
+    box = torch.tensor([math.nan if scale is None else scale], dtype=torch.float64, device=device)
+    dist.broadcast(box, src=0)
+    value = float(box)
+    return value if math.isfinite(value) else 1.0
 
 
 def _model_degrees(
@@ -377,6 +320,7 @@ def auto_layout(
     inputs: PlanInputs = PlanInputs(),
     *,
     per_action_s: float | None = None,
+    split_backward_scale: float | None = None,
 ) -> AutoLayout:
     """Choose the layout for ``layout: auto`` (collective: call on every rank; see the module docstring).
 
@@ -386,6 +330,9 @@ def auto_layout(
     batch allow (:func:`_model_degrees`), whatever the job's cp and ep: an axis wins where the plan
     predicts it faster or where nothing fits without it. ``per_action_s`` is the pipeline runtime's seconds per action to plan
     with (``CommModel.per_action_s``); None: measured on the ranks (:func:`~merak_core.planner.action_cost.measure_action_cost`).
+    ``split_backward_scale`` is the runtime's split backward against a full one, ``(I + W) / B``
+    (``CommModel.split_backward_scale``, what ZB-H1 and ZB-V pay); None: measured on rank 0's copy
+    of the model and broadcast (:func:`~merak_core.planner.action_cost.measure_split_backward_scale`).
     Degrees the job writes (dp/tp/pp) are replaced by the plan's, keeping the global batch they give
     (:func:`auto_global_batch`; one line says so). Raises ValueError before any collective when ``args``
     is not an auto layout or its global batch is not defined, and on every rank when nothing fits (the
@@ -395,6 +342,8 @@ def auto_layout(
         raise ValueError(f"auto_layout: layout={args.layout!r}; expected 'auto' (set training.layout: auto)")
     if train_dataset is None:
         raise ValueError("layout='auto' profiles the model on the training set: pass train_dataset")
+    if split_backward_scale is not None:
+        split_backward_scale = check_split_backward_scale("auto_layout", split_backward_scale)
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     gbs, _ = auto_global_batch(args, world)
     note = auto_degrees_note(args, world)
@@ -430,7 +379,15 @@ def auto_layout(
         }
 
     payload, comm = _profile_and_measure(
-        args, model, train_dataset, inputs, "layout='auto'", decide, args.plan_probe_tp, per_action_s
+        args,
+        model,
+        train_dataset,
+        inputs,
+        "layout='auto'",
+        decide,
+        args.plan_probe_tp,
+        per_action_s,
+        split_backward_scale,
     )
     checks = args.plan_check_steps if args.plan_check_steps is not None else DEFAULT_PLAN_CHECK_STEPS
     fields = dict(payload["fields"])
@@ -446,12 +403,15 @@ def auto_layout(
         }
         logger.info(
             "layout auto: %d feasible configurations for %d ranks, %.4g MiB per device, global batch %d, "
-            "compute slots %.3g (profile: %d layers on %s)\n%s",
+            "compute slots %.3g, runtime %.3g ms per action, split backward (I + W) / B %.3g "
+            "(profile: %d layers on %s)\n%s",
             payload["count"],
             world,
             payload["memory"] / 2**20,
             gbs,
             payload["slots"],
+            comm.per_action_s * 1e3,
+            comm.split_backward_scale,
             context.profile.num_layers,
             context.profile.device,
             payload["table"],

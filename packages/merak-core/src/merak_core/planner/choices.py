@@ -81,11 +81,16 @@ def searched_virtual_stages(compute_slots: float | None) -> tuple[int, ...]:
     """The ``virtual_stages`` that ``layout: auto`` searches: :data:`AUTO_VIRTUAL_STAGES` with a device
     per rank (``compute_slots`` None), one stage per rank when ranks share a host's cores.
 
-    [Note: virtual stages on shared cores] CPU ranks sharing cores run interleaved-1F1B 15-38% and
-    ZB-V 26-141% slower than 1F1B, measured in the Trainer (``benchmarks/bench_virtual_stages.py``,
-    docs/virtual_stages.md), where the simulator predicts them 4-13% faster: every extra action pays
-    a fixed cost (dispatch, bookkeeping, the local hand-over) that the per-layer costs do not hold.
-    Until the cost model prices that, the search does not offer them there.
+    [Note: virtual stages on shared cores] CPU ranks sharing cores run interleaved-1F1B and ZB-V
+    slower than 1F1B in the Trainer: on the 2-core machine, quiet, interleaved 1.02x / 1.12x and ZB-V
+    1.16x / 1.29x 1F1B's step at pp = 2 / 4 (``benchmarks/bench_virtual_stages.py``; the dated runs,
+    loaded ones too, are in docs/virtual_stages.md, "Predicting virtual stages before running them").
+    The planner now prices two of the causes, the runtime's cost per action
+    (``CommModel.per_action_s``) and the split backward (``CommModel.split_backward_scale``), both
+    measured by ``layout: auto``; not the third, that with more ranks than cores a smaller bubble
+    keeps more ranks computing at once, each slower (the benchmark's ``pred+ cores`` term), which
+    makes up most of the error at pp = 4. Until the planner prices that, the search does not offer
+    more than one stage per rank there.
     """
     return AUTO_VIRTUAL_STAGES if compute_slots is None else (1,)
 

@@ -48,9 +48,11 @@ class CommModel:
     """The runtime's split backward against a full one, ``(I + W) / B`` of the same stage: what ZB-H1
     and ZB-V pay for splitting each backward (merak_pipe's ``I`` and ``W`` are two autograd calls, and
     ``W`` builds a weight plan); the simulator's ``backward_input`` and ``backward_weight`` are each
-    half of ``B`` times it. Measured by ``benchmarks/bench_virtual_stages.py`` (its I / W columns) and
-    by hand as in docs/virtual_stages.md: 1.37-1.56 on this repository's 2-core CPU machine. 1: a
-    split as cheap as a full backward (not measured by ``layout: auto``)."""
+    half of ``B`` times it. ``layout: auto`` measures it on one block of the job's model
+    (:func:`~merak_core.planner.action_cost.measure_split_backward_scale`, [Note: split backward
+    measurement] there); ``benchmarks/bench_virtual_stages.py`` (its I / W columns) on half a
+    stage: 1.35-1.54 on this repository's 2-core CPU machine (docs/virtual_stages.md). 1 (the
+    default): a split as cheap as a full backward."""
 
     def __post_init__(self) -> None:
         table: dict[int, list[tuple[float, float]]] = {}
