@@ -10,9 +10,10 @@ and every parameter (the adapters too) after them:
   traced inside the compiled blocks (the TP base layers eager, [Note: TP layers stay eager]);
 - ZeRO-3: ``compile: regional`` at dp = 2, each block compiled inside its FSDP2 unit (FSDP2's hooks are
   dynamo-disabled in torch: they run eagerly around the block's graph).
-- sequence parallelism: ``compile: regional`` at tp = 2 with ``sequence_parallel``, its TP regions eager
-  ([Note: sequence parallelism stays eager]); the blocks found though the first one's class is swapped;
-- sub-pipelined TP: ``compile: regional`` at tp = 2 with ``overlap_chunks: 2``, its TP regions eager too;
+- sequence parallelism: ``compile: regional`` at tp = 2 with ``sequence_parallel``, its TP regions' compute
+  traced, their bookkeeping not ([Note: compiled TP regions]); the blocks found though the first one's class
+  is swapped;
+- sub-pipelined TP: ``compile: regional`` at tp = 2 with ``overlap_chunks: 2``, the same way;
 - context parallelism: ``compile: regional`` at cp = 2, ring and Ulysses (float64, the CP tests' run);
 - expert parallelism: ``compile: regional`` at ep = 2 (float64, the EP tests' MoE Llama).
 
@@ -94,12 +95,12 @@ def test_zero3_regional_at_dp2_equals_eager() -> None:
 
 
 def test_sequence_parallel_regional_at_tp2_equals_eager() -> None:
-    """Traced by torch.compile, the sequence-parallel TP regions gave wrong gradients from the second step."""
+    """Traced whole, the sequence-parallel TP regions summed later blocks' input gradients twice."""
     _compiled_equals_eager("llama", dict(compile="regional", tp=2, sequence_parallel=True), 2)
 
 
 def test_sub_pipelined_tp_regional_at_tp2_equals_eager() -> None:
-    """``overlap_chunks: 2``: each TP region runs its two chunks eagerly between the compiled graphs."""
+    """``overlap_chunks: 2``: each TP region runs its two chunks, their compute compiled."""
     _compiled_equals_eager("llama", dict(compile="regional", tp=2, overlap_chunks=2), 2)
 
 

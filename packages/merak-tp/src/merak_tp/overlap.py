@@ -32,13 +32,34 @@ where the residual stream enters sequence parallelism.
 
 What a region or a boundary needs per module (group, sequence dim, run-time state) is its
 ``ModuleSpec`` (see [Note: module specs]), never an attribute written into the user's module.
+
+[Note: region bookkeeping is not traced] A region's own code (its forward, the sequence gather on
+entry, the chunking, the probe) sets and reads its ``_RegionState``: the mode its TP layers run in
+and the handles the region waits on. torch.compile must not trace that code. Traced inside a
+compiled block (``training.compile: regional``, Llama at tp = 2 with sequence parallelism,
+``aot_eager``), the compiled code of the third and fourth blocks' regions wrote ``mode = "sp"``
+into the second block's region state instead of their own (dynamo traced the ``ModuleSpec``
+registry lookup and read the state from a fixed registry entry, guarded on its type only): their
+column layers then found no region mode, all-reduced their input gradients themselves, and the
+region's entry reduce-scattered them again (the region's input gradient summed twice; every weight
+about 2e-2 off eager after two steps). So the region's methods and helpers are
+``torch.compiler.disable(recursive=False)``d (:func:`_not_traced`): their frames run as plain
+Python, while what they call is still compiled (``base_forward``, the original module's forward:
+its attention or MLP compute between the TP layers, which stay eager themselves).
+
+torch.export (merak-graph's trace of a pipelined model, and its eager pre-run of leaf modules under
+export's flags) refuses a non-recursive disable: "Non-recursive torch.compiler.disable is not
+supported with torch.export". :func:`_not_traced` therefore asks ``torch.compiler.is_exporting()``
+on every call and, while exporting, runs the plain function, which is what export traced before.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -59,6 +80,23 @@ from merak_tp.linear import ColumnParallelLinear, RowParallelLinear
 from merak_tp.module_spec import SequenceBoundary, deepcopy_module, get_module_spec, set_module_spec
 
 logger = logging.getLogger(__name__)
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _not_traced(fn: _F) -> _F:
+    """Run ``fn``'s own frame as plain Python under torch.compile, compiling what it calls; under
+    torch.export, ``fn`` itself ([Note: region bookkeeping is not traced])."""
+    disabled = torch.compiler.disable(fn, recursive=False)
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_exporting():  # read per call: export refuses the non-recursive disable
+            return fn(*args, **kwargs)
+        return disabled(*args, **kwargs)
+
+    return run  # type: ignore[return-value]
+
 
 __all__ = [
     "SequenceGather",
@@ -142,6 +180,7 @@ class _RegionSplit(torch.autograd.Function):
         return torch.cat(parts, dim=0), None, None
 
 
+@_not_traced
 def _region_state(module: nn.Module) -> _RegionState:
     state = get_module_spec(module).region
     if state is None:
@@ -158,6 +197,7 @@ class TPRegion(nn.Module):
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         return deepcopy_module(self, memo)
 
+    @_not_traced
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         st = _region_state(self)
         if st.rng_tracker is not None:
@@ -167,6 +207,7 @@ class TPRegion(nn.Module):
                 return self._region_forward(*args, **kwargs)
         return self._region_forward(*args, **kwargs)
 
+    @_not_traced
     def _region_forward(self, *args: Any, **kwargs: Any) -> Any:
         st = _region_state(self)
         original_forward = super().forward  # the original class's forward (next in the MRO)
@@ -199,6 +240,7 @@ class TPRegion(nn.Module):
             return self._probe(base_forward, args, kwargs)
         return self._sub_pipelined(base_forward, args, kwargs)
 
+    @_not_traced
     def _probe(self, base_forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         st = _region_state(self)
         st.mode, st.calls = "probe", []
@@ -209,6 +251,7 @@ class TPRegion(nn.Module):
         self._check_shape(out)
         return out
 
+    @_not_traced
     def _check_shape(self, out: Any) -> None:
         """Decide once whether the region is 'columns -> local -> one row layer -> output'."""
         st = _region_state(self)
@@ -234,6 +277,7 @@ class TPRegion(nn.Module):
                 kinds,
             )
 
+    @_not_traced
     def _sub_pipelined(self, base_forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         st = _region_state(self)
         k = st.chunks
@@ -276,6 +320,7 @@ _PLAIN = (bool, int, float, str, type(None))
 _FIRST_INPUT: dict[type, str] = {}
 
 
+@_not_traced
 def _first_parameter(cls: type) -> str:
     """Name of the first parameter of the original class's ``forward`` (after ``self``), cached per class."""
     cached = _FIRST_INPUT.get(cls)
@@ -292,6 +337,7 @@ def _first_parameter(cls: type) -> str:
     return params[0].name
 
 
+@_not_traced
 def _chunkable(args: tuple[Any, ...], kwargs: dict[str, Any], chunks: int) -> bool:
     """A batch-major first input and only stateless other inputs (a KV cache object is not)."""
     if not args or not isinstance(args[0], torch.Tensor) or args[0].dim() < 2 or args[0].size(0) < chunks:
@@ -304,6 +350,7 @@ def _chunkable(args: tuple[Any, ...], kwargs: dict[str, Any], chunks: int) -> bo
     return True
 
 
+@_not_traced
 def _split_like(value: Any, batch: int, sizes: list[int]) -> list[Any]:
     """Split a batch-major tensor (3+ dims, leading size ``batch``) like the first input; repeat the rest."""
     if isinstance(value, torch.Tensor) and value.dim() >= 3 and value.size(0) == batch:
@@ -314,6 +361,7 @@ def _split_like(value: Any, batch: int, sizes: list[int]) -> list[Any]:
     return [value] * len(sizes)
 
 
+@_not_traced
 def _cat_outputs(outs: list[Any]) -> Any:
     first = outs[0]
     if isinstance(first, torch.Tensor):

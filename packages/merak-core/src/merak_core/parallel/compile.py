@@ -24,18 +24,22 @@ layers stay eager]). Under ZeRO-2/3 each block or unit is an FSDP2 unit: FSDP2's
 ``torch._dynamo.disable``d in torch, so the gathers and reduce-scatters run eagerly around the
 compiled graphs of the blocks.
 
-[Note: sequence parallelism stays eager]
-Under sequence parallelism merak-tp's TP regions (a block's attention, its MLP: each all-gathers its
-sequence-sharded input on entry and reduce-scatters on exit) run eagerly too, and the first block
-(``SequenceScatter[Block]``, scattering the sequence on entry) is a TP layer: the compiled graphs are
-the norms and residual adds between the regions. Traced by torch.compile, the regions gave eager's
-loss for the first step and wrong gradients from the second (Llama, tp = 2, ``aot_eager``: the
-attention weights about 2e-2 off after 2 steps; dynamo recompiled the region's forward and the RNG
-tracker's fork, whose drawn seeds it guards on, at every call). With :func:`_block_class` the
-blocks are still found for ``regional``. Sub-pipelined TP (``overlap_chunks > 1``: a region runs
-its input in chunks, each chunk's collective asynchronous and waited on while the next computes)
-keeps its regions eager the same way: the overlap is the region's own schedule of collectives, not
-something to trace. Context parallelism (``cp > 1``): merak-tp's attention reads the active CP
+[Note: compiled TP regions]
+Under sequence parallelism a block's attention and MLP are merak-tp TP regions (each all-gathers
+its sequence-sharded input on entry and reduce-scatters on exit); with ``overlap_chunks > 1`` a
+region runs its input in chunks, each chunk's collective asynchronous and waited on while the next
+computes. Their TP layers stay eager as everywhere ([Note: TP layers stay eager]); the region's own
+bookkeeping (its forward, the entry gather, the chunking) runs as plain Python inside the compiled
+block and what it calls, the attention or MLP compute between the TP layers, is compiled ([Note:
+region bookkeeping is not traced] in merak_tp.overlap; under torch.export, which traces pipelined
+models and refuses torch.compile's non-recursive disable, that code runs as itself). Traced whole,
+the compiled code of a later block's region set the run mode on an earlier block's region state:
+that region's column layers all-reduced their input gradients themselves and its entry
+reduce-scattered them again (Llama, tp = 2, ``aot_eager``: the gradients about 1e-2 off eager from
+the first step, hidden by Adam's first update; the weights about 2e-2 off after 2 steps). The first
+block (``SequenceScatter[Block]``, scattering the sequence on entry) is a TP layer and runs
+eagerly; :func:`_block_class` still finds the blocks for
+``regional``. Context parallelism (``cp > 1``): merak-tp's attention reads the active CP
 context from a ``ContextVar``, which dynamo does not trace: the graph breaks there and the ring or
 Ulysses exchange runs eagerly between compiled graphs, every call. Expert parallelism (``ep > 1``):
 the dispatch's split sizes are read on the host (data-dependent), a graph break; the all-to-alls run
@@ -71,7 +75,6 @@ __all__ = [
     "compile_mode",
     "compile_stage",
     "compile_stages",
-    "eager_tp_regions",
     "keep_tp_layers_eager",
     "refused_with_compile",
     "repeated_blocks",
@@ -194,11 +197,12 @@ def repeated_blocks(module: nn.Module) -> list[nn.Module]:
     return blocks
 
 
-def keep_tp_layers_eager(module: nn.Module, *, regions: bool = False) -> int:
+def keep_tp_layers_eager(module: nn.Module) -> int:
     """Mark merak-tp's layers in ``module`` to run eagerly inside compiled regions; how many were marked.
 
-    ``regions``: merak-tp's TP regions (a block's attention or MLP made one region) too, as under
-    sequence parallelism and sub-pipelined TP ([Note: sequence parallelism stays eager]).
+    merak-tp's TP regions (a block's attention or MLP made one region under sequence parallelism or
+    sub-pipelined TP) are not marked: their compute is traced, their bookkeeping is not ([Note:
+    compiled TP regions]).
 
     [Note: TP layers stay eager] A TP layer is an autograd function whose backward launches
     collectives on the TP group (asynchronous handles, gloo or NCCL): torch.compile cannot trace it,
@@ -209,9 +213,7 @@ def keep_tp_layers_eager(module: nn.Module, *, regions: bool = False) -> int:
     """
     from merak_tp import TP_LEAF_MODULES, TPRegion
 
-    layers = tuple(
-        c for c in TP_LEAF_MODULES if regions or not issubclass(c, TPRegion)
-    )  # a region: a whole block
+    layers = tuple(c for c in TP_LEAF_MODULES if not issubclass(c, TPRegion))  # a region: a whole block
     marked = 0
     for sub in module.modules():
         if isinstance(sub, layers) and "forward" not in vars(sub):
@@ -220,30 +222,22 @@ def keep_tp_layers_eager(module: nn.Module, *, regions: bool = False) -> int:
     return marked
 
 
-def eager_tp_regions(args: Any) -> bool:
-    """Whether merak-tp's TP regions run eagerly in the compiled stages of ``args``: under sequence
-    parallelism or sub-pipelined TP (``overlap_chunks > 1``), [Note: sequence parallelism stays eager]."""
-    return bool(getattr(args, "sequence_parallel", False)) or getattr(args, "overlap_chunks", 1) > 1
-
-
 def compile_stage(
     module: nn.Module,
     mode: bool | str,
     *,
     backend: str,
     checkpointed_units: int | None = None,
-    eager_regions: bool = False,
 ) -> nn.Module:
     """The module the pipeline runner should run for one stage, compiled as ``mode`` says.
 
     ``checkpointed_units``: how many leading units of the stage its recomputation checkpoints
-    (None: not known, treated as a partial checkpoint); ``eager_regions``: merak-tp's TP regions run
-    eagerly (:func:`eager_tp_regions`). Compiles in place (``nn.Module.compile``)
+    (None: not known, treated as a partial checkpoint). Compiles in place (``nn.Module.compile``)
     except for ``mode=True`` on a chain of units, which returns a :class:`CompiledStage` around it.
     """
     if not mode:
         return module
-    keep_tp_layers_eager(module, regions=eager_regions)
+    keep_tp_layers_eager(module)
     units = list(module) if isinstance(module, nn.Sequential) else None
     if mode == "regional":
         if units is not None:  # a traced stage: its shards are the regions
@@ -293,6 +287,5 @@ def compile_stages(
             args.compile,
             backend=args.compile_backend,
             checkpointed_units=checkpointed,
-            eager_regions=eager_tp_regions(args),
         )
     return out
