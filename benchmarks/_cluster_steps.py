@@ -3,8 +3,9 @@ predicted by the cluster cost model for this machine described as a cluster, aga
 
 This machine as a cluster (:func:`cluster_file`): one node of 2 devices (the 2 cores, one thread each).
 Measured first, on this machine, in CPU time: the sustained fp32 FLOP/s of a GEMM of the demo's
-shapes, the bandwidth of a large element-wise add, the fixed cost per operator (a chain of tiny ops,
-forward and backward), and the link: gloo send/recv ping-pong between 2 pool ranks (4 B and 32 MiB,
+shapes, the bandwidth of a large element-wise add, the rate of each operator class (GELU, layer norm,
+softmax, attention at the demo's shapes: ``_cluster_classes.py``), the fixed cost per operator (a chain of
+tiny ops, forward and backward), and the link: gloo send/recv ping-pong between 2 pool ranks (4 B and 32 MiB,
 the fastest corrected trip of each, corrected like the steps: [Note: contention-free step time]).
 The result is written as a cluster file and read back with ``load_cluster``.
 
@@ -315,10 +316,13 @@ def measure_step_overhead(quick: bool) -> dict[str, float]:
 def measure_compute() -> dict[str, float]:
     """This core's GEMM FLOP/s, element-wise bytes/s and microseconds per operator (one thread, CPU time)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
+    from _cluster_classes import measure_classes
     from bench_cluster_plan import measure_op_overhead_us
 
     torch.set_num_threads(1)
-    return {"flops": _measure_flops(), "bandwidth": _measure_bandwidth(), "op_us": measure_op_overhead_us()}
+    op_us = measure_op_overhead_us()
+    classes = {f"class_{k}": v for k, v in measure_classes(op_us).items()}
+    return {"flops": _measure_flops(), "bandwidth": _measure_bandwidth(), "op_us": op_us, **classes}
 
 
 def cluster_file(
@@ -329,7 +333,12 @@ def cluster_file(
     flops, bandwidth, op_us = (
         statistics.median(r[k] for r in rates) for k in ("flops", "bandwidth", "op_us")
     )
-    return {
+    classes = {  # [Note: operator class rates]; rates saved before they were measured have none
+        k.removeprefix("class_"): round(statistics.median(r[k] for r in rates) / 1e9, 3)
+        for k in rates[0]
+        if k.startswith("class_")
+    }
+    out = {
         "name": "cpu-2core-measured",
         "source": (
             f"this machine, measured by bench_cluster_plan.py steps (CPU time, medians of {len(rates)} rounds): "
@@ -359,6 +368,10 @@ def cluster_file(
         },
         "usable_memory_fraction": 0.9,
     }
+    if classes:
+        out["device"]["op_class_gb_s"] = classes
+        out["source"] += ", per operator class (GB/s) " + ", ".join(f"{k} {v}" for k, v in classes.items())
+    return out
 
 
 # ---------------------------------------------------------------------------- training one configuration
@@ -563,7 +576,7 @@ def run(quick: bool, measured: str | None = None, save: str | None = None) -> No
 
     import yaml
 
-    from merak_core.planner.cluster import load_cluster
+    from merak_core.planner.cluster import ClusterSpec, load_cluster
 
     sys.path.insert(0, str(ROOT))
     torch.set_num_threads(1)
@@ -595,6 +608,11 @@ def run(quick: bool, measured: str | None = None, save: str | None = None) -> No
             own[c] = (predict_all(load_cluster(path), [c], names)[c], row_rates[0])
     print("predicted with this round's rates (the cluster file above):\n")
     _report(configs, got, pred)
+    if "op_class_gb_s" in data["cluster"]["device"]:  # the same file without them: the model before
+        raw = {**data["cluster"], "device": dict(data["cluster"]["device"])}
+        del raw["device"]["op_class_gb_s"]
+        print("\nthe same without the operator class rates (every element-wise op at the add's bandwidth):\n")
+        _report(configs, got, predict_all(ClusterSpec.from_dict(raw), configs, names))
     if len(own) == len(configs):
         print(
             "\npredicted with the rates measured on each row's own ranks around its runs ([Note: rates of the row's own run]):\n"

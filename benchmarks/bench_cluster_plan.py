@@ -22,8 +22,10 @@ demo trained with the real Trainer on the fork pool's gloo ranks at every layout
 (schedules, recomputation, TP overlap), a few steps per round over several rounds; the cluster
 model's predicted step time beside the contention-corrected measured one, the median and largest
 error, Spearman's rank correlation and whether the model picks the fastest layout (see
-``benchmarks/_cluster_steps.py``). ``--save FILE`` keeps the measurements, ``--measured FILE``
-predicts them again (after a change to the model) without training.
+``benchmarks/_cluster_steps.py``). The file includes per-operator-class rates
+(``device.op_class_gb_s``, ``benchmarks/_cluster_classes.py``), and each table is printed again
+without them (the model before them, on the same measurements). ``--save FILE`` keeps the
+measurements, ``--measured FILE`` predicts them again (after a change to the model) without training.
 
 Run (single process)::
 

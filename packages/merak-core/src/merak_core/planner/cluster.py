@@ -14,11 +14,13 @@ Deliberately not modelled: different devices in one cluster, network topology be
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from merak_core.planner.cluster_classes import OP_CLASSES
 
 __all__ = ["ClusterSpec", "compute_dtype", "load_cluster", "shipped_clusters"]
 
@@ -38,6 +40,7 @@ _SCHEMA: dict[str, Any] = {
         "step_overhead_us": float,
         "step_tensor_us": float,
         "step_param_ns": float,
+        "op_class_gb_s": dict.fromkeys(OP_CLASSES, float),
     },
     "intra_node": {"bandwidth_gb_s": float, "bidirectional": bool, "latency_us": float},
     "inter_node": {"nics_per_node": int, "nic_gbit_s": float, "latency_us": float},
@@ -52,6 +55,8 @@ _OPTIONAL = {
     "device.step_overhead_us",
     "device.step_tensor_us",
     "device.step_param_ns",
+    "device.op_class_gb_s",
+    *(f"device.op_class_gb_s.{c}" for c in OP_CLASSES),
     "intra_node.bidirectional",
     "efficiency.memory",
     "efficiency.link",
@@ -136,6 +141,11 @@ class ClusterSpec:
     """Host seconds per trainable parameter of the same work (the file's ``device.step_param_ns``,
     measured with :attr:`step_overhead_s`): an unfused optimizer passes over the memory once per list
     operation. None: Adam's bytes once at the memory bandwidth."""
+    op_class_bandwidth: dict[str, float] = field(default_factory=dict)
+    """Bytes/s per operator class (``activation``, ``norm``, ``softmax``, ``attention``: the file's
+    ``device.op_class_gb_s``) at which that class's nodes are priced instead of :attr:`memory_bandwidth`
+    ([Note: operator class rates] in :mod:`.cluster_classes`). Empty (the shipped files): every
+    memory-bound node at the memory bandwidth."""
     device_name: str = ""
     source: str = ""
     """Where the numbers come from."""
@@ -165,6 +175,12 @@ class ClusterSpec:
             raise ValueError(
                 f"ClusterSpec.step_tensor_s={self.step_tensor_s!r}: expected seconds >= 0 or None"
             )
+        for cls, rate in self.op_class_bandwidth.items():
+            if cls not in OP_CLASSES or not rate > 0:
+                raise ValueError(
+                    f"ClusterSpec.op_class_bandwidth[{cls!r}]={rate!r}: expected bytes/s > 0 for a class "
+                    f"among {sorted(OP_CLASSES)}"
+                )
         for name in ("compute_efficiency", "memory_efficiency", "link_efficiency", "usable_memory_fraction"):
             v = getattr(self, name)
             if not 0 < v <= 1:
@@ -228,6 +244,7 @@ class ClusterSpec:
                 step_overhead_s=float(dev.get("step_overhead_us", 0.0)) / 1e6,
                 step_tensor_s=float(dev["step_tensor_us"]) / 1e6 if "step_tensor_us" in dev else None,
                 step_param_s=float(dev["step_param_ns"]) / 1e9 if "step_param_ns" in dev else None,
+                op_class_bandwidth={k: float(v) * 1e9 for k, v in dev.get("op_class_gb_s", {}).items()},
                 device_name=str(dev.get("name", "")),
                 source=str(raw.get("source", "")),
             )

@@ -3,7 +3,8 @@
 :func:`trace_for_cluster` traces a model (on the meta device: no weights, no profiling on the
 target), annotates every graph node with merak-graph's FLOPs and bytes, priced by a roofline at
 the cluster device's sustained rates (``max(flops / (peak * efficiency), bytes / (bandwidth *
-efficiency))`` per node, backward twice the forward), and cuts the graph at its natural
+efficiency))`` per node, backward twice the forward; a node of an operator class the cluster gives a
+rate for at that rate instead of the bandwidth, [Note: operator class rates]), and cuts the graph at its natural
 boundaries (about two shards per transformer block). :func:`model_costs` turns that chain into
 per-layer :class:`LayerCost` for one sample; :func:`predict_config` prices one configuration.
 
@@ -64,6 +65,7 @@ from torch import nn
 from merak_core.parallel.active_experts import active_expert_blocks
 from merak_core.parallel.fsdp import default_reshard_after_forward
 from merak_core.planner.cluster import ClusterSpec
+from merak_core.planner.cluster_classes import reprice_classes
 from merak_core.planner.cluster_collectives import (
     exposed_tp_s,
     p2p_link,
@@ -231,6 +233,8 @@ def trace_for_cluster(
             backward_factor=2.0,
         )
         mg.annotate_costs(gm, values, cost_model=rates)
+        if cluster.op_class_bandwidth:  # [Note: operator class rates]
+            reprice_classes(gm, cluster.op_class_bandwidth, flops_per_s=cluster.flops(dtype))
         count = num_shards if num_shards is not None else mg.natural_shard_count(gm)
         return mg.shard(gm, count, model=model)
 
