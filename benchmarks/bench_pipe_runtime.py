@@ -203,7 +203,7 @@ def _ours(
 
 
 def torch_section(
-    world: int, microbatches: int, batch_size: int, seq: int, warmup: int, rounds: int
+    world: int, microbatches: int, batch_size: int, seq: int, warmup: int, rounds: int, lookahead: int = 0
 ) -> dict[str, float]:
     from torch.distributed.pipelining import PipelineStage as TorchStage
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
@@ -216,6 +216,7 @@ def torch_section(
     for name, torch_cls in (("1f1b", Schedule1F1B), ("gpipe", ScheduleGPipe)):
         ours = _ours(name, module, world, microbatches)
         late = _ours(name, module, world, microbatches, early_receives=0)
+        deep = _ours(name, module, world, microbatches, early_receives=lookahead) if lookahead else None
         theirs = torch_cls(
             TorchStage(module, rank, world, torch.device("cpu")), microbatches, loss_fn=lm_loss
         )
@@ -237,7 +238,16 @@ def torch_section(
             else:
                 theirs.step(return_outputs=False)
 
-        medians = _alternate({"torch": run_torch, "ours": run_ours, "late": run_late}, warmup, rounds)
+        variants = {"torch": run_torch, "ours": run_ours, "late": run_late}
+        if deep is not None:
+
+            def run_deep(deep: Any = deep) -> None:
+                module.zero_grad(set_to_none=True)
+                deep.step(ids if first else None, labels if last else None)
+
+            variants["deep"] = run_deep
+        medians = _alternate(variants, warmup, rounds)
+        out[f"{name}/deep"] = medians.get("deep/torch", float("nan"))
         out[f"{name}/ours"] = medians["ours"]
         out[f"{name}/torch"] = medians["torch"]
         out[f"{name}/ratio"] = medians["ours/torch"]
@@ -380,6 +390,12 @@ def main() -> None:
         "--rounds", type=int, default=None, help="measured steps per variant (default 20, 5 quick)"
     )
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 4], help="stage counts (torch, shifted)")
+    parser.add_argument(
+        "--lookahead",
+        type=int,
+        default=0,
+        help="torch section: also run the runner with early_receives=N (a fourth variant, same rounds)",
+    )
     args = parser.parse_args()
     warmup, rounds = (2, 5) if args.quick else (3, 20)
     rounds = args.rounds or rounds
@@ -394,17 +410,19 @@ def main() -> None:
         print(
             "| stages | microbatches | schedule | merak_pipe (median) | torch (median) | ours/torch (median of paired steps) "
             "| ours without early receives / torch | floor: free communication | floor/torch |"
+            + (f" ours with early_receives={args.lookahead} / torch |" if args.lookahead else "")
         )
-        print("|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|" + ("---|" if args.lookahead else ""))
         for world in args.stages:
             m, b = 8, 16
-            res = run_world(world, torch_section, world, m, b, seq, warmup, rounds)[0]
+            res = run_world(world, torch_section, world, m, b, seq, warmup, rounds, args.lookahead)[0]
             for name in ("1f1b", "gpipe"):
                 ours, theirs = res[f"{name}/ours"], res[f"{name}/torch"]
                 floor = res[f"{name}/floor"]
                 print(
                     f"| {world} | {m} | {name} | {ours:.4f} | {theirs:.4f} | {res[f'{name}/ratio']:.3f} "
-                    f"| {res[f'{name}/late']:.3f} | {floor:.4f} | {floor / theirs:.3f} |",
+                    f"| {res[f'{name}/late']:.3f} | {floor:.4f} | {floor / theirs:.3f} |"
+                    + (f" {res[f'{name}/deep']:.3f} |" if args.lookahead else ""),
                     flush=True,
                 )
 
