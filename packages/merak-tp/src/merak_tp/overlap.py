@@ -385,15 +385,21 @@ class _SequenceBoundary(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if args:
-            boundary = get_module_spec(self).sequence
-            if boundary is None:
-                raise RuntimeError(
-                    f"{type(self).__name__} is a sequence-parallel boundary class but this module has no "
-                    "boundary (made by merak_tp.make_sequence_scatter / make_sequence_gather)"
-                )
-            enter = _ENTER[boundary.kind]
-            args = (enter(args[0], boundary.group, boundary.sequence_dim), *args[1:])
+            args = (_cross_boundary(self, args[0]), *args[1:])
         return super().forward(*args, **kwargs)
+
+
+@torch.compiler.disable
+def _cross_boundary(module: nn.Module, x: Any) -> Any:
+    """``x`` scattered or gathered as ``module``'s boundary says; never traced, so a compiled block
+    that starts at a boundary compiles the rest of its forward ([Note: region bookkeeping is not traced])."""
+    boundary = get_module_spec(module).sequence
+    if boundary is None:
+        raise RuntimeError(
+            f"{type(module).__name__} is a sequence-parallel boundary class but this module has no "
+            "boundary (made by merak_tp.make_sequence_scatter / make_sequence_gather)"
+        )
+    return _ENTER[boundary.kind](x, boundary.group, boundary.sequence_dim)
 
 
 class SequenceScatter(_SequenceBoundary):

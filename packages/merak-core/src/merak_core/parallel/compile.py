@@ -37,9 +37,9 @@ the compiled code of a later block's region set the run mode on an earlier block
 that region's column layers all-reduced their input gradients themselves and its entry
 reduce-scattered them again (Llama, tp = 2, ``aot_eager``: the gradients about 1e-2 off eager from
 the first step, hidden by Adam's first update; the weights about 2e-2 off after 2 steps). The first
-block (``SequenceScatter[Block]``, scattering the sequence on entry) is a TP layer and runs
-eagerly; :func:`_block_class` still finds the blocks for
-``regional``. Context parallelism (``cp > 1``): merak-tp's attention reads the active CP
+block (``SequenceScatter[Block]``, scattering the sequence on entry) is compiled too: the scatter
+itself runs untraced (``torch.compiler.disable`` in merak_tp.overlap), the rest of the block's
+forward is compiled; :func:`_block_class` still finds the blocks for ``regional``. Context parallelism (``cp > 1``): merak-tp's attention reads the active CP
 context from a ``ContextVar``, which dynamo does not trace: the graph breaks there and the ring or
 Ulysses exchange runs eagerly between compiled graphs, every call. Expert parallelism (``ep > 1``):
 the dispatch's split sizes are read on the host (data-dependent), a graph break; the all-to-alls run
@@ -201,8 +201,9 @@ def keep_tp_layers_eager(module: nn.Module) -> int:
     """Mark merak-tp's layers in ``module`` to run eagerly inside compiled regions; how many were marked.
 
     merak-tp's TP regions (a block's attention or MLP made one region under sequence parallelism or
-    sub-pipelined TP) are not marked: their compute is traced, their bookkeeping is not ([Note:
-    compiled TP regions]).
+    sub-pipelined TP) and sequence boundaries (``SequenceScatter[Block]``) are not marked: their
+    compute is traced, their bookkeeping and the boundary's collective are not ([Note: compiled TP
+    regions]).
 
     [Note: TP layers stay eager] A TP layer is an autograd function whose backward launches
     collectives on the TP group (asynchronous handles, gloo or NCCL): torch.compile cannot trace it,
@@ -211,9 +212,11 @@ def keep_tp_layers_eager(module: nn.Module) -> int:
     the break explicit and the layer (its matmul and collective) run as in eager mode; the
     compiled graphs are what lies between the layers (norms, attention, activations, residuals).
     """
-    from merak_tp import TP_LEAF_MODULES, TPRegion
+    from merak_tp import TP_LEAF_MODULES, SequenceGather, SequenceScatter, TPRegion
 
-    layers = tuple(c for c in TP_LEAF_MODULES if not issubclass(c, TPRegion))  # a region: a whole block
+    # a region or a sequence boundary: a whole block, its own collectives untraced in merak-tp
+    traced = (TPRegion, SequenceScatter, SequenceGather)
+    layers = tuple(c for c in TP_LEAF_MODULES if not issubclass(c, traced))
     marked = 0
     for sub in module.modules():
         if isinstance(sub, layers) and "forward" not in vars(sub):
