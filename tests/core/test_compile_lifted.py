@@ -13,6 +13,7 @@ and every parameter (the adapters too) after them:
 - sequence parallelism: ``compile: regional`` at tp = 2 with ``sequence_parallel``, its TP regions' compute
   traced, their bookkeeping not ([Note: compiled TP regions]); the blocks found though the first one's class
   is swapped;
+- the same at tp = 2, pp = 2 (the stages traced by torch.export, then compiled);
 - sub-pipelined TP: ``compile: regional`` at tp = 2 with ``overlap_chunks: 2``, the same way;
 - context parallelism: ``compile: regional`` at cp = 2, ring and Ulysses (float64, the CP tests' run);
 - expert parallelism: ``compile: regional`` at ep = 2 (float64, the EP tests' MoE Llama).
@@ -97,6 +98,12 @@ def test_zero3_regional_at_dp2_equals_eager() -> None:
 def test_sequence_parallel_regional_at_tp2_equals_eager() -> None:
     """Traced whole, the sequence-parallel TP regions summed later blocks' input gradients twice."""
     _compiled_equals_eager("llama", dict(compile="regional", tp=2, sequence_parallel=True), 2)
+
+
+def test_sequence_parallel_regional_at_tp2_pp2_equals_eager() -> None:
+    """A pipelined (torch.export-traced) stage with SP: its TP regions are leaves of the traced shards, run
+    under export's flags while tracing (their untraced code runs as itself there) and compiled after."""
+    _compiled_equals_eager("llama", dict(compile="regional", tp=2, pp=2, sequence_parallel=True), 4)
 
 
 def test_sub_pipelined_tp_regional_at_tp2_equals_eager() -> None:
