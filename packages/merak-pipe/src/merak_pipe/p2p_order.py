@@ -54,7 +54,7 @@ __all__ = [
 
 # How many units ahead of its place a data receive is posted where messages match by tag
 # ([Note: early receives]); 0 posts every receive where lowering put it.
-EARLY_RECEIVE_UNITS = 1
+EARLY_RECEIVE_UNITS = 2
 
 # Message kinds: forward data, backward data, shape header, pickled spec.
 DATA_F, DATA_B, HEADER, SPEC = "F", "B", "H", "S"
