@@ -8,7 +8,7 @@ or a *unit* of p2p operations issued together (one ``batch_isend_irecv``). The r
 [Note: issue order]
 - A run of consecutive SEND/RECV actions of the lowered schedule is one unit, issued when the
   walk reaches it. Where messages match by tag (gloo without NCCL's rules) the runtime then posts
-  data receives a unit early ([Note: early receives]); under NCCL's rules, which this order is
+  data receives ``EARLY_RECEIVE_UNITS`` units early ([Note: early receives]); under NCCL's rules, which this order is
   checked against, nothing is posted ahead of its place: on NCCL a rank's p2p operations run in
   issue order on one stream, so a receive moved ahead of a send that its peer waits for
   deadlocks, whatever the message size.
