@@ -26,7 +26,13 @@ def _flags(tokens: list[str]) -> dict[str, str]:
 def test_two_nodes_give_torchrun_one_rendezvous_and_their_node_rank(node_id: int) -> None:
     env = {**SLURM_2_NODES, "SLURM_NODEID": str(node_id)}
     node = slurm_node(env, hostnames=expand_nodelist)
-    assert node == SlurmNode(nnodes=2, node_rank=node_id, rdzv_endpoint="gpu07:29500", rdzv_id="slurm-4242")
+    assert node == SlurmNode(
+        nnodes=2,
+        node_rank=node_id,
+        rdzv_endpoint="gpu07:29500",
+        rdzv_id="slurm-4242",
+        hosts_rendezvous=node_id == 0,  # the endpoint is node 0's host: it hosts the store, say so
+    )
 
     # Through the command line: `merak train job.yaml --slurm` on a job of dp*tp*pp = 2 ranks.
     args = _build_parser().parse_args(["train", "job.yaml", "training.max_steps=3", "--slurm"])
@@ -41,6 +47,7 @@ def test_two_nodes_give_torchrun_one_rendezvous_and_their_node_rank(node_id: int
         "rdzv-endpoint": "gpu07:29500",
         "rdzv-id": "slurm-4242",
         "node-rank": str(node_id),
+        "rdzv-conf": "is_host=true" if node_id == 0 else "is_host=false",
     }
     assert cmd[-2:] == ["job.yaml", "training.max_steps=3"]
 
@@ -55,15 +62,19 @@ def test_the_step_wins_over_the_job_and_the_port_comes_from_the_environment() ->
         "MASTER_PORT": "31000",
     }
     assert slurm_node(env, hostnames=expand_nodelist) == SlurmNode(
-        nnodes=1, node_rank=0, rdzv_endpoint="gpu08:31000", rdzv_id="slurm-4242"
+        nnodes=1, node_rank=0, rdzv_endpoint="gpu08:31000", rdzv_id="slurm-4242", hosts_rendezvous=True
     )
     env["MERAK_RDZV_PORT"] = "32000"
     assert slurm_node(env, hostnames=expand_nodelist).rdzv_endpoint == "gpu08:32000"
-    # SLURM_NNODES (older Slurm) and a given endpoint, which spares reading the host list.
+    # SLURM_NNODES (older Slurm) and a given endpoint, which spares reading the host list; who hosts
+    # a given endpoint is left to torchrun (no --rdzv-conf)
     old = {"SLURM_JOBID": "7", "SLURM_NNODES": "3", "SLURM_NODEID": "2"}
     assert slurm_node(old, rdzv_endpoint="head:29400") == SlurmNode(
-        nnodes=3, node_rank=2, rdzv_endpoint="head:29400", rdzv_id="slurm-7"
+        nnodes=3, node_rank=2, rdzv_endpoint="head:29400", rdzv_id="slurm-7", hosts_rendezvous=None
     )
+    args = _build_parser().parse_args(["train", "job.yaml", "--slurm", "--rdzv-endpoint", "head:29400"])
+    _from_slurm(args, old)
+    assert not any(t.startswith("--rdzv-conf") for t in torchrun_command(args, world_size=3))
 
 
 def test_expand_nodelist_reads_slurms_compressed_form() -> None:

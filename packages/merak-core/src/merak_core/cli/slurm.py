@@ -48,6 +48,10 @@ class SlurmNode:
     """``host:port`` of the c10d rendezvous: the step's first node."""
     rdzv_id: str
     """``slurm-<job id>`` (torchrun ``--rdzv-id``)."""
+    hosts_rendezvous: bool | None = None
+    """Whether this node's torchrun hosts the rendezvous store (torchrun ``--rdzv-conf=is_host=``):
+    True on node 0 and False elsewhere when the endpoint is the step's first host; None (torchrun
+    guesses from the host name) for an endpoint given by hand ([Note: rendezvous host])."""
 
     def flags(self) -> list[str]:
         """The ``merak train`` flags of this node."""
@@ -79,10 +83,22 @@ def slurm_node(
             "expected 0 .. nnodes-1; " + _HINT
         )
     job_id = _var(env, ("SLURM_JOB_ID", "SLURM_JOBID"))[1]
+    # [Note: rendezvous host] torchrun's c10d rendezvous makes the agent whose host name matches the
+    # endpoint's host the store's server, and another agent that also matches (two nodes faked on one
+    # machine, or host names that resolve alike) falls back to a client once the port is taken: the
+    # first agent to bind wins. If that is not node 0 and its node finishes first, node 0's agent
+    # loses the store at exit and waits out its timeout. With the endpoint derived here, node 0 is
+    # its host, so each node says so explicitly.
+    hosts: bool | None = None
     if rdzv_endpoint is None:
         rdzv_endpoint = _first_host(env, nnodes, hostnames) + ":" + str(_port(env))
+        hosts = node_rank == 0
     return SlurmNode(
-        nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=f"slurm-{job_id}"
+        nnodes=nnodes,
+        node_rank=node_rank,
+        rdzv_endpoint=rdzv_endpoint,
+        rdzv_id=f"slurm-{job_id}",
+        hosts_rendezvous=hosts,
     )
 
 

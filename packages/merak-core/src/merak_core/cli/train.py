@@ -128,6 +128,11 @@ def torchrun_command(args: argparse.Namespace, world_size: int | None) -> list[s
         ]
         if args.node_rank is not None:
             cmd.append(f"--node-rank={args.node_rank}")
+        hosts = getattr(
+            args, "rdzv_is_host", None
+        )  # set by --slurm ([Note: rendezvous host] in cli/slurm.py)
+        if hosts is not None:
+            cmd.append(f"--rdzv-conf=is_host={'true' if hosts else 'false'}")
     cmd += ["-m", "merak_core.launch", args.config, *args.overrides]
     if args.resume:
         cmd += ["--resume", args.resume]
@@ -216,6 +221,7 @@ def _from_slurm(args: argparse.Namespace, env: Mapping[str, str]) -> None:
             )
     args.nnodes, args.node_rank, args.rdzv_endpoint = node.nnodes, node.node_rank, node.rdzv_endpoint
     args.rdzv_id = args.rdzv_id or node.rdzv_id
+    args.rdzv_is_host = node.hosts_rendezvous
     logging.getLogger("merak").info(
         "Slurm node %d of %d: %s", node.node_rank, node.nnodes, " ".join(node.flags())
     )
