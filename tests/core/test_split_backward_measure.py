@@ -23,6 +23,7 @@ from torch import nn
 from merak_core.config import TrainingArguments
 from merak_core.planner.action_cost import check_split_backward_scale, measure_split_backward_scale
 from merak_core.planner.profile import _find_layers
+from tests.e2e._autoplan_support import bubble_args, bubble_profile, fixed_planning_inputs
 from tests.e2e._trainer_support import TokenDataset
 from tests.e2e.test_virtual_stages import build
 from tests.support.dist import run_on_ranks
@@ -72,53 +73,29 @@ def test_bad_measurement_arguments_and_given_scales_are_refused_by_name():
 def _auto_body() -> dict[str, Any]:
     """``auto_layout`` three times on these ranks: the scale given as 1 and 1.6, then measured (spied)."""
     from merak_core.autoplan import auto
-    from merak_core.planner import CommModel, ModelProfile
 
-    # four equal layers whose weights fit a device only split in two, one head: the pipeline's bubble
-    # dominates, which two stages per rank shrink; ZB-V's split is then priced by the scale
-    profile = ModelProfile(
-        layer_forward_s=[1e-2] * 4,
-        layer_backward_s=[2e-2] * 4,
-        layer_activation_bytes=[1e7] * 4,
-        layer_param_bytes=[1e8] * 4,
-        boundary_bytes=1e3,
-        num_heads=1,
-    )
+    # the bubble dominates, which two stages per rank shrink; ZB-V's split is then priced by the scale
+    profile = bubble_profile()
     measured: list[float] = []
+    real = auto.measure_split_backward_scale
 
     def spy(*a: Any, **k: Any) -> float:
         measured.append(real(*a, **k))
         return measured[-1]
 
-    real = auto.measure_split_backward_scale
-    saved = auto.profile_for_plan, auto._cpu_compute_slots, auto.measure_comm
-    auto.profile_for_plan = lambda *a, **k: profile
-    auto._cpu_compute_slots = lambda *a, **k: None  # a device per rank: virtual stages are searched
-    auto.measure_comm = lambda *a, **k: CommModel()
-    auto.measure_split_backward_scale = spy
-    args = TrainingArguments(
-        layout="auto",
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=1,
-        memory_per_device=int(1.6e9),
-        plan_probe_tp=False,
-        plan_check_steps=0,
-        max_steps=1,
-    )
     model = build("gpt", profile.num_layers)
     data = TokenDataset(16, model.config.vocab_size)
     out: dict[str, Any] = {}
-    try:
+    with fixed_planning_inputs(profile, measure_split_backward_scale=spy):
         for given in (1.0, 1.6, None):
-            chosen = auto.auto_layout(args, model, data, per_action_s=0.0, split_backward_scale=given)
+            chosen = auto.auto_layout(
+                bubble_args(), model, data, per_action_s=0.0, split_backward_scale=given
+            )
             out[str(given)] = {
                 "scale": chosen.context.comm.split_backward_scale,
                 "plan": (chosen.chosen.schedule, chosen.chosen.pp, chosen.chosen.virtual_stages),
                 "args": (chosen.args.schedule, chosen.args.virtual_stages),
             }
-    finally:
-        auto.profile_for_plan, auto._cpu_compute_slots, auto.measure_comm = saved
-        auto.measure_split_backward_scale = real
     out["measured_here"] = measured
     out["profile"] = profile
     return out

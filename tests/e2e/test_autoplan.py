@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.e2e._autoplan_support import fixed_planning_inputs
 from tests.e2e._trainer_support import TokenDataset, build_model, make_args, reference_training
 from tests.support.compare import assert_tensors_close
 from tests.support.dist import run_on_ranks
@@ -162,21 +163,10 @@ def _auto_virtual_body(kwargs: dict[str, Any], profile: Any) -> dict[str, Any]:
     import torch.distributed as dist
 
     from merak_core import Trainer
-    from merak_core.autoplan import auto
-    from merak_core.planner import CommModel
     from tests.e2e.test_virtual_stages import build
 
-    saved = (
-        auto.profile_for_plan,
-        auto._cpu_compute_slots,
-        auto.measure_comm,
-        auto.measure_split_backward_scale,
-    )
-    auto.profile_for_plan = lambda *a, **k: profile
-    auto._cpu_compute_slots = lambda *a, **k: None
-    auto.measure_comm = lambda *a, **k: CommModel()
-    auto.measure_split_backward_scale = lambda *a, **k: 1.0  # CommModel()'s: the plan below is made with it
-    try:
+    # the scale CommModel() has: the plan below is made with it
+    with fixed_planning_inputs(profile, measure_split_backward_scale=lambda *a, **k: 1.0):
         model = build("gpt", profile.num_layers)
         trainer = Trainer(
             model,
@@ -185,13 +175,6 @@ def _auto_virtual_body(kwargs: dict[str, Any], profile: Any) -> dict[str, Any]:
             loss_fn=REFERENCE_MODELS["gpt"].loss,
         )
         history = trainer.train()
-    finally:
-        (
-            auto.profile_for_plan,
-            auto._cpu_compute_slots,
-            auto.measure_comm,
-            auto.measure_split_backward_scale,
-        ) = saved
     state = trainer.full_state_dict()  # collective
     t = trainer.args
     return {

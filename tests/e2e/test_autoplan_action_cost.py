@@ -11,46 +11,20 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from tests.e2e._autoplan_support import bubble_args, bubble_profile, fixed_planning_inputs
 from tests.e2e._trainer_support import TokenDataset
 from tests.support.dist import run_on_ranks
 
 
 def _auto_body(per_action_s: float | None) -> dict[str, Any]:
-    from merak_core.autoplan import auto
-    from merak_core.config import TrainingArguments
-    from merak_core.planner import CommModel, ModelProfile
     from tests.e2e.test_virtual_stages import build
 
-    # four equal layers whose weights fit a device only split in two, one head: the pipeline's
-    # bubble dominates, which two stages per rank shrink (tests/core/test_planner_virtual_stages.py)
-    profile = ModelProfile(
-        layer_forward_s=[1e-2] * 4,
-        layer_backward_s=[2e-2] * 4,
-        layer_activation_bytes=[1e7] * 4,
-        layer_param_bytes=[1e8] * 4,
-        boundary_bytes=1e3,
-        num_heads=1,
-    )
-    saved = auto.profile_for_plan, auto._cpu_compute_slots, auto.measure_comm
-    auto.profile_for_plan = lambda *a, **k: profile
-    auto._cpu_compute_slots = lambda *a, **k: None  # a device per rank: virtual stages are searched
-    auto.measure_comm = lambda *a, **k: CommModel()
-    try:
-        args = TrainingArguments(
-            layout="auto",
-            per_device_train_batch_size=2,
-            gradient_accumulation_steps=1,
-            memory_per_device=int(1.6e9),
-            plan_probe_tp=False,
-            plan_check_steps=0,
-            max_steps=1,
-        )
+    profile = bubble_profile()
+    with fixed_planning_inputs(profile) as auto:
         model = build("gpt", profile.num_layers)
         chosen = auto.auto_layout(
-            args, model, TokenDataset(16, model.config.vocab_size), per_action_s=per_action_s
+            bubble_args(), model, TokenDataset(16, model.config.vocab_size), per_action_s=per_action_s
         )
-    finally:
-        auto.profile_for_plan, auto._cpu_compute_slots, auto.measure_comm = saved
     return {
         "per_action_s": chosen.context.comm.per_action_s,
         "layout": (chosen.chosen.dp, chosen.chosen.tp, chosen.chosen.pp, chosen.chosen.virtual_stages),
