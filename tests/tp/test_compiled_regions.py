@@ -5,7 +5,7 @@ A small Llama (3 blocks, float64) at tp = 2 is trained 3 SGD steps eagerly and w
 traced); the loss and every gradient of every step must match. Under SP block 0 is the sequence-scatter
 boundary: it is compiled too, its scatter untraced (checked: its second norm runs traced). A later compiled
 block reuses the code compiled for the first, which is where traced region bookkeeping went wrong ([Note:
-region bookkeeping is not traced] in merak_tp.overlap: its region's input gradient was summed twice,
+region bookkeeping is not traced] in merak_tp._untraced: its region's input gradient was summed twice,
 gradients off by about 1e-2).
 
 The same model also runs once under torch.export's flags, as merak-graph runs a pipelined model's leaf

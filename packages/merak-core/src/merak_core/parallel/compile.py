@@ -31,7 +31,7 @@ region runs its input in chunks, each chunk's collective asynchronous and waited
 computes. Their TP layers stay eager as everywhere ([Note: TP layers stay eager]); the region's own
 bookkeeping (its forward, the entry gather, the chunking) runs as plain Python inside the compiled
 block and what it calls, the attention or MLP compute between the TP layers, is compiled ([Note:
-region bookkeeping is not traced] in merak_tp.overlap; under torch.export, which traces pipelined
+region bookkeeping is not traced] in merak_tp._untraced; under torch.export, which traces pipelined
 models and refuses torch.compile's non-recursive disable, that code runs as itself). Traced whole,
 the compiled code of a later block's region set the run mode on an earlier block's region state:
 that region's column layers all-reduced their input gradients themselves and its entry
