@@ -173,7 +173,13 @@ def test_flags_given_by_hand_reach_torchrun_as_the_slurm_derived_ones(node: int)
     }
     _from_slurm(slurm, {**env, "SLURM_JOB_NODELIST": "127.0.0.1,127.0.0.1"})
     command = torchrun_command(by_hand, world_size=4)
-    assert command == torchrun_command(slurm, world_size=4)
+    # --slurm adds one flag of its own: which node's torchrun hosts the rendezvous store (node 0), so
+    # that two agents on one host cannot both claim it (see [Note: rendezvous host] in cli/slurm.py).
+    host_flag = f"--rdzv-conf=is_host={'true' if node == 0 else 'false'}"
+    derived = torchrun_command(slurm, world_size=4)
+    assert host_flag in derived and host_flag not in command, derived
+    derived.remove(host_flag)
+    assert command == derived
     launcher = command[: command.index("merak_core.launch")]
     for flag in ("--nproc-per-node=2", "--nnodes=2", f"--node-rank={node}", "--rdzv-backend=c10d"):
         assert flag in launcher, launcher

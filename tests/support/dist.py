@@ -41,7 +41,10 @@ from typing import Any
 
 PG_TIMEOUT_S = float(os.environ.get("MERAK_TEST_PG_TIMEOUT_S", "60"))
 DEFAULT_TIMEOUT_S = float(os.environ.get("MERAK_TEST_TIMEOUT_S", "180"))
-ERROR_GRACE_S = 3.0
+# How long the other ranks may still take once one rank has failed: long enough for a trivial body
+# to return on a machine at load average 60 (3 s was not: a test saw rank 0 miss it), short against
+# the process-group timeout that ranks stuck in a collective with the failed one would wait out.
+ERROR_GRACE_S = 10.0
 
 
 class WorkerError(RuntimeError):
@@ -198,6 +201,7 @@ class WorkerPool:
 
     def _collect(self, timeout_s: float, *, what: str) -> list[tuple[str, Any]]:
         deadline = time.monotonic() + timeout_s
+        waited = f"within {timeout_s:.0f} s"
         replies: dict[int, tuple[str, Any]] = {}
         pending = {conn: rank for rank, conn in enumerate(self._conns)}
         while pending:
@@ -216,7 +220,9 @@ class WorkerPool:
                 if replies[rank][0] == "err":
                     # The other ranks may now wait in a collective for the failed one:
                     # give them a short grace period, not the whole timeout.
-                    deadline = min(deadline, time.monotonic() + ERROR_GRACE_S)
+                    if time.monotonic() + ERROR_GRACE_S < deadline:
+                        deadline = time.monotonic() + ERROR_GRACE_S
+                        waited = f"within {ERROR_GRACE_S:.0f} s of rank {rank}'s error"
             # A dead rank with nothing to say would otherwise cost the whole timeout.
             for conn, rank in list(pending.items()):
                 if not self._procs[rank].is_alive() and not conn.poll():
@@ -228,8 +234,8 @@ class WorkerPool:
             others = {r: v for r, v in replies.items() if v[0] == "err"}
             detail = "".join(f"\n--- rank {r} ---\n{tb}" for r, (_, tb) in sorted(others.items()))
             raise WorkerError(
-                f"{what}: ranks {missing} of {self.world_size} did not answer within "
-                f"{timeout_s:.0f} s (a hang or deadlock); the pool will be rebuilt.{detail}"
+                f"{what}: ranks {missing} of {self.world_size} did not answer {waited} "
+                f"(a hang or deadlock); the pool will be rebuilt.{detail}"
             )
         return [replies[r] for r in range(self.world_size)]
 
