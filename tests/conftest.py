@@ -109,6 +109,12 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         pass
 
 
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    from tests.support.dist import recycle_pools
+
+    recycle_pools()  # between tests only: see [Note: pool recycling] in tests/support/dist.py
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     from tests.support.dist import shutdown_pools
 

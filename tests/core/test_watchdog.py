@@ -111,3 +111,31 @@ def test_position_sentence() -> None:
     assert describe_step(None) == "no pipeline action yet this round"
     action = Action.parse("1B3")
     assert describe_step(action) == f"stage 1, action {action}, microbatch 3"
+
+
+def test_a_finished_watchdog_does_not_keep_its_job_alive() -> None:
+    """The thread that lives on for an idle minute holds the watchdog weakly: the object behind
+    ``diagnose`` (the engine, with its layout's process groups and their gloo threads or NCCL
+    communicators) goes when its Trainer goes. It stayed a minute, so consecutive Trainers in one
+    process (a sweep; the test pool's ranks) each kept their groups alive for that minute."""
+    import gc
+    import weakref
+
+    from merak_core.run.watchdog import StepWatchdog
+
+    class Job:
+        def diagnose(self) -> str:
+            return "no diagnosis"
+
+    job = Job()
+    watchdog = StepWatchdog(timeout_s=20.0, who="rank 0", diagnose=job.diagnose)
+    with watchdog.watch("the pipeline step", 1):
+        pass
+    thread = watchdog._thread
+    assert thread is not None and thread.is_alive()
+    gone = weakref.ref(job)
+    del job, watchdog
+    gc.collect()
+    assert gone() is None, "the watchdog's thread keeps the job alive"
+    thread.join(timeout=5.0)  # it notices at its next poll (1 s) that the watchdog is gone
+    assert not thread.is_alive()

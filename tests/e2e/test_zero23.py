@@ -1,6 +1,7 @@
 """ZeRO-2 and ZeRO-3 (FSDP2 over the DP axis) in the Trainer: the same math as one process, and resumes.
 
-- Every layout of the trainer matrix with dp >= 2, both reference models, ZeRO 2 and 3: the losses
+- Every layout of the trainer matrix with dp >= 2, ZeRO 2 and 3, with the reference GPT (the reference
+  Llama at three of them): the losses
   of 3 steps and every parameter by name equal the single-process float64 reference (the check of
   ``test_trainer_layouts``; clipping at 0.5 is active, so the global norm over the DP-sharded
   gradients must be the global one).
@@ -31,9 +32,20 @@ def _layout_id(layout: tuple[int, int, int]) -> str:
     return "dp{}_tp{}_pp{}".format(*layout)
 
 
-@pytest.mark.parametrize("zero", [2, 3], ids=["zero2", "zero3"])
-@pytest.mark.parametrize("layout", DP_LAYOUTS, ids=_layout_id)
-@pytest.mark.parametrize("name", ["gpt", "llama"])
+# Every layout with dp >= 2 and both stages with the GPT-style model; the Llama-style one (untied
+# embeddings, grouped-query attention: other parameter shapes to shard) at all three axes and dp=4.
+MATCH = [("gpt", layout, zero) for layout in DP_LAYOUTS for zero in (2, 3)] + [
+    ("llama", (2, 2, 2), 2),
+    ("llama", (2, 2, 2), 3),
+    ("llama", (4, 1, 1), 3),
+]
+
+
+@pytest.mark.parametrize(
+    "name,layout,zero",
+    MATCH,
+    ids=lambda v: _layout_id(v) if isinstance(v, tuple) else v if isinstance(v, str) else f"zero{v}",
+)
 def test_zero23_matches_single_process(name: str, layout: tuple[int, int, int], zero: int) -> None:
     _check(name, *layout, zero_stage=zero)
 

@@ -27,6 +27,7 @@ import contextlib
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 
 logger = logging.getLogger(__name__)
@@ -75,31 +76,32 @@ class StepWatchdog:
             self._token += 1
             self._phase = (self._token, phase, step, time.monotonic(), where)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="merak-step-watchdog", daemon=True)
+                # The thread holds the watchdog weakly: the engine (through ``diagnose``) and its
+                # process groups go when their Trainer goes, not a minute later with the thread.
+                self._thread = threading.Thread(
+                    target=_watch_loop, args=(weakref.ref(self),), name="merak-step-watchdog", daemon=True
+                )
                 self._thread.start()
         try:
             yield
         finally:
             self._phase = None
 
-    def _run(self) -> None:
-        poll_s = min(1.0, max(0.05, self.warn_after_s / 20))
-        idle_since = time.monotonic()
-        while True:
-            time.sleep(poll_s)
-            current = self._phase
-            now = time.monotonic()
-            if current is None:
-                with self._lock:
-                    if self._phase is None and now - idle_since > _IDLE_EXIT_S:
-                        self._thread = None
-                        return
-                continue
-            idle_since = now
-            token, phase, step, start, where = current
-            if token != self._reported and now - start >= self.warn_after_s:
-                self._reported = token
-                self._report(phase, step, now - start, where)
+    def _poll(self, idle_since: float) -> float | None:
+        """One look at the current phase: the new ``idle_since``, or None when the thread should exit."""
+        current = self._phase
+        now = time.monotonic()
+        if current is None:
+            with self._lock:
+                if self._phase is None and now - idle_since > _IDLE_EXIT_S:
+                    self._thread = None
+                    return None
+            return idle_since
+        token, phase, step, start, where = current
+        if token != self._reported and now - start >= self.warn_after_s:
+            self._reported = token
+            self._report(phase, step, now - start, where)
+        return now
 
     def _report(self, phase: str, step: int, waited_s: float, where: Callable[[], str]) -> None:
         try:
@@ -113,6 +115,23 @@ class StepWatchdog:
         )
         self.reports.append(message)
         logger.error("%s", message)
+
+
+def _watch_loop(ref: weakref.ReferenceType[StepWatchdog]) -> None:
+    """The watchdog's thread: polls while the watchdog lives, exits after an idle minute or with it."""
+    watchdog = ref()
+    if watchdog is None:
+        return
+    poll_s = min(1.0, max(0.05, watchdog.warn_after_s / 20))
+    idle_since: float | None = time.monotonic()
+    del watchdog  # no strong reference while asleep
+    while idle_since is not None:
+        time.sleep(poll_s)
+        watchdog = ref()
+        if watchdog is None:
+            return
+        idle_since = watchdog._poll(idle_since)
+        del watchdog
 
 
 def flight_recorder_env(output_dir: str, environ: Mapping[str, str]) -> dict[str, str]:
