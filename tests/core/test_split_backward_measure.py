@@ -124,3 +124,49 @@ def test_auto_plans_with_the_split_scale_given_or_measured_on_rank_0():
         virtual_stages=AUTO_VIRTUAL_STAGES,
     )[0]
     assert r0["None"]["plan"] == (best.schedule, best.pp, best.virtual_stages)
+
+
+def test_merak_plan_plans_with_the_split_backward_measured_or_given(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``merak plan`` priced the zero-bubble schedules with a split backward of 1 (what one backward
+    costs); it now measures it on the profiled model, as ``layout: auto``'s rank 0 does, or takes
+    ``--split-backward-scale``; ``--per-action-us`` gives the per-action cost it cannot measure alone."""
+    from pathlib import Path
+
+    import merak_core.planner as planner
+    from merak_core.cli.main import main
+    from merak_core.planner import action_cost
+
+    demo = str(Path(__file__).resolve().parents[2] / "examples" / "addition" / "config.yaml")
+    seen: list[Any] = []
+    real_plan = planner.plan
+
+    def spy(*a: Any, **kw: Any) -> Any:
+        seen.append(kw["comm"])
+        return real_plan(*a, **kw)
+
+    measured: list[float] = []
+    real_measure = action_cost.measure_split_backward_scale
+
+    def measure(*a: Any, **kw: Any) -> float:
+        measured.append(real_measure(*a, **kw))
+        return measured[-1]
+
+    monkeypatch.setattr(planner, "plan", spy)
+    monkeypatch.setattr(action_cost, "measure_split_backward_scale", measure)
+    base = ["plan", demo, "data.kwargs.train_size=64", "--world-size", "2", "--memory-per-device", "1GiB"]
+    assert main([*base, "--top", "1"]) == 0
+    assert len(measured) == 1 and math.isfinite(measured[0]) and measured[0] > 0
+    assert seen[-1].split_backward_scale == measured[0] and seen[-1].per_action_s == 0.0
+    assert f"split backward (I + W) / B = {measured[0]:.3g} (measured here" in capsys.readouterr().out
+    assert main([*base, "--top", "1", "--split-backward-scale", "1.6", "--per-action-us", "150"]) == 0
+    assert len(measured) == 1  # given: not measured again
+    assert seen[-1].split_backward_scale == 1.6 and seen[-1].per_action_s == pytest.approx(150e-6)
+    assert "= 1.6 (given), 150 us per action (given)" in capsys.readouterr().out
+    assert main([*base, "--split-backward-scale", "0"]) == 2
+    assert "--split-backward-scale: split_backward_scale=0.0; expected" in capsys.readouterr().err
+    assert main([*base, "--per-action-us", "-1"]) == 2
+    assert "--per-action-us=-1.0: expected the runtime's microseconds per action" in capsys.readouterr().err
+    assert main(["plan", demo, "--cluster", "h100-sxm-8x", "--nodes", "1", "--per-action-us", "150"]) == 2
+    assert "--per-action-us with --cluster/--dry-run-ranks: the cluster file prices" in capsys.readouterr().err

@@ -18,7 +18,7 @@ from typing import Any
 
 from merak_core.cli.job_args import add_job_command
 
-__all__ = ["add_cluster_flags", "add_parser", "cluster_command", "plan_memory", "run"]
+__all__ = ["add_cluster_flags", "add_parser", "cluster_command", "plan_memory", "run", "runtime_costs"]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -63,6 +63,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "cores, or fewer for small models; `layout: auto` measures it); default: a device per rank",
     )
     p.add_argument(
+        "--split-backward-scale",
+        type=float,
+        default=None,
+        help="the pipeline runtime's (I + W) / B, what the zero-bubble schedules' split backward costs against "
+        "one backward (default: measured here on the profiled model's first block, as layout: auto does)",
+    )
+    p.add_argument(
+        "--per-action-us",
+        type=float,
+        default=0.0,
+        help="the pipeline runtime's own microseconds per action (default 0: it needs the job's ranks to "
+        "measure; layout: auto measures it, benchmarks/bench_pipe_runtime.py --section actions prints it)",
+    )
+    p.add_argument(
         "--write-config", default=None, metavar="OUT.yaml", help="write the job with the best configuration"
     )
     add_cluster_flags(p, plan=True)
@@ -85,8 +99,22 @@ def run(args: argparse.Namespace) -> int:
 
     job = JobConfig.from_yaml(args.config, args.overrides)
     if args.cluster is not None or args.dry_run_ranks is not None:
+        given = [
+            f
+            for f, v in (
+                ("--split-backward-scale", args.split_backward_scale),
+                ("--per-action-us", args.per_action_us),
+            )
+            if v
+        ]
+        if given:
+            raise ValueError(
+                f"{' and '.join(given)} with --cluster/--dry-run-ranks: the cluster file prices the pipeline "
+                "runtime (device.per_action_us); these flags are for planning on this machine: drop them or --cluster"
+            )
         return cluster_command(args, job)
     t = job.training
+    check_runtime_flags(args)
     if args.world_size is None or args.world_size < 1:
         raise ValueError(
             f"--world-size={args.world_size}: expected a number of ranks >= 1 (or plan for a cluster "
@@ -110,8 +138,10 @@ def run(args: argparse.Namespace) -> int:
     flags["compute_metrics_given"] = job.optional("metrics") is not None
     degrees = model_degrees(model, batch, t, args.world_size, lora=job.model.lora, **flags)
     profile = profile_for_plan(model, batch, tp_plan=t.tp_plan, bf16=t.bf16, cache_dir=args.profile_cache)
+    comm, comm_from = runtime_costs(args, model, batch, bf16=t.bf16)
     cands = plan(
         profile,
+        comm=comm,
         world_size=args.world_size,
         memory_per_device=memory,
         global_batch_size=gbs,
@@ -124,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
     )
     cands = runnable_cp(cands, model)
     print(f"memory per device: {memory} bytes ({memory / 2**30:.3g} GiB), {memory_from}")
+    print(comm_from)
     print(
         f"{len(cands)} feasible configurations for {args.world_size} ranks, {memory} bytes per device, "
         f"global batch {gbs} (profile: {profile.num_layers} layers on {profile.device})"
@@ -134,6 +165,53 @@ def run(args: argparse.Namespace) -> int:
         write_job(args.config, args.write_config, cands[0], overrides=[*args.overrides, *axes])
         print(f"wrote {args.write_config}")
     return 0
+
+
+def check_runtime_flags(args: argparse.Namespace) -> None:
+    """``--per-action-us`` and ``--split-backward-scale``, refused by name before the model is built."""
+    from merak_core.planner.action_cost import check_split_backward_scale
+
+    if not (math.isfinite(args.per_action_us) and args.per_action_us >= 0):
+        raise ValueError(
+            f"--per-action-us={args.per_action_us}: expected the runtime's microseconds per action, a finite "
+            "number >= 0 (layout: auto measures it; benchmarks/bench_pipe_runtime.py --section actions prints it)"
+        )
+    if args.split_backward_scale is not None:
+        check_split_backward_scale("--split-backward-scale", args.split_backward_scale)
+
+
+def runtime_costs(args: argparse.Namespace, model: Any, batch: Any, *, bf16: bool) -> tuple[Any, str]:
+    """The ``CommModel`` ``merak plan`` plans with: the pipeline runtime's per-action cost and split
+    backward, given or measured, and a line saying which.
+
+    ``layout: auto`` measures both on the job's ranks; ``merak plan`` runs in one process, so it
+    measures the split backward (one block of the profiled model, no collective:
+    :func:`~merak_core.planner.action_cost.measure_split_backward_scale`) and takes the per-action
+    cost from ``--per-action-us`` (0 when not given). Without this, the zero-bubble schedules were
+    planned as if their split backward cost what one backward does (a scale of 1).
+    """
+    import torch
+
+    from merak_core.parallel.devices import autocast
+    from merak_core.planner import CommModel
+    from merak_core.planner.action_cost import measure_split_backward_scale
+
+    check_runtime_flags(args)
+    if args.split_backward_scale is not None:
+        scale = float(args.split_backward_scale)
+        how = "given"
+    else:
+        param = next(model.parameters(), None)
+        device = param.device if param is not None else torch.device("cpu")
+        with autocast(bf16, device):
+            scale = measure_split_backward_scale(model, batch)
+        how = "measured here on the model's first block"
+    comm = CommModel(per_action_s=args.per_action_us * 1e-6, split_backward_scale=scale)
+    line = (
+        f"pipeline runtime: split backward (I + W) / B = {scale:.3g} ({how}), "
+        f"{args.per_action_us:g} us per action ({'given' if args.per_action_us else 'not measured: --per-action-us'})"
+    )
+    return comm, line
 
 
 def plan_memory(flag: str | None, job_value: int | str | None, world_size: int) -> tuple[int, str]:
