@@ -321,7 +321,8 @@ def test_merak_plan_command_prints_a_table_and_writes_a_valid_job(
     assert rc == 0
     lines = text.splitlines()
     assert lines[0].startswith("memory per device: 1073741824 bytes") and "--memory-per-device" in lines[0]
-    lines = lines[1:]  # the table follows the line naming the memory and where it came from
+    assert lines[1].startswith("pipeline runtime: split backward (I + W) / B = ")  # measured: no flag given
+    lines = lines[2:]  # the table follows the lines naming the memory and the runtime's costs
     assert "feasible configurations for 4 ranks" in lines[0] and lines[-2].startswith("why: ")
     assert len([ln for ln in lines[1:] if ln[:3].strip().isdigit()]) == 3
     job = JobConfig.from_yaml(out)

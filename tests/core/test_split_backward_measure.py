@@ -169,4 +169,6 @@ def test_merak_plan_plans_with_the_split_backward_measured_or_given(
     assert main([*base, "--per-action-us", "-1"]) == 2
     assert "--per-action-us=-1.0: expected the runtime's microseconds per action" in capsys.readouterr().err
     assert main(["plan", demo, "--cluster", "h100-sxm-8x", "--nodes", "1", "--per-action-us", "150"]) == 2
-    assert "--per-action-us with --cluster/--dry-run-ranks: the cluster file prices" in capsys.readouterr().err
+    assert (
+        "--per-action-us with --cluster/--dry-run-ranks: the cluster file prices" in capsys.readouterr().err
+    )
