@@ -154,6 +154,18 @@ def main(argv: list[str] | None = None) -> int:
     return status
 
 
+def say(line: str) -> None:
+    """Print ``line`` to stdout in one write, its newline included, and flush.
+
+    ``print(line)`` writes the text and the newline separately; on an unbuffered stdout (torchrun's
+    ranks) a log line from another thread (the checkpoint writer's "saved checkpoint ...") can land
+    between them, on the same line as the text when stdout and stderr share a terminal or pipe. Seen
+    in CI: "... resume with: merak train job.yaml --resume latest[rank 0] ... saved checkpoint".
+    """
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def _setup_stop_line(rank: int, signal_name: str, args: argparse.Namespace, output_dir: str | None) -> str:
     """What a rank stopped during set-up prints: rank 0 how to continue, the others the fact."""
     if rank != 0:
@@ -214,7 +226,7 @@ def _train(trainer: Any, layout: Any, targs: Any, args: argparse.Namespace) -> i
             signal.signal(sig, signal.SIG_IGN)
         if dist.get_rank() == 0:
             command = shlex.join(["merak", "train", args.config, *args.overrides]) + " --resume latest"
-            print(stopped.resume_line(command), flush=True)
+            say(stopped.resume_line(command))
         dist.destroy_process_group()
         return PREEMPTED
     final = trainer.last_eval
@@ -231,10 +243,9 @@ def _train(trainer: Any, layout: Any, targs: Any, args: argparse.Namespace) -> i
         }
         with open(os.path.join(targs.output_dir, "summary.json"), "w") as f:
             json.dump(json_safe(summary), f, indent=2, allow_nan=False)
-        print(
+        say(
             "final: "
-            + "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()),
-            flush=True,
+            + "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items())
         )
     dist.destroy_process_group()
     return 0
