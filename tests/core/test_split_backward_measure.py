@@ -168,6 +168,13 @@ def test_merak_plan_plans_with_the_split_backward_measured_or_given(
     assert "--split-backward-scale: split_backward_scale=0.0; expected" in capsys.readouterr().err
     assert main([*base, "--per-action-us", "-1"]) == 2
     assert "--per-action-us=-1.0: expected the runtime's microseconds per action" in capsys.readouterr().err
+    one = ["plan", demo, "data.kwargs.train_size=64", "--world-size", "1", "--memory-per-device", "1GiB"]
+    assert main([*one, "--top", "1"]) == 0
+    assert len(measured) == 1 and seen[-1].split_backward_scale == 1.0  # one rank: nothing to split
+    assert "= 1 (one rank: no pipeline, not measured)" in capsys.readouterr().out
+    cluster = ["plan", demo, "--cluster", "h100-sxm-8x", "--nodes", "1"]
+    assert main([*cluster, "--split-backward-scale", "0"]) == 2  # a given value is refused, never ignored
+    assert "--split-backward-scale with --cluster/--dry-run-ranks" in capsys.readouterr().err
     assert main(["plan", demo, "--cluster", "h100-sxm-8x", "--nodes", "1", "--per-action-us", "150"]) == 2
     assert (
         "--per-action-us with --cluster/--dry-run-ranks: the cluster file prices" in capsys.readouterr().err

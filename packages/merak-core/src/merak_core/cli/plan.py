@@ -99,14 +99,8 @@ def run(args: argparse.Namespace) -> int:
 
     job = JobConfig.from_yaml(args.config, args.overrides)
     if args.cluster is not None or args.dry_run_ranks is not None:
-        given = [
-            f
-            for f, v in (
-                ("--split-backward-scale", args.split_backward_scale),
-                ("--per-action-us", args.per_action_us),
-            )
-            if v
-        ]
+        given = ["--split-backward-scale"] if args.split_backward_scale is not None else []
+        given += ["--per-action-us"] if args.per_action_us else []
         if given:
             raise ValueError(
                 f"{' and '.join(given)} with --cluster/--dry-run-ranks: the cluster file prices the pipeline "
@@ -196,10 +190,12 @@ def runtime_costs(args: argparse.Namespace, model: Any, batch: Any, *, bf16: boo
     from merak_core.planner import CommModel
     from merak_core.planner.action_cost import measure_split_backward_scale
 
-    check_runtime_flags(args)
+    # the flags were checked before the model was built (check_runtime_flags)
     if args.split_backward_scale is not None:
         scale = float(args.split_backward_scale)
         how = "given"
+    elif args.world_size == 1:  # as layout: auto: one rank has no pipeline to split
+        scale, how = 1.0, "one rank: no pipeline, not measured"
     else:
         param = next(model.parameters(), None)
         device = param.device if param is not None else torch.device("cpu")
