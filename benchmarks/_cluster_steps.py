@@ -5,8 +5,9 @@ This machine as a cluster (:func:`cluster_file`): one node of 2 devices (the 2 c
 Measured first, on this machine, in CPU time: the sustained fp32 FLOP/s of a GEMM of the demo's
 shapes, the bandwidth of a large element-wise add, the rate of each operator class (GELU, layer norm,
 softmax, attention at the demo's shapes: ``_cluster_classes.py``), the fixed cost per operator (a chain of
-tiny ops, forward and backward), and the link: gloo send/recv ping-pong between 2 pool ranks (4 B and 32 MiB,
-the fastest corrected trip of each, corrected like the steps: [Note: contention-free step time]).
+tiny ops, forward and backward), and the link: its bandwidth from gloo send/recv ping-pong between 2
+pool ranks (4 B and 32 MiB, the fastest trip of each), its latency from what one more all-reduce
+costs 2 ranks that compute between them ([Note: a message's cost in a step]).
 The result is written as a cluster file and read back with ``load_cluster``.
 
 Each configuration (:data:`CONFIGS`: every dp x tp x pp with product 1 or 2, the cluster search's
@@ -193,9 +194,12 @@ def _ping_body(sizes: list[int], repeats: int) -> list[list[tuple[float, float, 
 
 
 def _measure_link(quick: bool) -> tuple[float, float]:
-    """(one-way latency s, bandwidth bytes/s) of gloo between two pool ranks: per size the fastest
-    contention-corrected round trip (a floor: other processes only add to a trip; a median trip read
-    133 to 2359 us on different runs of this shared machine)."""
+    """(one-way latency s, bandwidth bytes/s) of gloo between two pool ranks from ping-pong trips: the
+    latency from the fastest contention-corrected 4 B trip (a floor: other processes only add to a trip;
+    a median trip read 133 to 2359 us on different runs of this shared machine), the bandwidth from the
+    fastest raw trips of both sizes. Not corrected: gloo's I/O thread copies the bytes while the main
+    thread, whose share the correction uses, sleeps in the wait (corrected, 32 MiB read 119 GB/s one
+    way; raw, 5 GB/s)."""
     from tests.support.dist import run_on_ranks
 
     sizes = [4, 32 << 20]  # 32 MiB: clearly slower than 4 B even on a loaded machine
@@ -207,12 +211,73 @@ def _measure_link(quick: bool) -> tuple[float, float]:
         )
         for i in range(len(sizes))
     ]
+    raw = [
+        min(max(per_rank[r][i][t][0] for r in range(2)) for t in range(len(per_rank[0][i]))) for i in range(2)
+    ]
     latency = trips[0] / 2
-    if trips[1] <= trips[0]:
+    if raw[1] <= raw[0]:
         raise RuntimeError(
-            f"a 32 MiB round trip ({trips[1] * 1e6:.0f} us) was not slower than 4 B ({trips[0] * 1e6:.0f} us)"
+            f"a 32 MiB round trip ({raw[1] * 1e6:.0f} us) was not slower than 4 B ({raw[0] * 1e6:.0f} us)"
         )
-    return latency, sizes[1] / ((trips[1] - trips[0]) / 2)
+    return latency, sizes[1] / ((raw[1] - raw[0]) / 2)
+
+
+MESSAGE_BYTES = 16 * 16 * 64 * 4
+"""The demo's activation at micro batch 16 (16 sequences x 16 tokens x width 64, fp32): the size of
+its TP all-reduces and of its pipeline messages."""
+
+
+# [Note: a message's cost in a step]
+# The cluster model prices a message at the link's latency (plus bytes / bandwidth), and an
+# all-reduce at 2 (n - 1) latencies. The fastest ping-pong trip with a barrier before it is a floor
+# (47-103 us one way here) that the steps do not reach: on this machine gloo's all-reduce of the
+# demo's 64 KiB activation is bimodal (isolated calls: median 0.3 ms, p90 3.7-4.0 ms, mean 1.0-2.0
+# ms, and gloo's TCP loop thread uses 0.5-1.1 ms of CPU per call, competing with the ranks' main
+# threads for the 2 cores), and the demo's TP step makes 96 of them (0.82 ms each in the step,
+# profiled). Priced at the floor, tp2 came out 76-82% low. So the latency in this machine's cluster
+# file is what one more message costs a step: both ranks compute the demo's MLP between all-reduces
+# of its activation, in blocks with and without the all-reduce, and the corrected difference per
+# iteration, less the bytes' time, is the ring formula's 2 latencies at n = 2.
+
+
+def _message_body(numel: int, iters: int, blocks: int) -> dict[bool, list[tuple[float, float, float]]]:
+    """Blocks of ``iters`` iterations of the demo's MLP at micro batch 16, with (``True``) and without
+    (``False``) an all-reduce of ``numel`` floats after each, alternating: per block (wall, run, queued)."""
+    import torch.distributed as dist
+
+    x = torch.zeros(numel)
+    a, w1, w2 = torch.randn(256, 64), torch.randn(64, 256), torch.randn(256, 64)
+    rows: dict[bool, list[tuple[float, float, float]]] = {True: [], False: []}
+    for b in range(blocks + 1):
+        for synced in (True, False) if b % 2 else (False, True):
+            dist.barrier()
+            s0, t0 = sched_ns(), time.perf_counter()
+            for _ in range(iters):
+                torch.mm(torch.nn.functional.gelu(torch.mm(a, w1)), w2)
+                if synced:
+                    dist.all_reduce(x)
+            wall = time.perf_counter() - t0
+            if b:  # the first pair warms up
+                rows[synced].append((wall, *sched_delta(s0, sched_ns())[:2]))
+    return rows
+
+
+def _measure_message(quick: bool) -> float:
+    """Seconds one more all-reduce of :data:`MESSAGE_BYTES` adds to a step of 2 pool ranks that compute
+    between their all-reduces, as TP layers do ([Note: a message's cost in a step]): per block pair, the
+    contention-corrected block times' difference per iteration; the median over the pairs."""
+    from tests.support.dist import run_on_ranks
+
+    iters, blocks = (20, 6) if quick else (50, 10)
+    per_rank = run_on_ranks(2, _message_body, MESSAGE_BYTES // 4, iters, blocks)
+    block = {
+        synced: [
+            corrected(*zip(*[per_rank[r][synced][i] for r in range(2)], strict=True)) / iters
+            for i in range(blocks)
+        ]
+        for synced in (True, False)
+    }
+    return statistics.median(s - p for s, p in zip(block[True], block[False], strict=True))
 
 
 def _action_body(microbatches: int, repeats: int) -> tuple[list[tuple[float, float, float]], int]:
@@ -343,7 +408,7 @@ def cluster_file(
         "source": (
             f"this machine, measured by bench_cluster_plan.py steps (CPU time, medians of {len(rates)} rounds): "
             f"GEMM {flops / 1e9:.1f} GFLOP/s, add {bandwidth / 1e9:.1f} GB/s, {op_us:.2f} us per op; gloo "
-            f"p2p {latency * 1e6:.0f} us + {link / 1e9:.2f} GB/s (contention-corrected); "
+            f"{latency * 1e6:.0f} us per message in a step (contention-corrected) + {link / 1e9:.2f} GB/s; "
             f"{runtime['per_action'] * 1e6:.1f} us per pipeline action (corrected), a step outside its "
             f"pipeline {runtime['step_overhead'] * 1e6:.0f} us + {runtime['step_tensor'] * 1e6:.1f} us per "
             f"parameter tensor + {runtime['step_param'] * 1e9:.2f} ns per parameter (one rank, CPU time)"
@@ -555,7 +620,15 @@ def _measure(quick: bool) -> dict[str, Any]:
     """Everything measured: the link, the compute rates, every configuration's step times."""
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
     before = load_average()
-    latency, link = _measure_link(quick)
+    floor, link = _measure_link(quick)
+    message = _measure_message(quick)
+    # [Note: a message's cost in a step]: the ring formula's 2 (n - 1) latencies at n = 2, less the bytes' time
+    latency = max((message - MESSAGE_BYTES / link) / 2, floor)
+    print(
+        f"<!-- link: fastest trip {floor * 1e6:.0f} us one way; one all-reduce of {MESSAGE_BYTES} B in a step "
+        f"{message * 1e6:.0f} us -> latency {latency * 1e6:.0f} us -->",
+        flush=True,
+    )
     runtime = {"per_action": _measure_per_action(quick), **measure_step_overhead(quick)}
     print(f"<!-- runtime costs (s): {runtime} -->", flush=True)
     configs = _configs(quick)
@@ -566,6 +639,7 @@ def _measure(quick: bool) -> dict[str, Any]:
         "load_before": before,
         "load_after": load_average(),
         "cluster": cluster_file(rates, latency, link, runtime),
+        "link": {"fastest_trip_latency_s": floor, "message_s": message, "message_bytes": MESSAGE_BYTES},
         "rows": [{"config": dataclasses.asdict(c), **got[c]} for c in configs],
     }
 
