@@ -204,17 +204,11 @@ def _measure_link(quick: bool) -> tuple[float, float]:
 
     sizes = [4, 32 << 20]  # 32 MiB: clearly slower than 4 B even on a loaded machine
     per_rank = run_on_ranks(2, _ping_body, sizes, 10 if quick else 30)
-    trips = [
-        min(
-            corrected(*zip(*[per_rank[r][i][t] for r in range(2)], strict=True))
-            for t in range(len(per_rank[0][i]))
-        )
-        for i in range(len(sizes))
-    ]
+    trips = range(len(per_rank[0][0]))  # the 4 B trips, measured on both ranks alike
+    latency = min(corrected(*zip(*[per_rank[r][0][t] for r in range(2)], strict=True)) for t in trips) / 2
     raw = [
         min(max(per_rank[r][i][t][0] for r in range(2)) for t in range(len(per_rank[0][i]))) for i in range(2)
     ]
-    latency = trips[0] / 2
     if raw[1] <= raw[0]:
         raise RuntimeError(
             f"a 32 MiB round trip ({raw[1] * 1e6:.0f} us) was not slower than 4 B ({raw[0] * 1e6:.0f} us)"
@@ -230,11 +224,11 @@ its TP all-reduces and of its pipeline messages."""
 # [Note: a message's cost in a step]
 # The cluster model prices a message at the link's latency (plus bytes / bandwidth), and an
 # all-reduce at 2 (n - 1) latencies. The fastest ping-pong trip with a barrier before it is a floor
-# (47-103 us one way here) that the steps do not reach: on this machine gloo's all-reduce of the
-# demo's 64 KiB activation is bimodal (isolated calls: median 0.3 ms, p90 3.7-4.0 ms, mean 1.0-2.0
+# (24-103 us one way here) that the steps do not reach: on this machine gloo's all-reduce of the
+# demo's 64 KiB activation is bimodal (isolated calls: median 0.3 ms, p90 3.7-4.0 ms, mean 1.0-2.1
 # ms, and gloo's TCP loop thread uses 0.5-1.1 ms of CPU per call, competing with the ranks' main
 # threads for the 2 cores), and the demo's TP step makes 96 of them (0.82 ms each in the step,
-# profiled). Priced at the floor, tp2 came out 76-82% low. So the latency in this machine's cluster
+# profiled). Priced at the floor, tp2 came out 68-84% low. So the latency in this machine's cluster
 # file is what one more message costs a step: both ranks compute the demo's MLP between all-reduces
 # of its activation, in blocks with and without the all-reduce, and the corrected difference per
 # iteration, less the bytes' time, is the ring formula's 2 latencies at n = 2.
